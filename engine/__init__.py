@@ -1,0 +1,30 @@
+"""antifragile's checkpoint engine: sharded, asynchronous, two-phase-committed, on zarr v3.
+
+    from engine import CheckpointEngine
+    ckpt = CheckpointEngine("s3://bucket/run1", keep_last=3)
+    handle = ckpt.save(step, {"model": model.state_dict(), "optim": optim_sd})
+    ...
+    ckpt.load(state)  # newest intact step, any layout
+"""
+
+from engine.engine import CheckpointEngine, SaveHandle
+from engine.errors import (CheckpointBusyError, CheckpointCorruptError, CheckpointError,
+                           CheckpointMismatchError, CheckpointNotFoundError, CommitTimeoutError,
+                           StorageError)
+from engine.plan import PlanOptions
+from engine.verify import Problem, VerifyReport
+
+__all__ = [
+    "CheckpointBusyError",
+    "CheckpointCorruptError",
+    "CheckpointEngine",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CommitTimeoutError",
+    "PlanOptions",
+    "Problem",
+    "SaveHandle",
+    "StorageError",
+    "VerifyReport",
+]

@@ -1,0 +1,76 @@
+"""Mapping between torch dtypes and zarr v3 data types.
+
+zarr has no bfloat16 (nor float8): such tensors are stored as their bit pattern in an unsigned
+integer of the same width, and the true dtype is kept in the array's ``antifragile`` attribute.
+Reading with plain zarr-python gives that bit pattern; ``torch.from_numpy(a).view(torch.bfloat16)``
+recovers the values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import CheckpointCorruptError
+
+_NATIVE: dict[torch.dtype, str] = {
+    torch.bool: "bool",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.complex64: "complex64",
+    torch.complex128: "complex128",
+}
+_UINT_BY_SIZE = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
+_TORCH_BY_NAME: dict[str, torch.dtype] = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (*_NATIVE, torch.bfloat16, torch.uint16, torch.uint32, torch.uint64)
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _TORCH_BY_NAME[_name] = getattr(torch, _name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The torch dtype's name as recorded in attributes: ``bfloat16``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def zarr_data_type(dtype: torch.dtype) -> str:
+    """The zarr v3 ``data_type`` a tensor of ``dtype`` is stored as."""
+    if dtype in _NATIVE:
+        return _NATIVE[dtype]
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in _UINT_BY_SIZE:
+        raise TypeError(f"unsupported dtype {dtype}")
+    return _UINT_BY_SIZE[size]
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype whose bytes are written: ``dtype`` itself or a same-width bit pattern."""
+    if dtype in _NATIVE:
+        return dtype
+    return _TORCH_BY_NAME[zarr_data_type(dtype)]
+
+
+def torch_dtype(name: object, *, where: str) -> torch.dtype:
+    """Parse a recorded dtype name; anything unknown is corrupt metadata."""
+    if not isinstance(name, str) or name not in _TORCH_BY_NAME:
+        raise CheckpointCorruptError(f"{where}: unknown dtype {name!r}")
+    return _TORCH_BY_NAME[name]
+
+
+def fill_value(dtype: torch.dtype) -> object:
+    """The zarr fill value (JSON) for the stored data type: zero of the right kind."""
+    kind = zarr_data_type(dtype)
+    if kind == "bool":
+        return False
+    if kind.startswith("complex"):
+        return [0.0, 0.0]
+    if kind.startswith("float"):
+        return 0.0
+    return 0

@@ -1,0 +1,72 @@
+"""Names on storage: step folders, array names, records and markers.
+
+Everything read back from storage that becomes a path is validated here, so hostile metadata
+(``..``, absolute paths, separators) can never address anything outside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+
+from engine.errors import CheckpointCorruptError, CheckpointError
+
+FORMAT_VERSION = 1
+STEP_DIGITS = 9
+COMMIT = "COMMIT"
+ABORT = "ABORT"
+RECORDS_DIR = ".ranks"
+
+_STEP_RE = re.compile(r"^step_(\d{%d,})$" % STEP_DIGITS)
+_BAD_COMPONENT = re.compile(r"[/\\\x00-\x1f]")
+_RESERVED = {"", ".", "..", "zarr.json", COMMIT, ABORT, RECORDS_DIR}
+
+
+def step_dir(step: int) -> str:
+    """The folder (zarr group) of a step: ``step_000000120``."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+    return f"step_{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a folder name, or None when the name is not a step folder."""
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def record_key(step: int, rank: int) -> str:
+    return f"{step_dir(step)}/{RECORDS_DIR}/{rank}.json"
+
+
+def check_component(component: str, *, where: str) -> str:
+    """Return ``component`` if it is a safe single path component, else raise."""
+    if (
+        not isinstance(component, str)
+        or component in _RESERVED
+        or component.startswith(".")
+        or _BAD_COMPONENT.search(component)
+        or len(component) > 255
+    ):
+        raise CheckpointError(f"{where}: {component!r} cannot be a name on storage")
+    return component
+
+
+def check_array_name(name: str, *, step: int | None = None) -> str:
+    """Validate an array name read from storage (``model/layers.0.attn.wq.weight``)."""
+    where = f"step {step}" if step is not None else "checkpoint"
+    if not isinstance(name, str) or not name:
+        raise CheckpointCorruptError(f"{where}: invalid array name {name!r}")
+    try:
+        for component in name.split("/"):
+            check_component(component, where=where)
+    except CheckpointError as exc:
+        raise CheckpointCorruptError(f"{where}: hostile array name {name!r} ({exc})") from None
+    return name
+
+
+def check_object_key(key: str, *, step: int) -> str:
+    """Validate an object key read from a COMMIT manifest (relative to the step folder)."""
+    if not isinstance(key, str) or not key or any(
+            c in ("", ".", "..") or _BAD_COMPONENT.search(c) for c in key.split("/")):
+        raise CheckpointCorruptError(f"step {step}: hostile object key {key!r} in the manifest")
+    return key

@@ -1,0 +1,397 @@
+"""CheckpointEngine: the public entry point (see DESIGN section 2.1).
+
+Thread model: ``save``/``load``/``wait``/``close`` are called from the training thread; each is
+collective when a process group is in use (every rank calls it, in the same order), exactly
+like the training collectives around it. A save stages on the calling thread (or on the
+background thread with ``defer_staging=True``), then persists and commits on one background
+thread per engine. The background thread never touches a process group: ranks coordinate
+through storage records, so a stuck save cannot deadlock training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import threading
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from engine import commit as _commit
+from engine._paths import COMMIT, step_dir
+from engine._state import FlatState, finish_load, flatten, iter_local
+from engine.errors import (CheckpointBusyError, CheckpointCorruptError, CheckpointError,
+                           CheckpointMismatchError, CheckpointNotFoundError)
+from engine.load import StepReader
+from engine.persist import metadata_objects, rank_record, write_objects, write_record
+from engine.plan import GlobalPlan, PlanOptions, build_plan, inventory, local_boxes
+from engine.stage import StagingArea
+from engine.storage import Storage, open_storage
+from engine.verify import VerifyReport, verify_step
+
+log = logging.getLogger("engine")
+
+# load outcomes, ordered so that an all-reduce MAX gives the worst one across ranks
+_OK, _MISMATCH, _CORRUPT, _FATAL = 0, 1, 2, 3
+
+
+class SaveHandle:
+    """One save in flight. ``staged`` is set once the state may be mutated again.
+
+    Figures for this rank: ``stall_s`` (what the caller waited for staging), ``persist_s``
+    (background write + commit), ``nbytes`` (bytes this rank wrote), ``committed_nbytes``
+    (the whole checkpoint, on the coordinator).
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.staged = threading.Event()
+        self.stall_s = 0.0
+        self.persist_s = 0.0
+        self.nbytes = 0
+        self.committed_nbytes = 0
+        self._future: Future[None] = Future()
+        self._observed = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until committed; raise the save's CheckpointError if it failed."""
+        self._observed = True
+        self._future.result(timeout)
+
+    def exception(self) -> BaseException | None:
+        """The failure, once done (None while in flight or on success)."""
+        if not self.done():
+            return None
+        self._observed = True
+        return self._future.exception()
+
+    def _unobserved_failure(self) -> BaseException | None:
+        if self.done() and not self._observed:
+            return self._future.exception()
+        return None
+
+
+class CheckpointEngine:
+    """Sharded, asynchronous checkpoints of (3D-)sharded training state on zarr v3.
+
+    ``url`` is a local path or any fsspec URL (``s3://bucket/prefix``). ``keep_last`` committed
+    steps are retained (``None`` keeps all). ``commit_timeout_s`` bounds how long a save may take
+    to commit before its handle fails naming the missing ranks.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        keep_last: int | None = 3,
+        storage_options: dict[str, Any] | None = None,
+        process_group: Any = None,
+        commit_timeout_s: float = 600.0,
+        io_threads: int = 8,
+        plan_options: PlanOptions | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise CheckpointError(f"keep_last must be >= 1 or None, got {keep_last}")
+        self.url = url
+        self.keep_last = keep_last
+        self.commit_timeout_s = commit_timeout_s
+        self.storage: Storage = open_storage(url, storage_options)
+        self._plan_options = plan_options or PlanOptions()
+        self._pg = process_group
+        if self._pg is None and dist.is_available() and dist.is_initialized():
+            self._pg = dist.group.WORLD
+        self.rank = dist.get_rank(self._pg) if self._pg is not None else 0
+        self.world_size = dist.get_world_size(self._pg) if self._pg is not None else 1
+        self._group = self._agreement_group()
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-io")
+        self._fingerprint = ""
+        self._plan: GlobalPlan | None = None
+        self._staging: StagingArea | None = None
+        self._last: SaveHandle | None = None
+        self._closed = False
+
+    # -- collectives (training thread only) ----------------------------------------------------
+
+    def _agreement_group(self) -> Any:
+        if self._pg is None or self.world_size == 1:
+            return None
+        if "gloo" in str(dist.get_backend(self._pg)):
+            return self._pg
+        return dist.new_group(dist.get_process_group_ranks(self._pg), backend="gloo")
+
+    def _all_max(self, values: list[int]) -> list[int]:
+        if self._group is None:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return [int(x) for x in t]
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self._group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    # -- save ----------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, *, blocking: bool = False,
+             metadata: dict[str, Any] | None = None, defer_staging: bool = False) -> SaveHandle:
+        """Checkpoint ``state`` as ``step``. Returns once the state is safe to mutate (or, with
+        ``defer_staging``, at once: wait for ``handle.staged`` before the optimizer step).
+
+        Collective. A previous save that failed without anybody calling its ``wait()`` makes
+        this call raise that failure (nothing is started). A previous save still in flight makes
+        this one a no-op whose handle fails with CheckpointBusyError: training does not wait
+        for storage.
+        """
+        self._check_open()
+        flat = flatten(state)
+        inv = inventory(flat.tensors, flat.values)
+        fingerprint = hashlib.sha256(json.dumps(inv, sort_keys=True).encode()).hexdigest()
+        last = self._last
+        failure = last._unobserved_failure() if last else None
+        busy = last is not None and not last.done()
+        replan, any_busy, any_failed, nonce = self._all_max([
+            int(fingerprint != self._fingerprint), int(busy), int(failure is not None),
+            secrets.randbits(62) if self.rank == 0 else 0])
+        if any_failed:
+            assert last is not None
+            last._observed = True
+            raise CheckpointError(
+                f"step {step} not saved: the save of step {last.step} failed "
+                + (f"on this rank: {failure}" if failure else "on another rank"))
+        handle = SaveHandle(step)
+        if any_busy:
+            busy_step = last.step if last else "?"
+            handle._observed = True
+            handle._future.set_exception(CheckpointBusyError(
+                f"step {step} skipped: the save of step {busy_step} is still persisting"))
+            handle.staged.set()
+            warnings.warn(f"checkpoint of step {step} skipped: step {busy_step} still persisting",
+                          RuntimeWarning, stacklevel=2)
+            return handle
+        if replan or self._plan is None:
+            self._replan(inv, flat, fingerprint)
+        assert self._plan is not None and self._staging is not None
+        values = json.loads(json.dumps({p: s.value for p, s in flat.values.items()},
+                                       allow_nan=True))
+        attrs = self._group_attrs(step, flat, metadata)
+        if not defer_staging:
+            self._stage(handle, flat)
+        self._last = handle
+        worker = threading.Thread(
+            target=self._persist, name=f"ckpt-save-{step}", daemon=True,
+            args=(handle, flat if defer_staging else None, self._plan, self._staging, nonce,
+                  values, attrs))
+        worker.start()
+        if blocking:
+            handle.wait()
+        return handle
+
+    def _replan(self, inv: dict[str, Any], flat: FlatState, fingerprint: str) -> None:
+        inventories = [json.loads(s) for s in self._gather(json.dumps(inv))]
+        plan = build_plan(inventories, self._plan_options)
+        dtypes = {p: t.dtype for p, t in flat.tensors.items()}
+        self._staging = StagingArea(plan.writes[self.rank], dtypes)
+        self._plan = plan
+        self._fingerprint = fingerprint
+
+    def _stage(self, handle: SaveHandle, flat: FlatState) -> None:
+        assert self._staging is not None
+        handle.stall_s = self._staging.stage(flat.tensors)
+        handle.staged.set()
+
+    def _group_attrs(self, step: int, flat: FlatState, metadata: dict[str, Any] | None
+                     ) -> dict[str, Any]:
+        assert self._plan is not None
+        meshes = []
+        for tensor in flat.tensors.values():
+            if isinstance(tensor, DTensor):
+                mesh = tensor.device_mesh
+                entry = {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())}
+                if entry not in meshes:
+                    meshes.append(entry)
+        tensors = {path: {"dtype": spec.dtype, "shape": list(spec.shape),
+                          "arrays": [a.name for a in spec.arrays]}
+                   for path, spec in self._plan.tensors.items()}
+        layout = {"world_size": self.world_size, "meshes": meshes}
+        return {"step": step, "layout": layout, "metadata": metadata or {}, "tensors": tensors}
+
+    def _persist(self, handle: SaveHandle, flat: FlatState | None, plan: GlobalPlan,
+                 staging: StagingArea, nonce: int, values: dict[str, Any],
+                 attrs: dict[str, Any]) -> None:
+        step, start = handle.step, time.monotonic()
+        deadline = start + self.commit_timeout_s
+        recorded = False
+        try:
+            if flat is not None:
+                self._stage(handle, flat)
+            if self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
+                raise CheckpointError(f"step {step} is already committed; it is not overwritten")
+            docs = metadata_objects(plan) if self.rank == 0 else {}
+            manifest = write_objects(self.storage, step, staging, docs, self._pool)
+            handle.nbytes = sum(n for n, _ in manifest.values())
+            write_record(self.storage, step, self.rank, rank_record(
+                step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce, manifest=manifest,
+                values=values))
+            recorded = True
+            if self.rank == 0:
+                result = _commit.coordinate(self.storage, plan=plan, step=step, nonce=nonce,
+                                            deadline=deadline, group_attrs=attrs,
+                                            metadata_keys=set(docs))
+                handle.committed_nbytes = result.nbytes
+                deleted = _commit.retain(self.storage, self.keep_last)
+                if deleted:
+                    log.info("retention removed steps %s", deleted)
+            else:
+                handle.committed_nbytes = _commit.wait_for_commit(
+                    self.storage, step=step, nonce=nonce,
+                    deadline=deadline + min(30.0, self.commit_timeout_s / 2))
+            handle.persist_s = time.monotonic() - start
+            handle._future.set_result(None)
+        except BaseException as exc:
+            error = exc if isinstance(exc, CheckpointError) else CheckpointError(
+                f"step {step}, rank {self.rank}: {type(exc).__name__}: {exc}")
+            if not recorded:
+                try:
+                    write_record(self.storage, step, self.rank, rank_record(
+                        step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce,
+                        manifest=None, values={}, error=str(error)))
+                except Exception:
+                    pass  # storage is down; the coordinator times out and names this rank
+            if self.rank == 0:
+                _commit.abort(self.storage, step, nonce, str(error))
+            handle.persist_s = time.monotonic() - start
+            log.warning("checkpoint of step %d failed: %s", step, error)
+            handle._future.set_exception(error)
+        finally:
+            handle.staged.set()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise if it failed."""
+        if self._last is not None:
+            self._last.wait()
+
+    # -- what is stored ------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return _commit.committed_steps(self.storage)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def verify(self, step: int) -> VerifyReport:
+        """Read every object of ``step`` back; check crc32c, sizes and coverage."""
+        return verify_step(self.storage, step, self._pool)
+
+    # -- load ----------------------------------------------------------------------------------
+
+    def load(self, state: Any, step: int | None = None) -> int:
+        """Fill ``state`` in place from ``step`` (default: the newest step that loads intact) and
+        return the step loaded. Collective. Reads only what this rank's tensors hold, in
+        whatever layout they are (resharding). With ``step=None`` a damaged step is skipped
+        with a warning naming it (and quarantined: its COMMIT is removed so it can be saved
+        again); with an explicit step, damage raises. On failure the target may be partly
+        overwritten: do not use it.
+        """
+        self._check_open()
+        flat = flatten(state)
+        candidates = [step] if step is not None else list(reversed(self.steps()))
+        if not candidates:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
+        for candidate in candidates:
+            outcome, error, values = _OK, None, {}
+            try:
+                values = self._load_step(candidate, flat)
+            except CheckpointMismatchError as exc:
+                outcome, error = _MISMATCH, exc
+            except CheckpointCorruptError as exc:
+                outcome, error = _CORRUPT, exc
+            except CheckpointError as exc:
+                outcome, error = _FATAL, exc
+            worst = self._all_max([outcome])[0]
+            if worst == _OK:
+                for path, value in values.items():
+                    flat.values[path].assign(value)
+                finish_load(flat)
+                return candidate
+            reason = str(error) if error else "damage found by another rank"
+            if worst == _FATAL or step is not None:
+                if error is None:
+                    raise CheckpointError(f"loading step {candidate} failed on another rank")
+                raise error
+            if worst == _CORRUPT and self.rank == 0:
+                _commit.quarantine(self.storage, candidate, reason)
+            warnings.warn(f"checkpoint step {candidate} skipped: {reason}", RuntimeWarning,
+                          stacklevel=2)
+        raise CheckpointNotFoundError(
+            f"no intact checkpoint under {self.url} (tried steps {candidates})")
+
+    def _load_step(self, step: int, flat: FlatState) -> dict[str, Any]:
+        reader = StepReader(self.storage, step)
+        futures = []
+        with torch.no_grad():
+            for path, tensor in flat.tensors.items():
+                stored = reader.tensors.get(path)
+                if stored is None:
+                    raise CheckpointMismatchError(f"step {step} has no tensor {path!r}")
+                if stored.shape != tuple(tensor.shape):
+                    raise CheckpointMismatchError(
+                        f"step {step}, tensor {path!r}: stored shape {list(stored.shape)}, "
+                        f"target shape {list(tensor.shape)}")
+                local = iter_local(tensor)
+                for box in local_boxes(tensor, path=path):
+                    region = local[tuple(slice(o, o + n)
+                                         for o, n in zip(box.local_offset, box.shape))]
+                    futures += reader.read_box(stored, box, region, self._pool)
+        done, _ = wait(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]  # type: ignore[misc]
+        values = {}
+        for path in flat.values:
+            by_rank = reader.values_by_rank.get(path, {})
+            if str(self.rank) in by_rank:
+                values[path] = by_rank[str(self.rank)]
+            elif path in reader.values:
+                values[path] = reader.values[path]
+            else:
+                raise CheckpointMismatchError(f"step {step} has no value {path!r}")
+        return values
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("the engine is closed")
+
+    def close(self) -> None:
+        """Wait for the save in flight (its failure is logged, not raised), release threads."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._last is not None and not self._last.done():
+            try:
+                self._last.wait()
+            except CheckpointError as exc:
+                log.warning("save in flight at close failed: %s", exc)
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> CheckpointEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

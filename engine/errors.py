@@ -1,0 +1,35 @@
+"""Errors raised by the checkpoint engine.
+
+Every failure the engine reports is a :class:`CheckpointError`; messages name the step, the array
+and the rank involved so that an operator can act on a log line alone.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error the engine raises."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No committed checkpoint exists (at all, or at the requested step)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """Stored data fails its checksum, is truncated, missing, or its metadata is invalid."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint does not cover the target state (missing array, other shape or dtype)."""
+
+
+class CommitTimeoutError(CheckpointError):
+    """A save did not commit before its deadline; the message names the missing ranks."""
+
+
+class CheckpointBusyError(CheckpointError):
+    """A save was refused because the previous one is still persisting."""
+
+
+class StorageError(CheckpointError):
+    """Storage failed permanently, or transiently beyond the retry budget."""

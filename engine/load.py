@@ -1,0 +1,239 @@
+"""Reading a committed step: validated metadata, checked chunks, any target layout.
+
+Every rank reads only the part of each global array that its target tensors hold, whatever
+layout wrote it: that is resharding. Nothing read from storage is trusted: metadata is parsed
+as JSON and validated (names, shapes, dtypes, codecs) before any allocation, every object is
+looked up in the COMMIT manifest, every inner chunk and shard index is checked against its
+crc32c, and a missing object is an error, never a silent fill value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine import _format
+from engine._dtypes import torch_dtype, zarr_data_type
+from engine._paths import check_array_name, step_dir
+from engine.commit import read_commit
+from engine.errors import CheckpointCorruptError, CheckpointMismatchError
+from engine.plan import ArraySpec, HeldBox
+
+_MAX_CELLS = 10**8
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    path: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    arrays: tuple[str, ...]
+
+
+def _int_list(value: object, *, where: str, positive: bool = False) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and (x > 0 if positive else x >= 0)
+            and x < 2**62 for x in value):
+        raise CheckpointCorruptError(f"{where}: expected a list of {'positive' if positive else ''}"
+                                     f" ints, got {str(value)[:80]}")
+    return tuple(value)
+
+
+class StepReader:
+    """A committed step, opened for reading. Thread-safe after construction."""
+
+    def __init__(self, storage: Any, step: int) -> None:
+        self.storage = storage
+        self.step = step
+        self.base = step_dir(step)
+        self.commit = read_commit(storage, step)
+        self.manifest: dict[str, list[int]] = self.commit["objects"]
+        group = self.read_json("zarr.json")
+        attrs = group.get("attributes", {}).get("antifragile") if isinstance(group, dict) else None
+        if not isinstance(attrs, dict) or not isinstance(attrs.get("tensors"), dict):
+            raise CheckpointCorruptError(f"step {step}: group metadata lacks the tensor index")
+        self.attrs = attrs
+        self.values: dict[str, Any] = attrs.get("values") or {}
+        self.values_by_rank: dict[str, dict[str, Any]] = attrs.get("values_by_rank") or {}
+        self.tensors = {path: self._parse_tensor(path, e) for path, e in attrs["tensors"].items()}
+        self._arrays: dict[str, ArraySpec] = {}
+
+    # -- whole objects -------------------------------------------------------------------------
+
+    def where(self, key: str) -> str:
+        return f"step {self.step}, object {key}"
+
+    def read_checked(self, key: str) -> bytes:
+        """Read a whole object and check its size and crc32c against the COMMIT manifest."""
+        entry = self.manifest.get(key)
+        if entry is None:
+            raise CheckpointCorruptError(f"{self.where(key)}: not in the COMMIT manifest")
+        try:
+            data = self.storage.read(f"{self.base}/{key}")
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{self.where(key)}: object is missing") from None
+        if len(data) != entry[0]:
+            raise CheckpointCorruptError(
+                f"{self.where(key)}: {len(data)} bytes, the manifest says {entry[0]} (truncated?)")
+        if _format.crc(data) != entry[1]:
+            raise CheckpointCorruptError(f"{self.where(key)}: fails its crc32c")
+        return data
+
+    def read_json(self, key: str) -> Any:
+        try:
+            return json.loads(self.read_checked(key))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointCorruptError(f"{self.where(key)}: not JSON ({exc})") from None
+
+    # -- metadata ------------------------------------------------------------------------------
+
+    def _parse_tensor(self, path: str, entry: object) -> StoredTensor:
+        where = f"step {self.step}, tensor {path!r}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("arrays"), list):
+            raise CheckpointCorruptError(f"{where}: malformed index entry")
+        arrays = tuple(check_array_name(a, step=self.step) for a in entry["arrays"])
+        return StoredTensor(path, torch_dtype(entry.get("dtype"), where=where),
+                            _int_list(entry.get("shape"), where=where), arrays)
+
+    def array(self, name: str, tensor: StoredTensor) -> ArraySpec:
+        if name not in self._arrays:
+            self._arrays[name] = self._parse_array(name, tensor)
+        return self._arrays[name]
+
+    def _parse_array(self, name: str, tensor: StoredTensor) -> ArraySpec:
+        where = f"step {self.step}, array {name!r}"
+        doc = self.read_json(f"{name}/zarr.json")
+        try:
+            attrs = doc["attributes"]["antifragile"]
+            shape = _int_list(doc["shape"], where=where)
+            offset = _int_list(attrs["offset"], where=where)
+            grid = _int_list(doc["chunk_grid"]["configuration"]["chunk_shape"], where=where,
+                             positive=True)
+            codecs = doc["codecs"]
+        except (KeyError, TypeError) as exc:
+            raise CheckpointCorruptError(f"{where}: malformed zarr.json ({exc})") from None
+        if (torch_dtype(attrs.get("dtype"), where=where) != tensor.dtype
+                or doc.get("data_type") != zarr_data_type(tensor.dtype)):
+            raise CheckpointCorruptError(f"{where}: dtype disagrees with the tensor index")
+        if (len(shape) != len(tensor.shape) or len(offset) != len(shape) or len(grid) != len(shape)
+                or any(o + n > t for o, n, t in zip(offset, shape, tensor.shape))):
+            raise CheckpointCorruptError(f"{where}: shape {shape} at {offset} does not fit the "
+                                         f"tensor's {list(tensor.shape)}")
+        cells = math.prod(math.ceil(n / c) for n, c in zip(shape, grid))
+        if cells > _MAX_CELLS:
+            raise CheckpointCorruptError(f"{where}: absurd chunk grid ({cells} shards)")
+        inner = grid[0] if grid else 1
+        if shape:
+            try:
+                conf = codecs[0]["configuration"]
+                ok = (len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed"
+                      and conf["index_location"] == "end"
+                      and [c["name"] for c in conf["codecs"]] == ["bytes", "crc32c"]
+                      and [c["name"] for c in conf["index_codecs"]] == ["bytes", "crc32c"])
+                inner_shape = _int_list(conf["chunk_shape"], where=where, positive=True)
+            except (KeyError, TypeError, IndexError):
+                ok = False
+            if not ok or inner_shape[1:] != grid[1:] or grid[0] % inner_shape[0]:
+                raise CheckpointCorruptError(f"{where}: unsupported codec pipeline")
+            inner = inner_shape[0]
+        elif [c.get("name") for c in codecs if isinstance(c, dict)] != ["bytes", "crc32c"]:
+            raise CheckpointCorruptError(f"{where}: unsupported codec pipeline")
+        return ArraySpec(name, tensor.path, offset, shape, attrs["dtype"], grid, inner)
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def read_box(self, tensor: StoredTensor, box: HeldBox, out: torch.Tensor,
+                 pool: Executor) -> list[Any]:
+        """Schedule reads filling ``out`` (the local region of ``box``); returns futures."""
+        futures = []
+        for name in tensor.arrays:
+            spec = self.array(name, tensor)
+            lo = [max(b, a) for b, a in zip(box.offset, spec.offset)]
+            hi = [min(b + s, a + n) for b, s, a, n in zip(box.offset, box.shape, spec.offset,
+                                                          spec.shape)]
+            if any(h <= lo_ for lo_, h in zip(lo, hi)):
+                continue
+            ranges = [range((l_ - a) // c, math.ceil((h - a) / c))
+                      for l_, h, a, c in zip(lo, hi, spec.offset, spec.shard_shape)]
+            for cell in _product(ranges):
+                futures.append(pool.submit(self._read_cell, spec, cell, lo, hi, box, out))
+        return futures
+
+    def _read_cell(self, spec: ArraySpec, cell: tuple[int, ...], lo: Sequence[int],
+                   hi: Sequence[int], box: HeldBox, out: torch.Tensor) -> None:
+        key = spec.cell_key(cell)
+        where = self.where(key)
+        dtype = torch_dtype(spec.dtype, where=where)
+        start = [a + i * c for a, i, c in zip(spec.offset, cell, spec.shard_shape)]
+        # intersection of the wanted region with this cell, in global coordinates
+        c_lo = [max(lo_, s) for lo_, s in zip(lo, start)]
+        c_hi = [min(h, s + c) for h, s, c in zip(hi, start, spec.shard_shape)]
+        entry = self.manifest.get(key)
+        if entry is None:
+            raise CheckpointCorruptError(f"{where}: shard not in the COMMIT manifest "
+                                         f"(array {spec.name!r}, chunk {list(cell)})")
+        if not spec.shape:
+            payload = _format.check_chunk(memoryview(self.read_checked(key)), where=where)
+            out.copy_(torch.frombuffer(bytearray(payload), dtype=dtype).reshape(()))
+            return
+        k = spec.inner_rows
+        row_elems = math.prod(spec.shard_shape[1:])
+        first, last = (c_lo[0] - start[0]) // k, math.ceil((c_hi[0] - start[0]) / k)
+        data, index = self._fetch(spec, key, entry[0], first, last, where)
+        for i in range(first, last):
+            span = index[i]
+            if span is None:
+                raise CheckpointCorruptError(f"{where}: inner chunk {i} is empty")
+            payload = _format.check_chunk(data[span[0]:span[0] + span[1]], where=where)
+            if len(payload) != k * row_elems * dtype.itemsize:
+                raise CheckpointCorruptError(f"{where}: inner chunk {i} has the wrong size")
+            chunk = torch.frombuffer(payload, dtype=dtype).reshape(k, *spec.shard_shape[1:])
+            r_lo = max(c_lo[0], start[0] + i * k)
+            r_hi = min(c_hi[0], start[0] + (i + 1) * k)
+            src = chunk[(slice(r_lo - start[0] - i * k, r_hi - start[0] - i * k),
+                         *(slice(a - s, b - s) for a, b, s in zip(c_lo[1:], c_hi[1:], start[1:])))]
+            dst = out[(slice(r_lo - box.offset[0], r_hi - box.offset[0]),
+                       *(slice(a - o, b - o) for a, b, o in zip(c_lo[1:], c_hi[1:],
+                                                               box.offset[1:])))]
+            dst.copy_(src)
+
+    def _fetch(self, spec: ArraySpec, key: str, nbytes: int, first: int, last: int, where: str
+               ) -> tuple[memoryview, list[tuple[int, int] | None]]:
+        """Bytes covering inner chunks [first, last) (offsets relative to the view) and index."""
+        path = f"{self.base}/{key}"
+        tail = _format.index_nbytes(spec)
+        if nbytes < tail:
+            raise CheckpointCorruptError(f"{where}: object smaller than its index")
+        try:
+            if first == 0 and last == _format.inner_count(spec):
+                data = memoryview(bytearray(self.storage.read(path)))
+                if len(data) != nbytes:
+                    raise CheckpointCorruptError(f"{where}: {len(data)} bytes, the manifest says "
+                                                 f"{nbytes} (truncated?)")
+                return data, _format.decode_index(spec, bytes(data[-tail:]), nbytes, where=where)
+            trailer = self.storage.read(path, nbytes - tail, nbytes)
+            index = _format.decode_index(spec, trailer, nbytes, where=where)
+            spans = [s for s in index[first:last] if s is not None]
+            if not spans:
+                return memoryview(b""), index
+            lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
+            data = memoryview(bytearray(self.storage.read(path, lo, hi)))
+            if len(data) != hi - lo:
+                raise CheckpointCorruptError(f"{where}: truncated object")
+            shifted = [None if s is None else (s[0] - lo, s[1]) for s in index]
+            return data, shifted
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where}: object is missing "
+                                         f"(array {spec.name!r})") from None
+
+
+def _product(ranges: Sequence[range]) -> list[tuple[int, ...]]:
+    from itertools import product
+
+    return list(product(*ranges))

@@ -1,0 +1,354 @@
+"""Planning: which rank writes which storage object of which global array.
+
+Pure functions of the state's layout, cached by the engine while the layout is unchanged.
+
+Every tensor becomes a global array. Each rank describes the boxes (hyper-rectangles of the
+global tensor) it holds; the plan picks a regular chunk grid whose cells never straddle a box
+boundary, so each storage object (one zarr shard) is filled by one rank from its own memory: no
+gather. Cells held by several ranks (replicas) get one owner each, chosen to balance bytes
+written per rank. A layout whose boxes do not fit a reasonable regular grid (e.g. two nested
+uneven ``Shard`` of one dim) is stored as one array per box with recorded offsets: it still
+saves and loads correctly, it is just not one zarr array.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import product
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from engine._dtypes import dtype_name
+from engine.errors import CheckpointError
+
+try:  # private in torch; FSDP2 + TP produce it
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover
+    _StridedShard = ()  # type: ignore[assignment,misc]
+
+Runs = list[tuple[int, int]]  # half-open [start, stop) intervals, ascending
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBox:
+    """A box of the global tensor that one rank holds, and where it sits in its local tensor."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    local_offset: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ArraySpec:
+    """One zarr array of the checkpoint: a whole tensor, or one piece of an irregular layout."""
+
+    name: str  # "model/layers.0.attn.wq.weight" or ".../piece_3"
+    tensor: str  # state path of the tensor it stores
+    offset: tuple[int, ...]  # where the array starts in the global tensor
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name
+    shard_shape: tuple[int, ...]  # the chunk grid: one storage object per cell
+    inner_rows: int  # rows (dim 0) per inner chunk inside a shard
+
+    def cell_key(self, cell: Sequence[int]) -> str:
+        return f"{self.name}/c" + "".join(f"/{i}" for i in cell)
+
+    def grid_shape(self) -> tuple[int, ...]:
+        return tuple(math.ceil(n / c) if n else 0 for n, c in zip(self.shape, self.shard_shape))
+
+
+@dataclass(frozen=True, slots=True)
+class CellWrite:
+    """One storage object a rank writes: a cell of an array filled from its local tensor."""
+
+    array: ArraySpec
+    cell: tuple[int, ...]
+    key: str  # object key relative to the step folder
+    valid_shape: tuple[int, ...]  # in-bounds part of the cell (edge cells are short)
+    local_offset: tuple[int, ...]  # where the cell's data starts in the local tensor
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    arrays: tuple[ArraySpec, ...]
+
+
+@dataclass(slots=True)
+class GlobalPlan:
+    """The same on every rank: derived deterministically from the gathered inventories."""
+
+    world_size: int
+    tensors: dict[str, TensorSpec]
+    values: dict[str, list[int]]  # JSON path -> ranks holding it
+    writes: dict[int, list[CellWrite]] = field(default_factory=dict)
+    plan_id: str = ""
+
+    def keys_of(self, rank: int) -> set[str]:
+        return {w.key for w in self.writes.get(rank, [])}
+
+    def arrays(self) -> Iterable[ArraySpec]:
+        for spec in self.tensors.values():
+            yield from spec.arrays
+
+
+# --- which boxes a DTensor holds -----------------------------------------------------------
+
+
+def _take(runs: Runs, start: int, stop: int) -> Runs:
+    """Positions [start, stop) of the sequence that ``runs`` concatenate."""
+    out: Runs = []
+    pos = 0
+    for a, b in runs:
+        lo, hi = max(start, pos), min(stop, pos + b - a)
+        if lo < hi:
+            out.append((a + lo - pos, a + hi - pos))
+        pos += b - a
+    return out
+
+
+def _chunk(runs: Runs, num_chunks: int, index: int) -> Runs:
+    """``torch.chunk`` semantics: chunk size ceil(n / k); trailing chunks may be short or empty."""
+    length = sum(b - a for a, b in runs)
+    size = math.ceil(length / num_chunks) if length else 0
+    return _take(runs, index * size, min((index + 1) * size, length)) if size else []
+
+
+def _merge(runs: Runs) -> Runs:
+    out: Runs = []
+    for a, b in runs:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def placement_boxes(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[object],
+) -> list[HeldBox]:
+    """The boxes of the global tensor held at ``coordinate`` of a mesh, in local order.
+
+    ``Shard`` follows ``torch.chunk``; ``_StridedShard(split_factor=s)`` first splits the
+    current index list into ``s`` pieces and takes this coordinate's chunk of each (the layout
+    FSDP2 produces on top of tensor parallelism). An empty list means the rank holds nothing.
+    """
+    per_dim: list[Runs] = [[(0, n)] if n else [] for n in global_shape]
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Replicate):
+            continue
+        if isinstance(placement, Partial):
+            raise CheckpointError("a DTensor with a Partial placement must be reduced before saving")
+        if not isinstance(placement, Shard):
+            raise CheckpointError(f"unsupported placement {placement!r}")
+        dim, k, n = placement.dim, coordinate[mesh_dim], mesh_shape[mesh_dim]
+        if isinstance(placement, _StridedShard):
+            total = sum(b - a for a, b in per_dim[dim])
+            size = math.ceil(total / placement.split_factor) if total else 0
+            pieces = [_take(per_dim[dim], i * size, min((i + 1) * size, total))
+                      for i in range(placement.split_factor)] if size else []
+            per_dim[dim] = [r for piece in pieces for r in _chunk(piece, n, k)]
+        else:
+            per_dim[dim] = _chunk(per_dim[dim], n, k)
+    per_dim = [_merge(runs) for runs in per_dim]
+    if any(not runs for runs in per_dim) and len(global_shape) > 0:
+        return []
+    boxes = []
+    local_starts = [[sum(b - a for a, b in runs[:i]) for i in range(len(runs))] for runs in per_dim]
+    for combo in product(*(range(len(runs)) for runs in per_dim)):
+        runs = [per_dim[d][i] for d, i in enumerate(combo)]
+        boxes.append(HeldBox(
+            offset=tuple(a for a, _ in runs),
+            shape=tuple(b - a for a, b in runs),
+            local_offset=tuple(local_starts[d][i] for d, i in enumerate(combo)),
+        ))
+    return boxes
+
+
+def local_boxes(tensor: torch.Tensor, *, path: str) -> list[HeldBox]:
+    """The boxes this process holds of ``tensor`` (a plain tensor holds all of itself)."""
+    if not isinstance(tensor, DTensor):
+        shape = tuple(tensor.shape)
+        return [HeldBox((0,) * len(shape), shape, (0,) * len(shape))]
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return []
+    try:
+        boxes = placement_boxes(tensor.shape, mesh.shape, coordinate, tensor.placements)
+    except CheckpointError as exc:
+        raise CheckpointError(f"state path {path!r}: {exc}") from None
+    local_shape = tuple(tensor.to_local().shape)
+    expected = tuple(
+        max((b.local_offset[d] + b.shape[d] for b in boxes), default=0)
+        for d in range(len(local_shape))
+    )
+    if boxes and expected != local_shape or not boxes and math.prod(local_shape) != 0:
+        raise CheckpointError(
+            f"state path {path!r}: placements {tensor.placements} give local shape {expected}, "
+            f"the DTensor holds {local_shape}; refusing to save a layout the engine cannot map"
+        )
+    return boxes
+
+
+# --- inventories and the global plan ---------------------------------------------------------
+
+
+def inventory(tensors: dict[str, torch.Tensor], values: Iterable[str]) -> dict[str, object]:
+    """What this rank holds, as JSON: gathered from every rank to build the global plan."""
+    entries: dict[str, object] = {}
+    for path, tensor in tensors.items():
+        entries[path] = {
+            "dtype": dtype_name(tensor.dtype),
+            "shape": list(tensor.shape),
+            "boxes": [[list(b.offset), list(b.shape), list(b.local_offset)]
+                      for b in local_boxes(tensor, path=path)],
+        }
+    return {"tensors": entries, "values": sorted(values)}
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    max_object_bytes: int = 64 * 2**20  # split big cells so objects stay small and writes parallel
+    min_split_bytes: int = 4 * 2**20  # replicated boxes larger than this are split among replicas
+    inner_chunk_bytes: int = 4 * 2**20  # partial reads (resharding) fetch at most this much extra
+    max_cells_per_box: int = 4  # a finer grid than this falls back to one array per box
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    best = 1
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            for c in (d, n // d):
+                if best < c <= limit:
+                    best = c
+    return best
+
+
+def _regular_grid(shape: Sequence[int], boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]
+                  ) -> tuple[int, ...]:
+    cuts: list[set[int]] = [set() for _ in shape]
+    for offset, box_shape in boxes:
+        for d, (o, s) in enumerate(zip(offset, box_shape)):
+            cuts[d].update(x for x in (o, o + s) if 0 < x < shape[d])
+    return tuple(math.gcd(*c) if c else max(n, 1) for c, n in zip(cuts, shape))
+
+
+def _refine(shape: tuple[int, ...], grid: tuple[int, ...], itemsize: int, replicas: int,
+            box_bytes: int, options: PlanOptions) -> tuple[tuple[int, ...], int]:
+    """Split cells along dim 0 (size cap, spreading replicas); choose the inner chunk rows."""
+    row_bytes = math.prod(grid[1:]) * itemsize
+    rows = grid[0]
+    limit = max(1, options.max_object_bytes // max(row_bytes, 1))
+    if replicas > 1 and box_bytes >= replicas * options.min_split_bytes:
+        limit = min(limit, math.ceil(rows / replicas))
+    rows = _largest_divisor_at_most(rows, limit)
+    inner = _largest_divisor_at_most(rows, max(1, options.inner_chunk_bytes // max(row_bytes, 1)))
+    return (rows, *grid[1:]), inner
+
+
+def build_plan(inventories: Sequence[dict], options: PlanOptions = PlanOptions()) -> GlobalPlan:
+    """The global plan from every rank's inventory (index = rank). Deterministic."""
+    world = len(inventories)
+    held: dict[str, dict[tuple, list[tuple[int, tuple[int, ...]]]]] = {}
+    meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    values: dict[str, list[int]] = {}
+    for rank, inv in enumerate(inventories):
+        for path in inv["values"]:
+            values.setdefault(path, []).append(rank)
+        for path, entry in inv["tensors"].items():
+            dtype, shape = entry["dtype"], tuple(entry["shape"])
+            if path in values:
+                raise CheckpointError(f"state path {path!r} is a tensor on rank {rank} "
+                                      f"and a value on ranks {values[path]}")
+            first = meta.setdefault(path, (dtype, shape, rank))
+            if first[:2] != (dtype, shape):
+                raise CheckpointError(
+                    f"state path {path!r}: rank {first[2]} holds {first[0]}{list(first[1])}, "
+                    f"rank {rank} holds {dtype}{list(shape)}"
+                )
+            for offset, box_shape, local_offset in entry["boxes"]:
+                held.setdefault(path, {}).setdefault((tuple(offset), tuple(box_shape)), []).append(
+                    (rank, tuple(local_offset)))
+    for path in values:
+        if path in meta:
+            raise CheckpointError(f"state path {path!r} is a tensor on some ranks, a value on others")
+
+    plan = GlobalPlan(world_size=world, tensors={}, values=values,
+                      writes={r: [] for r in range(world)})
+    written = [0] * world
+    for path in sorted(meta):
+        dtype, shape, _ = meta[path]
+        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        boxes = held.get(path, {})
+        _check_coverage(path, shape, boxes)
+        arrays = _arrays_for(path, dtype, shape, itemsize, boxes, options)
+        plan.tensors[path] = TensorSpec(path, dtype, shape, tuple(a for a, _ in arrays))
+        for array, array_boxes in arrays:
+            _assign_cells(plan, array, itemsize, array_boxes, written)
+    plan.plan_id = hashlib.sha256(
+        json.dumps(list(inventories), sort_keys=True).encode()).hexdigest()[:16]
+    return plan
+
+
+def _check_coverage(path: str, shape: tuple[int, ...], boxes: dict) -> None:
+    covered = sum(math.prod(box_shape) for _, box_shape in boxes)
+    if math.prod(shape) and covered < math.prod(shape):
+        raise CheckpointError(f"state path {path!r}: the ranks' shards cover {covered} of "
+                              f"{math.prod(shape)} elements of the global tensor")
+
+
+def _arrays_for(path: str, dtype: str, shape: tuple[int, ...], itemsize: int, boxes: dict,
+                options: PlanOptions) -> list[tuple[ArraySpec, dict]]:
+    name = path
+    replicas = max((len(h) for h in boxes.values()), default=1)
+    if not shape:
+        spec = ArraySpec(name, path, (), (), dtype, (), 1)
+        return [(spec, boxes)]
+    grid = _regular_grid(shape, boxes)
+    cells = math.prod(math.ceil(n / c) for n, c in zip(shape, grid))
+    if cells <= options.max_cells_per_box * max(len(boxes), 1):
+        box_bytes = max((math.prod(s) for _, s in boxes), default=0) * itemsize
+        grid, inner = _refine(shape, grid, itemsize, replicas, box_bytes, options)
+        return [(ArraySpec(name, path, (0,) * len(shape), shape, dtype, grid, inner), boxes)]
+    out = []
+    for i, ((offset, box_shape), holders) in enumerate(sorted(boxes.items())):
+        grid, inner = _refine(box_shape, tuple(max(s, 1) for s in box_shape), itemsize,
+                              len(holders), math.prod(box_shape) * itemsize, options)
+        spec = ArraySpec(f"{name}/piece_{i}", path, offset, box_shape, dtype, grid, inner)
+        out.append((spec, {(offset, box_shape): holders}))
+    return out
+
+
+def _assign_cells(plan: GlobalPlan, array: ArraySpec, itemsize: int, boxes: dict,
+                  written: list[int]) -> None:
+    """Give every cell of ``array`` one owner among the ranks that hold it (least bytes first)."""
+    shard = array.shard_shape
+    for (offset, box_shape), holders in sorted(boxes.items()):
+        rel = tuple(o - a for o, a in zip(offset, array.offset))
+        ranges = [range(r // c, math.ceil((r + s) / c)) for r, s, c in zip(rel, box_shape, shard)]
+        for cell in product(*ranges):
+            start = tuple(i * c for i, c in zip(cell, shard))
+            valid = tuple(min(c, n - s) for c, n, s in zip(shard, array.shape, start))
+            nbytes = math.prod(valid) * itemsize
+            rank, local = min(holders, key=lambda h: (written[h[0]], h[0]))
+            written[rank] += max(nbytes, 1)
+            plan.writes[rank].append(CellWrite(
+                array=array,
+                cell=tuple(cell),
+                key=array.cell_key(cell),
+                valid_shape=valid,
+                local_offset=tuple(lo + s - r for lo, s, r in zip(local, start, rel)),
+                nbytes=nbytes,
+            ))

@@ -1,0 +1,29 @@
+"""Storage backends: a local path or any fsspec URL (S3 via s3fs), behind one small interface."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import CheckpointError
+from engine.storage._base import PERMANENT, RetryingStorage, Storage
+from engine.storage._local import LocalStorage
+
+__all__ = ["PERMANENT", "LocalStorage", "RetryingStorage", "Storage", "open_storage"]
+
+
+def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> RetryingStorage:
+    """Open a checkpoint root: a plain path or ``file://`` is local; anything else is fsspec."""
+    if not isinstance(url, str) or not url:
+        raise CheckpointError(f"checkpoint url must be a non-empty string, got {url!r}")
+    if "://" not in url or url.startswith("file://"):
+        return RetryingStorage(LocalStorage(url.removeprefix("file://")))
+    protocol = url.split("://", 1)[0]
+    try:
+        from engine.storage._fsspec import FsspecStorage
+
+        return RetryingStorage(FsspecStorage(url, storage_options))
+    except ImportError as exc:
+        hint = " (pip install 'antifragile[s3]')" if protocol == "s3" else ""
+        raise CheckpointError(f"cannot open {url}: {exc}{hint}") from None
+    except ValueError as exc:
+        raise CheckpointError(f"cannot open {url}: {exc}") from None

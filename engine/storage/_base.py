@@ -1,0 +1,104 @@
+"""The storage interface the engine writes through, and retries with backoff."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from engine.errors import CheckpointError, StorageError
+
+log = logging.getLogger("engine.storage")
+T = TypeVar("T")
+
+# Errors that retrying cannot fix. Everything else (connection resets, timeouts, 5xx, throttling,
+# which s3fs and aiohttp raise as OSError or their own types) is retried with backoff.
+PERMANENT: tuple[type[BaseException], ...] = (
+    FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
+    ValueError, TypeError, KeyError, CheckpointError, NotImplementedError,
+)
+
+
+class Storage(Protocol):
+    """A flat key/value view of one checkpoint root (``str`` keys, ``/``-separated).
+
+    Implementations are thread-safe. ``write`` is durable when it returns (fsync locally; a
+    completed PUT on S3) and atomic enough for the protocol: a torn object is never referenced
+    by a record, because records are written only after every object they list.
+    """
+
+    url: str
+
+    def write(self, key: str, parts: Sequence[Any]) -> None: ...
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
+
+    def size(self, key: str) -> int: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def list_dir(self, prefix: str) -> list[str]: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def delete_tree(self, prefix: str) -> None: ...
+
+    def sync(self) -> None:
+        """Make every completed write's directory entry durable (a no-op on object stores)."""
+        ...
+
+
+class RetryingStorage:
+    """Retries transient errors with jittered exponential backoff; permanent ones pass through."""
+
+    def __init__(self, inner: Storage, *, attempts: int = 6, base_delay_s: float = 0.05,
+                 max_delay_s: float = 2.0) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.attempts = attempts
+        self.base_delay_s = base_delay_s
+        self.max_delay_s = max_delay_s
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        delay = self.base_delay_s
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return fn()
+            except PERMANENT:
+                raise
+            except Exception as exc:  # transient by elimination
+                if attempt == self.attempts:
+                    raise StorageError(
+                        f"{op} {self.url}/{key} failed {attempt} times: {type(exc).__name__}: {exc}"
+                    ) from exc
+                log.warning("%s %s/%s failed (%s), retry %d in %.2fs", op, self.url, key, exc,
+                            attempt, delay)
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.max_delay_s)
+        raise AssertionError("unreachable")
+
+    def write(self, key: str, parts: Sequence[Any]) -> None:
+        self._call("write", key, lambda: self.inner.write(key, parts))
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        return self._call("read", key, lambda: self.inner.read(key, start, end))
+
+    def size(self, key: str) -> int:
+        return self._call("size", key, lambda: self.inner.size(key))
+
+    def exists(self, key: str) -> bool:
+        return self._call("exists", key, lambda: self.inner.exists(key))
+
+    def list_dir(self, prefix: str) -> list[str]:
+        return self._call("list", prefix, lambda: self.inner.list_dir(prefix))
+
+    def delete(self, key: str) -> None:
+        self._call("delete", key, lambda: self.inner.delete(key))
+
+    def delete_tree(self, prefix: str) -> None:
+        self._call("delete", prefix, lambda: self.inner.delete_tree(prefix))
+
+    def sync(self) -> None:
+        self._call("sync", "", self.inner.sync)
