@@ -8,9 +8,15 @@
 """
 
 from engine.engine import CheckpointEngine, SaveHandle
-from engine.errors import (CheckpointBusyError, CheckpointCorruptError, CheckpointError,
-                           CheckpointMismatchError, CheckpointNotFoundError, CommitTimeoutError,
-                           StorageError)
+from engine.errors import (
+                           CheckpointBusyError,
+                           CheckpointCorruptError,
+                           CheckpointError,
+                           CheckpointMismatchError,
+                           CheckpointNotFoundError,
+                           CommitTimeoutError,
+                           StorageError,
+)
 from engine.plan import PlanOptions
 from engine.verify import Problem, VerifyReport
 

@@ -36,7 +36,8 @@ def crc(data: Any, value: int = 0) -> int:
 def array_metadata(spec: ArraySpec) -> dict[str, Any]:
     """The ``zarr.json`` of an array, with the engine's own facts under ``antifragile``."""
     dtype = torch_dtype(spec.dtype, where=spec.name)
-    attrs = {"antifragile": {"dtype": spec.dtype, "tensor": spec.tensor, "offset": list(spec.offset)}}
+    attrs = {"antifragile": {"dtype": spec.dtype, "tensor": spec.tensor,
+                             "offset": list(spec.offset)}}
     if spec.shape:
         codecs: list[dict[str, Any]] = [{
             "name": "sharding_indexed",

@@ -16,7 +16,7 @@ COMMIT = "COMMIT"
 ABORT = "ABORT"
 RECORDS_DIR = ".ranks"
 
-_STEP_RE = re.compile(r"^step_(\d{%d,})$" % STEP_DIGITS)
+_STEP_RE = re.compile(rf"^step_(\d{{{STEP_DIGITS},}})$")
 _BAD_COMPONENT = re.compile(r"[/\\\x00-\x1f]")
 _RESERVED = {"", ".", "..", "zarr.json", COMMIT, ABORT, RECORDS_DIR}
 

@@ -15,8 +15,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import _format
-from engine._paths import (ABORT, COMMIT, FORMAT_VERSION, RECORDS_DIR, check_object_key,
-                           parse_step_dir, record_key, step_dir)
+from engine._paths import (
+    ABORT,
+    COMMIT,
+    FORMAT_VERSION,
+    RECORDS_DIR,
+    check_object_key,
+    parse_step_dir,
+    record_key,
+    step_dir,
+)
 from engine._state import same_value
 from engine.errors import CheckpointCorruptError, CheckpointError, CommitTimeoutError
 from engine.persist import Manifest, parse_record, total_bytes

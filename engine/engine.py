@@ -10,6 +10,7 @@ through storage records, so a stuck save cannot deadlock training.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -27,8 +28,13 @@ from torch.distributed.tensor import DTensor
 from engine import commit as _commit
 from engine._paths import COMMIT, step_dir
 from engine._state import FlatState, finish_load, flatten, iter_local
-from engine.errors import (CheckpointBusyError, CheckpointCorruptError, CheckpointError,
-                           CheckpointMismatchError, CheckpointNotFoundError)
+from engine.errors import (
+    CheckpointBusyError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
 from engine.load import StepReader
 from engine.persist import metadata_objects, rank_record, write_objects, write_record
 from engine.plan import GlobalPlan, PlanOptions, build_plan, inventory, local_boxes
@@ -264,12 +270,11 @@ class CheckpointEngine:
             error = exc if isinstance(exc, CheckpointError) else CheckpointError(
                 f"step {step}, rank {self.rank}: {type(exc).__name__}: {exc}")
             if not recorded:
-                try:
+                # best effort: if storage is down, the coordinator times out naming this rank
+                with contextlib.suppress(Exception):
                     write_record(self.storage, step, self.rank, rank_record(
                         step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce,
                         manifest=None, values={}, error=str(error)))
-                except Exception:
-                    pass  # storage is down; the coordinator times out and names this rank
             if self.rank == 0:
                 _commit.abort(self.storage, step, nonce, str(error))
             handle.persist_s = time.monotonic() - start
@@ -313,7 +318,8 @@ class CheckpointEngine:
         if not candidates:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
         for candidate in candidates:
-            outcome, error, values = _OK, None, {}
+            outcome, values = _OK, {}
+            error: CheckpointError | None = None
             try:
                 values = self._load_step(candidate, flat)
             except CheckpointMismatchError as exc:
@@ -357,10 +363,10 @@ class CheckpointEngine:
                     region = local[tuple(slice(o, o + n)
                                          for o, n in zip(box.local_offset, box.shape))]
                     futures += reader.read_box(stored, box, region, self._pool)
-        done, _ = wait(futures)
+        _done, _ = wait(futures)
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
-            raise errors[0]  # type: ignore[misc]
+            raise errors[0]
         values = {}
         for path in flat.values:
             by_rank = reader.values_by_rank.get(path, {})

@@ -149,7 +149,7 @@ def placement_boxes(
         if isinstance(placement, Replicate):
             continue
         if isinstance(placement, Partial):
-            raise CheckpointError("a DTensor with a Partial placement must be reduced before saving")
+            raise CheckpointError("a DTensor with a Partial placement must be reduced first")
         if not isinstance(placement, Shard):
             raise CheckpointError(f"unsupported placement {placement!r}")
         dim, k, n = placement.dim, coordinate[mesh_dim], mesh_shape[mesh_dim]
@@ -194,7 +194,7 @@ def local_boxes(tensor: torch.Tensor, *, path: str) -> list[HeldBox]:
         max((b.local_offset[d] + b.shape[d] for b in boxes), default=0)
         for d in range(len(local_shape))
     )
-    if boxes and expected != local_shape or not boxes and math.prod(local_shape) != 0:
+    if (boxes and expected != local_shape) or (not boxes and math.prod(local_shape) != 0):
         raise CheckpointError(
             f"state path {path!r}: placements {tensor.placements} give local shape {expected}, "
             f"the DTensor holds {local_shape}; refusing to save a layout the engine cannot map"
@@ -283,7 +283,7 @@ def build_plan(inventories: Sequence[dict], options: PlanOptions = PlanOptions()
                     (rank, tuple(local_offset)))
     for path in values:
         if path in meta:
-            raise CheckpointError(f"state path {path!r} is a tensor on some ranks, a value on others")
+            raise CheckpointError(f"state path {path!r}: a tensor on some ranks, a value on others")
 
     plan = GlobalPlan(world_size=world, tensors={}, values=values,
                       writes={r: [] for r in range(world)})

@@ -44,7 +44,7 @@ class StagingArea:
         for write, buf in zip(self.writes, self.buffers):
             src = iter_local(tensors[write.array.tensor]).detach()
             on_device |= src.device.type != "cpu"
-            region = tuple(slice(lo, lo + n) for lo, n in zip(write.local_offset, write.valid_shape))
+            region = tuple(slice(o, o + n) for o, n in zip(write.local_offset, write.valid_shape))
             dst = buf[tuple(slice(0, n) for n in write.valid_shape)]
             dst.copy_(src[region], non_blocking=True)
         if on_device:
@@ -53,4 +53,5 @@ class StagingArea:
 
     def views(self) -> list[memoryview]:
         """The raw bytes of each buffer, in the order of ``writes``."""
-        return [memoryview(b.reshape(-1).view(torch.uint8).numpy()) for b in self.buffers]
+        return [memoryview(b.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                for b in self.buffers]

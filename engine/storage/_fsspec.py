@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,16 +47,12 @@ class FsspecStorage:
                        if e.rstrip("/") != path})
 
     def delete(self, key: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(key))
-        except FileNotFoundError:
-            pass
 
     def delete_tree(self, prefix: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._path(prefix), recursive=True)
-        except FileNotFoundError:
-            pass
         self.fs.invalidate_cache()
 
     def sync(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -70,10 +71,8 @@ class LocalStorage:
             return []
 
     def delete(self, key: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(key))
-        except FileNotFoundError:
-            pass
         with self._lock:
             self._dirty_dirs.add(os.path.dirname(self._path(key)))
 

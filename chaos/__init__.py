@@ -1,0 +1,1 @@
+"""antifragile's chaos testbed: fault injection, recovery measurement and the `chaos` CLI."""

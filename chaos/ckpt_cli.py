@@ -1,0 +1,144 @@
+"""``chaos ckpt``: list, verify and inspect checkpoints written by the engine."""
+
+from __future__ import annotations
+
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import click
+
+from engine import CheckpointError
+from engine.commit import committed_steps, read_commit
+from engine.load import StepReader
+from engine.storage import open_storage
+from engine.verify import verify_step
+
+
+def _options(endpoint_url: str | None, pairs: tuple[str, ...]) -> dict[str, Any] | None:
+    options: dict[str, Any] = {}
+    if endpoint_url:
+        options["endpoint_url"] = endpoint_url
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--storage-option")
+        options[key] = value
+    return options or None
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    return str(nbytes)
+
+
+_storage_flags = [
+    click.argument("url"),
+    click.option("--endpoint-url", help="S3 endpoint (else the standard AWS env vars apply)."),
+    click.option("--storage-option", "pairs", multiple=True, metavar="KEY=VALUE",
+                 help="Passed to fsspec (repeatable)."),
+]
+
+
+def storage_args(fn: Any) -> Any:
+    for flag in reversed(_storage_flags):
+        fn = flag(fn)
+    return fn
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    raise SystemExit(2)
+
+
+@click.group()
+def ckpt() -> None:
+    """List, verify and inspect checkpoints."""
+
+
+@ckpt.command("ls")
+@storage_args
+def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
+    """List committed steps with their size."""
+    try:
+        storage = open_storage(url, _options(endpoint_url, pairs))
+        steps = committed_steps(storage)
+        if not steps:
+            click.echo(f"no committed checkpoint under {url}")
+            return
+        click.echo(f"{'step':>12}  {'bytes':>12}  {'objects':>8}  world")
+        for step in steps:
+            marker = read_commit(storage, step)
+            click.echo(f"{step:>12}  {_human(int(marker.get('nbytes', 0))):>12}  "
+                       f"{len(marker['objects']):>8}  {marker.get('world_size', '?')}")
+    except CheckpointError as exc:
+        _fail(str(exc))
+
+
+@ckpt.command("verify")
+@storage_args
+@click.option("--step", type=int, help="Only this step (default: every committed step).")
+def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int | None) -> None:
+    """Read every object back and check checksums and coverage. Exit 1 on damage."""
+    try:
+        storage = open_storage(url, _options(endpoint_url, pairs))
+        committed = committed_steps(storage)
+        if step is not None and step not in committed:
+            _fail(f"step {step} is not a committed checkpoint under {url} "
+                  f"(committed: {committed or 'none'})")
+        steps = [step] if step is not None else committed
+        if not steps:
+            _fail(f"no committed checkpoint under {url}")
+        damaged = False
+        with ThreadPoolExecutor(8) as pool:
+            for s in steps:
+                report = verify_step(storage, s, pool)
+                click.echo(report.summary())
+                damaged |= not report.ok
+    except CheckpointError as exc:
+        _fail(str(exc))
+    if damaged:
+        raise SystemExit(1)
+
+
+@ckpt.command("inspect")
+@storage_args
+@click.option("--step", type=int, required=True, help="The step to describe.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int,
+            as_json: bool) -> None:
+    """Arrays, shapes, dtypes, bytes and layout of one committed step."""
+    try:
+        reader = StepReader(open_storage(url, _options(endpoint_url, pairs)), step)
+        rows = []
+        for path, tensor in sorted(reader.tensors.items()):
+            for name in tensor.arrays:
+                spec = reader.array(name, tensor)
+                prefix = f"{name}/c"
+                nbytes = sum(n for k, (n, _) in reader.manifest.items()
+                             if k == prefix or k.startswith(prefix + "/"))
+                shards = math.prod(math.ceil(n / c) for n, c in zip(spec.shape, spec.shard_shape))
+                rows.append({"array": name, "tensor": path, "dtype": spec.dtype,
+                             "shape": list(spec.shape), "offset": list(spec.offset),
+                             "shard_shape": list(spec.shard_shape), "shards": shards,
+                             "bytes": nbytes})
+    except CheckpointError as exc:
+        _fail(str(exc))
+    layout = reader.attrs.get("layout", {})
+    if as_json:
+        click.echo(json.dumps({"step": step, "layout": layout, "values": reader.values,
+                               "arrays": rows}, indent=2))
+        return
+    click.echo(f"step {step}  world_size {layout.get('world_size')}  "
+               f"meshes {layout.get('meshes')}  {_human(int(reader.commit.get('nbytes', 0)))}")
+    width = max((len(r["array"]) for r in rows), default=5)
+    click.echo(f"{'array':<{width}}  {'dtype':<9} {'shape':<18} {'shard':<18} {'bytes':>10}")
+    for r in rows:
+        click.echo(f"{r['array']:<{width}}  {r['dtype']:<9} {r['shape']!s:<18} "
+                   f"{r['shard_shape']!s:<18} {_human(r['bytes']):>10}")
+    if reader.values:
+        click.echo(f"values: {', '.join(sorted(reader.values))}")
