@@ -314,7 +314,8 @@ class CheckpointEngine:
         """
         self._check_open()
         flat = flatten(state)
-        candidates = [step] if step is not None else list(reversed(self.steps()))
+        # rank 0's view of what is committed, so that every rank tries the same steps
+        candidates = [step] if step is not None else self._gather(list(reversed(self.steps())))[0]
         if not candidates:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
         for candidate in candidates:

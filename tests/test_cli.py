@@ -1,0 +1,74 @@
+"""``chaos ckpt``: listing, verifying and inspecting checkpoints from the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+from chaos.cli import main
+from engine import CheckpointEngine
+
+
+def _save_steps(url: str, steps: list[int]) -> None:
+    with CheckpointEngine(url, keep_last=None) as ckpt:
+        for step in steps:
+            state = {"model": {"w": torch.arange(64.0).reshape(8, 8) + step,
+                               "b": torch.ones(8, dtype=torch.bfloat16)},
+                     "step": step}
+            ckpt.save(step, state, blocking=True)
+
+
+def test_ls_lists_committed_steps(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20])
+    (tmp_path / "ckpt" / "step_000000030").mkdir()  # uncommitted debris is not listed
+    result = CliRunner().invoke(main, ["ckpt", "ls", url])
+    assert result.exit_code == 0, result.output
+    steps = [line.split()[0] for line in result.output.splitlines()[1:]]
+    assert steps == ["10", "20"]
+
+
+def test_verify_exit_codes(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20])
+    runner = CliRunner()
+    ok = runner.invoke(main, ["ckpt", "verify", url])
+    assert ok.exit_code == 0, ok.output
+    assert "step 10: ok" in ok.output and "step 20: ok" in ok.output
+
+    shard = tmp_path / "ckpt" / "step_000000020" / "model" / "w" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0x10
+    shard.write_bytes(bytes(data))
+    bad = runner.invoke(main, ["ckpt", "verify", url, "--step", "20"])
+    assert bad.exit_code == 1
+    assert "DAMAGED" in bad.output and "model/w" in bad.output
+
+    missing = runner.invoke(main, ["ckpt", "verify", url, "--step", "30"])
+    assert missing.exit_code == 2
+    assert "step 30 is not a committed checkpoint" in missing.output
+    assert "Traceback" not in missing.output
+
+
+def test_inspect_describes_arrays(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10])
+    result = CliRunner().invoke(main, ["ckpt", "inspect", url, "--step", "10", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    arrays = {a["array"]: a for a in doc["arrays"]}
+    assert arrays["model/w"]["shape"] == [8, 8] and arrays["model/w"]["dtype"] == "float32"
+    assert arrays["model/b"]["dtype"] == "bfloat16"
+    assert arrays["model/w"]["bytes"] >= 8 * 8 * 4
+    assert doc["values"] == {"step": 10}
+    table = CliRunner().invoke(main, ["ckpt", "inspect", url, "--step", "10"])
+    assert table.exit_code == 0 and "model/w" in table.output
+
+
+def test_bad_url_is_a_clear_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["ckpt", "inspect", str(tmp_path / "none"), "--step", "1"])
+    assert result.exit_code == 2
+    assert "step 1 is not committed" in result.output
