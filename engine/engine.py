@@ -37,7 +37,7 @@ from engine.errors import (
 )
 from engine.load import StepReader
 from engine.persist import metadata_objects, rank_record, write_objects, write_record
-from engine.plan import GlobalPlan, PlanOptions, build_plan, inventory, local_boxes
+from engine.plan import GlobalPlan, HeldBox, PlanOptions, build_plan, inventory, local_boxes
 from engine.stage import StagingArea
 from engine.storage import Storage, open_storage
 from engine.verify import VerifyReport, verify_step
@@ -46,6 +46,14 @@ log = logging.getLogger("engine")
 
 # load outcomes, ordered so that an all-reduce MAX gives the worst one across ranks
 _OK, _MISMATCH, _CORRUPT, _FATAL = 0, 1, 2, 3
+
+
+def _raise_first(futures: list[Future[None]]) -> None:
+    wait(futures)
+    for future in futures:
+        error = future.exception()
+        if error is not None:
+            raise error
 
 
 class SaveHandle:
@@ -364,10 +372,7 @@ class CheckpointEngine:
                     region = local[tuple(slice(o, o + n)
                                          for o, n in zip(box.local_offset, box.shape))]
                     futures += reader.read_box(stored, box, region, self._pool)
-        _done, _ = wait(futures)
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            raise errors[0]
+        _raise_first(futures)
         values = {}
         for path in flat.values:
             by_rank = reader.values_by_rank.get(path, {})
@@ -378,6 +383,23 @@ class CheckpointEngine:
             else:
                 raise CheckpointMismatchError(f"step {step} has no value {path!r}")
         return values
+
+    def read(self, step: int) -> dict[str, Any]:
+        """Every tensor of ``step`` as a whole plain CPU tensor, and every JSON value, keyed by
+        state path (``model/layers.0.attn.wq.weight``). For inspection and comparison in one
+        process: not collective, and it holds the whole checkpoint in memory."""
+        self._check_open()
+        reader = StepReader(self.storage, step)
+        out: dict[str, Any] = {}
+        futures = []
+        with torch.no_grad():
+            for path, stored in reader.tensors.items():
+                tensor = torch.empty(stored.shape, dtype=stored.dtype)
+                box = HeldBox((0,) * tensor.dim(), stored.shape, (0,) * tensor.dim())
+                futures += reader.read_box(stored, box, tensor, self._pool)
+                out[path] = tensor
+        _raise_first(futures)
+        return {**reader.values, **out}
 
     # -- lifecycle -----------------------------------------------------------------------------
 

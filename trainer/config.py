@@ -1,0 +1,99 @@
+"""The trainer's configuration and its command line (``python -m trainer --help``)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from trainer.model import ModelConfig
+from trainer.parallel.dims import ParallelDims
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TrainConfig:
+    parallel: ParallelDims = field(default_factory=ParallelDims)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    steps: int = 20
+    batch_size: int = 8
+    micro_batches: int = 2
+    schedule: str = "1f1b"
+    seed: int = 0
+    lr: float = 3e-3
+    data_path: str | None = None
+    run_dir: str | None = None
+    ckpt_url: str | None = None
+    ckpt_every: int = 10
+    async_ckpt: bool = True
+    keep_last: int = 3
+    ckpt_timeout_s: float = 600.0
+    collective_timeout_s: float = 60.0
+    heartbeat_interval_s: float = 0.5
+    hang_timeout_s: float = 10.0
+    activation_checkpointing: bool = False
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.ckpt_every < 1 or self.batch_size < 1:
+            raise ValueError("steps, ckpt_every and batch_size must be >= 1")
+        per_dp, rem = divmod(self.batch_size, self.parallel.dp)
+        if rem:
+            raise ValueError(f"batch size {self.batch_size} is not divisible by dp "
+                             f"{self.parallel.dp}")
+        if self.parallel.pp > 1 and per_dp % self.micro_batches:
+            raise ValueError(f"the per-replica batch {per_dp} is not divisible by "
+                             f"{self.micro_batches} micro-batches")
+        if self.parallel.pp > 1 and self.micro_batches < self.parallel.pp:
+            raise ValueError(f"{self.micro_batches} micro-batches cannot fill "
+                             f"{self.parallel.pp} pipeline stages")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"schedule must be gpipe or 1f1b, not {self.schedule!r}")
+        if self.model.heads % self.parallel.tp:
+            raise ValueError(f"heads {self.model.heads} not divisible by tp {self.parallel.tp}")
+        if self.model.layers < self.parallel.pp:
+            raise ValueError(f"{self.model.layers} layers cannot fill {self.parallel.pp} stages")
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--data-path", help="a 1-D .npy of token ids (default: synthetic data)")
+    p.add_argument("--run-dir", help="events go to RUN_DIR/events/rank<r>.jsonl")
+    p.add_argument("--ckpt-url", help="checkpoint root (local path or s3://...)")
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--ckpt-timeout-s", type=float, default=600.0)
+    p.add_argument("--no-async-ckpt", action="store_true")
+    p.add_argument("--collective-timeout-s", type=float, default=60.0)
+    p.add_argument("--heartbeat-interval-s", type=float, default=0.5)
+    p.add_argument("--hang-timeout-s", type=float, default=10.0)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    a = p.parse_args(argv)
+    try:
+        return TrainConfig(
+            parallel=ParallelDims(dp=a.dp, tp=a.tp, pp=a.pp),
+            model=ModelConfig(layers=a.layers, d_model=a.d_model, heads=a.heads, vocab=a.vocab,
+                              seq_len=a.seq_len),
+            steps=a.steps, batch_size=a.batch_size, micro_batches=a.micro_batches,
+            schedule=a.schedule, seed=a.seed, lr=a.lr, data_path=a.data_path,
+            run_dir=a.run_dir, ckpt_url=a.ckpt_url, ckpt_every=a.ckpt_every,
+            async_ckpt=not a.no_async_ckpt, keep_last=a.keep_last,
+            ckpt_timeout_s=a.ckpt_timeout_s, collective_timeout_s=a.collective_timeout_s,
+            heartbeat_interval_s=a.heartbeat_interval_s, hang_timeout_s=a.hang_timeout_s,
+            activation_checkpointing=a.activation_checkpointing, device=a.device)
+    except ValueError as exc:
+        p.error(str(exc))
+        raise

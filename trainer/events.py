@@ -1,0 +1,35 @@
+"""Per-rank event log: JSON lines in ``<run_dir>/events/rank<r>.jsonl``.
+
+``chaos`` builds its whole timeline from these lines and its own injection log. Each line is
+flushed as written, so a SIGKILL loses at most the line being written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, TextIO
+
+
+class EventLog:
+    def __init__(self, run_dir: str | None, rank: int, attempt: int) -> None:
+        self.rank = rank
+        self.attempt = attempt
+        self._file: TextIO | None = None
+        if run_dir:
+            os.makedirs(os.path.join(run_dir, "events"), exist_ok=True)
+            path = os.path.join(run_dir, "events", f"rank{rank}.jsonl")
+            self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self._file is None:
+            return
+        line = {"t": time.time(), "rank": self.rank, "attempt": self.attempt, "event": event,
+                **fields}
+        self._file.write(json.dumps(line, allow_nan=True) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
