@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._trainer import (assert_bitwise_equal, checkpoint_arrays, events, losses,
-                            run_trainer)
+from tests._trainer import assert_bitwise_equal, checkpoint_arrays, events, losses, run_trainer
 
 pytestmark = pytest.mark.multiproc
 
