@@ -1,0 +1,32 @@
+"""CUDA checks: skipped cleanly where no GPU is present (CI), run where one is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import CheckpointEngine
+from tests._trainer import checkpoint_arrays, events, run_trainer
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+
+def test_engine_round_trip_of_cuda_tensors(tmp_path: Path) -> None:
+    state = {"w": torch.randn(1024, 256, device="cuda"),
+             "b": torch.randn(256, device="cuda", dtype=torch.bfloat16)}
+    with CheckpointEngine(str(tmp_path)) as ckpt:
+        handle = ckpt.save(1, state)
+        assert handle.staged.is_set()
+        handle.wait()
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ckpt.load(target) == 1
+    assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_trainer_runs_on_cuda_with_async_checkpoints(tmp_path: Path) -> None:
+    run_trainer(tmp_path, steps=6, ckpt_every=3, extra=["--device", "cuda"])
+    assert {e["step"] for e in events(tmp_path) if e["event"] == "ckpt_committed"} == {3, 6}
+    assert checkpoint_arrays(str(tmp_path / "ckpt"), 6)

@@ -1,0 +1,86 @@
+"""Trainer pieces that need no processes: data, model split, configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.config import TrainConfig, parse_args
+from trainer.data import TokenData
+from trainer.model import GPT, ModelConfig, init_weights, keep_stage, split_layers
+from trainer.parallel.dims import ParallelDims
+
+
+def test_synthetic_batches_are_a_function_of_the_cursor() -> None:
+    data = TokenData(seq_len=16, vocab=64, seed=3)
+    a_in, a_tg = data.batch(40, 8)
+    b_in, b_tg = TokenData(seq_len=16, vocab=64, seed=3).batch(40, 8)
+    assert torch.equal(a_in, b_in) and torch.equal(a_tg, b_tg)
+    assert torch.equal(a_in[:, 1:], a_tg[:, :-1])  # targets are the inputs shifted by one
+    assert not torch.equal(data.batch(48, 8)[0], a_in)
+    assert torch.equal(data.batch(44, 4)[0], a_in[4:])  # resuming mid-stream sees the same rows
+    assert int(a_in.max()) < 64
+
+
+def test_file_backed_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.arange(1000, dtype=np.int32) % 50)
+    data = TokenData(seq_len=16, vocab=50, seed=0, path=str(path))
+    inputs, targets = data.batch(0, 4)
+    assert inputs.shape == (4, 16) and torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert torch.equal(TokenData(seq_len=16, vocab=50, seed=0, path=str(path)).batch(0, 4)[0],
+                       inputs)
+    np.save(tmp_path / "bad.npy", np.arange(100, dtype=np.int32))
+    with pytest.raises(ValueError, match="outside"):
+        TokenData(seq_len=16, vocab=50, seed=0, path=str(tmp_path / "bad.npy"))
+
+
+def test_stages_keep_the_full_models_names() -> None:
+    cfg = ModelConfig(layers=5, d_model=32, heads=4, vocab=64, seq_len=8)
+    assert [list(r) for r in split_layers(5, 2)] == [[0, 1, 2], [3, 4]]
+    full = GPT(cfg)
+    init_weights(full, seed=1)
+    names = set(full.state_dict())
+    parts = []
+    for stage in range(2):
+        part = GPT(cfg)
+        init_weights(part, seed=1)
+        parts.append(keep_stage(part, stage, 2).state_dict())
+    assert set(parts[0]) | set(parts[1]) == names and not set(parts[0]) & set(parts[1])
+    assert "layers.4.attn.wq.weight" in parts[1]
+    assert all(torch.equal(parts[1][k], full.state_dict()[k]) for k in parts[1])
+
+
+def test_pipeline_stages_compose_to_the_full_model() -> None:
+    cfg = ModelConfig(layers=4, d_model=32, heads=4, vocab=64, seq_len=8)
+    full = GPT(cfg)
+    init_weights(full, seed=2)
+    stages = []
+    for s in range(2):
+        part = GPT(cfg)
+        init_weights(part, seed=2)
+        stages.append(keep_stage(part, s, 2))
+    tokens = torch.randint(64, (2, 8))
+    assert torch.equal(stages[1](stages[0](tokens)), full(tokens))
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--dp", "3", "--batch-size", "8"], "not divisible by dp"),
+    (["--tp", "3"], "heads 4 not divisible by tp 3"),
+    (["--pp", "8", "--layers", "4", "--micro-batches", "8"], "cannot fill"),
+    (["--pp", "2", "--micro-batches", "3"], "micro-batches"),
+])
+def test_bad_configuration_is_rejected_with_a_reason(argv: list[str], message: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_defaults_are_consistent() -> None:
+    cfg = TrainConfig(parallel=ParallelDims(dp=2, tp=2, pp=2), micro_batches=2)
+    assert cfg.parallel.world_size == 8

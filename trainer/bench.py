@@ -1,0 +1,132 @@
+"""What checkpointing costs training: step time with async checkpoints every K steps vs none.
+
+    python -m trainer.bench [--dp 2 --tp 2 --pp 2] [--steps 60] [--every 10]
+
+Runs the trainer twice under torchrun (same seed, same layout): once without checkpoints and
+once with async checkpoints every ``--every`` steps, and compares the mean step time from the
+trainer's own ``step_end`` events (the first ``--warmup`` steps excluded: process start-up,
+allocator warm-up, the engine's first-save planning). With CUDA, it also compares the engine's
+staging stall with a plain device-to-host copy of the same state into pinned memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted((run_dir / "events").glob("rank*.jsonl")):
+        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def _run(args: argparse.Namespace, run_dir: Path, every: int | None) -> dict[str, float]:
+    world = args.dp * args.tp * args.pp
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world}", "-m", "trainer", "--dp", str(args.dp), "--tp",
+           str(args.tp), "--pp", str(args.pp), "--steps", str(args.steps), "--run-dir",
+           str(run_dir), "--layers", str(args.layers), "--d-model", str(args.d_model),
+           "--heads", "4", "--seq-len", "64", "--batch-size", "16", "--micro-batches", "4",
+           "--device", args.device]
+    if every:
+        cmd += ["--ckpt-url", str(run_dir / "ckpt"), "--ckpt-every", str(every)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    log = _events(run_dir)
+    # a step's time is the slowest rank's (the step ends for the job when every rank is done)
+    per_step: dict[int, float] = {}
+    for e in log:
+        if e["event"] == "step_end" and e["step"] > args.warmup and e["step"] < args.steps:
+            per_step[e["step"]] = max(per_step.get(e["step"], 0.0), e["seconds"])
+    stalls = [e["stall_s"] for e in log if e["event"] == "ckpt_staged"]
+    persist = [e["persist_s"] for e in log if e["event"] == "ckpt_committed"]
+    return {"mean_step_s": statistics.fmean(per_step.values()),
+            "median_step_s": statistics.median(per_step.values()),
+            "checkpoints": len({e["step"] for e in log if e["event"] == "ckpt_committed"}),
+            "mean_stall_s": statistics.fmean(stalls) if stalls else 0.0,
+            "mean_persist_s": statistics.fmean(persist) if persist else 0.0}
+
+
+def gpu_stall(repeats: int = 5) -> dict[str, float] | None:
+    """Engine staging stall vs a plain D2H copy into pinned memory, on one GPU (else None)."""
+    import time
+
+    import torch
+
+    from engine import CheckpointEngine
+    from trainer.model import GPT, ModelConfig
+
+    if not torch.cuda.is_available():
+        return None
+    model = GPT(ModelConfig(layers=8, d_model=1024, heads=16, vocab=32000, seq_len=512)).cuda()
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()}
+    copies, stalls = [], []
+    with tempfile.TemporaryDirectory(prefix="gpu-stall-") as tmp, CheckpointEngine(tmp) as ckpt:
+        ckpt.save(0, {"model": state}, blocking=True)  # allocates the staging buffers
+        for i in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for k, v in state.items():
+                pinned[k].copy_(v, non_blocking=True)
+            torch.cuda.synchronize()
+            copies.append(time.perf_counter() - t0)
+            handle = ckpt.save(i + 1, {"model": state})
+            stalls.append(handle.stall_s)
+            handle.wait()
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    return {"bytes": nbytes, "d2h_copy_s": statistics.median(copies),
+            "stall_s": statistics.median(stalls)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="trainer-bench-") as tmp:
+        base = _run(args, Path(tmp) / "none", None)
+        ckpt = _run(args, Path(tmp) / "ckpt", args.every)
+    overhead = ckpt["mean_step_s"] / base["mean_step_s"] - 1.0
+    layout = f"dp={args.dp} tp={args.tp} pp={args.pp}"
+    print(f"layout {layout}, {args.steps} steps, device {args.device}, steps "
+          f"{args.warmup + 1}..{args.steps - 1} timed (slowest rank per step)")
+    print(f"{'':28}{'mean step':>12}{'median':>10}{'ckpts':>7}{'stall':>10}{'persist':>10}")
+    for name, r in (("no checkpoints", base), (f"async every {args.every}", ckpt)):
+        print(f"{name:28}{r['mean_step_s'] * 1e3:>10.1f}ms{r['median_step_s'] * 1e3:>8.1f}ms"
+              f"{r['checkpoints']:>7}{r['mean_stall_s'] * 1e3:>8.1f}ms"
+              f"{r['mean_persist_s'] * 1e3:>8.1f}ms")
+    print(f"checkpoint overhead on mean step time: {overhead * 100:+.2f}% (target <= 3%)")
+    gpu = gpu_stall()
+    if gpu is None:
+        print("GPU staging stall vs pinned D2H copy: skipped (no CUDA device here)")
+    else:
+        print(f"GPU staging stall {gpu['stall_s'] * 1e3:.1f}ms vs pinned D2H copy "
+              f"{gpu['d2h_copy_s'] * 1e3:.1f}ms of {gpu['bytes'] / 2**30:.2f} GiB: "
+              f"{gpu['stall_s'] / gpu['d2h_copy_s']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"layout": layout, "none": base, "ckpt": ckpt,
+                                               "overhead": overhead, "gpu": gpu}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
