@@ -71,3 +71,22 @@ def test_resume_on_a_smaller_layout(tmp_path: Path, before: tuple[int, int, int]
     restored = checkpoint_arrays(str(shrunk / "ckpt"), 6)
     assert all(torch.isfinite(v).all() for v in restored.values()
                if isinstance(v, torch.Tensor) and v.is_floating_point())
+
+
+def test_activation_checkpointing_changes_nothing_numerically(tmp_path: Path) -> None:
+    plain, recomputed = tmp_path / "plain", tmp_path / "ac"
+    run_trainer(plain, steps=3, ckpt_every=3)
+    run_trainer(recomputed, steps=3, ckpt_every=3, extra=["--activation-checkpointing"])
+    assert losses(plain) == losses(recomputed)
+
+
+@pytest.mark.slow
+def test_gpipe_schedule_resumes_bitwise(tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    gpipe = ["--schedule", "gpipe"]
+    run_trainer(straight, pp=2, steps=6, ckpt_every=3, extra=gpipe)
+    run_trainer(resumed, pp=2, steps=3, ckpt_every=3, extra=gpipe)
+    run_trainer(resumed, pp=2, steps=6, ckpt_every=3, extra=gpipe)
+    assert losses(straight) == losses(resumed)
+    assert_bitwise_equal(checkpoint_arrays(str(straight / "ckpt"), 6),
+                         checkpoint_arrays(str(resumed / "ckpt"), 6))
