@@ -26,7 +26,12 @@ from engine._paths import (
     step_dir,
 )
 from engine._state import same_value
-from engine.errors import CheckpointCorruptError, CheckpointError, CommitTimeoutError
+from engine.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CommitTimeoutError,
+)
 from engine.persist import Manifest, parse_record, total_bytes
 from engine.plan import GlobalPlan
 from engine.storage import Storage
@@ -58,7 +63,7 @@ def read_commit(storage: Storage, step: int) -> dict[str, Any]:
     try:
         data = storage.read(f"{step_dir(step)}/{COMMIT}")
     except FileNotFoundError:
-        raise CheckpointError(f"step {step} is not committed") from None
+        raise CheckpointNotFoundError(f"step {step} is not committed") from None
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -252,6 +252,7 @@ class CheckpointEngine:
             if flat is not None:
                 self._stage(handle, flat)
             if self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
+                recorded = True  # write nothing into a committed step, not even an error record
                 raise CheckpointError(f"step {step} is already committed; it is not overwritten")
             docs = metadata_objects(plan) if self.rank == 0 else {}
             manifest = write_objects(self.storage, step, staging, docs, self._pool)
@@ -326,7 +327,8 @@ class CheckpointEngine:
         candidates = [step] if step is not None else self._gather(list(reversed(self.steps())))[0]
         if not candidates:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
-        for candidate in candidates:
+        newest_error: CheckpointError | None = None
+        for i, candidate in enumerate(candidates):
             outcome, values = _OK, {}
             error: CheckpointError | None = None
             try:
@@ -343,17 +345,19 @@ class CheckpointEngine:
                     flat.values[path].assign(value)
                 finish_load(flat)
                 return candidate
-            reason = str(error) if error else "damage found by another rank"
+            if error is None:
+                error = CheckpointError(f"loading step {candidate} failed on another rank")
             if worst == _FATAL or step is not None:
-                if error is None:
-                    raise CheckpointError(f"loading step {candidate} failed on another rank")
                 raise error
             if worst == _CORRUPT and self.rank == 0:
-                _commit.quarantine(self.storage, candidate, reason)
-            warnings.warn(f"checkpoint step {candidate} skipped: {reason}", RuntimeWarning,
-                          stacklevel=2)
-        raise CheckpointNotFoundError(
-            f"no intact checkpoint under {self.url} (tried steps {candidates})")
+                _commit.quarantine(self.storage, candidate, str(error))
+            newest_error = newest_error or error
+            if i + 1 < len(candidates):
+                warnings.warn(f"checkpoint step {candidate} skipped, trying step "
+                              f"{candidates[i + 1]}: {error}", RuntimeWarning, stacklevel=2)
+        assert newest_error is not None
+        raise type(newest_error)(f"{newest_error} (no older step loads either; tried "
+                                 f"{candidates})")
 
     def _load_step(self, step: int, flat: FlatState) -> dict[str, Any]:
         reader = StepReader(self.storage, step)
@@ -363,6 +367,10 @@ class CheckpointEngine:
                 stored = reader.tensors.get(path)
                 if stored is None:
                     raise CheckpointMismatchError(f"step {step} has no tensor {path!r}")
+                if stored.dtype != tensor.dtype:
+                    raise CheckpointMismatchError(
+                        f"step {step}, tensor {path!r}: stored dtype {stored.dtype}, target "
+                        f"dtype {tensor.dtype} (load into a matching tensor, then convert)")
                 if stored.shape != tuple(tensor.shape):
                     raise CheckpointMismatchError(
                         f"step {step}, tensor {path!r}: stored shape {list(stored.shape)}, "

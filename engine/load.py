@@ -55,12 +55,16 @@ class StepReader:
         self.commit = read_commit(storage, step)
         self.manifest: dict[str, list[int]] = self.commit["objects"]
         group = self.read_json("zarr.json")
-        attrs = group.get("attributes", {}).get("antifragile") if isinstance(group, dict) else None
+        group_attrs = group.get("attributes") if isinstance(group, dict) else None
+        attrs = group_attrs.get("antifragile") if isinstance(group_attrs, dict) else None
         if not isinstance(attrs, dict) or not isinstance(attrs.get("tensors"), dict):
             raise CheckpointCorruptError(f"step {step}: group metadata lacks the tensor index")
         self.attrs = attrs
         self.values: dict[str, Any] = attrs.get("values") or {}
         self.values_by_rank: dict[str, dict[str, Any]] = attrs.get("values_by_rank") or {}
+        if not isinstance(self.values, dict) or not isinstance(self.values_by_rank, dict) or any(
+                not isinstance(v, dict) for v in self.values_by_rank.values()):
+            raise CheckpointCorruptError(f"step {step}: malformed values in the group metadata")
         self.tensors = {path: self._parse_tensor(path, e) for path, e in attrs["tensors"].items()}
         self._arrays: dict[str, ArraySpec] = {}
 
@@ -69,7 +73,7 @@ class StepReader:
     def where(self, key: str) -> str:
         return f"step {self.step}, object {key}"
 
-    def read_checked(self, key: str) -> bytes:
+    def read_checked(self, key: str) -> bytes | bytearray:
         """Read a whole object and check its size and crc32c against the COMMIT manifest."""
         entry = self.manifest.get(key)
         if entry is None:
@@ -126,7 +130,7 @@ class StepReader:
             raise CheckpointCorruptError(f"{where}: shape {shape} at {offset} does not fit the "
                                          f"tensor's {list(tensor.shape)}")
         cells = math.prod(math.ceil(n / c) for n, c in zip(shape, grid))
-        if cells > _MAX_CELLS:
+        if cells > min(_MAX_CELLS, len(self.manifest)):  # every shard is listed in the manifest
             raise CheckpointCorruptError(f"{where}: absurd chunk grid ({cells} shards)")
         inner = grid[0] if grid else 1
         if shape:
@@ -142,7 +146,8 @@ class StepReader:
             if not ok or inner_shape[1:] != grid[1:] or grid[0] % inner_shape[0]:
                 raise CheckpointCorruptError(f"{where}: unsupported codec pipeline")
             inner = inner_shape[0]
-        elif [c.get("name") for c in codecs if isinstance(c, dict)] != ["bytes", "crc32c"]:
+        elif not isinstance(codecs, list) or [
+                c.get("name") for c in codecs if isinstance(c, dict)] != ["bytes", "crc32c"]:
             raise CheckpointCorruptError(f"{where}: unsupported codec pipeline")
         return ArraySpec(name, tensor.path, offset, shape, attrs["dtype"], grid, inner)
 
@@ -152,6 +157,7 @@ class StepReader:
                  pool: Executor) -> list[Any]:
         """Schedule reads filling ``out`` (the local region of ``box``); returns futures."""
         futures = []
+        covered = 0
         for name in tensor.arrays:
             spec = self.array(name, tensor)
             lo = [max(b, a) for b, a in zip(box.offset, spec.offset)]
@@ -159,10 +165,14 @@ class StepReader:
                                                           spec.shape)]
             if any(h <= lo_ for lo_, h in zip(lo, hi)):
                 continue
+            covered += math.prod(h - lo_ for lo_, h in zip(lo, hi))
             ranges = [range((l_ - a) // c, math.ceil((h - a) / c))
                       for l_, h, a, c in zip(lo, hi, spec.offset, spec.shard_shape)]
             for cell in _product(ranges):
                 futures.append(pool.submit(self._read_cell, spec, cell, lo, hi, box, out))
+        if covered != math.prod(box.shape):  # never leave part of the target silently unfilled
+            raise CheckpointCorruptError(f"step {self.step}, tensor {tensor.path!r}: its arrays "
+                                         f"cover {covered} of {math.prod(box.shape)} elements")
         return futures
 
     def _read_cell(self, spec: ArraySpec, cell: tuple[int, ...], lo: Sequence[int],
@@ -180,6 +190,8 @@ class StepReader:
                                          f"(array {spec.name!r}, chunk {list(cell)})")
         if not spec.shape:
             payload = _format.check_chunk(memoryview(self.read_checked(key)), where=where)
+            if len(payload) != dtype.itemsize:
+                raise CheckpointCorruptError(f"{where}: scalar chunk has the wrong size")
             out.copy_(torch.frombuffer(bytearray(payload), dtype=dtype).reshape(()))
             return
         k = spec.inner_rows
@@ -212,7 +224,7 @@ class StepReader:
             raise CheckpointCorruptError(f"{where}: object smaller than its index")
         try:
             if first == 0 and last == _format.inner_count(spec):
-                data = memoryview(bytearray(self.storage.read(path)))
+                data = memoryview(_writable(self.storage.read(path)))
                 if len(data) != nbytes:
                     raise CheckpointCorruptError(f"{where}: {len(data)} bytes, the manifest says "
                                                  f"{nbytes} (truncated?)")
@@ -223,7 +235,7 @@ class StepReader:
             if not spans:
                 return memoryview(b""), index
             lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
-            data = memoryview(bytearray(self.storage.read(path, lo, hi)))
+            data = memoryview(_writable(self.storage.read(path, lo, hi)))
             if len(data) != hi - lo:
                 raise CheckpointCorruptError(f"{where}: truncated object")
             shifted = [None if s is None else (s[0] - lo, s[1]) for s in index]
@@ -231,6 +243,11 @@ class StepReader:
         except FileNotFoundError:
             raise CheckpointCorruptError(f"{where}: object is missing "
                                          f"(array {spec.name!r})") from None
+
+
+def _writable(data: bytes | bytearray) -> bytearray:
+    """``data`` as the writable buffer torch.frombuffer needs, copied only when it is not one."""
+    return data if isinstance(data, bytearray) else bytearray(data)
 
 
 def _product(ranges: Sequence[range]) -> list[tuple[int, ...]]:

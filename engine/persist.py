@@ -70,7 +70,7 @@ def write_record(storage: Storage, step: int, rank: int, record: dict[str, Any])
     storage.sync()
 
 
-def parse_record(data: bytes) -> dict[str, Any] | None:
+def parse_record(data: bytes | bytearray) -> dict[str, Any] | None:
     """A record, or None while it is incomplete or unreadable (the coordinator polls again)."""
     try:
         record = json.loads(data)

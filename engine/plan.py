@@ -150,7 +150,7 @@ def placement_boxes(
             continue
         if isinstance(placement, Partial):
             raise CheckpointError("a DTensor with a Partial placement must be reduced first")
-        if not isinstance(placement, Shard):
+        if not isinstance(placement, (Shard, _StridedShard)):  # not a Shard subclass in torch 2.13
             raise CheckpointError(f"unsupported placement {placement!r}")
         dim, k, n = placement.dim, coordinate[mesh_dim], mesh_shape[mesh_dim]
         if isinstance(placement, _StridedShard):
@@ -253,7 +253,8 @@ def _refine(shape: tuple[int, ...], grid: tuple[int, ...], itemsize: int, replic
     limit = max(1, options.max_object_bytes // max(row_bytes, 1))
     if replicas > 1 and box_bytes >= replicas * options.min_split_bytes:
         limit = min(limit, math.ceil(rows / replicas))
-    rows = _largest_divisor_at_most(rows, limit)
+    # one cell spans dim 0: any row count fits (the last cell may be short), even for prime rows
+    rows = min(rows, limit) if rows >= shape[0] else _largest_divisor_at_most(rows, limit)
     inner = _largest_divisor_at_most(rows, max(1, options.inner_chunk_bytes // max(row_bytes, 1)))
     return (rows, *grid[1:]), inner
 

@@ -46,7 +46,7 @@ class VerifyReport:
 
 
 def _array_of(key: str) -> str | None:
-    head, sep, _ = key.partition("/c/")
+    head, sep, _ = key.rpartition("/c/")  # names may contain a "c" component: "model/c/w"
     if sep:
         return head
     return key.removesuffix("/c") if key.endswith("/c") else None
@@ -75,16 +75,21 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
             report.add(key, _array_of(key), error)
 
     for tensor in reader.tensors.values():
+        covered = 0
         for name in tensor.arrays:
             try:
                 spec = reader.array(name, tensor)
             except CheckpointError as exc:
                 report.add(f"{name}/zarr.json", name, str(exc))
                 continue
+            covered += math.prod(spec.shape)
             if not math.prod(spec.shape):
                 continue
             grid = [range(math.ceil(n / c)) for n, c in zip(spec.shape, spec.shard_shape)]
             for cell in product(*grid):
                 if spec.cell_key(cell) not in reader.manifest:
                     report.add(spec.cell_key(cell), name, "shard not in the COMMIT manifest")
+        if covered != math.prod(tensor.shape):
+            report.add("zarr.json", None, f"the arrays of tensor {tensor.path!r} cover {covered} "
+                       f"of its {math.prod(tensor.shape)} elements")
     return report

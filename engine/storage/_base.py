@@ -33,7 +33,7 @@ class Storage(Protocol):
 
     def write(self, key: str, parts: Sequence[Any]) -> None: ...
 
-    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray: ...
 
     def size(self, key: str) -> int: ...
 
@@ -82,7 +82,7 @@ class RetryingStorage:
     def write(self, key: str, parts: Sequence[Any]) -> None:
         self._call("write", key, lambda: self.inner.write(key, parts))
 
-    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         return self._call("read", key, lambda: self.inner.read(key, start, end))
 
     def size(self, key: str) -> int:

@@ -26,7 +26,7 @@ class FsspecStorage:
         data = b"".join(memoryview(p).cast("B") for p in parts)
         self.fs.pipe_file(self._path(key), data)
 
-    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         return bytes(self.fs.cat_file(self._path(key), start=start or None, end=end))
 
     def size(self, key: str) -> int:

@@ -45,7 +45,8 @@ class LocalStorage:
     def write(self, key: str, parts: Sequence[Any]) -> None:
         path = self._path(key)
         self._makedirs(os.path.dirname(path))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"  # a kill never tears `path`
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             views = [memoryview(p).cast("B") for p in parts]
             views = [v for v in views if len(v)]
@@ -56,17 +57,18 @@ class LocalStorage:
                     _advance(batch, written) + views[len(batch):])
         finally:
             os.close(fd)
+        os.replace(tmp, path)
         with self._lock:
             self._dirty_dirs.add(os.path.dirname(path))
             self._dirty_files.add(path)
 
-    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         with open(self._path(key), "rb", buffering=0) as f:
-            if end is None:
-                end = os.fstat(f.fileno()).st_size
+            size = os.fstat(f.fileno()).st_size
+            end = size if end is None else min(end, size)  # never allocate past the end of file
             buf = bytearray(max(end - start, 0))
             got = os.preadv(f.fileno(), [buf], start) if buf else 0
-            return bytes(buf) if got == len(buf) else bytes(buf[:got])
+            return buf if got == len(buf) else buf[:got]  # no copy: loads read GiBs
 
     def size(self, key: str) -> int:
         return os.stat(self._path(key)).st_size

@@ -1,0 +1,74 @@
+"""The verdict: the faulty run's final state equals the reference run's, and every bound holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from chaos.measure import FaultTimings
+from chaos.scenario import Scenario
+from engine import CheckpointEngine, CheckpointError
+
+
+@dataclass(slots=True)
+class Verdict:
+    verdict: str = "pass"
+    reasons: list[str] = field(default_factory=list)
+    bitwise_equal: bool | None = None
+
+    def fail(self, reason: str) -> None:
+        self.verdict = "fail"
+        self.reasons.append(reason)
+
+
+def compare_final(faulty_url: str, reference_url: str, step: int) -> list[str]:
+    """Arrays (model and optimizer) and values that differ between the two final checkpoints."""
+    try:
+        with CheckpointEngine(faulty_url) as a, CheckpointEngine(reference_url) as b:
+            got, want = a.read(step), b.read(step)
+    except CheckpointError as exc:
+        return [f"cannot read the final checkpoint of step {step}: {exc}"]
+    diffs = sorted(set(got) ^ set(want))
+    for key in sorted(set(got) & set(want)):
+        x, y = got[key], want[key]
+        same = (torch.equal(x, y) and x.dtype == y.dtype) if isinstance(x, torch.Tensor) \
+            and isinstance(y, torch.Tensor) else x == y
+        if not same:
+            diffs.append(key)
+    return diffs
+
+
+def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_step: int | None,
+          faulty_url: str, reference_url: str | None) -> Verdict:
+    v = Verdict()
+    if returncode != 0:
+        v.fail(f"the trainer exited with code {returncode}")
+    if final_step != s.trainer.steps:
+        v.fail(f"the run ended at step {final_step}, not {s.trainer.steps}")
+    if reference_url is not None and final_step == s.trainer.steps:
+        diffs = compare_final(faulty_url, reference_url, s.trainer.steps)
+        v.bitwise_equal = not diffs
+        if diffs and s.expect.bitwise_equal_to_reference:
+            v.fail(f"final state differs from the reference in {len(diffs)} entries, "
+                   f"e.g. {diffs[:3]}")
+    for t in timings:
+        if t.skipped:
+            continue
+        if t.kind in ("kill_rank", "hang_rank", "crash_during_save") and t.recovery_s is None:
+            v.fail(f"{t.kind} at step {t.injected_step}: no recovery was observed")
+            continue
+        if s.expect.max_recovery_s is not None and t.recovery_s is not None \
+                and t.recovery_s > s.expect.max_recovery_s:
+            v.fail(f"{t.kind} at step {t.injected_step}: recovery took {t.recovery_s:.1f} s "
+                   f"> max_recovery_s {s.expect.max_recovery_s}")
+        if s.expect.max_lost_steps is not None and t.lost_steps is not None \
+                and t.lost_steps > s.expect.max_lost_steps:
+            v.fail(f"{t.kind} at step {t.injected_step}: {t.lost_steps} steps lost "
+                   f"> max_lost_steps {s.expect.max_lost_steps}")
+    return v
+
+
+def summary(v: Verdict) -> dict[str, Any]:
+    return {"verdict": v.verdict, "reasons": v.reasons, "bitwise_equal": v.bitwise_equal}

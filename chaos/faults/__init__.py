@@ -1,0 +1,19 @@
+"""Fault kinds: one module each, registered here. Adding a kind = a module + a line below."""
+
+from __future__ import annotations
+
+from chaos.faults.base import FaultBase, Injection, Target
+from chaos.faults.corrupt_shard import CorruptShard
+from chaos.faults.crash_during_save import CrashDuringSave
+from chaos.faults.hang_rank import HangRank
+from chaos.faults.kill_rank import KillRank
+
+FAULT_CONFIGS: dict[str, type[FaultBase]] = {
+    "kill_rank": KillRank,
+    "hang_rank": HangRank,
+    "crash_during_save": CrashDuringSave,
+    "corrupt_shard": CorruptShard,
+}
+FaultConfig = KillRank | HangRank | CrashDuringSave | CorruptShard
+
+__all__ = ["FAULT_CONFIGS", "FaultBase", "FaultConfig", "Injection", "Target"]

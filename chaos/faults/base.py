@@ -1,0 +1,85 @@
+"""What every fault shares: its trigger, its target, and how it is injected (from outside)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Coordinates(BaseModel):
+    """A rank named by its parallel coordinates."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    dp: Annotated[int, Field(ge=0)] = 0
+    pp: Annotated[int, Field(ge=0)] = 0
+    tp: Annotated[int, Field(ge=0)] = 0
+
+
+RankTarget = int | Literal["random"] | Coordinates
+
+
+class FaultBase(BaseModel):
+    """Trigger: exactly one of ``at_step`` (the first time any rank finishes that step),
+    ``at_checkpoint`` (the n-th checkpoint of the run) or ``mtbf_s`` (seeded exponential
+    arrivals, mean ``mtbf_s`` seconds, until the run ends)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    at_step: Annotated[int, Field(ge=1)] | None = None
+    at_checkpoint: Annotated[int, Field(ge=1)] | None = None
+    mtbf_s: Annotated[float, Field(gt=0)] | None = None
+
+    def check(self, dims: tuple[int, int, int], steps: int, checkpoints: int
+              ) -> tuple[str, str] | None:
+        """(key, reason) if this fault cannot happen in a run of ``dims`` = (dp, pp, tp)."""
+        triggers = [t for t in ("at_step", "at_checkpoint", "mtbf_s") if getattr(self, t)]
+        if len(triggers) != 1:
+            return "", "give exactly one trigger: at_step, at_checkpoint or mtbf_s"
+        if self.at_step is not None and self.at_step >= steps:
+            return "at_step", f"step {self.at_step} is not before the last step ({steps})"
+        if self.at_checkpoint is not None and self.at_checkpoint > checkpoints:
+            return "at_checkpoint", f"the run takes only {checkpoints} checkpoint(s)"
+        rank = getattr(self, "rank", None)
+        world_size = dims[0] * dims[1] * dims[2]
+        if isinstance(rank, int) and not 0 <= rank < world_size:
+            return "rank", f"rank {rank} is outside the world of {world_size} ranks"
+        if isinstance(rank, Coordinates) and any(
+                c >= n for c, n in zip((rank.dp, rank.pp, rank.tp), dims)):
+            return "rank", f"{rank.model_dump()} is outside the mesh (dp, pp, tp) = {dims}"
+        return None
+
+
+@dataclass(slots=True)
+class Injection:
+    """What was done, when, to whom: the runner's half of the timeline."""
+
+    kind: str
+    t: float
+    step: int | None = None
+    rank: int | None = None
+    skipped: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Target:
+    """The running job as the faults see it."""
+
+    pids: dict[int, int]  # rank -> worker pid of the current attempt
+    coordinates: dict[int, tuple[int, int, int]]  # rank -> (dp, pp, tp)
+    ckpt_url: str
+    rng: random.Random
+
+    def resolve(self, rank: RankTarget) -> int:
+        if rank == "random":
+            return self.rng.choice(sorted(self.pids))
+        if isinstance(rank, Coordinates):
+            wanted = (rank.dp, rank.pp, rank.tp)
+            for r, coords in self.coordinates.items():
+                if coords == wanted:
+                    return r
+            raise ValueError(f"no rank at {wanted}")
+        assert isinstance(rank, int)
+        return rank

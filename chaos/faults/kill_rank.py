@@ -1,0 +1,21 @@
+"""``kill_rank``: SIGKILL to one rank's worker process (a crashed host, an OOM kill)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Literal
+
+from chaos.faults.base import FaultBase, Injection, RankTarget, Target
+
+
+class KillRank(FaultBase):
+    kind: Literal["kill_rank"]
+    rank: RankTarget = "random"
+
+    def inject(self, target: Target, step: int | None) -> Injection:
+        rank = target.resolve(self.rank)
+        pid = target.pids[rank]
+        os.kill(pid, signal.SIGKILL)
+        return Injection(self.kind, time.time(), step=step, rank=rank, detail={"pid": pid})

@@ -1,0 +1,108 @@
+"""``chaos run``: the reference run, the faulty run, measurements, verdict and report."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chaos import checker, measure, report
+from chaos.faults import Injection
+from chaos.runner import RunRecord, run_scenario
+from chaos.scenario import Scenario
+
+
+@dataclass(slots=True)
+class Outcome:
+    out: Path
+    report: dict[str, Any]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.report["verdict"]["verdict"] == "pass")
+
+
+def _reference_key(s: Scenario) -> str:
+    """Only what determines the final state: the faults and expectations do not."""
+    config = {"trainer": s.trainer.model_dump(), "seed": s.seed,
+              "checkpoint": {"every_steps": s.checkpoint.every_steps,
+                             "engine": s.checkpoint.engine}}
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def reference_cache() -> Path:
+    root = os.environ.get("ANTIFRAGILE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "antifragile")
+    return Path(root) / "reference"
+
+
+def _ensure_reference(s: Scenario, progress: Callable[[str], None]) -> str:
+    """The fault-free run's checkpoint folder, from the cache or run now."""
+    folder = reference_cache() / _reference_key(s)
+    done = folder / "DONE"
+    if done.exists():
+        progress(f"reference: cached ({folder})")
+        return str(folder / "ckpt")
+    shutil.rmtree(folder, ignore_errors=True)
+    progress("reference: running the fault-free run")
+    record = run_scenario(s, folder, str(folder / "ckpt"), faults=False)
+    if record.returncode != 0:
+        raise RuntimeError(f"the fault-free reference run failed (code {record.returncode}); "
+                           f"see {folder / 'torchrun.log'}")
+    done.write_text(json.dumps({"scenario": s.name, "finished": time.time()}))
+    return str(folder / "ckpt")
+
+
+def _final_step(record: RunRecord) -> int | None:
+    steps = [e["step"] for e in record.events if e["event"] == "step_end"]
+    return max(steps) if steps else None
+
+
+def run(s: Scenario, out: Path, *, reference: bool = True,
+        progress: Callable[[str], None] = print) -> Outcome:
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_url = s.checkpoint.url or str(out / "ckpt")
+    reference_url = _ensure_reference(s, progress) if reference else None
+
+    def on_event(e: dict[str, Any], injections: list[Injection]) -> None:
+        if e["event"] == "step_end" and e["rank"] == 0:
+            progress(f"step {e['step']:>5}/{s.trainer.steps}  attempt {e['attempt']}  "
+                     f"faults injected {len(injections)}/{len(s.faults)}")
+        elif e["event"] == "restore_end" and e["rank"] == 0:
+            progress(f"attempt {e['attempt']}: restored step {e['step']} in "
+                     f"{e['seconds']:.2f} s")
+        elif e["event"] == "hang_detected":
+            progress(f"rank {e['rank']}: ranks {e['silent_ranks']} silent, restarting")
+
+    progress(f"run: {s.name} ({s.trainer.parallel.world_size} ranks, {len(s.faults)} faults)")
+    record = run_scenario(s, out / "run", ckpt_url, on_event=on_event)
+    timings = [measure.fault_timings(record, i) for i in record.injections]
+    verdict = checker.judge(s, returncode=record.returncode, timings=timings,
+                            final_step=_final_step(record), faulty_url=ckpt_url,
+                            reference_url=reference_url)
+    doc = {
+        "scenario": s.model_dump(by_alias=True, mode="json"),
+        "environment": report.environment(),
+        "run": {"wall_s": record.wall_s, "goodput": measure.goodput(record),
+                "attempts": 1 + max((e["attempt"] for e in record.events), default=0),
+                "final_step": _final_step(record), "returncode": record.returncode,
+                "checkpoint_url": ckpt_url, "reference_url": reference_url},
+        "faults": measure.as_dicts(timings),
+        "checkpoints": measure.checkpoints(record),
+        "losses": measure.losses(record),
+        "verdict": checker.summary(verdict),
+    }
+    report.write_json(out, doc)
+    report.write_markdown(out, doc)
+    return Outcome(out, doc)
+
+
+def stderr_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

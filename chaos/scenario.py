@@ -1,0 +1,149 @@
+"""Scenario files (DESIGN 4.1): YAML validated into typed models before anything starts.
+
+Every error names the file, the key path and the reason, e.g.
+``scenarios/x.yaml: faults.0.rank: rank 9 is outside the world of 8 ranks``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from chaos.faults import FAULT_CONFIGS, FaultConfig
+
+
+class ScenarioError(Exception):
+    """Bad scenario input; the message is meant for the user as is (no traceback)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Parallel(_Strict):
+    dp: Annotated[int, Field(ge=1)] = 1
+    tp: Annotated[int, Field(ge=1)] = 1
+    pp: Annotated[int, Field(ge=1)] = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+class ModelSpec(_Strict):
+    layers: Annotated[int, Field(ge=1)] = 4
+    d_model: Annotated[int, Field(ge=1)] = 64
+    heads: Annotated[int, Field(ge=1)] = 4
+    vocab: Annotated[int, Field(ge=2)] = 256
+    seq_len: Annotated[int, Field(ge=1)] = 32
+
+
+class TrainerSpec(_Strict):
+    parallel: Parallel = Parallel()
+    nodes: Annotated[int, Field(ge=1)] = 1
+    model: ModelSpec = ModelSpec()
+    steps: Annotated[int, Field(ge=1)] = 60
+    batch_size: Annotated[int, Field(ge=1)] = 8
+    micro_batches: Annotated[int, Field(ge=1)] = 4
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    collective_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    hang_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainerSpec:
+        p = self.parallel
+        if self.batch_size % p.dp:
+            raise ValueError(f"batch_size {self.batch_size} is not divisible by dp {p.dp}")
+        if self.model.heads % p.tp:
+            raise ValueError(f"model.heads {self.model.heads} is not divisible by tp {p.tp}")
+        if self.model.d_model % self.model.heads:
+            raise ValueError(f"model.d_model {self.model.d_model} is not divisible by heads")
+        if self.model.layers < p.pp:
+            raise ValueError(f"{self.model.layers} layers cannot fill {p.pp} pipeline stages")
+        if p.pp > 1 and ((self.batch_size // p.dp) % self.micro_batches
+                         or self.micro_batches < p.pp):
+            raise ValueError(f"micro_batches {self.micro_batches} must divide the per-replica "
+                             f"batch {self.batch_size // p.dp} and be >= pp {p.pp}")
+        if self.nodes > 1 and p.world_size % self.nodes:
+            raise ValueError(f"{p.world_size} ranks cannot be split over {self.nodes} nodes")
+        return self
+
+
+class CheckpointSpec(_Strict):
+    url: str | None = None
+    every_steps: Annotated[int, Field(ge=1)] = 10
+    async_: bool = Field(True, alias="async")
+    keep_last: Annotated[int, Field(ge=1)] = 3
+    engine: Literal["antifragile"] = "antifragile"
+
+
+class Expect(_Strict):
+    bitwise_equal_to_reference: bool = True
+    max_recovery_s: Annotated[float, Field(gt=0)] | None = None
+    max_lost_steps: Annotated[int, Field(ge=0)] | None = None
+
+
+class Scenario(_Strict):
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str = ""
+    seed: int = 0
+    trainer: TrainerSpec = TrainerSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    faults: list[Annotated[FaultConfig, Field(discriminator="kind")]] = []
+    expect: Expect = Expect()
+
+    @model_validator(mode="after")
+    def _faults_fit(self) -> Scenario:
+        for i, fault in enumerate(self.faults):
+            p = self.trainer.parallel
+            problem = fault.check((p.dp, p.pp, p.tp), self.trainer.steps,
+                                  self.trainer.steps // self.checkpoint.every_steps)
+            if problem:
+                key, reason = problem
+                raise ValueError(f"faults.{i}{'.' + key if key else ''}: {reason}")
+        return self
+
+
+def _format_error(path: str, exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]
+                       if not str(x).startswith("function-") and str(x) not in FAULT_CONFIGS)
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "union_tag_invalid":
+            msg = (f"unknown fault kind {err['input'].get('kind')!r} "
+                   f"(known: {', '.join(sorted(FAULT_CONFIGS))})")
+        lines.append(f"{path}: {loc}: {msg}" if loc else f"{path}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_scenario(data: Any, *, path: str = "<scenario>") -> Scenario:
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{path}: a scenario must be a mapping, got {type(data).__name__}")
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError(_format_error(path, exc)) from None
+
+
+def load_scenario(path: str | Path, *, seed: int | None = None) -> Scenario:
+    """Read and validate a scenario file; ``seed`` overrides the file's."""
+    path = str(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+        raise ScenarioError(f"{path}: YAML syntax error{at}: "
+                            f"{getattr(exc, 'problem', None) or exc}") from None
+    if seed is not None and isinstance(data, dict):
+        data = {**data, "seed": seed}
+    return parse_scenario(data, path=path)
