@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -41,7 +42,11 @@ class TrainCheckpointer:
         self.events.emit("restore_begin")
         t0 = time.perf_counter()
         state = self._state(0, 0)
-        step = self.engine.load(state)
+        with warnings.catch_warnings(record=True) as skipped:
+            warnings.simplefilter("always", RuntimeWarning)
+            step = self.engine.load(state)
+        for warning in skipped:
+            self.events.emit("restore_skipped", reason=str(warning.message))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=_OPTIONS)
         self.events.emit("restore_end", step=step, seconds=time.perf_counter() - t0)

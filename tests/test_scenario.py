@@ -1,0 +1,104 @@
+"""Scenario files: validated before anything starts; every error names file, key and reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chaos.cli import SCENARIOS, main
+from chaos.scenario import ScenarioError, load_scenario, parse_scenario
+
+BASE: dict[str, Any] = {"name": "t", "trainer": {"parallel": {"dp": 2, "tp": 1, "pp": 1},
+                                                 "steps": 20},
+                        "checkpoint": {"every_steps": 5}}
+
+
+def _with(**changes: Any) -> dict[str, Any]:
+    return {**BASE, **changes}
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    (_with(bogus=1), "s.yaml: bogus: unknown key"),
+    (_with(faults=[{"kind": "nuke", "at_step": 3}]), "s.yaml: faults.0: unknown fault kind 'nuke'"),
+    (_with(faults=[{"kind": "kill_rank", "rank": 5, "at_step": 3}]),
+     "s.yaml: faults.0.rank: rank 5 is outside the world of 2 ranks"),
+    (_with(faults=[{"kind": "kill_rank", "rank": 0, "at_step": 30}]),
+     "s.yaml: faults.0.at_step: step 30 is not before the last step (20)"),
+    (_with(faults=[{"kind": "kill_rank", "rank": {"dp": 2}, "at_step": 3}]),
+     "s.yaml: faults.0.rank: {'dp': 2, 'pp': 0, 'tp': 0} is outside the mesh"),
+    (_with(faults=[{"kind": "kill_rank", "rank": 0}]), "exactly one trigger"),
+    (_with(faults=[{"kind": "crash_during_save", "at_checkpoint": 9}]),
+     "faults.0.at_checkpoint: the run takes only 4 checkpoint(s)"),
+    (_with(faults=[{"kind": "kill_rank", "rank": 0, "at_step": 3, "colour": "red"}]),
+     "s.yaml: faults.0.colour: unknown key"),
+    (_with(trainer={"steps": "many"}), "s.yaml: trainer.steps: Input should be a valid integer"),
+    (_with(trainer={"parallel": {"dp": 3}, "batch_size": 8}), "not divisible by dp 3"),
+    ({"trainer": {}}, "s.yaml: name: Field required"),
+    ([1, 2], "s.yaml: a scenario must be a mapping"),
+])
+def test_bad_scenarios_are_rejected_with_the_key_path(doc: Any, message: str) -> None:
+    with pytest.raises(ScenarioError) as exc:
+        parse_scenario(doc, path="s.yaml")
+    assert message in str(exc.value)
+
+
+def test_fault_targets_by_coordinates() -> None:
+    s = parse_scenario(_with(faults=[{"kind": "kill_rank", "rank": {"dp": 1}, "at_step": 3}]))
+    assert s.faults[0].rank.dp == 1  # type: ignore[union-attr]
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\ntrainer: {steps: 3\n")
+    with pytest.raises(ScenarioError, match=r"broken.yaml: YAML syntax error \(line 3"):
+        load_scenario(path)
+
+
+def test_cli_exit_codes_and_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_with(faults=[{"kind": "kill_rank", "rank": 9,
+                                                 "at_step": 3}])))
+    runner = CliRunner()
+    for command in (["validate", str(bad)], ["run", str(bad)]):
+        result = runner.invoke(main, command)
+        assert result.exit_code == 2
+        assert "faults.0.rank: rank 9 is outside" in result.output
+        assert "Traceback" not in result.output
+    missing = runner.invoke(main, ["validate", str(tmp_path / "none.yaml")])
+    assert missing.exit_code == 2 and "cannot read" in missing.output
+
+
+def test_every_shipped_scenario_is_valid() -> None:
+    shipped = sorted(SCENARIOS.rglob("*.yaml"))
+    assert any(p.name == "quickstart.yaml" for p in shipped)
+    for path in shipped:
+        load_scenario(path)
+    listing = CliRunner().invoke(main, ["list"])
+    assert listing.exit_code == 0 and "quickstart.yaml" in listing.output
+
+
+_json_leaf = st.none() | st.booleans() | st.integers(-5, 100) | st.floats(allow_nan=False) | \
+    st.text(max_size=8)
+_docs = st.recursive(_json_leaf, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.sampled_from(
+                         ["name", "trainer", "faults", "kind", "rank", "at_step", "parallel",
+                          "dp", "steps", "checkpoint", "every_steps", "expect", "x"]),
+                         inner, max_size=4), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(_docs, st.fixed_dictionaries({"name": st.just("f")}, optional={
+    "trainer": _docs, "faults": st.lists(_docs, max_size=3), "checkpoint": _docs,
+    "expect": _docs, "seed": _json_leaf})))
+def test_no_input_crashes_the_loader(doc: Any) -> None:
+    """Fuzzed: the loader either accepts a document or raises ScenarioError, nothing else."""
+    try:
+        parse_scenario(doc, path="fuzz.yaml")
+    except ScenarioError as exc:
+        assert str(exc).startswith("fuzz.yaml")
