@@ -151,6 +151,31 @@ class StepReader:
             raise CheckpointCorruptError(f"{where}: unsupported codec pipeline")
         return ArraySpec(name, tensor.path, offset, shape, attrs["dtype"], grid, inner)
 
+    def check_cell(self, spec: ArraySpec, cell: tuple[int, ...], data: bytes | bytearray) -> None:
+        """Decode a whole shard object: index crc and bounds, every in-bounds inner chunk
+        present, of the right size, and matching its crc32c (``verify``'s deep check)."""
+        where = f"{self.where(spec.cell_key(cell))} (array {spec.name!r})"
+        itemsize = torch_dtype(spec.dtype, where=where).itemsize
+        view = memoryview(data)
+        if not spec.shape:
+            if len(_format.check_chunk(view, where=where)) != itemsize:
+                raise CheckpointCorruptError(f"{where}: scalar payload has the wrong size")
+            return
+        k = spec.inner_rows
+        chunk_nbytes = k * math.prod(spec.shard_shape[1:]) * itemsize + 4
+        valid_rows = min(spec.shard_shape[0], spec.shape[0] - cell[0] * spec.shard_shape[0])
+        tail = _format.index_nbytes(spec)
+        if len(data) < tail:
+            raise CheckpointCorruptError(f"{where}: object smaller than its index")
+        index = _format.decode_index(spec, bytes(view[-tail:]), len(data), where=where)
+        for i, span in enumerate(index):
+            if i * k >= valid_rows:
+                continue
+            if span is None or span[1] != chunk_nbytes:
+                raise CheckpointCorruptError(f"{where}: inner chunk {i} is missing or has the "
+                                             "wrong size")
+            _format.check_chunk(view[span[0]:span[0] + span[1]], where=where)
+
     # -- data ----------------------------------------------------------------------------------
 
     def read_box(self, tensor: StoredTensor, box: HeldBox, out: torch.Tensor,

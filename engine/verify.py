@@ -9,6 +9,7 @@ from itertools import product
 
 from engine.errors import CheckpointError
 from engine.load import StepReader
+from engine.plan import ArraySpec
 from engine.storage import Storage
 
 
@@ -62,18 +63,7 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
         report.add("COMMIT", None, str(exc))
         return report
 
-    def check(key: str) -> tuple[str, int, str | None]:
-        try:
-            return key, len(reader.read_checked(key)), None
-        except CheckpointError as exc:
-            return key, 0, str(exc)
-
-    for key, nbytes, error in pool.map(check, sorted(reader.manifest)):
-        report.objects += 1
-        report.nbytes += nbytes
-        if error:
-            report.add(key, _array_of(key), error)
-
+    cells: dict[str, tuple[ArraySpec, tuple[int, ...]]] = {}
     for tensor in reader.tensors.values():
         covered = 0
         for name in tensor.arrays:
@@ -87,9 +77,26 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
                 continue
             grid = [range(math.ceil(n / c)) for n, c in zip(spec.shape, spec.shard_shape)]
             for cell in product(*grid):
-                if spec.cell_key(cell) not in reader.manifest:
-                    report.add(spec.cell_key(cell), name, "shard not in the COMMIT manifest")
+                key = spec.cell_key(cell)
+                cells[key] = (spec, cell)
+                if key not in reader.manifest:
+                    report.add(key, name, "shard not in the COMMIT manifest")
         if covered != math.prod(tensor.shape):
             report.add("zarr.json", None, f"the arrays of tensor {tensor.path!r} cover {covered} "
                        f"of its {math.prod(tensor.shape)} elements")
+
+    def check(key: str) -> tuple[str, int, str | None]:
+        try:
+            data = reader.read_checked(key)
+            if key in cells:
+                reader.check_cell(*cells[key], data)
+            return key, len(data), None
+        except CheckpointError as exc:
+            return key, 0, str(exc)
+
+    for key, nbytes, error in pool.map(check, sorted(reader.manifest)):
+        report.objects += 1
+        report.nbytes += nbytes
+        if error:
+            report.add(key, _array_of(key), error)
     return report

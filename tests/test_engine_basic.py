@@ -1,0 +1,486 @@
+"""Single-process behaviour of CheckpointEngine on every backend (local path and S3 via moto).
+
+What a training loop relies on: a nested state round-trips exactly, ``save`` returns before the
+commit and what is written is the state at the time of the call, a save never blocks on the
+previous one, failures surface (on ``wait()`` or on the next ``save()``), committed steps are
+never overwritten, retention keeps the newest step, and load errors name the path and the step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+from torch import nn
+
+from engine import (
+    CheckpointBusyError,
+    CheckpointEngine,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
+
+Storage = tuple[str, dict[str, Any] | None]
+
+
+@pytest.fixture
+def ckpt(storage: Storage) -> Iterator[CheckpointEngine]:
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=None) as engine:
+        yield engine
+
+
+class GatedStorage:
+    """Wraps an engine's storage: every write waits for ``release``; ``entered`` is set by the
+    first write. Makes "the save is still persisting" a fact instead of a race."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def write(self, key: str, parts: Sequence[Any]) -> None:
+        self.entered.set()
+        if not self.release.wait(60):
+            raise PermissionError("test gate never opened")
+        self.inner.write(key, parts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def gate(engine: CheckpointEngine) -> GatedStorage:
+    gated = GatedStorage(engine.storage)
+    engine.storage = gated
+    return gated
+
+
+def raw_fs(storage: Storage) -> tuple[Any, str]:
+    """A filesystem outside the engine and the checkpoint root on it."""
+    url, options = storage
+    extra = (
+        {"skip_instance_cache": True, "use_listings_cache": False}
+        if options
+        else {"auto_mkdir": True}
+    )
+    return fsspec.core.url_to_fs(url, **(options or {}), **extra)
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def assert_same(actual: Any, expected: Any, path: str = "") -> None:
+    """Exact equality of nested states: tensors bit for bit, dtype and shape included."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+        assert torch.equal(actual, expected), path
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(actual) == set(expected), path
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{path}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same(a, e, f"{path}/{i}")
+    elif isinstance(expected, float) and math.isnan(expected):
+        assert isinstance(actual, float) and math.isnan(actual), path
+    else:
+        assert actual == expected and type(actual) is type(expected), path
+
+
+def blank(state: Any) -> Any:
+    """A target of the same structure: tensors of the same dtype/shape filled with other bits,
+    JSON leaves replaced by placeholders."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state) if state.dtype == torch.bool else torch.full_like(state, 7)
+    if isinstance(state, dict):
+        return {k: blank(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [blank(v) for v in state]
+    return "placeholder"
+
+
+def nested_state() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=gen)
+    return {
+        "model": {
+            "f32": torch.randn(5, 3, generator=gen),
+            "f16": torch.randn(4, 4, generator=gen).half(),
+            "bf16": torch.randn(3, 5, generator=gen).bfloat16(),
+            "i64": torch.randint(-(2**40), 2**40, (7,), generator=gen),
+            "bool": torch.rand(2, 3, generator=gen) > 0.5,
+            "c64": torch.randn(4, dtype=torch.complex64, generator=gen),
+            "scalar": torch.tensor(3.25),
+            "scalar_bf16": torch.tensor(-1.5, dtype=torch.bfloat16),
+            "empty": torch.empty(0, 4),
+            "empty_mid": torch.empty(3, 0, 2, dtype=torch.int64),
+            "transposed": base.t(),
+            "strided": base[::2, 1::3],
+        },
+        "layers": [torch.arange(6, dtype=torch.float32), {"w": torch.ones(2, 2)}, 4, "relu"],
+        "extra": {
+            "int": 7,
+            "big": 2**62,
+            "str": "héllo",
+            "float": 0.1,
+            "none": None,
+            "list": [1, "a", None, 2.5, [3]],
+            "nan": float("nan"),
+            "inf": float("inf"),
+        },
+        "step": 120,
+    }
+
+
+def test_nested_state_round_trips_exactly(ckpt: CheckpointEngine) -> None:
+    state = nested_state()
+    assert not state["model"]["transposed"].is_contiguous()
+    expected = copy.deepcopy(state)
+    ckpt.save(3, state, blocking=True)
+    target = blank(state)
+    assert ckpt.load(target) == 3
+    assert_same(target, expected)
+
+
+def test_load_fills_non_contiguous_views_in_place(ckpt: CheckpointEngine) -> None:
+    state = nested_state()
+    ckpt.save(1, state, blocking=True)
+    base_t, base_s = torch.zeros(6, 8), torch.zeros(6, 8)
+    target = blank(state)
+    target["model"]["transposed"] = base_t.t()
+    target["model"]["strided"] = base_s[::2, 1::3]
+    ckpt.load(target, step=1)
+    assert torch.equal(base_t.t(), state["model"]["transposed"])
+    assert torch.equal(base_s[::2, 1::3], state["model"]["strided"])
+    base_s[::2, 1::3] = 0
+    assert not base_s.any(), "load wrote outside the target view"
+
+
+def small_model(seed: int) -> tuple[nn.Module, torch.optim.Adam]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2 if seed == 0 else 0.5)
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(16, 4, generator=gen), torch.randn(16, 2, generator=gen)
+    optim.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optim.step()
+
+
+class TrainState:
+    """A Stateful wrapper, as trainers hand to DCP."""
+
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.model.load_state_dict(state_dict["model"])
+        self.optim.load_state_dict(state_dict["optim"])
+
+
+def assert_same_training(
+    a: tuple[nn.Module, torch.optim.Adam], b: tuple[nn.Module, torch.optim.Adam]
+) -> None:
+    """Same parameters and optimizer state now, and after one more identical step."""
+    for step in range(2):
+        for pa, pb in zip(a[0].parameters(), b[0].parameters()):
+            assert torch.equal(pa, pb)
+        sa, sb = a[1].state_dict(), b[1].state_dict()
+        assert_same(sb["state"], sa["state"])
+        assert [g["lr"] for g in sb["param_groups"]] == [g["lr"] for g in sa["param_groups"]]
+        if step == 0:
+            train_step(*a, seed=99)
+            train_step(*b, seed=99)
+
+
+def test_adam_through_a_stateful_wrapper(ckpt: CheckpointEngine) -> None:
+    source = small_model(0)
+    for seed in range(3):
+        train_step(*source, seed)
+    ckpt.save(3, {"app": TrainState(*source), "step": 3}, blocking=True)
+
+    target = small_model(1)
+    train_step(*target, seed=7)  # optimizer state exists, as after DCP's init
+    holder = {"app": TrainState(*target), "step": 0}
+    assert ckpt.load(holder) == 3
+    assert holder["step"] == 3
+    assert_same_training(source, target)
+
+
+def test_adam_state_dict_directly(ckpt: CheckpointEngine) -> None:
+    source = small_model(0)
+    for seed in range(2):
+        train_step(*source, seed)
+    ckpt.save(2, {"model": source[0].state_dict(), "optim": source[1].state_dict()}, blocking=True)
+
+    target = small_model(1)
+    train_step(*target, seed=7)
+    state = {"model": target[0].state_dict(), "optim": target[1].state_dict()}
+    ckpt.load(state)
+    target[1].load_state_dict(state["optim"])
+    assert_same_training(source, target)
+
+
+# -- asynchronous save -----------------------------------------------------------------------
+
+
+def test_save_returns_before_commit_and_writes_the_state_at_call_time(
+    ckpt: CheckpointEngine,
+) -> None:
+    state = {"w": torch.randn(32, 8), "extra": {"history": [1, 2]}, "step": 1}
+    expected = copy.deepcopy(state)
+    gated = gate(ckpt)
+    handle = ckpt.save(1, state)
+    assert handle.staged.is_set()
+    assert gated.entered.wait(30)
+    assert not handle.done() and ckpt.steps() == [] and ckpt.latest_step() is None
+
+    state["w"].mul_(-3).add_(1)
+    state["extra"]["history"].append(3)
+    state["step"] = 2
+    gated.release.set()
+    handle.wait()
+    assert ckpt.steps() == [1] and ckpt.latest_step() == 1
+    assert handle.nbytes >= 32 * 8 * 4 and handle.committed_nbytes >= handle.nbytes
+    target = blank(expected)
+    ckpt.load(target)
+    assert_same(target, expected)
+
+
+def test_deferred_staging_sets_staged_before_persisting(ckpt: CheckpointEngine) -> None:
+    state = {"w": torch.randn(16, 4)}
+    expected = state["w"].clone()
+    gated = gate(ckpt)
+    handle = ckpt.save(1, state, defer_staging=True)
+    assert handle.staged.wait(30)
+    state["w"].zero_()
+    gated.release.set()
+    ckpt.wait()
+    target = {"w": torch.empty(16, 4)}
+    ckpt.load(target)
+    assert torch.equal(target["w"], expected)
+
+
+def test_steps_and_latest_step(ckpt: CheckpointEngine) -> None:
+    assert ckpt.steps() == [] and ckpt.latest_step() is None
+    state = {"w": torch.ones(3)}
+    for step in (10, 2, 30):
+        ckpt.save(step, state, blocking=True)
+    assert ckpt.steps() == [2, 10, 30]
+    assert ckpt.latest_step() == 30
+
+
+def test_save_while_persisting_is_skipped_with_busy_error(ckpt: CheckpointEngine) -> None:
+    state = {"w": torch.randn(8, 8)}
+    gated = gate(ckpt)
+    first = ckpt.save(1, state)
+    assert gated.entered.wait(30)
+    with pytest.warns(RuntimeWarning, match=r"step 2 skipped.*step 1 still persisting"):
+        second = ckpt.save(2, state)
+    assert second.staged.is_set()
+    with pytest.raises(CheckpointBusyError, match="step 2"):
+        second.wait()
+    gated.release.set()
+    first.wait()
+    assert ckpt.steps() == [1]
+    ckpt.save(2, state, blocking=True)
+    assert ckpt.steps() == [1, 2]
+
+
+def break_storage(storage: Storage, step: int) -> Callable[[], None]:
+    """Make every write of ``step`` fail, even for root; returns the repair.
+
+    Locally the step folder's path becomes a regular file; on S3 the bucket disappears.
+    """
+    url, options = storage
+    if options is None:
+        fs, root = raw_fs(storage)
+        blocker = f"{root}/step_{step:09d}"
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(blocker, b"not a folder")
+        return lambda: fs.rm(blocker)
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=options["endpoint_url"],
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    bucket = url.removeprefix("s3://").split("/", 1)[0]
+    for obj in client.list_objects_v2(Bucket=bucket).get("Contents", []):
+        client.delete_object(Bucket=bucket, Key=obj["Key"])
+    client.delete_bucket(Bucket=bucket)
+    return lambda: client.create_bucket(Bucket=bucket)
+
+
+def test_failed_persist_surfaces_on_wait(storage: Storage, ckpt: CheckpointEngine) -> None:
+    state = {"w": torch.randn(4, 4)}
+    ckpt.save(1, state, blocking=True)
+    repair = break_storage(storage, 2)
+    try:
+        handle = ckpt.save(2, state)
+        with pytest.raises(CheckpointError, match="step 2"):
+            handle.wait()
+    finally:
+        repair()
+    assert 2 not in ckpt.steps()
+    ckpt.save(3, state, blocking=True)
+    assert ckpt.latest_step() == 3
+
+
+def test_unobserved_failure_makes_next_save_raise(storage: Storage, ckpt: CheckpointEngine) -> None:
+    state = {"w": torch.randn(4, 4)}
+    repair = break_storage(storage, 2)
+    try:
+        handle = ckpt.save(2, state)
+        until(handle.done)
+    finally:
+        repair()
+    with pytest.raises(CheckpointError, match=r"step 3 not saved.*step 2 failed"):
+        ckpt.save(3, state)
+    assert ckpt.steps() == []
+    ckpt.save(3, state, blocking=True)
+    assert ckpt.steps() == [3]
+
+
+def test_committed_step_is_never_overwritten(ckpt: CheckpointEngine) -> None:
+    original = torch.randn(5, 5)
+    ckpt.save(4, {"w": original.clone()}, blocking=True)
+    handle = ckpt.save(4, {"w": original + 1})
+    with pytest.raises(CheckpointError, match="step 4 is already committed"):
+        handle.wait()
+    target = {"w": torch.empty(5, 5)}
+    assert ckpt.load(target) == 4
+    assert torch.equal(target["w"], original)
+    assert ckpt.verify(4).ok
+
+
+# -- retention -------------------------------------------------------------------------------
+
+
+def step_folders(storage: Storage) -> list[str]:
+    fs, root = raw_fs(storage)
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+
+
+def test_keep_last_retains_newest_and_removes_older_debris(storage: Storage) -> None:
+    url, options = storage
+    state = {"w": torch.randn(4, 2)}
+    fs, root = raw_fs(storage)
+    with CheckpointEngine(url, storage_options=options, keep_last=2) as engine:
+        for step in (1, 2, 3, 4):
+            engine.save(step, state, blocking=True)
+        assert engine.steps() == [3, 4]
+        fs.pipe_file(f"{root}/step_000000002/w/c/0/0", b"debris of a crashed save")
+        fs.pipe_file(f"{root}/step_000000009/w/c/0/0", b"a save that may still be running")
+        engine.save(5, state, blocking=True)
+        assert engine.steps() == [4, 5]
+        assert step_folders(storage) == ["step_000000004", "step_000000005", "step_000000009"]
+        target = {"w": torch.empty(4, 2)}
+        assert engine.load(target, step=4) == 4 and torch.equal(target["w"], state["w"])
+
+
+def test_keep_last_one_never_deletes_the_newest(storage: Storage) -> None:
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=1) as engine:
+        for step in (1, 2, 3):
+            engine.save(step, {"w": torch.full((3,), float(step))}, blocking=True)
+            assert engine.steps() == [step]
+        target = {"w": torch.empty(3)}
+        assert engine.load(target) == 3 and torch.equal(target["w"], torch.full((3,), 3.0))
+
+
+# -- load errors -----------------------------------------------------------------------------
+
+
+def test_load_without_checkpoint_raises_not_found(ckpt: CheckpointEngine) -> None:
+    with pytest.raises(CheckpointNotFoundError):
+        ckpt.load({"w": torch.empty(2)})
+    ckpt.save(1, {"w": torch.ones(2)}, blocking=True)
+    with pytest.raises(CheckpointNotFoundError, match="step 7"):
+        ckpt.load({"w": torch.empty(2)}, step=7)
+
+
+def test_load_target_with_a_tensor_the_checkpoint_lacks(ckpt: CheckpointEngine) -> None:
+    ckpt.save(5, {"model": {"w": torch.ones(2)}}, blocking=True)
+    target = {"model": {"w": torch.empty(2), "new_head": torch.empty(3)}}
+    with pytest.raises(CheckpointMismatchError, match=r"step 5.*model/new_head"):
+        ckpt.load(target, step=5)
+
+
+def test_load_target_with_another_shape(ckpt: CheckpointEngine) -> None:
+    ckpt.save(5, {"model": {"w": torch.ones(4, 3)}}, blocking=True)
+    with pytest.raises(CheckpointMismatchError, match=r"step 5.*model/w.*\[4, 3\].*\[3, 4\]"):
+        ckpt.load({"model": {"w": torch.empty(3, 4)}}, step=5)
+
+
+def test_mismatch_on_every_step_warns_raises_and_quarantines_nothing(
+    ckpt: CheckpointEngine,
+) -> None:
+    ckpt.save(1, {"w": torch.ones(2)}, blocking=True)
+    ckpt.save(2, {"w": torch.ones(2), "v": torch.ones(1)}, blocking=True)
+    with (
+        pytest.warns(RuntimeWarning, match=r"step 2 skipped, trying step 1.*'v'.*\[5\]"),
+        pytest.raises(CheckpointMismatchError, match=r"step 2.*'v'"),
+    ):
+        ckpt.load({"w": torch.empty(2), "v": torch.empty(5)})
+    assert ckpt.steps() == [1, 2]
+    target = {"w": torch.empty(2), "v": torch.empty(1)}
+    assert ckpt.load(target) == 2
+
+
+def test_load_of_a_subset_of_the_checkpoint(ckpt: CheckpointEngine) -> None:
+    state = {"model": {"w": torch.randn(3), "b": torch.randn(2)}, "step": 4}
+    ckpt.save(4, state, blocking=True)
+    target = {"model": {"w": torch.empty(3)}}
+    assert ckpt.load(target) == 4
+    assert torch.equal(target["model"]["w"], state["model"]["w"])
+
+
+# -- user errors -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("state", "named"),
+    [
+        ({"w": torch.ones(2), "extra": {"tags": {1, 2}}}, "'extra'.*set"),
+        ({"w": torch.ones(2), "hook": lambda: None}, "hook"),
+        ({"model": {"a/b": torch.ones(2)}}, "a/b"),
+        ({"model": {"..": torch.ones(2)}}, r"'\.\.'"),
+        ({"model": {".hidden": torch.ones(2)}}, r"\.hidden"),
+        ({"model": {("tuple", "key"): torch.ones(2)}}, "tuple"),
+    ],
+    ids=["set", "lambda", "slash-key", "dotdot-key", "hidden-key", "tuple-key"],
+)
+def test_invalid_state_is_refused_naming_the_path(
+    tmp_path: Any, state: dict[str, Any], named: str
+) -> None:
+    """Refused by ``save`` itself, before any storage is touched (so one backend suffices)."""
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        with pytest.raises(CheckpointError, match=named):
+            engine.save(1, state)
+        assert engine.steps() == []
+        engine.save(1, {"w": torch.ones(2)}, blocking=True)
+        assert engine.steps() == [1]

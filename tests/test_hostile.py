@@ -1,0 +1,405 @@
+"""Hand-crafted hostile checkpoints on local storage.
+
+An attacker (or a buggy writer) controls every byte of a checkpoint and keeps the COMMIT
+manifest consistent with what they wrote, so checksums alone catch nothing. Whatever the
+metadata says, ``load`` raises CheckpointError, ``verify`` reports the step as not ok, nothing
+outside the checkpoint folder is written, no absurd amount of memory is allocated, and nothing
+is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+
+from engine import CheckpointEngine, CheckpointError, PlanOptions
+
+# model/w: 8 x 4 float32 in 2 shard objects of 4 rows, each of 2 inner chunks of 2 rows
+PLAN = PlanOptions(max_object_bytes=64, inner_chunk_bytes=32)
+SHARD = "model/w/c/1/0"
+SCALAR = "model/s/c"
+EMPTY = 2**64 - 1
+
+
+def crc(data: bytes) -> int:
+    return int(crc32c.crc32c(data))
+
+
+class Hostile:
+    """Step 1 of a local checkpoint, rewritten the way an attacker would: every object it
+    changes gets a matching size and crc32c in the COMMIT manifest."""
+
+    def __init__(self, root: Path, step: int = 1) -> None:
+        self.dir = root / f"step_{step:09d}"
+
+    def read(self, key: str) -> bytes:
+        return (self.dir / key).read_bytes()
+
+    def read_json(self, key: str) -> Any:
+        return json.loads(self.read(key))
+
+    def write(self, key: str, data: bytes) -> None:
+        (self.dir / key).write_bytes(data)
+        self.edit_commit(lambda c: c["objects"].__setitem__(key, [len(data), crc(data)]))
+
+    def edit_json(self, key: str, edit: Callable[[Any], None]) -> None:
+        doc = self.read_json(key)
+        edit(doc)
+        self.write(key, json.dumps(doc).encode())
+
+    def edit_commit(self, edit: Callable[[dict[str, Any]], None]) -> None:
+        doc = json.loads((self.dir / "COMMIT").read_bytes())
+        edit(doc)
+        (self.dir / "COMMIT").write_bytes(json.dumps(doc).encode())
+
+    def edit_index(self, edit: Callable[[dict[str, Any]], None]) -> None:
+        """Edit the group's tensor index entry of ``model/w``."""
+        self.edit_json(
+            "zarr.json", lambda g: edit(g["attributes"]["antifragile"]["tensors"]["model/w"])
+        )
+
+    def edit_array(self, edit: Callable[[dict[str, Any]], None], name: str = "model/w") -> None:
+        self.edit_json(f"{name}/zarr.json", edit)
+
+    def edit_shard_index(self, edit: Callable[[np.ndarray], None], key: str = SHARD) -> None:
+        data = self.read(key)
+        body = np.frombuffer(data[-36:-4], dtype="<u8").reshape(-1, 2).copy()
+        edit(body)
+        raw = body.tobytes()
+        self.write(key, data[:-36] + raw + struct.pack("<I", crc(raw)))
+
+
+def make_checkpoint(root: Path) -> Hostile:
+    with CheckpointEngine(str(root), plan_options=PLAN) as engine:
+        engine.save(1, source_state(), blocking=True)
+    hostile = Hostile(root)
+    assert {SHARD, SCALAR, "model/w/c/0/0"} <= set(hostile.read_json("COMMIT")["objects"])
+    return hostile
+
+
+def source_state() -> dict[str, Any]:
+    return {
+        "model": {"w": torch.arange(32, dtype=torch.float32).reshape(8, 4), "s": torch.tensor(2.5)},
+        "step": 1,
+    }
+
+
+def target_state() -> dict[str, Any]:
+    return {"model": {"w": torch.zeros(8, 4), "s": torch.tensor(0.0)}, "step": 0}
+
+
+def _set(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda doc: doc.__setitem__(key, value)
+
+
+def _sharding(edit: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    return lambda doc: edit(doc["codecs"][0]["configuration"])
+
+
+def _attrs(edit: Callable[[dict[str, Any]], None]) -> Callable[[Hostile], None]:
+    return lambda h: h.edit_json("zarr.json", lambda g: edit(g["attributes"]["antifragile"]))
+
+
+def _names(*names: str) -> Callable[[Hostile], None]:
+    return lambda h: h.edit_index(_set("arrays", list(names)))
+
+
+def _outside(h: Hostile) -> None:
+    h.edit_index(_set("arrays", [str(h.dir.parent.parent / "outside" / "w")]))
+
+
+def _scalar_payload(h: Hostile) -> None:
+    payload = struct.pack("<ff", 1.0, 2.0)
+    h.write(SCALAR, payload + struct.pack("<I", crc(payload)))
+
+
+def _empty_inner(body: np.ndarray) -> None:
+    body[1] = (EMPTY, EMPTY)
+
+
+def _outside_index(body: np.ndarray) -> None:
+    body[1, 0] = 10**6
+
+
+def _uncovered(h: Hostile) -> None:
+    h.edit_array(_set("shape", [4, 4]))
+
+
+HOSTILE: dict[str, Callable[[Hostile], None]] = {
+    "array-name-dotdot": _names("../../outside/w"),
+    "array-name-absolute": _outside,
+    "array-name-double-slash": _names("model//w"),
+    "array-name-dot": _names("model/./w"),
+    "array-name-backslash": _names("model\\..\\..\\w"),
+    "array-name-nul": _names("model/w\x00"),
+    "array-name-reserved": _names("model/w/zarr.json"),
+    "manifest-key-dotdot": lambda h: h.edit_commit(
+        lambda c: c["objects"].__setitem__("../../outside/x", [4, 0])
+    ),
+    "manifest-key-absolute": lambda h: h.edit_commit(
+        lambda c: c["objects"].__setitem__("/etc/passwd", [4, 0])
+    ),
+    "manifest-size-negative": lambda h: h.edit_commit(
+        lambda c: c["objects"].__setitem__(SHARD, [-8, 0])
+    ),
+    "manifest-size-huge": lambda h: h.edit_commit(
+        lambda c: c["objects"].__setitem__(SHARD, [2**64, 0])
+    ),
+    "manifest-size-wrong": lambda h: h.edit_commit(
+        lambda c: c["objects"][SHARD].__setitem__(0, 2**40)
+    ),
+    "absurd-shape-many-shards": lambda h: (
+        h.edit_index(_set("shape", [10**15, 4])),
+        h.edit_array(_set("shape", [10**15, 4])),
+    ),
+    "absurd-shape-one-shard": lambda h: (
+        h.edit_index(_set("shape", [10**15, 4])),
+        h.edit_array(
+            lambda a: (
+                a.__setitem__("shape", [10**15, 4]),
+                a["chunk_grid"]["configuration"].__setitem__("chunk_shape", [10**15, 4]),
+            )
+        ),
+    ),
+    "shape-negative": lambda h: h.edit_index(_set("shape", [-8, 4])),
+    "shape-float": lambda h: h.edit_array(_set("shape", [8.0, 4])),
+    "shape-rank": lambda h: h.edit_array(_set("shape", [8, 4, 1])),
+    "dtype-unknown-in-index": lambda h: h.edit_index(_set("dtype", "float128")),
+    "dtype-unknown-in-array": lambda h: h.edit_array(
+        lambda a: a["attributes"]["antifragile"].__setitem__("dtype", "torch.evil")
+    ),
+    "data-type-disagrees": lambda h: h.edit_array(_set("data_type", "int32")),
+    "codec-gzip": lambda h: h.edit_array(
+        _sharding(
+            _set(
+                "codecs",
+                [
+                    {"name": "bytes", "configuration": {"endian": "little"}},
+                    {"name": "gzip", "configuration": {"level": 1}},
+                    {"name": "crc32c"},
+                ],
+            )
+        )
+    ),
+    "codec-no-crc": lambda h: h.edit_array(
+        _sharding(_set("codecs", [{"name": "bytes", "configuration": {"endian": "little"}}]))
+    ),
+    "codec-not-sharded": lambda h: h.edit_array(
+        _set(
+            "codecs", [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+        )
+    ),
+    "codec-index-at-start": lambda h: h.edit_array(_sharding(_set("index_location", "start"))),
+    "codec-scalar-not-a-list": lambda h: h.edit_array(_set("codecs", 5), name="model/s"),
+    "inner-chunk-shape": lambda h: h.edit_array(_sharding(_set("chunk_shape", [3, 4]))),
+    "shard-index-outside-object": lambda h: h.edit_shard_index(_outside_index),
+    "shard-index-empty-chunk": lambda h: h.edit_shard_index(_empty_inner),
+    "scalar-payload-size": _scalar_payload,
+    "arrays-do-not-cover-tensor": _uncovered,
+    "group-attributes-not-a-dict": lambda h: h.edit_json(
+        "zarr.json", _set("attributes", ["antifragile"])
+    ),
+    "group-values-not-a-dict": _attrs(_set("values", ["step"])),
+    "group-values-by-rank-not-a-dict": _attrs(_set("values_by_rank", {"step": [1]})),
+    "tensor-entry-not-a-dict": lambda h: h.edit_json(
+        "zarr.json",
+        lambda g: g["attributes"]["antifragile"]["tensors"].__setitem__("model/w", "model/w"),
+    ),
+    "commit-not-json": lambda h: (h.dir / "COMMIT").write_bytes(b"\x80\x04\x95pickle"),
+    "commit-for-another-step": lambda h: h.edit_commit(_set("step", 2)),
+}
+
+# verify checks each object against its manifest entry and that every shard is listed; it
+# does not decode shard objects, so these consistent-but-hostile objects pass it.
+def tree(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.fixture
+def hostile_root(tmp_path: Path) -> Path:
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "canary").write_bytes(b"must stay")
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_load_raises_and_writes_nothing_outside(hostile_root: Path, case: str) -> None:
+    hostile = make_checkpoint(hostile_root)
+    HOSTILE[case](hostile)
+    outside = hostile_root.parent / "outside"
+    before = tree(outside)
+    engine = CheckpointEngine(str(hostile_root))
+    try:
+        with pytest.raises(CheckpointError):
+            engine.load(target_state(), step=1)
+        with pytest.raises(CheckpointError):
+            engine.load(target_state())  # the only step: nothing older to fall back to
+    finally:
+        engine.close()
+    assert tree(outside) == before
+    assert sorted(p.name for p in hostile_root.parent.iterdir()) == ["ckpt", "outside"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    HOSTILE,
+)
+def test_hostile_verify_reports_not_ok(hostile_root: Path, case: str) -> None:
+    hostile = make_checkpoint(hostile_root)
+    HOSTILE[case](hostile)
+    with CheckpointEngine(str(hostile_root)) as engine:
+        report = engine.verify(1)
+    assert not report.ok
+    assert report.problems
+
+
+def test_quarantine_does_not_follow_a_planted_symlink(hostile_root: Path) -> None:
+    """A damaged step whose CORRUPT note is a symlink: quarantining it must not write through."""
+    victim = hostile_root.parent / "outside" / "canary"
+    with CheckpointEngine(str(hostile_root), keep_last=None, plan_options=PLAN) as engine:
+        engine.save(1, source_state(), blocking=True)
+        engine.save(2, source_state(), blocking=True)
+        shard = hostile_root / "step_000000002" / SHARD
+        data = bytearray(shard.read_bytes())
+        data[0] ^= 1
+        shard.write_bytes(bytes(data))
+        (hostile_root / "step_000000002" / "CORRUPT").symlink_to(victim)
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+            assert engine.load(target_state()) == 1
+    assert victim.read_bytes() == b"must stay"
+
+
+def _forbid(*_: Any, **__: Any) -> Any:
+    raise AssertionError("something on storage was unpickled")
+
+
+def test_nothing_is_ever_unpickled(hostile_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_checkpoint(hostile_root)
+    for name in ("loads", "load", "Unpickler"):
+        monkeypatch.setattr(pickle, name, _forbid)
+    monkeypatch.setattr(torch, "load", _forbid)
+    monkeypatch.setattr(np, "load", _forbid)
+    target = target_state()
+    with CheckpointEngine(str(hostile_root)) as engine:
+        assert engine.verify(1).ok
+        assert engine.load(target) == 1
+        HOSTILE["commit-not-json"](Hostile(hostile_root))
+        with pytest.raises(CheckpointError):
+            engine.load(target_state(), step=1)
+    assert torch.equal(target["model"]["w"], source_state()["model"]["w"])
+    assert target["step"] == 1
+
+
+# -- resource bombs, run in a child process under an address-space limit ---------------------
+
+
+def _index_bomb(h: Hostile) -> None:
+    """A shard whose index would be 16 GB: 10**9 inner chunks of one row; manifest says 1 TiB."""
+    h.edit_array(
+        lambda a: (
+            a["chunk_grid"]["configuration"].__setitem__("chunk_shape", [10**9, 4]),
+            _sharding(_set("chunk_shape", [1, 4]))(a),
+        )
+    )
+    h.edit_commit(lambda c: c["objects"]["model/w/c/0/0"].__setitem__(0, 2**40))
+
+
+def _verify_grid_bomb(h: Hostile) -> None:
+    """10**8 shards (under the engine's cap), none of them in the manifest."""
+    h.edit_index(_set("shape", [10**15, 4]))
+    h.edit_array(
+        lambda a: (
+            a.__setitem__("shape", [10**15, 4]),
+            a["chunk_grid"]["configuration"].__setitem__("chunk_shape", [10**7, 4]),
+        )
+    )
+
+
+def _load_grid_bomb(h: Hostile) -> None:
+    """A 2 * 10**6-row tensor declared as 2 * 10**6 one-row shards, two of them present."""
+    h.edit_index(_set("shape", [2 * 10**6, 4]))
+    h.edit_array(
+        lambda a: (
+            a.__setitem__("shape", [2 * 10**6, 4]),
+            a["chunk_grid"]["configuration"].__setitem__("chunk_shape", [1, 4]),
+            _sharding(_set("chunk_shape", [1, 4]))(a),
+        )
+    )
+
+
+# storage did not fail: the checkpoint is refused (a StorageError here would be a MemoryError
+# retried by the storage layer, i.e. the huge allocation was attempted)
+REFUSED = {"CheckpointCorruptError", "CheckpointMismatchError"}
+
+BOMBS: dict[str, tuple[Callable[[Hostile], None], list[int]]] = {
+    "index-bomb": (_index_bomb, [8, 4]),
+    "verify-grid-bomb": (_verify_grid_bomb, [8, 4]),
+    "load-grid-bomb": (_load_grid_bomb, [2 * 10**6, 4]),
+}
+
+_CHILD = textwrap.dedent("""
+    import json, resource, sys, time, warnings
+    import torch
+    from engine import CheckpointEngine
+    vm_kib = int(next(line for line in open("/proc/self/status")
+                      if line.startswith("VmSize")).split()[1])
+    limit = vm_kib * 1024 + 3 * 2**30
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    results = {}
+    for name, root, shape in json.loads(sys.argv[1]):
+        out = {}
+        with CheckpointEngine(root) as engine:
+            start = time.monotonic()
+            try:
+                engine.load({"model": {"w": torch.zeros(shape), "s": torch.tensor(0.0)},
+                             "step": 0}, step=1)
+                out["load"] = "no error"
+            except BaseException as exc:
+                out["load"] = f"{type(exc).__name__}: {exc}"[:200]
+            out["load_s"] = time.monotonic() - start
+            start = time.monotonic()
+            try:
+                out["verify_ok"] = engine.verify(1).ok
+            except BaseException as exc:
+                out["verify_ok"] = f"{type(exc).__name__}: {exc}"[:200]
+            out["verify_s"] = time.monotonic() - start
+        results[name] = out
+    print(json.dumps(results))
+""")
+
+
+def test_resource_bombs_fail_fast_within_a_memory_limit(tmp_path: Path) -> None:
+    cases = []
+    for name, (bomb, shape) in BOMBS.items():
+        root = tmp_path / name
+        bomb(make_checkpoint(root))
+        cases.append([name, str(root), shape])
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    results = json.loads(child.stdout.splitlines()[-1])
+    for name, out in results.items():
+        assert out["load"].split(":")[0] in REFUSED, (name, out)
+        assert out["verify_ok"] is False, (name, out)
+        assert out["load_s"] < 10 and out["verify_s"] < 10, (name, out)

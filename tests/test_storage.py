@@ -1,0 +1,238 @@
+"""Storage failures: transient S3 errors are retried with backoff, an outage beyond the retry
+budget fails the save (not the training), and the retry wrapper's own rules.
+
+S3 faults come from a TCP proxy between s3fs and the moto server (tests/_proxy.py), so the
+engine's real client stack sees real resets and real 503 responses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import torch
+from _proxy import FaultProxy
+
+from engine import CheckpointEngine, StorageError
+from engine.storage import RetryingStorage
+from engine.storage import _base as storage_base
+
+# botocore's own retries off: every retry seen below is the engine's (RetryingStorage)
+NO_CLIENT_RETRIES = {
+    "retries": {"max_attempts": 1, "mode": "standard"},
+    "connect_timeout": 2,
+    "read_timeout": 5,
+}
+
+
+@pytest.fixture
+def proxy(s3_server: dict[str, Any]) -> Iterator[FaultProxy]:
+    upstream = urlparse(s3_server["endpoint_url"])
+    assert upstream.hostname and upstream.port
+    fault_proxy = FaultProxy((upstream.hostname, upstream.port))
+    yield fault_proxy
+    fault_proxy.close()
+
+
+def through(
+    proxy: FaultProxy, bucket: tuple[str, dict[str, Any]], client_retries: bool
+) -> tuple[str, dict[str, Any]]:
+    url, options = bucket
+    options = {**options, "endpoint_url": proxy.endpoint_url}
+    if not client_retries:
+        options["config_kwargs"] = NO_CLIENT_RETRIES
+    return url, options
+
+
+def state_of(step: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(32, 8, generator=gen), "b": torch.randn(8, generator=gen)},
+        "step": step,
+    }
+
+
+def assert_loads(engine: CheckpointEngine, step: int) -> None:
+    target = state_of(-1)
+    assert engine.load(target) == step
+    expected = state_of(step)
+    assert torch.equal(target["model"]["w"], expected["model"]["w"])
+    assert torch.equal(target["model"]["b"], expected["model"]["b"])
+    assert target["step"] == step
+
+
+@pytest.mark.s3
+def test_connection_resets_are_retried(
+    proxy: FaultProxy, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    url, options = through(proxy, s3_bucket, client_retries=True)
+    with CheckpointEngine(url, storage_options=options) as engine:
+        engine.save(1, state_of(1), blocking=True)
+        proxy.fault("reset", count=3)
+        engine.save(2, state_of(2), blocking=True)
+        assert proxy.stats.faulted == 3
+        assert engine.steps() == [1, 2] and engine.verify(2).ok
+        assert_loads(engine, 2)
+
+
+@pytest.mark.s3
+def test_service_unavailable_is_retried_by_the_engine_with_backoff(
+    proxy: FaultProxy, s3_bucket: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """s3fs retries connection errors itself but not a 503; with the client's retries off,
+    RetryingStorage is what rides it out."""
+    url, options = through(proxy, s3_bucket, client_retries=False)
+    with CheckpointEngine(url, storage_options=options) as engine:
+        engine.save(1, state_of(1), blocking=True)
+        proxy.fault("http503", count=4)
+        with caplog.at_level(logging.WARNING, logger="engine.storage"):
+            engine.save(2, state_of(2), blocking=True)
+        assert proxy.stats.faulted == 4
+        retries = [r.getMessage() for r in caplog.records if r.name == "engine.storage"]
+        assert retries and all("retry" in m for m in retries), retries
+        assert engine.steps() == [1, 2] and engine.verify(2).ok
+        assert_loads(engine, 2)
+
+
+@pytest.mark.s3
+def test_outage_beyond_the_retry_budget_fails_the_save_not_the_training(
+    proxy: FaultProxy, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    url, options = through(proxy, s3_bucket, client_retries=False)
+    with CheckpointEngine(url, storage_options=options) as engine:
+        assert isinstance(engine.storage, RetryingStorage)
+        engine.storage.attempts = 3  # a short budget keeps the test fast
+        engine.save(1, state_of(1), blocking=True)
+        proxy.fault("http503")
+
+        start = time.monotonic()
+        handle = engine.save(2, state_of(2))
+        assert time.monotonic() - start < 2.0, "save() waited for storage"
+        assert handle.staged.is_set() and not handle.done()
+        model = torch.nn.Linear(8, 8)
+        for _ in range(3):  # training goes on while the save is failing
+            model(state_of(2)["model"]["w"]).sum().backward()
+        with pytest.raises(StorageError, match=r"step_000000002.*failed 3 times"):
+            handle.wait()
+
+        proxy.heal()
+        assert engine.steps() == [1] and engine.latest_step() == 1
+        assert engine.verify(1).ok
+        assert_loads(engine, 1)
+        engine.save(3, state_of(3), blocking=True)
+        assert_loads(engine, 3)
+
+
+# -- RetryingStorage on its own, around a flaky fake --------------------------------------------
+
+
+class FlakyStorage:
+    """Fails the first ``failures`` calls of every operation with ``error``, then works."""
+
+    url = "fake://root"
+
+    def __init__(self, error: Callable[[], BaseException], failures: int) -> None:
+        self.error, self.failures = error, failures
+        self.calls: dict[str, int] = {}
+        self.objects: dict[str, bytes] = {"a/b": b"data"}
+
+    def _call(self, op: str) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        if self.calls[op] <= self.failures:
+            raise self.error()
+
+    def write(self, key: str, parts: Any) -> None:
+        self._call("write")
+        self.objects[key] = b"".join(parts)
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        self._call("read")
+        return self.objects[key][start:end]
+
+    def size(self, key: str) -> int:
+        self._call("size")
+        return len(self.objects[key])
+
+    def exists(self, key: str) -> bool:
+        self._call("exists")
+        return key in self.objects
+
+    def list_dir(self, prefix: str) -> list[str]:
+        self._call("list_dir")
+        return sorted({k.removeprefix(prefix + "/").split("/")[0] for k in self.objects})
+
+    def delete(self, key: str) -> None:
+        self._call("delete")
+        self.objects.pop(key, None)
+
+    def delete_tree(self, prefix: str) -> None:
+        self._call("delete_tree")
+
+    def sync(self) -> None:
+        self._call("sync")
+
+
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The backoff delays RetryingStorage sleeps, recorded instead of slept."""
+    slept: list[float] = []
+    monkeypatch.setattr(storage_base, "time", SimpleNamespace(sleep=slept.append))
+    return slept
+
+
+OPERATIONS: dict[str, Callable[[RetryingStorage], Any]] = {
+    "write": lambda s: s.write("a/c", [b"x", b"y"]),
+    "read": lambda s: s.read("a/b", 1, 3),
+    "size": lambda s: s.size("a/b"),
+    "exists": lambda s: s.exists("a/b"),
+    "list_dir": lambda s: s.list_dir("a"),
+    "delete": lambda s: s.delete("a/b"),
+    "delete_tree": lambda s: s.delete_tree("a"),
+    "sync": lambda s: s.sync(),
+}
+EXPECTED = {"read": b"at", "size": 4, "exists": True, "list_dir": ["b"]}
+
+
+@pytest.mark.parametrize("op", list(OPERATIONS))
+@pytest.mark.parametrize(
+    "error",
+    [ConnectionResetError, TimeoutError, lambda: OSError(16, "Service Unavailable")],
+    ids=["reset", "timeout", "oserror-503"],
+)
+def test_transient_errors_are_retried_until_success(
+    sleeps: list[float], op: str, error: Callable[[], BaseException]
+) -> None:
+    inner = FlakyStorage(error, failures=3)
+    storage = RetryingStorage(inner, attempts=6, base_delay_s=0.1, max_delay_s=0.3)
+    assert OPERATIONS[op](storage) == EXPECTED.get(op)
+    assert inner.calls[op] == 4
+    assert len(sleeps) == 3
+    for delay, nominal in zip(sleeps, [0.1, 0.2, 0.3]):
+        assert 0.5 * nominal <= delay <= 1.5 * nominal, sleeps
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError, PermissionError])
+def test_permanent_errors_are_not_retried(sleeps: list[float], error: type[BaseException]) -> None:
+    inner = FlakyStorage(error, failures=1)
+    storage = RetryingStorage(inner, attempts=6)
+    with pytest.raises(error):
+        storage.read("a/b")
+    assert inner.calls["read"] == 1 and sleeps == []
+
+
+def test_gives_up_after_the_budget_naming_the_key(sleeps: list[float]) -> None:
+    inner = FlakyStorage(ConnectionResetError, failures=100)
+    storage = RetryingStorage(inner, attempts=4, base_delay_s=0.01)
+    with pytest.raises(
+        StorageError,
+        match=r"write fake://root/step_000000007/w/c/0 failed 4 "
+        r"times: ConnectionResetError",
+    ) as caught:
+        storage.write("step_000000007/w/c/0", [b"x"])
+    assert isinstance(caught.value.__cause__, ConnectionResetError)
+    assert inner.calls["write"] == 4 and len(sleeps) == 3
