@@ -16,7 +16,10 @@ shapes) on local disk:
 
 Methods run round-robin within each repetition (so slow drift of the disk hits all alike), the
 page cache is dropped before every timed run when the process may write
-``/proc/sys/vm/drop_caches``, and medians are reported. Every file is deleted at the end.
+``/proc/sys/vm/drop_caches``, and medians are reported with their spread. The stall target uses
+per-repetition pairs (each save right after its memcpy): memory bandwidth on a shared VM drifts.
+The CPU other processes used during the run is reported, so a number taken on a busy machine
+says so. Every file is deleted at the end.
 """
 
 from __future__ import annotations
@@ -696,7 +699,12 @@ def main(argv: list[str] | None = None) -> int:
     add("--dir", help="parent of the scratch folder (default /var/tmp: a real disk, not tmpfs)")
     add("--quick", action="store_true", help="smoke run: 0.25 GiB, 1 repetition")
     add("--reps", type=int, help="timed repetitions per method (default 3; 1 with --quick)")
-    add("--peer-budget-s", type=float, default=60.0, help="stop repeating a slow baseline after")
+    add(
+        "--peer-budget-s",
+        type=float,
+        default=60.0,
+        help="seconds after which a slow baseline stops repeating",
+    )
     add("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     size = args.size_gib if args.size_gib is not None else (0.25 if args.quick else 2.0)

@@ -1,0 +1,59 @@
+"""The checkpoint benchmark runs end to end, prints every ratio, and leaves no files behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.bench import RATIOS
+
+pytestmark = pytest.mark.slow  # spawns a 2-rank gloo group and writes ~0.5 GiB: ~20-50 s
+
+
+def test_quick_benchmark_prints_ratios_and_cleans_up(tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    result_json = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.bench",
+            "--quick",
+            "--size-gib",
+            "0.05",
+            "--dir",
+            str(scratch),
+            "--json",
+            str(result_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ratio_lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("ratio ")]
+    assert len(ratio_lines) == len(RATIOS), proc.stdout
+    for spec in RATIOS:
+        line = next(line for line in ratio_lines if spec.what in line)
+        assert spec.target in line
+        assert any(verdict in line for verdict in ("PASS", "MISS", "info"))
+
+    report = json.loads(result_json.read_text())
+    assert {r["key"] for r in report["rows"]} >= {
+        "memcpy",
+        "stall",
+        "persist",
+        "direct",
+        "dcp_save",
+        "load",
+        "dcp_load",
+        "resharded",
+    }
+    assert all(r["samples"] and min(r["samples"]) > 0 for r in report["rows"])
+    assert list(scratch.iterdir()) == [], "the benchmark left files behind"
