@@ -124,7 +124,7 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
     marker = {"format": FORMAT_VERSION, "step": step, "nonce": nonce, "plan_id": plan.plan_id,
               "world_size": plan.world_size, "nbytes": total_bytes(manifest), "objects": manifest}
     storage.sync()
-    storage.write(f"{base}/{COMMIT}", [json.dumps(marker).encode()])
+    storage.write(f"{base}/{COMMIT}", [json.dumps(marker).encode()], durable=True)
     storage.sync()
     return CommitResult(nbytes=total_bytes(manifest), objects=len(manifest))
 

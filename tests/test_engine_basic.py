@@ -47,11 +47,11 @@ class GatedStorage:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def write(self, key: str, parts: Sequence[Any]) -> None:
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
         self.entered.set()
         if not self.release.wait(60):
             raise PermissionError("test gate never opened")
-        self.inner.write(key, parts)
+        self.inner.write(key, parts, durable=durable)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

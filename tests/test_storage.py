@@ -146,7 +146,7 @@ class FlakyStorage:
         if self.calls[op] <= self.failures:
             raise self.error()
 
-    def write(self, key: str, parts: Any) -> None:
+    def write(self, key: str, parts: Any, *, durable: bool = False) -> None:
         self._call("write")
         self.objects[key] = b"".join(parts)
 

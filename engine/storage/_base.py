@@ -31,7 +31,10 @@ class Storage(Protocol):
 
     url: str
 
-    def write(self, key: str, parts: Sequence[Any]) -> None: ...
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+        """Store ``parts`` as one object. ``durable``: its bytes are on stable storage before
+        it becomes visible under ``key`` (markers); otherwise ``sync()`` makes them durable."""
+        ...
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray: ...
 
@@ -79,8 +82,8 @@ class RetryingStorage:
                 delay = min(delay * 2, self.max_delay_s)
         raise AssertionError("unreachable")
 
-    def write(self, key: str, parts: Sequence[Any]) -> None:
-        self._call("write", key, lambda: self.inner.write(key, parts))
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+        self._call("write", key, lambda: self.inner.write(key, parts, durable=durable))
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         return self._call("read", key, lambda: self.inner.read(key, start, end))

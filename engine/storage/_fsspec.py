@@ -22,7 +22,7 @@ class FsspecStorage:
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
 
-    def write(self, key: str, parts: Sequence[Any]) -> None:
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
         data = b"".join(memoryview(p).cast("B") for p in parts)
         self.fs.pipe_file(self._path(key), data)
 

@@ -42,7 +42,7 @@ class LocalStorage:
         with self._lock:
             self._dirty_dirs.update(os.path.dirname(p) for p in created)
 
-    def write(self, key: str, parts: Sequence[Any]) -> None:
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
         path = self._path(key)
         self._makedirs(os.path.dirname(path))
         tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"  # a kill never tears `path`
@@ -55,7 +55,10 @@ class LocalStorage:
                 written = os.writev(fd, batch)
                 views = views[len(batch):] if written == sum(map(len, batch)) else (
                     _advance(batch, written) + views[len(batch):])
-            _start_writeback(fd)
+            if durable:  # a marker: never visible before its bytes are (power loss)
+                os.fsync(fd)
+            else:
+                _start_writeback(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
