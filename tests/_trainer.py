@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from engine import CheckpointEngine
+from trainer.events import read_events
 
 SMALL_MODEL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--vocab", "64",
                "--seq-len", "16", "--batch-size", "8", "--micro-batches", "2"]
@@ -43,12 +43,7 @@ def run_trainer(run_dir: Path, *, dp: int = 1, tp: int = 1, pp: int = 1, steps: 
 
 
 def events(run_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for path in sorted((run_dir / "events").glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                out.append(json.loads(line))
-    return sorted(out, key=lambda e: e["t"])
+    return read_events(run_dir)
 
 
 def losses(run_dir: Path, *, attempt: int | None = None) -> dict[int, float]:

@@ -19,14 +19,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
-
-def _events(run_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for path in sorted((run_dir / "events").glob("rank*.jsonl")):
-        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return out
+from trainer.events import read_events
 
 
 def _run(args: argparse.Namespace, run_dir: Path, every: int | None) -> dict[str, float]:
@@ -41,7 +35,7 @@ def _run(args: argparse.Namespace, run_dir: Path, every: int | None) -> dict[str
         cmd += ["--ckpt-url", str(run_dir / "ckpt"), "--ckpt-every", str(every)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
-    log = _events(run_dir)
+    log = read_events(run_dir)
     # a step's time is the slowest rank's (the step ends for the job when every rank is done)
     per_step: dict[int, float] = {}
     for e in log:

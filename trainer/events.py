@@ -12,6 +12,18 @@ import time
 from typing import Any, TextIO
 
 
+def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every rank's events of a run, in time order (a torn last line is skipped)."""
+    out = []
+    folder = os.path.join(run_dir, "events")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            for line in f:
+                if line.endswith("\n"):
+                    out.append(json.loads(line))
+    return sorted(out, key=lambda e: e["t"])
+
+
 class EventLog:
     def __init__(self, run_dir: str | None, rank: int, attempt: int) -> None:
         self.rank = rank
