@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,7 +101,3 @@ def run(s: Scenario, out: Path, *, reference: bool = True,
     report.write_json(out, doc)
     report.write_markdown(out, doc)
     return Outcome(out, doc)
-
-
-def stderr_progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)

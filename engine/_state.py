@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -135,8 +135,3 @@ def same_value(a: JSON, b: JSON) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     return bool(a == b)
-
-
-def iter_paths(flat: FlatState) -> Iterator[str]:
-    yield from flat.tensors
-    yield from flat.values

@@ -8,7 +8,6 @@ record never refers to a torn object.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -87,7 +86,3 @@ def rank_record(*, step: int, rank: int, plan_id: str, nonce: int, manifest: Man
 
 def total_bytes(manifest: Manifest) -> int:
     return sum(n for n, _ in manifest.values())
-
-
-def keys(manifest: Manifest) -> Sequence[str]:
-    return sorted(manifest)
