@@ -36,7 +36,7 @@ from engine.errors import (
     CheckpointNotFoundError,
 )
 from engine.load import StepReader
-from engine.persist import metadata_objects, rank_record, write_objects, write_record
+from engine.persist import metadata_objects, rank_record, total_bytes, write_objects, write_record
 from engine.plan import GlobalPlan, HeldBox, PlanOptions, build_plan, inventory, local_boxes
 from engine.stage import StagingArea
 from engine.storage import Storage, open_storage
@@ -256,7 +256,7 @@ class CheckpointEngine:
                 raise CheckpointError(f"step {step} is already committed; it is not overwritten")
             docs = metadata_objects(plan) if self.rank == 0 else {}
             manifest = write_objects(self.storage, step, staging, docs, self._pool)
-            handle.nbytes = sum(n for n, _ in manifest.values())
+            handle.nbytes = total_bytes(manifest)
             write_record(self.storage, step, self.rank, rank_record(
                 step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce, manifest=manifest,
                 values=values))

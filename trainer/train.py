@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -144,8 +143,6 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog) -> int:
         restored = ckpt.restore()
         if restored is not None:
             step, cursor = restored
-    save: Callable[[int, int, bool], None] = (
-        (lambda s, c, b: ckpt.save(s, c, blocking=b)) if ckpt else (lambda s, c, b: None))
     while step < cfg.steps:
         t0 = time.perf_counter()
         loss = trainer.train_step(cursor)
@@ -155,7 +152,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog) -> int:
         if ckpt is not None:
             ckpt.poll()
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
-                save(step, cursor, step == cfg.steps or not cfg.async_ckpt)
+                ckpt.save(step, cursor, blocking=step == cfg.steps or not cfg.async_ckpt)
     if ckpt is not None:
         ckpt.finish()
         ckpt.engine.close()
