@@ -73,3 +73,41 @@ def test_corrupt_latest_checkpoint_falls_back_and_still_ends_equal(
               (tmp_path / "out" / "run" / "events" / "rank0.jsonl").read_text().splitlines()]
     skipped = [e for e in events if e["event"] == "restore_skipped"]
     assert skipped and "step 12" in skipped[0]["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hung_rank_is_detected_and_recovered(tmp_path: Path, cache: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(cache))
+    doc = _scenario("hang", [{"kind": "hang_rank", "rank": 1, "at_step": 10, "duration_s": 90}],
+                    max_lost_steps=4)
+    doc["trainer"] = {**TRAINER, "hang_timeout_s": 5}
+    outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
+    assert outcome.passed, outcome.report["verdict"]
+    (fault,) = outcome.report["faults"]
+    assert fault["restored_step"] == 8 and outcome.report["verdict"]["bitwise_equal"] is True
+    # Found by the heartbeat while the rank was still stopped, not when the hang ended.
+    assert fault["detect_s"] < 90, fault
+    events = [json.loads(line) for line in
+              (tmp_path / "out" / "run" / "events" / "rank0.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "hang_detected" and e["silent_ranks"] == [1] for e in events)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_crash_during_save_never_exposes_the_torn_checkpoint(
+        tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(cache))
+    doc = _scenario("crash", [{"kind": "crash_during_save", "rank": 0, "at_checkpoint": 3}])
+    doc["trainer"] = {**TRAINER, "model": {**TRAINER["model"], "d_model": 128, "layers": 4}}
+    outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
+    assert outcome.passed, outcome.report["verdict"]
+    (fault,) = outcome.report["faults"]
+    assert fault["checkpoint_step"] == 12 and fault["recovery_s"] is not None
+    if fault["restored_step"] == 8:  # killed before COMMIT: step 12 must not have been loaded
+        assert fault["lost_steps"] == fault["injected_step"] - 8
+    else:  # the small checkpoint committed before the signal landed: the report must say so
+        assert fault["restored_step"] == 12
+    first_attempt = [c for c in outcome.report["checkpoints"] if c["attempt"] == 0]
+    assert any(c["step"] == 12 for c in first_attempt)
