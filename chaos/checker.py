@@ -9,7 +9,8 @@ import torch
 
 from chaos.measure import FaultTimings
 from chaos.scenario import Scenario
-from engine import CheckpointEngine, CheckpointError
+from engine import CheckpointError
+from trainer.ckpt_backends import read_checkpoint
 
 
 @dataclass(slots=True)
@@ -23,13 +24,18 @@ class Verdict:
         self.reasons.append(reason)
 
 
-def compare_final(faulty_url: str, reference_url: str, step: int) -> list[str]:
-    """Arrays (model and optimizer) and values that differ between the two final checkpoints."""
+def compare_final(faulty_url: str, reference_url: str, step: int, *,
+                  engine: str = "antifragile") -> list[str]:
+    """Arrays (model and optimizer) and values that differ between the two final checkpoints,
+    both written by ``engine`` (each backend's reader gives flat ``{key: tensor | value}``)."""
     try:
-        with CheckpointEngine(faulty_url) as a, CheckpointEngine(reference_url) as b:
-            got, want = a.read(step), b.read(step)
+        got = read_checkpoint(engine, faulty_url, step)
+        want = read_checkpoint(engine, reference_url, step)
     except CheckpointError as exc:
         return [f"cannot read the final checkpoint of step {step}: {exc}"]
+    except Exception as exc:  # a peer engine's own error on a damaged or missing file
+        return [f"cannot read the final {engine} checkpoint of step {step}: "
+                f"{type(exc).__name__}: {exc}"]
     diffs = sorted(set(got) ^ set(want))
     for key in sorted(set(got) & set(want)):
         x, y = got[key], want[key]
@@ -48,7 +54,8 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
     if final_step != s.trainer.steps:
         v.fail(f"the run ended at step {final_step}, not {s.trainer.steps}")
     if reference_url is not None and final_step == s.trainer.steps:
-        diffs = compare_final(faulty_url, reference_url, s.trainer.steps)
+        diffs = compare_final(faulty_url, reference_url, s.trainer.steps,
+                              engine=s.checkpoint.engine)
         v.bitwise_equal = not diffs
         if diffs and s.expect.bitwise_equal_to_reference:
             v.fail(f"final state differs from the reference in {len(diffs)} entries, "
@@ -56,6 +63,9 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
     for t in timings:
         if t.skipped:
             continue
+        if t.outage is not None and not t.outage["training_continued"]:
+            v.fail(f"{t.kind} at step {t.injected_step}: training did not go on during the "
+                   f"outage ({t.outage['steps_during_outage']} steps, or a restart)")
         if t.kind in ("kill_rank", "hang_rank", "crash_during_save") and t.recovery_s is None:
             v.fail(f"{t.kind} at step {t.injected_step}: no recovery was observed")
             continue

@@ -2,33 +2,34 @@
 
 A checkpoint holds ``model/<fqn>`` and ``optim/state.<fqn>.<exp_avg|...>`` (FQN-keyed through
 torch's distributed state-dict helpers, so every pipeline stage and layout names a parameter
-the same way) plus ``train``: the step and the data cursor.
+the same way) plus ``train``: the step and the data cursor. The engine that stores it is a
+``trainer.ckpt_backends`` backend (ours, DCP or torchsnapshot); the events are the same for all.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from engine import CheckpointEngine, CheckpointError, SaveHandle
+from engine import CheckpointError
+from trainer.ckpt_backends import Backend, PendingSave
 from trainer.events import EventLog
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class TrainCheckpointer:
-    def __init__(self, engine: CheckpointEngine, model: torch.nn.Module,
+    def __init__(self, backend: Backend, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, events: EventLog) -> None:
-        self.engine = engine
+        self.backend = backend
         self.model = model
         self.optimizer = optimizer
         self.events = events
-        self._pending: SaveHandle | None = None
+        self._pending: PendingSave | None = None
 
     def _state(self, step: int, cursor: int) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
@@ -37,38 +38,44 @@ class TrainCheckpointer:
 
     def restore(self) -> tuple[int, int] | None:
         """Load the newest intact checkpoint: (step, data cursor), or None to start fresh."""
-        if self.engine.latest_step() is None:
+        if not self.backend.candidates():
             return None
         self.events.emit("restore_begin")
         t0 = time.perf_counter()
         state = self._state(0, 0)
-        with warnings.catch_warnings(record=True) as skipped:
-            warnings.simplefilter("always", RuntimeWarning)
-            step = self.engine.load(state)
-        for warning in skipped:
-            self.events.emit("restore_skipped", reason=str(warning.message))
+        step, skipped = self.backend.load(state)
+        for reason in skipped:
+            self.events.emit("restore_skipped", reason=reason)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=_OPTIONS)
         self.events.emit("restore_end", step=step, seconds=time.perf_counter() - t0)
         return int(state["train"]["step"]), int(state["train"]["data_cursor"])
 
     def save(self, step: int, cursor: int, *, blocking: bool) -> None:
-        """Checkpoint; ``blocking`` (the final step) first waits for the save in flight."""
-        if blocking:
+        """Checkpoint; ``blocking`` (the final step) first waits for the save in flight.
+
+        A backend that cannot overlap two saves (DCP, torchsnapshot) first waits for the
+        previous one; that wait is loop stall and is counted in ``stall_s``."""
+        waited_s = 0.0
+        if blocking or not self.backend.overlaps_saves:
+            t0 = time.perf_counter()
             self.finish()
+            waited_s = 0.0 if self.backend.overlaps_saves else time.perf_counter() - t0
         self.poll()
         try:
-            handle = self.engine.save(step, self._state(step, cursor), blocking=False)
+            handle = self.backend.save(step, self._state(step, cursor))
         except CheckpointError as exc:
             self.events.emit("ckpt_failed", step=step, error=str(exc))
             return
         if handle.done() and handle.exception() is not None:  # skipped: previous one busy
             self.events.emit("ckpt_failed", step=step, error=str(handle.exception()))
             return
-        self.events.emit("ckpt_staged", step=step, stall_s=handle.stall_s)
+        self.events.emit("ckpt_staged", step=step, stall_s=handle.stall_s + waited_s)
         self._pending = handle
-        if blocking:
+        if blocking:  # the loop also waits for the write: that is stall too
+            t0 = time.perf_counter()
             self.finish()
+            self.events.emit("ckpt_blocked", step=step, seconds=time.perf_counter() - t0)
 
     def poll(self) -> None:
         """Report a finished background save (committed or failed) once."""
@@ -90,3 +97,7 @@ class TrainCheckpointer:
             with contextlib.suppress(CheckpointError):
                 self._pending.wait()
             self.poll()
+
+    def close(self) -> None:
+        self.finish()
+        self.backend.close()

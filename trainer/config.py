@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from trainer.ckpt_backends import ENGINES
 from trainer.model import ModelConfig
 from trainer.parallel.dims import ParallelDims
 
@@ -22,6 +23,7 @@ class TrainConfig:
     data_path: str | None = None
     run_dir: str | None = None
     ckpt_url: str | None = None
+    ckpt_engine: str = "antifragile"
     ckpt_every: int = 10
     async_ckpt: bool = True
     keep_last: int = 3
@@ -45,6 +47,13 @@ class TrainConfig:
         if self.parallel.pp > 1 and self.micro_batches < self.parallel.pp:
             raise ValueError(f"{self.micro_batches} micro-batches cannot fill "
                              f"{self.parallel.pp} pipeline stages")
+        if self.ckpt_engine not in ENGINES:
+            raise ValueError(f"ckpt_engine must be one of {', '.join(ENGINES)}, "
+                             f"not {self.ckpt_engine!r}")
+        if self.ckpt_engine != "antifragile" and self.ckpt_url and "://" in self.ckpt_url \
+                and not self.ckpt_url.startswith("file://"):
+            raise ValueError(f"ckpt_engine {self.ckpt_engine} runs on local storage only, "
+                             f"not {self.ckpt_url}")
         if self.schedule not in ("gpipe", "1f1b"):
             raise ValueError(f"schedule must be gpipe or 1f1b, not {self.schedule!r}")
         if self.model.heads % self.parallel.tp:
@@ -72,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--data-path", help="a 1-D .npy of token ids (default: synthetic data)")
     p.add_argument("--run-dir", help="events go to RUN_DIR/events/rank<r>.jsonl")
     p.add_argument("--ckpt-url", help="checkpoint root (local path or s3://...)")
+    p.add_argument("--ckpt-engine", choices=ENGINES, default="antifragile",
+                   help="the checkpoint engine under test (dcp, torchsnapshot: local storage)")
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--ckpt-timeout-s", type=float, default=600.0)
@@ -89,8 +100,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                               seq_len=a.seq_len),
             steps=a.steps, batch_size=a.batch_size, micro_batches=a.micro_batches,
             schedule=a.schedule, seed=a.seed, lr=a.lr, data_path=a.data_path,
-            run_dir=a.run_dir, ckpt_url=a.ckpt_url, ckpt_every=a.ckpt_every,
-            async_ckpt=not a.no_async_ckpt, keep_last=a.keep_last,
+            run_dir=a.run_dir, ckpt_url=a.ckpt_url, ckpt_engine=a.ckpt_engine,
+            ckpt_every=a.ckpt_every, async_ckpt=not a.no_async_ckpt, keep_last=a.keep_last,
             ckpt_timeout_s=a.ckpt_timeout_s, collective_timeout_s=a.collective_timeout_s,
             heartbeat_interval_s=a.heartbeat_interval_s, hang_timeout_s=a.hang_timeout_s,
             activation_checkpointing=a.activation_checkpointing, device=a.device)

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine import CheckpointEngine
 from trainer.checkpoint import TrainCheckpointer
+from trainer.ckpt_backends import open_backend
 from trainer.config import TrainConfig
 from trainer.data import TokenData
 from trainer.distributed import HANG_EXIT_CODE, DistContext, Heartbeat, init_distributed
@@ -137,9 +137,9 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog) -> int:
     ckpt: TrainCheckpointer | None = None
     step, cursor = 0, 0
     if cfg.ckpt_url:
-        engine = CheckpointEngine(cfg.ckpt_url, keep_last=cfg.keep_last,
-                                  commit_timeout_s=cfg.ckpt_timeout_s)
-        ckpt = TrainCheckpointer(engine, trainer.model, trainer.optimizer, events)
+        backend = open_backend(cfg.ckpt_engine, cfg.ckpt_url, keep_last=cfg.keep_last,
+                               timeout_s=cfg.ckpt_timeout_s, async_=cfg.async_ckpt)
+        ckpt = TrainCheckpointer(backend, trainer.model, trainer.optimizer, events)
         restored = ckpt.restore()
         if restored is not None:
             step, cursor = restored
@@ -154,6 +154,5 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog) -> int:
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
                 ckpt.save(step, cursor, blocking=step == cfg.steps or not cfg.async_ckpt)
     if ckpt is not None:
-        ckpt.finish()
-        ckpt.engine.close()
+        ckpt.close()
     return 0

@@ -1,0 +1,200 @@
+"""The peer checkpoint engines under test (``checkpoint.engine: dcp | torchsnapshot``): the
+trainer resumes bit-identically over each, falls back past a damaged newest step, refuses what
+a peer cannot do, and ``chaos run`` measures and judges a run over DCP like one over ours."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from chaos.cli import main
+from chaos.faults import Target
+from chaos.faults.corrupt_shard import CorruptShard
+from chaos.launch import trainer_args
+from chaos.scenario import ScenarioError, parse_scenario
+from tests._trainer import assert_bitwise_equal, events, losses, run_trainer, torchrun_cmd
+from trainer.ckpt_backends import committed_steps, read_checkpoint
+from trainer.ckpt_backends.base import committed, discard_after, prune, step_name
+from trainer.config import parse_args
+
+PEERS = ["dcp", "torchsnapshot"]
+MARKERS = {"dcp": ".metadata", "torchsnapshot": ".snapshot_metadata"}
+
+
+# -- no processes -------------------------------------------------------------------------------
+
+def test_scenario_takes_a_peer_engine_on_local_storage_only() -> None:
+    s = parse_scenario({"name": "x", "checkpoint": {"engine": "dcp"}})
+    assert "--ckpt-engine" in (args := trainer_args(s, Path("/r"), "/r/ckpt"))
+    assert args[args.index("--ckpt-engine") + 1] == "dcp"
+    with pytest.raises(ScenarioError, match=r"x.yaml: checkpoint.engine: torchsnapshot is run "
+                                            r"on local storage only, but url is s3://b/p"):
+        parse_scenario({"name": "x", "checkpoint": {"engine": "torchsnapshot",
+                                                    "url": "s3://b/p"}}, path="x.yaml")
+    with pytest.raises(ScenarioError, match=r"checkpoint\.engine: Input should be"):
+        parse_scenario({"name": "x", "checkpoint": {"engine": "orbax"}})
+
+
+def test_trainer_flag_rejects_remote_storage_for_a_peer(capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    assert parse_args(["--ckpt-engine", "dcp", "--ckpt-url", "/tmp/c"]).ckpt_engine == "dcp"
+    with pytest.raises(SystemExit):
+        parse_args(["--ckpt-engine", "dcp", "--ckpt-url", "s3://bucket/run"])
+    assert "runs on local storage only" in capsys.readouterr().err
+
+
+def _folders(root: Path, steps: dict[int, bool]) -> None:
+    for step, is_committed in steps.items():
+        folder = root / step_name(step)
+        folder.mkdir(parents=True)
+        (folder / "__0_0.distcp").write_bytes(b"x")
+        if is_committed:
+            (folder / ".metadata").write_bytes(b"m")
+
+
+def test_retention_keeps_the_newest_and_never_touches_a_save_in_flight(tmp_path: Path) -> None:
+    _folders(tmp_path, {1: True, 2: False, 3: True, 4: True, 5: True, 6: False})
+    assert committed(tmp_path, ".metadata") == [1, 3, 4, 5]
+    prune(tmp_path, ".metadata", keep_last=2)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [step_name(4), step_name(5), step_name(6)]  # 6: newer than the last commit
+    discard_after(tmp_path, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_name(4)]
+
+
+# -- torchrun, dp=2 -----------------------------------------------------------------------------
+
+def _train(run_dir: Path, engine: str, steps: int, *extra: str) -> None:
+    run_trainer(run_dir, dp=2, steps=steps, ckpt_every=3, extra=["--ckpt-engine", engine,
+                                                                 *extra])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("engine", PEERS)
+def test_resume_past_a_damaged_step_is_bitwise_identical(tmp_path: Path, engine: str) -> None:
+    """Train to 6 (checkpoints 3 and 6), damage step 6, start again: the restart says it
+    skips 6, resumes from 3, and retrains steps 4-6 to the same losses and the same bits."""
+    _train(tmp_path, engine, 6)
+    straight = losses(tmp_path)
+    want = read_checkpoint(engine, str(tmp_path / "ckpt"), 6)
+    assert len(straight) == 6 and {v for k, v in want.items() if k.endswith("train/step")} == {6}
+    log = events(tmp_path)
+    assert {e["step"] for e in log if e["event"] == "ckpt_committed"} == {3, 6}
+    assert all(e["bytes"] > 0 and e["persist_s"] > 0 for e in log
+               if e["event"] == "ckpt_committed")
+    assert all(e["stall_s"] > 0 for e in log if e["event"] == "ckpt_staged")
+
+    fault = CorruptShard(kind="corrupt_shard", at_step=1, mode="truncate")
+    injected = fault.inject(Target(pids={}, coordinates={}, ckpt_url=str(tmp_path / "ckpt"),
+                                   rng=random.Random(0)), 6)
+    assert injected.skipped is None and injected.detail["engine"] == engine
+    assert injected.detail["checkpoint_step"] == 6
+    _train(tmp_path, engine, 6)
+
+    log = events(tmp_path)
+    skipped = [e for e in log if e["event"] == "restore_skipped"]
+    assert {e["rank"] for e in skipped} == {0, 1}
+    assert all("step 6 skipped, trying step 3" in e["reason"] for e in skipped)
+    assert [e["step"] for e in log if e["event"] == "restore_end"] == [3, 3]
+    assert sum(e["event"] == "step_end" and e["step"] == 5 for e in log if e["rank"] == 0) == 2
+    assert losses(tmp_path) == straight  # steps 4-6 are the second run's
+    assert committed_steps(engine, str(tmp_path / "ckpt")) == [3, 6]
+    assert_bitwise_equal(want, read_checkpoint(engine, str(tmp_path / "ckpt"), 6))
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_torchsnapshot_refuses_to_reshard(tmp_path: Path) -> None:
+    """torchsnapshot 0.1.0 cannot save DTensors, so ranks save local shards: a checkpoint
+    from dp=2 cannot load into dp=1, and the trainer says why instead of training on."""
+    import subprocess
+
+    from tests._trainer import SMALL_MODEL, env
+
+    _train(tmp_path, "torchsnapshot", 3)
+    args = [*SMALL_MODEL, "--steps", "6", "--ckpt-every", "3", "--ckpt-engine",
+            "torchsnapshot", "--ckpt-url", str(tmp_path / "ckpt"), "--run-dir", str(tmp_path)]
+    proc = subprocess.run(torchrun_cmd(1, args), env=env(), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode != 0
+    assert "saved by 2 ranks, this job has 1; torchsnapshot cannot reshard" in proc.stderr
+
+
+# -- chaos run ----------------------------------------------------------------------------------
+
+TRAINER = {"parallel": {"dp": 2, "tp": 1, "pp": 1}, "steps": 12, "batch_size": 8,
+           "model": {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16},
+           "collective_timeout_s": 30}
+
+
+def _scenario(name: str, engine: str, faults: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"name": name, "seed": 3, "trainer": TRAINER,
+            "checkpoint": {"every_steps": 4, "keep_last": 3, "engine": engine},
+            "faults": faults, "expect": {"bitwise_equal_to_reference": True,
+                                         "max_recovery_s": 120, "max_lost_steps": 8}}
+
+
+def _chaos_run(tmp_path: Path, doc: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+               ) -> tuple[int, str, dict[str, Any]]:
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / f"{doc['name']}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    return result.exit_code, result.output, report
+
+
+@pytest.mark.multiproc
+def test_chaos_run_kill_rank_over_dcp_passes(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed at step 10: the checkpoint of step 8 may still be persisting (DCP commits in
+    about a second here), so the restart resumes from 8 or, losing it, from 4."""
+    code, output, report = _chaos_run(tmp_path, _scenario(
+        "kill-dcp", "dcp", [{"kind": "kill_rank", "rank": 1, "at_step": 10}]), monkeypatch)
+    assert code == 0, output
+    assert report["verdict"] == {"verdict": "pass", "reasons": [], "bitwise_equal": True}
+    (fault,) = report["faults"]
+    assert fault["restored_step"] in (4, 8)
+    assert fault["lost_steps"] == fault["injected_step"] - fault["restored_step"]
+    assert fault["recovery_s"] is not None and fault["recovery_s"] > 0
+    committed_ckpts = [c for c in report["checkpoints"] if c["committed"]]
+    assert {c["step"] for c in committed_ckpts} >= {4, 12}
+    assert all(c["bytes"] > 0 and c["stall_s"] > 0 for c in committed_ckpts)
+    assert committed_steps("dcp", report["run"]["checkpoint_url"])[-1] == 12
+    assert (tmp_path / "out" / "ckpt" / step_name(12) / MARKERS["dcp"]).is_file()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_chaos_run_kill_rank_over_torchsnapshot_passes(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    code, output, report = _chaos_run(tmp_path, _scenario(
+        "kill-ts", "torchsnapshot", [{"kind": "kill_rank", "rank": 0, "at_step": 10}]),
+        monkeypatch)
+    assert code == 0, output
+    assert report["verdict"]["bitwise_equal"] is True
+    assert report["faults"][0]["restored_step"] in (4, 8)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_flipped_bit_in_dcp_data_is_not_detected_by_dcp(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """DCP keeps no checksums: a bit flipped in the newest step is restored silently. The
+    chaos verdict must then be honest: either the flip hit bytes the restore never used, or
+    the run differs from the reference and fails. Never a pass with a wrong state."""
+    code, _, report = _chaos_run(tmp_path, _scenario("flip-dcp", "dcp", [
+        {"kind": "corrupt_shard", "at_step": 9, "checkpoint": "latest", "mode": "bitflip"},
+        {"kind": "kill_rank", "rank": 0, "at_step": 10},
+    ]), monkeypatch)
+    corrupt = report["faults"][0]
+    assert corrupt["kind"] == "corrupt_shard" and corrupt["skipped"] is None
+    verdict = report["verdict"]
+    assert (code == 0) == (verdict["verdict"] == "pass") == verdict["bitwise_equal"]

@@ -1,0 +1,63 @@
+"""The checkpoint engine under test, chosen by ``--ckpt-engine`` (``checkpoint.engine``).
+
+``antifragile`` is our engine; ``dcp`` (torch.distributed.checkpoint) and ``torchsnapshot`` are
+the peers it is measured against. Every backend is driven the same way by
+``trainer.checkpoint.TrainCheckpointer``, so the trainer's events (stall, persist, bytes,
+restore, skipped steps) mean the same thing for all three. Each module also offers, for tools
+outside the training job (the chaos checker, ``corrupt_shard``), ``steps(url)``,
+``read(url, step)`` (flat ``{key: tensor | value}``, no process group) and, for the peers,
+``data_files(url, step)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from trainer.ckpt_backends.base import Backend, PendingSave
+
+ENGINES = ("antifragile", "dcp", "torchsnapshot")
+
+
+def _module(engine: str) -> ModuleType:
+    """Imported on demand: torchsnapshot is needed only when it is the engine under test."""
+    if engine == "antifragile":
+        from trainer.ckpt_backends import antifragile as module
+    elif engine == "dcp":
+        from trainer.ckpt_backends import dcp as module
+    elif engine == "torchsnapshot":
+        from trainer.ckpt_backends import snapshot as module
+    else:
+        raise ValueError(f"unknown checkpoint engine {engine!r} (known: {', '.join(ENGINES)})")
+    return module
+
+
+def open_backend(engine: str, url: str, *, keep_last: int, timeout_s: float,
+                 async_: bool) -> Backend:
+    """Collective for the peers (they create a checkpoint process group)."""
+    classes = {"antifragile": "AntifragileBackend", "dcp": "DcpBackend",
+               "torchsnapshot": "SnapshotBackend"}
+    module = _module(engine)
+    backend: Backend = getattr(module, classes[engine])(url, keep_last=keep_last,
+                                                        timeout_s=timeout_s, async_=async_)
+    return backend
+
+
+def committed_steps(engine: str, url: str) -> list[int]:
+    return list(_module(engine).steps(url))
+
+
+def read_checkpoint(engine: str, url: str, step: int) -> dict[str, Any]:
+    return dict(_module(engine).read(url, step))
+
+
+def data_files(engine: str, url: str, step: int) -> list[Path]:
+    """A peer engine's data files of a committed step (ours is addressed by chunk objects)."""
+    if engine == "antifragile":
+        raise ValueError("the antifragile engine's objects are listed in its commit manifest")
+    return list(_module(engine).data_files(url, step))
+
+
+__all__ = ["ENGINES", "Backend", "PendingSave", "committed_steps", "data_files",
+           "open_backend", "read_checkpoint"]

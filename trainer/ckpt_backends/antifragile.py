@@ -1,0 +1,45 @@
+"""``checkpoint.engine: antifragile``: our own engine, exactly as the trainer always used it."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from engine import CheckpointEngine, SaveHandle
+from engine.commit import committed_steps
+from engine.storage import open_storage
+
+
+class AntifragileBackend:
+    name = "antifragile"
+    overlaps_saves = True  # the engine refuses (fails) a save while the previous one persists
+
+    def __init__(self, url: str, *, keep_last: int, timeout_s: float, async_: bool) -> None:
+        self.engine = CheckpointEngine(url, keep_last=keep_last, commit_timeout_s=timeout_s)
+
+    def candidates(self) -> list[int]:
+        latest = self.engine.latest_step()
+        return [] if latest is None else [latest]
+
+    def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
+        return self.engine.save(step, state, blocking=False)
+
+    def load(self, state: dict[str, Any]) -> tuple[int, list[str]]:
+        """The engine falls back past damaged steps itself and says so in warnings."""
+        with warnings.catch_warnings(record=True) as skipped:
+            warnings.simplefilter("always", RuntimeWarning)
+            step = self.engine.load(state)
+        return step, [str(w.message) for w in skipped]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def steps(url: str) -> list[int]:
+    return committed_steps(open_storage(url))
+
+
+def read(url: str, step: int) -> dict[str, Any]:
+    with CheckpointEngine(url) as ckpt:
+        return ckpt.read(step)
+

@@ -1,0 +1,132 @@
+"""``checkpoint.engine: dcp``: torch.distributed.checkpoint over the trainer's FQN-keyed state.
+
+``<url>/step_<n>/`` holds one ``__<rank>_<i>.distcp`` per rank and ``.metadata``. DCP's
+coordinator writes ``.metadata`` only after it has gathered every rank's write results, to
+``.metadata.tmp`` first and then renamed (``FileSystemWriter.finish``): ``.metadata`` present
+means committed. DCP keeps no checksums of its own: damage is found only when a file no longer
+parses (truncated, deleted, or a flip that breaks ``torch.load``); a flip inside tensor bytes
+loads silently, and only the chaos checker's comparison with the reference run sees it.
+DCP's own ``CheckpointException`` derives from ``BaseException``, hence the explicit catches.
+``.metadata`` is a pickle: reading a DCP checkpoint unpickles it, as DCP always does.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from engine import CheckpointError
+from trainer.ckpt_backends.base import (
+    CheckpointGroup,
+    PeerHandle,
+    committed,
+    discard_after,
+    done_future,
+    failed_future,
+    first_line,
+    flat,
+    local_root,
+    prune,
+    step_name,
+)
+
+MARKER = ".metadata"
+
+
+class DcpBackend:
+    name = "dcp"
+    overlaps_saves = False  # two async_saves in flight would interleave their collectives
+
+    def __init__(self, url: str, *, keep_last: int, timeout_s: float, async_: bool) -> None:
+        self.root = local_root(url)
+        self.keep_last = keep_last
+        self.async_ = async_
+        self.group = CheckpointGroup(timeout_s)
+
+    def candidates(self) -> list[int]:
+        return list(self.group.agree(list(reversed(committed(self.root, MARKER)))))
+
+    def save(self, step: int, state: dict[str, Any]) -> PeerHandle:
+        path = str(self.root / step_name(step))
+        t0 = time.perf_counter()
+        if self.async_:  # stages a CPU copy, then plans and writes in DCP's own thread
+            future = dcp.async_save(state, checkpoint_id=path, process_group=self.group.pg)
+            return PeerHandle(step, future, stall_s=time.perf_counter() - t0, sizes=self._sizes)
+        try:
+            future = done_future(dcp.save(state, checkpoint_id=path,
+                                          process_group=self.group.pg))
+        except (Exception, CheckpointException) as exc:  # reported as ckpt_failed
+            future = failed_future(exc)
+        return PeerHandle(step, future, stall_s=time.perf_counter() - t0, sizes=self._sizes,
+                          started_t=t0)
+
+    def _sizes(self, metadata: Metadata) -> tuple[int, int]:
+        """(bytes this rank's files hold, bytes of the checkpoint); rank 0 then prunes."""
+        infos = list((metadata.storage_data or {}).values())
+        mine = sum(i.length for i in infos if i.relative_path.startswith(
+            f"__{self.group.rank}_"))
+        if self.group.rank == 0:
+            prune(self.root, MARKER, self.keep_last)
+        return mine, sum(i.length for i in infos)
+
+    def load(self, state: dict[str, Any]) -> tuple[int, list[str]]:
+        steps = self.candidates()
+        skipped: list[str] = []
+        for i, step in enumerate(steps):
+            error: BaseException | None = None
+            try:
+                dcp.load(state, checkpoint_id=str(self.root / step_name(step)),
+                         process_group=self.group.pg)
+            except (Exception, CheckpointException) as exc:  # any rank failing skips the step
+                error = exc
+            if self.group.all_ok(error is None):
+                if self.group.rank == 0:
+                    discard_after(self.root, step)
+                self.group.barrier()
+                return step, skipped
+            then = f", trying step {steps[i + 1]}" if i + 1 < len(steps) else ""
+            why = _why(error) if error else "it failed to load on another rank"
+            skipped.append(f"checkpoint step {step} skipped{then}: {why}")
+        raise CheckpointError(f"no DCP checkpoint under {self.root} loads (tried {steps}): "
+                              f"{skipped[-1] if skipped else 'none committed'}")
+
+    def close(self) -> None:
+        """Nothing to release: the trainer waits for the save in flight before closing."""
+
+
+def _why(exc: BaseException) -> str:
+    """DCP gathers every rank's failure into one exception: name the first rank's."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures:
+        rank, (error, _) = min(failures.items())
+        return f"rank {rank}: {first_line(error)}"
+    return first_line(exc)
+
+
+def steps(url: str) -> list[int]:
+    return committed(local_root(url), MARKER)
+
+
+def read(url: str, step: int) -> dict[str, Any]:
+    """Every entry of a committed step as whole plain tensors and values, keyed like
+    ``CheckpointEngine.read`` (``model/<fqn>``), in one process without a process group."""
+    path = local_root(url) / step_name(step)
+    if not (path / MARKER).is_file():
+        raise CheckpointError(f"{path}: no committed DCP checkpoint (no {MARKER})")
+    state: dict[str, Any] = {}
+    # what torch's own dcp_to_torch_save does (public dcp.load warns when dist is not up)
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return flat(state)
+
+
+def data_files(url: str, step: int) -> list[Path]:
+    """The files holding a committed step's tensor bytes (one or more per rank)."""
+    return sorted((local_root(url) / step_name(step)).glob("*.distcp"))

@@ -1,0 +1,216 @@
+"""``checkpoint.engine: torchsnapshot``: torchsnapshot 0.1.0 ``Snapshot.async_take``/``take``.
+
+torchsnapshot 0.1.0 predates DTensor: given one it fails (``.numpy() is not supported for
+tensor subclasses``). So each rank saves what a torchsnapshot user would have to: its *local*
+shards as plain tensors. torchsnapshot keeps non-replicated entries per rank
+(``<rank>/state/model/<fqn>``), and rank r restores its own entries. It therefore cannot
+reshard: a checkpoint loads only into the world size and layout that wrote it, and loading
+into another one is refused with that reason.
+
+``<url>/step_<n>/`` holds the per-rank tensor files and ``.snapshot_metadata``, which rank 0
+writes only after every rank's writes are done (a barrier in ``take``; a store barrier in
+``async_take``'s background thread): ``.snapshot_metadata`` present means committed.
+torchsnapshot keeps no checksums: a flip inside tensor bytes loads silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+with warnings.catch_warnings():  # torchsnapshot 0.1.0 calls torch.jit.script at import time
+    warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated",
+                            DeprecationWarning)
+    import torchsnapshot
+    from torchsnapshot.manifest import PrimitiveEntry
+
+from engine import CheckpointError
+from trainer.ckpt_backends.base import (
+    CheckpointGroup,
+    PeerHandle,
+    committed,
+    discard_after,
+    done_future,
+    failed_future,
+    first_line,
+    folder_nbytes,
+    local_root,
+    prune,
+    step_name,
+)
+
+MARKER = ".snapshot_metadata"
+_CONTAINERS = {"dict", "list", "OrderedDict"}
+
+
+def _local(state: Any) -> Any:
+    """The same nesting with every DTensor replaced by this rank's shard (shares storage)."""
+    if isinstance(state, dict):
+        return {k: _local(v) for k, v in state.items()}
+    if isinstance(state, DTensor):
+        return state.to_local()
+    return state
+
+
+def _restore_local(snapshot: Any, rank: int, target: dict[str, Any], where: str) -> None:
+    """Fill ``target`` in place with this rank's entries of ``snapshot``.
+
+    Only reads this rank's own files: no collective, so a rank that fails here cannot leave
+    another one waiting inside torchsnapshot's ``restore`` barriers. The caller agrees on the
+    outcome afterwards."""
+    manifest = snapshot.get_manifest()
+    for key, want in target.items():
+        path = f"{where}/{key}"
+        if isinstance(want, dict):
+            _restore_local(snapshot, rank, want, path)
+            continue
+        entry = manifest.get(f"{rank}/{path}")
+        if entry is None:
+            raise CheckpointError(f"{path} of rank {rank} is not in the snapshot")
+        if isinstance(want, torch.Tensor):
+            local = want.to_local() if isinstance(want, DTensor) else want
+            saved = tuple(getattr(entry, "shape", ()) or ())
+            if saved != tuple(local.shape):
+                raise CheckpointError(
+                    f"{path}: saved shard {saved} does not fit rank {rank}'s "
+                    f"{tuple(local.shape)}; torchsnapshot cannot reshard (same layout only)")
+            snapshot.read_object(f"{rank}/{path}", obj_out=local)
+        elif isinstance(entry, PrimitiveEntry):
+            target[key] = entry.get_value()
+        else:
+            target[key] = snapshot.read_object(f"{rank}/{path}")
+
+
+class _LocalShards:
+    """The ``Stateful`` torchsnapshot takes: this rank's part of the trainer state. Restored
+    by :func:`_restore_local`, not through torchsnapshot's collective ``restore``."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(_local(self.state))
+
+    def load_state_dict(self, loaded: dict[str, Any]) -> None:
+        raise NotImplementedError("restored by _restore_local")
+
+
+def _local_nbytes(state: Any) -> int:
+    if isinstance(state, dict):
+        return sum(_local_nbytes(v) for v in state.values())
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if isinstance(state, DTensor) else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+class SnapshotBackend:
+    name = "torchsnapshot"
+    overlaps_saves = False
+
+    def __init__(self, url: str, *, keep_last: int, timeout_s: float, async_: bool) -> None:
+        self.root = local_root(url)
+        self.keep_last = keep_last
+        self.async_ = async_
+        self.group = CheckpointGroup(timeout_s)
+
+    def candidates(self) -> list[int]:
+        return list(self.group.agree(list(reversed(committed(self.root, MARKER)))))
+
+    def save(self, step: int, state: dict[str, Any]) -> PeerHandle:
+        path = self.root / step_name(step)
+        app = {"state": _LocalShards(state)}
+        mine = _local_nbytes(state)
+
+        def sizes(_: object) -> tuple[int, int]:
+            if self.group.rank == 0:
+                prune(self.root, MARKER, self.keep_last)
+            total = folder_nbytes(path) - ((path / MARKER).stat().st_size
+                                          if (path / MARKER).exists() else 0)
+            return mine, total
+
+        t0 = time.perf_counter()
+        future: Future[Any]
+        if self.async_:  # stages a copy, then writes and commits in its own thread
+            pending = torchsnapshot.Snapshot.async_take(str(path), app, pg=self.group.pg)
+            future = Future()
+            threading.Thread(target=_resolve, args=(pending, future), daemon=True,
+                             name=f"torchsnapshot-step-{step}").start()
+            return PeerHandle(step, future, stall_s=time.perf_counter() - t0, sizes=sizes)
+        try:
+            future = done_future(torchsnapshot.Snapshot.take(str(path), app, pg=self.group.pg))
+        except Exception as exc:  # reported as ckpt_failed
+            future = failed_future(exc)
+        return PeerHandle(step, future, stall_s=time.perf_counter() - t0, sizes=sizes,
+                          started_t=t0)
+
+    def load(self, state: dict[str, Any]) -> tuple[int, list[str]]:
+        steps = self.candidates()
+        skipped: list[str] = []
+        for i, step in enumerate(steps):
+            error: BaseException | None = None
+            try:
+                snapshot = torchsnapshot.Snapshot(str(self.root / step_name(step)))
+                saved_world = snapshot.metadata.world_size
+                if saved_world != self.group.world_size:
+                    raise CheckpointError(
+                        f"saved by {saved_world} ranks, this job has {self.group.world_size}; "
+                        "torchsnapshot cannot reshard")
+                _restore_local(snapshot, self.group.rank, state, "state")
+            except Exception as exc:  # any rank failing skips the step
+                error = exc
+            if self.group.all_ok(error is None):
+                if self.group.rank == 0:
+                    discard_after(self.root, step)
+                self.group.barrier()
+                return step, skipped
+            then = f", trying step {steps[i + 1]}" if i + 1 < len(steps) else ""
+            why = first_line(error) if error else "it failed to load on another rank"
+            skipped.append(f"checkpoint step {step} skipped{then}: {why}")
+        raise CheckpointError(f"no torchsnapshot checkpoint under {self.root} loads (tried "
+                              f"{steps}): {skipped[-1] if skipped else 'none committed'}")
+
+    def close(self) -> None:
+        """Nothing to release: the trainer waits for the save in flight before closing."""
+
+
+def _resolve(pending: Any, future: Future[Any]) -> None:
+    try:
+        future.set_result(pending.wait())
+    except BaseException as exc:  # handed to the trainer through the future
+        future.set_exception(exc)
+
+
+def steps(url: str) -> list[int]:
+    return committed(local_root(url), MARKER)
+
+
+def read(url: str, step: int) -> dict[str, Any]:
+    """Every leaf of a committed snapshot, keyed by its manifest path (``<rank>/state/...``:
+    per-rank local shards), in one process without a process group."""
+    path = local_root(url) / step_name(step)
+    if not (path / MARKER).is_file():
+        raise CheckpointError(f"{path}: no committed torchsnapshot checkpoint (no {MARKER})")
+    logging.getLogger("torchsnapshot").setLevel(logging.ERROR)  # "obj_out ..." notes per read
+    snapshot = torchsnapshot.Snapshot(str(path))
+    out: dict[str, Any] = {}
+    for key, entry in snapshot.get_manifest().items():
+        if isinstance(entry, PrimitiveEntry):  # inline; read_object would leak an event loop
+            out[key] = entry.get_value()
+        elif entry.type not in _CONTAINERS:
+            out[key] = snapshot.read_object(key)
+    return out
+
+
+def data_files(url: str, step: int) -> list[Path]:
+    """The files holding a committed step's tensor bytes (every file but the marker)."""
+    folder = local_root(url) / step_name(step)
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MARKER)
