@@ -1,7 +1,7 @@
 """Storage failures: transient S3 errors are retried with backoff, an outage beyond the retry
 budget fails the save (not the training), and the retry wrapper's own rules.
 
-S3 faults come from a TCP proxy between s3fs and the moto server (tests/_proxy.py), so the
+S3 faults come from a TCP proxy between s3fs and the moto server (chaos/proxy.py), so the
 engine's real client stack sees real resets and real 503 responses.
 """
 
@@ -16,8 +16,8 @@ from urllib.parse import urlparse
 
 import pytest
 import torch
-from _proxy import FaultProxy
 
+from chaos.proxy import FaultProxy
 from engine import CheckpointEngine, StorageError
 from engine.storage import RetryingStorage
 from engine.storage import _base as storage_base

@@ -1,0 +1,290 @@
+"""A fault-injecting TCP proxy in front of an HTTP (S3) endpoint.
+
+The trainer is given the proxy's address as its S3 endpoint, so every request it makes crosses
+the proxy, and the faults are made here, outside the trainer: its real client stack (s3fs,
+aiobotocore, aiohttp) sees real resets, real 503 answers and real silence. Fault kinds:
+
+- ``reset``: accept a connection, then close it with RST.
+- ``http503``: read the request, answer ``503 Service Unavailable`` with an S3 error document
+  (what S3 does when it sheds load), and close.
+- ``blackhole``: accept, read, never answer. Held connections are severed (RST) when the fault
+  ends, as a network partition healing would; until then the client waits on its own timeout.
+- ``latency``: pass everything, but hold each request back ``latency_s`` before forwarding it.
+
+When a fault starts, connections already open are severed, so pooled keep-alive connections
+cannot slip past it. The proxy speaks TCP, not TLS: it sits in front of plain-HTTP endpoints
+(moto, MinIO, a local gateway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from urllib.parse import urlparse
+
+FAULT_KINDS = ("reset", "http503", "blackhole", "latency")
+
+_BODY_503 = (
+    b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>ServiceUnavailable</Code>"
+    b"<Message>injected by the antifragile fault proxy</Message></Error>"
+)
+_HEAD_LIMIT = 64 * 1024
+
+
+@dataclass(slots=True)
+class ProxyStats:
+    """Counts since the proxy started. ``faulted`` counts connections that were reset, answered
+    503 or blackholed; each carries one request, since the client never gets an answer it could
+    reuse the connection after. ``passed`` counts connections forwarded (a pooled connection
+    carries many requests); ``delayed`` counts requests held back by ``latency``."""
+
+    passed: int = 0
+    faulted: int = 0
+    delayed: int = 0
+
+    def since(self, earlier: ProxyStats) -> ProxyStats:
+        return ProxyStats(self.passed - earlier.passed, self.faulted - earlier.faulted,
+                          self.delayed - earlier.delayed)
+
+
+@dataclass(slots=True)
+class _Fault:
+    kind: str
+    left: int | None  # connections still to fault; None: until heal()
+    latency_s: float
+    over: threading.Event  # set when this fault ends: wakes requests held by latency
+
+
+class FaultProxy:
+    """Listens on ``host`` (a free port); forwards to ``upstream`` (host, port).
+
+    Thread-safe: ``fault`` and ``heal`` may be called from any thread while traffic flows.
+    ``fault(kind, count)`` faults the next ``count`` connections (``None``: everything until
+    ``heal()``). ``latency`` applies to every request until ``heal()``.
+    """
+
+    def __init__(self, upstream: tuple[str, int], *, host: str = "127.0.0.1") -> None:
+        self.upstream = upstream
+        self.stats = ProxyStats()
+        self._lock = threading.Lock()
+        self._fault: _Fault | None = None
+        self._open: set[socket.socket] = set()  # passed-through sockets, both sides
+        self._held: set[socket.socket] = set()  # blackholed client sockets
+        self._listener = socket.create_server((host, 0))
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="fault-proxy", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def in_front_of(cls, endpoint_url: str) -> FaultProxy:
+        """A proxy for ``http://host:port``; TLS endpoints cannot be proxied byte for byte."""
+        url = urlparse(endpoint_url)
+        if url.scheme != "http" or not url.hostname:
+            raise ValueError(f"the fault proxy needs a plain http:// endpoint, not {endpoint_url}")
+        return cls((url.hostname, url.port or 80))
+
+    @property
+    def endpoint_url(self) -> str:
+        host, port = self._listener.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def snapshot(self) -> ProxyStats:
+        with self._lock:
+            return dataclasses.replace(self.stats)
+
+    def fault(self, kind: str, count: int | None = None, *, latency_s: float = 2.0) -> object:
+        """Start faulting with ``kind``; sever the connections open now. Returns a token for
+        ``heal`` (a fault started later is not ended by an earlier one's heal)."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault {kind!r} (known: {', '.join(FAULT_KINDS)})")
+        if kind == "latency" and count is not None:
+            raise ValueError("latency applies to every request until heal(); give no count")
+        with self._lock:
+            if self._fault is not None:
+                self._fault.over.set()
+            self._fault = token = _Fault(kind, count, latency_s, threading.Event())
+            victims, self._open = self._open, set()
+        for sock in victims:
+            _hard_close(sock)
+        return token
+
+    def heal(self, token: object | None = None) -> None:
+        """End the fault (only if it is still ``token``'s): pass everything again; blackholed
+        connections are severed."""
+        with self._lock:
+            if token is not None and token is not self._fault:
+                return
+            if self._fault is not None:
+                self._fault.over.set()
+            self._fault = None
+            held, self._held = self._held, set()
+        for sock in held:
+            _hard_close(sock)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.heal()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+        self._listener.close()
+        self._thread.join(timeout=5)
+        with self._lock:
+            victims, self._open = self._open, set()
+        for sock in victims:
+            _hard_close(sock)
+
+    def __enter__(self) -> FaultProxy:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _take(self) -> _Fault | None:
+        """The fault to apply to a new connection (None: pass it), counting it down."""
+        with self._lock:
+            fault = self._fault
+            if fault is None or fault.kind == "latency":
+                return None
+            if fault.left is not None:
+                fault.left -= 1
+                if fault.left <= 0:
+                    self._fault = None
+            self.stats.faulted += 1
+            return fault
+
+    def _latency(self) -> _Fault | None:
+        with self._lock:
+            fault = self._fault
+            return fault if fault is not None and fault.kind == "latency" else None
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            fault = self._take()
+            threading.Thread(target=self._serve if fault is None else self._inject,
+                             args=(client, fault), daemon=True).start()
+
+    def _inject(self, client: socket.socket, fault: _Fault) -> None:
+        if fault.kind == "reset":
+            _hard_close(client)
+        elif fault.kind == "http503":
+            _answer_503(client)
+        else:
+            self._blackhole(client)
+
+    def _blackhole(self, client: socket.socket) -> None:
+        with self._lock:
+            if self._fault is None or self._closed.is_set():  # healed since accept()
+                held = False
+            else:
+                self._held.add(client)
+                held = True
+        if not held:
+            _hard_close(client)
+            return
+        try:
+            while client.recv(65536):  # swallow the request; heal() or close() severs it
+                pass
+        except OSError:
+            pass
+        with self._lock:
+            self._held.discard(client)
+        client.close()
+
+    def _serve(self, client: socket.socket, _: _Fault | None) -> None:
+        try:
+            upstream = socket.create_connection(self.upstream, timeout=10)
+        except OSError:
+            _hard_close(client)
+            return
+        upstream.settimeout(None)
+        with self._lock:
+            self.stats.passed += 1
+            self._open.update((client, upstream))
+        answered = threading.Event()  # the upstream spoke since the client's last request
+        answered.set()
+        back = threading.Thread(target=_pump, args=(upstream, client, answered.set), daemon=True)
+        back.start()
+        _pump(client, upstream, lambda: self._before_request(answered))
+        back.join()
+        with self._lock:
+            self._open.difference_update((client, upstream))
+        client.close()
+        upstream.close()
+
+    def _before_request(self, answered: threading.Event) -> None:
+        """Called with each chunk from the client: the first one after an answer (or the first
+        on the connection) begins a new request (HTTP/1.1 clients do not pipeline), which
+        ``latency`` holds back."""
+        if not answered.is_set():
+            return
+        answered.clear()
+        fault = self._latency()
+        if fault is not None:
+            with self._lock:
+                self.stats.delayed += 1
+            fault.over.wait(fault.latency_s)
+
+
+def _pump(src: socket.socket, dst: socket.socket, on_chunk: Callable[[], None]) -> None:
+    try:
+        while data := src.recv(65536):
+            on_chunk()
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def _answer_503(client: socket.socket) -> None:
+    """Read the request head (and a declared body, unless the client waits for 100-continue),
+    answer 503 with an S3 error document, and close."""
+    head = b""
+    try:
+        while b"\r\n\r\n" not in head and len(head) < _HEAD_LIMIT:
+            chunk = client.recv(65536)
+            if not chunk:
+                break
+            head += chunk
+        header, _, body = head.partition(b"\r\n\r\n")
+        fields = {k.strip().lower(): v.strip()
+                  for k, _, v in (line.partition(b":") for line in header.split(b"\r\n")[1:])}
+        if fields.get(b"expect", b"").lower() != b"100-continue":
+            remaining = int(fields.get(b"content-length", b"0") or 0) - len(body)
+            while remaining > 0:
+                chunk = client.recv(min(remaining, 65536))
+                if not chunk:
+                    break
+                remaining -= len(chunk)
+        body_503 = b"" if header.startswith(b"HEAD ") else _BODY_503
+        client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
+                       + f"Content-Length: {len(body_503)}\r\n".encode()
+                       + b"Connection: close\r\n\r\n" + body_503)
+        client.shutdown(socket.SHUT_WR)
+    except (OSError, ValueError):
+        pass
+    finally:
+        client.close()
+
+
+def _hard_close(sock: socket.socket) -> None:
+    """Close with RST (SO_LINGER 0) so the peer sees a reset; wakes threads blocked on it."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

@@ -1,0 +1,445 @@
+"""S3 in ``chaos run`` and the ``storage_outage`` fault.
+
+Layers: the fault proxy's modes against a real moto S3 server through botocore (quick); the
+S3 set-up of a run (self-started moto, the endpoint from the environment); the scenario rules
+and the outage measurements from events (pure); then whole ``chaos run`` scenarios on S3,
+one per outage mode, the faulty run checked bit-identical to the fault-free reference.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from chaos import s3
+from chaos.cli import main
+from chaos.faults import Injection, Target
+from chaos.faults.storage_outage import StorageOutage
+from chaos.measure import fault_timings, outage_effects
+from chaos.proxy import FaultProxy
+from chaos.runner import RunRecord
+from chaos.scenario import ScenarioError, parse_scenario
+
+# -- the proxy against moto ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def proxy(s3_server: dict[str, Any]) -> Iterator[FaultProxy]:
+    with FaultProxy.in_front_of(s3_server["endpoint_url"]) as fault_proxy:
+        yield fault_proxy
+
+
+def _client(endpoint_url: str, read_timeout: float = 10.0) -> Any:
+    """A boto3 client with its own retries off: every failure the proxy makes is seen."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=endpoint_url, aws_access_key_id="testing",
+                        aws_secret_access_key="testing", region_name="us-east-1",
+                        config=Config(retries={"total_max_attempts": 1, "mode": "standard"},
+                                      connect_timeout=2, read_timeout=read_timeout))
+
+
+@pytest.fixture
+def bucket(s3_bucket: tuple[str, dict[str, Any]]) -> str:
+    return s3.split_url(s3_bucket[0])[0]
+
+
+@pytest.mark.s3
+def test_proxy_passes_requests_through(proxy: FaultProxy, bucket: str) -> None:
+    client = _client(proxy.endpoint_url)
+    client.put_object(Bucket=bucket, Key="k", Body=b"x" * 100_000)
+    assert client.get_object(Bucket=bucket, Key="k")["Body"].read() == b"x" * 100_000
+    assert proxy.stats.passed >= 1 and proxy.stats.faulted == 0
+
+
+@pytest.mark.s3
+def test_error_mode_answers_503_until_healed(proxy: FaultProxy, bucket: str) -> None:
+    from botocore.exceptions import ClientError
+
+    client = _client(proxy.endpoint_url)
+    client.put_object(Bucket=bucket, Key="k", Body=b"before")
+    proxy.fault("http503")
+    for _ in range(3):
+        with pytest.raises(ClientError) as info:
+            client.put_object(Bucket=bucket, Key="k", Body=b"during")
+        assert info.value.response["ResponseMetadata"]["HTTPStatusCode"] == 503
+        assert info.value.response["Error"]["Code"] == "ServiceUnavailable"
+    assert proxy.stats.faulted == 3
+    proxy.heal()
+    assert client.get_object(Bucket=bucket, Key="k")["Body"].read() == b"before"
+
+
+@pytest.mark.s3
+def test_reset_mode_faults_exactly_count_connections(proxy: FaultProxy, bucket: str) -> None:
+    from botocore.exceptions import BotoCoreError
+
+    client = _client(proxy.endpoint_url)
+    proxy.fault("reset", count=2)
+    for _ in range(2):
+        with pytest.raises(BotoCoreError, match=r"(?i)connect|closed|reset|aborted"):
+            client.list_objects_v2(Bucket=bucket)
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket)
+    assert proxy.stats.faulted == 2
+
+
+class _KeepAlive(BaseHTTPRequestHandler):
+    """Answers every GET with 200 and keeps the connection open (moto closes after each)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        body = b"ok"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def keep_alive_proxy() -> Iterator[FaultProxy]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _KeepAlive)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    with FaultProxy(server.server_address[:2]) as fault_proxy:  # type: ignore[arg-type]
+        yield fault_proxy
+    server.shutdown()
+    server.server_close()
+
+
+def _get(conn: http.client.HTTPConnection) -> int:
+    conn.request("GET", "/")
+    response = conn.getresponse()
+    response.read()
+    assert not response.will_close
+    return response.status
+
+
+def test_a_fault_severs_pooled_keep_alive_connections(keep_alive_proxy: FaultProxy) -> None:
+    """A connection opened before the outage must not carry requests through it."""
+    url = urlparse(keep_alive_proxy.endpoint_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
+    assert _get(conn) == 200 and _get(conn) == 200
+    keep_alive_proxy.fault("http503")
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+        _get(conn)
+    conn.close()
+    assert keep_alive_proxy.stats.passed == 1
+
+
+def test_latency_delays_each_request_of_a_keep_alive_connection(
+        keep_alive_proxy: FaultProxy) -> None:
+    url = urlparse(keep_alive_proxy.endpoint_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    assert _get(conn) == 200
+    keep_alive_proxy.fault("latency", latency_s=0.3)  # severs it: the client reconnects once
+    conn.close()
+    for _ in range(3):
+        start = time.monotonic()
+        assert _get(conn) == 200 and time.monotonic() - start >= 0.3
+    assert keep_alive_proxy.stats.delayed == 3 and keep_alive_proxy.stats.passed == 2
+    keep_alive_proxy.heal()
+    start = time.monotonic()
+    assert _get(conn) == 200 and time.monotonic() - start < 0.3
+    assert keep_alive_proxy.stats.delayed == 3
+
+
+@pytest.mark.s3
+def test_blackhole_holds_requests_and_severs_them_when_healed(proxy: FaultProxy,
+                                                              bucket: str) -> None:
+    client = _client(proxy.endpoint_url, read_timeout=30)
+    proxy.fault("blackhole")
+    outcome: dict[str, Any] = {}
+
+    def request() -> None:
+        start = time.monotonic()
+        try:
+            client.list_objects_v2(Bucket=bucket)
+            outcome["result"] = "answered"
+        except Exception as exc:
+            outcome["result"] = type(exc).__name__
+        outcome["seconds"] = time.monotonic() - start
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    worker.join(1.5)
+    assert worker.is_alive(), "a blackholed request must get no answer"
+    proxy.heal()
+    worker.join(10)
+    assert not worker.is_alive()
+    assert outcome["result"] != "answered" and 1.4 < outcome["seconds"] < 10, outcome
+    assert proxy.stats.faulted == 1
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket)  # healed: answered again
+
+
+@pytest.mark.s3
+def test_latency_mode_delays_s3_requests(proxy: FaultProxy, bucket: str) -> None:
+    url = urlparse(proxy.endpoint_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    proxy.fault("latency", latency_s=0.4)
+    for _ in range(3):
+        start = time.monotonic()
+        conn.request("GET", f"/{bucket}?list-type=2")
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 200 and time.monotonic() - start >= 0.4
+    assert proxy.stats.delayed == 3 and proxy.stats.faulted == 0
+    proxy.heal()
+    start = time.monotonic()
+    conn.request("GET", f"/{bucket}?list-type=2")
+    conn.getresponse().read()
+    assert time.monotonic() - start < 0.4 and proxy.stats.delayed == 3
+    conn.close()
+
+
+@pytest.mark.s3
+def test_heal_of_an_earlier_fault_leaves_a_later_one_alone(proxy: FaultProxy) -> None:
+    first = proxy.fault("http503")
+    proxy.fault("blackhole")
+    proxy.heal(first)
+    assert proxy._fault is not None and proxy._fault.kind == "blackhole"
+    proxy.heal()
+    assert proxy._fault is None
+
+
+def test_proxy_refuses_tls_endpoints_and_unknown_kinds() -> None:
+    with pytest.raises(ValueError, match="plain http"):
+        FaultProxy.in_front_of("https://s3.amazonaws.com")
+    with FaultProxy(("127.0.0.1", 9)) as fault_proxy:
+        with pytest.raises(ValueError, match="unknown fault"):
+            fault_proxy.fault("flaky")
+        with pytest.raises(ValueError, match="give no count"):
+            fault_proxy.fault("latency", count=3)
+
+
+# -- S3 set-up of a run ------------------------------------------------------------------------
+
+TRAINER = {"parallel": {"dp": 2, "tp": 1, "pp": 1}, "steps": 16, "batch_size": 8,
+           "model": {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16},
+           "collective_timeout_s": 30}
+
+
+def _scenario(name: str, url: str | None, faults: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"name": name, "seed": 5, "trainer": TRAINER,
+            "checkpoint": {"url": url, "every_steps": 4, "keep_last": 3}, "faults": faults,
+            "expect": {"bitwise_equal_to_reference": True}}
+
+
+OUTAGE = {"kind": "storage_outage", "at_step": 5, "duration_s": 3, "mode": "error"}
+
+
+def _fresh_url() -> str:
+    return f"s3://chaos-{uuid.uuid4().hex[:10]}/run"
+
+
+def test_run_storage_is_a_run_folder_by_default(tmp_path: Path) -> None:
+    s = parse_scenario(_scenario("local", None, []))
+    with s3.run_storage(s, tmp_path, progress=lambda _: None) as storage:
+        assert storage.url == str(tmp_path / "ckpt")
+        assert storage.trainer_env == {} and storage.proxy is None
+
+
+@pytest.mark.s3
+def test_run_storage_starts_moto_when_no_endpoint_is_configured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in s3.ENDPOINT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    url = _fresh_url()
+    s = parse_scenario(_scenario("demo", url, [OUTAGE]))
+    lines: list[str] = []
+    with s3.run_storage(s, tmp_path, progress=lines.append) as storage:
+        assert storage.moto and storage.url == url and "moto" in lines[0]
+        assert storage.proxy is not None
+        # the trainer goes through the proxy; this process talks to moto directly
+        assert storage.trainer_env["AWS_ENDPOINT_URL"] == storage.proxy.endpoint_url
+        assert os.environ["AWS_ENDPOINT_URL"] == storage.endpoint != storage.proxy.endpoint_url
+        client = _client(storage.trainer_env["AWS_ENDPOINT_URL"])
+        bucket, prefix = s3.split_url(url)
+        client.put_object(Bucket=bucket, Key=f"{prefix}/x", Body=b"through the proxy")
+        assert storage.proxy.stats.passed >= 1
+    assert "AWS_ENDPOINT_URL" not in os.environ
+    with pytest.raises(Exception, match=r"Could not connect|Connect timeout|refused"):
+        client.list_objects_v2(Bucket=bucket)  # the demo server is gone with the run
+
+
+@pytest.mark.s3
+def test_run_storage_uses_the_configured_endpoint_and_checks_the_prefix(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_server: dict[str, Any],
+        s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server["endpoint_url"])
+    url, _ = s3_bucket
+    s = parse_scenario(_scenario("external", url, []))
+    with s3.run_storage(s, tmp_path, progress=lambda _: None) as storage:
+        assert not storage.moto and storage.proxy is None
+        assert storage.trainer_env["AWS_ENDPOINT_URL"] == s3_server["endpoint_url"]
+    bucket, prefix = s3.split_url(url)
+    client = _client(s3_server["endpoint_url"])
+    client.put_object(Bucket=bucket, Key=f"{prefix}/step_000000004/x", Body=b"old")
+    with pytest.raises(s3.S3SetupError, match=r"already holds step_000000004.*fresh prefix"), \
+            s3.run_storage(s, tmp_path, progress=lambda _: None):
+        pass
+    missing = parse_scenario(_scenario("missing", "s3://no-such-bucket-here/x", []))
+    with pytest.raises(s3.S3SetupError, match="bucket 'no-such-bucket-here' does not exist"), \
+            s3.run_storage(missing, tmp_path, progress=lambda _: None):
+        pass
+
+
+# -- scenario rules and measurements (no processes) --------------------------------------------
+
+
+@pytest.mark.parametrize("url", [None, "/tmp/ckpt"])
+def test_a_storage_outage_needs_s3(url: str | None) -> None:
+    with pytest.raises(ScenarioError, match=r"x.yaml: faults.0.kind: storage_outage acts on S3"
+                       r".*set checkpoint.url: s3://bucket/prefix"):
+        parse_scenario(_scenario("x", url, [OUTAGE]), path="x.yaml")
+
+
+def test_storage_outage_fields_are_validated() -> None:
+    with pytest.raises(ScenarioError, match=r"faults\.0\.mode: Input should be 'error', 'latency' "
+                       r"or 'blackhole'"):
+        parse_scenario(_scenario("x", "s3://b/p", [{**OUTAGE, "mode": "flaky"}]))
+    with pytest.raises(ScenarioError, match=r"faults\.0\.duration_s"):
+        parse_scenario(_scenario("x", "s3://b/p", [{**OUTAGE, "duration_s": 0}]))
+    s = parse_scenario(_scenario("x", "s3://b/p", [OUTAGE]))
+    assert isinstance(s.faults[0], StorageOutage) and s.faults[0].latency_s == 2.0
+
+
+def test_without_a_proxy_the_outage_is_reported_skipped() -> None:
+    import random
+
+    target = Target(pids={}, coordinates={}, ckpt_url="s3://b/p", rng=random.Random(0),
+                    storage_proxy_unavailable="the fault proxy needs a plain http:// endpoint")
+    injection = StorageOutage(kind="storage_outage", at_step=3).inject(target, 3)
+    assert injection.skipped == "the fault proxy needs a plain http:// endpoint"
+
+
+def _ev(t: float, event: str, rank: int = 0, attempt: int = 0, **kw: Any) -> dict[str, Any]:
+    return {"t": t, "event": event, "rank": rank, "attempt": attempt, **kw}
+
+
+def test_outage_effects_from_events() -> None:
+    """Outage 10..20 s: the save of step 4 (staged at 9 s) is in flight and commits late, the
+    one of step 8 is skipped while it persists, step 12's commits after; steps go on."""
+    events = [_ev(0.0, "start", pid=1)]
+    events += [_ev(float(t), "step_end", step=t, seconds=0.5, loss=1.0) for t in range(1, 25)]
+    events += [
+        _ev(1.0, "ckpt_staged", step=1, stall_s=0.01),
+        _ev(3.0, "ckpt_committed", step=1, persist_s=1.0, bytes=10),
+        _ev(9.0, "ckpt_staged", step=4, stall_s=0.01),
+        _ev(12.0, "ckpt_failed", step=8, error="step 8 skipped: the save of step 4 is still "
+            "persisting"),
+        _ev(23.0, "ckpt_committed", step=4, persist_s=13.0, bytes=10),
+        _ev(22.0, "ckpt_staged", step=12, stall_s=0.01),
+        _ev(24.0, "ckpt_committed", step=12, persist_s=1.0, bytes=10),
+    ]
+    events.append(_ev(15.5, "step_end", step=15, seconds=0.5, loss=1.0))  # a slow step
+    events.sort(key=lambda e: e["t"])
+    record = RunRecord(0, 0.0, 25.0, events, [])
+    injection = Injection("storage_outage", 10.0, step=10, detail={
+        "mode": "error", "duration_s": 10.0, "latency_s": None, "ended_t": 20.0,
+        "requests_faulted": 40, "connections_passed": 2, "requests_delayed": 0})
+    o = outage_effects(record, injection)
+    assert o["checkpoints_delayed"] == [4] and o["checkpoints_skipped"] == [8]
+    assert o["checkpoints_failed"] == [] and o["first_commit_after_step"] == 12
+    (delayed, skipped) = o["checkpoints"]
+    assert delayed["delay_s"] == pytest.approx(12.0) and o["baseline_persist_s"] == 1.0
+    assert skipped["outcome"] == "skipped"
+    assert o["training_continued"] and o["steps_during_outage"] == 12
+    assert o["step_pace_s"] == 1.0 and o["extra_stall_s"] == pytest.approx(0.0)
+    assert o["outage_s"] == 10.0 and o["requests_faulted"] == 40
+    assert fault_timings(record, injection).outage == o
+
+
+def test_an_outage_that_stops_training_is_reported() -> None:
+    events = [_ev(0.0, "start", pid=1)]
+    events += [_ev(float(t), "step_end", step=t, seconds=0.5, loss=1.0) for t in range(1, 10)]
+    events += [_ev(25.0, "start", attempt=1, pid=2)]
+    record = RunRecord(0, 0.0, 30.0, events, [])
+    injection = Injection("storage_outage", 10.0, step=9, detail={
+        "mode": "blackhole", "duration_s": 10.0, "ended_t": 20.0})
+    o = outage_effects(record, injection)
+    assert not o["training_continued"] and o["steps_during_outage"] == 0
+
+
+# -- whole scenarios on S3 ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("reference-cache")
+
+
+def _chaos_run(tmp_path: Path, doc: dict[str, Any]) -> tuple[dict[str, Any], str, float]:
+    path = tmp_path / "scenario.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    start = time.monotonic()
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
+    wall_s = time.monotonic() - start
+    assert result.exit_code in (0, 1), result.output
+    return json.loads((tmp_path / "out" / "report.json").read_text()), result.output, wall_s
+
+
+def _outage_run(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch,
+                **outage: Any) -> dict[str, Any]:
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(cache))
+    for var in s3.ENDPOINT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    fault = {"kind": "storage_outage", "at_checkpoint": 1, "duration_s": 3, **outage}
+    report, output, wall_s = _chaos_run(tmp_path, _scenario("outage", _fresh_url(), [fault]))
+    print(f"storage_outage {outage}: wall {wall_s:.1f} s")
+    assert report["verdict"] == {"verdict": "pass", "reasons": [], "bitwise_equal": True}, output
+    (f,) = report["faults"]
+    o = f["outage"]
+    assert f["kind"] == "storage_outage" and f["skipped"] is None
+    assert o["mode"] == outage["mode"] and o["outage_s"] == pytest.approx(3, abs=0.5)
+    assert o["training_continued"] and o["steps_during_outage"] > 0
+    # the save of step 4 was persisting when the outage began: it is late, failed or lost
+    assert 4 in o["checkpoints_delayed"] + o["checkpoints_failed"], o
+    assert o["first_commit_after_step"] is not None
+    assert report["run"]["attempts"] == 1 and report["run"]["checkpoint_url"].startswith("s3://")
+    assert "training went on: True" in output
+    return o
+
+
+@pytest.mark.s3
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_error_outage_run_ends_bitwise_equal(tmp_path: Path, cache: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    o = _outage_run(tmp_path, cache, monkeypatch, mode="error")
+    assert o["requests_faulted"] > 0
+
+
+@pytest.mark.s3
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_latency_outage_run_ends_bitwise_equal(tmp_path: Path, cache: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    o = _outage_run(tmp_path, cache, monkeypatch, mode="latency", latency_s=0.5)
+    assert o["requests_delayed"] > 0 and o["requests_faulted"] == 0
+
+
+@pytest.mark.s3
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_blackhole_outage_run_ends_bitwise_equal(tmp_path: Path, cache: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    o = _outage_run(tmp_path, cache, monkeypatch, mode="blackhole")
+    assert o["requests_faulted"] > 0
