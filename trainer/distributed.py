@@ -3,7 +3,20 @@
 torchrun's in-place restart (``--max-restarts``) re-runs the workers against the same
 rendezvous store; gloo then reads the previous attempt's keys and fails with "connectFullMesh
 failed ... Connection refused" or hangs. Every attempt therefore initialises its process group
-on its own ``PrefixStore`` (``attempt<TORCHELASTIC_RESTART_COUNT>/``).
+on its own ``PrefixStore`` (``attempt<n>/``), and ``n`` is also the attempt in the event log.
+
+With one agent, ``n`` is ``TORCHELASTIC_RESTART_COUNT``. With several agents (one per host)
+that count is not agreed: torch's elastic agent (``SimpleElasticAgent._invoke_run``) takes a
+restart off its budget only when its own workers failed; an agent whose workers were still
+healthy restarts them because another agent is waiting in the rendezvous ("membership
+changes do not count as retries") and keeps its count. After a kill on host 1, host 1's
+workers get count 1 and host 0's may get 0 - the two halves would wait on different prefixes.
+The multi-host launcher therefore sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (each
+rendezvous round gets a fresh store, hosted by worker rank 0 on a new port, so no keys are
+stale) and ``ANTIFRAGILE_ATTEMPT_STORE=<host>:<port>`` (the c10d rendezvous store, which lives
+as long as the job): rank 0 takes the next number from a counter there and publishes it in
+the fresh store, where every other rank reads it. Numbers are consecutive, one per attempt
+whose rank 0 got that far.
 
 Hangs: a stopped rank (SIGSTOP, a wedged driver) blocks its peers inside a collective until the
 backend's timeout. The heartbeat thread of every rank bumps a counter in the store; each rank
@@ -50,6 +63,12 @@ def init_distributed(*, device_type: str, collective_timeout_s: float) -> DistCo
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
             is_master=rank == 0 and not agent_hosts_store, timeout=timeout,
             wait_for_workers=False)
+        if os.environ.get("ANTIFRAGILE_ATTEMPT_STORE"):
+            if agent_hosts_store:
+                raise RuntimeError("ANTIFRAGILE_ATTEMPT_STORE needs a fresh store per attempt: "
+                                   "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun")
+            attempt = _agreed_attempt(base, rank, os.environ["ANTIFRAGILE_ATTEMPT_STORE"],
+                                      timeout)
     else:
         base = dist.HashStore()
     store = dist.PrefixStore(f"antifragile/attempt{attempt}", base)
@@ -63,6 +82,22 @@ def init_distributed(*, device_type: str, collective_timeout_s: float) -> DistCo
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
     return DistContext(rank, world_size, local_rank, attempt, device, store)
+
+
+def _agreed_attempt(fresh: dist.Store, rank: int, counter_at: str, timeout: timedelta) -> int:
+    """The attempt number every rank of this attempt agrees on (see the module docstring).
+
+    ``fresh`` must be this attempt's own store (nothing from an earlier attempt in it)."""
+    key = "antifragile/attempt_number"
+    if rank == 0:
+        host, _, port = counter_at.rpartition(":")
+        counter = dist.TCPStore(host, int(port), is_master=False, timeout=timeout,
+                                wait_for_workers=False)
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        number = counter.add(f"antifragile/{run_id}/attempts", 1) - 1
+        fresh.set(key, str(number))
+        return number
+    return int(fresh.get(key))
 
 
 class Heartbeat:

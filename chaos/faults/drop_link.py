@@ -1,0 +1,58 @@
+"""``drop_link``: cut the network between two emulated hosts, restore it after ``duration_s``.
+
+The hosts are network namespaces (``chaos/netns.py``); the cut is made on the emulated
+network, outside every process of the job. Nothing in the trainer knows about it: collectives
+across the link stall, the heartbeat (``hang_timeout_s``) or the collective timeout makes the
+ranks exit, and the agents rendezvous again once the link is back. Where namespaces cannot be
+made, the run goes on one host and the fault is reported skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from chaos.faults.base import FaultBase, Injection, Target
+
+
+class DropLink(FaultBase):
+    kind: Literal["drop_link"]
+    between: Annotated[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]],
+                       Field(description="the two node indices whose link goes down")] = (0, 1)
+    duration_s: Annotated[float, Field(gt=0)] = 15.0
+
+    def check_nodes(self, nodes: int) -> tuple[str, str] | None:
+        if nodes < 2:
+            return "between", ("drop_link needs trainer.nodes >= 2 (ranks on emulated hosts); "
+                               f"the scenario has {nodes} node")
+        a, b = self.between
+        if a == b:
+            return "between", f"a link joins two different nodes, not {a} and {b}"
+        if max(a, b) >= nodes:
+            return "between", f"node {max(a, b)} is outside the {nodes} nodes (0..{nodes - 1})"
+        return None
+
+    def inject(self, target: Target, step: int | None) -> Injection:
+        network = target.network
+        a, b = self.between
+        if network is None:
+            reason = target.network_error or "the run has no emulated network"
+            return Injection(self.kind, time.time(), step=step, skipped=reason,
+                             detail={"between": [a, b]})
+        how = network.link_down(a, b)
+        down_t = time.time()
+
+        def restore() -> None:
+            with contextlib.suppress(Exception):  # the run (and its network) already ended
+                network.link_up(a, b)
+
+        timer = threading.Timer(self.duration_s, restore)
+        timer.daemon = True
+        timer.start()
+        return Injection(self.kind, down_t, step=step,
+                         detail={"between": [a, b], "duration_s": self.duration_s,
+                                 "mechanism": how})

@@ -1,0 +1,212 @@
+"""Emulated hosts for multi-node scenarios: Linux network namespaces joined by a switch.
+
+Topology: one namespace per host (``<prefix>-h<i>``) and one "switch" namespace
+(``<prefix>-sw``) holding a bridge. Each host has one veth, ``eth0``, with the private address
+``10.213.0.<10+i>/24``; its other end is port ``h<i>`` of the bridge. Nothing is created in
+the caller's namespace, so the emulated network can reach nothing but itself, and since every
+run gets its own namespaces, fixed addresses and ports never clash between runs.
+
+Cutting the link between hosts ``a`` and ``b`` (``drop_link``):
+
+- with two hosts, the literal reading: both hosts' switch ports are set down (a pulled cable).
+  The hosts keep their addresses and routes (the kernel marks them ``linkdown``), so packets
+  are silently lost, as on a real cut: TCP peers stall and retransmit rather than get an error.
+  Setting the ports up again lets the retransmissions through.
+- with more hosts a port down would cut a host off from everyone, not only from its peer, so
+  the a<->b path alone is cut with ``blackhole`` routes to each other's address in both
+  namespaces (new connections between them fail, established ones stall) and removed again.
+
+Addresses are ordered so that host 0 sorts first (``10.213.0.10`` < ``.11`` < ... ``.99``):
+torch's c10d rendezvous ranks agents by address, so host ``i`` runs agent group rank ``i``.
+
+Cleanup: namespace names carry the creating process id (``afnet-<pid>-<n>``); closing the
+:class:`Network` kills what still runs inside its hosts and deletes the namespaces (veths go
+with them). :func:`reap_leftovers` deletes namespaces left by a process that no longer
+exists (a run killed with SIGKILL); every new network calls it first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+from types import TracebackType
+
+IFNAME = "eth0"
+SUBNET = "10.213.0"
+_PREFIX = "afnet"
+_NAME = re.compile(rf"^{_PREFIX}-(\d+)-\d+-(?:sw|h\d+)$")
+_counter = itertools.count()
+
+
+class NetnsUnavailable(Exception):
+    """Namespaces cannot be made here (no ``ip``, no CAP_NET_ADMIN); the message says why."""
+
+
+class NetnsError(Exception):
+    """An ``ip`` command failed on a network that exists."""
+
+
+def _ip(*args: str) -> str:
+    try:
+        done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        raise NetnsUnavailable("the 'ip' command (iproute2) is not installed") from None
+    if done.returncode:
+        raise NetnsError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def unavailable_reason() -> str | None:
+    """Why namespaces cannot be made here, or None when they (probably) can."""
+    if shutil.which("ip") is None:
+        return "the 'ip' command (iproute2) is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root (CAP_NET_ADMIN)"
+    return None
+
+
+def _namespaces() -> list[str]:
+    return [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_inside(namespace: str) -> None:
+    """SIGKILL every process still in ``namespace`` (all of them were started by this run)."""
+    try:
+        pids = [int(p) for p in _ip("netns", "pids", namespace).split()]
+    except (NetnsError, NetnsUnavailable):
+        return
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _delete(namespace: str) -> None:
+    _kill_inside(namespace)
+    with contextlib.suppress(NetnsError):  # already gone
+        _ip("netns", "delete", namespace)
+
+
+def reap_leftovers() -> list[str]:
+    """Delete namespaces of ours whose creating process is gone; returns their names."""
+    if unavailable_reason():
+        return []
+    reaped = []
+    for name in _namespaces():
+        m = _NAME.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            _delete(name)
+            reaped.append(name)
+    return reaped
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatedHost:
+    index: int
+    namespace: str
+    address: str
+
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` run inside this host (same filesystem, environment and pid space)."""
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+
+class Network:
+    """``n_hosts`` emulated hosts on one switch; a context manager that always cleans up."""
+
+    def __init__(self, n_hosts: int) -> None:
+        if not 2 <= n_hosts <= 90:
+            raise ValueError(f"an emulated network has 2..90 hosts, not {n_hosts}")
+        self.prefix = f"{_PREFIX}-{os.getpid()}-{next(_counter)}"
+        self.switch = f"{self.prefix}-sw"
+        self.hosts = [EmulatedHost(i, f"{self.prefix}-h{i}", f"{SUBNET}.{10 + i}")
+                      for i in range(n_hosts)]
+        self._created: list[str] = []
+        self._down: set[tuple[int, int]] = set()
+
+    def __enter__(self) -> Network:
+        self.open()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Create the namespaces, the bridge and one veth per host; raise NetnsUnavailable
+        (after removing anything half made) if this machine does not allow it."""
+        reason = unavailable_reason()
+        if reason:
+            raise NetnsUnavailable(reason)
+        reap_leftovers()
+        try:
+            for name in [self.switch, *(h.namespace for h in self.hosts)]:
+                _ip("netns", "add", name)
+                self._created.append(name)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for h in self.hosts:
+                port = f"h{h.index}"
+                _ip("link", "add", IFNAME, "netns", h.namespace, "type", "veth",
+                    "peer", "name", port, "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", port, "master", "br0")
+                _ip("-n", self.switch, "link", "set", port, "up")
+                _ip("-n", h.namespace, "addr", "add", f"{h.address}/24", "dev", IFNAME)
+                _ip("-n", h.namespace, "link", "set", IFNAME, "up")
+                _ip("-n", h.namespace, "link", "set", "lo", "up")
+        except NetnsError as exc:
+            self.close()
+            raise NetnsUnavailable(str(exc)) from None
+
+    def close(self) -> None:
+        for name in reversed(self._created):
+            _delete(name)
+        self._created.clear()
+
+    def _pair(self, a: int, b: int) -> tuple[EmulatedHost, EmulatedHost]:
+        n = len(self.hosts)
+        if a == b or not (0 <= a < n and 0 <= b < n):
+            raise ValueError(f"no link between hosts {a} and {b} in a network of {n}")
+        return self.hosts[a], self.hosts[b]
+
+    def link_down(self, a: int, b: int) -> str:
+        """Cut the a<->b path; returns how, for the report."""
+        ha, hb = self._pair(a, b)
+        if len(self.hosts) == 2:
+            for h in (ha, hb):
+                _ip("-n", self.switch, "link", "set", f"h{h.index}", "down")
+            how = f"switch ports h{a} and h{b} down"
+        else:
+            for src, dst in ((ha, hb), (hb, ha)):
+                _ip("-n", src.namespace, "route", "add", "blackhole", f"{dst.address}/32")
+            how = f"blackhole routes {ha.address} <-> {hb.address}"
+        self._down.add((min(a, b), max(a, b)))
+        return how
+
+    def link_up(self, a: int, b: int) -> None:
+        ha, hb = self._pair(a, b)
+        if len(self.hosts) == 2:
+            for h in (ha, hb):
+                _ip("-n", self.switch, "link", "set", f"h{h.index}", "up")
+        else:
+            for src, dst in ((ha, hb), (hb, ha)):
+                _ip("-n", src.namespace, "route", "del", "blackhole", f"{dst.address}/32")
+        self._down.discard((min(a, b), max(a, b)))
+
+    def is_down(self, a: int, b: int) -> bool:
+        return (min(a, b), max(a, b)) in self._down

@@ -1,0 +1,201 @@
+"""``drop_link`` and emulated hosts: the namespaces really cut and restore TCP between hosts,
+leave nothing behind, and a two-host job survives a cut link and a killed rank bit-exactly."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from chaos import netns
+from chaos.faults import Target
+from chaos.faults.drop_link import DropLink
+from chaos.netns import NetnsUnavailable, Network
+from chaos.run import run
+from chaos.scenario import ScenarioError, load_scenario, parse_scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_netns = pytest.mark.skipif(netns.unavailable_reason() is not None,
+                                 reason=f"{netns.unavailable_reason()}")
+
+_SERVE = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 7000)); s.listen(16); print("ready", flush=True)
+while True:
+    c, _ = s.accept(); c.close()
+"""
+_CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 7000), timeout=1.5).close(); print("ok")
+except OSError as e:
+    print(f"fail {e}")
+"""
+
+
+def _connect(net: Network, src: int, dst: int) -> str:
+    done = subprocess.run(net.hosts[src].command(
+        [sys.executable, "-S", "-c", _CONNECT, net.hosts[dst].address]),
+        capture_output=True, text=True, timeout=60)
+    return done.stdout.strip()
+
+
+def _serve(net: Network, host: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(net.hosts[host].command(
+        [sys.executable, "-S", "-c", _SERVE, net.hosts[host].address]),
+        stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _ours() -> list[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.startswith("afnet-")]
+
+
+@needs_netns
+def test_link_down_blocks_tcp_and_up_restores_it_and_close_leaves_nothing() -> None:
+    with Network(2) as net:
+        names = [net.switch, *(h.namespace for h in net.hosts)]
+        assert set(names) <= set(_ours())
+        server = _serve(net, 1)
+        try:
+            assert _connect(net, 0, 1) == "ok"
+            how = net.link_down(0, 1)
+            assert "down" in how and net.is_down(1, 0)
+            assert _connect(net, 0, 1).startswith("fail")
+            net.link_up(0, 1)
+            assert _connect(net, 0, 1) == "ok"
+        finally:
+            server.kill()
+            server.wait()
+    assert not set(names) & set(_ours())
+
+
+@needs_netns
+def test_three_hosts_cut_exactly_the_named_pair() -> None:
+    with Network(3) as net:
+        servers = [_serve(net, 1), _serve(net, 2)]
+        try:
+            net.link_down(0, 1)
+            assert _connect(net, 0, 1).startswith("fail")
+            assert _connect(net, 0, 2) == "ok", "the cut must not touch host 0 <-> host 2"
+            assert _connect(net, 2, 1) == "ok", "the cut must not touch host 2 <-> host 1"
+            net.link_up(0, 1)
+            assert _connect(net, 0, 1) == "ok"
+        finally:
+            for s in servers:
+                s.kill()
+                s.wait()
+
+
+@needs_netns
+def test_processes_inside_are_killed_and_leftovers_of_dead_runs_are_reaped() -> None:
+    net = Network(2)
+    net.open()
+    server = _serve(net, 0)
+    net.close()
+    assert server.wait(timeout=30) != 0, "closing the network kills what runs on its hosts"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"afnet-{dead.pid}-0-sw"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in netns.reap_leftovers()
+        assert name not in _ours()
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def test_without_namespaces_the_fault_is_skipped_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns.shutil, "which", lambda _: None)
+    with pytest.raises(NetnsUnavailable, match="'ip' command"):
+        Network(2).open()
+    fault = DropLink(kind="drop_link", at_step=3, between=(0, 1), duration_s=5)
+    target = Target(pids={0: 1, 1: 2}, coordinates={}, ckpt_url="", rng=random.Random(0),
+                    network_error="network namespaces unavailable: the 'ip' command ...")
+    injection = fault.inject(target, 3)
+    assert injection.skipped and "network namespaces unavailable" in injection.skipped
+
+
+@pytest.mark.parametrize(("nodes", "between", "message"), [
+    (1, [0, 1], "faults.0.between: drop_link needs trainer.nodes >= 2"),
+    (2, [0, 2], "faults.0.between: node 2 is outside the 2 nodes"),
+    (2, [1, 1], "faults.0.between: a link joins two different nodes"),
+])
+def test_drop_link_is_validated_against_the_nodes(nodes: int, between: list[int],
+                                                  message: str) -> None:
+    doc = {"name": "x", "trainer": {"nodes": nodes, "parallel": {"dp": 2}},
+           "faults": [{"kind": "drop_link", "at_step": 5, "between": between}]}
+    with pytest.raises(ScenarioError, match=message):
+        parse_scenario(doc, path="x.yaml")
+
+
+def test_shipped_scenario_is_valid() -> None:
+    s = load_scenario(ROOT / "scenarios" / "drop-link.yaml")
+    assert s.trainer.nodes == 2 and s.faults[0].kind == "drop_link"
+
+
+def _report(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@needs_netns
+@pytest.mark.timeout(900)
+def test_drop_link_scenario_recovers_and_ends_bitwise_equal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    s = load_scenario(ROOT / "scenarios" / "drop-link.yaml")
+    outcome = run(s, tmp_path / "out", progress=lambda _: None)
+    report = outcome.report
+    assert outcome.passed, report["verdict"]
+    assert report["verdict"]["bitwise_equal"] is True
+    (fault,) = report["faults"]
+    assert fault["kind"] == "drop_link" and fault["skipped"] is None
+    # the link was down for 10 s: every worker was gone after it went down, and the next
+    # attempt could only start once it was back up
+    for key in ("detect_s", "restart_s", "restore_s", "recompute_s"):
+        assert fault[key] is not None and fault[key] >= 0, key
+    assert fault["detect_s"] + fault["restart_s"] >= 10 - 0.5
+    assert fault["restored_step"] == 10 and fault["lost_steps"] == fault["injected_step"] - 10
+    assert report["run"]["attempts"] == 2
+    events = [json.loads(line) for f in sorted((tmp_path / "out" / "run" / "events").glob("*"))
+              for line in f.read_text().splitlines()]
+    hangs = [e for e in events if e["event"] == "hang_detected"]
+    assert hangs and all(e["attempt"] == 0 for e in hangs)
+    assert {e["rank"] for e in events if e["event"] == "start" and e["attempt"] == 1} == {0, 1}
+    assert not _ours(), "the run's namespaces are gone"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@needs_netns
+@pytest.mark.timeout(900)
+def test_kill_rank_on_two_hosts_recovers_and_ends_bitwise_equal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The killed rank's agent restarts counted; the other agent restarts because a node
+    waits in the rendezvous, uncounted: the attempt number must still agree."""
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    doc = yaml.safe_load((ROOT / "scenarios" / "drop-link.yaml").read_text())
+    doc["name"] = "kill-rank-two-hosts"
+    doc["faults"] = [{"kind": "kill_rank", "rank": 1, "at_step": 12},
+                     {"kind": "kill_rank", "rank": 0, "at_step": 22}]
+    outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
+    assert outcome.passed, outcome.report["verdict"]
+    first, second = outcome.report["faults"]
+    assert first["restored_step"] == 10 and second["restored_step"] == 20
+    assert outcome.report["run"]["attempts"] == 3
+    events = [json.loads(line) for f in sorted((tmp_path / "out" / "run" / "events").glob("*"))
+              for line in f.read_text().splitlines()]
+    starts = {(e["attempt"], e["rank"]) for e in events if e["event"] == "start"}
+    assert starts == {(a, r) for a in (0, 1, 2) for r in (0, 1)}
+    assert not _ours(), "the run's namespaces are gone"
