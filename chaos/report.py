@@ -1,19 +1,116 @@
-"""Reports: ``report.json`` (machine-readable) and ``report.md`` (for people)."""
+"""Reports: ``report.json`` (machine-readable), ``report.md`` and ``report.html`` (for people).
+
+``report.html`` is one self-contained file: inline CSS, the PNG plots as data URIs, no script and
+no external resource (a Content-Security-Policy says so to the browser), so it can be mailed,
+attached to a CI run or opened offline. Its helpers (``html_page``, ``html_table``, ``img_tag``)
+are public for other pages (the suite summary) to reuse.
+"""
 
 from __future__ import annotations
 
+import base64
+import html
 import json
+import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import yaml
+
+if TYPE_CHECKING:
+    from chaos.plots import Plot
+    from chaos.runner import RunRecord
 
 
 def environment() -> dict[str, Any]:
     return {"python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "cpus": __import__("os").cpu_count(),
+            "platform": platform.platform(), "cpus": os.cpu_count(),
             "cuda": torch.cuda.is_available()}
+
+
+def _rel(t: float | None, t0: float) -> float | None:
+    return None if t is None else round(t - t0, 3)
+
+
+def timeline(record: RunRecord) -> dict[str, Any]:
+    """The per-rank, per-attempt spans the timeline plot needs, in seconds since the run started.
+
+    One ``workers`` entry per (attempt, rank) process, from its own events only: start,
+    restore begin/end, first/last finished step, each checkpoint (staged, committed or failed),
+    hang detection and exit. A rank killed from outside has no ``exit``: its attempt's
+    ``ended_s`` (all workers gone, seen by the runner) closes its span.
+    """
+    t0 = record.started_t
+    workers: dict[tuple[int, int], dict[str, Any]] = {}
+    for e in record.events:
+        w = workers.setdefault((e["attempt"], e["rank"]), {
+            "attempt": e["attempt"], "rank": e["rank"], "pid": None, "start_s": None,
+            "restore_begin_s": None, "restore_end_s": None, "restored_step": None,
+            "first_step": None, "first_step_s": None, "last_step": None, "last_step_s": None,
+            "steps": 0, "checkpoints": [], "hang_detected_s": None, "exit_s": None,
+            "exit_code": None})
+        t, kind = _rel(e["t"], t0), e["event"]
+        if kind == "start":
+            w["start_s"], w["pid"] = t, e.get("pid")
+        elif kind == "restore_begin":
+            w["restore_begin_s"] = t
+        elif kind == "restore_end":
+            w["restore_end_s"], w["restored_step"] = t, e.get("step")
+        elif kind == "step_end":
+            if w["first_step"] is None:
+                w["first_step"], w["first_step_s"] = e["step"], t
+            w["last_step"], w["last_step_s"] = e["step"], t
+            w["steps"] += 1
+        elif kind in ("ckpt_staged", "ckpt_committed", "ckpt_failed"):
+            c = next((c for c in w["checkpoints"] if c["step"] == e["step"]), None)
+            if c is None:
+                c = {"step": e["step"], "staged_s": None, "stall_s": None, "committed_s": None,
+                     "persist_s": None, "failed_s": None}
+                w["checkpoints"].append(c)
+            if kind == "ckpt_staged":
+                c["staged_s"], c["stall_s"] = t, round(e["stall_s"], 4)
+            elif kind == "ckpt_committed":
+                c["committed_s"], c["persist_s"] = t, round(e["persist_s"], 4)
+            else:
+                c["failed_s"], c["error"] = t, e.get("error")
+        elif kind == "hang_detected":
+            w["hang_detected_s"] = t
+        elif kind == "exit":
+            w["exit_s"], w["exit_code"] = t, e.get("code")
+    attempt_of = sorted((w["start_s"], w["attempt"]) for w in workers.values()
+                        if w["start_s"] is not None)
+    injections = []
+    for i in record.injections:
+        t = _rel(i.t, t0)
+        attempt = max((a for s, a in attempt_of if s <= (t or 0.0)), default=0)
+        injections.append({"kind": i.kind, "t_s": t, "step": i.step, "rank": i.rank,
+                           "attempt": attempt, "skipped": i.skipped,
+                           "duration_s": i.detail.get("duration_s"),
+                           "ended_s": _rel(i.detail.get("ended_t"), t0),
+                           "between": i.detail.get("between")})
+    return {"started_t": t0, "wall_s": round(record.wall_s, 3),
+            "attempts": [{"attempt": a, "ended_s": _rel(t, t0)}
+                         for a, t in sorted(record.attempt_ends.items())],
+            "workers": sorted(workers.values(), key=lambda w: (w["attempt"], w["rank"])),
+            "injections": injections}
+
+
+def reference_losses(reference_run: Path) -> list[dict[str, Any]]:
+    """The fault-free run's loss per step (one entry per step), from its event files; empty when
+    they are gone (an older reference cache)."""
+    from trainer.events import read_events
+
+    try:
+        events = read_events(reference_run)
+    except (OSError, ValueError):
+        return []
+    losses: dict[int, float] = {}
+    for e in events:
+        if e["event"] == "step_end" and e.get("loss") is not None:
+            losses.setdefault(e["step"], e["loss"])
+    return [{"step": step, "loss": loss} for step, loss in sorted(losses.items())]
 
 
 def write_json(out: Path, report: dict[str, Any]) -> Path:
@@ -30,7 +127,8 @@ def _fmt(x: Any, unit: str = "") -> str:
     return f"{x}{unit}"
 
 
-def write_markdown(out: Path, report: dict[str, Any]) -> Path:
+def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None = None) -> Path:
+    """``plots``: link the PNGs that were drawn (and say which were not, and why)."""
     s, v, run = report["scenario"], report["verdict"], report["run"]
     lines = [f"# {s['name']}: {v['verdict'].upper()}", ""]
     if s.get("description"):
@@ -58,6 +156,151 @@ def write_markdown(out: Path, report: dict[str, Any]) -> Path:
         mib = c["bytes"] / 2**20 if c["bytes"] else None
         lines.append(f"| {c['attempt']} | {c['step']} | {_fmt(c['stall_s'])} | "
                      f"{_fmt(c['persist_s'])} | {_fmt(mib)} | {c['committed']} |")
+    if plots:
+        lines += ["", "## Plots", "", "All of it in one page: [report.html](report.html)", ""]
+        for plot in plots:
+            lines += [f"![{plot.alt}]({plot.name})" if plot.png is not None else
+                      f"{plot.name} could not be drawn: {(plot.error or '').splitlines()[0]}",
+                      ""]
     path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines).rstrip("\n") + "\n")
+    return path
+
+
+CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1150px;
+       color: #222; padding: 0 1em; }
+h1 { margin-bottom: 0.2em; } h2 { margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+.banner { padding: 0.8em 1.2em; border-radius: 6px; margin: 1em 0; font-size: 1.1em; }
+.banner.pass { background: #e6f4ea; border: 2px solid #2ca02c; }
+.banner.fail { background: #fdecea; border: 2px solid #d62728; }
+.banner ul { margin: 0.4em 0 0; }
+table { border-collapse: collapse; margin: 0.5em 0; font-size: 13px; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
+th { background: #f3f3f3; } td:first-child, th:first-child { text-align: left; }
+table.kv td { text-align: left; } table.kv td:first-child { color: #555; }
+tr.bad td { background: #fdecea; }
+figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { color: #555; font-size: 13px; }
+.error { background: #fdecea; border: 1px solid #d62728; padding: 0.5em 1em; }
+pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 12px; }
+"""
+
+# No script, no external resource: the browser is told so, and refuses anything else.
+_CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+
+
+def _cell(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{x:.3f}"
+    return str(x)
+
+
+def html_table(headers: list[str] | None, rows: list[list[Any]],
+               row_classes: list[str] | None = None) -> str:
+    """A table whose every header and cell is escaped; ``row_classes`` tags rows (e.g. ``bad``).
+    Without ``headers``: a key / value table (first column names, second values)."""
+    if headers is None:
+        head, table = "", '<table class="kv">'
+    else:
+        cells = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+        head, table = f"<thead><tr>{cells}</tr></thead>", "<table>"
+    body = []
+    for i, row in enumerate(rows):
+        cls = row_classes[i] if row_classes and row_classes[i] else ""
+        cells = "".join(f"<td>{html.escape(_cell(x))}</td>" for x in row)
+        body.append(f'<tr class="{html.escape(cls)}">{cells}</tr>' if cls else f"<tr>{cells}</tr>")
+    return f"{table}{head}<tbody>{''.join(body)}</tbody></table>"
+
+
+def img_tag(png: bytes, alt: str) -> str:
+    """An ``<img>`` carrying its PNG inline (a data URI), so the page needs no other file."""
+    data = base64.b64encode(png).decode("ascii")
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def html_page(title: str, body: str) -> str:
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>{html.escape(title)}</title><style>{CSS}</style></head>"
+            f"<body>\n{body}\n</body></html>\n")
+
+
+def _plot_html(plot: Plot) -> str:
+    if plot.png is not None:
+        return (f"<figure>{img_tag(plot.png, plot.alt)}<figcaption>{html.escape(plot.alt)} "
+                f"({html.escape(plot.name)})</figcaption></figure>")
+    return (f'<div class="error"><strong>{html.escape(plot.name)} could not be drawn</strong> '
+            f"(the rest of the report is complete):<pre>{html.escape(plot.error or '')}</pre>"
+            "</div>")
+
+
+# The faults table's columns after ``kind`` and the injection time: every measured field.
+_FAULT_COLUMNS = ["injected_t", "injected_step", "rank", "detect_s", "restart_s", "restore_s",
+                  "recompute_s", "recovery_s", "restored_step", "lost_steps", "checkpoint_step",
+                  "skipped"]
+
+
+def _more(fault: dict[str, Any]) -> str:
+    """Fields a fault kind adds of its own (e.g. a storage outage's effects), compactly."""
+    extra = {k: x for k, x in fault.items() if k not in _FAULT_COLUMNS and k != "kind"
+             and x not in (None, [], {})}
+    return json.dumps(extra, separators=(", ", ": "), default=str) if extra else ""
+
+
+def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
+    """``report.html``: verdict, run summary, faults, checkpoints, plots, environment, scenario."""
+    s, v, run = report["scenario"], report["verdict"], report["run"]
+    verdict = str(v["verdict"])
+    equal = {True: "yes", False: "NO", None: "not checked"}[v.get("bitwise_equal")]
+    reasons = "".join(f"<li>{html.escape(str(r))}</li>" for r in v["reasons"])
+    parts = [f"<h1>{html.escape(s['name'])}</h1>"]
+    if s.get("description"):
+        parts.append(f"<p>{html.escape(s['description'])}</p>")
+    parts.append(f'<div class="banner {"pass" if verdict == "pass" else "fail"}">'
+                 f"<strong>{html.escape(verdict.upper())}</strong> &mdash; final state bitwise "
+                 f"equal to the fault-free reference: {html.escape(equal)}"
+                 + (f"<ul>{reasons}</ul>" if reasons else "") + "</div>")
+    wall, goodput = run.get("wall_s"), run.get("goodput")
+    parts += ["<h2>Run</h2>", html_table(None, [
+        ["wall time s", wall], ["goodput (time of steps that count / wall)",
+                                None if goodput is None else f"{goodput:.1%}"],
+        ["attempts", run.get("attempts")],
+        ["final step", f"{run.get('final_step')} of {s['trainer']['steps']}"],
+        ["trainer exit code", run.get("returncode")],
+        ["checkpoint url", run.get("checkpoint_url")],
+        ["reference url", run.get("reference_url")]])]
+    t0 = (report.get("timeline") or {}).get("started_t")
+    faults = report.get("faults") or []
+    parts.append("<h2>Faults</h2>")
+    parts.append(html_table(
+        ["kind", "injected at s (since start)", *_FAULT_COLUMNS[1:], "more"],
+        [[f["kind"], f["injected_t"] - t0 if t0 is not None else f["injected_t"],
+          *(f.get(k) for k in _FAULT_COLUMNS[1:]), _more(f)] for f in faults],
+        ["bad" if f.get("recovery_s") is None and f.get("restored_step") is not None else ""
+         for f in faults])
+        if faults else "<p>No faults in this scenario.</p>")
+    cks = report.get("checkpoints") or []
+    parts.append("<h2>Checkpoints</h2>")
+    parts.append(html_table(
+        ["attempt", "step", "stall s", "persist s", "MiB", "GiB/s", "committed", "error"],
+        [[c["attempt"], c["step"], c["stall_s"], c["persist_s"],
+          c["bytes"] / 2**20 if c.get("bytes") else None, c.get("throughput_gib_s"),
+          c["committed"], c.get("error")] for c in cks],
+        ["" if c["committed"] else "bad" for c in cks])
+        if cks else "<p>No checkpoint was staged.</p>")
+    parts.append("<h2>Plots</h2>")
+    parts += [_plot_html(p) for p in plots]
+    env = report.get("environment") or {}
+    parts += ["<h2>Environment</h2>", html_table(None, [[k, x] for k, x in env.items()]),
+              "<h2>Scenario</h2>",
+              f"<pre>{html.escape(yaml.safe_dump(s, sort_keys=False))}</pre>"]
+    path = out / "report.html"
+    path.write_text(html_page(f"{s['name']}: {verdict.upper()}", "\n".join(parts)),
+                    encoding="utf-8")
     return path

@@ -1,0 +1,474 @@
+"""Reports: the timeline built from trainer events, the PNG plots, the self-contained HTML, and
+that a real headless Chromium renders the HTML's plots (DevTools protocol over a pipe)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import struct
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from chaos import checker, measure, plots, report
+from chaos.faults import Injection
+from chaos.runner import RunRecord
+from chaos.scenario import parse_scenario
+
+T0 = 1_700_000_000.0
+WORLD = 4  # dp=2, pp=2: ranks 2 and 3 are the last stage, the ones that report a loss
+SCENARIO = {
+    "name": "synthetic", "seed": 1,
+    "description": "A <script>alert('x')</script> & friends: hung, corrupted, killed.",
+    "trainer": {"parallel": {"dp": 2, "tp": 1, "pp": 2}, "steps": 12, "batch_size": 8,
+                "model": {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16}},
+    "checkpoint": {"every_steps": 2, "keep_last": 3},
+    "faults": [{"kind": "hang_rank", "rank": 2, "at_step": 3, "duration_s": 4},
+               {"kind": "corrupt_shard", "at_step": 7, "checkpoint": "latest"},
+               {"kind": "kill_rank", "rank": 1, "at_step": 8}],
+    "expect": {"max_recovery_s": 60, "max_lost_steps": 4},
+}
+
+
+def _loss(step: int) -> float:
+    return 5.0 - 0.1 * step + 0.03 * (step % 3)
+
+
+class _Job:
+    """Writes the events the trainer writes (trainer/train.py, trainer/checkpoint.py), with the
+    times a real 4-rank run would have: start, restore, steps, checkpoints, heartbeat, exit."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.injections: list[Injection] = []
+        self.attempt_ends: dict[int, float] = {}
+
+    def emit(self, t: float, rank: int, attempt: int, event: str, **fields: Any) -> None:
+        self.events.append({"t": t, "rank": rank, "attempt": attempt, "event": event, **fields})
+
+    def start(self, t: float, attempt: int, restore: int | None = None,
+              skipped: int | None = None) -> float:
+        for r in range(WORLD):
+            self.emit(t + 0.01 * r, r, attempt, "start", pid=1000 + 10 * attempt + r,
+                      world_size=WORLD, dp=2, tp=1, pp=2)
+            if restore is not None:
+                self.emit(t + 0.1, r, attempt, "restore_begin")
+                if skipped is not None:
+                    self.emit(t + 0.2, r, attempt, "restore_skipped",
+                              reason=f"step {skipped}: checksum mismatch, using an older step")
+                self.emit(t + 0.4, r, attempt, "restore_end", step=restore, seconds=0.3)
+        return t + 0.5
+
+    def steps(self, t: float, attempt: int, first: int, last: int,
+              ranks: range = range(WORLD), failing: frozenset[int] = frozenset()) -> float:
+        for step in range(first, last + 1):
+            t += 0.5
+            for r in ranks:
+                self.emit(t, r, attempt, "step_end", step=step,
+                          loss=_loss(step) if r >= 2 else None, seconds=0.45)
+                if step % 2 == 0 and step in failing:
+                    self.emit(t + 0.01, r, attempt, "ckpt_failed", step=step,
+                              error=f"step {step} skipped: the save of step {step - 2} "
+                                    "is still persisting")
+                elif step % 2 == 0:
+                    self.emit(t + 0.01, r, attempt, "ckpt_staged", step=step,
+                              stall_s=0.01 + r / 1e3)
+                    self.emit(t + 0.4, r, attempt, "ckpt_committed", step=step, bytes=4_000_000,
+                              rank_bytes=1_000_000, persist_s=0.3 + r / 100)
+        return t
+
+
+def synthetic_record() -> RunRecord:
+    """Attempt 0 hangs at step 3 (rank 2 SIGSTOPped, rank 0's heartbeat gives up); attempt 1
+    restores step 2, the latest checkpoint (6) is corrupted at step 7 and rank 1 is killed at
+    step 8 (its checkpoint 8 was refused); attempt 2 skips the damaged step 6, restores 4, and
+    finishes, its checkpoint 10 failing to commit."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 5.0, 0), 0, 1, 3)
+    hang = t + 0.05
+    job.injections.append(Injection("hang_rank", hang, step=3, rank=2,
+                                    detail={"pid": 1002, "duration_s": 4.0}))
+    job.emit(hang + 2.0, 0, 0, "hang_detected", silent_ranks=[2])
+    job.emit(hang + 2.0, 0, 0, "exit", code=43)
+    for r in (1, 3):
+        job.emit(hang + 2.1, r, 0, "exit", code=1, error="RuntimeError: connection closed")
+    job.attempt_ends[0] = hang + 2.3
+    t = job.steps(job.start(hang + 5.3, 1, restore=2), 1, 3, 7)
+    job.injections.append(Injection("corrupt_shard", t + 0.05, step=7,
+                                    detail={"checkpoint_step": 6, "object": "model/x/c/0",
+                                            "mode": "bitflip"}))
+    t = job.steps(t, 1, 8, 8, failing=frozenset({8}))
+    kill = t + 0.05
+    job.injections.append(Injection("kill_rank", kill, step=8, rank=1, detail={"pid": 1011}))
+    for r in (0, 2, 3):
+        job.emit(kill + 0.5, r, 1, "exit", code=1, error="RuntimeError: peer closed")
+    job.attempt_ends[1] = kill + 0.6
+    t = job.start(kill + 3.6, 2, restore=4, skipped=6)
+    t = job.steps(t, 2, 5, 9)
+    for r in range(WORLD):
+        job.emit(t + 0.5, r, 2, "step_end", step=10, loss=_loss(10) if r >= 2 else None,
+                 seconds=0.45)
+        job.emit(t + 0.51, r, 2, "ckpt_staged", step=10, stall_s=0.012)
+        job.emit(t + 1.4, r, 2, "ckpt_failed", step=10,
+                 error="commit of step 10 timed out: missing ranks [3] <tmp>")
+    t = job.steps(t + 0.5, 2, 11, 12)
+    for r in range(WORLD):
+        job.emit(t + 0.45, r, 2, "exit", code=0)
+    job.attempt_ends[2] = t + 0.5
+    job.events.sort(key=lambda e: e["t"])
+    return RunRecord(0, T0, t + 0.6, job.events, job.injections, job.attempt_ends)
+
+
+def build_doc(record: RunRecord) -> dict[str, Any]:
+    """The document ``chaos.run.run`` builds, by the same functions (no checkpoint to compare)."""
+    s = parse_scenario(SCENARIO)
+    timings = [measure.fault_timings(record, i) for i in record.injections]
+    verdict = checker.judge(s, returncode=record.returncode, timings=timings, final_step=12,
+                            faulty_url="unused", reference_url=None)
+    return {
+        "scenario": s.model_dump(by_alias=True, mode="json"),
+        "environment": report.environment(),
+        "run": {"wall_s": record.wall_s, "goodput": measure.goodput(record), "attempts": 3,
+                "final_step": 12, "returncode": 0, "checkpoint_url": "/tmp/<ckpt>",
+                "reference_url": None},
+        "faults": measure.as_dicts(timings),
+        "checkpoints": measure.checkpoints(record),
+        "losses": measure.losses(record),
+        "verdict": checker.summary(verdict),
+        "timeline": report.timeline(record),
+        "reference_losses": [{"step": s, "loss": _loss(s)} for s in range(1, 13)],
+    }
+
+
+@pytest.fixture(scope="module")
+def doc() -> dict[str, Any]:
+    return build_doc(synthetic_record())
+
+
+@pytest.fixture(scope="module")
+def rendered(doc: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[Path, list[plots.Plot]]:
+    out = tmp_path_factory.mktemp("report")
+    report.write_json(out, doc)
+    figures = plots.render_all(doc, out)
+    report.write_markdown(out, doc, figures)
+    report.write_html(out, doc, figures)
+    return out, figures
+
+
+def _worker(doc: dict[str, Any], attempt: int, rank: int) -> dict[str, Any]:
+    (w,) = [w for w in doc["timeline"]["workers"] if (w["attempt"], w["rank"]) == (attempt, rank)]
+    return w
+
+
+def test_timeline_has_one_span_per_rank_and_attempt(doc: dict[str, Any]) -> None:
+    tl = doc["timeline"]
+    assert tl["started_t"] == T0 and tl["wall_s"] == pytest.approx(doc["run"]["wall_s"], abs=1e-3)
+    assert [(w["attempt"], w["rank"]) for w in tl["workers"]] == [
+        (a, r) for a in range(3) for r in range(WORLD)]
+    assert [a["attempt"] for a in tl["attempts"]] == [0, 1, 2]
+    assert all(0 < a["ended_s"] <= tl["wall_s"] for a in tl["attempts"])
+    for w in tl["workers"]:  # times are seconds since the run started, in order
+        assert 0 < w["start_s"] <= (w["first_step_s"] or w["start_s"]) <= tl["wall_s"]
+    json.dumps(doc, allow_nan=False)
+
+
+def test_timeline_spans_follow_the_events(doc: dict[str, Any]) -> None:
+    hung, detector = _worker(doc, 0, 2), _worker(doc, 0, 0)
+    assert hung["last_step"] == 3 and hung["exit_s"] is None, "a SIGSTOPped rank never exits"
+    assert detector["exit_code"] == 43 and detector["hang_detected_s"] == detector["exit_s"]
+    assert detector["restore_begin_s"] is None and detector["first_step"] == 1
+    killed = _worker(doc, 1, 1)
+    assert (killed["restored_step"], killed["first_step"], killed["last_step"]) == (2, 3, 8)
+    assert killed["exit_code"] is None and killed["steps"] == 6
+    assert killed["restore_begin_s"] < killed["restore_end_s"] < killed["first_step_s"]
+    by_step = {c["step"]: c for c in _worker(doc, 1, 0)["checkpoints"]}
+    assert sorted(by_step) == [4, 6, 8]
+    assert by_step[4]["stall_s"] == 0.01 and by_step[4]["persist_s"] == 0.3
+    assert by_step[4]["staged_s"] < by_step[4]["committed_s"]
+    assert by_step[8]["staged_s"] is None and "still persisting" in by_step[8]["error"]
+    last = _worker(doc, 2, 3)
+    assert (last["restored_step"], last["first_step"], last["last_step"], last["exit_code"]) \
+        == (4, 5, 12, 0)
+    failed = {c["step"]: c for c in last["checkpoints"]}[10]
+    assert failed["staged_s"] is not None and failed["committed_s"] is None and failed["failed_s"]
+    hang, corrupt, kill = doc["timeline"]["injections"]
+    assert (hang["kind"], hang["attempt"], hang["rank"], hang["duration_s"]) == \
+        ("hang_rank", 0, 2, 4.0)
+    assert (corrupt["attempt"], corrupt["rank"], kill["attempt"], kill["rank"]) == (1, None, 1, 1)
+    assert kill["t_s"] == pytest.approx(doc["faults"][2]["injected_t"] - T0, abs=1e-3)
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def _count_color(path: Path, rgb: tuple[int, int, int], tol: int = 12) -> int:
+    with Image.open(path) as img:
+        pixels = np.asarray(img.convert("RGB"), dtype=np.int16)
+    return int((np.abs(pixels - np.array(rgb)) <= tol).all(axis=-1).sum())
+
+
+def _rgb(hex_color: str) -> tuple[int, int, int]:
+    return tuple(int(hex_color[i:i + 2], 16) for i in (1, 3, 5))  # type: ignore[return-value]
+
+
+def test_plots_are_png_files_of_the_promised_size(doc: dict[str, Any],
+                                                  rendered: tuple[Path, list[plots.Plot]]) -> None:
+    out, figures = rendered
+    assert [p.name for p in figures] == ["loss.png", "timeline.png", "checkpoints.png"]
+    for p in figures:
+        assert p.error is None, p.error
+        data = (out / p.name).read_bytes()
+        assert data == p.png
+        assert _png_size(data) == plots.figure_size_px(p.name, doc)
+        with Image.open(out / p.name) as img:
+            img.verify()
+    assert plots.figure_size_px("timeline.png", doc)[1] > plots.figure_size_px(
+        "timeline.png", {"scenario": {"trainer": {"parallel": {"dp": 1}}}})[1]
+
+
+def test_plots_mark_faults_recoveries_and_failed_checkpoints(
+        rendered: tuple[Path, list[plots.Plot]]) -> None:
+    out, _ = rendered
+    red, green = _rgb(plots.FAULT_COLOR), _rgb(plots.RECOVERY_COLOR)
+    assert _count_color(out / "loss.png", red) > 150, "fault injection lines"
+    assert _count_color(out / "loss.png", green) > 150, "restored-step lines"
+    for attempt in range(3):
+        assert _count_color(out / "loss.png", _rgb(plots.ATTEMPT_COLORS[attempt])) > 100
+    assert _count_color(out / "timeline.png", red) > 100, "fault markers, failed checkpoint"
+    assert _count_color(out / "checkpoints.png", red) > 100, "the failed checkpoint of step 10"
+
+
+def test_a_plot_that_fails_costs_only_itself(doc: dict[str, Any], tmp_path: Path) -> None:
+    broken = {**doc, "timeline": {"workers": [{"attempt": 0}]}}  # no rank: cannot be drawn
+    report.write_json(tmp_path, broken)
+    figures = plots.render_all(broken, tmp_path)
+    report.write_markdown(tmp_path, broken, figures)
+    report.write_html(tmp_path, broken, figures)
+    errors = {p.name: p.error for p in figures}
+    assert errors["loss.png"] is None and errors["checkpoints.png"] is None
+    assert errors["timeline.png"] and errors["timeline.png"].startswith("KeyError: 'rank'")
+    assert not (tmp_path / "timeline.png").exists() and (tmp_path / "loss.png").exists()
+    page = (tmp_path / "report.html").read_text()
+    assert "timeline.png could not be drawn" in page and "KeyError" in page
+    assert page.count("<img ") == 2
+    assert "timeline.png could not be drawn: KeyError" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["verdict"] == doc["verdict"]
+
+
+def test_html_is_self_contained_and_escaped(doc: dict[str, Any],
+                                            rendered: tuple[Path, list[plots.Plot]]) -> None:
+    out, figures = rendered
+    page = (out / "report.html").read_text()
+    links = re.findall(r'(?:src|href)\s*=\s*["\']?([^"\' >]*)', page, flags=re.I)
+    assert len(links) == 3 and all(u.startswith("data:image/png;base64,") for u in links)
+    assert "<script" not in page.lower().replace("&lt;script", "")
+    assert "@import" not in page and "url(" not in page
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; friends" in page
+    assert "missing ranks [3] &lt;tmp&gt;" in page and "/tmp/&lt;ckpt&gt;" in page
+    assert "Content-Security-Policy" in page
+    for p in figures:
+        assert f'alt="{p.alt}"' in page
+    for heading in ("Run", "Faults", "Checkpoints", "Plots", "Environment", "Scenario"):
+        assert f"<h2>{heading}</h2>" in page
+    for f in doc["faults"]:  # every timing field is in the faults table
+        for key in ("detect_s", "restart_s", "restore_s", "recompute_s", "recovery_s"):
+            if f[key] is not None:
+                assert f"<td>{f[key]:.3f}</td>" in page
+    assert doc["verdict"]["verdict"].upper() in page
+    md = (out / "report.md").read_text()
+    assert all(f"]({p.name})" in md for p in figures) and "[report.html](report.html)" in md
+
+
+def test_reference_losses_come_from_the_reference_events(tmp_path: Path) -> None:
+    (tmp_path / "events").mkdir()
+    lines = [{"t": T0 + s, "rank": r, "attempt": 0, "event": "step_end", "step": s,
+              "loss": _loss(s) if r else None, "seconds": 0.1} for s in (2, 1) for r in (0, 1)]
+    (tmp_path / "events" / "rank0.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in lines) + '{"torn')
+    assert report.reference_losses(tmp_path) == [{"step": 1, "loss": _loss(1)},
+                                                 {"step": 2, "loss": _loss(2)}]
+    assert report.reference_losses(tmp_path / "gone") == []
+
+
+# --- a real browser -------------------------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                  "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--remote-debugging-pipe"]
+
+# For every image: decoded (complete, natural size), laid out (shown width), and its pixels as
+# the page has them (drawn into a canvas): how many are not near-white.
+IMAGES_JS = """[...document.images].map(i => {
+  const c = document.createElement('canvas'); c.width = i.naturalWidth; c.height = i.naturalHeight;
+  let inked = -1;
+  if (i.naturalWidth > 0) {
+    const g = c.getContext('2d'); g.drawImage(i, 0, 0);
+    const d = g.getImageData(0, 0, c.width, c.height).data; inked = 0;
+    for (let k = 0; k < d.length; k += 4) if (d[k] + d[k + 1] + d[k + 2] < 600) inked++;
+  }
+  return {alt: i.alt, complete: i.complete, width: i.naturalWidth, height: i.naturalHeight,
+          shown: i.getBoundingClientRect().width, inked: inked};
+})"""
+
+
+class Chromium:
+    """Headless Chromium driven over the DevTools protocol on a pipe (fds 3 and 4, NUL-framed
+    JSON): no port, no websocket package, nothing reachable from outside the test."""
+
+    def __init__(self, profile: Path) -> None:
+        def high(fd: int) -> int:  # out of the way of 3 and 4, which the child dup2s onto
+            moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+            os.close(fd)
+            return moved
+
+        to_browser_r, to_browser_w = map(high, os.pipe())
+        from_browser_r, from_browser_w = map(high, os.pipe())
+
+        def wire() -> None:
+            os.dup2(to_browser_r, 3)
+            os.dup2(from_browser_w, 4)
+
+        self._log = open(profile / "chromium.log", "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(  # preexec_fn only wires the two pipe ends
+            [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
+            pass_fds=(3, 4), preexec_fn=wire, stdin=subprocess.DEVNULL,
+            stdout=self._log, stderr=self._log)
+        os.close(to_browser_r)
+        os.close(from_browser_w)
+        self._w, self._r = to_browser_w, from_browser_r
+        self._buf = b""
+        self._id = 0
+
+    def call(self, method: str, session: str | None = None, timeout_s: float = 60.0,
+             **params: Any) -> dict[str, Any]:
+        self._id += 1
+        msg: dict[str, Any] = {"id": self._id, "method": method, "params": params}
+        if session:
+            msg["sessionId"] = session
+        os.write(self._w, json.dumps(msg).encode() + b"\0")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            while b"\0" in self._buf:
+                raw, self._buf = self._buf.split(b"\0", 1)
+                reply = json.loads(raw)
+                if reply.get("id") == self._id:
+                    if "error" in reply:
+                        raise RuntimeError(f"{method}: {reply['error']}")
+                    return dict(reply["result"])
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"chromium did not answer {method} in {timeout_s} s")
+            chunk = os.read(self._r, 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"chromium closed the pipe (exit {self.proc.poll()})")
+            self._buf += chunk
+
+    def evaluate(self, session: str, expression: str) -> Any:
+        result = self.call("Runtime.evaluate", session, expression=expression,
+                           returnByValue=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"page script failed: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def open(self, url: str, timeout_s: float = 60.0) -> str:
+        """A new tab at ``url``, once loaded: its session id."""
+        target = self.call("Target.createTarget", url=url)["targetId"]
+        session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        deadline = time.monotonic() + timeout_s
+        loaded = f"location.href === {json.dumps(url)} && document.readyState === 'complete'"
+        while not self.evaluate(session, loaded):  # the new tab shows about:blank first
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not finish loading in {timeout_s} s")
+            time.sleep(0.1)
+        return str(session)
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close", timeout_s=10)
+            self.proc.wait(timeout=20)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            os.close(self._w)
+            os.close(self._r)
+            self._log.close()
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Chromium]:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"{CHROMIUM} is absent (apt package 'chromium'; .ci/run installs it)")
+    with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
+        browser = Chromium(Path(profile))
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def test_a_real_browser_renders_the_plots(rendered: tuple[Path, list[plots.Plot]],
+                                          chromium: Chromium, tmp_path: Path) -> None:
+    out, figures = rendered
+    session = chromium.open((out / "report.html").as_uri())
+    images = chromium.evaluate(session, IMAGES_JS)
+    assert [i["alt"] for i in images] == [p.alt for p in figures]
+    for image, plot in zip(images, figures):
+        assert image["complete"] and (image["width"], image["height"]) == _png_size(plot.png or b"")
+        assert image["shown"] > 300, f"{plot.name} is not laid out: {image}"
+        assert image["inked"] > 0.02 * image["width"] * image["height"], f"{plot.name} is blank"
+    assert chromium.evaluate(session, "document.querySelector('.banner').innerText").startswith(
+        "PASS")
+    assert chromium.evaluate(session, "document.scripts.length") == 0
+
+    # The same check catches a plot the browser cannot decode: damage one image's data.
+    page = (out / "report.html").read_text()
+    damaged = tmp_path / "damaged.html"
+    damaged.write_text(page.replace("base64,iVBORw0KGgo", "base64,AAAAAAAAAA", 1))
+    images = chromium.evaluate(chromium.open(damaged.as_uri()), IMAGES_JS)
+    assert [i["width"] > 0 for i in images] == [False, True, True]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_chaos_run_writes_the_whole_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    """End to end: a real 2-rank run with a kill writes json, md, html and the three PNGs."""
+    from chaos.run import run
+
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    s = parse_scenario(yaml.safe_load("""
+        name: report-e2e
+        seed: 3
+        trainer: {parallel: {dp: 2, tp: 1, pp: 1}, steps: 16, batch_size: 8,
+                  model: {layers: 2, d_model: 32, heads: 4, vocab: 64, seq_len: 16}}
+        checkpoint: {every_steps: 4, keep_last: 3}
+        faults: [{kind: kill_rank, rank: 1, at_step: 10}]
+        expect: {bitwise_equal_to_reference: true}
+    """))
+    outcome = run(s, tmp_path / "out", progress=lambda _: None)
+    assert outcome.passed, outcome.report["verdict"]
+    out = tmp_path / "out"
+    for name in ("report.json", "report.md", "report.html", "loss.png", "timeline.png",
+                 "checkpoints.png"):
+        assert (out / name).stat().st_size > 0, name
+    doc = json.loads((out / "report.json").read_text())
+    assert {(w["attempt"], w["rank"]) for w in doc["timeline"]["workers"]} == {
+        (0, 0), (0, 1), (1, 0), (1, 1)}
+    assert [e["step"] for e in doc["reference_losses"]] == list(range(1, 17))
+    assert _png_size((out / "timeline.png").read_bytes()) == plots.figure_size_px(
+        "timeline.png", doc)
