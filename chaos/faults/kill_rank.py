@@ -17,5 +17,10 @@ class KillRank(FaultBase):
     def inject(self, target: Target, step: int | None) -> Injection:
         rank = target.resolve(self.rank)
         pid = target.pids[rank]
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # a random arrival can land as the attempt ends or dies
+            return Injection(self.kind, time.time(), step=step, rank=rank,
+                             skipped=f"rank {rank} (pid {pid}) had already exited",
+                             detail={"pid": pid})
         return Injection(self.kind, time.time(), step=step, rank=rank, detail={"pid": pid})

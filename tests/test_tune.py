@@ -1,0 +1,291 @@
+"""``chaos tune``: Young and Daly against published values, the seeded simulator against the
+analytic model, the scale projection against Meta's cluster figures, the CLI, and (slow) the
+measured mode and the real sweep on small scenarios."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from chaos import tune
+from chaos.cli import main
+from chaos.faults import Injection
+from chaos.runner import RunRecord
+
+MIN = 60.0
+HOUR = 3600.0
+
+
+@pytest.mark.parametrize(("mtbf_min", "published_min"), [(24 * 60, 116.7), (6 * 60, 56.7),
+                                                         (15, 9.1)])
+def test_daly_interval_reproduces_dalys_published_values(mtbf_min: float,
+                                                         published_min: float) -> None:
+    """Daly (2006): a 5-minute checkpoint at MTBF 24 h, 6 h and 15 min."""
+    tau = tune.daly_interval(5 * MIN, mtbf_min * MIN)
+    assert tau / MIN == pytest.approx(published_min, abs=0.05)
+
+
+def test_daly_is_close_to_the_exact_optimum_and_young_is_first_order() -> None:
+    assert tune.young_interval(5 * MIN, 24 * HOUR) == pytest.approx(120 * MIN)
+    assert tune.young_interval(2.0, 50.0) == pytest.approx(math.sqrt(2 * 2.0 * 50.0))
+    for mtbf in (24 * HOUR, 6 * HOUR, 15 * MIN):
+        exact = tune.optimal_interval(5 * MIN, mtbf)
+        assert tune.daly_interval(5 * MIN, mtbf) == pytest.approx(exact, rel=5e-3)
+        assert tune.young_interval(5 * MIN, mtbf) > exact  # Young overshoots: no -C term
+    assert tune.daly_interval(30.0, 10.0) == 10.0  # C >= 2M: checkpoint every MTBF
+
+
+def test_expected_goodput_matches_the_first_order_waste_model_when_failures_are_rare() -> None:
+    c, r, m = 1.0, 5.0, 10_000.0
+    tau = tune.young_interval(c, m)
+    first_order = 1 - c / tau - (tau + c) / (2 * m) - r / m
+    assert tune.expected_goodput(tau, c, r, m) == pytest.approx(first_order, abs=2e-4)
+    grid = [tau * f for f in (0.25, 0.5, 0.9, 1.0, 1.1, 2.0, 4.0)]
+    best = max(grid, key=lambda x: tune.expected_goodput(x, c, r, m))
+    assert best == pytest.approx(tune.optimal_interval(c, m), rel=0.1)
+
+
+@pytest.mark.parametrize("costs", [tune.Costs(ckpt_s=5.0, restart_s=10.0, mtbf_s=100.0),
+                                   tune.Costs(ckpt_s=30.0, restart_s=0.0, mtbf_s=60.0)])
+def test_exponential_simulation_agrees_with_the_analytic_model(costs: tune.Costs) -> None:
+    """The simulator plays Daly's process; for exponential failures the formula is exact,
+    so the two must agree within SIM_TOLERANCE (absolute goodput) on the whole grid."""
+    intervals = tune.candidate_intervals(costs)
+    curve = tune.simulate(intervals, costs, schedules=1500, seed=11)
+    model = [tune.expected_goodput(x, costs.ckpt_s, costs.restart_s, costs.mtbf_s)
+             for x in intervals]
+    gaps = [abs(g - m) for g, m in zip(curve.goodput, model)]
+    assert max(gaps) <= tune.SIM_TOLERANCE, max(gaps)
+    inside = sum(lo <= m <= hi for lo, m, hi in zip(curve.ci_low, model, curve.ci_high))
+    assert inside >= 0.85 * len(intervals), (inside, len(intervals))
+    assert curve.intervals_s[curve.best()] == pytest.approx(
+        tune.optimal_interval(costs.ckpt_s, costs.mtbf_s), rel=0.35)
+
+
+def test_weibull_path_is_deterministic_per_seed_and_shape_one_is_exponential() -> None:
+    costs = tune.Costs(ckpt_s=5.0, restart_s=10.0, mtbf_s=100.0)
+    intervals = [10.0, 30.0, 90.0]
+    a = tune.simulate(intervals, costs, dist="weibull", shape=0.7, schedules=400, seed=5)
+    b = tune.simulate(intervals, costs, dist="weibull", shape=0.7, schedules=400, seed=5)
+    c = tune.simulate(intervals, costs, dist="weibull", shape=0.7, schedules=400, seed=6)
+    assert a.goodput == b.goodput and a.ci_low == b.ci_low
+    assert a.goodput != c.goodput
+    one = tune.simulate(intervals, costs, dist="weibull", shape=1.0, schedules=1500, seed=5)
+    for x, g in zip(intervals, one.goodput):
+        assert g == pytest.approx(tune.expected_goodput(x, 5.0, 10.0, 100.0),
+                                  abs=tune.SIM_TOLERANCE)
+    exp = tune.simulate(intervals, costs, schedules=400, seed=5)
+    assert a.goodput != exp.goodput  # shape 0.7 is a different law, not a relabelled one
+    with pytest.raises(tune.TuneError, match="shape"):
+        tune.simulate(intervals, costs, dist="weibull", shape=0.0)
+
+
+def test_recommendation_is_the_best_simulated_interval_in_whole_steps() -> None:
+    costs = tune.Costs(ckpt_s=2.0, restart_s=20.0, mtbf_s=600.0, step_s=0.5)
+    result = tune.tune(costs, schedules=600, seed=1)
+    doc = result.as_dict()
+    assert doc["recommended_every_steps"] == round(doc["recommended_interval_s"] / 0.5)
+    assert doc["recommended_interval_s"] / 0.5 == pytest.approx(doc["recommended_every_steps"])
+    curve = result.curves["exponential"]
+    assert doc["expected_goodput"] == max(curve.goodput)
+    optimum = tune.expected_goodput(result.model_optimum_s, 2.0, 20.0, 600.0)
+    assert doc["model_goodput"] >= optimum - tune.SIM_TOLERANCE
+    assert doc["simulation"]["max_gap_vs_model"] <= tune.SIM_TOLERANCE
+
+
+def test_scale_projection_against_metas_cluster_figures() -> None:
+    """Meta (Kokolis et al. 2024): job MTTF ~7.9 h at 1,024 GPUs, ~1.8 h at 16,384.
+
+    Honest result: with failures independent per GPU (job MTBF = per-GPU MTBF / N), a per-GPU
+    MTBF fitted to 7.9 h at 1,024 GPUs (8,090 GPU-hours) projects 0.49 h at 16,384, 3.6x
+    below the reported 1.8 h; fitted to 1.8 h at 16,384 it projects 28.8 h at 1,024, 3.6x
+    above 7.9 h. The two figures scale as N^-0.53, not N^-1, so the projection is pessimistic
+    for large jobs by that factor; this test pins the size of the miss.
+    """
+    costs = tune.Costs(ckpt_s=60.0, restart_s=300.0, mtbf_s=1.0)  # mtbf replaced per scale
+    fitted_h = tune.META_MTTF_H[1024] * 1024
+    rows = {r["gpus"]: r for r in tune.project(costs, fitted_h)}
+    assert set(rows) == {1024, 16384, 100_000}
+    assert rows[1024]["mtbf_h"] == pytest.approx(7.9)
+    projected = rows[16384]["mtbf_h"]
+    assert projected == pytest.approx(0.494, abs=0.001)
+    assert 3.5 < tune.META_MTTF_H[16384] / projected < 3.8
+    back = {r["gpus"]: r for r in tune.project(costs, tune.META_MTTF_H[16384] * 16384)}
+    assert 3.5 < back[1024]["mtbf_h"] / tune.META_MTTF_H[1024] < 3.8
+    goodputs = [rows[n]["expected_goodput"] for n in (1024, 16384, 100_000)]
+    intervals = [rows[n]["recommended_interval_s"] for n in (1024, 16384, 100_000)]
+    assert goodputs == sorted(goodputs, reverse=True) and intervals == sorted(intervals,
+                                                                              reverse=True)
+    assert rows[16384]["meta_reported_mtbf_h"] == 1.8
+
+
+def _invoke(args: list[str]) -> Any:
+    return CliRunner().invoke(main, ["tune", *args])
+
+
+def test_cli_model_only_json_is_one_object_with_the_answer(tmp_path: Path) -> None:
+    result = _invoke(["--ckpt-cost-s", "300", "--mtbf-s", "900", "--restart-s", "60",
+                      "--step-s", "2", "--schedules", "300", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["daly_interval_s"] / MIN == pytest.approx(9.1, abs=0.05)
+    assert doc["young_interval_s"] == pytest.approx(math.sqrt(2 * 300 * 900))
+    assert 0 < doc["expected_goodput"] < 1
+    assert doc["recommended_every_steps"] == round(doc["recommended_interval_s"] / 2)
+    assert doc["mode"] == "model only" and doc["measurement"] is None
+
+
+def test_cli_table_projection_and_out_folder(tmp_path: Path) -> None:
+    out = tmp_path / "tune"
+    result = _invoke(["--ckpt-cost-s", "60", "--restart-s", "300", "--gpus", "2048",
+                      "--gpu-mtbf-h", "50000", "--schedules", "300", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "Daly (higher order)" in result.stdout and "16,384" in result.stdout
+    assert "2,048" in result.stdout  # the job's own scale is in the projection
+    doc = json.loads((out / "tune.json").read_text())
+    assert doc["mtbf_s"] == pytest.approx(50000 * HOUR / 2048)
+    assert [r["gpus"] for r in doc["projection"]] == [1024, 2048, 16384, 100_000]
+    assert (out / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--ckpt-cost-s", "-5", "--mtbf-s", "100"], "checkpoint cost must be"),
+    (["--ckpt-cost-s", "5", "--mtbf-s", "100", "--restart-s", "-1"], "restart cost must be"),
+    (["--ckpt-cost-s", "5", "--mtbf-s", "-100"], "--mtbf-s must be > 0"),
+    (["--ckpt-cost-s", "5"], "needs --mtbf-s"),
+    (["--mtbf-s", "100"], "--ckpt-cost-s"),
+    (["--ckpt-cost-s", "5", "--mtbf-s", "100", "--sweep"], "give SCENARIO.yaml"),
+    (["--ckpt-cost-s", "5", "--gpus", "8"], "--gpus needs --gpu-mtbf-h"),
+    (["--ckpt-cost-s", "5", "--mtbf-s", "100", "--sweep-every", "0,x"], "--sweep-every"),
+])
+def test_cli_bad_input_exits_2_with_a_message(args: list[str], message: str) -> None:
+    result = _invoke(args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+def _tiny(tmp_path: Path, faults: list[dict[str, Any]], steps: int = 12) -> Path:
+    doc = {"name": "tune-tiny", "seed": 5,
+           "trainer": {"parallel": {"dp": 2, "tp": 1, "pp": 1}, "steps": steps,
+                       "batch_size": 4, "collective_timeout_s": 30,
+                       "model": {"layers": 1, "d_model": 32, "heads": 2, "vocab": 64,
+                                 "seq_len": 8}},
+           "checkpoint": {"every_steps": 3, "keep_last": 2}, "faults": faults}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_cli_scenario_without_mtbf_or_with_model_options_exits_2(tmp_path: Path) -> None:
+    path = _tiny(tmp_path, [{"kind": "kill_rank", "rank": 1, "at_step": 6}])
+    result = _invoke([str(path)])
+    assert result.exit_code == 2 and f"{path}: no fault with mtbf_s" in result.stderr
+    result = _invoke([str(path), "--mtbf-s", "60", "--ckpt-cost-s", "1"])
+    assert result.exit_code == 2 and "--ckpt-cost-s" in result.stderr
+    result = _invoke([str(tmp_path / "missing.yaml"), "--mtbf-s", "60"])
+    assert result.exit_code == 2 and "cannot read" in result.stderr
+
+
+def test_scenario_mtbf_adds_the_rates_of_faults_that_stop_the_job(tmp_path: Path) -> None:
+    from chaos.scenario import load_scenario
+
+    s = load_scenario(_tiny(tmp_path, [
+        {"kind": "kill_rank", "rank": "random", "mtbf_s": 60},
+        {"kind": "hang_rank", "rank": 0, "mtbf_s": 30, "duration_s": 5},
+        {"kind": "corrupt_shard", "mtbf_s": 1, "checkpoint": "latest", "mode": "bitflip"},
+    ]))
+    assert tune.scenario_mtbf_s(s) == pytest.approx(20.0)  # 1/60 + 1/30; corruption ignored
+    killed = tune.with_kill(load_scenario(_tiny(tmp_path, [])))
+    assert [(f.kind, f.rank, f.at_step) for f in killed.faults] == [("kill_rank", 1, 6)]
+
+
+def _event(t: float, attempt: int, rank: int, event: str, **fields: Any) -> dict[str, Any]:
+    return {"t": t, "attempt": attempt, "rank": rank, "event": event, **fields}
+
+
+def test_costs_from_record_reads_c_r_and_step_time_from_the_events() -> None:
+    """A hand-written event log (what two ranks would emit) with known answers: steps of
+    1 s, 1.5 s right after each checkpoint, 0.1 s stalls, a kill at t=10.5 torn down at
+    11.0, the new attempt started at 13.0 and restored at 14.0."""
+    events = []
+    for attempt, first, t0 in ((0, 1, 0.0), (1, 5, 13.0)):
+        for rank in (0, 1):
+            events.append(_event(t0, attempt, rank, "start", pid=100 * attempt + rank))
+        t = t0 + 1.0
+        if attempt == 1:
+            events += [_event(14.0, 1, r, "restore_end", step=4, seconds=1.0) for r in (0, 1)]
+            t = 14.0
+        for step in range(first, first + 6 if attempt == 0 else 9):
+            seconds = 1.5 if step in (3, 5, 7) and not (attempt == 1 and step == 5) else 1.0
+            if attempt == 1 and step == first:
+                seconds = 3.0  # warm-up, left out
+            t += seconds + 0.01
+            for rank in (0, 1):
+                events.append(_event(t, attempt, rank, "step_end", step=step, loss=1.0,
+                                     seconds=seconds))
+            if step % 2 == 0:
+                t += 0.1
+                for rank in (0, 1):
+                    events.append(_event(t, attempt, rank, "ckpt_staged", step=step,
+                                         stall_s=0.1))
+    events.sort(key=lambda e: e["t"])
+    record = RunRecord(returncode=0, started_t=-0.5, ended_t=t + 2.0, events=events,
+                       injections=[Injection("kill_rank", 10.5, step=6, rank=1)],
+                       attempt_ends={0: 11.0, 1: t + 2.0})
+    m = tune.costs_from_record(record)
+    assert m.stall_s == pytest.approx(0.1)
+    assert m.step_effect_s == pytest.approx(0.5)
+    assert m.ckpt_s == pytest.approx(0.6)
+    assert m.ckpt_cycle_s == pytest.approx(0.6)
+    assert m.restart_s == pytest.approx(0.5 + 2.0 + 1.0)
+    assert m.step_s == pytest.approx(1.0) and m.failures == 1
+    assert m.startup_s == pytest.approx(1.51)
+    assert m.tail_s == pytest.approx(2.1)  # the final checkpoint's stall is in the tail
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_measured_mode_on_a_tiny_scenario(tmp_path: Path) -> None:
+    """Runs the trainer once (tune adds a kill to time the restart) and tunes on the result."""
+    path = _tiny(tmp_path, [])
+    out = tmp_path / "out"
+    result = _invoke([str(path), "--mtbf-s", "300", "--schedules", "500", "--json",
+                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    m = doc["measurement"]
+    assert m["injected_kill"] is True and m["failures"] == 1
+    assert m["checkpoints"] >= 4 and 0 < m["stall_s"] <= m["ckpt_s"]
+    assert doc["ckpt_cost_s"] == m["ckpt_s"] and doc["restart_s"] == m["restart_s"] > 0
+    assert doc["step_s"] == m["step_s"] > 0
+    assert doc["recommended_every_steps"] >= 1 and 0 < doc["expected_goodput"] < 1
+    assert (out / "tune.json").exists() and (out / "goodput.png").exists()
+    assert (out / "measure" / "run" / "events" / "rank0.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_sweep_measures_real_goodput_and_its_gap_to_the_model(tmp_path: Path) -> None:
+    path = _tiny(tmp_path, [{"kind": "kill_rank", "rank": "random", "mtbf_s": 25}])
+    out = tmp_path / "out"
+    result = _invoke([str(path), "--sweep", "--sweep-every", "2,10", "--sweep-steps", "40",
+                      "--schedules", "300", "--json", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["mtbf_s"] == 25 and "mtbf_s" in doc["mtbf_source"]
+    assert doc["measurement"]["injected_kill"] is True  # random arrivals alone may miss
+    rows = doc["sweep"]
+    assert [r["every_steps"] for r in rows] == [2, 10]
+    for r in rows:
+        assert 0 < r["measured_goodput"] < 1 and 0 < r["predicted_goodput"] < 1
+        assert r["gap"] == pytest.approx(r["measured_goodput"] - r["predicted_goodput"])
+        assert r["interval_s"] == pytest.approx(r["every_steps"] * doc["step_s"])
+        assert (out / "sweep" / f"every_{r['every_steps']}" / "run" / "events").is_dir()
+    assert sum(r["failures"] for r in rows) >= 1
