@@ -1,0 +1,350 @@
+"""``chaos suite``: run every scenario of a folder, summarize, and compare with a previous summary.
+
+This is what the nightly CI runs. A suite never stops at the first problem: a failed scenario, an
+invalid scenario file or a runner that crashes each become a failed entry and the next scenario
+runs. The summary keeps only what a regression check and a person scanning a table need (verdict,
+recovery, lost steps, goodput, checkpoint stall); the whole story stays in each scenario's report.
+
+Layout of ``OUT``: ``summary.json``, ``summary.html``, and one ``chaos run`` report folder per
+scenario, ``OUT/<scenario name>/``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import shutil
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from fnmatch import fnmatch
+from pathlib import Path
+from statistics import mean
+from typing import Any
+from urllib.parse import quote
+
+from chaos.report import environment
+from chaos.run import run
+from chaos.scenario import Scenario, ScenarioError, load_scenario
+
+FORMAT = 1
+_RUN_MARKERS = ("report.json", "run", "ckpt", "error.txt")  # what a chaos run folder holds
+
+
+class SuiteError(Exception):
+    """Bad suite input (folder, names, baseline); the message is for the user as is."""
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class Tolerances:
+    """How much worse than the baseline a figure may get before it is a regression.
+
+    The absolute floors keep run-to-run noise of tiny CPU scenarios from reading as a regression:
+    a recovery of 8 s against 6 s is +33% but well within the jitter of a torchrun restart.
+    """
+
+    recovery_rel: float = 0.20
+    recovery_floor_s: float = 1.0
+    stall_rel: float = 0.20
+    stall_floor_s: float = 0.05
+    goodput_points: float = 0.05
+
+
+@dataclass(slots=True)
+class Planned:
+    """One scenario file of the suite: the validated scenario, or why it is invalid."""
+
+    file: Path
+    scenario: Scenario | None = None
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.scenario.name if self.scenario else self.file.stem
+
+
+def discover(folder: Path, patterns: Sequence[str] = ("*",)) -> list[Path]:
+    """Every ``*.yaml``/``*.yml`` under ``folder`` (recursively) whose name or stem matches
+    one of ``patterns`` (globs)."""
+    if not folder.is_dir():
+        raise SuiteError(f"{folder}: no such folder")
+    patterns = list(patterns) or ["*"]
+    files = sorted(p for p in folder.rglob("*")
+                   if p.is_file() and p.suffix in (".yaml", ".yml")
+                   and any(fnmatch(p.name, g) or fnmatch(p.stem, g) for g in patterns))
+    if not files:
+        matching = f" matching {' or '.join(map(repr, patterns))}" if patterns != ["*"] else ""
+        raise SuiteError(f"{folder}: no scenario files (*.yaml){matching}")
+    return files
+
+
+def plan(files: list[Path], out: Path) -> list[Planned]:
+    """Validate every file; refuse duplicate names and output folders that are not ours."""
+    planned = []
+    for file in files:
+        try:
+            planned.append(Planned(file, scenario=load_scenario(file)))
+        except ScenarioError as exc:
+            planned.append(Planned(file, error=str(exc)))
+    seen: dict[str, Path] = {}
+    for p in planned:
+        if p.scenario is None:
+            continue
+        if p.name in seen:
+            raise SuiteError(f"{p.file}: scenario name {p.name!r} is already used by "
+                             f"{seen[p.name]}; names must be unique in a suite")
+        seen[p.name] = p.file
+        folder = out / p.name
+        if folder.exists() and any(folder.iterdir()) and \
+                not any((folder / m).exists() for m in _RUN_MARKERS):
+            raise SuiteError(f"{folder}: exists and is not a chaos run folder; "
+                             f"not replacing it (choose another --out)")
+    return planned
+
+
+def summarize(name: str, file: str, doc: dict[str, Any], report: str | None) -> dict[str, Any]:
+    """The summary entry of one scenario from its ``report.json`` document."""
+    faults = doc.get("faults", [])
+    recoveries = [f["recovery_s"] for f in faults if f.get("recovery_s") is not None]
+    lost = [f["lost_steps"] for f in faults if f.get("lost_steps") is not None]
+    stalls = [c["stall_s"] for c in doc.get("checkpoints", []) if c.get("stall_s") is not None]
+    run, verdict = doc.get("run", {}), doc.get("verdict", {})
+    return {
+        "name": name, "file": file, "verdict": verdict.get("verdict", "fail"),
+        "reasons": list(verdict.get("reasons", [])), "error": None,
+        "bitwise_equal": verdict.get("bitwise_equal"),
+        "faults": len(faults),
+        "skipped": [{"kind": f["kind"], "reason": f["skipped"]} for f in faults
+                    if f.get("skipped")],
+        "recovery_max_s": max(recoveries) if recoveries else None,
+        "recovery_mean_s": mean(recoveries) if recoveries else None,
+        "lost_steps": sum(lost) if lost else None,
+        "goodput": run.get("goodput"),
+        "stall_mean_s": mean(stalls) if stalls else None,
+        "stall_max_s": max(stalls) if stalls else None,
+        "wall_s": run.get("wall_s"), "report": report,
+    }
+
+
+def failed_entry(name: str, file: str, reason: str, *, error: str | None = None
+                 ) -> dict[str, Any]:
+    """An entry for a scenario that produced no report (invalid file, crashed runner)."""
+    entry = summarize(name, file, {}, None)
+    entry.update(verdict="fail", reasons=[reason], error=error)
+    return entry
+
+
+def _fresh(folder: Path) -> None:
+    """Clear a previous run's folder: old checkpoints would be resumed from."""
+    if folder.exists():
+        shutil.rmtree(folder)
+
+
+def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
+              progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Run every planned scenario into ``out/<name>/``, in order; one entry each."""
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, p in enumerate(planned, 1):
+        head = f"[{i}/{len(planned)}] {p.name} ({p.file})"
+        if p.scenario is None:
+            progress(f"{head}: INVALID")
+            entries.append(failed_entry(p.name, str(p.file), p.error or "invalid scenario"))
+            continue
+        progress(head)
+        folder = out / p.name
+        _fresh(folder)
+        started = time.monotonic()
+        try:
+            outcome = run(p.scenario, folder, reference=reference, progress=progress)
+        except Exception as exc:  # a crashed runner fails this scenario, not the suite
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "error.txt").write_text(traceback.format_exc())
+            entry = failed_entry(p.name, str(p.file),
+                                 f"the runner crashed: {type(exc).__name__}: {exc}",
+                                 error=f"{p.name}/error.txt")
+            entry["wall_s"] = time.monotonic() - started
+        else:
+            entry = summarize(p.name, str(p.file), outcome.report, f"{p.name}/report.json")
+        progress(f"{head}: {entry['verdict'].upper()} in {time.monotonic() - started:.0f} s")
+        entries.append(entry)
+    return entries
+
+
+def build(entries: list[dict[str, Any]], *, suite: str, wall_s: float,
+          baseline: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``summary.json`` document; ``ok`` is what the exit code says."""
+    failed = [e["name"] for e in entries if e["verdict"] != "pass"]
+    regressed = bool(baseline and baseline["regressions"])
+    return {"format": FORMAT, "suite": suite,
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "wall_s": wall_s, "environment": environment(),
+            "ok": not failed and not regressed,
+            "counts": {"pass": len(entries) - len(failed), "fail": len(failed)},
+            "failed": failed, "scenarios": entries, "baseline": baseline}
+
+
+def load_baseline(path: Path) -> dict[str, Any]:
+    """A previous ``summary.json``; anything else is bad input, before the suite runs."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SuiteError(f"{path}: cannot read the baseline: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SuiteError(f"{path}: the baseline is not JSON: {exc}") from None
+    scenarios = doc.get("scenarios") if isinstance(doc, dict) else None
+    if not isinstance(scenarios, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("name"), str) for e in scenarios):
+        raise SuiteError(f"{path}: not a chaos suite summary (no 'scenarios' list of named "
+                         f"entries)")
+    return doc
+
+
+def _worse(metric: str, base: float | None, cur: float | None, rel: float, floor: float
+           ) -> dict[str, Any] | None:
+    if base is None or cur is None or cur <= base * (1 + rel) or cur - base < floor:
+        return None
+    change = f"+{(cur / base - 1) * 100:.0f}%" if base > 0 else "from 0"
+    return {"metric": metric, "baseline": base, "current": cur,
+            "reason": f"{metric} {base:.2f} s -> {cur:.2f} s ({change}, limit +{rel:.0%} "
+                      f"and +{floor:g} s)"}
+
+
+def compare(entries: list[dict[str, Any]], baseline: dict[str, Any], *, file: str,
+            tol: Tolerances = Tolerances()) -> dict[str, Any]:
+    """Regressions of each scenario present in both summaries and passing in both.
+
+    A scenario that fails now is already a failure; one that failed in the baseline has no
+    trustworthy figures. New and missing scenarios are noted, never regressions.
+    """
+    before = {e["name"]: e for e in baseline["scenarios"]}
+    now = {e["name"]: e for e in entries}
+    regressions, not_compared = [], []
+    for name, cur in now.items():
+        base = before.get(name)
+        if base is None:
+            continue
+        if base.get("verdict") != "pass" or cur["verdict"] != "pass":
+            which = "the baseline" if base.get("verdict") != "pass" else "this run"
+            not_compared.append({"scenario": name, "reason": f"failed in {which}"})
+            continue
+        found = [
+            _worse("recovery (max)", base.get("recovery_max_s"), cur["recovery_max_s"],
+                   tol.recovery_rel, tol.recovery_floor_s),
+            _worse("stall (mean)", base.get("stall_mean_s"), cur["stall_mean_s"],
+                   tol.stall_rel, tol.stall_floor_s),
+        ]
+        b, c = base.get("goodput"), cur["goodput"]
+        if b is not None and c is not None and b - c > tol.goodput_points:
+            found.append({"metric": "goodput", "baseline": b, "current": c,
+                          "reason": f"goodput {b:.3f} -> {c:.3f} ({(c - b) * 100:+.1f} points, "
+                                    f"limit -{tol.goodput_points * 100:g})"})
+        regressions += [{"scenario": name, **r} for r in found if r]
+    return {"file": file, "tolerances": asdict(tol),
+            "regressions": regressions, "not_compared": not_compared,
+            "new": sorted(set(now) - set(before)), "missing": sorted(set(before) - set(now))}
+
+
+def write_json(out: Path, summary: dict[str, Any]) -> Path:
+    path = out / "summary.json"
+    path.write_text(json.dumps(summary, indent=2))
+    return path
+
+
+def _fmt(x: Any, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+_COLUMNS = ("scenario", "verdict", "recovery max s", "lost steps", "goodput", "stall mean s",
+            "wall s", "regression")
+
+
+def _regressed(summary: dict[str, Any]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for r in (summary.get("baseline") or {}).get("regressions", []):
+        out.setdefault(r["scenario"], []).append(r["metric"])
+    return out
+
+
+def _row(e: dict[str, Any], regressed: list[str]) -> list[str]:
+    return [e["name"], e["verdict"].upper(), _fmt(e["recovery_max_s"]), _fmt(e["lost_steps"]),
+            _fmt(e["goodput"], 3), _fmt(e["stall_mean_s"], 3), _fmt(e["wall_s"], 0),
+            ", ".join(regressed)]
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The table ``chaos suite`` prints, then failures, skipped faults and regressions."""
+    regressed = _regressed(summary)
+    rows = [list(_COLUMNS)] + [_row(e, regressed.get(e["name"], []))
+                               for e in summary["scenarios"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for e in summary["scenarios"]:
+        lines += [f"FAIL {e['name']}: {reason}" for reason in e["reasons"]]
+        lines += [f"skipped {e['name']}: {s['kind']}: {s['reason']}" for s in e["skipped"]]
+    b = summary.get("baseline")
+    if b:
+        lines += [f"REGRESSION {r['scenario']}: {r['reason']}" for r in b["regressions"]]
+        lines += [f"not compared {n['scenario']}: {n['reason']}" for n in b["not_compared"]]
+        if b["new"]:
+            lines.append(f"new since the baseline: {', '.join(b['new'])}")
+        if b["missing"]:
+            lines.append(f"missing since the baseline: {', '.join(b['missing'])}")
+    c = summary["counts"]
+    lines.append(f"{c['pass']} passed, {c['fail']} failed"
+                 + (f", {len(b['regressions'])} regression(s)" if b else "")
+                 + f" in {summary['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}
+table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.3em .6em;text-align:left}
+th{background:#f4f4f4}tr.pass td.verdict{background:#d9f2d9}tr.fail td.verdict{background:#f8d0d0}
+td.regression{color:#a00;font-weight:bold}td.num{text-align:right}ul{margin:.3em 0}"""
+
+
+def write_html(out: Path, summary: dict[str, Any]) -> Path:
+    """``summary.html``: self-contained (inline CSS), every value escaped, reports linked."""
+    esc = html.escape
+    regressed = _regressed(summary)
+    c = summary["counts"]
+    status = "OK" if summary["ok"] else "FAILED"
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>chaos suite: {status}"
+             f"</title><style>{_CSS}</style></head><body>",
+             f"<h1>chaos suite {esc(summary['suite'])}: {status}</h1>",
+             f"<p>{c['pass']} passed, {c['fail']} failed, created {esc(summary['created'])}, "
+             f"{summary['wall_s']:.0f} s</p><table><tr>"
+             + "".join(f"<th>{esc(h)}</th>" for h in _COLUMNS) + "<th>report</th></tr>"]
+    for e in summary["scenarios"]:
+        cells = _row(e, regressed.get(e["name"], []))
+        links = [f"<a href='{quote(e['name'])}/{f}'>{f}</a>"
+                 for f in ("report.html", "report.md", "error.txt")
+                 if (out / e["name"] / f).is_file()]
+        cls = ["name", "verdict", "num", "num", "num", "num", "num", "regression"]
+        parts.append(f"<tr class='{'pass' if e['verdict'] == 'pass' else 'fail'}'>"
+                     + "".join(f"<td class='{k}'>{esc(v)}</td>" for k, v in zip(cls, cells))
+                     + f"<td>{' '.join(links)}</td></tr>")
+    parts.append("</table>")
+    notes = [f"<li><b>{esc(e['name'])}</b>: {esc(r)}</li>"
+             for e in summary["scenarios"] for r in e["reasons"]]
+    notes += [f"<li><b>{esc(e['name'])}</b>: {esc(s['kind'])} skipped: {esc(s['reason'])}</li>"
+              for e in summary["scenarios"] for s in e["skipped"]]
+    if notes:
+        parts.append("<h2>Failures and skipped faults</h2><ul>" + "".join(notes) + "</ul>")
+    b = summary.get("baseline")
+    if b:
+        items = [f"<li><b>{esc(r['scenario'])}</b>: {esc(r['reason'])}</li>"
+                 for r in b["regressions"]] or ["<li>none</li>"]
+        parts.append(f"<h2>Regressions against {esc(b['file'])}</h2><ul>{''.join(items)}</ul>")
+        for label, names in (("new", b["new"]), ("missing", b["missing"])):
+            if names:
+                parts.append(f"<p>{label} since the baseline: {esc(', '.join(names))}</p>")
+    parts.append("</body></html>")
+    path = out / "summary.html"
+    path.write_text("\n".join(parts))
+    return path

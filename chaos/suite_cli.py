@@ -1,0 +1,64 @@
+"""``chaos suite DIR``: every scenario of a folder, a table, ``summary.json``/``summary.html``.
+
+Exit codes as for ``chaos run``: 0 every scenario passed and nothing regressed against the
+baseline, 1 a scenario failed or a figure regressed, 2 bad input (no folder, no scenarios,
+duplicate names, an unreadable baseline), reported before anything runs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from chaos import suite as suite_lib
+
+
+@click.command("suite")
+@click.argument("folder", metavar="DIR")
+@click.option("--out", type=click.Path(file_okay=False), help="Output folder: summary.json, "
+              "summary.html and one report folder per scenario (default reports/suite-<UTC "
+              "time>).")
+@click.option("--baseline", type=click.Path(dir_okay=False), metavar="PREV_SUMMARY",
+              help="A previous summary.json: flag recovery or stall worse by more than 20% "
+              "(and 1 s / 0.05 s), goodput lower by more than 5 points.")
+@click.option("--pattern", "patterns", multiple=True, metavar="GLOB",
+              help="Only scenario files whose name or stem matches this glob (repeatable).")
+@click.option("--recovery-floor-s", type=float, default=suite_lib.Tolerances().recovery_floor_s,
+              show_default=True, help="Recovery differences smaller than this are noise.")
+@click.option("--stall-floor-s", type=float, default=suite_lib.Tolerances().stall_floor_s,
+              show_default=True, help="Stall differences smaller than this are noise.")
+@click.option("--no-reference", is_flag=True, help="Skip the fault-free reference runs "
+              "(no bitwise check).")
+def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[str, ...],
+          recovery_floor_s: float, stall_floor_s: float, no_reference: bool) -> None:
+    """Run every scenario in DIR; exit non-zero on a failure or a regression."""
+    from chaos.cli import Progress  # chaos.cli imports this module: import at call time
+
+    if out is None:
+        out = str(Path("reports") / f"suite-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    out_dir = Path(out)
+    try:
+        previous = suite_lib.load_baseline(Path(baseline)) if baseline else None
+        planned = suite_lib.plan(suite_lib.discover(Path(folder), patterns), out_dir)
+    except suite_lib.SuiteError as exc:
+        click.echo(f"error: {exc}", err=True)
+        raise SystemExit(2) from None
+    progress = Progress()
+    started = time.monotonic()
+    try:
+        entries = suite_lib.run_suite(planned, out_dir, reference=not no_reference,
+                                      progress=progress)
+    finally:
+        progress.close()
+    tol = suite_lib.Tolerances(recovery_floor_s=recovery_floor_s, stall_floor_s=stall_floor_s)
+    compared = suite_lib.compare(entries, previous, file=str(baseline), tol=tol) \
+        if previous is not None else None
+    summary = suite_lib.build(entries, suite=folder, wall_s=time.monotonic() - started,
+                              baseline=compared)
+    suite_lib.write_json(out_dir, summary)
+    suite_lib.write_html(out_dir, summary)
+    click.echo(suite_lib.format_table(summary))
+    click.echo(f"summary: {out_dir / 'summary.json'}  {out_dir / 'summary.html'}")
+    raise SystemExit(0 if summary["ok"] else 1)

@@ -1,0 +1,324 @@
+"""``chaos suite``: per-scenario summaries, baseline regressions, exit codes, the nightly files.
+
+Summaries and regressions are checked on synthetic report documents (no processes); one slow
+test runs a real two-scenario suite, one scenario passing and one failing honestly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from chaos import suite
+from chaos.cli import main
+from chaos.scenario import load_scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINER = {"parallel": {"dp": 2, "tp": 1, "pp": 1}, "steps": 20, "batch_size": 8,
+           "model": {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 16},
+           "collective_timeout_s": 30}
+
+
+def _fault(kind: str = "kill_rank", **kw: Any) -> dict[str, Any]:
+    return {"kind": kind, "injected_step": 10, "skipped": None, "recovery_s": None,
+            "lost_steps": None, **kw}
+
+
+def _report(recoveries: list[float], *, verdict: str = "pass", goodput: float = 0.5,
+            stalls: tuple[float, ...] = (0.01, 0.03)) -> dict[str, Any]:
+    return {"run": {"wall_s": 40.0, "goodput": goodput},
+            "faults": [_fault(recovery_s=r, lost_steps=2) for r in recoveries],
+            "checkpoints": [{"step": 4 * (i + 1), "stall_s": s} for i, s in enumerate(stalls)],
+            "verdict": {"verdict": verdict, "reasons": [] if verdict == "pass" else ["bad"],
+                        "bitwise_equal": verdict == "pass"}}
+
+
+def _entry(name: str, recoveries: list[float], **kw: Any) -> dict[str, Any]:
+    return suite.summarize(name, f"{name}.yaml", _report(recoveries, **kw),
+                           f"{name}/report.json")
+
+
+def _write(folder: Path, name: str, faults: list[dict[str, Any]], **expect: Any) -> Path:
+    doc = {"name": name, "seed": 3, "trainer": TRAINER,
+           "checkpoint": {"every_steps": 4, "keep_last": 3}, "faults": faults,
+           "expect": {"bitwise_equal_to_reference": True, **expect}}
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+# --- summaries ---------------------------------------------------------------------------------
+
+def test_summary_entry_aggregates_faults_and_checkpoints() -> None:
+    doc = _report([4.0, 8.0], stalls=(0.02, 0.04, 0.06))
+    doc["faults"].append(_fault("drop_link", skipped="creating network namespaces needs root"))
+    doc["faults"].append(_fault("corrupt_shard"))  # no recovery of its own
+    e = suite.summarize("s", "s.yaml", doc, "s/report.json")
+    assert e["verdict"] == "pass" and e["reasons"] == [] and e["faults"] == 4
+    assert e["recovery_max_s"] == 8.0 and e["recovery_mean_s"] == pytest.approx(6.0)
+    assert e["lost_steps"] == 4
+    assert e["stall_mean_s"] == pytest.approx(0.04) and e["stall_max_s"] == 0.06
+    assert e["goodput"] == 0.5 and e["wall_s"] == 40.0 and e["report"] == "s/report.json"
+    assert e["skipped"] == [{"kind": "drop_link",
+                             "reason": "creating network namespaces needs root"}]
+
+
+def test_entry_without_figures_and_failed_entry() -> None:
+    e = suite.summarize("quiet", "q.yaml", _report([], stalls=()), None)
+    assert e["recovery_max_s"] is None and e["lost_steps"] is None and e["stall_mean_s"] is None
+    f = suite.failed_entry("x", "x.yaml", "the runner crashed: OSError: disk full")
+    assert f["verdict"] == "fail" and f["reasons"] == ["the runner crashed: OSError: disk full"]
+    assert f["goodput"] is None and f["report"] is None
+
+
+# --- baseline comparison -------------------------------------------------------------------------
+
+def _baseline(*entries: dict[str, Any]) -> dict[str, Any]:
+    return {"format": suite.FORMAT, "scenarios": list(entries)}
+
+
+def test_regressions_follow_the_thresholds_and_floors() -> None:
+    base = _baseline(_entry("slow-recovery", [10.0]), _entry("noise", [2.0]),
+                     _entry("stall", [10.0], stalls=(0.1, 0.1)),
+                     _entry("tiny-stall", [10.0], stalls=(0.01, 0.01)),
+                     _entry("goodput", [10.0], goodput=0.60),
+                     _entry("goodput-ok", [10.0], goodput=0.60))
+    now = [_entry("slow-recovery", [12.5]),       # +25% and +2.5 s: regression
+           _entry("noise", [2.9]),                # +45% but +0.9 s: under the 1 s floor
+           _entry("stall", [10.0], stalls=(0.2, 0.2)),       # +100%, +0.1 s: regression
+           _entry("tiny-stall", [10.0], stalls=(0.03, 0.03)),  # +200% but +0.02 s: floor
+           _entry("goodput", [10.0], goodput=0.54),           # -6 points: regression
+           _entry("goodput-ok", [10.0], goodput=0.56)]        # -4 points: fine
+    got = suite.compare(now, base, file="prev/summary.json")
+    found = {(r["scenario"], r["metric"]) for r in got["regressions"]}
+    assert found == {("slow-recovery", "recovery (max)"), ("stall", "stall (mean)"),
+                     ("goodput", "goodput")}
+    slow = next(r for r in got["regressions"] if r["scenario"] == "slow-recovery")
+    assert slow["baseline"] == 10.0 and slow["current"] == 12.5
+    assert "10.00 s -> 12.50 s (+25%" in slow["reason"]
+    assert got["new"] == [] and got["missing"] == [] and got["not_compared"] == []
+    assert got["tolerances"]["goodput_points"] == 0.05
+
+
+def test_new_missing_and_failed_scenarios_are_noted_not_regressions() -> None:
+    base = _baseline(_entry("kept", [5.0]), _entry("gone", [5.0]),
+                     _entry("was-failing", [5.0], verdict="fail"))
+    now = [_entry("kept", [5.0]), _entry("added", [50.0]),
+           _entry("was-failing", [50.0], goodput=0.1)]
+    got = suite.compare(now, base, file="b.json")
+    assert got["regressions"] == []
+    assert got["new"] == ["added"] and got["missing"] == ["gone"]
+    assert got["not_compared"] == [{"scenario": "was-failing", "reason": "failed in the baseline"}]
+
+
+def test_a_regression_fails_the_summary() -> None:
+    entries = [_entry("a", [20.0])]
+    compared = suite.compare(entries, _baseline(_entry("a", [10.0])), file="b.json")
+    summary = suite.build(entries, suite="dir", wall_s=1.0, baseline=compared)
+    assert summary["failed"] == [] and summary["ok"] is False
+    table = suite.format_table(summary)
+    assert "REGRESSION a: recovery (max) 10.00 s -> 20.00 s" in table
+    assert suite.build(entries, suite="dir", wall_s=1.0)["ok"] is True
+
+
+def test_baseline_that_is_not_a_summary_is_bad_input(tmp_path: Path) -> None:
+    with pytest.raises(suite.SuiteError, match="cannot read the baseline"):
+        suite.load_baseline(tmp_path / "missing.json")
+    (tmp_path / "garbage.json").write_text("{not json")
+    with pytest.raises(suite.SuiteError, match=r"garbage\.json: the baseline is not JSON"):
+        suite.load_baseline(tmp_path / "garbage.json")
+    (tmp_path / "report.json").write_text(json.dumps(_report([1.0])))
+    with pytest.raises(suite.SuiteError, match="not a chaos suite summary"):
+        suite.load_baseline(tmp_path / "report.json")
+
+
+# --- outputs -------------------------------------------------------------------------------------
+
+def test_table_and_html_show_failures_regressions_and_escape(tmp_path: Path) -> None:
+    good = _entry("good", [5.0])
+    bad = _entry("bad", [5.0], verdict="fail")
+    bad["reasons"] = ["final state differs <script>alert(1)</script>"]
+    bad["skipped"] = [{"kind": "drop_link", "reason": "needs root & CAP_NET_ADMIN"}]
+    compared = suite.compare([good, bad], _baseline(_entry("good", [1.0])), file="prev.json")
+    summary = suite.build([good, bad], suite="scenarios/x", wall_s=12.0, baseline=compared)
+    (tmp_path / "good").mkdir()
+    (tmp_path / "good" / "report.html").write_text("<html></html>")
+    (tmp_path / "good" / "report.md").write_text("# good")
+
+    table = suite.format_table(summary).splitlines()
+    assert table[0].split()[:2] == ["scenario", "verdict"]
+    assert table[2].split()[:2] == ["good", "PASS"] and table[2].endswith("recovery (max)")
+    assert table[3].split()[:2] == ["bad", "FAIL"]
+    assert "FAIL bad: final state differs <script>alert(1)</script>" in table
+    assert "skipped bad: drop_link: needs root & CAP_NET_ADMIN" in table
+    assert table[-1] == "1 passed, 1 failed, 1 regression(s) in 12 s"
+
+    page = suite.write_html(tmp_path, summary).read_text()
+    assert "<script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "needs root &amp; CAP_NET_ADMIN" in page
+    assert "href='good/report.html'" in page and "href='good/report.md'" in page
+    assert "href='bad/" not in page  # no report was written for it: no dead link
+    assert "<tr class='pass'>" in page and "<tr class='fail'>" in page
+    assert "<td class='regression'>recovery (max)</td>" in page
+    assert "<link" not in page and "src=" not in page  # self-contained
+
+
+# --- discovery and planning ----------------------------------------------------------------------
+
+def test_discover_and_plan_reject_bad_suites(tmp_path: Path) -> None:
+    with pytest.raises(suite.SuiteError, match="no such folder"):
+        suite.discover(tmp_path / "nope")
+    with pytest.raises(suite.SuiteError, match="no scenario files"):
+        suite.discover(tmp_path)
+    (tmp_path / "sub").mkdir()
+    a = _write(tmp_path, "a", [])
+    b = _write(tmp_path / "sub", "b", [])
+    assert suite.discover(tmp_path) == [a, b]
+    assert suite.discover(tmp_path, ["b"]) == [b]
+    assert suite.discover(tmp_path, ["b.yaml", "a*"]) == [a, b]
+    with pytest.raises(suite.SuiteError, match=r"matching 'z\*' or 'y'"):
+        suite.discover(tmp_path, ["z*", "y"])
+
+    (tmp_path / "bad.yaml").write_text("name: bad\ntrainer: {steps: 0}\n")
+    planned = suite.plan(suite.discover(tmp_path), tmp_path / "out")
+    invalid = next(p for p in planned if p.scenario is None)
+    assert invalid.name == "bad" and "bad.yaml: trainer.steps" in (invalid.error or "")
+
+    (tmp_path / "sub" / "again.yaml").write_text(a.read_text())
+    with pytest.raises(suite.SuiteError, match=r"'a' is already used by .*a\.yaml"):
+        suite.plan(suite.discover(tmp_path), tmp_path / "out")
+
+    foreign = tmp_path / "out" / "b"
+    foreign.mkdir(parents=True)
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(suite.SuiteError, match="not a chaos run folder"):
+        suite.plan([b], tmp_path / "out")
+
+
+def test_cli_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
+    runner = CliRunner()
+    for args in (["suite", str(tmp_path / "missing")], ["suite", str(tmp_path)]):
+        result = runner.invoke(main, args)
+        assert result.exit_code == 2, result.output
+        assert "error:" in result.output and "Traceback" not in result.output
+    _write(tmp_path, "a", [])
+    (tmp_path / "prev.json").write_text("[]")
+    result = runner.invoke(main, ["suite", str(tmp_path), "--baseline",
+                                  str(tmp_path / "prev.json"), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "not a chaos suite summary" in result.output
+    assert not (tmp_path / "o").exists(), "bad input must be reported before anything runs"
+
+
+def test_invalid_files_and_a_crashing_runner_are_failed_entries(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither stops the suite: every scenario gets an entry, the exit code is 1."""
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    (scenarios / "broken.yaml").write_text("name: broken\nfaults:\n  - {kind: meteor}\n")
+    _write(scenarios, "runs", [{"kind": "kill_rank", "rank": 1, "at_step": 10}])
+    # The reference cache path is a file: the runner fails for real on the file system.
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is False and summary["counts"] == {"pass": 0, "fail": 2}
+    broken, runs = summary["scenarios"]
+    assert broken["name"] == "broken" and broken["file"].endswith("broken.yaml")
+    assert "unknown fault kind 'meteor'" in broken["reasons"][0]
+    assert runs["reasons"][0].startswith("the runner crashed: ")
+    assert runs["error"] == "runs/error.txt" and (out / "runs" / "error.txt").is_file()
+    assert "href='runs/error.txt'" in (out / "summary.html").read_text()
+    assert "Traceback" not in result.output
+
+
+# --- shipped files -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", sorted((ROOT / "scenarios").rglob("*.yaml")),
+                         ids=lambda p: str(p.relative_to(ROOT / "scenarios")))
+def test_every_shipped_scenario_validates(path: Path) -> None:
+    load_scenario(path)
+
+
+def test_shipped_scenario_names_are_unique() -> None:
+    """So ``chaos suite scenarios`` runs everything shipped, nightly included."""
+    suite.plan(suite.discover(ROOT / "scenarios"), Path("/nonexistent"))
+
+
+def test_nightly_suite_covers_kinds_layouts_storage_and_engines() -> None:
+    planned = suite.plan(suite.discover(ROOT / "scenarios" / "nightly"), Path("/nonexistent"))
+    scenarios = [p.scenario for p in planned if p.scenario is not None]
+    assert len(scenarios) == len(planned), [p.error for p in planned if p.error]
+    kinds = {f.kind for s in scenarios for f in s.faults}
+    assert kinds >= {"kill_rank", "hang_rank", "crash_during_save", "corrupt_shard",
+                     "storage_outage", "drop_link"}
+    layouts = {(s.trainer.parallel.dp, s.trainer.parallel.tp, s.trainer.parallel.pp)
+               for s in scenarios}
+    assert len(layouts) >= 2
+    assert any((s.checkpoint.url or "").startswith("s3://") for s in scenarios)
+    assert any(s.checkpoint.url is None for s in scenarios)
+    assert {s.checkpoint.engine for s in scenarios} == {"antifragile", "dcp", "torchsnapshot"}
+    assert any(getattr(f, "mtbf_s", None) for s in scenarios for f in s.faults)
+
+
+def test_nightly_workflow_runs_the_suite_against_the_last_summary() -> None:
+    wf = yaml.safe_load((ROOT / ".github" / "workflows" / "nightly.yml").read_text())
+    triggers = wf.get("on", wf.get(True))  # YAML 1.1 reads a bare `on` as true
+    assert triggers["schedule"][0]["cron"] and "workflow_dispatch" in triggers
+    (job,) = wf["jobs"].values()
+    steps = job["steps"]
+    runs = "\n".join(s.get("run", "") for s in steps)
+    assert "download.pytorch.org/whl/cpu" in runs and "-c constraints-cpu.txt" in runs
+    assert "chaos suite scenarios/nightly --out reports/nightly" in runs
+    assert "--baseline" in runs and "pytest -m slow" in runs
+    upload = next(s for s in steps if s.get("uses", "").startswith("actions/upload-artifact"))
+    assert upload["if"] == "always()" and "reports/" in upload["with"]["path"]
+
+
+# --- a real suite --------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_real_suite_one_pass_one_fail_then_a_regression(tmp_path: Path) -> None:
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    _write(scenarios, "kill", [{"kind": "kill_rank", "rank": 1, "at_step": 10}],
+           max_recovery_s=120, max_lost_steps=4)
+    # Killed 3 steps after the checkpoint of step 12: losing 0 steps is impossible.
+    _write(scenarios, "too-strict", [{"kind": "kill_rank", "rank": 0, "at_step": 15}],
+           max_lost_steps=0)
+    out = tmp_path / "out"
+    env = {"ANTIFRAGILE_CACHE": str(tmp_path / "cache")}
+    result = CliRunner(env=env).invoke(main, ["suite", str(scenarios), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["counts"] == {"pass": 1, "fail": 1} and summary["failed"] == ["too-strict"]
+    kill, strict = summary["scenarios"]
+    assert kill["verdict"] == "pass" and kill["bitwise_equal"] is True
+    assert 0 < kill["recovery_max_s"] < 120 and kill["lost_steps"] <= 4
+    assert 0 < kill["goodput"] < 1 and kill["stall_mean_s"] > 0
+    assert kill["report"] == "kill/report.json" and (out / "kill" / "report.json").is_file()
+    assert strict["lost_steps"] >= 3
+    assert any("steps lost > max_lost_steps 0" in r for r in strict["reasons"])
+    assert "kill" in result.output and "FAIL too-strict:" in result.output
+    page = (out / "summary.html").read_text()
+    assert "href='kill/report.md'" in page and "<tr class='fail'>" in page
+
+    # The same passing scenario against a baseline that recovered much faster: a regression.
+    faster = {**kill, "recovery_max_s": kill["recovery_max_s"] / 2 - 1.0}
+    (tmp_path / "prev.json").write_text(json.dumps({**summary, "scenarios": [faster, strict]}))
+    again = CliRunner(env=env).invoke(main, [
+        "suite", str(scenarios), "--pattern", "kill", "--out", str(out),
+        "--baseline", str(tmp_path / "prev.json")])
+    assert again.exit_code == 1, again.output
+    second = json.loads((out / "summary.json").read_text())
+    assert second["failed"] == [] and second["baseline"]["missing"] == ["too-strict"]
+    assert [r["metric"] for r in second["baseline"]["regressions"]] == ["recovery (max)"]
+    assert "REGRESSION kill: recovery (max)" in again.output
