@@ -22,6 +22,14 @@ def main() -> None:
 
 main.add_command(ckpt_cli.ckpt)
 
+from chaos.tune_cli import tune  # noqa: E402 - one line per command keeps cli.py merge-friendly
+
+main.add_command(tune)
+
+from chaos.suite_cli import suite  # noqa: E402 - one line per command keeps cli.py merge-friendly
+
+main.add_command(suite)
+
 
 class Progress:
     """One updating line on a terminal; plain lines otherwise (CI logs, pipes)."""
@@ -85,6 +93,7 @@ def list_scenarios() -> None:
 def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None) -> None:
     """Run a scenario: inject its faults, measure recovery, check nothing was lost."""
     from chaos.run import run
+    from chaos.s3 import S3SetupError
 
     s = _load(file, seed)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -92,6 +101,9 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None) ->
     progress = Progress()
     try:
         outcome = run(s, folder, reference=not no_reference, progress=progress)
+    except S3SetupError as exc:
+        click.echo(f"error: {exc}", err=True)
+        raise SystemExit(2) from None
     finally:
         progress.close()
     v = outcome.report["verdict"]
@@ -101,6 +113,14 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None) ->
     for f in outcome.report["faults"]:
         if f["skipped"]:
             click.echo(f"  {f['kind']}: skipped ({f['skipped']})")
+        elif f.get("outage"):
+            o = f["outage"]
+            stall = "-" if o["extra_stall_s"] is None else f"{o['extra_stall_s']:.2f} s"
+            click.echo(f"  {f['kind']} ({o['mode']}, {o['duration_s']:g} s) at step "
+                       f"{f['injected_step']}: training went on: {o['training_continued']}; "
+                       f"checkpoints delayed {o['checkpoints_delayed']}, failed "
+                       f"{o['checkpoints_failed']}, skipped {o['checkpoints_skipped']}; "
+                       f"extra stall {stall}")
         else:
             recovery = "not observed" if f["recovery_s"] is None else f"{f['recovery_s']:.2f} s"
             click.echo(f"  {f['kind']} at step {f['injected_step']}: recovery {recovery}, "

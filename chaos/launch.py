@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from chaos.netns import IFNAME, Network
 from chaos.scenario import Scenario
 
 
@@ -21,25 +22,70 @@ def trainer_args(s: Scenario, run_dir: Path, ckpt_url: str) -> list[str]:
             "--micro-batches", t.micro_batches, "--schedule", t.schedule,
             "--collective-timeout-s", t.collective_timeout_s,
             "--hang-timeout-s", t.hang_timeout_s, "--ckpt-url", ckpt_url,
+            "--ckpt-engine", c.engine,
             "--ckpt-every", c.every_steps, "--keep-last", c.keep_last, "--run-dir", run_dir]
     if not c.async_:
         args.append("--no-async-ckpt")
     return [str(a) for a in args]
 
 
-def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int
-           ) -> subprocess.Popen[str]:
-    """Start torchrun (one agent; CPU + gloo) with in-place restarts."""
+def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
+           env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start torchrun (one agent; CPU + gloo) with in-place restarts. ``env`` is added to the
+    environment of torchrun and so of every rank (e.g. the S3 endpoint to use)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={s.trainer.parallel.world_size}",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
+           # A hung (stopped) worker never acts on SIGTERM; torchrun's default 30 s grace
+           # before SIGKILL would dominate hang detection. Healthy workers die on SIGTERM at once.
+           "--shutdown-timeout=3",
            "-m", "trainer", *trainer_args(s, run_dir, ckpt_url)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", **(env or {})}
     log = open(run_dir / "torchrun.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+RDZV_PORT = 29400  # inside host 0's own namespace, so never taken by anything else
+
+
+def launch_hosts(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
+                 network: Network, env: dict[str, str] | None = None
+                 ) -> list[subprocess.Popen[str]]:
+    """Start one torchrun agent per emulated host, inside its namespace, joined by a c10d
+    rendezvous on host 0. Logs: ``torchrun.log`` (host 0), ``torchrun-host<i>.log``.
+
+    gloo and the stores use the emulated network (``GLOO_SOCKET_IFNAME``, ``--local-addr``);
+    ``trainer/distributed.py`` explains the two ``TORCH*``/``ANTIFRAGILE_*`` variables. The
+    rendezvous tolerates a cut link for a while: its store reads wait ``read_timeout`` and an
+    agent counts as dead only after ``keep_alive_max_attempt`` missed 5 s keep-alives.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    nodes = len(network.hosts)
+    endpoint = f"{network.hosts[0].address}:{RDZV_PORT}"
+    procs = []
+    for host in network.hosts:
+        conf = (f"is_host={int(host.index == 0)},read_timeout=120,join_timeout=180,"
+                "keep_alive_max_attempt=24")
+        cmd = host.command([
+            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+            f"--nproc-per-node={s.trainer.parallel.world_size // nodes}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={s.name}",
+            f"--rdzv-conf={conf}", f"--local-addr={host.address}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
+            "--shutdown-timeout=3",  # as in launch(): a stopped worker ignores SIGTERM
+            "-m", "trainer", *trainer_args(s, run_dir, ckpt_url)])
+        host_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+                    "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": IFNAME,
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                    "ANTIFRAGILE_ATTEMPT_STORE": endpoint, **(env or {})}
+        name = "torchrun.log" if host.index == 0 else f"torchrun-host{host.index}.log"
+        log = open(run_dir / name, "w")  # noqa: SIM115 - closed with the process
+        procs.append(subprocess.Popen(cmd, env=host_env, stdout=log, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
+    return procs
 
 
 class EventTail:

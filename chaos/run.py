@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos import checker, measure, report
+from chaos import checker, measure, plots, report
 from chaos.faults import Injection
 from chaos.runner import RunRecord, run_scenario
+from chaos.s3 import RunStorage, run_storage
 from chaos.scenario import Scenario
 
 
@@ -67,7 +68,13 @@ def _final_step(record: RunRecord) -> int | None:
 def run(s: Scenario, out: Path, *, reference: bool = True,
         progress: Callable[[str], None] = print) -> Outcome:
     out.mkdir(parents=True, exist_ok=True)
-    ckpt_url = s.checkpoint.url or str(out / "ckpt")
+    with run_storage(s, out, progress) as storage:  # S3 (and its fault proxy) for the whole run
+        return _run(s, out, storage, reference=reference, progress=progress)
+
+
+def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
+         progress: Callable[[str], None]) -> Outcome:
+    ckpt_url = storage.url
     reference_url = _ensure_reference(s, progress) if reference else None
 
     def on_event(e: dict[str, Any], injections: list[Injection]) -> None:
@@ -81,7 +88,7 @@ def run(s: Scenario, out: Path, *, reference: bool = True,
             progress(f"rank {e['rank']}: ranks {e['silent_ranks']} silent, restarting")
 
     progress(f"run: {s.name} ({s.trainer.parallel.world_size} ranks, {len(s.faults)} faults)")
-    record = run_scenario(s, out / "run", ckpt_url, on_event=on_event)
+    record = run_scenario(s, out / "run", ckpt_url, on_event=on_event, storage=storage)
     timings = [measure.fault_timings(record, i) for i in record.injections]
     verdict = checker.judge(s, returncode=record.returncode, timings=timings,
                             final_step=_final_step(record), faulty_url=ckpt_url,
@@ -97,7 +104,12 @@ def run(s: Scenario, out: Path, *, reference: bool = True,
         "checkpoints": measure.checkpoints(record),
         "losses": measure.losses(record),
         "verdict": checker.summary(verdict),
+        "timeline": report.timeline(record),
+        "reference_losses": report.reference_losses(Path(reference_url).parent)
+        if reference_url else [],
     }
     report.write_json(out, doc)
-    report.write_markdown(out, doc)
+    figures = plots.render_all(doc, out)  # never raises: a failed plot carries its error
+    report.write_markdown(out, doc, figures)
+    report.write_html(out, doc, figures)
     return Outcome(out, doc)

@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from chaos.faults import FAULT_CONFIGS, FaultConfig
 
@@ -77,7 +85,17 @@ class CheckpointSpec(_Strict):
     every_steps: Annotated[int, Field(ge=1)] = 10
     async_: bool = Field(True, alias="async")
     keep_last: Annotated[int, Field(ge=1)] = 3
-    engine: Literal["antifragile"] = "antifragile"
+    #: the engine under test: ours, torch.distributed.checkpoint, or torchsnapshot
+    engine: Literal["antifragile", "dcp", "torchsnapshot"] = "antifragile"
+
+    @field_validator("engine")
+    @classmethod
+    def _peer_storage(cls, engine: str, info: ValidationInfo) -> str:
+        url = info.data.get("url")
+        if engine != "antifragile" and url and "://" in url and not url.startswith("file://"):
+            raise ValueError(f"{engine} is run on local storage only, but url is {url} "
+                             "(use engine antifragile, or a local path)")
+        return engine
 
 
 class Expect(_Strict):
@@ -96,11 +114,21 @@ class Scenario(_Strict):
     expect: Expect = Expect()
 
     @model_validator(mode="after")
+    def _hosts_reach_storage(self) -> Scenario:
+        url = self.checkpoint.url
+        if self.trainer.nodes > 1 and url and url.startswith("s3://"):
+            raise ValueError(f"checkpoint.url {url}: emulated hosts (trainer.nodes > 1) reach "
+                             "only each other, not an S3 endpoint; use a local folder")
+        return self
+
+    @model_validator(mode="after")
     def _faults_fit(self) -> Scenario:
         for i, fault in enumerate(self.faults):
             p = self.trainer.parallel
             problem = fault.check((p.dp, p.pp, p.tp), self.trainer.steps,
                                   self.trainer.steps // self.checkpoint.every_steps)
+            problem = problem or fault.check_storage(self.checkpoint.url)
+            problem = problem or fault.check_nodes(self.trainer.nodes)
             if problem:
                 key, reason = problem
                 raise ValueError(f"faults.{i}{'.' + key if key else ''}: {reason}")

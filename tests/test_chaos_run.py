@@ -59,14 +59,17 @@ def test_kill_rank_recovers_and_ends_bitwise_equal(tmp_path: Path, cache: Path,
 def test_corrupt_latest_checkpoint_falls_back_and_still_ends_equal(
         tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ANTIFRAGILE_CACHE", str(cache))
-    s = parse_scenario(_scenario("corrupt", [
+    # Both fire on the same step_end event, corrupt first; checkpoints every 6 steps leave the
+    # kill five steps to land before step 18 could commit, even on a fast machine.
+    doc = _scenario("corrupt", [
         {"kind": "corrupt_shard", "at_step": 13, "checkpoint": "latest", "mode": "bitflip"},
-        {"kind": "kill_rank", "rank": 0, "at_step": 14},
-    ]))
-    outcome = run(s, tmp_path / "out", progress=lambda _: None)
+        {"kind": "kill_rank", "rank": 0, "at_step": 13},
+    ])
+    doc["checkpoint"]["every_steps"] = 6
+    outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
     corrupt, kill = outcome.report["faults"]
     assert corrupt["kind"] == "corrupt_shard" and corrupt["checkpoint_step"] == 12
-    assert kill["restored_step"] == 8, "the damaged step 12 must be skipped at restore"
+    assert kill["restored_step"] == 6, "the damaged step 12 must be skipped at restore"
     assert outcome.report["verdict"]["bitwise_equal"] is True
     assert outcome.passed, outcome.report["verdict"]
     events = [json.loads(line) for line in

@@ -5,15 +5,19 @@ from __future__ import annotations
 from chaos.faults.base import FaultBase, Injection, Target
 from chaos.faults.corrupt_shard import CorruptShard
 from chaos.faults.crash_during_save import CrashDuringSave
+from chaos.faults.drop_link import DropLink
 from chaos.faults.hang_rank import HangRank
 from chaos.faults.kill_rank import KillRank
+from chaos.faults.storage_outage import StorageOutage
 
 FAULT_CONFIGS: dict[str, type[FaultBase]] = {
     "kill_rank": KillRank,
     "hang_rank": HangRank,
     "crash_during_save": CrashDuringSave,
     "corrupt_shard": CorruptShard,
+    "drop_link": DropLink,
+    "storage_outage": StorageOutage,
 }
-FaultConfig = KillRank | HangRank | CrashDuringSave | CorruptShard
+FaultConfig = KillRank | HangRank | CrashDuringSave | CorruptShard | StorageOutage | DropLink
 
 __all__ = ["FAULT_CONFIGS", "FaultBase", "FaultConfig", "Injection", "Target"]

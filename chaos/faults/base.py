@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from chaos.netns import Network
+
+from chaos.proxy import FaultProxy
 
 
 class Coordinates(BaseModel):
@@ -50,6 +55,15 @@ class FaultBase(BaseModel):
             return "rank", f"{rank.model_dump()} is outside the mesh (dp, pp, tp) = {dims}"
         return None
 
+    def check_storage(self, url: str | None) -> tuple[str, str] | None:
+        """(key, reason) if this fault cannot act on checkpoints stored at ``url`` (None: a
+        folder in the run directory)."""
+        return None
+
+    def check_nodes(self, nodes: int) -> tuple[str, str] | None:
+        """(key, reason) if this fault cannot happen on ``nodes`` (emulated) hosts."""
+        return None
+
 
 @dataclass(slots=True)
 class Injection:
@@ -71,6 +85,10 @@ class Target:
     coordinates: dict[int, tuple[int, int, int]]  # rank -> (dp, pp, tp)
     ckpt_url: str
     rng: random.Random
+    network: Network | None = None  # the emulated hosts when trainer.nodes > 1
+    network_error: str | None = None  # why there are none although trainer.nodes > 1
+    storage_proxy: FaultProxy | None = None  # in front of S3, for storage_outage
+    storage_proxy_unavailable: str | None = None  # why there is none, if one was wanted
 
     def resolve(self, rank: RankTarget) -> int:
         if rank == "random":
