@@ -11,6 +11,8 @@ import click
 
 from chaos import ckpt_cli
 from chaos.scenario import ScenarioError, load_scenario
+from chaos.suite_cli import suite
+from chaos.tune_cli import tune
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 
@@ -22,12 +24,7 @@ def main() -> None:
 
 main.add_command(ckpt_cli.ckpt)
 
-from chaos.tune_cli import tune  # noqa: E402 - one line per command keeps cli.py merge-friendly
-
 main.add_command(tune)
-
-from chaos.suite_cli import suite  # noqa: E402 - one line per command keeps cli.py merge-friendly
-
 main.add_command(suite)
 
 
@@ -68,8 +65,9 @@ def _load(file: str, seed: int | None = None):  # type: ignore[no-untyped-def]
 def validate(file: str) -> None:
     """Check a scenario file without running it."""
     s = _load(file)
+    faults = f"{len(s.faults)} fault{'' if len(s.faults) == 1 else 's'}"
     click.echo(f"{file}: ok ({s.name}: {s.trainer.parallel.world_size} ranks, "
-               f"{s.trainer.steps} steps, {len(s.faults)} faults)")
+               f"{s.trainer.steps} steps, {faults})")
 
 
 @main.command("list")

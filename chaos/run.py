@@ -77,11 +77,14 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
     ckpt_url = storage.url
     reference_url = _ensure_reference(s, progress) if reference else None
 
+    recovered: set[int] = set()  # attempts that restored a checkpoint after a failure
+
     def on_event(e: dict[str, Any], injections: list[Injection]) -> None:
         if e["event"] == "step_end" and e["rank"] == 0:
             progress(f"step {e['step']:>5}/{s.trainer.steps}  attempt {e['attempt']}  "
-                     f"faults injected {len(injections)}/{len(s.faults)}")
+                     f"faults injected {len(injections)}  recoveries {len(recovered)}")
         elif e["event"] == "restore_end" and e["rank"] == 0:
+            recovered.add(e["attempt"])
             progress(f"attempt {e['attempt']}: restored step {e['step']} in "
                      f"{e['seconds']:.2f} s")
         elif e["event"] == "hang_detected":
