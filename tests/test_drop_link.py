@@ -4,6 +4,7 @@ leave nothing behind, and a two-host job survives a cut link and a killed rank b
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -55,8 +56,10 @@ def _serve(net: Network, host: int) -> subprocess.Popen[str]:
 
 
 def _ours() -> list[str]:
+    """This process's namespaces (another xdist worker may be running a network of its own)."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in listing.splitlines() if line.startswith("afnet-")]
+    return [line.split()[0] for line in listing.splitlines()
+            if line.startswith(f"afnet-{os.getpid()}-")]
 
 
 @needs_netns

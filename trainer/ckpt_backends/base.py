@@ -207,6 +207,33 @@ class CheckpointGroup:
             dist.barrier(group=self.pg)
 
 
+def load_newest(name: str, root: Path, steps: list[int], group: CheckpointGroup,
+                load_one: Callable[[int], None],
+                why: Callable[[BaseException], str] | None = None) -> tuple[int, list[str]]:
+    """Load the newest of ``steps`` that loads on every rank, falling back past the ones that
+    fail anywhere: (the step, one reason per step skipped). ``load_one(step)`` raises on a
+    damaged step; the ranks agree on each outcome so all of them take the same branch."""
+    skipped: list[str] = []
+    for i, step in enumerate(steps):
+        error: BaseException | None = None
+        try:
+            load_one(step)
+        except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            error = exc
+        if group.all_ok(error is None):
+            if group.rank == 0:
+                discard_after(root, step)
+            group.barrier()
+            return step, skipped
+        then = f", trying step {steps[i + 1]}" if i + 1 < len(steps) else ""
+        reason = (why or first_line)(error) if error else "it failed to load on another rank"
+        skipped.append(f"checkpoint step {step} skipped{then}: {reason}")
+    raise CheckpointError(f"no {name} checkpoint under {root} loads (tried {steps}): "
+                          f"{skipped[-1] if skipped else 'none committed'}")
+
+
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """A one-line reason for an event (DCP's errors carry every rank's traceback)."""
     text = str(exc).strip().splitlines()

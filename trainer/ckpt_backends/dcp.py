@@ -27,11 +27,11 @@ from trainer.ckpt_backends.base import (
     CheckpointGroup,
     PeerHandle,
     committed,
-    discard_after,
     done_future,
     failed_future,
     first_line,
     flat,
+    load_newest,
     local_root,
     prune,
     step_name,
@@ -77,25 +77,11 @@ class DcpBackend:
         return mine, sum(i.length for i in infos)
 
     def load(self, state: dict[str, Any]) -> tuple[int, list[str]]:
-        steps = self.candidates()
-        skipped: list[str] = []
-        for i, step in enumerate(steps):
-            error: BaseException | None = None
-            try:
-                dcp.load(state, checkpoint_id=str(self.root / step_name(step)),
-                         process_group=self.group.pg)
-            except (Exception, CheckpointException) as exc:  # any rank failing skips the step
-                error = exc
-            if self.group.all_ok(error is None):
-                if self.group.rank == 0:
-                    discard_after(self.root, step)
-                self.group.barrier()
-                return step, skipped
-            then = f", trying step {steps[i + 1]}" if i + 1 < len(steps) else ""
-            why = _why(error) if error else "it failed to load on another rank"
-            skipped.append(f"checkpoint step {step} skipped{then}: {why}")
-        raise CheckpointError(f"no DCP checkpoint under {self.root} loads (tried {steps}): "
-                              f"{skipped[-1] if skipped else 'none committed'}")
+        def load_one(step: int) -> None:
+            dcp.load(state, checkpoint_id=str(self.root / step_name(step)),
+                     process_group=self.group.pg)
+
+        return load_newest("DCP", self.root, self.candidates(), self.group, load_one, _why)
 
     def close(self) -> None:
         """Nothing to release: the trainer waits for the save in flight before closing."""

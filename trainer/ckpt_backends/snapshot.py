@@ -37,11 +37,10 @@ from trainer.ckpt_backends.base import (
     CheckpointGroup,
     PeerHandle,
     committed,
-    discard_after,
     done_future,
     failed_future,
-    first_line,
     folder_nbytes,
+    load_newest,
     local_root,
     prune,
     step_name,
@@ -153,30 +152,16 @@ class SnapshotBackend:
                           started_t=t0)
 
     def load(self, state: dict[str, Any]) -> tuple[int, list[str]]:
-        steps = self.candidates()
-        skipped: list[str] = []
-        for i, step in enumerate(steps):
-            error: BaseException | None = None
-            try:
-                snapshot = torchsnapshot.Snapshot(str(self.root / step_name(step)))
-                saved_world = snapshot.metadata.world_size
-                if saved_world != self.group.world_size:
-                    raise CheckpointError(
-                        f"saved by {saved_world} ranks, this job has {self.group.world_size}; "
-                        "torchsnapshot cannot reshard")
-                _restore_local(snapshot, self.group.rank, state, "state")
-            except Exception as exc:  # any rank failing skips the step
-                error = exc
-            if self.group.all_ok(error is None):
-                if self.group.rank == 0:
-                    discard_after(self.root, step)
-                self.group.barrier()
-                return step, skipped
-            then = f", trying step {steps[i + 1]}" if i + 1 < len(steps) else ""
-            why = first_line(error) if error else "it failed to load on another rank"
-            skipped.append(f"checkpoint step {step} skipped{then}: {why}")
-        raise CheckpointError(f"no torchsnapshot checkpoint under {self.root} loads (tried "
-                              f"{steps}): {skipped[-1] if skipped else 'none committed'}")
+        def load_one(step: int) -> None:
+            snapshot = torchsnapshot.Snapshot(str(self.root / step_name(step)))
+            saved_world = snapshot.metadata.world_size
+            if saved_world != self.group.world_size:
+                raise CheckpointError(
+                    f"saved by {saved_world} ranks, this job has {self.group.world_size}; "
+                    "torchsnapshot cannot reshard")
+            _restore_local(snapshot, self.group.rank, state, "state")
+
+        return load_newest("torchsnapshot", self.root, self.candidates(), self.group, load_one)
 
     def close(self) -> None:
         """Nothing to release: the trainer waits for the save in flight before closing."""
