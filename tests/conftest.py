@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from chaos.s3 import environ
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
@@ -23,15 +25,9 @@ def s3_server() -> Iterator[dict[str, Any]]:
     endpoint = f"http://{host}:{port}"
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    with environ(env):
+        yield {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
     server.stop()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 @pytest.fixture

@@ -207,6 +207,24 @@ class CheckpointGroup:
             dist.barrier(group=self.pg)
 
 
+class PeerBackend:
+    """What the two peer backends share: one folder per step under a local root, a marker
+    file that commits it, a checkpoint group of their own, and no overlapping saves."""
+
+    marker = ""  # set by each peer: the file its engine writes last
+    overlaps_saves = False
+
+    def __init__(self, url: str, *, keep_last: int, timeout_s: float, async_: bool) -> None:
+        self.root = local_root(url)
+        self.keep_last = keep_last
+        self.async_ = async_
+        self.group = CheckpointGroup(timeout_s)
+
+    def candidates(self) -> list[int]:
+        """Committed steps, newest first, as rank 0 sees them (every rank gets the same)."""
+        return list(self.group.agree(list(reversed(committed(self.root, self.marker)))))
+
+
 def load_newest(name: str, root: Path, steps: list[int], group: CheckpointGroup,
                 load_one: Callable[[int], None],
                 why: Callable[[BaseException], str] | None = None) -> tuple[int, list[str]]:

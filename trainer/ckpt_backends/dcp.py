@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from engine import CheckpointError
 from trainer.ckpt_backends.base import (
-    CheckpointGroup,
+    PeerBackend,
     PeerHandle,
     committed,
     done_future,
@@ -40,18 +40,9 @@ from trainer.ckpt_backends.base import (
 MARKER = ".metadata"
 
 
-class DcpBackend:
+class DcpBackend(PeerBackend):
     name = "dcp"
-    overlaps_saves = False  # two async_saves in flight would interleave their collectives
-
-    def __init__(self, url: str, *, keep_last: int, timeout_s: float, async_: bool) -> None:
-        self.root = local_root(url)
-        self.keep_last = keep_last
-        self.async_ = async_
-        self.group = CheckpointGroup(timeout_s)
-
-    def candidates(self) -> list[int]:
-        return list(self.group.agree(list(reversed(committed(self.root, MARKER)))))
+    marker = MARKER  # two async_saves in flight would interleave their collectives: no overlap
 
     def save(self, step: int, state: dict[str, Any]) -> PeerHandle:
         path = str(self.root / step_name(step))

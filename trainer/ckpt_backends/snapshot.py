@@ -34,7 +34,7 @@ with warnings.catch_warnings():  # torchsnapshot 0.1.0 calls torch.jit.script at
 
 from engine import CheckpointError
 from trainer.ckpt_backends.base import (
-    CheckpointGroup,
+    PeerBackend,
     PeerHandle,
     committed,
     done_future,
@@ -111,18 +111,9 @@ def _local_nbytes(state: Any) -> int:
     return 0
 
 
-class SnapshotBackend:
+class SnapshotBackend(PeerBackend):
     name = "torchsnapshot"
-    overlaps_saves = False
-
-    def __init__(self, url: str, *, keep_last: int, timeout_s: float, async_: bool) -> None:
-        self.root = local_root(url)
-        self.keep_last = keep_last
-        self.async_ = async_
-        self.group = CheckpointGroup(timeout_s)
-
-    def candidates(self) -> list[int]:
-        return list(self.group.agree(list(reversed(committed(self.root, MARKER)))))
+    marker = MARKER
 
     def save(self, step: int, state: dict[str, Any]) -> PeerHandle:
         path = self.root / step_name(step)
