@@ -37,8 +37,9 @@ def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={s.trainer.parallel.world_size}",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
-           # A hung (stopped) worker never acts on SIGTERM; torchrun's default 30 s grace
-           # before SIGKILL would dominate hang detection. Healthy workers die on SIGTERM at once.
+           # Grace before SIGKILL when the agent itself shuts down. Restarts in torch 2.13 do
+           # not use it: they always give a worker 30 s to act on SIGTERM, which a stopped
+           # (hang_rank) worker never does, so a hang's detect_s includes up to 30 s of that.
            "--shutdown-timeout=3",
            "-m", "trainer", *trainer_args(s, run_dir, ckpt_url)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
