@@ -223,11 +223,12 @@ def img_tag(png: bytes, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
-def html_page(title: str, body: str) -> str:
+def html_page(title: str, body: str, extra_css: str = "") -> str:
+    """A self-contained page: inline CSS (``CSS`` plus ``extra_css``), no script, no fetch."""
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{html.escape(title)}</title><style>{CSS}</style></head>"
+            f"<title>{html.escape(title)}</title><style>{CSS}{extra_css}</style></head>"
             f"<body>\n{body}\n</body></html>\n")
 
 

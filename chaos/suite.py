@@ -25,7 +25,7 @@ from statistics import mean
 from typing import Any
 from urllib.parse import quote
 
-from chaos.report import environment
+from chaos import report
 from chaos.run import run
 from chaos.scenario import Scenario, ScenarioError, load_scenario
 
@@ -180,7 +180,7 @@ def build(entries: list[dict[str, Any]], *, suite: str, wall_s: float,
     regressed = bool(baseline and baseline["regressions"])
     return {"format": FORMAT, "suite": suite,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            "wall_s": wall_s, "environment": environment(),
+            "wall_s": wall_s, "environment": report.environment(),
             "ok": not failed and not regressed,
             "counts": {"pass": len(entries) - len(failed), "fail": len(failed)},
             "failed": failed, "scenarios": entries, "baseline": baseline}
@@ -302,10 +302,9 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_CSS = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}
-table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.3em .6em;text-align:left}
-th{background:#f4f4f4}tr.pass td.verdict{background:#d9f2d9}tr.fail td.verdict{background:#f8d0d0}
-td.regression{color:#a00;font-weight:bold}td.num{text-align:right}ul{margin:.3em 0}"""
+_CSS = """td{text-align:left}tr.pass td.verdict{background:#d9f2d9}
+tr.fail td.verdict{background:#f8d0d0}td.regression{color:#a00;font-weight:bold}
+td.num{text-align:right}ul{margin:.3em 0}"""  # on top of the report pages' CSS
 
 
 def write_html(out: Path, summary: dict[str, Any]) -> Path:
@@ -314,9 +313,7 @@ def write_html(out: Path, summary: dict[str, Any]) -> Path:
     regressed = _regressed(summary)
     c = summary["counts"]
     status = "OK" if summary["ok"] else "FAILED"
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>chaos suite: {status}"
-             f"</title><style>{_CSS}</style></head><body>",
-             f"<h1>chaos suite {esc(summary['suite'])}: {status}</h1>",
+    parts = [f"<h1>chaos suite {esc(summary['suite'])}: {status}</h1>",
              f"<p>{c['pass']} passed, {c['fail']} failed, created {esc(summary['created'])}, "
              f"{summary['wall_s']:.0f} s</p><table><tr>"
              + "".join(f"<th>{esc(h)}</th>" for h in _COLUMNS) + "<th>report</th></tr>"]
@@ -344,7 +341,6 @@ def write_html(out: Path, summary: dict[str, Any]) -> Path:
         for label, names in (("new", b["new"]), ("missing", b["missing"])):
             if names:
                 parts.append(f"<p>{label} since the baseline: {esc(', '.join(names))}</p>")
-    parts.append("</body></html>")
     path = out / "summary.html"
-    path.write_text("\n".join(parts))
+    path.write_text(report.html_page(f"chaos suite: {status}", "\n".join(parts), _CSS))
     return path
