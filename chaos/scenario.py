@@ -20,7 +20,10 @@ from pydantic import (
     model_validator,
 )
 
-from chaos.faults import FAULT_CONFIGS, FaultConfig
+from antifragile.chaos.faults import FAULT_CONFIGS, FaultConfig
+
+#: The shipped scenarios (``chaos list``): the repository's ``scenarios/`` folder.
+SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 
 
 class ScenarioError(Exception):
@@ -163,10 +166,19 @@ def load_scenario(path: str | Path, *, seed: int | None = None) -> Scenario:
     """Read and validate a scenario file; ``seed`` overrides the file's."""
     path = str(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as exc:
-        raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
+        raise ScenarioError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"{path}: not UTF-8 text (byte {exc.start}: "
+                            f"{raw[exc.start:exc.start + 1]!r})") from None
+    if not text.strip():
+        raise ScenarioError(f"{path}: the file is empty (a scenario needs at least a name)")
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""

@@ -1,14 +1,14 @@
 """antifragile's checkpoint engine: sharded, asynchronous, two-phase-committed, on zarr v3.
 
-    from engine import CheckpointEngine
+    from antifragile import CheckpointEngine
     ckpt = CheckpointEngine("s3://bucket/run1", keep_last=3)
     handle = ckpt.save(step, {"model": model.state_dict(), "optim": optim_sd})
     ...
     ckpt.load(state)  # newest intact step, any layout
 """
 
-from engine.engine import CheckpointEngine, SaveHandle
-from engine.errors import (
+from .engine import CheckpointEngine, SaveHandle
+from .errors import (
                            CheckpointBusyError,
                            CheckpointCorruptError,
                            CheckpointError,
@@ -17,8 +17,8 @@ from engine.errors import (
                            CommitTimeoutError,
                            StorageError,
 )
-from engine.plan import PlanOptions
-from engine.verify import Problem, VerifyReport
+from .plan import PlanOptions
+from .verify import Problem, VerifyReport
 
 __all__ = [
     "CheckpointBusyError",

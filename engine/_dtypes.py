@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError
 
 _NATIVE: dict[torch.dtype, str] = {
     torch.bool: "bool",

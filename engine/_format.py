@@ -18,10 +18,10 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from engine._dtypes import fill_value, torch_dtype, zarr_data_type
-from engine._paths import FORMAT_VERSION
-from engine.errors import CheckpointCorruptError
-from engine.plan import ArraySpec
+from ._dtypes import fill_value, torch_dtype, zarr_data_type
+from ._paths import FORMAT_VERSION
+from .errors import CheckpointCorruptError
+from .plan import ArraySpec
 
 EMPTY = 2**64 - 1
 _CRC = struct.Struct("<I")

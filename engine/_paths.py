@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from engine.errors import CheckpointCorruptError, CheckpointError
+from .errors import CheckpointCorruptError, CheckpointError
 
 FORMAT_VERSION = 1
 STEP_DIGITS = 9

@@ -17,8 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch.distributed.tensor import DTensor
 
-from engine._paths import check_component
-from engine.errors import CheckpointError
+from ._paths import check_component
+from .errors import CheckpointError
 
 JSON = Any
 

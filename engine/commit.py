@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine import _format
-from engine._paths import (
+from . import _format
+from ._paths import (
     ABORT,
     COMMIT,
     FORMAT_VERSION,
@@ -25,16 +25,16 @@ from engine._paths import (
     record_key,
     step_dir,
 )
-from engine._state import same_value
-from engine.errors import (
+from ._state import same_value
+from .errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     CommitTimeoutError,
 )
-from engine.persist import Manifest, parse_record, total_bytes
-from engine.plan import GlobalPlan
-from engine.storage import Storage
+from .persist import Manifest, parse_record, total_bytes
+from .plan import GlobalPlan
+from .storage import Storage
 
 
 def _poll_delays() -> Any:

@@ -25,24 +25,37 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from engine import commit as _commit
-from engine._paths import COMMIT, step_dir
-from engine._state import FlatState, finish_load, flatten, iter_local
-from engine.errors import (
+from . import commit as _commit
+from ._paths import COMMIT, step_dir
+from ._state import FlatState, finish_load, flatten, iter_local
+from .errors import (
     CheckpointBusyError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
-from engine.load import StepReader
-from engine.persist import metadata_objects, rank_record, total_bytes, write_objects, write_record
-from engine.plan import GlobalPlan, HeldBox, PlanOptions, build_plan, inventory, local_boxes
-from engine.stage import StagingArea
-from engine.storage import Storage, open_storage
-from engine.verify import VerifyReport, verify_step
+from .load import StepReader
+from .persist import (
+    metadata_objects,
+    rank_record,
+    total_bytes,
+    write_objects,
+    write_record,
+)
+from .plan import (
+    GlobalPlan,
+    HeldBox,
+    PlanOptions,
+    build_plan,
+    inventory,
+    local_boxes,
+)
+from .stage import StagingArea
+from .storage import Storage, open_storage
+from .verify import VerifyReport, verify_step
 
-log = logging.getLogger("engine")
+log = logging.getLogger("antifragile.engine")
 
 # load outcomes, ordered so that an all-reduce MAX gives the worst one across ranks
 _OK, _MISMATCH, _CORRUPT, _FATAL = 0, 1, 2, 3

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from engine import _format
-from engine._dtypes import torch_dtype, zarr_data_type
-from engine._paths import check_array_name, step_dir
-from engine.commit import read_commit
-from engine.errors import CheckpointCorruptError
-from engine.plan import ArraySpec, HeldBox
+from . import _format
+from ._dtypes import torch_dtype, zarr_data_type
+from ._paths import check_array_name, step_dir
+from .commit import read_commit
+from .errors import CheckpointCorruptError
+from .plan import ArraySpec, HeldBox
 
 _MAX_CELLS = 10**8
 

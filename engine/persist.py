@@ -11,11 +11,11 @@ import json
 from concurrent.futures import Executor
 from typing import Any
 
-from engine import _format
-from engine._paths import record_key, step_dir
-from engine.plan import GlobalPlan
-from engine.stage import StagingArea
-from engine.storage import Storage
+from . import _format
+from ._paths import record_key, step_dir
+from .plan import GlobalPlan
+from .stage import StagingArea
+from .storage import Storage
 
 Manifest = dict[str, list[int]]  # key relative to the step folder -> [nbytes, crc32c]
 

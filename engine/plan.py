@@ -23,8 +23,8 @@ from itertools import product
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from engine._dtypes import dtype_name
-from engine.errors import CheckpointError
+from ._dtypes import dtype_name
+from .errors import CheckpointError
 
 try:  # private in torch; FSDP2 + TP produce it
     from torch.distributed.tensor.placement_types import _StridedShard

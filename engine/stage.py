@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine._state import iter_local
-from engine.plan import CellWrite
+from ._state import iter_local
+from .plan import CellWrite
 
 
 def _buffer_shape(write: CellWrite) -> tuple[int, ...]:

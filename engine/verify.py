@@ -7,10 +7,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from itertools import product
 
-from engine.errors import CheckpointError
-from engine.load import StepReader
-from engine.plan import ArraySpec
-from engine.storage import Storage
+from .errors import CheckpointError
+from .load import StepReader
+from .plan import ArraySpec
+from .storage import Storage
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine import CheckpointEngine, CheckpointError, PlanOptions
+from antifragile.engine import CheckpointEngine, CheckpointError, PlanOptions
 
 ELEMENTS = 256 * 1024  # float32: 1 MiB
 MAX_OBJECT_BYTES = 8192  # 128 shard objects per save: phases last long enough to hit

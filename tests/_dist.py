@@ -36,7 +36,7 @@ HOST = "127.0.0.1"
 GRACE_S = 10.0  # how long the other ranks may still report once one rank has failed
 # Imported once by the fork server, then inherited by every rank it forks: a rank starts in
 # a fraction of a second instead of importing torch itself (seconds of CPU each).
-PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.fsdp", "engine")
+PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.fsdp", "antifragile.engine")
 STARTUP_S = 300.0  # the first group waits for the fork server to import torch
 
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from engine import CheckpointEngine
-from trainer.events import read_events
+from antifragile.engine import CheckpointEngine
+from antifragile.trainer.events import read_events
 
 SMALL_MODEL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--vocab", "64",
                "--seq-len", "16", "--batch-size", "8", "--micro-batches", "2"]
@@ -20,7 +20,7 @@ SMALL_MODEL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--vocab", "6
 def torchrun_cmd(nproc: int, args: list[str], *, max_restarts: int = 0) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-            "-m", "trainer", *args]
+            "-m", "antifragile.trainer", *args]
 
 
 def env() -> dict[str, str]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from chaos.s3 import environ
+from antifragile.chaos.infra.s3 import environ
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import RATIOS
+from bench.engine import RATIOS
 
 pytestmark = pytest.mark.slow  # spawns a 2-rank gloo group and writes ~0.5 GiB: ~20-50 s
 
@@ -22,7 +22,7 @@ def test_quick_benchmark_prints_ratios_and_cleans_up(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "engine.bench",
+            "bench.engine",
             "--quick",
             "--size-gib",
             "0.05",

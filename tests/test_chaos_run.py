@@ -11,9 +11,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from chaos.cli import main
-from chaos.run import run
-from chaos.scenario import parse_scenario
+from antifragile.chaos.cli import main
+from antifragile.chaos.run.pipeline import run
+from antifragile.chaos.scenario import parse_scenario
 
 pytestmark = pytest.mark.multiproc
 

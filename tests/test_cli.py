@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from click.testing import CliRunner
 
-from chaos.cli import main
-from engine import CheckpointEngine
+from antifragile.chaos.cli import main
+from antifragile.engine import CheckpointEngine
 
 
 def _save_steps(url: str, steps: list[int]) -> None:

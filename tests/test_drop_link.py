@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from chaos import netns
-from chaos.faults import Target
-from chaos.faults.drop_link import DropLink
-from chaos.netns import NetnsUnavailable, Network
-from chaos.run import run
-from chaos.scenario import ScenarioError, load_scenario, parse_scenario
+from antifragile.chaos.faults import Target
+from antifragile.chaos.faults.drop_link import DropLink
+from antifragile.chaos.infra import netns
+from antifragile.chaos.infra.netns import NetnsUnavailable, Network
+from antifragile.chaos.run.pipeline import run
+from antifragile.chaos.scenario import ScenarioError, load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_netns = pytest.mark.skipif(netns.unavailable_reason() is not None,

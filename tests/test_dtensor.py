@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from engine import CheckpointEngine, CheckpointMismatchError, PlanOptions
+from antifragile.engine import CheckpointEngine, CheckpointMismatchError, PlanOptions
 
 pytestmark = pytest.mark.multiproc
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import (
+from antifragile.engine import (
     CheckpointBusyError,
     CheckpointEngine,
     CheckpointError,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import CheckpointEngine
+from antifragile.engine import CheckpointEngine
 from tests._trainer import checkpoint_arrays, events, run_trainer
 
 pytestmark = [pytest.mark.gpu,

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import CheckpointEngine, CheckpointError, PlanOptions
+from antifragile.engine import CheckpointEngine, CheckpointError, PlanOptions
 
 # model/w: 8 x 4 float32 in 2 shard objects of 4 rows, each of 2 inner chunks of 2 rows
 PLAN = PlanOptions(max_object_bytes=64, inner_chunk_bytes=32)
@@ -355,7 +355,7 @@ BOMBS: dict[str, tuple[Callable[[Hostile], None], list[int]]] = {
 _CHILD = textwrap.dedent("""
     import json, resource, sys, time, warnings
     import torch
-    from engine import CheckpointEngine
+    from antifragile.engine import CheckpointEngine
     vm_kib = int(next(line for line in open("/proc/self/status")
                       if line.startswith("VmSize")).split()[1])
     limit = vm_kib * 1024 + 3 * 2**30

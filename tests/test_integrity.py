@@ -16,7 +16,7 @@ import fsspec
 import pytest
 import torch
 
-from engine import CheckpointCorruptError, CheckpointEngine, PlanOptions
+from antifragile.engine import CheckpointCorruptError, CheckpointEngine, PlanOptions
 
 Storage = tuple[str, dict[str, Any] | None]
 

@@ -13,15 +13,15 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from chaos.cli import main
-from chaos.faults import Target
-from chaos.faults.corrupt_shard import CorruptShard
-from chaos.launch import trainer_args
-from chaos.scenario import ScenarioError, parse_scenario
+from antifragile.chaos.cli import main
+from antifragile.chaos.faults import Target
+from antifragile.chaos.faults.corrupt_shard import CorruptShard
+from antifragile.chaos.infra.launch import trainer_args
+from antifragile.chaos.scenario import ScenarioError, parse_scenario
+from antifragile.trainer.ckpt_backends import committed_steps, read_checkpoint
+from antifragile.trainer.ckpt_backends.base import committed, discard_after, prune, step_name
+from antifragile.trainer.config import parse_args
 from tests._trainer import assert_bitwise_equal, events, losses, run_trainer, torchrun_cmd
-from trainer.ckpt_backends import committed_steps, read_checkpoint
-from trainer.ckpt_backends.base import committed, discard_after, prune, step_name
-from trainer.config import parse_args
 
 PEERS = ["dcp", "torchsnapshot"]
 MARKERS = {"dcp": ".metadata", "torchsnapshot": ".snapshot_metadata"}

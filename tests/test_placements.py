@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from engine.errors import CheckpointError
-from engine.plan import GlobalPlan, PlanOptions, build_plan, placement_boxes
+from antifragile.engine.errors import CheckpointError
+from antifragile.engine.plan import GlobalPlan, PlanOptions, build_plan, placement_boxes
 
 TINY = PlanOptions(max_object_bytes=64, min_split_bytes=16, inner_chunk_bytes=16)
 

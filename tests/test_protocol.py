@@ -48,14 +48,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine import (
+from antifragile.engine import (
     CheckpointCorruptError,
     CheckpointEngine,
     CheckpointError,
     CheckpointNotFoundError,
     PlanOptions,
 )
-from engine.storage import open_storage
+from antifragile.engine.storage import open_storage
 
 KEEP_LAST = 3
 OPTIONS = PlanOptions(max_object_bytes=32)  # model/w: 3 shard objects, model/b: 1

@@ -20,10 +20,12 @@ import pytest
 import yaml
 from PIL import Image
 
-from chaos import checker, measure, plots, report
-from chaos.faults import Injection
-from chaos.runner import RunRecord
-from chaos.scenario import parse_scenario
+from antifragile.chaos.faults import Injection
+from antifragile.chaos.observe import checker, measure
+from antifragile.chaos.observe.record import RunRecord
+from antifragile.chaos.report import document as report
+from antifragile.chaos.report import plots
+from antifragile.chaos.scenario import parse_scenario
 
 T0 = 1_700_000_000.0
 WORLD = 4  # dp=2, pp=2: ranks 2 and 3 are the last stage, the ones that report a loss
@@ -448,7 +450,7 @@ def test_a_real_browser_renders_the_plots(rendered: tuple[Path, list[plots.Plot]
 def test_chaos_run_writes_the_whole_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                            ) -> None:
     """End to end: a real 2-rank run with a kill writes json, md, html and the three PNGs."""
-    from chaos.run import run
+    from antifragile.chaos.run.pipeline import run
 
     monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
     s = parse_scenario(yaml.safe_load("""

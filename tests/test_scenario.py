@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chaos.cli import SCENARIOS, main
-from chaos.scenario import ScenarioError, load_scenario, parse_scenario
+from antifragile.chaos.cli import main
+from antifragile.chaos.scenario import SCENARIOS, ScenarioError, load_scenario, parse_scenario
 
 BASE: dict[str, Any] = {"name": "t", "trainer": {"parallel": {"dp": 2, "tp": 1, "pp": 1},
                                                  "steps": 20},

@@ -17,10 +17,10 @@ from urllib.parse import urlparse
 import pytest
 import torch
 
-from chaos.proxy import FaultProxy
-from engine import CheckpointEngine, StorageError
-from engine.storage import RetryingStorage
-from engine.storage import _base as storage_base
+from antifragile.chaos.infra.proxy import FaultProxy
+from antifragile.engine import CheckpointEngine, StorageError
+from antifragile.engine.storage import RetryingStorage
+from antifragile.engine.storage import _base as storage_base
 
 # botocore's own retries off: every retry seen below is the engine's (RetryingStorage)
 NO_CLIENT_RETRIES = {
@@ -90,10 +90,10 @@ def test_service_unavailable_is_retried_by_the_engine_with_backoff(
     with CheckpointEngine(url, storage_options=options) as engine:
         engine.save(1, state_of(1), blocking=True)
         proxy.fault("http503", count=4)
-        with caplog.at_level(logging.WARNING, logger="engine.storage"):
+        with caplog.at_level(logging.WARNING, logger="antifragile.engine.storage"):
             engine.save(2, state_of(2), blocking=True)
         assert proxy.stats.faulted == 4
-        retries = [r.getMessage() for r in caplog.records if r.name == "engine.storage"]
+        retries = [r.getMessage() for r in caplog.records if r.name == "antifragile.engine.storage"]
         assert retries and all("retry" in m for m in retries), retries
         assert engine.steps() == [1, 2] and engine.verify(2).ok
         assert_loads(engine, 2)

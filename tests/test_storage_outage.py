@@ -24,14 +24,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from chaos import s3
-from chaos.cli import main
-from chaos.faults import Injection, Target
-from chaos.faults.storage_outage import StorageOutage
-from chaos.measure import fault_timings, outage_effects
-from chaos.proxy import FaultProxy
-from chaos.runner import RunRecord
-from chaos.scenario import ScenarioError, parse_scenario
+from antifragile.chaos.cli import main
+from antifragile.chaos.faults import Injection, Target
+from antifragile.chaos.faults.storage_outage import StorageOutage
+from antifragile.chaos.infra import s3
+from antifragile.chaos.infra.proxy import FaultProxy
+from antifragile.chaos.observe.measure import fault_timings, outage_effects
+from antifragile.chaos.observe.record import RunRecord
+from antifragile.chaos.scenario import ScenarioError, parse_scenario
 
 # -- the proxy against moto ---------------------------------------------------------------------
 

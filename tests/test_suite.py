@@ -14,9 +14,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from chaos import suite
-from chaos.cli import main
-from chaos.scenario import load_scenario
+from antifragile.chaos import suite
+from antifragile.chaos.cli import main
+from antifragile.chaos.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = {"parallel": {"dp": 2, "tp": 1, "pp": 1}, "steps": 20, "batch_size": 8,

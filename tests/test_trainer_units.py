@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.config import TrainConfig, parse_args
-from trainer.data import TokenData
-from trainer.model import GPT, ModelConfig, init_weights, keep_stage, split_layers
-from trainer.parallel.dims import ParallelDims
+from antifragile.trainer.config import TrainConfig, parse_args
+from antifragile.trainer.data import TokenData
+from antifragile.trainer.model import GPT, ModelConfig, init_weights, keep_stage, split_layers
+from antifragile.trainer.parallel.dims import ParallelDims
 
 
 def test_synthetic_batches_are_a_function_of_the_cursor() -> None:

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from chaos import tune
-from chaos.cli import main
-from chaos.faults import Injection
-from chaos.runner import RunRecord
+from antifragile.chaos import tune
+from antifragile.chaos.cli import main
+from antifragile.chaos.faults import Injection
+from antifragile.chaos.observe.record import RunRecord
 
 MIN = 60.0
 HOUR = 3600.0
@@ -194,7 +194,7 @@ def test_cli_scenario_without_mtbf_or_with_model_options_exits_2(tmp_path: Path)
 
 
 def test_scenario_mtbf_adds_the_rates_of_faults_that_stop_the_job(tmp_path: Path) -> None:
-    from chaos.scenario import load_scenario
+    from antifragile.chaos.scenario import load_scenario
 
     s = load_scenario(_tiny(tmp_path, [
         {"kind": "kill_rank", "rank": "random", "mtbf_s": 60},

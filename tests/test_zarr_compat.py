@@ -21,7 +21,7 @@ import torch
 import zarr
 from zarr.storage import FsspecStore
 
-from engine import CheckpointEngine, PlanOptions
+from antifragile.engine import CheckpointEngine, PlanOptions
 
 Storage = tuple[str, dict[str, Any] | None]
 
@@ -166,7 +166,7 @@ _RANK = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from engine import CheckpointEngine, PlanOptions
+    from antifragile.engine import CheckpointEngine, PlanOptions
     rank, root, rdzv = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))

@@ -1,4 +1,4 @@
-"""``torchrun --nproc-per-node N -m trainer --dp D --tp T --pp P ...`` (see --help)."""
+"""``torchrun --nproc-per-node N -m antifragile.trainer --dp D --tp T --pp P ...`` (see --help)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def main() -> int:
     import torch
 
-    from trainer.config import parse_args
-    from trainer.train import run
+    from antifragile.trainer.config import parse_args
+    from antifragile.trainer.train import run
 
     cfg = parse_args()
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from engine import CheckpointError
-from trainer.ckpt_backends import Backend, PendingSave
-from trainer.events import EventLog
+from antifragile.engine import CheckpointError
+from antifragile.trainer.ckpt_backends import Backend, PendingSave
+from antifragile.trainer.events import EventLog
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 

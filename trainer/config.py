@@ -1,13 +1,13 @@
-"""The trainer's configuration and its command line (``python -m trainer --help``)."""
+"""The trainer's configuration and its command line (``python -m antifragile.trainer --help``)."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
 
-from trainer.ckpt_backends import ENGINES
-from trainer.model import ModelConfig
-from trainer.parallel.dims import ParallelDims
+from antifragile.trainer.ckpt_backends import ENGINES
+from antifragile.trainer.model import ModelConfig
+from antifragile.trainer.parallel.dims import ParallelDims
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -63,7 +63,7 @@ class TrainConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m antifragile.trainer", description=__doc__)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)

@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainer.checkpoint import TrainCheckpointer
-from trainer.ckpt_backends import open_backend
-from trainer.config import TrainConfig
-from trainer.data import TokenData
-from trainer.distributed import HANG_EXIT_CODE, DistContext, Heartbeat, init_distributed
-from trainer.events import EventLog
-from trainer.model import GPT, init_weights, keep_stage
-from trainer.parallel import apply_fsdp, apply_tp, build_schedule
+from antifragile.trainer.checkpoint import TrainCheckpointer
+from antifragile.trainer.ckpt_backends import open_backend
+from antifragile.trainer.config import TrainConfig
+from antifragile.trainer.data import TokenData
+from antifragile.trainer.distributed import HANG_EXIT_CODE, DistContext, Heartbeat, init_distributed
+from antifragile.trainer.events import EventLog
+from antifragile.trainer.model import GPT, init_weights, keep_stage
+from antifragile.trainer.parallel import apply_fsdp, apply_tp, build_schedule
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from chaos.faults.base import FaultBase, Injection, Target
-from chaos.faults.corrupt_shard import CorruptShard
-from chaos.faults.crash_during_save import CrashDuringSave
-from chaos.faults.drop_link import DropLink
-from chaos.faults.hang_rank import HangRank
-from chaos.faults.kill_rank import KillRank
-from chaos.faults.storage_outage import StorageOutage
+from antifragile.chaos.faults.base import FaultBase, Injection, Target
+from antifragile.chaos.faults.corrupt_shard import CorruptShard
+from antifragile.chaos.faults.crash_during_save import CrashDuringSave
+from antifragile.chaos.faults.drop_link import DropLink
+from antifragile.chaos.faults.hang_rank import HangRank
+from antifragile.chaos.faults.kill_rank import KillRank
+from antifragile.chaos.faults.storage_outage import StorageOutage
 
 FAULT_CONFIGS: dict[str, type[FaultBase]] = {
     "kill_rank": KillRank,

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from chaos.netns import Network
-
-from chaos.proxy import FaultProxy
+    from antifragile.chaos.infra.netns import Network
+    from antifragile.chaos.infra.proxy import FaultProxy
 
 
 class Coordinates(BaseModel):

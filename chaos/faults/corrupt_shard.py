@@ -18,12 +18,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from chaos.faults.base import FaultBase, Injection, Target
-from engine._paths import step_dir
-from engine.commit import committed_steps, read_commit
-from engine.storage import open_storage
-from trainer.ckpt_backends import committed_steps as committed_steps_of
-from trainer.ckpt_backends import data_files
+from antifragile.chaos.faults.base import FaultBase, Injection, Target
 
 
 class CorruptShard(FaultBase):
@@ -32,6 +27,10 @@ class CorruptShard(FaultBase):
     mode: Literal["bitflip", "truncate", "delete"] = "bitflip"
 
     def inject(self, target: Target, step: int | None) -> Injection:
+        from antifragile.engine._paths import step_dir
+        from antifragile.engine.commit import committed_steps, read_commit
+        from antifragile.engine.storage import open_storage
+
         peer = _peer_engine(target.ckpt_url)
         if peer is not None:
             return self._inject_peer(peer, target, step)
@@ -61,6 +60,9 @@ class CorruptShard(FaultBase):
                          detail={"checkpoint_step": chosen, "object": key, "mode": self.mode})
 
     def _inject_peer(self, engine: str, target: Target, step: int | None) -> Injection:
+        from antifragile.trainer.ckpt_backends import committed_steps as committed_steps_of
+        from antifragile.trainer.ckpt_backends import data_files
+
         steps = committed_steps_of(engine, target.ckpt_url)
         chosen = steps[-1] if steps and self.checkpoint == "latest" else self.checkpoint
         if not steps or chosen not in steps:
@@ -98,6 +100,8 @@ class CorruptShard(FaultBase):
 def _peer_engine(url: str) -> str | None:
     """``dcp`` or ``torchsnapshot`` when the checkpoints at ``url`` carry that engine's commit
     marker; None for ours (or remote storage, where the peers are not run)."""
+    from antifragile.trainer.ckpt_backends import committed_steps as committed_steps_of
+
     if "://" in url and not url.startswith("file://"):
         return None
     for engine in ("dcp", "torchsnapshot"):

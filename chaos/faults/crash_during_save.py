@@ -12,9 +12,7 @@ import signal
 import time
 from typing import Literal
 
-from chaos.faults.base import FaultBase, Injection, RankTarget, Target
-from engine._paths import COMMIT, step_dir
-from engine.storage import open_storage
+from antifragile.chaos.faults.base import FaultBase, Injection, RankTarget, Target
 
 
 class CrashDuringSave(FaultBase):
@@ -28,6 +26,9 @@ class CrashDuringSave(FaultBase):
         return super().check(dims, steps, checkpoints)
 
     def inject(self, target: Target, step: int | None) -> Injection:
+        from antifragile.engine._paths import COMMIT, step_dir
+        from antifragile.engine.storage import open_storage
+
         rank = target.resolve(self.rank)
         pid = target.pids[rank]
         os.kill(pid, signal.SIGKILL)

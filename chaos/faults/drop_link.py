@@ -1,6 +1,6 @@
 """``drop_link``: cut the network between two emulated hosts, restore it after ``duration_s``.
 
-The hosts are network namespaces (``chaos/netns.py``); the cut is made on the emulated
+The hosts are network namespaces (``chaos/infra/netns.py``); the cut is made on the emulated
 network, outside every process of the job. Nothing in the trainer knows about it: collectives
 across the link stall, the heartbeat (``hang_timeout_s``) or the collective timeout makes the
 ranks exit, and the agents rendezvous again once the link is back. Where namespaces cannot be
@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from chaos.faults.base import FaultBase, Injection, Target
+from antifragile.chaos.faults.base import FaultBase, Injection, Target
 
 
 class DropLink(FaultBase):

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from chaos.faults.base import FaultBase, Injection, RankTarget, Target
+from antifragile.chaos.faults.base import FaultBase, Injection, RankTarget, Target
 
 
 class HangRank(FaultBase):

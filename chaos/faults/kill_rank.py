@@ -7,7 +7,7 @@ import signal
 import time
 from typing import Literal
 
-from chaos.faults.base import FaultBase, Injection, RankTarget, Target
+from antifragile.chaos.faults.base import FaultBase, Injection, RankTarget, Target
 
 
 class KillRank(FaultBase):

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from chaos.faults.base import FaultBase, Injection, Target
+from antifragile.chaos.faults.base import FaultBase, Injection, Target
 
 _PROXY_KIND = {"error": "http503", "latency": "latency", "blackhole": "blackhole"}
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import CheckpointError
-from engine.storage._base import PERMANENT, RetryingStorage, Storage
-from engine.storage._local import LocalStorage
+from ..errors import CheckpointError
+from ._base import PERMANENT, RetryingStorage, Storage
+from ._local import LocalStorage
 
 __all__ = ["PERMANENT", "LocalStorage", "RetryingStorage", "Storage", "open_storage"]
 
@@ -19,7 +19,7 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Ret
         return RetryingStorage(LocalStorage(url.removeprefix("file://")))
     protocol = url.split("://", 1)[0]
     try:
-        from engine.storage._fsspec import FsspecStorage
+        from ._fsspec import FsspecStorage
 
         return RetryingStorage(FsspecStorage(url, storage_options))
     except ImportError as exc:

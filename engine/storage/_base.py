@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from engine.errors import CheckpointError, StorageError
+from ..errors import CheckpointError, StorageError
 
-log = logging.getLogger("engine.storage")
+log = logging.getLogger("antifragile.engine.storage")
 T = TypeVar("T")
 
 # Errors that retrying cannot fix. Everything else (connection resets, timeouts, 5xx, throttling,

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from trainer.ckpt_backends.base import Backend, PendingSave
+from antifragile.trainer.ckpt_backends.base import Backend, PendingSave
 
 ENGINES = ("antifragile", "dcp", "torchsnapshot")
 
@@ -23,11 +23,11 @@ ENGINES = ("antifragile", "dcp", "torchsnapshot")
 def _module(engine: str) -> ModuleType:
     """Imported on demand: torchsnapshot is needed only when it is the engine under test."""
     if engine == "antifragile":
-        from trainer.ckpt_backends import antifragile as module
+        from antifragile.trainer.ckpt_backends import antifragile as module
     elif engine == "dcp":
-        from trainer.ckpt_backends import dcp as module
+        from antifragile.trainer.ckpt_backends import dcp as module
     elif engine == "torchsnapshot":
-        from trainer.ckpt_backends import snapshot as module
+        from antifragile.trainer.ckpt_backends import snapshot as module
     else:
         raise ValueError(f"unknown checkpoint engine {engine!r} (known: {', '.join(ENGINES)})")
     return module

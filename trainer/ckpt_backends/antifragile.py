@@ -5,9 +5,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from engine import CheckpointEngine, SaveHandle
-from engine.commit import committed_steps
-from engine.storage import open_storage
+from antifragile.engine import CheckpointEngine, SaveHandle
+from antifragile.engine.commit import committed_steps
+from antifragile.engine.storage import open_storage
 
 
 class AntifragileBackend:

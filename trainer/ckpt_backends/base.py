@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from engine import CheckpointError
+from antifragile.engine import CheckpointError
 
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
 

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from engine import CheckpointError
-from trainer.ckpt_backends.base import (
+from antifragile.engine import CheckpointError
+from antifragile.trainer.ckpt_backends.base import (
     PeerBackend,
     PeerHandle,
     committed,

@@ -32,8 +32,8 @@ with warnings.catch_warnings():  # torchsnapshot 0.1.0 calls torch.jit.script at
     import torchsnapshot
     from torchsnapshot.manifest import PrimitiveEntry
 
-from engine import CheckpointError
-from trainer.ckpt_backends.base import (
+from antifragile.engine import CheckpointError
+from antifragile.trainer.ckpt_backends.base import (
     PeerBackend,
     PeerHandle,
     committed,

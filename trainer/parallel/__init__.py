@@ -1,8 +1,8 @@
 """The three parallel axes, one module each: data (FSDP2), tensor, pipeline."""
 
-from trainer.parallel.data_parallel import apply_fsdp
-from trainer.parallel.dims import ParallelDims
-from trainer.parallel.pipeline_parallel import build_schedule
-from trainer.parallel.tensor_parallel import apply_tp
+from antifragile.trainer.parallel.data_parallel import apply_fsdp
+from antifragile.trainer.parallel.dims import ParallelDims
+from antifragile.trainer.parallel.pipeline_parallel import build_schedule
+from antifragile.trainer.parallel.tensor_parallel import apply_tp
 
 __all__ = ["ParallelDims", "apply_fsdp", "apply_tp", "build_schedule"]

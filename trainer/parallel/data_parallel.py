@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from trainer.model import GPT
+from antifragile.trainer.model import GPT
 
 
 def apply_fsdp(model: GPT, dp_mesh: DeviceMesh, *, pipelined: bool) -> None:

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from trainer.model import GPT
+from antifragile.trainer.model import GPT
 
 
 def apply_tp(model: GPT, tp_mesh: DeviceMesh) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import click
 
-from chaos import suite as suite_lib
+from antifragile.chaos import suite as suite_lib
+from antifragile.chaos.cli.common import fail
 
 
 @click.command("suite")
@@ -34,7 +35,7 @@ from chaos import suite as suite_lib
 def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[str, ...],
           recovery_floor_s: float, stall_floor_s: float, no_reference: bool) -> None:
     """Run every scenario in DIR; exit non-zero on a failure or a regression."""
-    from chaos.cli import Progress  # chaos.cli imports this module: import at call time
+    from antifragile.chaos.cli.progress import Progress
 
     if out is None:
         out = str(Path("reports") / f"suite-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
@@ -43,15 +44,11 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
         previous = suite_lib.load_baseline(Path(baseline)) if baseline else None
         planned = suite_lib.plan(suite_lib.discover(Path(folder), patterns), out_dir)
     except suite_lib.SuiteError as exc:
-        click.echo(f"error: {exc}", err=True)
-        raise SystemExit(2) from None
-    progress = Progress()
+        fail(str(exc))
     started = time.monotonic()
-    try:
+    with Progress() as progress:
         entries = suite_lib.run_suite(planned, out_dir, reference=not no_reference,
-                                      progress=progress)
-    finally:
-        progress.close()
+                                      progress=progress, status=progress.status)
     tol = suite_lib.Tolerances(recovery_floor_s=recovery_floor_s, stall_floor_s=stall_floor_s)
     compared = suite_lib.compare(entries, previous, file=str(baseline), tol=tol) \
         if previous is not None else None

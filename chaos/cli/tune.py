@@ -17,18 +17,14 @@ from typing import Any
 
 import click
 
-from chaos import tune as model
-from chaos.scenario import ScenarioError, load_scenario
+from antifragile.chaos import tune as model
+from antifragile.chaos.cli.common import fail as _fail
+from antifragile.chaos.scenario import ScenarioError, load_scenario
 
 
 def _progress(line: str) -> None:
     sys.stderr.write(f"{time.strftime('%H:%M:%S')} {line}\n")
     sys.stderr.flush()
-
-
-def _fail(message: str, code: int = 2) -> None:
-    click.echo(f"error: {message}", err=True)
-    raise SystemExit(code)
 
 
 def _every_list(text: str | None) -> list[int] | None:

@@ -1,6 +1,6 @@
 """What checkpointing costs training: step time with async checkpoints every K steps vs none.
 
-    python -m trainer.bench [--dp 2 --tp 2 --pp 2] [--steps 60] [--every 10]
+    python -m bench.trainer [--dp 2 --tp 2 --pp 2] [--steps 60] [--every 10]
 
 Runs the trainer twice under torchrun (same seed, same layout): once without checkpoints and
 once with async checkpoints every ``--every`` steps, and compares the mean step time from the
@@ -20,13 +20,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainer.events import read_events
+from antifragile.trainer.events import read_events
 
 
 def _run(args: argparse.Namespace, run_dir: Path, every: int | None) -> dict[str, float]:
     world = args.dp * args.tp * args.pp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world}", "-m", "trainer", "--dp", str(args.dp), "--tp",
+           f"--nproc-per-node={world}", "-m", "antifragile.trainer", "--dp", str(args.dp), "--tp",
            str(args.tp), "--pp", str(args.pp), "--steps", str(args.steps), "--run-dir",
            str(run_dir), "--layers", str(args.layers), "--d-model", str(args.d_model),
            "--heads", "4", "--seq-len", "64", "--batch-size", "16", "--micro-batches", "4",
@@ -56,8 +56,8 @@ def gpu_stall(repeats: int = 5) -> dict[str, float] | None:
 
     import torch
 
-    from engine import CheckpointEngine
-    from trainer.model import GPT, ModelConfig
+    from antifragile.engine import CheckpointEngine
+    from antifragile.trainer.model import GPT, ModelConfig
 
     if not torch.cuda.is_available():
         return None
@@ -83,7 +83,7 @@ def gpu_stall(repeats: int = 5) -> dict[str, float] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.trainer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)

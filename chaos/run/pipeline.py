@@ -12,11 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos import checker, measure, plots, report
-from chaos.faults import Injection
-from chaos.runner import RunRecord, run_scenario
-from chaos.s3 import RunStorage, run_storage
-from chaos.scenario import Scenario
+from antifragile.chaos.faults import Injection
+from antifragile.chaos.infra.s3 import RunStorage, run_storage
+from antifragile.chaos.observe import checker, measure
+from antifragile.chaos.observe.record import RunRecord
+from antifragile.chaos.report import document as report
+from antifragile.chaos.report import plots
+from antifragile.chaos.run.runner import run_scenario
+from antifragile.chaos.run.status import RunStatus
+from antifragile.chaos.scenario import Scenario
 
 
 @dataclass(slots=True)
@@ -66,23 +70,33 @@ def _final_step(record: RunRecord) -> int | None:
 
 
 def run(s: Scenario, out: Path, *, reference: bool = True,
-        progress: Callable[[str], None] = print) -> Outcome:
+        progress: Callable[[str], None] = print,
+        status: Callable[[RunStatus], None] | None = None) -> Outcome:
+    """The whole ``chaos run``: reference, faulty run, measurements, verdict, report files.
+    ``progress`` gets notes (one line each); ``status`` the step-by-step state, if given."""
     out.mkdir(parents=True, exist_ok=True)
     with run_storage(s, out, progress) as storage:  # S3 (and its fault proxy) for the whole run
-        return _run(s, out, storage, reference=reference, progress=progress)
+        return _run(s, out, storage, reference=reference, progress=progress, status=status)
 
 
 def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
-         progress: Callable[[str], None]) -> Outcome:
+         progress: Callable[[str], None],
+         status: Callable[[RunStatus], None] | None) -> Outcome:
     ckpt_url = storage.url
     reference_url = _ensure_reference(s, progress) if reference else None
 
     recovered: set[int] = set()  # attempts that restored a checkpoint after a failure
+    first_step: dict[int, tuple[float, int]] = {}  # attempt -> (time, step) of its first step
 
     def on_event(e: dict[str, Any], injections: list[Injection]) -> None:
         if e["event"] == "step_end" and e["rank"] == 0:
-            progress(f"step {e['step']:>5}/{s.trainer.steps}  attempt {e['attempt']}  "
-                     f"faults injected {len(injections)}  recoveries {len(recovered)}")
+            t0, step0 = first_step.setdefault(e["attempt"], (e["t"], e["step"]))
+            rate = (e["step"] - step0) / (e["t"] - t0) if e["t"] > t0 else 0.0
+            if status is not None:
+                status(RunStatus(name=s.name, step=e["step"], total_steps=s.trainer.steps,
+                                 attempt=e["attempt"], faults_injected=len(injections),
+                                 recoveries=len(recovered),
+                                 eta_s=(s.trainer.steps - e["step"]) / rate if rate else None))
         elif e["event"] == "restore_end" and e["rank"] == 0:
             recovered.add(e["attempt"])
             progress(f"attempt {e['attempt']}: restored step {e['step']} in "

@@ -9,11 +9,7 @@ from typing import Any
 
 import click
 
-from engine import CheckpointError
-from engine.commit import committed_steps, read_commit
-from engine.load import StepReader
-from engine.storage import open_storage
-from engine.verify import verify_step
+from antifragile.chaos.cli.common import fail as _fail
 
 
 def _options(endpoint_url: str | None, pairs: tuple[str, ...]) -> dict[str, Any] | None:
@@ -50,11 +46,6 @@ def storage_args(fn: Any) -> Any:
     return fn
 
 
-def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    raise SystemExit(2)
-
-
 @click.group()
 def ckpt() -> None:
     """List, verify and inspect checkpoints."""
@@ -64,6 +55,10 @@ def ckpt() -> None:
 @storage_args
 def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
     """List committed steps with their size."""
+    from antifragile.engine import CheckpointError
+    from antifragile.engine.commit import committed_steps, read_commit
+    from antifragile.engine.storage import open_storage
+
     try:
         storage = open_storage(url, _options(endpoint_url, pairs))
         steps = committed_steps(storage)
@@ -84,6 +79,11 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
 @click.option("--step", type=int, help="Only this step (default: every committed step).")
 def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int | None) -> None:
     """Read every object back and check checksums and coverage. Exit 1 on damage."""
+    from antifragile.engine import CheckpointError
+    from antifragile.engine.commit import committed_steps
+    from antifragile.engine.storage import open_storage
+    from antifragile.engine.verify import verify_step
+
     try:
         storage = open_storage(url, _options(endpoint_url, pairs))
         committed = committed_steps(storage)
@@ -112,6 +112,10 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
 def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int,
             as_json: bool) -> None:
     """Arrays, shapes, dtypes, bytes and layout of one committed step."""
+    from antifragile.engine import CheckpointError
+    from antifragile.engine.load import StepReader
+    from antifragile.engine.storage import open_storage
+
     try:
         reader = StepReader(open_storage(url, _options(endpoint_url, pairs)), step)
         rows = []

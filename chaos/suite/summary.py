@@ -1,36 +1,24 @@
-"""``chaos suite``: run every scenario of a folder, summarize, and compare with a previous summary.
+"""The suite's summary: one entry per scenario, ``summary.json``/``summary.html``, the table
+printed at the end, and the comparison with a previous summary (regressions).
 
-This is what the nightly CI runs. A suite never stops at the first problem: a failed scenario, an
-invalid scenario file or a runner that crashes each become a failed entry and the next scenario
-runs. The summary keeps only what a regression check and a person scanning a table need (verdict,
+The summary keeps only what a regression check and a person scanning a table need (verdict,
 recovery, lost steps, goodput, checkpoint stall); the whole story stays in each scenario's report.
-
-Layout of ``OUT``: ``summary.json``, ``summary.html``, and one ``chaos run`` report folder per
-scenario, ``OUT/<scenario name>/``.
 """
 
 from __future__ import annotations
 
 import html
 import json
-import shutil
-import time
-import traceback
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from fnmatch import fnmatch
 from pathlib import Path
 from statistics import mean
 from typing import Any
 from urllib.parse import quote
 
-from chaos import report
-from chaos.run import run
-from chaos.scenario import Scenario, ScenarioError, load_scenario
+from antifragile.chaos.report import document as report
 
 FORMAT = 1
-_RUN_MARKERS = ("report.json", "run", "ckpt", "error.txt")  # what a chaos run folder holds
 
 
 class SuiteError(Exception):
@@ -50,58 +38,6 @@ class Tolerances:
     stall_rel: float = 0.20
     stall_floor_s: float = 0.05
     goodput_points: float = 0.05
-
-
-@dataclass(slots=True)
-class Planned:
-    """One scenario file of the suite: the validated scenario, or why it is invalid."""
-
-    file: Path
-    scenario: Scenario | None = None
-    error: str | None = None
-
-    @property
-    def name(self) -> str:
-        return self.scenario.name if self.scenario else self.file.stem
-
-
-def discover(folder: Path, patterns: Sequence[str] = ("*",)) -> list[Path]:
-    """Every ``*.yaml``/``*.yml`` under ``folder`` (recursively) whose name or stem matches
-    one of ``patterns`` (globs)."""
-    if not folder.is_dir():
-        raise SuiteError(f"{folder}: no such folder")
-    patterns = list(patterns) or ["*"]
-    files = sorted(p for p in folder.rglob("*")
-                   if p.is_file() and p.suffix in (".yaml", ".yml")
-                   and any(fnmatch(p.name, g) or fnmatch(p.stem, g) for g in patterns))
-    if not files:
-        matching = f" matching {' or '.join(map(repr, patterns))}" if patterns != ["*"] else ""
-        raise SuiteError(f"{folder}: no scenario files (*.yaml){matching}")
-    return files
-
-
-def plan(files: list[Path], out: Path) -> list[Planned]:
-    """Validate every file; refuse duplicate names and output folders that are not ours."""
-    planned = []
-    for file in files:
-        try:
-            planned.append(Planned(file, scenario=load_scenario(file)))
-        except ScenarioError as exc:
-            planned.append(Planned(file, error=str(exc)))
-    seen: dict[str, Path] = {}
-    for p in planned:
-        if p.scenario is None:
-            continue
-        if p.name in seen:
-            raise SuiteError(f"{p.file}: scenario name {p.name!r} is already used by "
-                             f"{seen[p.name]}; names must be unique in a suite")
-        seen[p.name] = p.file
-        folder = out / p.name
-        if folder.exists() and any(folder.iterdir()) and \
-                not any((folder / m).exists() for m in _RUN_MARKERS):
-            raise SuiteError(f"{folder}: exists and is not a chaos run folder; "
-                             f"not replacing it (choose another --out)")
-    return planned
 
 
 def summarize(name: str, file: str, doc: dict[str, Any], report: str | None) -> dict[str, Any]:
@@ -134,43 +70,6 @@ def failed_entry(name: str, file: str, reason: str, *, error: str | None = None
     entry = summarize(name, file, {}, None)
     entry.update(verdict="fail", reasons=[reason], error=error)
     return entry
-
-
-def _fresh(folder: Path) -> None:
-    """Clear a previous run's folder: old checkpoints would be resumed from."""
-    if folder.exists():
-        shutil.rmtree(folder)
-
-
-def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
-              progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run every planned scenario into ``out/<name>/``, in order; one entry each."""
-    out.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for i, p in enumerate(planned, 1):
-        head = f"[{i}/{len(planned)}] {p.name} ({p.file})"
-        if p.scenario is None:
-            progress(f"{head}: INVALID")
-            entries.append(failed_entry(p.name, str(p.file), p.error or "invalid scenario"))
-            continue
-        progress(head)
-        folder = out / p.name
-        _fresh(folder)
-        started = time.monotonic()
-        try:
-            outcome = run(p.scenario, folder, reference=reference, progress=progress)
-        except Exception as exc:  # a crashed runner fails this scenario, not the suite
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "error.txt").write_text(traceback.format_exc())
-            entry = failed_entry(p.name, str(p.file),
-                                 f"the runner crashed: {type(exc).__name__}: {exc}",
-                                 error=f"{p.name}/error.txt")
-            entry["wall_s"] = time.monotonic() - started
-        else:
-            entry = summarize(p.name, str(p.file), outcome.report, f"{p.name}/report.json")
-        progress(f"{head}: {entry['verdict'].upper()} in {time.monotonic() - started:.0f} s")
-        entries.append(entry)
-    return entries
 
 
 def build(entries: list[dict[str, Any]], *, suite: str, wall_s: float,

@@ -1,6 +1,6 @@
 """Checkpoint benchmark: the engine against memcpy, O_DIRECT, torch.save, DCP and torchsnapshot.
 
-    python -m engine.bench [--size-gib 2.0] [--dir DIR] [--quick] [--reps N] [--json PATH]
+    python -m bench.engine [--size-gib 2.0] [--dir DIR] [--quick] [--reps N] [--json PATH]
 
 One run measures, on a GPT-like fp32 state (model weights + Adam moments, 30 tensors of mixed
 shapes) on local disk:
@@ -47,8 +47,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine import CheckpointEngine
-from engine._paths import step_dir
+from antifragile.engine import CheckpointEngine
+from antifragile.engine._paths import step_dir
 
 GIB = 2**30
 DIRECT_BLOCK_BYTES = 64 * 2**20
@@ -690,7 +690,7 @@ def to_json(report: Report) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m engine.bench",
+        prog="python -m bench.engine",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

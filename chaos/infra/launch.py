@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-from chaos.netns import IFNAME, Network
-from chaos.scenario import Scenario
+from antifragile.chaos.infra.netns import IFNAME, Network
+from antifragile.chaos.scenario import Scenario
 
 
 def trainer_args(s: Scenario, run_dir: Path, ckpt_url: str) -> list[str]:
@@ -41,7 +39,7 @@ def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
            # not use it: they always give a worker 30 s to act on SIGTERM, which a stopped
            # (hang_rank) worker never does, so a hang's detect_s includes up to 30 s of that.
            "--shutdown-timeout=3",
-           "-m", "trainer", *trainer_args(s, run_dir, ckpt_url)]
+           "-m", "antifragile.trainer", *trainer_args(s, run_dir, ckpt_url)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONUNBUFFERED": "1", **(env or {})}
     log = open(run_dir / "torchrun.log", "w")  # noqa: SIM115 - closed with the process
@@ -77,7 +75,7 @@ def launch_hosts(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int
             f"--rdzv-conf={conf}", f"--local-addr={host.address}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
             "--shutdown-timeout=3",  # as in launch(): a stopped worker ignores SIGTERM
-            "-m", "trainer", *trainer_args(s, run_dir, ckpt_url)])
+            "-m", "antifragile.trainer", *trainer_args(s, run_dir, ckpt_url)])
         host_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                     "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": IFNAME,
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -87,28 +85,3 @@ def launch_hosts(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int
         procs.append(subprocess.Popen(cmd, env=host_env, stdout=log, stderr=subprocess.STDOUT,
                                       text=True, start_new_session=True))
     return procs
-
-
-class EventTail:
-    """Reads new lines of every ``events/rank*.jsonl`` since the last call."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.dir = run_dir / "events"
-        self._offsets: dict[Path, int] = {}
-        self.events: list[dict[str, Any]] = []
-
-    def poll(self) -> list[dict[str, Any]]:
-        new: list[dict[str, Any]] = []
-        if not self.dir.exists():
-            return new
-        for path in sorted(self.dir.glob("rank*.jsonl")):
-            offset = self._offsets.get(path, 0)
-            with open(path, encoding="utf-8") as f:
-                f.seek(offset)
-                chunk = f.read()
-            complete = chunk[:chunk.rfind("\n") + 1]
-            self._offsets[path] = offset + len(complete.encode())
-            new += [json.loads(line) for line in complete.splitlines() if line.strip()]
-        new.sort(key=lambda e: e["t"])
-        self.events += new
-        return new

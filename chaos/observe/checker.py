@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from chaos.measure import FaultTimings
-from chaos.scenario import Scenario
-from engine import CheckpointError
-from trainer.ckpt_backends import read_checkpoint
+from antifragile.chaos.observe.measure import FaultTimings
+from antifragile.chaos.scenario import Scenario
+from antifragile.engine import CheckpointError
+from antifragile.trainer.ckpt_backends import read_checkpoint
 
 
 @dataclass(slots=True)

@@ -6,8 +6,8 @@ import itertools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from chaos.faults import Injection
-from chaos.runner import RunRecord
+from antifragile.chaos.faults import Injection
+from antifragile.chaos.observe.record import RunRecord
 
 _FAILURES = {"kill_rank", "hang_rank", "crash_during_save", "drop_link"}
 

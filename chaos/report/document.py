@@ -16,15 +16,16 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import yaml
 
 if TYPE_CHECKING:
-    from chaos.plots import Plot
-    from chaos.runner import RunRecord
+    from antifragile.chaos.observe.record import RunRecord
+    from antifragile.chaos.report.plots import Plot
 
 
 def environment() -> dict[str, Any]:
+    import torch
+
     return {"python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform(), "cpus": os.cpu_count(),
             "cuda": torch.cuda.is_available()}
@@ -100,7 +101,7 @@ def timeline(record: RunRecord) -> dict[str, Any]:
 def reference_losses(reference_run: Path) -> list[dict[str, Any]]:
     """The fault-free run's loss per step (one entry per step), from its event files; empty when
     they are gone (an older reference cache)."""
-    from trainer.events import read_events
+    from antifragile.trainer.events import read_events
 
     try:
         events = read_events(reference_run)

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.proxy import FaultProxy
-from chaos.scenario import Scenario
-from engine.storage import open_storage
+from antifragile.chaos.infra.proxy import FaultProxy
+from antifragile.chaos.scenario import Scenario
+from antifragile.engine.storage import open_storage
 
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # botocore's order of precedence
 DEMO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "antifragile", "AWS_SECRET_ACCESS_KEY": "antifragile",

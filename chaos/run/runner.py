@@ -12,31 +12,16 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos.faults import FaultBase, Injection, Target
-from chaos.launch import EventTail, launch, launch_hosts
-from chaos.netns import NetnsUnavailable, Network
-from chaos.s3 import RunStorage
-from chaos.scenario import Scenario
-
-
-@dataclass(slots=True)
-class RunRecord:
-    """Everything measured afterwards comes from here: events and the injection log."""
-
-    returncode: int
-    started_t: float
-    ended_t: float
-    events: list[dict[str, Any]]
-    injections: list[Injection]
-    attempt_ends: dict[int, float] = field(default_factory=dict)  # attempt -> all workers gone
-
-    @property
-    def wall_s(self) -> float:
-        return self.ended_t - self.started_t
+from antifragile.chaos.faults import FaultBase, Injection, Target
+from antifragile.chaos.infra.launch import launch, launch_hosts
+from antifragile.chaos.infra.netns import NetnsUnavailable, Network
+from antifragile.chaos.infra.s3 import RunStorage
+from antifragile.chaos.observe.record import EventTail, RunRecord
+from antifragile.chaos.scenario import Scenario
 
 
 @dataclass(slots=True)

@@ -1,0 +1,28 @@
+"""The ``chaos`` command line. Exit codes: 0 pass / ok, 1 fail / damage, 2 bad input.
+
+Each command lives in its own module here and imports what it needs (torch, the runner, the
+engine) only when it runs, so ``chaos --help``, ``chaos list`` and ``chaos validate`` answer at
+once.
+"""
+
+from __future__ import annotations
+
+import click
+
+from antifragile.chaos.cli.ckpt import ckpt
+from antifragile.chaos.cli.run import list_scenarios, run_cmd, validate
+from antifragile.chaos.cli.suite import suite
+from antifragile.chaos.cli.tune import tune
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Make large-model training survive failure, and prove it."""
+
+
+for command in (run_cmd, validate, list_scenarios, suite, tune, ckpt):
+    main.add_command(command)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

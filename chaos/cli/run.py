@@ -1,0 +1,81 @@
+"""``chaos run``, ``chaos validate`` and ``chaos list``: one scenario, checked or run."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+from antifragile.chaos.cli.common import fail, load
+from antifragile.chaos.scenario import SCENARIOS, ScenarioError, load_scenario
+
+
+@click.command("validate")
+@click.argument("file")
+def validate(file: str) -> None:
+    """Check a scenario file without running it."""
+    s = load(file)
+    faults = f"{len(s.faults)} fault{'' if len(s.faults) == 1 else 's'}"
+    click.echo(f"{file}: ok ({s.name}: {s.trainer.parallel.world_size} ranks, "
+               f"{s.trainer.steps} steps, {faults})")
+
+
+@click.command("list")
+def list_scenarios() -> None:
+    """The shipped scenarios, one line each."""
+    for path in sorted(SCENARIOS.rglob("*.yaml")):
+        try:
+            s = load_scenario(path)
+            line = s.description.strip().splitlines()[0] if s.description.strip() else ""
+        except ScenarioError as exc:
+            line = f"INVALID: {exc}"
+        click.echo(f"{path.relative_to(SCENARIOS.parent)}  {line}")
+
+
+@click.command("run")
+@click.argument("file")
+@click.option("--out", type=click.Path(file_okay=False), help="Report folder "
+              "(default reports/<name>-<UTC time>).")
+@click.option("--no-reference", is_flag=True, help="Skip the fault-free reference run "
+              "(then a scenario that expects bitwise equality cannot pass).")
+@click.option("--seed", type=int, help="Override the scenario's seed.")
+def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None) -> None:
+    """Run a scenario: inject its faults, measure recovery, check nothing was lost."""
+    s = load(file, seed)
+    from antifragile.chaos.cli.progress import Progress
+    from antifragile.chaos.infra.s3 import S3SetupError
+    from antifragile.chaos.run.pipeline import run
+
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    folder = Path(out) if out else Path("reports") / f"{s.name}-{stamp}"
+    with Progress() as progress:
+        try:
+            outcome = run(s, folder, reference=not no_reference, progress=progress,
+                          status=progress.status)
+        except S3SetupError as exc:
+            fail(str(exc))
+    v = outcome.report["verdict"]
+    click.echo(f"{s.name}: {v['verdict'].upper()}  report: {folder / 'report.md'}")
+    for reason in v["reasons"]:
+        click.echo(f"  - {reason}")
+    for f in outcome.report["faults"]:
+        click.echo(f"  {_fault_line(f)}")
+    raise SystemExit(0 if outcome.passed else 1)
+
+
+def _fault_line(f: dict[str, Any]) -> str:
+    if f["skipped"]:
+        return f"{f['kind']}: skipped ({f['skipped']})"
+    if f.get("outage"):
+        o = f["outage"]
+        stall = "-" if o["extra_stall_s"] is None else f"{o['extra_stall_s']:.2f} s"
+        return (f"{f['kind']} ({o['mode']}, {o['duration_s']:g} s) at step "
+                f"{f['injected_step']}: training went on: {o['training_continued']}; "
+                f"checkpoints delayed {o['checkpoints_delayed']}, failed "
+                f"{o['checkpoints_failed']}, skipped {o['checkpoints_skipped']}; "
+                f"extra stall {stall}")
+    recovery = "not observed" if f["recovery_s"] is None else f"{f['recovery_s']:.2f} s"
+    return (f"{f['kind']} at step {f['injected_step']}: recovery {recovery}, "
+            f"lost steps {f['lost_steps']}")

@@ -1,0 +1,56 @@
+"""What a run leaves to be measured: the trainer's events as they come, and the injection log.
+
+Everything the measurements, the checker and the reports say about a run comes from a
+:class:`RunRecord`: the events every rank appended to ``events/rank<r>.jsonl`` and what the
+runner did to the job (:class:`~antifragile.chaos.faults.Injection`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from antifragile.chaos.faults.base import Injection
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """Everything measured afterwards comes from here: events and the injection log."""
+
+    returncode: int
+    started_t: float
+    ended_t: float
+    events: list[dict[str, Any]]
+    injections: list[Injection]
+    attempt_ends: dict[int, float] = field(default_factory=dict)  # attempt -> all workers gone
+
+    @property
+    def wall_s(self) -> float:
+        return self.ended_t - self.started_t
+
+
+class EventTail:
+    """Reads new lines of every ``events/rank*.jsonl`` since the last call."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = run_dir / "events"
+        self._offsets: dict[Path, int] = {}
+        self.events: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        new: list[dict[str, Any]] = []
+        if not self.dir.exists():
+            return new
+        for path in sorted(self.dir.glob("rank*.jsonl")):
+            offset = self._offsets.get(path, 0)
+            with open(path, encoding="utf-8") as f:
+                f.seek(offset)
+                chunk = f.read()
+            complete = chunk[:chunk.rfind("\n") + 1]
+            self._offsets[path] = offset + len(complete.encode())
+            new += [json.loads(line) for line in complete.splitlines() if line.strip()]
+        new.sort(key=lambda e: e["t"])
+        self.events += new
+        return new

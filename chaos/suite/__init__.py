@@ -1,0 +1,26 @@
+"""``chaos suite``: every scenario of a folder, a summary, and regressions against a baseline.
+
+``runner`` discovers, validates and runs the scenarios; ``summary`` builds ``summary.json``,
+``summary.html`` and the table, and compares with a previous summary.
+"""
+
+from antifragile.chaos.suite.runner import Planned, discover, plan, run_suite
+from antifragile.chaos.suite.summary import (
+    FORMAT,
+    SuiteError,
+    Tolerances,
+    build,
+    compare,
+    failed_entry,
+    format_table,
+    load_baseline,
+    summarize,
+    write_html,
+    write_json,
+)
+
+__all__ = [
+    "FORMAT", "Planned", "SuiteError", "Tolerances", "build", "compare", "discover",
+    "failed_entry", "format_table", "load_baseline", "plan", "run_suite", "summarize",
+    "write_html", "write_json",
+]

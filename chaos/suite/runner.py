@@ -1,0 +1,121 @@
+"""``chaos suite``: run every scenario of a folder, in order, each into its own report folder.
+
+This is what the nightly CI runs. A suite never stops at the first problem: a failed scenario, an
+invalid scenario file or a runner that crashes each become a failed entry and the next scenario
+runs. Layout of ``OUT``: ``summary.json``, ``summary.html``, and one ``chaos run`` report folder
+per scenario, ``OUT/<scenario name>/``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from antifragile.chaos.scenario import Scenario, ScenarioError, load_scenario
+from antifragile.chaos.suite.summary import SuiteError, failed_entry, summarize
+
+if TYPE_CHECKING:
+    from antifragile.chaos.run.pipeline import RunStatus
+
+_RUN_MARKERS = ("report.json", "run", "ckpt", "error.txt")  # what a chaos run folder holds
+
+
+@dataclass(slots=True)
+class Planned:
+    """One scenario file of the suite: the validated scenario, or why it is invalid."""
+
+    file: Path
+    scenario: Scenario | None = None
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.scenario.name if self.scenario else self.file.stem
+
+
+def discover(folder: Path, patterns: Sequence[str] = ("*",)) -> list[Path]:
+    """Every ``*.yaml``/``*.yml`` under ``folder`` (recursively) whose name or stem matches
+    one of ``patterns`` (globs)."""
+    if not folder.is_dir():
+        raise SuiteError(f"{folder}: no such folder")
+    patterns = list(patterns) or ["*"]
+    files = sorted(p for p in folder.rglob("*")
+                   if p.is_file() and p.suffix in (".yaml", ".yml")
+                   and any(fnmatch(p.name, g) or fnmatch(p.stem, g) for g in patterns))
+    if not files:
+        matching = f" matching {' or '.join(map(repr, patterns))}" if patterns != ["*"] else ""
+        raise SuiteError(f"{folder}: no scenario files (*.yaml){matching}")
+    return files
+
+
+def plan(files: list[Path], out: Path) -> list[Planned]:
+    """Validate every file; refuse duplicate names and output folders that are not ours."""
+    planned = []
+    for file in files:
+        try:
+            planned.append(Planned(file, scenario=load_scenario(file)))
+        except ScenarioError as exc:
+            planned.append(Planned(file, error=str(exc)))
+    seen: dict[str, Path] = {}
+    for p in planned:
+        if p.scenario is None:
+            continue
+        if p.name in seen:
+            raise SuiteError(f"{p.file}: scenario name {p.name!r} is already used by "
+                             f"{seen[p.name]}; names must be unique in a suite")
+        seen[p.name] = p.file
+        folder = out / p.name
+        if folder.exists() and any(folder.iterdir()) and \
+                not any((folder / m).exists() for m in _RUN_MARKERS):
+            raise SuiteError(f"{folder}: exists and is not a chaos run folder; "
+                             f"not replacing it (choose another --out)")
+    return planned
+
+
+def _fresh(folder: Path) -> None:
+    """Clear a previous run's folder: old checkpoints would be resumed from."""
+    if folder.exists():
+        shutil.rmtree(folder)
+
+
+def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
+              progress: Callable[[str], None] = print,
+              status: Callable[[RunStatus], None] | None = None) -> list[dict[str, Any]]:
+    """Run every planned scenario into ``out/<name>/``, in order; one entry each."""
+    from antifragile.chaos.run.pipeline import run  # torch: only once a suite runs
+
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, p in enumerate(planned, 1):
+        head = f"[{i}/{len(planned)}] {p.name} ({p.file})"
+        if p.scenario is None:
+            progress(f"{head}: INVALID")
+            entries.append(failed_entry(p.name, str(p.file), p.error or "invalid scenario"))
+            continue
+        progress(head)
+        folder = out / p.name
+        _fresh(folder)
+        started = time.monotonic()
+        try:
+            outcome = run(p.scenario, folder, reference=reference, progress=progress,
+                          status=status)
+        except Exception as exc:  # a crashed runner fails this scenario, not the suite
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "error.txt").write_text(traceback.format_exc())
+            entry = failed_entry(p.name, str(p.file),
+                                 f"the runner crashed: {type(exc).__name__}: {exc}",
+                                 error=f"{p.name}/error.txt")
+            entry["wall_s"] = time.monotonic() - started
+        else:
+            entry = summarize(p.name, str(p.file), outcome.report, f"{p.name}/report.json")
+        progress(f"{head}: {entry['verdict'].upper()} in {time.monotonic() - started:.0f} s")
+        entries.append(entry)
+    return entries
+
+

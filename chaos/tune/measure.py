@@ -1,0 +1,198 @@
+"""Measuring C, R and the step time on a scenario's own configuration, and the confirming sweep.
+
+One real run through :func:`antifragile.chaos.run.runner.run_scenario` gives the costs the
+model needs; the sweep runs short real jobs around the recommended interval and reports how far
+they sit from the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from antifragile.chaos.tune.model import Costs, MeasureError, TuneError, expected_goodput
+
+if TYPE_CHECKING:  # the tuning model stays importable without torch
+    from antifragile.chaos.observe.record import RunRecord
+    from antifragile.chaos.scenario import Scenario
+
+
+STOPPING_KINDS = frozenset({"kill_rank", "hang_rank", "crash_during_save", "drop_link"})
+"""Fault kinds that stop the job (the launcher restarts it): the failures M counts. A
+corrupted shard or a storage outage costs a checkpoint, not the job."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Measured:
+    """Costs read from one real run's events (slowest rank per step; first step of each
+    attempt left out as warm-up)."""
+
+    ckpt_s: float  # stall_s + step_effect_s: the C the model gets
+    stall_s: float  # mean staging stall per checkpoint
+    step_effect_s: float  # mean step time after a checkpoint minus otherwise, clipped at 0
+    ckpt_cycle_s: float | None  # cross-check: step-to-step wall time after a checkpoint - else
+    restart_s: float  # mean detect + restart + restore per failure: the R the model gets
+    step_s: float  # median step time
+    startup_s: float  # launch -> first step began (a fixed cost of every real run)
+    tail_s: float  # last step -> job ended (final blocking checkpoint, exit)
+    failures: int
+    checkpoints: int
+    injected_kill: bool  # the scenario had no failure to time, so tune added one
+    wall_s: float
+    goodput: float
+    run_dir: str
+
+
+def scenario_mtbf_s(s: Scenario) -> float | None:
+    """The job MTBF implied by the scenario's random failures: rates of independent
+    ``mtbf_s`` faults that stop the job add up."""
+    rates = [1 / f.mtbf_s for f in s.faults if f.mtbf_s and f.kind in STOPPING_KINDS]
+    return 1 / sum(rates) if rates else None
+
+
+def _edit(s: Scenario, **changes: Any) -> Scenario:
+    from antifragile.chaos.scenario import parse_scenario
+
+    data = s.model_dump(by_alias=True, mode="json", exclude_none=True)
+    for path, value in changes.items():
+        node = data
+        *parents, last = path.split("__")
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    return parse_scenario(data, path=f"<{s.name}, edited by chaos tune>")
+
+
+def with_kill(s: Scenario) -> Scenario:
+    """A copy of ``s`` with a kill of the last rank at the middle step, to time a restart."""
+    if s.trainer.steps < 2:
+        raise TuneError(f"scenario {s.name}: {s.trainer.steps} step(s) is too short to time "
+                        "a restart; give it at least 2 steps")
+    kill = {"kind": "kill_rank", "rank": s.trainer.parallel.world_size - 1,
+            "at_step": s.trainer.steps // 2}
+    faults = [f.model_dump(mode="json", exclude_none=True) for f in s.faults]
+    return _edit(s, faults=[*faults, kill])
+
+
+def _steps(record: RunRecord) -> dict[int, dict[int, tuple[float, float]]]:
+    """attempt -> step -> (end time, seconds), slowest rank."""
+    out: dict[int, dict[int, tuple[float, float]]] = {}
+    for e in record.events:
+        if e["event"] == "step_end":
+            t, sec = out.setdefault(e["attempt"], {}).get(e["step"], (0.0, 0.0))
+            out[e["attempt"]][e["step"]] = (max(t, e["t"]), max(sec, e["seconds"]))
+    return out
+
+
+def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir: str = ""
+                      ) -> Measured:
+    """C, R, step time, start-up and tail from a finished run (DESIGN 4.3 measurements)."""
+    from antifragile.chaos.observe import measure
+
+    ckpts = measure.checkpoints(record)
+    if not ckpts:
+        raise MeasureError("the run took no checkpoint, so its cost cannot be measured")
+    staged = {(c["attempt"], c["step"]) for c in ckpts if c["stall_s"] is not None}
+    by_attempt = _steps(record)
+    after: list[float] = []
+    other: list[float] = []
+    cycle_after: list[float] = []
+    cycle_other: list[float] = []
+    for attempt, steps in by_attempt.items():
+        for step in sorted(steps)[1:]:  # the first step of an attempt is warm-up
+            t, sec = steps[step]
+            is_after = (attempt, step - 1) in staged
+            (after if is_after else other).append(sec)
+            if step - 1 in steps:
+                (cycle_after if is_after else cycle_other).append(t - steps[step - 1][0])
+    if not other:
+        raise MeasureError("the run has too few steps to time one (need > 1 per attempt)")
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    stall = mean([c["stall_s"] for c in ckpts if c["stall_s"] is not None] or [0.0])
+    effect = max(mean(after) - mean(other), 0.0) if after else 0.0
+    cycle = (max(mean(cycle_after) - mean(cycle_other), 0.0)
+             if cycle_after and cycle_other else None)
+    timed = [t for t in (measure.fault_timings(record, i) for i in record.injections)
+             if t.kind in STOPPING_KINDS and t.restore_s is not None]
+    if not timed:
+        raise MeasureError(f"no failure of the run was followed by a restart and restore, so R "
+                           f"cannot be measured; see {run_dir or 'the run folder'}/torchrun.log")
+    first = by_attempt[min(by_attempt)]
+    t1, sec1 = first[min(first)]
+    last_attempt = by_attempt[max(by_attempt)]
+    return Measured(
+        ckpt_s=stall + effect, stall_s=stall, step_effect_s=effect, ckpt_cycle_s=cycle,
+        restart_s=mean([t.detect_s + t.restart_s + t.restore_s for t in timed]),  # type: ignore[operator]
+        step_s=float(np.median(after + other)), startup_s=max(t1 - sec1 - record.started_t, 0.0),
+        tail_s=max(record.ended_t - last_attempt[max(last_attempt)][0], 0.0),
+        failures=len(timed), checkpoints=len(ckpts), injected_kill=injected_kill,
+        wall_s=record.wall_s, goodput=measure.goodput(record), run_dir=run_dir)
+
+
+def _run(s: Scenario, folder: Path) -> RunRecord:
+    from antifragile.chaos.run.runner import run_scenario
+
+    record = run_scenario(s, folder / "run", s.checkpoint.url or str(folder / "ckpt"))
+    if record.returncode != 0:
+        raise MeasureError(f"scenario {s.name}: the run failed (code {record.returncode}); "
+                           f"see {folder / 'run' / 'torchrun.log'}")
+    return record
+
+
+def measure_costs(s: Scenario, folder: Path, progress: Callable[[str], None] = print
+                  ) -> Measured:
+    """Run the scenario once and measure. Random arrivals may all miss a short run, so
+    unless a failure is certain (a step- or checkpoint-triggered one), a kill is added."""
+    injected = not any(f.kind in STOPPING_KINDS and not f.mtbf_s for f in s.faults)
+    if injected:
+        s = with_kill(s)
+        kill = s.faults[-1]
+        progress(f"measure: no certain failure in the scenario to time R; added kill_rank of "
+                 f"rank {getattr(kill, 'rank', None)} at step {kill.at_step}")
+    progress(f"measure: running {s.name} ({s.trainer.steps} steps, every "
+             f"{s.checkpoint.every_steps}) in {folder}")
+    record = _run(s, folder)
+    return costs_from_record(record, injected_kill=injected, run_dir=str(folder / "run"))
+
+
+def sweep_every(recommended: int, steps: int) -> list[int]:
+    """Three intervals around the recommendation (half, it, double) that fit in the run."""
+    return sorted({min(max(1, e), max(steps - 1, 1))
+                   for e in (recommended // 2, recommended, recommended * 2)})
+
+
+def sweep(s: Scenario, costs: Costs, measured: Measured, folder: Path, *, every: list[int],
+          steps: int, mtbf_from_scenario: bool,
+          progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Short real runs at each ``every_steps``, failures at the MTBF; measured goodput vs the
+    model's prediction for that run (its start-up and tail included: the runs are short)."""
+    from antifragile.chaos.observe import measure
+
+    if mtbf_from_scenario:
+        faults = [f.model_dump(mode="json", exclude_none=True) for f in s.faults
+                  if f.mtbf_s and f.kind in STOPPING_KINDS]
+    else:
+        faults = [{"kind": "kill_rank", "rank": "random", "mtbf_s": costs.mtbf_s}]
+    assert costs.step_s is not None
+    rows = []
+    for e in every:
+        run_s = _edit(s, trainer__steps=steps, checkpoint__every_steps=e, faults=faults,
+                      checkpoint__url=None)
+        progress(f"sweep: every {e} steps, {steps} steps, MTBF {costs.mtbf_s:.4g} s")
+        record = _run(run_s, folder / f"every_{e}")
+        tau = e * costs.step_s
+        model = expected_goodput(tau, costs.ckpt_s, costs.restart_s, costs.mtbf_s)
+        work = steps * costs.step_s
+        predicted = work / (measured.startup_s + measured.tail_s + work / model)
+        got = measure.goodput(record)
+        rows.append({"every_steps": e, "interval_s": tau, "steps": steps,
+                     "wall_s": record.wall_s, "failures": sum(
+                         1 for i in record.injections
+                         if i.kind in STOPPING_KINDS and not i.skipped),
+                     "measured_goodput": got, "predicted_goodput": predicted,
+                     "model_goodput": model, "gap": got - predicted})
+    return rows

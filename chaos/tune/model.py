@@ -1,0 +1,141 @@
+"""Checkpoint-interval tuning (DESIGN 4.5), the analytic half: Young, Daly, the exact optimum.
+
+The model is Daly's (2006) for exponential failures: a job alternates ``tau`` seconds of work
+and a checkpoint costing ``C``; a failure anywhere in ``tau + C`` loses that segment, then a
+restart costing ``R`` (itself interruptible) precedes the redo. Its expected goodput is exact
+for that process::
+
+    goodput(tau) = tau / (M * exp(R / M) * (exp((tau + C) / M) - 1))
+
+``simulate`` plays the same process on seeded failure schedules; ``measure`` times C, R and the
+step on a scenario's own configuration.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+Distribution = Literal["exponential", "weibull"]
+DISTRIBUTIONS: tuple[Distribution, ...] = ("exponential", "weibull")
+
+SIM_TOLERANCE = 0.01
+"""Largest |simulated - analytic| goodput accepted for exponential failures (the tests hold
+the simulator to it; ``tune`` reports the gap it found)."""
+
+META_MTTF_H = {1024: 7.9, 16384: 1.8}
+"""Job MTTF by GPU count reported by Meta (Kokolis et al. 2024, "Revisiting Reliability in
+Large-Scale Machine Learning Research Clusters")."""
+
+PROJECTION_GPUS = (1024, 16384, 100_000)
+
+
+class TuneError(ValueError):
+    """Bad tuning input; the message is for the user as is (exit 2)."""
+
+
+class MeasureError(RuntimeError):
+    """A real run failed or could not be measured; the message names the run folder (exit 1)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Costs:
+    """What the model needs, in seconds: checkpoint cost C, restart + restore cost R, MTBF M,
+    and optionally the step time (to express intervals as ``every_steps``)."""
+
+    ckpt_s: float
+    restart_s: float
+    mtbf_s: float
+    step_s: float | None = None
+
+    def __post_init__(self) -> None:
+        checks = [("checkpoint cost", self.ckpt_s, True), ("restart cost", self.restart_s, False),
+                  ("MTBF", self.mtbf_s, True)]
+        if self.step_s is not None:
+            checks.append(("step time", self.step_s, True))
+        for what, value, strict in checks:
+            if not math.isfinite(value) or value < 0 or (strict and value == 0):
+                need = "> 0" if strict else ">= 0"
+                raise TuneError(f"{what} must be a finite number {need} seconds, got {value}")
+
+
+def young_interval(ckpt_s: float, mtbf_s: float) -> float:
+    """Young (1974): ``sqrt(2 C M)``, first order in C/M."""
+    return math.sqrt(2 * ckpt_s * mtbf_s)
+
+
+def daly_interval(ckpt_s: float, mtbf_s: float) -> float:
+    """Daly (2006), eq. 37: the higher-order estimate; ``M`` once ``C >= 2M``."""
+    if ckpt_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = ckpt_s / (2 * mtbf_s)
+    return math.sqrt(2 * ckpt_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - ckpt_s
+
+
+def expected_goodput(interval_s: float, ckpt_s: float, restart_s: float, mtbf_s: float
+                     ) -> float:
+    """Useful work / expected wall time under Daly's model (exponential failures)."""
+    wall_per_segment = (mtbf_s * math.exp(restart_s / mtbf_s)
+                        * math.expm1((interval_s + ckpt_s) / mtbf_s))
+    return interval_s / wall_per_segment
+
+
+def optimal_interval(ckpt_s: float, mtbf_s: float) -> float:
+    """The exact maximiser of :func:`expected_goodput` (R only scales it).
+
+    Setting the derivative to zero gives ``(1 - u) exp(u) = exp(-C/M)`` for ``u = tau/M``, whose
+    left side falls from 1 to 0 on (0, 1): bisection finds the one root.
+    """
+    target = math.exp(-ckpt_s / mtbf_s)
+    lo, hi = 0.0, 1.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if (1 - mid) * math.exp(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return mtbf_s * (lo + hi) / 2
+
+
+def every_steps(interval_s: float, step_s: float) -> int:
+    return max(1, round(interval_s / step_s))
+
+
+def candidate_intervals(costs: Costs, n: int = 32) -> list[float]:
+    """A geometric grid around Young's interval, in whole steps when the step time is known."""
+    young = young_interval(costs.ckpt_s, costs.mtbf_s)
+    lo, hi = young / 8, min(young * 8, 4 * costs.mtbf_s)
+    hi = max(hi, lo * 4)
+    grid = np.geomspace(lo, hi, n).tolist()
+    grid += [young, daly_interval(costs.ckpt_s, costs.mtbf_s),
+             optimal_interval(costs.ckpt_s, costs.mtbf_s)]
+    if costs.step_s is None:
+        return sorted(set(grid))
+    return sorted({every_steps(g, costs.step_s) * costs.step_s for g in grid})
+
+
+def project(costs: Costs, gpu_mtbf_h: float, gpus: int | None = None,
+            scales: tuple[int, ...] = PROJECTION_GPUS) -> list[dict[str, Any]]:
+    """Goodput and interval at other scales: job MTBF = per-GPU MTBF / GPUs (independent
+    failures in series). Uses the analytic optimum, exact for exponential failures."""
+    if not (math.isfinite(gpu_mtbf_h) and gpu_mtbf_h > 0):
+        raise TuneError(f"--gpu-mtbf-h must be > 0 hours, got {gpu_mtbf_h}")
+    if gpus is not None and gpus < 1:
+        raise TuneError(f"--gpus must be >= 1, got {gpus}")
+    rows = []
+    for n in sorted({*scales, *([gpus] if gpus else [])}):
+        mtbf_s = gpu_mtbf_h * 3600 / n
+        tau = optimal_interval(costs.ckpt_s, mtbf_s)
+        rows.append({"gpus": n, "mtbf_s": mtbf_s, "mtbf_h": mtbf_s / 3600,
+                     "young_interval_s": young_interval(costs.ckpt_s, mtbf_s),
+                     "daly_interval_s": daly_interval(costs.ckpt_s, mtbf_s),
+                     "recommended_interval_s": tau,
+                     "recommended_every_steps": (every_steps(tau, costs.step_s)
+                                                 if costs.step_s else None),
+                     "expected_goodput": expected_goodput(tau, costs.ckpt_s, costs.restart_s,
+                                                          mtbf_s),
+                     "meta_reported_mtbf_h": META_MTTF_H.get(n)})
+    return rows
