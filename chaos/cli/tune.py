@@ -7,11 +7,8 @@ Two modes: on a scenario (C, R and the step time measured by running it once) or
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +16,8 @@ import click
 
 from antifragile.chaos import tune as model
 from antifragile.chaos.cli.common import fail as _fail
-from antifragile.chaos.scenario import ScenarioError, load_scenario
+from antifragile.chaos.scenario import ScenarioError
+from antifragile.chaos.tune.recommend import recommend
 
 
 def _progress(line: str) -> None:
@@ -158,110 +156,12 @@ def tune(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | None,
     chaos tune --ckpt-cost-s C --mtbf-s M [--restart-s R] [--step-s S] [--json]
     """
     try:
-        doc = _tune(scenario, mtbf_s, ckpt_cost_s, restart_s, step_s, gpus, gpu_mtbf_h, dist,
-                    weibull_shape, schedules, seed, do_sweep, _every_list(sweep_every),
-                    sweep_steps, Path(out) if out else None)
+        doc = recommend(scenario, mtbf_s, ckpt_cost_s, restart_s, step_s, gpus, gpu_mtbf_h,
+                        dist, weibull_shape, schedules, seed, do_sweep,
+                        _every_list(sweep_every), sweep_steps, Path(out) if out else None,
+                        progress=_progress)
     except (model.TuneError, ScenarioError) as exc:
         _fail(str(exc))
     except model.MeasureError as exc:
         _fail(str(exc), code=1)
     click.echo(json.dumps(doc) if as_json else _table(doc))
-
-
-def _tune(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | None,
-          restart_s: float | None, step_s: float | None, gpus: int | None,
-          gpu_mtbf_h: float | None, dist: model.Distribution, shape: float, schedules: int,
-          seed: int, do_sweep: bool, every: list[int] | None, sweep_steps: int | None,
-          out: Path | None) -> dict[str, Any]:
-    if gpus is not None and gpu_mtbf_h is None:
-        raise model.TuneError("--gpus needs --gpu-mtbf-h (the MTBF of one GPU, in hours)")
-    if gpu_mtbf_h is not None and not gpu_mtbf_h > 0:
-        raise model.TuneError(f"--gpu-mtbf-h must be > 0 hours, got {gpu_mtbf_h}")
-    if gpus is not None and gpus < 1:
-        raise model.TuneError(f"--gpus must be >= 1, got {gpus}")
-    if mtbf_s is not None and not mtbf_s > 0:
-        raise model.TuneError(f"--mtbf-s must be > 0 seconds, got {mtbf_s}")
-    if sweep_steps is not None and sweep_steps < 2:
-        raise model.TuneError(f"--sweep-steps must be >= 2, got {sweep_steps}")
-    doc: dict[str, Any] = {}
-    measured = s = None
-    from_scenario = False
-    if scenario is None:
-        if do_sweep:
-            raise model.TuneError("--sweep runs a scenario: give SCENARIO.yaml")
-        if ckpt_cost_s is None:
-            raise model.TuneError("give a scenario to measure, or --ckpt-cost-s and --mtbf-s "
-                                  "for the model alone")
-        source = "--mtbf-s"
-        if mtbf_s is None and gpus is not None and gpu_mtbf_h is not None:
-            mtbf_s, source = gpu_mtbf_h * 3600 / gpus, f"{gpu_mtbf_h:g} h / {gpus} GPUs"
-        if mtbf_s is None:
-            raise model.TuneError("model-only mode needs --mtbf-s (or --gpus and --gpu-mtbf-h)")
-        costs = model.Costs(ckpt_s=ckpt_cost_s, restart_s=restart_s or 0.0, mtbf_s=mtbf_s,
-                            step_s=step_s)
-        doc["mode"] = "model only"
-    else:
-        given = [f for f, v in (("--ckpt-cost-s", ckpt_cost_s), ("--restart-s", restart_s),
-                                ("--step-s", step_s)) if v is not None]
-        if given:
-            raise model.TuneError(f"{', '.join(given)}: these are measured when a scenario is "
-                                  "given; drop them, or drop the scenario for model-only mode")
-        s = load_scenario(scenario)
-        source = "--mtbf-s"
-        from_scenario = mtbf_s is None and model.scenario_mtbf_s(s) is not None
-        if from_scenario:
-            mtbf_s, source = model.scenario_mtbf_s(s), f"{scenario}: faults' mtbf_s"
-        if mtbf_s is None and gpus is not None and gpu_mtbf_h is not None:
-            mtbf_s, source = gpu_mtbf_h * 3600 / gpus, f"{gpu_mtbf_h:g} h / {gpus} GPUs"
-        if mtbf_s is None:
-            raise model.TuneError(f"{scenario}: no fault with mtbf_s that stops the job, so "
-                                  "there is no failure rate to tune for; give --mtbf-s")
-        with _folder(out, "measure") as folder:
-            measured = model.measure_costs(s, folder, _progress)
-        costs = model.Costs(ckpt_s=measured.ckpt_s, restart_s=measured.restart_s,
-                            mtbf_s=mtbf_s, step_s=measured.step_s)
-        doc["mode"] = f"measured on {scenario}"
-    _progress(f"simulating {schedules} failure schedules per interval (seed {seed})")
-    tuning = model.tune(costs, dist=dist, shape=shape, schedules=schedules, seed=seed)
-    doc.update(tuning.as_dict())
-    doc["mtbf_source"] = source
-    rec = doc["recommended_every_steps"]
-    if s is not None and rec is not None and rec >= s.trainer.steps:
-        doc["notes"].append(f"every_steps {rec} is not shorter than the scenario's "
-                            f"{s.trainer.steps} steps: this run would checkpoint only at its end")
-    doc["measurement"] = asdict(measured) if measured else None
-    doc["gpu_mtbf_h"] = gpu_mtbf_h
-    doc["projection"] = model.project(costs, gpu_mtbf_h, gpus) if gpu_mtbf_h else None
-    doc["sweep"] = None
-    if do_sweep:
-        assert s is not None and measured is not None and costs.step_s is not None
-        steps = sweep_steps or max(s.trainer.steps, round(3 * costs.mtbf_s / costs.step_s))
-        with _folder(out, "sweep") as folder:
-            doc["sweep"] = model.sweep(
-                s, costs, measured, folder, every=every or model.sweep_every(rec, steps),
-                steps=steps, mtbf_from_scenario=from_scenario,
-                progress=_progress)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        doc["out"] = str(out)
-        (out / "tune.json").write_text(json.dumps(doc, indent=2))
-        model.plot(tuning, out / "goodput.png", doc["sweep"])
-    return doc
-
-
-class _folder:
-    """``out/<name>`` when an output folder is given, else a temporary one, removed after
-    unless a run failed (its log is there)."""
-
-    def __init__(self, out: Path | None, name: str) -> None:
-        self.temporary = out is None
-        self.path = Path(tempfile.mkdtemp(prefix=f"chaos-tune-{name}-")) if out is None \
-            else out / name
-
-    def __enter__(self) -> Path:
-        self.path.mkdir(parents=True, exist_ok=True)
-        return self.path
-
-    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        if self.temporary and kind is None:
-            shutil.rmtree(self.path, ignore_errors=True)
