@@ -6,6 +6,7 @@ Every error names the file, the key path and the reason, e.g.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,6 +25,20 @@ from antifragile.chaos.faults import FAULT_CONFIGS, FaultConfig
 
 #: The shipped scenarios (``chaos list``): the repository's ``scenarios/`` folder.
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
+
+
+_WORKER_MIB = 400  # resident memory of one CPU trainer worker (torch + a small model), measured
+_LIMIT_REASON = f"one worker needs ~{_WORKER_MIB} MiB; at most 16 per CPU core"
+
+
+def max_workers() -> int:
+    """How many trainer worker processes this machine can hold."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        kib = 16 * 2**20
+    return max(1, min(kib // 1024 // _WORKER_MIB, 16 * (os.cpu_count() or 1)))
 
 
 class ScenarioError(Exception):
@@ -61,7 +76,36 @@ class TrainerSpec(_Strict):
     micro_batches: Annotated[int, Field(ge=1)] = 4
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     collective_timeout_s: Annotated[float, Field(gt=0)] = 60.0
-    hang_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    #: no training progress for this long is a hang; None: adaptive (max(10 s, 20 x p99 of
+    #: the intervals between progress bumps))
+    hang_timeout_s: Annotated[float, Field(gt=0)] | None = None
+    #: after a rank fails: torchrun restarts the group, or the survivors re-form it in process
+    #: with a warm spare (falling back to a restart when no spare is left)
+    recovery: Literal["restart", "in_process"] = "restart"
+    #: warm spare workers for in_process recovery (default 1 there, 0 otherwise)
+    spares: Annotated[int, Field(ge=0)] | None = None
+
+    @property
+    def spare_workers(self) -> int:
+        if self.spares is not None:
+            return self.spares
+        return 1 if self.recovery == "in_process" else 0
+
+    @model_validator(mode="after")
+    def _recovery(self) -> TrainerSpec:
+        if self.spares and self.recovery != "in_process":
+            raise ValueError(f"spares: {self.spares} spare(s) are used only by recovery "
+                             "in_process (restart mode starts new processes instead)")
+        if self.recovery == "in_process" and self.nodes > 1:
+            raise ValueError("recovery in_process runs on one host (nodes: 1): its store is "
+                             "the local torchrun agent's")
+        limit = max_workers()
+        total = self.parallel.world_size + self.spare_workers
+        if total > limit:
+            raise ValueError(f"spares: {self.parallel.world_size} ranks + "
+                             f"{self.spare_workers} spare(s) = {total} worker processes; "
+                             f"this machine holds at most {limit} ({_LIMIT_REASON})")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSpec:

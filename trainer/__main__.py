@@ -1,4 +1,8 @@
-"""``torchrun --nproc-per-node N -m antifragile.trainer --dp D --tp T --pp P ...`` (see --help)."""
+"""``torchrun --nproc-per-node N -m antifragile.trainer --dp D --tp T --pp P ...`` (see --help).
+
+Under torchrun every worker is a supervisor (``trainer.supervisor``) that forks the training
+process once torch is imported, and watches it.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +13,37 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def main() -> int:
-    import torch
-
     from antifragile.trainer.config import parse_args
-    from antifragile.trainer.train import run
 
     cfg = parse_args()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    if cfg.device == "cpu":
-        torch.set_num_threads(1)
-    return run(cfg)
+    import torch  # before the fork: the training process starts with it loaded
+
+    from antifragile.trainer.progress import SharedProgress
+    from antifragile.trainer.supervisor import supervise
+    from antifragile.trainer.train import run
+
+    def train(progress: SharedProgress) -> int:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if cfg.device == "cpu":
+            torch.set_num_threads(1)
+        return run(cfg, progress)
+
+    if "RANK" not in os.environ:  # not under torchrun: one process, nobody to supervise it
+        return train(SharedProgress())
+
+    def store() -> object:
+        from antifragile.trainer.distributed import launch_info
+
+        return launch_info(collective_timeout_s=cfg.collective_timeout_s).job_store()
+
+    code = supervise(train, slot=int(os.environ["RANK"]), recovery=cfg.recovery,
+                     hang_timeout_s=cfg.hang_timeout_s, run_dir=cfg.run_dir,
+                     store_factory=store, reform_timeout_s=cfg.collective_timeout_s * 2)
+    # The supervisor holds no state worth a clean interpreter teardown, which takes seconds
+    # with torch loaded (15 s on a busy 2-core machine): the launcher waits for this exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

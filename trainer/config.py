@@ -29,8 +29,8 @@ class TrainConfig:
     keep_last: int = 3
     ckpt_timeout_s: float = 600.0
     collective_timeout_s: float = 60.0
-    heartbeat_interval_s: float = 0.5
-    hang_timeout_s: float = 10.0
+    hang_timeout_s: float | None = None  # None: adaptive (trainer.supervisor.Watchdog)
+    recovery: str = "restart"  # restart | in_process
     activation_checkpointing: bool = False
     device: str = "cpu"
 
@@ -60,6 +60,10 @@ class TrainConfig:
             raise ValueError(f"heads {self.model.heads} not divisible by tp {self.parallel.tp}")
         if self.model.layers < self.parallel.pp:
             raise ValueError(f"{self.model.layers} layers cannot fill {self.parallel.pp} stages")
+        if self.recovery not in ("restart", "in_process"):
+            raise ValueError(f"recovery must be restart or in_process, not {self.recovery!r}")
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
+            raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -88,8 +92,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--ckpt-timeout-s", type=float, default=600.0)
     p.add_argument("--no-async-ckpt", action="store_true")
     p.add_argument("--collective-timeout-s", type=float, default=60.0)
-    p.add_argument("--heartbeat-interval-s", type=float, default=0.5)
-    p.add_argument("--hang-timeout-s", type=float, default=10.0)
+    p.add_argument("--hang-timeout-s", type=float, default=None,
+                   help="no training progress for this long is a hang (default: adaptive, "
+                   "max(10 s, 20 x p99 of the intervals between progress bumps))")
+    p.add_argument("--recovery", choices=("restart", "in_process"), default="restart",
+                   help="restart: torchrun restarts the group after a failure; in_process: "
+                   "survivors re-form it with a warm spare (extra torchrun workers)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = p.parse_args(argv)
@@ -103,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             run_dir=a.run_dir, ckpt_url=a.ckpt_url, ckpt_engine=a.ckpt_engine,
             ckpt_every=a.ckpt_every, async_ckpt=not a.no_async_ckpt, keep_last=a.keep_last,
             ckpt_timeout_s=a.ckpt_timeout_s, collective_timeout_s=a.collective_timeout_s,
-            heartbeat_interval_s=a.heartbeat_interval_s, hang_timeout_s=a.hang_timeout_s,
+            hang_timeout_s=a.hang_timeout_s, recovery=a.recovery,
             activation_checkpointing=a.activation_checkpointing, device=a.device)
     except ValueError as exc:
         p.error(str(exc))

@@ -1,155 +1,126 @@
-"""Process-group start-up that survives in-place restarts, and a heartbeat that finds hangs.
+"""Process groups that survive restarts: one per generation, on its own store prefix.
 
-torchrun's in-place restart (``--max-restarts``) re-runs the workers against the same
-rendezvous store; gloo then reads the previous attempt's keys and fails with "connectFullMesh
-failed ... Connection refused" or hangs. Every attempt therefore initialises its process group
-on its own ``PrefixStore`` (``attempt<n>/``), and ``n`` is also the attempt in the event log.
+torchrun's in-place restart re-runs the workers against the same rendezvous store, and
+in-process recovery re-forms the group inside running processes; either way gloo would read
+the previous group's keys ("connectFullMesh failed ... Connection refused", or a hang). Every
+generation therefore initialises its process group on its own ``PrefixStore``
+(``antifragile/g<n>/``), where ``n`` is a job-wide generation number (``trainer.recovery``) that
+is also the ``attempt`` of every event.
 
-With one agent, ``n`` is ``TORCHELASTIC_RESTART_COUNT``. With several agents (one per host)
-that count is not agreed: torch's elastic agent (``SimpleElasticAgent._invoke_run``) takes a
-restart off its budget only when its own workers failed; an agent whose workers were still
-healthy restarts them because another agent is waiting in the rendezvous ("membership
-changes do not count as retries") and keeps its count. After a kill on host 1, host 1's
-workers get count 1 and host 0's may get 0 - the two halves would wait on different prefixes.
-The multi-host launcher therefore sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (each
-rendezvous round gets a fresh store, hosted by worker rank 0 on a new port, so no keys are
-stale) and ``ANTIFRAGILE_ATTEMPT_STORE=<host>:<port>`` (the c10d rendezvous store, which lives
-as long as the job): rank 0 takes the next number from a counter there and publishes it in
-the fresh store, where every other rank reads it. Numbers are consecutive, one per attempt
-whose rank 0 got that far.
-
-Hangs: a stopped rank (SIGSTOP, a wedged driver) blocks its peers inside a collective until the
-backend's timeout. The heartbeat thread of every rank bumps a counter in the store; each rank
-watches its peers' counters, and if one stops moving for ``hang_timeout_s`` it logs the silent
-rank(s) and exits the process, so the launcher tears the group down and restarts it in seconds.
+With several agents (one per host) torch does not agree on ``TORCHELASTIC_RESTART_COUNT``:
+an agent restarts its healthy workers when another agent waits in the rendezvous ("membership
+changes do not count as retries") and keeps its count. The multi-host launcher therefore sets
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store per rendezvous round, hosted by worker
+rank 0) and ``ANTIFRAGILE_ATTEMPT_STORE=<host>:<port>`` (the c10d rendezvous store, which lives
+as long as the job): generation numbers come from a counter there.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-HANG_EXIT_CODE = 43
+from antifragile.trainer.recovery import Formation, GlooSockets, JobStore
+
+
+@dataclass(slots=True)
+class Launch:
+    """This worker's place in the torchrun job, and the stores it talks through."""
+
+    slot: int  # torchrun's RANK: which worker process this is
+    slots: int  # torchrun's WORLD_SIZE: trainer ranks + spares
+    local_rank: int
+    base: Any  # the launcher's store (None without torchrun)
+    attempt_key: str  # the key namespace of this torchrun attempt
+    counter_at: str | None  # host:port of the job-wide generation counter, if not ``base``
+    timeout: timedelta
+
+    def job_store(self) -> JobStore:
+        """A new client of the launcher's store (one per thread)."""
+        return JobStore(self.connect(), self.attempt_key, counter=self._counter())
+
+    def connect(self) -> Any:
+        if self.base is None:
+            return dist.HashStore()
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                             is_master=False, timeout=self.timeout, wait_for_workers=False)
+
+    def _counter(self) -> Any:
+        if self.counter_at is None:
+            return None
+        host, _, port = self.counter_at.rpartition(":")
+        return dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout,
+                             wait_for_workers=False)
+
+    def store_ports(self) -> set[int]:
+        ports = {int(os.environ["MASTER_PORT"])} if "MASTER_PORT" in os.environ else set()
+        if self.counter_at:
+            ports.add(int(self.counter_at.rpartition(":")[2]))
+        return ports
+
+
+def launch_info(*, collective_timeout_s: float) -> Launch:
+    """Read torchrun's environment (also works without torchrun: one slot, a HashStore)."""
+    slot = int(os.environ.get("RANK", 0))
+    slots = int(os.environ.get("WORLD_SIZE", 1))
+    timeout = timedelta(seconds=collective_timeout_s)
+    counter_at = os.environ.get("ANTIFRAGILE_ATTEMPT_STORE") or None
+    base: Any = None
+    if "MASTER_ADDR" in os.environ:
+        agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        if counter_at and agent_hosts_store:
+            raise RuntimeError("ANTIFRAGILE_ATTEMPT_STORE needs a fresh store per attempt: "
+                               "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun")
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), slots,
+                             is_master=slot == 0 and not agent_hosts_store, timeout=timeout,
+                             wait_for_workers=False)
+    else:
+        base = dist.HashStore()
+    # a fresh store per rendezvous round needs no namespace; the agent's store does
+    attempt_key = "fresh" if counter_at else f"a{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    return Launch(slot, slots, int(os.environ.get("LOCAL_RANK", 0)), base, attempt_key,
+                  counter_at, timeout)
 
 
 @dataclass(slots=True)
 class DistContext:
-    rank: int
+    rank: int  # the trainer rank this process plays in this generation
     world_size: int
-    local_rank: int
-    attempt: int
+    slot: int
+    generation: int
     device: torch.device
-    store: dist.Store
+    store: Any  # this generation's store prefix
+    sockets: GlooSockets  # the generation's connections, for an abort
 
 
-def init_distributed(*, device_type: str, collective_timeout_s: float) -> DistContext:
-    """Initialise the default process group for this attempt (also without torchrun)."""
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    timeout = timedelta(seconds=collective_timeout_s)
-    if "MASTER_ADDR" in os.environ:
-        agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        base: dist.Store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-            is_master=rank == 0 and not agent_hosts_store, timeout=timeout,
-            wait_for_workers=False)
-        if os.environ.get("ANTIFRAGILE_ATTEMPT_STORE"):
-            if agent_hosts_store:
-                raise RuntimeError("ANTIFRAGILE_ATTEMPT_STORE needs a fresh store per attempt: "
-                                   "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun")
-            attempt = _agreed_attempt(base, rank, os.environ["ANTIFRAGILE_ATTEMPT_STORE"],
-                                      timeout)
-    else:
-        base = dist.HashStore()
-    store = dist.PrefixStore(f"antifragile/attempt{attempt}", base)
+def join(launch: Launch, formation: Formation, *, device_type: str) -> DistContext:
+    """Initialise the default process group of ``formation`` as its member ``launch.slot``.
+    Call :meth:`GlooSockets.end` once every subgroup (mesh) is built."""
+    rank = formation.members.index(launch.slot)
+    world_size = len(formation.members)
+    store = dist.PrefixStore(f"antifragile/g{formation.generation}", launch.base)
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(launch.local_rank)
+        device = torch.device("cuda", launch.local_rank)
         backend = "cpu:gloo,cuda:nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    sockets = GlooSockets(launch.store_ports())
+    sockets.begin()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout)
-    return DistContext(rank, world_size, local_rank, attempt, device, store)
+                            timeout=launch.timeout)
+    return DistContext(rank, world_size, launch.slot, formation.generation, device, store,
+                       sockets)
 
 
-def _agreed_attempt(fresh: dist.Store, rank: int, counter_at: str, timeout: timedelta) -> int:
-    """The attempt number every rank of this attempt agrees on (see the module docstring).
-
-    ``fresh`` must be this attempt's own store (nothing from an earlier attempt in it)."""
-    key = "antifragile/attempt_number"
-    if rank == 0:
-        host, _, port = counter_at.rpartition(":")
-        counter = dist.TCPStore(host, int(port), is_master=False, timeout=timeout,
-                                wait_for_workers=False)
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        number = counter.add(f"antifragile/{run_id}/attempts", 1) - 1
-        fresh.set(key, str(number))
-        return number
-    return int(fresh.get(key))
-
-
-class Heartbeat:
-    """Bumps this rank's counter every ``interval_s``; fires ``on_hang(silent_ranks)`` when a
-    watched peer's counter has not moved for ``hang_timeout_s``.
-
-    Counters, not timestamps: staleness is judged on the watcher's own monotonic clock, so
-    clock skew between hosts does not matter. Up to 64 ranks every rank watches all peers;
-    beyond that, its two ring neighbours (the teardown then takes the rest down).
-    """
-
-    def __init__(self, store: dist.Store, rank: int, world_size: int, *, interval_s: float,
-                 hang_timeout_s: float, on_hang: Callable[[list[int]], None]) -> None:
-        self._store = dist.PrefixStore("heartbeat", store)
-        self.rank = rank
-        self.interval_s = interval_s
-        self.hang_timeout_s = hang_timeout_s
-        self.on_hang = on_hang
-        if world_size <= 64:
-            self.peers = [r for r in range(world_size) if r != rank]
-        else:
-            self.peers = sorted({(rank - 1) % world_size, (rank + 1) % world_size})
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-
-    def start(self) -> None:
-        self._store.add(str(self.rank), 1)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        last: dict[int, tuple[int, float]] = {}
-        started = time.monotonic()
-        while not self._stop.wait(self.interval_s):
-            now = time.monotonic()
-            try:
-                self._store.add(str(self.rank), 1)
-                silent = []
-                for peer in self.peers:
-                    count = self._store.add(str(peer), 0)
-                    seen = last.get(peer)
-                    if seen is None or seen[0] != count:
-                        last[peer] = (count, now)
-                    elif now - seen[1] > self.hang_timeout_s:
-                        silent.append(peer)
-                    if count == 0 and now - started > self.hang_timeout_s:
-                        silent.append(peer)  # never started beating
-            except Exception as exc:  # the store went away: the launcher is tearing down
-                print(f"[rank {self.rank}] heartbeat store unavailable: {exc}", file=sys.stderr)
-                return
-            if silent:
-                self.on_hang(sorted(set(silent)))
-                return
+def leave() -> None:
+    """Destroy the default process group and its subgroups (after a failure: their
+    connections are already shut down)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

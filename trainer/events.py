@@ -25,13 +25,17 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 class EventLog:
-    def __init__(self, run_dir: str | None, rank: int, attempt: int) -> None:
+    """Appends to ``events/<name>.jsonl`` (default ``rank<rank>``; spares and supervisors
+    write their own files). Not thread-safe across processes beyond whole-line appends."""
+
+    def __init__(self, run_dir: str | None, rank: int, attempt: int, *,
+                 name: str | None = None) -> None:
         self.rank = rank
         self.attempt = attempt
         self._file: TextIO | None = None
         if run_dir:
             os.makedirs(os.path.join(run_dir, "events"), exist_ok=True)
-            path = os.path.join(run_dir, "events", f"rank{rank}.jsonl")
+            path = os.path.join(run_dir, "events", f"{name or f'rank{rank}'}.jsonl")
             self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
     def emit(self, event: str, **fields: Any) -> None:

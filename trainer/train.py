@@ -1,9 +1,16 @@
-"""The training loop: build the 3D-parallel model, resume, train, checkpoint, report events."""
+"""The training loop: build the 3D-parallel model, resume, train, checkpoint, report events.
+
+``run`` is one torchrun worker's training process (under ``trainer.supervisor``). It plays a
+trainer rank of a *generation* (``trainer.recovery``); with ``--recovery in_process`` a failure
+of the generation does not end the process: it tears the process group down, re-forms it with a
+warm spare in place of the dead rank, restores the last checkpoint and trains on. Extra slots
+(``--nproc-per-node`` beyond dp*tp*pp) are those spares: they import torch and build the model
+at start, then wait for an assignment.
+"""
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import torch
@@ -14,21 +21,40 @@ from antifragile.trainer.checkpoint import TrainCheckpointer
 from antifragile.trainer.ckpt_backends import open_backend
 from antifragile.trainer.config import TrainConfig
 from antifragile.trainer.data import TokenData
-from antifragile.trainer.distributed import HANG_EXIT_CODE, DistContext, Heartbeat, init_distributed
+from antifragile.trainer.distributed import DistContext, Launch, join, launch_info, leave
 from antifragile.trainer.events import EventLog
 from antifragile.trainer.model import GPT, init_weights, keep_stage
 from antifragile.trainer.parallel import apply_fsdp, apply_tp, build_schedule
+from antifragile.trainer.pause import PausePoints
+from antifragile.trainer.progress import Phase, SharedProgress
+from antifragile.trainer.recovery import (
+    FailureWatch,
+    Formation,
+    finish,
+    first_formation,
+    recover,
+    signal_failure,
+    wait_for_assignment,
+)
+from antifragile.trainer.supervisor import RESTART_EXIT_CODE
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def build_model(cfg: TrainConfig) -> GPT:
+    """The whole model, initialised identically on every rank whatever the layout."""
+    model = GPT(cfg.model)
+    init_weights(model, cfg.seed)
+    return model
+
+
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, events: EventLog) -> None:
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, progress: SharedProgress,
+                 model: GPT | None = None) -> None:
         self.cfg = cfg
         self.ctx = ctx
-        self.events = events
         dims = cfg.parallel
         if dims.world_size != ctx.world_size:
             raise ValueError(f"dp*tp*pp = {dims.world_size} but the world has "
@@ -38,9 +64,10 @@ class Trainer:
         self.dp_mesh = mesh["dp"]
         self.dp_rank = self.dp_mesh.get_local_rank()
         self.pp_rank = mesh["pp"].get_local_rank()
-        model = GPT(cfg.model)
-        init_weights(model, cfg.seed)
-        model = keep_stage(model, self.pp_rank, dims.pp)
+        model = keep_stage(model if model is not None else build_model(cfg), self.pp_rank,
+                           dims.pp)
+        for block in model.layers.values():  # micro-step progress for the watchdog
+            block.register_forward_pre_hook(lambda *_: progress.bump())
         if cfg.activation_checkpointing:
             _checkpoint_blocks(model)
         model.to(ctx.device)
@@ -94,65 +121,129 @@ def _checkpoint_blocks(model: GPT) -> None:
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def run(cfg: TrainConfig) -> int:
-    ctx = init_distributed(device_type=cfg.device,
-                           collective_timeout_s=cfg.collective_timeout_s)
-    events = EventLog(cfg.run_dir, ctx.rank, ctx.attempt)
-    events.emit("start", pid=os.getpid(), world_size=ctx.world_size,
-                dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+def _is_collective_error(exc: BaseException) -> bool:
+    """An error raised because a peer or a connection of the process group went away."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or "gloo" in text or "Connection" in text
 
-    def on_hang(silent: list[int]) -> None:
-        msg = (f"[rank {ctx.rank}] rank(s) {silent} silent for more than "
-               f"{cfg.hang_timeout_s:.1f} s: exiting so the launcher restarts the group")
-        print(msg, file=sys.stderr, flush=True)
-        events.emit("hang_detected", silent_ranks=silent)
-        events.emit("exit", code=HANG_EXIT_CODE)
-        os._exit(HANG_EXIT_CODE)
 
-    heartbeat = None
-    if ctx.world_size > 1:
-        heartbeat = Heartbeat(ctx.store, ctx.rank, ctx.world_size,
-                              interval_s=cfg.heartbeat_interval_s,
-                              hang_timeout_s=cfg.hang_timeout_s, on_hang=on_hang)
-        heartbeat.start()
-    code = 1
+def run(cfg: TrainConfig, progress: SharedProgress | None = None) -> int:
+    """One worker's training process: play a rank (or wait as a spare) until the job ends."""
+    progress = progress or SharedProgress()
+    launch = launch_info(collective_timeout_s=cfg.collective_timeout_s)
+    world = cfg.parallel.world_size
+    if launch.slots < world or (launch.slots > world and cfg.recovery != "in_process"):
+        raise ValueError(f"torchrun started {launch.slots} workers for dp*tp*pp = {world}; "
+                         "extra workers are spares, which only --recovery in_process uses")
+    js = launch.job_store()
+    model: GPT | None = None
+    cause = "start"
+    if launch.slot < world:
+        formation: Formation | None = first_formation(js, launch.slot, world)
+    else:
+        progress.set(Phase.SPARE)
+        t0 = time.perf_counter()
+        model = build_model(cfg)  # warm: torch imported, model built, before it is needed
+        spare_log = EventLog(cfg.run_dir, -1, -1, name=f"spare{launch.slot}")
+        spare_log.emit("spare_ready", slot=launch.slot, pid=os.getpid(),
+                       warmup_s=time.perf_counter() - t0)
+        spare_log.close()
+        formation = wait_for_assignment(js, launch.slot)
+        if formation is None:
+            return 0
+        cause = "in_process"
+    while True:
+        assert formation is not None
+        outcome = _generation(cfg, launch, formation, progress, model, cause)
+        if isinstance(outcome, int):
+            if outcome == 0 and formation.members.index(launch.slot) == 0:
+                finish(js, list(range(world, launch.slots)))
+            return outcome
+        formation, model, cause = outcome, None, "in_process"
+
+
+def _generation(cfg: TrainConfig, launch: Launch, formation: Formation,
+                progress: SharedProgress, model: GPT | None, cause: str) -> int | Formation:
+    """Play one generation: its exit code, or the next formation after an in-process
+    recovery."""
+    progress.set(Phase.STARTING, generation=formation.generation,
+                 rank=formation.members.index(launch.slot))
+    ctx = join(launch, formation, device_type=cfg.device)
+    events = EventLog(cfg.run_dir, ctx.rank, ctx.generation)
+    events.emit("start", pid=os.getpid(), world_size=ctx.world_size, slot=ctx.slot,
+                dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cause=cause,
+                recovery=cfg.recovery)
+    watch = None
+    if cfg.recovery == "in_process":
+        watch = FailureWatch(launch.job_store, ctx.generation, ctx.sockets.shutdown)
+        watch.start()
     try:
-        code = _train(cfg, ctx, events)
+        code = _train(cfg, ctx, events, progress, model)
+        progress.set(Phase.DONE)
+        events.emit("exit", code=code)
+        leave()
         return code
     except Exception as exc:
-        events.emit("exit", code=1, error=f"{type(exc).__name__}: {exc}")
-        raise
+        if watch is None or not (watch.fired.is_set() or _is_collective_error(exc)):
+            events.emit("exit", code=1, error=f"{type(exc).__name__}: {exc}")
+            raise
+        progress.set(Phase.RECOVERING)
+        reason = f"{type(exc).__name__}: {str(exc)[:300]}"
+        events.emit("recovery_begin", reason=reason)
+        js = launch.job_store()
+        signal_failure(js, ctx.generation, f"rank {ctx.rank}: {reason}")
+        watch.stop()
+        ctx.sockets.shutdown()
+        leave()
+        events.emit("generation_end")
+        spares = list(range(cfg.parallel.world_size, launch.slots))
+        nxt = recover(js, launch.slot, formation, spares,
+                      timeout_s=cfg.collective_timeout_s)
+        if isinstance(nxt, str):
+            events.emit("exit", code=RESTART_EXIT_CODE, error=nxt)
+            return RESTART_EXIT_CODE
+        return nxt
     finally:
-        if heartbeat is not None:
-            heartbeat.stop()
-        if code == 0:
-            events.emit("exit", code=0)
+        if watch is not None:
+            watch.stop()
         events.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog) -> int:
-    trainer = Trainer(cfg, ctx, events)
+def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: SharedProgress,
+           model: GPT | None) -> int:
+    trainer = Trainer(cfg, ctx, progress, model)
+    pauses = PausePoints(cfg.run_dir, ctx.rank, events.emit, on_hold=lambda held: progress.set(
+        Phase.PAUSED if held else Phase.TRAINING))
     ckpt: TrainCheckpointer | None = None
     step, cursor = 0, 0
     if cfg.ckpt_url:
         backend = open_backend(cfg.ckpt_engine, cfg.ckpt_url, keep_last=cfg.keep_last,
                                timeout_s=cfg.ckpt_timeout_s, async_=cfg.async_ckpt)
         ckpt = TrainCheckpointer(backend, trainer.model, trainer.optimizer, events)
+    ctx.sockets.end()  # every process group of this generation exists now
+    if ckpt is not None:
+        progress.set(Phase.RESTORING, step=step)
         restored = ckpt.restore()
         if restored is not None:
             step, cursor = restored
+    progress.set(Phase.TRAINING, step=step)
     while step < cfg.steps:
         t0 = time.perf_counter()
         loss = trainer.train_step(cursor)
         step += 1
         cursor += cfg.batch_size
+        progress.set(Phase.TRAINING, step=step)
         events.emit("step_end", step=step, loss=loss, seconds=time.perf_counter() - t0)
         if ckpt is not None:
             ckpt.poll()
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
+                progress.set(Phase.CHECKPOINT)
                 ckpt.save(step, cursor, blocking=step == cfg.steps or not cfg.async_ckpt)
+                pauses.save_phase(step, "staged")
+                progress.set(Phase.TRAINING)
+        pauses.step_end(step)
     if ckpt is not None:
+        progress.set(Phase.CHECKPOINT)
         ckpt.close()
     return 0
+

@@ -1,8 +1,17 @@
-"""``hang_rank``: SIGSTOP a rank, SIGCONT it after ``duration_s`` if it is still alive."""
+"""``hang_rank``: a rank stops making progress without dying.
+
+``mode: process`` SIGSTOPs the rank's training process (every thread), SIGCONT after
+``duration_s`` if it is still alive. ``mode: thread`` stops only its training (main) thread
+with ptrace (``PTRACE_SEIZE`` + ``PTRACE_INTERRUPT``), its other threads (checkpoint persist,
+watchers) running on, and detaches after ``duration_s``: the hang a thread heartbeat cannot
+see. ptrace needs CAP_SYS_PTRACE (root here) or a permissive Yama scope; where it is refused
+the fault is reported skipped with the reason.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import threading
@@ -13,15 +22,30 @@ from pydantic import Field
 
 from antifragile.chaos.faults.base import FaultBase, Injection, RankTarget, Target
 
+_PTRACE_DETACH = 17
+_PTRACE_SEIZE = 0x4206
+_PTRACE_INTERRUPT = 0x4207
+_WALL = 0x40000000
+
 
 class HangRank(FaultBase):
     kind: Literal["hang_rank"]
     rank: RankTarget = "random"
     duration_s: Annotated[float, Field(gt=0)] = 30.0
+    mode: Literal["process", "thread"] = "process"
 
     def inject(self, target: Target, step: int | None) -> Injection:
         rank = target.resolve(self.rank)
         pid = target.pids[rank]
+        detail = {"pid": pid, "duration_s": self.duration_s, "mode": self.mode}
+        if self.mode == "thread":
+            hold = _ThreadHold(pid, self.duration_s)
+            error = hold.start()
+            if error:
+                return Injection(self.kind, time.time(), step=step, rank=rank,
+                                 skipped=f"ptrace of pid {pid} refused: {error}", detail=detail)
+            return Injection(self.kind, time.time(), step=step, rank=rank,
+                             detail={**detail, "tid": pid})
         os.kill(pid, signal.SIGSTOP)
 
         def resume() -> None:
@@ -31,5 +55,47 @@ class HangRank(FaultBase):
         timer = threading.Timer(self.duration_s, resume)
         timer.daemon = True
         timer.start()
-        return Injection(self.kind, time.time(), step=step, rank=rank,
-                         detail={"pid": pid, "duration_s": self.duration_s})
+        return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail)
+
+
+class _ThreadHold:
+    """Stops one thread with ptrace and lets it go after ``duration_s``. Every ptrace request
+    must come from the tracing thread, so attach, hold and detach run in one thread here."""
+
+    def __init__(self, tid: int, duration_s: float) -> None:
+        self.tid = tid
+        self.duration_s = duration_s
+        self._stopped = threading.Event()
+        self._error: str | None = None
+
+    def start(self) -> str | None:
+        """Returns once the thread is stopped (None) or the attach failed (the reason)."""
+        threading.Thread(target=self._run, name=f"ptrace-hold-{self.tid}", daemon=True).start()
+        self._stopped.wait(10.0)
+        return self._error if self._error or self._stopped.is_set() else "no stop within 10 s"
+
+    def _run(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        if libc.ptrace(_PTRACE_SEIZE, self.tid, None, None) != 0:
+            self._error = os.strerror(ctypes.get_errno())
+            self._stopped.set()
+            return
+        libc.ptrace(_PTRACE_INTERRUPT, self.tid, None, None)
+        try:
+            os.waitpid(self.tid, _WALL)  # the interrupt stop
+        except ChildProcessError:
+            self._error = "the thread exited before it stopped"
+            self._stopped.set()
+            return
+        self._stopped.set()
+        deadline = time.monotonic() + self.duration_s
+        while time.monotonic() < deadline:
+            try:  # the process may be killed meanwhile (its supervisor found the hang)
+                done, _ = os.waitpid(self.tid, _WALL | os.WNOHANG)
+            except ChildProcessError:
+                return
+            if done:
+                return
+            time.sleep(0.05)
+        libc.ptrace(_PTRACE_DETACH, self.tid, None, None)  # ESRCH: it died meanwhile

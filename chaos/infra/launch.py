@@ -18,10 +18,12 @@ def trainer_args(s: Scenario, run_dir: Path, ckpt_url: str) -> list[str]:
             "--d-model", t.model.d_model, "--heads", t.model.heads, "--vocab", t.model.vocab,
             "--seq-len", t.model.seq_len, "--batch-size", t.batch_size,
             "--micro-batches", t.micro_batches, "--schedule", t.schedule,
-            "--collective-timeout-s", t.collective_timeout_s,
-            "--hang-timeout-s", t.hang_timeout_s, "--ckpt-url", ckpt_url,
+            "--collective-timeout-s", t.collective_timeout_s, "--recovery", t.recovery,
+            "--ckpt-url", ckpt_url,
             "--ckpt-engine", c.engine,
             "--ckpt-every", c.every_steps, "--keep-last", c.keep_last, "--run-dir", run_dir]
+    if t.hang_timeout_s is not None:
+        args += ["--hang-timeout-s", t.hang_timeout_s]
     if not c.async_:
         args.append("--no-async-ckpt")
     return [str(a) for a in args]
@@ -33,11 +35,10 @@ def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
     environment of torchrun and so of every rank (e.g. the S3 endpoint to use)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={s.trainer.parallel.world_size}",
+           f"--nproc-per-node={s.trainer.parallel.world_size + s.trainer.spare_workers}",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
-           # Grace before SIGKILL when the agent itself shuts down. Restarts in torch 2.13 do
-           # not use it: they always give a worker 30 s to act on SIGTERM, which a stopped
-           # (hang_rank) worker never does, so a hang's detect_s includes up to 30 s of that.
+           # Grace before SIGKILL when the agent itself shuts down (restarts in torch 2.13
+           # always give 30 s; the workers are supervisors that act on SIGTERM at once).
            "--shutdown-timeout=3",
            "-m", "antifragile.trainer", *trainer_args(s, run_dir, ckpt_url)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
@@ -74,7 +75,7 @@ def launch_hosts(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int
             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={s.name}",
             f"--rdzv-conf={conf}", f"--local-addr={host.address}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
-            "--shutdown-timeout=3",  # as in launch(): a stopped worker ignores SIGTERM
+            "--shutdown-timeout=3",
             "-m", "antifragile.trainer", *trainer_args(s, run_dir, ckpt_url)])
         host_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                     "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": IFNAME,

@@ -24,7 +24,8 @@ class RunRecord:
     ended_t: float
     events: list[dict[str, Any]]
     injections: list[Injection]
-    attempt_ends: dict[int, float] = field(default_factory=dict)  # attempt -> all workers gone
+    attempt_ends: dict[int, float] = field(default_factory=dict)  # generation -> torn down
+    paused_s: float = 0.0  # time the trainer spent held at pause points (not the job's)
 
     @property
     def wall_s(self) -> float:
@@ -32,7 +33,7 @@ class RunRecord:
 
 
 class EventTail:
-    """Reads new lines of every ``events/rank*.jsonl`` since the last call."""
+    """Reads new lines of every ``events/*.jsonl`` since the last call."""
 
     def __init__(self, run_dir: Path) -> None:
         self.dir = run_dir / "events"
@@ -43,7 +44,7 @@ class EventTail:
         new: list[dict[str, Any]] = []
         if not self.dir.exists():
             return new
-        for path in sorted(self.dir.glob("rank*.jsonl")):
+        for path in sorted(self.dir.glob("*.jsonl")):
             offset = self._offsets.get(path, 0)
             with open(path, encoding="utf-8") as f:
                 f.seek(offset)

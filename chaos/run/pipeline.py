@@ -75,6 +75,9 @@ def run(s: Scenario, out: Path, *, reference: bool = True,
     """The whole ``chaos run``: reference, faulty run, measurements, verdict, report files.
     ``progress`` gets notes (one line each); ``status`` the step-by-step state, if given."""
     out.mkdir(parents=True, exist_ok=True)
+    for previous in (out / "run", out / "ckpt"):  # a previous run in this folder: not resumed
+        if previous.exists():
+            shutil.rmtree(previous)
     with run_storage(s, out, progress) as storage:  # S3 (and its fault proxy) for the whole run
         return _run(s, out, storage, reference=reference, progress=progress, status=status)
 
@@ -102,7 +105,10 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
             progress(f"attempt {e['attempt']}: restored step {e['step']} in "
                      f"{e['seconds']:.2f} s")
         elif e["event"] == "hang_detected":
-            progress(f"rank {e['rank']}: ranks {e['silent_ranks']} silent, restarting")
+            progress(f"rank {e['rank']}: hung ({e['how']}, no progress for "
+                     f"{e['stall_s']:.1f} s): killed by its supervisor")
+        elif e["event"] == "recovery_begin" and e["rank"] == 0:
+            progress(f"attempt {e['attempt']}: failed, re-forming in process")
 
     progress(f"run: {s.name} ({s.trainer.parallel.world_size} ranks, {len(s.faults)} faults)")
     record = run_scenario(s, out / "run", ckpt_url, on_event=on_event, storage=storage)

@@ -6,13 +6,15 @@ signals and storage operations done to the job, never code inside it.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,22 +55,25 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                  on_event: Callable[[dict[str, Any], list[Injection]], None] | None = None
                  ) -> RunRecord:
     """Run the trainer for ``s`` (with its faults unless ``faults=False``) to the end.
-    ``storage``: S3 set up for the run (the trainer's endpoint, the fault proxy)."""
+    ``storage``: S3 set up for the run (the trainer's endpoint, the fault proxy).
+
+    Step- and checkpoint-triggered faults land through pause points (``trainer.pause``): the
+    trainer holds where the fault is due, the runner injects, then releases it. Random
+    (``mtbf_s``) arrivals are injected when they fall due, wherever the trainer is."""
     rng = random.Random(s.seed)
     pending = [_Pending(f) for f in (s.faults if faults else [])]
+    max_restarts = 2 * len(pending) + (50 if any(p.fault.mtbf_s for p in pending) else 0)
+    points = _pause_plan(s, pending, rng)
+    _write_plan(run_dir, points)
     started = time.time()
     for p in pending:
         if p.fault.mtbf_s:
             p.next_t = started + rng.expovariate(1 / p.fault.mtbf_s)
-    max_restarts = 2 * len(pending) + (50 if any(p.next_t for p in pending) else 0)
     hosts = _Hosts.open(s.trainer.nodes)
     agents = _Agents([])
     tail = EventTail(run_dir)
     injections: list[Injection] = []
-    pids: dict[int, dict[int, int]] = {}  # attempt -> rank -> pid
-    attempt_ends: dict[int, float] = {}
-    step = 0
-    checkpoints_seen: dict[int, int] = {}  # checkpoint step -> ordinal
+    job = _Job(s.trainer.parallel.world_size)
     try:
         env = storage.trainer_env if storage else None
         agents.procs = (launch_hosts(s, run_dir, ckpt_url, max_restarts=max_restarts,
@@ -78,42 +83,168 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             if time.time() - started > timeout_s:
                 raise TimeoutError(f"scenario {s.name} ran past {timeout_s:.0f} s")
             for e in tail.poll():
-                if e["event"] == "start":
-                    pids.setdefault(e["attempt"], {})[e["rank"]] = e["pid"]
-                elif e["event"] == "step_end":
-                    step = max(step, e["step"]) if e["attempt"] == max(pids, default=0) \
-                        else step
-                elif e["event"] == "ckpt_staged":
-                    checkpoints_seen.setdefault(e["step"], len(checkpoints_seen) + 1)
+                job.see(e)
                 if on_event:
                     on_event(e, injections)
-                _fire(pending, injections, e, s, pids, ckpt_url, rng, checkpoints_seen,
-                      storage, hosts)
+                if e["event"] == "paused":
+                    point = points.get(e["point"])
+                    if point is not None and job.all_paused(point, e):
+                        target = _target(s, job.current_pids(), ckpt_url, rng, storage, hosts)
+                        for fault in point.faults:
+                            injection = fault.inject(target, point.step)  # type: ignore[attr-defined]
+                            injection.detail["paused_s"] = time.time() - point.first_paused_t
+                            injections.append(injection)
+                        _release(run_dir, point)
+                        job.paused_s += time.time() - point.first_paused_t
             now = time.time()
             for p in pending:
-                if p.next_t is not None and now >= p.next_t and pids:
-                    current = max(pids)
-                    # An arrival while the job is down (restarting) or after its last step
-                    # has nothing to hit: it is drawn again rather than fired at dead pids.
-                    if (len(pids[current]) == s.trainer.parallel.world_size
-                            and step < s.trainer.steps
-                            and all(_alive(pid) for pid in pids[current].values())):
-                        injections.append(p.fault.inject(_target(s, pids[current], ckpt_url,
-                                                                 rng, storage, hosts), step))  # type: ignore[attr-defined]
+                if p.next_t is not None and now >= p.next_t and job.generations:
+                    # An arrival while the job is down (re-forming, restarting) or after its
+                    # last step has nothing to hit: it is drawn again rather than fired at
+                    # dead pids.
+                    pids = job.current_pids()
+                    if (len(pids) == s.trainer.parallel.world_size
+                            and job.step < s.trainer.steps
+                            and all(_alive(pid) for pid in pids.values())):
+                        injections.append(p.fault.inject(  # type: ignore[attr-defined]
+                            _target(s, pids, ckpt_url, rng, storage, hosts), job.step))
                     p.next_t = now + rng.expovariate(1 / p.fault.mtbf_s)  # type: ignore[operator]
-            for attempt, ranks in pids.items():
-                if attempt not in attempt_ends and not any(_alive(pid) for pid in ranks.values()):
-                    attempt_ends[attempt] = time.time()
-            time.sleep(0.05)
+            job.check_ends(time.time())
+            time.sleep(0.02)
     finally:
         agents.kill()
         if hosts.network is not None:
             hosts.network.close()
-    tail.poll()
+    for e in tail.poll():
+        job.see(e)
     ended = time.time()
-    for attempt in pids:
-        attempt_ends.setdefault(attempt, ended)
-    return RunRecord(agents.returncode, started, ended, tail.events, injections, attempt_ends)
+    for generation in job.generations:
+        job.ends.setdefault(generation, ended)
+    return RunRecord(agents.returncode, started, ended, tail.events, injections, job.ends,
+                     paused_s=job.paused_s)
+
+
+@dataclass(slots=True)
+class _Point:
+    """A pause point of the plan and the faults due there."""
+
+    id: str
+    step: int
+    ranks: list[int] | None  # None: every rank
+    phase: str | None = None  # a save phase (checkpoint faults), else the end of the step
+    faults: list[FaultBase] = field(default_factory=list)
+    paused: set[tuple[int, int]] = field(default_factory=set)  # (generation, rank)
+    first_paused_t: float = 0.0
+    released: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"id": self.id}
+        if self.phase is None:
+            doc["step"] = self.step
+        else:
+            doc.update(checkpoint_step=self.step, phase=self.phase)
+        if self.ranks is not None:
+            doc["ranks"] = self.ranks
+        return doc
+
+
+def _pause_plan(s: Scenario, pending: list[_Pending], rng: random.Random) -> dict[str, _Point]:
+    """One pause point per moment a step- or checkpoint-triggered fault is due; those faults
+    leave ``pending``. A checkpoint's moment is its step (the n-th save is at n x every)."""
+    points: dict[tuple[int, str | None, tuple[int, ...] | None], _Point] = {}
+    coordinates = _coordinates(s)
+    for p in list(pending):
+        f = p.fault
+        if f.at_step is None and f.at_checkpoint is None:
+            continue
+        pending.remove(p)
+        phase = getattr(f, "phase", None)
+        if f.at_checkpoint is not None:
+            step = f.at_checkpoint * s.checkpoint.every_steps
+        else:
+            step = f.at_step  # type: ignore[assignment]
+            phase = None
+        ranks: tuple[int, ...] | None = None
+        if phase is not None:  # a save phase holds only the rank the fault hits
+            rank = getattr(f, "rank", 0)
+            if rank == "random":
+                rank = rng.randrange(s.trainer.parallel.world_size)
+            elif not isinstance(rank, int):
+                rank = next(r for r, c in coordinates.items()
+                            if c == (rank.dp, rank.pp, rank.tp))
+            ranks = (int(rank),)
+            f = f.model_copy(update={"rank": int(rank)})
+        key = (step, phase, ranks)
+        if key not in points:
+            points[key] = _Point(f"p{len(points)}", step, list(ranks) if ranks else None, phase)
+        points[key].faults.append(f)
+    return {point.id: point for point in points.values()}
+
+
+def _write_plan(run_dir: Path, points: dict[str, _Point]) -> None:
+    """A run's events and control files start empty (a previous run in the same folder would
+    otherwise be read as this one)."""
+    control = run_dir / "control"
+    for folder in (control, run_dir / "events"):
+        if folder.exists():
+            shutil.rmtree(folder)
+    (control / "release").mkdir(parents=True)
+    (control / "plan.json").write_text(json.dumps(
+        {"points": [p.as_json() for p in points.values()]}, indent=1))
+
+
+def _release(run_dir: Path, point: _Point) -> None:
+    (run_dir / "control" / "release" / point.id).touch()
+    point.released = True
+
+
+class _Job:
+    """What the runner knows of the job: every generation's ranks and pids (from ``start``
+    events), where it is, and when each generation ended (all its ranks dead, or past it)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.generations: dict[int, dict[int, int]] = {}  # generation -> rank -> pid
+        self.left: dict[int, set[int]] = {}  # generation -> ranks that tore it down
+        self.ends: dict[int, float] = {}
+        self.step = 0
+        self.paused_s = 0.0
+
+    def see(self, e: dict[str, Any]) -> None:
+        g = e["attempt"]
+        if e["event"] == "start":
+            self.generations.setdefault(g, {})[e["rank"]] = e["pid"]
+        elif e["event"] in ("generation_end", "exit", "rank_died"):
+            self.left.setdefault(g, set()).add(e["rank"])
+            if e["event"] == "generation_end" and self.ended(g):
+                self.ends.setdefault(g, e["t"])
+        elif e["event"] == "step_end" and g == max(self.generations, default=0):
+            self.step = max(self.step, e["step"])
+
+    def current_pids(self) -> dict[int, int]:
+        return dict(self.generations[max(self.generations)]) if self.generations else {}
+
+    def ended(self, g: int) -> bool:
+        ranks = self.generations.get(g, {})
+        return len(ranks) > 0 and all(r in self.left.get(g, set()) or not _alive(pid)
+                                      for r, pid in ranks.items())
+
+    def check_ends(self, now: float) -> None:
+        for g in self.generations:
+            if g not in self.ends and self.ended(g):
+                self.ends[g] = now
+
+    def all_paused(self, point: _Point, e: dict[str, Any]) -> bool:
+        """Record a ``paused`` event; True once every rank the point holds is there (in the
+        current generation), and the point has not been released yet."""
+        if not point.paused:
+            point.first_paused_t = e["t"]
+        point.paused.add((e["attempt"], e["rank"]))
+        if point.released:
+            return False
+        current = max(self.generations, default=0)
+        wanted = point.ranks if point.ranks is not None else range(self.world_size)
+        return all((current, r) in point.paused for r in wanted)
 
 
 @dataclass(slots=True)
@@ -176,23 +307,3 @@ def _target(s: Scenario, pids: dict[int, int], ckpt_url: str, rng: random.Random
                   network_error=hosts.error if hosts else None,
                   storage_proxy=storage.proxy if storage else None,
                   storage_proxy_unavailable=storage.proxy_unavailable if storage else None)
-
-
-def _fire(pending: list[_Pending], injections: list[Injection], e: dict[str, Any],
-          s: Scenario, pids: dict[int, dict[int, int]], ckpt_url: str, rng: random.Random,
-          checkpoints_seen: dict[int, int], storage: RunStorage | None = None,
-          hosts: _Hosts | None = None) -> None:
-    """Inject every step- or checkpoint-triggered fault whose moment ``e`` marks."""
-    attempt = e["attempt"]
-    ranks = pids.get(attempt, {})
-    if attempt != max(pids, default=0) or len(ranks) < s.trainer.parallel.world_size:
-        return
-    for p in list(pending):
-        f = p.fault
-        due = (f.at_step is not None and e["event"] == "step_end" and e["step"] >= f.at_step) \
-            or (f.at_checkpoint is not None and e["event"] == "ckpt_staged"
-                and checkpoints_seen.get(e["step"]) == f.at_checkpoint)
-        if due:
-            pending.remove(p)
-            injections.append(f.inject(_target(s, ranks, ckpt_url, rng, storage, hosts),  # type: ignore[attr-defined]
-                                       e["step"]))

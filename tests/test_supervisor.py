@@ -1,0 +1,113 @@
+"""The supervisor's watchdog and the in-process recovery protocol, without processes: the
+watchdog is fed progress samples, the protocol runs on an in-memory store."""
+
+from __future__ import annotations
+
+import threading
+
+import torch.distributed as dist
+
+from antifragile.trainer.progress import Phase, SharedProgress
+from antifragile.trainer.recovery import (
+    Formation,
+    JobStore,
+    finish,
+    first_formation,
+    recover,
+    wait_for_assignment,
+)
+from antifragile.trainer.supervisor import Watchdog, main_thread_state
+
+
+def _feed(dog: Watchdog, samples: list[tuple[float, int, Phase, bool]]) -> list[str | None]:
+    return [dog.observe(t, counter, phase, stopped) for t, counter, phase, stopped in samples]
+
+
+def test_a_stopped_thread_is_a_hang_in_any_phase_after_the_timeout() -> None:
+    for phase in (Phase.TRAINING, Phase.CHECKPOINT, Phase.PAUSED, Phase.RESTORING):
+        dog = Watchdog(hang_timeout_s=2.0)
+        out = _feed(dog, [(0.0, 1, phase, False), (0.5, 1, phase, True),
+                          (2.4, 1, phase, True), (2.6, 1, phase, True)])
+        assert out == [None, None, None, "stopped"], phase
+
+
+def test_a_resumed_thread_is_not_a_hang() -> None:
+    dog = Watchdog(hang_timeout_s=2.0)
+    out = _feed(dog, [(0.0, 1, Phase.TRAINING, True), (1.5, 1, Phase.TRAINING, False),
+                      (2.5, 2, Phase.TRAINING, True), (4.0, 2, Phase.TRAINING, True)])
+    assert out == [None, None, None, None]
+
+
+def test_a_stall_without_a_stopped_thread_escalates_only_while_training() -> None:
+    dog = Watchdog(hang_timeout_s=1.0, escalate=3.0)
+    assert _feed(dog, [(0.0, 5, Phase.TRAINING, False), (2.9, 5, Phase.TRAINING, False),
+                       (3.1, 5, Phase.TRAINING, False)]) == [None, None, "stalled"]
+    for phase in (Phase.CHECKPOINT, Phase.RESTORING, Phase.PAUSED, Phase.SPARE, Phase.DONE):
+        dog = Watchdog(hang_timeout_s=1.0, escalate=3.0)
+        assert _feed(dog, [(0.0, 5, phase, False), (100.0, 5, phase, False)]) == [None, None]
+
+
+def test_the_adaptive_timeout_follows_slow_steps() -> None:
+    dog = Watchdog(floor_s=10.0, k=20.0)
+    assert dog.timeout_s() == 10.0
+    t = 0.0
+    for i in range(200):  # a bump every 2 s: a slow, loaded machine
+        t += 2.0
+        assert dog.observe(t, i, Phase.TRAINING, False) is None
+    assert dog.timeout_s() == 40.0  # 20 x p99, above the floor
+
+
+def test_main_thread_state_of_this_process_is_running() -> None:
+    import os
+
+    assert main_thread_state(os.getpid()) == "R"
+    assert main_thread_state(2**22 + 12345) == "?"
+
+
+def test_shared_progress_round_trips() -> None:
+    progress = SharedProgress()
+    progress.set(Phase.TRAINING, generation=3, rank=2, step=7)
+    progress.bump()
+    counter, phase, generation, rank, step, _ = progress.read()
+    assert (phase, generation, rank, step) == (Phase.TRAINING, 3, 2, 7) and counter == 2
+
+
+def _store() -> dist.Store:
+    return dist.HashStore()
+
+
+def test_a_dead_rank_is_replaced_by_the_warm_spare() -> None:
+    store = _store()
+    js = [JobStore(store, "a0") for _ in range(4)]  # slots 0, 1 play; 2, 3 are spares
+    first = first_formation(js[0], 0, 2)
+    assert first == Formation(0, (0, 1)) and first_formation(js[1], 1, 2) == first
+    assigned: list[Formation | None] = []
+    spare = threading.Thread(target=lambda: assigned.append(wait_for_assignment(js[3], 3)))
+    spare.start()
+    js[2].set("dead/2", {"how": "signal 9"})  # spare 2 died while idle
+    js[1].set("dead/1", {"how": "signal 9"})
+    nxt = recover(js[0], 0, first, [2, 3], timeout_s=5.0)
+    spare.join(5.0)
+    assert nxt == Formation(1, (0, 3)) and assigned == [nxt]
+
+
+def test_too_few_spares_falls_back_to_a_restart() -> None:
+    store = _store()
+    js = JobStore(store, "a0")
+    first = first_formation(js, 0, 3)
+    js.set("dead/1", {})
+    js.set("dead/2", {})
+    reason = recover(js, 0, first, [3], timeout_s=5.0)
+    assert isinstance(reason, str) and "2 rank(s) lost and 1 spare(s) left" in reason
+
+
+def test_finish_releases_idle_spares() -> None:
+    store = _store()
+    js = JobStore(store, "a0")
+    released: list[Formation | None] = []
+    spare = threading.Thread(target=lambda: released.append(
+        wait_for_assignment(JobStore(store, "a0"), 5)))
+    spare.start()
+    finish(js, [5])
+    spare.join(5.0)
+    assert released == [None]

@@ -1,0 +1,71 @@
+"""Pause points: chaos holds the trainer at a chosen place, so that a fault lands exactly there.
+
+The trainer learns *where* to hold, never *what* will happen there: ``chaos`` writes
+``<run_dir>/control/plan.json`` before the launch, a list of points::
+
+    {"points": [{"id": "f0", "step": 12},
+                {"id": "f1", "checkpoint_step": 15, "phase": "persisting", "ranks": [2]}]}
+
+A ``step`` point holds every listed rank (default: all) at the end of that step, after its
+checkpoint (if any) is staged; a ``checkpoint_step`` point holds the save of that step at a
+phase (see ``antifragile.engine`` phase hooks). Holding emits a ``paused`` event, then waits
+until ``control/release/<id>`` exists. A point is passed once: after its release (also by a
+later attempt that reaches the same step again) it no longer holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+POLL_S = 0.002
+
+
+class PausePoints:
+    def __init__(self, run_dir: str | None, rank: int,
+                 emit: Callable[..., None], on_hold: Callable[[bool], None] | None = None
+                 ) -> None:
+        self.rank = rank
+        self._emit = emit
+        self._on_hold = on_hold
+        self._control = os.path.join(run_dir, "control") if run_dir else None
+        self.points: list[dict[str, Any]] = []
+        plan = os.path.join(self._control, "plan.json") if self._control else None
+        if plan and os.path.exists(plan):
+            with open(plan, encoding="utf-8") as f:
+                self.points = list(json.load(f).get("points", []))
+
+    def _mine(self, point: dict[str, Any]) -> bool:
+        ranks = point.get("ranks")
+        return ranks is None or self.rank in ranks
+
+    def _released(self, point_id: str) -> bool:
+        assert self._control is not None
+        return os.path.exists(os.path.join(self._control, "release", point_id))
+
+    def _hold(self, point: dict[str, Any], **where: Any) -> None:
+        if self._released(point["id"]):
+            return
+        self._emit("paused", point=point["id"], **where)
+        if self._on_hold:
+            self._on_hold(True)
+        started = time.monotonic()
+        while not self._released(point["id"]):
+            time.sleep(POLL_S)
+        if self._on_hold:
+            self._on_hold(False)
+        self._emit("resumed", point=point["id"], held_s=time.monotonic() - started)
+
+    def step_end(self, step: int) -> None:
+        for point in self.points:
+            if point.get("step") == step and self._mine(point):
+                self._hold(point, step=step)
+
+    def save_phase(self, step: int, phase: str) -> None:
+        for point in self.points:
+            if (point.get("checkpoint_step") == step and point.get("phase") == phase
+                    and self._mine(point)):
+                self._hold(point, step=step, phase=phase)

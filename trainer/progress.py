@@ -1,0 +1,67 @@
+"""Progress of the training loop, shared between a rank's training process and its supervisor.
+
+The training thread bumps a counter at every step and every block's forward (micro-steps), and
+says which phase it is in; the supervisor (``trainer.supervisor``) reads both to tell a hang
+from a slow step, and a checkpoint or a restore (not hangs) from training. One anonymous shared
+memory page, created before the fork, so reading it costs the supervisor no system call and
+writing it costs the training thread a store to memory. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import struct
+import time
+
+_LAYOUT = struct.Struct("<QQqqqd")  # counter, phase, generation, rank, step, bumped_at
+
+
+class Phase(enum.IntEnum):
+    STARTING = 0  # importing, building, joining the process group
+    TRAINING = 1  # the loop: a counter that stops moving here is a hang
+    CHECKPOINT = 2  # waiting for a save (staging, or the final blocking save)
+    RESTORING = 3  # loading a checkpoint
+    PAUSED = 4  # held at a pause point by chaos
+    RECOVERING = 5  # re-forming the process group after a failure
+    SPARE = 6  # a warm spare, idle until it takes over a rank
+    DONE = 7
+
+
+class SharedProgress:
+    """Written by the training process only; read by its supervisor (and tests)."""
+
+    def __init__(self, buffer: mmap.mmap | bytearray | None = None) -> None:
+        self._buf = buffer if buffer is not None else mmap.mmap(-1, mmap.PAGESIZE)
+        self._counter = 0
+        self._phase = Phase.STARTING
+        self._generation = -1
+        self._rank = -1
+        self._step = 0
+        self._write(time.time())
+
+    def _write(self, now: float) -> None:
+        _LAYOUT.pack_into(self._buf, 0, self._counter, int(self._phase), self._generation,
+                          self._rank, self._step, now)
+
+    def bump(self) -> None:
+        """A unit of training progress (a block's forward, a step)."""
+        self._counter += 1
+        self._write(time.time())
+
+    def set(self, phase: Phase, *, generation: int | None = None, rank: int | None = None,
+            step: int | None = None) -> None:
+        self._phase = phase
+        if generation is not None:
+            self._generation = generation
+        if rank is not None:
+            self._rank = rank
+        if step is not None:
+            self._step = step
+        self._counter += 1
+        self._write(time.time())
+
+    def read(self) -> tuple[int, Phase, int, int, int, float]:
+        """(counter, phase, generation, rank, step, wall time of the last write)."""
+        counter, phase, generation, rank, step, at = _LAYOUT.unpack_from(self._buf, 0)
+        return counter, Phase(phase), generation, rank, step, at

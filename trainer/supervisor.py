@@ -1,0 +1,207 @@
+"""A rank's torchrun worker: it forks the training process and watches it from outside.
+
+torchrun's agent tears the whole group down when any of its workers fails, and gives a worker
+30 s after SIGTERM before SIGKILL, which a stopped (hung) worker never acts on. So the process
+torchrun starts is this small supervisor; the training process is its child (forked after the
+imports, so it starts with torch loaded, and killed with the supervisor: PR_SET_PDEATHSIG).
+
+Watchdog: the training thread bumps a shared progress counter (``trainer.progress``). The
+supervisor SIGKILLs its child, with no grace, when
+
+- the child's main thread has been stopped (SIGSTOP: ``T``; a ptrace stop of that thread alone,
+  with the other threads running: ``t``) for the hang timeout, in any phase, or
+- the counter has not moved for ``escalate`` x the timeout while the child says it is training
+  (a hang that stops no thread: a deadlock, a cut link). Checkpoints, restores, pause points
+  and spares are not training, so they are never taken for hangs.
+
+The timeout is ``--hang-timeout-s`` when given, else ``max(floor, k x p99)`` of the intervals
+between bumps seen so far, so slow steps (8 ranks on 2 cores) are not false alarms.
+
+When the child dies: in ``restart`` mode the supervisor exits with the child's code and torchrun
+restarts the group. In ``in_process`` mode it reports the death in the launcher's store (the
+survivors re-form the group with a spare) and waits: exit 0 when the job finishes without its
+slot, 1 when no new generation forms (torchrun then restarts everything).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from antifragile.trainer.progress import Phase, SharedProgress
+
+HANG_EXIT_CODE = 43  # the supervisor killed a hung child
+RESTART_EXIT_CODE = 44  # in-process recovery found no spare: torchrun restarts the group
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(slots=True)
+class Watchdog:
+    """Judges progress samples; pure logic (the supervisor feeds it, tests too)."""
+
+    hang_timeout_s: float | None = None  # None: adaptive
+    floor_s: float = 10.0
+    k: float = 20.0
+    escalate: float = 3.0
+    _intervals: list[float] = field(default_factory=list)
+    _last_counter: int = -1
+    _last_change: float = 0.0
+    _stopped_since: float | None = None
+
+    def timeout_s(self) -> float:
+        if self.hang_timeout_s is not None:
+            return self.hang_timeout_s
+        if len(self._intervals) < 10:
+            return self.floor_s
+        ordered = sorted(self._intervals[-1000:])
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        return max(self.floor_s, self.k * p99)
+
+    def observe(self, now: float, counter: int, phase: Phase, stopped: bool) -> str | None:
+        """``"stopped"`` or ``"stalled"`` when the child is hung, else None."""
+        if counter != self._last_counter:
+            if phase == Phase.TRAINING and self._last_counter >= 0:
+                self._intervals.append(now - self._last_change)
+            self._last_counter, self._last_change = counter, now
+        self._stopped_since = (self._stopped_since or now) if stopped else None
+        if phase in (Phase.DONE, Phase.SPARE) and not stopped:
+            return None
+        timeout = self.timeout_s()
+        if self._stopped_since is not None and now - self._stopped_since >= timeout:
+            return "stopped"
+        if phase == Phase.TRAINING and now - self._last_change >= self.escalate * timeout:
+            return "stalled"
+        return None
+
+    def stall_s(self, now: float) -> float:
+        return now - self._last_change
+
+
+def main_thread_state(pid: int) -> str:
+    """The scheduler state of ``pid``'s main thread (``R``, ``S``, ``T``, ``t``, ``Z``...)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b") ", 1)[1][:1].decode()
+    except (OSError, IndexError):
+        return "?"
+
+
+class _SupervisorEvents:
+    """``events/supervisor<slot>.jsonl``: what the supervisor saw and did."""
+
+    def __init__(self, run_dir: str | None, slot: int) -> None:
+        self._file = None
+        if run_dir:
+            os.makedirs(os.path.join(run_dir, "events"), exist_ok=True)
+            self._file = open(os.path.join(run_dir, "events", f"supervisor{slot}.jsonl"), "a",  # noqa: SIM115
+                              buffering=1, encoding="utf-8")
+        self.slot = slot
+
+    def emit(self, event: str, *, rank: int, attempt: int, **fields: Any) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"t": time.time(), "rank": rank, "attempt": attempt,
+                                         "event": event, "slot": self.slot, **fields}) + "\n")
+
+
+def _fork_child(child_main: Callable[[SharedProgress], int], progress: SharedProgress) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the supervisor died between fork and prctl
+            os._exit(1)
+        code = child_main(progress)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return 0  # unreachable
+
+
+def supervise(child_main: Callable[[SharedProgress], int], *, slot: int, recovery: str,
+              hang_timeout_s: float | None, run_dir: str | None,
+              store_factory: Callable[[], Any] | None = None, poll_s: float = 0.05,
+              reform_timeout_s: float = 120.0) -> int:
+    """Run ``child_main`` in a forked child and watch it; returns this worker's exit code."""
+    progress = SharedProgress()
+    pid = _fork_child(child_main, progress)
+    events = _SupervisorEvents(run_dir, slot)
+
+    def stop(signum: int, _: object) -> None:  # torchrun tears the group down
+        with _suppress():
+            os.kill(pid, signal.SIGKILL)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    watchdog = Watchdog(hang_timeout_s=hang_timeout_s)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        counter, phase, generation, rank, step, _ = progress.read()
+        if done:
+            break
+        now = time.monotonic()
+        state = main_thread_state(pid)
+        hung = watchdog.observe(now, counter, phase, stopped=state in ("T", "t"))
+        if hung:
+            events.emit("hang_detected", rank=rank, attempt=generation, pid=pid, how=hung,
+                        thread_state=state, stall_s=watchdog.stall_s(now),
+                        timeout_s=watchdog.timeout_s(), step=step, phase=phase.name.lower())
+            print(f"[supervisor {slot}] rank {rank} hung ({hung}, main thread {state!r}, no "
+                  f"progress for {watchdog.stall_s(now):.1f} s): SIGKILL pid {pid}",
+                  file=sys.stderr, flush=True)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            status, done = -signal.SIGKILL, pid
+            return _after_death(status, hung=True, slot=slot, rank=rank, generation=generation,
+                                phase=phase, pid=pid, recovery=recovery, events=events,
+                                store_factory=store_factory, reform_timeout_s=reform_timeout_s)
+        time.sleep(poll_s)
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0:
+        return 0
+    return _after_death(code, hung=False, slot=slot, rank=rank, generation=generation,
+                        phase=phase, pid=pid, recovery=recovery, events=events,
+                        store_factory=store_factory, reform_timeout_s=reform_timeout_s)
+
+
+def _after_death(code: int, *, hung: bool, slot: int, rank: int, generation: int, phase: Phase,
+                 pid: int, recovery: str, events: _SupervisorEvents,
+                 store_factory: Callable[[], Any] | None, reform_timeout_s: float) -> int:
+    """The child is gone: report it; in-process mode keeps the slot's worker alive until the
+    job's fate is known, so torchrun does not tear the survivors down."""
+    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+    events.emit("rank_died", rank=rank, attempt=generation, pid=pid, how=how, hung=hung,
+                phase=phase.name.lower())
+    exit_code = HANG_EXIT_CODE if hung else (code if code > 0 else 1)
+    if recovery != "in_process" or store_factory is None or code == RESTART_EXIT_CODE:
+        return exit_code
+    from antifragile.trainer.recovery import report_death
+
+    return report_death(store_factory(), slot=slot, generation=generation, how=how,
+                        spare=phase == Phase.SPARE, reform_timeout_s=reform_timeout_s,
+                        on_restart=exit_code)
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
+        return kind is not None and issubclass(kind, OSError)
