@@ -214,6 +214,18 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists(), "bad input must be reported before anything runs"
 
 
+def test_no_reference_with_a_bitwise_expectation_is_bad_input(tmp_path: Path) -> None:
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    _write(scenarios, "a", [])
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--no-reference",
+                                       "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    assert "expect.bitwise_equal_to_reference is true, but --no-reference" in result.output
+    assert str(scenarios / "a.yaml") in result.output
+    assert not (tmp_path / "o").exists(), "bad input must be reported before anything runs"
+
+
 def test_invalid_files_and_a_crashing_runner_are_failed_entries(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Neither stops the suite: every scenario gets an entry, the exit code is 1."""

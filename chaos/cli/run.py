@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from antifragile.chaos.cli.common import fail, load
+from antifragile.chaos.cli.common import fail, load, needs_reference
 from antifragile.chaos.scenario import SCENARIOS, ScenarioError, load_scenario
 
 
@@ -39,11 +39,13 @@ def list_scenarios() -> None:
 @click.option("--out", type=click.Path(file_okay=False), help="Report folder "
               "(default reports/<name>-<UTC time>).")
 @click.option("--no-reference", is_flag=True, help="Skip the fault-free reference run "
-              "(then a scenario that expects bitwise equality cannot pass).")
+              "(refused, exit 2, for a scenario that expects bitwise equality).")
 @click.option("--seed", type=int, help="Override the scenario's seed.")
 def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None) -> None:
     """Run a scenario: inject its faults, measure recovery, check nothing was lost."""
     s = load(file, seed)
+    if no_reference and s.expect.bitwise_equal_to_reference:
+        fail(needs_reference(file))
     from antifragile.chaos.cli.progress import Progress
     from antifragile.chaos.infra.s3 import S3SetupError
     from antifragile.chaos.run.pipeline import run

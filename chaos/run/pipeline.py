@@ -109,7 +109,9 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
     timings = [measure.fault_timings(record, i) for i in record.injections]
     verdict = checker.judge(s, returncode=record.returncode, timings=timings,
                             final_step=_final_step(record), faulty_url=ckpt_url,
-                            reference_url=reference_url)
+                            reference_url=reference_url,
+                            final_committed=checker.final_committed(
+                                s.checkpoint.engine, ckpt_url, s.trainer.steps))
     doc = {
         "scenario": s.model_dump(by_alias=True, mode="json"),
         "environment": report.environment(),
