@@ -68,7 +68,8 @@ class _Job:
                 self.emit(t + 0.1, r, attempt, "restore_begin")
                 if skipped is not None:
                     self.emit(t + 0.2, r, attempt, "restore_skipped",
-                              reason=f"step {skipped}: checksum mismatch, using an older step")
+                              reason=f"checkpoint step {skipped} skipped, trying step {restore}: "
+                                     "crc32c mismatch")
                 self.emit(t + 0.4, r, attempt, "restore_end", step=restore, seconds=0.3)
         return t + 0.5
 

@@ -9,6 +9,7 @@ as written). ``fail`` wins over ``skipped``.
 from __future__ import annotations
 
 import struct
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,7 +114,11 @@ def final_committed(engine: str, url: str, step: int) -> bool:
 def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_step: int | None,
           faulty_url: str, reference_url: str | None, final_committed: bool) -> Verdict:
     """``final_committed``: the faulty run's checkpoint of the last step is committed (what a
-    resumed job would load); without it nothing proves the run's end state survived."""
+    resumed job would load); without it nothing proves the run's end state survived.
+
+    Every fault of the scenario must have been injected (each ``mtbf_s`` fault at least once)
+    and have had its effect (``FaultTimings.effect_observed``); a fault that caused a restart
+    must have been recovered from."""
     v = Verdict()
     if returncode != 0:
         v.fail(f"the trainer exited with code {returncode}")
@@ -135,14 +140,27 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
             if comparison.differs:
                 v.fail(f"final state differs from the reference in {len(comparison.differs)} "
                        f"entries, e.g. {comparison.differs[:3]}")
+    wanted = Counter(f.kind for f in s.faults)
+    made = Counter(t.kind for t in timings)
+    for kind, n in wanted.items():
+        if made[kind] < n:
+            v.fail(f"{kind}: the scenario has {n} such fault{'s' if n > 1 else ''}, "
+                   f"{made[kind]} {'was' if made[kind] == 1 else 'were'} injected (a trigger "
+                   "was never reached)")
+    skipped = []
     for t in timings:
         if t.skipped:
+            skipped.append(f"{t.kind} at step {t.injected_step}: skipped: {t.skipped}")
+            continue
+        if not t.effect_observed:
+            v.fail(f"{t.kind} at step {t.injected_step}: no observable effect: {t.effect}")
             continue
         if t.outage is not None and not t.outage["training_continued"]:
             v.fail(f"{t.kind} at step {t.injected_step}: training did not go on during the "
                    f"outage ({t.outage['steps_during_outage']} steps, or a restart)")
-        if t.kind in ("kill_rank", "hang_rank", "crash_during_save") and t.recovery_s is None:
-            v.fail(f"{t.kind} at step {t.injected_step}: no recovery was observed")
+        if t.ended_attempt is not None and t.recovery_s is None:
+            v.fail(f"{t.kind} at step {t.injected_step}: no recovery was observed (the job "
+                   f"did not come back after attempt {t.ended_attempt})")
             continue
         if s.expect.max_recovery_s is not None and t.recovery_s is not None \
                 and t.recovery_s > s.expect.max_recovery_s:
@@ -152,6 +170,8 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
                 and t.lost_steps > s.expect.max_lost_steps:
             v.fail(f"{t.kind} at step {t.injected_step}: {t.lost_steps} steps lost "
                    f"> max_lost_steps {s.expect.max_lost_steps}")
+    if v.verdict == "pass" and skipped:  # nothing failed, but the scenario was not all made
+        v.verdict, v.reasons = "skipped", skipped
     return v
 
 
