@@ -95,3 +95,15 @@ def test_terminal_progress_updates_in_place() -> None:
         progress("a note")
     out = stream.getvalue()
     assert "a note" in out and "49/1000" in out and "ETA 0:12" in out
+
+
+def test_no_reference_with_a_bitwise_expectation_is_bad_input(tmp_path: Path) -> None:
+    """Bitwise equality to a reference that is not run cannot be claimed: refused before
+    anything runs, naming the option and the expect key."""
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\ntrainer: {parallel: {dp: 2}, steps: 2}\n"
+                    "checkpoint: {every_steps: 1}\n")
+    out = tmp_path / "out"
+    _one_line_error(["run", str(path), "--no-reference", "--out", str(out)],
+                    f"{path}: expect.bitwise_equal_to_reference is true, but --no-reference")
+    assert not out.exists(), "nothing may run"

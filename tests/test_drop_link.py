@@ -202,3 +202,30 @@ def test_kill_rank_on_two_hosts_recovers_and_ends_bitwise_equal(
     starts = {(e["attempt"], e["rank"]) for e in events if e["event"] == "start"}
     assert starts == {(a, r) for a in (0, 1, 2) for r in (0, 1)}
     assert not _ours(), "the run's namespaces are gone"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@needs_netns
+@pytest.mark.timeout(900)
+def test_a_cut_too_short_to_notice_is_not_observed_and_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Down for 0.3 s against a 10 s heartbeat: TCP retransmits, nobody notices, nothing
+    restarts. The cut proved nothing about recovery, so the verdict fails and says so."""
+    doc = yaml.safe_load((ROOT / "scenarios" / "drop-link.yaml").read_text())
+    doc["name"] = "short-cut"
+    doc["trainer"]["hang_timeout_s"] = 10
+    doc["faults"] = [{"kind": "drop_link", "at_step": 12, "duration_s": 0.3, "between": [0, 1]}]
+    doc["expect"] = {"bitwise_equal_to_reference": False}
+    outcome = run(parse_scenario(doc), tmp_path / "out", reference=False,
+                  progress=lambda _: None)
+    report = outcome.report
+    (fault,) = report["faults"]
+    assert fault["skipped"] is None and fault["effect_observed"] is False, fault
+    assert fault["ended_attempt"] is None and fault["recovery_s"] is None
+    assert report["run"]["attempts"] == 1 and report["run"]["returncode"] == 0
+    assert outcome.verdict == "fail"
+    assert report["verdict"]["reasons"] == [
+        f"drop_link at step {fault['injected_step']}: no observable effect: {fault['effect']}"]
+    assert fault["effect"].startswith("the cut was not observed")
+    assert not _ours(), "the run's namespaces are gone"

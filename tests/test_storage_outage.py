@@ -443,3 +443,31 @@ def test_blackhole_outage_run_ends_bitwise_equal(tmp_path: Path, cache: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     o = _outage_run(tmp_path, cache, monkeypatch, mode="blackhole")
     assert o["requests_faulted"] > 0
+
+
+@pytest.mark.s3
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_an_outage_before_the_first_save_faults_nothing_and_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 0.3 s outage at step 20 of a run that first saves at step 50 (about 2 s later here):
+    the trainer sends no request while it lasts, so it proved nothing and the verdict fails."""
+    for var in s3.ENDPOINT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    doc = _scenario("quiet-outage", _fresh_url(), [
+        {"kind": "storage_outage", "at_step": 20, "duration_s": 0.3, "mode": "error"}])
+    doc["trainer"] = {**TRAINER, "steps": 60}
+    doc["checkpoint"]["every_steps"] = 50
+    doc["expect"]["bitwise_equal_to_reference"] = False
+    path = tmp_path / "scenario.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = CliRunner().invoke(main, ["run", str(path), "--no-reference",
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    (f,) = report["faults"]
+    assert f["outage"]["requests_faulted"] == 0 and f["outage"]["outage_s"] is not None
+    assert f["effect_observed"] is False
+    assert report["verdict"]["reasons"] == [
+        f"storage_outage at step {f['injected_step']}: no observable effect: no request "
+        "reached the proxy during the 0.3 s outage"]

@@ -168,6 +168,34 @@ def test_table_and_html_show_failures_regressions_and_escape(tmp_path: Path) -> 
     assert "<link" not in page and "src=" not in page  # self-contained
 
 
+def test_skipped_scenarios_are_counted_apart_and_never_ok(tmp_path: Path) -> None:
+    """A scenario whose fault could not be made here was not tested: not a pass, not a
+    failure. A suite with one (even only skipped ones) is not ok: exit 3 unless one failed."""
+    skipped = _entry("netns", [5.0], verdict="skipped")
+    skipped["reasons"] = ["drop_link at step 5: skipped: needs root"]
+    skipped["skipped"] = [{"kind": "drop_link", "reason": "needs root"}]
+    only = suite.build([skipped], suite="d", wall_s=1.0)
+    assert only["counts"] == {"pass": 0, "fail": 0, "skipped": 1}
+    assert only["ok"] is False and only["skipped"] == ["netns"] and only["failed"] == []
+    assert suite.exit_code(only) == 3
+    mixed = suite.build([_entry("good", [5.0]), skipped], suite="d", wall_s=1.0)
+    assert mixed["ok"] is False and suite.exit_code(mixed) == 3
+    failing = suite.build([_entry("bad", [5.0], verdict="fail"), skipped], suite="d", wall_s=1.0)
+    assert failing["failed"] == ["bad"] and suite.exit_code(failing) == 1
+    assert suite.exit_code(suite.build([_entry("good", [5.0])], suite="d", wall_s=1.0)) == 0
+
+    table = suite.format_table(mixed).splitlines()
+    assert table[3].split()[:2] == ["netns", "SKIPPED"]
+    assert "SKIPPED netns: drop_link at step 5: skipped: needs root" in table
+    assert not any(line.startswith(("FAIL netns", "skipped netns")) for line in table)
+    assert table[-1] == "1 passed, 0 failed, 1 skipped in 1 s"
+    page = suite.write_html(tmp_path, mixed).read_text()
+    assert "<tr class='skipped'>" in page and "1 skipped" in page
+
+    compared = suite.compare([skipped], _baseline(_entry("netns", [5.0])), file="b.json")
+    assert compared["not_compared"] == [{"scenario": "netns", "reason": "skipped in this run"}]
+
+
 # --- discovery and planning ----------------------------------------------------------------------
 
 def test_discover_and_plan_reject_bad_suites(tmp_path: Path) -> None:
@@ -214,6 +242,18 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists(), "bad input must be reported before anything runs"
 
 
+def test_no_reference_with_a_bitwise_expectation_is_bad_input(tmp_path: Path) -> None:
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    _write(scenarios, "a", [])
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--no-reference",
+                                       "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    assert "expect.bitwise_equal_to_reference is true, but --no-reference" in result.output
+    assert str(scenarios / "a.yaml") in result.output
+    assert not (tmp_path / "o").exists(), "bad input must be reported before anything runs"
+
+
 def test_invalid_files_and_a_crashing_runner_are_failed_entries(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Neither stops the suite: every scenario gets an entry, the exit code is 1."""
@@ -228,7 +268,7 @@ def test_invalid_files_and_a_crashing_runner_are_failed_entries(
     result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out)])
     assert result.exit_code == 1, result.output
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ok"] is False and summary["counts"] == {"pass": 0, "fail": 2}
+    assert summary["ok"] is False and summary["counts"] == {"pass": 0, "fail": 2, "skipped": 0}
     broken, runs = summary["scenarios"]
     assert broken["name"] == "broken" and broken["file"].endswith("broken.yaml")
     assert "unknown fault kind 'meteor'" in broken["reasons"][0]
@@ -299,7 +339,8 @@ def test_real_suite_one_pass_one_fail_then_a_regression(tmp_path: Path) -> None:
     result = CliRunner(env=env).invoke(main, ["suite", str(scenarios), "--out", str(out)])
     assert result.exit_code == 1, result.output
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["counts"] == {"pass": 1, "fail": 1} and summary["failed"] == ["too-strict"]
+    assert summary["counts"] == {"pass": 1, "fail": 1, "skipped": 0}
+    assert summary["failed"] == ["too-strict"]
     kill, strict = summary["scenarios"]
     assert kill["verdict"] == "pass" and kill["bitwise_equal"] is True
     assert 0 < kill["recovery_max_s"] < 120 and kill["lost_steps"] <= 4

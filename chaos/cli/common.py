@@ -21,3 +21,9 @@ def load(file: str, seed: int | None = None) -> Scenario:
         return load_scenario(file, seed=seed)
     except ScenarioError as exc:
         fail(str(exc))
+
+
+def needs_reference(file: str) -> str:
+    """Why ``--no-reference`` cannot run the scenario of ``file`` (it expects bitwise equality)."""
+    return (f"{file}: expect.bitwise_equal_to_reference is true, but --no-reference skips the "
+            f"reference run it is checked against (set it to false, or drop --no-reference)")

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from antifragile.chaos.cli.common import fail, load
+from antifragile.chaos.cli.common import fail, load, needs_reference
 from antifragile.chaos.scenario import SCENARIOS, ScenarioError, load_scenario
 
 
@@ -39,11 +39,15 @@ def list_scenarios() -> None:
 @click.option("--out", type=click.Path(file_okay=False), help="Report folder "
               "(default reports/<name>-<UTC time>).")
 @click.option("--no-reference", is_flag=True, help="Skip the fault-free reference run "
-              "(then a scenario that expects bitwise equality cannot pass).")
+              "(refused, exit 2, for a scenario that expects bitwise equality).")
 @click.option("--seed", type=int, help="Override the scenario's seed.")
 def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None) -> None:
-    """Run a scenario: inject its faults, measure recovery, check nothing was lost."""
+    """Run a scenario: inject its faults, measure recovery, check nothing was lost.
+
+    Exit 0 pass, 1 fail, 2 bad input, 3 skipped (a fault could not be made here)."""
     s = load(file, seed)
+    if no_reference and s.expect.bitwise_equal_to_reference:
+        fail(needs_reference(file))
     from antifragile.chaos.cli.progress import Progress
     from antifragile.chaos.infra.s3 import S3SetupError
     from antifragile.chaos.run.pipeline import run
@@ -62,12 +66,18 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None) ->
         click.echo(f"  - {reason}")
     for f in outcome.report["faults"]:
         click.echo(f"  {_fault_line(f)}")
-    raise SystemExit(0 if outcome.passed else 1)
+    raise SystemExit(EXIT_CODES[outcome.verdict])
+
+
+#: ``chaos run``'s exit code per verdict; 2 is bad input (before anything runs).
+EXIT_CODES = {"pass": 0, "fail": 1, "skipped": 3}
 
 
 def _fault_line(f: dict[str, Any]) -> str:
     if f["skipped"]:
         return f"{f['kind']}: skipped ({f['skipped']})"
+    if not f.get("effect_observed"):
+        return f"{f['kind']} at step {f['injected_step']}: NO EFFECT: {f.get('effect')}"
     if f.get("outage"):
         o = f["outage"]
         stall = "-" if o["extra_stall_s"] is None else f"{o['extra_stall_s']:.2f} s"
@@ -76,6 +86,8 @@ def _fault_line(f: dict[str, Any]) -> str:
                 f"checkpoints delayed {o['checkpoints_delayed']}, failed "
                 f"{o['checkpoints_failed']}, skipped {o['checkpoints_skipped']}; "
                 f"extra stall {stall}")
+    if f.get("ended_attempt") is None:  # had its effect without a restart (corrupt_shard...)
+        return f"{f['kind']} at step {f['injected_step']}: {f['effect']}; recovery: none"
     recovery = "not observed" if f["recovery_s"] is None else f"{f['recovery_s']:.2f} s"
     return (f"{f['kind']} at step {f['injected_step']}: recovery {recovery}, "
             f"lost steps {f['lost_steps']}")

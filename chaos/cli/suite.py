@@ -1,8 +1,10 @@
 """``chaos suite DIR``: every scenario of a folder, a table, ``summary.json``/``summary.html``.
 
 Exit codes as for ``chaos run``: 0 every scenario passed and nothing regressed against the
-baseline, 1 a scenario failed or a figure regressed, 2 bad input (no folder, no scenarios,
-duplicate names, an unreadable baseline), reported before anything runs.
+baseline, 1 a scenario failed or a figure regressed, 3 nothing failed but a scenario was skipped
+(a fault could not be made here; also when every scenario was), 2 bad input (no folder, no
+scenarios, duplicate names, an unreadable baseline, ``--no-reference`` with a scenario that
+expects bitwise equality), reported before anything runs.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 import click
 
 from antifragile.chaos import suite as suite_lib
-from antifragile.chaos.cli.common import fail
+from antifragile.chaos.cli.common import fail, needs_reference
 
 
 @click.command("suite")
@@ -31,10 +33,11 @@ from antifragile.chaos.cli.common import fail
 @click.option("--stall-floor-s", type=float, default=suite_lib.Tolerances().stall_floor_s,
               show_default=True, help="Stall differences smaller than this are noise.")
 @click.option("--no-reference", is_flag=True, help="Skip the fault-free reference runs "
-              "(no bitwise check).")
+              "(refused, exit 2, if a scenario expects bitwise equality).")
 def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[str, ...],
           recovery_floor_s: float, stall_floor_s: float, no_reference: bool) -> None:
-    """Run every scenario in DIR; exit non-zero on a failure or a regression."""
+    """Run every scenario in DIR; exit 1 on a failure or a regression, 3 on a skipped
+    scenario (and no failure)."""
     from antifragile.chaos.cli.progress import Progress
 
     if out is None:
@@ -45,6 +48,10 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
         planned = suite_lib.plan(suite_lib.discover(Path(folder), patterns), out_dir)
     except suite_lib.SuiteError as exc:
         fail(str(exc))
+    if no_reference:
+        for p in planned:
+            if p.scenario is not None and p.scenario.expect.bitwise_equal_to_reference:
+                fail(needs_reference(str(p.file)))
     started = time.monotonic()
     with Progress() as progress:
         entries = suite_lib.run_suite(planned, out_dir, reference=not no_reference,
@@ -58,4 +65,4 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
     suite_lib.write_html(out_dir, summary)
     click.echo(suite_lib.format_table(summary))
     click.echo(f"summary: {out_dir / 'summary.json'}  {out_dir / 'summary.html'}")
-    raise SystemExit(0 if summary["ok"] else 1)
+    raise SystemExit(suite_lib.exit_code(summary))

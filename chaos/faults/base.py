@@ -66,7 +66,13 @@ class FaultBase(BaseModel):
 
 @dataclass(slots=True)
 class Injection:
-    """What was done, when, to whom: the runner's half of the timeline."""
+    """What was done, when, to whom: the runner's half of the timeline.
+
+    ``skipped``: the fault's mechanism is unavailable here (no network namespaces, no proxy in
+    front of S3); the scenario was not tested as written (verdict ``skipped``). ``missed``: the
+    mechanism was there but the fault found nothing to act on when it was due (no committed
+    checkpoint to corrupt, the rank had already exited); the fault did not happen (verdict
+    ``fail``)."""
 
     kind: str
     t: float
@@ -74,6 +80,7 @@ class Injection:
     rank: int | None = None
     skipped: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    missed: str | None = None
 
 
 @dataclass(slots=True)

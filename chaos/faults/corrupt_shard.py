@@ -39,7 +39,7 @@ class CorruptShard(FaultBase):
         chosen = steps[-1] if steps and self.checkpoint == "latest" else self.checkpoint
         if not steps or chosen not in steps:
             return Injection(self.kind, time.time(), step=step,
-                             skipped=f"no committed checkpoint {self.checkpoint} to corrupt")
+                             missed=f"no committed checkpoint {self.checkpoint} to corrupt")
         assert isinstance(chosen, int)
         manifest = read_commit(storage, chosen)["objects"]
         shards = sorted(k for k, (n, _) in manifest.items() if "/c/" in k and n > 0)
@@ -67,13 +67,13 @@ class CorruptShard(FaultBase):
         chosen = steps[-1] if steps and self.checkpoint == "latest" else self.checkpoint
         if not steps or chosen not in steps:
             return Injection(self.kind, time.time(), step=step,
-                             skipped=f"no committed {engine} checkpoint {self.checkpoint} "
-                                     "to corrupt")
+                             missed=f"no committed {engine} checkpoint {self.checkpoint} "
+                                    "to corrupt")
         assert isinstance(chosen, int)
         files = [p for p in data_files(engine, target.ckpt_url, chosen) if p.stat().st_size]
         if not files:
             return Injection(self.kind, time.time(), step=step,
-                             skipped=f"{engine} checkpoint {chosen} has no data file")
+                             missed=f"{engine} checkpoint {chosen} has no data file")
         path = target.rng.choice(files)
         if self.mode == "delete":
             path.unlink()

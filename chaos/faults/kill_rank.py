@@ -21,6 +21,6 @@ class KillRank(FaultBase):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:  # a random arrival can land as the attempt ends or dies
             return Injection(self.kind, time.time(), step=step, rank=rank,
-                             skipped=f"rank {rank} (pid {pid}) had already exited",
+                             missed=f"rank {rank} (pid {pid}) had already exited",
                              detail={"pid": pid})
         return Injection(self.kind, time.time(), step=step, rank=rank, detail={"pid": pid})

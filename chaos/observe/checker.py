@@ -1,7 +1,15 @@
-"""The verdict: the faulty run's final state equals the reference run's, and every bound holds."""
+"""The verdict: every fault was made and had its effect, the faulty run's final state equals the
+reference run's bit for bit, and every bound holds.
+
+Verdicts: ``pass`` (everything above holds), ``fail`` (something does not, each reason said),
+``skipped`` (nothing failed, but a fault could not be made here, so the scenario was not tested
+as written). ``fail`` wins over ``skipped``.
+"""
 
 from __future__ import annotations
 
+import struct
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,7 +18,7 @@ import torch
 from antifragile.chaos.observe.measure import FaultTimings
 from antifragile.chaos.scenario import Scenario
 from antifragile.engine import CheckpointError
-from antifragile.trainer.ckpt_backends import read_checkpoint
+from antifragile.trainer.ckpt_backends import committed_steps, read_checkpoint
 
 
 @dataclass(slots=True)
@@ -24,50 +32,135 @@ class Verdict:
         self.reasons.append(reason)
 
 
+@dataclass(slots=True)
+class Comparison:
+    """The two final checkpoints, entry by entry: ``differs`` names the entries whose bits,
+    dtype, shape, type or presence differ; ``error`` says why they could not be compared (a
+    checkpoint that cannot be read, or nothing to compare); ``compared_bytes`` counts the tensor
+    bytes found equal or not."""
+
+    differs: list[str] = field(default_factory=list)
+    error: str | None = None
+    compared_bytes: int = 0
+
+    @property
+    def equal(self) -> bool:
+        return self.error is None and not self.differs
+
+
+def _tensor_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bit for bit: dtype, shape and every byte (+0.0 and -0.0 differ, a NaN equals the same NaN
+    and not one with another payload)."""
+    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(_tensor_bits(x),
+                                                                     _tensor_bits(y))
+
+
+def same_value(x: Any, y: Any) -> bool:
+    """JSON-like values by type and value: ``1``, ``1.0`` and ``True`` all differ; floats by
+    their bits (``-0.0`` differs from ``0.0``, a NaN equals the same NaN); containers
+    element by element."""
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, torch.Tensor):
+        return same_tensor(x, y)
+    if isinstance(x, float):
+        return struct.pack("<d", x) == struct.pack("<d", y)
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(same_value(x[k], y[k]) for k in x)
+    if isinstance(x, list | tuple):
+        return len(x) == len(y) and all(same_value(a, b) for a, b in zip(x, y))
+    return bool(x == y)
+
+
 def compare_final(faulty_url: str, reference_url: str, step: int, *,
-                  engine: str = "antifragile") -> list[str]:
-    """Arrays (model and optimizer) and values that differ between the two final checkpoints,
-    both written by ``engine`` (each backend's reader gives flat ``{key: tensor | value}``)."""
+                  engine: str = "antifragile") -> Comparison:
+    """Compare the final checkpoints (model, optimizer, training state) of the two runs, both
+    written by ``engine`` (each backend's reader gives flat ``{key: tensor | value}``), bit for
+    bit. Comparing nothing is an error, not equality."""
     try:
         got = read_checkpoint(engine, faulty_url, step)
         want = read_checkpoint(engine, reference_url, step)
     except CheckpointError as exc:
-        return [f"cannot read the final checkpoint of step {step}: {exc}"]
+        return Comparison(error=f"cannot read the final checkpoint of step {step}: {exc}")
     except Exception as exc:  # a peer engine's own error on a damaged or missing file
-        return [f"cannot read the final {engine} checkpoint of step {step}: "
-                f"{type(exc).__name__}: {exc}"]
-    diffs = sorted(set(got) ^ set(want))
+        return Comparison(error=f"cannot read the final {engine} checkpoint of step {step}: "
+                                f"{type(exc).__name__}: {exc}")
+    out = Comparison(differs=sorted(set(got) ^ set(want)))
     for key in sorted(set(got) & set(want)):
         x, y = got[key], want[key]
-        same = (torch.equal(x, y) and x.dtype == y.dtype) if isinstance(x, torch.Tensor) \
-            and isinstance(y, torch.Tensor) else x == y
-        if not same:
-            diffs.append(key)
-    return diffs
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            out.compared_bytes += x.numel() * x.element_size()
+        if not same_value(x, y):
+            out.differs.append(key)
+    out.differs.sort()
+    if out.compared_bytes == 0:
+        out.error = (f"nothing to compare: the final {engine} checkpoints of step {step} hold "
+                     f"no tensor data ({len(got)} and {len(want)} entries)")
+    return out
+
+
+def final_committed(engine: str, url: str, step: int) -> bool:
+    """Whether ``engine`` sees a committed checkpoint of ``step`` at ``url``."""
+    try:
+        return step in committed_steps(engine, url)
+    except Exception:  # unreadable storage: not committed as far as anyone can tell
+        return False
 
 
 def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_step: int | None,
-          faulty_url: str, reference_url: str | None) -> Verdict:
+          faulty_url: str, reference_url: str | None, final_committed: bool) -> Verdict:
+    """``final_committed``: the faulty run's checkpoint of the last step is committed (what a
+    resumed job would load); without it nothing proves the run's end state survived.
+
+    Every fault of the scenario must have been injected (each ``mtbf_s`` fault at least once)
+    and have had its effect (``FaultTimings.effect_observed``); a fault that caused a restart
+    must have been recovered from."""
     v = Verdict()
     if returncode != 0:
         v.fail(f"the trainer exited with code {returncode}")
     if final_step != s.trainer.steps:
         v.fail(f"the run ended at step {final_step}, not {s.trainer.steps}")
-    if reference_url is not None and final_step == s.trainer.steps:
-        diffs = compare_final(faulty_url, reference_url, s.trainer.steps,
-                              engine=s.checkpoint.engine)
-        v.bitwise_equal = not diffs
-        if diffs and s.expect.bitwise_equal_to_reference:
-            v.fail(f"final state differs from the reference in {len(diffs)} entries, "
-                   f"e.g. {diffs[:3]}")
+    if not final_committed:
+        v.fail(f"no committed checkpoint of the final step {s.trainer.steps}")
+    if reference_url is None:
+        if s.expect.bitwise_equal_to_reference:
+            v.fail("expect.bitwise_equal_to_reference is true, but there is no reference run "
+                   "to compare with (--no-reference)")
+    elif final_step == s.trainer.steps:
+        comparison = compare_final(faulty_url, reference_url, s.trainer.steps,
+                                   engine=s.checkpoint.engine)
+        v.bitwise_equal = comparison.equal
+        if not comparison.equal and s.expect.bitwise_equal_to_reference:
+            if comparison.error:
+                v.fail(comparison.error)
+            if comparison.differs:
+                v.fail(f"final state differs from the reference in {len(comparison.differs)} "
+                       f"entries, e.g. {comparison.differs[:3]}")
+    wanted = Counter(f.kind for f in s.faults)
+    made = Counter(t.kind for t in timings)
+    for kind, n in wanted.items():
+        if made[kind] < n:
+            v.fail(f"{kind}: the scenario has {n} such fault{'s' if n > 1 else ''}, "
+                   f"{made[kind]} {'was' if made[kind] == 1 else 'were'} injected (a trigger "
+                   "was never reached)")
+    skipped = []
     for t in timings:
         if t.skipped:
+            skipped.append(f"{t.kind} at step {t.injected_step}: skipped: {t.skipped}")
+            continue
+        if not t.effect_observed:
+            v.fail(f"{t.kind} at step {t.injected_step}: no observable effect: {t.effect}")
             continue
         if t.outage is not None and not t.outage["training_continued"]:
             v.fail(f"{t.kind} at step {t.injected_step}: training did not go on during the "
                    f"outage ({t.outage['steps_during_outage']} steps, or a restart)")
-        if t.kind in ("kill_rank", "hang_rank", "crash_during_save") and t.recovery_s is None:
-            v.fail(f"{t.kind} at step {t.injected_step}: no recovery was observed")
+        if t.ended_attempt is not None and t.recovery_s is None:
+            v.fail(f"{t.kind} at step {t.injected_step}: no recovery was observed (the job "
+                   f"did not come back after attempt {t.ended_attempt})")
             continue
         if s.expect.max_recovery_s is not None and t.recovery_s is not None \
                 and t.recovery_s > s.expect.max_recovery_s:
@@ -77,6 +170,8 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
                 and t.lost_steps > s.expect.max_lost_steps:
             v.fail(f"{t.kind} at step {t.injected_step}: {t.lost_steps} steps lost "
                    f"> max_lost_steps {s.expect.max_lost_steps}")
+    if v.verdict == "pass" and skipped:  # nothing failed, but the scenario was not all made
+        v.verdict, v.reasons = "skipped", skipped
     return v
 
 

@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from antifragile.chaos.faults import Injection
 from antifragile.chaos.observe.record import RunRecord
 
-_FAILURES = {"kill_rank", "hang_rank", "crash_during_save", "drop_link"}
+if TYPE_CHECKING:
+    from antifragile.chaos.scenario import Scenario
+
+_RESTARTING = {"kill_rank", "hang_rank", "crash_during_save", "drop_link"}  # effect: a restart
+
+#: Added to the job's own detection bound (the slower of ``hang_timeout_s`` and
+#: ``collective_timeout_s``) for the agents to tear the group down (``--monitor-interval`` 0.2 s,
+#: ``--shutdown-timeout`` 3 s) on a loaded machine.
+TEARDOWN_S = 30.0
+
+
+def detection_window_s(s: Scenario) -> float:
+    """How long after its injection a fault may end its attempt and still be the cause: the
+    slowest way the job notices a failure, plus the teardown (a ``drop_link``'s window starts
+    when the link comes back up)."""
+    return max(s.trainer.hang_timeout_s, s.trainer.collective_timeout_s) + TEARDOWN_S
 
 
 @dataclass(slots=True)
@@ -19,7 +35,13 @@ class FaultTimings:
     injected_step: int | None
     rank: int | None
     skipped: str | None = None
+    missed: str | None = None
     checkpoint_step: int | None = None
+    # what the fault observably did (None: not made here, see ``skipped``); ``effect`` is the
+    # evidence, or why none was seen (then the verdict fails)
+    effect_observed: bool | None = None
+    effect: str | None = None
+    ended_attempt: int | None = None  # the attempt this fault ended (None: it caused no restart)
     detect_s: float | None = None
     restart_s: float | None = None
     restore_s: float | None = None
@@ -45,12 +67,134 @@ def _attempt_at(record: RunRecord, t: float) -> int:
     return current
 
 
-def fault_timings(record: RunRecord, injection: Injection) -> FaultTimings:
+def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window_s: float
+                   ) -> tuple[bool, str]:
+    """Whether ``injection`` ended ``attempt`` (the one running when it was made), with the
+    evidence or why not. Caused means: the attempt ended within ``window_s`` of the fault (of
+    the link coming back, for ``drop_link``) and the fault's own mark is on the failure:
+
+    - ``kill_rank``, ``crash_during_save``: the rank wrote nothing after the signal (a killed
+      process cannot; one that did was not killed by it).
+    - ``hang_rank``: a heartbeat named the rank silent, or the rank wrote nothing after the
+      stop (it was still stopped when the group was torn down). A rank that resumed and
+      trained on was not the cause of a later restart.
+    - ``drop_link``: the attempt failed in the window (a heartbeat that found ranks silent is
+      named as the evidence).
+
+    An attempt whose every rank exited normally was ended by nobody.
+    """
+    end = record.attempt_ends.get(attempt)
+    if end is None or end < injection.t:
+        return False, f"attempt {attempt} did not end after it"
+    waited = end - injection.t
+    limit = window_s + (injection.detail.get("duration_s") or 0.0
+                        if injection.kind == "drop_link" else 0.0)
+    if waited > limit:
+        return False, (f"no restart followed within {limit:.0f} s (attempt {attempt} ended "
+                       f"{waited:.1f} s later)")
+    ranks = {e["rank"] for e in _by_attempt(record.events, attempt, "start")}
+    clean = {e["rank"] for e in _by_attempt(record.events, attempt, "exit") if e.get("code") == 0}
+    if ranks and ranks <= clean:
+        return False, f"no restart followed: every rank of attempt {attempt} finished normally"
+    events = [e for e in record.events if e["attempt"] == attempt and e["t"] >= injection.t]
+    r = injection.rank
+    silent = [e for e in events if e["event"] == "hang_detected"
+              and (r is None or r in e.get("silent_ranks", []))]
+    wrote = [e for e in events if e["rank"] == r]
+    if injection.kind == "drop_link":
+        how = (f"rank {silent[0]['rank']}'s heartbeat found ranks {silent[0]['silent_ranks']} "
+               "silent; " if silent else "")
+        return True, f"{how}attempt {attempt} ended {waited:.2f} s after the cut"
+    if injection.kind == "hang_rank" and silent:
+        return True, (f"rank {silent[0]['rank']}'s heartbeat found rank {r} silent "
+                      f"{silent[0]['t'] - injection.t:.2f} s after the stop; attempt {attempt} "
+                      f"ended {waited:.2f} s after it")
+    if wrote:
+        return False, (f"no restart followed: rank {r} went on ({wrote[0]['event']} "
+                       f"{wrote[0]['t'] - injection.t:.2f} s later), and attempt {attempt} "
+                       f"ended {waited:.1f} s after the fault for another reason")
+    what = "stopped" if injection.kind == "hang_rank" else "killed"
+    return True, f"rank {r} {what}; attempt {attempt} ended {waited:.2f} s later"
+
+
+def _link_noticed(record: RunRecord, injection: Injection, why_not: str) -> tuple[bool, str]:
+    """A cut that ended no attempt is still observed if a heartbeat found ranks silent while
+    the link was down (the job noticed, and got through)."""
+    up_t = injection.t + (injection.detail.get("duration_s") or 0.0)
+    for e in record.events:
+        if e["event"] == "hang_detected" and injection.t <= e["t"] <= up_t:
+            return True, (f"rank {e['rank']}'s heartbeat found ranks {e['silent_ranks']} silent "
+                          "while the link was down; the job went on without a restart")
+    return False, (f"the cut was not observed: no heartbeat found a rank silent while the link "
+                   f"was down, and {why_not}")
+
+
+def _restore_skipped_step(event: dict[str, Any]) -> int | None:
+    """The checkpoint step a ``restore_skipped`` event names: its ``step`` field, else the first
+    step its reason names (every backend's reads ``checkpoint step N skipped, trying ...``)."""
+    if isinstance(event.get("step"), int):
+        return int(event["step"])
+    found = re.search(r"\bstep (\d+)", event.get("reason") or "")
+    return int(found.group(1)) if found else None
+
+
+def _corrupt_effect(record: RunRecord, injection: Injection) -> tuple[bool, str]:
+    """The engine noticed the damage: a restore after it skipped the damaged step. A restore
+    that loaded it (no complaint) or none that read it means the damage had no observable
+    effect: the run proves nothing about it."""
+    damaged = injection.detail.get("checkpoint_step")
+    later = [e for e in record.events if e["t"] >= injection.t]
+    for e in later:
+        if e["event"] == "restore_skipped" and _restore_skipped_step(e) == damaged:
+            return True, (f"attempt {e['attempt']}'s restore skipped the damaged step "
+                          f"{damaged}: {e.get('reason')}")
+    for e in later:
+        if e["event"] == "restore_end" and e.get("step") == damaged:
+            return False, (f"attempt {e['attempt']} restored the damaged step {damaged} "
+                           "without noticing the damage")
+    return False, (f"no restore read the damaged step {damaged} (no restart followed, or a "
+                   "newer step was restored)")
+
+
+def _outage_effect(injection: Injection) -> tuple[bool, str]:
+    d = injection.detail
+    if d.get("requests_faulted") is None:
+        return False, ("the outage had not ended when the run did: the proxy's counts were "
+                       "never taken")
+    faulted, delayed = d["requests_faulted"], d.get("requests_delayed") or 0
+    if faulted + delayed == 0:
+        return False, f"no request reached the proxy during the {d['duration_s']:g} s outage"
+    return True, (f"{faulted} requests faulted ({d['mode']}), {delayed} requests delayed "
+                  "during the outage")
+
+
+def _crash_effect(record: RunRecord, injection: Injection, attempt: int,
+                  restored_step: int | None) -> tuple[bool, str] | None:
+    """Why a ``crash_during_save`` that ended its attempt did not crash during the save:
+    COMMIT was already there, or the step committed after all. None: it did."""
+    step = injection.detail.get("checkpoint_step")
+    if injection.detail.get("committed_before_kill"):
+        return False, (f"COMMIT of step {step} was already written when rank {injection.rank} "
+                       "was killed: the save won the race, no crash during it happened")
+    committed = any(e["event"] == "ckpt_committed" and e["attempt"] == attempt
+                    and e["step"] == step for e in record.events)
+    if committed or (restored_step is not None and restored_step == step):
+        return False, (f"step {step} committed after the kill (rank {injection.rank}'s part "
+                       "was already written): no torn checkpoint was left")
+    return None
+
+
+def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 90.0
+                  ) -> FaultTimings:
+    """What one fault did. Recovery is measured on the restart the fault caused (see
+    ``_ended_attempt``; ``window_s``: ``detection_window_s`` of the scenario); a fault that
+    caused none has no recovery, whatever restarts came later."""
     timings = FaultTimings(kind=injection.kind, injected_t=injection.t,
                            injected_step=injection.step, rank=injection.rank,
-                           skipped=injection.skipped,
+                           skipped=injection.skipped, missed=injection.missed,
                            checkpoint_step=injection.detail.get("checkpoint_step"))
-    if injection.kind == "storage_outage" and not injection.skipped:
+    made = not injection.skipped and not injection.missed
+    if injection.kind == "storage_outage" and made:
         timings.outage = outage_effects(record, injection)
     attempt = _attempt_at(record, injection.t)
     # The runner reads event files as they are written, so it fires a step-triggered fault a
@@ -59,12 +203,41 @@ def fault_timings(record: RunRecord, injection: Injection) -> FaultTimings:
     done = _by_attempt(record.events, attempt, "step_end")
     timings.injected_step = max((e["step"] for e in done if e["t"] <= injection.t),
                                 default=injection.step)
-    if injection.skipped or injection.kind not in _FAILURES:
+    if injection.skipped:
         return timings
+    if injection.missed:
+        timings.effect_observed, timings.effect = False, f"not made: {injection.missed}"
+        return timings
+    if injection.kind == "corrupt_shard":
+        timings.effect_observed, timings.effect = _corrupt_effect(record, injection)
+        return timings
+    if injection.kind == "storage_outage":
+        timings.effect_observed, timings.effect = _outage_effect(injection)
+        return timings
+    caused, timings.effect = _ended_attempt(record, injection, attempt, window_s)
+    timings.effect_observed = caused
+    if not caused:
+        if injection.kind == "drop_link":
+            timings.effect_observed, timings.effect = _link_noticed(record, injection,
+                                                                    timings.effect)
+        return timings
+    timings.ended_attempt = attempt
+    _recovery(record, injection, attempt, done, timings)
+    if injection.kind == "crash_during_save":
+        missed = _crash_effect(record, injection, attempt, timings.restored_step)
+        if missed is not None:
+            timings.effect_observed, timings.effect = missed
+    return timings
+
+
+def _recovery(record: RunRecord, injection: Injection, attempt: int,
+              done: list[dict[str, Any]], timings: FaultTimings) -> None:
+    """Detect, restart, restore and recompute of the attempt after ``attempt``, which the
+    fault ended; left None when the job never came back (a failed verdict)."""
     nxt = attempt + 1
     starts = _by_attempt(record.events, nxt, "start")
     if attempt not in record.attempt_ends or not starts:
-        return timings  # the job never came back: recovery stays unmeasured (a failed verdict)
+        return
     torn_down = record.attempt_ends[attempt]
     started = max(e["t"] for e in starts)
     restores = _by_attempt(record.events, nxt, "restore_end")
@@ -84,7 +257,6 @@ def fault_timings(record: RunRecord, injection: Injection) -> FaultTimings:
         timings.recompute_s = max(min(caught_up) - restored, 0.0)
         timings.recovery_s = (timings.detect_s + timings.restart_s + timings.restore_s
                               + timings.recompute_s)
-    return timings
 
 
 def _save_lifecycles(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

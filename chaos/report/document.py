@@ -87,7 +87,7 @@ def timeline(record: RunRecord) -> dict[str, Any]:
         t = _rel(i.t, t0)
         attempt = max((a for s, a in attempt_of if s <= (t or 0.0)), default=0)
         injections.append({"kind": i.kind, "t_s": t, "step": i.step, "rank": i.rank,
-                           "attempt": attempt, "skipped": i.skipped,
+                           "attempt": attempt, "skipped": i.skipped, "missed": i.missed,
                            "duration_s": i.detail.get("duration_s"),
                            "ended_s": _rel(i.detail.get("ended_t"), t0),
                            "between": i.detail.get("between")})
@@ -128,6 +128,23 @@ def _fmt(x: Any, unit: str = "") -> str:
     return f"{x}{unit}"
 
 
+def _effect_cell(f: dict[str, Any]) -> str:
+    """Whether the fault had the effect it exists for (see reports/README.md)."""
+    if f.get("skipped"):
+        return "skipped"
+    return {True: "yes", False: "NO", None: "-"}[f.get("effect_observed")]
+
+
+def _recovery_cell(f: dict[str, Any]) -> str:
+    """The recovery time, or "none" for a made fault that caused no restart: a later restart
+    is not its recovery."""
+    if f.get("recovery_s") is not None:
+        return _fmt(f["recovery_s"])
+    if not f.get("skipped") and f.get("ended_attempt") is None:
+        return "none (caused no restart)"
+    return "-"
+
+
 def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None = None) -> Path:
     """``plots``: link the PNGs that were drawn (and say which were not, and why)."""
     s, v, run = report["scenario"], report["verdict"], report["run"]
@@ -139,17 +156,19 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
               f"- bitwise equal to the fault-free reference: {_fmt(v['bitwise_equal'])}"]
     lines += [f"- {reason}" for reason in v["reasons"]]
     lines += ["", "## Faults", "",
-              "| kind | step | rank | detect s | restart s | restore s | recompute s | "
-              "recovery s | restored step | lost steps | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| kind | step | rank | effect seen | detect s | restart s | restore s | "
+              "recompute s | recovery s | restored step | lost steps | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in report["faults"]:
-        note = f["skipped"] or (f"damaged step {f['checkpoint_step']}"
-                                if f["checkpoint_step"] is not None else "")
+        note = f["skipped"] or f.get("effect") or ""
+        if f["checkpoint_step"] is not None:
+            note = f"step {f['checkpoint_step']}: {note}"
         lines.append(
             f"| {f['kind']} | {_fmt(f['injected_step'])} | {_fmt(f['rank'])} | "
-            f"{_fmt(f['detect_s'])} | {_fmt(f['restart_s'])} | {_fmt(f['restore_s'])} | "
-            f"{_fmt(f['recompute_s'])} | {_fmt(f['recovery_s'])} | {_fmt(f['restored_step'])} | "
-            f"{_fmt(f['lost_steps'])} | {note} |")
+            f"{_effect_cell(f)} | {_fmt(f['detect_s'])} | {_fmt(f['restart_s'])} | "
+            f"{_fmt(f['restore_s'])} | {_fmt(f['recompute_s'])} | {_recovery_cell(f)} | "
+            f"{_fmt(f['restored_step'])} | {_fmt(f['lost_steps'])} | "
+            f"{note.replace('|', '/')} |")
     lines += ["", "## Checkpoints", "",
               "| attempt | step | stall s | persist s | MiB | committed |",
               "|---|---|---|---|---|---|"]
@@ -175,6 +194,7 @@ h1 { margin-bottom: 0.2em; } h2 { margin-top: 1.6em; border-bottom: 1px solid #d
 .banner { padding: 0.8em 1.2em; border-radius: 6px; margin: 1em 0; font-size: 1.1em; }
 .banner.pass { background: #e6f4ea; border: 2px solid #2ca02c; }
 .banner.fail { background: #fdecea; border: 2px solid #d62728; }
+.banner.skipped { background: #fff8e1; border: 2px solid #e6a700; }
 .banner ul { margin: 0.4em 0 0; }
 table { border-collapse: collapse; margin: 0.5em 0; font-size: 13px; }
 th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
@@ -243,9 +263,9 @@ def _plot_html(plot: Plot) -> str:
 
 
 # The faults table's columns after ``kind`` and the injection time: every measured field.
-_FAULT_COLUMNS = ["injected_t", "injected_step", "rank", "detect_s", "restart_s", "restore_s",
-                  "recompute_s", "recovery_s", "restored_step", "lost_steps", "checkpoint_step",
-                  "skipped"]
+_FAULT_COLUMNS = ["injected_t", "injected_step", "rank", "effect_observed", "ended_attempt",
+                  "detect_s", "restart_s", "restore_s", "recompute_s", "recovery_s",
+                  "restored_step", "lost_steps", "checkpoint_step", "skipped", "missed", "effect"]
 
 
 def _more(fault: dict[str, Any]) -> str:
@@ -264,7 +284,7 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
     parts = [f"<h1>{html.escape(s['name'])}</h1>"]
     if s.get("description"):
         parts.append(f"<p>{html.escape(s['description'])}</p>")
-    parts.append(f'<div class="banner {"pass" if verdict == "pass" else "fail"}">'
+    parts.append(f'<div class="banner {verdict if verdict in ("pass", "skipped") else "fail"}">'
                  f"<strong>{html.escape(verdict.upper())}</strong> &mdash; final state bitwise "
                  f"equal to the fault-free reference: {html.escape(equal)}"
                  + (f"<ul>{reasons}</ul>" if reasons else "") + "</div>")
@@ -283,8 +303,10 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
     parts.append(html_table(
         ["kind", "injected at s (since start)", *_FAULT_COLUMNS[1:], "more"],
         [[f["kind"], f["injected_t"] - t0 if t0 is not None else f["injected_t"],
-          *(f.get(k) for k in _FAULT_COLUMNS[1:]), _more(f)] for f in faults],
-        ["bad" if f.get("recovery_s") is None and f.get("restored_step") is not None else ""
+          *(_recovery_cell(f) if k == "recovery_s" and f.get("recovery_s") is None else f.get(k)
+            for k in _FAULT_COLUMNS[1:]), _more(f)] for f in faults],
+        ["bad" if f.get("effect_observed") is False or (
+            f.get("recovery_s") is None and f.get("restored_step") is not None) else ""
          for f in faults])
         if faults else "<p>No faults in this scenario.</p>")
     cks = report.get("checkpoints") or []

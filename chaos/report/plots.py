@@ -95,7 +95,8 @@ def _fault_label(f: dict[str, Any]) -> str:
     where = f" r{f['rank']}" if f.get("rank") is not None else ""
     if f.get("checkpoint_step") is not None and f["kind"] == "corrupt_shard":
         where += f" (ckpt {f['checkpoint_step']})"
-    return f"{f['kind']}{where}" + (" (skipped)" if f.get("skipped") else "")
+    return f"{f['kind']}{where}" + (" (skipped)" if f.get("skipped") else
+                                    " (missed)" if f.get("missed") else "")
 
 
 def _draw_loss(fig: Any, doc: dict[str, Any]) -> None:
@@ -123,7 +124,8 @@ def _draw_loss(fig: Any, doc: dict[str, Any]) -> None:
         step = f.get("injected_step")
         if step is None:
             continue
-        ax.axvline(step, color=FAULT_COLOR if not f.get("skipped") else "#999999", ls="--",
+        made = not f.get("skipped") and not f.get("missed")
+        ax.axvline(step, color=FAULT_COLOR if made else "#999999", ls="--",
                    lw=1.2, zorder=1)
         ax.annotate(f"{_fault_label(f)} @ step {step}", (step, 1.0),
                     xycoords=("data", "axes fraction"), xytext=(3, -4),
@@ -231,7 +233,7 @@ def _draw_timeline(fig: Any, doc: dict[str, Any]) -> None:
                            label="no process (launch / restart)")
     for inj in tl.get("injections", []):
         t, rank = inj["t_s"], inj.get("rank")
-        if inj.get("skipped"):
+        if inj.get("skipped") or inj.get("missed"):
             continue
         if rank is None:  # on storage or the network: every rank sees it
             ax.axvline(t, color=FAULT_COLOR, ls="--", lw=1.2)

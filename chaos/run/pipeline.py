@@ -29,8 +29,13 @@ class Outcome:
     report: dict[str, Any]
 
     @property
+    def verdict(self) -> str:
+        """``pass``, ``fail`` or ``skipped`` (see ``observe.checker``)."""
+        return str(self.report["verdict"]["verdict"])
+
+    @property
     def passed(self) -> bool:
-        return bool(self.report["verdict"]["verdict"] == "pass")
+        return self.verdict == "pass"
 
 
 def _reference_key(s: Scenario) -> str:
@@ -112,10 +117,13 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
 
     progress(f"run: {s.name} ({s.trainer.parallel.world_size} ranks, {len(s.faults)} faults)")
     record = run_scenario(s, out / "run", ckpt_url, on_event=on_event, storage=storage)
-    timings = [measure.fault_timings(record, i) for i in record.injections]
+    window_s = measure.detection_window_s(s)
+    timings = [measure.fault_timings(record, i, window_s=window_s) for i in record.injections]
     verdict = checker.judge(s, returncode=record.returncode, timings=timings,
                             final_step=_final_step(record), faulty_url=ckpt_url,
-                            reference_url=reference_url)
+                            reference_url=reference_url,
+                            final_committed=checker.final_committed(
+                                s.checkpoint.engine, ckpt_url, s.trainer.steps))
     doc = {
         "scenario": s.model_dump(by_alias=True, mode="json"),
         "environment": report.environment(),

@@ -11,6 +11,7 @@ from antifragile.chaos.suite.summary import (
     Tolerances,
     build,
     compare,
+    exit_code,
     failed_entry,
     format_table,
     load_baseline,
@@ -20,7 +21,7 @@ from antifragile.chaos.suite.summary import (
 )
 
 __all__ = [
-    "FORMAT", "Planned", "SuiteError", "Tolerances", "build", "compare", "discover",
+    "FORMAT", "Planned", "SuiteError", "Tolerances", "build", "compare", "discover", "exit_code",
     "failed_entry", "format_table", "load_baseline", "plan", "run_suite", "summarize",
     "write_html", "write_json",
 ]

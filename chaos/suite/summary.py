@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 from antifragile.chaos.report import document as report
 
-FORMAT = 1
+FORMAT = 2  # 2: verdict ``skipped``, counts.skipped and the skipped names
 
 
 class SuiteError(Exception):
@@ -74,15 +74,27 @@ def failed_entry(name: str, file: str, reason: str, *, error: str | None = None
 
 def build(entries: list[dict[str, Any]], *, suite: str, wall_s: float,
           baseline: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ``summary.json`` document; ``ok`` is what the exit code says."""
-    failed = [e["name"] for e in entries if e["verdict"] != "pass"]
+    """The ``summary.json`` document; ``ok`` is what the exit code says (see ``exit_code``):
+    every scenario passed and nothing regressed."""
+    failed = [e["name"] for e in entries if e["verdict"] not in ("pass", "skipped")]
+    skipped = [e["name"] for e in entries if e["verdict"] == "skipped"]
     regressed = bool(baseline and baseline["regressions"])
     return {"format": FORMAT, "suite": suite,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "wall_s": wall_s, "environment": report.environment(),
-            "ok": not failed and not regressed,
-            "counts": {"pass": len(entries) - len(failed), "fail": len(failed)},
-            "failed": failed, "scenarios": entries, "baseline": baseline}
+            "ok": not failed and not skipped and not regressed,
+            "counts": {"pass": len(entries) - len(failed) - len(skipped), "fail": len(failed),
+                       "skipped": len(skipped)},
+            "failed": failed, "skipped": skipped, "scenarios": entries, "baseline": baseline}
+
+
+def exit_code(summary: dict[str, Any]) -> int:
+    """0 every scenario passed and nothing regressed; 1 a scenario failed or a figure
+    regressed; 3 nothing failed, but a scenario was skipped (a fault could not be made here),
+    so the suite did not test what it says, even when every scenario was skipped."""
+    if summary["failed"] or (summary.get("baseline") or {}).get("regressions"):
+        return 1
+    return 3 if summary.get("skipped") else 0
 
 
 def load_baseline(path: Path) -> dict[str, Any]:
@@ -126,8 +138,12 @@ def compare(entries: list[dict[str, Any]], baseline: dict[str, Any], *, file: st
         if base is None:
             continue
         if base.get("verdict") != "pass" or cur["verdict"] != "pass":
+            was = base.get("verdict", "fail") if base.get("verdict") != "pass" \
+                else cur["verdict"]
             which = "the baseline" if base.get("verdict") != "pass" else "this run"
-            not_compared.append({"scenario": name, "reason": f"failed in {which}"})
+            not_compared.append({"scenario": name,
+                                 "reason": f"{'skipped' if was == 'skipped' else 'failed'} "
+                                           f"in {which}"})
             continue
         found = [
             _worse("recovery (max)", base.get("recovery_max_s"), cur["recovery_max_s"],
@@ -184,8 +200,10 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for e in summary["scenarios"]:
-        lines += [f"FAIL {e['name']}: {reason}" for reason in e["reasons"]]
-        lines += [f"skipped {e['name']}: {s['kind']}: {s['reason']}" for s in e["skipped"]]
+        verdict = "SKIPPED" if e["verdict"] == "skipped" else "FAIL"
+        lines += [f"{verdict} {e['name']}: {reason}" for reason in e["reasons"]]
+        if e["verdict"] != "skipped":  # a skipped scenario's reasons are its skipped faults
+            lines += [f"skipped {e['name']}: {s['kind']}: {s['reason']}" for s in e["skipped"]]
     b = summary.get("baseline")
     if b:
         lines += [f"REGRESSION {r['scenario']}: {r['reason']}" for r in b["regressions"]]
@@ -196,13 +214,15 @@ def format_table(summary: dict[str, Any]) -> str:
             lines.append(f"missing since the baseline: {', '.join(b['missing'])}")
     c = summary["counts"]
     lines.append(f"{c['pass']} passed, {c['fail']} failed"
+                 + (f", {c['skipped']} skipped" if c.get("skipped") else "")
                  + (f", {len(b['regressions'])} regression(s)" if b else "")
                  + f" in {summary['wall_s']:.0f} s")
     return "\n".join(lines)
 
 
 _CSS = """td{text-align:left}tr.pass td.verdict{background:#d9f2d9}
-tr.fail td.verdict{background:#f8d0d0}td.regression{color:#a00;font-weight:bold}
+tr.fail td.verdict{background:#f8d0d0}tr.skipped td.verdict{background:#fff1c2}
+td.regression{color:#a00;font-weight:bold}
 td.num{text-align:right}ul{margin:.3em 0}"""  # on top of the report pages' CSS
 
 
@@ -211,9 +231,10 @@ def write_html(out: Path, summary: dict[str, Any]) -> Path:
     esc = html.escape
     regressed = _regressed(summary)
     c = summary["counts"]
-    status = "OK" if summary["ok"] else "FAILED"
+    status = "OK" if summary["ok"] else "FAILED" if exit_code(summary) == 1 else "SKIPPED"
     parts = [f"<h1>chaos suite {esc(summary['suite'])}: {status}</h1>",
-             f"<p>{c['pass']} passed, {c['fail']} failed, created {esc(summary['created'])}, "
+             f"<p>{c['pass']} passed, {c['fail']} failed, {c.get('skipped', 0)} skipped, "
+             f"created {esc(summary['created'])}, "
              f"{summary['wall_s']:.0f} s</p><table><tr>"
              + "".join(f"<th>{esc(h)}</th>" for h in _COLUMNS) + "<th>report</th></tr>"]
     for e in summary["scenarios"]:
@@ -222,14 +243,15 @@ def write_html(out: Path, summary: dict[str, Any]) -> Path:
                  for f in ("report.html", "report.md", "error.txt")
                  if (out / e["name"] / f).is_file()]
         cls = ["name", "verdict", "num", "num", "num", "num", "num", "regression"]
-        parts.append(f"<tr class='{'pass' if e['verdict'] == 'pass' else 'fail'}'>"
+        row = e["verdict"] if e["verdict"] in ("pass", "skipped") else "fail"
+        parts.append(f"<tr class='{row}'>"
                      + "".join(f"<td class='{k}'>{esc(v)}</td>" for k, v in zip(cls, cells))
                      + f"<td>{' '.join(links)}</td></tr>")
     parts.append("</table>")
     notes = [f"<li><b>{esc(e['name'])}</b>: {esc(r)}</li>"
              for e in summary["scenarios"] for r in e["reasons"]]
     notes += [f"<li><b>{esc(e['name'])}</b>: {esc(s['kind'])} skipped: {esc(s['reason'])}</li>"
-              for e in summary["scenarios"] for s in e["skipped"]]
+              for e in summary["scenarios"] if e["verdict"] != "skipped" for s in e["skipped"]]
     if notes:
         parts.append("<h2>Failures and skipped faults</h2><ul>" + "".join(notes) + "</ul>")
     b = summary.get("baseline")

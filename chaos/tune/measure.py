@@ -192,7 +192,7 @@ def sweep(s: Scenario, costs: Costs, measured: Measured, folder: Path, *, every:
         rows.append({"every_steps": e, "interval_s": tau, "steps": steps,
                      "wall_s": record.wall_s, "failures": sum(
                          1 for i in record.injections
-                         if i.kind in STOPPING_KINDS and not i.skipped),
+                         if i.kind in STOPPING_KINDS and not i.skipped and not i.missed),
                      "measured_goodput": got, "predicted_goodput": predicted,
                      "model_goodput": model, "gap": got - predicted})
     return rows

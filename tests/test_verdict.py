@@ -1,0 +1,416 @@
+"""The verdict cannot pass by accident: the comparison is of bits, a reference is needed to claim
+bitwise equality, and every fault must have been made and have had its effect.
+
+Checkpoints are written by the real engine in this process; runs are synthetic ``RunRecord``s
+(as in test_report.py) unless a test says it runs ``chaos run``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from antifragile.chaos.faults import Injection
+from antifragile.chaos.observe import checker, measure
+from antifragile.chaos.observe.record import RunRecord
+from antifragile.chaos.scenario import parse_scenario
+from antifragile.engine import CheckpointEngine
+from tests.test_report import SCENARIO, T0, WORLD, _Job, synthetic_record
+
+STEPS = 12
+
+
+def _scenario(**expect: Any) -> Any:
+    return parse_scenario({
+        "name": "verdict", "seed": 1,
+        "trainer": {"parallel": {"dp": 2}, "steps": STEPS, "batch_size": 8,
+                    "model": {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64,
+                              "seq_len": 16}},
+        "checkpoint": {"every_steps": 4}, "expect": expect})
+
+
+def _save(url: Path, state: dict[str, Any], step: int = STEPS) -> str:
+    with CheckpointEngine(str(url), keep_last=None) as engine:
+        engine.save(step, state).wait()
+    return str(url)
+
+
+def _nan_tensor(*payloads: int) -> torch.Tensor:
+    return torch.tensor([0x7FC00000 | p for p in payloads], dtype=torch.int32).view(torch.float32)
+
+
+def _state(w: torch.Tensor, **train: Any) -> dict[str, Any]:
+    return {"model": {"w": w}, "optim": {"state.w.exp_avg": torch.ones(3)},
+            "train": {"step": STEPS, "data_cursor": 96, **train}}
+
+
+# --- item 14: bits, not numeric equality ---------------------------------------------------
+
+def test_signed_zeros_differ(tmp_path: Path) -> None:
+    ref = _save(tmp_path / "ref", _state(torch.tensor([0.0, 1.0, 2.0])))
+    got = _save(tmp_path / "got", _state(torch.tensor([-0.0, 1.0, 2.0])))
+    assert checker.compare_final(got, ref, STEPS).differs == ["model/w"]
+
+
+def test_identical_nans_are_equal_and_nan_payloads_differ(tmp_path: Path) -> None:
+    ref = _save(tmp_path / "ref", _state(_nan_tensor(1, 0, 0)))
+    same = _save(tmp_path / "same", _state(_nan_tensor(1, 0, 0)))
+    other = _save(tmp_path / "other", _state(_nan_tensor(2, 0, 0)))
+    assert all(math.isnan(x) for x in _nan_tensor(1, 0, 0).tolist())
+    assert checker.compare_final(same, ref, STEPS).differs == []
+    assert checker.compare_final(other, ref, STEPS).differs == ["model/w"]
+
+
+@pytest.mark.parametrize("value", [96.0, True, "96", [96], None])
+def test_json_values_compare_by_type_and_value(tmp_path: Path, value: Any) -> None:
+    ref = _save(tmp_path / "ref", _state(torch.ones(3), extra=96))
+    got = _save(tmp_path / "got", _state(torch.ones(3), extra=value))
+    assert checker.compare_final(got, ref, STEPS).differs == ["train"]
+
+
+def test_nested_json_values_compare_by_type_and_bits(tmp_path: Path) -> None:
+    ref = _save(tmp_path / "ref", _state(torch.ones(3), extra={"lr": [0.0, 1]}))
+    assert checker.compare_final(_save(tmp_path / "same", _state(
+        torch.ones(3), extra={"lr": [0.0, 1]})), ref, STEPS).differs == []
+    for i, value in enumerate(({"lr": [-0.0, 1]}, {"lr": [0.0, 1.0]}, {"lr": [0.0, True]})):
+        got = _save(tmp_path / f"got{i}", _state(torch.ones(3), extra=value))
+        assert checker.compare_final(got, ref, STEPS).differs == ["train"], value
+
+
+def test_dtype_and_shape_are_part_of_the_bits(tmp_path: Path) -> None:
+    ref = _save(tmp_path / "ref", _state(torch.zeros(4)))
+    for i, w in enumerate((torch.zeros(4, dtype=torch.int32), torch.zeros(2, 2))):
+        got = _save(tmp_path / f"got{i}", _state(w))
+        assert checker.compare_final(got, ref, STEPS).differs == ["model/w"], w
+
+
+def test_equal_checkpoints_compare_equal(tmp_path: Path) -> None:
+    w = torch.randn(5, 3)
+    ref = _save(tmp_path / "ref", _state(w.clone()))
+    got = _save(tmp_path / "got", _state(w.clone()))
+    comparison = checker.compare_final(got, ref, STEPS)
+    assert comparison.differs == [] and comparison.error is None
+    assert comparison.compared_bytes == (15 + 3) * 4
+
+
+# --- item 14: bitwise equality needs a reference ---------------------------------------------
+
+def _judge(s: Any, **kw: Any) -> checker.Verdict:
+    args: dict[str, Any] = {"returncode": 0, "timings": [], "final_step": STEPS,
+                            "faulty_url": "unused", "reference_url": None,
+                            "final_committed": True}
+    return checker.judge(s, **{**args, **kw})
+
+
+def test_bitwise_expectation_without_a_reference_fails() -> None:
+    v = _judge(_scenario(bitwise_equal_to_reference=True))
+    assert v.verdict == "fail" and v.bitwise_equal is None
+    assert any("bitwise_equal_to_reference" in r and "--no-reference" in r for r in v.reasons)
+    assert _judge(_scenario(bitwise_equal_to_reference=False)).verdict == "pass"
+
+
+# --- other ways to pass by accident -------------------------------------------------------------
+
+def test_nothing_to_compare_fails(tmp_path: Path) -> None:
+    """Two final checkpoints whose tensors hold no element are not "equal": no bit was
+    compared."""
+    empty = {"model": {"w": torch.empty(0)}, "train": {"step": STEPS}}
+    ref = _save(tmp_path / "ref", empty)
+    got = _save(tmp_path / "got", empty)
+    comparison = checker.compare_final(got, ref, STEPS)
+    assert comparison.compared_bytes == 0 and comparison.error
+    assert "nothing to compare" in comparison.error
+    v = _judge(_scenario(), faulty_url=got, reference_url=ref)
+    assert v.verdict == "fail" and v.bitwise_equal is False, v
+
+
+def test_a_reader_that_returns_nothing_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer engine's reader that finds no entry in either checkpoint (both sides empty)."""
+    monkeypatch.setattr(checker, "read_checkpoint", lambda engine, url, step: {})
+    comparison = checker.compare_final("faulty", "reference", STEPS, engine="dcp")
+    assert comparison.differs == [] and comparison.error and "nothing to compare" in \
+        comparison.error
+    v = _judge(_scenario(), faulty_url="faulty", reference_url="reference")
+    assert v.verdict == "fail" and v.bitwise_equal is False
+
+
+def test_a_missing_final_checkpoint_fails_even_without_a_bitwise_expectation() -> None:
+    v = _judge(_scenario(bitwise_equal_to_reference=False), final_committed=False)
+    assert v.verdict == "fail"
+    assert any(f"no committed checkpoint of the final step {STEPS}" in r for r in v.reasons)
+
+
+def test_final_committed_reads_the_engine(tmp_path: Path) -> None:
+    url = _save(tmp_path / "ckpt", _state(torch.ones(3)), step=STEPS - 4)
+    assert checker.final_committed("antifragile", url, STEPS) is False
+    _save(tmp_path / "ckpt", _state(torch.ones(3)), step=STEPS)
+    assert checker.final_committed("antifragile", url, STEPS) is True
+    assert checker.final_committed("antifragile", str(tmp_path / "none"), STEPS) is False
+
+
+# --- synthetic runs: every fault made, and made a difference ------------------------------------
+
+def _kill(job: _Job, t: float, attempt: int, rank: int, step: int) -> float:
+    """SIGKILL ``rank`` at ``t``: the survivors fail on their next collective, the attempt ends."""
+    job.injections.append(Injection("kill_rank", t, step=step, rank=rank,
+                                    detail={"pid": 1000 + 10 * attempt + rank}))
+    for r in range(WORLD):
+        if r != rank:
+            job.emit(t + 0.5, r, attempt, "exit", code=1, error="RuntimeError: peer closed")
+    job.attempt_ends[attempt] = t + 0.6
+    return t + 0.6
+
+
+def _finish(job: _Job, t: float, attempt: int) -> RunRecord:
+    for r in range(WORLD):
+        job.emit(t + 0.45, r, attempt, "exit", code=0)
+    job.attempt_ends[attempt] = t + 0.5
+    job.events.sort(key=lambda e: e["t"])
+    return RunRecord(0, T0, t + 0.6, job.events, job.injections, job.attempt_ends)
+
+
+def _verdict(record: RunRecord, faults: list[dict[str, Any]], **expect: Any
+             ) -> tuple[checker.Verdict, list[measure.FaultTimings]]:
+    s = parse_scenario({**SCENARIO, "faults": faults,
+                        "expect": {"bitwise_equal_to_reference": False, **expect}})
+    timings = [measure.fault_timings(record, i, window_s=measure.detection_window_s(s))
+               for i in record.injections]
+    return checker.judge(s, returncode=record.returncode, timings=timings, final_step=12,
+                         faulty_url="unused", reference_url=None, final_committed=True), timings
+
+
+KILL = {"kind": "kill_rank", "rank": 1, "at_step": 7}
+
+
+def _hang_then_kill() -> RunRecord:
+    """Rank 2 is stopped for 1 s at step 4 and resumes before anyone notices (no restart);
+    checkpoint 4 is corrupted at step 6; rank 1 is killed at step 7; attempt 1 restores step 6
+    (the newest: the damaged 4 is never read) and finishes."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 4)
+    job.injections.append(Injection("hang_rank", t + 0.05, step=4, rank=2,
+                                    detail={"pid": 1002, "duration_s": 1.0}))
+    t = job.steps(t + 1.5, 0, 5, 6)
+    job.injections.append(Injection("corrupt_shard", t + 0.05, step=6, detail={
+        "checkpoint_step": 4, "object": "model/w/c/0", "mode": "bitflip"}))
+    t = job.steps(t, 0, 7, 7)
+    t = _kill(job, t + 0.05, 0, 1, 7)
+    t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 12)
+    return _finish(job, t, 1)
+
+
+def test_recovery_is_the_restart_the_fault_caused() -> None:
+    record = _hang_then_kill()
+    v, (hang, corrupt, kill) = _verdict(record, [
+        {"kind": "hang_rank", "rank": 2, "at_step": 4, "duration_s": 1},
+        {"kind": "corrupt_shard", "at_step": 6}, KILL])
+    kill_t = record.injections[2].t
+    assert kill.ended_attempt == 0 and kill.detect_s == pytest.approx(0.6)
+    assert kill.restored_step == 6 and kill.lost_steps == 1 and kill.recovery_s is not None
+    assert kill.recovery_s == pytest.approx(record.attempt_ends[0] - kill_t + kill.restart_s
+                                            + kill.restore_s + kill.recompute_s)
+    for harmless in (hang, corrupt):  # neither inherits the kill's restart
+        assert harmless.ended_attempt is None and harmless.recovery_s is None
+        assert harmless.detect_s is None and harmless.restored_step is None
+        assert harmless.lost_steps is None
+    assert hang.effect_observed is False and "no restart" in (hang.effect or "")
+    assert v.verdict == "fail"
+    assert any(r.startswith("hang_rank at step 4: no observable effect") for r in v.reasons)
+
+
+def test_existing_synthetic_run_keeps_its_measurements() -> None:
+    record = synthetic_record()
+    v, (hang, corrupt, kill) = _verdict(record, SCENARIO["faults"])
+    assert v.verdict == "pass", v.reasons
+    assert (hang.ended_attempt, hang.restored_step, hang.detect_s) == (0, 2, pytest.approx(2.3))
+    assert (kill.ended_attempt, kill.restored_step, kill.lost_steps) == (1, 4, 4)
+    assert corrupt.ended_attempt is None and corrupt.recovery_s is None
+    assert corrupt.effect_observed and "skipped the damaged step 6" in (corrupt.effect or "")
+    assert hang.effect_observed and "silent" in (hang.effect or "")
+    assert kill.effect_observed
+
+
+def test_a_damaged_step_nobody_read_is_no_effect() -> None:
+    v, timings = _verdict(_hang_then_kill(), [
+        {"kind": "hang_rank", "rank": 2, "at_step": 4, "duration_s": 1},
+        {"kind": "corrupt_shard", "at_step": 6}, KILL])
+    corrupt = timings[1]
+    assert corrupt.effect_observed is False and "step 4" in (corrupt.effect or "")
+    assert any(r.startswith("corrupt_shard at step 6: no observable effect") for r in v.reasons)
+
+
+def _corrupt_then_kill(*, skipped: int | None, restore: int) -> RunRecord:
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    job.injections.append(Injection("corrupt_shard", t + 0.05, step=7, detail={
+        "checkpoint_step": 6, "object": "model/w/c/0", "mode": "bitflip"}))
+    t = _kill(job, t + 0.1, 0, 1, 7)
+    t = job.steps(job.start(t + 3.0, 1, restore=restore, skipped=skipped), 1, restore + 1, 12)
+    return _finish(job, t, 1)
+
+
+def test_a_damaged_step_restored_without_noticing_fails() -> None:
+    faults = [{"kind": "corrupt_shard", "at_step": 7}, KILL]
+    v, (corrupt, _) = _verdict(_corrupt_then_kill(skipped=None, restore=6), faults)
+    assert corrupt.effect_observed is False and "without noticing" in (corrupt.effect or "")
+    assert v.verdict == "fail"
+    v, (corrupt, _) = _verdict(_corrupt_then_kill(skipped=6, restore=4), faults)
+    assert corrupt.effect_observed and v.verdict == "pass", v.reasons
+
+
+def _crash_during_save(*, committed_before_kill: bool, restore: int,
+                       committed_event: bool = False) -> RunRecord:
+    """Rank 0 is killed once checkpoint 8 is staged (it commits at +0.4 s in ``_Job``)."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    t += 0.5
+    for r in range(WORLD):
+        job.emit(t, r, 0, "step_end", step=8, loss=None, seconds=0.45)
+        job.emit(t + 0.01, r, 0, "ckpt_staged", step=8, stall_s=0.01)
+        if committed_event and r:
+            job.emit(t + 0.3, r, 0, "ckpt_committed", step=8, bytes=4_000_000,
+                     rank_bytes=1_000_000, persist_s=0.3)
+    job.injections.append(Injection("crash_during_save", t + 0.02, step=8, rank=0, detail={
+        "pid": 1000, "checkpoint_step": 8, "committed_before_kill": committed_before_kill}))
+    for r in (1, 2, 3):
+        job.emit(t + 0.5, r, 0, "exit", code=1, error="RuntimeError: peer closed")
+    job.attempt_ends[0] = t + 0.6
+    t = job.steps(job.start(t + 3.6, 1, restore=restore), 1, restore + 1, 12)
+    return _finish(job, t, 1)
+
+
+CRASH = [{"kind": "crash_during_save", "rank": 0, "at_checkpoint": 4}]
+
+
+def test_crash_during_save_before_commit_passes() -> None:
+    v, (crash,) = _verdict(_crash_during_save(committed_before_kill=False, restore=6), CRASH)
+    assert v.verdict == "pass", v.reasons
+    assert crash.effect_observed and crash.ended_attempt == 0 and crash.restored_step == 6
+
+
+def test_crash_during_save_that_lost_the_race_to_commit_fails() -> None:
+    v, (crash,) = _verdict(_crash_during_save(committed_before_kill=True, restore=8), CRASH)
+    assert crash.effect_observed is False and crash.recovery_s is not None
+    assert v.verdict == "fail" and any("won the race" in r for r in v.reasons), v.reasons
+
+
+@pytest.mark.parametrize("how", ["committed event", "restored"])
+def test_crash_during_save_whose_step_committed_after_the_kill_fails(how: str) -> None:
+    record = _crash_during_save(committed_before_kill=False, restore=8 if how == "restored"
+                                else 6, committed_event=how == "committed event")
+    v, (crash,) = _verdict(record, CRASH)
+    assert crash.effect_observed is False and "committed after" in (crash.effect or "")
+    assert v.verdict == "fail"
+
+
+def _outage(requests_faulted: int | None, requests_delayed: int = 0) -> RunRecord:
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 5)
+    detail: dict[str, Any] = {"mode": "error", "duration_s": 1.0, "latency_s": None,
+                              "ended_t": None}
+    if requests_faulted is not None:
+        detail.update(ended_t=t + 1.05, requests_faulted=requests_faulted,
+                      connections_passed=0, requests_delayed=requests_delayed)
+    job.injections.append(Injection("storage_outage", t + 0.05, step=5, detail=detail))
+    return _finish(job, job.steps(t, 0, 6, 12), 0)
+
+
+OUTAGE = [{"kind": "storage_outage", "at_step": 5, "duration_s": 1}]
+
+
+def _outage_verdict(record: RunRecord) -> tuple[checker.Verdict, measure.FaultTimings]:
+    s = parse_scenario({**SCENARIO, "checkpoint": {"url": "s3://b/p", "every_steps": 2},
+                        "faults": OUTAGE, "expect": {"bitwise_equal_to_reference": False}})
+    (t,) = [measure.fault_timings(record, i) for i in record.injections]
+    return checker.judge(s, returncode=0, timings=[t], final_step=12, faulty_url="unused",
+                         reference_url=None, final_committed=True), t
+
+
+def test_an_outage_that_faulted_no_request_fails() -> None:
+    v, outage = _outage_verdict(_outage(requests_faulted=0))
+    assert outage.effect_observed is False and "no request" in (outage.effect or "")
+    assert v.verdict == "fail"
+    v, outage = _outage_verdict(_outage(requests_faulted=None))  # never ended: never counted
+    assert outage.effect_observed is False and v.verdict == "fail"
+    v, outage = _outage_verdict(_outage(requests_faulted=3))
+    assert outage.effect_observed and "3 requests" in (outage.effect or "")
+    assert v.verdict == "pass", v.reasons
+
+
+def _link_cut(*, restart: bool, detected: bool = False) -> RunRecord:
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 6)
+    cut = t + 0.05
+    job.injections.append(Injection("drop_link", cut, step=6, detail={
+        "between": [0, 1], "duration_s": 3.0, "mechanism": "veth down"}))
+    if not restart:
+        return _finish(job, job.steps(cut + 3.0, 0, 7, 12), 0)
+    if detected:
+        job.emit(cut + 2.0, 0, 0, "hang_detected", silent_ranks=[2, 3])
+        job.emit(cut + 2.0, 0, 0, "exit", code=43)
+    job.attempt_ends[0] = cut + 2.5
+    t = job.steps(job.start(cut + 4.0, 1, restore=6), 1, 7, 12)
+    return _finish(job, t, 1)
+
+
+def _link_verdict(record: RunRecord) -> tuple[checker.Verdict, measure.FaultTimings]:
+    s = parse_scenario({**SCENARIO, "trainer": {**SCENARIO["trainer"], "nodes": 2},
+                        "faults": [{"kind": "drop_link", "at_step": 6, "duration_s": 3}],
+                        "expect": {"bitwise_equal_to_reference": False}})
+    (t,) = [measure.fault_timings(record, i) for i in record.injections]
+    return checker.judge(s, returncode=0, timings=[t], final_step=12, faulty_url="unused",
+                         reference_url=None, final_committed=True), t
+
+
+def test_a_link_cut_nobody_noticed_fails() -> None:
+    v, cut = _link_verdict(_link_cut(restart=False))
+    assert cut.effect_observed is False and "not observed" in (cut.effect or "")
+    assert v.verdict == "fail" and cut.recovery_s is None
+    for detected in (False, True):
+        v, cut = _link_verdict(_link_cut(restart=True, detected=detected))
+        assert cut.effect_observed and cut.ended_attempt == 0 and cut.recovery_s is not None
+        assert v.verdict == "pass", v.reasons
+        assert ("silent" in (cut.effect or "")) == detected
+
+
+def test_a_missed_fault_fails_and_a_skipped_one_is_skipped() -> None:
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 12)
+    job.injections.append(Injection("corrupt_shard", T0 + 1.6, step=1,
+                                    missed="no committed checkpoint latest to corrupt"))
+    record = _finish(job, t, 0)
+    v, (corrupt,) = _verdict(record, [{"kind": "corrupt_shard", "at_step": 1}])
+    assert corrupt.effect_observed is False and v.verdict == "fail"
+    assert v.reasons == ["corrupt_shard at step 1: no observable effect: not made: no committed "
+                         "checkpoint latest to corrupt"]
+
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 12)
+    job.injections.append(Injection("drop_link", T0 + 2.6, step=2, skipped="network namespaces "
+                                    "unavailable: creating them needs root"))
+    s = parse_scenario({**SCENARIO, "trainer": {**SCENARIO["trainer"], "nodes": 2},
+                        "faults": [{"kind": "drop_link", "at_step": 2}],
+                        "expect": {"bitwise_equal_to_reference": False}})
+    timings = [measure.fault_timings(_finish(job, t, 0), i) for i in job.injections]
+    judged = dict(returncode=0, timings=timings, final_step=12, faulty_url="unused",
+                  reference_url=None, final_committed=True)
+    v = checker.judge(s, **judged)  # type: ignore[arg-type]
+    assert v.verdict == "skipped" and timings[0].effect_observed is None
+    assert v.reasons == ["drop_link at step 2: skipped: network namespaces unavailable: "
+                         "creating them needs root"]
+    v = checker.judge(s, **{**judged, "final_step": 11})  # type: ignore[arg-type]
+    assert v.verdict == "fail", "a failure wins over a skip"
+    assert v.reasons == ["the run ended at step 11, not 12"]
+
+
+def test_a_fault_that_never_fired_fails() -> None:
+    job = _Job()
+    record = _finish(job, job.steps(job.start(T0 + 1.0, 0), 0, 1, 12), 0)
+    v, _ = _verdict(record, [KILL, {"kind": "kill_rank", "rank": 0, "mtbf_s": 100}])
+    assert v.verdict == "fail"
+    assert v.reasons == ["kill_rank: the scenario has 2 such faults, 0 were injected (a "
+                         "trigger was never reached)"]
