@@ -210,7 +210,7 @@ def test_kill_rank_on_two_hosts_recovers_and_ends_bitwise_equal(
 @pytest.mark.timeout(900)
 def test_a_cut_too_short_to_notice_is_not_observed_and_fails(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Down for 0.3 s against a 10 s heartbeat: TCP retransmits, nobody notices, nothing
+    """Down for 0.3 s against a 30 s stall bound: TCP retransmits, nobody notices, nothing
     restarts. The cut proved nothing about recovery, so the verdict fails and says so."""
     doc = yaml.safe_load((ROOT / "scenarios" / "drop-link.yaml").read_text())
     doc["name"] = "short-cut"

@@ -49,7 +49,7 @@ def _loss(step: int) -> float:
 
 class _Job:
     """Writes the events the trainer writes (trainer/train.py, trainer/checkpoint.py), with the
-    times a real 4-rank run would have: start, restore, steps, checkpoints, heartbeat, exit."""
+    times a real 4-rank run would have: start, restore, steps, checkpoints, hangs, exit."""
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
@@ -93,7 +93,7 @@ class _Job:
 
 
 def synthetic_record() -> RunRecord:
-    """Attempt 0 hangs at step 3 (rank 2 SIGSTOPped, rank 0's heartbeat gives up); attempt 1
+    """Attempt 0 hangs at step 3 (rank 2 SIGSTOPped, its supervisor kills it); attempt 1
     restores step 2, the latest checkpoint (6) is corrupted at step 7 and rank 1 is killed at
     step 8 (its checkpoint 8 was refused); attempt 2 skips the damaged step 6, restores 4, and
     finishes, its checkpoint 10 failing to commit."""
@@ -102,9 +102,10 @@ def synthetic_record() -> RunRecord:
     hang = t + 0.05
     job.injections.append(Injection("hang_rank", hang, step=3, rank=2,
                                     detail={"pid": 1002, "duration_s": 4.0}))
-    job.emit(hang + 2.0, 0, 0, "hang_detected", silent_ranks=[2])
-    job.emit(hang + 2.0, 0, 0, "exit", code=43)
-    for r in (1, 3):
+    job.emit(hang + 2.0, 2, 0, "hang_detected", by="supervisor", slot=2, how="stopped",
+             thread_state="T", stall_s=2.0, timeout_s=2.0)
+    job.emit(hang + 2.0, 2, 0, "rank_died", by="supervisor", slot=2, how="signal 9", hung=True)
+    for r in (0, 1, 3):
         job.emit(hang + 2.1, r, 0, "exit", code=1, error="RuntimeError: connection closed")
     job.attempt_ends[0] = hang + 2.3
     t = job.steps(job.start(hang + 5.3, 1, restore=2), 1, 3, 7)
@@ -188,10 +189,11 @@ def test_timeline_has_one_span_per_rank_and_attempt(doc: dict[str, Any]) -> None
 
 
 def test_timeline_spans_follow_the_events(doc: dict[str, Any]) -> None:
-    hung, detector = _worker(doc, 0, 2), _worker(doc, 0, 0)
-    assert hung["last_step"] == 3 and hung["exit_s"] is None, "a SIGSTOPped rank never exits"
-    assert detector["exit_code"] == 43 and detector["hang_detected_s"] == detector["exit_s"]
-    assert detector["restore_begin_s"] is None and detector["first_step"] == 1
+    hung, peer = _worker(doc, 0, 2), _worker(doc, 0, 0)
+    assert hung["last_step"] == 3 and hung["exit_code"] == "signal 9"
+    assert hung["hang_detected_s"] == hung["exit_s"], "its supervisor killed it on detection"
+    assert peer["exit_code"] == 1 and peer["hang_detected_s"] is None
+    assert peer["restore_begin_s"] is None and peer["first_step"] == 1
     killed = _worker(doc, 1, 1)
     assert (killed["restored_step"], killed["first_step"], killed["last_step"]) == (2, 3, 8)
     assert killed["exit_code"] is None and killed["steps"] == 6

@@ -230,7 +230,7 @@ def test_existing_synthetic_run_keeps_its_measurements() -> None:
     assert (kill.ended_attempt, kill.restored_step, kill.lost_steps) == (1, 4, 4)
     assert corrupt.ended_attempt is None and corrupt.recovery_s is None
     assert corrupt.effect_observed and "skipped the damaged step 6" in (corrupt.effect or "")
-    assert hang.effect_observed and "silent" in (hang.effect or "")
+    assert hang.effect_observed and "found it hung (stopped" in (hang.effect or "")
     assert kill.effect_observed
 
 
@@ -350,8 +350,10 @@ def _link_cut(*, restart: bool, detected: bool = False) -> RunRecord:
     if not restart:
         return _finish(job, job.steps(cut + 3.0, 0, 7, 12), 0)
     if detected:
-        job.emit(cut + 2.0, 0, 0, "hang_detected", silent_ranks=[2, 3])
-        job.emit(cut + 2.0, 0, 0, "exit", code=43)
+        job.emit(cut + 2.0, 2, 0, "hang_detected", by="supervisor", slot=2, how="stalled",
+                 thread_state="S", stall_s=6.0, timeout_s=2.0)
+        job.emit(cut + 2.0, 2, 0, "rank_died", by="supervisor", slot=2, how="signal 9",
+                 hung=True)
     job.attempt_ends[0] = cut + 2.5
     t = job.steps(job.start(cut + 4.0, 1, restore=6), 1, 7, 12)
     return _finish(job, t, 1)
@@ -374,7 +376,7 @@ def test_a_link_cut_nobody_noticed_fails() -> None:
         v, cut = _link_verdict(_link_cut(restart=True, detected=detected))
         assert cut.effect_observed and cut.ended_attempt == 0 and cut.recovery_s is not None
         assert v.verdict == "pass", v.reasons
-        assert ("silent" in (cut.effect or "")) == detected
+        assert ("found it hung" in (cut.effect or "")) == detected
 
 
 def test_a_missed_fault_fails_and_a_skipped_one_is_skipped() -> None:

@@ -107,7 +107,8 @@ class _SupervisorEvents:
     def emit(self, event: str, *, rank: int, attempt: int, **fields: Any) -> None:
         if self._file is not None:
             self._file.write(json.dumps({"t": time.time(), "rank": rank, "attempt": attempt,
-                                         "event": event, "slot": self.slot, **fields}) + "\n")
+                                         "event": event, "by": "supervisor", "slot": self.slot,
+                                         **fields}) + "\n")
 
 
 def _fork_child(child_main: Callable[[SharedProgress], int], progress: SharedProgress) -> int:

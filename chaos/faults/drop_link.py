@@ -2,9 +2,10 @@
 
 The hosts are network namespaces (``chaos/infra/netns.py``); the cut is made on the emulated
 network, outside every process of the job. Nothing in the trainer knows about it: collectives
-across the link stall, the heartbeat (``hang_timeout_s``) or the collective timeout makes the
-ranks exit, and the agents rendezvous again once the link is back. Where namespaces cannot be
-made, the run goes on one host and the fault is reported skipped with the reason.
+across the link stall, each rank's watchdog (no progress for 3 x ``hang_timeout_s``) or the
+collective timeout ends the ranks, and the agents rendezvous again once the link is back.
+Where namespaces cannot be made, the run goes on one host and the fault is reported skipped
+with the reason.
 """
 
 from __future__ import annotations

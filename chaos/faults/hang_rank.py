@@ -3,7 +3,7 @@
 ``mode: process`` SIGSTOPs the rank's training process (every thread), SIGCONT after
 ``duration_s`` if it is still alive. ``mode: thread`` stops only its training (main) thread
 with ptrace (``PTRACE_SEIZE`` + ``PTRACE_INTERRUPT``), its other threads (checkpoint persist,
-watchers) running on, and detaches after ``duration_s``: the hang a thread heartbeat cannot
+watchers) running on, and detaches after ``duration_s``: the hang a heartbeat thread cannot
 see. ptrace needs CAP_SYS_PTRACE (root here) or a permissive Yama scope; where it is refused
 the fault is reported skipped with the reason.
 """

@@ -19,13 +19,15 @@ _RESTARTING = {"kill_rank", "hang_rank", "crash_during_save", "drop_link"}  # ef
 #: ``collective_timeout_s``) for the agents to tear the group down (``--monitor-interval`` 0.2 s,
 #: ``--shutdown-timeout`` 3 s) on a loaded machine.
 TEARDOWN_S = 30.0
+HANG_FLOOR_S = 10.0  # the trainer's adaptive hang timeout never goes below this
 
 
 def detection_window_s(s: Scenario) -> float:
     """How long after its injection a fault may end its attempt and still be the cause: the
     slowest way the job notices a failure, plus the teardown (a ``drop_link``'s window starts
     when the link comes back up)."""
-    return max(s.trainer.hang_timeout_s, s.trainer.collective_timeout_s) + TEARDOWN_S
+    hang_s = (s.trainer.hang_timeout_s or HANG_FLOOR_S) * 3  # the watchdog's escalation
+    return max(hang_s, s.trainer.collective_timeout_s) + TEARDOWN_S
 
 
 @dataclass(slots=True)
@@ -75,11 +77,14 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
 
     - ``kill_rank``, ``crash_during_save``: the rank wrote nothing after the signal (a killed
       process cannot; one that did was not killed by it).
-    - ``hang_rank``: a heartbeat named the rank silent, or the rank wrote nothing after the
+    - ``hang_rank``: the rank's supervisor found it hung, or the rank wrote nothing after the
       stop (it was still stopped when the group was torn down). A rank that resumed and
       trained on was not the cause of a later restart.
-    - ``drop_link``: the attempt failed in the window (a heartbeat that found ranks silent is
+    - ``drop_link``: the attempt failed in the window (a watchdog that found a rank hung is
       named as the evidence).
+
+    Supervisors write their own events (``rank_died``, ``hang_detected``) about a rank; only
+    the rank's own events count as "it wrote".
 
     An attempt whose every rank exited normally was ended by nobody.
     """
@@ -98,17 +103,16 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
         return False, f"no restart followed: every rank of attempt {attempt} finished normally"
     events = [e for e in record.events if e["attempt"] == attempt and e["t"] >= injection.t]
     r = injection.rank
-    silent = [e for e in events if e["event"] == "hang_detected"
-              and (r is None or r in e.get("silent_ranks", []))]
-    wrote = [e for e in events if e["rank"] == r]
+    hung = [e for e in events if e["event"] == "hang_detected" and (r is None or e["rank"] == r)]
+    wrote = [e for e in events if e["rank"] == r and e.get("by") != "supervisor"]
     if injection.kind == "drop_link":
-        how = (f"rank {silent[0]['rank']}'s heartbeat found ranks {silent[0]['silent_ranks']} "
-               "silent; " if silent else "")
+        how = (f"rank {hung[0]['rank']}'s supervisor found it hung ({hung[0]['how']}); "
+               if hung else "")
         return True, f"{how}attempt {attempt} ended {waited:.2f} s after the cut"
-    if injection.kind == "hang_rank" and silent:
-        return True, (f"rank {silent[0]['rank']}'s heartbeat found rank {r} silent "
-                      f"{silent[0]['t'] - injection.t:.2f} s after the stop; attempt {attempt} "
-                      f"ended {waited:.2f} s after it")
+    if injection.kind == "hang_rank" and hung:
+        return True, (f"rank {r}'s supervisor found it hung ({hung[0]['how']}, main thread "
+                      f"{hung[0].get('thread_state')!r}) {hung[0]['t'] - injection.t:.2f} s "
+                      f"after the stop; attempt {attempt} ended {waited:.2f} s after it")
     if wrote:
         return False, (f"no restart followed: rank {r} went on ({wrote[0]['event']} "
                        f"{wrote[0]['t'] - injection.t:.2f} s later), and attempt {attempt} "
@@ -118,14 +122,14 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
 
 
 def _link_noticed(record: RunRecord, injection: Injection, why_not: str) -> tuple[bool, str]:
-    """A cut that ended no attempt is still observed if a heartbeat found ranks silent while
+    """A cut that ended no attempt is still observed if a watchdog found a rank hung while
     the link was down (the job noticed, and got through)."""
     up_t = injection.t + (injection.detail.get("duration_s") or 0.0)
     for e in record.events:
         if e["event"] == "hang_detected" and injection.t <= e["t"] <= up_t:
-            return True, (f"rank {e['rank']}'s heartbeat found ranks {e['silent_ranks']} silent "
-                          "while the link was down; the job went on without a restart")
-    return False, (f"the cut was not observed: no heartbeat found a rank silent while the link "
+            return True, (f"rank {e['rank']}'s supervisor found it hung ({e['how']}) while the "
+                          "link was down; the job went on without a restart")
+    return False, (f"the cut was not observed: no watchdog found a rank hung while the link "
                    f"was down, and {why_not}")
 
 

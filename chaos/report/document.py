@@ -40,12 +40,14 @@ def timeline(record: RunRecord) -> dict[str, Any]:
 
     One ``workers`` entry per (attempt, rank) process, from its own events only: start,
     restore begin/end, first/last finished step, each checkpoint (staged, committed or failed),
-    hang detection and exit. A rank killed from outside has no ``exit``: its attempt's
-    ``ended_s`` (all workers gone, seen by the runner) closes its span.
+    hang detection (by the rank's supervisor) and exit. A rank killed from outside writes no
+    ``exit``; its supervisor's ``rank_died`` (``exit_code`` "signal 9") closes its span.
     """
     t0 = record.started_t
     workers: dict[tuple[int, int], dict[str, Any]] = {}
     for e in record.events:
+        if e["rank"] < 0:  # an idle spare: not a rank yet
+            continue
         w = workers.setdefault((e["attempt"], e["rank"]), {
             "attempt": e["attempt"], "rank": e["rank"], "pid": None, "start_s": None,
             "restore_begin_s": None, "restore_end_s": None, "restored_step": None,
@@ -80,6 +82,8 @@ def timeline(record: RunRecord) -> dict[str, Any]:
             w["hang_detected_s"] = t
         elif kind == "exit":
             w["exit_s"], w["exit_code"] = t, e.get("code")
+        elif kind == "rank_died" and w["exit_s"] is None:  # killed: its supervisor says how
+            w["exit_s"], w["exit_code"] = t, e.get("how")
     attempt_of = sorted((w["start_s"], w["attempt"]) for w in workers.values()
                         if w["start_s"] is not None)
     injections = []

@@ -218,7 +218,7 @@ def _draw_timeline(fig: Any, doc: dict[str, Any]) -> None:
         if w.get("hang_detected_s") is not None:
             ax.plot([w["hang_detected_s"]], [y], marker="v", color="black", ms=7, zorder=5)
             legend["hang_detected"] = Line2D([], [], marker="v", color="black", ls="",
-                                             label="hang detected (heartbeat)")
+                                             label="hang detected (watchdog)")
     starts = {(w["attempt"], w["rank"]): w["start_s"] for w in workers}
     down = {"color": "#eeeeee", "hatch": "//", "edgecolor": "#bbbbbb"}
     for rank in range(world):  # no process on a rank: launching, or torn down and restarting
