@@ -13,7 +13,10 @@ from antifragile.trainer.recovery import (
     JobStore,
     finish,
     first_formation,
+    job_done,
     recover,
+    register_spare,
+    report_death,
     wait_for_assignment,
 )
 from antifragile.trainer.supervisor import Watchdog, main_thread_state
@@ -76,38 +79,61 @@ def _store() -> dist.Store:
     return dist.HashStore()
 
 
-def test_a_dead_rank_is_replaced_by_the_warm_spare() -> None:
+def test_a_dead_rank_is_replaced_by_a_live_warm_spare() -> None:
     store = _store()
-    js = [JobStore(store, "a0") for _ in range(4)]  # slots 0, 1 play; 2, 3 are spares
-    first = first_formation(js[0], 0, 2)
-    assert first == Formation(0, (0, 1)) and first_formation(js[1], 1, 2) == first
+    js = JobStore(store, "a0")
+    first = first_formation(js, 0, 2)  # workers 0.0 and 1.0 play; 2.0 and 3.0 are spares
+    assert first == Formation(0, ("0.0", "1.0"))
+    assert first_formation(JobStore(store, "a0"), 1, 2) == first
+    for spare in ("2.0", "3.0"):
+        register_spare(js, spare)
     assigned: list[Formation | None] = []
-    spare = threading.Thread(target=lambda: assigned.append(wait_for_assignment(js[3], 3)))
-    spare.start()
-    js[2].set("dead/2", {"how": "signal 9"})  # spare 2 died while idle
-    js[1].set("dead/1", {"how": "signal 9"})
-    nxt = recover(js[0], 0, first, [2, 3], timeout_s=5.0)
-    spare.join(5.0)
-    assert nxt == Formation(1, (0, 3)) and assigned == [nxt]
+    waiter = threading.Thread(target=lambda: assigned.append(
+        wait_for_assignment(JobStore(store, "a0"), "3.0")))
+    waiter.start()
+    assert report_death(js, me="2.0", generation=-1, how="signal 9", member=False,
+                        reform_timeout_s=1.0)  # spare 2.0 died while idle
+    dead_member = threading.Thread(target=lambda: assigned.append(report_death(
+        JobStore(store, "a0"), me="1.0", generation=0, how="signal 9", member=True,
+        reform_timeout_s=5.0)))
+    dead_member.start()
+    nxt = recover(js, "0.0", first, timeout_s=5.0)
+    waiter.join(5.0)
+    dead_member.join(5.0)
+    assert nxt == Formation(1, ("0.0", "3.0"))
+    assert nxt in assigned and True in assigned  # the spare joined; the dead slot may respawn
+
+
+def test_a_respawned_slot_is_a_spare_again() -> None:
+    store = _store()
+    js = JobStore(store, "a0")
+    first = first_formation(js, 0, 2)
+    register_spare(js, "1.1")  # slot 1's fresh process, after 1.0 died
+    js.set("dead/1.0", {})
+    assert recover(js, "0.0", first, timeout_s=5.0) == Formation(1, ("0.0", "1.1"))
 
 
 def test_too_few_spares_falls_back_to_a_restart() -> None:
     store = _store()
     js = JobStore(store, "a0")
     first = first_formation(js, 0, 3)
-    js.set("dead/1", {})
-    js.set("dead/2", {})
-    reason = recover(js, 0, first, [3], timeout_s=5.0)
+    register_spare(js, "3.0")
+    js.set("dead/1.0", {})
+    js.set("dead/2.0", {})
+    reason = recover(js, "0.0", first, timeout_s=5.0)
     assert isinstance(reason, str) and "2 rank(s) lost and 1 spare(s) left" in reason
+    assert not report_death(js, me="1.0", generation=0, how="signal 9", member=True,
+                            reform_timeout_s=1.0)
 
 
 def test_finish_releases_idle_spares() -> None:
     store = _store()
     js = JobStore(store, "a0")
+    register_spare(js, "5.0")
     released: list[Formation | None] = []
     spare = threading.Thread(target=lambda: released.append(
-        wait_for_assignment(JobStore(store, "a0"), 5)))
+        wait_for_assignment(JobStore(store, "a0"), "5.0")))
     spare.start()
-    finish(js, [5])
+    finish(js)
     spare.join(5.0)
-    assert released == [None]
+    assert released == [None] and job_done(js)

@@ -129,7 +129,7 @@ def test_in_process_recovery_replaces_a_killed_rank_with_the_spare(tmp_path: Pat
     log = events(faulty)
     second = {e["rank"]: e for e in log if e["event"] == "start" and e["attempt"] == 1}
     assert second[0]["pid"] == survivor and second[0]["cause"] == "in_process"
-    assert second[1]["slot"] == 2 and second[1]["pid"] != victim
+    assert second[1]["worker"] == "2.0" and second[1]["pid"] != victim
     assert not [e for e in log if e["event"] == "start" and e["attempt"] == 2]
     assert losses(faulty) == losses(reference)
     assert_bitwise_equal(checkpoint_arrays(str(reference / "ckpt"), 12),

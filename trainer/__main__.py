@@ -22,14 +22,14 @@ def main() -> int:
     from antifragile.trainer.supervisor import supervise
     from antifragile.trainer.train import run
 
-    def train(progress: SharedProgress) -> int:
+    def train(progress: SharedProgress, incarnation: int) -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
         if cfg.device == "cpu":
             torch.set_num_threads(1)
-        return run(cfg, progress)
+        return run(cfg, progress, incarnation)
 
     if "RANK" not in os.environ:  # not under torchrun: one process, nobody to supervise it
-        return train(SharedProgress())
+        return train(SharedProgress(), 0)
 
     def store() -> object:
         from antifragile.trainer.distributed import launch_info

@@ -91,17 +91,17 @@ def launch_info(*, collective_timeout_s: float) -> Launch:
 class DistContext:
     rank: int  # the trainer rank this process plays in this generation
     world_size: int
-    slot: int
+    worker: str  # its worker id (trainer.recovery.worker_id)
     generation: int
     device: torch.device
     store: Any  # this generation's store prefix
     sockets: GlooSockets  # the generation's connections, for an abort
 
 
-def join(launch: Launch, formation: Formation, *, device_type: str) -> DistContext:
-    """Initialise the default process group of ``formation`` as its member ``launch.slot``.
-    Call :meth:`GlooSockets.end` once every subgroup (mesh) is built."""
-    rank = formation.members.index(launch.slot)
+def join(launch: Launch, me: str, formation: Formation, *, device_type: str) -> DistContext:
+    """Initialise the default process group of ``formation`` as its member ``me`` (a worker
+    id). Call :meth:`GlooSockets.end` once every subgroup (mesh) is built."""
+    rank = formation.members.index(me)
     world_size = len(formation.members)
     store = dist.PrefixStore(f"antifragile/g{formation.generation}", launch.base)
     if device_type == "cuda":
@@ -115,8 +115,7 @@ def join(launch: Launch, formation: Formation, *, device_type: str) -> DistConte
     sockets.begin()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=launch.timeout)
-    return DistContext(rank, world_size, launch.slot, formation.generation, device, store,
-                       sockets)
+    return DistContext(rank, world_size, me, formation.generation, device, store, sockets)
 
 
 def leave() -> None:

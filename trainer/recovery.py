@@ -1,21 +1,27 @@
 """In-process recovery: survivors re-form the process group with a warm spare, no new processes.
 
-Who plays which trainer rank is a *generation*: ``members[r]`` is the torchrun slot (its RANK)
-playing trainer rank ``r``. Generations are numbered job-wide by a counter in the launcher's
+Who plays which trainer rank is a *generation*: ``members[r]`` is the worker id
+(``<slot>.<incarnation>``: the torchrun slot, and which of that slot's training processes) that
+plays trainer rank ``r``. Generations are numbered job-wide by a counter in the launcher's
 store (the torchrun agent's TCPStore, which outlives every worker), so event logs and process
 group prefixes never collide, also across torchrun restarts. Every key of one torchrun attempt
-lives under ``antifragile/a<restart count>/`` (or ``antifragile/fresh/`` where each
-rendezvous round gets a fresh store).
+lives under ``antifragile/a<restart count>/`` (or ``antifragile/fresh/`` where each rendezvous
+round gets a fresh store).
 
-A failure of generation ``g`` (a rank died, its supervisor says so; or a collective failed)
+Spares: the torchrun slots beyond dp*tp*pp start as spares, and in-process mode turns every
+slot whose training process died into a spare again (its supervisor forks a fresh one), so the
+pool refills. Spares register in ``spares/<n>``, warm up (torch is already imported; the model
+is built) and wait on ``spare/<id>/assign``.
+
+A failure of generation ``g`` (a worker died, its supervisor says so; or a collective failed)
 sets ``g<g>/fail``. Every survivor's watcher thread is blocked on that key: it shuts down the
 sockets of the generation's gloo process groups (gloo's own ``abort`` does not interrupt a
 collective in flight; a closed connection does, on both ends), so a training thread blocked in
-any collective gets an error at once. The survivors then register (``g<g>/alive/<slot>``),
-wait until every member is either alive or reported dead (``dead/<slot>``), and the lowest
-surviving slot coordinates: each dead rank gets a live spare (``spare/<slot>/assign``), and the
-new generation is published in ``g<g>/next``. With too few spares it publishes a restart
-instead: the survivors exit with ``RESTART_EXIT_CODE`` and torchrun restarts the whole group.
+any collective gets an error at once. The survivors then register (``g<g>/alive/<id>``), wait
+until every member is either alive or reported dead (``dead/<id>``), and the lowest surviving
+worker coordinates: each dead rank gets a live spare, and the new generation is published in
+``g<g>/next``. With too few spares it publishes a restart instead: the survivors exit with
+``RESTART_EXIT_CODE`` and torchrun restarts the whole group.
 
 torchrun stays the launcher and its store the rendezvous; nothing here starts processes.
 """
@@ -40,10 +46,16 @@ PREFIX = "antifragile"
 
 @dataclass(frozen=True, slots=True)
 class Formation:
-    """One generation: its job-wide number and ``members[rank] = slot``."""
+    """One generation: its job-wide number and ``members[rank] = worker id``."""
 
     generation: int
-    members: tuple[int, ...]
+    members: tuple[str, ...]
+
+
+def worker_id(slot: int, incarnation: int) -> str:
+    """A training process: the torchrun slot it runs in and which of that slot's processes it
+    is (a supervisor forks a fresh spare after its process dies)."""
+    return f"{slot}.{incarnation}"
 
 
 class JobStore:
@@ -68,6 +80,9 @@ class JobStore:
     def has(self, key: str) -> bool:
         return bool(self.attempt.check([key]))
 
+    def add(self, key: str, amount: int) -> int:
+        return int(self.attempt.add(key, amount))
+
     def wait(self, key: str, timeout_s: float) -> bool:
         """True once ``key`` exists; False after ``timeout_s`` (the store logs a warning on
         every timed-out wait, so callers wait long, and wake each other by setting keys)."""
@@ -80,9 +95,10 @@ class JobStore:
 
 def first_formation(js: JobStore, slot: int, world_size: int) -> Formation:
     """Generation of a fresh start: slots 0..world-1 play ranks 0..world-1 (slot 0 numbers
-    it). Called by every active slot; spares wait for an assignment instead."""
+    it). Called by every active slot; the others are spares."""
     if slot == 0:
-        js.set("first", {"generation": js.new_generation(), "members": list(range(world_size))})
+        js.set("first", {"generation": js.new_generation(),
+                         "members": [worker_id(r, 0) for r in range(world_size)]})
     doc = js.get("first")
     return Formation(int(doc["generation"]), tuple(doc["members"]))
 
@@ -174,15 +190,14 @@ def signal_failure(js: JobStore, generation: int, reason: str) -> None:
         js.set(f"g{generation}/fail", {"reason": reason, "t": time.time()})
 
 
-def recover(js: JobStore, slot: int, failed: Formation, spares: list[int], *,
-            timeout_s: float) -> Formation | str:
+def recover(js: JobStore, me: str, failed: Formation, *, timeout_s: float) -> Formation | str:
     """A survivor's part of re-forming: the next formation, or why the job must restart."""
     g = failed.generation
-    signal_failure(js, g, f"slot {slot} saw the failure")
-    js.set(f"g{g}/alive/{slot}", time.time())
+    signal_failure(js, g, f"worker {me} saw the failure")
+    js.set(f"g{g}/alive/{me}", time.time())
     deadline = time.monotonic() + timeout_s
-    alive: list[int] = []
-    dead: list[int] = []
+    alive: list[str] = []
+    dead: list[str] = []
     while True:
         alive = [m for m in failed.members if js.has(f"g{g}/alive/{m}")]
         dead = [m for m in failed.members if m not in alive and js.has(f"dead/{m}")]
@@ -192,8 +207,8 @@ def recover(js: JobStore, slot: int, failed: Formation, spares: list[int], *,
             dead = [m for m in failed.members if m not in alive]
             break
         time.sleep(0.002)
-    if slot == min(alive):
-        _coordinate(js, failed, dead, spares)
+    if me == min(alive, key=_order):
+        _coordinate(js, failed, dead)
     if not js.wait(f"g{g}/next", timeout_s):
         return f"no new generation was published within {timeout_s:.0f} s"
     nxt = js.get(f"g{g}/next")
@@ -202,12 +217,23 @@ def recover(js: JobStore, slot: int, failed: Formation, spares: list[int], *,
     return Formation(int(nxt["generation"]), tuple(nxt["members"]))
 
 
-def _coordinate(js: JobStore, failed: Formation, dead: list[int], spares: list[int]) -> None:
-    """The lowest surviving slot: give each dead rank a live spare, publish the generation."""
+def _order(wid: str) -> tuple[int, int]:
+    slot, _, incarnation = wid.partition(".")
+    return int(slot), int(incarnation)
+
+
+def _spares(js: JobStore) -> list[str]:
+    """Every spare that ever registered (``register_spare``), oldest first."""
+    return [js.get(f"spares/{i}") for i in range(js.add("spares/count", 0))]
+
+
+def _coordinate(js: JobStore, failed: Formation, dead: list[str]) -> None:
+    """The lowest surviving worker: give each dead rank a live spare, publish the generation."""
     g = failed.generation
     lost = [r for r, m in enumerate(failed.members) if m in dead]
-    free = [s for s in spares if not js.has(f"dead/{s}") and not js.has(f"spare/{s}/assign")]
-    free.sort(key=lambda s: (not js.has(f"spare/{s}/ready"), s))  # warm ones first
+    free = [w for w in _spares(js)
+            if not js.has(f"dead/{w}") and not js.has(f"spare/{w}/assign")]
+    free.sort(key=lambda w: not js.has(f"spare/{w}/ready"))  # warm ones first (stable)
     if len(free) < len(lost):
         js.set(f"g{g}/next", {"restart": f"{len(lost)} rank(s) lost and {len(free)} spare(s) "
                                          "left: torchrun restarts the group"})
@@ -216,45 +242,52 @@ def _coordinate(js: JobStore, failed: Formation, dead: list[int], spares: list[i
     for rank, spare in zip(lost, free):
         members[rank] = spare
     nxt = {"generation": js.new_generation(), "members": members,
-           "replaced": {str(r): s for r, s in zip(lost, free)}}
+           "replaced": {str(r): w for r, w in zip(lost, free)}}
     for rank, spare in zip(lost, free):
         js.set(f"spare/{spare}/assign", {**nxt, "rank": rank})
     js.set(f"g{g}/next", nxt)
 
 
-def wait_for_assignment(js: JobStore, slot: int) -> Formation | None:
+def register_spare(js: JobStore, me: str) -> None:
+    """Make ``me`` a candidate for the next re-formation (before it is warm: the coordinator
+    prefers warm spares, and a cold one joins once it is)."""
+    index = js.add("spares/count", 1) - 1
+    js.set(f"spares/{index}", me)
+
+
+def wait_for_assignment(js: JobStore, me: str) -> Formation | None:
     """A warm spare: the generation it joins, or None once the job is done (see
     :func:`finish`)."""
-    js.set(f"spare/{slot}/ready", time.time())
-    while not js.wait(f"spare/{slot}/assign", 24 * 3600.0):
+    js.set(f"spare/{me}/ready", time.time())
+    while not js.wait(f"spare/{me}/assign", 24 * 3600.0):
         pass
-    doc = js.get(f"spare/{slot}/assign")
+    doc = js.get(f"spare/{me}/assign")
     if doc.get("done"):
         return None
     return Formation(int(doc["generation"]), tuple(doc["members"]))
 
 
-def finish(js: JobStore, spares: list[int]) -> None:
-    """Trainer rank 0 at the end of a successful run: release idle spares and the workers
-    of dead slots."""
-    for spare in spares:
+def finish(js: JobStore) -> None:
+    """Trainer rank 0 at the end of a successful run: release the idle spares."""
+    js.set("done", time.time())
+    for spare in _spares(js):
         if not js.has(f"spare/{spare}/assign"):
             js.set(f"spare/{spare}/assign", {"done": True})
-    js.set("done", time.time())
 
 
-def report_death(js: JobStore, *, slot: int, generation: int, how: str, spare: bool,
-                 reform_timeout_s: float, on_restart: int) -> int:
-    """The supervisor of a dead child (in-process mode): say so, then wait for the job's fate.
-    Returns this worker's exit code: 0 once the job is done without it; ``on_restart`` when
-    no new generation forms (torchrun then restarts the group)."""
-    js.set(f"dead/{slot}", {"how": how, "generation": generation, "t": time.time()})
-    if not spare and generation >= 0:
-        signal_failure(js, generation, f"slot {slot} died ({how})")
-        if not js.wait(f"g{generation}/next", reform_timeout_s):
-            return on_restart
-        if "restart" in js.get(f"g{generation}/next"):
-            return on_restart
-    while not js.wait("done", 24 * 3600.0):
-        pass
-    return 0
+def report_death(js: JobStore, *, me: str, generation: int, how: str, member: bool,
+                 reform_timeout_s: float) -> bool:
+    """The supervisor of a dead training process (in-process mode): say so; for a member of a
+    generation, wait until the survivors have re-formed. False: they could not (no spare, or
+    nothing happened within ``reform_timeout_s``), and the job must restart."""
+    js.set(f"dead/{me}", {"how": how, "generation": generation, "t": time.time()})
+    if not member:
+        return True
+    signal_failure(js, generation, f"worker {me} died ({how})")
+    if not js.wait(f"g{generation}/next", reform_timeout_s):
+        return False
+    return "restart" not in js.get(f"g{generation}/next")
+
+
+def job_done(js: JobStore) -> bool:
+    return js.has("done")

@@ -18,13 +18,14 @@ The timeout is ``--hang-timeout-s`` when given, else ``max(floor, k x p99)`` of 
 between bumps seen so far, so slow steps (8 ranks on 2 cores) are not false alarms.
 
 When the child dies: in ``restart`` mode the supervisor exits with the child's code and torchrun
-restarts the group. In ``in_process`` mode it reports the death in the launcher's store (the
-survivors re-form the group with a spare) and waits: exit 0 when the job finishes without its
-slot, 1 when no new generation forms (torchrun then restarts everything).
+restarts the group. In ``in_process`` mode it reports the death in the launcher's store, waits
+until the survivors have re-formed the group with a spare (else it exits non-zero and torchrun
+restarts everything), and forks a fresh child that starts as a spare: the pool refills.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -111,7 +112,8 @@ class _SupervisorEvents:
                                          **fields}) + "\n")
 
 
-def _fork_child(child_main: Callable[[SharedProgress], int], progress: SharedProgress) -> int:
+def _fork_child(child_main: Callable[[SharedProgress, int], int], progress: SharedProgress,
+                incarnation: int) -> int:
     pid = os.fork()
     if pid:
         return pid
@@ -121,7 +123,9 @@ def _fork_child(child_main: Callable[[SharedProgress], int], progress: SharedPro
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() == 1:  # the supervisor died between fork and prctl
             os._exit(1)
-        code = child_main(progress)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        code = child_main(progress, incarnation)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -135,28 +139,24 @@ def _fork_child(child_main: Callable[[SharedProgress], int], progress: SharedPro
     return 0  # unreachable
 
 
-def supervise(child_main: Callable[[SharedProgress], int], *, slot: int, recovery: str,
-              hang_timeout_s: float | None, run_dir: str | None,
-              store_factory: Callable[[], Any] | None = None, poll_s: float = 0.05,
-              reform_timeout_s: float = 120.0) -> int:
-    """Run ``child_main`` in a forked child and watch it; returns this worker's exit code."""
-    progress = SharedProgress()
-    pid = _fork_child(child_main, progress)
-    events = _SupervisorEvents(run_dir, slot)
+@dataclass(slots=True)
+class _Death:
+    code: int  # the exit code (negative: the signal)
+    hung: bool
+    rank: int
+    generation: int
+    phase: Phase
+    pid: int
 
-    def stop(signum: int, _: object) -> None:  # torchrun tears the group down
-        with _suppress():
-            os.kill(pid, signal.SIGKILL)
-        os._exit(128 + signum)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    watchdog = Watchdog(hang_timeout_s=hang_timeout_s)
+def _watch(pid: int, progress: SharedProgress, watchdog: Watchdog, events: _SupervisorEvents,
+           slot: int, poll_s: float) -> _Death:
+    """Until the child exits (or is killed here, hung)."""
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         counter, phase, generation, rank, step, _ = progress.read()
         if done:
-            break
+            return _Death(os.waitstatus_to_exitcode(status), False, rank, generation, phase, pid)
         now = time.monotonic()
         state = main_thread_state(pid)
         hung = watchdog.observe(now, counter, phase, stopped=state in ("T", "t"))
@@ -169,40 +169,52 @@ def supervise(child_main: Callable[[SharedProgress], int], *, slot: int, recover
                   file=sys.stderr, flush=True)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            status, done = -signal.SIGKILL, pid
-            return _after_death(status, hung=True, slot=slot, rank=rank, generation=generation,
-                                phase=phase, pid=pid, recovery=recovery, events=events,
-                                store_factory=store_factory, reform_timeout_s=reform_timeout_s)
+            return _Death(-signal.SIGKILL, True, rank, generation, phase, pid)
         time.sleep(poll_s)
-    code = os.waitstatus_to_exitcode(status)
-    if code == 0:
-        return 0
-    return _after_death(code, hung=False, slot=slot, rank=rank, generation=generation,
-                        phase=phase, pid=pid, recovery=recovery, events=events,
-                        store_factory=store_factory, reform_timeout_s=reform_timeout_s)
 
 
-def _after_death(code: int, *, hung: bool, slot: int, rank: int, generation: int, phase: Phase,
-                 pid: int, recovery: str, events: _SupervisorEvents,
-                 store_factory: Callable[[], Any] | None, reform_timeout_s: float) -> int:
-    """The child is gone: report it; in-process mode keeps the slot's worker alive until the
-    job's fate is known, so torchrun does not tear the survivors down."""
-    how = f"signal {-code}" if code < 0 else f"exit code {code}"
-    events.emit("rank_died", rank=rank, attempt=generation, pid=pid, how=how, hung=hung,
-                phase=phase.name.lower())
-    exit_code = HANG_EXIT_CODE if hung else (code if code > 0 else 1)
-    if recovery != "in_process" or store_factory is None or code == RESTART_EXIT_CODE:
-        return exit_code
-    from antifragile.trainer.recovery import report_death
+def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, recovery: str,
+              hang_timeout_s: float | None, run_dir: str | None,
+              store_factory: Callable[[], Any] | None = None, poll_s: float = 0.05,
+              reform_timeout_s: float = 120.0) -> int:
+    """Run ``child_main(progress, incarnation)`` in a forked child and watch it; returns this
+    worker's exit code. In in-process mode a dead child is reported and replaced by a fresh
+    one that starts as a spare (incarnation + 1)."""
+    events = _SupervisorEvents(run_dir, slot)
+    current = {"pid": 0}
 
-    return report_death(store_factory(), slot=slot, generation=generation, how=how,
-                        spare=phase == Phase.SPARE, reform_timeout_s=reform_timeout_s,
-                        on_restart=exit_code)
+    def stop(signum: int, _: object) -> None:  # torchrun tears the group down
+        if current["pid"]:
+            with contextlib.suppress(OSError):
+                os.kill(current["pid"], signal.SIGKILL)
+        os._exit(128 + signum)
 
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    js = None
+    incarnation = 0
+    while True:
+        progress = SharedProgress()
+        current["pid"] = _fork_child(child_main, progress, incarnation)
+        death = _watch(current["pid"], progress, Watchdog(hang_timeout_s=hang_timeout_s),
+                       events, slot, poll_s)
+        if death.code == 0:
+            return 0
+        how = f"signal {-death.code}" if death.code < 0 else f"exit code {death.code}"
+        events.emit("rank_died", rank=death.rank, attempt=death.generation, pid=death.pid,
+                    how=how, hung=death.hung, phase=death.phase.name.lower(),
+                    incarnation=incarnation)
+        exit_code = HANG_EXIT_CODE if death.hung else (death.code if death.code > 0 else 1)
+        if recovery != "in_process" or store_factory is None or \
+                death.code == RESTART_EXIT_CODE:
+            return exit_code
+        from antifragile.trainer.recovery import job_done, report_death, worker_id
 
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
-        return kind is not None and issubclass(kind, OSError)
+        js = js or store_factory()
+        member = death.phase != Phase.SPARE and death.generation >= 0
+        if not report_death(js, me=worker_id(slot, incarnation), generation=death.generation,
+                            how=how, member=member, reform_timeout_s=reform_timeout_s):
+            return exit_code  # the survivors could not re-form: torchrun restarts the group
+        if job_done(js):
+            return 0
+        incarnation += 1  # this slot becomes a spare again

@@ -33,8 +33,10 @@ from antifragile.trainer.recovery import (
     finish,
     first_formation,
     recover,
+    register_spare,
     signal_failure,
     wait_for_assignment,
+    worker_id,
 )
 from antifragile.trainer.supervisor import RESTART_EXIT_CODE
 
@@ -127,8 +129,10 @@ def _is_collective_error(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or "gloo" in text or "Connection" in text
 
 
-def run(cfg: TrainConfig, progress: SharedProgress | None = None) -> int:
-    """One worker's training process: play a rank (or wait as a spare) until the job ends."""
+def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: int = 0) -> int:
+    """One training process: play a rank (or wait as a spare) until the job ends. A slot
+    beyond dp*tp*pp, or a fresh process of a slot whose previous one died (``incarnation`` >
+    0), starts as a spare."""
     progress = progress or SharedProgress()
     launch = launch_info(collective_timeout_s=cfg.collective_timeout_s)
     world = cfg.parallel.world_size
@@ -136,41 +140,43 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None) -> int:
         raise ValueError(f"torchrun started {launch.slots} workers for dp*tp*pp = {world}; "
                          "extra workers are spares, which only --recovery in_process uses")
     js = launch.job_store()
+    me = worker_id(launch.slot, incarnation)
     model: GPT | None = None
     cause = "start"
-    if launch.slot < world:
+    if launch.slot < world and incarnation == 0:
         formation: Formation | None = first_formation(js, launch.slot, world)
     else:
         progress.set(Phase.SPARE)
+        register_spare(js, me)
         t0 = time.perf_counter()
         model = build_model(cfg)  # warm: torch imported, model built, before it is needed
         spare_log = EventLog(cfg.run_dir, -1, -1, name=f"spare{launch.slot}")
-        spare_log.emit("spare_ready", slot=launch.slot, pid=os.getpid(),
+        spare_log.emit("spare_ready", worker=me, pid=os.getpid(),
                        warmup_s=time.perf_counter() - t0)
         spare_log.close()
-        formation = wait_for_assignment(js, launch.slot)
+        formation = wait_for_assignment(js, me)
         if formation is None:
             return 0
         cause = "in_process"
     while True:
         assert formation is not None
-        outcome = _generation(cfg, launch, formation, progress, model, cause)
+        outcome = _generation(cfg, launch, me, formation, progress, model, cause)
         if isinstance(outcome, int):
-            if outcome == 0 and formation.members.index(launch.slot) == 0:
-                finish(js, list(range(world, launch.slots)))
+            if outcome == 0 and formation.members.index(me) == 0:
+                finish(js)
             return outcome
         formation, model, cause = outcome, None, "in_process"
 
 
-def _generation(cfg: TrainConfig, launch: Launch, formation: Formation,
+def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
                 progress: SharedProgress, model: GPT | None, cause: str) -> int | Formation:
     """Play one generation: its exit code, or the next formation after an in-process
     recovery."""
     progress.set(Phase.STARTING, generation=formation.generation,
-                 rank=formation.members.index(launch.slot))
-    ctx = join(launch, formation, device_type=cfg.device)
+                 rank=formation.members.index(me))
+    ctx = join(launch, me, formation, device_type=cfg.device)
     events = EventLog(cfg.run_dir, ctx.rank, ctx.generation)
-    events.emit("start", pid=os.getpid(), world_size=ctx.world_size, slot=ctx.slot,
+    events.emit("start", pid=os.getpid(), world_size=ctx.world_size, worker=me,
                 dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cause=cause,
                 recovery=cfg.recovery)
     watch = None
@@ -196,9 +202,7 @@ def _generation(cfg: TrainConfig, launch: Launch, formation: Formation,
         ctx.sockets.shutdown()
         leave()
         events.emit("generation_end")
-        spares = list(range(cfg.parallel.world_size, launch.slots))
-        nxt = recover(js, launch.slot, formation, spares,
-                      timeout_s=cfg.collective_timeout_s)
+        nxt = recover(js, me, formation, timeout_s=cfg.collective_timeout_s)
         if isinstance(nxt, str):
             events.emit("exit", code=RESTART_EXIT_CODE, error=nxt)
             return RESTART_EXIT_CODE
