@@ -351,3 +351,14 @@ def test_hostile_type_records_raise_corrupt(tmp_path: Path, where: str, value: A
     Hostile(root).edit_json("zarr.json", lambda g: edit(g["attributes"]["antifragile"]))
     with CheckpointEngine(str(root)) as engine, pytest.raises(CheckpointCorruptError):
         engine.load({"w": torch.empty(2), "opt": {}, "cfg": None}, step=1)
+
+
+def test_a_tuple_holding_tensors_is_filled_and_its_values_replaced(
+    ckpt: CheckpointEngine,
+) -> None:
+    ckpt.save(1, {"pair": (torch.tensor([1, 2]), "relu", 3)}, blocking=True)
+    tensor = torch.zeros(2, dtype=torch.int64)
+    target = {"pair": (tensor, "gelu", 0)}
+    ckpt.load(target)
+    assert target["pair"][1:] == ("relu", 3) and type(target["pair"]) is tuple
+    assert target["pair"][0] is tensor and tensor.tolist() == [1, 2]
