@@ -2,9 +2,12 @@
 
     from antifragile import CheckpointEngine
     ckpt = CheckpointEngine("s3://bucket/run1", keep_last=3)
-    handle = ckpt.save(step, {"model": model.state_dict(), "optim": optim_sd})
+    handle = ckpt.save(step, {"model": model, "optim": optimizer, "train": train_state})
     ...
-    ckpt.load(state)  # newest intact step, any layout
+    ckpt.load(state)  # newest intact step, any layout; restores into the same objects
+
+What a load restores, exactly (objects, emptier targets, bytes, per-rank tensors, more ranks
+than saved): ``_state`` (semantics), ``_objects``, ``_ranks`` and ``_restore``.
 """
 
 from .engine import CheckpointEngine, SaveHandle

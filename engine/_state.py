@@ -1,9 +1,32 @@
 """Walking a training state: tensors and DTensors become arrays, everything else JSON.
 
-A state is a nested dict/list/tuple of tensors, DTensors, JSON-able values, and ``Stateful``
-objects (``state_dict()`` / ``load_state_dict()``, the protocol DCP uses too). A path is the
-``/``-joined chain of keys: ``model/layers.0.attn.wq.weight``. A container holding no tensor is
-one JSON value: an optimizer's ``param_groups`` is stored as one attribute, not as hundreds.
+A state is a nested dict/list/tuple of tensors, DTensors, ``bytes``, JSON-able values, and
+``Stateful`` objects (``state_dict()`` / ``load_state_dict()``, the protocol DCP uses too),
+including ``nn.Module`` and ``Optimizer`` objects themselves. A path is the ``/``-joined chain of
+keys: ``model/layers.0.attn.wq.weight``. A container holding no tensor is one JSON value: an
+optimizer's ``param_groups`` is stored as one attribute, not as hundreds.
+
+What comes back, exactly (the engine's load semantics):
+
+- Tensors are filled in place. A target container holding tensors is filled entry by entry:
+  it may name a subset of what was saved (the rest is not added); an entry it names that the
+  checkpoint lacks is a ``CheckpointMismatchError``.
+- A target entry holding no tensor (a JSON value, ``bytes``, an empty container such as a
+  fresh optimizer's ``state_dict()["state"]``) takes what was saved at its path, whole: a JSON
+  value, bytes, or the saved sub-tree rebuilt with its saved container and key types (int keys
+  stay ints, tuples stay tuples; its tensors come back as whole plain CPU tensors).
+- ``Stateful`` objects are never replaced in their container: each gets ``load_state_dict``
+  with the loaded values, innermost first, siblings in order. ``nn.Module`` and ``Optimizer``
+  objects go through torch's distributed state-dict helpers (``get_model_state_dict``,
+  ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` and the ``set_``
+  counterparts), so they are keyed by parameter name (FQN) whatever the wrapping (DDP, FSDP2,
+  DTensor) and an optimizer that never stepped resumes; see ``_objects``.
+- ``bytes`` / ``bytearray`` are stored as raw uint8 arrays, checksummed like any tensor, and
+  come back as the type that was saved. Nothing is ever unpickled.
+- JSON values keep their types: tuples and int dict keys are recorded in a per-rank type
+  record (the value at ``.types``, a name no state key can take) and restored on load. A key
+  that JSON cannot round-trip (float, None, bool, an int beside the same key as a str) is
+  refused at save, naming the path.
 """
 
 from __future__ import annotations
@@ -11,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -21,6 +44,7 @@ from ._paths import check_component
 from .errors import CheckpointError
 
 JSON = Any
+TYPES_PATH = ".types"  # the type record; check_component refuses names starting with "."
 
 
 @runtime_checkable
@@ -32,7 +56,7 @@ class Stateful(Protocol):
 
 @dataclass(slots=True)
 class ValueSlot:
-    """A JSON leaf and how to replace it in its container."""
+    """A leaf that load replaces (a JSON value, bytes) and how to replace it in its container."""
 
     value: JSON
     assign: Callable[[JSON], None]
@@ -40,29 +64,33 @@ class ValueSlot:
 
 @dataclass(slots=True)
 class FlatState:
+    """A state flattened by path.
+
+    ``tensors`` alias the caller's tensors (filling them loads in place); on save they also
+    hold a uint8 copy of every ``bytes`` leaf, whose slot is in ``binary``. ``finishers`` run
+    after a load's values are assigned (Stateful objects, tuples), innermost first.
+    ``optional`` maps target paths that may be absent from a checkpoint (an optimizer's
+    per-parameter state) to the callback told that they are; ``types`` is the type record.
+    """
+
     tensors: dict[str, torch.Tensor]
     values: dict[str, ValueSlot]
-    statefuls: list[tuple[Stateful, dict[str, Any]]]
+    binary: dict[str, ValueSlot] = field(default_factory=dict)
+    finishers: list[Callable[[], None]] = field(default_factory=list)
+    optional: dict[str, Callable[[list[str]], None]] = field(default_factory=dict)
+    types: dict[str, dict[str, Any]] = field(default_factory=lambda: {
+        "containers": {}, "values": {}, "bytes": {}})
 
 
 def _has_tensor(obj: object) -> bool:
-    if isinstance(obj, torch.Tensor):
+    """Whether ``obj`` is walked entry by entry (else it is one JSON value)."""
+    if isinstance(obj, (torch.Tensor, bytes, bytearray)):
         return True
     if isinstance(obj, dict):
         return any(_has_tensor(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return any(_has_tensor(v) for v in obj)
     return isinstance(obj, Stateful)
-
-
-def _check_json(value: object, path: str) -> JSON:
-    try:
-        json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(
-            f"state path {path!r}: {type(value).__name__} is neither a tensor nor JSON-able ({exc})"
-        ) from None
-    return value
 
 
 def _key(key: object, path: str) -> str:
@@ -75,41 +103,49 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}/{key}" if prefix else key
 
 
-def flatten(state: object) -> FlatState:
-    """Flatten ``state``; Stateful objects are replaced by their ``state_dict()``.
+def _check_keys(obj: dict[Any, Any], path: str) -> list[str]:
+    """The int keys of a dict (as strings), after checking that every key round-trips."""
+    ints = []
+    for key in obj:
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
+            raise CheckpointError(f"state path {path!r}: key {key!r} ({type(key).__name__}) "
+                                  "cannot round-trip; keys must be str or int")
+        if isinstance(key, int):
+            if str(key) in obj:
+                raise CheckpointError(f"state path {path!r}: keys {key!r} and {str(key)!r} "
+                                      "would be the same name on storage")
+            ints.append(str(key))
+    return ints
 
-    Tensors in the result alias the caller's tensors (filling them loads in place).
+
+def describe(value: object, path: str) -> JSON:
+    """What JSON loses of ``value`` (tuples, int keys), or None when it round-trips as is.
+
+    ``["d", int_keys, {key: child}]``, ``["t", {index: child}]``, ``["l", {index: child}]``
+    list only the children that need a description.
     """
-    flat = FlatState(tensors={}, values={}, statefuls=[])
+    if isinstance(value, dict):
+        ints = _check_keys(value, path)
+        children = {str(k): d for k, v in value.items()
+                    if (d := describe(v, _join(path, str(k)))) is not None}
+        return ["d", ints, children] if ints or children else None
+    if isinstance(value, (list, tuple)):
+        children = {str(i): d for i, v in enumerate(value)
+                    if (d := describe(v, _join(path, str(i)))) is not None}
+        if isinstance(value, tuple):
+            return ["t", children]
+        return ["l", children] if children else None
+    return None
 
-    def unsupported(_: JSON, path: str = "") -> None:
-        raise CheckpointError(f"state path {path!r}: cannot assign into a tuple")
 
-    def walk(obj: object, path: str, assign: Callable[[JSON], None]) -> None:
-        if isinstance(obj, torch.Tensor):
-            if path in flat.tensors:
-                raise CheckpointError(f"state path {path!r} appears twice")
-            flat.tensors[path] = obj
-        elif isinstance(obj, Stateful) and not isinstance(obj, (dict, list, tuple)):
-            sd = obj.state_dict()
-            flat.statefuls.append((obj, sd))
-            walk(sd, path, assign)
-        elif isinstance(obj, dict) and _has_tensor(obj):
-            for key, value in obj.items():
-                walk(value, _join(path, _key(key, path)), _setter(obj, key))
-        elif isinstance(obj, (list, tuple)) and _has_tensor(obj):
-            for index, value in enumerate(obj):
-                setter = _setter(obj, index) if isinstance(obj, list) else unsupported
-                walk(value, _join(path, str(index)), setter)
-        else:
-            if not path:
-                raise CheckpointError("the state must be a dict, list or Stateful holding tensors")
-            flat.values[path] = ValueSlot(_check_json(obj, path), assign)
-
-    if not isinstance(state, (dict, list, tuple, Stateful)):
-        raise CheckpointError(f"the state must be a dict, list or Stateful, not {type(state)}")
-    walk(state, "", lambda _: None)
-    return flat
+def _check_json(value: object, path: str) -> JSON:
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"state path {path!r}: {type(value).__name__} is neither a tensor nor JSON-able ({exc})"
+        ) from None
+    return value
 
 
 def _setter(container: Any, key: object) -> Callable[[JSON], None]:
@@ -119,10 +155,91 @@ def _setter(container: Any, key: object) -> Callable[[JSON], None]:
     return assign
 
 
-def finish_load(flat: FlatState) -> None:
-    """Hand the filled state dicts back to their Stateful owners, innermost first."""
-    for obj, sd in reversed(flat.statefuls):
-        obj.load_state_dict(sd)
+def _read_only(path: str) -> Callable[[JSON], None]:
+    def refuse(_: JSON) -> None:
+        raise CheckpointError(f"state path {path!r}: cannot assign into a tuple given as the "
+                              "whole state")
+
+    return refuse
+
+
+def flatten(state: object, *, loading: bool = False) -> FlatState:
+    """Flatten ``state``; Stateful objects are replaced by their ``state_dict()``.
+
+    Tensors in the result alias the caller's tensors (filling them loads in place).
+    ``loading``: the state is a load target (an optimizer object gets its state initialized,
+    see ``_objects``).
+    """
+    from . import _objects
+
+    flat = FlatState(tensors={}, values={})
+    models = _objects.find_models(state)
+
+    def walk(obj: object, path: str, assign: Callable[[JSON], None], entries: bool = False
+             ) -> None:
+        """``entries``: walk a container entry by entry even if it holds no tensor."""
+        entries = entries or not path
+        if isinstance(obj, torch.Tensor):
+            if path in flat.tensors:
+                raise CheckpointError(f"state path {path!r} appears twice")
+            flat.tensors[path] = obj
+        elif isinstance(obj, (bytes, bytearray)):
+            flat.binary[path] = ValueSlot(type(obj).__name__, assign)
+            flat.types["bytes"][path] = type(obj).__name__
+            flat.tensors[path] = torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj \
+                else torch.empty(0, dtype=torch.uint8)
+        elif _objects.is_object(obj):
+            adapter = _objects.adapter(obj, path, models, loading)
+            walk_stateful(adapter, path, entries=True)
+            adapter.claim_optional(flat.optional, path)
+        elif isinstance(obj, Stateful) and not isinstance(obj, (dict, list, tuple)):
+            walk_stateful(obj, path)
+        elif isinstance(obj, dict) and (entries or _has_tensor(obj)):
+            ints = _check_keys(obj, path)
+            if ints:
+                flat.types["containers"][path] = ["d", ints]
+            for key, value in obj.items():
+                walk(value, _join(path, _key(key, path)), _setter(obj, key))
+        elif isinstance(obj, list) and (entries or _has_tensor(obj)):
+            flat.types["containers"][path] = ["l"]
+            for index, value in enumerate(obj):
+                walk(value, _join(path, str(index)), _setter(obj, index))
+        elif isinstance(obj, tuple) and (entries or _has_tensor(obj)):
+            flat.types["containers"][path] = ["t"]
+            items = list(obj)  # load assigns into this copy, then the tuple is rebuilt
+            for index, value in enumerate(obj):
+                setter = _setter(items, index) if path else _read_only(path)
+                walk(value, _join(path, str(index)), setter)
+            flat.finishers.append(lambda: assign(tuple(items)))
+        else:
+            if not path:
+                raise CheckpointError("the state must be a dict, list or Stateful holding tensors")
+            flat.values[path] = ValueSlot(_check_json(obj, path), assign)
+            desc = describe(obj, path)
+            if desc is not None:
+                flat.types["values"][path] = desc
+
+    def walk_stateful(obj: Stateful, path: str, entries: bool = False) -> None:
+        holder = [obj.state_dict()]
+        walk(holder[0], path, _setter(holder, 0), entries)
+        flat.finishers.append(lambda: obj.load_state_dict(holder[0]))
+
+    if not isinstance(state, (dict, list, tuple, Stateful)):
+        raise CheckpointError(f"the state must be a dict, list or Stateful, not {type(state)}")
+    walk(state, "", lambda _: None)
+    flat.types["containers"].pop("", None)
+    flat.values[TYPES_PATH] = ValueSlot(flat.types, lambda _: None)
+    return flat
+
+
+def finish_load(flat: FlatState, values: dict[str, Any]) -> None:
+    """Assign the loaded values and bytes, then hand the filled state dicts back to their
+    Stateful owners (and rebuild tuples), innermost first."""
+    for path, value in values.items():
+        slot = flat.values.get(path) or flat.binary[path]
+        slot.assign(value)
+    for finish in flat.finishers:
+        finish()
 
 
 def iter_local(tensor: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from . import commit as _commit
 from ._paths import COMMIT, step_dir
+from ._ranks import PerRank
+from ._ranks import inventory as rank_inventory
+from ._restore import Sources
 from ._state import FlatState, finish_load, flatten, iter_local
 from .errors import (
     CheckpointBusyError,
@@ -48,7 +51,6 @@ from .plan import (
     HeldBox,
     PlanOptions,
     build_plan,
-    inventory,
     local_boxes,
 )
 from .stage import StagingArea
@@ -143,6 +145,7 @@ class CheckpointEngine:
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-io")
         self._fingerprint = ""
         self._plan: GlobalPlan | None = None
+        self._per_rank = PerRank([], 0)
         self._staging: StagingArea | None = None
         self._last: SaveHandle | None = None
         self._closed = False
@@ -184,7 +187,7 @@ class CheckpointEngine:
         """
         self._check_open()
         flat = flatten(state)
-        inv = inventory(flat.tensors, flat.values)
+        inv = rank_inventory(flat.tensors, flat.values)
         fingerprint = hashlib.sha256(json.dumps(inv, sort_keys=True).encode()).hexdigest()
         last = self._last
         failure = last._unobserved_failure() if last else None
@@ -209,7 +212,12 @@ class CheckpointEngine:
                           RuntimeWarning, stacklevel=2)
             return handle
         if replan or self._plan is None:
-            self._replan(inv, flat, fingerprint)
+            self._gather_inventories(inv, fingerprint)
+        if self._group is not None and self._per_rank.agree(flat.tensors, self._all_max):
+            self._plan = None  # a plain tensor differs between ranks: now saved per rank
+        flat.tensors = self._per_rank.rename(flat.tensors)
+        if self._plan is None:
+            self._replan(flat)
         assert self._plan is not None and self._staging is not None
         values = json.loads(json.dumps({p: s.value for p, s in flat.values.items()},
                                        allow_nan=True))
@@ -226,13 +234,17 @@ class CheckpointEngine:
             handle.wait()
         return handle
 
-    def _replan(self, inv: dict[str, Any], flat: FlatState, fingerprint: str) -> None:
+    def _gather_inventories(self, inv: dict[str, Any], fingerprint: str) -> None:
         inventories = [json.loads(s) for s in self._gather(json.dumps(inv))]
-        plan = build_plan(inventories, self._plan_options)
+        self._per_rank = PerRank(inventories, self.rank, sticky=self._per_rank.paths)
+        self._plan = None
+        self._fingerprint = fingerprint
+
+    def _replan(self, flat: FlatState) -> None:
+        plan = build_plan(self._per_rank.plan_inventories(), self._plan_options)
         dtypes = {p: t.dtype for p, t in flat.tensors.items()}
         self._staging = StagingArea(plan.writes[self.rank], dtypes)
         self._plan = plan
-        self._fingerprint = fingerprint
 
     def _stage(self, handle: SaveHandle, flat: FlatState) -> None:
         assert self._staging is not None
@@ -253,7 +265,8 @@ class CheckpointEngine:
                           "arrays": [a.name for a in spec.arrays]}
                    for path, spec in self._plan.tensors.items()}
         layout = {"world_size": self.world_size, "meshes": meshes}
-        return {"step": step, "layout": layout, "metadata": metadata or {}, "tensors": tensors}
+        return {"step": step, "layout": layout, "metadata": metadata or {}, "tensors": tensors,
+                "per_rank": self._per_rank.index()}
 
     def _persist(self, handle: SaveHandle, flat: FlatState | None, plan: GlobalPlan,
                  staging: StagingArea, nonce: int, values: dict[str, Any],
@@ -335,7 +348,7 @@ class CheckpointEngine:
         overwritten: do not use it.
         """
         self._check_open()
-        flat = flatten(state)
+        flat = flatten(state, loading=True)
         # rank 0's view of what is committed, so that every rank tries the same steps
         candidates = [step] if step is not None else self._gather(list(reversed(self.steps())))[0]
         if not candidates:
@@ -354,9 +367,7 @@ class CheckpointEngine:
                 outcome, error = _FATAL, exc
             worst = self._all_max([outcome])[0]
             if worst == _OK:
-                for path, value in values.items():
-                    flat.values[path].assign(value)
-                finish_load(flat)
+                finish_load(flat, values)
                 return candidate
             if error is None:
                 error = CheckpointError(f"loading step {candidate} failed on another rank")
@@ -374,12 +385,14 @@ class CheckpointEngine:
 
     def _load_step(self, step: int, flat: FlatState) -> dict[str, Any]:
         reader = StepReader(self.storage, step)
+        sources = Sources(reader, flat, self.rank)
         futures = []
+        whole: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for path, tensor in flat.tensors.items():
-                stored = reader.tensors.get(path)
-                if stored is None:
-                    raise CheckpointMismatchError(f"step {step} has no tensor {path!r}")
+                if path not in sources.fill:
+                    continue  # bytes, or state the checkpoint rightly lacks: see Sources
+                stored = reader.tensors[sources.fill[path]]
                 if stored.dtype != tensor.dtype:
                     raise CheckpointMismatchError(
                         f"step {step}, tensor {path!r}: stored dtype {stored.dtype}, target "
@@ -393,17 +406,13 @@ class CheckpointEngine:
                     region = local[tuple(slice(o, o + n)
                                          for o, n in zip(box.local_offset, box.shape))]
                     futures += reader.read_box(stored, box, region, self._pool)
+            for name in sorted(sources.whole):
+                stored = reader.tensors[name]
+                whole[name] = torch.empty(stored.shape, dtype=stored.dtype)
+                box = HeldBox((0,) * len(stored.shape), stored.shape, (0,) * len(stored.shape))
+                futures += reader.read_box(stored, box, whole[name], self._pool)
         _raise_first(futures)
-        values = {}
-        for path in flat.values:
-            by_rank = reader.values_by_rank.get(path, {})
-            if str(self.rank) in by_rank:
-                values[path] = by_rank[str(self.rank)]
-            elif path in reader.values:
-                values[path] = reader.values[path]
-            else:
-                raise CheckpointMismatchError(f"step {step} has no value {path!r}")
-        return values
+        return sources.values(whole)
 
     def read(self, step: int) -> dict[str, Any]:
         """Every tensor of ``step`` as a whole plain CPU tensor, and every JSON value, keyed by
@@ -420,7 +429,8 @@ class CheckpointEngine:
                 futures += reader.read_box(stored, box, tensor, self._pool)
                 out[path] = tensor
         _raise_first(futures)
-        return {**reader.values, **out}
+        values = {p: v for p, v in reader.values.items() if not p.startswith(".")}
+        return {**values, **out}
 
     # -- lifecycle -----------------------------------------------------------------------------
 

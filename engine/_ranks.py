@@ -1,0 +1,154 @@
+"""Plain tensors that differ between ranks are saved per rank, never collapsed to one copy.
+
+A plain (non-DTensor) tensor held by several ranks is taken for a replica: one copy is written,
+its objects spread among the holders. Nothing guarantees that the copies agree:
+``torch.get_rng_state()``, a sampler offset, a data loader's ``bytes`` differ by rank. So:
+
+- when the plan is built (the state's structure changed), holders whose copies differ in
+  dtype or shape make that path per rank;
+- on every save, each rank digests every plain tensor it holds that several ranks hold (crc32c
+  of its bytes on CPU; word sums computed on the accelerator for device tensors, one copy of two
+  ints per tensor back to the host) and the ranks agree on them with one all-reduce of two int64
+  per tensor over the engine's gloo group: copies whose digests differ make that path per rank.
+
+A per-rank path stays per rank for the rest of the engine's life (values change every step; a
+plan that flipped back and forth would be rebuilt at every save). Holder ``r`` writes the array
+``<path>/rank_<r>`` (a name no state key can collide with: ``<path>`` is a tensor), and the
+step's attributes record ``per_rank: {path: [holder ranks]}``. Loading gives every rank its own
+copy; a rank that saved none (more ranks than saved) gets the lowest saved rank's copy, with a
+RuntimeWarning naming the paths (``_restore``).
+"""
+
+from __future__ import annotations
+
+import copy
+import struct
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import crc32c
+import torch
+from torch.distributed.tensor import DTensor
+
+from .errors import CheckpointError
+from .plan import inventory as plan_inventory
+
+_ABSENT = -(2**63)  # a rank that does not hold the tensor: below every digest and its negation
+_MASK = 2**62 - 1
+
+
+def rank_array(path: str, rank: int) -> str:
+    """The tensor path under which ``rank``'s copy of per-rank ``path`` is stored."""
+    return f"{path}/rank_{rank}"
+
+
+def inventory(tensors: dict[str, torch.Tensor], values: Iterable[str]) -> dict[str, Any]:
+    """The plan's inventory plus which tensors are plain (candidates for per-rank)."""
+    inv = plan_inventory(tensors, values)
+    inv["plain"] = sorted(p for p, t in tensors.items() if not isinstance(t, DTensor))
+    return inv
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def digests(tensors: list[torch.Tensor]) -> list[int]:
+    """A digest in [0, 2**62) of each tensor's bytes: crc32c on the host; on an accelerator two
+    word sums (all words, odd words) computed there, so only 16 bytes per tensor move."""
+    out = [0] * len(tensors)
+    sums: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, tensor in enumerate(tensors):
+        raw = _bytes_of(tensor)
+        if raw.device.type == "cpu":
+            data = raw.numpy()  # no copy: crc32c reads the buffer
+            out[i] = crc32c.crc32c(data) if raw.numel() else 0  # type: ignore[arg-type]
+        else:
+            sums.setdefault(raw.device, []).append((i, _device_sums(raw)))
+    for parts in sums.values():
+        host = torch.stack([s for _, s in parts]).cpu().tolist()
+        for (i, _), (total, odd) in zip(parts, host):
+            out[i] = crc32c.crc32c(struct.pack("<qq", total, odd))
+    return [d & _MASK for d in out]
+
+
+def _device_sums(raw: torch.Tensor) -> torch.Tensor:
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    return torch.stack([words.sum(dtype=torch.int64), words[1::2].sum(dtype=torch.int64)])
+
+
+class PerRank:
+    """Which plain tensors are saved per rank, from every rank's inventory (same on all ranks).
+
+    ``agree`` is collective (every rank calls it with the same plan); the rest is local.
+    """
+
+    def __init__(self, inventories: list[dict[str, Any]], rank: int,
+                 sticky: Iterable[str] = ()) -> None:
+        self.rank = rank
+        self.inventories = inventories
+        plain: dict[str, list[int]] = {}
+        dtensor: set[str] = set()
+        for r, inv in enumerate(inventories):
+            marked = set(inv.get("plain", []))
+            for path in inv["tensors"]:
+                (plain.setdefault(path, []).append(r) if path in marked else dtensor.add(path))
+        self.holders = {p: rs for p, rs in plain.items() if p not in dtensor}
+        self.paths = {p for p in sticky if p in self.holders}
+        for path, ranks in self.holders.items():
+            entries = {(inventories[r]["tensors"][path]["dtype"],
+                        tuple(inventories[r]["tensors"][path]["shape"])) for r in ranks}
+            if len(entries) > 1:
+                self.paths.add(path)
+        self._check_names()
+
+    def _candidates(self) -> list[str]:
+        return sorted(p for p, ranks in self.holders.items()
+                      if len(ranks) > 1 and p not in self.paths)
+
+    def agree(self, tensors: dict[str, torch.Tensor],
+              all_max: Callable[[list[int]], list[int]]) -> bool:
+        """Digest the replicated plain tensors; True when some now differ (they become per
+        rank, and the plan must be rebuilt)."""
+        candidates = self._candidates()
+        if not candidates:
+            return False
+        held = [p for p in candidates if p in tensors]
+        mine = dict(zip(held, digests([tensors[p] for p in held])))
+        local = [mine.get(p, _ABSENT) for p in candidates]
+        negated = [-d if d != _ABSENT else _ABSENT for d in local]
+        agreed = all_max(local + negated)
+        n = len(candidates)
+        differing = {p for i, p in enumerate(candidates) if agreed[i] != -agreed[n + i]}
+        self.paths |= differing
+        self._check_names()
+        return bool(differing)
+
+    def _check_names(self) -> None:
+        for path in self.paths:
+            for inv in self.inventories:
+                clash = next((p for p in (*inv["tensors"], *inv["values"])
+                              if p.startswith(f"{path}/")), None)
+                if clash is not None:
+                    raise CheckpointError(
+                        f"state path {path!r} differs between ranks and is saved per rank, "
+                        f"but another rank holds {clash!r} under it")
+
+    def rename(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tensors under their stored names."""
+        return {(rank_array(p, self.rank) if p in self.paths else p): t
+                for p, t in tensors.items()}
+
+    def plan_inventories(self) -> list[dict[str, Any]]:
+        """Every rank's inventory with per-rank paths renamed, for ``build_plan``."""
+        out = copy.deepcopy(self.inventories)
+        for r, inv in enumerate(out):
+            for path in self.paths:
+                if path in inv["tensors"]:
+                    inv["tensors"][rank_array(path, r)] = inv["tensors"].pop(path)
+        return out
+
+    def index(self) -> dict[str, list[int]]:
+        """What the step's attributes record: per-rank path -> the ranks that saved a copy."""
+        return {p: self.holders[p] for p in sorted(self.paths)}

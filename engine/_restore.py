@@ -1,0 +1,252 @@
+"""Where each entry of a load target comes from in a committed step, and what it becomes.
+
+The semantics are those of ``_state`` (its docstring): tensors the target holds are filled in
+place from the stored array of the same path (or, for a tensor saved per rank, this rank's
+copy); ``bytes`` and entries holding no tensor are replaced by what was saved at their path: a
+JSON value with its types restored, bytes, or the saved sub-tree rebuilt. Everything read from
+the step's attributes is validated; a malformed type record or per-rank index is corruption.
+
+World-size change policy: a value or tensor that was saved per rank (JSON values that differed
+between ranks, plain tensors that differed) is loaded by each rank from its own copy; a rank
+that saved no copy (more ranks than saved, or a rank that held none) gets the lowest saved
+rank's copy, and one RuntimeWarning per load names the rank and every such path.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ._ranks import rank_array
+from ._state import TYPES_PATH, FlatState
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from .load import StepReader
+
+_Leaf = tuple[str, Any, Any]  # ("tensor" | "bytes" | "value", source, description)
+
+
+class Sources:
+    """The sources of one target in one step, for this rank. Raises CheckpointMismatchError
+    for an entry the target names that the step lacks."""
+
+    def __init__(self, reader: StepReader, flat: FlatState, rank: int) -> None:
+        self.reader, self.rank, self.step = reader, rank, reader.step
+        self.per_rank = self._per_rank_index(reader.attrs.get("per_rank"))
+        self.borrowed: list[tuple[str, int]] = []  # (path, the rank whose copy it gets)
+        found, types = self._saved_value(TYPES_PATH, record=False)
+        self.types = self._check_types(types) if found else None
+        self.fill: dict[str, str] = {}  # target tensor path -> stored tensor path
+        self.whole: set[str] = set()  # stored tensor paths read whole
+        self._leaves: dict[str, _Leaf | dict[str, Any]] = {}  # target path -> what it gets
+        missing: dict[Any, list[str]] = {hook: [] for hook in flat.optional.values()}
+        for path, tensor in flat.tensors.items():
+            if path in flat.binary:
+                continue
+            source = self._tensor_source(path, tensor)
+            if source is not None:
+                self.fill[path] = source
+            elif path in flat.optional:
+                missing.setdefault(flat.optional[path], []).append(path)
+            else:
+                raise CheckpointMismatchError(f"step {self.step} has no tensor {path!r}")
+        for path in flat.binary:
+            source = self._tensor_source(path, None)
+            if source is None:
+                raise CheckpointMismatchError(f"step {self.step} has no bytes {path!r}")
+            self._leaves[path] = self._bytes_leaf(path, source)
+        for path in flat.values:
+            if path == TYPES_PATH:
+                continue
+            leaf = self._value_leaf(path)
+            if leaf is not None:
+                self._leaves[path] = leaf
+            elif path in flat.optional:
+                missing.setdefault(flat.optional[path], []).append(path)
+            else:
+                raise CheckpointMismatchError(f"step {self.step} has no value {path!r}")
+        for hook, paths in missing.items():
+            try:
+                hook(paths)
+            except CheckpointError as exc:
+                raise CheckpointMismatchError(f"step {self.step}: {exc}") from None
+
+    # -- what the step's attributes say ------------------------------------------------------
+
+    def _per_rank_index(self, index: object) -> dict[str, list[int]]:
+        if index is None:
+            return {}
+        if not isinstance(index, dict) or not all(
+                isinstance(ranks, list) and ranks
+                and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)
+                for ranks in index.values()):
+            raise CheckpointCorruptError(f"step {self.step}: malformed per-rank index")
+        return index
+
+    def _check_types(self, types: object) -> dict[str, dict[str, Any]]:
+        if not isinstance(types, dict) or not all(
+                isinstance(types.get(k), dict) for k in ("containers", "values", "bytes")):
+            raise CheckpointCorruptError(f"step {self.step}: malformed type record")
+        return types
+
+    def _saved_value(self, path: str, record: bool = True) -> tuple[bool, Any]:
+        by_rank = self.reader.values_by_rank.get(path)
+        if by_rank:
+            if str(self.rank) in by_rank:
+                return True, by_rank[str(self.rank)]
+            if not all(isinstance(r, str) and r.isdigit() for r in by_rank):
+                raise CheckpointCorruptError(f"step {self.step}: malformed per-rank values of "
+                                             f"{path!r}")
+            lowest = min(by_rank, key=int)
+            if record:
+                self.borrowed.append((path, int(lowest)))
+            return True, by_rank[lowest]
+        if path in self.reader.values:
+            return True, self.reader.values[path]
+        return False, None
+
+    def _tensor_source(self, path: str, target: torch.Tensor | None) -> str | None:
+        holders = self.per_rank.get(path)
+        if holders is None:
+            return path if path in self.reader.tensors else None
+        if isinstance(target, DTensor):
+            raise CheckpointMismatchError(f"step {self.step}, tensor {path!r}: saved per rank "
+                                          "(it differed between ranks); load it into a plain "
+                                          "tensor")
+        source_rank = self.rank if self.rank in holders else min(holders)
+        if source_rank != self.rank:
+            self.borrowed.append((path, source_rank))
+        name = rank_array(path, source_rank)
+        if name not in self.reader.tensors:
+            raise CheckpointCorruptError(f"step {self.step}: per-rank tensor {name!r} is not "
+                                         "in the tensor index")
+        return name
+
+    # -- leaves ------------------------------------------------------------------------------
+
+    def _bytes_leaf(self, path: str, source: str) -> _Leaf:
+        stored = self.reader.tensors[source]
+        kind = (self.types or {}).get("bytes", {}).get(path)
+        if stored.dtype != torch.uint8 or len(stored.shape) != 1 or (
+                self.types is not None and kind not in ("bytes", "bytearray")):
+            raise CheckpointMismatchError(f"step {self.step}: {path!r} was not saved as bytes")
+        self.whole.add(source)
+        return ("bytes", source, kind)
+
+    def _value_leaf(self, path: str) -> _Leaf | dict[str, Any] | None:
+        found, value = self._saved_value(path)
+        if found:
+            desc = self.types["values"].get(path) if self.types else None
+            return ("value", value, desc)
+        return self._subtree(path)
+
+    def _subtree(self, path: str) -> dict[str, Any] | None:
+        """The saved entries under ``path`` as a nested dict of leaves, or None if none."""
+        prefix = f"{path}/"
+        leaves: dict[str, _Leaf] = {}
+        for name in self.reader.tensors:
+            parent = name.rsplit("/", 1)[0]
+            if name.startswith(prefix) and parent not in self.per_rank:
+                leaves[name] = ("tensor", name, None)
+        for name in self.per_rank:
+            if name.startswith(prefix):
+                source = self._tensor_source(name, None)
+                assert source is not None
+                leaves[name] = ("tensor", source, None)
+        for name in self.types["bytes"] if self.types else ():
+            if name in leaves:
+                leaves[name] = self._bytes_leaf(name, leaves[name][1])
+        for name in (*self.reader.values, *self.reader.values_by_rank):
+            if name.startswith(prefix) and name not in leaves:
+                leaf = self._value_leaf(name)
+                assert leaf is not None
+                leaves[name] = leaf  # type: ignore[assignment]
+        if not leaves:
+            return None
+        if self.types is None:
+            raise CheckpointMismatchError(
+                f"step {self.step} has no value {path!r}, only entries under it, and was "
+                "written before type records: load it into a target that names them")
+        for leaf in leaves.values():
+            if leaf[0] == "tensor":
+                self.whole.add(leaf[1])
+        tree: dict[str, Any] = {}
+        for name, leaf in leaves.items():
+            node = tree
+            parts = name[len(prefix):].split("/")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise CheckpointCorruptError(f"step {self.step}: {name!r} lies under a leaf")
+            node[parts[-1]] = leaf
+        return tree
+
+    # -- after the tensors are read ----------------------------------------------------------
+
+    def values(self, whole: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """What each replaced entry of the target gets (``whole``: the tensors read whole)."""
+        if self.borrowed:
+            listed = ", ".join(f"{p!r} from rank {r}" for p, r in self.borrowed)
+            warnings.warn(f"step {self.step}: rank {self.rank} saved no copy of values that were "
+                          f"saved per rank; it loads another rank's copy: {listed}",
+                          RuntimeWarning, stacklevel=4)
+        return {path: self._build(leaf, path, whole) for path, leaf in self._leaves.items()}
+
+    def _build(self, leaf: _Leaf | dict[str, Any], path: str,
+               whole: dict[str, torch.Tensor]) -> Any:
+        if isinstance(leaf, dict):
+            built = {key: self._build(child, f"{path}/{key}", whole)
+                     for key, child in leaf.items()}
+            return self._container(built, path)
+        kind, source, desc = leaf
+        if kind == "tensor":
+            return whole[source]
+        if kind == "bytes":
+            data = whole[source].numpy().tobytes()
+            return bytearray(data) if desc == "bytearray" else data
+        try:
+            return restore(source, desc)
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            raise CheckpointCorruptError(f"step {self.step}: the type record of {path!r} does "
+                                         f"not fit its value ({exc})") from None
+
+    def _container(self, built: dict[str, Any], path: str) -> Any:
+        kind = (self.types or {}).get("containers", {}).get(path)
+        try:
+            if kind is None:
+                return dict(sorted(built.items()))
+            if kind[0] in ("l", "t"):
+                items = [built[str(i)] for i in range(len(built))]
+                return items if kind[0] == "l" else tuple(items)
+            if kind[0] == "d":
+                ints = set(kind[1])
+                keyed = {(int(k) if k in ints else k): v for k, v in built.items()}
+                ordered: list[int | str] = sorted(k for k in keyed if isinstance(k, int))
+                ordered += sorted(k for k in keyed if isinstance(k, str))
+                return {k: keyed[k] for k in ordered}
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+            pass
+        raise CheckpointCorruptError(f"step {self.step}: the type record of {path!r} does not "
+                                     "fit the saved entries")
+
+
+def restore(value: Any, desc: Any) -> Any:
+    """Undo what JSON did to a value, by its description (``_state.describe``)."""
+    if desc is None:
+        return value
+    tag = desc[0]
+    if tag == "d":
+        ints, children = set(desc[1]), desc[2]
+        if not isinstance(value, dict):
+            raise TypeError(f"expected an object, got {type(value).__name__}")
+        return {(int(k) if k in ints else k): restore(v, children.get(k))
+                for k, v in value.items()}
+    if tag in ("l", "t"):
+        children = desc[1]
+        if not isinstance(value, list):
+            raise TypeError(f"expected an array, got {type(value).__name__}")
+        items = [restore(v, children.get(str(i))) for i, v in enumerate(value)]
+        return tuple(items) if tag == "t" else items
+    raise ValueError(f"unknown type tag {tag!r}")

@@ -1,0 +1,364 @@
+"""What other trainers hand the engine round-trips exactly, in one process.
+
+``Stateful`` objects without tensors (a TrainState, an LR scheduler, a data loader) are restored
+into the caller's own object; a model and an optimizer may be passed as objects, and a
+never-stepped optimizer resumes; a target emptier than the checkpoint (a fresh optimizer's
+``state_dict()``) is rebuilt from what was saved, with the saved key types; ``bytes`` are stored
+as raw bytes; JSON values come back with their types (tuples, int keys). Bits are compared as
+bytes (``tensor.view(torch.uint8)``), never with ``==`` on floats.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from torch import nn
+
+from antifragile.engine import CheckpointEngine, CheckpointError, CheckpointMismatchError
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Iterator[CheckpointEngine]:
+    with CheckpointEngine(str(tmp_path / "ckpt"), keep_last=None) as engine:
+        yield engine
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def assert_bitwise(actual: Any, expected: Any, path: str = "") -> None:
+    """Same structure, same container and key types, tensors bit for bit, JSON by type."""
+    assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+        assert bits(actual) == bits(expected), path
+    elif isinstance(expected, dict):  # key order of a rebuilt dict is sorted, not as saved
+        assert set(actual) == set(expected), f"{path}: keys {list(actual)} != {list(expected)}"
+        for key in expected:
+            assert_bitwise(actual[key], expected[key], f"{path}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_bitwise(a, e, f"{path}/{i}")
+    elif isinstance(expected, float):
+        assert np.float64(actual).tobytes() == np.float64(expected).tobytes(), path
+    else:
+        assert actual == expected, path
+
+
+class TrainState:
+    """torchtitan's TrainState: counters only, no tensor."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.ntokens_seen = 0
+        self.losses: list[float] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen, "losses": self.losses}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = state_dict["step"]
+        self.ntokens_seen = state_dict["ntokens_seen"]
+        self.losses = list(state_dict["losses"])
+
+
+def model_and_optim(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(16, 4, generator=gen), torch.randn(16, 2, generator=gen)
+    optim.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optim.step()
+
+
+def assert_same_training(a: tuple[nn.Module, torch.optim.Optimizer],
+                         b: tuple[nn.Module, torch.optim.Optimizer]) -> None:
+    """Same parameters and optimizer state (bits, types) now and after one more equal step."""
+    for more in range(2):
+        assert_bitwise(dict(b[0].state_dict()), dict(a[0].state_dict()))
+        assert_bitwise(b[1].state_dict(), a[1].state_dict())
+        if more == 0:
+            train_step(*a, seed=99)
+            train_step(*b, seed=99)
+
+
+# -- item 7: Stateful objects without tensors -------------------------------------------------
+
+
+def test_stateful_without_tensors_is_restored_into_the_callers_object(
+    ckpt: CheckpointEngine,
+) -> None:
+    model, optim = model_and_optim(0)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    train = TrainState()
+    for seed in range(3):
+        train_step(model, optim, seed)
+        sched.step()
+        train.step += 1
+        train.ntokens_seen += 64
+        train.losses.append(0.25 * seed)
+    ckpt.save(3, {"model": model.state_dict(), "train": train, "sched": sched}, blocking=True)
+
+    model2, optim2 = model_and_optim(1)
+    sched2 = torch.optim.lr_scheduler.StepLR(optim2, step_size=2, gamma=0.5)
+    train2 = TrainState()
+    state = {"model": model2.state_dict(), "train": train2, "sched": sched2}
+    assert ckpt.load(state) == 3
+    assert state["train"] is train2 and state["sched"] is sched2, "the caller's object replaced"
+    assert (train2.step, train2.ntokens_seen, train2.losses) == (3, 192, [0.0, 0.25, 0.5])
+    assert_bitwise(sched2.state_dict(), sched.state_dict())
+
+
+def test_a_state_of_statefuls_without_any_tensor(ckpt: CheckpointEngine) -> None:
+    train = TrainState()
+    train.step = 41
+    ckpt.save(41, {"train": train}, blocking=True)
+    train2 = TrainState()
+    assert ckpt.load({"train": train2}) == 41
+    assert train2.step == 41
+
+
+# -- item 8: model and optimizer objects, a never-stepped optimizer, emptier targets ----------
+
+
+def test_fresh_optimizer_resumes_from_its_plain_state_dict(ckpt: CheckpointEngine) -> None:
+    source = model_and_optim(0)
+    for seed in range(2):
+        train_step(*source, seed)
+    ckpt.save(2, {"model": source[0].state_dict(), "optim": source[1].state_dict()},
+              blocking=True)
+
+    target = model_and_optim(1)  # built fresh: the optimizer has no state yet
+    state = {"model": target[0].state_dict(), "optim": target[1].state_dict()}
+    assert state["optim"]["state"] == {}
+    assert ckpt.load(state) == 2
+    target[1].load_state_dict(state["optim"])
+    assert_same_training(source, target)
+
+
+def test_model_and_optimizer_objects_resume_a_fresh_build(ckpt: CheckpointEngine) -> None:
+    source = model_and_optim(0)
+    sched = torch.optim.lr_scheduler.LambdaLR(source[1], lambda s: 1.0 / (1 + s))
+    for seed in range(3):
+        train_step(*source, seed)
+        sched.step()
+    ckpt.save(3, {"model": source[0], "optim": source[1], "sched": sched, "step": 3},
+              blocking=True)
+
+    target = model_and_optim(1)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(target[1], lambda s: 1.0 / (1 + s))
+    state = {"model": target[0], "optim": target[1], "sched": sched2, "step": 0}
+    assert ckpt.load(state) == 3
+    assert state["model"] is target[0] and state["optim"] is target[1]
+    assert state["step"] == 3
+    assert_bitwise(sched2.state_dict(), sched.state_dict())
+    assert_same_training(source, target)
+
+
+class TwoHeads(nn.Module):
+    """``unused`` never gets a gradient, so a stepped optimizer holds no state for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_optimizer_state_is_exactly_what_was_saved(ckpt: CheckpointEngine) -> None:
+    torch.manual_seed(0)
+    model = TwoHeads()
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    ckpt.save(0, {"model": model, "optim": optim}, blocking=True)
+    assert not optim.state, "saving initialized the caller's optimizer"
+    optim.zero_grad()
+    model(torch.ones(3, 4)).sum().backward()
+    optim.step()
+    ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+
+    torch.manual_seed(1)
+    model2 = TwoHeads()
+    optim2 = torch.optim.Adam(model2.parameters(), lr=0.1)
+    ckpt.load({"model": model2, "optim": optim2}, step=1)
+    assert set(optim2.state) == {model2.used.weight, model2.used.bias}
+    assert_bitwise(optim2.state_dict(), optim.state_dict())
+    ckpt.load({"model": model2, "optim": optim2}, step=0)  # a never-stepped optimizer
+    assert not optim2.state
+    assert_bitwise(optim2.state_dict()["param_groups"], optim.state_dict()["param_groups"])
+
+
+def test_objects_are_stored_by_parameter_name(ckpt: CheckpointEngine) -> None:
+    """Keyed by fully qualified names (torch's distributed state-dict helpers), so a
+    checkpoint of the objects loads into the ``state_dict()`` of a plain model too."""
+    source = model_and_optim(0)
+    train_step(*source, seed=0)
+    ckpt.save(1, {"model": source[0], "optim": source[1]}, blocking=True)
+    stored = ckpt.read(1)
+    assert "optim/state.0.weight.exp_avg" in stored
+    assert "optim/param_groups.2.bias.lr" in stored
+    model2, _ = model_and_optim(1)
+    state = {"model": model2.state_dict()}
+    ckpt.load(state)
+    assert_bitwise(dict(model2.state_dict()), dict(source[0].state_dict()))
+
+
+def test_an_optimizer_without_its_model_is_refused_naming_the_path(
+    ckpt: CheckpointEngine,
+) -> None:
+    _, optim = model_and_optim(0)
+    with pytest.raises(CheckpointError, match=r"'optim'.*model"):
+        ckpt.save(1, {"w": torch.ones(2), "optim": optim})
+
+
+def test_emptier_target_is_rebuilt_with_saved_key_and_container_types(
+    ckpt: CheckpointEngine,
+) -> None:
+    saved = {
+        "w": torch.arange(4.0),
+        "by_id": {0: {"m": torch.ones(2), "n": 3}, 7: {"m": torch.zeros(1), "n": 4}},
+        "pair": (torch.tensor([1, 2]), "x"),
+        "items": [torch.tensor(5), {"k": (1, 2.5)}],
+    }
+    expected = copy.deepcopy(saved)
+    ckpt.save(1, saved, blocking=True)
+    target: dict[str, Any] = {"w": torch.empty(4), "by_id": {}, "pair": None, "items": []}
+    ckpt.load(target)
+    assert_bitwise(target, expected)
+
+
+def test_a_target_names_what_is_filled(ckpt: CheckpointEngine) -> None:
+    """A target entry holding tensors is filled entry by entry (a subset loads, a saved entry
+    it does not name is not added); an entry holding no tensor takes what was saved there."""
+    ckpt.save(1, {"m": {"a": torch.ones(2), "b": torch.ones(3)}, "v": {"x": 1, "y": 2},
+                  "o": {"state": {0: {"t": torch.ones(1)}}, "groups": [{"lr": 0.5}]}},
+              blocking=True)
+    target: dict[str, Any] = {"m": {"a": torch.empty(2)}, "v": {"x": 0}, "o": {"state": {}}}
+    ckpt.load(target)
+    assert set(target["m"]) == {"a"} and torch.equal(target["m"]["a"], torch.ones(2))
+    assert target["v"] == {"x": 1, "y": 2}
+    assert_bitwise(target["o"], {"state": {0: {"t": torch.ones(1)}}, "groups": [{"lr": 0.5}]})
+
+
+def test_a_target_entry_the_checkpoint_lacks_still_raises(ckpt: CheckpointEngine) -> None:
+    ckpt.save(1, {"w": torch.ones(2), "step": 1}, blocking=True)
+    with pytest.raises(CheckpointMismatchError, match=r"step 1.*'sched'"):
+        ckpt.load({"w": torch.empty(2), "sched": {}}, step=1)
+
+
+# -- JSON values come back with their types ---------------------------------------------------
+
+
+def test_json_values_keep_tuples_and_int_keys(ckpt: CheckpointEngine) -> None:
+    saved = {"w": torch.ones(1), "cfg": {"betas": (0.9, 0.95), "by_layer": {0: "a", 12: [1]},
+                                         "nested": [(1, (2, 3)), {"k": {3: None}}]}}
+    expected = copy.deepcopy(saved)
+    ckpt.save(1, saved, blocking=True)
+    target = {"w": torch.empty(1), "cfg": None}
+    ckpt.load(target)
+    assert_bitwise(target, expected)
+
+
+@pytest.mark.parametrize(("value", "named"), [({1.5: "x"}, "1.5"), ({0: "a", "0": "b"}, "'0'"),
+                                              ({None: 1}, "None")],
+                         ids=["float-key", "int-and-str-key", "none-key"])
+def test_json_keys_that_cannot_round_trip_are_refused(
+    ckpt: CheckpointEngine, value: dict[Any, Any], named: str
+) -> None:
+    with pytest.raises(CheckpointError, match=rf"'extra'.*{named}"):
+        ckpt.save(1, {"w": torch.ones(1), "extra": value})
+
+
+# -- item 9: bytes -----------------------------------------------------------------------------
+
+
+def test_bytes_round_trip_as_raw_bytes(ckpt: CheckpointEngine, tmp_path: Path) -> None:
+    payload = bytes(range(256)) * 3 + b"\x00"
+    saved = {"w": torch.ones(2), "loader": {"dp_rank_0": payload, "buf": bytearray(b"abc"),
+                                            "empty": b"", "n": 4}}
+    expected = copy.deepcopy(saved)
+    ckpt.save(1, saved, blocking=True)
+    target = {"w": torch.empty(2), "loader": {"dp_rank_0": b"", "buf": bytearray(),
+                                              "empty": b"zz", "n": 0}}
+    ckpt.load(target)
+    assert_bitwise(target, expected)
+    # stored as a raw uint8 zarr array, checksummed like any tensor
+    group = zarr.open_group(str(tmp_path / "ckpt" / "step_000000001"), mode="r")
+    array = group["loader/dp_rank_0"]
+    assert array.dtype == np.uint8 and bytes(np.asarray(array[...])) == payload
+    assert ckpt.verify(1).ok
+
+
+def test_bytes_inside_a_stateful_are_restored_into_it(ckpt: CheckpointEngine) -> None:
+    class Loader:
+        def __init__(self, blob: bytes) -> None:
+            self.blob = blob
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"dp_rank_0": self.blob, "world_size": 1}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.blob = state_dict["dp_rank_0"]
+
+    ckpt.save(5, {"loader": Loader(b"\x80\x04state")}, blocking=True)
+    loader = Loader(b"")
+    ckpt.load({"loader": loader})
+    assert loader.blob == b"\x80\x04state" and type(loader.blob) is bytes
+
+
+# -- what the type record and per-rank index say is validated ---------------------------------
+
+
+@pytest.mark.parametrize(("where", "value"), [
+    ("types", "junk"),
+    ("types", {"containers": {"opt": ["l"]}, "values": {}, "bytes": {}}),
+    ("types", {"containers": {}, "values": {"cfg": ["t", 5]}, "bytes": {}}),
+    ("types", {"containers": {}, "values": {"cfg": ["z", {}]}, "bytes": {}}),
+    ("per_rank", {"w": "rank 0"}),
+    ("per_rank", {"w": [7]}),
+], ids=["not-a-dict", "list-without-indices", "children-not-a-dict", "unknown-tag",
+        "ranks-not-a-list", "no-such-rank-array"])
+def test_hostile_type_records_raise_corrupt(tmp_path: Path, where: str, value: Any) -> None:
+    from test_hostile import Hostile
+
+    from antifragile.engine import CheckpointCorruptError
+
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(str(root)) as engine:
+        engine.save(1, {"w": torch.ones(2), "opt": {7: {"t": torch.ones(1)}}, "cfg": (1, 2)},
+                    blocking=True)
+
+    def edit(attrs: dict[str, Any]) -> None:
+        if where == "types":
+            attrs["values"][".types"] = value
+        else:
+            attrs["per_rank"] = value
+
+    Hostile(root).edit_json("zarr.json", lambda g: edit(g["attributes"]["antifragile"]))
+    with CheckpointEngine(str(root)) as engine, pytest.raises(CheckpointCorruptError):
+        engine.load({"w": torch.empty(2), "opt": {}, "cfg": None}, step=1)
+
+
+def test_a_tuple_holding_tensors_is_filled_and_its_values_replaced(
+    ckpt: CheckpointEngine,
+) -> None:
+    ckpt.save(1, {"pair": (torch.tensor([1, 2]), "relu", 3)}, blocking=True)
+    tensor = torch.zeros(2, dtype=torch.int64)
+    target = {"pair": (tensor, "gelu", 0)}
+    ckpt.load(target)
+    assert target["pair"][1:] == ("relu", 3) and type(target["pair"]) is tuple
+    assert target["pair"][0] is tensor and tensor.tolist() == [1, 2]

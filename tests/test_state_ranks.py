@@ -1,0 +1,222 @@
+"""State fidelity across real gloo ranks: per-rank plain tensors, world-size changes, and
+model/optimizer objects under DDP and FSDP2.
+
+A plain (non-DTensor) tensor that differs between ranks (``torch.get_rng_state()``, a sampler
+offset, a data loader's bytes) is kept per rank and comes back to the rank that saved it, even
+when the ranks agreed at an earlier save of the same engine. Loading on more ranks than saved
+gives the new ranks rank 0's copy of every per-rank value, with a RuntimeWarning that names the
+paths: never silently.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import RankGroup
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from antifragile.engine import CheckpointEngine
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankGroup]:
+    with RankGroup(2, timeout_s=180) as group:
+        yield group
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+# --- per-rank plain tensors and values --------------------------------------------------------
+
+
+def rank_state(rank: int, version: int) -> dict[str, Any]:
+    """Replicated weights plus what differs by rank from ``version`` 2 on (all equal at 1)."""
+    torch.manual_seed(100 + (rank if version > 1 else 0) + version)
+    own = rank if version > 1 else 0
+    return {
+        "model": {"w": torch.arange(12.0).reshape(3, 4) * version},
+        "rng": torch.get_rng_state(),
+        "sampler": {"offset": torch.tensor(10 * own + version), "epoch": version},
+        "loader": {"blob": bytes([own + 1]) * (3 + own), "cursor": own},
+    }
+
+
+def blank_state() -> dict[str, Any]:
+    return {
+        "model": {"w": torch.full((3, 4), -1.0)},
+        "rng": torch.zeros_like(torch.get_rng_state()),
+        "sampler": {"offset": torch.tensor(-1), "epoch": -1},
+        "loader": {"blob": b"", "cursor": -1},
+    }
+
+
+def summary(state: dict[str, Any]) -> dict[str, Any]:
+    return {"w": bits(state["model"]["w"]), "rng": bits(state["rng"]),
+            "offset": int(state["sampler"]["offset"]), "epoch": state["sampler"]["epoch"],
+            "blob": state["loader"]["blob"], "cursor": state["loader"]["cursor"]}
+
+
+def save_versions(url: str, members: list[int]) -> None:
+    """Steps 1 (ranks agree) and 2 (they differ) through one engine (cached plan)."""
+    group = dist.new_group(members)
+    if dist.get_rank() not in members:
+        return
+    with CheckpointEngine(url, process_group=group) as engine:
+        for version in (1, 2):
+            engine.save(version, rank_state(dist.get_rank(group), version), blocking=True)
+
+
+def load_version(url: str, step: int) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(what this rank loaded, what it saved as this rank, warnings)."""
+    target = blank_state()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with CheckpointEngine(url) as engine:
+            engine.load(target, step=step)
+    expected = summary(rank_state(dist.get_rank(), step))
+    return summary(target), expected, [str(w.message) for w in caught]
+
+
+def test_plain_tensors_that_differ_between_ranks_are_kept_per_rank(
+    ranks: RankGroup, tmp_path: Path
+) -> None:
+    url = str(tmp_path / "ckpt")
+    ranks.run(save_versions, url, [0, 1])
+    for step in (1, 2):
+        results = ranks.run(load_version, url, step)
+        for rank, (got, expected, caught) in enumerate(results):
+            assert got == expected, f"step {step}, rank {rank}"
+            assert caught == [], f"step {step}, rank {rank}"
+    got = [r[0] for r in ranks.run(load_version, url, 2)]
+    assert got[0]["rng"] != got[1]["rng"] and got[0]["blob"] != got[1]["blob"]
+
+
+def test_more_ranks_than_saved_get_rank_0s_values_with_a_warning(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    with RankGroup(3, timeout_s=180) as three:
+        three.run(save_versions, url, [0, 1])
+        results = three.run(load_version, url, 2)
+    for rank in (0, 1):
+        got, expected, caught = results[rank]
+        assert got == expected and caught == [], rank
+    got, _, caught = results[2]
+    rank0 = results[0][1]
+    assert got == rank0, "rank 2 gets rank 0's copy of every per-rank value"
+    assert len(caught) == 1, caught
+    for path in ("rng", "sampler/offset", "loader/blob", "loader/cursor"):
+        assert repr(path) in caught[0], caught[0]
+    assert "rank 2" in caught[0] and "rank 0" in caught[0]
+
+
+# --- model and optimizer objects under DDP and FSDP2 ------------------------------------------
+
+
+def tiny_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
+
+
+def step_on(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+    optim.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optim.step()
+
+
+def wrapped(kind: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = tiny_model(seed)
+    if kind == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh("cpu", list(range(dist.get_world_size())))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def fingerprint(model: nn.Module, optim: torch.optim.Optimizer) -> list[tuple[str, bytes]]:
+    """This rank's parameters and optimizer state, as bytes (local shards of DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    out = [(name, bits(local(p))) for name, p in model.named_parameters()]
+    for index, state in optim.state_dict()["state"].items():
+        for key, value in sorted(state.items()):
+            out.append((f"{index}.{key}", bits(local(value))))
+    return out
+
+
+def resume_objects(url: str, kind: str) -> tuple[list[Any], list[Any]]:
+    """Train 3 steps straight; and 2, save the objects, build fresh, load, 1 more."""
+    straight = wrapped(kind, seed=0)
+    for step in range(3):
+        step_on(*straight, step)
+    source = wrapped(kind, seed=0)
+    for step in range(2):
+        step_on(*source, step)
+    with CheckpointEngine(url) as engine:
+        engine.save(2, {"model": source[0], "optim": source[1]}, blocking=True)
+        fresh = wrapped(kind, seed=5)  # other weights, an optimizer that never stepped
+        state = {"model": fresh[0], "optim": fresh[1]}
+        assert engine.load(state) == 2
+    assert fingerprint(*fresh) == fingerprint(*source)
+    step_on(*fresh, 2)
+    return fingerprint(*fresh), fingerprint(*straight)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_model_and_optimizer_objects_resume_on_two_ranks(
+    ranks: RankGroup, tmp_path: Path, kind: str
+) -> None:
+    url = str(tmp_path / kind)
+    for rank, (resumed, straight) in enumerate(ranks.run(resume_objects, url, kind)):
+        assert resumed == straight, f"rank {rank}"
+
+
+def test_fsdp2_objects_load_into_one_plain_process(ranks: RankGroup, tmp_path: Path) -> None:
+    """Saved sharded by FQN: a plain model and a fresh optimizer in one process load it."""
+    url = str(tmp_path / "fsdp2")
+    ranks.run(resume_objects, url, "fsdp2")
+    model = tiny_model(seed=9)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    with CheckpointEngine(url) as engine:
+        engine.load({"model": model, "optim": optim})
+        stored = engine.read(2)
+    for name, param in model.named_parameters():
+        assert bits(param) == bits(stored[f"model/{name}"]), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert bits(optim.state[param][key]) == bits(stored[f"optim/state.{name}.{key}"])
+
+
+def test_digests_see_one_flipped_bit_on_host_and_device_paths() -> None:
+    """The per-save agreement compares digests: equal copies agree, one flipped bit differs
+    (crc32c on the host; the word sums accelerators use, run here on CPU)."""
+    from antifragile.engine._ranks import _device_sums, digests
+
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.bool, torch.int64):
+        base = (torch.arange(37) % 2 == 1) if dtype == torch.bool else torch.arange(37).to(dtype)
+        flipped = base.clone()
+        raw = flipped.view(torch.uint8)
+        raw[len(raw) // 2] ^= 1
+        assert digests([base, base.clone()]) == digests([base.clone(), base]), dtype
+        assert digests([base])[0] != digests([flipped])[0], dtype
+        host = _device_sums(base.view(torch.uint8).reshape(-1))
+        assert not torch.equal(host, _device_sums(raw.reshape(-1))), dtype
