@@ -123,10 +123,15 @@ def _checkpoint_blocks(model: GPT) -> None:
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def _is_collective_error(exc: BaseException) -> bool:
-    """An error raised because a peer or a connection of the process group went away."""
-    text = str(exc)
-    return isinstance(exc, dist.DistError) or "gloo" in text or "Connection" in text
+def _is_collective_error(exc: BaseException | None) -> bool:
+    """An error raised because a peer or a connection of the process group went away, also
+    when wrapped (the pipeline schedule re-raises a stage's failure as a bare RuntimeError)."""
+    while exc is not None:
+        text = str(exc)
+        if isinstance(exc, dist.DistError) or "gloo" in text or "Connection" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: int = 0) -> int:
@@ -190,7 +195,9 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         leave()
         return code
     except Exception as exc:
-        if watch is None or not (watch.fired.is_set() or _is_collective_error(exc)):
+        # a failure of the generation: a collective error, or the failure key set (by the
+        # dead worker's supervisor) around the time this error was raised
+        if watch is None or not (_is_collective_error(exc) or watch.fired.wait(1.0)):
             events.emit("exit", code=1, error=f"{type(exc).__name__}: {exc}")
             raise
         progress.set(Phase.RECOVERING)

@@ -44,12 +44,15 @@ class FaultTimings:
     effect_observed: bool | None = None
     effect: str | None = None
     ended_attempt: int | None = None  # the attempt this fault ended (None: it caused no restart)
+    recovery_mode: str | None = None  # "in_process" (re-formed with a spare) or "restart"
     detect_s: float | None = None
     restart_s: float | None = None
     restore_s: float | None = None
     recompute_s: float | None = None
     recovery_s: float | None = None
     restored_step: int | None = None
+    restore_memory_bytes: int | None = None  # restored from host memory (in-process survivors)
+    restore_storage_bytes: int | None = None  # read from storage
     lost_steps: int | None = None
     outage: dict[str, Any] | None = None  # storage_outage: what it did (see outage_effects)
 
@@ -244,7 +247,12 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
         return
     torn_down = record.attempt_ends[attempt]
     started = max(e["t"] for e in starts)
+    timings.recovery_mode = ("in_process" if any(e.get("cause") == "in_process" for e in starts)
+                             else "restart")
     restores = _by_attempt(record.events, nxt, "restore_end")
+    if any("storage_bytes" in e for e in restores):
+        timings.restore_memory_bytes = sum(e.get("memory_bytes", 0) for e in restores)
+        timings.restore_storage_bytes = sum(e.get("storage_bytes", 0) for e in restores)
     restored = max((e["t"] for e in restores), default=started)
     restored_step = min((e["step"] for e in restores), default=0)
     injected = max((e["step"] for e in done), default=timings.injected_step or restored_step)
@@ -383,7 +391,8 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
 
 
 def goodput(record: RunRecord) -> float:
-    """Time of the steps that count (each step's final execution, slowest rank) / wall time."""
+    """Time of the steps that count (each step's final execution, slowest rank) / wall time,
+    the time chaos held the trainer at pause points left out (a test artifact, not the job's)."""
     final: dict[int, tuple[int, float]] = {}
     for e in record.events:
         if e["event"] == "step_end":
@@ -393,7 +402,8 @@ def goodput(record: RunRecord) -> float:
             elif e["attempt"] == attempt:
                 final[e["step"]] = (attempt, max(seconds, e["seconds"]))
     useful = sum(s for _, s in final.values())
-    return useful / record.wall_s if record.wall_s > 0 else 0.0
+    wall = record.wall_s - record.paused_s
+    return useful / wall if wall > 0 else 0.0
 
 
 def losses(record: RunRecord) -> list[dict[str, Any]]:

@@ -160,16 +160,17 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
               f"- bitwise equal to the fault-free reference: {_fmt(v['bitwise_equal'])}"]
     lines += [f"- {reason}" for reason in v["reasons"]]
     lines += ["", "## Faults", "",
-              "| kind | step | rank | effect seen | detect s | restart s | restore s | "
+              "| kind | step | rank | effect seen | mode | detect s | re-form s | restore s | "
               "recompute s | recovery s | restored step | lost steps | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in report["faults"]:
         note = f["skipped"] or f.get("effect") or ""
         if f["checkpoint_step"] is not None:
             note = f"step {f['checkpoint_step']}: {note}"
         lines.append(
             f"| {f['kind']} | {_fmt(f['injected_step'])} | {_fmt(f['rank'])} | "
-            f"{_effect_cell(f)} | {_fmt(f['detect_s'])} | {_fmt(f['restart_s'])} | "
+            f"{_effect_cell(f)} | {_fmt(f.get('recovery_mode'))} | {_fmt(f['detect_s'])} | "
+            f"{_fmt(f['restart_s'])} | "
             f"{_fmt(f['restore_s'])} | {_fmt(f['recompute_s'])} | {_recovery_cell(f)} | "
             f"{_fmt(f['restored_step'])} | {_fmt(f['lost_steps'])} | "
             f"{note.replace('|', '/')} |")
@@ -268,7 +269,8 @@ def _plot_html(plot: Plot) -> str:
 
 # The faults table's columns after ``kind`` and the injection time: every measured field.
 _FAULT_COLUMNS = ["injected_t", "injected_step", "rank", "effect_observed", "ended_attempt",
-                  "detect_s", "restart_s", "restore_s", "recompute_s", "recovery_s",
+                  "recovery_mode", "detect_s", "restart_s", "restore_s", "recompute_s",
+                  "recovery_s",
                   "restored_step", "lost_steps", "checkpoint_step", "skipped", "missed", "effect"]
 
 

@@ -46,6 +46,12 @@ def summarize(name: str, file: str, doc: dict[str, Any], report: str | None) -> 
     recoveries = [f["recovery_s"] for f in faults if f.get("recovery_s") is not None]
     lost = [f["lost_steps"] for f in faults if f.get("lost_steps") is not None]
     stalls = [c["stall_s"] for c in doc.get("checkpoints", []) if c.get("stall_s") is not None]
+    recovered = [f for f in faults if f.get("recovery_s") is not None]
+
+    def mean_of(key: str) -> float | None:
+        xs = [f[key] for f in recovered if f.get(key) is not None]
+        return mean(xs) if xs else None
+
     run, verdict = doc.get("run", {}), doc.get("verdict", {})
     return {
         "name": name, "file": file, "verdict": verdict.get("verdict", "fail"),
@@ -56,6 +62,11 @@ def summarize(name: str, file: str, doc: dict[str, Any], report: str | None) -> 
                     if f.get("skipped")],
         "recovery_max_s": max(recoveries) if recoveries else None,
         "recovery_mean_s": mean(recoveries) if recoveries else None,
+        # restart vs in-process, side by side: how recoveries were made and where time went
+        "recovery_modes": sorted({f["recovery_mode"] for f in recovered
+                                  if f.get("recovery_mode")}),
+        "detect_mean_s": mean_of("detect_s"), "reform_mean_s": mean_of("restart_s"),
+        "restore_mean_s": mean_of("restore_s"), "recompute_mean_s": mean_of("recompute_s"),
         "lost_steps": sum(lost) if lost else None,
         "goodput": run.get("goodput"),
         "stall_mean_s": mean(stalls) if stalls else None,
@@ -174,8 +185,9 @@ def _fmt(x: Any, digits: int = 2) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-_COLUMNS = ("scenario", "verdict", "recovery max s", "lost steps", "goodput", "stall mean s",
-            "wall s", "regression")
+_COLUMNS = ("scenario", "verdict", "recovery", "detect s", "re-form s", "restore s",
+            "recompute s", "recovery max s", "lost steps", "goodput", "stall mean s", "wall s",
+            "regression")
 
 
 def _regressed(summary: dict[str, Any]) -> dict[str, list[str]]:
@@ -186,7 +198,10 @@ def _regressed(summary: dict[str, Any]) -> dict[str, list[str]]:
 
 
 def _row(e: dict[str, Any], regressed: list[str]) -> list[str]:
-    return [e["name"], e["verdict"].upper(), _fmt(e["recovery_max_s"]), _fmt(e["lost_steps"]),
+    return [e["name"], e["verdict"].upper(), "+".join(e.get("recovery_modes") or []) or "-",
+            _fmt(e.get("detect_mean_s")), _fmt(e.get("reform_mean_s")),
+            _fmt(e.get("restore_mean_s")), _fmt(e.get("recompute_mean_s")),
+            _fmt(e["recovery_max_s"]), _fmt(e["lost_steps"]),
             _fmt(e["goodput"], 3), _fmt(e["stall_mean_s"], 3), _fmt(e["wall_s"], 0),
             ", ".join(regressed)]
 
@@ -242,7 +257,7 @@ def write_html(out: Path, summary: dict[str, Any]) -> Path:
         links = [f"<a href='{quote(e['name'])}/{f}'>{f}</a>"
                  for f in ("report.html", "report.md", "error.txt")
                  if (out / e["name"] / f).is_file()]
-        cls = ["name", "verdict", "num", "num", "num", "num", "num", "regression"]
+        cls = ["name", "verdict", "mode", *["num"] * 9, "regression"]
         row = e["verdict"] if e["verdict"] in ("pass", "skipped") else "fail"
         parts.append(f"<tr class='{row}'>"
                      + "".join(f"<td class='{k}'>{esc(v)}</td>" for k, v in zip(cls, cells))
