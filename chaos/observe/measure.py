@@ -20,6 +20,7 @@ _RESTARTING = {"kill_rank", "hang_rank", "crash_during_save", "drop_link"}  # ef
 #: ``--shutdown-timeout`` 3 s) on a loaded machine.
 TEARDOWN_S = 30.0
 HANG_FLOOR_S = 10.0  # the trainer's adaptive hang timeout never goes below this
+RESTART_EXIT_CODE = 44  # trainer.supervisor: in-process recovery found no spare
 
 
 def detection_window_s(s: Scenario) -> float:
@@ -45,6 +46,8 @@ class FaultTimings:
     effect: str | None = None
     ended_attempt: int | None = None  # the attempt this fault ended (None: it caused no restart)
     recovery_mode: str | None = None  # "in_process" (re-formed with a spare) or "restart"
+    fallback: str | None = None  # why an in-process recovery fell back to a torchrun restart
+    paused_s: float | None = None  # how long chaos held the trainer at the fault's pause point
     detect_s: float | None = None
     restart_s: float | None = None
     restore_s: float | None = None
@@ -199,7 +202,8 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
     timings = FaultTimings(kind=injection.kind, injected_t=injection.t,
                            injected_step=injection.step, rank=injection.rank,
                            skipped=injection.skipped, missed=injection.missed,
-                           checkpoint_step=injection.detail.get("checkpoint_step"))
+                           checkpoint_step=injection.detail.get("checkpoint_step"),
+                           paused_s=injection.detail.get("paused_s"))
     made = not injection.skipped and not injection.missed
     if injection.kind == "storage_outage" and made:
         timings.outage = outage_effects(record, injection)
@@ -249,6 +253,10 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
     started = max(e["t"] for e in starts)
     timings.recovery_mode = ("in_process" if any(e.get("cause") == "in_process" for e in starts)
                              else "restart")
+    gave_up = [e for e in _by_attempt(record.events, attempt, "exit")
+               if e.get("code") == RESTART_EXIT_CODE]
+    if timings.recovery_mode == "restart" and gave_up:
+        timings.fallback = str(gave_up[0].get("error"))
     restores = _by_attempt(record.events, nxt, "restore_end")
     if any("storage_bytes" in e for e in restores):
         timings.restore_memory_bytes = sum(e.get("memory_bytes", 0) for e in restores)

@@ -165,6 +165,8 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in report["faults"]:
         note = f["skipped"] or f.get("effect") or ""
+        if f.get("fallback"):
+            note = f"fell back to a restart: {f['fallback']}; {note}"
         if f["checkpoint_step"] is not None:
             note = f"step {f['checkpoint_step']}: {note}"
         lines.append(
