@@ -10,7 +10,7 @@ import re
 
 from .errors import CheckpointCorruptError, CheckpointError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest of part CRCs + digests, sealed records and COMMIT
 STEP_DIGITS = 9
 COMMIT = "COMMIT"
 ABORT = "ABORT"

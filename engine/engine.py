@@ -39,7 +39,6 @@ from .load import StepReader
 from .persist import (
     metadata_objects,
     rank_record,
-    total_bytes,
     write_objects,
     write_record,
 )
@@ -268,8 +267,8 @@ class CheckpointEngine:
                 recorded = True  # write nothing into a committed step, not even an error record
                 raise CheckpointError(f"step {step} is already committed; it is not overwritten")
             docs = metadata_objects(plan) if self.rank == 0 else {}
-            manifest = write_objects(self.storage, step, staging, docs, self._pool)
-            handle.nbytes = total_bytes(manifest)
+            manifest = write_objects(self.storage, step, nonce, staging, docs, self._pool)
+            handle.nbytes = manifest.nbytes
             write_record(self.storage, step, self.rank, rank_record(
                 step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce, manifest=manifest,
                 values=values))

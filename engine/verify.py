@@ -54,8 +54,9 @@ def _array_of(key: str) -> str | None:
 
 
 def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
-    """Read every object of ``step`` (size and crc32c against the manifest) and check that the
-    manifest covers every shard of every array the step's index names."""
+    """Read every object of ``step`` (size, crc32c of every part, each part the one the manifest
+    records) and check that the manifest covers every shard of every array the step's index
+    names."""
     report = VerifyReport(step)
     try:
         reader = StepReader(storage, step)
@@ -79,7 +80,7 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
             for cell in product(*grid):
                 key = spec.cell_key(cell)
                 cells[key] = (spec, cell)
-                if key not in reader.manifest:
+                if key not in reader.manifest.objects:
                     report.add(key, name, "shard not in the COMMIT manifest")
         if covered != math.prod(tensor.shape):
             report.add("zarr.json", None, f"the arrays of tensor {tensor.path!r} cover {covered} "
@@ -87,14 +88,16 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
 
     def check(key: str) -> tuple[str, int, str | None]:
         try:
-            data = reader.read_checked(key)
+            data = reader.read_object(key)
             if key in cells:
                 reader.check_cell(*cells[key], data)
+            else:
+                reader.check_document(key, data)
             return key, len(data), None
         except CheckpointError as exc:
             return key, 0, str(exc)
 
-    for key, nbytes, error in pool.map(check, sorted(reader.manifest)):
+    for key, nbytes, error in pool.map(check, sorted(reader.manifest.objects)):
         report.objects += 1
         report.nbytes += nbytes
         if error:

@@ -16,7 +16,12 @@ import fsspec
 import pytest
 import torch
 
-from antifragile.engine import CheckpointCorruptError, CheckpointEngine, PlanOptions
+from antifragile.engine import (
+    CheckpointCorruptError,
+    CheckpointEngine,
+    CheckpointError,
+    PlanOptions,
+)
 
 Storage = tuple[str, dict[str, Any] | None]
 
@@ -189,3 +194,165 @@ def test_verify_names_the_array_whose_path_has_a_c_component(storage: Storage) -
         report = engine.verify(1)
     assert not report.ok
     assert report.bad_arrays == ["model/c/w"]
+
+
+# -- substitution: a stale, foreign or swapped object of the right size ------------------------
+# Each object below is a valid zarr shard (its own crc32c checks pass); only the manifest can
+# tell that it is not the object this save wrote.
+
+
+def _copy_object(raw: Raw, src: tuple[int, str], dst: tuple[int, str]) -> None:
+    data = raw.read(*src)
+    assert len(data) == len(raw.read(*dst)), "the substitute must have the right size"
+    raw.write(dst[0], dst[1], data)
+
+
+def _assert_refused(engine: CheckpointEngine, step: int, key: str, array: str,
+                    target: dict[str, Any]) -> None:
+    report = engine.verify(step)
+    assert not report.ok, report.summary()
+    assert key in {p.key for p in report.problems}, report.summary()
+    assert report.bad_arrays == [array], report.summary()
+    with pytest.raises(CheckpointCorruptError, match=rf"step {step}\b.*{array}"):
+        engine.load(target, step=step)
+
+
+def test_stale_object_from_another_step_is_refused(storage: Storage) -> None:
+    """The issue's repro: step 10's shard copied over step 20's (a late write from a dead
+    writer, two jobs at one URL)."""
+    url, options = storage
+    states = {s: {"w": torch.randn(16, 8, generator=torch.Generator().manual_seed(s))}
+              for s in (10, 20)}
+    with CheckpointEngine(url, storage_options=options, keep_last=None) as engine:
+        for step, state in states.items():
+            engine.save(step, state, blocking=True)
+        raw = Raw.open(storage)
+        _copy_object(raw, (10, "w/c/0/0"), (20, "w/c/0/0"))
+        _assert_refused(engine, 20, "w/c/0/0", "w", {"w": torch.zeros(16, 8)})
+        target = {"w": torch.zeros(16, 8)}
+        with pytest.warns(RuntimeWarning, match="step 20 skipped"):
+            assert engine.load(target) == 10
+        assert torch.equal(target["w"], states[10]["w"])
+
+
+def test_object_of_another_array_of_the_same_size_is_refused(storage: Storage) -> None:
+    url, options = storage
+    gen = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(16, 8, generator=gen), "b": torch.randn(16, 8, generator=gen)}
+    with CheckpointEngine(url, storage_options=options) as engine:
+        engine.save(1, state, blocking=True)
+        raw = Raw.open(storage)
+        _copy_object(raw, (1, "a/c/0/0"), (1, "b/c/0/0"))
+        _assert_refused(engine, 1, "b/c/0/0", "b", {"a": torch.zeros(16, 8),
+                                                   "b": torch.zeros(16, 8)})
+
+
+def test_two_same_size_objects_swapped_are_refused(storage: Storage) -> None:
+    """Rows of an uneven tensor (7 rows in objects of 2: three of the same size, then one
+    short) whose objects trade places: each passes its own checks, the rows come back in the
+    wrong order unless the manifest binds each object to its key."""
+    url, options = storage
+    w = torch.randn(7, 4)
+    with CheckpointEngine(url, storage_options=options,
+                          plan_options=PlanOptions(max_object_bytes=32)) as engine:
+        engine.save(1, {"w": w}, blocking=True)
+        raw = Raw.open(storage)
+        first, second = raw.read(1, "w/c/0/0"), raw.read(1, "w/c/1/0")
+        assert len(first) == len(second) and first != second
+        raw.write(1, "w/c/0/0", second)
+        raw.write(1, "w/c/1/0", first)
+        report = engine.verify(1)
+        assert {p.key for p in report.problems} == {"w/c/0/0", "w/c/1/0"}, report.summary()
+        with pytest.raises(CheckpointCorruptError, match=r"step 1\b.*w/c/[01]/0"):
+            engine.load({"w": torch.zeros(7, 4)}, step=1)
+
+
+def _load_half(url: str, options: dict[str, Any] | None, step: int) -> str:
+    """On each of 2 ranks: load rows [8r, 8r + 8) of a 16 x 8 tensor (a partial read of the
+    saved object: 4 of its 8 inner chunks). Returns the outcome."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    target = {"w": distribute_tensor(torch.zeros(16, 8), mesh, [Shard(0)])}
+    with CheckpointEngine(url, storage_options=options) as engine:
+        try:
+            engine.load(target, step=step)
+        except CheckpointCorruptError as exc:
+            return f"refused: {exc}"
+    return "loaded"
+
+
+@pytest.mark.multiproc
+def test_partial_reads_check_the_manifest_too(storage: Storage) -> None:
+    """Resharded loads read only some inner chunks of an object: they must refuse a stale
+    object as well, on every rank."""
+    from _dist import run_ranks
+
+    url, options = storage
+    plan = PlanOptions(inner_chunk_bytes=64)  # 16 x 8 float32: one object of 8 inner chunks
+    with CheckpointEngine(url, storage_options=options, keep_last=None,
+                          plan_options=plan) as engine:
+        for step in (10, 20):
+            gen = torch.Generator().manual_seed(step)
+            engine.save(step, {"w": torch.randn(16, 8, generator=gen)}, blocking=True)
+    raw = Raw.open(storage)
+    _copy_object(raw, (10, "w/c/0/0"), (20, "w/c/0/0"))
+    outcomes = run_ranks(2, _load_half, url, options, 20)
+    assert all(o.startswith("refused") and "step 20" in o and "w/c/0/0" in o
+               for o in outcomes), outcomes
+    assert run_ranks(2, _load_half, url, options, 10) == ["loaded", "loaded"]
+
+
+def test_commit_marker_with_a_flipped_byte_is_refused(storage: Storage) -> None:
+    """A COMMIT that still parses, with one digit changed (its byte count): it carries a
+    checksum of its own, checked before use."""
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=None) as engine:
+        engine.save(1, state_of(1), blocking=True)
+        engine.save(2, state_of(2), blocking=True)
+        raw = Raw.open(storage)
+        marker = raw.read(2, "COMMIT")
+        at = marker.index(b'"nbytes": ') + len(b'"nbytes": ')
+        raw.write(2, "COMMIT", marker[:at] + bytes([marker[at] ^ 1]) + marker[at + 1:])
+        assert engine.verify(1).ok
+        report = engine.verify(2)
+        assert not report.ok and "COMMIT" in {p.key for p in report.problems}
+        with pytest.raises(CheckpointCorruptError, match=r"step 2\b.*COMMIT.*checksum"):
+            engine.load(blank(), step=2)
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+            assert engine.load(blank()) == 1
+
+
+class _FlipInRecords:
+    """A storage that damages rank records in flight: ``"step": 7`` becomes ``"step": 6``
+    (one bit), leaving valid JSON. Everything else passes through."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.flipped = 0
+
+    def write(self, key: str, parts: Any, *, durable: bool = False) -> None:
+        if "/.ranks/" in key:
+            data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+            damaged = data.replace(b'"step": 7', b'"step": 6')
+            self.flipped += damaged != data
+            parts = [damaged]
+        self.inner.write(key, parts, durable=durable)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_rank_record_with_a_flipped_byte_fails_the_save(storage: Storage) -> None:
+    """The coordinator builds COMMIT from the records: a damaged one must not be committed
+    (here it would store the value ``step: 6`` for a save of 7)."""
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options) as engine:
+        flipping = _FlipInRecords(engine.storage.inner)
+        engine.storage.inner = flipping
+        handle = engine.save(7, {"w": torch.ones(4), "step": 7})
+        with pytest.raises(CheckpointError, match=r"step 7.*rank 0.*record.*checksum"):
+            handle.wait()
+        assert flipping.flipped == 1
+        assert engine.steps() == []

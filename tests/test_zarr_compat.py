@@ -14,11 +14,11 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import numpy as np
 import pytest
 import torch
 import zarr
+from _forge import edit_commit, part_crcs, set_entry
 from zarr.storage import FsspecStore
 
 from antifragile.engine import CheckpointEngine, PlanOptions
@@ -126,7 +126,8 @@ def _set(store: Any, key: str, data: bytes, storage: Storage) -> None:
 
 def test_engine_loads_data_rewritten_by_zarr_python(storage: Storage) -> None:
     """zarr-python rewrites the shards (its own encoder, index layout and crc32c); only the
-    COMMIT manifest, which zarr knows nothing about, is updated to the new sizes and crcs."""
+    COMMIT manifest, which zarr knows nothing about, is updated to the new sizes and part
+    CRCs (read from the objects zarr wrote, as a tool that re-encodes a checkpoint would)."""
     url, options = storage
     original = state_of(1)
     with CheckpointEngine(url, storage_options=options, plan_options=PLAN) as engine:
@@ -153,11 +154,17 @@ def test_engine_loads_data_rewritten_by_zarr_python(storage: Storage) -> None:
 
 def _refresh_manifest(engine: CheckpointEngine, store: Any, step: int, keys: list[str]) -> None:
     commit_key = f"step_{step:09d}/COMMIT"
-    commit = json.loads(engine.storage.read(commit_key))
-    for key in keys:
-        data = _get(store, key)
-        commit["objects"][key] = [len(data), int(crc32c.crc32c(data))]
-    engine.storage.write(commit_key, [json.dumps(commit).encode()])
+
+    def refresh(commit: dict[str, Any]) -> None:
+        for key in keys:
+            data = _get(store, key)
+            array = json.loads(_get(store, key.rpartition("/c/")[0] + "/zarr.json"))
+            shard_rows = array["chunk_grid"]["configuration"]["chunk_shape"][0]
+            inner_rows = array["codecs"][0]["configuration"]["chunk_shape"][0]
+            set_entry(commit, key, len(data), part_crcs(data, shard_rows // inner_rows))
+
+    edit_commit(lambda: bytes(engine.storage.read(commit_key)), refresh,
+                lambda sealed: engine.storage.write(commit_key, [sealed]))
 
 
 # -- uneven shard grids: two gloo ranks save DTensors whose torch.chunk shards are short ------

@@ -123,7 +123,7 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
             for name in tensor.arrays:
                 spec = reader.array(name, tensor)
                 prefix = f"{name}/c"
-                nbytes = sum(n for k, (n, _) in reader.manifest.items()
+                nbytes = sum(n for k, (n, _) in reader.manifest.objects.items()
                              if k == prefix or k.startswith(prefix + "/"))
                 shards = math.prod(math.ceil(n / c) for n, c in zip(spec.shape, spec.shard_shape))
                 rows.append({"array": name, "tensor": path, "dtype": spec.dtype,
