@@ -34,6 +34,7 @@ from .errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    StorageError,
 )
 from .load import StepReader
 from .persist import (
@@ -56,8 +57,28 @@ from .verify import VerifyReport, verify_step
 
 log = logging.getLogger("antifragile.engine")
 
-# load outcomes, ordered so that an all-reduce MAX gives the worst one across ranks
-_OK, _MISMATCH, _CORRUPT, _FATAL = 0, 1, 2, 3
+# load outcomes, ordered so that an all-reduce MAX gives the worst one across ranks:
+# mismatch (the target wants what the step lacks) and unreadable (storage would not hand it
+# over) skip the step; corrupt skips and quarantines it; fatal raises at once
+_OK, _MISMATCH, _UNREADABLE, _CORRUPT, _FATAL = 0, 1, 2, 3, 4
+_ERRORS: dict[str, type[CheckpointError]] = {cls.__name__: cls for cls in (
+    CheckpointError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError,
+    StorageError)}
+
+
+def _classify(step: int, exc: Exception) -> tuple[int, CheckpointError]:
+    """The outcome of a failed load of ``step`` and the CheckpointError to report for it."""
+    if isinstance(exc, CheckpointMismatchError):
+        return _MISMATCH, exc
+    if isinstance(exc, CheckpointCorruptError):
+        return _CORRUPT, exc
+    if isinstance(exc, (StorageError, CheckpointNotFoundError)):
+        named = exc if f"step {step}" in str(exc) else type(exc)(f"step {step}: {exc}")
+        return _UNREADABLE, named
+    if isinstance(exc, CheckpointError):
+        return _FATAL, exc
+    log.error("loading step %d failed unexpectedly", step, exc_info=exc)
+    return _UNREADABLE, CheckpointError(f"step {step}: {type(exc).__name__}: {exc}")
 
 
 def _raise_first(futures: list[Future[None]]) -> None:
@@ -288,8 +309,13 @@ class CheckpointEngine:
             handle.persist_s = time.monotonic() - start
             handle._future.set_result(None)
         except BaseException as exc:
-            error = exc if isinstance(exc, CheckpointError) else CheckpointError(
-                f"step {step}, rank {self.rank}: {type(exc).__name__}: {exc}")
+            if not isinstance(exc, CheckpointError):
+                error = CheckpointError(
+                    f"step {step}, rank {self.rank}: {type(exc).__name__}: {exc}")
+            elif f"step {step}" not in str(exc):  # a StorageError names the key, not the step
+                error = type(exc)(f"step {step}, rank {self.rank}: {exc}")
+            else:
+                error = exc
             if not recorded:
                 # best effort: if storage is down, the coordinator times out naming this rank
                 with contextlib.suppress(Exception):
@@ -335,30 +361,22 @@ class CheckpointEngine:
         """
         self._check_open()
         flat = flatten(state)
-        # rank 0's view of what is committed, so that every rank tries the same steps
-        candidates = [step] if step is not None else self._gather(list(reversed(self.steps())))[0]
-        if not candidates:
-            raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
+        candidates = self._candidates(step)
         newest_error: CheckpointError | None = None
         for i, candidate in enumerate(candidates):
             outcome, values = _OK, {}
             error: CheckpointError | None = None
             try:
                 values = self._load_step(candidate, flat)
-            except CheckpointMismatchError as exc:
-                outcome, error = _MISMATCH, exc
-            except CheckpointCorruptError as exc:
-                outcome, error = _CORRUPT, exc
-            except CheckpointError as exc:
-                outcome, error = _FATAL, exc
+            except Exception as exc:  # every failure is classified, then agreed by all ranks
+                outcome, error = _classify(candidate, exc)
             worst = self._all_max([outcome])[0]
             if worst == _OK:
                 for path, value in values.items():
                     flat.values[path].assign(value)
                 finish_load(flat)
                 return candidate
-            if error is None:
-                error = CheckpointError(f"loading step {candidate} failed on another rank")
+            error = self._agreed_error(outcome, error, worst)
             if worst == _FATAL or step is not None:
                 raise error
             if worst == _CORRUPT and self.rank == 0:
@@ -370,6 +388,38 @@ class CheckpointEngine:
         assert newest_error is not None
         raise type(newest_error)(f"{newest_error} (no older step loads either; tried "
                                  f"{candidates})")
+
+    def _candidates(self, step: int | None) -> list[int]:
+        """The steps to try, newest first: ``step``, or rank 0's view of what is committed
+        (so that every rank tries the same steps; a failure to list is raised on every rank)."""
+        if step is not None:
+            return [step]
+        listing: list[int] = []
+        failure: tuple[str, str] | None = None
+        if self.rank == 0:
+            try:
+                listing = list(reversed(self.steps()))
+            except CheckpointError as exc:
+                failure = (type(exc).__name__, str(exc))
+        listing, failure = self._gather((listing, failure))[0]
+        if failure is not None:
+            raise _ERRORS.get(failure[0], CheckpointError)(f"listing {self.url}: {failure[1]}")
+        if not listing:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
+        return listing
+
+    def _agreed_error(self, outcome: int, error: CheckpointError | None, worst: int
+                      ) -> CheckpointError:
+        """The same error on every rank: the first rank whose outcome is the worst one, its
+        error class and message, and which ranks reported that outcome."""
+        reports = self._gather((outcome, type(error).__name__, str(error)))
+        culprits = [r for r, (o, _, _) in enumerate(reports) if o == worst]
+        _, name, message = reports[culprits[0]]
+        if self.world_size > 1:
+            who = ", ".join(map(str, culprits))
+            plural = "s" if len(culprits) > 1 else ""
+            message = f"{message} (rank{plural} {who} of {self.world_size})"
+        return _ERRORS.get(name, CheckpointError)(message)
 
     def _load_step(self, step: int, flat: FlatState) -> dict[str, Any]:
         reader = StepReader(self.storage, step)

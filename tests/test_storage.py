@@ -216,12 +216,18 @@ def test_transient_errors_are_retried_until_success(
         assert 0.5 * nominal <= delay <= 1.5 * nominal, sleeps
 
 
-@pytest.mark.parametrize("error", [FileNotFoundError, PermissionError])
+@pytest.mark.parametrize("error", [FileNotFoundError, PermissionError, IsADirectoryError])
 def test_permanent_errors_are_not_retried(sleeps: list[float], error: type[BaseException]) -> None:
+    """Not retried; FileNotFoundError passes as it is, anything else becomes a StorageError
+    naming the operation, the key and the cause."""
     inner = FlakyStorage(error, failures=1)
     storage = RetryingStorage(inner, attempts=6)
-    with pytest.raises(error):
+    expected = error if error is FileNotFoundError else StorageError
+    with pytest.raises(expected) as caught:
         storage.read("a/b")
+    if expected is StorageError:
+        assert f"read fake://root/a/b: {error.__name__}" in str(caught.value)
+        assert isinstance(caught.value.__cause__, error)
     assert inner.calls["read"] == 1 and sleeps == []
 
 

@@ -15,6 +15,8 @@ T = TypeVar("T")
 
 # Errors that retrying cannot fix. Everything else (connection resets, timeouts, 5xx, throttling,
 # which s3fs and aiohttp raise as OSError or their own types) is retried with backoff.
+# FileNotFoundError passes through as it is (callers ask "is it there?" with it); every other
+# error leaves this layer as a StorageError (a CheckpointError) naming the operation and key.
 PERMANENT: tuple[type[BaseException], ...] = (
     FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
     ValueError, TypeError, KeyError, CheckpointError, NotImplementedError,
@@ -54,7 +56,10 @@ class Storage(Protocol):
 
 
 class RetryingStorage:
-    """Retries transient errors with jittered exponential backoff; permanent ones pass through."""
+    """Retries transient errors with jittered exponential backoff. What it raises is
+    FileNotFoundError or a StorageError naming the operation, the key and the cause (a 403 from
+    S3 arrives as a PermissionError inside it), so no raw storage error reaches the engine's
+    callers."""
 
     def __init__(self, inner: Storage, *, attempts: int = 6, base_delay_s: float = 0.05,
                  max_delay_s: float = 2.0) -> None:
@@ -69,8 +74,10 @@ class RetryingStorage:
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
-            except PERMANENT:
+            except (FileNotFoundError, CheckpointError):
                 raise
+            except PERMANENT as exc:
+                raise StorageError(f"{op} {self.url}/{key}: {type(exc).__name__}: {exc}") from exc
             except Exception as exc:  # transient by elimination
                 if attempt == self.attempts:
                     raise StorageError(
