@@ -14,11 +14,12 @@ FORMAT_VERSION = 2  # 2: manifest of part CRCs + digests, sealed records and COM
 STEP_DIGITS = 9
 COMMIT = "COMMIT"
 ABORT = "ABORT"
+QUARANTINE = "QUARANTINE"  # a damaged step's COMMIT, moved aside with the reason
 RECORDS_DIR = ".ranks"
 
 _STEP_RE = re.compile(rf"^step_(\d{{{STEP_DIGITS},}})$")
 _BAD_COMPONENT = re.compile(r"[/\\\x00-\x1f]")
-_RESERVED = {"", ".", "..", "zarr.json", COMMIT, ABORT, RECORDS_DIR}
+_RESERVED = {"", ".", "..", "zarr.json", COMMIT, ABORT, QUARANTINE, RECORDS_DIR}
 
 
 def step_dir(step: int) -> str:

@@ -11,6 +11,7 @@ protocol correct on S3.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from ._paths import (
     ABORT,
     COMMIT,
     FORMAT_VERSION,
+    QUARANTINE,
     RECORDS_DIR,
     check_object_key,
     parse_step_dir,
@@ -241,7 +243,9 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float)
 
 def retain(storage: Storage, keep_last: int | None) -> list[int]:
     """Delete committed steps beyond the newest ``keep_last`` and uncommitted debris older than
-    the newest committed step. Never deletes the newest committed step. Returns deleted steps."""
+    the newest committed step. A quarantined step is evidence: it stays as long as a committed
+    step of its age would (it is newer than the oldest step kept). Never deletes the newest
+    committed step. Returns deleted steps."""
     committed = committed_steps(storage)
     if not committed:
         return []
@@ -251,6 +255,8 @@ def retain(storage: Storage, keep_last: int | None) -> list[int]:
     for step in all_step_dirs(storage):
         if step in keep or step > committed[-1]:
             continue
+        if step > min(keep) and storage.exists(f"{step_dir(step)}/{QUARANTINE}"):
+            continue
         storage.delete(f"{step_dir(step)}/{COMMIT}")  # invisible first, then the data
         storage.delete_tree(step_dir(step))
         deleted.append(step)
@@ -258,9 +264,44 @@ def retain(storage: Storage, keep_last: int | None) -> list[int]:
     return deleted
 
 
-def quarantine(storage: Storage, step: int, reason: str) -> None:
-    """Hide a damaged committed step (a CORRUPT note stays for forensics until gc)."""
+def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, str],
+               confirmed_by: int) -> None:
+    """Hide a damaged committed step, keeping the evidence: its COMMIT moves (bytes unchanged)
+    into a sealed QUARANTINE note with the reason, what every rank reported, and which rank
+    confirmed it, so that ``verify`` can still read the step against its manifest. The step
+    can be saved again. The note is written (durably) before COMMIT is deleted: a crash in
+    between leaves the step committed, and the next load finds the damage again."""
     base = step_dir(step)
-    storage.write(f"{base}/CORRUPT", [json.dumps({"reason": reason}).encode()])
+    try:
+        marker = storage.read(f"{base}/{COMMIT}")
+    except FileNotFoundError:
+        return  # hidden already (another process quarantined it, or retention ran)
+    note = {"step": step, "reason": reason, "reports": {str(r): m for r, m in reports.items()},
+            "confirmed_by": confirmed_by, "time": time.time(),
+            "commit_b64": base64.b64encode(bytes(marker)).decode()}
+    storage.write(f"{base}/{QUARANTINE}", [_format.seal(note)], durable=True)
+    storage.sync()
     storage.delete(f"{base}/{COMMIT}")
     storage.sync()
+
+
+def read_quarantine(storage: Storage, step: int) -> tuple[dict[str, Any], bytes] | None:
+    """A quarantined step's note and its moved-aside COMMIT bytes; None when there is none."""
+    try:
+        data = storage.read(f"{step_dir(step)}/{QUARANTINE}")
+    except FileNotFoundError:
+        return None
+    note = _format.unseal(data, where=f"step {step}: QUARANTINE note")
+    try:
+        marker = base64.b64decode(note["commit_b64"], validate=True)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"step {step}: QUARANTINE note lacks the COMMIT it moved "
+                                     f"aside ({exc})") from None
+    return note, marker
+
+
+def quarantined_steps(storage: Storage) -> list[int]:
+    """Steps hidden by quarantine (a QUARANTINE note and no COMMIT), ascending."""
+    return [step for step in all_step_dirs(storage)
+            if storage.exists(f"{step_dir(step)}/{QUARANTINE}")
+            and not storage.exists(f"{step_dir(step)}/{COMMIT}")]

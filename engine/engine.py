@@ -354,9 +354,12 @@ class CheckpointEngine:
     def load(self, state: Any, step: int | None = None) -> int:
         """Fill ``state`` in place from ``step`` (default: the newest step that loads intact) and
         return the step loaded. Collective. Reads only what this rank's tensors hold, in
-        whatever layout they are (resharding). With ``step=None`` a damaged step is skipped
-        with a warning naming it (and quarantined: its COMMIT is removed so it can be saved
-        again); with an explicit step, damage raises. On failure the target may be partly
+        whatever layout they are (resharding). Every failure is a CheckpointError that all
+        ranks agree on. With ``step=None`` a step that does not load is skipped with a warning
+        naming it; a damaged one is also quarantined once a second rank's re-read confirms the
+        damage (its COMMIT moves into a QUARANTINE note, so it can be saved again and
+        ``verify`` still explains it); an unreadable one (storage refused) is only skipped.
+        With an explicit step, failure raises. On failure the target may be partly
         overwritten: do not use it.
         """
         self._check_open()
@@ -376,15 +379,19 @@ class CheckpointEngine:
                     flat.values[path].assign(value)
                 finish_load(flat)
                 return candidate
-            error = self._agreed_error(outcome, error, worst)
+            reports = self._gather((outcome, type(error).__name__, str(error),
+                                    getattr(error, "key", None)))
+            error = self._agreed_error(reports, worst)
             if worst == _FATAL or step is not None:
                 raise error
-            if worst == _CORRUPT and self.rank == 0:
-                _commit.quarantine(self.storage, candidate, str(error))
+            note = ""
+            if worst == _CORRUPT:
+                note = self._quarantine(candidate, error, reports)
             newest_error = newest_error or error
             if i + 1 < len(candidates):
                 warnings.warn(f"checkpoint step {candidate} skipped, trying step "
-                              f"{candidates[i + 1]}: {error}", RuntimeWarning, stacklevel=2)
+                              f"{candidates[i + 1]}: {error}{note}", RuntimeWarning,
+                              stacklevel=2)
         assert newest_error is not None
         raise type(newest_error)(f"{newest_error} (no older step loads either; tried "
                                  f"{candidates})")
@@ -408,18 +415,49 @@ class CheckpointEngine:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
         return listing
 
-    def _agreed_error(self, outcome: int, error: CheckpointError | None, worst: int
+    def _agreed_error(self, reports: list[tuple[int, str, str, str | None]], worst: int
                       ) -> CheckpointError:
         """The same error on every rank: the first rank whose outcome is the worst one, its
         error class and message, and which ranks reported that outcome."""
-        reports = self._gather((outcome, type(error).__name__, str(error)))
-        culprits = [r for r, (o, _, _) in enumerate(reports) if o == worst]
-        _, name, message = reports[culprits[0]]
+        culprits = [r for r, (o, _, _, _) in enumerate(reports) if o == worst]
+        _, name, message, _ = reports[culprits[0]]
         if self.world_size > 1:
             who = ", ".join(map(str, culprits))
             plural = "s" if len(culprits) > 1 else ""
             message = f"{message} (rank{plural} {who} of {self.world_size})"
         return _ERRORS.get(name, CheckpointError)(message)
+
+    def _quarantine(self, step: int, error: CheckpointError,
+                    reports: list[tuple[int, str, str, str | None]]) -> str:
+        """Collective. Quarantine ``step`` once its damage is agreed: the first rank that saw it
+        names the object, and another rank (the next one; the same one when alone) reads it
+        again, whole. Damage that was not on storage (a bad link or DRAM on one node) is not
+        confirmed: the step is skipped for this load but stays visible. Returns a note for
+        the warning."""
+        reporter, key = next((r, k) for r, (o, _, _, k) in enumerate(reports) if o == _CORRUPT)
+        confirmer = (reporter + 1) % self.world_size
+        seen = 0
+        if self.rank == confirmer:
+            if key is None:  # inconsistent metadata: every reader of it sees the same documents
+                seen = 1
+            else:
+                try:
+                    StepReader(self.storage, step).recheck(key)
+                except CheckpointCorruptError:
+                    seen = 1
+                except Exception as exc:  # cannot tell: do not act on one rank's view
+                    log.warning("step %d: re-reading %s to confirm damage failed: %s",
+                                step, key, exc)
+        if not self._all_max([seen])[0]:
+            return (f"; rank {confirmer} re-read {key} intact, so the damage is not confirmed "
+                    "and the step is not quarantined")
+        if self.rank == 0:
+            try:
+                _commit.quarantine(self.storage, step, str(error), confirmed_by=confirmer,
+                                   reports={r: m for r, (o, _, m, _) in enumerate(reports) if o})
+            except CheckpointError as exc:
+                log.warning("step %d: quarantine failed (it stays visible): %s", step, exc)
+        return f" (quarantined; confirmed by rank {confirmer})"
 
     def _load_step(self, step: int, flat: FlatState) -> dict[str, Any]:
         reader = StepReader(self.storage, step)

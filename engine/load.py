@@ -11,9 +11,10 @@ error, never a silent fill value.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +23,8 @@ import torch
 
 from . import _format
 from ._dtypes import torch_dtype, zarr_data_type
-from ._paths import check_array_name, step_dir
-from .commit import read_marker
+from ._paths import COMMIT, check_array_name, step_dir
+from .commit import parse_marker, read_marker
 from .errors import CheckpointCorruptError
 from .plan import ArraySpec, HeldBox
 
@@ -47,14 +48,39 @@ def _int_list(value: object, *, where: str, positive: bool = False) -> tuple[int
     return tuple(value)
 
 
-class StepReader:
-    """A committed step, opened for reading. Thread-safe after construction."""
+def split_cell_key(key: str) -> tuple[str, tuple[int, ...]] | None:
+    """``(array name, cell)`` of a shard object key (``model/w/c/1/0``), None for others.
+    Names may contain a ``c`` component (``model/c/w``): the last ``/c/`` is the separator."""
+    head, sep, tail = key.rpartition("/c/")
+    if sep and all(p.isdigit() for p in tail.split("/")):
+        return head, tuple(int(p) for p in tail.split("/"))
+    return (key.removesuffix("/c"), ()) if key.endswith("/c") else None
 
-    def __init__(self, storage: Any, step: int) -> None:
+
+@contextlib.contextmanager
+def _blame(key: str) -> Iterator[None]:
+    """Name ``key`` as the damaged object of a CheckpointCorruptError raised inside."""
+    try:
+        yield
+    except CheckpointCorruptError as exc:
+        if exc.key is None:
+            exc.key = key
+        raise
+
+
+class StepReader:
+    """A committed step, opened for reading. Thread-safe after construction.
+
+    ``marker``: read the step against these COMMIT bytes instead of its COMMIT object (a
+    quarantined step's manifest, moved aside)."""
+
+    def __init__(self, storage: Any, step: int, marker: bytes | None = None) -> None:
         self.storage = storage
         self.step = step
         self.base = step_dir(step)
-        self.commit, self.manifest = read_marker(storage, step)
+        with _blame(COMMIT):
+            self.commit, self.manifest = (read_marker(storage, step) if marker is None
+                                          else parse_marker(marker, step))
         group = self.read_json("zarr.json")
         group_attrs = group.get("attributes") if isinstance(group, dict) else None
         attrs = group_attrs.get("antifragile") if isinstance(group_attrs, dict) else None
@@ -100,12 +126,27 @@ class StepReader:
                                          "manifest (damaged, stale or foreign)")
 
     def read_json(self, key: str) -> Any:
-        data = self.read_object(key)
-        self.check_document(key, data)
-        try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CheckpointCorruptError(f"{self.where(key)}: not JSON ({exc})") from None
+        with _blame(key):
+            data = self.read_object(key)
+            self.check_document(key, data)
+            try:
+                return json.loads(data)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise CheckpointCorruptError(f"{self.where(key)}: not JSON ({exc})") from None
+
+    def recheck(self, key: str) -> None:
+        """Read ``key`` again, whole, and check it as ``verify`` does: the second look that
+        confirms damage a reader reported (CheckpointCorruptError if it is damaged)."""
+        with _blame(key):
+            if key == COMMIT:
+                return  # read and checked again by this reader's construction
+            cell = split_cell_key(key)
+            tensor = next((t for t in self.tensors.values()
+                           if cell is not None and cell[0] in t.arrays), None)
+            if cell is None or tensor is None:
+                self.check_document(key, self.read_object(key))
+                return
+            self.check_cell(self.array(cell[0], tensor), cell[1], self.read_object(key))
 
     # -- metadata ------------------------------------------------------------------------------
 
@@ -119,7 +160,8 @@ class StepReader:
 
     def array(self, name: str, tensor: StoredTensor) -> ArraySpec:
         if name not in self._arrays:
-            self._arrays[name] = self._parse_array(name, tensor)
+            with _blame(f"{name}/zarr.json"):
+                self._arrays[name] = self._parse_array(name, tensor)
         return self._arrays[name]
 
     def _parse_array(self, name: str, tensor: StoredTensor) -> ArraySpec:
@@ -225,6 +267,11 @@ class StepReader:
 
     def _read_cell(self, spec: ArraySpec, cell: tuple[int, ...], lo: Sequence[int],
                    hi: Sequence[int], box: HeldBox, out: torch.Tensor) -> None:
+        with _blame(spec.cell_key(cell)):
+            self._read_cell_checked(spec, cell, lo, hi, box, out)
+
+    def _read_cell_checked(self, spec: ArraySpec, cell: tuple[int, ...], lo: Sequence[int],
+                           hi: Sequence[int], box: HeldBox, out: torch.Tensor) -> None:
         key = spec.cell_key(cell)
         where = self.where(key)
         dtype = torch_dtype(spec.dtype, where=where)

@@ -1,4 +1,7 @@
-"""Verification of a committed step: every object read back and checked, coverage complete."""
+"""Verification of a committed step: every object read back and checked, coverage complete.
+
+A quarantined step is verified against the COMMIT its quarantine moved aside: the report says
+it is quarantined and why, and what is damaged now."""
 
 from __future__ import annotations
 
@@ -7,8 +10,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from itertools import product
 
-from .errors import CheckpointError
-from .load import StepReader
+from .commit import read_quarantine
+from .errors import CheckpointError, CheckpointNotFoundError
+from .load import StepReader, split_cell_key
 from .plan import ArraySpec
 from .storage import Storage
 
@@ -29,6 +33,8 @@ class VerifyReport:
     objects: int = 0
     nbytes: int = 0
     problems: list[Problem] = field(default_factory=list)
+    quarantined: str | None = None  # why the step was quarantined (read against its moved
+    # aside manifest), None for a committed step
 
     def add(self, key: str, array: str | None, reason: str) -> None:
         self.ok = False
@@ -39,27 +45,34 @@ class VerifyReport:
         return sorted({p.array for p in self.problems if p.array})
 
     def summary(self) -> str:
-        if self.ok:
-            return f"step {self.step}: ok ({self.objects} objects, {self.nbytes} bytes)"
-        lines = [f"step {self.step}: DAMAGED ({len(self.problems)} problem(s))"]
+        head = [f"step {self.step}: QUARANTINED: {self.quarantined}"] if self.quarantined else []
+        if not self.problems:
+            return "\n".join([*head, f"step {self.step}: ok ({self.objects} objects, "
+                                      f"{self.nbytes} bytes)"])
+        lines = [*head, f"step {self.step}: DAMAGED ({len(self.problems)} problem(s))"]
         lines += [f"  {p.array or '-'}  {p.key}: {p.reason}" for p in self.problems[:50]]
         return "\n".join(lines)
 
 
 def _array_of(key: str) -> str | None:
-    head, sep, _ = key.rpartition("/c/")  # names may contain a "c" component: "model/c/w"
-    if sep:
-        return head
-    return key.removesuffix("/c") if key.endswith("/c") else None
+    cell = split_cell_key(key)
+    return cell[0] if cell else None
 
 
 def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
     """Read every object of ``step`` (size, crc32c of every part, each part the one the manifest
     records) and check that the manifest covers every shard of every array the step's index
-    names."""
+    names. A quarantined step is read against its moved-aside manifest (never ``ok``)."""
     report = VerifyReport(step)
     try:
-        reader = StepReader(storage, step)
+        try:
+            reader = StepReader(storage, step)
+        except CheckpointNotFoundError:
+            found = read_quarantine(storage, step)
+            if found is None:
+                raise
+            report.ok, report.quarantined = False, str(found[0].get("reason"))
+            reader = StepReader(storage, step, marker=found[1])
     except CheckpointError as exc:
         report.add("COMMIT", None, str(exc))
         return report

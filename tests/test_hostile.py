@@ -279,7 +279,8 @@ def test_hostile_verify_reports_not_ok(hostile_root: Path, case: str) -> None:
 
 
 def test_quarantine_does_not_follow_a_planted_symlink(hostile_root: Path) -> None:
-    """A damaged step whose CORRUPT note is a symlink: quarantining it must not write through."""
+    """A damaged step whose QUARANTINE note is a symlink: quarantining it must not write
+    through."""
     victim = hostile_root.parent / "outside" / "canary"
     with CheckpointEngine(str(hostile_root), keep_last=None, plan_options=PLAN) as engine:
         engine.save(1, source_state(), blocking=True)
@@ -288,10 +289,12 @@ def test_quarantine_does_not_follow_a_planted_symlink(hostile_root: Path) -> Non
         data = bytearray(shard.read_bytes())
         data[0] ^= 1
         shard.write_bytes(bytes(data))
-        (hostile_root / "step_000000002" / "CORRUPT").symlink_to(victim)
+        (hostile_root / "step_000000002" / "QUARANTINE").symlink_to(victim)
         with pytest.warns(RuntimeWarning, match="step 2 skipped"):
             assert engine.load(target_state()) == 1
+        assert engine.steps() == [1]
     assert victim.read_bytes() == b"must stay"
+    assert not (hostile_root / "step_000000002" / "QUARANTINE").is_symlink()
 
 
 def _forbid(*_: Any, **__: Any) -> Any:

@@ -356,3 +356,105 @@ def test_rank_record_with_a_flipped_byte_fails_the_save(storage: Storage) -> Non
             handle.wait()
         assert flipping.flipped == 1
         assert engine.steps() == []
+
+
+# -- quarantine: agreed, and the manifest kept as evidence -------------------------------------
+
+
+def test_quarantine_keeps_the_manifest_so_verify_still_explains_the_damage(
+    storage: Storage,
+) -> None:
+    """COMMIT is moved aside (to QUARANTINE, with the reason), not destroyed: `chaos ckpt ls`
+    names the quarantined step and why, `chaos ckpt verify` still reads it against its manifest,
+    also after the next save has run retention."""
+    from click.testing import CliRunner
+
+    from antifragile.chaos.cli import main
+
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=2, plan_options=PLAN) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+        raw = Raw.open(storage)
+        raw.flip_bit(2, SHARD, 100)
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+            assert engine.load(blank()) == 1
+        assert engine.steps() == [1]
+        engine.save(3, state_of(3), blocking=True)  # retention runs, the evidence stays
+        assert engine.steps() == [1, 3]
+    flags = ["--endpoint-url", options["endpoint_url"]] if options else []
+    runner = CliRunner()
+    listing = runner.invoke(main, ["ckpt", "ls", url, *flags])
+    assert listing.exit_code == 0, listing.output
+    line = next(x for x in listing.output.splitlines() if x.split()[:1] == ["2"])
+    assert "quarantined" in line and SHARD in line, listing.output
+    report = runner.invoke(main, ["ckpt", "verify", url, "--step", "2", *flags])
+    assert report.exit_code == 1, report.output
+    assert "QUARANTINED" in report.output and "DAMAGED" in report.output
+    assert SHARD in report.output and "model/w" in report.output
+    everything = runner.invoke(main, ["ckpt", "verify", url, *flags])
+    assert everything.exit_code == 0, everything.output  # what load can see is intact
+    assert "step 2: QUARANTINED" in everything.output
+
+
+RANK_1_SHARD = "model/w/c/3/0"  # rows 48-63: read by rank 1 only when 2 ranks hold Shard(0)
+
+
+def _load_with_a_bad_link_on_rank_1(url: str) -> tuple[int, list[str]]:
+    """Each rank loads rows of model/w; rank 1's storage hands it damaged bytes once (a bad NIC
+    or DRAM on that node): the object on storage is intact."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    class BadLink:
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.flipped = inner, False
+
+        def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
+            data = self.inner.read(key, start, end)
+            if key.endswith(f"step_000000002/{RANK_1_SHARD}") and not self.flipped:
+                self.flipped = True
+                data = bytearray(data)
+                data[0] ^= 1
+            return data
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    mesh = init_device_mesh("cpu", (2,))
+    target = blank()
+    target["model"]["w"] = distribute_tensor(torch.zeros(64, 16), mesh, [Shard(0)])
+    with CheckpointEngine(url, plan_options=PLAN) as engine:
+        if torch.distributed.get_rank() == 1:
+            engine.storage.inner = BadLink(engine.storage.inner)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = engine.load(target)
+        return loaded, [str(w.message) for w in caught]
+
+
+@pytest.mark.multiproc
+def test_damage_seen_by_one_rank_is_confirmed_before_quarantine(tmp_path: Any) -> None:
+    """Rank 1 sees step 2's object damaged, rank 0 re-reads it intact: the step is skipped for
+    this load (every rank agrees) but not quarantined on one rank's view. Damage that is on
+    storage is confirmed by the other rank and quarantined."""
+    from _dist import RankGroup
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url, keep_last=None, plan_options=PLAN) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+    with RankGroup(2) as ranks:
+        outcomes = ranks.run(_load_with_a_bad_link_on_rank_1, url)
+        assert [step for step, _ in outcomes] == [1, 1], outcomes
+        assert all("not confirmed" in " ".join(w) for _, w in outcomes), outcomes
+        with CheckpointEngine(url) as engine:
+            assert engine.steps() == [1, 2] and engine.verify(2).ok
+
+        Raw.open((url, None)).flip_bit(2, RANK_1_SHARD, 100)
+        outcomes = ranks.run(_load_with_a_bad_link_on_rank_1, url)
+        assert [step for step, _ in outcomes] == [1, 1], outcomes
+    with CheckpointEngine(url) as engine:
+        assert engine.steps() == [1]
