@@ -94,7 +94,8 @@ class SaveHandle:
 
     Figures for this rank: ``stall_s`` (what the caller waited for staging), ``persist_s``
     (background write + commit), ``nbytes`` (bytes this rank wrote), ``committed_nbytes``
-    (the whole checkpoint, on the coordinator).
+    (the whole checkpoint, on the coordinator). ``retention_error``: on the coordinator, why
+    retention after the commit failed (the save is committed all the same), else None.
     """
 
     def __init__(self, step: int) -> None:
@@ -104,6 +105,7 @@ class SaveHandle:
         self.persist_s = 0.0
         self.nbytes = 0
         self.committed_nbytes = 0
+        self.retention_error: str | None = None
         self._future: Future[None] = Future()
         self._observed = False
 
@@ -299,9 +301,7 @@ class CheckpointEngine:
                                             deadline=deadline, group_attrs=attrs,
                                             metadata_keys=set(docs))
                 handle.committed_nbytes = result.nbytes
-                deleted = _commit.retain(self.storage, self.keep_last)
-                if deleted:
-                    log.info("retention removed steps %s", deleted)
+                self._retain(handle)
             else:
                 handle.committed_nbytes = _commit.wait_for_commit(
                     self.storage, step=step, nonce=nonce,
@@ -329,6 +329,19 @@ class CheckpointEngine:
             handle._future.set_exception(error)
         finally:
             handle.staged.set()
+
+    def _retain(self, handle: SaveHandle) -> None:
+        """Retention after a commit. The save is committed whatever happens here: a failure is
+        a warning and ``handle.retention_error``, and the next save's retention retries it."""
+        try:
+            deleted = _commit.retain(self.storage, self.keep_last)
+        except Exception as exc:
+            handle.retention_error = (f"step {handle.step} committed, but retention failed (it "
+                                      f"runs again at the next save): {exc}")
+            log.warning("%s", handle.retention_error)
+            return
+        if deleted:
+            log.info("retention removed steps %s", deleted)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise if it failed."""

@@ -412,6 +412,36 @@ def test_keep_last_one_never_deletes_the_newest(storage: Storage) -> None:
         assert engine.load(target) == 3 and torch.equal(target["w"], torch.full((3,), 3.0))
 
 
+def test_a_retention_failure_does_not_fail_a_committed_save(
+    storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Committed means committed: the save of step 2 succeeds on every rank even though
+    retention cannot delete step 1 (the storage layer refuses); the error is on the handle and
+    retention runs again, successfully, at the next save."""
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=1) as engine:
+        engine.save(1, {"w": torch.ones(3)}, blocking=True)
+        inner = engine.storage.inner
+
+        def refuse(prefix: str) -> None:
+            raise PermissionError(f"delete refused: {prefix}")
+
+        monkeypatch.setattr(inner, "delete_tree", refuse)
+        handle = engine.save(2, {"w": torch.full((3,), 2.0)})
+        handle.wait()
+        assert handle.retention_error is not None
+        assert "step_000000001" in handle.retention_error
+        assert "PermissionError" in handle.retention_error
+        assert engine.steps() == [2]
+        assert "step_000000001" in step_folders(storage)
+        with pytest.raises(CheckpointError, match="step 2 is already committed"):
+            engine.save(2, {"w": torch.ones(3)}, blocking=True)
+        monkeypatch.undo()
+        handle = engine.save(3, {"w": torch.full((3,), 3.0)}, blocking=True)
+        assert handle.retention_error is None
+        assert step_folders(storage) == ["step_000000003"]
+
+
 # -- load errors -----------------------------------------------------------------------------
 
 
