@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,11 +44,15 @@ from .plan import GlobalPlan
 from .storage import Storage
 
 
-def _poll_delays() -> Any:
+def _poll_delays(world_size: int) -> Iterator[float]:
+    """Seconds between polls: from 10 ms up by 1.5x to a cap that grows with the number of
+    ranks polling one prefix (0.5 s up to 1,000 ranks at ~1,000 requests/s in all, then
+    ``world_size / 500`` s, at most 5 s), each jittered by +-10% so that ranks spread out."""
+    cap = min(5.0, max(0.5, world_size / 500))
     delay = 0.01
     while True:
-        yield delay
-        delay = min(delay * 1.5, 0.5)
+        yield delay * random.uniform(0.9, 1.1)
+        delay = min(delay * 1.5, cap)
 
 
 def committed_steps(storage: Storage) -> list[int]:
@@ -128,7 +134,7 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
     records: dict[int, dict[str, Any]] = {}
     manifests: dict[int, Manifest] = {}
     damaged: dict[int, str] = {}
-    delays = _poll_delays()
+    delays = _poll_delays(plan.world_size)
     while len(records) < plan.world_size:
         for name in storage.list_dir(f"{base}/{RECORDS_DIR}"):
             rank_str = name.removesuffix(".json")
@@ -172,6 +178,7 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
     manifest.add_document("zarr.json", group_doc)
     marker = {"format": FORMAT_VERSION, "step": step, "nonce": nonce, "plan_id": plan.plan_id,
               "world_size": plan.world_size, "nbytes": manifest.nbytes,
+              "requests": {str(r): rec.get("requests") for r, rec in sorted(records.items())},
               "objects": manifest.objects, "crcs": manifest.crcs}
     storage.sync()
     storage.write(f"{base}/{COMMIT}", [_format.seal(marker)], durable=True)
@@ -216,22 +223,26 @@ def abort(storage: Storage, step: int, nonce: int, reason: str) -> None:
         pass
 
 
-def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float) -> int:
-    """Non-coordinator ranks: block until this save's COMMIT (returns its bytes) or ABORT."""
+def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
+                    world_size: int = 1) -> int:
+    """Non-coordinator ranks: block until this save's COMMIT (returns its bytes) or ABORT.
+    One request per round (a listing of the step folder), backing off; the marker is read
+    once it is listed."""
     base = step_dir(step)
-    delays = _poll_delays()
+    delays = _poll_delays(world_size)
     while True:
-        if storage.exists(f"{base}/{COMMIT}"):
+        names = set(storage.list_dir(base))
+        if COMMIT in names:
             try:
                 marker = read_commit(storage, step)
-            except CheckpointCorruptError:
+            except CheckpointError:  # damaged, or gone again: keep waiting until the deadline
                 marker = {}
             if marker.get("nonce") == nonce:
                 return int(marker.get("nbytes", 0))
-        if storage.exists(f"{base}/{ABORT}"):
+        if ABORT in names:
             try:
                 doc = parse_record(storage.read(f"{base}/{ABORT}"), where=f"step {step}: ABORT")
-            except CheckpointCorruptError:
+            except (CheckpointCorruptError, FileNotFoundError):
                 doc = {}
             if doc.get("nonce") == nonce:
                 raise CheckpointError(f"step {step}: commit aborted by rank 0: {doc.get('reason')}")

@@ -52,7 +52,7 @@ from .plan import (
     local_boxes,
 )
 from .stage import StagingArea
-from .storage import Storage, open_storage
+from .storage import CountingStorage, Storage, open_storage
 from .verify import VerifyReport, verify_step
 
 log = logging.getLogger("antifragile.engine")
@@ -94,8 +94,10 @@ class SaveHandle:
 
     Figures for this rank: ``stall_s`` (what the caller waited for staging), ``persist_s``
     (background write + commit), ``nbytes`` (bytes this rank wrote), ``committed_nbytes``
-    (the whole checkpoint, on the coordinator). ``retention_error``: on the coordinator, why
-    retention after the commit failed (the save is committed all the same), else None.
+    (the whole checkpoint, on the coordinator), ``requests`` (storage requests this rank's
+    save made, by kind, and their ``total``: see ``storage.CountingStorage``; set when done).
+    ``retention_error``: on the coordinator, why retention after the commit failed (the save is
+    committed all the same), else None.
     """
 
     def __init__(self, step: int) -> None:
@@ -106,6 +108,7 @@ class SaveHandle:
         self.nbytes = 0
         self.committed_nbytes = 0
         self.retention_error: str | None = None
+        self.requests: dict[str, int] = {}
         self._future: Future[None] = Future()
         self._observed = False
 
@@ -168,6 +171,8 @@ class CheckpointEngine:
         self._staging: StagingArea | None = None
         self._last: SaveHandle | None = None
         self._closed = False
+        # storage requests of the last load() on this rank, by kind, and their "total"
+        self.last_load_requests: dict[str, int] = {}
 
     # -- collectives (training thread only) ----------------------------------------------------
 
@@ -282,31 +287,33 @@ class CheckpointEngine:
                  attrs: dict[str, Any]) -> None:
         step, start = handle.step, time.monotonic()
         deadline = start + self.commit_timeout_s
+        storage = CountingStorage(self.storage)  # this save's requests: handle.requests
         recorded = False
         try:
             if flat is not None:
                 self._stage(handle, flat)
-            if self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
+            if storage.exists(f"{step_dir(step)}/{COMMIT}"):
                 recorded = True  # write nothing into a committed step, not even an error record
                 raise CheckpointError(f"step {step} is already committed; it is not overwritten")
             docs = metadata_objects(plan) if self.rank == 0 else {}
-            manifest = write_objects(self.storage, step, nonce, staging, docs, self._pool)
+            manifest = write_objects(storage, step, nonce, staging, docs, self._pool)
             handle.nbytes = manifest.nbytes
-            write_record(self.storage, step, self.rank, rank_record(
+            write_record(storage, step, self.rank, rank_record(
                 step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce, manifest=manifest,
-                values=values))
+                values=values, requests=storage.requests["total"] + 1))
             recorded = True
             if self.rank == 0:
-                result = _commit.coordinate(self.storage, plan=plan, step=step, nonce=nonce,
+                result = _commit.coordinate(storage, plan=plan, step=step, nonce=nonce,
                                             deadline=deadline, group_attrs=attrs,
                                             metadata_keys=set(docs))
                 handle.committed_nbytes = result.nbytes
-                self._retain(handle)
+                self._retain(handle, storage)
             else:
                 handle.committed_nbytes = _commit.wait_for_commit(
-                    self.storage, step=step, nonce=nonce,
+                    storage, step=step, nonce=nonce, world_size=plan.world_size,
                     deadline=deadline + min(30.0, self.commit_timeout_s / 2))
             handle.persist_s = time.monotonic() - start
+            handle.requests = storage.requests
             handle._future.set_result(None)
         except BaseException as exc:
             if not isinstance(exc, CheckpointError):
@@ -319,22 +326,23 @@ class CheckpointEngine:
             if not recorded:
                 # best effort: if storage is down, the coordinator times out naming this rank
                 with contextlib.suppress(Exception):
-                    write_record(self.storage, step, self.rank, rank_record(
+                    write_record(storage, step, self.rank, rank_record(
                         step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce,
                         manifest=None, values={}, error=str(error)))
             if self.rank == 0:
-                _commit.abort(self.storage, step, nonce, str(error))
+                _commit.abort(storage, step, nonce, str(error))
             handle.persist_s = time.monotonic() - start
+            handle.requests = storage.requests
             log.warning("checkpoint of step %d failed: %s", step, error)
             handle._future.set_exception(error)
         finally:
             handle.staged.set()
 
-    def _retain(self, handle: SaveHandle) -> None:
+    def _retain(self, handle: SaveHandle, storage: Storage) -> None:
         """Retention after a commit. The save is committed whatever happens here: a failure is
         a warning and ``handle.retention_error``, and the next save's retention retries it."""
         try:
-            deleted = _commit.retain(self.storage, self.keep_last)
+            deleted = _commit.retain(storage, self.keep_last)
         except Exception as exc:
             handle.retention_error = (f"step {handle.step} committed, but retention failed (it "
                                       f"runs again at the next save): {exc}")
@@ -377,13 +385,20 @@ class CheckpointEngine:
         """
         self._check_open()
         flat = flatten(state)
-        candidates = self._candidates(step)
+        storage = CountingStorage(self.storage)
+        try:
+            return self._load(flat, step, storage)
+        finally:
+            self.last_load_requests = storage.requests
+
+    def _load(self, flat: FlatState, step: int | None, storage: Storage) -> int:
+        candidates = self._candidates(step, storage)
         newest_error: CheckpointError | None = None
         for i, candidate in enumerate(candidates):
             outcome, values = _OK, {}
             error: CheckpointError | None = None
             try:
-                values = self._load_step(candidate, flat)
+                values = self._load_step(candidate, flat, storage)
             except Exception as exc:  # every failure is classified, then agreed by all ranks
                 outcome, error = _classify(candidate, exc)
             worst = self._all_max([outcome])[0]
@@ -399,7 +414,7 @@ class CheckpointEngine:
                 raise error
             note = ""
             if worst == _CORRUPT:
-                note = self._quarantine(candidate, error, reports)
+                note = self._quarantine(candidate, error, reports, storage)
             newest_error = newest_error or error
             if i + 1 < len(candidates):
                 warnings.warn(f"checkpoint step {candidate} skipped, trying step "
@@ -409,7 +424,7 @@ class CheckpointEngine:
         raise type(newest_error)(f"{newest_error} (no older step loads either; tried "
                                  f"{candidates})")
 
-    def _candidates(self, step: int | None) -> list[int]:
+    def _candidates(self, step: int | None, storage: Storage) -> list[int]:
         """The steps to try, newest first: ``step``, or rank 0's view of what is committed
         (so that every rank tries the same steps; a failure to list is raised on every rank)."""
         if step is not None:
@@ -418,7 +433,7 @@ class CheckpointEngine:
         failure: tuple[str, str] | None = None
         if self.rank == 0:
             try:
-                listing = list(reversed(self.steps()))
+                listing = list(reversed(_commit.committed_steps(storage)))
             except CheckpointError as exc:
                 failure = (type(exc).__name__, str(exc))
         listing, failure = self._gather((listing, failure))[0]
@@ -441,7 +456,7 @@ class CheckpointEngine:
         return _ERRORS.get(name, CheckpointError)(message)
 
     def _quarantine(self, step: int, error: CheckpointError,
-                    reports: list[tuple[int, str, str, str | None]]) -> str:
+                    reports: list[tuple[int, str, str, str | None]], storage: Storage) -> str:
         """Collective. Quarantine ``step`` once its damage is agreed: the first rank that saw it
         names the object, and another rank (the next one; the same one when alone) reads it
         again, whole. Damage that was not on storage (a bad link or DRAM on one node) is not
@@ -455,7 +470,7 @@ class CheckpointEngine:
                 seen = 1
             else:
                 try:
-                    StepReader(self.storage, step).recheck(key)
+                    StepReader(storage, step).recheck(key)
                 except CheckpointCorruptError:
                     seen = 1
                 except Exception as exc:  # cannot tell: do not act on one rank's view
@@ -466,34 +481,41 @@ class CheckpointEngine:
                     "and the step is not quarantined")
         if self.rank == 0:
             try:
-                _commit.quarantine(self.storage, step, str(error), confirmed_by=confirmer,
+                _commit.quarantine(storage, step, str(error), confirmed_by=confirmer,
                                    reports={r: m for r, (o, _, m, _) in enumerate(reports) if o})
             except CheckpointError as exc:
                 log.warning("step %d: quarantine failed (it stays visible): %s", step, exc)
         return f" (quarantined; confirmed by rank {confirmer})"
 
-    def _load_step(self, step: int, flat: FlatState) -> dict[str, Any]:
-        reader = StepReader(self.storage, step)
-        futures = []
+    def _load_step(self, step: int, flat: FlatState, storage: Storage) -> dict[str, Any]:
+        """Check the step against the target, read every array's metadata (concurrently), plan
+        every read (coverage checked), then run the reads and wait for all of them: no read of
+        a step that failed can still be running when the next step is tried."""
+        reader = StepReader(storage, step)
+        targets = []
+        for path, tensor in flat.tensors.items():
+            stored = reader.tensors.get(path)
+            if stored is None:
+                raise CheckpointMismatchError(f"step {step} has no tensor {path!r}")
+            if stored.dtype != tensor.dtype:
+                raise CheckpointMismatchError(
+                    f"step {step}, tensor {path!r}: stored dtype {stored.dtype}, target "
+                    f"dtype {tensor.dtype} (load into a matching tensor, then convert)")
+            if stored.shape != tuple(tensor.shape):
+                raise CheckpointMismatchError(
+                    f"step {step}, tensor {path!r}: stored shape {list(stored.shape)}, "
+                    f"target shape {list(tensor.shape)}")
+            targets.append((path, tensor, stored))
+        reader.load_arrays([stored for _, _, stored in targets], self._pool)
+        reads = []
         with torch.no_grad():
-            for path, tensor in flat.tensors.items():
-                stored = reader.tensors.get(path)
-                if stored is None:
-                    raise CheckpointMismatchError(f"step {step} has no tensor {path!r}")
-                if stored.dtype != tensor.dtype:
-                    raise CheckpointMismatchError(
-                        f"step {step}, tensor {path!r}: stored dtype {stored.dtype}, target "
-                        f"dtype {tensor.dtype} (load into a matching tensor, then convert)")
-                if stored.shape != tuple(tensor.shape):
-                    raise CheckpointMismatchError(
-                        f"step {step}, tensor {path!r}: stored shape {list(stored.shape)}, "
-                        f"target shape {list(tensor.shape)}")
+            for path, tensor, stored in targets:
                 local = iter_local(tensor)
                 for box in local_boxes(tensor, path=path):
                     region = local[tuple(slice(o, o + n)
                                          for o, n in zip(box.local_offset, box.shape))]
-                    futures += reader.read_box(stored, box, region, self._pool)
-        _raise_first(futures)
+                    reads += reader.read_box(stored, box, region)
+        _raise_first([self._pool.submit(read) for read in reads])
         values = {}
         for path in flat.values:
             by_rank = reader.values_by_rank.get(path, {})
@@ -511,15 +533,15 @@ class CheckpointEngine:
         process: not collective, and it holds the whole checkpoint in memory."""
         self._check_open()
         reader = StepReader(self.storage, step)
+        reader.load_arrays(list(reader.tensors.values()), self._pool)
         out: dict[str, Any] = {}
-        futures = []
-        with torch.no_grad():
-            for path, stored in reader.tensors.items():
-                tensor = torch.empty(stored.shape, dtype=stored.dtype)
-                box = HeldBox((0,) * tensor.dim(), stored.shape, (0,) * tensor.dim())
-                futures += reader.read_box(stored, box, tensor, self._pool)
-                out[path] = tensor
-        _raise_first(futures)
+        reads = []
+        for path, stored in reader.tensors.items():
+            tensor = torch.empty(stored.shape, dtype=stored.dtype)
+            box = HeldBox((0,) * tensor.dim(), stored.shape, (0,) * tensor.dim())
+            reads += reader.read_box(stored, box, tensor)
+            out[path] = tensor
+        _raise_first([self._pool.submit(read) for read in reads])
         return {**reader.values, **out}
 
     # -- lifecycle -----------------------------------------------------------------------------

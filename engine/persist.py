@@ -78,10 +78,14 @@ def record_manifest(record: dict[str, Any], *, where: str) -> Manifest:
 
 
 def rank_record(*, step: int, rank: int, plan_id: str, nonce: int, manifest: Manifest | None,
-                values: dict[str, Any], error: str | None = None) -> dict[str, Any]:
+                values: dict[str, Any], error: str | None = None, requests: int = 0
+                ) -> dict[str, Any]:
+    """A rank's phase-1 record. ``requests``: storage requests this rank's save made, this
+    record's write included (COMMIT lists them per rank)."""
     if manifest is not None and manifest.nonce != nonce:
         raise CheckpointCorruptError(f"step {step}, rank {rank}: manifest of another save")
     return {"step": step, "rank": rank, "plan_id": plan_id, "nonce": nonce,
             "ok": error is None, "error": error,
             "objects": manifest.objects if manifest else {},
-            "crcs": manifest.crcs if manifest else {}, "values": values}
+            "crcs": manifest.crcs if manifest else {}, "values": values,
+            "requests": requests}

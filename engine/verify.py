@@ -5,6 +5,7 @@ it is quarantined and why, and what is damaged now."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from itertools import product
 
 from .commit import read_quarantine
 from .errors import CheckpointError, CheckpointNotFoundError
-from .load import StepReader, split_cell_key
+from .load import StepReader, StoredTensor, split_cell_key
 from .plan import ArraySpec
 from .storage import Storage
 
@@ -77,6 +78,12 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
         report.add("COMMIT", None, str(exc))
         return report
 
+    def parse(job: tuple[str, StoredTensor]) -> None:  # every array's metadata at once;
+        with contextlib.suppress(CheckpointError):  # errors are reported below
+            reader.array(*job)
+
+    for _ in pool.map(parse, [(n, t) for t in reader.tensors.values() for n in t.arrays]):
+        pass
     cells: dict[str, tuple[ArraySpec, tuple[int, ...]]] = {}
     for tensor in reader.tensors.values():
         covered = 0

@@ -227,3 +227,43 @@ def test_an_error_on_one_rank_is_agreed_by_all(tmp_path: Path) -> None:
     latest = run_ranks(2, _load_rows, url, None, timeout_s=90)
     assert [(step, ok) for _, step, ok in latest] == [(1, True), (1, True)], latest
     assert all("step 2 skipped" in o for o, _, _ in latest), latest
+
+
+# -- a failed step leaves no read in flight ----------------------------------------------------
+
+
+class _HeldReads:
+    """Holds reads of step 2's ``a`` objects until ``release`` (after load has returned)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
+        if "step_000000002/a/c/" in key:
+            self.release.wait(30)
+        return self.inner.read(key, start, end)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_no_read_of_a_failed_step_lands_after_the_fallback(tmp_path: Path) -> None:
+    """Step 2's second tensor has damaged metadata, found after reads of its first tensor
+    may have started: load() falls back to step 1, and no read of step 2 may still be running
+    to overwrite the target with step 2's data afterwards."""
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url, keep_last=None) as engine:
+        for step in (1, 2):
+            engine.save(step, {"a": torch.full((4,), float(step)),
+                               "b": torch.full((4,), float(step))}, blocking=True)
+        doc = tmp_path / "ckpt" / "step_000000002" / "b" / "zarr.json"
+        doc.write_bytes(doc.read_bytes().replace(b'"float32"', b'"float64"'))
+        held = _HeldReads(engine.storage.inner)
+        engine.storage.inner = held
+        target = {"a": torch.zeros(4), "b": torch.zeros(4)}
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+            assert engine.load(target) == 1
+        held.release.set()
+    assert torch.equal(target["a"], torch.ones(4)), "a read of step 2 landed after the fallback"
+    assert torch.equal(target["b"], torch.ones(4))

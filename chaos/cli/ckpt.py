@@ -139,6 +139,8 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
 
     try:
         reader = StepReader(open_storage(url, _options(endpoint_url, pairs)), step)
+        with ThreadPoolExecutor(8) as pool:
+            reader.load_arrays(list(reader.tensors.values()), pool)
         rows = []
         for path, tensor in sorted(reader.tensors.items()):
             for name in tensor.arrays:
@@ -154,12 +156,23 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
     except CheckpointError as exc:
         _fail(str(exc))
     layout = reader.attrs.get("layout", {})
+    by_rank = reader.commit.get("requests")
+    by_rank = by_rank if isinstance(by_rank, dict) else {}
+    requests = {
+        # what each rank's save requested through its record (waiting for COMMIT excluded)
+        "save": sum(n for n in by_rank.values() if isinstance(n, int)),
+        "save_by_rank": by_rank,
+        # a load of the whole step in one process: COMMIT, zarr.json, array docs, objects
+        "load": 2 + len(rows) + sum(r["shards"] for r in rows),
+    }
     if as_json:
         click.echo(json.dumps({"step": step, "layout": layout, "values": reader.values,
-                               "arrays": rows}, indent=2))
+                               "requests": requests, "arrays": rows}, indent=2))
         return
     click.echo(f"step {step}  world_size {layout.get('world_size')}  "
                f"meshes {layout.get('meshes')}  {_human(int(reader.commit.get('nbytes', 0)))}")
+    click.echo(f"requests: save {requests['save']} (all ranks, through their records), "
+               f"load {requests['load']} (the whole step, one process)")
     width = max((len(r["array"]) for r in rows), default=5)
     click.echo(f"{'array':<{width}}  {'dtype':<9} {'shape':<18} {'shard':<18} {'bytes':>10}")
     for r in rows:
