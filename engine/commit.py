@@ -181,6 +181,9 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
               "requests": {str(r): rec.get("requests") for r, rec in sorted(records.items())},
               "objects": manifest.objects, "crcs": manifest.crcs}
     storage.sync()
+    if storage.exists(f"{base}/{COMMIT}"):  # another save committed this step meanwhile
+        raise CheckpointError(f"step {step} was committed by another save while this one ran "
+                              "(two jobs writing one URL?); its COMMIT is not overwritten")
     storage.write(f"{base}/{COMMIT}", [_format.seal(marker)], durable=True)
     storage.sync()
     return CommitResult(nbytes=manifest.nbytes, objects=len(manifest.objects))

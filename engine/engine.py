@@ -395,13 +395,19 @@ class CheckpointEngine:
         candidates = self._candidates(step, storage)
         newest_error: CheckpointError | None = None
         for i, candidate in enumerate(candidates):
-            outcome, values = _OK, {}
+            outcome, nonce = _OK, 0
+            values: dict[str, Any] = {}
             error: CheckpointError | None = None
             try:
-                values = self._load_step(candidate, flat, storage)
+                values, nonce = self._load_step(candidate, flat, storage)
             except Exception as exc:  # every failure is classified, then agreed by all ranks
                 outcome, error = _classify(candidate, exc)
-            worst = self._all_max([outcome])[0]
+            worst, high, negated_low = self._all_max([outcome, nonce, -nonce])
+            if worst == _OK and high != -negated_low:
+                outcome = worst = _FATAL  # every rank sees it: they all compared the same values
+                error = CheckpointError(
+                    f"step {candidate}: the ranks see different saves of it (node-local storage "
+                    "at one path, or two jobs writing one URL?); refusing to mix them")
             if worst == _OK:
                 for path, value in values.items():
                     flat.values[path].assign(value)
@@ -487,10 +493,12 @@ class CheckpointEngine:
                 log.warning("step %d: quarantine failed (it stays visible): %s", step, exc)
         return f" (quarantined; confirmed by rank {confirmer})"
 
-    def _load_step(self, step: int, flat: FlatState, storage: Storage) -> dict[str, Any]:
+    def _load_step(self, step: int, flat: FlatState, storage: Storage
+                   ) -> tuple[dict[str, Any], int]:
         """Check the step against the target, read every array's metadata (concurrently), plan
         every read (coverage checked), then run the reads and wait for all of them: no read of
-        a step that failed can still be running when the next step is tried."""
+        a step that failed can still be running when the next step is tried. Returns the JSON
+        values and the nonce of the save read (the ranks check they all read the same one)."""
         reader = StepReader(storage, step)
         targets = []
         for path, tensor in flat.tensors.items():
@@ -525,7 +533,7 @@ class CheckpointEngine:
                 values[path] = reader.values[path]
             else:
                 raise CheckpointMismatchError(f"step {step} has no value {path!r}")
-        return values
+        return values, int(reader.commit["nonce"])
 
     def read(self, step: int) -> dict[str, Any]:
         """Every tensor of ``step`` as a whole plain CPU tensor, and every JSON value, keyed by

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from itertools import product
 
 from .commit import read_quarantine
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .load import StepReader, StoredTensor, split_cell_key
 from .plan import ArraySpec
 from .storage import Storage
@@ -74,8 +74,9 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
                 raise
             report.ok, report.quarantined = False, str(found[0].get("reason"))
             reader = StepReader(storage, step, marker=found[1])
-    except CheckpointError as exc:
-        report.add("COMMIT", None, str(exc))
+    except CheckpointError as exc:  # the marker or the group metadata: name which
+        key = exc.key if isinstance(exc, CheckpointCorruptError) and exc.key else "COMMIT"
+        report.add(key, None, str(exc))
         return report
 
     def parse(job: tuple[str, StoredTensor]) -> None:  # every array's metadata at once;

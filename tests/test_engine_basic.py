@@ -514,3 +514,33 @@ def test_invalid_state_is_refused_naming_the_path(
         assert engine.steps() == []
         engine.save(1, {"w": torch.ones(2)}, blocking=True)
         assert engine.steps() == [1]
+
+
+class _CommitsFirst:
+    """Another job commits the same step while this save is finishing: its COMMIT appears
+    just before this coordinator writes the group metadata."""
+
+    def __init__(self, inner: Any, foreign: bytes) -> None:
+        self.inner, self.foreign = inner, foreign
+
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+        if key == "step_000000005/zarr.json":
+            self.inner.write("step_000000005/COMMIT", [self.foreign], durable=True)
+        self.inner.write(key, parts, durable=durable)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_commit_never_overwrites_another_saves_commit(tmp_path: Any) -> None:
+    """Two jobs at one URL: the save that comes second fails instead of replacing the first
+    one's COMMIT (which would silently drop a committed checkpoint)."""
+    other = str(tmp_path / "other")
+    with CheckpointEngine(other) as engine:
+        engine.save(5, {"w": torch.ones(3)}, blocking=True)
+    foreign = (tmp_path / "other" / "step_000000005" / "COMMIT").read_bytes()
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        engine.storage.inner = _CommitsFirst(engine.storage.inner, foreign)
+        with pytest.raises(CheckpointError, match=r"step 5.*committed by another save"):
+            engine.save(5, {"w": torch.zeros(3)}, blocking=True)
+    assert (tmp_path / "ckpt" / "step_000000005" / "COMMIT").read_bytes() == foreign

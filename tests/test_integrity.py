@@ -116,6 +116,7 @@ DAMAGE: dict[str, tuple[Callable[[Raw], None], str, str | None]] = {
         "model/w/zarr.json",
         "model/w",
     ),
+    "group-metadata": (lambda raw: raw.flip_bit(2, "zarr.json", 40), "zarr.json", None),
     "commit-marker": (
         lambda raw: raw.write(2, "COMMIT", raw.read(2, "COMMIT")[:-7]),
         "COMMIT",

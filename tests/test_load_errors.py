@@ -267,3 +267,36 @@ def test_no_read_of_a_failed_step_lands_after_the_fallback(tmp_path: Path) -> No
         held.release.set()
     assert torch.equal(target["a"], torch.ones(4)), "a read of step 2 landed after the fallback"
     assert torch.equal(target["b"], torch.ones(4))
+
+
+# -- ranks must load the same save -------------------------------------------------------------
+
+
+def _load_step_1(urls: list[str]) -> str:
+    """Rank r loads step 1 from ``urls[r]`` (node-local storage that looks shared)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rank = torch.distributed.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    target = {"w": distribute_tensor(torch.zeros(16, 8), mesh, [Shard(0)]), "step": -1}
+    with CheckpointEngine(urls[rank]) as engine:
+        try:
+            engine.load(target, step=1)
+        except CheckpointError as exc:
+            return f"refused: {exc}"
+    return "loaded"
+
+
+@pytest.mark.multiproc
+def test_ranks_that_see_different_saves_of_a_step_refuse_to_mix_them(tmp_path: Path) -> None:
+    """Each rank sees its own step 1 (two saves with other contents, e.g. node-local disks
+    mounted at the same path): every rank's data checks out, but together they would be a
+    checkpoint nobody saved. The ranks compare the save's nonce and refuse."""
+    urls = [str(tmp_path / f"node{r}") for r in range(2)]
+    for r, url in enumerate(urls):
+        with CheckpointEngine(url) as engine:
+            engine.save(1, {"w": torch.full((16, 8), float(r)), "step": 1}, blocking=True)
+    outcomes = run_ranks(2, _load_step_1, urls, timeout_s=90)
+    assert all(o.startswith("refused") and "step 1" in o and "different saves" in o
+               for o in outcomes), outcomes
