@@ -251,14 +251,26 @@ class StepReader:
         for _ in pool.map(lambda job: self.array(*job), todo):
             pass
 
+    def arrays_of(self, tensor: StoredTensor) -> list[ArraySpec]:
+        """The arrays of ``tensor``, checked to be pairwise disjoint: with that, counting the
+        elements they cover proves coverage (overlapping pieces could hide a gap)."""
+        specs = [self.array(name, tensor) for name in tensor.arrays]
+        for i, a in enumerate(specs):
+            for b in specs[i + 1:]:
+                if all(max(x, y) < min(x + n, y + m) for x, n, y, m
+                       in zip(a.offset, a.shape, b.offset, b.shape)):
+                    raise CheckpointCorruptError(
+                        f"step {self.step}, tensor {tensor.path!r}: arrays {a.name!r} and "
+                        f"{b.name!r} overlap")
+        return specs
+
     def read_box(self, tensor: StoredTensor, box: HeldBox, out: torch.Tensor
                  ) -> list[Callable[[], None]]:
         """The reads that fill ``out`` (the local region of ``box``), to run on a pool. Every
         check that needs no data (metadata, coverage) is done here, before any read runs."""
         reads: list[Callable[[], None]] = []
         covered = 0
-        for name in tensor.arrays:
-            spec = self.array(name, tensor)
+        for spec in self.arrays_of(tensor):
             lo = [max(b, a) for b, a in zip(box.offset, spec.offset)]
             hi = [min(b + s, a + n) for b, s, a, n in zip(box.offset, box.shape, spec.offset,
                                                           spec.shape)]

@@ -87,12 +87,13 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
         pass
     cells: dict[str, tuple[ArraySpec, tuple[int, ...]]] = {}
     for tensor in reader.tensors.values():
-        covered = 0
+        covered, parsed = 0, True
         for name in tensor.arrays:
             try:
                 spec = reader.array(name, tensor)
             except CheckpointError as exc:
                 report.add(f"{name}/zarr.json", name, str(exc))
+                parsed = False
                 continue
             covered += math.prod(spec.shape)
             if not math.prod(spec.shape):
@@ -106,6 +107,11 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
         if covered != math.prod(tensor.shape):
             report.add("zarr.json", None, f"the arrays of tensor {tensor.path!r} cover {covered} "
                        f"of its {math.prod(tensor.shape)} elements")
+        elif parsed:
+            try:
+                reader.arrays_of(tensor)  # as many elements as the tensor: no overlap either
+            except CheckpointError as exc:
+                report.add("zarr.json", None, str(exc))
 
     def check(key: str) -> tuple[str, int, str | None]:
         try:

@@ -96,7 +96,11 @@ def make_checkpoint(root: Path) -> Hostile:
 
 def source_state() -> dict[str, Any]:
     return {
-        "model": {"w": torch.arange(32, dtype=torch.float32).reshape(8, 4), "s": torch.tensor(2.5)},
+        "model": {
+            "w": torch.arange(32, dtype=torch.float32).reshape(8, 4),
+            "v": -torch.arange(32, dtype=torch.float32).reshape(8, 4),
+            "s": torch.tensor(2.5),
+        },
         "step": 1,
     }
 
@@ -140,6 +144,19 @@ def _outside_index(body: np.ndarray) -> None:
 
 def _uncovered(h: Hostile) -> None:
     h.edit_array(_set("shape", [4, 4]))
+
+
+def _overlap_and_gap(h: Hostile) -> None:
+    """model/w made of two arrays, rows [2, 6) and [4, 8): as many elements as the tensor, but
+    rows 4-5 twice and rows 0-1 never (they would keep whatever the target held)."""
+
+    def place(offset: list[int]) -> Callable[[dict[str, Any]], None]:
+        return lambda a: (a.__setitem__("shape", [4, 4]),
+                          a["attributes"]["antifragile"].__setitem__("offset", offset))
+
+    h.edit_index(_set("arrays", ["model/w", "model/v"]))
+    h.edit_array(place([2, 0]))
+    h.edit_array(place([4, 0]), name="model/v")
 
 
 HOSTILE: dict[str, Callable[[Hostile], None]] = {
@@ -217,6 +234,7 @@ HOSTILE: dict[str, Callable[[Hostile], None]] = {
     "shard-index-empty-chunk": lambda h: h.edit_shard_index(_empty_inner),
     "scalar-payload-size": _scalar_payload,
     "arrays-do-not-cover-tensor": _uncovered,
+    "arrays-overlap-leaving-a-gap": _overlap_and_gap,
     "group-attributes-not-a-dict": lambda h: h.edit_json(
         "zarr.json", _set("attributes", ["antifragile"])
     ),
