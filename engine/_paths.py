@@ -10,15 +10,16 @@ import re
 
 from .errors import CheckpointCorruptError, CheckpointError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest of part CRCs + digests, sealed records and COMMIT
 STEP_DIGITS = 9
 COMMIT = "COMMIT"
 ABORT = "ABORT"
+QUARANTINE = "QUARANTINE"  # a damaged step's COMMIT, moved aside with the reason
 RECORDS_DIR = ".ranks"
 
 _STEP_RE = re.compile(rf"^step_(\d{{{STEP_DIGITS},}})$")
 _BAD_COMPONENT = re.compile(r"[/\\\x00-\x1f]")
-_RESERVED = {"", ".", "..", "zarr.json", COMMIT, ABORT, RECORDS_DIR}
+_RESERVED = {"", ".", "..", "zarr.json", COMMIT, ABORT, QUARANTINE, RECORDS_DIR}
 
 
 def step_dir(step: int) -> str:

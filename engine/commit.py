@@ -3,22 +3,29 @@
 A checkpoint is visible exactly when ``step_N/COMMIT`` exists and parses. The coordinator
 (rank 0) writes it after every rank's record exists, carries this save's nonce and lists exactly
 the objects the plan assigns to that rank; the marker carries the merged manifest (every object
-with its size and crc32c), so loading and verifying never list storage. No rename is involved,
-which is what makes the protocol correct on S3.
+with its size, part CRCs and a digest bound to its key and this save's nonce: see ``_format``),
+so loading and verifying never list storage. Records and the marker are sealed JSON (a crc32c
+of their own bytes), checked before use. No rename is involved, which is what makes the
+protocol correct on S3.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from . import _format
+from ._format import Manifest
 from ._paths import (
     ABORT,
     COMMIT,
     FORMAT_VERSION,
+    QUARANTINE,
     RECORDS_DIR,
     check_object_key,
     parse_step_dir,
@@ -32,16 +39,20 @@ from .errors import (
     CheckpointNotFoundError,
     CommitTimeoutError,
 )
-from .persist import Manifest, parse_record, total_bytes
+from .persist import parse_record, record_manifest
 from .plan import GlobalPlan
 from .storage import Storage
 
 
-def _poll_delays() -> Any:
+def _poll_delays(world_size: int) -> Iterator[float]:
+    """Seconds between polls: from 10 ms up by 1.5x to a cap that grows with the number of
+    ranks polling one prefix (0.5 s up to 1,000 ranks at ~1,000 requests/s in all, then
+    ``world_size / 500`` s, at most 5 s), each jittered by +-10% so that ranks spread out."""
+    cap = min(5.0, max(0.5, world_size / 500))
     delay = 0.01
     while True:
-        yield delay
-        delay = min(delay * 1.5, 0.5)
+        yield delay * random.uniform(0.9, 1.1)
+        delay = min(delay * 1.5, cap)
 
 
 def committed_steps(storage: Storage) -> list[int]:
@@ -59,25 +70,55 @@ def all_step_dirs(storage: Storage) -> list[int]:
 
 
 def read_commit(storage: Storage, step: int) -> dict[str, Any]:
-    """The COMMIT marker of ``step``, validated (hostile content raises CheckpointCorruptError)."""
+    """The COMMIT marker of ``step``, checked (hostile content raises CheckpointCorruptError)."""
+    return read_marker(storage, step)[0]
+
+
+def read_marker(storage: Storage, step: int) -> tuple[dict[str, Any], Manifest]:
+    """The COMMIT marker of ``step`` and its manifest, every entry checked against its digest."""
     try:
         data = storage.read(f"{step_dir(step)}/{COMMIT}")
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"step {step} is not committed") from None
+    return parse_marker(data, step)
+
+
+def parse_marker(data: bytes | bytearray, step: int) -> tuple[dict[str, Any], Manifest]:
+    where = f"step {step}: COMMIT marker"
+    try:
+        doc = _format.unseal(data, where=where)
+    except CheckpointCorruptError:
+        _refuse_other_format(data, step)
+        raise
+    if doc.get("format") != FORMAT_VERSION or doc.get("step") != step:
+        raise CheckpointCorruptError(f"{where} is malformed (format {doc.get('format')!r}, "
+                                     f"step {doc.get('step')!r})")
+    manifest = _format.parse_manifest(doc, where=where)
+    for key in manifest.objects:
+        check_object_key(key, step=step)
+    return doc, manifest
+
+
+def _refuse_other_format(data: bytes | bytearray, step: int) -> None:
+    """A marker of another (older) format is not damage: say which format it is."""
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointCorruptError(f"step {step}: COMMIT marker is not JSON ({exc})") from None
-    objects = doc.get("objects") if isinstance(doc, dict) else None
-    if (not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION
-            or doc.get("step") != step or not isinstance(objects, dict)):
-        raise CheckpointCorruptError(f"step {step}: COMMIT marker is malformed")
-    for key, entry in objects.items():
-        check_object_key(key, step=step)
-        if (not isinstance(entry, list) or len(entry) != 2
-                or not all(isinstance(x, int) and 0 <= x < 2**63 for x in entry)):
-            raise CheckpointCorruptError(f"step {step}: bad manifest entry for {key!r}")
-    return doc
+    except (ValueError, UnicodeDecodeError):
+        return
+    version = doc.get("format") if isinstance(doc, dict) else None
+    if isinstance(version, int) and version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"step {step} was written in checkpoint format {version}; this engine reads format "
+            f"{FORMAT_VERSION} only (load it with the antifragile version that wrote it)")
+
+
+def _claims_nonce(data: bytes | bytearray, nonce: int) -> bool:
+    """Whether a document that failed its seal still says it belongs to save ``nonce``."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(doc, dict) and doc.get("nonce") == nonce
 
 
 @dataclass(slots=True)
@@ -91,49 +132,68 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
     """Rank 0: wait for every record, check it against the plan, write group metadata + COMMIT."""
     base = step_dir(step)
     records: dict[int, dict[str, Any]] = {}
-    delays = _poll_delays()
+    manifests: dict[int, Manifest] = {}
+    damaged: dict[int, str] = {}
+    delays = _poll_delays(plan.world_size)
     while len(records) < plan.world_size:
         for name in storage.list_dir(f"{base}/{RECORDS_DIR}"):
             rank_str = name.removesuffix(".json")
             if not rank_str.isdigit() or int(rank_str) in records:
                 continue
             rank = int(rank_str)
-            record = parse_record(storage.read(record_key(step, rank)))
-            if record is None or record.get("nonce") != nonce:
-                continue  # still being written, or left by an earlier attempt at this step
+            where = f"step {step}: rank {rank}'s record"
+            data = storage.read(record_key(step, rank))
+            try:
+                record = parse_record(data, where=where)
+            except CheckpointCorruptError as exc:
+                if _claims_nonce(data, nonce):
+                    raise  # this save's record, damaged: never commit what it says
+                damaged[rank] = str(exc)  # debris of another save, or this one's to come
+                continue
+            if record.get("nonce") != nonce:
+                continue  # left by an earlier attempt at this step
             if not record.get("ok"):
                 raise CheckpointError(f"step {step}: rank {rank} failed to persist: "
                                       f"{record.get('error')}")
-            _check_record(plan, step, rank, record, metadata_keys if rank == 0 else set())
+            manifests[rank] = record_manifest(record, where=where)
+            _check_record(plan, step, rank, record, manifests[rank],
+                          metadata_keys if rank == 0 else set())
             records[rank] = record
+            damaged.pop(rank, None)
         if len(records) < plan.world_size:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(plan.world_size)) - set(records))
+                notes = "".join(f"; rank {r}: {damaged[r]}" for r in missing if r in damaged)
                 raise CommitTimeoutError(
                     f"step {step}: no record from rank(s) {missing} before the commit deadline; "
-                    "the previous checkpoint stays the newest")
+                    f"the previous checkpoint stays the newest{notes}")
             time.sleep(next(delays))
 
-    manifest: Manifest = {}
-    for record in records.values():
-        manifest.update(record["objects"])
+    manifest = Manifest(nonce)
+    for rank_manifest in manifests.values():
+        manifest.update(rank_manifest)
     attrs = {**group_attrs, **_merge_values(plan, records)}
     group_doc = _format.dumps(_format.group_metadata(attrs))
     storage.write(f"{base}/zarr.json", [group_doc])
-    manifest["zarr.json"] = [len(group_doc), _format.crc(group_doc)]
+    manifest.add_document("zarr.json", group_doc)
     marker = {"format": FORMAT_VERSION, "step": step, "nonce": nonce, "plan_id": plan.plan_id,
-              "world_size": plan.world_size, "nbytes": total_bytes(manifest), "objects": manifest}
+              "world_size": plan.world_size, "nbytes": manifest.nbytes,
+              "requests": {str(r): rec.get("requests") for r, rec in sorted(records.items())},
+              "objects": manifest.objects, "crcs": manifest.crcs}
     storage.sync()
-    storage.write(f"{base}/{COMMIT}", [json.dumps(marker).encode()], durable=True)
+    if storage.exists(f"{base}/{COMMIT}"):  # another save committed this step meanwhile
+        raise CheckpointError(f"step {step} was committed by another save while this one ran "
+                              "(two jobs writing one URL?); its COMMIT is not overwritten")
+    storage.write(f"{base}/{COMMIT}", [_format.seal(marker)], durable=True)
     storage.sync()
-    return CommitResult(nbytes=total_bytes(manifest), objects=len(manifest))
+    return CommitResult(nbytes=manifest.nbytes, objects=len(manifest.objects))
 
 
 def _check_record(plan: GlobalPlan, step: int, rank: int, record: dict[str, Any],
-                  metadata_keys: set[str]) -> None:
-    if record.get("plan_id") != plan.plan_id:
+                  manifest: Manifest, metadata_keys: set[str]) -> None:
+    if record.get("plan_id") != plan.plan_id or record.get("rank") != rank:
         raise CheckpointError(f"step {step}: rank {rank} saved under another plan")
-    written = set(record.get("objects", {}))
+    written = set(manifest.objects)
     expected = plan.keys_of(rank) | metadata_keys
     if written != expected:
         missing, extra = sorted(expected - written)[:3], sorted(written - expected)[:3]
@@ -160,26 +220,33 @@ def abort(storage: Storage, step: int, nonce: int, reason: str) -> None:
     """Tell waiting ranks this save failed (best effort: they also time out on their own)."""
     try:
         if not storage.exists(f"{step_dir(step)}/{COMMIT}"):
-            body = json.dumps({"nonce": nonce, "reason": reason}).encode()
+            body = _format.seal({"nonce": nonce, "reason": reason})
             storage.write(f"{step_dir(step)}/{ABORT}", [body])
     except Exception:  # storage may be what failed; waiters time out instead
         pass
 
 
-def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float) -> int:
-    """Non-coordinator ranks: block until this save's COMMIT (returns its bytes) or ABORT."""
+def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
+                    world_size: int = 1) -> int:
+    """Non-coordinator ranks: block until this save's COMMIT (returns its bytes) or ABORT.
+    One request per round (a listing of the step folder), backing off; the marker is read
+    once it is listed."""
     base = step_dir(step)
-    delays = _poll_delays()
+    delays = _poll_delays(world_size)
     while True:
-        if storage.exists(f"{base}/{COMMIT}"):
+        names = set(storage.list_dir(base))
+        if COMMIT in names:
             try:
                 marker = read_commit(storage, step)
-            except CheckpointCorruptError:
+            except CheckpointError:  # damaged, or gone again: keep waiting until the deadline
                 marker = {}
             if marker.get("nonce") == nonce:
                 return int(marker.get("nbytes", 0))
-        if storage.exists(f"{base}/{ABORT}"):
-            doc = parse_record(storage.read(f"{base}/{ABORT}")) or {}
+        if ABORT in names:
+            try:
+                doc = parse_record(storage.read(f"{base}/{ABORT}"), where=f"step {step}: ABORT")
+            except (CheckpointCorruptError, FileNotFoundError):
+                doc = {}
             if doc.get("nonce") == nonce:
                 raise CheckpointError(f"step {step}: commit aborted by rank 0: {doc.get('reason')}")
         if time.monotonic() > deadline:
@@ -190,7 +257,9 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float)
 
 def retain(storage: Storage, keep_last: int | None) -> list[int]:
     """Delete committed steps beyond the newest ``keep_last`` and uncommitted debris older than
-    the newest committed step. Never deletes the newest committed step. Returns deleted steps."""
+    the newest committed step. A quarantined step is evidence: it stays as long as a committed
+    step of its age would (it is newer than the oldest step kept). Never deletes the newest
+    committed step. Returns deleted steps."""
     committed = committed_steps(storage)
     if not committed:
         return []
@@ -200,6 +269,8 @@ def retain(storage: Storage, keep_last: int | None) -> list[int]:
     for step in all_step_dirs(storage):
         if step in keep or step > committed[-1]:
             continue
+        if step > min(keep) and storage.exists(f"{step_dir(step)}/{QUARANTINE}"):
+            continue
         storage.delete(f"{step_dir(step)}/{COMMIT}")  # invisible first, then the data
         storage.delete_tree(step_dir(step))
         deleted.append(step)
@@ -207,9 +278,44 @@ def retain(storage: Storage, keep_last: int | None) -> list[int]:
     return deleted
 
 
-def quarantine(storage: Storage, step: int, reason: str) -> None:
-    """Hide a damaged committed step (a CORRUPT note stays for forensics until gc)."""
+def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, str],
+               confirmed_by: int) -> None:
+    """Hide a damaged committed step, keeping the evidence: its COMMIT moves (bytes unchanged)
+    into a sealed QUARANTINE note with the reason, what every rank reported, and which rank
+    confirmed it, so that ``verify`` can still read the step against its manifest. The step
+    can be saved again. The note is written (durably) before COMMIT is deleted: a crash in
+    between leaves the step committed, and the next load finds the damage again."""
     base = step_dir(step)
-    storage.write(f"{base}/CORRUPT", [json.dumps({"reason": reason}).encode()])
+    try:
+        marker = storage.read(f"{base}/{COMMIT}")
+    except FileNotFoundError:
+        return  # hidden already (another process quarantined it, or retention ran)
+    note = {"step": step, "reason": reason, "reports": {str(r): m for r, m in reports.items()},
+            "confirmed_by": confirmed_by, "time": time.time(),
+            "commit_b64": base64.b64encode(bytes(marker)).decode()}
+    storage.write(f"{base}/{QUARANTINE}", [_format.seal(note)], durable=True)
+    storage.sync()
     storage.delete(f"{base}/{COMMIT}")
     storage.sync()
+
+
+def read_quarantine(storage: Storage, step: int) -> tuple[dict[str, Any], bytes] | None:
+    """A quarantined step's note and its moved-aside COMMIT bytes; None when there is none."""
+    try:
+        data = storage.read(f"{step_dir(step)}/{QUARANTINE}")
+    except FileNotFoundError:
+        return None
+    note = _format.unseal(data, where=f"step {step}: QUARANTINE note")
+    try:
+        marker = base64.b64decode(note["commit_b64"], validate=True)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"step {step}: QUARANTINE note lacks the COMMIT it moved "
+                                     f"aside ({exc})") from None
+    return note, marker
+
+
+def quarantined_steps(storage: Storage) -> list[int]:
+    """Steps hidden by quarantine (a QUARANTINE note and no COMMIT), ascending."""
+    return [step for step in all_step_dirs(storage)
+            if storage.exists(f"{step_dir(step)}/{QUARANTINE}")
+            and not storage.exists(f"{step_dir(step)}/{COMMIT}")]

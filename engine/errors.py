@@ -16,7 +16,15 @@ class CheckpointNotFoundError(CheckpointError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """Stored data fails its checksum, is truncated, missing, or its metadata is invalid."""
+    """Stored data fails its checksum, is truncated, missing, or its metadata is invalid.
+
+    ``key``: the object found damaged (relative to the step folder), when one object is to
+    blame, so that another reader can confirm the damage before anything acts on it.
+    """
+
+    def __init__(self, *args: object, key: str | None = None) -> None:
+        super().__init__(*args)
+        self.key = key
 
 
 class CheckpointMismatchError(CheckpointError):

@@ -4,14 +4,18 @@ Every rank reads only the part of each global array that its target tensors hold
 layout wrote it: that is resharding. Nothing read from storage is trusted: metadata is parsed
 as JSON and validated (names, shapes, dtypes, codecs) before any allocation, every object is
 looked up in the COMMIT manifest, every inner chunk and shard index is checked against its
-crc32c, and a missing object is an error, never a silent fill value.
+crc32c and against the part CRC the manifest records for it (so a stale, foreign or swapped
+object is refused on full and partial reads alike: see ``_format``), and a missing object is an
+error, never a silent fill value.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +24,8 @@ import torch
 
 from . import _format
 from ._dtypes import torch_dtype, zarr_data_type
-from ._paths import check_array_name, step_dir
-from .commit import read_commit
+from ._paths import COMMIT, check_array_name, step_dir
+from .commit import parse_marker, read_marker
 from .errors import CheckpointCorruptError
 from .plan import ArraySpec, HeldBox
 
@@ -45,15 +49,39 @@ def _int_list(value: object, *, where: str, positive: bool = False) -> tuple[int
     return tuple(value)
 
 
-class StepReader:
-    """A committed step, opened for reading. Thread-safe after construction."""
+def split_cell_key(key: str) -> tuple[str, tuple[int, ...]] | None:
+    """``(array name, cell)`` of a shard object key (``model/w/c/1/0``), None for others.
+    Names may contain a ``c`` component (``model/c/w``): the last ``/c/`` is the separator."""
+    head, sep, tail = key.rpartition("/c/")
+    if sep and all(p.isdigit() for p in tail.split("/")):
+        return head, tuple(int(p) for p in tail.split("/"))
+    return (key.removesuffix("/c"), ()) if key.endswith("/c") else None
 
-    def __init__(self, storage: Any, step: int) -> None:
+
+@contextlib.contextmanager
+def _blame(key: str) -> Iterator[None]:
+    """Name ``key`` as the damaged object of a CheckpointCorruptError raised inside."""
+    try:
+        yield
+    except CheckpointCorruptError as exc:
+        if exc.key is None:
+            exc.key = key
+        raise
+
+
+class StepReader:
+    """A committed step, opened for reading. Thread-safe after construction.
+
+    ``marker``: read the step against these COMMIT bytes instead of its COMMIT object (a
+    quarantined step's manifest, moved aside)."""
+
+    def __init__(self, storage: Any, step: int, marker: bytes | None = None) -> None:
         self.storage = storage
         self.step = step
         self.base = step_dir(step)
-        self.commit = read_commit(storage, step)
-        self.manifest: dict[str, list[int]] = self.commit["objects"]
+        with _blame(COMMIT):
+            self.commit, self.manifest = (read_marker(storage, step) if marker is None
+                                          else parse_marker(marker, step))
         group = self.read_json("zarr.json")
         group_attrs = group.get("attributes") if isinstance(group, dict) else None
         attrs = group_attrs.get("antifragile") if isinstance(group_attrs, dict) else None
@@ -73,27 +101,53 @@ class StepReader:
     def where(self, key: str) -> str:
         return f"step {self.step}, object {key}"
 
-    def read_checked(self, key: str) -> bytes | bytearray:
-        """Read a whole object and check its size and crc32c against the COMMIT manifest."""
-        entry = self.manifest.get(key)
+    def entry(self, key: str) -> tuple[int, list[int]]:
+        """The size and part CRCs the COMMIT manifest records for ``key``."""
+        entry = self.manifest.objects.get(key)
         if entry is None:
             raise CheckpointCorruptError(f"{self.where(key)}: not in the COMMIT manifest")
+        return entry[0], self.manifest.crcs[key]
+
+    def read_object(self, key: str) -> bytes | bytearray:
+        """Read a whole object (one request) and check its size against the manifest."""
+        nbytes, _ = self.entry(key)
         try:
-            data = self.storage.read(f"{self.base}/{key}")
+            data = self.storage.read(f"{self.base}/{key}", 0, nbytes + 1)
         except FileNotFoundError:
             raise CheckpointCorruptError(f"{self.where(key)}: object is missing") from None
-        if len(data) != entry[0]:
+        if len(data) != nbytes:
             raise CheckpointCorruptError(
-                f"{self.where(key)}: {len(data)} bytes, the manifest says {entry[0]} (truncated?)")
-        if _format.crc(data) != entry[1]:
-            raise CheckpointCorruptError(f"{self.where(key)}: fails its crc32c")
+                f"{self.where(key)}: {len(data)} bytes, the manifest says {nbytes}")
         return data
 
+    def check_document(self, key: str, data: bytes | bytearray) -> None:
+        """A metadata document must be the one this save wrote (its crc32c, in the manifest)."""
+        if self.entry(key)[1] != [_format.crc(data)]:
+            raise CheckpointCorruptError(f"{self.where(key)}: does not match the COMMIT "
+                                         "manifest (damaged, stale or foreign)")
+
     def read_json(self, key: str) -> Any:
-        try:
-            return json.loads(self.read_checked(key))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CheckpointCorruptError(f"{self.where(key)}: not JSON ({exc})") from None
+        with _blame(key):
+            data = self.read_object(key)
+            self.check_document(key, data)
+            try:
+                return json.loads(data)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise CheckpointCorruptError(f"{self.where(key)}: not JSON ({exc})") from None
+
+    def recheck(self, key: str) -> None:
+        """Read ``key`` again, whole, and check it as ``verify`` does: the second look that
+        confirms damage a reader reported (CheckpointCorruptError if it is damaged)."""
+        with _blame(key):
+            if key == COMMIT:
+                return  # read and checked again by this reader's construction
+            cell = split_cell_key(key)
+            tensor = next((t for t in self.tensors.values()
+                           if cell is not None and cell[0] in t.arrays), None)
+            if cell is None or tensor is None:
+                self.check_document(key, self.read_object(key))
+                return
+            self.check_cell(self.array(cell[0], tensor), cell[1], self.read_object(key))
 
     # -- metadata ------------------------------------------------------------------------------
 
@@ -107,7 +161,8 @@ class StepReader:
 
     def array(self, name: str, tensor: StoredTensor) -> ArraySpec:
         if name not in self._arrays:
-            self._arrays[name] = self._parse_array(name, tensor)
+            with _blame(f"{name}/zarr.json"):
+                self._arrays[name] = self._parse_array(name, tensor)
         return self._arrays[name]
 
     def _parse_array(self, name: str, tensor: StoredTensor) -> ArraySpec:
@@ -130,7 +185,8 @@ class StepReader:
             raise CheckpointCorruptError(f"{where}: shape {shape} at {offset} does not fit the "
                                          f"tensor's {list(tensor.shape)}")
         cells = math.prod(math.ceil(n / c) for n, c in zip(shape, grid))
-        if cells > min(_MAX_CELLS, len(self.manifest)):  # every shard is listed in the manifest
+        # every shard is listed in the manifest
+        if cells > min(_MAX_CELLS, len(self.manifest.objects)):
             raise CheckpointCorruptError(f"{where}: absurd chunk grid ({cells} shards)")
         inner = grid[0] if grid else 1
         if shape:
@@ -151,40 +207,70 @@ class StepReader:
             raise CheckpointCorruptError(f"{where}: unsupported codec pipeline")
         return ArraySpec(name, tensor.path, offset, shape, attrs["dtype"], grid, inner)
 
+    def _part_crcs(self, spec: ArraySpec, cell: tuple[int, ...], where: str) -> list[int]:
+        """The manifest's part CRCs of a cell: one per stored inner chunk, then the index's."""
+        crcs = self.entry(spec.cell_key(cell))[1]
+        expected = _format.stored_chunks(spec, cell) + (1 if spec.shape else 0)
+        if len(crcs) != expected:
+            raise CheckpointCorruptError(f"{where}: the manifest lists {len(crcs)} part "
+                                         f"checksums, the array's layout has {expected} parts")
+        return crcs
+
     def check_cell(self, spec: ArraySpec, cell: tuple[int, ...], data: bytes | bytearray) -> None:
         """Decode a whole shard object: index crc and bounds, every in-bounds inner chunk
-        present, of the right size, and matching its crc32c (``verify``'s deep check)."""
+        present, of the right size, and matching its crc32c and the manifest's
+        (``verify``'s deep check)."""
         where = f"{self.where(spec.cell_key(cell))} (array {spec.name!r})"
         itemsize = torch_dtype(spec.dtype, where=where).itemsize
+        crcs = self._part_crcs(spec, cell, where)
         view = memoryview(data)
         if not spec.shape:
-            if len(_format.check_chunk(view, where=where)) != itemsize:
+            if len(_format.check_chunk(view, expected_crc=crcs[0], where=where)) != itemsize:
                 raise CheckpointCorruptError(f"{where}: scalar payload has the wrong size")
             return
         k = spec.inner_rows
         chunk_nbytes = k * math.prod(spec.shard_shape[1:]) * itemsize + 4
-        valid_rows = min(spec.shard_shape[0], spec.shape[0] - cell[0] * spec.shard_shape[0])
         tail = _format.index_nbytes(spec)
         if len(data) < tail:
             raise CheckpointCorruptError(f"{where}: object smaller than its index")
-        index = _format.decode_index(spec, bytes(view[-tail:]), len(data), where=where)
-        for i, span in enumerate(index):
-            if i * k >= valid_rows:
-                continue
+        index = _format.decode_index(spec, bytes(view[-tail:]), len(data),
+                                     expected_crc=crcs[-1], where=where)
+        for i, span in enumerate(index[:len(crcs) - 1]):
             if span is None or span[1] != chunk_nbytes:
                 raise CheckpointCorruptError(f"{where}: inner chunk {i} is missing or has the "
                                              "wrong size")
-            _format.check_chunk(view[span[0]:span[0] + span[1]], where=where)
+            _format.check_chunk(view[span[0]:span[0] + span[1]], expected_crc=crcs[i],
+                                where=f"{where}, inner chunk {i}")
 
     # -- data ----------------------------------------------------------------------------------
 
-    def read_box(self, tensor: StoredTensor, box: HeldBox, out: torch.Tensor,
-                 pool: Executor) -> list[Any]:
-        """Schedule reads filling ``out`` (the local region of ``box``); returns futures."""
-        futures = []
+    def load_arrays(self, tensors: Sequence[StoredTensor], pool: Executor) -> None:
+        """Read and validate the metadata of every array of ``tensors`` at once, on ``pool``
+        (a checkpoint of 1,000 tensors is 1,000 documents: one round trip, not 1,000)."""
+        todo = [(name, t) for t in tensors for name in t.arrays if name not in self._arrays]
+        for _ in pool.map(lambda job: self.array(*job), todo):
+            pass
+
+    def arrays_of(self, tensor: StoredTensor) -> list[ArraySpec]:
+        """The arrays of ``tensor``, checked to be pairwise disjoint: with that, counting the
+        elements they cover proves coverage (overlapping pieces could hide a gap)."""
+        specs = [self.array(name, tensor) for name in tensor.arrays]
+        for i, a in enumerate(specs):
+            for b in specs[i + 1:]:
+                if all(max(x, y) < min(x + n, y + m) for x, n, y, m
+                       in zip(a.offset, a.shape, b.offset, b.shape)):
+                    raise CheckpointCorruptError(
+                        f"step {self.step}, tensor {tensor.path!r}: arrays {a.name!r} and "
+                        f"{b.name!r} overlap")
+        return specs
+
+    def read_box(self, tensor: StoredTensor, box: HeldBox, out: torch.Tensor
+                 ) -> list[Callable[[], None]]:
+        """The reads that fill ``out`` (the local region of ``box``), to run on a pool. Every
+        check that needs no data (metadata, coverage) is done here, before any read runs."""
+        reads: list[Callable[[], None]] = []
         covered = 0
-        for name in tensor.arrays:
-            spec = self.array(name, tensor)
+        for spec in self.arrays_of(tensor):
             lo = [max(b, a) for b, a in zip(box.offset, spec.offset)]
             hi = [min(b + s, a + n) for b, s, a, n in zip(box.offset, box.shape, spec.offset,
                                                           spec.shape)]
@@ -193,15 +279,20 @@ class StepReader:
             covered += math.prod(h - lo_ for lo_, h in zip(lo, hi))
             ranges = [range((l_ - a) // c, math.ceil((h - a) / c))
                       for l_, h, a, c in zip(lo, hi, spec.offset, spec.shard_shape)]
-            for cell in _product(ranges):
-                futures.append(pool.submit(self._read_cell, spec, cell, lo, hi, box, out))
+            reads += [functools.partial(self._read_cell, spec, cell, lo, hi, box, out)
+                      for cell in _product(ranges)]
         if covered != math.prod(box.shape):  # never leave part of the target silently unfilled
             raise CheckpointCorruptError(f"step {self.step}, tensor {tensor.path!r}: its arrays "
                                          f"cover {covered} of {math.prod(box.shape)} elements")
-        return futures
+        return reads
 
     def _read_cell(self, spec: ArraySpec, cell: tuple[int, ...], lo: Sequence[int],
                    hi: Sequence[int], box: HeldBox, out: torch.Tensor) -> None:
+        with _blame(spec.cell_key(cell)):
+            self._read_cell_checked(spec, cell, lo, hi, box, out)
+
+    def _read_cell_checked(self, spec: ArraySpec, cell: tuple[int, ...], lo: Sequence[int],
+                           hi: Sequence[int], box: HeldBox, out: torch.Tensor) -> None:
         key = spec.cell_key(cell)
         where = self.where(key)
         dtype = torch_dtype(spec.dtype, where=where)
@@ -209,12 +300,14 @@ class StepReader:
         # intersection of the wanted region with this cell, in global coordinates
         c_lo = [max(lo_, s) for lo_, s in zip(lo, start)]
         c_hi = [min(h, s + c) for h, s, c in zip(hi, start, spec.shard_shape)]
-        entry = self.manifest.get(key)
-        if entry is None:
+        if key not in self.manifest.objects:
             raise CheckpointCorruptError(f"{where}: shard not in the COMMIT manifest "
                                          f"(array {spec.name!r}, chunk {list(cell)})")
+        where = f"{where} (array {spec.name!r})"
+        crcs = self._part_crcs(spec, cell, where)
         if not spec.shape:
-            payload = _format.check_chunk(memoryview(self.read_checked(key)), where=where)
+            payload = _format.check_chunk(memoryview(self.read_object(key)),
+                                          expected_crc=crcs[0], where=where)
             if len(payload) != dtype.itemsize:
                 raise CheckpointCorruptError(f"{where}: scalar chunk has the wrong size")
             out.copy_(torch.frombuffer(bytearray(payload), dtype=dtype).reshape(()))
@@ -222,12 +315,13 @@ class StepReader:
         k = spec.inner_rows
         row_elems = math.prod(spec.shard_shape[1:])
         first, last = (c_lo[0] - start[0]) // k, math.ceil((c_hi[0] - start[0]) / k)
-        data, index = self._fetch(spec, key, entry[0], first, last, where)
+        data, index = self._fetch(spec, key, first, last, crcs[-1], where)
         for i in range(first, last):
             span = index[i]
             if span is None:
                 raise CheckpointCorruptError(f"{where}: inner chunk {i} is empty")
-            payload = _format.check_chunk(data[span[0]:span[0] + span[1]], where=where)
+            payload = _format.check_chunk(data[span[0]:span[0] + span[1]],
+                                          expected_crc=crcs[i], where=f"{where}, inner chunk {i}")
             if len(payload) != k * row_elems * dtype.itemsize:
                 raise CheckpointCorruptError(f"{where}: inner chunk {i} has the wrong size")
             chunk = torch.frombuffer(payload, dtype=dtype).reshape(k, *spec.shard_shape[1:])
@@ -240,34 +334,35 @@ class StepReader:
                                                                box.offset[1:])))]
             dst.copy_(src)
 
-    def _fetch(self, spec: ArraySpec, key: str, nbytes: int, first: int, last: int, where: str
-               ) -> tuple[memoryview, list[tuple[int, int] | None]]:
-        """Bytes covering inner chunks [first, last) (offsets relative to the view) and index."""
+    def _fetch(self, spec: ArraySpec, key: str, first: int, last: int, index_crc: int,
+               where: str) -> tuple[memoryview, list[tuple[int, int] | None]]:
+        """Bytes covering inner chunks [first, last) (offsets relative to the view) and index.
+        Only the whole-object case reads everything; a partial read fetches the index, then
+        the span of the wanted chunks."""
+        nbytes = self.entry(key)[0]
         path = f"{self.base}/{key}"
         tail = _format.index_nbytes(spec)
         if nbytes < tail:
             raise CheckpointCorruptError(f"{where}: object smaller than its index")
+        if first == 0 and last == _format.inner_count(spec):
+            data = memoryview(_writable(self.read_object(key)))
+            return data, _format.decode_index(spec, bytes(data[-tail:]), nbytes,
+                                              expected_crc=index_crc, where=where)
         try:
-            if first == 0 and last == _format.inner_count(spec):
-                data = memoryview(_writable(self.storage.read(path)))
-                if len(data) != nbytes:
-                    raise CheckpointCorruptError(f"{where}: {len(data)} bytes, the manifest says "
-                                                 f"{nbytes} (truncated?)")
-                return data, _format.decode_index(spec, bytes(data[-tail:]), nbytes, where=where)
             trailer = self.storage.read(path, nbytes - tail, nbytes)
-            index = _format.decode_index(spec, trailer, nbytes, where=where)
+            index = _format.decode_index(spec, trailer, nbytes, expected_crc=index_crc,
+                                         where=where)
             spans = [s for s in index[first:last] if s is not None]
             if not spans:
                 return memoryview(b""), index
-            lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
+            lo, hi = min(s[0] for s in spans), max(s[0] + s[1] for s in spans)
             data = memoryview(_writable(self.storage.read(path, lo, hi)))
-            if len(data) != hi - lo:
-                raise CheckpointCorruptError(f"{where}: truncated object")
-            shifted = [None if s is None else (s[0] - lo, s[1]) for s in index]
-            return data, shifted
         except FileNotFoundError:
-            raise CheckpointCorruptError(f"{where}: object is missing "
-                                         f"(array {spec.name!r})") from None
+            raise CheckpointCorruptError(f"{where}: object is missing") from None
+        if len(data) != hi - lo:
+            raise CheckpointCorruptError(f"{where}: truncated object")
+        shifted = [None if s is None else (s[0] - lo, s[1]) for s in index]
+        return data, shifted
 
 
 def _writable(data: bytes | bytearray) -> bytearray:

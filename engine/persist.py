@@ -1,23 +1,22 @@
 """Persist: write this rank's shard objects with bounded concurrency, then its phase-1 record.
 
-Runs on the engine's background thread. The record (``.ranks/<rank>.json``) lists every object
-the rank wrote with its size and crc32c; it is written only after all of them are durable, so a
-record never refers to a torn object.
+Runs on the engine's background thread. The record (``.ranks/<rank>.json``, sealed JSON) lists
+every object the rank wrote with its size, part CRCs and digest (see ``_format``); it is written
+only after all of them are durable, so a record never refers to a torn object.
 """
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import Executor
 from typing import Any
 
 from . import _format
+from ._format import Manifest
 from ._paths import record_key, step_dir
+from .errors import CheckpointCorruptError
 from .plan import GlobalPlan
 from .stage import StagingArea
 from .storage import Storage
-
-Manifest = dict[str, list[int]]  # key relative to the step folder -> [nbytes, crc32c]
 
 
 def metadata_objects(plan: GlobalPlan) -> dict[str, bytes]:
@@ -32,30 +31,29 @@ def metadata_objects(plan: GlobalPlan) -> dict[str, bytes]:
     return docs
 
 
-def write_objects(storage: Storage, step: int, staging: StagingArea,
+def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
                   extra: dict[str, bytes], pool: Executor) -> Manifest:
     """Write the staged cells and ``extra`` objects; return what was written."""
     base = step_dir(step)
 
-    def put_cell(index: int, view: memoryview) -> tuple[str, int, int]:
+    def put_cell(index: int, view: memoryview) -> tuple[str, int, list[int]]:
         write = staging.writes[index]
-        parts, nbytes, whole_crc = _format.encode_cell(write.array, write.valid_shape[0]
-                                                       if write.valid_shape else 1, view)
+        parts, nbytes, crcs = _format.encode_cell(write.array, write.valid_shape[0]
+                                                  if write.valid_shape else 1, view)
         storage.write(f"{base}/{write.key}", parts)
-        return write.key, nbytes, whole_crc
+        return write.key, nbytes, crcs
 
-    def put_doc(key: str, data: bytes) -> tuple[str, int, int]:
+    def put_doc(key: str, data: bytes) -> tuple[str, int, list[int]]:
         storage.write(f"{base}/{key}", [data])
-        return key, len(data), _format.crc(data)
+        return key, len(data), [_format.crc(data)]
 
     futures = [pool.submit(put_doc, k, v) for k, v in extra.items()]
     futures += [pool.submit(put_cell, i, v) for i, v in enumerate(staging.views())]
-    manifest: Manifest = {}
+    manifest = Manifest(nonce)
     errors = []
     for fut in futures:
         try:
-            key, nbytes, crc = fut.result()
-            manifest[key] = [nbytes, crc]
+            manifest.add(*fut.result())
         except Exception as exc:  # collect all; report the first
             errors.append(exc)
     if errors:
@@ -65,24 +63,29 @@ def write_objects(storage: Storage, step: int, staging: StagingArea,
 
 
 def write_record(storage: Storage, step: int, rank: int, record: dict[str, Any]) -> None:
-    storage.write(record_key(step, rank), [json.dumps(record, allow_nan=True).encode()])
+    storage.write(record_key(step, rank), [_format.seal(record)])
     storage.sync()
 
 
-def parse_record(data: bytes | bytearray) -> dict[str, Any] | None:
-    """A record, or None while it is incomplete or unreadable (the coordinator polls again)."""
-    try:
-        record = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return record if isinstance(record, dict) else None
+def parse_record(data: bytes | bytearray, *, where: str) -> dict[str, Any]:
+    """A sealed record (or ABORT note); CheckpointCorruptError when its bytes are damaged.
+    Writes are atomic (a rename locally, one PUT on S3): a record is never seen half-written."""
+    return _format.unseal(data, where=where)
+
+
+def record_manifest(record: dict[str, Any], *, where: str) -> Manifest:
+    return _format.parse_manifest(record, where=where)
 
 
 def rank_record(*, step: int, rank: int, plan_id: str, nonce: int, manifest: Manifest | None,
-                values: dict[str, Any], error: str | None = None) -> dict[str, Any]:
+                values: dict[str, Any], error: str | None = None, requests: int = 0
+                ) -> dict[str, Any]:
+    """A rank's phase-1 record. ``requests``: storage requests this rank's save made, this
+    record's write included (COMMIT lists them per rank)."""
+    if manifest is not None and manifest.nonce != nonce:
+        raise CheckpointCorruptError(f"step {step}, rank {rank}: manifest of another save")
     return {"step": step, "rank": rank, "plan_id": plan_id, "nonce": nonce,
-            "ok": error is None, "error": error, "objects": manifest or {}, "values": values}
-
-
-def total_bytes(manifest: Manifest) -> int:
-    return sum(n for n, _ in manifest.values())
+            "ok": error is None, "error": error,
+            "objects": manifest.objects if manifest else {},
+            "crcs": manifest.crcs if manifest else {}, "values": values,
+            "requests": requests}

@@ -245,18 +245,32 @@ def _regular_grid(shape: Sequence[int], boxes: Iterable[tuple[tuple[int, ...], t
     return tuple(math.gcd(*c) if c else max(n, 1) for c, n in zip(cuts, shape))
 
 
+def _fit(n: int, step: int, limit: int) -> int:
+    """A cell size of at most ``limit`` along a dim of ``n`` whose box grid step is ``step``:
+    any size when one step spans the dim (the last cell may be short, even for a prime ``n``),
+    else a divisor of ``step`` (a cell must never straddle a box boundary)."""
+    return min(step, limit) if step >= n else _largest_divisor_at_most(step, limit)
+
+
 def _refine(shape: tuple[int, ...], grid: tuple[int, ...], itemsize: int, replicas: int,
             box_bytes: int, options: PlanOptions) -> tuple[tuple[int, ...], int]:
-    """Split cells along dim 0 (size cap, spreading replicas); choose the inner chunk rows."""
+    """Split cells to at most ``max_object_bytes`` (along dim 0 first, then along the next dims
+    when a single row is larger than that) and spread replicas; choose the inner chunk rows."""
+    cell = list(grid)
     row_bytes = math.prod(grid[1:]) * itemsize
-    rows = grid[0]
     limit = max(1, options.max_object_bytes // max(row_bytes, 1))
     if replicas > 1 and box_bytes >= replicas * options.min_split_bytes:
-        limit = min(limit, math.ceil(rows / replicas))
-    # one cell spans dim 0: any row count fits (the last cell may be short), even for prime rows
-    rows = min(rows, limit) if rows >= shape[0] else _largest_divisor_at_most(rows, limit)
-    inner = _largest_divisor_at_most(rows, max(1, options.inner_chunk_bytes // max(row_bytes, 1)))
-    return (rows, *grid[1:]), inner
+        limit = min(limit, math.ceil(grid[0] / replicas))
+    cell[0] = _fit(shape[0], grid[0], limit)
+    for d in range(1, len(cell)):
+        if math.prod(cell) * itemsize <= options.max_object_bytes:
+            break
+        other = math.prod(cell[:d]) * math.prod(cell[d + 1:]) * itemsize
+        cell[d] = _fit(shape[d], cell[d], max(1, options.max_object_bytes // max(other, 1)))
+    row_bytes = math.prod(cell[1:]) * itemsize
+    inner = _largest_divisor_at_most(cell[0],
+                                     max(1, options.inner_chunk_bytes // max(row_bytes, 1)))
+    return tuple(cell), inner
 
 
 def build_plan(inventories: Sequence[dict], options: PlanOptions = PlanOptions()) -> GlobalPlan:

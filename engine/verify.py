@@ -1,14 +1,19 @@
-"""Verification of a committed step: every object read back and checked, coverage complete."""
+"""Verification of a committed step: every object read back and checked, coverage complete.
+
+A quarantined step is verified against the COMMIT its quarantine moved aside: the report says
+it is quarantined and why, and what is damaged now."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from itertools import product
 
-from .errors import CheckpointError
-from .load import StepReader
+from .commit import read_quarantine
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .load import StepReader, StoredTensor, split_cell_key
 from .plan import ArraySpec
 from .storage import Storage
 
@@ -29,6 +34,8 @@ class VerifyReport:
     objects: int = 0
     nbytes: int = 0
     problems: list[Problem] = field(default_factory=list)
+    quarantined: str | None = None  # why the step was quarantined (read against its moved
+    # aside manifest), None for a committed step
 
     def add(self, key: str, array: str | None, reason: str) -> None:
         self.ok = False
@@ -39,38 +46,54 @@ class VerifyReport:
         return sorted({p.array for p in self.problems if p.array})
 
     def summary(self) -> str:
-        if self.ok:
-            return f"step {self.step}: ok ({self.objects} objects, {self.nbytes} bytes)"
-        lines = [f"step {self.step}: DAMAGED ({len(self.problems)} problem(s))"]
+        head = [f"step {self.step}: QUARANTINED: {self.quarantined}"] if self.quarantined else []
+        if not self.problems:
+            return "\n".join([*head, f"step {self.step}: ok ({self.objects} objects, "
+                                      f"{self.nbytes} bytes)"])
+        lines = [*head, f"step {self.step}: DAMAGED ({len(self.problems)} problem(s))"]
         lines += [f"  {p.array or '-'}  {p.key}: {p.reason}" for p in self.problems[:50]]
         return "\n".join(lines)
 
 
 def _array_of(key: str) -> str | None:
-    head, sep, _ = key.rpartition("/c/")  # names may contain a "c" component: "model/c/w"
-    if sep:
-        return head
-    return key.removesuffix("/c") if key.endswith("/c") else None
+    cell = split_cell_key(key)
+    return cell[0] if cell else None
 
 
 def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
-    """Read every object of ``step`` (size and crc32c against the manifest) and check that the
-    manifest covers every shard of every array the step's index names."""
+    """Read every object of ``step`` (size, crc32c of every part, each part the one the manifest
+    records) and check that the manifest covers every shard of every array the step's index
+    names. A quarantined step is read against its moved-aside manifest (never ``ok``)."""
     report = VerifyReport(step)
     try:
-        reader = StepReader(storage, step)
-    except CheckpointError as exc:
-        report.add("COMMIT", None, str(exc))
+        try:
+            reader = StepReader(storage, step)
+        except CheckpointNotFoundError:
+            found = read_quarantine(storage, step)
+            if found is None:
+                raise
+            report.ok, report.quarantined = False, str(found[0].get("reason"))
+            reader = StepReader(storage, step, marker=found[1])
+    except CheckpointError as exc:  # the marker or the group metadata: name which
+        key = exc.key if isinstance(exc, CheckpointCorruptError) and exc.key else "COMMIT"
+        report.add(key, None, str(exc))
         return report
 
+    def parse(job: tuple[str, StoredTensor]) -> None:  # every array's metadata at once;
+        with contextlib.suppress(CheckpointError):  # errors are reported below
+            reader.array(*job)
+
+    for _ in pool.map(parse, [(n, t) for t in reader.tensors.values() for n in t.arrays]):
+        pass
     cells: dict[str, tuple[ArraySpec, tuple[int, ...]]] = {}
     for tensor in reader.tensors.values():
-        covered = 0
+        covered, parsed = 0, True
         for name in tensor.arrays:
             try:
                 spec = reader.array(name, tensor)
             except CheckpointError as exc:
                 report.add(f"{name}/zarr.json", name, str(exc))
+                parsed = False
                 continue
             covered += math.prod(spec.shape)
             if not math.prod(spec.shape):
@@ -79,22 +102,29 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
             for cell in product(*grid):
                 key = spec.cell_key(cell)
                 cells[key] = (spec, cell)
-                if key not in reader.manifest:
+                if key not in reader.manifest.objects:
                     report.add(key, name, "shard not in the COMMIT manifest")
         if covered != math.prod(tensor.shape):
             report.add("zarr.json", None, f"the arrays of tensor {tensor.path!r} cover {covered} "
                        f"of its {math.prod(tensor.shape)} elements")
+        elif parsed:
+            try:
+                reader.arrays_of(tensor)  # as many elements as the tensor: no overlap either
+            except CheckpointError as exc:
+                report.add("zarr.json", None, str(exc))
 
     def check(key: str) -> tuple[str, int, str | None]:
         try:
-            data = reader.read_checked(key)
+            data = reader.read_object(key)
             if key in cells:
                 reader.check_cell(*cells[key], data)
+            else:
+                reader.check_document(key, data)
             return key, len(data), None
         except CheckpointError as exc:
             return key, 0, str(exc)
 
-    for key, nbytes, error in pool.map(check, sorted(reader.manifest)):
+    for key, nbytes, error in pool.map(check, sorted(reader.manifest.objects)):
         report.objects += 1
         report.nbytes += nbytes
         if error:

@@ -64,8 +64,16 @@ def test_inspect_describes_arrays(tmp_path: Path) -> None:
     assert arrays["model/b"]["dtype"] == "bfloat16"
     assert arrays["model/w"]["bytes"] >= 8 * 8 * 4
     assert doc["values"] == {"step": 10}
+    # requests: what the save made (each rank, through its record), what a load of the whole
+    # step makes (COMMIT, group metadata, each array's metadata, each object)
+    shards = sum(a["shards"] for a in doc["arrays"])
+    assert doc["requests"]["load"] == 2 + len(doc["arrays"]) + shards
+    objects = shards + len(doc["arrays"]) + 2  # + model/zarr.json and the group's zarr.json
+    assert objects - 1 <= doc["requests"]["save"] <= objects + 4, doc["requests"]
+    assert doc["requests"]["save_by_rank"] == {"0": doc["requests"]["save"]}
     table = CliRunner().invoke(main, ["ckpt", "inspect", url, "--step", "10"])
     assert table.exit_code == 0 and "model/w" in table.output
+    assert f"requests: save {doc['requests']['save']}" in table.output
 
 
 def test_bad_url_is_a_clear_error(tmp_path: Path) -> None:

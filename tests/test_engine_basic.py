@@ -412,6 +412,36 @@ def test_keep_last_one_never_deletes_the_newest(storage: Storage) -> None:
         assert engine.load(target) == 3 and torch.equal(target["w"], torch.full((3,), 3.0))
 
 
+def test_a_retention_failure_does_not_fail_a_committed_save(
+    storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Committed means committed: the save of step 2 succeeds on every rank even though
+    retention cannot delete step 1 (the storage layer refuses); the error is on the handle and
+    retention runs again, successfully, at the next save."""
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=1) as engine:
+        engine.save(1, {"w": torch.ones(3)}, blocking=True)
+        inner = engine.storage.inner
+
+        def refuse(prefix: str) -> None:
+            raise PermissionError(f"delete refused: {prefix}")
+
+        monkeypatch.setattr(inner, "delete_tree", refuse)
+        handle = engine.save(2, {"w": torch.full((3,), 2.0)})
+        handle.wait()
+        assert handle.retention_error is not None
+        assert "step_000000001" in handle.retention_error
+        assert "PermissionError" in handle.retention_error
+        assert engine.steps() == [2]
+        assert "step_000000001" in step_folders(storage)
+        with pytest.raises(CheckpointError, match="step 2 is already committed"):
+            engine.save(2, {"w": torch.ones(3)}, blocking=True)
+        monkeypatch.undo()
+        handle = engine.save(3, {"w": torch.full((3,), 3.0)}, blocking=True)
+        assert handle.retention_error is None
+        assert step_folders(storage) == ["step_000000003"]
+
+
 # -- load errors -----------------------------------------------------------------------------
 
 
@@ -484,3 +514,33 @@ def test_invalid_state_is_refused_naming_the_path(
         assert engine.steps() == []
         engine.save(1, {"w": torch.ones(2)}, blocking=True)
         assert engine.steps() == [1]
+
+
+class _CommitsFirst:
+    """Another job commits the same step while this save is finishing: its COMMIT appears
+    just before this coordinator writes the group metadata."""
+
+    def __init__(self, inner: Any, foreign: bytes) -> None:
+        self.inner, self.foreign = inner, foreign
+
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+        if key == "step_000000005/zarr.json":
+            self.inner.write("step_000000005/COMMIT", [self.foreign], durable=True)
+        self.inner.write(key, parts, durable=durable)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_commit_never_overwrites_another_saves_commit(tmp_path: Any) -> None:
+    """Two jobs at one URL: the save that comes second fails instead of replacing the first
+    one's COMMIT (which would silently drop a committed checkpoint)."""
+    other = str(tmp_path / "other")
+    with CheckpointEngine(other) as engine:
+        engine.save(5, {"w": torch.ones(3)}, blocking=True)
+    foreign = (tmp_path / "other" / "step_000000005" / "COMMIT").read_bytes()
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        engine.storage.inner = _CommitsFirst(engine.storage.inner, foreign)
+        with pytest.raises(CheckpointError, match=r"step 5.*committed by another save"):
+            engine.save(5, {"w": torch.zeros(3)}, blocking=True)
+    assert (tmp_path / "ckpt" / "step_000000005" / "COMMIT").read_bytes() == foreign

@@ -1,7 +1,8 @@
 """Hand-crafted hostile checkpoints on local storage.
 
 An attacker (or a buggy writer) controls every byte of a checkpoint and keeps the COMMIT
-manifest consistent with what they wrote, so checksums alone catch nothing. Whatever the
+manifest consistent with what they wrote (sizes, part CRCs, digests, the marker's seal: see
+``_forge``), so checksums alone catch nothing. Whatever the
 metadata says, ``load`` raises CheckpointError, ``verify`` reports the step as not ok, nothing
 outside the checkpoint folder is written, no absurd amount of memory is allocated, and nothing
 is ever unpickled.
@@ -24,8 +25,11 @@ import crc32c
 import numpy as np
 import pytest
 import torch
+from _forge import edit_commit, part_crcs, set_entry
 
 from antifragile.engine import CheckpointEngine, CheckpointError, PlanOptions
+from antifragile.engine.commit import read_marker
+from antifragile.engine.storage import open_storage
 
 # model/w: 8 x 4 float32 in 2 shard objects of 4 rows, each of 2 inner chunks of 2 rows
 PLAN = PlanOptions(max_object_bytes=64, inner_chunk_bytes=32)
@@ -51,9 +55,11 @@ class Hostile:
     def read_json(self, key: str) -> Any:
         return json.loads(self.read(key))
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: bytes, inner_chunks: int | None = None) -> None:
+        """Replace an object (a document unless ``inner_chunks`` says it is a shard of that
+        many inner chunks, 0 for a scalar) and give it a consistent manifest entry."""
         (self.dir / key).write_bytes(data)
-        self.edit_commit(lambda c: c["objects"].__setitem__(key, [len(data), crc(data)]))
+        self.edit_commit(lambda c: set_entry(c, key, len(data), part_crcs(data, inner_chunks)))
 
     def edit_json(self, key: str, edit: Callable[[Any], None]) -> None:
         doc = self.read_json(key)
@@ -61,9 +67,7 @@ class Hostile:
         self.write(key, json.dumps(doc).encode())
 
     def edit_commit(self, edit: Callable[[dict[str, Any]], None]) -> None:
-        doc = json.loads((self.dir / "COMMIT").read_bytes())
-        edit(doc)
-        (self.dir / "COMMIT").write_bytes(json.dumps(doc).encode())
+        edit_commit(self.dir / "COMMIT", edit)
 
     def edit_index(self, edit: Callable[[dict[str, Any]], None]) -> None:
         """Edit the group's tensor index entry of ``model/w``."""
@@ -79,7 +83,7 @@ class Hostile:
         body = np.frombuffer(data[-36:-4], dtype="<u8").reshape(-1, 2).copy()
         edit(body)
         raw = body.tobytes()
-        self.write(key, data[:-36] + raw + struct.pack("<I", crc(raw)))
+        self.write(key, data[:-36] + raw + struct.pack("<I", crc(raw)), inner_chunks=2)
 
 
 def make_checkpoint(root: Path) -> Hostile:
@@ -92,7 +96,11 @@ def make_checkpoint(root: Path) -> Hostile:
 
 def source_state() -> dict[str, Any]:
     return {
-        "model": {"w": torch.arange(32, dtype=torch.float32).reshape(8, 4), "s": torch.tensor(2.5)},
+        "model": {
+            "w": torch.arange(32, dtype=torch.float32).reshape(8, 4),
+            "v": -torch.arange(32, dtype=torch.float32).reshape(8, 4),
+            "s": torch.tensor(2.5),
+        },
         "step": 1,
     }
 
@@ -123,7 +131,7 @@ def _outside(h: Hostile) -> None:
 
 def _scalar_payload(h: Hostile) -> None:
     payload = struct.pack("<ff", 1.0, 2.0)
-    h.write(SCALAR, payload + struct.pack("<I", crc(payload)))
+    h.write(SCALAR, payload + struct.pack("<I", crc(payload)), inner_chunks=0)
 
 
 def _empty_inner(body: np.ndarray) -> None:
@@ -138,6 +146,19 @@ def _uncovered(h: Hostile) -> None:
     h.edit_array(_set("shape", [4, 4]))
 
 
+def _overlap_and_gap(h: Hostile) -> None:
+    """model/w made of two arrays, rows [2, 6) and [4, 8): as many elements as the tensor, but
+    rows 4-5 twice and rows 0-1 never (they would keep whatever the target held)."""
+
+    def place(offset: list[int]) -> Callable[[dict[str, Any]], None]:
+        return lambda a: (a.__setitem__("shape", [4, 4]),
+                          a["attributes"]["antifragile"].__setitem__("offset", offset))
+
+    h.edit_index(_set("arrays", ["model/w", "model/v"]))
+    h.edit_array(place([2, 0]))
+    h.edit_array(place([4, 0]), name="model/v")
+
+
 HOSTILE: dict[str, Callable[[Hostile], None]] = {
     "array-name-dotdot": _names("../../outside/w"),
     "array-name-absolute": _outside,
@@ -147,19 +168,23 @@ HOSTILE: dict[str, Callable[[Hostile], None]] = {
     "array-name-nul": _names("model/w\x00"),
     "array-name-reserved": _names("model/w/zarr.json"),
     "manifest-key-dotdot": lambda h: h.edit_commit(
-        lambda c: c["objects"].__setitem__("../../outside/x", [4, 0])
+        lambda c: set_entry(c, "../../outside/x", 4, [0])
     ),
-    "manifest-key-absolute": lambda h: h.edit_commit(
-        lambda c: c["objects"].__setitem__("/etc/passwd", [4, 0])
-    ),
+    "manifest-key-absolute": lambda h: h.edit_commit(lambda c: set_entry(c, "/etc/passwd", 4, [0])),
     "manifest-size-negative": lambda h: h.edit_commit(
-        lambda c: c["objects"].__setitem__(SHARD, [-8, 0])
+        lambda c: set_entry(c, SHARD, -8, c["crcs"][SHARD])
     ),
     "manifest-size-huge": lambda h: h.edit_commit(
-        lambda c: c["objects"].__setitem__(SHARD, [2**64, 0])
+        lambda c: set_entry(c, SHARD, 2**64, c["crcs"][SHARD])
     ),
     "manifest-size-wrong": lambda h: h.edit_commit(
-        lambda c: c["objects"][SHARD].__setitem__(0, 2**40)
+        lambda c: set_entry(c, SHARD, 2**40, c["crcs"][SHARD])
+    ),
+    "manifest-entry-of-another-key": lambda h: h.edit_commit(
+        lambda c: (
+            c["objects"].__setitem__(SHARD, c["objects"]["model/w/c/0/0"]),
+            c["crcs"].__setitem__(SHARD, c["crcs"]["model/w/c/0/0"]),
+        )
     ),
     "absurd-shape-many-shards": lambda h: (
         h.edit_index(_set("shape", [10**15, 4])),
@@ -209,6 +234,7 @@ HOSTILE: dict[str, Callable[[Hostile], None]] = {
     "shard-index-empty-chunk": lambda h: h.edit_shard_index(_empty_inner),
     "scalar-payload-size": _scalar_payload,
     "arrays-do-not-cover-tensor": _uncovered,
+    "arrays-overlap-leaving-a-gap": _overlap_and_gap,
     "group-attributes-not-a-dict": lambda h: h.edit_json(
         "zarr.json", _set("attributes", ["antifragile"])
     ),
@@ -241,6 +267,8 @@ def hostile_root(tmp_path: Path) -> Path:
 def test_hostile_load_raises_and_writes_nothing_outside(hostile_root: Path, case: str) -> None:
     hostile = make_checkpoint(hostile_root)
     HOSTILE[case](hostile)
+    if not case.startswith(("commit-", "manifest-")):  # the forgery is consistent: the
+        read_marker(open_storage(str(hostile_root)), 1)  # check under test decides
     outside = hostile_root.parent / "outside"
     before = tree(outside)
     engine = CheckpointEngine(str(hostile_root))
@@ -269,7 +297,8 @@ def test_hostile_verify_reports_not_ok(hostile_root: Path, case: str) -> None:
 
 
 def test_quarantine_does_not_follow_a_planted_symlink(hostile_root: Path) -> None:
-    """A damaged step whose CORRUPT note is a symlink: quarantining it must not write through."""
+    """A damaged step whose QUARANTINE note is a symlink: quarantining it must not write
+    through."""
     victim = hostile_root.parent / "outside" / "canary"
     with CheckpointEngine(str(hostile_root), keep_last=None, plan_options=PLAN) as engine:
         engine.save(1, source_state(), blocking=True)
@@ -278,10 +307,12 @@ def test_quarantine_does_not_follow_a_planted_symlink(hostile_root: Path) -> Non
         data = bytearray(shard.read_bytes())
         data[0] ^= 1
         shard.write_bytes(bytes(data))
-        (hostile_root / "step_000000002" / "CORRUPT").symlink_to(victim)
+        (hostile_root / "step_000000002" / "QUARANTINE").symlink_to(victim)
         with pytest.warns(RuntimeWarning, match="step 2 skipped"):
             assert engine.load(target_state()) == 1
+        assert engine.steps() == [1]
     assert victim.read_bytes() == b"must stay"
+    assert not (hostile_root / "step_000000002" / "QUARANTINE").is_symlink()
 
 
 def _forbid(*_: Any, **__: Any) -> Any:
@@ -316,7 +347,7 @@ def _index_bomb(h: Hostile) -> None:
             _sharding(_set("chunk_shape", [1, 4]))(a),
         )
     )
-    h.edit_commit(lambda c: c["objects"]["model/w/c/0/0"].__setitem__(0, 2**40))
+    h.edit_commit(lambda c: set_entry(c, "model/w/c/0/0", 2**40, c["crcs"]["model/w/c/0/0"]))
 
 
 def _verify_grid_bomb(h: Hostile) -> None:

@@ -16,7 +16,12 @@ import fsspec
 import pytest
 import torch
 
-from antifragile.engine import CheckpointCorruptError, CheckpointEngine, PlanOptions
+from antifragile.engine import (
+    CheckpointCorruptError,
+    CheckpointEngine,
+    CheckpointError,
+    PlanOptions,
+)
 
 Storage = tuple[str, dict[str, Any] | None]
 
@@ -111,6 +116,7 @@ DAMAGE: dict[str, tuple[Callable[[Raw], None], str, str | None]] = {
         "model/w/zarr.json",
         "model/w",
     ),
+    "group-metadata": (lambda raw: raw.flip_bit(2, "zarr.json", 40), "zarr.json", None),
     "commit-marker": (
         lambda raw: raw.write(2, "COMMIT", raw.read(2, "COMMIT")[:-7]),
         "COMMIT",
@@ -189,3 +195,267 @@ def test_verify_names_the_array_whose_path_has_a_c_component(storage: Storage) -
         report = engine.verify(1)
     assert not report.ok
     assert report.bad_arrays == ["model/c/w"]
+
+
+# -- substitution: a stale, foreign or swapped object of the right size ------------------------
+# Each object below is a valid zarr shard (its own crc32c checks pass); only the manifest can
+# tell that it is not the object this save wrote.
+
+
+def _copy_object(raw: Raw, src: tuple[int, str], dst: tuple[int, str]) -> None:
+    data = raw.read(*src)
+    assert len(data) == len(raw.read(*dst)), "the substitute must have the right size"
+    raw.write(dst[0], dst[1], data)
+
+
+def _assert_refused(engine: CheckpointEngine, step: int, key: str, array: str,
+                    target: dict[str, Any]) -> None:
+    report = engine.verify(step)
+    assert not report.ok, report.summary()
+    assert key in {p.key for p in report.problems}, report.summary()
+    assert report.bad_arrays == [array], report.summary()
+    with pytest.raises(CheckpointCorruptError, match=rf"step {step}\b.*{array}"):
+        engine.load(target, step=step)
+
+
+def test_stale_object_from_another_step_is_refused(storage: Storage) -> None:
+    """The issue's repro: step 10's shard copied over step 20's (a late write from a dead
+    writer, two jobs at one URL)."""
+    url, options = storage
+    states = {s: {"w": torch.randn(16, 8, generator=torch.Generator().manual_seed(s))}
+              for s in (10, 20)}
+    with CheckpointEngine(url, storage_options=options, keep_last=None) as engine:
+        for step, state in states.items():
+            engine.save(step, state, blocking=True)
+        raw = Raw.open(storage)
+        _copy_object(raw, (10, "w/c/0/0"), (20, "w/c/0/0"))
+        _assert_refused(engine, 20, "w/c/0/0", "w", {"w": torch.zeros(16, 8)})
+        target = {"w": torch.zeros(16, 8)}
+        with pytest.warns(RuntimeWarning, match="step 20 skipped"):
+            assert engine.load(target) == 10
+        assert torch.equal(target["w"], states[10]["w"])
+
+
+def test_object_of_another_array_of_the_same_size_is_refused(storage: Storage) -> None:
+    url, options = storage
+    gen = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(16, 8, generator=gen), "b": torch.randn(16, 8, generator=gen)}
+    with CheckpointEngine(url, storage_options=options) as engine:
+        engine.save(1, state, blocking=True)
+        raw = Raw.open(storage)
+        _copy_object(raw, (1, "a/c/0/0"), (1, "b/c/0/0"))
+        _assert_refused(engine, 1, "b/c/0/0", "b", {"a": torch.zeros(16, 8),
+                                                   "b": torch.zeros(16, 8)})
+
+
+def test_two_same_size_objects_swapped_are_refused(storage: Storage) -> None:
+    """Rows of an uneven tensor (7 rows in objects of 2: three of the same size, then one
+    short) whose objects trade places: each passes its own checks, the rows come back in the
+    wrong order unless the manifest binds each object to its key."""
+    url, options = storage
+    w = torch.randn(7, 4)
+    with CheckpointEngine(url, storage_options=options,
+                          plan_options=PlanOptions(max_object_bytes=32)) as engine:
+        engine.save(1, {"w": w}, blocking=True)
+        raw = Raw.open(storage)
+        first, second = raw.read(1, "w/c/0/0"), raw.read(1, "w/c/1/0")
+        assert len(first) == len(second) and first != second
+        raw.write(1, "w/c/0/0", second)
+        raw.write(1, "w/c/1/0", first)
+        report = engine.verify(1)
+        assert {p.key for p in report.problems} == {"w/c/0/0", "w/c/1/0"}, report.summary()
+        with pytest.raises(CheckpointCorruptError, match=r"step 1\b.*w/c/[01]/0"):
+            engine.load({"w": torch.zeros(7, 4)}, step=1)
+
+
+def _load_half(url: str, options: dict[str, Any] | None, step: int) -> str:
+    """On each of 2 ranks: load rows [8r, 8r + 8) of a 16 x 8 tensor (a partial read of the
+    saved object: 4 of its 8 inner chunks). Returns the outcome."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    target = {"w": distribute_tensor(torch.zeros(16, 8), mesh, [Shard(0)])}
+    with CheckpointEngine(url, storage_options=options) as engine:
+        try:
+            engine.load(target, step=step)
+        except CheckpointCorruptError as exc:
+            return f"refused: {exc}"
+    return "loaded"
+
+
+@pytest.mark.multiproc
+def test_partial_reads_check_the_manifest_too(storage: Storage) -> None:
+    """Resharded loads read only some inner chunks of an object: they must refuse a stale
+    object as well, on every rank."""
+    from _dist import run_ranks
+
+    url, options = storage
+    plan = PlanOptions(inner_chunk_bytes=64)  # 16 x 8 float32: one object of 8 inner chunks
+    with CheckpointEngine(url, storage_options=options, keep_last=None,
+                          plan_options=plan) as engine:
+        for step in (10, 20):
+            gen = torch.Generator().manual_seed(step)
+            engine.save(step, {"w": torch.randn(16, 8, generator=gen)}, blocking=True)
+    raw = Raw.open(storage)
+    _copy_object(raw, (10, "w/c/0/0"), (20, "w/c/0/0"))
+    outcomes = run_ranks(2, _load_half, url, options, 20)
+    assert all(o.startswith("refused") and "step 20" in o and "w/c/0/0" in o
+               for o in outcomes), outcomes
+    assert run_ranks(2, _load_half, url, options, 10) == ["loaded", "loaded"]
+
+
+def test_commit_marker_with_a_flipped_byte_is_refused(storage: Storage) -> None:
+    """A COMMIT that still parses, with one digit changed (its byte count): it carries a
+    checksum of its own, checked before use."""
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=None) as engine:
+        engine.save(1, state_of(1), blocking=True)
+        engine.save(2, state_of(2), blocking=True)
+        raw = Raw.open(storage)
+        marker = raw.read(2, "COMMIT")
+        at = marker.index(b'"nbytes": ') + len(b'"nbytes": ')
+        raw.write(2, "COMMIT", marker[:at] + bytes([marker[at] ^ 1]) + marker[at + 1:])
+        assert engine.verify(1).ok
+        report = engine.verify(2)
+        assert not report.ok and "COMMIT" in {p.key for p in report.problems}
+        with pytest.raises(CheckpointCorruptError, match=r"step 2\b.*COMMIT.*checksum"):
+            engine.load(blank(), step=2)
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+            assert engine.load(blank()) == 1
+
+
+class _FlipInRecords:
+    """A storage that damages rank records in flight: ``"step": 7`` becomes ``"step": 6``
+    (one bit), leaving valid JSON. Everything else passes through."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.flipped = 0
+
+    def write(self, key: str, parts: Any, *, durable: bool = False) -> None:
+        if "/.ranks/" in key:
+            data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+            damaged = data.replace(b'"step": 7', b'"step": 6')
+            self.flipped += damaged != data
+            parts = [damaged]
+        self.inner.write(key, parts, durable=durable)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_rank_record_with_a_flipped_byte_fails_the_save(storage: Storage) -> None:
+    """The coordinator builds COMMIT from the records: a damaged one must not be committed
+    (here it would store the value ``step: 6`` for a save of 7)."""
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options) as engine:
+        flipping = _FlipInRecords(engine.storage.inner)
+        engine.storage.inner = flipping
+        handle = engine.save(7, {"w": torch.ones(4), "step": 7})
+        with pytest.raises(CheckpointError, match=r"step 7.*rank 0.*record.*checksum"):
+            handle.wait()
+        assert flipping.flipped == 1
+        assert engine.steps() == []
+
+
+# -- quarantine: agreed, and the manifest kept as evidence -------------------------------------
+
+
+def test_quarantine_keeps_the_manifest_so_verify_still_explains_the_damage(
+    storage: Storage,
+) -> None:
+    """COMMIT is moved aside (to QUARANTINE, with the reason), not destroyed: `chaos ckpt ls`
+    names the quarantined step and why, `chaos ckpt verify` still reads it against its manifest,
+    also after the next save has run retention."""
+    from click.testing import CliRunner
+
+    from antifragile.chaos.cli import main
+
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=2, plan_options=PLAN) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+        raw = Raw.open(storage)
+        raw.flip_bit(2, SHARD, 100)
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+            assert engine.load(blank()) == 1
+        assert engine.steps() == [1]
+        engine.save(3, state_of(3), blocking=True)  # retention runs, the evidence stays
+        assert engine.steps() == [1, 3]
+    flags = ["--endpoint-url", options["endpoint_url"]] if options else []
+    runner = CliRunner()
+    listing = runner.invoke(main, ["ckpt", "ls", url, *flags])
+    assert listing.exit_code == 0, listing.output
+    line = next(x for x in listing.output.splitlines() if x.split()[:1] == ["2"])
+    assert "quarantined" in line and SHARD in line, listing.output
+    report = runner.invoke(main, ["ckpt", "verify", url, "--step", "2", *flags])
+    assert report.exit_code == 1, report.output
+    assert "QUARANTINED" in report.output and "DAMAGED" in report.output
+    assert SHARD in report.output and "model/w" in report.output
+    everything = runner.invoke(main, ["ckpt", "verify", url, *flags])
+    assert everything.exit_code == 0, everything.output  # what load can see is intact
+    assert "step 2: QUARANTINED" in everything.output
+
+
+RANK_1_SHARD = "model/w/c/3/0"  # rows 48-63: read by rank 1 only when 2 ranks hold Shard(0)
+
+
+def _load_with_a_bad_link_on_rank_1(url: str) -> tuple[int, list[str]]:
+    """Each rank loads rows of model/w; rank 1's storage hands it damaged bytes once (a bad NIC
+    or DRAM on that node): the object on storage is intact."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    class BadLink:
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.flipped = inner, False
+
+        def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
+            data = self.inner.read(key, start, end)
+            if key.endswith(f"step_000000002/{RANK_1_SHARD}") and not self.flipped:
+                self.flipped = True
+                data = bytearray(data)
+                data[0] ^= 1
+            return data
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    mesh = init_device_mesh("cpu", (2,))
+    target = blank()
+    target["model"]["w"] = distribute_tensor(torch.zeros(64, 16), mesh, [Shard(0)])
+    with CheckpointEngine(url, plan_options=PLAN) as engine:
+        if torch.distributed.get_rank() == 1:
+            engine.storage.inner = BadLink(engine.storage.inner)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = engine.load(target)
+        return loaded, [str(w.message) for w in caught]
+
+
+@pytest.mark.multiproc
+def test_damage_seen_by_one_rank_is_confirmed_before_quarantine(tmp_path: Any) -> None:
+    """Rank 1 sees step 2's object damaged, rank 0 re-reads it intact: the step is skipped for
+    this load (every rank agrees) but not quarantined on one rank's view. Damage that is on
+    storage is confirmed by the other rank and quarantined."""
+    from _dist import RankGroup
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url, keep_last=None, plan_options=PLAN) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+    with RankGroup(2) as ranks:
+        outcomes = ranks.run(_load_with_a_bad_link_on_rank_1, url)
+        assert [step for step, _ in outcomes] == [1, 1], outcomes
+        assert all("not confirmed" in " ".join(w) for _, w in outcomes), outcomes
+        with CheckpointEngine(url) as engine:
+            assert engine.steps() == [1, 2] and engine.verify(2).ok
+
+        Raw.open((url, None)).flip_bit(2, RANK_1_SHARD, 100)
+        outcomes = ranks.run(_load_with_a_bad_link_on_rank_1, url)
+        assert [step for step, _ in outcomes] == [1, 1], outcomes
+    with CheckpointEngine(url) as engine:
+        assert engine.steps() == [1]

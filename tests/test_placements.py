@@ -397,3 +397,27 @@ def test_disagreeing_shapes_name_both_ranks() -> None:
     invs[1]["tensors"]["w"]["shape"] = [8, 3]
     with pytest.raises(CheckpointError, match=r"rank 0 .*\[8, 2\].*rank 1 .*\[8, 3\]"):
         build_plan(invs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(states(), plan_options)
+def test_objects_never_exceed_max_object_bytes(state: State, options: PlanOptions) -> None:
+    """Even when one row (or one column slab) is larger than the cap: split along other dims.
+    Only an object of a single element may exceed it."""
+    plan = plan_for(state, options)
+    for writes in plan.writes.values():
+        for write in writes:
+            itemsize = state[write.array.tensor].dtype.itemsize
+            assert write.nbytes <= max(options.max_object_bytes, itemsize), write
+
+
+def test_a_row_larger_than_max_object_bytes_is_split_along_columns() -> None:
+    """3 rows of 1000 float32 (4000 bytes a row), objects of at most 1000 bytes."""
+    whole = {"dtype": "float32", "shape": [3, 1000], "boxes": [[[0, 0], [3, 1000], [0, 0]]]}
+    options = PlanOptions(max_object_bytes=1000)
+    plan = build_plan([{"tensors": {"w": whole}, "values": []}], options)
+    writes = plan.writes[0]
+    assert all(w.nbytes <= 1000 for w in writes), [w.nbytes for w in writes]
+    assert sum(w.nbytes for w in writes) == 3 * 1000 * 4
+    state = {"w": Layout((3, 1000), (1,), (Replicate(),), torch.float32)}
+    replay_writes(plan_for(state, options), state)

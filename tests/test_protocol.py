@@ -130,6 +130,7 @@ class SaveProtocol(RuleBasedStateMachine):
         self.scratch = _scratch()
         self.committed: set[int] = set()
         self.debris: set[int] = set()
+        self.quarantined: set[int] = set()  # debris kept as evidence while inside the window
         self.damaged: dict[int, set[str]] = {}  # step -> keys of the objects damaged
 
     def _open(self) -> CheckpointEngine:
@@ -142,15 +143,22 @@ class SaveProtocol(RuleBasedStateMachine):
     # -- the model ------------------------------------------------------------------------------
 
     def _retention_victims(self) -> list[int]:
-        """What retention deletes after a commit, in its order (ascending)."""
+        """What retention deletes after a commit, in its order (ascending): a quarantined step
+        stays while it is newer than the oldest step kept."""
         newest = max(self.committed)
         keep = set(sorted(self.committed)[-KEEP_LAST:])
-        return sorted(s for s in self.committed | self.debris if s not in keep and s < newest)
+        return sorted(s for s in self.committed | self.debris if s not in keep and s < newest
+                      and not (s in self.quarantined and s > min(keep)))
 
     def _gone(self, step: int) -> None:
         self.committed.discard(step)
         self.debris.discard(step)
+        self.quarantined.discard(step)
         self.damaged.pop(step, None)
+
+    def _quarantined(self, step: int) -> None:
+        self._hidden(step)
+        self.quarantined.add(step)
 
     def _hidden(self, step: int) -> None:
         self.committed.discard(step)
@@ -159,6 +167,7 @@ class SaveProtocol(RuleBasedStateMachine):
 
     def _committed(self, step: int) -> None:
         self.debris.discard(step)
+        self.quarantined.discard(step)
         self.damaged.pop(step, None)
         self.committed.add(step)
 
@@ -236,6 +245,8 @@ class SaveProtocol(RuleBasedStateMachine):
             ):
                 (folder / key).unlink()
             self._hidden(victims[done])
+            if not (folder / "QUARANTINE").exists():  # the kill's rmtree took the note
+                self.quarantined.discard(victims[done])
 
     def _real_save(self, step: int) -> Path:
         if step not in self.scratch.steps():
@@ -315,7 +326,7 @@ class SaveProtocol(RuleBasedStateMachine):
             tried = re.search(r"tried[^\[]*\[([\d, ]*)\]", message)
             assert tried and {int(x) for x in tried.group(1).split(",")} == set(skipped), message
         for step in skipped:
-            self._hidden(step)
+            self._quarantined(step)
 
     @rule()
     def reopen(self) -> None:

@@ -216,12 +216,18 @@ def test_transient_errors_are_retried_until_success(
         assert 0.5 * nominal <= delay <= 1.5 * nominal, sleeps
 
 
-@pytest.mark.parametrize("error", [FileNotFoundError, PermissionError])
+@pytest.mark.parametrize("error", [FileNotFoundError, PermissionError, IsADirectoryError])
 def test_permanent_errors_are_not_retried(sleeps: list[float], error: type[BaseException]) -> None:
+    """Not retried; FileNotFoundError passes as it is, anything else becomes a StorageError
+    naming the operation, the key and the cause."""
     inner = FlakyStorage(error, failures=1)
     storage = RetryingStorage(inner, attempts=6)
-    with pytest.raises(error):
+    expected = error if error is FileNotFoundError else StorageError
+    with pytest.raises(expected) as caught:
         storage.read("a/b")
+    if expected is StorageError:
+        assert f"read fake://root/a/b: {error.__name__}" in str(caught.value)
+        assert isinstance(caught.value.__cause__, error)
     assert inner.calls["read"] == 1 and sleeps == []
 
 
@@ -236,3 +242,35 @@ def test_gives_up_after_the_budget_naming_the_key(sleeps: list[float]) -> None:
         storage.write("step_000000007/w/c/0", [b"x"])
     assert isinstance(caught.value.__cause__, ConnectionResetError)
     assert inner.calls["write"] == 4 and len(sleeps) == 3
+
+
+# -- local storage: the kernel may transfer less than asked (preadv/writev cap at ~2 GiB) ------
+
+
+def test_local_reads_and_writes_loop_over_short_transfers(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short preadv/writev (what Linux does past 0x7ffff000 bytes) is continued, not taken
+    for the end of the object: without the loop an object >= 2 GiB reads back truncated."""
+    import os
+
+    from antifragile.engine.storage import LocalStorage
+
+    real_preadv, real_writev = os.preadv, os.writev
+
+    def short_preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        view = memoryview(buffers[0]).cast("B")
+        return real_preadv(fd, [view[:7]], offset)
+
+    def short_writev(fd: int, buffers: list[Any]) -> int:
+        return real_writev(fd, [memoryview(buffers[0]).cast("B")[:5]])
+
+    monkeypatch.setattr(os, "preadv", short_preadv)
+    monkeypatch.setattr(os, "writev", short_writev)
+    storage = LocalStorage(str(tmp_path))
+    data = bytes(range(256)) * 3
+    storage.write("a/b", [data[:100], data[100:]])
+    assert (tmp_path / "a" / "b").read_bytes() == data
+    assert storage.read("a/b") == data
+    assert storage.read("a/b", 250, 700) == data[250:700]
+    assert storage.read("a/b", 700, 10_000) == data[700:]

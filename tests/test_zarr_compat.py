@@ -1,4 +1,5 @@
-"""A checkpoint is plain zarr v3: zarr-python opens it and reads every tensor back.
+"""A checkpoint is plain zarr v3: zarr-python and TensorStore (an independent implementation,
+C++) open it and read every tensor back, bit for bit.
 
 Also the other way: the engine loads data objects that zarr-python itself rewrote, and zarr's
 own crc32c check fires on a flipped bit.
@@ -7,6 +8,7 @@ own crc32c check fires on a flipped bit.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,11 +16,11 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import numpy as np
 import pytest
 import torch
 import zarr
+from _forge import edit_commit, part_crcs, set_entry
 from zarr.storage import FsspecStore
 
 from antifragile.engine import CheckpointEngine, PlanOptions
@@ -126,7 +128,8 @@ def _set(store: Any, key: str, data: bytes, storage: Storage) -> None:
 
 def test_engine_loads_data_rewritten_by_zarr_python(storage: Storage) -> None:
     """zarr-python rewrites the shards (its own encoder, index layout and crc32c); only the
-    COMMIT manifest, which zarr knows nothing about, is updated to the new sizes and crcs."""
+    COMMIT manifest, which zarr knows nothing about, is updated to the new sizes and part
+    CRCs (read from the objects zarr wrote, as a tool that re-encodes a checkpoint would)."""
     url, options = storage
     original = state_of(1)
     with CheckpointEngine(url, storage_options=options, plan_options=PLAN) as engine:
@@ -153,11 +156,17 @@ def test_engine_loads_data_rewritten_by_zarr_python(storage: Storage) -> None:
 
 def _refresh_manifest(engine: CheckpointEngine, store: Any, step: int, keys: list[str]) -> None:
     commit_key = f"step_{step:09d}/COMMIT"
-    commit = json.loads(engine.storage.read(commit_key))
-    for key in keys:
-        data = _get(store, key)
-        commit["objects"][key] = [len(data), int(crc32c.crc32c(data))]
-    engine.storage.write(commit_key, [json.dumps(commit).encode()])
+
+    def refresh(commit: dict[str, Any]) -> None:
+        for key in keys:
+            data = _get(store, key)
+            array = json.loads(_get(store, key.rpartition("/c/")[0] + "/zarr.json"))
+            shard_rows = array["chunk_grid"]["configuration"]["chunk_shape"][0]
+            inner_rows = array["codecs"][0]["configuration"]["chunk_shape"][0]
+            set_entry(commit, key, len(data), part_crcs(data, shard_rows // inner_rows))
+
+    edit_commit(lambda: bytes(engine.storage.read(commit_key)), refresh,
+                lambda sealed: engine.storage.write(commit_key, [sealed]))
 
 
 # -- uneven shard grids: two gloo ranks save DTensors whose torch.chunk shards are short ------
@@ -224,3 +233,112 @@ def test_zarr_python_reads_uneven_shard_grids(tmp_path: Path) -> None:
         assert engine.load(target) == 1
     for key, tensor in full.items():
         assert torch.equal(target["model"][key], tensor), key
+
+
+def test_rows_larger_than_max_object_bytes_round_trip(tmp_path: Path) -> None:
+    """Objects split along columns (one row exceeds the cap): zarr-python and the engine both
+    read them back."""
+    url = str(tmp_path / "ckpt")
+    w = torch.randn(3, 1000)
+    with CheckpointEngine(url, plan_options=PlanOptions(max_object_bytes=1000)) as engine:
+        engine.save(1, {"w": w}, blocking=True)
+        sizes = [p.stat().st_size for p in (tmp_path / "ckpt" / "step_000000001" / "w" / "c")
+                 .rglob("*") if p.is_file()]
+        assert len(sizes) > 3 and max(sizes) <= 1000 + 4 + 16 + 4, sizes
+        target = {"w": torch.zeros(3, 1000)}
+        engine.load(target)
+        assert torch.equal(target["w"], w) and engine.verify(1).ok
+    assert_zarr_reads(zarr.open_group(f"{url}/step_000000001", mode="r"), {"w": w})
+
+
+# -- an independent reader: TensorStore opens every array of a multi-rank checkpoint ----------
+
+
+def _tensorstore_globals() -> dict[str, torch.Tensor]:
+    """The global tensors the ranks save (random bytes: NaN payloads and -0.0 included)."""
+    gen = torch.Generator().manual_seed(11)
+
+    def random_bits(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        return raw.view(dtype).reshape(shape)
+
+    return {
+        "w": random_bits((8, 6), torch.float32),  # Replicate over dp, Shard(0) over tp
+        "bf16": random_bits((6, 5), torch.bfloat16),  # Shard(1) over dp, Replicate over tp
+        "nested": random_bits((10, 3), torch.float32),  # Shard(0), Shard(0): piece_* arrays
+        "plain": random_bits((5,), torch.int64),
+        "scalar": random_bits((), torch.float64),
+    }
+
+
+_TS_PLACEMENTS = {"w": ("R", "S0"), "bf16": ("S1", "R"), "nested": ("S0", "S0")}
+
+
+def _save_for_tensorstore(root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = _tensorstore_globals()
+    model: dict[str, Any] = {k: v.clone() for k, v in full.items()}
+    for name, codes in _TS_PLACEMENTS.items():
+        placements = [Replicate() if c == "R" else Shard(int(c[1:])) for c in codes]
+        model[name] = distribute_tensor(full[name], mesh, placements, src_data_rank=None)
+    with CheckpointEngine(root, plan_options=PlanOptions(max_cells_per_box=1,
+                                                         inner_chunk_bytes=24)) as engine:
+        engine.save(1, {"model": model}, blocking=True)
+
+
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _ts_read(path: Path) -> np.ndarray:
+    import tensorstore as ts
+
+    store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}},
+                    read=True).result()
+    return np.asarray(store.read().result())
+
+
+@pytest.mark.multiproc
+def test_tensorstore_reads_every_array_of_a_multi_rank_checkpoint(tmp_path: Path) -> None:
+    """TensorStore (its own zarr v3, sharding and crc32c code) reads every array the group's
+    index names, bit for bit: bf16 through its uint16 bit pattern, piece_* arrays placed at
+    their recorded offsets. A flipped byte makes it raise."""
+    pytest.importorskip("tensorstore")
+    from _dist import run_ranks
+
+    root = tmp_path / "ckpt"
+    run_ranks(4, _save_for_tensorstore, str(root), timeout_s=180)
+    step = root / "step_000000001"
+    index = json.loads((step / "zarr.json").read_bytes())["attributes"]["antifragile"]["tensors"]
+    full = _tensorstore_globals()
+    assert set(index) == {f"model/{k}" for k in full}
+    arrays = {p.parent.relative_to(step).as_posix() for p in step.rglob("zarr.json")
+              if json.loads(p.read_bytes())["node_type"] == "array"}
+    assert arrays == {a for entry in index.values() for a in entry["arrays"]}, "every array"
+    assert any("/piece_" in a for a in arrays), "the test wants the piece_* fallback"
+    for path, entry in index.items():
+        expected = full[path.removeprefix("model/")]
+        as_int = _SAME_WIDTH_INT[expected.element_size()]  # compare bits, never values
+        bits = torch.zeros(expected.shape, dtype=as_int)
+        filled = torch.zeros(expected.shape, dtype=torch.int64)
+        for name in entry["arrays"]:
+            meta = json.loads((step / name / "zarr.json").read_bytes())
+            offset = meta["attributes"]["antifragile"]["offset"]
+            data = torch.from_numpy(_ts_read(step / name).copy())
+            if expected.dtype == torch.bfloat16:
+                assert data.dtype == torch.uint16, "bf16 is stored as its bit pattern"
+            where = tuple(slice(o, o + n) for o, n in zip(offset, data.shape))
+            bits[where] = data.view(as_int)
+            filled[where] += 1
+        assert bool((filled == 1).all()), f"{path}: arrays overlap or leave gaps"
+        assert torch.equal(bits, expected.view(as_int)), f"{path} differs from what was saved"
+
+    shard = step / "model" / "w" / "c" / "1" / "0"
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="Digest mismatch"):  # its crc32c check
+        _ts_read(step / "model" / "w")

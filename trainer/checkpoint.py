@@ -88,6 +88,9 @@ class TrainCheckpointer:
             self.events.emit("ckpt_committed", step=handle.step, bytes=handle.committed_nbytes
                              or handle.nbytes, rank_bytes=handle.nbytes,
                              persist_s=handle.persist_s)
+            retention_error = getattr(handle, "retention_error", None)
+            if retention_error:  # committed all the same; retried at the next save
+                self.events.emit("ckpt_retention_failed", step=handle.step, error=retention_error)
         else:
             self.events.emit("ckpt_failed", step=handle.step, error=str(error))
 

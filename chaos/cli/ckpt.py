@@ -54,19 +54,30 @@ def ckpt() -> None:
 @ckpt.command("ls")
 @storage_args
 def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
-    """List committed steps with their size."""
+    """List committed steps with their size, and quarantined steps with the reason."""
     from antifragile.engine import CheckpointError
-    from antifragile.engine.commit import committed_steps, read_commit
+    from antifragile.engine.commit import (
+        committed_steps,
+        quarantined_steps,
+        read_commit,
+        read_quarantine,
+    )
     from antifragile.engine.storage import open_storage
 
     try:
         storage = open_storage(url, _options(endpoint_url, pairs))
         steps = committed_steps(storage)
-        if not steps:
+        hidden = quarantined_steps(storage)
+        if not steps and not hidden:
             click.echo(f"no committed checkpoint under {url}")
             return
         click.echo(f"{'step':>12}  {'bytes':>12}  {'objects':>8}  world")
-        for step in steps:
+        for step in sorted([*steps, *hidden]):
+            if step in hidden:
+                found = read_quarantine(storage, step)
+                reason = found[0].get("reason") if found else "?"
+                click.echo(f"{step:>12}  quarantined: {reason}")
+                continue
             marker = read_commit(storage, step)
             click.echo(f"{step:>12}  {_human(int(marker.get('nbytes', 0))):>12}  "
                        f"{len(marker['objects']):>8}  {marker.get('world_size', '?')}")
@@ -78,20 +89,26 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
 @storage_args
 @click.option("--step", type=int, help="Only this step (default: every committed step).")
 def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int | None) -> None:
-    """Read every object back and check checksums and coverage. Exit 1 on damage."""
+    """Read every object back and check checksums and coverage. Exit 1 on damage.
+
+    Quarantined steps are listed with the reason (they are hidden from loading, so they do not
+    make the exit code 1); ``--step N`` of a quarantined step reads it against the manifest its
+    quarantine kept and says what is damaged.
+    """
     from antifragile.engine import CheckpointError
-    from antifragile.engine.commit import committed_steps
+    from antifragile.engine.commit import committed_steps, quarantined_steps, read_quarantine
     from antifragile.engine.storage import open_storage
     from antifragile.engine.verify import verify_step
 
     try:
         storage = open_storage(url, _options(endpoint_url, pairs))
         committed = committed_steps(storage)
-        if step is not None and step not in committed:
+        hidden = quarantined_steps(storage)
+        if step is not None and step not in committed and step not in hidden:
             _fail(f"step {step} is not a committed checkpoint under {url} "
                   f"(committed: {committed or 'none'})")
         steps = [step] if step is not None else committed
-        if not steps:
+        if not steps and not hidden:
             _fail(f"no committed checkpoint under {url}")
         damaged = False
         with ThreadPoolExecutor(8) as pool:
@@ -99,6 +116,10 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
                 report = verify_step(storage, s, pool)
                 click.echo(report.summary())
                 damaged |= not report.ok
+        if step is None:
+            for s in hidden:
+                found = read_quarantine(storage, s)
+                click.echo(f"step {s}: QUARANTINED: {found[0].get('reason') if found else '?'}")
     except CheckpointError as exc:
         _fail(str(exc))
     if damaged:
@@ -118,12 +139,14 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
 
     try:
         reader = StepReader(open_storage(url, _options(endpoint_url, pairs)), step)
+        with ThreadPoolExecutor(8) as pool:
+            reader.load_arrays(list(reader.tensors.values()), pool)
         rows = []
         for path, tensor in sorted(reader.tensors.items()):
             for name in tensor.arrays:
                 spec = reader.array(name, tensor)
                 prefix = f"{name}/c"
-                nbytes = sum(n for k, (n, _) in reader.manifest.items()
+                nbytes = sum(n for k, (n, _) in reader.manifest.objects.items()
                              if k == prefix or k.startswith(prefix + "/"))
                 shards = math.prod(math.ceil(n / c) for n, c in zip(spec.shape, spec.shard_shape))
                 rows.append({"array": name, "tensor": path, "dtype": spec.dtype,
@@ -133,12 +156,23 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
     except CheckpointError as exc:
         _fail(str(exc))
     layout = reader.attrs.get("layout", {})
+    by_rank = reader.commit.get("requests")
+    by_rank = by_rank if isinstance(by_rank, dict) else {}
+    requests = {
+        # what each rank's save requested through its record (waiting for COMMIT excluded)
+        "save": sum(n for n in by_rank.values() if isinstance(n, int)),
+        "save_by_rank": by_rank,
+        # a load of the whole step in one process: COMMIT, zarr.json, array docs, objects
+        "load": 2 + len(rows) + sum(r["shards"] for r in rows),
+    }
     if as_json:
         click.echo(json.dumps({"step": step, "layout": layout, "values": reader.values,
-                               "arrays": rows}, indent=2))
+                               "requests": requests, "arrays": rows}, indent=2))
         return
     click.echo(f"step {step}  world_size {layout.get('world_size')}  "
                f"meshes {layout.get('meshes')}  {_human(int(reader.commit.get('nbytes', 0)))}")
+    click.echo(f"requests: save {requests['save']} (all ranks, through their records), "
+               f"load {requests['load']} (the whole step, one process)")
     width = max((len(r["array"]) for r in rows), default=5)
     click.echo(f"{'array':<{width}}  {'dtype':<9} {'shape':<18} {'shard':<18} {'bytes':>10}")
     for r in rows:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CheckpointError
-from ._base import PERMANENT, RetryingStorage, Storage
+from ._base import PERMANENT, CountingStorage, RetryingStorage, Storage
 from ._local import LocalStorage
 
-__all__ = ["PERMANENT", "LocalStorage", "RetryingStorage", "Storage", "open_storage"]
+__all__ = ["PERMANENT", "CountingStorage", "LocalStorage", "RetryingStorage", "Storage",
+           "open_storage"]
 
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> RetryingStorage:

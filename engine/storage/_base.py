@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -15,6 +17,8 @@ T = TypeVar("T")
 
 # Errors that retrying cannot fix. Everything else (connection resets, timeouts, 5xx, throttling,
 # which s3fs and aiohttp raise as OSError or their own types) is retried with backoff.
+# FileNotFoundError passes through as it is (callers ask "is it there?" with it); every other
+# error leaves this layer as a StorageError (a CheckpointError) naming the operation and key.
 PERMANENT: tuple[type[BaseException], ...] = (
     FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
     ValueError, TypeError, KeyError, CheckpointError, NotImplementedError,
@@ -54,7 +58,10 @@ class Storage(Protocol):
 
 
 class RetryingStorage:
-    """Retries transient errors with jittered exponential backoff; permanent ones pass through."""
+    """Retries transient errors with jittered exponential backoff. What it raises is
+    FileNotFoundError or a StorageError naming the operation, the key and the cause (a 403 from
+    S3 arrives as a PermissionError inside it), so no raw storage error reaches the engine's
+    callers."""
 
     def __init__(self, inner: Storage, *, attempts: int = 6, base_delay_s: float = 0.05,
                  max_delay_s: float = 2.0) -> None:
@@ -69,8 +76,10 @@ class RetryingStorage:
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
-            except PERMANENT:
+            except (FileNotFoundError, CheckpointError):
                 raise
+            except PERMANENT as exc:
+                raise StorageError(f"{op} {self.url}/{key}: {type(exc).__name__}: {exc}") from exc
             except Exception as exc:  # transient by elimination
                 if attempt == self.attempts:
                     raise StorageError(
@@ -105,3 +114,62 @@ class RetryingStorage:
 
     def sync(self) -> None:
         self._call("sync", "", self.inner.sync)
+
+
+class CountingStorage:
+    """Counts the requests one operation (a save, a load) makes through ``inner``, by kind.
+
+    A request is one call of the Storage interface: one object written, read (whole or a byte
+    range), sized, looked up, listed or deleted; ``sync`` is not one (a no-op on object stores).
+    Retries inside RetryingStorage are not counted again. On S3 a ``delete_tree`` is a listing
+    plus batched deletes, and ``exists`` of a missing key may cost s3fs a listing too.
+    Thread-safe: the engine's pool shares one counter per operation.
+    """
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def _count(self, op: str) -> None:
+        with self._lock:
+            self._counts[op] += 1
+
+    @property
+    def requests(self) -> dict[str, int]:
+        """Requests so far by kind, and their ``total``."""
+        with self._lock:
+            counts = dict(self._counts)
+        return {**counts, "total": sum(counts.values())}
+
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+        self._count("write")
+        self.inner.write(key, parts, durable=durable)
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
+        self._count("read")
+        return self.inner.read(key, start, end)
+
+    def size(self, key: str) -> int:
+        self._count("size")
+        return self.inner.size(key)
+
+    def exists(self, key: str) -> bool:
+        self._count("exists")
+        return self.inner.exists(key)
+
+    def list_dir(self, prefix: str) -> list[str]:
+        self._count("list")
+        return self.inner.list_dir(prefix)
+
+    def delete(self, key: str) -> None:
+        self._count("delete")
+        self.inner.delete(key)
+
+    def delete_tree(self, prefix: str) -> None:
+        self._count("delete")
+        self.inner.delete_tree(prefix)
+
+    def sync(self) -> None:
+        self.inner.sync()

@@ -71,7 +71,14 @@ class LocalStorage:
             size = os.fstat(f.fileno()).st_size
             end = size if end is None else min(end, size)  # never allocate past the end of file
             buf = bytearray(max(end - start, 0))
-            got = os.preadv(f.fileno(), [buf], start) if buf else 0
+            view = memoryview(buf)
+            got = 0
+            while got < len(buf):  # one preadv moves at most ~2 GiB; loop until EOF
+                n = os.preadv(f.fileno(), [view[got:]], start + got)
+                if n == 0:
+                    break
+                got += n
+            view.release()
             return buf if got == len(buf) else buf[:got]  # no copy: loads read GiBs
 
     def size(self, key: str) -> int:

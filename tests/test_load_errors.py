@@ -1,0 +1,302 @@
+"""Failures while loading a step that are not damage to it: an object storage will not hand
+over (a directory where an object should be, a 403), a listing refused, a step gone.
+
+Each becomes a classified CheckpointError (StorageError / CheckpointNotFoundError) that every
+rank agrees on: ``load(step=N)`` raises it, ``load()`` falls back to the newest older step that
+loads, and nothing is quarantined (the step is not known to be damaged). On S3 the refusals
+come from a small HTTP proxy in front of the moto server that answers 403 AccessDenied to the
+requests a test picks, so the engine's real client stack sees a real 403.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import torch
+from _dist import run_ranks
+
+from antifragile.engine import (
+    CheckpointEngine,
+    CheckpointError,
+    PlanOptions,
+    StorageError,
+)
+
+Storage = tuple[str, dict[str, Any] | None]
+PLAN = PlanOptions(max_object_bytes=256)  # 16 x 8 float32: objects of 8 rows, c/0/0 and c/1/0
+
+
+def state_of(step: int) -> dict[str, Any]:
+    return {"w": torch.randn(16, 8, generator=torch.Generator().manual_seed(step)), "step": step}
+
+
+def blank() -> dict[str, Any]:
+    return {"w": torch.zeros(16, 8), "step": -1}
+
+
+def save_steps(url: str, options: dict[str, Any] | None, steps: tuple[int, ...] = (1, 2)) -> None:
+    with CheckpointEngine(url, storage_options=options, keep_last=None,
+                          plan_options=PLAN) as engine:
+        for step in steps:
+            engine.save(step, state_of(step), blocking=True)
+
+
+def make_directory(root: Path, step: int, key: str) -> None:
+    """Replace an object by a directory (tests run as root: chmod would not stop a read)."""
+    path = root / f"step_{step:09d}" / key
+    path.unlink()
+    path.mkdir()
+
+
+# -- one process -------------------------------------------------------------------------------
+
+
+def test_object_that_is_a_directory_falls_back_without_quarantine(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    save_steps(url, None)
+    make_directory(tmp_path / "ckpt", 2, "w/c/1/0")
+    with CheckpointEngine(url) as engine:
+        with pytest.raises(StorageError, match=r"step 2\b.*w/c/1/0.*IsADirectoryError"):
+            engine.load(blank(), step=2)
+        target = blank()
+        with pytest.warns(RuntimeWarning, match=r"step 2 skipped.*IsADirectoryError"):
+            assert engine.load(target) == 1
+        assert torch.equal(target["w"], state_of(1)["w"]) and target["step"] == 1
+        assert engine.steps() == [1, 2], "unreadable is not damaged: nothing is quarantined"
+        report = engine.verify(2)
+        assert not report.ok and "w/c/1/0" in {p.key for p in report.problems}
+
+
+def test_commit_of_another_format_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    save_steps(url, None, (1,))
+    marker = tmp_path / "ckpt" / "step_000000001" / "COMMIT"
+    marker.write_bytes(b'{"format": 1, "step": 1, "nonce": 5, "objects": {}}')
+    with CheckpointEngine(url) as engine:
+        with pytest.raises(CheckpointError, match=r"step 1 was written in checkpoint format 1"):
+            engine.load(blank(), step=1)
+        assert engine.steps() == [1]
+
+
+# -- S3: a 403 from the server --------------------------------------------------------------
+
+
+class DenyingProxy:
+    """An HTTP proxy to an S3 endpoint that answers 403 AccessDenied to the requests for which
+    ``deny(method, path_and_query)`` is true and forwards every other one."""
+
+    def __init__(self, upstream: str) -> None:
+        target = urlparse(upstream)
+        self.deny: Callable[[str, str], bool] = lambda method, path: False
+        self.denied = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _handle(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if proxy.deny(self.command, self.path):
+                    proxy.denied += 1
+                    error = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied"
+                             b"</Code><Message>Access Denied</Message></Error>")
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(error)
+                    return
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = target.netloc
+                conn.request(self.command, self.path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.endpoint_url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def denying(s3_bucket: tuple[str, dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any],
+                                                                    DenyingProxy]]:
+    url, options = s3_bucket
+    proxy = DenyingProxy(options["endpoint_url"])
+    no_retries = {"retries": {"max_attempts": 1, "mode": "standard"}}
+    yield url, {**options, "endpoint_url": proxy.endpoint_url,
+                "config_kwargs": no_retries}, proxy
+    proxy.close()
+
+
+@pytest.mark.s3
+def test_a_403_on_an_object_falls_back_without_quarantine(
+    denying: tuple[str, dict[str, Any], DenyingProxy],
+) -> None:
+    url, options, proxy = denying
+    save_steps(url, options)
+    proxy.deny = lambda method, path: "step_000000002/w/c/1/0" in path
+    with CheckpointEngine(url, storage_options=options) as engine:
+        with pytest.raises(StorageError, match=r"step 2\b.*w/c/1/0.*PermissionError"):
+            engine.load(blank(), step=2)
+        target = blank()
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+            assert engine.load(target) == 1
+        assert torch.equal(target["w"], state_of(1)["w"])
+        assert engine.steps() == [1, 2]
+    assert proxy.denied >= 2
+
+
+@pytest.mark.s3
+def test_a_403_on_listing_is_a_storage_error(
+    denying: tuple[str, dict[str, Any], DenyingProxy],
+) -> None:
+    url, options, proxy = denying
+    save_steps(url, options, (1,))
+    proxy.deny = lambda method, path: "list-type" in path or "delimiter" in path
+    with CheckpointEngine(url, storage_options=options) as engine:
+        with pytest.raises(StorageError, match="PermissionError"):
+            engine.steps()
+        with pytest.raises(StorageError, match="PermissionError"):
+            engine.load(blank())
+    assert proxy.denied >= 2
+
+
+# -- two ranks: only one of them hits the error ------------------------------------------------
+
+
+def _load_rows(url: str, step: int | None) -> tuple[str, int, bool]:
+    """Rank r loads rows [8r, 8r + 8): only rank 1 reads object w/c/1/0. Returns the outcome,
+    the step loaded (-1 on error) and whether the loaded rows are that step's."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    target = {"w": distribute_tensor(torch.zeros(16, 8), mesh, [Shard(0)]), "step": -1}
+    with CheckpointEngine(url) as engine:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loaded = engine.load(target, step=step)
+        except CheckpointError as exc:
+            return f"{type(exc).__name__}: {exc}", -1, False
+    rank = torch.distributed.get_rank()
+    rows = state_of(loaded)["w"][8 * rank:8 * rank + 8]
+    warned = " | ".join(str(w.message) for w in caught)
+    return f"loaded {warned}", loaded, torch.equal(target["w"].to_local(), rows)
+
+
+@pytest.mark.multiproc
+def test_an_error_on_one_rank_is_agreed_by_all(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    save_steps(url, None)
+    make_directory(tmp_path / "ckpt", 2, "w/c/1/0")
+    explicit = run_ranks(2, _load_rows, url, 2, timeout_s=90)
+    assert all(o.startswith("StorageError") and "rank 1" in o and "w/c/1/0" in o
+               for o, _, _ in explicit), explicit
+    latest = run_ranks(2, _load_rows, url, None, timeout_s=90)
+    assert [(step, ok) for _, step, ok in latest] == [(1, True), (1, True)], latest
+    assert all("step 2 skipped" in o for o, _, _ in latest), latest
+
+
+# -- a failed step leaves no read in flight ----------------------------------------------------
+
+
+class _HeldReads:
+    """Holds reads of step 2's ``a`` objects until ``release`` (after load has returned)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
+        if "step_000000002/a/c/" in key:
+            self.release.wait(30)
+        return self.inner.read(key, start, end)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_no_read_of_a_failed_step_lands_after_the_fallback(tmp_path: Path) -> None:
+    """Step 2's second tensor has damaged metadata, found after reads of its first tensor
+    may have started: load() falls back to step 1, and no read of step 2 may still be running
+    to overwrite the target with step 2's data afterwards."""
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url, keep_last=None) as engine:
+        for step in (1, 2):
+            engine.save(step, {"a": torch.full((4,), float(step)),
+                               "b": torch.full((4,), float(step))}, blocking=True)
+        doc = tmp_path / "ckpt" / "step_000000002" / "b" / "zarr.json"
+        doc.write_bytes(doc.read_bytes().replace(b'"float32"', b'"float64"'))
+        held = _HeldReads(engine.storage.inner)
+        engine.storage.inner = held
+        target = {"a": torch.zeros(4), "b": torch.zeros(4)}
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+            assert engine.load(target) == 1
+        held.release.set()
+    assert torch.equal(target["a"], torch.ones(4)), "a read of step 2 landed after the fallback"
+    assert torch.equal(target["b"], torch.ones(4))
+
+
+# -- ranks must load the same save -------------------------------------------------------------
+
+
+def _load_step_1(urls: list[str]) -> str:
+    """Rank r loads step 1 from ``urls[r]`` (node-local storage that looks shared)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rank = torch.distributed.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    target = {"w": distribute_tensor(torch.zeros(16, 8), mesh, [Shard(0)]), "step": -1}
+    with CheckpointEngine(urls[rank]) as engine:
+        try:
+            engine.load(target, step=1)
+        except CheckpointError as exc:
+            return f"refused: {exc}"
+    return "loaded"
+
+
+@pytest.mark.multiproc
+def test_ranks_that_see_different_saves_of_a_step_refuse_to_mix_them(tmp_path: Path) -> None:
+    """Each rank sees its own step 1 (two saves with other contents, e.g. node-local disks
+    mounted at the same path): every rank's data checks out, but together they would be a
+    checkpoint nobody saved. The ranks compare the save's nonce and refuse."""
+    urls = [str(tmp_path / f"node{r}") for r in range(2)]
+    for r, url in enumerate(urls):
+        with CheckpointEngine(url) as engine:
+            engine.save(1, {"w": torch.full((16, 8), float(r)), "step": 1}, blocking=True)
+    outcomes = run_ranks(2, _load_step_1, urls, timeout_s=90)
+    assert all(o.startswith("refused") and "step 1" in o and "different saves" in o
+               for o in outcomes), outcomes

@@ -1,0 +1,168 @@
+"""Request economy: what a save and a load cost in storage requests, and that waiting for a
+commit polls with one request per round, backing off.
+
+Counts come from the engine's own figures (``handle.requests``, ``engine.last_load_requests``:
+requests made through the Storage interface) and, on S3, from the HTTP requests s3fs sends
+(counted with a botocore event hook), so a request the interface hides (a HEAD before a GET)
+shows up too.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from antifragile.engine import CheckpointEngine
+from antifragile.engine import commit as commit_module
+from antifragile.engine.commit import read_commit
+
+Storage = tuple[str, dict[str, Any] | None]
+TENSORS = 200
+
+
+def state_of(seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"model": {f"t{i}": torch.randn(8, 8, generator=gen) for i in range(TENSORS)},
+            "step": seed}
+
+
+class HttpCount:
+    """HTTP requests s3fs sends (S3 only; nothing to count locally)."""
+
+    def __init__(self, engine: CheckpointEngine) -> None:
+        self.methods: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        fs = getattr(engine.storage.inner, "fs", None)
+        if fs is not None:
+            from fsspec.asyn import sync
+
+            sync(fs.loop, fs.set_session)
+            fs.s3.meta.events.register("before-send.s3", self._count)
+
+    def _count(self, request: Any, **_: Any) -> None:
+        with self._lock:
+            self.methods[request.method] += 1
+
+    def take(self) -> int:
+        with self._lock:
+            total = sum(self.methods.values())
+            self.methods.clear()
+        return total
+
+
+def test_requests_per_save_and_per_load_are_bounded(storage: Storage) -> None:
+    """200 tensors: a save costs about one request per object it writes, a load one per
+    object it reads, plus a handful (COMMIT, group metadata, listing, records)."""
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=1) as engine:
+        http = HttpCount(engine)
+        handle = engine.save(1, state_of(1), blocking=True)
+        objects = len(read_commit(engine.storage, 1)["objects"])
+        assert objects == 2 * TENSORS + 2  # cells, array docs, model/zarr.json, zarr.json
+        assert handle.requests["total"] <= objects + 10, handle.requests
+        save_http = http.take()
+        assert not options or save_http <= objects + 12, (save_http, handle.requests)
+
+        http.take()
+        engine.save(2, state_of(2), blocking=True)  # retention deletes step 1
+        http.take()
+        target = state_of(-1)
+        assert engine.load(target) == 2
+        assert torch.equal(target["model"]["t7"], state_of(2)["model"]["t7"])
+        load = engine.last_load_requests
+        reads = 2 * TENSORS + 2  # COMMIT, zarr.json, 200 array docs, 200 cells
+        assert load["total"] <= reads + 3, load  # + listing the steps
+        load_http = http.take()
+        assert not options or load_http <= reads + 4, (load_http, load)
+
+
+class _MetadataBarrier:
+    """Holds the first read of array metadata until a second one is in flight at the same
+    time: a load that reads metadata one at a time never brings a second one, so the barrier
+    breaks (after its timeout) and ``serial`` says so."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.barrier = threading.Barrier(2, timeout=10)
+        self.met = 0
+        self.serial = False
+        self._lock = threading.Lock()
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
+        if key.endswith("/zarr.json") and "/model/" in key:
+            with self._lock:
+                first = self.met < 2
+                self.met += 1
+            if first:
+                try:
+                    self.barrier.wait()
+                except threading.BrokenBarrierError:
+                    self.serial = True
+        return self.inner.read(key, start, end)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_array_metadata_is_read_concurrently(tmp_path: Any) -> None:
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url) as engine:
+        engine.save(1, state_of(1), blocking=True)
+        barrier = _MetadataBarrier(engine.storage.inner)
+        engine.storage.inner = barrier
+        target = state_of(-1)
+        assert engine.load(target, step=1) == 1
+        assert not barrier.serial, "array metadata was read one object at a time"
+        assert torch.equal(target["model"]["t199"], state_of(1)["model"]["t199"])
+
+
+class _PollCounter:
+    """A step folder in which COMMIT appears after ``rounds`` listings; counts every request."""
+
+    def __init__(self, inner: Any, rounds: int) -> None:
+        self.inner, self.rounds = inner, rounds
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.marker: bytes | None = None
+
+    def list_dir(self, prefix: str) -> list[str]:
+        self.calls["list"] += 1
+        names = self.inner.list_dir(prefix)
+        return names if self.calls["list"] > self.rounds else [n for n in names if n != "COMMIT"]
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if callable(attr):
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                self.calls[name] += 1
+                return attr(*args, **kwargs)
+            return counted
+        return attr
+
+
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
+    slept: list[float] = []
+    monkeypatch.setattr(commit_module.time, "sleep", slept.append)
+    yield slept
+
+
+def test_waiting_for_a_commit_is_one_request_per_round_with_backoff(
+    tmp_path: Any, sleeps: list[float]
+) -> None:
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url) as engine:
+        engine.save(1, {"w": torch.ones(2)}, blocking=True)
+        nonce = read_commit(engine.storage, 1)["nonce"]
+        polled = _PollCounter(engine.storage, rounds=40)
+        commit_module.wait_for_commit(polled, step=1, nonce=nonce, deadline=float("inf"),
+                                      world_size=1000)
+    assert polled.calls == {"list": 41, "read": 1}, polled.calls  # then COMMIT is read once
+    assert len(sleeps) == 40
+    assert all(b >= a * 0.7 for a, b in itertools.pairwise(sleeps)), sleeps  # backs off
+    assert sleeps[-1] >= 1.0, "1000 ranks poll at most every ~2 s, not every 0.5 s"
