@@ -156,6 +156,7 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
     except CheckpointError as exc:
         _fail(str(exc))
     layout = reader.attrs.get("layout", {})
+    values = {k: v for k, v in reader.values.items() if not k.startswith(".")}  # not engine's
     by_rank = reader.commit.get("requests")
     by_rank = by_rank if isinstance(by_rank, dict) else {}
     requests = {
@@ -166,7 +167,7 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
         "load": 2 + len(rows) + sum(r["shards"] for r in rows),
     }
     if as_json:
-        click.echo(json.dumps({"step": step, "layout": layout, "values": reader.values,
+        click.echo(json.dumps({"step": step, "layout": layout, "values": values,
                                "requests": requests, "arrays": rows}, indent=2))
         return
     click.echo(f"step {step}  world_size {layout.get('world_size')}  "
@@ -178,5 +179,5 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
     for r in rows:
         click.echo(f"{r['array']:<{width}}  {r['dtype']:<9} {r['shape']!s:<18} "
                    f"{r['shard_shape']!s:<18} {_human(r['bytes']):>10}")
-    if reader.values:
-        click.echo(f"values: {', '.join(sorted(reader.values))}")
+    if values:
+        click.echo(f"values: {', '.join(sorted(values))}")
