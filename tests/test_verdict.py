@@ -416,3 +416,20 @@ def test_a_fault_that_never_fired_fails() -> None:
     assert v.verdict == "fail"
     assert v.reasons == ["kill_rank: the scenario has 2 such faults, 0 were injected (a "
                          "trigger was never reached)"]
+
+
+def test_a_kill_during_the_recovery_of_the_previous_one_interrupts_it_without_failing() -> None:
+    """Rank 1 dies at step 7; attempt 1 starts, and rank 0 dies before attempt 1 restored:
+    the first recovery was cut short by the second fault, whose recovery covers both. Not a
+    missing recovery (the job came back), so the verdict passes and the report says so."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    t = _kill(job, t + 0.05, 0, 1, 7)
+    second = job.start(t + 1.0, 1)  # started, killed before any restore or step
+    t = _kill(job, second + 0.1, 1, 0, 7)
+    t = job.steps(job.start(t + 1.0, 2, restore=6), 2, 7, 12)
+    v, (first, last) = _verdict(_finish(job, t, 2), [KILL, {**KILL, "rank": 0}])
+    assert first.ended_attempt == 0 and first.recovery_s is None and first.restored_step is None
+    assert first.interrupted_by_t == pytest.approx(second + 0.1)
+    assert last.ended_attempt == 1 and last.restored_step == 6 and last.recovery_s is not None
+    assert v.verdict == "pass", v.reasons

@@ -158,7 +158,7 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
         if t.outage is not None and not t.outage["training_continued"]:
             v.fail(f"{t.kind} at step {t.injected_step}: training did not go on during the "
                    f"outage ({t.outage['steps_during_outage']} steps, or a restart)")
-        if t.ended_attempt is not None and t.recovery_s is None:
+        if t.ended_attempt is not None and t.recovery_s is None and t.interrupted_by_t is None:
             v.fail(f"{t.kind} at step {t.injected_step}: no recovery was observed (the job "
                    f"did not come back after attempt {t.ended_attempt})")
             continue

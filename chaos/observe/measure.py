@@ -48,6 +48,9 @@ class FaultTimings:
     recovery_mode: str | None = None  # "in_process" (re-formed with a spare) or "restart"
     fallback: str | None = None  # why an in-process recovery fell back to a torchrun restart
     paused_s: float | None = None  # how long chaos held the trainer at the fault's pause point
+    # the next fault hit the job before it was back at this fault's step: this recovery was
+    # cut short (the later fault's recovery covers both); the injection time of that fault
+    interrupted_by_t: float | None = None
     detect_s: float | None = None
     restart_s: float | None = None
     restore_s: float | None = None
@@ -258,16 +261,22 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
     if timings.recovery_mode == "restart" and gave_up:
         timings.fallback = str(gave_up[0].get("error"))
     restores = _by_attempt(record.events, nxt, "restore_end")
+    later = [i.t for i in record.injections if i.t > injection.t and not i.skipped
+             and started - 0.5 <= i.t <= record.attempt_ends.get(nxt, record.ended_t)]
     if any("storage_bytes" in e for e in restores):
         timings.restore_memory_bytes = sum(e.get("memory_bytes", 0) for e in restores)
         timings.restore_storage_bytes = sum(e.get("storage_bytes", 0) for e in restores)
     restored = max((e["t"] for e in restores), default=started)
-    restored_step = min((e["step"] for e in restores), default=0)
-    injected = max((e["step"] for e in done), default=timings.injected_step or restored_step)
+    restored_step = min((e["step"] for e in restores), default=None)
+    injected = max((e["step"] for e in done), default=timings.injected_step or 0)
     caught_up = [e["t"] for e in _by_attempt(record.events, nxt, "step_end")
                  if e["step"] >= injected]
     timings.detect_s = max(torn_down - injection.t, 0.0)
     timings.restart_s = max(started - torn_down, 0.0)
+    if not caught_up and later:  # a later fault cut this recovery short
+        timings.interrupted_by_t = min(later)
+    if restored_step is None:
+        return  # never restored (the job did not come back, or a later fault hit first)
     timings.restore_s = max(restored - started, 0.0)
     timings.restored_step = restored_step
     timings.lost_steps = max(injected - restored_step, 0)

@@ -144,6 +144,8 @@ def _recovery_cell(f: dict[str, Any]) -> str:
     is not its recovery."""
     if f.get("recovery_s") is not None:
         return _fmt(f["recovery_s"])
+    if f.get("interrupted_by_t") is not None:
+        return "interrupted by the next fault"
     if not f.get("skipped") and f.get("ended_attempt") is None:
         return "none (caused no restart)"
     return "-"
