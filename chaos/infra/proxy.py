@@ -13,7 +13,7 @@ aiobotocore, aiohttp) sees real resets, real 503 answers and real silence. Fault
 
 When a fault starts, connections already open are severed, so pooled keep-alive connections
 cannot slip past it. The proxy speaks TCP, not TLS: it sits in front of plain-HTTP endpoints
-(moto, MinIO, a local gateway).
+(SeaweedFS, MinIO, a local gateway).
 """
 
 from __future__ import annotations
