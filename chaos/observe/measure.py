@@ -10,6 +10,13 @@ from antifragile.chaos.faults import Injection
 from antifragile.chaos.observe.record import RunRecord
 
 _FAILURES = {"kill_rank", "hang_rank", "crash_during_save", "drop_link"}
+# Faults on storage (not on the job): what they did is measured by outage_effects, and which of
+# their injection's detail fields the report keeps.
+STORAGE_FAULTS: dict[str, tuple[str, ...]] = {
+    "storage_outage": ("mode", "duration_s", "latency_s", "requests_faulted",
+                       "connections_passed", "requests_delayed"),
+    "storage_node_down": ("mode", "duration_s", "server", "pid", "restarted_pid", "error"),
+}
 
 
 @dataclass(slots=True)
@@ -27,7 +34,7 @@ class FaultTimings:
     recovery_s: float | None = None
     restored_step: int | None = None
     lost_steps: int | None = None
-    outage: dict[str, Any] | None = None  # storage_outage: what it did (see outage_effects)
+    outage: dict[str, Any] | None = None  # a storage fault: what it did (see outage_effects)
 
 
 def _by_attempt(events: list[dict[str, Any]], attempt: int, kind: str) -> list[dict[str, Any]]:
@@ -50,7 +57,7 @@ def fault_timings(record: RunRecord, injection: Injection) -> FaultTimings:
                            injected_step=injection.step, rank=injection.rank,
                            skipped=injection.skipped,
                            checkpoint_step=injection.detail.get("checkpoint_step"))
-    if injection.kind == "storage_outage" and not injection.skipped:
+    if injection.kind in STORAGE_FAULTS and not injection.skipped:
         timings.outage = outage_effects(record, injection)
     attempt = _attempt_at(record, injection.t)
     # The runner reads event files as they are written, so it fires a step-triggered fault a
@@ -116,9 +123,10 @@ def _median(xs: list[float]) -> float | None:
 
 
 def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
-    """What a storage outage did: the saves in flight during it (delayed if they committed,
-    else failed or skipped), the extra time the training loop lost, and whether training kept
-    going. The loop's pace is the gap between rank 0's consecutive steps; the extra stall is
+    """What a storage outage (or a storage node down) did: the saves in flight during it
+    (delayed if they committed, else failed or skipped), the extra time the training loop lost,
+    whether training kept going, and the first save that committed after it (recovery). The
+    loop's pace is the gap between rank 0's consecutive steps; the extra stall is
     what the gaps overlapping the outage took beyond the median gap outside it."""
     d = injection.detail
     t0 = injection.t
@@ -157,8 +165,8 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
     later = [c["step"] for c in saves if c["committed"] and c["staged_t"] is not None
              and c["staged_t"] > t1]
     return {
-        **{k: d.get(k) for k in ("mode", "duration_s", "latency_s", "requests_faulted",
-                                 "connections_passed", "requests_delayed")},
+        **{k: d.get(k) for k in STORAGE_FAULTS.get(injection.kind,
+                                                    STORAGE_FAULTS["storage_outage"])},
         "outage_s": (d["ended_t"] - t0) if d.get("ended_t") else None,
         "checkpoints": rows,
         "checkpoints_failed": [r["step"] for r in rows if r["outcome"] in ("failed", "lost")],

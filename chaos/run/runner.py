@@ -175,7 +175,9 @@ def _target(s: Scenario, pids: dict[int, int], ckpt_url: str, rng: random.Random
                   network=hosts.network if hosts else None,
                   network_error=hosts.error if hosts else None,
                   storage_proxy=storage.proxy if storage else None,
-                  storage_proxy_unavailable=storage.proxy_unavailable if storage else None)
+                  storage_proxy_unavailable=storage.proxy_unavailable if storage else None,
+                  storage_cluster=storage.cluster if storage else None,
+                  storage_cluster_unavailable=storage.cluster_unavailable if storage else None)
 
 
 def _fire(pending: list[_Pending], injections: list[Injection], e: dict[str, Any],
