@@ -244,6 +244,12 @@ def run_storage(s: Scenario, out: Path, progress: Callable[[str], None] = print
                                "the ranks on emulated hosts, which reach S3 only over the "
                                f"emulated network, and network namespaces are unavailable "
                                f"here ({reason}); use trainer.nodes: 1 or a local folder")
+        configured = configured_endpoint()
+        if configured and not configured.startswith("http://"):
+            raise S3SetupError(f"checkpoint.url {url}: emulated hosts (trainer.nodes = "
+                               f"{s.trainer.nodes}) reach S3 through a TCP relay on their "
+                               f"network, which needs a plain http:// endpoint, not "
+                               f"{configured}")
     node_faults = [i for i, f in enumerate(s.faults) if f.kind == "storage_node_down"]
     if node_faults and configured_endpoint():
         raise S3SetupError(f"faults.{node_faults[0]}.kind: storage_node_down stops a volume "

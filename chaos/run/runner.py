@@ -19,7 +19,8 @@ from typing import Any
 from antifragile.chaos.faults import FaultBase, Injection, Target
 from antifragile.chaos.infra.launch import launch, launch_hosts
 from antifragile.chaos.infra.netns import NetnsUnavailable, Network
-from antifragile.chaos.infra.s3 import RunStorage
+from antifragile.chaos.infra.proxy import FaultProxy
+from antifragile.chaos.infra.s3 import ENDPOINT_VARS, RunStorage
 from antifragile.chaos.observe.record import EventTail, RunRecord
 from antifragile.chaos.scenario import Scenario
 
@@ -53,7 +54,8 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                  on_event: Callable[[dict[str, Any], list[Injection]], None] | None = None
                  ) -> RunRecord:
     """Run the trainer for ``s`` (with its faults unless ``faults=False``) to the end.
-    ``storage``: S3 set up for the run (the trainer's endpoint, the fault proxy)."""
+    ``storage``: S3 set up for the run (the trainer's endpoint, the fault proxy). On emulated
+    hosts the trainer reaches that endpoint through a relay on the network's bridge."""
     rng = random.Random(s.seed)
     pending = [_Pending(f) for f in (s.faults if faults else [])]
     started = time.time()
@@ -62,6 +64,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             p.next_t = started + rng.expovariate(1 / p.fault.mtbf_s)
     max_restarts = 2 * len(pending) + (50 if any(p.next_t for p in pending) else 0)
     hosts = _Hosts.open(s.trainer.nodes)
+    relay: FaultProxy | None = None
     agents = _Agents([])
     tail = EventTail(run_dir)
     injections: list[Injection] = []
@@ -71,6 +74,11 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     checkpoints_seen: dict[int, int] = {}  # checkpoint step -> ordinal
     try:
         env = storage.trainer_env if storage else None
+        if hosts.network is not None and env and storage and storage.endpoint:
+            # emulated hosts reach only the emulated network: S3 is relayed from the bridge
+            relay = FaultProxy.in_front_of(env["AWS_ENDPOINT_URL"],
+                                           listener=hosts.network.listen())
+            env = {**env, **{var: relay.endpoint_url for var in ENDPOINT_VARS}}
         agents.procs = (launch_hosts(s, run_dir, ckpt_url, max_restarts=max_restarts,
                                      network=hosts.network, env=env) if hosts.network
                         else [launch(s, run_dir, ckpt_url, max_restarts=max_restarts, env=env)])
@@ -107,6 +115,8 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             time.sleep(0.05)
     finally:
         agents.kill()
+        if relay is not None:
+            relay.close()
         if hosts.network is not None:
             hosts.network.close()
     tail.poll()
