@@ -66,6 +66,7 @@ def test_proxy_passes_requests_through(proxy: FaultProxy, bucket: str) -> None:
     client.put_object(Bucket=bucket, Key="k", Body=b"x" * 100_000)
     assert client.get_object(Bucket=bucket, Key="k")["Body"].read() == b"x" * 100_000
     assert proxy.stats.passed >= 1 and proxy.stats.faulted == 0
+    assert proxy.stats.requests == 2, "one PUT, one GET (a body after 100-continue is no request)"
 
 
 @pytest.mark.s3
