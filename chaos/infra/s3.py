@@ -10,6 +10,8 @@ environment of its torchrun process. With a ``storage_outage`` fault, the traine
 address of a fault proxy in front of the endpoint instead, so every request it makes crosses
 the proxy; the chaos process itself (checker, ``corrupt_shard``) talks to the endpoint directly.
 ``storage_node_down`` acts on the cluster's volume servers, so it needs the local cluster.
+Emulated hosts (``trainer.nodes > 1``) reach the endpoint through a relay on their network's
+bridge (``chaos/run/runner.py``), so they need namespaces and a plain ``http://`` endpoint.
 
 Before anything runs, :func:`check_bucket` asks the endpoint once with short timeouts, so a bad
 endpoint is a one-line error (exit 2) within :data:`CHECK_BOUND_S` seconds, not a hang: an
