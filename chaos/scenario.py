@@ -161,14 +161,6 @@ class Scenario(_Strict):
     expect: Expect = Expect()
 
     @model_validator(mode="after")
-    def _hosts_reach_storage(self) -> Scenario:
-        url = self.checkpoint.url
-        if self.trainer.nodes > 1 and url and url.startswith("s3://"):
-            raise ValueError(f"checkpoint.url {url}: emulated hosts (trainer.nodes > 1) reach "
-                             "only each other, not an S3 endpoint; use a local folder")
-        return self
-
-    @model_validator(mode="after")
     def _faults_fit(self) -> Scenario:
         for i, fault in enumerate(self.faults):
             p = self.trainer.parallel

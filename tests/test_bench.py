@@ -57,3 +57,22 @@ def test_quick_benchmark_prints_ratios_and_cleans_up(tmp_path: Path) -> None:
     }
     assert all(r["samples"] and min(r["samples"]) > 0 for r in report["rows"])
     assert list(scratch.iterdir()) == [], "the benchmark left files behind"
+
+
+@pytest.mark.s3
+def test_s3_benchmark_prints_ratios_and_request_counts(tmp_path: Path) -> None:
+    result_json = tmp_path / "s3.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.s3", "--quick", "--json",
+                           str(result_json)], capture_output=True, text=True, timeout=280,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert "SeaweedFS cluster (master, 2 volume servers, filer, S3 gateway) started" in out
+    assert "ratio persist / raw PUT" in out and "ratio load / raw GET" in out
+    assert "requests: save " in out and "engine reports" in out
+    (state,) = json.loads(result_json.read_text())["states"]
+    assert state["state"] == "quickstart" and state["objects"] > state["tensors"]
+    assert state["requests"]["raw_put"] == state["objects"]
+    assert state["requests"]["raw_get"] == state["objects"]
+    assert state["requests"]["save"] >= state["objects"]
+    assert state["persist_ratio"] > 0 and state["load_ratio"] > 0

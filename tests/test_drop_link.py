@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,15 +36,16 @@ while True:
 _CONNECT = """
 import socket, sys
 try:
-    socket.create_connection((sys.argv[1], 7000), timeout=1.5).close(); print("ok")
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.5).close(); print("ok")
 except OSError as e:
     print(f"fail {e}")
 """
 
 
-def _connect(net: Network, src: int, dst: int) -> str:
+def _connect(net: Network, src: int, dst: int | str, port: int = 7000) -> str:
+    address = net.hosts[dst].address if isinstance(dst, int) else dst
     done = subprocess.run(net.hosts[src].command(
-        [sys.executable, "-S", "-c", _CONNECT, net.hosts[dst].address]),
+        [sys.executable, "-S", "-c", _CONNECT, address, str(port)]),
         capture_output=True, text=True, timeout=60)
     return done.stdout.strip()
 
@@ -99,6 +102,42 @@ def test_three_hosts_cut_exactly_the_named_pair() -> None:
 
 
 @needs_netns
+def test_hosts_reach_a_service_on_the_bridge_over_their_own_link() -> None:
+    """How emulated hosts reach S3: this process listens on the bridge; a host's cut link cuts
+    its way there too."""
+    with Network(2) as net:
+        listener = net.listen()
+        address, port = listener.getsockname()[:2]
+        assert address == netns.BRIDGE_ADDRESS
+        accepted: list[str] = []
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, peer = listener.accept()
+                except OSError:
+                    return
+                accepted.append(peer[0])
+                conn.close()
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        try:
+            assert _connect(net, 0, address, port) == "ok"
+            assert _connect(net, 1, address, port) == "ok"
+            net.link_down(0, 1)
+            assert _connect(net, 0, address, port).startswith("fail")
+            net.link_up(0, 1)
+            assert _connect(net, 0, address, port) == "ok"
+        finally:
+            listener.close()
+        assert sorted(set(accepted)) == [h.address for h in net.hosts]
+    with socket.socket() as outside, pytest.raises(OSError):
+        outside.settimeout(1)
+        outside.connect((address, port))  # the caller's namespace has no route there
+
+
+@needs_netns
 def test_processes_inside_are_killed_and_leftovers_of_dead_runs_are_reaped() -> None:
     net = Network(2)
     net.open()
@@ -139,6 +178,30 @@ def test_drop_link_is_validated_against_the_nodes(nodes: int, between: list[int]
            "faults": [{"kind": "drop_link", "at_step": 5, "between": between}]}
     with pytest.raises(ScenarioError, match=message):
         parse_scenario(doc, path="x.yaml")
+
+
+def test_s3_on_emulated_hosts_is_valid_and_refused_only_where_it_cannot_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from antifragile.chaos.infra import s3
+
+    doc = {"name": "x", "trainer": {"nodes": 2, "parallel": {"dp": 2}},
+           "checkpoint": {"url": "s3://bucket/run"},
+           "faults": [{"kind": "drop_link", "at_step": 5}]}
+    s = parse_scenario(doc)  # no longer refused by the scenario rules
+    monkeypatch.setattr(netns, "unavailable_reason", lambda: "creating network namespaces "
+                        "needs root (CAP_NET_ADMIN)")
+    with pytest.raises(s3.S3SetupError, match=r"^checkpoint.url s3://bucket/run: trainer.nodes "
+                       r"= 2 puts the ranks on emulated hosts, which reach S3 only over the "
+                       r"emulated network, and network namespaces are unavailable here "
+                       r"\(creating network namespaces needs root"), \
+            s3.run_storage(s, tmp_path, progress=lambda _: None):
+        pass
+    monkeypatch.setattr(netns, "unavailable_reason", lambda: None)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "https://s3.example.com")
+    with pytest.raises(s3.S3SetupError, match=r"needs a plain http:// endpoint, not "
+                       r"https://s3.example.com"), \
+            s3.run_storage(s, tmp_path, progress=lambda _: None):
+        pass
 
 
 def test_shipped_scenario_is_valid() -> None:
@@ -228,4 +291,31 @@ def test_a_cut_too_short_to_notice_is_not_observed_and_fails(
     assert report["verdict"]["reasons"] == [
         f"drop_link at step {fault['injected_step']}: no observable effect: {fault['effect']}"]
     assert fault["effect"].startswith("the cut was not observed")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.s3
+@needs_netns
+@pytest.mark.timeout(900)
+def test_two_hosts_checkpoint_to_s3_over_the_emulated_network(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hosts reach only the emulated network: S3 (the SeaweedFS cluster chaos starts on
+    loopback) is relayed from the bridge. The cut link also cuts both hosts from S3; the job
+    restarts and restores from S3."""
+    from antifragile.chaos.infra.s3 import ENDPOINT_VARS
+
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    for var in ENDPOINT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    s = load_scenario(ROOT / "scenarios" / "nightly" / "drop-link-s3-2nodes.yaml")
+    outcome = run(s, tmp_path / "out", progress=lambda _: None)
+    report = outcome.report
+    assert outcome.passed, report["verdict"]
+    assert report["run"]["checkpoint_url"].startswith("s3://")
+    (fault,) = report["faults"]
+    assert fault["kind"] == "drop_link" and fault["skipped"] is None
+    assert fault["restored_step"] == 10 and report["run"]["attempts"] == 2
+    committed = [c for c in report["checkpoints"] if c["committed"]]
+    assert {c["step"] for c in committed} >= {5, 10, 30}
     assert not _ours(), "the run's namespaces are gone"

@@ -1,4 +1,4 @@
-"""Single-process behaviour of CheckpointEngine on every backend (local path and S3 via moto).
+"""Single-process behaviour of CheckpointEngine on every backend (local path and S3 on SeaweedFS).
 
 What a training loop relies on: a nested state round-trips exactly, ``save`` returns before the
 commit and what is written is the state at the time of the call, a save never blocks on the
@@ -381,8 +381,11 @@ def test_committed_step_is_never_overwritten(ckpt: CheckpointEngine) -> None:
 
 
 def step_folders(storage: Storage) -> list[str]:
+    """The step folders that hold objects. (An object store has no folders: on S3 a prefix
+    whose objects are gone is gone; SeaweedFS keeps listing it for ~2.5 minutes, until its
+    filer removes the empty directory.)"""
     fs, root = raw_fs(storage)
-    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    return sorted({p.removeprefix(f"{root}/").split("/", 1)[0] for p in fs.find(root)})
 
 
 def test_keep_last_retains_newest_and_removes_older_debris(storage: Storage) -> None:

@@ -1,7 +1,7 @@
 """Storage failures: transient S3 errors are retried with backoff, an outage beyond the retry
 budget fails the save (not the training), and the retry wrapper's own rules.
 
-S3 faults come from a TCP proxy between s3fs and the moto server (chaos/proxy.py), so the
+S3 faults come from a TCP proxy between s3fs and the S3 server (chaos/infra/proxy.py), so the
 engine's real client stack sees real resets and real 503 responses.
 """
 

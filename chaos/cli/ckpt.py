@@ -12,7 +12,11 @@ import click
 from antifragile.chaos.cli.common import fail as _fail
 
 
-def _options(endpoint_url: str | None, pairs: tuple[str, ...]) -> dict[str, Any] | None:
+def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
+             ) -> dict[str, Any] | None:
+    """fsspec options from the flags. For ``s3://`` URLs the bucket is asked once first, with
+    short timeouts, so that a bad endpoint, bucket or credentials is a one-line error (exit 2)
+    within seconds instead of the engine's patient retrying."""
     options: dict[str, Any] = {}
     if endpoint_url:
         options["endpoint_url"] = endpoint_url
@@ -21,6 +25,13 @@ def _options(endpoint_url: str | None, pairs: tuple[str, ...]) -> dict[str, Any]
         if not sep or not key:
             raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--storage-option")
         options[key] = value
+    if url.startswith("s3://"):
+        from antifragile.chaos.infra.s3 import S3SetupError, check_bucket
+
+        try:
+            check_bucket(url, options=options)
+        except S3SetupError as exc:
+            _fail(str(exc))
     return options or None
 
 
@@ -65,7 +76,7 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
     from antifragile.engine.storage import open_storage
 
     try:
-        storage = open_storage(url, _options(endpoint_url, pairs))
+        storage = open_storage(url, _options(endpoint_url, pairs, url))
         steps = committed_steps(storage)
         hidden = quarantined_steps(storage)
         if not steps and not hidden:
@@ -101,7 +112,7 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
     from antifragile.engine.verify import verify_step
 
     try:
-        storage = open_storage(url, _options(endpoint_url, pairs))
+        storage = open_storage(url, _options(endpoint_url, pairs, url))
         committed = committed_steps(storage)
         hidden = quarantined_steps(storage)
         if step is not None and step not in committed and step not in hidden:
@@ -138,7 +149,7 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
     from antifragile.engine.storage import open_storage
 
     try:
-        reader = StepReader(open_storage(url, _options(endpoint_url, pairs)), step)
+        reader = StepReader(open_storage(url, _options(endpoint_url, pairs, url)), step)
         with ThreadPoolExecutor(8) as pool:
             reader.load_arrays(list(reader.tensors.values()), pool)
         rows = []

@@ -59,7 +59,7 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None) ->
             outcome = run(s, folder, reference=not no_reference, progress=progress,
                           status=progress.status)
         except S3SetupError as exc:
-            fail(str(exc))
+            fail(f"{file}: {exc}")
     v = outcome.report["verdict"]
     click.echo(f"{s.name}: {v['verdict'].upper()}  report: {folder / 'report.md'}")
     for reason in v["reasons"]:
@@ -81,7 +81,8 @@ def _fault_line(f: dict[str, Any]) -> str:
     if f.get("outage"):
         o = f["outage"]
         stall = "-" if o["extra_stall_s"] is None else f"{o['extra_stall_s']:.2f} s"
-        return (f"{f['kind']} ({o['mode']}, {o['duration_s']:g} s) at step "
+        server = f"volume server {o['server']}, " if o.get("server") is not None else ""
+        return (f"{f['kind']} ({server}{o['mode']}, {o['duration_s']:g} s) at step "
                 f"{f['injected_step']}: training went on: {o['training_continued']}; "
                 f"checkpoints delayed {o['checkpoints_delayed']}, failed "
                 f"{o['checkpoints_failed']}, skipped {o['checkpoints_skipped']}; "

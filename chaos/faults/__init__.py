@@ -8,6 +8,7 @@ from antifragile.chaos.faults.crash_during_save import CrashDuringSave
 from antifragile.chaos.faults.drop_link import DropLink
 from antifragile.chaos.faults.hang_rank import HangRank
 from antifragile.chaos.faults.kill_rank import KillRank
+from antifragile.chaos.faults.storage_node_down import StorageNodeDown
 from antifragile.chaos.faults.storage_outage import StorageOutage
 
 FAULT_CONFIGS: dict[str, type[FaultBase]] = {
@@ -17,7 +18,9 @@ FAULT_CONFIGS: dict[str, type[FaultBase]] = {
     "corrupt_shard": CorruptShard,
     "drop_link": DropLink,
     "storage_outage": StorageOutage,
+    "storage_node_down": StorageNodeDown,
 }
-FaultConfig = KillRank | HangRank | CrashDuringSave | CorruptShard | StorageOutage | DropLink
+FaultConfig = (KillRank | HangRank | CrashDuringSave | CorruptShard | StorageOutage | DropLink
+               | StorageNodeDown)
 
 __all__ = ["FAULT_CONFIGS", "FaultBase", "FaultConfig", "Injection", "Target"]

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 if TYPE_CHECKING:
     from antifragile.chaos.infra.netns import Network
     from antifragile.chaos.infra.proxy import FaultProxy
+    from antifragile.chaos.infra.seaweedfs import SeaweedCluster
 
 
 class Coordinates(BaseModel):
@@ -95,6 +96,8 @@ class Target:
     network_error: str | None = None  # why there are none although trainer.nodes > 1
     storage_proxy: FaultProxy | None = None  # in front of S3, for storage_outage
     storage_proxy_unavailable: str | None = None  # why there is none, if one was wanted
+    storage_cluster: SeaweedCluster | None = None  # the S3 store chaos started, for node faults
+    storage_cluster_unavailable: str | None = None  # why there is none
 
     def resolve(self, rank: RankTarget) -> int:
         if rank == "random":

@@ -16,6 +16,12 @@ Cutting the link between hosts ``a`` and ``b`` (``drop_link``):
   the a<->b path alone is cut with ``blackhole`` routes to each other's address in both
   namespaces (new connections between them fail, established ones stall) and removed again.
 
+Services of the run (the S3 endpoint) reach the hosts on the bridge: the bridge has the address
+``10.213.0.1`` in the switch namespace, and :meth:`Network.listen` opens a listening socket
+there from this process (a helper thread enters the switch namespace just to create it; sockets
+stay in the namespace they were made in). What a host sends to that address crosses its own
+link, so cutting a host's link cuts its storage too, as on a real network.
+
 Addresses are ordered so that host 0 sorts first (``10.213.0.10`` < ``.11`` < ... ``.99``):
 torch's c10d rendezvous ranks agents by address, so host ``i`` runs agent group rank ``i``.
 
@@ -28,17 +34,22 @@ exists (a run killed with SIGKILL); every new network calls it first.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import threading
 from dataclasses import dataclass
 from types import TracebackType
 
 IFNAME = "eth0"
 SUBNET = "10.213.0"
+BRIDGE_ADDRESS = f"{SUBNET}.1"  # the switch's own address: services of the run listen there
+_CLONE_NEWNET = 0x40000000
 _PREFIX = "afnet"
 _NAME = re.compile(rf"^{_PREFIX}-(\d+)-\d+-(?:sw|h\d+)$")
 _counter = itertools.count()
@@ -159,6 +170,7 @@ class Network:
                 _ip("netns", "add", name)
                 self._created.append(name)
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", "br0")
             _ip("-n", self.switch, "link", "set", "br0", "up")
             for h in self.hosts:
                 port = f"h{h.index}"
@@ -172,6 +184,36 @@ class Network:
         except NetnsError as exc:
             self.close()
             raise NetnsUnavailable(str(exc)) from None
+
+    def listen(self, port: int = 0) -> socket.socket:
+        """A TCP socket listening on the bridge (``BRIDGE_ADDRESS``), reachable from every
+        host; this process serves it (accept() from any thread). Raises NetnsError."""
+        if self.switch not in self._created:
+            raise NetnsError("the network is not open")
+        made: list[socket.socket] = []
+        failed: list[BaseException] = []
+
+        def inside() -> None:  # a thread of its own: setns() moves only the calling thread
+            try:
+                fd = os.open(f"/var/run/netns/{self.switch}", os.O_RDONLY)
+                try:
+                    libc = ctypes.CDLL(None, use_errno=True)
+                    if libc.setns(fd, _CLONE_NEWNET) != 0:
+                        err = ctypes.get_errno()
+                        raise OSError(err, f"setns into {self.switch}: {os.strerror(err)}")
+                finally:
+                    os.close(fd)
+                made.append(socket.create_server((BRIDGE_ADDRESS, port)))
+            except BaseException as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=inside, name="netns-listen")
+        thread.start()
+        thread.join()
+        if failed:
+            raise NetnsError(f"cannot listen on {BRIDGE_ADDRESS}:{port} in {self.switch}: "
+                             f"{failed[0]}")
+        return made[0]
 
     def close(self) -> None:
         for name in reversed(self._created):

@@ -13,7 +13,7 @@ aiobotocore, aiohttp) sees real resets, real 503 answers and real silence. Fault
 
 When a fault starts, connections already open are severed, so pooled keep-alive connections
 cannot slip past it. The proxy speaks TCP, not TLS: it sits in front of plain-HTTP endpoints
-(moto, MinIO, a local gateway).
+(SeaweedFS, MinIO, a local gateway).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ _BODY_503 = (
     b"<Message>injected by the antifragile fault proxy</Message></Error>"
 )
 _HEAD_LIMIT = 64 * 1024
+_METHODS = {b"GET", b"PUT", b"POST", b"HEAD", b"DELETE", b"PATCH", b"OPTIONS"}
 
 
 @dataclass(slots=True)
@@ -42,15 +43,17 @@ class ProxyStats:
     """Counts since the proxy started. ``faulted`` counts connections that were reset, answered
     503 or blackholed; each carries one request, since the client never gets an answer it could
     reuse the connection after. ``passed`` counts connections forwarded (a pooled connection
-    carries many requests); ``delayed`` counts requests held back by ``latency``."""
+    carries many requests); ``delayed`` counts requests held back by ``latency``; ``requests``
+    counts the HTTP requests forwarded (``bench.s3`` counts a save's requests with it)."""
 
     passed: int = 0
     faulted: int = 0
     delayed: int = 0
+    requests: int = 0
 
     def since(self, earlier: ProxyStats) -> ProxyStats:
         return ProxyStats(self.passed - earlier.passed, self.faulted - earlier.faulted,
-                          self.delayed - earlier.delayed)
+                          self.delayed - earlier.delayed, self.requests - earlier.requests)
 
 
 @dataclass(slots=True)
@@ -69,25 +72,29 @@ class FaultProxy:
     ``heal()``). ``latency`` applies to every request until ``heal()``.
     """
 
-    def __init__(self, upstream: tuple[str, int], *, host: str = "127.0.0.1") -> None:
+    def __init__(self, upstream: tuple[str, int], *, host: str = "127.0.0.1",
+                 listener: socket.socket | None = None) -> None:
+        """``listener``: a listening socket to serve instead of a new one on ``host`` (e.g.
+        one on an emulated network's bridge, made by ``Network.listen``); closed with it."""
         self.upstream = upstream
         self.stats = ProxyStats()
         self._lock = threading.Lock()
         self._fault: _Fault | None = None
         self._open: set[socket.socket] = set()  # passed-through sockets, both sides
         self._held: set[socket.socket] = set()  # blackholed client sockets
-        self._listener = socket.create_server((host, 0))
+        self._listener = listener if listener is not None else socket.create_server((host, 0))
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="fault-proxy", daemon=True)
         self._thread.start()
 
     @classmethod
-    def in_front_of(cls, endpoint_url: str) -> FaultProxy:
+    def in_front_of(cls, endpoint_url: str, *, listener: socket.socket | None = None
+                    ) -> FaultProxy:
         """A proxy for ``http://host:port``; TLS endpoints cannot be proxied byte for byte."""
         url = urlparse(endpoint_url)
         if url.scheme != "http" or not url.hostname:
             raise ValueError(f"the fault proxy needs a plain http:// endpoint, not {endpoint_url}")
-        return cls((url.hostname, url.port or 80))
+        return cls((url.hostname, url.port or 80), listener=listener)
 
     @property
     def endpoint_url(self) -> str:
@@ -213,22 +220,26 @@ class FaultProxy:
             self._open.update((client, upstream))
         answered = threading.Event()  # the upstream spoke since the client's last request
         answered.set()
-        back = threading.Thread(target=_pump, args=(upstream, client, answered.set), daemon=True)
+        back = threading.Thread(target=_pump, args=(upstream, client, lambda _: answered.set()),
+                                daemon=True)
         back.start()
-        _pump(client, upstream, lambda: self._before_request(answered))
+        _pump(client, upstream, lambda chunk: self._before_request(answered, chunk))
         back.join()
         with self._lock:
             self._open.difference_update((client, upstream))
         client.close()
         upstream.close()
 
-    def _before_request(self, answered: threading.Event) -> None:
+    def _before_request(self, answered: threading.Event, chunk: bytes) -> None:
         """Called with each chunk from the client: the first one after an answer (or the first
         on the connection) begins a new request (HTTP/1.1 clients do not pipeline), which
-        ``latency`` holds back."""
+        ``latency`` holds back. (A body sent after ``100 Continue`` is not counted again.)"""
         if not answered.is_set():
             return
         answered.clear()
+        if chunk.split(b" ", 1)[0] in _METHODS:
+            with self._lock:
+                self.stats.requests += 1
         fault = self._latency()
         if fault is not None:
             with self._lock:
@@ -236,10 +247,10 @@ class FaultProxy:
             fault.over.wait(fault.latency_s)
 
 
-def _pump(src: socket.socket, dst: socket.socket, on_chunk: Callable[[], None]) -> None:
+def _pump(src: socket.socket, dst: socket.socket, on_chunk: Callable[[bytes], None]) -> None:
     try:
         while data := src.recv(65536):
-            on_chunk()
+            on_chunk(data)
             dst.sendall(data)
     except OSError:
         pass

@@ -1,18 +1,27 @@
-"""S3 for ``chaos run``: the endpoint the environment names, or a moto server started for the run.
+"""S3 for ``chaos run``: the endpoint the environment names, or a SeaweedFS cluster started
+for the run.
 
 s3fs (through botocore) takes the endpoint and credentials from the environment
 (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), and so does every rank of the trainer. With
-no endpoint in the environment, the run is a local demo: a moto server on loopback lives for the
-whole ``chaos run``, the bucket is created, and the trainer is told the endpoint through the
+no endpoint in the environment, the run is a local demo: a SeaweedFS cluster on loopback
+(``chaos/infra/seaweedfs.py``: master, volume servers, filer, S3 gateway) lives for the whole
+``chaos run``, the bucket is created, and the trainer is told the endpoint through the
 environment of its torchrun process. With a ``storage_outage`` fault, the trainer is told the
-address of a fault proxy in front of the endpoint instead, so every request it makes crosses the
-proxy; the chaos process itself (checker, ``corrupt_shard``) talks to the endpoint directly.
+address of a fault proxy in front of the endpoint instead, so every request it makes crosses
+the proxy; the chaos process itself (checker, ``corrupt_shard``) talks to the endpoint directly.
+``storage_node_down`` acts on the cluster's volume servers, so it needs the local cluster.
+Emulated hosts (``trainer.nodes > 1``) reach the endpoint through a relay on their network's
+bridge (``chaos/run/runner.py``), so they need namespaces and a plain ``http://`` endpoint.
+
+Before anything runs, :func:`check_bucket` asks the endpoint once with short timeouts, so a bad
+endpoint is a one-line error (exit 2) within :data:`CHECK_BOUND_S` seconds, not a hang: an
+endpoint that does not answer, a missing bucket, refused credentials; :func:`prepare` also
+refuses a prefix that already holds checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,12 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from antifragile.chaos.infra.proxy import FaultProxy
+from antifragile.chaos.infra.seaweedfs import SeaweedCluster, SeaweedError
 from antifragile.chaos.scenario import Scenario
-from antifragile.engine.storage import open_storage
 
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # botocore's order of precedence
 DEMO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "antifragile", "AWS_SECRET_ACCESS_KEY": "antifragile",
                     "AWS_DEFAULT_REGION": "us-east-1"}
+# One set-up request: connect <= 3 s, answer <= 5 s, 2 attempts (+ botocore's short backoff).
+_CONNECT_S, _READ_S, _ATTEMPTS = 3, 5, 2
+CHECK_BOUND_S = _ATTEMPTS * max(_CONNECT_S, _READ_S) + 5
 
 
 class S3SetupError(Exception):
@@ -36,7 +48,11 @@ class S3SetupError(Exception):
 class S3Endpoint:
     url: str
     env: dict[str, str]  # what an S3 client in a fresh process needs to reach it
-    moto: bool  # a moto server this process started (a local demo)
+    cluster: SeaweedCluster | None = None  # a SeaweedFS cluster this process started (a demo)
+
+    @property
+    def local(self) -> bool:
+        return self.cluster is not None
 
 
 @dataclass(slots=True)
@@ -48,7 +64,8 @@ class RunStorage:
     proxy: FaultProxy | None = None
     proxy_unavailable: str | None = None  # why a storage_outage cannot be made here
     endpoint: str | None = None  # the S3 endpoint (not the proxy), for the report
-    moto: bool = False
+    cluster: SeaweedCluster | None = None  # the local cluster, for storage_node_down
+    cluster_unavailable: str | None = None  # why there is none
 
 
 def configured_endpoint() -> str | None:
@@ -85,72 +102,126 @@ def environ(env: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def endpoint() -> Iterator[S3Endpoint]:
-    """The configured endpoint, or a moto server on 127.0.0.1 (a free port) until exit."""
+    """The configured endpoint, or a SeaweedFS cluster on 127.0.0.1 (free ports) until exit."""
     configured = configured_endpoint()
     if configured:
-        yield S3Endpoint(configured, {}, moto=False)
+        yield S3Endpoint(configured, {})
         return
+    cluster = SeaweedCluster(access_key=DEMO_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                             secret_key=DEMO_CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
     try:
-        from moto.moto_server.threaded_moto_server import ThreadedMotoServer
-    except ImportError:
-        raise S3SetupError("no AWS_ENDPOINT_URL is set and moto is not installed to start a "
-                           "local S3 (pip install 'moto[server]'), so s3:// cannot be "
-                           "used") from None
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+        cluster.start()
+    except SeaweedError as exc:
+        raise S3SetupError(f"no AWS_ENDPOINT_URL is set and a local SeaweedFS cluster could "
+                           f"not start: {exc}") from None
     try:
-        host, port = server.get_host_and_port()
-        url = f"http://{host}:{port}"
-        yield S3Endpoint(url, {**DEMO_CREDENTIALS, "AWS_ENDPOINT_URL": url}, moto=True)
+        yield S3Endpoint(cluster.endpoint_url, {**DEMO_CREDENTIALS, **cluster.env}, cluster)
     finally:
-        server.stop()
+        cluster.close()
 
 
-def _client() -> Any:
+def _client(endpoint_url: str | None = None, options: dict[str, Any] | None = None) -> Any:
     """A botocore S3 client for quick set-up checks: short timeouts, one retry (the engine's
-    patient retrying is for checkpoints, not for telling a user the endpoint is down)."""
+    patient retrying is for checkpoints, not for telling a user the endpoint is down).
+    ``options``: s3fs-style ``key``/``secret``; else the standard AWS variables apply."""
     import botocore.session
     from botocore.config import Config
 
-    return botocore.session.get_session().create_client("s3", config=Config(
-        connect_timeout=3, read_timeout=10, retries={"total_max_attempts": 2}))
+    options = options or {}
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=endpoint_url or options.get("endpoint_url"),
+        aws_access_key_id=options.get("key"), aws_secret_access_key=options.get("secret"),
+        config=Config(connect_timeout=_CONNECT_S, read_timeout=_READ_S,
+                      retries={"total_max_attempts": _ATTEMPTS}))
 
 
-def prepare(url: str, ep: S3Endpoint) -> None:
-    """Make sure ``url`` can take a fresh run: the bucket exists (created on a demo server) and
-    the prefix holds no checkpoints, which the trainer would otherwise resume from."""
+def _access_key(options: dict[str, Any] | None) -> str | None:
+    """The access key a client made with ``options`` signs with (never the secret)."""
+    if options and options.get("key"):
+        return str(options["key"])
+    import botocore.session
+
+    credentials = botocore.session.get_session().get_credentials()
+    return credentials.access_key if credentials else None
+
+
+def _why(exc: Exception, access_key: str | None) -> str:
+    """What a failed set-up request means, in words."""
+    from botocore.exceptions import (
+        ClientError,
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        ReadTimeoutError,
+    )
+
+    if isinstance(exc, NoCredentialsError):
+        return "no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    if isinstance(exc, ReadTimeoutError | ConnectionClosedError):
+        return f"the endpoint does not answer ({exc})"
+    if isinstance(exc, EndpointConnectionError | ConnectTimeoutError):
+        return f"the endpoint cannot be reached ({exc})"
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") \
+                or status == 403:
+            return (f"the endpoint refused the credentials (access key {access_key!r}: "
+                    f"{error.get('Message') or code or status})")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def check_bucket(url: str, endpoint_url: str | None = None,
+                 options: dict[str, Any] | None = None, *, create: bool = False) -> None:
+    """One quick request to the bucket of ``url``: raise S3SetupError naming the URL, the
+    endpoint and the reason (no answer, no such bucket, refused credentials) within
+    :data:`CHECK_BOUND_S` seconds. ``create``: make the bucket if it is missing."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    bucket, prefix = split_url(url)
-    client = _client()
+    bucket, _ = split_url(url)
+    client = _client(endpoint_url, options)
+    where = client.meta.endpoint_url
     try:
         try:
             client.head_bucket(Bucket=bucket)
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket"):
                 raise
-            if not ep.moto:
-                raise S3SetupError(f"checkpoint.url {url}: bucket {bucket!r} does not exist at "
-                                   f"{ep.url}") from None
+            if not create:
+                raise S3SetupError(f"{url}: bucket {bucket!r} does not exist at "
+                                   f"{where}") from None
             client.create_bucket(Bucket=bucket)
-        listing = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/" if prefix else "",
-                                         Delimiter="/", MaxKeys=10)
     except (BotoCoreError, ClientError) as exc:
-        raise S3SetupError(f"checkpoint.url {url}: cannot use {ep.url}: {exc}") from None
-    leftovers = sorted({p["Prefix"].rstrip("/").rsplit("/", 1)[-1]
-                        for p in listing.get("CommonPrefixes", [])}
-                       | {o["Key"].rsplit("/", 1)[-1] for o in listing.get("Contents", [])})
+        raise S3SetupError(f"{url}: cannot use {where}: "
+                           f"{_why(exc, _access_key(options))}") from None
+
+
+def prepare(url: str, ep: S3Endpoint) -> None:
+    """Make sure ``url`` can take a fresh run: the endpoint answers, the bucket exists
+    (created on a local cluster) and the prefix holds no checkpoints, which the trainer would
+    otherwise resume from."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        check_bucket(url, ep.url, create=ep.local)
+    except S3SetupError as exc:
+        raise S3SetupError(f"checkpoint.url {exc}") from None
+    bucket, prefix = split_url(url)
+    client = _client(ep.url)
+    try:  # objects, not common prefixes: SeaweedFS lists an emptied "folder" for minutes
+        listing = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/" if prefix else "",
+                                         MaxKeys=100)
+    except (BotoCoreError, ClientError) as exc:
+        raise S3SetupError(f"checkpoint.url {url}: cannot use {ep.url}: "
+                           f"{_why(exc, _access_key(None))}") from None
+    start = len(prefix) + 1 if prefix else 0
+    leftovers = sorted({o["Key"][start:].split("/", 1)[0] for o in listing.get("Contents", [])})
     if leftovers:
         raise S3SetupError(f"checkpoint.url {url} already holds {', '.join(leftovers[:3])}"
                            f"{' ...' if len(leftovers) > 3 else ''}; the trainer would resume "
                            "from it: give the run a fresh prefix")
-
-
-def clear(url: str) -> None:
-    """Remove what a demo run stored (moto keeps objects in this process's memory)."""
-    with contextlib.suppress(Exception):
-        open_storage(url).delete_tree("")
 
 
 @contextlib.contextmanager
@@ -167,12 +238,33 @@ def run_storage(s: Scenario, out: Path, progress: Callable[[str], None] = print
         yield RunStorage(url or str(out / "ckpt"))
         return
     assert url is not None
+    if s.trainer.nodes > 1:
+        from antifragile.chaos.infra.netns import unavailable_reason
+
+        if reason := unavailable_reason():
+            raise S3SetupError(f"checkpoint.url {url}: trainer.nodes = {s.trainer.nodes} puts "
+                               "the ranks on emulated hosts, which reach S3 only over the "
+                               f"emulated network, and network namespaces are unavailable "
+                               f"here ({reason}); use trainer.nodes: 1 or a local folder")
+        configured = configured_endpoint()
+        if configured and not configured.startswith("http://"):
+            raise S3SetupError(f"checkpoint.url {url}: emulated hosts (trainer.nodes = "
+                               f"{s.trainer.nodes}) reach S3 through a TCP relay on their "
+                               f"network, which needs a plain http:// endpoint, not "
+                               f"{configured}")
+    node_faults = [i for i, f in enumerate(s.faults) if f.kind == "storage_node_down"]
+    if node_faults and configured_endpoint():
+        raise S3SetupError(f"faults.{node_faults[0]}.kind: storage_node_down stops a volume "
+                           "server of the SeaweedFS cluster chaos starts, but the endpoint "
+                           f"{configured_endpoint()} comes from AWS_ENDPOINT_URL; unset it")
     with endpoint() as ep, environ(ep.env):
         prepare(url, ep)
-        if ep.moto:
-            progress(f"s3: no AWS_ENDPOINT_URL set; started a local moto server at {ep.url} "
-                     "for this run (a demo: its data go when the run ends)")
-        storage = RunStorage(url, trainer_env=dict(ep.env), endpoint=ep.url, moto=ep.moto)
+        if ep.cluster is not None:
+            progress(f"s3: no AWS_ENDPOINT_URL set; started a local SeaweedFS cluster at "
+                     f"{ep.url} in {ep.cluster.start_s:.1f} s ({ep.cluster.volumes} volume "
+                     "servers; a demo: its data go when the run ends)")
+        storage = RunStorage(url, trainer_env=dict(ep.env), endpoint=ep.url,
+                             cluster=ep.cluster)
         if any(f.kind == "storage_outage" for f in s.faults):
             try:
                 storage.proxy = FaultProxy.in_front_of(ep.url)
@@ -185,5 +277,3 @@ def run_storage(s: Scenario, out: Path, progress: Callable[[str], None] = print
         finally:
             if storage.proxy is not None:
                 storage.proxy.close()
-            if ep.moto:
-                clear(url)

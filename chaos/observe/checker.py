@@ -111,15 +111,41 @@ def final_committed(engine: str, url: str, step: int) -> bool:
         return False
 
 
+def verify_committed(url: str) -> dict[int, list[str]]:
+    """Every committed step still stored under ``url`` read back in full (sizes, checksums,
+    coverage): step -> its problems (empty: intact). After a storage fault this is the proof
+    that no save committed torn."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from antifragile.engine.commit import committed_steps
+    from antifragile.engine.storage import open_storage
+    from antifragile.engine.verify import verify_step
+
+    try:
+        storage = open_storage(url)
+        steps = committed_steps(storage)
+    except CheckpointError as exc:
+        return {-1: [f"cannot list the committed steps: {exc}"]}
+    with ThreadPoolExecutor(8) as pool:
+        reports = {step: verify_step(storage, step, pool) for step in steps}
+    return {step: [f"{p.key}: {p.reason}" for p in r.problems] for step, r in reports.items()}
+
+
 def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_step: int | None,
-          faulty_url: str, reference_url: str | None, final_committed: bool) -> Verdict:
+          faulty_url: str, reference_url: str | None, final_committed: bool,
+          committed: dict[int, list[str]] | None = None) -> Verdict:
     """``final_committed``: the faulty run's checkpoint of the last step is committed (what a
     resumed job would load); without it nothing proves the run's end state survived.
+    ``committed``: :func:`verify_committed`'s findings, when they were taken (after a fault on
+    storage, every committed step left must read back intact).
 
     Every fault of the scenario must have been injected (each ``mtbf_s`` fault at least once)
     and have had its effect (``FaultTimings.effect_observed``); a fault that caused a restart
     must have been recovered from."""
     v = Verdict()
+    for step, problems in sorted((committed or {}).items()):
+        if problems:
+            v.fail(f"committed step {step} does not verify: {'; '.join(problems[:3])}")
     if returncode != 0:
         v.fail(f"the trainer exited with code {returncode}")
     if final_step != s.trainer.steps:
@@ -158,6 +184,9 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
         if t.outage is not None and not t.outage["training_continued"]:
             v.fail(f"{t.kind} at step {t.injected_step}: training did not go on during the "
                    f"outage ({t.outage['steps_during_outage']} steps, or a restart)")
+        if t.outage is not None and t.outage.get("error"):
+            v.fail(f"{t.kind} at step {t.injected_step}: storage did not come back: "
+                   f"{t.outage['error']}")
         if t.ended_attempt is not None and t.recovery_s is None and t.interrupted_by_t is None:
             v.fail(f"{t.kind} at step {t.injected_step}: no recovery was observed (the job "
                    f"did not come back after attempt {t.ended_attempt})")

@@ -13,7 +13,6 @@ from antifragile.chaos.observe.record import RunRecord
 if TYPE_CHECKING:
     from antifragile.chaos.scenario import Scenario
 
-_RESTARTING = {"kill_rank", "hang_rank", "crash_during_save", "drop_link"}  # effect: a restart
 
 #: Added to the job's own detection bound (the slower of ``hang_timeout_s`` and
 #: ``collective_timeout_s``) for the agents to tear the group down (``--monitor-interval`` 0.2 s,
@@ -29,6 +28,14 @@ def detection_window_s(s: Scenario) -> float:
     when the link comes back up)."""
     hang_s = (s.trainer.hang_timeout_s or HANG_FLOOR_S) * 3  # the watchdog's escalation
     return max(hang_s, s.trainer.collective_timeout_s) + TEARDOWN_S
+
+# Faults on storage (not on the job): what they did is measured by outage_effects, and which of
+# their injection's detail fields the report keeps.
+STORAGE_FAULTS: dict[str, tuple[str, ...]] = {
+    "storage_outage": ("mode", "duration_s", "latency_s", "requests_faulted",
+                       "connections_passed", "requests_delayed"),
+    "storage_node_down": ("mode", "duration_s", "server", "pid", "restarted_pid", "error"),
+}
 
 
 @dataclass(slots=True)
@@ -60,7 +67,7 @@ class FaultTimings:
     restore_memory_bytes: int | None = None  # restored from host memory (in-process survivors)
     restore_storage_bytes: int | None = None  # read from storage
     lost_steps: int | None = None
-    outage: dict[str, Any] | None = None  # storage_outage: what it did (see outage_effects)
+    outage: dict[str, Any] | None = None  # a storage fault: what it did (see outage_effects)
 
 
 def _by_attempt(events: list[dict[str, Any]], attempt: int, kind: str) -> list[dict[str, Any]]:
@@ -181,6 +188,21 @@ def _outage_effect(injection: Injection) -> tuple[bool, str]:
                   "during the outage")
 
 
+def _node_down_effect(outage: dict[str, Any] | None) -> tuple[bool, str]:
+    """A volume server down matters if saves ran while it was: they committed late, failed
+    or were skipped (retried or not); a down window no save touched proved nothing."""
+    if outage is None:
+        return False, "the volume server's down window was never measured"
+    if outage.get("error"):
+        return False, f"the volume server did not come back: {outage['error']}"
+    rows = outage.get("checkpoints") or []
+    if not rows:
+        return False, (f"no save ran while the volume server was down for "
+                       f"{outage.get('duration_s')} s")
+    outcomes = ", ".join(f"step {r['step']} {r['outcome']}" for r in rows)
+    return True, f"{len(rows)} save(s) in flight while the volume server was down: {outcomes}"
+
+
 def _crash_effect(record: RunRecord, injection: Injection, attempt: int,
                   restored_step: int | None) -> tuple[bool, str] | None:
     """Why a ``crash_during_save`` that ended its attempt did not crash during the save:
@@ -208,7 +230,7 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
                            checkpoint_step=injection.detail.get("checkpoint_step"),
                            paused_s=injection.detail.get("paused_s"))
     made = not injection.skipped and not injection.missed
-    if injection.kind == "storage_outage" and made:
+    if injection.kind in STORAGE_FAULTS and made:
         timings.outage = outage_effects(record, injection)
     attempt = _attempt_at(record, injection.t)
     # The runner reads event files as they are written, so it fires a step-triggered fault a
@@ -227,6 +249,9 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
         return timings
     if injection.kind == "storage_outage":
         timings.effect_observed, timings.effect = _outage_effect(injection)
+        return timings
+    if injection.kind == "storage_node_down":
+        timings.effect_observed, timings.effect = _node_down_effect(timings.outage)
         return timings
     caused, timings.effect = _ended_attempt(record, injection, attempt, window_s)
     timings.effect_observed = caused
@@ -317,9 +342,10 @@ def _median(xs: list[float]) -> float | None:
 
 
 def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
-    """What a storage outage did: the saves in flight during it (delayed if they committed,
-    else failed or skipped), the extra time the training loop lost, and whether training kept
-    going. The loop's pace is the gap between rank 0's consecutive steps; the extra stall is
+    """What a storage outage (or a storage node down) did: the saves in flight during it
+    (delayed if they committed, else failed or skipped), the extra time the training loop lost,
+    whether training kept going, and the first save that committed after it (recovery). The
+    loop's pace is the gap between rank 0's consecutive steps; the extra stall is
     what the gaps overlapping the outage took beyond the median gap outside it."""
     d = injection.detail
     t0 = injection.t
@@ -358,8 +384,8 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
     later = [c["step"] for c in saves if c["committed"] and c["staged_t"] is not None
              and c["staged_t"] > t1]
     return {
-        **{k: d.get(k) for k in ("mode", "duration_s", "latency_s", "requests_faulted",
-                                 "connections_passed", "requests_delayed")},
+        **{k: d.get(k) for k in STORAGE_FAULTS.get(injection.kind,
+                                                    STORAGE_FAULTS["storage_outage"])},
         "outage_s": (d["ended_t"] - t0) if d.get("ended_t") else None,
         "checkpoints": rows,
         "checkpoints_failed": [r["step"] for r in rows if r["outcome"] in ("failed", "lost")],

@@ -119,11 +119,16 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
     record = run_scenario(s, out / "run", ckpt_url, on_event=on_event, storage=storage)
     window_s = measure.detection_window_s(s)
     timings = [measure.fault_timings(record, i, window_s=window_s) for i in record.injections]
+    # After a fault on storage, every committed step left must read back intact (no torn
+    # commit); checked now, while the run's S3 (a local cluster) still exists.
+    committed = checker.verify_committed(ckpt_url) if any(
+        i.kind in measure.STORAGE_FAULTS and not i.skipped for i in record.injections) else None
     verdict = checker.judge(s, returncode=record.returncode, timings=timings,
                             final_step=_final_step(record), faulty_url=ckpt_url,
                             reference_url=reference_url,
                             final_committed=checker.final_committed(
-                                s.checkpoint.engine, ckpt_url, s.trainer.steps))
+                                s.checkpoint.engine, ckpt_url, s.trainer.steps),
+                            committed=committed)
     doc = {
         "scenario": s.model_dump(by_alias=True, mode="json"),
         "environment": report.environment(),
@@ -133,6 +138,8 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
                 "checkpoint_url": ckpt_url, "reference_url": reference_url},
         "faults": measure.as_dicts(timings),
         "checkpoints": measure.checkpoints(record),
+        "committed_verified": None if committed is None
+        else {str(step): problems for step, problems in sorted(committed.items())},
         "losses": measure.losses(record),
         "verdict": checker.summary(verdict),
         "timeline": report.timeline(record),

@@ -21,7 +21,8 @@ from typing import Any
 from antifragile.chaos.faults import FaultBase, Injection, Target
 from antifragile.chaos.infra.launch import launch, launch_hosts
 from antifragile.chaos.infra.netns import NetnsUnavailable, Network
-from antifragile.chaos.infra.s3 import RunStorage
+from antifragile.chaos.infra.proxy import FaultProxy
+from antifragile.chaos.infra.s3 import ENDPOINT_VARS, RunStorage
 from antifragile.chaos.observe.record import EventTail, RunRecord
 from antifragile.chaos.scenario import Scenario
 
@@ -55,7 +56,8 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                  on_event: Callable[[dict[str, Any], list[Injection]], None] | None = None
                  ) -> RunRecord:
     """Run the trainer for ``s`` (with its faults unless ``faults=False``) to the end.
-    ``storage``: S3 set up for the run (the trainer's endpoint, the fault proxy).
+    ``storage``: S3 set up for the run (the trainer's endpoint, the fault proxy). On emulated
+    hosts the trainer reaches that endpoint through a relay on the network's bridge.
 
     Step- and checkpoint-triggered faults land through pause points (``trainer.pause``): the
     trainer holds where the fault is due, the runner injects, then releases it. Random
@@ -70,12 +72,18 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
         if p.fault.mtbf_s:
             p.next_t = started + rng.expovariate(1 / p.fault.mtbf_s)
     hosts = _Hosts.open(s.trainer.nodes)
+    relay: FaultProxy | None = None
     agents = _Agents([])
     tail = EventTail(run_dir)
     injections: list[Injection] = []
     job = _Job(s.trainer.parallel.world_size)
     try:
         env = storage.trainer_env if storage else None
+        if hosts.network is not None and env and storage and storage.endpoint:
+            # emulated hosts reach only the emulated network: S3 is relayed from the bridge
+            relay = FaultProxy.in_front_of(env["AWS_ENDPOINT_URL"],
+                                           listener=hosts.network.listen())
+            env = {**env, **{var: relay.endpoint_url for var in ENDPOINT_VARS}}
         agents.procs = (launch_hosts(s, run_dir, ckpt_url, max_restarts=max_restarts,
                                      network=hosts.network, env=env) if hosts.network
                         else [launch(s, run_dir, ckpt_url, max_restarts=max_restarts, env=env)])
@@ -113,6 +121,8 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             time.sleep(0.02)
     finally:
         agents.kill()
+        if relay is not None:
+            relay.close()
         if hosts.network is not None:
             hosts.network.close()
     for e in tail.poll():
@@ -306,4 +316,6 @@ def _target(s: Scenario, pids: dict[int, int], ckpt_url: str, rng: random.Random
                   network=hosts.network if hosts else None,
                   network_error=hosts.error if hosts else None,
                   storage_proxy=storage.proxy if storage else None,
-                  storage_proxy_unavailable=storage.proxy_unavailable if storage else None)
+                  storage_proxy_unavailable=storage.proxy_unavailable if storage else None,
+                  storage_cluster=storage.cluster if storage else None,
+                  storage_cluster_unavailable=storage.cluster_unavailable if storage else None)

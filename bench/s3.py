@@ -1,0 +1,268 @@
+"""S3 benchmark: the engine's persist and load on a SeaweedFS cluster against raw concurrent s3fs.
+
+    python -m bench.s3 [--reps N] [--io-threads N] [--json PATH] [--quick]
+
+Starts a SeaweedFS cluster on loopback (``chaos/infra/seaweedfs.py``: master, 2 volume servers,
+filer, S3 gateway) and, for two states in one process,
+
+- ``quickstart``: the quickstart trainer's model and Adam moments (2 layers, d_model 64,
+  vocab 256; 75 fp32 tensors, ~1.6 MiB),
+- ``large``: the same GPT at 8 layers, d_model 96, vocab 768 (255 tensors, ~12 MiB),
+
+measures
+
+- engine persist: ``save()`` call to the COMMIT marker written (``handle.wait()`` returned),
+- engine load: ``load()`` of that step into a fresh state of the same shapes,
+
+against a raw baseline measured in the same run: the objects the engine's save left on S3
+(same count and sizes: shards, metadata, rank records, COMMIT) uploaded with ``s3fs``
+``pipe_file`` from a pool of ``--io-threads`` threads (the engine's ``io_threads``), then
+downloaded the same way with one ranged ``cat_file`` (one GET) per object. Methods alternate
+within each repetition; medians are printed with the ratios (issue 12's targets: persist and
+load <= 1.5x raw).
+
+Requests: each operation is repeated once, untimed, through a counting TCP proxy
+(``chaos/infra/proxy.py``), which gives the HTTP requests a save and a load make; the
+engine's own count is printed when it reports one (``handle.requests``; else ``n/a``).
+Everything is deleted with the cluster at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from antifragile.chaos.infra.proxy import FaultProxy
+from antifragile.chaos.infra.seaweedfs import SeaweedCluster
+from antifragile.engine import CheckpointEngine
+from antifragile.trainer.model import GPT, ModelConfig
+
+STATES = {
+    "quickstart": ModelConfig(layers=2, d_model=64, heads=4, vocab=256, seq_len=32),
+    "large": ModelConfig(layers=8, d_model=96, heads=4, vocab=768, seq_len=64),
+}
+TARGET = 1.5  # issue 12: persist and load within 1.5x the raw concurrent transfer
+
+
+def gpt_state(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
+    """What a trainer checkpoints: model weights and Adam's two moments per weight."""
+    torch.manual_seed(seed)
+    model = {k: v.detach().clone() for k, v in GPT(cfg).state_dict().items()}
+    optim = {k: {"exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v)}
+             for k, v in model.items()}
+    return {"model": model, "optim": optim, "step": 0}
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    return []
+
+
+def _empty_like(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state)
+    if isinstance(state, dict):
+        return {k: _empty_like(v) for k, v in state.items()}
+    return state
+
+
+@dataclass(slots=True)
+class Figures:
+    """One state's medians (seconds), request counts and sizes."""
+
+    state: str
+    tensors: int
+    payload_bytes: int
+    objects: int = 0
+    object_bytes: int = 0
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    requests: dict[str, int | None] = field(default_factory=dict)
+
+    def median(self, key: str) -> float:
+        return statistics.median(self.samples[key])
+
+    def ratio(self, engine: str, raw: str) -> float:
+        return self.median(engine) / self.median(raw)
+
+
+class Bench:
+    def __init__(self, cluster: SeaweedCluster, io_threads: int) -> None:
+        import s3fs
+
+        self.cluster = cluster
+        self.io_threads = io_threads
+        self.bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        cluster.client().create_bucket(Bucket=self.bucket)
+        self.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False,
+                                    **cluster.storage_options)
+        self.pool = ThreadPoolExecutor(io_threads)
+        self._step = 0
+
+    def next_step(self) -> int:
+        self._step += 1
+        return self._step
+
+    def engine(self, prefix: str, options: dict[str, Any] | None = None) -> CheckpointEngine:
+        return CheckpointEngine(f"s3://{self.bucket}/{prefix}", keep_last=None,
+                                io_threads=self.io_threads,
+                                storage_options=options or self.cluster.storage_options)
+
+    def save(self, engine: CheckpointEngine, state: dict[str, Any]) -> tuple[float, Any, int]:
+        step = self.next_step()
+        start = time.perf_counter()
+        handle = engine.save(step, state)
+        handle.wait()
+        return time.perf_counter() - start, handle, step
+
+    def load(self, engine: CheckpointEngine, state: dict[str, Any], step: int) -> float:
+        target = _empty_like(state)
+        start = time.perf_counter()
+        assert engine.load(target, step=step) == step
+        seconds = time.perf_counter() - start
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(target), _tensors(state)))
+        return seconds
+
+    def objects(self, prefix: str, step: int) -> dict[str, int]:
+        """Key -> size of every object the save of ``step`` left."""
+        root = f"{self.bucket}/{prefix}/step_{step:09d}"
+        return {k: int(v["size"]) for k, v in self.fs.find(root, detail=True).items()}
+
+    def raw_put(self, prefix: str, sizes: list[int], blobs: dict[int, bytes]) -> float:
+        start = time.perf_counter()
+        list(self.pool.map(lambda item: self.fs.pipe_file(
+            f"{self.bucket}/{prefix}/{item[0]}", blobs[item[1]]), enumerate(sizes)))
+        return time.perf_counter() - start
+
+    def raw_get(self, prefix: str, sizes: list[int], fs: Any = None) -> float:
+        """One ranged GET per object (a plain ``cat_file`` would HEAD each object first)."""
+        fs = fs or self.fs
+        start = time.perf_counter()
+        list(self.pool.map(lambda item: fs.cat_file(f"{self.bucket}/{prefix}/{item[0]}",
+                                                     start=0, end=item[1]), enumerate(sizes)))
+        return time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def through_proxy(self) -> Iterator[tuple[dict[str, Any], Any, FaultProxy]]:
+        """s3fs options and a filesystem whose every request crosses a counting proxy."""
+        import s3fs
+
+        with FaultProxy.in_front_of(self.cluster.endpoint_url) as proxy:
+            options = {**self.cluster.storage_options, "endpoint_url": proxy.endpoint_url}
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **options)
+            yield options, fs, proxy
+
+
+def measure(bench: Bench, name: str, cfg: ModelConfig, reps: int) -> Figures:
+    state = gpt_state(cfg)
+    tensors = _tensors(state)
+    fig = Figures(name, len(tensors), sum(t.numel() * t.element_size() for t in tensors))
+    prefix = f"{name}/engine"
+    engine = bench.engine(prefix)
+    _, _, warm = bench.save(engine, state)  # plans, allocates staging: not what is measured
+    sizes = sorted(bench.objects(prefix, warm).values())
+    fig.objects, fig.object_bytes = len(sizes), sum(sizes)
+    blobs = {n: bytes(bytearray(n)) for n in set(sizes)}
+    raw = f"{name}/raw"
+    for key in ("persist", "raw_put", "load", "raw_get"):
+        fig.samples[key] = []
+    for _ in range(reps):
+        seconds, _, step = bench.save(engine, state)
+        fig.samples["persist"].append(seconds)
+        fig.samples["raw_put"].append(bench.raw_put(raw, sizes, blobs))
+        fig.samples["load"].append(bench.load(bench.engine(prefix), state, step))
+        fig.samples["raw_get"].append(bench.raw_get(raw, sizes))
+    engine.close()
+
+    with bench.through_proxy() as (options, fs, proxy):
+        with bench.engine(prefix, options) as e:
+            bench.save(e, state)  # plans and allocates staging: not counted
+            before = proxy.snapshot()
+            _, handle, step = bench.save(e, state)
+            fig.requests["save"] = proxy.snapshot().since(before).requests
+            fig.requests["save_engine_reported"] = getattr(handle, "requests", None)
+        with bench.engine(prefix, options) as e:
+            before = proxy.snapshot()
+            bench.load(e, state, step)
+            fig.requests["load"] = proxy.snapshot().since(before).requests
+        before = proxy.snapshot()
+        for i, n in enumerate(sizes):
+            fs.pipe_file(f"{bench.bucket}/{raw}/{i}", blobs[n])
+        fig.requests["raw_put"] = proxy.snapshot().since(before).requests
+        before = proxy.snapshot()
+        bench.raw_get(raw, sizes, fs)
+        fig.requests["raw_get"] = proxy.snapshot().since(before).requests
+    return fig
+
+
+def _print(fig: Figures) -> None:
+    mib = fig.payload_bytes / 2**20
+    print(f"\n{fig.state}: {fig.tensors} tensors, {mib:.2f} MiB payload; the save leaves "
+          f"{fig.objects} objects, {fig.object_bytes / 2**20:.2f} MiB")
+    for key, what in (("persist", "engine persist: save() -> COMMIT"),
+                      ("raw_put", "raw s3fs PUT of the same objects"),
+                      ("load", "engine load()"),
+                      ("raw_get", "raw s3fs GET of the same objects")):  # one GET each
+        xs = fig.samples[key]
+        print(f"  {what:<36} median {fig.median(key):7.3f} s  "
+              f"(min {min(xs):.3f}, max {max(xs):.3f}, n={len(xs)})")
+    for engine, raw, what in (("persist", "raw_put", "persist / raw PUT"),
+                              ("load", "raw_get", "load / raw GET")):
+        r = fig.ratio(engine, raw)
+        print(f"  ratio {what:<18} {r:5.2f}x  (target <= {TARGET}x: "
+              f"{'PASS' if r <= TARGET else 'MISS'})")
+    q = fig.requests
+    reported = q["save_engine_reported"]
+    print(f"  requests: save {q['save']} (engine reports {'n/a' if reported is None else reported})"
+          f", load {q['load']}; raw PUT {q['raw_put']}, raw GET {q['raw_get']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.s3", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (default 5)")
+    parser.add_argument("--io-threads", type=int, default=8,
+                        help="the engine's io_threads and the raw baseline's pool (default 8)")
+    parser.add_argument("--volumes", type=int, default=2, help="volume servers (default 2)")
+    parser.add_argument("--quick", action="store_true", help="2 repetitions, quickstart only")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args(argv)
+    reps = 2 if args.quick else args.reps
+    states = {"quickstart": STATES["quickstart"]} if args.quick else STATES
+    torch.set_num_threads(1)
+    with SeaweedCluster(volumes=args.volumes) as cluster:
+        assert cluster.start_s is not None
+        print(f"SeaweedFS cluster (master, {args.volumes} volume servers, filer, S3 gateway) "
+              f"started and healthy in {cluster.start_s:.2f} s at {cluster.endpoint_url}; "
+              f"io_threads {args.io_threads}, {reps} repetitions")
+        bench = Bench(cluster, args.io_threads)
+        figures = [measure(bench, name, cfg, reps) for name, cfg in states.items()]
+        for fig in figures:
+            _print(fig)
+        start_s = cluster.start_s
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cluster_start_s": start_s, "io_threads": args.io_threads,
+                       "states": [{**asdict(fig),
+                                   "medians": {k: fig.median(k) for k in fig.samples},
+                                   "persist_ratio": fig.ratio("persist", "raw_put"),
+                                   "load_ratio": fig.ratio("load", "raw_get")}
+                                  for fig in figures]}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""``storage_node_down``: one SeaweedFS volume server dies (or freezes) for ``duration_s``.
+
+The S3 store is the SeaweedFS cluster ``chaos run`` started (``chaos/infra/seaweedfs.py``); the
+fault is made to it from outside, like a storage host failing under the gateway: ``kill``
+SIGKILLs the volume server and starts it again (same port and folder, so what it held comes
+back) after ``duration_s``; ``stop`` SIGSTOPs it (connections stay open, nothing answers) and
+SIGCONTs it. Objects on that server cannot be read meanwhile (the gateway answers 500, or, when
+stopped, not at all) and writes may land on it. Expected: saves in flight either commit intact
+or fail their handle, never a torn commit; training goes on; later saves commit; a restore
+afterwards is bitwise equal.
+
+``server``: the volume server's index, or ``busiest`` (the one holding the most bytes when the
+fault fires, so that the fault hits the checkpoints). The injection's ``detail`` is completed
+when the server is back (``ended_t``, the new pid) or could not be brought back (``error``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from antifragile.chaos.faults.base import FaultBase, Injection, Target
+
+
+class StorageNodeDown(FaultBase):
+    kind: Literal["storage_node_down"]
+    duration_s: Annotated[float, Field(gt=0)] = 10.0
+    mode: Literal["kill", "stop"] = "kill"
+    server: Annotated[int, Field(ge=0)] | Literal["busiest"] = "busiest"
+
+    def check_storage(self, url: str | None) -> tuple[str, str] | None:
+        if not (url or "").startswith("s3://"):
+            where = (f"checkpoint.url is the local folder {url!r}" if url
+                     else "checkpoint.url is not set (a folder in the run directory)")
+            return "kind", ("storage_node_down stops a volume server of the SeaweedFS cluster "
+                            f"chaos starts for S3, but {where}: set checkpoint.url: "
+                            "s3://bucket/prefix (and leave AWS_ENDPOINT_URL unset)")
+        return None
+
+    def inject(self, target: Target, step: int | None) -> Injection:
+        cluster = target.storage_cluster
+        if cluster is None:
+            reason = target.storage_cluster_unavailable or \
+                "S3 is not a SeaweedFS cluster started by chaos: no volume server to stop"
+            return Injection(self.kind, time.time(), step=step, skipped=reason)
+        if isinstance(self.server, int) and self.server >= cluster.volumes:
+            return Injection(self.kind, time.time(), step=step, skipped=(
+                f"server {self.server}: the cluster has {cluster.volumes} volume servers"))
+        index = cluster.busiest_volume() if self.server == "busiest" else self.server
+        pid = cluster.kill_volume(index) if self.mode == "kill" else cluster.pause_volume(index)
+        injection = Injection(self.kind, time.time(), step=step, detail={
+            "mode": self.mode, "duration_s": self.duration_s, "server": index, "pid": pid,
+            "ended_t": None, "restarted_pid": None, "error": None})
+
+        def end() -> None:
+            try:
+                if self.mode == "kill":
+                    injection.detail["restarted_pid"] = cluster.restart_volume(index)
+                else:
+                    cluster.resume_volume(index)
+            except Exception as exc:  # the run (and its cluster) may have ended meanwhile
+                injection.detail["error"] = f"{type(exc).__name__}: {exc}"
+            injection.detail["ended_t"] = time.time()
+
+        timer = threading.Timer(self.duration_s, end)
+        timer.daemon = True
+        timer.start()
+        return injection

