@@ -14,8 +14,9 @@ from __future__ import annotations
 import base64
 import json
 import random
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,9 +128,21 @@ class CommitResult:
     objects: int
 
 
+def _pause(delay_s: float, cancel: threading.Event | None, step: int) -> None:
+    """Sleep between polls; an abandoned save (``CheckpointEngine.abandon``) stops here."""
+    if cancel is None:
+        time.sleep(delay_s)
+    elif cancel.wait(delay_s):
+        raise CheckpointError(f"step {step}: the save was abandoned (its process group failed)")
+
+
 def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, deadline: float,
-               group_attrs: dict[str, Any], metadata_keys: set[str]) -> CommitResult:
-    """Rank 0: wait for every record, check it against the plan, write group metadata + COMMIT."""
+               group_attrs: dict[str, Any], metadata_keys: set[str],
+               cancel: threading.Event | None = None,
+               before_commit: Callable[[], None] | None = None) -> CommitResult:
+    """Rank 0: wait for every record, check it against the plan, write group metadata + COMMIT.
+    ``before_commit`` runs once every record is in, just before the COMMIT is written (a phase
+    hook: chaos can hold a save there)."""
     base = step_dir(step)
     records: dict[int, dict[str, Any]] = {}
     manifests: dict[int, Manifest] = {}
@@ -167,7 +180,7 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
                 raise CommitTimeoutError(
                     f"step {step}: no record from rank(s) {missing} before the commit deadline; "
                     f"the previous checkpoint stays the newest{notes}")
-            time.sleep(next(delays))
+            _pause(next(delays), cancel, step)
 
     manifest = Manifest(nonce)
     for rank_manifest in manifests.values():
@@ -181,6 +194,10 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
               "requests": {str(r): rec.get("requests") for r, rec in sorted(records.items())},
               "objects": manifest.objects, "crcs": manifest.crcs}
     storage.sync()
+    if before_commit is not None:
+        before_commit()
+    if cancel is not None and cancel.is_set():
+        raise CheckpointError(f"step {step}: the save was abandoned (its process group failed)")
     if storage.exists(f"{base}/{COMMIT}"):  # another save committed this step meanwhile
         raise CheckpointError(f"step {step} was committed by another save while this one ran "
                               "(two jobs writing one URL?); its COMMIT is not overwritten")
@@ -227,7 +244,7 @@ def abort(storage: Storage, step: int, nonce: int, reason: str) -> None:
 
 
 def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
-                    world_size: int = 1) -> int:
+                    world_size: int = 1, cancel: threading.Event | None = None) -> int:
     """Non-coordinator ranks: block until this save's COMMIT (returns its bytes) or ABORT.
     One request per round (a listing of the step folder), backing off; the marker is read
     once it is listed."""
@@ -252,7 +269,7 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
         if time.monotonic() > deadline:
             raise CommitTimeoutError(f"step {step}: no COMMIT from the coordinator (rank 0) "
                                      "before the deadline")
-        time.sleep(next(delays))
+        _pause(next(delays), cancel, step)
 
 
 def retain(storage: Storage, keep_last: int | None) -> list[int]:

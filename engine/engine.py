@@ -14,10 +14,12 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import secrets
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import commit as _commit
+from ._memory import MemoryCopy
 from ._paths import COMMIT, step_dir
 from ._ranks import PerRank
 from ._ranks import inventory as rank_inventory
@@ -141,6 +144,13 @@ class CheckpointEngine:
     ``url`` is a local path or any fsspec URL (``s3://bucket/prefix``). ``keep_last`` committed
     steps are retained (``None`` keeps all). ``commit_timeout_s`` bounds how long a save may take
     to commit before its handle fails naming the missing ranks.
+
+    ``keep_in_memory``: the staging buffers also hold the replicas this rank does not write, so
+    the last committed save is this rank's whole state in host memory (``memory_copy()``), for
+    ``load(..., memory=...)`` after a failure. ``on_phase(step, phase)`` is called as a save
+    passes ``persisting``, ``written`` (objects durable), ``recorded`` (rank record written)
+    and, on the coordinator, ``committing`` (every record in, COMMIT not yet written), on the
+    save's background thread: chaos holds a save there to crash it at a named phase.
     """
 
     def __init__(
@@ -153,6 +163,8 @@ class CheckpointEngine:
         commit_timeout_s: float = 600.0,
         io_threads: int = 8,
         plan_options: PlanOptions | None = None,
+        keep_in_memory: bool = False,
+        on_phase: Callable[[int, str], None] | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -174,6 +186,12 @@ class CheckpointEngine:
         self._staging: StagingArea | None = None
         self._last: SaveHandle | None = None
         self._closed = False
+        self.keep_in_memory = keep_in_memory
+        self._on_phase = on_phase
+        self._memory: MemoryCopy | None = None
+        self._cancel = threading.Event()
+        # where the last load() on this rank got its tensors' bytes
+        self.last_load_sources: dict[str, int] = {}
         # storage requests of the last load() on this rank, by kind, and their "total"
         self.last_load_requests: dict[str, int] = {}
 
@@ -269,12 +287,13 @@ class CheckpointEngine:
 
     def _replan(self, flat: FlatState) -> None:
         plan = build_plan(self._per_rank.plan_inventories(), self._plan_options)
-        dtypes = {p: t.dtype for p, t in flat.tensors.items()}
-        self._staging = StagingArea(plan.writes[self.rank], dtypes)
+        self._staging = StagingArea(plan.writes[self.rank], flat.tensors,
+                                    keep_in_memory=self.keep_in_memory)
         self._plan = plan
 
     def _stage(self, handle: SaveHandle, flat: FlatState) -> None:
         assert self._staging is not None
+        self._memory = None  # the buffers are about to hold an uncommitted step
         handle.stall_s = self._staging.stage(flat.tensors)
         handle.staged.set()
 
@@ -309,22 +328,28 @@ class CheckpointEngine:
                 recorded = True  # write nothing into a committed step, not even an error record
                 raise CheckpointError(f"step {step} is already committed; it is not overwritten")
             docs = metadata_objects(plan) if self.rank == 0 else {}
+            self._phase(step, "persisting")
             manifest = write_objects(storage, step, nonce, staging, docs, self._pool)
             handle.nbytes = manifest.nbytes
+            self._phase(step, "written")
             write_record(storage, step, self.rank, rank_record(
                 step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce, manifest=manifest,
                 values=values, requests=storage.requests["total"] + 1))
             recorded = True
+            self._phase(step, "recorded")
             if self.rank == 0:
-                result = _commit.coordinate(storage, plan=plan, step=step, nonce=nonce,
-                                            deadline=deadline, group_attrs=attrs,
-                                            metadata_keys=set(docs))
+                result = _commit.coordinate(
+                    storage, plan=plan, step=step, nonce=nonce, deadline=deadline,
+                    group_attrs=attrs, metadata_keys=set(docs), cancel=self._cancel,
+                    before_commit=lambda: self._phase(step, "committing"))
                 handle.committed_nbytes = result.nbytes
                 self._retain(handle, storage)
             else:
                 handle.committed_nbytes = _commit.wait_for_commit(
                     storage, step=step, nonce=nonce, world_size=plan.world_size,
-                    deadline=deadline + min(30.0, self.commit_timeout_s / 2))
+                    deadline=deadline + min(30.0, self.commit_timeout_s / 2), cancel=self._cancel)
+            if self.keep_in_memory:
+                self._memory = MemoryCopy.of(step, nonce, staging)
             handle.persist_s = time.monotonic() - start
             handle.requests = storage.requests
             handle._future.set_result(None)
@@ -350,6 +375,13 @@ class CheckpointEngine:
             handle._future.set_exception(error)
         finally:
             handle.staged.set()
+
+    def _phase(self, step: int, phase: str) -> None:
+        if self._on_phase is not None:
+            self._on_phase(step, phase)
+        if self._cancel.is_set():
+            raise CheckpointError(f"step {step}: the save was abandoned (its process group "
+                                  "failed)")
 
     def _retain(self, handle: SaveHandle, storage: Storage) -> None:
         """Retention after a commit. The save is committed whatever happens here: a failure is
@@ -385,7 +417,8 @@ class CheckpointEngine:
 
     # -- load ----------------------------------------------------------------------------------
 
-    def load(self, state: Any, step: int | None = None) -> int:
+    def load(self, state: Any, step: int | None = None, *,
+             memory: MemoryCopy | None = None) -> int:
         """Fill ``state`` in place from ``step`` (default: the newest step that loads intact) and
         return the step loaded. Collective. Reads only what this rank's tensors hold, in
         whatever layout they are (resharding). Every failure is a CheckpointError that all
@@ -395,16 +428,23 @@ class CheckpointEngine:
         ``verify`` still explains it); an unreadable one (storage refused) is only skipped.
         With an explicit step, failure raises. On failure the target may be partly
         overwritten: do not use it.
+
+        ``memory``: another engine's ``memory_copy()`` (same rank, same layout, e.g. from
+        before the process group was re-formed): tensors of the step it holds are filled from
+        host memory, checked against the COMMIT manifest's CRCs, instead of read from storage.
+        ``last_load_sources`` says how many bytes came from each.
         """
         self._check_open()
         flat = flatten(state, loading=True)
         storage = CountingStorage(self.storage)
+        self.last_load_sources = {"memory_bytes": 0, "storage_bytes": 0}
         try:
-            return self._load(flat, step, storage)
+            return self._load(flat, step, storage, memory)
         finally:
             self.last_load_requests = storage.requests
 
-    def _load(self, flat: FlatState, step: int | None, storage: Storage) -> int:
+    def _load(self, flat: FlatState, step: int | None, storage: Storage,
+              memory: MemoryCopy | None) -> int:
         candidates = self._candidates(step, storage)
         newest_error: CheckpointError | None = None
         for i, candidate in enumerate(candidates):
@@ -412,7 +452,7 @@ class CheckpointEngine:
             values: dict[str, Any] = {}
             error: CheckpointError | None = None
             try:
-                values, nonce = self._load_step(candidate, flat, storage)
+                values, nonce = self._load_step(candidate, flat, storage, memory)
             except Exception as exc:  # every failure is classified, then agreed by all ranks
                 outcome, error = _classify(candidate, exc)
             worst, high, negated_low = self._all_max([outcome, nonce, -nonce])
@@ -504,8 +544,8 @@ class CheckpointEngine:
                 log.warning("step %d: quarantine failed (it stays visible): %s", step, exc)
         return f" (quarantined; confirmed by rank {confirmer})"
 
-    def _load_step(self, step: int, flat: FlatState, storage: Storage
-                   ) -> tuple[dict[str, Any], int]:
+    def _load_step(self, step: int, flat: FlatState, storage: Storage,
+                   memory: MemoryCopy | None = None) -> tuple[dict[str, Any], int]:
         """Check the step against the target, read every array's metadata (concurrently), plan
         every read (coverage checked), then run the reads and wait for all of them: no read of
         a step that failed can still be running when the next step is tried. Returns the JSON
@@ -526,6 +566,8 @@ class CheckpointEngine:
                     f"step {step}, tensor {path!r}: stored shape {list(stored.shape)}, "
                     f"target shape {list(tensor.shape)}")
             targets.append((path, tensor, stored))
+        in_memory = self._from_memory(memory, reader, targets)
+        targets = [t for t in targets if t[2].path not in in_memory]
         reader.load_arrays([stored for _, _, stored in targets]
                            + [reader.tensors[name] for name in sorted(sources.whole)], self._pool)
         reads = []
@@ -543,7 +585,43 @@ class CheckpointEngine:
                 box = HeldBox((0,) * len(stored.shape), stored.shape, (0,) * len(stored.shape))
                 reads += reader.read_box(stored, box, whole[name])
         _raise_first([self._pool.submit(read) for read in reads])
+        self.last_load_sources["storage_bytes"] += sum(
+            math.prod(iter_local(t).shape) * t.element_size() for _, t, _ in targets)
+        assert memory is not None or not in_memory
+        for path, tensor in in_memory.items():
+            self.last_load_sources["memory_bytes"] += memory.fill(path, tensor)  # type: ignore[union-attr]
         return sources.values(whole), int(reader.commit["nonce"])
+
+    def _from_memory(self, memory: MemoryCopy | None, reader: StepReader,
+                     targets: list[tuple[str, torch.Tensor, Any]]) -> dict[str, torch.Tensor]:
+        """The targets ``memory`` fills (stored path -> target tensor): all of them when it
+        holds this very save of the step and its bytes match the manifest, else none."""
+        if memory is None or memory.step != reader.step or \
+                memory.nonce != int(reader.commit["nonce"]):
+            return {}
+        covered = {stored.path: tensor for _, tensor, stored in targets
+                   if memory.covers(stored.path, tensor)}
+        if len(covered) != len(targets):
+            return {}  # another layout: read everything (one source keeps the load simple)
+        damaged = memory.check(reader.commit.get("crcs") or {}, set(covered))
+        if damaged is not None:
+            log.warning("step %d: the copy in memory of %s does not match its COMMIT "
+                        "manifest; reading the step from storage", reader.step, damaged)
+            return {}
+        return covered
+
+    def memory_copy(self) -> MemoryCopy | None:
+        """This rank's part of the last committed save, in host memory (``keep_in_memory``),
+        or None (not kept, or a newer save has started staging over it)."""
+        return self._memory
+
+    def abandon(self) -> None:
+        """Give this engine up without waiting, after its process group failed: a save in
+        flight fails its handle at its next poll or phase (it cannot commit: a rank is gone),
+        nothing more is started. ``memory_copy()`` stays readable."""
+        self._closed = True
+        self._cancel.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def read(self, step: int) -> dict[str, Any]:
         """Every tensor of ``step`` as a whole plain CPU tensor, and every JSON value, keyed by

@@ -102,3 +102,25 @@ def test_no_input_crashes_the_loader(doc: Any) -> None:
         parse_scenario(doc, path="fuzz.yaml")
     except ScenarioError as exc:
         assert str(exc).startswith("fuzz.yaml")
+
+
+def test_the_reference_cache_key_is_what_decides_the_final_state() -> None:
+    """Runs that end in the same state share a reference (recovery mode, timeouts and faults
+    do not matter); another checkpoint format does not (an old reference could not be read)."""
+    from antifragile.chaos.run import pipeline
+
+    base = parse_scenario(BASE)
+    same = parse_scenario({**BASE, "trainer": {**BASE["trainer"], "recovery": "in_process",
+                                               "hang_timeout_s": 2, "collective_timeout_s": 9},
+                           "faults": []})
+    other = parse_scenario({**BASE, "seed": 99})
+    assert pipeline._reference_key(base) == pipeline._reference_key(same)
+    assert pipeline._reference_key(base) != pipeline._reference_key(other)
+    from antifragile.engine import _paths
+
+    real, key = _paths.FORMAT_VERSION, pipeline._reference_key(base)
+    try:
+        _paths.FORMAT_VERSION = real + 1
+        assert pipeline._reference_key(base) != key
+    finally:
+        _paths.FORMAT_VERSION = real

@@ -36,19 +36,22 @@ class TrainCheckpointer:
         return {"model": model_sd, "optim": optim_sd,
                 "train": {"step": step, "data_cursor": cursor}}
 
-    def restore(self) -> tuple[int, int] | None:
-        """Load the newest intact checkpoint: (step, data cursor), or None to start fresh."""
+    def restore(self, memory: Any = None) -> tuple[int, int] | None:
+        """Load the newest intact checkpoint: (step, data cursor), or None to start fresh.
+        ``memory``: the previous generation's copy of this rank's last committed save (an
+        in-process recovery); the engine fills what it can from it instead of storage."""
         if not self.backend.candidates():
             return None
         self.events.emit("restore_begin")
         t0 = time.perf_counter()
         state = self._state(0, 0)
-        step, skipped = self.backend.load(state)
+        step, skipped = self.backend.load(state, memory)
         for reason in skipped:
             self.events.emit("restore_skipped", reason=reason)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=_OPTIONS)
-        self.events.emit("restore_end", step=step, seconds=time.perf_counter() - t0)
+        self.events.emit("restore_end", step=step, seconds=time.perf_counter() - t0,
+                         **self.backend.load_sources())
         return int(state["train"]["step"]), int(state["train"]["data_cursor"])
 
     def save(self, step: int, cursor: int, *, blocking: bool) -> None:

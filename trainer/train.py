@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -163,20 +164,23 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
         if formation is None:
             return 0
         cause = "in_process"
+    memory: Any = None
     while True:
         assert formation is not None
-        outcome = _generation(cfg, launch, me, formation, progress, model, cause)
+        outcome = _generation(cfg, launch, me, formation, progress, model, cause, memory)
         if isinstance(outcome, int):
             if outcome == 0 and formation.members.index(me) == 0:
                 finish(js)
             return outcome
-        formation, model, cause = outcome, None, "in_process"
+        (formation, memory), model, cause = outcome, None, "in_process"
 
 
 def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
-                progress: SharedProgress, model: GPT | None, cause: str) -> int | Formation:
-    """Play one generation: its exit code, or the next formation after an in-process
-    recovery."""
+                progress: SharedProgress, model: GPT | None, cause: str,
+                memory: Any) -> int | tuple[Formation, Any]:
+    """Play one generation: its exit code, or (after an in-process recovery) the next
+    formation and this rank's last committed save still in memory (None: restore from
+    storage)."""
     progress.set(Phase.STARTING, generation=formation.generation,
                  rank=formation.members.index(me))
     ctx = join(launch, me, formation, device_type=cfg.device)
@@ -188,8 +192,9 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
     if cfg.recovery == "in_process":
         watch = FailureWatch(launch.job_store, ctx.generation, ctx.sockets.shutdown)
         watch.start()
+    checkpointer: list[TrainCheckpointer] = []  # set by _train: its memory outlives a failure
     try:
-        code = _train(cfg, ctx, events, progress, model)
+        code = _train(cfg, ctx, events, progress, model, memory, checkpointer)
         progress.set(Phase.DONE)
         events.emit("exit", code=code)
         leave()
@@ -207,13 +212,17 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         signal_failure(js, ctx.generation, f"rank {ctx.rank}: {reason}")
         watch.stop()
         ctx.sockets.shutdown()
+        kept = None
+        if checkpointer:  # the save in flight cannot commit (a rank is gone): give it up
+            kept = checkpointer[0].backend.memory_copy()
+            checkpointer[0].backend.abandon()
         leave()
-        events.emit("generation_end")
+        events.emit("generation_end", memory_step=kept.step if kept is not None else None)
         nxt = recover(js, me, formation, timeout_s=cfg.collective_timeout_s)
         if isinstance(nxt, str):
             events.emit("exit", code=RESTART_EXIT_CODE, error=nxt)
             return RESTART_EXIT_CODE
-        return nxt
+        return nxt, kept
     finally:
         if watch is not None:
             watch.stop()
@@ -221,7 +230,7 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
 
 
 def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: SharedProgress,
-           model: GPT | None) -> int:
+           model: GPT | None, memory: Any, checkpointer: list[TrainCheckpointer]) -> int:
     trainer = Trainer(cfg, ctx, progress, model)
     pauses = PausePoints(cfg.run_dir, ctx.rank, events.emit, on_hold=lambda held: progress.set(
         Phase.PAUSED if held else Phase.TRAINING))
@@ -229,12 +238,15 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
     step, cursor = 0, 0
     if cfg.ckpt_url:
         backend = open_backend(cfg.ckpt_engine, cfg.ckpt_url, keep_last=cfg.keep_last,
-                               timeout_s=cfg.ckpt_timeout_s, async_=cfg.async_ckpt)
+                               timeout_s=cfg.ckpt_timeout_s, async_=cfg.async_ckpt,
+                               keep_in_memory=cfg.recovery == "in_process",
+                               on_phase=pauses.save_phase)
         ckpt = TrainCheckpointer(backend, trainer.model, trainer.optimizer, events)
+        checkpointer.append(ckpt)
     ctx.sockets.end()  # every process group of this generation exists now
     if ckpt is not None:
         progress.set(Phase.RESTORING, step=step)
-        restored = ckpt.restore()
+        restored = ckpt.restore(memory)
         if restored is not None:
             step, cursor = restored
     progress.set(Phase.TRAINING, step=step)

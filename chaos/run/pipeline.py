@@ -39,8 +39,14 @@ class Outcome:
 
 
 def _reference_key(s: Scenario) -> str:
-    """Only what determines the final state: the faults and expectations do not."""
-    config = {"trainer": s.trainer.model_dump(), "seed": s.seed,
+    """Only what determines the final state (faults, expectations, recovery and detection
+    settings do not), and the checkpoint format it is stored in (a cached reference of an
+    older format could not be read)."""
+    from antifragile.engine._paths import FORMAT_VERSION
+
+    trainer = s.trainer.model_dump(exclude={"recovery", "spares", "hang_timeout_s",
+                                            "collective_timeout_s"})
+    config = {"trainer": trainer, "seed": s.seed, "format": FORMAT_VERSION,
               "checkpoint": {"every_steps": s.checkpoint.every_steps,
                              "engine": s.checkpoint.engine}}
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]

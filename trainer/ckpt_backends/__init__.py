@@ -11,6 +11,7 @@ outside the training job (the chaos checker, ``corrupt_shard``), ``steps(url)``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -34,13 +35,18 @@ def _module(engine: str) -> ModuleType:
 
 
 def open_backend(engine: str, url: str, *, keep_last: int, timeout_s: float,
-                 async_: bool) -> Backend:
-    """Collective for the peers (they create a checkpoint process group)."""
-    classes = {"antifragile": "AntifragileBackend", "dcp": "DcpBackend",
-               "torchsnapshot": "SnapshotBackend"}
+                 async_: bool, keep_in_memory: bool = False,
+                 on_phase: Callable[[int, str], None] | None = None) -> Backend:
+    """Collective for the peers (they create a checkpoint process group). ``keep_in_memory``
+    and ``on_phase`` (save phase hooks) are our engine's; the peers have neither."""
     module = _module(engine)
-    backend: Backend = getattr(module, classes[engine])(url, keep_last=keep_last,
-                                                        timeout_s=timeout_s, async_=async_)
+    if engine == "antifragile":
+        return module.AntifragileBackend(url, keep_last=keep_last, timeout_s=timeout_s,  # type: ignore[no-any-return]
+                                         async_=async_, keep_in_memory=keep_in_memory,
+                                         on_phase=on_phase)
+    cls = {"dcp": "DcpBackend", "torchsnapshot": "SnapshotBackend"}[engine]
+    backend: Backend = getattr(module, cls)(url, keep_last=keep_last, timeout_s=timeout_s,
+                                            async_=async_)
     return backend
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from antifragile.engine import CheckpointEngine, SaveHandle
+from antifragile.engine._memory import MemoryCopy
 from antifragile.engine.commit import committed_steps
 from antifragile.engine.storage import open_storage
 
@@ -14,8 +16,11 @@ class AntifragileBackend:
     name = "antifragile"
     overlaps_saves = True  # the engine refuses (fails) a save while the previous one persists
 
-    def __init__(self, url: str, *, keep_last: int, timeout_s: float, async_: bool) -> None:
-        self.engine = CheckpointEngine(url, keep_last=keep_last, commit_timeout_s=timeout_s)
+    def __init__(self, url: str, *, keep_last: int, timeout_s: float, async_: bool,
+                 keep_in_memory: bool = False,
+                 on_phase: Callable[[int, str], None] | None = None) -> None:
+        self.engine = CheckpointEngine(url, keep_last=keep_last, commit_timeout_s=timeout_s,
+                                       keep_in_memory=keep_in_memory, on_phase=on_phase)
 
     def candidates(self) -> list[int]:
         latest = self.engine.latest_step()
@@ -24,12 +29,22 @@ class AntifragileBackend:
     def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
         return self.engine.save(step, state, blocking=False)
 
-    def load(self, state: dict[str, Any]) -> tuple[int, list[str]]:
+    def load(self, state: dict[str, Any], memory: MemoryCopy | None = None
+             ) -> tuple[int, list[str]]:
         """The engine falls back past damaged steps itself and says so in warnings."""
         with warnings.catch_warnings(record=True) as skipped:
             warnings.simplefilter("always", RuntimeWarning)
-            step = self.engine.load(state)
+            step = self.engine.load(state, memory=memory)
         return step, [str(w.message) for w in skipped]
+
+    def load_sources(self) -> dict[str, int]:
+        return dict(self.engine.last_load_sources)
+
+    def memory_copy(self) -> MemoryCopy | None:
+        return self.engine.memory_copy()
+
+    def abandon(self) -> None:
+        self.engine.abandon()
 
     def close(self) -> None:
         self.engine.close()

@@ -56,9 +56,22 @@ class Backend(Protocol):
 
     def save(self, step: int, state: dict[str, Any]) -> PendingSave: ...
 
-    def load(self, state: dict[str, Any]) -> tuple[int, list[str]]:
+    def load(self, state: dict[str, Any], memory: Any = None) -> tuple[int, list[str]]:
         """Fill ``state`` from the newest step that loads: (step, reasons older ones were
-        tried). Raises ``CheckpointError`` when none loads."""
+        tried). Raises ``CheckpointError`` when none loads. ``memory``: a previous backend's
+        ``memory_copy()`` of this rank (in-process recovery), used where the engine can."""
+        ...
+
+    def load_sources(self) -> dict[str, int]:
+        """Bytes the last load took from host memory and from storage (empty: not known)."""
+        ...
+
+    def memory_copy(self) -> Any:
+        """This rank's last committed save still in host memory, or None."""
+        ...
+
+    def abandon(self) -> None:
+        """Drop this backend without waiting for a save in flight (its group failed)."""
         ...
 
     def close(self) -> None: ...
@@ -223,6 +236,15 @@ class PeerBackend:
     def candidates(self) -> list[int]:
         """Committed steps, newest first, as rank 0 sees them (every rank gets the same)."""
         return list(self.group.agree(list(reversed(committed(self.root, self.marker)))))
+
+    def load_sources(self) -> dict[str, int]:
+        return {}  # the peers read everything from storage
+
+    def memory_copy(self) -> None:
+        return None  # the peers keep no copy in memory
+
+    def abandon(self) -> None:
+        """Nothing to cancel: a peer's save in flight finishes or fails on its own."""
 
 
 def load_newest(name: str, root: Path, steps: list[int], group: CheckpointGroup,

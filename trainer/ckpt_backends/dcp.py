@@ -67,7 +67,7 @@ class DcpBackend(PeerBackend):
             prune(self.root, MARKER, self.keep_last)
         return mine, sum(i.length for i in infos)
 
-    def load(self, state: dict[str, Any]) -> tuple[int, list[str]]:
+    def load(self, state: dict[str, Any], memory: Any = None) -> tuple[int, list[str]]:
         def load_one(step: int) -> None:
             dcp.load(state, checkpoint_id=str(self.root / step_name(step)),
                      process_group=self.group.pg)

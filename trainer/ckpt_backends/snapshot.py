@@ -142,7 +142,7 @@ class SnapshotBackend(PeerBackend):
         return PeerHandle(step, future, stall_s=time.perf_counter() - t0, sizes=sizes,
                           started_t=t0)
 
-    def load(self, state: dict[str, Any]) -> tuple[int, list[str]]:
+    def load(self, state: dict[str, Any], memory: Any = None) -> tuple[int, list[str]]:
         def load_one(step: int) -> None:
             snapshot = torchsnapshot.Snapshot(str(self.root / step_name(step)))
             saved_world = snapshot.metadata.world_size

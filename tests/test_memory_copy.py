@@ -1,0 +1,169 @@
+"""The last committed save, kept in host memory (``keep_in_memory``), restores a rank's state
+with no storage reads for its tensors; a damaged or outdated copy is never used; ``abandon``
+stops a save that cannot commit without waiting for its deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import RankGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from antifragile.engine import CheckpointEngine, CheckpointError
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _state(seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(64, 16, generator=gen), "b": torch.randn(16, generator=gen),
+                      "e": torch.randn(0, 4, generator=gen)},
+            "step": seed}
+
+
+def test_memory_restores_the_committed_step_without_reading_its_tensors(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    saved = _state(10)
+    with CheckpointEngine(url, keep_in_memory=True) as engine:
+        engine.save(10, saved, blocking=True)
+        memory = engine.memory_copy()
+        assert memory is not None and memory.step == 10
+        target = _state(99)  # other values everywhere
+        with CheckpointEngine(url) as fresh:  # a new engine (a re-formed group), same layout
+            assert fresh.load(target, memory=memory) == 10
+            nbytes = sum(t.numel() * t.element_size() for t in saved["model"].values())
+            assert fresh.last_load_sources == {"memory_bytes": nbytes, "storage_bytes": 0}
+    for name, tensor in saved["model"].items():
+        assert torch.equal(_bits(tensor), _bits(target["model"][name])), name
+    assert target["step"] == 10
+
+
+def test_a_damaged_memory_copy_is_not_used(tmp_path: Path,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    url = str(tmp_path / "ckpt")
+    saved = _state(10)
+    with CheckpointEngine(url, keep_in_memory=True) as engine:
+        engine.save(10, saved, blocking=True)
+        memory = engine.memory_copy()
+        assert memory is not None
+        (_, buf), *_ = memory.regions["model/w"]
+        _bits(buf)[3] ^= 0x40  # a flipped bit in host memory
+        target = _state(99)
+        loader = CheckpointEngine(url)
+        loader.load(target, memory=memory)
+    assert "does not match its COMMIT manifest" in caplog.text
+    assert loader.last_load_sources["memory_bytes"] == 0
+    assert torch.equal(_bits(target["model"]["w"]), _bits(saved["model"]["w"]))
+
+
+def test_a_copy_of_another_save_or_an_uncommitted_one_is_not_used(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url, keep_in_memory=True, keep_last=None) as engine:
+        engine.save(10, _state(10), blocking=True)
+        old = engine.memory_copy()
+        engine.save(20, _state(20), blocking=True)
+        assert old is not None and engine.memory_copy().step == 20  # type: ignore[union-attr]
+        target = _state(99)
+        loader = CheckpointEngine(url)
+        assert loader.load(target, memory=old) == 20  # the copy is of step 10: storage
+        assert loader.last_load_sources["memory_bytes"] == 0
+        assert torch.equal(_bits(target["model"]["w"]), _bits(_state(20)["model"]["w"]))
+        gate = threading.Event()
+        slow = CheckpointEngine(url, keep_in_memory=True, keep_last=None,
+                                on_phase=lambda step, phase: gate.wait(30))
+        slow.save(30, _state(30))  # staged over the buffers, not committed
+        assert slow.memory_copy() is None
+        gate.set()
+        slow.close()
+        assert slow.memory_copy() is not None and slow.memory_copy().step == 30  # type: ignore[union-attr]
+
+
+def test_phases_are_reported_in_order_on_the_save_thread(tmp_path: Path) -> None:
+    seen: list[tuple[int, str, str]] = []
+    with CheckpointEngine(str(tmp_path / "ckpt"), on_phase=lambda step, phase: seen.append(
+            (step, phase, threading.current_thread().name))) as engine:
+        engine.save(7, _state(7), blocking=True)
+    assert [(s, p) for s, p, _ in seen] == [(7, "persisting"), (7, "written"), (7, "recorded"),
+                                            (7, "committing")]
+    assert all(name == "ckpt-save-7" for *_, name in seen)
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankGroup]:
+    with RankGroup(2, timeout_s=180) as group:
+        yield group
+
+
+def _replicas_and_shards(url: str) -> list[Any]:
+    """Each rank saves a Shard(0) tensor and a replicated one (written by one rank only), then
+    restores both from its own memory copy into fresh targets, through a second engine."""
+    mesh = DeviceMesh("cpu", torch.arange(2))
+    gen = torch.Generator().manual_seed(3)
+    full_s, full_r = torch.randn(8, 4, generator=gen), torch.randn(6, 6, generator=gen)
+
+    def state(scale: float) -> dict[str, Any]:
+        return {"s": distribute_tensor(full_s * scale, mesh, [Shard(0)]),
+                "r": distribute_tensor(full_r * scale, mesh, [Replicate()])}
+
+    saved = state(1.0)
+    with CheckpointEngine(url, keep_in_memory=True) as engine:
+        engine.save(5, saved, blocking=True)
+        memory = engine.memory_copy()
+    target = state(-1.0)
+    second = CheckpointEngine(url)
+    second.load(target, memory=memory)
+    sources = dict(second.last_load_sources)
+    second.close()
+    same = all(torch.equal(_bits(saved[k].to_local()), _bits(target[k].to_local()))
+               for k in saved)
+    return [dist.get_rank(), same, sources]
+
+
+@pytest.mark.multiproc
+def test_replicas_another_rank_writes_are_kept_too(ranks: RankGroup, tmp_path: Path) -> None:
+    for rank, same, sources in ranks.run(_replicas_and_shards, str(tmp_path / "ckpt")):
+        assert same, f"rank {rank}"
+        assert sources["storage_bytes"] == 0 and sources["memory_bytes"] == (4 * 4 + 36) * 4
+
+
+def _abandon_a_save_nobody_can_commit(url: str) -> list[Any]:
+    """Rank 1 holds its save before it writes; rank 0's coordinator waits for its record.
+    Abandoning rank 0's engine fails that save at once, not at the commit deadline."""
+    hold = threading.Event()
+    on_phase = (lambda step, phase: hold.wait(60)) if dist.get_rank() == 1 else None
+    engine = CheckpointEngine(url, commit_timeout_s=600, on_phase=on_phase)
+    handle = engine.save(1, {"w": torch.ones(4) * dist.get_rank()})
+    dist.barrier()
+    if dist.get_rank() == 0:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        engine.abandon()
+        try:
+            handle.wait(30)
+            failed = ""
+        except CheckpointError as exc:
+            failed = str(exc)
+        waited = time.monotonic() - t0
+    else:
+        failed, waited = "held", 0.0
+    dist.barrier()
+    hold.set()
+    if dist.get_rank() == 1:
+        engine.close()
+    return [failed, waited]
+
+
+@pytest.mark.multiproc
+def test_abandon_fails_a_save_in_flight_at_once(ranks: RankGroup, tmp_path: Path) -> None:
+    (failed, waited), _ = ranks.run(_abandon_a_save_nobody_can_commit, str(tmp_path / "ck"))
+    assert "abandoned" in failed and waited < 5.0, (failed, waited)
