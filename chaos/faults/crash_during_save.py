@@ -1,8 +1,13 @@
-"""``crash_during_save``: SIGKILL a rank while checkpoint n is staged but not yet committed.
+"""``crash_during_save``: SIGKILL a rank while checkpoint n is being saved, at a named phase.
 
-The runner fires it when the target rank reports ``ckpt_staged`` for that checkpoint. A small
-checkpoint may commit before the signal lands; the injection records whether COMMIT already
-existed, so a report never claims a mid-save crash that did not happen.
+The trainer learns only where to hold: its save of that step pauses at ``phase`` on the target
+rank (a pause point on the save's own thread; ``engine`` phase hooks): ``persisting`` (staged,
+nothing written), ``written`` (its objects durable, no record), ``recorded`` (its record
+written), ``committing`` (the coordinator has every record, COMMIT not written; use rank 0).
+The runner kills the rank there, so the crash lands mid-save by construction. ``staged`` holds
+the training thread right after staging instead: the save's thread runs on, so a small
+checkpoint may commit first. The injection records whether COMMIT already existed, so a report
+never claims a mid-save crash that did not happen.
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ from antifragile.chaos.faults.base import FaultBase, Injection, RankTarget, Targ
 class CrashDuringSave(FaultBase):
     kind: Literal["crash_during_save"]
     rank: RankTarget = 0
+    phase: Literal["staged", "persisting", "written", "recorded", "committing"] = "persisting"
 
     def check(self, dims: tuple[int, int, int], steps: int, checkpoints: int
               ) -> tuple[str, str] | None:
         if self.at_checkpoint is None:
             return "at_checkpoint", "crash_during_save needs at_checkpoint"
+        if self.phase == "committing" and self.rank != 0:
+            return "phase", ("only the coordinator (rank 0) commits: phase committing needs "
+                             "rank: 0")
         return super().check(dims, steps, checkpoints)
 
     def inject(self, target: Target, step: int | None) -> Injection:
@@ -35,5 +44,5 @@ class CrashDuringSave(FaultBase):
         committed = step is not None and open_storage(target.ckpt_url).exists(
             f"{step_dir(step)}/{COMMIT}")
         return Injection(self.kind, time.time(), step=step, rank=rank,
-                         detail={"pid": pid, "checkpoint_step": step,
+                         detail={"pid": pid, "checkpoint_step": step, "phase": self.phase,
                                  "committed_before_kill": committed})
