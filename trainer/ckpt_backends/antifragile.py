@@ -15,7 +15,9 @@ class AntifragileBackend:
     overlaps_saves = True  # the engine refuses (fails) a save while the previous one persists
 
     def __init__(self, url: str, *, keep_last: int, timeout_s: float, async_: bool) -> None:
-        self.engine = CheckpointEngine(url, keep_last=keep_last, commit_timeout_s=timeout_s)
+        # the trainer reports checkpoint events itself (trainer.checkpoint): none from the engine
+        self.engine = CheckpointEngine(url, keep_last=keep_last, commit_timeout_s=timeout_s,
+                                       chaos_events=False)
 
     def candidates(self) -> list[int]:
         latest = self.engine.latest_step()
