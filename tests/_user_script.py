@@ -60,6 +60,8 @@ def main() -> None:
         if probe is not None:
             probe.step_end(step, loss)
         if step % args.every == 0 or step == args.steps:
+            if step == args.steps:  # the last save must not be skipped for a busy one
+                ckpt.wait()
             ckpt.save(step, {"model": model, "optim": optimizer},
                       blocking=step == args.steps)
     ckpt.close()
