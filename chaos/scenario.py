@@ -7,6 +7,8 @@ Every error names the file, the key path and the reason, e.g.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -14,7 +16,9 @@ import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -86,6 +90,10 @@ class TrainerSpec(_Strict):
     spares: Annotated[int, Field(ge=0)] | None = None
 
     @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
     def spare_workers(self) -> int:
         if self.spares is not None:
             return self.spares
@@ -127,6 +135,122 @@ class TrainerSpec(_Strict):
         return self
 
 
+_PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
+
+
+def is_python(arg: str) -> bool:
+    """``trainer.command[0]`` values that mean "the Python interpreter chaos runs in"."""
+    return _PYTHON.match(arg) is not None
+
+
+class CommandSpec(_Strict):
+    """``trainer: {command: [...]}``: the user's own training script, run by chaos under
+    torchrun (``--nproc-per-node``, ``--max-restarts``) with ``ANTIFRAGILE_RUN_DIR``,
+    ``ANTIFRAGILE_CKPT_URL`` and ``ANTIFRAGILE_CHAOS=1`` in its environment (README, "Chaos-test
+    your own trainer"). The script decides its parallelism, steps and checkpoint interval."""
+
+    #: argv of one rank; ``python``/``python3`` is the interpreter chaos runs in, and a script
+    #: path is resolved relative to the scenario file, then the working directory
+    command: Annotated[list[str], Field(min_length=1)]
+    nproc_per_node: Annotated[int, Field(ge=1)] = 1
+    #: one host: emulated hosts (network namespaces) run only the built-in trainer for now
+    nodes: Annotated[int, Field(ge=1)] = 1
+    #: added to every rank's environment
+    env: dict[str, str | int | float] = {}
+    #: the script reports steps through ``antifragile.probe``: needed by ``at_step`` faults
+    #: and by the step, recovery and lost-step measurements (false: time-based faults only)
+    probe: bool = True
+    #: the longest the job takes to notice a dead or hung peer (the script's own process-group
+    #: timeout or watchdog): a fault counts as the cause of a restart within this (+ teardown)
+    detect_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nodes
+
+    @property
+    def spare_workers(self) -> int:
+        return 0
+
+    @field_validator("nodes")
+    @classmethod
+    def _one_host(cls, nodes: int) -> int:
+        if nodes != 1:
+            raise ValueError(f"{nodes} nodes: a command trainer runs on one host for now "
+                             "(emulated hosts run only the built-in trainer); use nodes: 1")
+        return nodes
+
+    @field_validator("env")
+    @classmethod
+    def _env_text(cls, env: dict[str, Any]) -> dict[str, str]:
+        return {k: str(v) for k, v in env.items()}
+
+    @field_validator("command")
+    @classmethod
+    def _resolve(cls, command: list[str], info: ValidationInfo) -> list[str]:
+        """Absolute paths for the executable and the script, or why they cannot be found."""
+        bases = [*((info.context or {}).get("base_dirs") or []), Path.cwd()]
+        where = " or ".join(dict.fromkeys(str(b) for b in bases))
+        out = list(command)
+        first = command[0]
+        if is_python(first):
+            script = 1
+            while script < len(out) and out[script].startswith("-"):
+                if out[script] in ("-c", "-m"):  # code or a module, not a script file
+                    return out
+                script += 2 if out[script] in ("-W", "-X") else 1  # interpreter options
+            if script < len(out):
+                found = _find_file(out[script], bases)
+                if found is None:
+                    raise ValueError(f"command[{script}]: script {out[script]!r} not found "
+                                     f"(looked relative to {where})")
+                out[script] = found
+            return out
+        if os.sep in first or first.endswith(".py"):
+            found = _find_file(first, bases)
+            if found is None:
+                raise ValueError(f"command[0]: {first!r} not found (looked relative to "
+                                 f"{where})")
+            if not found.endswith(".py") and not os.access(found, os.X_OK):
+                raise ValueError(f"command[0]: {found} is not executable")
+            out[0] = found
+            return out
+        if shutil.which(first) is None:
+            raise ValueError(f"command[0]: {first!r} is not an executable on PATH")
+        return out
+
+
+def _find_file(name: str, bases: list[Path]) -> str | None:
+    for base in bases:
+        path = (base / os.path.expanduser(name))
+        if path.is_file():
+            return str(path.resolve())
+    return None
+
+
+#: settings of the built-in trainer, refused beside ``trainer.command``
+_BUILTIN_ONLY = frozenset(TrainerSpec.model_fields) - frozenset(CommandSpec.model_fields)
+#: ``checkpoint`` settings that the built-in trainer takes and a command's script decides
+_SCRIPT_DECIDES = ("every_steps", "async", "keep_last")
+#: fault kinds a command trainer can be given (the others need the built-in trainer's
+#: save-phase pause points, emulated hosts or supervisor), and why not
+_COMMAND_REFUSES = {
+    "crash_during_save": "needs the built-in trainer's save-phase pause points",
+    "drop_link": "needs emulated hosts, which run only the built-in trainer",
+}
+
+
+def _trainer_kind(value: Any) -> str:
+    if isinstance(value, CommandSpec) or (isinstance(value, dict) and "command" in value):
+        return "command-trainer"
+    return "builtin-trainer"
+
+
+TrainerChoice = Annotated[
+    Annotated[TrainerSpec, Tag("builtin-trainer")] | Annotated[CommandSpec, Tag("command-trainer")],
+    Discriminator(_trainer_kind)]
+
+
 class CheckpointSpec(_Strict):
     url: str | None = None
     every_steps: Annotated[int, Field(ge=1)] = 10
@@ -155,17 +279,75 @@ class Scenario(_Strict):
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")]
     description: str = ""
     seed: int = 0
-    trainer: TrainerSpec = TrainerSpec()
+    trainer: TrainerChoice = TrainerSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     faults: list[Annotated[FaultConfig, Field(discriminator="kind")]] = []
     expect: Expect = Expect()
 
+    @property
+    def is_command(self) -> bool:
+        """The user's own script (``trainer.command``) rather than the built-in trainer."""
+        return isinstance(self.trainer, CommandSpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _command_or_builtin(cls, data: Any) -> Any:
+        trainer = data.get("trainer") if isinstance(data, dict) else None
+        if isinstance(trainer, dict) and "command" in trainer:
+            builtin = sorted(_BUILTIN_ONLY & set(trainer))
+            if builtin:
+                raise ValueError(f"trainer.{builtin[0]}: a setting of the built-in trainer; "
+                                 "with trainer.command your script decides it (give command, "
+                                 "nproc_per_node, nodes, env, probe, detect_timeout_s)")
+            checkpoint = data.get("checkpoint")
+            decided = [k for k in _SCRIPT_DECIDES
+                       if isinstance(checkpoint, dict) and k in checkpoint]
+            if decided:
+                raise ValueError(f"checkpoint.{decided[0]}: with trainer.command your script "
+                                 "decides when and how it checkpoints (give url, engine)")
+        return data
+
+    @model_validator(mode="after")
+    def _command_faults(self) -> Scenario:
+        t = self.trainer
+        if not isinstance(t, CommandSpec):
+            return self
+        for i, fault in enumerate(self.faults):
+            at = f"faults.{i}"
+            if fault.kind in _COMMAND_REFUSES:
+                raise ValueError(f"{at}.kind: {fault.kind} {_COMMAND_REFUSES[fault.kind]}; a "
+                                 "command trainer takes kill_rank, hang_rank (mode process), "
+                                 "corrupt_shard and storage_outage")
+            if getattr(fault, "mode", None) == "thread" and fault.kind == "hang_rank":
+                raise ValueError(f"{at}.mode: hang_rank mode thread is noticed only by the "
+                                 "built-in trainer's supervisor; use mode process")
+            if isinstance(getattr(fault, "rank", None), BaseModel):
+                raise ValueError(f"{at}.rank: coordinates need the built-in trainer's mesh; "
+                                 f"name a rank (0..{t.world_size - 1}) or random")
+            if fault.at_checkpoint is not None:
+                raise ValueError(f"{at}.at_checkpoint: a command trainer's checkpoints are "
+                                 "its own; use at_step (with the probe), at_s or mtbf_s")
+            if fault.at_step is not None and not t.probe:
+                raise ValueError(f"{at}.at_step: at_step needs the script to report its steps "
+                                 "through antifragile.probe (trainer.probe is false); use "
+                                 "at_s or mtbf_s")
+        if not t.probe:
+            for key in ("max_recovery_s", "max_lost_steps"):
+                if getattr(self.expect, key) is not None:
+                    raise ValueError(f"expect.{key}: cannot be measured without the probe "
+                                     "(trainer.probe is false): the script reports no steps")
+        return self
+
     @model_validator(mode="after")
     def _faults_fit(self) -> Scenario:
         for i, fault in enumerate(self.faults):
-            p = self.trainer.parallel
-            problem = fault.check((p.dp, p.pp, p.tp), self.trainer.steps,
-                                  self.trainer.steps // self.checkpoint.every_steps)
+            if isinstance(self.trainer, CommandSpec):  # steps and checkpoints: the script's
+                dims, steps, checkpoints = (self.trainer.world_size, 1, 1), 2**62, 2**62
+            else:
+                p = self.trainer.parallel
+                dims, steps = (p.dp, p.pp, p.tp), self.trainer.steps
+                checkpoints = steps // self.checkpoint.every_steps
+            problem = fault.check(dims, steps, checkpoints)
             problem = problem or fault.check_storage(self.checkpoint.url)
             problem = problem or fault.check_nodes(self.trainer.nodes)
             if problem:
@@ -174,11 +356,14 @@ class Scenario(_Strict):
         return self
 
 
+_TAGS = frozenset(FAULT_CONFIGS) | {"builtin-trainer", "command-trainer"}
+
+
 def _format_error(path: str, exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err["loc"]
-                       if not str(x).startswith("function-") and str(x) not in FAULT_CONFIGS)
+                       if not str(x).startswith("function-") and str(x) not in _TAGS)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -190,10 +375,12 @@ def _format_error(path: str, exc: ValidationError) -> str:
 
 
 def parse_scenario(data: Any, *, path: str = "<scenario>") -> Scenario:
+    """``path`` names the file in errors; a command's script is looked for next to it first."""
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: a scenario must be a mapping, got {type(data).__name__}")
+    base_dirs = [Path(path).resolve().parent] if os.path.isfile(path) else []
     try:
-        return Scenario.model_validate(data)
+        return Scenario.model_validate(data, context={"base_dirs": base_dirs})
     except ValidationError as exc:
         raise ScenarioError(_format_error(path, exc)) from None
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import commit as _commit
+from ._events import EngineEvents
 from ._memory import MemoryCopy
 from ._paths import COMMIT, step_dir
 from ._ranks import PerRank
@@ -151,6 +152,8 @@ class CheckpointEngine:
     passes ``persisting``, ``written`` (objects durable), ``recorded`` (rank record written)
     and, on the coordinator, ``committing`` (every record in, COMMIT not yet written), on the
     save's background thread: chaos holds a save there to crash it at a named phase.
+    Under ``chaos run`` the engine reports its saves and restores as events (``_events.py``);
+    ``chaos_events=False`` is for a trainer that reports them itself.
     """
 
     def __init__(
@@ -165,6 +168,7 @@ class CheckpointEngine:
         plan_options: PlanOptions | None = None,
         keep_in_memory: bool = False,
         on_phase: Callable[[int, str], None] | None = None,
+        chaos_events: bool = True,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -194,6 +198,7 @@ class CheckpointEngine:
         self.last_load_sources: dict[str, int] = {}
         # storage requests of the last load() on this rank, by kind, and their "total"
         self.last_load_requests: dict[str, int] = {}
+        self._events = EngineEvents(chaos_events)
 
     # -- collectives (training thread only) ----------------------------------------------------
 
@@ -243,9 +248,11 @@ class CheckpointEngine:
         if any_failed:
             assert last is not None
             last._observed = True
-            raise CheckpointError(
+            refused = CheckpointError(
                 f"step {step} not saved: the save of step {last.step} failed "
                 + (f"on this rank: {failure}" if failure else "on another rank"))
+            self._events.failed(step, refused)
+            raise refused
         handle = SaveHandle(step)
         if any_busy:
             busy_step = last.step if last else "?"
@@ -255,6 +262,7 @@ class CheckpointEngine:
             handle.staged.set()
             warnings.warn(f"checkpoint of step {step} skipped: step {busy_step} still persisting",
                           RuntimeWarning, stacklevel=2)
+            self._events.failed(step, handle._future.exception() or "")
             return handle
         if replan or self._plan is None:
             self._gather_inventories(inv, fingerprint)
@@ -276,7 +284,9 @@ class CheckpointEngine:
                   values, attrs))
         worker.start()
         if blocking:
+            waited = time.perf_counter()
             handle.wait()
+            self._events.blocked(step, waited)
         return handle
 
     def _gather_inventories(self, inv: dict[str, Any], fingerprint: str) -> None:
@@ -296,6 +306,7 @@ class CheckpointEngine:
         self._memory = None  # the buffers are about to hold an uncommitted step
         handle.stall_s = self._staging.stage(flat.tensors)
         handle.staged.set()
+        self._events.staged(handle.step, handle.stall_s)
 
     def _group_attrs(self, step: int, flat: FlatState, metadata: dict[str, Any] | None
                      ) -> dict[str, Any]:
@@ -352,6 +363,7 @@ class CheckpointEngine:
                 self._memory = MemoryCopy.of(step, nonce, staging)
             handle.persist_s = time.monotonic() - start
             handle.requests = storage.requests
+            self._events.committed(step, handle.committed_nbytes, handle.nbytes, handle.persist_s)
             handle._future.set_result(None)
         except BaseException as exc:
             if not isinstance(exc, CheckpointError):
@@ -372,6 +384,7 @@ class CheckpointEngine:
             handle.persist_s = time.monotonic() - start
             handle.requests = storage.requests
             log.warning("checkpoint of step %d failed: %s", step, error)
+            self._events.failed(step, error)
             handle._future.set_exception(error)
         finally:
             handle.staged.set()
@@ -446,6 +459,7 @@ class CheckpointEngine:
     def _load(self, flat: FlatState, step: int | None, storage: Storage,
               memory: MemoryCopy | None) -> int:
         candidates = self._candidates(step, storage)
+        began = self._events.restore_begin()
         newest_error: CheckpointError | None = None
         for i, candidate in enumerate(candidates):
             outcome, nonce = _OK, 0
@@ -463,6 +477,7 @@ class CheckpointEngine:
                     "at one path, or two jobs writing one URL?); refusing to mix them")
             if worst == _OK:
                 finish_load(flat, values)
+                self._events.restore_end(candidate, began)
                 return candidate
             reports = self._gather((outcome, type(error).__name__, str(error),
                                     getattr(error, "key", None)))
@@ -473,6 +488,7 @@ class CheckpointEngine:
             if worst == _CORRUPT:
                 note = self._quarantine(candidate, error, reports, storage)
             newest_error = newest_error or error
+            self._events.restore_skipped(candidate, error)
             if i + 1 < len(candidates):
                 warnings.warn(f"checkpoint step {candidate} skipped, trying step "
                               f"{candidates[i + 1]}: {error}{note}", RuntimeWarning,

@@ -299,8 +299,11 @@ def test_nightly_suite_covers_kinds_layouts_storage_and_engines() -> None:
     assert kinds >= {"kill_rank", "hang_rank", "crash_during_save", "corrupt_shard",
                      "storage_outage", "drop_link"}
     layouts = {(s.trainer.parallel.dp, s.trainer.parallel.tp, s.trainer.parallel.pp)
-               for s in scenarios}
+               for s in scenarios if not s.is_command}
     assert len(layouts) >= 2
+    assert {s.trainer.recovery for s in scenarios if not s.is_command} == {"restart",
+                                                                          "in_process"}
+    assert any(s.is_command for s in scenarios)  # a user's own script, nightly too
     assert any((s.checkpoint.url or "").startswith("s3://") for s in scenarios)
     assert any(s.checkpoint.url is None for s in scenarios)
     assert {s.checkpoint.engine for s in scenarios} == {"antifragile", "dcp", "torchsnapshot"}

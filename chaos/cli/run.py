@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from antifragile.chaos.cli.common import fail, load, needs_reference
-from antifragile.chaos.scenario import SCENARIOS, ScenarioError, load_scenario
+from antifragile.chaos.scenario import SCENARIOS, CommandSpec, ScenarioError, load_scenario
 
 
 @click.command("validate")
@@ -18,8 +18,9 @@ def validate(file: str) -> None:
     """Check a scenario file without running it."""
     s = load(file)
     faults = f"{len(s.faults)} fault{'' if len(s.faults) == 1 else 's'}"
-    click.echo(f"{file}: ok ({s.name}: {s.trainer.parallel.world_size} ranks, "
-               f"{s.trainer.steps} steps, {faults})")
+    what = (f"command {' '.join(s.trainer.command)}" if isinstance(s.trainer, CommandSpec)
+            else f"{s.trainer.steps} steps")
+    click.echo(f"{file}: ok ({s.name}: {s.trainer.world_size} ranks, {what}, {faults})")
 
 
 @click.command("list")
@@ -41,13 +42,21 @@ def list_scenarios() -> None:
 @click.option("--no-reference", is_flag=True, help="Skip the fault-free reference run "
               "(refused, exit 2, for a scenario that expects bitwise equality).")
 @click.option("--seed", type=int, help="Override the scenario's seed.")
-def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None) -> None:
+@click.option("--check-determinism", is_flag=True, help="First compare a second fault-free "
+              "run with the reference: a trainer that is not deterministic gets the verdict "
+              "'nondeterministic' (exit 4), not a failed recovery.")
+def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
+            check_determinism: bool) -> None:
     """Run a scenario: inject its faults, measure recovery, check nothing was lost.
 
-    Exit 0 pass, 1 fail, 2 bad input, 3 skipped (a fault could not be made here)."""
+    Exit 0 pass, 1 fail, 2 bad input, 3 skipped (a fault could not be made here),
+    4 nondeterministic (--check-determinism: two fault-free runs differ)."""
     s = load(file, seed)
     if no_reference and s.expect.bitwise_equal_to_reference:
         fail(needs_reference(file))
+    if no_reference and check_determinism:
+        fail("--check-determinism compares a second fault-free run with the reference run, "
+             "which --no-reference skips")
     from antifragile.chaos.cli.progress import Progress
     from antifragile.chaos.infra.s3 import S3SetupError
     from antifragile.chaos.run.pipeline import run
@@ -56,7 +65,8 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None) ->
     folder = Path(out) if out else Path("reports") / f"{s.name}-{stamp}"
     with Progress() as progress:
         try:
-            outcome = run(s, folder, reference=not no_reference, progress=progress,
+            outcome = run(s, folder, reference=not no_reference,
+                          check_determinism=check_determinism, progress=progress,
                           status=progress.status)
         except S3SetupError as exc:
             fail(f"{file}: {exc}")
@@ -66,11 +76,13 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None) ->
         click.echo(f"  - {reason}")
     for f in outcome.report["faults"]:
         click.echo(f"  {_fault_line(f)}")
+    for what in outcome.report.get("not_measured") or []:
+        click.echo(f"  not measured: {what}")
     raise SystemExit(EXIT_CODES[outcome.verdict])
 
 
 #: ``chaos run``'s exit code per verdict; 2 is bad input (before anything runs).
-EXIT_CODES = {"pass": 0, "fail": 1, "skipped": 3}
+EXIT_CODES = {"pass": 0, "fail": 1, "skipped": 3, "nondeterministic": 4}
 
 
 def _fault_line(f: dict[str, Any]) -> str:
@@ -89,6 +101,9 @@ def _fault_line(f: dict[str, Any]) -> str:
                 f"extra stall {stall}")
     if f.get("ended_attempt") is None:  # had its effect without a restart (corrupt_shard...)
         return f"{f['kind']} at step {f['injected_step']}: {f['effect']}; recovery: none"
+    if f["recovery_s"] is None and f.get("unmeasured"):
+        return (f"{f['kind']}: the job restarted in {f['restart_s']:.2f} s after detection "
+                f"in {f['detect_s']:.2f} s; recovery not measured")
     recovery = "not observed" if f["recovery_s"] is None else f"{f['recovery_s']:.2f} s"
     return (f"{f['kind']} at step {f['injected_step']}: recovery {recovery}, "
             f"lost steps {f['lost_steps']}")

@@ -28,20 +28,24 @@ RankTarget = int | Literal["random"] | Coordinates
 
 class FaultBase(BaseModel):
     """Trigger: exactly one of ``at_step`` (the first time any rank finishes that step),
-    ``at_checkpoint`` (the n-th checkpoint of the run) or ``mtbf_s`` (seeded exponential
-    arrivals, mean ``mtbf_s`` seconds, until the run ends)."""
+    ``at_checkpoint`` (the n-th checkpoint of the run), ``mtbf_s`` (seeded exponential
+    arrivals, mean ``mtbf_s`` seconds, until the run ends) or ``at_s`` (once, that many seconds
+    after the job started, at the first moment all its ranks are up). ``mtbf_s`` and ``at_s``
+    need nothing from the trainer: they work on any training script."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     at_step: Annotated[int, Field(ge=1)] | None = None
     at_checkpoint: Annotated[int, Field(ge=1)] | None = None
     mtbf_s: Annotated[float, Field(gt=0)] | None = None
+    at_s: Annotated[float, Field(ge=0)] | None = None
 
     def check(self, dims: tuple[int, int, int], steps: int, checkpoints: int
               ) -> tuple[str, str] | None:
         """(key, reason) if this fault cannot happen in a run of ``dims`` = (dp, pp, tp)."""
-        triggers = [t for t in ("at_step", "at_checkpoint", "mtbf_s") if getattr(self, t)]
+        triggers = [t for t in ("at_step", "at_checkpoint", "mtbf_s", "at_s")
+                    if getattr(self, t) is not None]
         if len(triggers) != 1:
-            return "", "give exactly one trigger: at_step, at_checkpoint or mtbf_s"
+            return "", "give exactly one trigger: at_step, at_checkpoint, mtbf_s or at_s"
         if self.at_step is not None and self.at_step >= steps:
             return "at_step", f"step {self.at_step} is not before the last step ({steps})"
         if self.at_checkpoint is not None and self.at_checkpoint > checkpoints:

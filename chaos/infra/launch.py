@@ -1,4 +1,5 @@
-"""Launching the trainer under torchrun for a scenario, and reading its events as they come."""
+"""Launching the trainer under torchrun for a scenario: the built-in trainer, or the user's own
+script (``trainer.command``) with the environment variables of the probe contract."""
 
 from __future__ import annotations
 
@@ -8,7 +9,36 @@ import sys
 from pathlib import Path
 
 from antifragile.chaos.infra.netns import IFNAME, Network
-from antifragile.chaos.scenario import Scenario
+from antifragile.chaos.scenario import CommandSpec, Scenario, is_python
+
+#: What chaos tells a command trainer (README, "Chaos-test your own trainer"): where to write
+#: events and find pause points, where to checkpoint (and resume from), and that it runs under
+#: chaos.
+RUN_DIR_ENV, CKPT_URL_ENV, CHAOS_ENV = "ANTIFRAGILE_RUN_DIR", "ANTIFRAGILE_CKPT_URL", \
+    "ANTIFRAGILE_CHAOS"
+
+
+def command_args(spec: CommandSpec) -> list[str]:
+    """One rank's argv for ``torchrun --no-python``: ``python`` is this interpreter; a
+    ``.py`` script given first runs under it too."""
+    argv = list(spec.command)
+    if is_python(argv[0]):
+        argv[0] = sys.executable
+    elif argv[0].endswith(".py"):
+        argv.insert(0, sys.executable)
+    return argv
+
+
+def command_env(spec: CommandSpec, run_dir: Path, ckpt_url: str) -> dict[str, str]:
+    """The script's environment beyond chaos's own: the scenario's ``env``, then the contract.
+
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless the scenario's ``env`` says otherwise):
+    a fresh c10d store for every torchrun attempt. With the agent's shared store, a plain
+    ``init_process_group("gloo")`` after an in-place restart reads the previous attempt's keys
+    and fails ("Gloo connectFullMesh failed ... Connection refused"); our trainer works around
+    it with a store prefix per attempt, a user's script should not have to."""
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **spec.env, RUN_DIR_ENV: str(run_dir),
+            CKPT_URL_ENV: ckpt_url, CHAOS_ENV: "1"}
 
 
 def trainer_args(s: Scenario, run_dir: Path, ckpt_url: str) -> list[str]:
@@ -35,12 +65,16 @@ def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
     environment of torchrun and so of every rank (e.g. the S3 endpoint to use)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={s.trainer.parallel.world_size + s.trainer.spare_workers}",
+           f"--nproc-per-node={s.trainer.world_size + s.trainer.spare_workers}",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
            # Grace before SIGKILL when the agent itself shuts down (restarts in torch 2.13
            # always give 30 s; the workers are supervisors that act on SIGTERM at once).
-           "--shutdown-timeout=3",
-           "-m", "antifragile.trainer", *trainer_args(s, run_dir, ckpt_url)]
+           "--shutdown-timeout=3"]
+    if isinstance(s.trainer, CommandSpec):  # the user's script, as its ranks
+        cmd += ["--no-python", *command_args(s.trainer)]
+        env = {**(env or {}), **command_env(s.trainer, run_dir, ckpt_url)}
+    else:
+        cmd += ["-m", "antifragile.trainer", *trainer_args(s, run_dir, ckpt_url)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONUNBUFFERED": "1", **(env or {})}
     log = open(run_dir / "torchrun.log", "w")  # noqa: SIM115 - closed with the process

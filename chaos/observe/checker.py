@@ -3,7 +3,12 @@ reference run's bit for bit, and every bound holds.
 
 Verdicts: ``pass`` (everything above holds), ``fail`` (something does not, each reason said),
 ``skipped`` (nothing failed, but a fault could not be made here, so the scenario was not tested
-as written). ``fail`` wins over ``skipped``.
+as written), ``nondeterministic`` (``--check-determinism``: two fault-free runs already differ,
+so a difference after faults says nothing about recovery). ``fail`` wins over ``skipped``;
+``nondeterministic`` over both.
+
+The final state of a command trainer (the user's script) is its newest committed checkpoint,
+read back through the engine's own reader (``trainer.ckpt_backends``: ours, DCP, torchsnapshot).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class Verdict:
     verdict: str = "pass"
     reasons: list[str] = field(default_factory=list)
     bitwise_equal: bool | None = None
+    differs: list[str] = field(default_factory=list)  # every entry that differs, named
 
     def fail(self, reason: str) -> None:
         self.verdict = "fail"
@@ -103,6 +109,28 @@ def compare_final(faulty_url: str, reference_url: str, step: int, *,
     return out
 
 
+def newest_committed(engine: str, url: str) -> int | None:
+    """The newest step ``engine`` sees committed at ``url`` (a command trainer's final state)."""
+    try:
+        steps = committed_steps(engine, url)
+    except Exception:  # unreadable storage: nothing committed as far as anyone can tell
+        return None
+    return steps[-1] if steps else None
+
+
+def determinism(engine: str, first_url: str, second_url: str,
+                step: int | None = None) -> Comparison:
+    """Two fault-free runs' final checkpoints compared (``step``: the built-in trainer's last;
+    None: each run's newest committed, which must be the same step)."""
+    if step is None:
+        a, b = newest_committed(engine, first_url), newest_committed(engine, second_url)
+        if a is None or a != b:
+            return Comparison(error=f"the two fault-free runs' newest committed checkpoints "
+                                    f"are steps {a} and {b}")
+        step = a
+    return compare_final(second_url, first_url, step, engine=engine)
+
+
 def final_committed(engine: str, url: str, step: int) -> bool:
     """Whether ``engine`` sees a committed checkpoint of ``step`` at ``url``."""
     try:
@@ -133,39 +161,59 @@ def verify_committed(url: str) -> dict[int, list[str]]:
 
 def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_step: int | None,
           faulty_url: str, reference_url: str | None, final_committed: bool,
-          committed: dict[int, list[str]] | None = None) -> Verdict:
+          committed: dict[int, list[str]] | None = None, expected_step: int | None = None,
+          determinism: Comparison | None = None) -> Verdict:
     """``final_committed``: the faulty run's checkpoint of the last step is committed (what a
     resumed job would load); without it nothing proves the run's end state survived.
     ``committed``: :func:`verify_committed`'s findings, when they were taken (after a fault on
     storage, every committed step left must read back intact).
 
+    A command trainer: ``final_step`` is the faulty run's newest committed step and
+    ``expected_step`` the reference run's (None without a reference); they must match.
+
     Every fault of the scenario must have been injected (each ``mtbf_s`` fault at least once)
     and have had its effect (``FaultTimings.effect_observed``); a fault that caused a restart
-    must have been recovered from."""
+    must have been recovered from. ``determinism``: a second fault-free run compared with the
+    reference (``--check-determinism``)."""
     v = Verdict()
     for step, problems in sorted((committed or {}).items()):
         if problems:
             v.fail(f"committed step {step} does not verify: {'; '.join(problems[:3])}")
+    engine = s.checkpoint.engine
     if returncode != 0:
         v.fail(f"the trainer exited with code {returncode}")
-    if final_step != s.trainer.steps:
-        v.fail(f"the run ended at step {final_step}, not {s.trainer.steps}")
-    if not final_committed:
-        v.fail(f"no committed checkpoint of the final step {s.trainer.steps}")
+    if s.is_command:
+        if final_step is None:
+            v.fail(f"the script left no committed {engine} checkpoint at {faulty_url} (it must "
+                   "checkpoint to $ANTIFRAGILE_CKPT_URL)")
+        elif expected_step is not None and final_step != expected_step:
+            v.fail(f"the newest committed checkpoint is step {final_step}, the reference "
+                   f"run's is step {expected_step}")
+        expected_step = final_step if expected_step is None else expected_step
+    else:
+        expected_step = s.trainer.steps
+        if final_step != expected_step:
+            v.fail(f"the run ended at step {final_step}, not {expected_step}")
+        if not final_committed:
+            v.fail(f"no committed checkpoint of the final step {expected_step}")
+    bitwise_reasons = []
     if reference_url is None:
         if s.expect.bitwise_equal_to_reference:
             v.fail("expect.bitwise_equal_to_reference is true, but there is no reference run "
                    "to compare with (--no-reference)")
-    elif final_step == s.trainer.steps:
-        comparison = compare_final(faulty_url, reference_url, s.trainer.steps,
-                                   engine=s.checkpoint.engine)
+    elif final_step == expected_step and expected_step is not None:
+        comparison = compare_final(faulty_url, reference_url, expected_step, engine=engine)
         v.bitwise_equal = comparison.equal
+        v.differs = list(comparison.differs)
         if not comparison.equal and s.expect.bitwise_equal_to_reference:
             if comparison.error:
-                v.fail(comparison.error)
+                bitwise_reasons.append(comparison.error)
             if comparison.differs:
-                v.fail(f"final state differs from the reference in {len(comparison.differs)} "
-                       f"entries, e.g. {comparison.differs[:3]}")
+                bitwise_reasons.append(
+                    f"final state differs from the reference in {len(comparison.differs)} "
+                    f"entries, e.g. {comparison.differs[:3]}")
+            for reason in bitwise_reasons:
+                v.fail(reason)
     wanted = Counter(f.kind for f in s.faults)
     made = Counter(t.kind for t in timings)
     for kind, n in wanted.items():
@@ -188,9 +236,15 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
             v.fail(f"{t.kind} at step {t.injected_step}: storage did not come back: "
                    f"{t.outage['error']}")
         if t.ended_attempt is not None and t.recovery_s is None and t.interrupted_by_t is None:
-            v.fail(f"{t.kind} at step {t.injected_step}: no recovery was observed (the job "
-                   f"did not come back after attempt {t.ended_attempt})")
-            continue
+            came_back = t.unmeasured is not None and t.restart_s is not None
+            if not came_back:
+                v.fail(f"{t.kind} at step {t.injected_step}: no recovery was observed (the job "
+                       f"did not come back after attempt {t.ended_attempt})")
+                continue
+            for bound in ("max_recovery_s", "max_lost_steps"):
+                if getattr(s.expect, bound) is not None and (
+                        bound == "max_recovery_s" or t.lost_steps is None):
+                    v.fail(f"{t.kind}: expect.{bound} cannot be checked: {t.unmeasured}")
         if s.expect.max_recovery_s is not None and t.recovery_s is not None \
                 and t.recovery_s > s.expect.max_recovery_s:
             v.fail(f"{t.kind} at step {t.injected_step}: recovery took {t.recovery_s:.1f} s "
@@ -201,6 +255,13 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
                    f"> max_lost_steps {s.expect.max_lost_steps}")
     if v.verdict == "pass" and skipped:  # nothing failed, but the scenario was not all made
         v.verdict, v.reasons = "skipped", skipped
+    if determinism is not None and not determinism.equal:
+        why = determinism.error or (f"two fault-free runs differ in {len(determinism.differs)} "
+                                    f"entries, e.g. {determinism.differs[:3]}")
+        v.verdict = "nondeterministic"
+        v.reasons = [f"the trainer is not deterministic: {why}; so the bitwise comparison "
+                     "says nothing about recovery"] + [r for r in v.reasons
+                                                       if r not in bitwise_reasons]
     return v
 
 

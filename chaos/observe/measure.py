@@ -25,7 +25,9 @@ RESTART_EXIT_CODE = 44  # trainer.supervisor: in-process recovery found no spare
 def detection_window_s(s: Scenario) -> float:
     """How long after its injection a fault may end its attempt and still be the cause: the
     slowest way the job notices a failure, plus the teardown (a ``drop_link``'s window starts
-    when the link comes back up)."""
+    when the link comes back up). A command trainer's bound is its ``detect_timeout_s``."""
+    if s.is_command:
+        return s.trainer.detect_timeout_s + TEARDOWN_S  # type: ignore[union-attr]
     hang_s = (s.trainer.hang_timeout_s or HANG_FLOOR_S) * 3  # the watchdog's escalation
     return max(hang_s, s.trainer.collective_timeout_s) + TEARDOWN_S
 
@@ -68,16 +70,20 @@ class FaultTimings:
     restore_storage_bytes: int | None = None  # read from storage
     lost_steps: int | None = None
     outage: dict[str, Any] | None = None  # a storage fault: what it did (see outage_effects)
+    unmeasured: str | None = None  # what of the recovery could not be measured, and why
 
 
 def _by_attempt(events: list[dict[str, Any]], attempt: int, kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["attempt"] == attempt and e["event"] == kind]
 
 
+_STARTS = ("start", "worker_started")  # reported by a rank; a command's rank seen in /proc
+
+
 def _attempt_at(record: RunRecord, t: float) -> int:
     """The attempt that was running at time ``t``."""
     starts = sorted({e["attempt"]: e["t"] for e in reversed(record.events)
-                     if e["event"] == "start"}.items())
+                     if e["event"] in _STARTS}.items())
     current = 0
     for attempt, start_t in starts:
         if start_t <= t:
@@ -120,7 +126,7 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
     events = [e for e in record.events if e["attempt"] == attempt and e["t"] >= injection.t]
     r = injection.rank
     hung = [e for e in events if e["event"] == "hang_detected" and (r is None or e["rank"] == r)]
-    wrote = [e for e in events if e["rank"] == r and e.get("by") != "supervisor"]
+    wrote = [e for e in events if e["rank"] == r and e.get("by") not in ("supervisor", "chaos")]
     if injection.kind == "drop_link":
         how = (f"rank {hung[0]['rank']}'s supervisor found it hung ({hung[0]['how']}); "
                if hung else "")
@@ -272,9 +278,17 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
 def _recovery(record: RunRecord, injection: Injection, attempt: int,
               done: list[dict[str, Any]], timings: FaultTimings) -> None:
     """Detect, restart, restore and recompute of the attempt after ``attempt``, which the
-    fault ended; left None when the job never came back (a failed verdict)."""
+    fault ended; left None when the job never came back (a failed verdict).
+
+    A command trainer that reports nothing (no probe, no engine events): detect and restart
+    only, from its processes; the rest is ``unmeasured``. One whose engine reports restores
+    but that reports no steps: restore too. One that reports steps but no restore: the step
+    it resumed from is the one before its first step, and recovery is measured end to end."""
     nxt = attempt + 1
     starts = _by_attempt(record.events, nxt, "start")
+    reported = bool(starts)
+    if not starts:
+        starts = _by_attempt(record.events, nxt, "worker_started")
     if attempt not in record.attempt_ends or not starts:
         return
     torn_down = record.attempt_ends[attempt]
@@ -285,28 +299,51 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
                if e.get("code") == RESTART_EXIT_CODE]
     if timings.recovery_mode == "restart" and gave_up:
         timings.fallback = str(gave_up[0].get("error"))
+    timings.detect_s = max(torn_down - injection.t, 0.0)
+    timings.restart_s = max(started - torn_down, 0.0)
+    if not reported:
+        timings.unmeasured = ("restore, recompute, recovery and lost steps: the script "
+                              "reported nothing (it does not call antifragile.probe); restart "
+                              "is measured to when its processes started")
+        return
     restores = _by_attempt(record.events, nxt, "restore_end")
     later = [i.t for i in record.injections if i.t > injection.t and not i.skipped
              and started - 0.5 <= i.t <= record.attempt_ends.get(nxt, record.ended_t)]
     if any("storage_bytes" in e for e in restores):
         timings.restore_memory_bytes = sum(e.get("memory_bytes", 0) for e in restores)
         timings.restore_storage_bytes = sum(e.get("storage_bytes", 0) for e in restores)
-    restored = max((e["t"] for e in restores), default=started)
-    restored_step = min((e["step"] for e in restores), default=None)
+    if not any(e["event"] == "step_end" for e in record.events):  # the engine's events only
+        if restores:
+            timings.restore_s = max(max(e["t"] for e in restores) - started, 0.0)
+            timings.restored_step = min(e["step"] for e in restores)
+        timings.unmeasured = ("recompute, recovery and lost steps: the script reported no "
+                              "step (it does not call antifragile.probe.step_end)")
+        return
+    stepped = _by_attempt(record.events, nxt, "step_end")
+    restored: float | None = max((e["t"] for e in restores), default=started)
+    restored_step: int | None = min((e["step"] for e in restores), default=None)
+    if not restores and stepped:  # no checkpoint to restore (step 0), or one it did not report
+        restored_step = min(e["step"] for e in stepped) - 1
+        if restored_step > 0:
+            restored = None
+            timings.unmeasured = ("restore and recompute apart: the script reported no "
+                                  "restore (load through CheckpointEngine or probe.dcp_load, or "
+                                  "call probe.restored); recovery is measured end to end")
     injected = max((e["step"] for e in done), default=timings.injected_step or 0)
-    caught_up = [e["t"] for e in _by_attempt(record.events, nxt, "step_end")
-                 if e["step"] >= injected]
-    timings.detect_s = max(torn_down - injection.t, 0.0)
-    timings.restart_s = max(started - torn_down, 0.0)
+    caught_up = [e["t"] for e in stepped if e["step"] >= injected]
     if not caught_up and later:  # a later fault cut this recovery short
         timings.interrupted_by_t = min(later)
     if restored_step is None:
         return  # never restored (the job did not come back, or a later fault hit first)
-    timings.restore_s = max(restored - started, 0.0)
     timings.restored_step = restored_step
     timings.lost_steps = max(injected - restored_step, 0)
     if restored_step >= injected:  # restored at or past the fault's step: nothing to redo
-        caught_up = [restored]
+        caught_up = [restored if restored is not None else started]
+    if restored is None:
+        if caught_up:
+            timings.recovery_s = max(min(caught_up) - injection.t, 0.0)
+        return
+    timings.restore_s = max(restored - started, 0.0)
     if caught_up:
         timings.recompute_s = max(min(caught_up) - restored, 0.0)
         timings.recovery_s = (timings.detect_s + timings.restart_s + timings.restore_s
@@ -433,9 +470,10 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
     return sorted(out.values(), key=lambda c: (c["attempt"], c["step"]))
 
 
-def goodput(record: RunRecord) -> float:
+def goodput(record: RunRecord) -> float | None:
     """Time of the steps that count (each step's final execution, slowest rank) / wall time,
-    the time chaos held the trainer at pause points left out (a test artifact, not the job's)."""
+    the time chaos held the trainer at pause points left out (a test artifact, not the job's).
+    None when the trainer reported no step (a script without the probe)."""
     final: dict[int, tuple[int, float]] = {}
     for e in record.events:
         if e["event"] == "step_end":
@@ -444,6 +482,8 @@ def goodput(record: RunRecord) -> float:
                 final[e["step"]] = (e["attempt"], e["seconds"])
             elif e["attempt"] == attempt:
                 final[e["step"]] = (attempt, max(seconds, e["seconds"]))
+    if not final:
+        return None
     useful = sum(s for _, s in final.values())
     wall = record.wall_s - record.paused_s
     return useful / wall if wall > 0 else 0.0
@@ -452,6 +492,24 @@ def goodput(record: RunRecord) -> float:
 def losses(record: RunRecord) -> list[dict[str, Any]]:
     return [{"step": e["step"], "attempt": e["attempt"], "loss": e["loss"], "t": e["t"]}
             for e in record.events if e["event"] == "step_end" and e["loss"] is not None]
+
+
+def not_measured(record: RunRecord, timings: list[FaultTimings]) -> list[str]:
+    """What this run's events cannot tell, each with why; empty when the trainer reported
+    everything (the built-in trainer always does). Said, never estimated."""
+    seen = {e["event"] for e in record.events}
+    out = []
+    if "step_end" not in seen:
+        out.append("step times, losses and goodput: the script reported no step (call "
+                   "antifragile.probe.step_end)")
+    if "start" not in seen and "worker_started" in seen:
+        out.append("where the script was when a fault hit: it never called antifragile.probe, "
+                   "so faults were aimed at the processes torchrun started (found in /proc)")
+    if not seen & {"ckpt_staged", "ckpt_committed", "ckpt_failed"}:
+        out.append("checkpoint stall, persist time and size: no checkpoint events (checkpoint "
+                   "through antifragile.engine.CheckpointEngine, or probe.dcp_save)")
+    out += sorted({f"{t.kind}: {t.unmeasured}" for t in timings if t.unmeasured})
+    return out
 
 
 def as_dicts(timings: list[FaultTimings]) -> list[dict[str, Any]]:

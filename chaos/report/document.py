@@ -55,7 +55,8 @@ def timeline(record: RunRecord) -> dict[str, Any]:
             "steps": 0, "checkpoints": [], "hang_detected_s": None, "exit_s": None,
             "exit_code": None})
         t, kind = _rel(e["t"], t0), e["event"]
-        if kind == "start":
+        # a command's rank seen in /proc (worker_started) until it reports its own start
+        if kind == "start" or (kind == "worker_started" and w["start_s"] is None):
             w["start_s"], w["pid"] = t, e.get("pid")
         elif kind == "restore_begin":
             w["restore_begin_s"] = t
@@ -161,6 +162,12 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
               f"attempts {run['attempts']}, final step {run['final_step']}",
               f"- bitwise equal to the fault-free reference: {_fmt(v['bitwise_equal'])}"]
     lines += [f"- {reason}" for reason in v["reasons"]]
+    if report.get("differing_entries"):
+        lines += ["", "Entries that differ from the reference: "
+                  + ", ".join(f"`{k}`" for k in report["differing_entries"])]
+    if report.get("not_measured"):
+        lines += ["", "## Not measured", ""]
+        lines += [f"- {what}" for what in report["not_measured"]]
     lines += ["", "## Faults", "",
               "| kind | step | rank | effect seen | mode | detect s | re-form s | restore s | "
               "recompute s | recovery s | restored step | lost steps | note |",
@@ -303,10 +310,18 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
         ["wall time s", wall], ["goodput (time of steps that count / wall)",
                                 None if goodput is None else f"{goodput:.1%}"],
         ["attempts", run.get("attempts")],
-        ["final step", f"{run.get('final_step')} of {s['trainer']['steps']}"],
+        ["final step", f"{run.get('final_step')} of "
+                       f"{s['trainer'].get('steps', run.get('expected_step'))}"],
         ["trainer exit code", run.get("returncode")],
         ["checkpoint url", run.get("checkpoint_url")],
         ["reference url", run.get("reference_url")]])]
+    if report.get("differing_entries"):
+        parts += ["<h2>Entries that differ from the reference</h2>",
+                  "<p>" + ", ".join(f"<code>{html.escape(k)}</code>"
+                                    for k in report["differing_entries"]) + "</p>"]
+    if report.get("not_measured"):
+        parts += ["<h2>Not measured</h2>", "<ul>" + "".join(
+            f"<li>{html.escape(what)}</li>" for what in report["not_measured"]) + "</ul>"]
     t0 = (report.get("timeline") or {}).get("started_t")
     faults = report.get("faults") or []
     parts.append("<h2>Faults</h2>")

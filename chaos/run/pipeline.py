@@ -20,7 +20,7 @@ from antifragile.chaos.report import document as report
 from antifragile.chaos.report import plots
 from antifragile.chaos.run.runner import run_scenario
 from antifragile.chaos.run.status import RunStatus
-from antifragile.chaos.scenario import Scenario
+from antifragile.chaos.scenario import CommandSpec, Scenario
 
 
 @dataclass(slots=True)
@@ -41,14 +41,18 @@ class Outcome:
 def _reference_key(s: Scenario) -> str:
     """Only what determines the final state (faults, expectations, recovery and detection
     settings do not), and the checkpoint format it is stored in (a cached reference of an
-    older format could not be read)."""
+    older format could not be read). A command trainer's key also holds the content of every
+    file its command names (an edited script is a new reference)."""
     from antifragile.engine._paths import FORMAT_VERSION
 
     trainer = s.trainer.model_dump(exclude={"recovery", "spares", "hang_timeout_s",
                                             "collective_timeout_s"})
-    config = {"trainer": trainer, "seed": s.seed, "format": FORMAT_VERSION,
-              "checkpoint": {"every_steps": s.checkpoint.every_steps,
-                             "engine": s.checkpoint.engine}}
+    config: dict[str, Any] = {"trainer": trainer, "seed": s.seed, "format": FORMAT_VERSION,
+                              "checkpoint": {"every_steps": s.checkpoint.every_steps,
+                                             "engine": s.checkpoint.engine}}
+    if isinstance(s.trainer, CommandSpec):
+        config["files"] = {arg: hashlib.sha256(Path(arg).read_bytes()).hexdigest()
+                           for arg in s.trainer.command if os.path.isfile(arg)}
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -71,6 +75,12 @@ def _ensure_reference(s: Scenario, progress: Callable[[str], None]) -> str:
     if record.returncode != 0:
         raise RuntimeError(f"the fault-free reference run failed (code {record.returncode}); "
                            f"see {folder / 'torchrun.log'}")
+    if s.is_command and checker.newest_committed(s.checkpoint.engine, str(folder / "ckpt")) \
+            is None:
+        raise RuntimeError(f"the fault-free reference run left no committed "
+                           f"{s.checkpoint.engine} checkpoint at {folder / 'ckpt'} (the script "
+                           f"must checkpoint to $ANTIFRAGILE_CKPT_URL); see "
+                           f"{folder / 'torchrun.log'}")
     done.write_text(json.dumps({"scenario": s.name, "finished": time.time()}))
     return str(folder / "ckpt")
 
@@ -80,24 +90,54 @@ def _final_step(record: RunRecord) -> int | None:
     return max(steps) if steps else None
 
 
-def run(s: Scenario, out: Path, *, reference: bool = True,
+def run(s: Scenario, out: Path, *, reference: bool = True, check_determinism: bool = False,
         progress: Callable[[str], None] = print,
         status: Callable[[RunStatus], None] | None = None) -> Outcome:
     """The whole ``chaos run``: reference, faulty run, measurements, verdict, report files.
-    ``progress`` gets notes (one line each); ``status`` the step-by-step state, if given."""
+    ``progress`` gets notes (one line each); ``status`` the step-by-step state, if given.
+    ``check_determinism``: a second fault-free run is compared with the reference first."""
+    if check_determinism and not reference:
+        raise ValueError("check_determinism compares a second fault-free run with the "
+                         "reference run: it needs reference=True")
     out.mkdir(parents=True, exist_ok=True)
-    for previous in (out / "run", out / "ckpt"):  # a previous run in this folder: not resumed
+    for previous in (out / "run", out / "ckpt", out / "determinism"):  # not resumed
         if previous.exists():
             shutil.rmtree(previous)
     with run_storage(s, out, progress) as storage:  # S3 (and its fault proxy) for the whole run
-        return _run(s, out, storage, reference=reference, progress=progress, status=status)
+        return _run(s, out, storage, reference=reference, check_determinism=check_determinism,
+                    progress=progress, status=status)
+
+
+def _determinism(s: Scenario, out: Path, reference_url: str,
+                 progress: Callable[[str], None]) -> checker.Comparison:
+    """A second fault-free run, compared with the reference bit for bit."""
+    progress("determinism: a second fault-free run")
+    folder = out / "determinism"
+    record = run_scenario(s, folder, str(folder / "ckpt"), faults=False)
+    if record.returncode != 0:
+        return checker.Comparison(error=f"the second fault-free run failed (code "
+                                        f"{record.returncode}); see {folder / 'torchrun.log'}")
+    step = None if s.is_command else s.trainer.steps  # type: ignore[union-attr]
+    comparison = checker.determinism(s.checkpoint.engine, reference_url, str(folder / "ckpt"),
+                                     step)
+    found = comparison.error or comparison.differs
+    progress("determinism: " + ("the two fault-free runs are bitwise equal" if comparison.equal
+                                else f"NOT deterministic: {found}"))
+    return comparison
 
 
 def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
-         progress: Callable[[str], None],
+         check_determinism: bool, progress: Callable[[str], None],
          status: Callable[[RunStatus], None] | None) -> Outcome:
     ckpt_url = storage.url
+    engine = s.checkpoint.engine
     reference_url = _ensure_reference(s, progress) if reference else None
+    determinism = (_determinism(s, out, reference_url, progress)
+                   if check_determinism and reference_url else None)
+    # the step the run must end at: the built-in trainer's last, or the reference script's
+    # newest committed checkpoint (None: no reference, a command trainer)
+    expected_step = (s.trainer.steps if not isinstance(s.trainer, CommandSpec) else
+                     checker.newest_committed(engine, reference_url) if reference_url else None)
 
     recovered: set[int] = set()  # attempts that restored a checkpoint after a failure
     first_step: dict[int, tuple[float, int]] = {}  # attempt -> (time, step) of its first step
@@ -106,11 +146,12 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
         if e["event"] == "step_end" and e["rank"] == 0:
             t0, step0 = first_step.setdefault(e["attempt"], (e["t"], e["step"]))
             rate = (e["step"] - step0) / (e["t"] - t0) if e["t"] > t0 else 0.0
+            total = max(expected_step or 0, e["step"])
             if status is not None:
-                status(RunStatus(name=s.name, step=e["step"], total_steps=s.trainer.steps,
+                status(RunStatus(name=s.name, step=e["step"], total_steps=total,
                                  attempt=e["attempt"], faults_injected=len(injections),
                                  recoveries=len(recovered),
-                                 eta_s=(s.trainer.steps - e["step"]) / rate if rate else None))
+                                 eta_s=(total - e["step"]) / rate if rate else None))
         elif e["event"] == "restore_end" and e["rank"] == 0:
             recovered.add(e["attempt"])
             progress(f"attempt {e['attempt']}: restored step {e['step']} in "
@@ -121,7 +162,7 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
         elif e["event"] == "recovery_begin" and e["rank"] == 0:
             progress(f"attempt {e['attempt']}: failed, re-forming in process")
 
-    progress(f"run: {s.name} ({s.trainer.parallel.world_size} ranks, {len(s.faults)} faults)")
+    progress(f"run: {s.name} ({s.trainer.world_size} ranks, {len(s.faults)} faults)")
     record = run_scenario(s, out / "run", ckpt_url, on_event=on_event, storage=storage)
     window_s = measure.detection_window_s(s)
     timings = [measure.fault_timings(record, i, window_s=window_s) for i in record.injections]
@@ -129,19 +170,30 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
     # commit); checked now, while the run's S3 (a local cluster) still exists.
     committed = checker.verify_committed(ckpt_url) if any(
         i.kind in measure.STORAGE_FAULTS and not i.skipped for i in record.injections) else None
+    if s.is_command:  # the final state is the newest committed checkpoint
+        final_step = checker.newest_committed(engine, ckpt_url)
+        final_committed = final_step is not None
+    else:
+        final_step = _final_step(record)
+        final_committed = checker.final_committed(engine, ckpt_url, s.trainer.steps)
     verdict = checker.judge(s, returncode=record.returncode, timings=timings,
-                            final_step=_final_step(record), faulty_url=ckpt_url,
-                            reference_url=reference_url,
-                            final_committed=checker.final_committed(
-                                s.checkpoint.engine, ckpt_url, s.trainer.steps),
-                            committed=committed)
+                            final_step=final_step, faulty_url=ckpt_url,
+                            reference_url=reference_url, final_committed=final_committed,
+                            committed=committed, expected_step=expected_step,
+                            determinism=determinism)
     doc = {
         "scenario": s.model_dump(by_alias=True, mode="json"),
         "environment": report.environment(),
         "run": {"wall_s": record.wall_s, "goodput": measure.goodput(record),
                 "attempts": 1 + max((e["attempt"] for e in record.events), default=0),
-                "final_step": _final_step(record), "returncode": record.returncode,
+                "final_step": final_step, "expected_step": expected_step,
+                "returncode": record.returncode,
                 "checkpoint_url": ckpt_url, "reference_url": reference_url},
+        "not_measured": measure.not_measured(record, timings),
+        "differing_entries": verdict.differs,
+        "determinism": None if determinism is None else {
+            "deterministic": determinism.equal, "error": determinism.error,
+            "differing_entries": determinism.differs},
         "faults": measure.as_dicts(timings),
         "checkpoints": measure.checkpoints(record),
         "committed_verified": None if committed is None

@@ -24,13 +24,14 @@ from antifragile.chaos.infra.netns import NetnsUnavailable, Network
 from antifragile.chaos.infra.proxy import FaultProxy
 from antifragile.chaos.infra.s3 import ENDPOINT_VARS, RunStorage
 from antifragile.chaos.observe.record import EventTail, RunRecord
+from antifragile.chaos.run.workers import WorkerWatch
 from antifragile.chaos.scenario import Scenario
 
 
 @dataclass(slots=True)
 class _Pending:
     fault: FaultBase
-    next_t: float | None = None  # for mtbf arrivals
+    next_t: float | None = None  # for mtbf arrivals and at_s
 
 
 def _alive(pid: int) -> bool:
@@ -46,6 +47,8 @@ def _alive(pid: int) -> bool:
 
 
 def _coordinates(s: Scenario) -> dict[int, tuple[int, int, int]]:
+    if s.is_command:  # a script's ranks have no mesh chaos knows of
+        return {}
     p = s.trainer.parallel
     return {r: (r // (p.pp * p.tp), (r // p.tp) % p.pp, r % p.tp)
             for r in range(p.world_size)}
@@ -61,7 +64,11 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
 
     Step- and checkpoint-triggered faults land through pause points (``trainer.pause``): the
     trainer holds where the fault is due, the runner injects, then releases it. Random
-    (``mtbf_s``) arrivals are injected when they fall due, wherever the trainer is."""
+    (``mtbf_s``) arrivals and ``at_s`` faults are injected when they fall due, wherever the
+    trainer is, once every rank of the current attempt is up.
+
+    A command trainer's ranks are also found from outside (``workers.WorkerWatch``), so
+    time-based faults reach a script that never calls the probe."""
     rng = random.Random(s.seed)
     pending = [_Pending(f) for f in (s.faults if faults else [])]
     max_restarts = 2 * len(pending) + (50 if any(p.fault.mtbf_s for p in pending) else 0)
@@ -71,12 +78,16 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     for p in pending:
         if p.fault.mtbf_s:
             p.next_t = started + rng.expovariate(1 / p.fault.mtbf_s)
+        elif p.fault.at_s is not None:
+            p.next_t = started + p.fault.at_s
     hosts = _Hosts.open(s.trainer.nodes)
     relay: FaultProxy | None = None
     agents = _Agents([])
     tail = EventTail(run_dir)
+    watch: WorkerWatch | None = None
+    observed: list[dict[str, Any]] = []  # worker_started, seen by chaos in /proc
     injections: list[Injection] = []
-    job = _Job(s.trainer.parallel.world_size)
+    job = _Job(s.trainer.world_size)
     try:
         env = storage.trainer_env if storage else None
         if hosts.network is not None and env and storage and storage.endpoint:
@@ -87,9 +98,14 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
         agents.procs = (launch_hosts(s, run_dir, ckpt_url, max_restarts=max_restarts,
                                      network=hosts.network, env=env) if hosts.network
                         else [launch(s, run_dir, ckpt_url, max_restarts=max_restarts, env=env)])
+        if s.is_command:
+            watch = WorkerWatch(agents.procs[0].pid)
         while agents.running():
             if time.time() - started > timeout_s:
                 raise TimeoutError(f"scenario {s.name} ran past {timeout_s:.0f} s")
+            for e in watch.poll() if watch else []:
+                observed.append(e)
+                job.see(e)
             for e in tail.poll():
                 job.see(e)
                 if on_event:
@@ -111,12 +127,17 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                     # last step has nothing to hit: it is drawn again rather than fired at
                     # dead pids.
                     pids = job.current_pids()
-                    if (len(pids) == s.trainer.parallel.world_size
-                            and job.step < s.trainer.steps
-                            and all(_alive(pid) for pid in pids.values())):
+                    up = (len(pids) == s.trainer.world_size
+                          and (s.is_command or job.step < s.trainer.steps)
+                          and all(_alive(pid) for pid in pids.values()))
+                    if up:
                         injections.append(p.fault.inject(  # type: ignore[attr-defined]
-                            _target(s, pids, ckpt_url, rng, storage, hosts), job.step))
-                    p.next_t = now + rng.expovariate(1 / p.fault.mtbf_s)  # type: ignore[operator]
+                            _target(s, pids, ckpt_url, rng, storage, hosts),
+                            job.step or (None if s.is_command else 0)))
+                    if p.fault.mtbf_s:
+                        p.next_t = now + rng.expovariate(1 / p.fault.mtbf_s)
+                    elif up:  # at_s: once, at the first moment the job is up after it
+                        p.next_t = None
             job.check_ends(time.time())
             time.sleep(0.02)
     finally:
@@ -130,7 +151,8 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     ended = time.time()
     for generation in job.generations:
         job.ends.setdefault(generation, ended)
-    return RunRecord(agents.returncode, started, ended, tail.events, injections, job.ends,
+    events = sorted(tail.events + observed, key=lambda e: e["t"]) if observed else tail.events
+    return RunRecord(agents.returncode, started, ended, events, injections, job.ends,
                      paused_s=job.paused_s)
 
 
@@ -178,7 +200,7 @@ def _pause_plan(s: Scenario, pending: list[_Pending], rng: random.Random) -> dic
         if phase is not None:  # a save phase holds only the rank the fault hits
             rank = getattr(f, "rank", 0)
             if rank == "random":
-                rank = rng.randrange(s.trainer.parallel.world_size)
+                rank = rng.randrange(s.trainer.world_size)
             elif not isinstance(rank, int):
                 rank = next(r for r, c in coordinates.items()
                             if c == (rank.dp, rank.pp, rank.tp))
@@ -224,6 +246,8 @@ class _Job:
         g = e["attempt"]
         if e["event"] == "start":
             self.generations.setdefault(g, {})[e["rank"]] = e["pid"]
+        elif e["event"] == "worker_started":  # a command's rank, found in /proc
+            self.generations.setdefault(g, {}).setdefault(e["rank"], e["pid"])
         elif e["event"] in ("generation_end", "exit", "rank_died"):
             self.left.setdefault(g, set()).add(e["rank"])
             if e["event"] == "generation_end" and self.ended(g):

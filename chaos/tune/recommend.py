@@ -58,6 +58,10 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
             raise TuneError(f"{', '.join(given)}: these are measured when a scenario is "
                                   "given; drop them, or drop the scenario for model-only mode")
         s = load_scenario(scenario)
+        if s.is_command:
+            raise TuneError(f"{scenario}: chaos tune varies the built-in trainer's steps and "
+                            "checkpoint interval; a command trainer decides its own (measure "
+                            "it with chaos run, then tune with --ckpt-cost-s and --mtbf-s)")
         source = "--mtbf-s"
         from_scenario = mtbf_s is None and scenario_mtbf_s(s) is not None
         if from_scenario:

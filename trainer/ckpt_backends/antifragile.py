@@ -19,8 +19,10 @@ class AntifragileBackend:
     def __init__(self, url: str, *, keep_last: int, timeout_s: float, async_: bool,
                  keep_in_memory: bool = False,
                  on_phase: Callable[[int, str], None] | None = None) -> None:
+        # the trainer reports checkpoint events itself (trainer.checkpoint): none from the engine
         self.engine = CheckpointEngine(url, keep_last=keep_last, commit_timeout_s=timeout_s,
-                                       keep_in_memory=keep_in_memory, on_phase=on_phase)
+                                       keep_in_memory=keep_in_memory, on_phase=on_phase,
+                                       chaos_events=False)
 
     def candidates(self) -> list[int]:
         latest = self.engine.latest_step()

@@ -1,0 +1,138 @@
+"""What a training script tells ``chaos run``, and nothing at all otherwise.
+
+::
+
+    from antifragile import probe
+
+    step = ckpt.load(state) if ckpt.latest_step() is not None else 0  # the engine reports it
+    for step in range(step + 1, steps + 1):
+        loss = train_step()
+        probe.step_end(step, loss)          # step times, losses, lost steps; pause points
+        ...
+
+Under chaos (``chaos run`` sets ``ANTIFRAGILE_RUN_DIR``) each call appends a JSON line to
+``<run_dir>/events/rank<RANK>.jsonl``; the first line a process writes is ``start`` (pid,
+world size, torchrun's restart count as ``attempt``). ``step_end`` also holds the rank where
+the scenario's plan says (``trainer.pause``: how ``at_step`` faults land exactly), until chaos
+releases it. :class:`antifragile.engine.CheckpointEngine` reports its saves and restores by
+itself; a script checkpointing with ``torch.distributed.checkpoint`` uses :func:`dcp_save` and
+:func:`dcp_load` instead of ``dcp.save`` / ``dcp.load``.
+
+Not under chaos every function returns at once (the DCP helpers just save or load): no file
+is opened, no thread started, nothing imported; importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from antifragile.engine._events import Channel
+    from antifragile.trainer.pause import PausePoints
+
+__all__ = ["dcp_load", "dcp_save", "restored", "step_end"]
+
+RUN_DIR_ENV = "ANTIFRAGILE_RUN_DIR"
+
+
+class _Probe:
+    def __init__(self, channel: Channel, pauses: PausePoints) -> None:
+        self.channel = channel
+        self.pauses = pauses
+
+
+_probe: _Probe | None = None
+
+
+def _active() -> _Probe | None:
+    """The probe under chaos, built on first use; None (and nothing done) otherwise."""
+    global _probe
+    if _probe is not None:
+        return _probe
+    if not os.environ.get(RUN_DIR_ENV):
+        return None
+    from antifragile.engine._events import channel
+    from antifragile.trainer.pause import PausePoints
+
+    ch = channel()
+    if ch is None:
+        return None
+    _probe = _Probe(ch, PausePoints(ch.run_dir, ch.rank, ch.emit))
+    return _probe
+
+
+def step_end(step: int, loss: Any = None) -> None:
+    """Step ``step`` is done (its optimizer step taken). ``loss``: a float or a one-element
+    tensor (read with ``float()``), or None. The step's time is measured from the previous
+    thing the training thread reported (the last step, a checkpoint's staging, a restore),
+    so checkpoint stalls and pauses are not counted as step time. Holds here if the scenario
+    pauses this rank at this step."""
+    p = _active()
+    if p is None:
+        return
+    now = time.time()
+    p.channel.emit("step_end", step=int(step), loss=None if loss is None else float(loss),
+                   seconds=now - p.channel.loop_t)
+    p.pauses.step_end(int(step))
+
+
+def restored(step: int) -> None:
+    """The script resumed from its checkpoint of ``step``. Needed only when it does not load
+    through :class:`~antifragile.engine.CheckpointEngine` or :func:`dcp_load` (which report
+    the restore themselves; then this call adds nothing). Its time is counted from the
+    process's first report."""
+    p = _active()
+    if p is None or p.channel.restored_step is not None:
+        return
+    p.channel.emit("restore_end", step=int(step), seconds=time.time() - p.channel.started_t)
+
+
+def dcp_save(state: dict[str, Any], checkpoint_id: str | os.PathLike[str], step: int,
+             **kwargs: Any) -> Any:
+    """``torch.distributed.checkpoint.save(state, checkpoint_id=..., **kwargs)``, reported
+    to chaos as the save of ``step`` (a synchronous save: its whole time is stall). Returns
+    what ``dcp.save`` returns; its errors are reported (``ckpt_failed``) and raised."""
+    import torch.distributed.checkpoint as dcp
+
+    p = _active()
+    if p is None:
+        return dcp.save(state, checkpoint_id=checkpoint_id, **kwargs)
+    t0 = time.perf_counter()
+    try:
+        metadata = dcp.save(state, checkpoint_id=checkpoint_id, **kwargs)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        p.channel.emit("ckpt_failed", step=int(step), error=f"{type(exc).__name__}: {exc}")
+        raise
+    seconds = time.perf_counter() - t0
+    sizes = [i.length for i in (getattr(metadata, "storage_data", None) or {}).values()]
+    mine = [i.length for i in (getattr(metadata, "storage_data", None) or {}).values()
+            if i.relative_path.startswith(f"__{p.channel.rank}_")]
+    p.channel.emit("ckpt_staged", step=int(step), stall_s=seconds)
+    p.channel.emit("ckpt_committed", step=int(step), bytes=sum(sizes), rank_bytes=sum(mine),
+                   persist_s=seconds)
+    return metadata
+
+
+def dcp_load(state: dict[str, Any], checkpoint_id: str | os.PathLike[str], step: int,
+             **kwargs: Any) -> None:
+    """``torch.distributed.checkpoint.load(state, checkpoint_id=..., **kwargs)``, reported
+    to chaos as the restore of ``step``. A failure is reported as that step skipped
+    (``restore_skipped``) and raised: the script then tries an older step, as DCP users do."""
+    import torch.distributed.checkpoint as dcp
+
+    p = _active()
+    if p is None:
+        dcp.load(state, checkpoint_id=checkpoint_id, **kwargs)
+        return
+    p.channel.emit("restore_begin")
+    t0 = time.perf_counter()
+    try:
+        dcp.load(state, checkpoint_id=checkpoint_id, **kwargs)
+    except BaseException as exc:
+        p.channel.emit("restore_skipped", step=int(step),
+                       reason=f"checkpoint step {step} skipped: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}")
+        raise
+    p.channel.emit("restore_end", step=int(step), seconds=time.perf_counter() - t0)

@@ -1,0 +1,85 @@
+"""A command trainer's worker processes, found from outside the job.
+
+A script that never calls ``antifragile.probe`` reports no pids, yet time-based faults must
+reach its ranks. torchrun (``--no-python``) starts each rank as a direct child of its agent,
+with ``RANK`` and ``TORCHELASTIC_RESTART_COUNT`` in the environment: reading ``/proc`` gives
+every attempt's ranks, their pids and when each process started. Grandchildren (data-loader
+workers, which inherit ``RANK``) are not ranks and are left out.
+
+What this finds is recorded as ``worker_started`` events (``by: chaos``) beside the script's
+own: the moment a process started, observed, never a claim about the script's progress.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _boot_time() -> float:
+    with open("/proc/stat", encoding="ascii") as f:
+        return float(next(line.split()[1] for line in f if line.startswith("btime")))
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, start time in seconds since boot) of ``pid``, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), int(fields[19]) / _CLK_TCK
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def children(pid: int) -> dict[int, float]:
+    """``pid``'s live child processes and their start times (unix seconds)."""
+    boot = _boot_time()
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _stat(int(name))
+            if stat is not None and stat[0] == pid:
+                out[int(name)] = boot + stat[1]
+    return out
+
+
+class WorkerWatch:
+    """Polls one torchrun agent's children; :meth:`poll` returns a ``worker_started`` event
+    for each rank process seen for the first time."""
+
+    def __init__(self, agent_pid: int, *, every_s: float = 0.25) -> None:
+        self.agent_pid = agent_pid
+        self.every_s = every_s
+        self._seen: set[int] = set()
+        self._next_t = 0.0
+
+    def poll(self, *, force: bool = False) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        if not force and now < self._next_t:
+            return []
+        self._next_t = now + self.every_s
+        found = []
+        for pid, started_t in sorted(children(self.agent_pid).items()):
+            if pid in self._seen:
+                continue
+            env = _environ(pid)  # before its exec, a child still shows the agent's
+            if "RANK" not in env or "TORCHELASTIC_RESTART_COUNT" not in env:
+                continue
+            self._seen.add(pid)
+            found.append({"t": started_t, "rank": int(env["RANK"]),
+                          "attempt": int(env["TORCHELASTIC_RESTART_COUNT"]),
+                          "event": "worker_started", "pid": pid, "by": "chaos"})
+        return found

@@ -1,0 +1,128 @@
+"""Checkpoint events for ``chaos run``, written by the engine itself when a run is under chaos.
+
+A training script that ``chaos run`` launches (``trainer: {command: [...]}``) finds
+``ANTIFRAGILE_RUN_DIR`` in its environment. Then every :class:`CheckpointEngine` of the process
+appends its checkpoint events to ``<run_dir>/events/rank<RANK>.jsonl``, the same lines the
+built-in trainer writes (``trainer/events.py``)::
+
+    ckpt_staged     step, stall_s            the state may be mutated again
+    ckpt_blocked    step, seconds            a blocking save waited this long for its commit
+    ckpt_committed  step, bytes, rank_bytes, persist_s
+    ckpt_failed     step, error
+    restore_begin
+    restore_skipped step, reason             a damaged step passed over by load(step=None)
+    restore_end     step, seconds
+
+The first line a process writes is ``start`` (pid, world_size; ``attempt`` is torchrun's
+restart count), whoever writes first: the engine or ``antifragile.probe``, which shares this
+process-wide :func:`channel`.
+
+No duplicates: a trainer that reports these events itself (ours does) builds its engine with
+``CheckpointEngine(..., chaos_events=False)``. Not under chaos (no ``ANTIFRAGILE_RUN_DIR``)
+nothing is opened or written. Events are best effort: a failed write never fails a save.
+
+Standard library only: ``antifragile.probe`` uses this module too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any, TextIO
+
+RUN_DIR_ENV = "ANTIFRAGILE_RUN_DIR"
+
+
+class Channel:
+    """One process's event file under chaos. Thread-safe (background saves emit too).
+
+    ``loop_t`` is when the training (main) thread last emitted: ``probe.step_end`` measures a
+    step from there, so a checkpoint stall or a pause is not counted as step time."""
+
+    def __init__(self, run_dir: str, *, rank: int, world_size: int, attempt: int) -> None:
+        self.run_dir = run_dir
+        self.rank = rank
+        self.world_size = world_size
+        self.attempt = attempt
+        self.restored_step: int | None = None  # a restore_end this process reported
+        self._lock = threading.Lock()
+        folder = os.path.join(run_dir, "events")
+        os.makedirs(folder, exist_ok=True)
+        self._file: TextIO = open(  # noqa: SIM115 - open for the life of the process
+            os.path.join(folder, f"rank{rank}.jsonl"), "a", buffering=1, encoding="utf-8")
+        self.started_t = time.time()
+        self.loop_t = self.started_t
+        self.emit("start", pid=os.getpid(), world_size=world_size)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        now = time.time()
+        line = json.dumps({"t": now, "rank": self.rank, "attempt": self.attempt,
+                           "event": event, **fields}, allow_nan=True, default=str)
+        with self._lock:
+            try:
+                self._file.write(line + "\n")
+            except (OSError, ValueError):  # disk full, closed at exit: the run goes on
+                return
+            if event == "restore_end":
+                self.restored_step = fields.get("step")
+            if threading.current_thread() is threading.main_thread():
+                self.loop_t = now
+
+
+_channel: Channel | None = None
+_lock = threading.Lock()
+
+
+def channel() -> Channel | None:
+    """This process's channel, opened on first use; None when not under chaos."""
+    global _channel
+    if _channel is not None:
+        return _channel
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return None
+    with _lock:
+        if _channel is None:
+            env = os.environ
+            _channel = Channel(run_dir, rank=int(env.get("RANK", "0")),
+                               world_size=int(env.get("WORLD_SIZE", "1")),
+                               attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    return _channel
+
+
+class EngineEvents:
+    """What one engine reports; every method does nothing when off (``chaos_events=False``)
+    or not under chaos. Called from ``engine.py`` at the points its docstring lists."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        ch = channel() if self._enabled else None
+        if ch is not None:
+            ch.emit(event, **fields)
+
+    def staged(self, step: int, stall_s: float) -> None:
+        self._emit("ckpt_staged", step=step, stall_s=stall_s)
+
+    def blocked(self, step: int, since: float) -> None:
+        self._emit("ckpt_blocked", step=step, seconds=time.perf_counter() - since)
+
+    def committed(self, step: int, nbytes: int, rank_nbytes: int, persist_s: float) -> None:
+        self._emit("ckpt_committed", step=step, bytes=nbytes or rank_nbytes,
+                   rank_bytes=rank_nbytes, persist_s=persist_s)
+
+    def failed(self, step: int, error: BaseException | str) -> None:
+        self._emit("ckpt_failed", step=step, error=str(error))
+
+    def restore_begin(self) -> float:
+        self._emit("restore_begin")
+        return time.perf_counter()
+
+    def restore_skipped(self, step: int, reason: BaseException | str) -> None:
+        self._emit("restore_skipped", step=step, reason=str(reason))
+
+    def restore_end(self, step: int, since: float) -> None:
+        self._emit("restore_end", step=step, seconds=time.perf_counter() - since)

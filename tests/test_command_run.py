@@ -1,0 +1,113 @@
+"""``chaos run`` on a user's own script (tests/_user_script.py) under torchrun: faults from
+outside, recovery measured from the probe's and the engine's events, the verdict on the newest
+committed checkpoints, and the verdicts a misbehaving script earns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from antifragile.chaos.cli import main
+from antifragile.chaos.run.pipeline import run
+from antifragile.chaos.scenario import parse_scenario
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPT = str(Path(__file__).with_name("_user_script.py"))
+
+
+@pytest.fixture
+def cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path_factory.mktemp("reference-cache")
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(folder))
+    return folder
+
+
+def _scenario(name: str, args: list[str], faults: list[dict[str, Any]], *, probe: bool = True,
+              **expect: Any) -> dict[str, Any]:
+    return {"name": name, "seed": 3,
+            "trainer": {"command": ["python", SCRIPT, *args], "nproc_per_node": 2,
+                        "probe": probe},
+            "faults": faults, "expect": {"bitwise_equal_to_reference": True, **expect}}
+
+
+def test_a_killed_script_resumes_and_ends_bitwise_equal(tmp_path: Path, cache: Path) -> None:
+    doc = _scenario("mine-kill", ["--steps", "20", "--every", "4"],
+                    [{"kind": "kill_rank", "rank": 1, "at_step": 10}], max_lost_steps=4)
+    outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
+    report = outcome.report
+    assert report["verdict"] == {"verdict": "pass", "reasons": [], "bitwise_equal": True}
+    (fault,) = report["faults"]
+    # held at the end of step 10 by the probe's pause point, killed there
+    assert fault["injected_step"] == 10 and fault["restored_step"] == 8
+    assert fault["lost_steps"] == 2 and fault["unmeasured"] is None
+    assert fault["recovery_s"] == pytest.approx(sum(fault[k] for k in (
+        "detect_s", "restart_s", "restore_s", "recompute_s")))
+    assert report["run"]["final_step"] == report["run"]["expected_step"] == 20
+    assert report["not_measured"] == [] and 0 < report["run"]["goodput"] < 1
+    assert {c["step"] for c in report["checkpoints"] if c["committed"]} >= {4, 8, 20}
+    events = [json.loads(line) for path in (tmp_path / "out" / "run" / "events").glob("*.jsonl")
+              for line in path.read_text().splitlines()]
+    starts = [e for e in events if e["event"] == "start"]
+    assert {(e["attempt"], e["rank"]) for e in starts} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
+def test_a_script_that_forgets_its_optimizer_fails_naming_what_differs(
+        tmp_path: Path, cache: Path) -> None:
+    doc = _scenario("mine-forgets", ["--steps", "16", "--every", "4", "--forget-optimizer"],
+                    [{"kind": "kill_rank", "rank": 0, "at_step": 10}])
+    outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
+    v = outcome.report["verdict"]
+    assert v["verdict"] == "fail" and v["bitwise_equal"] is False
+    differing = outcome.report["differing_entries"]
+    assert "model/weight" in differing
+    assert any(k.startswith("optim/state.weight.momentum_buffer") for k in differing)
+    assert any("final state differs from the reference" in r for r in v["reasons"])
+    assert "model/weight" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_script_without_the_probe_takes_time_based_faults_and_says_what_it_cannot_measure(
+        tmp_path: Path, cache: Path) -> None:
+    doc = _scenario("mine-no-probe", ["--steps", "40", "--step-s", "0.3", "--no-probe"],
+                    [{"kind": "kill_rank", "rank": 1, "at_s": 15}], probe=False)
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["verdict"]["verdict"] == "pass" and report["verdict"]["bitwise_equal"]
+    (fault,) = report["faults"]
+    assert fault["effect_observed"] and fault["ended_attempt"] == 0
+    assert fault["detect_s"] is not None and fault["restart_s"] is not None
+    assert fault["recovery_s"] is None and fault["lost_steps"] is None  # not made up
+    assert fault["unmeasured"]
+    assert report["run"]["goodput"] is None
+    said = report["not_measured"]
+    assert any(s.startswith("step times, losses and goodput") for s in said)
+    assert any(s.startswith("kill_rank: ") for s in said)
+    assert "not measured: step times" in result.output
+    assert "## Not measured" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_check_determinism_calls_a_nondeterministic_script_so(tmp_path: Path,
+                                                              cache: Path) -> None:
+    doc = _scenario("mine-noisy", ["--steps", "8", "--every", "4", "--noise"],
+                    [{"kind": "kill_rank", "rank": 1, "at_step": 5}])
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out"),
+                                       "--check-determinism"])
+    assert result.exit_code == 4, result.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["verdict"]["verdict"] == "nondeterministic"
+    assert "not deterministic" in report["verdict"]["reasons"][0]
+    assert report["determinism"]["deterministic"] is False
+    # the noise differs between ranks too: the engine kept each rank's bias (model/bias/rank_r)
+    assert any(k.startswith("model/bias") for k in report["determinism"]["differing_entries"])

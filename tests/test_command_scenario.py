@@ -1,0 +1,277 @@
+"""``trainer.command``: the user's own script as a scenario's trainer, without running it.
+
+Validation (file, key, reason), the command line and environment chaos gives it, finding its
+ranks in /proc, and what measurements and the verdict say when the script reports little.
+Runs of real scripts are in test_command_run.py and test_examples.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from antifragile.chaos.cli import main
+from antifragile.chaos.faults import Injection
+from antifragile.chaos.infra.launch import command_args, command_env
+from antifragile.chaos.observe import checker, measure
+from antifragile.chaos.observe.record import RunRecord
+from antifragile.chaos.run.pipeline import _reference_key
+from antifragile.chaos.run.workers import WorkerWatch, children
+from antifragile.chaos.scenario import (
+    SCENARIOS,
+    CommandSpec,
+    ScenarioError,
+    load_scenario,
+    parse_scenario,
+)
+
+SCRIPT = str(Path(__file__).with_name("_user_script.py"))
+
+
+def _doc(**changes: Any) -> dict[str, Any]:
+    trainer = {"command": ["python", SCRIPT], "nproc_per_node": 2, **changes.pop("trainer", {})}
+    return {"name": "mine", "trainer": trainer, **changes}
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    (_doc(trainer={"command": ["python", "no_such_train.py"]}),
+     "s.yaml: trainer.command: command[1]: script 'no_such_train.py' not found"),
+    (_doc(trainer={"command": ["no-such-launcher", "x"]}),
+     "s.yaml: trainer.command: command[0]: 'no-such-launcher' is not an executable on PATH"),
+    (_doc(trainer={"command": []}), "s.yaml: trainer.command: List should have at least 1 item"),
+    (_doc(trainer={"nproc_per_node": 0}),
+     "s.yaml: trainer.nproc_per_node: Input should be greater than or equal to 1"),
+    (_doc(trainer={"gpus": 2}), "s.yaml: trainer.gpus: unknown key"),
+    (_doc(trainer={"parallel": {"dp": 2}}),
+     "s.yaml: trainer.parallel: a setting of the built-in trainer; with trainer.command"),
+    (_doc(trainer={"steps": 10}), "s.yaml: trainer.steps: a setting of the built-in trainer"),
+    (_doc(trainer={"nodes": 2}), "s.yaml: trainer.nodes: 2 nodes: a command trainer runs on one"),
+    (_doc(checkpoint={"every_steps": 5}),
+     "s.yaml: checkpoint.every_steps: with trainer.command your script decides"),
+    (_doc(faults=[{"kind": "kill_rank", "rank": 2, "at_s": 5}]),
+     "s.yaml: faults.0.rank: rank 2 is outside the world of 2 ranks"),
+    (_doc(faults=[{"kind": "kill_rank", "rank": {"dp": 1}, "at_s": 5}]),
+     "s.yaml: faults.0.rank: coordinates need the built-in trainer's mesh"),
+    (_doc(faults=[{"kind": "crash_during_save", "at_checkpoint": 1}]),
+     "s.yaml: faults.0.kind: crash_during_save needs the built-in trainer's save-phase"),
+    (_doc(faults=[{"kind": "hang_rank", "rank": 0, "at_s": 5, "mode": "thread"}]),
+     "s.yaml: faults.0.mode: hang_rank mode thread"),
+    (_doc(faults=[{"kind": "kill_rank", "rank": 0, "at_checkpoint": 2}]),
+     "s.yaml: faults.0.at_checkpoint: a command trainer's checkpoints are its own"),
+    (_doc(trainer={"probe": False}, faults=[{"kind": "kill_rank", "rank": 0, "at_step": 5}]),
+     "s.yaml: faults.0.at_step: at_step needs the script to report its steps through "
+     "antifragile.probe"),
+    (_doc(trainer={"probe": False}, expect={"max_lost_steps": 3}),
+     "s.yaml: expect.max_lost_steps: cannot be measured without the probe"),
+    (_doc(faults=[{"kind": "kill_rank", "rank": 0, "at_s": 5, "at_step": 4}]),
+     "give exactly one trigger: at_step, at_checkpoint, mtbf_s or at_s"),
+])
+def test_bad_command_scenarios_name_file_key_and_reason(doc: Any, message: str) -> None:
+    with pytest.raises(ScenarioError) as exc:
+        parse_scenario(doc, path="s.yaml")
+    assert message in str(exc.value)
+
+
+def test_a_command_scenario_resolves_its_script_next_to_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "mine", "trainer": {"command": ["python", "-u", "train.py", "--steps", "3"],
+                                    "env": {"OMP_NUM_THREADS": 1}},
+        "faults": [{"kind": "kill_rank", "rank": 0, "at_s": 0}]}))
+    monkeypatch.chdir("/")
+    s = load_scenario(path)
+    assert isinstance(s.trainer, CommandSpec) and s.is_command
+    assert s.trainer.command == ["python", "-u", str(tmp_path / "train.py"), "--steps", "3"]
+    assert s.trainer.env == {"OMP_NUM_THREADS": "1"} and s.trainer.world_size == 1
+    assert s.faults[0].at_s == 0
+    ok = CliRunner().invoke(main, ["validate", str(path)])
+    assert ok.exit_code == 0 and "1 ranks, command python -u" in ok.output
+
+
+def test_shipped_example_scenarios_load_from_any_directory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir("/")
+    shipped = sorted(SCENARIOS.glob("examples/*.yaml")) + [
+        SCENARIOS / "nightly" / "hf-gpt2-kill-corrupt.yaml"]
+    assert len(shipped) == 3
+    for path in shipped:
+        s = load_scenario(path)
+        assert s.is_command and Path(s.trainer.command[1]).is_file()  # type: ignore[union-attr]
+
+
+def test_a_bad_command_scenario_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_doc(trainer={"command": ["python", "gone.py"]})))
+    for command in (["validate", str(path)], ["run", str(path)]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 2
+        assert result.output.count("\n") == 1 and "trainer.command" in result.output
+        assert "Traceback" not in result.output
+
+
+def test_the_script_gets_this_python_and_the_probe_contract(tmp_path: Path) -> None:
+    s = parse_scenario(_doc(trainer={"env": {"HF_HUB_OFFLINE": "1"}}))
+    assert isinstance(s.trainer, CommandSpec)
+    assert command_args(s.trainer) == [sys.executable, SCRIPT]
+    bare = parse_scenario(_doc(trainer={"command": [SCRIPT, "--steps", "3"]}))
+    assert command_args(bare.trainer) == [sys.executable, SCRIPT, "--steps", "3"]  # type: ignore[arg-type]
+    env = command_env(s.trainer, tmp_path / "run", "/ckpt/here")
+    assert env["ANTIFRAGILE_RUN_DIR"] == str(tmp_path / "run")
+    assert env["ANTIFRAGILE_CKPT_URL"] == "/ckpt/here" and env["ANTIFRAGILE_CHAOS"] == "1"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    mine = parse_scenario(_doc(trainer={"env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}}))
+    assert command_env(mine.trainer, tmp_path, "u")[  # type: ignore[arg-type]
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
+
+
+def test_the_reference_is_keyed_by_the_script_content(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("x = 1\n")
+    s = parse_scenario(_doc(trainer={"command": ["python", str(script)]}))
+    before = _reference_key(s)
+    script.write_text("x = 2\n")
+    assert _reference_key(s) != before
+
+
+_AGENT = """
+import os, subprocess, sys
+env = dict(os.environ, RANK="1", TORCHELASTIC_RESTART_COUNT="3")
+grandchild = "import time; time.sleep(30)"
+worker = subprocess.Popen([sys.executable, "-c",
+                           f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                           f"{grandchild!r}])"], env=env)
+print(worker.pid, flush=True)
+worker.wait()
+"""
+
+
+def test_ranks_are_found_as_the_agents_children_with_torchruns_environment() -> None:
+    agent = subprocess.Popen([sys.executable, "-c", _AGENT], stdout=subprocess.PIPE, text=True)
+    worker_pid = int(agent.stdout.readline())  # type: ignore[union-attr]
+    try:
+        watch = WorkerWatch(agent.pid)
+        deadline = time.monotonic() + 20
+        found: list[dict[str, Any]] = []
+        while not found:
+            assert time.monotonic() < deadline, "the worker was never found"
+            found = watch.poll(force=True)
+            time.sleep(0.05)
+        time.sleep(0.5)  # the grandchild (same RANK in its environment) is up by now
+        assert watch.poll(force=True) == []
+        (e,) = found
+        assert (e["event"], e["pid"], e["rank"], e["attempt"], e["by"]) == (
+            "worker_started", worker_pid, 1, 3, "chaos")
+        assert abs(e["t"] - time.time()) < 30
+    finally:
+        for pid in [*children(worker_pid), worker_pid]:  # the processes this test started
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        agent.kill()
+        agent.wait()
+
+
+# --- measurements and verdict when the script reports little --------------------------------
+
+T0 = 1_000.0
+
+
+def _no_probe_record(*, engine_events: bool) -> tuple[RunRecord, Injection]:
+    """Two ranks killed/restarted: rank 1 killed at T0+20, the attempt torn down at +20.5, the
+    new processes up at +22; with ``engine_events`` the engine reported the restore (step 8)."""
+    events = [{"t": T0 + 1 + r, "rank": r, "attempt": 0, "event": "worker_started",
+               "pid": 100 + r, "by": "chaos"} for r in (0, 1)]
+    events += [{"t": T0 + 22, "rank": r, "attempt": 1, "event": "worker_started",
+                "pid": 200 + r, "by": "chaos"} for r in (0, 1)]
+    if engine_events:
+        events += [{"t": T0 + 25, "rank": r, "attempt": 1, "event": e, "step": 8,
+                    "seconds": 0.5, **({"pid": 200 + r, "world_size": 2} if e == "start" else {})}
+                   for r in (0, 1) for e in ("start", "restore_end")]
+    kill = Injection("kill_rank", T0 + 20, step=None, rank=1, detail={"pid": 101})
+    record = RunRecord(0, T0, T0 + 60, sorted(events, key=lambda e: e["t"]), [kill],
+                       {0: T0 + 20.5, 1: T0 + 60})
+    return record, kill
+
+
+def _command_scenario(*, faults: bool = True, **expect: Any) -> Any:
+    return parse_scenario(_doc(faults=[{"kind": "kill_rank", "rank": 1, "at_s": 20}] if faults
+                               else [], expect={"bitwise_equal_to_reference": False, **expect}))
+
+
+def test_without_the_probe_detect_and_restart_are_measured_the_rest_is_said() -> None:
+    record, kill = _no_probe_record(engine_events=False)
+    t = measure.fault_timings(record, kill)
+    assert t.effect_observed and t.ended_attempt == 0 and t.injected_step is None
+    assert t.detect_s == pytest.approx(0.5) and t.restart_s == pytest.approx(1.5)
+    assert (t.restore_s, t.recompute_s, t.recovery_s, t.lost_steps) == (None,) * 4
+    assert t.unmeasured and "does not call antifragile.probe" in t.unmeasured
+    assert measure.goodput(record) is None
+    said = measure.not_measured(record, [t])
+    assert any(s.startswith("step times, losses and goodput") for s in said)
+    assert any("processes torchrun started" in s for s in said)
+    assert any(s.startswith("checkpoint stall") for s in said)
+    v = checker.judge(_command_scenario(), returncode=0, timings=[t], final_step=20,
+                      faulty_url="u", reference_url=None, final_committed=True)
+    assert v.verdict == "pass", v.reasons
+
+
+def test_with_the_engines_events_only_the_restore_is_measured_too() -> None:
+    record, kill = _no_probe_record(engine_events=True)
+    t = measure.fault_timings(record, kill)
+    assert t.restart_s == pytest.approx(1.5 + 3)  # to the script's first report
+    assert t.restored_step == 8 and t.restore_s == pytest.approx(0.0)
+    assert (t.recompute_s, t.recovery_s, t.lost_steps) == (None,) * 3
+    assert t.unmeasured and "reported no step" in t.unmeasured
+
+
+def test_a_bound_that_cannot_be_measured_fails_rather_than_passes() -> None:
+    record, kill = _no_probe_record(engine_events=True)
+    t = measure.fault_timings(record, kill)
+    v = checker.judge(_command_scenario(max_recovery_s=100), returncode=0, timings=[t],
+                      final_step=20, faulty_url="u", reference_url=None, final_committed=True)
+    assert v.verdict == "fail"
+    assert "expect.max_recovery_s cannot be checked" in v.reasons[0]
+
+
+def test_a_job_that_never_came_back_fails_even_without_the_probe() -> None:
+    record, kill = _no_probe_record(engine_events=False)
+    record.events = [e for e in record.events if e["attempt"] == 0]
+    t = measure.fault_timings(record, kill)
+    assert t.restart_s is None
+    v = checker.judge(_command_scenario(), returncode=1, timings=[t], final_step=None,
+                      faulty_url="u", reference_url=None, final_committed=False)
+    assert v.verdict == "fail"
+    assert any("no recovery was observed" in r for r in v.reasons)
+    assert any("left no committed antifragile checkpoint" in r for r in v.reasons)
+
+
+def test_the_newest_committed_steps_must_match_the_reference() -> None:
+    v = checker.judge(_command_scenario(faults=False), returncode=0, timings=[], final_step=35,
+                      faulty_url="u", reference_url=None, final_committed=True,
+                      expected_step=40)
+    assert v.verdict == "fail" and v.reasons[0] == (
+        "the newest committed checkpoint is step 35, the reference run's is step 40")
+
+
+def test_a_nondeterministic_trainer_gets_its_own_verdict() -> None:
+    differs = checker.Comparison(differs=["model/w"], compared_bytes=64)
+    v = checker.judge(_command_scenario(faults=False), returncode=0, timings=[], final_step=20,
+                      faulty_url="u", reference_url=None, final_committed=True,
+                      determinism=differs)
+    assert v.verdict == "nondeterministic"
+    assert "not deterministic" in v.reasons[0] and "model/w" in v.reasons[0]
+    same = checker.Comparison(compared_bytes=64)
+    assert checker.judge(_command_scenario(faults=False), returncode=0, timings=[], final_step=20,
+                         faulty_url="u", reference_url=None, final_committed=True,
+                         determinism=same).verdict == "pass"

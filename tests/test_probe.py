@@ -1,0 +1,206 @@
+"""antifragile.probe and the engine's own checkpoint events, as a user's script sees them.
+
+Under chaos (``ANTIFRAGILE_RUN_DIR`` set) they write the rank's event lines; otherwise they do
+nothing at all: no file, no thread, no torch import.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from antifragile import probe
+from antifragile.engine import CheckpointEngine, _events
+
+
+@pytest.fixture(autouse=True)
+def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test is a fresh process as far as the probe and the engine's channel know."""
+    for name in ("ANTIFRAGILE_RUN_DIR", "RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_events, "_channel", None)
+    monkeypatch.setattr(probe, "_probe", None)
+
+
+def _under_chaos(monkeypatch: pytest.MonkeyPatch, run_dir: Path, *, rank: int = 0,
+                 attempt: int = 0) -> None:
+    monkeypatch.setenv("ANTIFRAGILE_RUN_DIR", str(run_dir))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+
+
+def _events_of(run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
+    path = run_dir / "events" / f"rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_not_under_chaos_every_call_touches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("the probe touched the filesystem outside chaos")
+
+    for module, name in ((builtins, "open"), (io, "open"), (os, "open"), (os, "makedirs"),
+                         (os, "mkdir"), (os, "stat"), (os, "listdir"), (os.path, "exists")):
+        monkeypatch.setattr(module, name, refuse)
+    threads = threading.active_count()
+    for step in range(1, 1001):
+        probe.step_end(step, loss=0.5)
+        probe.restored(step)
+    assert threading.active_count() == threads
+    assert probe._probe is None and _events._channel is None
+
+
+def test_importing_the_probe_imports_no_torch() -> None:
+    code = ("import sys; from antifragile import probe; probe.step_end(1); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    env = {k: v for k, v in os.environ.items() if k != "ANTIFRAGILE_RUN_DIR"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_under_chaos_start_comes_first_then_steps_and_restore(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _under_chaos(monkeypatch, tmp_path, rank=1, attempt=2)
+    probe.restored(10)
+    probe.step_end(11, loss=torch.tensor(0.25))
+    probe.step_end(12)
+    events = _events_of(tmp_path, rank=1)
+    assert [e["event"] for e in events] == ["start", "restore_end", "step_end", "step_end"]
+    start = events[0]
+    assert start["pid"] == os.getpid() and start["world_size"] == 2
+    assert all(e["rank"] == 1 and e["attempt"] == 2 for e in events)
+    assert events[1]["step"] == 10 and events[1]["seconds"] >= 0
+    assert events[2]["step"] == 11 and events[2]["loss"] == 0.25
+    assert events[3]["loss"] is None and events[3]["seconds"] >= 0
+
+
+def test_restored_adds_nothing_after_the_engine_reported_the_restore(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _under_chaos(monkeypatch, tmp_path)
+    with CheckpointEngine(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(5, {"w": torch.ones(3)}, blocking=True)
+        ckpt.load({"w": torch.zeros(3)})
+    probe.restored(5)
+    assert [e["event"] for e in _events_of(tmp_path)].count("restore_end") == 1
+
+
+def test_a_pause_point_holds_step_end_until_released(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _under_chaos(monkeypatch, tmp_path)
+    (tmp_path / "control" / "release").mkdir(parents=True)
+    (tmp_path / "control" / "plan.json").write_text(json.dumps(
+        {"points": [{"id": "p0", "step": 3}]}))
+    probe.step_end(2)  # first use: reads the plan
+    holder = threading.Thread(target=probe.step_end, args=(3,))
+    holder.start()
+    deadline = time.monotonic() + 10
+    while "paused" not in [e["event"] for e in _events_of(tmp_path)]:
+        assert time.monotonic() < deadline, "never paused"
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert holder.is_alive(), "step_end returned before its release"
+    (tmp_path / "control" / "release" / "p0").touch()
+    holder.join(10)
+    assert not holder.is_alive()
+    events = _events_of(tmp_path)
+    paused = next(e for e in events if e["event"] == "paused")
+    assert paused["point"] == "p0" and paused["step"] == 3
+    assert events[-1]["event"] == "resumed"
+
+
+def test_the_engine_reports_its_saves_and_restores_under_chaos(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _under_chaos(monkeypatch, tmp_path)
+    state = {"w": torch.arange(64.0), "step": 0}
+    with CheckpointEngine(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(4, state, blocking=True)
+        ckpt.save(8, state).wait()
+        assert ckpt.load({"w": torch.zeros(64), "step": 0}) == 8
+    events = _events_of(tmp_path)
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "start"
+    assert [(e["event"], e["step"]) for e in events if e["event"].startswith("ckpt_")] == [
+        ("ckpt_staged", 4), ("ckpt_committed", 4), ("ckpt_blocked", 4),
+        ("ckpt_staged", 8), ("ckpt_committed", 8)]
+    committed = next(e for e in events if e["event"] == "ckpt_committed")
+    assert committed["bytes"] >= 64 * 4 and committed["persist_s"] > 0
+    assert kinds[-2:] == ["restore_begin", "restore_end"] and events[-1]["step"] == 8
+
+
+def test_a_damaged_step_is_reported_skipped(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    _under_chaos(monkeypatch, tmp_path)
+    url = tmp_path / "ckpt"
+    with CheckpointEngine(str(url)) as ckpt:
+        ckpt.save(1, {"w": torch.ones(16)}, blocking=True)
+        ckpt.save(2, {"w": torch.ones(16) * 2}, blocking=True)
+        (chunk,) = [p for p in (url / "step_000000002").rglob("*")
+                    if p.is_file() and "/c/" in str(p)]
+        data = bytearray(chunk.read_bytes())
+        data[0] ^= 1
+        chunk.write_bytes(bytes(data))
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+            assert ckpt.load({"w": torch.zeros(16)}) == 1
+    events = _events_of(tmp_path)
+    skipped = [e for e in events if e["event"] == "restore_skipped"]
+    assert [e["step"] for e in skipped] == [2] and "crc32c" in skipped[0]["reason"]
+    assert (events[-1]["event"], events[-1]["step"]) == ("restore_end", 1)
+
+
+def test_no_duplicates_our_trainer_reports_itself(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The built-in trainer writes its own checkpoint events: its engine writes none."""
+    from antifragile.trainer.ckpt_backends.antifragile import AntifragileBackend
+
+    _under_chaos(monkeypatch, tmp_path)
+    backend = AntifragileBackend(str(tmp_path / "ckpt"), keep_last=2, timeout_s=30,
+                                 async_=False)
+    backend.save(3, {"w": torch.ones(4)}).wait()
+    backend.load({"w": torch.zeros(4)})
+    backend.close()
+    with CheckpointEngine(str(tmp_path / "ckpt2"), chaos_events=False) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4)}, blocking=True)
+    assert not (tmp_path / "events").exists()
+
+
+_SINGLE_PROCESS_DCP = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled:UserWarning")
+
+
+@_SINGLE_PROCESS_DCP
+def test_dcp_helpers_report_a_save_a_restore_and_a_failed_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _under_chaos(monkeypatch, tmp_path)
+    saved = {"model": {"w": torch.arange(32.0)}, "train": {"step": 5}}
+    probe.dcp_save(saved, checkpoint_id=tmp_path / "step_000000005", step=5)
+    target = {"model": {"w": torch.zeros(32)}, "train": {"step": 0}}
+    probe.dcp_load(target, checkpoint_id=tmp_path / "step_000000005", step=5)
+    assert torch.equal(target["model"]["w"], saved["model"]["w"])
+    with pytest.raises(BaseException):  # noqa: B017 - DCP raises its own BaseException types
+        probe.dcp_load(target, checkpoint_id=tmp_path / "step_000000009", step=9)
+    events = _events_of(tmp_path)
+    committed = next(e for e in events if e["event"] == "ckpt_committed")
+    assert committed["step"] == 5 and committed["bytes"] >= 32 * 4
+    assert [e["step"] for e in events if e["event"] == "restore_end"] == [5]
+    assert [e["step"] for e in events if e["event"] == "restore_skipped"] == [9]
+
+
+@_SINGLE_PROCESS_DCP
+def test_dcp_helpers_just_save_and_load_outside_chaos(tmp_path: Path) -> None:
+    probe.dcp_save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "s", step=1)
+    target = {"w": torch.zeros(4)}
+    probe.dcp_load(target, checkpoint_id=tmp_path / "s", step=1)
+    assert torch.equal(target["w"], torch.ones(4))
+    assert not (tmp_path / "events").exists() and _events.channel() is None
