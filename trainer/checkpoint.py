@@ -22,6 +22,7 @@ from antifragile.trainer.events import EventLog
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+
 class TrainCheckpointer:
     def __init__(self, backend: Backend, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, events: EventLog) -> None:
@@ -45,12 +46,16 @@ class TrainCheckpointer:
         self.events.emit("restore_begin")
         t0 = time.perf_counter()
         state = self._state(0, 0)
+        t1 = time.perf_counter()
         step, skipped = self.backend.load(state, memory)
+        t2 = time.perf_counter()
         for reason in skipped:
             self.events.emit("restore_skipped", reason=reason)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=_OPTIONS)
-        self.events.emit("restore_end", step=step, seconds=time.perf_counter() - t0,
+        t3 = time.perf_counter()
+        self.events.emit("restore_end", step=step, seconds=t3 - t0, state_dict_s=t1 - t0,
+                         load_s=t2 - t1, set_state_dict_s=t3 - t2,
                          **self.backend.load_sources())
         return int(state["train"]["step"]), int(state["train"]["data_cursor"])
 
