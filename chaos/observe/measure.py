@@ -489,6 +489,18 @@ def goodput(record: RunRecord) -> float | None:
     return useful / wall if wall > 0 else 0.0
 
 
+def spares(record: RunRecord) -> dict[str, Any]:
+    """The warm spares of an in-process run: how many became ready, which took over a rank,
+    and which died while idle (each is replaced: its supervisor forks a fresh spare)."""
+    ready = [e for e in record.events if e["event"] == "spare_ready"]
+    took_over = [{"attempt": e["attempt"], "rank": e["rank"], "worker": e.get("worker")}
+                 for e in record.events if e["event"] == "start" and e.get("cause") == "in_process"
+                 and any(r.get("worker") == e.get("worker") for r in ready)]
+    lost = [{"t": e["t"], "slot": e.get("slot"), "how": e.get("how")}
+            for e in record.events if e["event"] == "rank_died" and e.get("phase") == "spare"]
+    return {"ready": len(ready), "took_over": took_over, "lost_while_idle": lost}
+
+
 def losses(record: RunRecord) -> list[dict[str, Any]]:
     return [{"step": e["step"], "attempt": e["attempt"], "loss": e["loss"], "t": e["t"]}
             for e in record.events if e["event"] == "step_end" and e["loss"] is not None]
