@@ -4,7 +4,7 @@ over (a directory where an object should be, a 403), a listing refused, a step g
 Each becomes a classified CheckpointError (StorageError / CheckpointNotFoundError) that every
 rank agrees on: ``load(step=N)`` raises it, ``load()`` falls back to the newest older step that
 loads, and nothing is quarantined (the step is not known to be damaged). On S3 the refusals
-come from a small HTTP proxy in front of the moto server that answers 403 AccessDenied to the
+come from a small HTTP proxy in front of the S3 server that answers 403 AccessDenied to the
 requests a test picks, so the engine's real client stack sees a real 403.
 """
 
@@ -119,8 +119,8 @@ class DenyingProxy:
                         self.wfile.write(error)
                     return
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-                headers["Host"] = target.netloc
+                # the Host header stays the proxy's: it is part of the request's signature
+                headers = dict(self.headers.items())
                 conn.request(self.command, self.path, body=body, headers=headers)
                 response = conn.getresponse()
                 data = response.read()

@@ -191,19 +191,21 @@ def test_the_report_says_what_failed_and_what_recovered() -> None:
 
 
 def _judge(timings: list[FaultTimings], committed: dict[int, list[str]] | None) -> Any:
-    s = parse_scenario(_doc("s3://b/p", [NODE]))
+    s = parse_scenario({**_doc("s3://b/p", [NODE]),
+                        "expect": {"bitwise_equal_to_reference": False}})
     return checker.judge(s, returncode=0, timings=timings, final_step=16, faulty_url="unused",
-                         reference_url=None, committed=committed)
+                         reference_url=None, final_committed=True, committed=committed)
 
 
 def test_the_verdict_fails_on_a_torn_commit_or_a_server_that_stayed_down() -> None:
     outage = {"training_continued": True, "steps_during_outage": 3, "error": None}
-    fine = FaultTimings("storage_node_down", 1.0, 5, None, outage=outage)
+    fine = FaultTimings("storage_node_down", 1.0, 5, None, outage=outage,
+                        effect_observed=True, effect="volume server 1 down for 5.5 s")
     assert _judge([fine], {4: [], 8: []}).verdict == "pass"
     torn = _judge([fine], {4: [], 8: ["model/w/c/0: crc32c mismatch"]})
     assert torn.verdict == "fail"
     assert torn.reasons == ["committed step 8 does not verify: model/w/c/0: crc32c mismatch"]
-    stuck = FaultTimings("storage_node_down", 1.0, 5, None,
+    stuck = FaultTimings("storage_node_down", 1.0, 5, None, effect_observed=True,
                          outage={**outage, "error": "SeaweedError: volume server 0 did not "
                                  "come back within 30 s"})
     v = _judge([stuck], {})
