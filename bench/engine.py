@@ -584,7 +584,7 @@ def direct_io_note(ckpt: CheckpointEngine) -> str:
     if getattr(local, "direct_io", None) is False:
         return (f"engine writes were BUFFERED: the file system refused O_DIRECT "
                 f"({buffered / GIB:.2f} GiB through the page cache)")
-    return (f"engine writes: {100 * direct / total:.1f}% of {total / GIB:.2f} GiB with O_DIRECT, "
+    return (f"engine writes: {100 * direct / total:.2f}% of {total / GIB:.2f} GiB with O_DIRECT, "
             f"the rest (object tails, metadata, records) through the page cache")
 
 
@@ -807,7 +807,7 @@ def render_scale(points: list[ScalePoint | str]) -> str:
             f"  {p.nbytes / GIB:6.2f}Gi {statistics.median(p.stall_s):7.3f}s "
             f"{statistics.median(p.persist_s):8.3f}s {p.persist_gib_s:7.3f} "
             f"{statistics.median(p.direct_s):8.3f}s {p.direct_ratio:5.2f}x {p.s_per_gib:6.3f}s"
-            f"  {p.peak_rss / GIB:6.2f} GiB (+{100 * p.rss_extra:.1f}%, target <= 10% "
+            f"  {p.peak_rss / GIB:6.2f} GiB ({100 * p.rss_extra:+.1f}%, target <= 10% "
             f"{rss_verdict})")
     if len(done) > 1:
         per_gib = [p.s_per_gib for p in done]

@@ -2,10 +2,11 @@
 
 Thread model: ``save``/``load``/``wait``/``close`` are called from the training thread; each is
 collective when a process group is in use (every rank calls it, in the same order), exactly
-like the training collectives around it. A save stages on the calling thread (or on the
-background thread with ``defer_staging=True``), then persists and commits on one background
-thread per engine. The background thread never touches a process group: ranks coordinate
-through storage records, so a stuck save cannot deadlock training.
+like the training collectives around it. A save stages on the calling thread (or on a
+background thread with ``defer_staging=True``) while one background thread per engine already
+persists each object as soon as it is staged, then commits. The background threads never
+touch a process group: ranks coordinate through storage records, so a stuck save cannot
+deadlock training.
 """
 
 from __future__ import annotations

@@ -270,9 +270,15 @@ class StagingArea:
 
 
 @functools.cache
-def _copiers() -> ThreadPoolExecutor:
+def _copiers_of(pid: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
                               thread_name_prefix="ckpt-stage")
+
+
+def _copiers() -> ThreadPoolExecutor:
+    """The staging copy threads of this process (a forked child gets its own: the parent's
+    threads do not exist in it)."""
+    return _copiers_of(os.getpid())
 
 
 def _copy_cell(cell: CellImage, src: torch.Tensor, arena_ptr: int, *, on_device: bool) -> None:
