@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import mmap
 import os
 import resource
 import shutil
@@ -43,7 +42,6 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -52,7 +50,6 @@ from antifragile.engine._paths import step_dir
 
 GIB = 2**30
 DIRECT_BLOCK_BYTES = 64 * 2**20
-_PAGE = mmap.PAGESIZE
 _OPTIM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 # key -> (section, what was measured, shown as throughput of the payload)
@@ -123,13 +120,13 @@ class Ratio:
 
 
 RATIOS = [
-    Ratio("stall: engine save() / memcpy", "stall", "memcpy", at_most=1.5, paired=True),
+    Ratio("stall: engine save() / memcpy", "stall", "memcpy", at_most=1.1, paired=True),
     Ratio("stall: engine save() / DCP async_save", "stall", "dcp_stall"),
     Ratio("persist: engine / O_DIRECT sequential write", "persist", "direct", at_least=0.9),
-    Ratio("persist: engine / DCP save", "persist", "dcp_save", at_least=1.0),
+    Ratio("persist: engine / DCP save", "persist", "dcp_save", at_least=1.5),
     Ratio("persist: engine / torch.save", "persist", "torch_save"),
     Ratio("persist: engine / torchsnapshot", "persist", "torchsnapshot"),
-    Ratio("load: engine / DCP load", "load", "dcp_load"),
+    Ratio("load: engine / DCP load", "load", "dcp_load", at_least=1.2),
     Ratio("load: engine resharded / same layout", "resharded", "load", at_least=0.9),
 ]
 
@@ -316,46 +313,38 @@ def remove(path: str) -> None:
 
 
 class DirectWriter:
-    """Sequential O_DIRECT writes of the state's bytes from page-aligned 64 MiB blocks.
+    """Sequential O_DIRECT writes of ``nbytes`` from a page-aligned buffer in 64 MiB requests.
 
-    The bytes are copied into the aligned blocks once, outside the timing: the figure is what
-    the disk takes for one sequential stream of this size, fsync included.
+    The buffer is the engine's staging arena after its first save (the same bytes, laid out as
+    the objects it writes), so the baseline needs no memory of its own and no copy inside the
+    timing: the figure is what the disk takes for one sequential stream of this size, fsync
+    included.
     """
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        count = max(1, math.ceil(self.nbytes / DIRECT_BLOCK_BYTES))
-        self.blocks = [mmap.mmap(-1, DIRECT_BLOCK_BYTES) for _ in range(count)]
-        pos = 0
-        for t in tensors:
-            src = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            done = 0
-            while done < len(src):
-                block, offset = divmod(pos, DIRECT_BLOCK_BYTES)
-                n = min(len(src) - done, DIRECT_BLOCK_BYTES - offset)
-                dst = np.frombuffer(self.blocks[block], dtype=np.uint8)
-                dst[offset : offset + n] = src[done : done + n]
-                done += n
-                pos += n
+    def __init__(self, buffer: memoryview, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.buffer = buffer
+
+    @staticmethod
+    def of(ckpt: CheckpointEngine) -> DirectWriter:
+        arena = ckpt._staging.arena if ckpt._staging is not None else None
+        if arena is None:
+            raise RuntimeError("the engine has not staged yet")
+        buffer = memoryview(arena.numpy())  # type: ignore[arg-type]
+        return DirectWriter(buffer, len(buffer))
 
     def write(self, path: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         try:
-            left = self.nbytes
-            for block in self.blocks:
-                n = min(left, DIRECT_BLOCK_BYTES)
-                view = memoryview(block)[: math.ceil(n / _PAGE) * _PAGE]
-                while len(view):
-                    view = view[os.write(fd, view) :]
-                left -= n
-            os.ftruncate(fd, self.nbytes)  # drop the padding of the last block
+            done = 0
+            while done < self.nbytes:
+                done += os.write(fd, self.buffer[done : done + DIRECT_BLOCK_BYTES])
             os.fsync(fd)
         finally:
             os.close(fd)
 
     def close(self) -> None:
-        for block in self.blocks:
-            block.close()
+        self.buffer.release()
 
 
 def torch_save_fsync(state: dict[str, Any], path: str) -> None:
@@ -464,7 +453,9 @@ class Bench:
         memcpy()  # first touch of the destination pages
         samples: dict[str, list[float]] = defaultdict(list)
         ckpt = CheckpointEngine(self.path("engine"), keep_last=None)
-        direct = DirectWriter(src)
+        self.cold()
+        warm = self._engine_save(ckpt, 0)
+        direct = DirectWriter.of(ckpt)
         peers: dict[str, Callable[[str], None]] = {
             "direct": direct.write,
             "torch_save": partial(torch_save_fsync, self.state),
@@ -472,8 +463,6 @@ class Bench:
             "torchsnapshot": partial(torchsnapshot_take_sync, self.state),
         }
         try:
-            self.cold()
-            warm = self._engine_save(ckpt, 0)
             self.cold()
             warm_dcp = self._dcp_async("warm-up")
             for rep in range(self.reps):
@@ -496,6 +485,7 @@ class Bench:
                         self._keep_dcp(out)
                     else:
                         remove(out)
+            self.report.notes.append(direct_io_note(ckpt))
         finally:
             direct.close()
             ckpt.close()
@@ -584,6 +574,18 @@ class Bench:
         for a, b in zip(tensors_of(self.state), tensors_of(self.target)):
             if not torch.equal(a, b):
                 raise RuntimeError(f"{name} load returned different values")
+
+
+def direct_io_note(ckpt: CheckpointEngine) -> str:
+    """How the engine's local storage wrote: O_DIRECT or through the page cache."""
+    local = getattr(ckpt.storage, "inner", ckpt.storage)
+    direct, buffered = getattr(local, "direct_bytes", 0), getattr(local, "buffered_bytes", 0)
+    total = max(direct + buffered, 1)
+    if getattr(local, "direct_io", None) is False:
+        return (f"engine writes were BUFFERED: the file system refused O_DIRECT "
+                f"({buffered / GIB:.2f} GiB through the page cache)")
+    return (f"engine writes: {100 * direct / total:.2f}% of {total / GIB:.2f} GiB with O_DIRECT, "
+            f"the rest (object tails, metadata, records) through the page cache")
 
 
 def ratio_value(ours: Row, theirs: Row, *, paired: bool) -> float:
@@ -679,6 +681,143 @@ def run(size_gib: float, parent: str, reps: int, peer_budget_s: float) -> Report
     return report
 
 
+# --- scale: how a save grows with the state ---------------------------------------------------
+
+
+def _proc_status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def rss_bytes() -> int:
+    return _proc_status_kib("VmRSS") * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS; False where not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes() -> int:
+    return _proc_status_kib("VmHWM") * 1024
+
+
+def mem_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@dataclass(kw_only=True, slots=True)
+class ScalePoint:
+    size_gib: float
+    nbytes: int
+    staging_nbytes: int
+    stall_s: list[float]
+    persist_s: list[float]
+    direct_s: list[float]
+    base_rss: int
+    peak_rss: int
+
+    @property
+    def persist_gib_s(self) -> float:
+        return self.nbytes / GIB / statistics.median(self.persist_s)
+
+    @property
+    def direct_ratio(self) -> float:
+        return statistics.median(self.direct_s) / statistics.median(self.persist_s)
+
+    @property
+    def s_per_gib(self) -> float:
+        return statistics.median(self.persist_s) / (self.nbytes / GIB)
+
+    @property
+    def rss_extra(self) -> float:
+        """Peak RSS during the saves beyond the process before the state, the state and the
+        staging area, as a fraction of state + staging."""
+        held = self.nbytes + self.staging_nbytes
+        return (self.peak_rss - self.base_rss - held) / held
+
+
+def scale_point(size_gib: float, parent: str, reps: int) -> ScalePoint | str:
+    """Engine saves of a ``size_gib`` state (blocking staging, committed and fsync'd) and
+    O_DIRECT writes of as many bytes from the engine's staging arena, alternating; the peak
+    RSS of the timed saves. A string (why) when the machine lacks the memory."""
+    need = 2.2 * size_gib * GIB
+    if mem_available_bytes() < need:
+        return (f"{size_gib:g} GiB skipped: {mem_available_bytes() / GIB:.1f} GiB available, "
+                f"needs ~{need / GIB:.1f} (state + staging)")
+    root = tempfile.mkdtemp(prefix="antifragile-scale-", dir=parent)
+    base = rss_bytes()
+    state = gpt_like_state(model_dim(size_gib * GIB))
+    nbytes = state_nbytes(state)
+    ckpt = CheckpointEngine(os.path.join(root, "engine"), keep_last=None)
+    direct: DirectWriter | None = None
+    stall, persist, direct_s = [], [], []
+    try:
+        drop_page_cache()
+        ckpt.save(0, state).wait()  # plans and allocates the staging area
+        direct = DirectWriter.of(ckpt)
+        reset_peak_rss()
+        for rep in range(1, reps + 1):
+            drop_page_cache()
+            start = time.perf_counter()
+            handle = ckpt.save(rep, state)
+            stall.append(time.perf_counter() - start)
+            handle.wait()
+            persist.append(time.perf_counter() - start)
+            remove(os.path.join(ckpt.url, step_dir(rep - 1)))
+            drop_page_cache()
+            out = os.path.join(root, "direct")
+            direct_s.append(timed(partial(direct.write, out)))
+            remove(out)
+        peak = peak_rss_bytes()
+        staging = ckpt._staging.nbytes if ckpt._staging is not None else 0
+    finally:
+        if direct is not None:
+            direct.close()
+        ckpt.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return ScalePoint(size_gib=size_gib, nbytes=nbytes, staging_nbytes=staging, stall_s=stall,
+                      persist_s=persist, direct_s=direct_s, base_rss=base, peak_rss=peak)
+
+
+def render_scale(points: list[ScalePoint | str]) -> str:
+    lines = ["[scale] engine save() until committed vs state size (blocking staging; O_DIRECT "
+             "sequential write of the same bytes from the staging arena; medians)",
+             f"  {'size':>8} {'stall':>8} {'persist':>9} {'GiB/s':>7} {'O_DIRECT':>9} "
+             f"{'ratio':>6} {'s/GiB':>7}  peak RSS during saves (over process + state + staging)"]
+    done = [p for p in points if isinstance(p, ScalePoint)]
+    for p in points:
+        if isinstance(p, str):
+            lines.append(f"  {p}")
+            continue
+        rss_verdict = "PASS" if p.rss_extra <= 0.10 else "MISS"
+        lines.append(
+            f"  {p.nbytes / GIB:6.2f}Gi {statistics.median(p.stall_s):7.3f}s "
+            f"{statistics.median(p.persist_s):8.3f}s {p.persist_gib_s:7.3f} "
+            f"{statistics.median(p.direct_s):8.3f}s {p.direct_ratio:5.2f}x {p.s_per_gib:6.3f}s"
+            f"  {p.peak_rss / GIB:6.2f} GiB ({100 * p.rss_extra:+.1f}%, target <= 10% "
+            f"{rss_verdict})")
+    if len(done) > 1:
+        per_gib = [p.s_per_gib for p in done]
+        growth = max(per_gib) / min(per_gib)
+        verdict = "PASS" if growth <= 1.5 else "MISS"
+        lines.append(f"  ratio s/GiB largest / smallest {growth:6.3f}x  target <= 1.5x (linear, "
+                     f"no cliff) {verdict}")
+    return "\n".join(lines)
+
+
 def to_json(report: Report) -> dict[str, Any]:
     rows = [
         asdict(r) | {"seconds": r.seconds, "gib_s": r.gib_s if r.nbytes else None}
@@ -706,7 +845,18 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds after which a slow baseline stops repeating",
     )
     add("--json", help="also write the results to this file")
+    add("--sweep", help="instead: engine save vs O_DIRECT at these sizes in GiB (1,2,4,8), "
+        "with peak RSS; no other peers (they would not fit in memory at 8 GiB)")
     args = parser.parse_args(argv)
+    if args.sweep:
+        parent = args.dir or default_parent()
+        points = [scale_point(float(x), parent, args.reps or 1) for x in args.sweep.split(",")]
+        print(render_scale(points))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([asdict(p) if isinstance(p, ScalePoint) else p for p in points], f,
+                          indent=1)
+        return 0
     size = args.size_gib if args.size_gib is not None else (0.25 if args.quick else 2.0)
     reps = args.reps if args.reps is not None else (1 if args.quick else 3)
     parent = args.dir or default_parent()

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from . import _format
+from ._dtypes import torch_dtype
 from ._state import iter_local
 from .stage import StagingArea
 
@@ -33,21 +32,36 @@ class MemoryCopy:
     nonce: int
     regions: dict[str, list[tuple[Region, torch.Tensor]]] = field(default_factory=dict)
     local_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # owned cells to check against the manifest: (object key, buffer, valid rows, spec)
-    cells: list[tuple[str, torch.Tensor, int, Any]] = field(default_factory=list)
+    # owned cells to check against the manifest: (object key, tensor path, index in staging)
+    cells: list[tuple[str, str, int]] = field(default_factory=list)
+    staging: StagingArea | None = None
 
     @classmethod
     def of(cls, step: int, nonce: int, staging: StagingArea) -> MemoryCopy:
-        copy = cls(step, nonce, local_shapes=dict(staging.local_shapes))
-        for write, buf in zip(staging.writes, staging.buffers):
+        copy = cls(step, nonce, local_shapes=dict(staging.local_shapes), staging=staging)
+        for index, cell in enumerate(staging.cells):
+            write = cell.write
             path = write.array.tensor
             if path in staging.shadows:
                 continue  # the whole local tensor is in its shadow buffer
-            region = tuple(slice(o, o + n) for o, n in zip(write.local_offset, write.valid_shape))
-            copy.regions.setdefault(path, []).append(
-                (region, buf[tuple(slice(0, n) for n in write.valid_shape)]))
-            rows = write.valid_shape[0] if write.valid_shape else 1
-            copy.cells.append((write.key, buf, rows, write.array))
+            copy.cells.append((write.key, path, index))
+            regions = copy.regions.setdefault(path, [])
+            if not write.array.shape:
+                regions.append(((), cell.chunks[0].view))
+                continue
+            dtype = torch_dtype(write.array.dtype, where=write.key)
+            for chunk in cell.chunks:  # each inner chunk is a run of rows of the cell
+                region = (slice(write.local_offset[0] + chunk.first_row,
+                                write.local_offset[0] + chunk.first_row + chunk.rows),
+                          *(slice(o, o + n) for o, n in zip(write.local_offset[1:],
+                                                            write.valid_shape[1:])))
+                view = chunk.view
+                if chunk.raw:
+                    view = staging.arena[cell.offset + chunk.start:
+                                         cell.offset + chunk.start + chunk.nbytes]
+                    view = view.clone().view(dtype).reshape(-1, *write.array.shard_shape[1:])
+                regions.append((region, view[(slice(0, chunk.rows),
+                                              *(slice(0, n) for n in write.valid_shape[1:]))]))
         for path, shadow in staging.shadows.items():
             copy.regions[path] = [(tuple(slice(0, n) for n in shadow.shape), shadow)]
         return copy
@@ -72,11 +86,10 @@ class MemoryCopy:
     def check(self, crcs: dict[str, list[int]], paths: set[str]) -> str | None:
         """The first owned region of ``paths`` whose bytes do not match the CRCs the COMMIT
         manifest lists for its object, or None when all match."""
-        for key, buf, rows, spec in self.cells:
-            if spec.tensor not in paths:
+        assert self.staging is not None or not self.cells
+        for key, path, index in self.cells:
+            if path not in paths:
                 continue
-            view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-            _, _, now = _format.encode_cell(spec, rows, view)
-            if list(crcs.get(key) or []) != now:
+            if list(crcs.get(key) or []) != self.staging.chunk_crcs(index):  # type: ignore[union-attr]
                 return key
         return None

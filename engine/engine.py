@@ -2,10 +2,11 @@
 
 Thread model: ``save``/``load``/``wait``/``close`` are called from the training thread; each is
 collective when a process group is in use (every rank calls it, in the same order), exactly
-like the training collectives around it. A save stages on the calling thread (or on the
-background thread with ``defer_staging=True``), then persists and commits on one background
-thread per engine. The background thread never touches a process group: ranks coordinate
-through storage records, so a stuck save cannot deadlock training.
+like the training collectives around it. A save stages on the calling thread (or on a
+background thread with ``defer_staging=True``) while one background thread per engine already
+persists each object as soon as it is staged, then commits. The background threads never
+touch a process group: ranks coordinate through storage records, so a stuck save cannot
+deadlock training.
 """
 
 from __future__ import annotations
@@ -275,14 +276,22 @@ class CheckpointEngine:
         values = json.loads(json.dumps({p: s.value for p, s in flat.values.items()},
                                        allow_nan=True))
         attrs = self._group_attrs(step, flat, metadata)
-        if not defer_staging:
-            self._stage(handle, flat)
+        # the writers start first and write each object as soon as its cell is staged
+        self._staging.begin()
         self._last = handle
         worker = threading.Thread(
             target=self._persist, name=f"ckpt-save-{step}", daemon=True,
-            args=(handle, flat if defer_staging else None, self._plan, self._staging, nonce,
-                  values, attrs))
+            args=(handle, self._plan, self._staging, nonce, values, attrs))
         worker.start()
+        if defer_staging:
+            threading.Thread(target=self._stage, name=f"ckpt-stage-{step}", daemon=True,
+                             args=(handle, flat, True)).start()
+        else:
+            try:
+                self._stage(handle, flat)
+            except BaseException:
+                handle._observed = True  # raised here; the save it started fails with it
+                raise
         if blocking:
             waited = time.perf_counter()
             handle.wait()
@@ -301,10 +310,17 @@ class CheckpointEngine:
                                     keep_in_memory=self.keep_in_memory)
         self._plan = plan
 
-    def _stage(self, handle: SaveHandle, flat: FlatState) -> None:
+    def _stage(self, handle: SaveHandle, flat: FlatState, deferred: bool = False) -> None:
+        """Stage on this thread. A failure reaches the save's writers (it fails); deferred,
+        it is not raised again here."""
         assert self._staging is not None
         self._memory = None  # the buffers are about to hold an uncommitted step
-        handle.stall_s = self._staging.stage(flat.tensors)
+        try:
+            handle.stall_s = self._staging.stage(flat.tensors)
+        except BaseException:
+            if deferred:
+                return
+            raise
         handle.staged.set()
         self._events.staged(handle.step, handle.stall_s)
 
@@ -325,16 +341,13 @@ class CheckpointEngine:
         return {"step": step, "layout": layout, "metadata": metadata or {}, "tensors": tensors,
                 "per_rank": self._per_rank.index()}
 
-    def _persist(self, handle: SaveHandle, flat: FlatState | None, plan: GlobalPlan,
-                 staging: StagingArea, nonce: int, values: dict[str, Any],
-                 attrs: dict[str, Any]) -> None:
+    def _persist(self, handle: SaveHandle, plan: GlobalPlan, staging: StagingArea, nonce: int,
+                 values: dict[str, Any], attrs: dict[str, Any]) -> None:
         step, start = handle.step, time.monotonic()
         deadline = start + self.commit_timeout_s
         storage = CountingStorage(self.storage)  # this save's requests: handle.requests
         recorded = False
         try:
-            if flat is not None:
-                self._stage(handle, flat)
             if storage.exists(f"{step_dir(step)}/{COMMIT}"):
                 recorded = True  # write nothing into a committed step, not even an error record
                 raise CheckpointError(f"step {step} is already committed; it is not overwritten")
@@ -381,6 +394,8 @@ class CheckpointEngine:
                         manifest=None, values={}, error=str(error)))
             if self.rank == 0:
                 _commit.abort(storage, step, nonce, str(error))
+            with contextlib.suppress(Exception):
+                staging.wait_staged()  # no save may stage into the buffers while this one does
             handle.persist_s = time.monotonic() - start
             handle.requests = storage.requests
             log.warning("checkpoint of step %d failed: %s", step, error)

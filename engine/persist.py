@@ -33,22 +33,27 @@ def metadata_objects(plan: GlobalPlan) -> dict[str, bytes]:
 
 def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
                   extra: dict[str, bytes], pool: Executor) -> Manifest:
-    """Write the staged cells and ``extra`` objects; return what was written."""
+    """Write the staged cells and ``extra`` objects; return what was written.
+
+    May be called while ``staging`` is still being filled (after ``staging.begin()``): each
+    object is written as soon as its cell is staged, its chunk crc32c values computed on the
+    writer's thread right before its write (while other objects are being written), and this
+    returns only after staging completed and every object is durable."""
     base = step_dir(step)
 
-    def put_cell(index: int, view: memoryview) -> tuple[str, int, list[int]]:
-        write = staging.writes[index]
-        parts, nbytes, crcs = _format.encode_cell(write.array, write.valid_shape[0]
-                                                  if write.valid_shape else 1, view)
-        storage.write(f"{base}/{write.key}", parts)
-        return write.key, nbytes, crcs
+    def put_cell(index: int) -> tuple[str, int, list[int]]:
+        staging.wait_staged(index)
+        image, crcs = staging.finish(index)
+        key = staging.writes[index].key
+        storage.write(f"{base}/{key}", [image])
+        return key, len(image), crcs
 
     def put_doc(key: str, data: bytes) -> tuple[str, int, list[int]]:
         storage.write(f"{base}/{key}", [data])
         return key, len(data), [_format.crc(data)]
 
-    futures = [pool.submit(put_doc, k, v) for k, v in extra.items()]
-    futures += [pool.submit(put_cell, i, v) for i, v in enumerate(staging.views())]
+    futures = [pool.submit(put_cell, i) for i in range(len(staging.cells))]
+    futures += [pool.submit(put_doc, k, v) for k, v in extra.items()]
     manifest = Manifest(nonce)
     errors = []
     for fut in futures:
@@ -58,6 +63,7 @@ def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
             errors.append(exc)
     if errors:
         raise errors[0]
+    staging.wait_staged()  # the shadows too: the memory copy is taken after the commit
     storage.sync()
     return manifest
 

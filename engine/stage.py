@@ -1,45 +1,136 @@
-"""Staging: copy every cell this rank owns into host buffers allocated once per plan.
+"""Staging: copy every cell this rank owns into host memory laid out as the objects it writes.
 
-This is the only part of a save the training loop waits for. Buffers are pinned when CUDA is
-present so device-to-host copies run asynchronously; they are reused by every later save of the
-same plan, so a save allocates nothing.
+This is the only part of a save the training loop waits for. Each cell is staged straight into
+the *image* of its shard object (``_format``: inner chunks, each followed by a 4-byte crc32c
+slot, then the shard index), in one page-aligned arena allocated once per plan and reused by
+every later save of the same plan, so a save allocates nothing and the persist step writes
+each object from one aligned buffer (O_DIRECT where the file system takes it: no page-cache
+copy). The shard index depends only on the layout and is written once, with its crc32c; the
+chunk crc32c values are filled in by :meth:`StagingArea.finish` on the writer's thread, in
+parallel with other objects' writes (never as a pass of its own before them).
+
+Writers may start before staging ends: :meth:`StagingArea.wait_staged` returns as soon as the
+object's cell is staged, so the disk works while later cells are still being copied.
+The arena is pinned when CUDA is present so device-to-host copies run asynchronously.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import mmap
+import os
+import struct
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from . import _format
+from ._dtypes import torch_dtype
 from ._state import iter_local
+from .errors import CheckpointError
 from .plan import CellWrite
 
+ALIGN_BYTES = 4096  # O_DIRECT wants buffer, offset and length aligned to the logical block
+_CRC = struct.Struct("<I")
 
-def _buffer_shape(write: CellWrite) -> tuple[int, ...]:
+
+@dataclass(slots=True)
+class Chunk:
+    """One stored inner chunk of a cell: ``rows`` rows of the cell starting at ``first_row``,
+    its payload at ``start`` (bytes into the object image) and ``view`` over it: a tensor of
+    the array's dtype, or of its raw bytes (``raw``) where the offset is not a multiple of the
+    element size (8-byte dtypes: the 4-byte crc slots shift every other chunk)."""
+
+    first_row: int
+    rows: int
+    start: int
+    nbytes: int
+    view: torch.Tensor
+    raw: bool
+
+
+@dataclass(slots=True)
+class CellImage:
+    """Where the object of one :class:`CellWrite` lives in the arena."""
+
+    write: CellWrite
+    offset: int  # page-aligned, into the arena
+    nbytes: int  # the object's size
+    chunks: list[Chunk]
+    index_crc: int | None  # None for a scalar (no shard index)
+    # every full chunk as one strided tensor (chunks, rows, ...), so that staging a cell is
+    # one copy, not one per chunk (each copy is a parallel region: costly on a busy machine);
+    # None where a chunk is raw
+    full: torch.Tensor | None = None
+
+
+def layout(write: CellWrite) -> tuple[int, int, int]:
+    """``(stored chunks, payload bytes per chunk, object bytes)`` of a cell, as
+    ``_format.encode_cell`` lays it out."""
     spec = write.array
+    itemsize = torch_dtype(spec.dtype, where=spec.name).itemsize
     if not spec.shape:
-        return ()
-    rows = math.ceil(write.valid_shape[0] / spec.inner_rows) * spec.inner_rows
-    return (rows, *spec.shard_shape[1:])
+        return 1, itemsize, itemsize + 4
+    k = spec.inner_rows
+    valid_rows = write.valid_shape[0]
+    stored = min(_format.inner_count(spec), math.ceil(valid_rows / k))
+    chunk_nbytes = k * math.prod(spec.shard_shape[1:]) * itemsize if stored else 0
+    return stored, chunk_nbytes, stored * (chunk_nbytes + 4) + _format.index_nbytes(spec)
+
+
+def _index_bytes(write: CellWrite, stored: int, chunk_nbytes: int) -> tuple[bytes, int]:
+    """The shard index (and its crc32c) of a cell: it depends on the layout only."""
+    index = np.full((_format.inner_count(write.array), 2), _format.EMPTY, dtype="<u8")
+    for i in range(stored):
+        index[i] = (i * (chunk_nbytes + 4), chunk_nbytes + 4)
+    body = index.tobytes()
+    index_crc = _format.crc(body)
+    return body + _CRC.pack(index_crc), index_crc
+
+
+def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
+    """A zeroed, page-aligned byte arena (anonymous memory, faulted in now)."""
+    nbytes = max(nbytes, ALIGN_BYTES)
+    if pin:
+        arena = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        if arena.data_ptr() % ALIGN_BYTES == 0:
+            return arena
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(
+        mmap, "MAP_POPULATE", 0)
+    region = mmap.mmap(-1, nbytes, flags=flags)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
 
 
 class StagingArea:
-    """Host buffers for one plan's cells on this rank. Not thread-safe: one save at a time.
+    """Host memory for one plan's cells on this rank. One save at a time: ``begin``, then
+    ``stage`` on one thread while writers call ``wait_staged`` / ``finish`` on others.
 
     With ``keep_in_memory``, every local tensor whose data this rank's cells do not cover in
     full (a replica another rank writes) also gets a *shadow* buffer staged with it, so the
-    buffers hold the rank's whole local state (``engine._memory``)."""
+    staged memory holds the rank's whole local state (``engine._memory``)."""
 
     def __init__(self, writes: Sequence[CellWrite], tensors: dict[str, torch.Tensor], *,
                  keep_in_memory: bool = False) -> None:
         pin = torch.cuda.is_available()
         self.writes = list(writes)
-        self.buffers = [
-            torch.zeros(_buffer_shape(w), dtype=tensors[w.array.tensor].dtype, pin_memory=pin)
-            for w in self.writes
-        ]
+        layouts = [layout(w) for w in self.writes]
+        offsets, total = [], 0
+        for _, _, nbytes in layouts:
+            offsets.append(total)
+            total += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+        self.arena = _allocate(total, pin)
+        self._bytes = self.arena.numpy()
+        self.cells = [self._image(w, off, *lay) for w, off, lay in zip(self.writes, offsets,
+                                                                       layouts)]
         self.local_shapes = {p: tuple(iter_local(t).shape) for p, t in tensors.items()}
         self.shadows: dict[str, torch.Tensor] = {}
         if keep_in_memory:
@@ -51,27 +142,169 @@ class StagingArea:
                 if local.numel() and owned.get(path, 0) != local.numel():
                     self.shadows[path] = torch.empty(local.shape, dtype=local.dtype,
                                                      pin_memory=pin)
-        self.nbytes = sum(b.numel() * b.element_size()
-                          for b in (*self.buffers, *self.shadows.values()))
+        self.nbytes = total + sum(s.numel() * s.element_size() for s in self.shadows.values())
+        self._cond = threading.Condition()
+        self._staged = [True] * len(self.cells)  # which cells the save in progress staged
+        self._complete = True  # shadows too
+        self._error: BaseException | None = None
+
+    def _image(self, write: CellWrite, offset: int, stored: int, chunk_nbytes: int,
+               nbytes: int) -> CellImage:
+        spec = write.array
+        dtype = torch_dtype(spec.dtype, where=spec.name)
+        if not spec.shape:
+            view = self.arena[offset:offset + dtype.itemsize].view(dtype).reshape(())
+            return CellImage(write, offset, nbytes, [Chunk(0, 1, 0, dtype.itemsize, view, False)],
+                             None)
+        k, inner = spec.inner_rows, tuple(spec.shard_shape[1:])
+        chunks = []
+        for i in range(stored):
+            start = i * (chunk_nbytes + 4)
+            raw_bytes = self.arena[offset + start:offset + start + chunk_nbytes]
+            raw = (offset + start) % dtype.itemsize != 0
+            if raw:
+                shape = (k, *inner[:-1], inner[-1] * dtype.itemsize) if inner else (
+                    k * dtype.itemsize,)
+                view = raw_bytes.reshape(shape)
+            else:
+                view = raw_bytes.view(dtype).reshape(k, *inner)
+            rows = min(k, write.valid_shape[0] - i * k)
+            chunks.append(Chunk(i * k, rows, start, chunk_nbytes, view, raw))
+        trailer, index_crc = _index_bytes(write, stored, chunk_nbytes)
+        end = offset + stored * (chunk_nbytes + 4)
+        self._bytes[end:end + len(trailer)] = np.frombuffer(trailer, dtype=np.uint8)
+        full = None
+        n_full = sum(1 for c in chunks if c.rows == k)
+        step, rest = divmod(chunk_nbytes + 4, dtype.itemsize)
+        if n_full > 1 and not rest and not any(c.raw for c in chunks):
+            strides = (step, *(math.prod(inner[i:]) for i in range(len(inner) + 1)))
+            full = self.arena.view(dtype).as_strided((n_full, k, *inner), strides,
+                                                     offset // dtype.itemsize)
+        return CellImage(write, offset, nbytes, chunks, index_crc, full)
+
+    # -- one save ------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """A save starts: no cell counts as staged until :meth:`stage` copies it again."""
+        with self._cond:
+            self._staged = [False] * len(self.cells)
+            self._complete, self._error = False, None
+
+    def fail(self, error: BaseException) -> None:
+        """Staging failed: writers waiting for a cell raise instead of waiting forever."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> float:
         """Copy the owned cells of ``tensors`` (and the shadows); returns the seconds it took
-        (the stall)."""
+        (the stall). Each cell becomes available to writers as soon as it is copied (on CPU;
+        from a device, after the final synchronize). From CPU memory, cells are copied on a
+        few threads with plain ``memmove`` of their rows where they are contiguous (one call
+        per inner chunk, the GIL released): a torch copy is a parallel region, and many of
+        them stall on a busy machine."""
         start = time.perf_counter()
-        on_device = False
-        for write, buf in zip(self.writes, self.buffers):
-            src = iter_local(tensors[write.array.tensor]).detach()
-            on_device |= src.device.type != "cpu"
-            region = tuple(slice(o, o + n) for o, n in zip(write.local_offset, write.valid_shape))
-            dst = buf[tuple(slice(0, n) for n in write.valid_shape)]
-            dst.copy_(src[region], non_blocking=True)
-        for path, shadow in self.shadows.items():
-            shadow.copy_(iter_local(tensors[path]).detach(), non_blocking=True)
-        if on_device:
-            torch.cuda.synchronize()
+        try:
+            sources = [iter_local(tensors[c.write.array.tensor]).detach() for c in self.cells]
+            on_device = any(s.device.type != "cpu" for s in sources) or any(
+                iter_local(tensors[p]).device.type != "cpu" for p in self.shadows)
+            if on_device:
+                for cell, src in zip(self.cells, sources):
+                    _copy_cell(cell, src, self.arena.data_ptr(), on_device=True)
+            else:
+                futures = [_copiers().submit(self._stage_cell, i, src)
+                           for i, src in enumerate(sources)]
+                for future in futures:
+                    future.result()
+            for path, shadow in self.shadows.items():
+                shadow.copy_(iter_local(tensors[path]).detach(), non_blocking=True)
+            if on_device:
+                torch.cuda.synchronize()
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        with self._cond:
+            self._staged = [True] * len(self.cells)
+            self._complete = True
+            self._cond.notify_all()
         return time.perf_counter() - start
 
-    def views(self) -> list[memoryview]:
-        """The raw bytes of each buffer, in the order of ``writes``."""
-        return [memoryview(b.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-                for b in self.buffers]
+    def _stage_cell(self, index: int, src: torch.Tensor) -> None:
+        _copy_cell(self.cells[index], src, self.arena.data_ptr(), on_device=False)
+        with self._cond:
+            self._staged[index] = True
+            self._cond.notify_all()
+
+    def wait_staged(self, index: int | None = None) -> None:
+        """Block until cell ``index`` (None: everything, shadows included) is staged; raise
+        CheckpointError when staging failed first."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or (
+                self._complete if index is None else self._staged[index]))
+            if self._error is not None:
+                raise CheckpointError(f"staging failed: {type(self._error).__name__}: "
+                                      f"{self._error}")
+
+    def finish(self, index: int) -> tuple[memoryview, list[int]]:
+        """The staged object of cell ``index``, ready to write, and its part CRCs (each stored
+        chunk's, then the index's). Computes the chunk crc32c values into their slots: call it
+        on the writer's thread, once the cell is staged."""
+        cell = self.cells[index]
+        image = self._bytes[cell.offset:cell.offset + cell.nbytes]
+        crcs = []
+        for chunk in cell.chunks:
+            value = _format.crc(image[chunk.start:chunk.start + chunk.nbytes])
+            end = chunk.start + chunk.nbytes
+            image[end:end + 4] = np.frombuffer(_CRC.pack(value), dtype=np.uint8)
+            crcs.append(value)
+        if cell.index_crc is not None:
+            crcs.append(cell.index_crc)
+        return memoryview(image), crcs  # type: ignore[arg-type]
+
+    def chunk_crcs(self, index: int) -> list[int]:
+        """The part CRCs of cell ``index`` as its staged bytes are now (a memory copy's check)."""
+        cell = self.cells[index]
+        image = self._bytes[cell.offset:cell.offset + cell.nbytes]
+        crcs = [_format.crc(image[c.start:c.start + c.nbytes]) for c in cell.chunks]
+        return crcs + ([] if cell.index_crc is None else [cell.index_crc])
+
+
+@functools.cache
+def _copiers_of(pid: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
+                              thread_name_prefix="ckpt-stage")
+
+
+def _copiers() -> ThreadPoolExecutor:
+    """The staging copy threads of this process (a forked child gets its own: the parent's
+    threads do not exist in it)."""
+    return _copiers_of(os.getpid())
+
+
+def _copy_cell(cell: CellImage, src: torch.Tensor, arena_ptr: int, *, on_device: bool) -> None:
+    write = cell.write
+    region = tuple(slice(o, o + n) for o, n in zip(write.local_offset, write.valid_shape))
+    block = src[region]
+    if not write.array.shape:
+        cell.chunks[0].view.copy_(block, non_blocking=True)
+        return
+    dtype = torch_dtype(write.array.dtype, where=write.key)
+    if (not on_device and block.is_contiguous() and block.dtype == dtype
+            and tuple(block.shape[1:]) == tuple(write.array.shard_shape[1:])):
+        row_nbytes = math.prod(block.shape[1:]) * block.element_size()
+        base = block.data_ptr()
+        for chunk in cell.chunks:  # rows are contiguous in both: plain byte copies
+            ctypes.memmove(arena_ptr + cell.offset + chunk.start,
+                           base + chunk.first_row * row_nbytes, chunk.rows * row_nbytes)
+        return
+    chunks = cell.chunks
+    if cell.full is not None:
+        n_full, k = cell.full.shape[:2]
+        cell.full[(slice(None), slice(None), *(slice(0, n) for n in block.shape[1:]))].copy_(
+            block[:n_full * k].unflatten(0, (n_full, k)), non_blocking=True)
+        chunks = chunks[n_full:]
+    for chunk in chunks:
+        piece = block[chunk.first_row:chunk.first_row + chunk.rows]
+        if chunk.raw:  # as bytes: the last dim (rows, for 1-D) counts bytes
+            piece = (piece if piece.stride(-1) == 1 else piece.contiguous()).view(torch.uint8)
+        chunk.view[tuple(slice(0, n) for n in piece.shape)].copy_(piece, non_blocking=True)

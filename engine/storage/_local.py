@@ -1,9 +1,17 @@
-"""A local (POSIX) checkpoint root: vectored writes; ``sync()`` makes them durable at once.
+"""A local (POSIX) checkpoint root: direct or vectored writes; ``sync()`` makes them durable.
 
 Writes are not fsynced one by one (a checkpoint has hundreds of small objects and an fsync
 costs milliseconds each): ``sync()`` flushes the whole file system with one ``syncfs(2)``
 (Linux), falling back to fsync of every file and directory written since the last sync. The
 protocol calls ``sync()`` before each record and marker, which is what durability needs.
+
+An object whose first part is a page-aligned buffer (a staged shard object, see ``stage``) is
+written with O_DIRECT: its aligned prefix goes from that buffer to the device without a copy
+into the page cache; the unaligned tail (under 4 KiB) and any further parts are written through
+the page cache, on the same file descriptor, after clearing O_DIRECT. Where the file system
+refuses O_DIRECT (tmpfs: EINVAL at open or at the first write) every write is buffered from
+then on, and ``direct_io`` says so. Durability is unchanged: O_DIRECT bypasses the page cache
+but not the device's cache or the file's metadata, which ``sync()`` (or ``durable``) flushes.
 """
 
 from __future__ import annotations
@@ -11,14 +19,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
+import fcntl
 import functools
+import logging
 import os
 import shutil
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+log = logging.getLogger("antifragile.engine.storage")
+
 _IOV_MAX = 1024
+ALIGN_BYTES = 4096  # O_DIRECT alignment of buffer address, file offset and length
+DIRECT_MIN_BYTES = 1 << 20  # smaller objects gain nothing from bypassing the page cache
+_MAX_WRITE = 1 << 30  # one write(2) moves at most ~2 GiB; stay well under, aligned
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class LocalStorage:
@@ -28,6 +47,10 @@ class LocalStorage:
         self._dirty_dirs: set[str] = set()
         self._dirty_files: set[str] = set()
         self._lock = threading.Lock()
+        # None until the first direct write was tried; then whether the file system takes it
+        self.direct_io: bool | None = None if _O_DIRECT else False
+        self.direct_bytes = 0  # bytes written with O_DIRECT
+        self.buffered_bytes = 0  # bytes written through the page cache
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key) if key else self.root
@@ -46,15 +69,30 @@ class LocalStorage:
         path = self._path(key)
         self._makedirs(os.path.dirname(path))
         tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"  # a kill never tears `path`
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        views = [memoryview(p).cast("B") for p in parts]
+        views = [v for v in views if len(v)]
+        direct = (self.direct_io is not False and not durable and bool(views)
+                  and len(views[0]) >= DIRECT_MIN_BYTES and _address(views[0]) % ALIGN_BYTES == 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        fd = -1
+        if direct:
+            try:
+                fd = os.open(tmp, flags | _O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._no_direct(exc)
+                direct = False
+        if fd < 0:
+            fd = os.open(tmp, flags, 0o644)
         try:
-            views = [memoryview(p).cast("B") for p in parts]
-            views = [v for v in views if len(v)]
-            while views:
-                batch = views[:_IOV_MAX]
-                written = os.writev(fd, batch)
-                views = views[len(batch):] if written == sum(map(len, batch)) else (
-                    _advance(batch, written) + views[len(batch):])
+            if direct:
+                head = len(views[0]) // ALIGN_BYTES * ALIGN_BYTES
+                done = self._write_direct(fd, views[0][:head])
+                _set_direct(fd, False)
+                views[0] = views[0][done:]
+                views = [v for v in views if len(v)]
+            self._writev(fd, views)
             if durable:  # a marker: never visible before its bytes are (power loss)
                 os.fsync(fd)
             else:
@@ -65,6 +103,43 @@ class LocalStorage:
         with self._lock:
             self._dirty_dirs.add(os.path.dirname(path))
             self._dirty_files.add(path)
+
+    def _write_direct(self, fd: int, view: memoryview) -> int:
+        """Write the aligned ``view`` with O_DIRECT; returns the bytes written (0 when the file
+        system refused the first write: the caller writes everything buffered)."""
+        done = 0
+        while done < len(view):
+            try:
+                n = os.write(fd, view[done:done + _MAX_WRITE])
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or done:
+                    raise
+                self._no_direct(exc)
+                return 0
+            done += n
+            if n <= 0 or n % ALIGN_BYTES:  # a short write that broke alignment: go buffered
+                break
+        with self._lock:
+            self.direct_io = True
+            self.direct_bytes += done
+        return done
+
+    def _writev(self, fd: int, views: list[memoryview]) -> None:
+        nbytes = sum(map(len, views))
+        while views:
+            batch = views[:_IOV_MAX]
+            written = os.writev(fd, batch)
+            views = views[len(batch):] if written == sum(map(len, batch)) else (
+                _advance(batch, written) + views[len(batch):])
+        with self._lock:
+            self.buffered_bytes += nbytes
+
+    def _no_direct(self, exc: OSError) -> None:
+        with self._lock:
+            if self.direct_io is None:
+                log.info("%s: the file system refuses O_DIRECT (%s); writing through the page "
+                         "cache", self.root, exc)
+            self.direct_io = False
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         with open(self._path(key), "rb", buffering=0) as f:
@@ -80,6 +155,22 @@ class LocalStorage:
                 got += n
             view.release()
             return buf if got == len(buf) else buf[:got]  # no copy: loads read GiBs
+
+    def read_into(self, key: str, start: int, buffers: Sequence[Any]) -> int:
+        """Scatter-read from ``start`` into ``buffers`` (``preadv``, looped: one call moves at
+        most ~2 GiB and 1024 buffers); returns the bytes read (fewer at the end of file)."""
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+        got = 0
+        with open(self._path(key), "rb", buffering=0) as f:
+            while views:
+                batch = views[:_IOV_MAX]
+                n = os.preadv(f.fileno(), batch, start + got)
+                if n == 0:
+                    break
+                got += n
+                views = views[len(batch):] if n == sum(map(len, batch)) else (
+                    _advance(batch, n) + views[len(batch):])
+        return got
 
     def size(self, key: str) -> int:
         return os.stat(self._path(key)).st_size
@@ -119,6 +210,16 @@ class LocalStorage:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def _address(view: memoryview) -> int:
+    """The address of a buffer's first byte."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _set_direct(fd: int, on: bool) -> None:
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, (flags | _O_DIRECT) if on else (flags & ~_O_DIRECT))
 
 
 def _syncfs(path: str) -> bool:

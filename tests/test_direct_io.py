@@ -1,0 +1,214 @@
+"""The fast paths of a local save and load: staged object images, O_DIRECT writes with their
+buffered fallback and unaligned tails, scatter reads straight into the target.
+
+Correctness only: performance claims live in ``python -m bench.engine``.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from antifragile.engine import CheckpointEngine, _format
+from antifragile.engine._ranks import inventory
+from antifragile.engine._state import flatten
+from antifragile.engine.plan import CellWrite, PlanOptions, build_plan
+from antifragile.engine.stage import StagingArea
+from antifragile.engine.storage import LocalStorage
+from antifragile.engine.storage import _local as local_storage
+from antifragile.engine.storage._base import read_into
+
+SMALL = PlanOptions(max_object_bytes=4096, inner_chunk_bytes=1000, min_split_bytes=512)
+
+
+def _states() -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        {"f32": torch.randn(37, 11, generator=g),
+         "bf16": torch.randn(50, 7, generator=g).bfloat16(),
+         "f64": torch.randn(41, 3, generator=g).double(),  # 8-byte dtype: shifted chunks
+         "i64": torch.arange(301), "flag": torch.tensor([True, False, True]),
+         "scalar": torch.tensor(3.5), "half_cols": torch.randn(9, 100, generator=g)[:, ::2],
+         "step": 7},
+    ]
+
+
+def _legacy_encode(write: CellWrite, tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[int]]:
+    """The object as the engine encoded it before staging into object images: the cell copied
+    into a zeroed buffer of whole inner chunks, then ``_format.encode_cell``."""
+    spec = write.array
+    src = tensors[spec.tensor]
+    if spec.shape:
+        rows = math.ceil(write.valid_shape[0] / spec.inner_rows) * spec.inner_rows
+        buf = torch.zeros((rows, *spec.shard_shape[1:]), dtype=src.dtype)
+    else:
+        buf = torch.zeros((), dtype=src.dtype)
+    region = tuple(slice(o, o + n) for o, n in zip(write.local_offset, write.valid_shape))
+    buf[tuple(slice(0, n) for n in write.valid_shape)].copy_(src[region])
+    view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    parts, nbytes, crcs = _format.encode_cell(
+        spec, write.valid_shape[0] if write.valid_shape else 1, view)
+    data = b"".join(bytes(p) for p in parts)
+    assert len(data) == nbytes
+    return data, crcs
+
+
+@pytest.mark.parametrize("options", [PlanOptions(), SMALL])
+def test_staged_images_are_the_encoded_objects(options: PlanOptions) -> None:
+    """Every staged object is byte for byte what encode_cell writes, with the same part CRCs,
+    for every dtype (8-byte ones included), edge cells, scalars and non-contiguous sources;
+    and a second save into the same area stages the new values."""
+    for state in _states():
+        flat = flatten(state)
+        plan = build_plan([inventory(flat.tensors, flat.values)], options)
+        area = StagingArea(plan.writes[0], flat.tensors)
+        for round_ in range(2):
+            if round_:
+                for t in flat.tensors.values():
+                    t.copy_(t + 1 if t.dtype != torch.bool else ~t)
+            area.begin()
+            area.stage(flat.tensors)
+            for i, write in enumerate(area.writes):
+                image, crcs = area.finish(i)
+                expected, expected_crcs = _legacy_encode(write, flat.tensors)
+                assert bytes(image) == expected, write.key
+                assert crcs == expected_crcs == area.chunk_crcs(i)
+                assert _format.crc(image) == _format.crc(expected)
+        assert area.arena.data_ptr() % local_storage.ALIGN_BYTES == 0
+        assert all(c.offset % local_storage.ALIGN_BYTES == 0 for c in area.cells)
+
+
+def test_staging_failure_reaches_the_writers() -> None:
+    """A writer waiting for a cell raises when staging fails, instead of waiting forever."""
+    state = {"w": torch.randn(8, 4)}
+    flat = flatten(state)
+    plan = build_plan([inventory(flat.tensors, flat.values)], PlanOptions())
+    area = StagingArea(plan.writes[0], flat.tensors)
+    area.begin()
+    with pytest.raises(KeyError):
+        area.stage({})
+    with pytest.raises(Exception, match="staging failed"):
+        area.wait_staged(0)
+
+
+def _aligned(nbytes: int) -> memoryview:
+    region = mmap.mmap(-1, -(-nbytes // 4096) * 4096)
+    view = memoryview(region)[:nbytes]
+    view[:] = bytes((i * 7) % 251 for i in range(256)) * (nbytes // 256) + bytes(nbytes % 256)
+    return view
+
+
+def test_direct_write_with_an_unaligned_tail(tmp_path: Path) -> None:
+    """An aligned buffer whose size is not a block multiple: the aligned prefix goes with
+    O_DIRECT (on a file system that takes it), the tail and further parts buffered."""
+    storage = LocalStorage(str(tmp_path))
+    view = _aligned((1 << 20) + 4096 * 3 + 123)
+    storage.write("a/obj", [view, b"tail part"])
+    data = (tmp_path / "a" / "obj").read_bytes()
+    assert data == bytes(view) + b"tail part"
+    if storage.direct_io:  # ext4, xfs: O_DIRECT taken
+        assert storage.direct_bytes == (1 << 20) + 4096 * 3
+        assert storage.buffered_bytes == 123 + 9
+    buf = bytearray(len(data))
+    assert read_into(storage, "a/obj", 0, [buf]) == len(data) and buf == data
+
+
+def test_unaligned_or_small_buffers_are_written_buffered(tmp_path: Path) -> None:
+    storage = LocalStorage(str(tmp_path))
+    big = _aligned((1 << 20) + 8192)
+    storage.write("x", [big[1:]])  # misaligned address
+    storage.write("y", [bytes(100)])  # small
+    assert (tmp_path / "x").read_bytes() == bytes(big[1:])
+    assert (tmp_path / "y").read_bytes() == bytes(100)
+    assert storage.direct_bytes == 0
+
+
+@pytest.mark.parametrize("where", ["open", "write"])
+def test_o_direct_refused_falls_back_to_buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 where: str) -> None:
+    """A file system that refuses O_DIRECT (tmpfs: EINVAL at open; some others at the first
+    write): the object is written buffered, ``direct_io`` says so, and later writes do not
+    try again."""
+    if not local_storage._O_DIRECT:
+        pytest.skip("no O_DIRECT on this platform")
+    real_open, real_write = os.open, os.write
+    tries = []
+
+    def refusing_open(path: str, flags: int, mode: int = 0o777) -> int:
+        if flags & local_storage._O_DIRECT and where == "open":
+            tries.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode)
+
+    def refusing_write(fd: int, data: Any) -> int:
+        if where == "write" and local_storage.fcntl.fcntl(fd, local_storage.fcntl.F_GETFL) & \
+                local_storage._O_DIRECT:
+            tries.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(os, "write", refusing_write)
+    storage = LocalStorage(str(tmp_path))
+    view = _aligned((1 << 20) + 77)
+    storage.write("a", [view])
+    storage.write("b", [view])
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == bytes(view)
+    assert storage.direct_io is False and storage.direct_bytes == 0 and len(tries) == 1
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no tmpfs at /dev/shm")
+def test_engine_on_tmpfs_saves_and_loads() -> None:
+    """On tmpfs the engine saves and loads whether the kernel refuses O_DIRECT there (before
+    Linux 6.6: written buffered, ``direct_io`` False) or takes it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as root:
+        state = {"w": torch.randn(1024, 512), "b": torch.randn(7)}
+        with CheckpointEngine(root) as engine:
+            engine.save(1, state, blocking=True)
+            local = engine.storage.inner
+            assert isinstance(local, LocalStorage) and local.direct_io in (True, False)
+            target = {"w": torch.empty(1024, 512), "b": torch.empty(7)}
+            engine.load(target)
+        assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+
+
+def test_engine_save_and_load_through_direct_io(tmp_path: Path) -> None:
+    """Objects above the direct-write threshold go through O_DIRECT (where the disk takes it)
+    and load back exactly, into the same layout and resharded by rows and by columns."""
+    state = {"w": torch.randn(2048, 300), "v": torch.randn(4096).double(), "n": 3}
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        engine.save(1, state, blocking=True)
+        local = engine.storage.inner
+        assert isinstance(local, LocalStorage)
+        if local.direct_io:
+            assert local.direct_bytes >= 2048 * 300 * 4 // 2
+        target = {"w": torch.zeros(2048, 300), "v": torch.zeros(4096).double(), "n": 0}
+        engine.load(target)
+        assert torch.equal(target["w"], state["w"]) and torch.equal(target["v"], state["v"])
+        whole = engine.read(1)
+        assert torch.equal(whole["w"], state["w"])
+
+
+@pytest.mark.slow
+def test_an_object_over_2_gib_round_trips(tmp_path: Path) -> None:
+    """One shard object of 2 GiB + 4 KiB + 12 bytes: written (O_DIRECT or buffered) and read
+    back whole past the ~2 GiB limit of one write/preadv."""
+    rows = (2**31 + 4096 + 12) // 4 // 1
+    state = {"w": torch.arange(rows, dtype=torch.int32)}
+    options = PlanOptions(max_object_bytes=2**32, inner_chunk_bytes=2**32)
+    with CheckpointEngine(str(tmp_path / "ckpt"), plan_options=options) as engine:
+        engine.save(1, state, blocking=True)
+        assert engine.verify(1).ok
+        del state["w"]
+        target = {"w": torch.empty(rows, dtype=torch.int32)}
+        engine.load(target)
+    assert torch.equal(target["w"], torch.arange(rows, dtype=torch.int32))
