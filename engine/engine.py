@@ -98,12 +98,16 @@ def _raise_first(futures: list[Future[None]]) -> None:
 class SaveHandle:
     """One save in flight. ``staged`` is set once the state may be mutated again.
 
+    ``done()`` is True once the save committed (or failed); on the coordinator the retention
+    that follows a commit runs after that, and ``wait()`` waits for it too.
+
     Figures for this rank: ``stall_s`` (what the caller waited for staging), ``persist_s``
-    (background write + commit), ``nbytes`` (bytes this rank wrote), ``committed_nbytes``
-    (the whole checkpoint, on the coordinator), ``requests`` (storage requests this rank's
-    save made, by kind, and their ``total``: see ``storage.CountingStorage``; set when done).
+    (background write + commit, up to the COMMIT visible), ``nbytes`` (bytes this rank wrote),
+    ``committed_nbytes`` (the whole checkpoint, on the coordinator), ``requests`` (storage
+    requests this rank's save made, by kind, and their ``total``: see
+    ``storage.CountingStorage``; set when done, updated with retention's on the coordinator).
     ``retention_error``: on the coordinator, why retention after the commit failed (the save is
-    committed all the same), else None.
+    committed all the same), else None; final once ``wait()`` returned.
     """
 
     def __init__(self, step: int) -> None:
