@@ -154,8 +154,22 @@ class FsspecStorage:
         return int(self._run("size", key, "info", self._path(key))["size"])
 
     def exists(self, key: str) -> bool:
-        self.fs.invalidate_cache(self._path(key))
-        return bool(self._run("exists", key, "exists", self._path(key)))
+        """Whether the object ``key`` exists: on S3 one HEAD (s3fs's ``exists`` follows a 404
+        with a listing, to find a "directory"; the engine only asks about objects)."""
+        path = self._path(key)
+        self.fs.invalidate_cache(path)
+        if not self.s3:
+            return bool(self._call("exists", key, lambda: self.fs.exists(path)))
+        bucket, object_key, _ = self.fs.split_path(path)
+
+        async def head() -> bool:
+            try:
+                await self.fs._call_s3("head_object", Bucket=bucket, Key=object_key)
+            except FileNotFoundError:
+                return False
+            return True
+
+        return self._call("exists", key, lambda: self._bounded(head))
 
     def list_dir(self, prefix: str) -> list[str]:
         path = self._path(prefix).rstrip("/")
