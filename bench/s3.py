@@ -25,7 +25,8 @@ load <= 1.5x raw).
 quickstart state as data-parallel replicas (each rank writes its share of the objects; rank 0
 commits); persist is the slowest rank's ``save()`` call to its ``handle.wait()`` (the COMMIT
 visible to every rank), load the slowest rank's ``load()``; the raw baseline moves the same
-objects from one process with ``N x --io-threads`` threads.
+objects from one process with ``N x --io-threads`` threads (for the load, every object N times:
+each replica reads the whole state).
 
 Requests: each operation is repeated once, untimed, through a counting TCP proxy
 (``chaos/infra/proxy.py``), which gives the HTTP requests a save and a load make; the
@@ -153,12 +154,14 @@ class Bench:
             f"{self.bucket}/{prefix}/{item[0]}", blobs[item[1]]), enumerate(sizes)))
         return time.perf_counter() - start
 
-    def raw_get(self, prefix: str, sizes: list[int], fs: Any = None) -> float:
-        """One ranged GET per object (a plain ``cat_file`` would HEAD each object first)."""
+    def raw_get(self, prefix: str, sizes: list[int], fs: Any = None, times: int = 1) -> float:
+        """One ranged GET per object (a plain ``cat_file`` would HEAD each object first), each
+        object ``times`` times."""
         fs = fs or self.fs
         start = time.perf_counter()
         list(self.pool.map(lambda item: fs.cat_file(f"{self.bucket}/{prefix}/{item[0]}",
-                                                     start=0, end=item[1]), enumerate(sizes)))
+                                                     start=0, end=item[1]),
+                           list(enumerate(sizes)) * times))
         return time.perf_counter() - start
 
     @contextlib.contextmanager
@@ -278,7 +281,7 @@ def measure_ranks(bench: Bench, ranks: int, reps: int) -> Figures:
     fig.samples["raw_put"], fig.samples["raw_get"] = [], []
     for _ in range(reps):
         fig.samples["raw_put"].append(wide.raw_put(f"ranks{ranks}/raw", sizes, blobs))
-        fig.samples["raw_get"].append(wide.raw_get(f"ranks{ranks}/raw", sizes))
+        fig.samples["raw_get"].append(wide.raw_get(f"ranks{ranks}/raw", sizes, times=ranks))
     wide.pool.shutdown()
     return fig
 
