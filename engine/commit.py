@@ -14,10 +14,10 @@ than another; on S3 a save costs one request per object, and a coordinator that 
 metadata was the slowest rank of every save). The coordinator checks each record against
 exactly its rank's share, so the share changes nothing of what a COMMIT guarantees.
 
-The coordinator does not read its own record back (it holds the bytes it wrote), so a save
-of one rank neither lists nor reads records; other ranks' records are found by polling the
-records folder with backoff, and waiting ranks poll the step folder for the COMMIT (storage is
-the only channel: a stuck save never blocks a collective of the training job).
+Records are found by polling the records folder with backoff (the coordinator reads its own
+back too: a record must be durable and intact on storage before COMMIT), and waiting ranks poll
+the step folder for the COMMIT (storage is the only channel: a stuck save never blocks a
+collective of the training job).
 """
 
 from __future__ import annotations
@@ -188,13 +188,12 @@ def _pause(delay_s: float, cancel: threading.Event | None, step: int) -> None:
 def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, deadline: float,
                group_attrs: dict[str, Any], metadata_keys: set[str],
                cancel: threading.Event | None = None,
-               before_commit: Callable[[], None] | None = None,
-               own_record: dict[str, Any] | None = None) -> CommitResult:
+               before_commit: Callable[[], None] | None = None) -> CommitResult:
     """Rank 0: wait for every record, check it against the plan, write group metadata + COMMIT.
     ``metadata_keys``: every metadata document of the plan (each rank's share is checked in its
-    record: ``metadata_owners``). ``own_record``: the record this rank has just written (it is
-    not read back). ``before_commit`` runs once every record is in, just before the COMMIT is
-    written (a phase hook: chaos can hold a save there)."""
+    record: ``metadata_owners``). Every record, the coordinator's own included, is read back
+    from storage and its seal checked. ``before_commit`` runs once every record is in, just
+    before the COMMIT is written (a phase hook: chaos can hold a save there)."""
     base = step_dir(step)
     owners = metadata_owners(plan, metadata_keys)
     shares: dict[int, set[str]] = {}
@@ -210,8 +209,6 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
         records[rank] = record
         damaged.pop(rank, None)
 
-    if own_record is not None:
-        accept(0, own_record, f"step {step}: rank 0's record")
     delays = _poll_delays(plan.world_size)
     while len(records) < plan.world_size:
         for name in storage.list_dir(f"{base}/{RECORDS_DIR}"):

@@ -363,18 +363,16 @@ class CheckpointEngine:
             manifest = write_objects(storage, step, nonce, staging, docs, self._pool)
             handle.nbytes = manifest.nbytes
             self._phase(step, "written")
-            record = rank_record(
+            write_record(storage, step, self.rank, rank_record(
                 step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce, manifest=manifest,
-                values=values, requests=storage.requests["total"] + 1)
-            write_record(storage, step, self.rank, record)
+                values=values, requests=storage.requests["total"] + 1))
             recorded = True
             self._phase(step, "recorded")
             if self.rank == 0:
                 result = _commit.coordinate(
                     storage, plan=plan, step=step, nonce=nonce, deadline=deadline,
                     group_attrs=attrs, metadata_keys=set(all_docs), cancel=self._cancel,
-                    before_commit=lambda: self._phase(step, "committing"),
-                    own_record=record)
+                    before_commit=lambda: self._phase(step, "committing"))
                 handle.committed_nbytes = result.nbytes
             else:
                 handle.committed_nbytes = _commit.wait_for_commit(
