@@ -21,6 +21,13 @@ downloaded the same way with one ranged ``cat_file`` (one GET) per object. Metho
 within each repetition; medians are printed with the ratios (issue 12's targets: persist and
 load <= 1.5x raw).
 
+``--ranks N`` (N > 1) adds ``quickstart xN``: N gloo processes on this machine save the
+quickstart state as data-parallel replicas (each rank writes its share of the objects; rank 0
+commits); persist is the slowest rank's ``save()`` call to its ``handle.wait()`` (the COMMIT
+visible to every rank), load the slowest rank's ``load()``; the raw baseline moves the same
+objects from one process with ``N x --io-threads`` threads (for the load, every object N times:
+each replica reads the whole state).
+
 Requests: each operation is repeated once, untimed, through a counting TCP proxy
 (``chaos/infra/proxy.py``), which gives the HTTP requests a save and a load make; the
 engine's own count is printed when it reports one (``handle.requests``; else ``n/a``).
@@ -147,12 +154,14 @@ class Bench:
             f"{self.bucket}/{prefix}/{item[0]}", blobs[item[1]]), enumerate(sizes)))
         return time.perf_counter() - start
 
-    def raw_get(self, prefix: str, sizes: list[int], fs: Any = None) -> float:
-        """One ranged GET per object (a plain ``cat_file`` would HEAD each object first)."""
+    def raw_get(self, prefix: str, sizes: list[int], fs: Any = None, times: int = 1) -> float:
+        """One ranged GET per object (a plain ``cat_file`` would HEAD each object first), each
+        object ``times`` times."""
         fs = fs or self.fs
         start = time.perf_counter()
         list(self.pool.map(lambda item: fs.cat_file(f"{self.bucket}/{prefix}/{item[0]}",
-                                                     start=0, end=item[1]), enumerate(sizes)))
+                                                     start=0, end=item[1]),
+                           list(enumerate(sizes)) * times))
         return time.perf_counter() - start
 
     @contextlib.contextmanager
@@ -193,11 +202,12 @@ def measure(bench: Bench, name: str, cfg: ModelConfig, reps: int) -> Figures:
             before = proxy.snapshot()
             _, handle, step = bench.save(e, state)
             fig.requests["save"] = proxy.snapshot().since(before).requests
-            fig.requests["save_engine_reported"] = getattr(handle, "requests", None)
+            fig.requests["save_engine_reported"] = handle.requests.get("total")
         with bench.engine(prefix, options) as e:
             before = proxy.snapshot()
             bench.load(e, state, step)
             fig.requests["load"] = proxy.snapshot().since(before).requests
+            fig.requests["load_engine_reported"] = e.last_load_requests.get("total")
         before = proxy.snapshot()
         for i, n in enumerate(sizes):
             fs.pipe_file(f"{bench.bucket}/{raw}/{i}", blobs[n])
@@ -205,6 +215,74 @@ def measure(bench: Bench, name: str, cfg: ModelConfig, reps: int) -> Figures:
         before = proxy.snapshot()
         bench.raw_get(raw, sizes, fs)
         fig.requests["raw_get"] = proxy.snapshot().since(before).requests
+    return fig
+
+
+def _rank_worker(rank: int, ranks: int, port: int, url: str, options: dict[str, Any],
+                 io_threads: int, reps: int, out: Any) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    state = gpt_state(STATES["quickstart"])
+    persist, load, requests = [], [], {}
+    with CheckpointEngine(url, keep_last=None, io_threads=io_threads,
+                          storage_options=options) as engine:
+        for step in range(1, reps + 2):
+            dist.barrier()
+            start = time.perf_counter()
+            handle = engine.save(step, state)
+            handle.wait()
+            persist.append(time.perf_counter() - start)
+            requests["save"] = handle.requests.get("total")
+        for _ in range(reps):
+            target = _empty_like(state)
+            dist.barrier()
+            start = time.perf_counter()
+            engine.load(target, step=reps + 1)
+            load.append(time.perf_counter() - start)
+            requests["load"] = engine.last_load_requests.get("total")
+    out.put((rank, persist[1:], load, requests))  # the first save plans: not measured
+    dist.destroy_process_group()
+
+
+def measure_ranks(bench: Bench, ranks: int, reps: int) -> Figures:
+    """``quickstart xN``: see the module docstring."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    state = gpt_state(STATES["quickstart"])
+    tensors = _tensors(state)
+    fig = Figures(f"quickstart x{ranks} ranks", len(tensors),
+                  sum(t.numel() * t.element_size() for t in tensors))
+    prefix = f"ranks{ranks}/engine"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    mp.start_processes(_rank_worker, args=(ranks, port, f"s3://{bench.bucket}/{prefix}",
+                                           bench.cluster.storage_options, bench.io_threads,
+                                           reps, out), nprocs=ranks, start_method="spawn")
+    rows = sorted(out.get() for _ in range(ranks))
+    fig.samples["persist"] = [max(r[1][i] for r in rows) for i in range(reps)]
+    fig.samples["load"] = [max(r[2][i] for r in rows) for i in range(reps)]
+    fig.requests = {f"rank{r}_{k}": v for r, _, _, q in rows for k, v in q.items()}
+    sizes = sorted(bench.objects(prefix, reps + 1).values())
+    fig.objects, fig.object_bytes = len(sizes), sum(sizes)
+    blobs = {n: bytes(bytearray(n)) for n in set(sizes)}
+    wide = Bench.__new__(Bench)
+    wide.fs, wide.bucket = bench.fs, bench.bucket
+    wide.pool = ThreadPoolExecutor(ranks * bench.io_threads)
+    fig.samples["raw_put"], fig.samples["raw_get"] = [], []
+    for _ in range(reps):
+        fig.samples["raw_put"].append(wide.raw_put(f"ranks{ranks}/raw", sizes, blobs))
+        fig.samples["raw_get"].append(wide.raw_get(f"ranks{ranks}/raw", sizes, times=ranks))
+    wide.pool.shutdown()
     return fig
 
 
@@ -225,9 +303,13 @@ def _print(fig: Figures) -> None:
         print(f"  ratio {what:<18} {r:5.2f}x  (target <= {TARGET}x: "
               f"{'PASS' if r <= TARGET else 'MISS'})")
     q = fig.requests
-    reported = q["save_engine_reported"]
-    print(f"  requests: save {q['save']} (engine reports {'n/a' if reported is None else reported})"
-          f", load {q['load']}; raw PUT {q['raw_put']}, raw GET {q['raw_get']}")
+    if "save" not in q:  # several ranks: what each rank's engine reports
+        print("  requests (engine reports, per rank): " + ", ".join(
+            f"{k} {v}" for k, v in sorted(q.items())))
+        return
+    print(f"  HTTP requests: save {q['save']} (engine reports {q['save_engine_reported']}), "
+          f"load {q['load']} (engine reports {q.get('load_engine_reported')}); raw PUT "
+          f"{q['raw_put']}, raw GET {q['raw_get']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the engine's io_threads and the raw baseline's pool (default 8)")
     parser.add_argument("--volumes", type=int, default=2, help="volume servers (default 2)")
     parser.add_argument("--quick", action="store_true", help="2 repetitions, quickstart only")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="also measure the quickstart state saved by N gloo ranks")
+    parser.add_argument("--only-ranks", action="store_true",
+                        help="with --ranks: skip the one-process states")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     reps = 2 if args.quick else args.reps
@@ -249,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
               f"started and healthy in {cluster.start_s:.2f} s at {cluster.endpoint_url}; "
               f"io_threads {args.io_threads}, {reps} repetitions")
         bench = Bench(cluster, args.io_threads)
-        figures = [measure(bench, name, cfg, reps) for name, cfg in states.items()]
+        figures = [] if args.only_ranks else [measure(bench, name, cfg, reps)
+                                              for name, cfg in states.items()]
+        if args.ranks > 1:
+            figures.append(measure_ranks(bench, args.ranks, reps))
         for fig in figures:
             _print(fig)
         start_s = cluster.start_s

@@ -7,16 +7,29 @@ with its size, part CRCs and a digest bound to its key and this save's nonce: se
 so loading and verifying never list storage. Records and the marker are sealed JSON (a crc32c
 of their own bytes), checked before use. No rename is involved, which is what makes the
 protocol correct on S3.
+
+Who writes what: every rank writes the shard objects the plan assigns it, and a share of the
+zarr metadata documents (``metadata_owners``: spread so that no rank writes many more objects
+than another; on S3 a save costs one request per object, and a coordinator that wrote all the
+metadata was the slowest rank of every save). The coordinator checks each record against
+exactly its rank's share, so the share changes nothing of what a COMMIT guarantees.
+
+Records are found by polling the records folder with backoff (the coordinator reads its own
+back too: a record must be durable and intact on storage before COMMIT), and waiting ranks poll
+the step folder for the COMMIT (storage is the only channel: a stuck save never blocks a
+collective of the training job).
 """
 
 from __future__ import annotations
 
 import base64
+import heapq
 import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +58,26 @@ from .plan import GlobalPlan
 from .storage import Storage
 
 
+def metadata_owners(plan: GlobalPlan, keys: Iterable[str]) -> dict[str, int]:
+    """Which rank writes each metadata document: in sorted key order, the rank with the fewest
+    objects so far (shards the plan gives it plus documents; ties to the lowest rank). A pure
+    function of the plan and the keys, so every rank computes the same shares."""
+    heap = [(len(plan.keys_of(rank)), rank) for rank in range(plan.world_size)]
+    heapq.heapify(heap)
+    owners: dict[str, int] = {}
+    for key in sorted(keys):
+        count, rank = heapq.heappop(heap)
+        owners[key] = rank
+        heapq.heappush(heap, (count + 1, rank))
+    return owners
+
+
+def metadata_share(plan: GlobalPlan, docs: dict[str, bytes], rank: int) -> dict[str, bytes]:
+    """The metadata documents ``rank`` writes (see ``metadata_owners``)."""
+    owners = metadata_owners(plan, docs)
+    return {key: data for key, data in docs.items() if owners[key] == rank}
+
+
 def _poll_delays(world_size: int) -> Iterator[float]:
     """Seconds between polls: from 10 ms up by 1.5x to a cap that grows with the number of
     ranks polling one prefix (0.5 s up to 1,000 ranks at ~1,000 requests/s in all, then
@@ -57,13 +90,29 @@ def _poll_delays(world_size: int) -> Iterator[float]:
 
 
 def committed_steps(storage: Storage) -> list[int]:
-    """Committed steps, ascending (a step folder with a COMMIT marker)."""
-    steps = []
+    """Committed steps, ascending (a step folder with a COMMIT marker). One listing, then the
+    markers are looked up concurrently (one HEAD each on S3: not one round trip per step)."""
+    return _step_dirs(storage)[1]
+
+
+def _step_dirs(storage: Storage) -> tuple[list[int], list[int]]:
+    """Every step folder and the committed ones, ascending."""
+    steps = {}
     for name in storage.list_dir(""):
         step = parse_step_dir(name)
-        if step is not None and storage.exists(f"{name}/{COMMIT}"):
-            steps.append(step)
-    return sorted(steps)
+        if step is not None:
+            steps[step] = name
+    every = sorted(steps)
+    found = _exist_all(storage, [f"{steps[step]}/{COMMIT}" for step in every])
+    return every, [step for step, there in zip(every, found) if there]
+
+
+def _exist_all(storage: Storage, keys: list[str]) -> list[bool]:
+    """``storage.exists`` of every key, concurrently (at most 16 at a time)."""
+    if len(keys) < 2:
+        return [storage.exists(k) for k in keys]
+    with ThreadPoolExecutor(min(16, len(keys)), thread_name_prefix="ckpt-exists") as pool:
+        return list(pool.map(storage.exists, keys))
 
 
 def all_step_dirs(storage: Storage) -> list[int]:
@@ -141,12 +190,25 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
                cancel: threading.Event | None = None,
                before_commit: Callable[[], None] | None = None) -> CommitResult:
     """Rank 0: wait for every record, check it against the plan, write group metadata + COMMIT.
-    ``before_commit`` runs once every record is in, just before the COMMIT is written (a phase
-    hook: chaos can hold a save there)."""
+    ``metadata_keys``: every metadata document of the plan (each rank's share is checked in its
+    record: ``metadata_owners``). Every record, the coordinator's own included, is read back
+    from storage and its seal checked. ``before_commit`` runs once every record is in, just
+    before the COMMIT is written (a phase hook: chaos can hold a save there)."""
     base = step_dir(step)
+    owners = metadata_owners(plan, metadata_keys)
+    shares: dict[int, set[str]] = {}
+    for key, owner in owners.items():
+        shares.setdefault(owner, set()).add(key)
     records: dict[int, dict[str, Any]] = {}
     manifests: dict[int, Manifest] = {}
     damaged: dict[int, str] = {}
+
+    def accept(rank: int, record: dict[str, Any], where: str) -> None:
+        manifests[rank] = record_manifest(record, where=where)
+        _check_record(plan, step, rank, record, manifests[rank], shares.get(rank, set()))
+        records[rank] = record
+        damaged.pop(rank, None)
+
     delays = _poll_delays(plan.world_size)
     while len(records) < plan.world_size:
         for name in storage.list_dir(f"{base}/{RECORDS_DIR}"):
@@ -168,14 +230,10 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
             if not record.get("ok"):
                 raise CheckpointError(f"step {step}: rank {rank} failed to persist: "
                                       f"{record.get('error')}")
-            manifests[rank] = record_manifest(record, where=where)
-            _check_record(plan, step, rank, record, manifests[rank],
-                          metadata_keys if rank == 0 else set())
-            records[rank] = record
-            damaged.pop(rank, None)
+            accept(rank, record, where)
         if len(records) < plan.world_size:
+            missing = sorted(set(range(plan.world_size)) - set(records))
             if time.monotonic() > deadline:
-                missing = sorted(set(range(plan.world_size)) - set(records))
                 notes = "".join(f"; rank {r}: {damaged[r]}" for r in missing if r in damaged)
                 raise CommitTimeoutError(
                     f"step {step}: no record from rank(s) {missing} before the commit deadline; "
@@ -276,14 +334,15 @@ def retain(storage: Storage, keep_last: int | None) -> list[int]:
     """Delete committed steps beyond the newest ``keep_last`` and uncommitted debris older than
     the newest committed step. A quarantined step is evidence: it stays as long as a committed
     step of its age would (it is newer than the oldest step kept). Never deletes the newest
-    committed step. Returns deleted steps."""
-    committed = committed_steps(storage)
+    committed step. Returns deleted steps. One listing of the root (its step folders and,
+    concurrently, their markers: ``committed_steps``), then only the deletions."""
+    every, committed = _step_dirs(storage)
     if not committed:
         return []
     keep = set(committed[-keep_last:]) if keep_last else set(committed)
     keep.add(committed[-1])
     deleted = []
-    for step in all_step_dirs(storage):
+    for step in every:
         if step in keep or step > committed[-1]:
             continue
         if step > min(keep) and storage.exists(f"{step_dir(step)}/{QUARANTINE}"):

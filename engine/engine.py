@@ -99,12 +99,16 @@ def _raise_first(futures: list[Future[None]]) -> None:
 class SaveHandle:
     """One save in flight. ``staged`` is set once the state may be mutated again.
 
+    ``done()`` is True once the save committed (or failed); on the coordinator the retention
+    that follows a commit runs after that, and ``wait()`` waits for it too.
+
     Figures for this rank: ``stall_s`` (what the caller waited for staging), ``persist_s``
-    (background write + commit), ``nbytes`` (bytes this rank wrote), ``committed_nbytes``
-    (the whole checkpoint, on the coordinator), ``requests`` (storage requests this rank's
-    save made, by kind, and their ``total``: see ``storage.CountingStorage``; set when done).
+    (background write + commit, up to the COMMIT visible), ``nbytes`` (bytes this rank wrote),
+    ``committed_nbytes`` (the whole checkpoint, on the coordinator), ``requests`` (storage
+    requests this rank's save made, by kind, and their ``total``: see
+    ``storage.CountingStorage``; set when done, updated with retention's on the coordinator).
     ``retention_error``: on the coordinator, why retention after the commit failed (the save is
-    committed all the same), else None.
+    committed all the same), else None; final once ``wait()`` returned.
     """
 
     def __init__(self, step: int) -> None:
@@ -118,14 +122,21 @@ class SaveHandle:
         self.requests: dict[str, int] = {}
         self._future: Future[None] = Future()
         self._observed = False
+        # set once the coordinator's retention after the commit is over (at once elsewhere):
+        # the save is done (committed) before, so the next one need not wait for retention
+        self._retained = threading.Event()
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until committed; raise the save's CheckpointError if it failed."""
+        """Block until committed, and on the coordinator until the retention that follows the
+        commit is over (``retention_error`` is final then; ``done()`` is True from the commit
+        on); raise the save's CheckpointError if it failed."""
         self._observed = True
         self._future.result(timeout)
+        if not self._retained.wait(timeout):
+            raise TimeoutError(f"step {self.step}: committed; retention still running")
 
     def exception(self) -> BaseException | None:
         """The failure, once done (None while in flight or on success)."""
@@ -190,6 +201,7 @@ class CheckpointEngine:
         self._per_rank = PerRank([], 0)
         self._staging: StagingArea | None = None
         self._last: SaveHandle | None = None
+        self._draining: list[SaveHandle] = []  # committed saves whose retention still runs
         self._closed = False
         self.keep_in_memory = keep_in_memory
         self._on_phase = on_phase
@@ -276,6 +288,9 @@ class CheckpointEngine:
         values = json.loads(json.dumps({p: s.value for p, s in flat.values.items()},
                                        allow_nan=True))
         attrs = self._group_attrs(step, flat, metadata)
+        if last is not None and not last._retained.is_set():
+            self._draining.append(last)
+        self._draining = [h for h in self._draining if not h._retained.is_set()]
         # the writers start first and write each object as soon as its cell is staged
         self._staging.begin()
         self._last = handle
@@ -348,10 +363,15 @@ class CheckpointEngine:
         storage = CountingStorage(self.storage)  # this save's requests: handle.requests
         recorded = False
         try:
+            for previous in list(self._draining):  # its retention might delete this step
+                if previous.step >= step:
+                    with contextlib.suppress(Exception):
+                        previous.wait()
             if storage.exists(f"{step_dir(step)}/{COMMIT}"):
                 recorded = True  # write nothing into a committed step, not even an error record
                 raise CheckpointError(f"step {step} is already committed; it is not overwritten")
-            docs = metadata_objects(plan) if self.rank == 0 else {}
+            all_docs = metadata_objects(plan)
+            docs = _commit.metadata_share(plan, all_docs, self.rank)
             self._phase(step, "persisting")
             manifest = write_objects(storage, step, nonce, staging, docs, self._pool)
             handle.nbytes = manifest.nbytes
@@ -364,10 +384,9 @@ class CheckpointEngine:
             if self.rank == 0:
                 result = _commit.coordinate(
                     storage, plan=plan, step=step, nonce=nonce, deadline=deadline,
-                    group_attrs=attrs, metadata_keys=set(docs), cancel=self._cancel,
+                    group_attrs=attrs, metadata_keys=set(all_docs), cancel=self._cancel,
                     before_commit=lambda: self._phase(step, "committing"))
                 handle.committed_nbytes = result.nbytes
-                self._retain(handle, storage)
             else:
                 handle.committed_nbytes = _commit.wait_for_commit(
                     storage, step=step, nonce=nonce, world_size=plan.world_size,
@@ -377,7 +396,12 @@ class CheckpointEngine:
             handle.persist_s = time.monotonic() - start
             handle.requests = storage.requests
             self._events.committed(step, handle.committed_nbytes, handle.nbytes, handle.persist_s)
+            # committed: done, so the next save may start (it is not "busy") while the
+            # coordinator's retention runs here; wait() also waits for that retention
             handle._future.set_result(None)
+            if self.rank == 0:
+                self._retain(handle, storage)
+                handle.requests = storage.requests
         except BaseException as exc:
             if not isinstance(exc, CheckpointError):
                 error = CheckpointError(
@@ -403,6 +427,7 @@ class CheckpointEngine:
             handle._future.set_exception(error)
         finally:
             handle.staged.set()
+            handle._retained.set()
 
     def _phase(self, step: int, phase: str) -> None:
         if self._on_phase is not None:
@@ -425,7 +450,11 @@ class CheckpointEngine:
             log.info("retention removed steps %s", deleted)
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed; raise if it failed."""
+        """Block until the save in flight (if any) is committed and its retention done; raise if
+        it failed."""
+        for handle in self._draining:
+            with contextlib.suppress(CheckpointError):
+                handle.wait()  # committed already: only its retention may still run
         if self._last is not None:
             self._last.wait()
 
@@ -683,11 +712,12 @@ class CheckpointEngine:
         if self._closed:
             return
         self._closed = True
-        if self._last is not None and not self._last.done():
-            try:
-                self._last.wait()
-            except CheckpointError as exc:
-                log.warning("save in flight at close failed: %s", exc)
+        for handle in [*self._draining, self._last]:
+            if handle is not None and not handle._retained.is_set():
+                try:
+                    handle.wait()
+                except CheckpointError as exc:
+                    log.warning("save in flight at close failed: %s", exc)
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> CheckpointEngine:

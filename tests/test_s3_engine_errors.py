@@ -1,0 +1,105 @@
+"""Bad S3 input at the engine API: a missing bucket, refused credentials and an endpoint that
+does not answer are a StorageError (a CheckpointError) naming the URL and the reason, from
+``steps()``, ``save()`` and ``load()`` alike, within a bounded time: never a hang, never a
+misleading "nothing committed" (issue 12).
+
+The bound: every S3 request s3fs makes for the engine has a connect timeout and a read timeout
+(``FsspecStorage.CLIENT_DEFAULTS``) and is tried once by the client; ``RetryingStorage`` tries
+an operation ``attempts`` times with backoff. The tests shorten both to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from antifragile.engine import CheckpointEngine, CheckpointError, StorageError
+from antifragile.engine.storage import RetryingStorage
+from antifragile.engine.storage._fsspec import CLIENT_DEFAULTS, FsspecStorage, client_options
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def state() -> dict[str, Any]:
+    return {"w": torch.arange(8.0), "step": 1}
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[BaseException, float]:
+    start = time.monotonic()
+    try:
+        fn()
+    except BaseException as exc:
+        return exc, time.monotonic() - start
+    raise AssertionError("no error")
+
+
+def test_client_defaults_bound_every_request() -> None:
+    """Without options the client gets short timeouts and no retries of its own (the engine
+    retries); the caller's config_kwargs win key by key."""
+    opts = client_options({})
+    assert opts["config_kwargs"] == CLIENT_DEFAULTS
+    assert CLIENT_DEFAULTS["connect_timeout"] <= 5 and CLIENT_DEFAULTS["read_timeout"] <= 10
+    assert CLIENT_DEFAULTS["retries"]["total_max_attempts"] == 1
+    mine = client_options({"config_kwargs": {"read_timeout": 60}, "key": "k"})
+    assert mine["config_kwargs"]["read_timeout"] == 60
+    assert mine["config_kwargs"]["connect_timeout"] == CLIENT_DEFAULTS["connect_timeout"]
+    assert mine["key"] == "k"
+
+
+@pytest.mark.s3
+def test_a_missing_bucket_is_a_storage_error(s3_server: dict[str, Any]) -> None:
+    url = "s3://no-such-bucket-engine/run"
+    with CheckpointEngine(url, storage_options=s3_server) as engine:
+        for call in (engine.steps, lambda: engine.load(state()),
+                     lambda: engine.load(state(), step=1),
+                     lambda: engine.save(1, state(), blocking=True)):
+            with pytest.raises(StorageError, match=r"s3://no-such-bucket-engine/run.*bucket "
+                               r"'no-such-bucket-engine' does not exist"):
+                call()
+
+
+@pytest.mark.s3
+def test_refused_credentials_are_a_storage_error(s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    url, options = s3_bucket
+    with CheckpointEngine(url, storage_options=options) as engine:
+        engine.save(1, state(), blocking=True)
+    bad = {**options, "secret": "wrong"}
+    with CheckpointEngine(url, storage_options=bad) as engine:
+        for call in (engine.steps, lambda: engine.load(state()),
+                     lambda: engine.load(state(), step=1),
+                     lambda: engine.save(2, state(), blocking=True)):
+            with pytest.raises(StorageError, match=rf"{url}.*PermissionError"):
+                call()
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """A port that accepts connections (the kernel does) and never answers."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as listener:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_an_endpoint_that_does_not_answer_fails_within_the_bound(silent_endpoint: str) -> None:
+    options = {"endpoint_url": silent_endpoint, "key": "k", "secret": "s",
+               "config_kwargs": {"connect_timeout": 1, "read_timeout": 1}}
+    with CheckpointEngine("s3://bucket/run", storage_options=options) as engine:
+        assert isinstance(engine.storage, RetryingStorage)
+        assert isinstance(engine.storage.inner, FsspecStorage)
+        engine.storage.attempts = 2
+        engine.storage.base_delay_s = 0.01
+        # one operation: attempts x (connect + read timeout), plus backoff; a failed save
+        # also tries (best effort) its error record and the ABORT note: four operations
+        op_s = 2 * (1 + 1) + 0.5
+        for call, bound_s in ((engine.steps, op_s + 2), (lambda: engine.load(state()), op_s + 2),
+                              (lambda: engine.save(1, state(), blocking=True), 4 * op_s + 2)):
+            exc, seconds = _timed(call)
+            assert isinstance(exc, StorageError), repr(exc)
+            assert isinstance(exc, CheckpointError)
+            assert "s3://bucket/run" in str(exc) and "failed 2 times" in str(exc), exc
+            assert "timeout" in str(exc).lower() or "timed out" in str(exc).lower(), exc
+            assert seconds < bound_s, (seconds, exc)
