@@ -138,6 +138,11 @@ class SaveHandle:
         if not self._retained.wait(timeout):
             raise TimeoutError(f"step {self.step}: committed; retention still running")
 
+    def retention_done(self) -> bool:
+        """True once the save is over, the coordinator's retention after the commit included
+        (``retention_error`` is final then)."""
+        return self._retained.is_set()
+
     def exception(self) -> BaseException | None:
         """The failure, once done (None while in flight or on success)."""
         if not self.done():

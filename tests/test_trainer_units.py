@@ -84,3 +84,49 @@ def test_bad_configuration_is_rejected_with_a_reason(argv: list[str], message: s
 def test_config_defaults_are_consistent() -> None:
     cfg = TrainConfig(parallel=ParallelDims(dp=2, tp=2, pp=2), micro_batches=2)
     assert cfg.parallel.world_size == 8
+
+
+def test_a_retention_failure_after_the_commit_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save is done at its COMMIT while the coordinator's retention still runs; a retention
+    that fails after the trainer saw the commit is still reported (``ckpt_retention_failed``)."""
+    import json
+    import threading
+    import time
+
+    from antifragile.trainer.checkpoint import TrainCheckpointer
+    from antifragile.trainer.ckpt_backends.antifragile import AntifragileBackend
+    from antifragile.trainer.events import EventLog
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    backend = AntifragileBackend(str(tmp_path / "ckpt"), keep_last=1, timeout_s=30.0,
+                                 async_=True)
+    events = EventLog(str(tmp_path), rank=0, attempt=0)
+    ckpt = TrainCheckpointer(backend, model, optimizer, events)
+    ckpt.save(1, 0, blocking=True)
+    release = threading.Event()
+
+    def refuse(prefix: str) -> None:
+        release.wait(30)
+        raise PermissionError(f"delete refused: {prefix}")
+
+    monkeypatch.setattr(backend.engine.storage.inner, "delete_tree", refuse)
+    ckpt.save(2, 8, blocking=False)
+    handle = ckpt._pending
+    assert handle is not None
+    deadline = time.monotonic() + 30
+    while not handle.done() and time.monotonic() < deadline:  # committed; retention waits
+        time.sleep(0.01)
+    assert handle.done() and handle.exception() is None
+    ckpt.poll()
+    release.set()
+    ckpt.close()
+    events.close()
+    lines = [json.loads(line) for line in (tmp_path / "events" / "rank0.jsonl").open()]
+    kinds = [(e["event"], e.get("step")) for e in lines]
+    assert ("ckpt_committed", 2) in kinds
+    failed = [e for e in lines if e["event"] == "ckpt_retention_failed"]
+    assert len(failed) == 1 and failed[0]["step"] == 2
+    assert "PermissionError" in failed[0]["error"]

@@ -31,6 +31,9 @@ class TrainCheckpointer:
         self.optimizer = optimizer
         self.events = events
         self._pending: PendingSave | None = None
+        # committed saves whose retention still runs (our engine's coordinator): a retention
+        # failure is reported once it is known
+        self._retaining: list[Any] = []
 
     def _state(self, step: int, cursor: int) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
@@ -86,28 +89,32 @@ class TrainCheckpointer:
             self.events.emit("ckpt_blocked", step=step, seconds=time.perf_counter() - t0)
 
     def poll(self) -> None:
-        """Report a finished background save (committed or failed) once."""
+        """Report a finished background save (committed or failed) and a failed retention once."""
         handle = self._pending
-        if handle is None or not handle.done():
-            return
-        self._pending = None
-        error = handle.exception()
-        if error is None:
-            self.events.emit("ckpt_committed", step=handle.step, bytes=handle.committed_nbytes
-                             or handle.nbytes, rank_bytes=handle.nbytes,
-                             persist_s=handle.persist_s)
-            retention_error = getattr(handle, "retention_error", None)
-            if retention_error:  # committed all the same; retried at the next save
-                self.events.emit("ckpt_retention_failed", step=handle.step, error=retention_error)
-        else:
-            self.events.emit("ckpt_failed", step=handle.step, error=str(error))
+        if handle is not None and handle.done():
+            self._pending = None
+            error = handle.exception()
+            if error is None:
+                self.events.emit("ckpt_committed", step=handle.step,
+                                 bytes=handle.committed_nbytes or handle.nbytes,
+                                 rank_bytes=handle.nbytes, persist_s=handle.persist_s)
+                if hasattr(handle, "retention_error"):
+                    self._retaining.append(handle)
+            else:
+                self.events.emit("ckpt_failed", step=handle.step, error=str(error))
+        for done in [h for h in self._retaining if h.retention_done()]:
+            self._retaining.remove(done)
+            if done.retention_error:  # committed all the same; retried at the next save
+                self.events.emit("ckpt_retention_failed", step=done.step,
+                                 error=done.retention_error)
 
     def finish(self) -> None:
-        """Wait for the save in flight and report it."""
-        if self._pending is not None:
-            with contextlib.suppress(CheckpointError):
-                self._pending.wait()
-            self.poll()
+        """Wait for the save in flight (and the retentions that follow commits) and report."""
+        for handle in [*self._retaining, self._pending]:
+            if handle is not None:
+                with contextlib.suppress(CheckpointError):
+                    handle.wait()
+        self.poll()
 
     def close(self) -> None:
         self.finish()
