@@ -161,14 +161,14 @@ def load(engine: str, rule: str, url: str) -> tuple[int, str, list[str]]:
         from antifragile.engine import CheckpointEngine, CheckpointNotFoundError
 
         state = empty_state()
-        with warnings.catch_warnings(record=True) as skipped:
+        with warnings.catch_warnings(record=True) as noted:
             warnings.simplefilter("always")
             with CheckpointEngine(url, keep_last=None, chaos_events=False) as ckpt:
                 try:
                     step = ckpt.load(state)
                 except CheckpointNotFoundError as exc:
                     raise NothingToLoad(str(exc)) from None
-        return step, digest(state), [str(w.message)[:200] for w in skipped]
+        return step, digest(state), [str(w.message)[:200] for w in noted]
     fs, root = _fs(url)
     folders = step_folders(fs, root)
     if rule == "newest-folder":
@@ -208,5 +208,6 @@ def _load_one(engine: str, fs: Any, folder: str) -> dict[str, Any]:
         group = zarr.open_group(f"s3://{folder}", mode="r",
                                 storage_options={"skip_instance_cache": True})
         for name, t in state["model"].items():
-            t.copy_(torch.from_numpy(np.asarray(group[f"model/{name}"][:])))
+            array: Any = group[f"model/{name}"]
+            t.copy_(torch.from_numpy(np.asarray(array[:])))
     return state

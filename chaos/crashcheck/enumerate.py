@@ -22,7 +22,7 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from .record import Mutation
+from antifragile.chaos.crashcheck.record import Mutation
 
 
 @dataclass(slots=True)

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .check import BAD, OUTCOMES, CheckerPool, Expected, classify
-from .enumerate import CrashState, Enumeration, enumerate_states
-from .record import Mutation, Recording, RecordingProxy
+from antifragile.chaos.crashcheck.check import BAD, OUTCOMES, CheckerPool, Expected, classify
+from antifragile.chaos.crashcheck.enumerate import CrashState, Enumeration, enumerate_states
+from antifragile.chaos.crashcheck.record import Mutation, Recording, RecordingProxy
 
 ENGINES = ("antifragile", "dcp", "torchsnapshot")
 CASES = ("save", "retention", "overwrite", "overwrite-committed")
@@ -168,9 +168,10 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
                     proc.wait()
     for data in recording.bodies.values():
         _keep_body(bodies, data)
-    step, attempt, _ = the_case.record
+    step, _, _ = the_case.record
     old_step, old_attempt = the_case.old
-    expected = Expected(old_step=old_step, old_digest=first["base"][f"{old_step}/{old_attempt}"],
+    expected = Expected(old_step=old_step,
+                        old_digest=first["base"][f"{old_step}/{old_attempt}"],
                         new_step=step, new_digest=saved["saved"],
                         older={s: first["base"][f"{s}/0"] for s, a, _, drop in the_case.base
                                if s < old_step and a == 0 and not drop})
@@ -248,7 +249,8 @@ def summarize(settings: Settings, result: CaseResult) -> dict[str, Any]:
     return {
         "case": result.case, "engine": settings.engine, "ranks": settings.ranks,
         "states": len(e.states), "distinct_states": e.distinct,
-        "exhaustive_bound": settings.max_inflight_exhaustive, "cut_points": e.cut_points, "crash_points": e.crash_points,
+        "exhaustive_bound": settings.max_inflight_exhaustive, "cut_points": e.cut_points,
+        "crash_points": e.crash_points,
         "sampled_cuts": e.sampled_cuts, "max_in_flight": e.max_in_flight,
         "capped_at": settings.max_states if e.capped else None,
         "same_key_overlaps": e.same_key_overlaps,

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..report.document import html_page, html_table, img_tag
-from .check import BAD, OUTCOMES
+from antifragile.chaos.crashcheck.check import BAD, OUTCOMES
+from antifragile.chaos.report.document import html_page, html_table, img_tag
 
 COLORS = {"old": "#1f77b4", "new": "#2ca02c", "refused": "#ff7f0e", "torn": "#d62728",
           "lost": "#7f7f7f"}

@@ -13,9 +13,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..infra.s3 import DEMO_CREDENTIALS, S3SetupError, check_bucket, configured_endpoint
-from .check import CheckerPool
-from .pipeline import Settings, run_case, summarize
+from antifragile.chaos.crashcheck.check import CheckerPool
+from antifragile.chaos.crashcheck.pipeline import Settings, run_case, summarize
+from antifragile.chaos.infra.s3 import (
+    DEMO_CREDENTIALS,
+    S3SetupError,
+    check_bucket,
+    configured_endpoint,
+)
 
 
 @contextlib.contextmanager
@@ -31,7 +36,7 @@ def s3_endpoint(endpoint_url: str | None,
         env.setdefault("AWS_DEFAULT_REGION", "us-east-1")
         yield configured, env
         return
-    from ..infra.seaweedfs import SeaweedCluster, SeaweedError
+    from antifragile.chaos.infra.seaweedfs import SeaweedCluster, SeaweedError
 
     cluster = SeaweedCluster(access_key=DEMO_CREDENTIALS["AWS_ACCESS_KEY_ID"],
                              secret_key=DEMO_CREDENTIALS["AWS_SECRET_ACCESS_KEY"])

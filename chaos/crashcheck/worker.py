@@ -85,7 +85,6 @@ def _drop_marker(engine: str, url: str, step: int) -> None:
 def _check_main(args: argparse.Namespace) -> None:
     import logging
     import warnings
-
     from concurrent.futures import ThreadPoolExecutor
 
     import botocore.session
@@ -124,10 +123,19 @@ def _check_main(args: argparse.Namespace) -> None:
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
                 if isinstance(exc, KeyboardInterrupt | SystemExit):
                     raise
-                text = " ".join(str(exc).split())[:300]
-                results[rule] = {"error": f"{type(exc).__name__}: {text}"}
+                results[rule] = {"error": _one_line(exc)}
             results[rule]["load_s"] = round(time.monotonic() - t1, 4)
         _say({"id": task["id"], "rebuild_s": round(rebuild_s, 4), "results": results})
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line; for DCP's CheckpointException (every rank's traceback
+    in its text), the first failing rank's own exception."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (inner, _) = min(failures.items())
+        return f"{type(exc).__name__} (rank {rank}): {_one_line(inner)}"
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
 def main(argv: list[str] | None = None) -> None:
