@@ -218,7 +218,11 @@ def run_case(settings: Settings, name: str, *, endpoint_url: str, env: dict[str,
     tasks = [{"id": s.id, "prefix": f"{root.removesuffix('/ckpt')}-check/s{s.id:05d}",
               "objects": s.objects, "rules": list(rules)} for s in enumeration.states]
     t2 = time.monotonic()
-    answers = pool.check(tasks)
+    def checked(n: int) -> None:
+        if n % 200 == 0 or n == len(tasks):
+            progress(f"  {n}/{len(tasks)} states checked ({time.monotonic() - t2:.0f} s)")
+
+    answers = pool.check(tasks, progress=checked)
     check_s = time.monotonic() - t2
     result = CaseResult(name, recording, base, expected, enumeration, answers=answers,
                         save_error=save_error)
