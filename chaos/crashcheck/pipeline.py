@@ -213,7 +213,8 @@ def run_case(settings: Settings, name: str, *, endpoint_url: str, env: dict[str,
                                    max_states=settings.max_states, seed=settings.seed)
     enumerate_s = time.monotonic() - t1
     progress(f"{settings.engine} r{settings.ranks} {name}: {len(recording.mutations)} "
-             f"mutations, {len(enumeration.states)} distinct crash states; checking")
+             f"mutations, {enumeration.distinct} distinct crash states; checking "
+             f"{len(enumeration.states)}")
     rules = settings.rules or RULES[settings.engine]
     tasks = [{"id": s.id, "prefix": f"{root.removesuffix('/ckpt')}-check/s{s.id:05d}",
               "objects": s.objects, "rules": list(rules)} for s in enumeration.states]
