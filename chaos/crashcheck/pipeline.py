@@ -281,7 +281,11 @@ def _witness(state: CrashState, by_index: dict[int, Mutation], result: CaseResul
     loaded = ({"error": answer["error"]} if "error" in answer
               else {"nothing": answer["nothing"]} if "nothing" in answer
               else {"step": answer["step"], "data": _label(answer["digest"], result.expected)})
+    changed = sorted(set(state.objects) | set(result.base))
+    changed = [k for k in changed if state.objects.get(k) != result.base.get(k)]
     return {"state": state.id, "cut_s": round(state.cut_s, 6),
+            "changed_by_the_save": [f"{k}: {'deleted' if k not in state.objects else 'written'}"
+                                    for k in changed],
             "acknowledged_before_cut": len(set(state.applied) - set(state.in_flight_applied)),
             "in_flight": [show(i) + (" (applied)" if i in state.in_flight_applied
                                      else " (not applied)") for i in state.in_flight],

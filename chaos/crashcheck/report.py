@@ -90,6 +90,8 @@ def _witness_lines(w: dict[str, Any]) -> list[str]:
     lines = [f"  - cut at {w['cut_s']:.4f} s after the save began; "
              f"{w['acknowledged_before_cut']} mutations acknowledged before it",
              f"  - in flight: {'; '.join(w['in_flight']) or 'nothing'}",
+             f"  - objects that differ from before the save: "
+             f"{'; '.join(w.get('changed_by_the_save', [])) or 'none'}",
              f"  - loaded: {json.dumps(w['loaded'])}"]
     return lines
 
@@ -104,7 +106,8 @@ def markdown(doc: dict[str, Any], has_plot: bool) -> str:
     lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in table_rows(doc)]
     lines += ["", "`old`: step k loaded, bitwise equal; `new`: step k+1, bitwise equal; "
               "`refused`: an error while an intact checkpoint existed; `torn`: data equal to "
-              "neither; `lost`: no checkpoint found although step k was committed.", "",
+              "neither; `lost`: step k, committed before the save, no longer loads (nothing "
+              "does, or only an older step).", "",
               "## Cases", ""]
     lines += [f"- {_case_line(c)}" for c in doc["cases"]]
     lines += ["", "## Witnesses (one minimal state per non-ok outcome)", ""]
