@@ -62,6 +62,8 @@ def test_max_states_caps_with_a_seeded_sample() -> None:
     muts = [_put(i, f"k{i}", 0, 1) for i in range(6)]
     e = enumerate_states({}, muts, max_states=10)
     assert e.capped and e.distinct == 64 and len(e.states) == 10
+    sizes = [len(s.objects) for s in e.states]
+    assert 0 in sizes and 6 in sizes  # the states before and after the save are always kept
 
 
 def test_deletes_copies_and_same_key_overlaps() -> None:
@@ -196,17 +198,18 @@ def _run(args: list[str], out: Path, s3: dict[str, Any]) -> tuple[int, dict[str,
 
 @pytest.mark.s3
 @pytest.mark.multiproc
+@pytest.mark.timeout(900)  # ~2 min on 2 idle cores; a shared, loaded machine takes longer
 def test_small_antifragile_save_every_state_old_or_new(
         tmp_path: Path, s3_server: dict[str, Any]) -> None:
     """The default suite's configuration: one rank, hundreds of crash states."""
-    rc, doc, output = _run(["--engine", "antifragile", "--case", "save", "--max-states", "200"],
+    rc, doc, output = _run(["--engine", "antifragile", "--case", "save", "--max-states", "150"],
                            tmp_path / "r", s3_server)
     assert rc == 0, output
     (case,) = doc["cases"]
-    assert case["states"] == 200 and case["distinct_states"] > 200
+    assert case["states"] == 150 and case["distinct_states"] > 150
     counts = case["rules"]["engine"]["counts"]
     assert counts["old"] > 0 and counts["new"] > 0, counts
-    assert counts["old"] + counts["new"] == 200, case["rules"]["engine"]["witnesses"]
+    assert counts["old"] + counts["new"] == 150, case["rules"]["engine"]["witnesses"]
     assert case["max_in_flight"] > 1  # concurrency was seen, not a sequential trace
     for name in ("crashcheck.md", "crashcheck.html", "outcomes.png"):
         assert (tmp_path / "r" / name).stat().st_size > 0
@@ -214,6 +217,7 @@ def test_small_antifragile_save_every_state_old_or_new(
 
 @pytest.mark.s3
 @pytest.mark.multiproc
+@pytest.mark.timeout(600)
 def test_a_loader_that_ignores_commit_is_caught(tmp_path: Path,
                                                 s3_server: dict[str, Any]) -> None:
     """The verdict can fail: reading the newest step folder without its COMMIT (a plain zarr

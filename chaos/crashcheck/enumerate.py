@@ -124,9 +124,12 @@ def enumerate_states(base: dict[str, str], mutations: list[Mutation], *,
     states = list(seen.values())
     distinct = len(states)
     capped = max_states is not None and len(states) > max_states
-    if capped:
+    if capped:  # a seeded sample that always holds the state before and after the save
         assert max_states is not None
-        keep = sorted(random.Random(seed).sample(range(len(states)), max_states))
+        final = max(range(len(states)), key=lambda i: (len(states[i].applied), i))
+        ends = sorted({0, final})[:max_states]
+        rest = [i for i in range(len(states)) if i not in ends]
+        keep = sorted(ends + random.Random(seed).sample(rest, max_states - len(ends)))
         states = [states[i] for i in keep]
     return Enumeration(states, len(cuts), crash_points, sampled, widest,
                        _same_key_overlaps(visible), distinct, capped)
