@@ -85,7 +85,8 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
                         checkers=checkers, seed=seed, rules=tuple(rules) or None)
     try:
         doc = crashcheck(settings, endpoint_url=endpoint_url,
-                         progress=lambda line: click.echo(line, err=True))
+                         progress=lambda line: click.echo(line, err=True),
+                         on_case=lambda partial: write_all(folder, partial))
     except S3SetupError as exc:
         fail(str(exc))
     write_all(folder, doc)

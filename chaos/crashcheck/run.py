@@ -54,9 +54,11 @@ def s3_endpoint(endpoint_url: str | None,
 
 
 def crashcheck(settings: Settings, *, endpoint_url: str | None = None,
-               progress: Callable[[str], None] = print) -> dict[str, Any]:
+               progress: Callable[[str], None] = print,
+               on_case: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Record, enumerate and check every case of ``settings``; the report document. Raises
-    S3SetupError (a one-line reason) when the endpoint cannot be used."""
+    S3SetupError (a one-line reason) when the endpoint cannot be used. ``on_case`` gets the
+    document after each case (a long run that is stopped keeps its finished cases)."""
     began = time.monotonic()
     with s3_endpoint(endpoint_url, progress) as (endpoint, env):
         if not endpoint.startswith("http://"):
@@ -67,7 +69,13 @@ def crashcheck(settings: Settings, *, endpoint_url: str | None = None,
                    "secret": env.get("AWS_SECRET_ACCESS_KEY")}
         check_bucket(f"s3://{bucket}", endpoint, options, create=True)
         bodies = Path(tempfile.mkdtemp(prefix="crashcheck-bodies-"))
-        cases = []
+        cases: list[dict[str, Any]] = []
+        doc = {"engine": settings.engine, "ranks": settings.ranks,
+               "settings": {"cases": list(settings.cases), "max_states": settings.max_states,
+                            "max_inflight_exhaustive": settings.max_inflight_exhaustive,
+                            "latency_s": settings.latency_s, "checkers": settings.checkers,
+                            "seed": settings.seed},
+               "endpoint": endpoint, "bucket": bucket, "cases": cases, "wall_s": None}
         try:
             with CheckerPool(engine=settings.engine, bucket=bucket, bodies=bodies,
                              env={**env, "AWS_ENDPOINT_URL": endpoint,
@@ -78,12 +86,9 @@ def crashcheck(settings: Settings, *, endpoint_url: str | None = None,
                                       bucket=bucket, bodies=bodies, pool=pool,
                                       progress=progress)
                     cases.append(summarize(settings, result))
+                    doc["wall_s"] = round(time.monotonic() - began, 1)
+                    if on_case is not None:
+                        on_case(doc)
         finally:
             shutil.rmtree(bodies, ignore_errors=True)
-    return {"engine": settings.engine, "ranks": settings.ranks,
-            "settings": {"cases": list(settings.cases), "max_states": settings.max_states,
-                         "max_inflight_exhaustive": settings.max_inflight_exhaustive,
-                         "latency_s": settings.latency_s, "checkers": settings.checkers,
-                         "seed": settings.seed},
-            "endpoint": endpoint, "bucket": bucket, "cases": cases,
-            "wall_s": round(time.monotonic() - began, 1)}
+    return doc
