@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from antifragile.chaos.cli.ckpt import ckpt
+from antifragile.chaos.cli.crashcheck import crashcheck_cmd
 from antifragile.chaos.cli.run import list_scenarios, run_cmd, validate
 from antifragile.chaos.cli.suite import suite
 from antifragile.chaos.cli.tune import tune
@@ -20,7 +21,7 @@ def main() -> None:
     """Make large-model training survive failure, and prove it."""
 
 
-for command in (run_cmd, validate, list_scenarios, suite, tune, ckpt):
+for command in (run_cmd, validate, list_scenarios, suite, tune, ckpt, crashcheck_cmd):
     main.add_command(command)
 
 

@@ -1,0 +1,102 @@
+"""``chaos crashcheck``: every crash state of a save, enumerated and checked, for one engine."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import click
+
+from antifragile.chaos.cli.common import fail
+
+ENGINES = ("antifragile", "dcp", "torchsnapshot")  # chaos/crashcheck/pipeline.py's, unimported
+CASES = ("save", "retention", "overwrite", "overwrite-committed")
+
+
+@click.command("crashcheck")
+@click.option("--engine", required=True, help=f"One of {', '.join(ENGINES)}.")
+@click.option("--ranks", type=int, default=1, show_default=True,
+              help="Ranks of the saving job (gloo, CPU).")
+@click.option("--retention", is_flag=True, help="Check the save whose commit triggers "
+              "retention (keep_last=2 deleting the oldest step) instead of the default cases.")
+@click.option("--case", "cases", multiple=True, help="A case to check (repeatable): "
+              f"{', '.join(CASES)}. Default: save, overwrite, overwrite-committed.")
+@click.option("--max-states", type=int, help="Check at most this many distinct states "
+              "(a seeded sample, reported as such).")
+@click.option("--max-inflight", type=int, default=12, show_default=True,
+              help="In-flight sets up to this size have every subset enumerated; larger "
+              "ones are sampled.")
+@click.option("--out", help="Report folder (default reports/crashcheck-<engine>-<UTC time>).")
+@click.option("--endpoint-url", help="S3 endpoint (plain http://); default AWS_ENDPOINT_URL, "
+              "else a local SeaweedFS cluster started for the run.")
+@click.option("--rule", "rules", multiple=True, help="Load rule (repeatable): engine "
+              "(antifragile), marker (the peers' documented one), newest-folder (newest "
+              "step folder, no fallback). Default: the engine's documented rule, and "
+              "newest-folder for the peers.")
+@click.option("--checkers", type=int, default=2, show_default=True,
+              help="Checker processes loading states in parallel.")
+@click.option("--latency-ms", type=float, default=20.0, show_default=True,
+              help="Latency the recording proxy adds to each request.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, ...],
+                   max_states: int | None, max_inflight: int, out: str | None,
+                   endpoint_url: str | None, rules: tuple[str, ...], checkers: int,
+                   latency_ms: float, seed: int) -> None:
+    """Record a save on S3, build every state a crash could leave, load each one in a process
+    that never saw the save, and count old / new / refused / torn / lost.
+
+    Exit 0 when the documented load rule never gave refused, torn or lost; 1 otherwise;
+    2 bad input."""
+    if engine not in ENGINES:
+        fail(f"--engine {engine!r}: unknown engine (known: {', '.join(ENGINES)})")
+    if ranks < 1:
+        fail(f"--ranks {ranks}: a saving job needs at least 1 rank")
+    for name in cases:
+        if name not in CASES:
+            fail(f"--case {name!r}: unknown case (known: {', '.join(CASES)})")
+    known = ("engine", "newest-folder") if engine == "antifragile" else ("marker",
+                                                                          "newest-folder")
+    for rule in rules:
+        if rule not in known:
+            fail(f"--rule {rule!r}: not a load rule of {engine} (known: {', '.join(known)})")
+    if max_states is not None and max_states < 1:
+        fail(f"--max-states {max_states}: must be at least 1")
+    if checkers < 1:
+        fail(f"--checkers {checkers}: must be at least 1")
+    if endpoint_url is not None and not endpoint_url.startswith("http://"):
+        fail(f"--endpoint-url {endpoint_url}: the recording proxy needs a plain http:// "
+             "endpoint")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    folder = Path(out) if out else Path("reports") / f"crashcheck-{engine}-{stamp}"
+    if folder.exists() and not folder.is_dir():
+        fail(f"--out {folder}: is a file, not a folder")
+    chosen = cases or (("retention",) if retention else
+                       ("save", "overwrite", "overwrite-committed"))
+    if retention and cases and "retention" not in cases:
+        chosen = (*cases, "retention")
+
+    from antifragile.chaos.crashcheck.pipeline import Settings
+    from antifragile.chaos.crashcheck.report import verdict, write_all
+    from antifragile.chaos.crashcheck.run import crashcheck
+    from antifragile.chaos.infra.s3 import S3SetupError
+
+    settings = Settings(engine=engine, ranks=ranks, cases=tuple(chosen), max_states=max_states,
+                        max_inflight_exhaustive=max_inflight, latency_s=latency_ms / 1000,
+                        checkers=checkers, seed=seed, rules=tuple(rules) or None)
+    try:
+        doc = crashcheck(settings, endpoint_url=endpoint_url,
+                         progress=lambda line: click.echo(line, err=True),
+                         on_case=lambda partial: write_all(folder, partial))
+    except S3SetupError as exc:
+        fail(str(exc))
+    write_all(folder, doc)
+    ok, reasons = verdict(doc)
+    click.echo(f"crashcheck {engine} ({ranks} rank{'s' if ranks > 1 else ''}): "
+               f"{'OK' if ok else 'FAIL'}  report: {folder / 'crashcheck.md'}")
+    for c in doc["cases"]:
+        for rule, r in c["rules"].items():
+            counts = ", ".join(f"{o} {n}" for o, n in r["counts"].items())
+            click.echo(f"  {c['case']}, rule {rule}: {c['states']} states: {counts}")
+    for reason in reasons:
+        click.echo(f"  - {reason}")
+    raise SystemExit(0 if ok else 1)

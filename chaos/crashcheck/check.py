@@ -1,0 +1,165 @@
+"""Load every crash state in processes that never saw the save, and classify what they load.
+
+A pool of checker processes (``worker.py check``; each imports torch once) takes states one at
+a time: each state is rebuilt under a fresh prefix and loaded by a brand-new engine instance
+per load rule. Starting a new Python + torch process per state would cost seconds each; the
+checkers share nothing with the saving job but the bucket, and no two states share a prefix.
+
+Outcomes, against the digests of what was saved:
+
+- ``old``: step k, bitwise equal to what step k saved;
+- ``new``: step k+1, bitwise equal to what the recorded save saved;
+- ``refused``: an error, nothing loaded, although an intact checkpoint existed (liveness);
+- ``torn``: something loaded that equals neither (correctness);
+- ``lost``: step k, committed before the save began, cannot be loaded any more: the rule
+  found no checkpoint at all, or only an older step (intact, but a committed step is gone).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OUTCOMES = ("old", "new", "refused", "torn", "lost")
+BAD = ("refused", "torn", "lost")
+
+
+@dataclass(slots=True, kw_only=True)
+class Expected:
+    """What a correct load may return: step k with its digest, step k+1 with its digest."""
+
+    old_step: int
+    old_digest: str
+    new_step: int
+    new_digest: str
+    older: dict[int, str] = field(default_factory=dict)  # older committed steps' digests
+
+
+def classify(result: dict[str, Any], expected: Expected) -> str:
+    if "nothing" in result:
+        return "lost"
+    if "error" in result:
+        return "refused"
+    step, loaded = result["step"], result["digest"]
+    if step == expected.old_step and loaded == expected.old_digest:
+        return "old"
+    if step == expected.new_step and loaded == expected.new_digest:
+        return "new"
+    if expected.older.get(step) == loaded:
+        return "lost"  # an older step, intact: step k was lost
+    return "torn"
+
+
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """A checker is SIGKILLed when crashcheck dies (Linux), instead of idling on its stdin."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+class CheckerError(RuntimeError):
+    """A checker process died or said something unexpected."""
+
+
+class CheckerPool:
+    """``workers`` checker processes for one engine; ``check`` spreads states over them."""
+
+    def __init__(self, *, engine: str, bucket: str, bodies: Path, env: dict[str, str],
+                 workers: int) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        child_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        for _ in range(workers):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "antifragile.chaos.crashcheck.worker", "check",
+                 "--engine", engine, "--bucket", bucket, "--bodies", str(bodies)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, env=child_env, preexec_fn=_die_with_parent(os.getpid()))
+            self.procs.append(proc)
+        for proc in self.procs:
+            self._expect(proc, "ready")
+
+    def _expect(self, proc: subprocess.Popen[str], field: str) -> dict[str, Any]:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise CheckerError(f"a checker process exited ({proc.wait()}): "
+                               f"{err.strip().splitlines()[-1:] or ''}")
+        doc: dict[str, Any] = json.loads(line)
+        if field not in doc:
+            raise CheckerError(f"a checker said {line.strip()[:200]}")
+        return doc
+
+    def check(self, tasks: list[dict[str, Any]],
+              progress: Callable[[int], None] | None = None) -> dict[int, dict[str, Any]]:
+        """Each task: ``{"id", "prefix", "objects": {key: body file}, "rules"}``; returns
+        the checker's answer per id."""
+        todo: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        for task in tasks:
+            todo.put(task)
+        answers: dict[int, dict[str, Any]] = {}
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def drive(proc: subprocess.Popen[str]) -> None:
+            assert proc.stdin is not None
+            try:
+                while True:
+                    try:
+                        task = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    assert task is not None
+                    proc.stdin.write(json.dumps(task) + "\n")
+                    proc.stdin.flush()
+                    doc = self._expect(proc, "results")
+                    with lock:
+                        answers[doc["id"]] = doc
+                        if progress is not None:
+                            progress(len(answers))
+            except BaseException as exc:  # reported once every driver stopped
+                errors.append(exc)
+
+        threads = [threading.Thread(target=drive, args=(p,), daemon=True) for p in self.procs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return answers
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> CheckerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

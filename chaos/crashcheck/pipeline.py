@@ -1,0 +1,303 @@
+"""``chaos crashcheck`` end to end: per case, record a save, enumerate its crash states, check
+each one, classify. The report is written by ``report.py``.
+
+Cases (step k committed before the recorded save of step k+1):
+
+- ``save``: step 1 committed, then step 2 is saved.
+- ``retention``: steps 1 and 2 committed (``keep_last=2``), then step 3 is saved with
+  ``keep_last=2``: its commit is followed by retention deleting step 1.
+- ``overwrite``: step 1 committed, and an earlier attempt at step 2 (other data) wrote
+  everything but its marker (a save that crashed just before committing: made by a complete
+  save whose marker is then deleted); then step 2 is saved again into the same prefix.
+- ``overwrite-committed``: steps 1 and 2 committed, step 2 by an attempt whose success the
+  trainer never learnt (it crashed after the marker landed) or that it resumed before; then
+  step 2 is saved again, with other data, into the same prefix. "old" is the committed
+  step 2 of the first attempt; an engine may also refuse the second save outright.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from antifragile.chaos.crashcheck.check import BAD, OUTCOMES, CheckerPool, Expected, classify
+from antifragile.chaos.crashcheck.enumerate import CrashState, Enumeration, enumerate_states
+from antifragile.chaos.crashcheck.record import Mutation, Recording, RecordingProxy
+
+ENGINES = ("antifragile", "dcp", "torchsnapshot")
+CASES = ("save", "retention", "overwrite", "overwrite-committed")
+#: the load rules checked by default; ``newest-folder`` for antifragile (its arrays read by a
+#: plain zarr reader, COMMIT ignored) is a deliberately broken rule, on request only
+RULES = {"antifragile": ("engine",), "dcp": ("marker", "newest-folder"),
+         "torchsnapshot": ("marker", "newest-folder")}
+ALL_RULES = ("engine", "marker", "newest-folder")
+#: rules a user of the engine is told to use; the others are reported, not targeted
+DOCUMENTED = {"antifragile": "engine", "dcp": "marker", "torchsnapshot": "marker"}
+
+
+@dataclass(slots=True, frozen=True)
+class Case:
+    name: str
+    base: list[tuple[int, int, int | None, bool]]  # (step, attempt, keep_last, drop marker)
+    record: tuple[int, int, int | None]  # (step, attempt, keep_last)
+    old: tuple[int, int]  # (step, attempt) a correct load may return besides the new save
+
+
+def case(name: str) -> Case:
+    if name == "save":
+        return Case(name, [(1, 0, None, False)], (2, 0, None), (1, 0))
+    if name == "retention":
+        return Case(name, [(1, 0, 2, False), (2, 0, 2, False)], (3, 0, 2), (2, 0))
+    if name == "overwrite":
+        return Case(name, [(1, 0, None, False), (2, 1, None, True)], (2, 0, None), (1, 0))
+    if name == "overwrite-committed":
+        return Case(name, [(1, 0, None, False), (2, 1, None, False)], (2, 0, None), (2, 1))
+    raise ValueError(f"unknown case {name!r} (known: {', '.join(CASES)})")
+
+
+@dataclass(slots=True, kw_only=True)
+class Settings:
+    engine: str
+    ranks: int
+    cases: tuple[str, ...]
+    max_states: int | None = None
+    max_inflight_exhaustive: int = 12
+    latency_s: float = 0.02
+    checkers: int = 2
+    seed: int = 0
+    rules: tuple[str, ...] | None = None  # default: every rule of the engine
+
+
+@dataclass(slots=True)
+class CaseResult:
+    """One case of one engine: the recording, the states and each rule's outcomes."""
+
+    case: str
+    recording: Recording
+    base: dict[str, str]
+    expected: Expected
+    enumeration: Enumeration
+    outcomes: dict[str, dict[int, str]] = field(default_factory=dict)  # rule -> state -> ...
+    answers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    save_error: str | None = None  # the engine refused the recorded save (it may)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _s3_client(endpoint_url: str, env: dict[str, str]) -> Any:
+    import botocore.session
+
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=endpoint_url, region_name=env.get("AWS_DEFAULT_REGION", "us-east-1"),
+        aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
+        aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"))
+
+
+def _list(client: Any, bucket: str, prefix: str) -> list[str]:
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                 Prefix=f"{prefix}/"):
+        keys += [o["Key"] for o in page.get("Contents", [])]
+    return keys
+
+
+def _keep_body(bodies: Path, data: bytes) -> str:
+    digest = hashlib.sha256(data).hexdigest()
+    path = bodies / digest
+    if not path.exists():
+        path.write_bytes(data)
+    return digest
+
+
+def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: dict[str, str],
+                bucket: str, bodies: Path, root: str
+                ) -> tuple[Recording, dict[str, str], Expected, float, str | None]:
+    """Run the base saves and the recorded save (``settings.ranks`` processes, through the
+    recording proxy): (recording, base objects {key: digest}, expected digests, save seconds)."""
+    client = _s3_client(endpoint_url, env)
+    with RecordingProxy(endpoint_url, bucket=bucket, root=root,
+                        latency_s=settings.latency_s) as proxy:
+        plan = json.dumps({"base": the_case.base, "record": the_case.record})
+        port = _free_port()
+        procs = []
+        for rank in range(settings.ranks):
+            rank_env = {**os.environ, **env, "AWS_ENDPOINT_URL": proxy.endpoint_url,
+                        "AWS_ENDPOINT_URL_S3": proxy.endpoint_url, "RANK": str(rank),
+                        "WORLD_SIZE": str(settings.ranks), "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                        "PYTHONWARNINGS": "ignore", "GLOO_SOCKET_IFNAME": "lo"}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "antifragile.chaos.crashcheck.worker", "save",
+                 "--engine", settings.engine, "--url", f"s3://{bucket}/{root}", "--plan", plan],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, env=rank_env))
+        try:
+            first = _line(procs)
+            base: dict[str, str] = {}
+            for key in _list(client, bucket, root):
+                data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+                base[key.removeprefix(f"{root}/")] = _keep_body(bodies, data)
+            proxy.start()
+            assert procs[0].stdin is not None
+            procs[0].stdin.write("go\n")
+            procs[0].stdin.flush()
+            saved = _line(procs)
+            for proc in procs:
+                if proc.wait(timeout=300) != 0:
+                    raise RuntimeError(_failure(proc))
+            recording = proxy.stop()
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    for data in recording.bodies.values():
+        _keep_body(bodies, data)
+    step, _, _ = the_case.record
+    old_step, old_attempt = the_case.old
+    expected = Expected(old_step=old_step,
+                        old_digest=first["base"][f"{old_step}/{old_attempt}"],
+                        new_step=step, new_digest=saved["saved"],
+                        older={s: first["base"][f"{s}/0"] for s, a, _, drop in the_case.base
+                               if s < old_step and a == 0 and not drop})
+    return recording, base, expected, float(saved["save_s"]), saved.get("error")
+
+
+def _line(procs: list[subprocess.Popen[str]]) -> dict[str, Any]:
+    assert procs[0].stdout is not None
+    line = procs[0].stdout.readline()
+    if not line:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        raise RuntimeError(_failure(procs[0]))
+    doc: dict[str, Any] = json.loads(line)
+    return doc
+
+
+def _failure(proc: subprocess.Popen[str]) -> str:
+    err = proc.stderr.read() if proc.stderr else ""
+    tail = [line for line in err.strip().splitlines() if line.strip()][-1:]
+    return f"the saving job failed (exit {proc.wait()}): {' '.join(tail)}"
+
+
+def run_case(settings: Settings, name: str, *, endpoint_url: str, env: dict[str, str],
+             bucket: str, bodies: Path, pool: CheckerPool,
+             progress: Callable[[str], None] = print) -> CaseResult:
+    the_case = case(name)
+    tag = uuid.uuid4().hex[:8]
+    root = f"{settings.engine}-r{settings.ranks}-{name}-{tag}/ckpt"
+    t0 = time.monotonic()
+    recording, base, expected, save_s, save_error = record_case(
+        settings, the_case, endpoint_url=endpoint_url, env=env, bucket=bucket, bodies=bodies,
+        root=root)
+    record_s = time.monotonic() - t0
+    t1 = time.monotonic()
+    enumeration = enumerate_states(base, recording.mutations,
+                                   max_inflight_exhaustive=settings.max_inflight_exhaustive,
+                                   max_states=settings.max_states, seed=settings.seed)
+    enumerate_s = time.monotonic() - t1
+    progress(f"{settings.engine} r{settings.ranks} {name}: {len(recording.mutations)} "
+             f"mutations, {enumeration.distinct} distinct crash states; checking "
+             f"{len(enumeration.states)}")
+    rules = settings.rules or RULES[settings.engine]
+    tasks = [{"id": s.id, "prefix": f"{root.removesuffix('/ckpt')}-check/s{s.id:05d}",
+              "objects": s.objects, "rules": list(rules)} for s in enumeration.states]
+    t2 = time.monotonic()
+    def checked(n: int) -> None:
+        if n % 200 == 0 or n == len(tasks):
+            progress(f"  {n}/{len(tasks)} states checked ({time.monotonic() - t2:.0f} s)")
+
+    answers = pool.check(tasks, progress=checked)
+    check_s = time.monotonic() - t2
+    result = CaseResult(name, recording, base, expected, enumeration, answers=answers,
+                        save_error=save_error)
+    for rule in rules:
+        result.outcomes[rule] = {i: classify(a["results"][rule], expected)
+                                 for i, a in answers.items()}
+    result.timings = {"record_s": round(record_s, 2), "save_s": round(save_s, 3),
+                      "enumerate_s": round(enumerate_s, 2), "check_s": round(check_s, 2)}
+    return result
+
+
+def summarize(settings: Settings, result: CaseResult) -> dict[str, Any]:
+    """The JSON of one case: counts per rule, a minimal witness per bad outcome."""
+    e = result.enumeration
+    by_index = {m.index: m for m in result.recording.mutations}
+    rules = {}
+    for rule, outcomes in result.outcomes.items():
+        counts = {o: sum(1 for v in outcomes.values() if v == o) for o in OUTCOMES}
+        witnesses = {}
+        for bad in BAD:
+            ids = [i for i, v in outcomes.items() if v == bad]
+            if ids:
+                state = min((s for s in e.states if s.id in ids),
+                            key=lambda s: (len(s.in_flight), s.cut_s))
+                witnesses[bad] = _witness(state, by_index, result, rule)
+        rules[rule] = {"documented": rule == DOCUMENTED[settings.engine], "counts": counts,
+                       "witnesses": witnesses}
+    return {
+        "case": result.case, "engine": settings.engine, "ranks": settings.ranks,
+        "states": len(e.states), "distinct_states": e.distinct,
+        "exhaustive_bound": settings.max_inflight_exhaustive, "cut_points": e.cut_points,
+        "crash_points": e.crash_points,
+        "sampled_cuts": e.sampled_cuts, "max_in_flight": e.max_in_flight,
+        "capped_at": settings.max_states if e.capped else None,
+        "same_key_overlaps": e.same_key_overlaps,
+        "mutations": [m.to_json() for m in result.recording.mutations],
+        "requests": result.recording.requests,
+        "base_objects": len(result.base),
+        "expected": {"old_step": result.expected.old_step, "new_step": result.expected.new_step},
+        "save_error": result.save_error,
+        "rules": rules, "timings": result.timings,
+        "cuts": [{"state": s.id, "cut_s": round(s.cut_s, 6),
+                  **{r: result.outcomes[r].get(s.id) for r in result.outcomes}}
+                 for s in e.states],
+    }
+
+
+def _witness(state: CrashState, by_index: dict[int, Mutation], result: CaseResult,
+             rule: str) -> dict[str, Any]:
+    def show(i: int) -> str:
+        m = by_index[i]
+        return f"#{i} {m.kind.upper()} {m.key}"
+
+    answer = result.answers[state.id]["results"][rule]
+    loaded = ({"error": answer["error"]} if "error" in answer
+              else {"nothing": answer["nothing"]} if "nothing" in answer
+              else {"step": answer["step"], "data": _label(answer["digest"], result.expected)})
+    changed = sorted(set(state.objects) | set(result.base))
+    changed = [k for k in changed if state.objects.get(k) != result.base.get(k)]
+    return {"state": state.id, "cut_s": round(state.cut_s, 6),
+            "changed_by_the_save": [f"{k}: {'deleted' if k not in state.objects else 'written'}"
+                                    for k in changed],
+            "acknowledged_before_cut": len(set(state.applied) - set(state.in_flight_applied)),
+            "in_flight": [show(i) + (" (applied)" if i in state.in_flight_applied
+                                     else " (not applied)") for i in state.in_flight],
+            "loaded": loaded}
+
+
+def _label(digest: str, expected: Expected) -> str:
+    if digest == expected.old_digest:
+        return f"step {expected.old_step}'s data"
+    if digest == expected.new_digest:
+        return f"step {expected.new_step}'s data"
+    for step, older in expected.older.items():
+        if digest == older:
+            return f"step {step}'s data (an older step: step {expected.old_step} was lost)"
+    return f"data equal to neither (sha256 {digest[:12]})"

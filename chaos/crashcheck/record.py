@@ -1,0 +1,344 @@
+"""Record what the storage saw: an HTTP proxy in front of the S3 server that logs every
+mutating request with its key, body digest, issue time and acknowledgement time.
+
+Unlike :class:`chaos.infra.proxy.FaultProxy` (which pumps bytes), this proxy parses HTTP/1.1:
+it reads a whole request (head and body: ``Content-Length``, ``chunked``; ``Expect:
+100-continue`` is answered here, and the ``Expect`` header is not part of a SigV4 signature),
+forwards it on a connection of its own, reads the whole answer and passes it back. A request is
+*issued* when its first byte reaches the proxy and *acknowledged* once its answer has been
+handed back to the client: the server applied it somewhere inside that interval, which is all
+the crash model needs (``enumerate.py``). ``latency_s`` holds each request back before it is
+forwarded, as a real object store's latency would, so that concurrent requests overlap.
+
+Mutations (one :class:`Mutation` per key changed): ``PUT`` (object, or ``COPY`` with
+``x-amz-copy-source``), ``DELETE``, ``POST ?delete`` (one mutation per key: S3's multi-object
+delete is not atomic), ``POST ?uploads`` / ``PUT ?partNumber`` / ``POST ?uploadId`` (multipart:
+the object appears, with its parts concatenated, when the completion is applied). Requests the
+server refused (not 2xx) change nothing and are not recorded as mutations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlparse
+
+MUTATING_KINDS = ("put", "copy", "delete", "multipart_create", "multipart_part",
+                  "multipart_complete")
+_HEAD_LIMIT = 64 * 1024
+
+
+@dataclass(slots=True)
+class Mutation:
+    """One change the storage may have applied. ``key`` is relative to the recorded root;
+    ``digest`` is the sha256 of the object's bytes after the change (None: deleted, or a
+    multipart create/part that makes nothing visible). ``source``: a COPY's source key."""
+
+    index: int
+    kind: str
+    key: str
+    issued_s: float
+    acked_s: float
+    digest: str | None = None
+    size: int = 0
+    source: str | None = None
+    status: int = 200
+
+    @property
+    def visible(self) -> bool:
+        """Whether applying it changes what a reader of the bucket sees."""
+        return self.kind in ("put", "copy", "delete", "multipart_complete")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Recording:
+    """The mutations of one save (times relative to the save's start), and the bodies of
+    every object written (by digest), so any state can be rebuilt."""
+
+    mutations: list[Mutation] = field(default_factory=list)
+    bodies: dict[str, bytes] = field(default_factory=dict)
+    requests: int = 0  # every request the proxy saw (reads and listings included)
+
+
+class RecordingProxy:
+    """Listens on 127.0.0.1 (a free port), forwards to ``upstream``; records the mutations of
+    keys under ``bucket/root`` between ``start()`` and ``stop()``. Thread-safe."""
+
+    def __init__(self, upstream_url: str, *, bucket: str, root: str,
+                 latency_s: float = 0.0) -> None:
+        url = urlparse(upstream_url)
+        if url.scheme != "http" or not url.hostname:
+            raise ValueError(f"the recording proxy needs a plain http:// endpoint, "
+                             f"not {upstream_url}")
+        self.upstream = (url.hostname, url.port or 80)
+        self.bucket, self.root = bucket, root.strip("/")
+        self.latency_s = latency_s
+        self._lock = threading.Lock()
+        self._recording: Recording | None = None
+        self._t0 = 0.0
+        self._uploads: dict[str, dict[int, bytes]] = {}  # upload id -> part number -> body
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept_loop, name="recording-proxy", daemon=True).start()
+
+    @property
+    def endpoint_url(self) -> str:
+        host, port = self._listener.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> None:
+        with self._lock:
+            self._recording = Recording()
+            self._t0 = time.monotonic()
+
+    def stop(self) -> Recording:
+        with self._lock:
+            recording, self._recording = self._recording, None
+        if recording is None:
+            raise RuntimeError("stop() without start()")
+        recording.mutations.sort(key=lambda m: (m.issued_s, m.acked_s, m.key))
+        for i, m in enumerate(recording.mutations):
+            m.index = i
+        return recording
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+
+    def __enter__(self) -> RecordingProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream: socket.socket | None = None
+        reader = _Reader(client)
+        try:
+            while True:
+                issued = time.monotonic()
+                head = reader.head()
+                if head is None:
+                    return
+                request_line, headers = _parse_head(head)
+                method, target = request_line.split(" ")[:2]
+                if headers.get("expect", "").lower() == "100-continue":
+                    client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    head = _drop_header(head, b"expect")
+                body, raw = reader.body(headers)
+                if self.latency_s:
+                    time.sleep(self.latency_s)
+                if upstream is None:
+                    upstream = socket.create_connection(self.upstream, timeout=60)
+                upstream.sendall(head + raw)
+                answer = _Reader(upstream)
+                response_head = answer.head()
+                if response_head is None:
+                    raise OSError("the upstream closed the connection")
+                status_line, response_headers = _parse_head(response_head)
+                status = int(status_line.split(" ")[1])
+                if method == "HEAD" or status in (204, 304):
+                    response_body, response_raw = b"", b""
+                else:
+                    response_body, response_raw = answer.body(response_headers, response=True)
+                client.sendall(response_head + response_raw)
+                acked = time.monotonic()
+                self._note(method, target, headers, body, status, response_body, issued, acked)
+                if response_headers.get("connection", "").lower() == "close":
+                    return
+        except (OSError, ValueError, IndexError):
+            return
+        finally:
+            for sock in (client, upstream):
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.close()
+
+    # -- what a request changed ---------------------------------------------------------------
+
+    def _note(self, method: str, target: str, headers: dict[str, str], body: bytes, status: int,
+              response: bytes, issued: float, acked: float) -> None:
+        with self._lock:
+            recording, t0 = self._recording, self._t0
+            if recording is None:
+                return
+            recording.requests += 1
+        url = urlparse(target)
+        query = parse_qs(url.query, keep_blank_values=True)
+        bucket, _, key = unquote(url.path).lstrip("/").partition("/")
+        if bucket != self.bucket or method not in ("PUT", "POST", "DELETE"):
+            return
+        ok = 200 <= status < 300
+        times = (issued - t0, acked - t0)
+        found: list[Mutation] = []
+        if method == "POST" and "delete" in query:
+            found = [Mutation(0, "delete", k, *times, status=status)
+                     for k in re.findall(rb"<Key>(.*?)</Key>", body)
+                     for k in [_xml_text(k)]]
+        elif method == "POST" and "uploads" in query:
+            upload = re.search(rb"<UploadId>(.*?)</UploadId>", response)
+            if ok and upload:
+                with self._lock:
+                    self._uploads[upload.group(1).decode()] = {}
+            found = [Mutation(0, "multipart_create", key, *times, status=status)]
+        elif method == "POST" and "uploadId" in query:
+            numbers = [int(n) for n in re.findall(rb"<PartNumber>(\d+)</PartNumber>", body)]
+            with self._lock:
+                parts = self._uploads.get(query["uploadId"][0], {})
+                data = b"".join(parts.get(n, b"") for n in sorted(numbers))
+            found = [self._put(recording, "multipart_complete", key, data, times, status)]
+        elif method == "PUT" and "uploadId" in query:
+            if ok:
+                with self._lock:
+                    self._uploads.setdefault(query["uploadId"][0], {})[
+                        int(query["partNumber"][0])] = body
+            found = [Mutation(0, "multipart_part", key, *times, size=len(body), status=status)]
+        elif method == "PUT" and "x-amz-copy-source" in headers:
+            source = unquote(headers["x-amz-copy-source"]).lstrip("/").partition("/")[2]
+            found = [Mutation(0, "copy", key, *times, source=self._relative(source),
+                              status=status)]
+        elif method == "PUT" and key:
+            found = [self._put(recording, "put", key, body, times, status)]
+        elif method == "DELETE" and key:
+            found = [Mutation(0, "delete", key, *times, status=status)]
+        kept = [m for m in found if 200 <= m.status < 300 and m.key.startswith(f"{self.root}/")]
+        for m in kept:
+            m.key = self._relative(m.key)
+        with self._lock:
+            recording.mutations.extend(kept)
+
+    def _put(self, recording: Recording, kind: str, key: str, data: bytes,
+             times: tuple[float, float], status: int) -> Mutation:
+        digest = hashlib.sha256(data).hexdigest()
+        with self._lock:
+            recording.bodies.setdefault(digest, data)
+        return Mutation(0, kind, key, *times, digest=digest, size=len(data), status=status)
+
+    def _relative(self, key: str) -> str:
+        return key.removeprefix(f"{self.root}/")
+
+
+def _xml_text(raw: bytes) -> str:
+    text = raw.decode()
+    for entity, char in (("&lt;", "<"), ("&gt;", ">"), ("&quot;", '"'), ("&apos;", "'"),
+                         ("&amp;", "&")):
+        text = text.replace(entity, char)
+    return text
+
+
+def _parse_head(head: bytes) -> tuple[str, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    return lines[0], headers
+
+
+def _drop_header(head: bytes, name: bytes) -> bytes:
+    lines = head.split(b"\r\n")
+    return b"\r\n".join(line for line in lines
+                        if line.split(b":", 1)[0].strip().lower() != name)
+
+
+class _Reader:
+    """Buffered reads of HTTP messages from one socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+
+    def _more(self) -> bool:
+        chunk = self.sock.recv(1 << 20)
+        self.buffer += chunk
+        return bool(chunk)
+
+    def head(self) -> bytes | None:
+        """The head (with its blank line), or None if the peer closed before sending one."""
+        while b"\r\n\r\n" not in self.buffer:
+            if len(self.buffer) > _HEAD_LIMIT:
+                raise ValueError("HTTP head too long")
+            if not self._more():
+                if self.buffer:
+                    raise ValueError("connection closed inside an HTTP head")
+                return None
+        end = self.buffer.index(b"\r\n\r\n") + 4
+        head, self.buffer = self.buffer[:end], self.buffer[end:]
+        return head
+
+    def _exactly(self, n: int) -> bytes:
+        while len(self.buffer) < n:
+            if not self._more():
+                raise ValueError("connection closed inside an HTTP body")
+        data, self.buffer = self.buffer[:n], self.buffer[n:]
+        return data
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buffer:
+            if not self._more():
+                raise ValueError("connection closed inside a chunked body")
+        end = self.buffer.index(b"\r\n") + 2
+        line, self.buffer = self.buffer[:end], self.buffer[end:]
+        return line
+
+    def body(self, headers: dict[str, str], *, response: bool = False) -> tuple[bytes, bytes]:
+        """(the decoded body, the raw bytes to forward)."""
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            raw, data = b"", b""
+            while True:
+                line = self._line()
+                raw += line
+                size = int(line.split(b";")[0].strip(), 16)
+                if size == 0:
+                    while (trailer := self._line()) != b"\r\n":
+                        raw += trailer
+                    raw += b"\r\n"
+                    return _decode(data, headers), raw
+                chunk = self._exactly(size + 2)
+                raw += chunk
+                data += chunk[:-2]
+        if "content-length" in headers:
+            raw = self._exactly(int(headers["content-length"]))
+            return _decode(raw, headers), raw
+        if response:  # no length: the body runs to the end of the connection
+            while self._more():
+                pass
+            raw, self.buffer = self.buffer, b""
+            return raw, raw
+        return b"", b""
+
+
+def _decode(data: bytes, headers: dict[str, str]) -> bytes:
+    """The payload of an ``aws-chunked`` body (botocore's streaming checksums), else as is."""
+    if "aws-chunked" not in headers.get("content-encoding", "").lower():
+        return data
+    out, rest = b"", data
+    while rest:
+        line, _, rest = rest.partition(b"\r\n")
+        size = int(line.split(b";")[0].strip(), 16)
+        if size == 0:
+            break
+        out, rest = out + rest[:size], rest[size + 2:]
+    return out

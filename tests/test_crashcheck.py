@@ -1,0 +1,257 @@
+"""chaos crashcheck: the crash model (pure), the recording proxy (real S3), the checker's
+classification, and end to end on SeaweedFS: every crash state of our engine's save loads step
+k or step k+1 bitwise, while a loader that trusts a step folder without its COMMIT is caught."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from antifragile.chaos.cli import main
+from antifragile.chaos.crashcheck.check import Expected, classify
+from antifragile.chaos.crashcheck.enumerate import apply, enumerate_states
+from antifragile.chaos.crashcheck.record import Mutation
+from antifragile.chaos.crashcheck.report import verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _put(i: int, key: str, issued: float, acked: float, digest: str = "") -> Mutation:
+    return Mutation(i, "put", key, issued, acked, digest=digest or f"d{i}", size=1)
+
+
+# -- the crash model ---------------------------------------------------------------------------
+
+def test_sequential_writes_leave_one_state_per_prefix_of_the_order() -> None:
+    muts = [_put(0, "a", 0, 1), _put(1, "b", 2, 3), _put(2, "COMMIT", 4, 5)]
+    e = enumerate_states({"old": "x"}, muts)
+    assert len(e.states) == 4  # nothing, a, a+b, a+b+COMMIT
+    assert e.max_in_flight == 1 and e.sampled_cuts == 0 and not e.capped
+    assert sorted(len(s.objects) for s in e.states) == [1, 2, 3, 4]
+    # COMMIT is never present without both objects it follows
+    assert all({"a", "b"} <= set(s.objects) for s in e.states if "COMMIT" in s.objects)
+
+
+def test_concurrent_writes_leave_every_subset() -> None:
+    muts = [_put(i, f"k{i}", 0, 1 + i * 0.1) for i in range(4)] + [_put(4, "COMMIT", 2, 3)]
+    e = enumerate_states({}, muts)
+    assert len(e.states) == 2 ** 4 + 1
+    assert e.max_in_flight == 4
+    with_commit = [s for s in e.states if "COMMIT" in s.objects]
+    assert len(with_commit) == 1 and len(with_commit[0].objects) == 5
+
+
+def test_large_in_flight_sets_are_sampled_and_said_so() -> None:
+    muts = [_put(i, f"k{i}", 0, 1) for i in range(10)]
+    e = enumerate_states({}, muts, max_inflight_exhaustive=4, sample_per_cut=50, seed=3)
+    assert e.sampled_cuts == 1
+    assert 2 < len(e.states) <= 52
+    again = enumerate_states({}, muts, max_inflight_exhaustive=4, sample_per_cut=50, seed=3)
+    assert [s.objects for s in again.states] == [s.objects for s in e.states]  # seeded
+
+
+def test_max_states_caps_with_a_seeded_sample() -> None:
+    muts = [_put(i, f"k{i}", 0, 1) for i in range(6)]
+    e = enumerate_states({}, muts, max_states=10)
+    assert e.capped and e.distinct == 64 and len(e.states) == 10
+    sizes = [len(s.objects) for s in e.states]
+    assert 0 in sizes and 6 in sizes  # the states before and after the save are always kept
+
+
+def test_deletes_copies_and_same_key_overlaps() -> None:
+    base = {"old/a": "x", "old/COMMIT": "c", "tmp": "t"}
+    muts = [Mutation(0, "delete", "old/COMMIT", 0, 1), Mutation(1, "delete", "old/a", 0, 1),
+            Mutation(2, "copy", "meta", 2, 3, source="tmp"), _put(3, "meta", 2.5, 3.5)]
+    assert apply(base, muts[:3]) == {"tmp": "t", "meta": "t"}
+    e = enumerate_states(base, muts)
+    assert e.same_key_overlaps == 1
+    # the multi-object delete's keys vanish independently: COMMIT gone with data kept and
+    # the other way round are both states
+    assert any("old/COMMIT" not in s.objects and "old/a" in s.objects for s in e.states)
+    assert any("old/COMMIT" in s.objects and "old/a" not in s.objects for s in e.states)
+
+
+def test_classification() -> None:
+    exp = Expected(old_step=2, old_digest="o", new_step=3, new_digest="n", older={1: "p"})
+    assert classify({"step": 2, "digest": "o"}, exp) == "old"
+    assert classify({"step": 3, "digest": "n"}, exp) == "new"
+    assert classify({"step": 3, "digest": "o"}, exp) == "torn"  # old data under the new step
+    assert classify({"step": 2, "digest": "z"}, exp) == "torn"
+    assert classify({"step": 1, "digest": "p"}, exp) == "lost"  # rolled back past step 2
+    assert classify({"error": "CheckpointError: ..."}, exp) == "refused"
+    assert classify({"nothing": "no committed step"}, exp) == "lost"
+
+
+def test_verdict_fails_on_the_documented_rule_only() -> None:
+    def doc(rule: str, documented: bool, torn: int) -> dict[str, Any]:
+        counts = {"old": 1, "new": 1, "refused": 0, "torn": torn, "lost": 0}
+        return {"cases": [{"engine": "x", "ranks": 1, "case": "save", "rules": {
+            rule: {"documented": documented, "counts": counts, "witnesses": {}}}}]}
+
+    assert verdict(doc("marker", True, 0)) == (True, [])
+    ok, reasons = verdict(doc("marker", True, 2))
+    assert not ok and "2 torn" in reasons[0]
+    assert verdict(doc("newest-folder", False, 2))[0]  # reported, not targeted
+
+
+# -- the command line --------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--engine", "zfs"], "--engine 'zfs': unknown engine"),
+    (["--engine", "dcp", "--ranks", "0"], "--ranks 0: a saving job needs at least 1 rank"),
+    (["--engine", "dcp", "--case", "nope"], "--case 'nope': unknown case"),
+    (["--engine", "dcp", "--rule", "engine"], "--rule 'engine': not a load rule of dcp"),
+    (["--engine", "dcp", "--endpoint-url", "https://s3.example"], "plain http://"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: list[str], says: str) -> None:
+    r = CliRunner().invoke(main, ["crashcheck", *args])
+    assert r.exit_code == 2
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], r.output
+
+
+def test_out_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "report"
+    f.write_text("")
+    r = CliRunner().invoke(main, ["crashcheck", "--engine", "dcp", "--out", str(f)])
+    assert r.exit_code == 2 and r.output.strip() == f"error: --out {f}: is a file, not a folder"
+
+
+def test_unreachable_endpoint_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    began = time.monotonic()
+    r = CliRunner().invoke(main, ["crashcheck", "--engine", "antifragile",
+                                  "--endpoint-url", "http://127.0.0.1:9"])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "http://127.0.0.1:9" in lines[0] and "cannot be reached" in lines[0]
+    assert time.monotonic() - began < 30
+
+
+def test_crashcheck_help_does_not_import_torch() -> None:
+    code = ("import sys\nfrom click.testing import CliRunner\n"
+            "from antifragile.chaos.cli import main\n"
+            "r = CliRunner().invoke(main, ['crashcheck', '--help'])\n"
+            "print(r.exit_code, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["0", "False"]
+
+
+# -- the recording proxy on a real S3 server ---------------------------------------------------
+
+@pytest.mark.s3
+def test_proxy_records_puts_copies_deletes_and_multi_deletes(
+        s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    import boto3
+
+    from antifragile.chaos.crashcheck.record import RecordingProxy
+
+    url, options = s3_bucket
+    bucket = url.removeprefix("s3://").split("/")[0]
+    with RecordingProxy(options["endpoint_url"], bucket=bucket, root="r",
+                        latency_s=0.01) as proxy:
+        client = boto3.client("s3", endpoint_url=proxy.endpoint_url, region_name="us-east-1",
+                              aws_access_key_id=options["key"],
+                              aws_secret_access_key=options["secret"])
+        client.put_object(Bucket=bucket, Key="r/before", Body=b"not recorded")
+        proxy.start()
+        client.put_object(Bucket=bucket, Key="r/a", Body=b"alpha")
+        client.put_object(Bucket=bucket, Key="elsewhere", Body=b"outside the root")
+        client.copy_object(Bucket=bucket, Key="r/b", CopySource={"Bucket": bucket, "Key": "r/a"})
+        client.get_object(Bucket=bucket, Key="r/b")["Body"].read()
+        client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": "r/a"},
+                                                                 {"Key": "r/before"}]})
+        client.delete_object(Bucket=bucket, Key="r/b")
+        rec = proxy.stop()
+    got = [(m.kind, m.key) for m in rec.mutations]
+    assert got == [("put", "a"), ("copy", "b"), ("delete", "a"), ("delete", "before"),
+                   ("delete", "b")]
+    put = rec.mutations[0]
+    assert rec.bodies[put.digest or ""] == b"alpha" and put.size == 5
+    assert all(m.issued_s + 0.01 <= m.acked_s for m in rec.mutations)
+    assert rec.mutations[2].issued_s == rec.mutations[3].issued_s  # one request, two keys
+    assert rec.requests >= 6
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+def _run(args: list[str], out: Path, s3: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
+    env_args = ["--endpoint-url", s3["endpoint_url"], "--out", str(out)]
+    chaos = [sys.executable, "-c", "from antifragile.chaos.cli import main; main()"]
+    proc = subprocess.run([*chaos, "crashcheck", *args, *env_args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "AWS_ACCESS_KEY_ID": s3["key"],
+                               "AWS_SECRET_ACCESS_KEY": s3["secret"]})
+    doc = json.loads((out / "crashcheck.json").read_text()) if proc.returncode < 2 else {}
+    return proc.returncode, doc, proc.stdout + proc.stderr
+
+
+@pytest.mark.s3
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)  # ~2 min on 2 idle cores; a shared, loaded machine takes longer
+def test_small_antifragile_save_every_state_old_or_new(
+        tmp_path: Path, s3_server: dict[str, Any]) -> None:
+    """The default suite's configuration: one rank, hundreds of crash states."""
+    rc, doc, output = _run(["--engine", "antifragile", "--case", "save", "--max-states", "150"],
+                           tmp_path / "r", s3_server)
+    assert rc == 0, output
+    (case,) = doc["cases"]
+    assert case["states"] == 150 and case["distinct_states"] > 150
+    counts = case["rules"]["engine"]["counts"]
+    assert counts["old"] > 0 and counts["new"] > 0, counts
+    assert counts["old"] + counts["new"] == 150, case["rules"]["engine"]["witnesses"]
+    assert case["max_in_flight"] > 1  # concurrency was seen, not a sequential trace
+    for name in ("crashcheck.md", "crashcheck.html", "outcomes.png"):
+        assert (tmp_path / "r" / name).stat().st_size > 0
+
+
+@pytest.mark.s3
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_a_loader_that_ignores_commit_is_caught(tmp_path: Path,
+                                                s3_server: dict[str, Any]) -> None:
+    """The verdict can fail: reading the newest step folder without its COMMIT (a plain zarr
+    reader) loads the failed attempt's data or a half-written step: torn, or refused."""
+    rc, doc, output = _run(["--engine", "antifragile", "--case", "overwrite", "--max-states",
+                            "24", "--rule", "engine", "--rule", "newest-folder"],
+                           tmp_path / "r", s3_server)
+    assert rc == 0, output  # the documented rule is fine; the broken one is reported
+    (case,) = doc["cases"]
+    good = case["rules"]["engine"]["counts"]
+    broken = case["rules"]["newest-folder"]["counts"]
+    assert good["torn"] == good["refused"] == good["lost"] == 0
+    assert broken["torn"] > 0, broken
+    witness = case["rules"]["newest-folder"]["witnesses"]["torn"]
+    assert "equal to neither" in witness["loaded"]["data"]
+    assert "torn" in (tmp_path / "r" / "crashcheck.md").read_text()
+
+
+def _big(engine_case: str, ranks: int, tmp_path: Path, s3: dict[str, Any]) -> None:
+    rc, doc, output = _run(["--engine", "antifragile", "--ranks", str(ranks), "--case",
+                            engine_case, "--max-states", "1000"], tmp_path / "r", s3)
+    assert rc == 0, output
+    (case,) = doc["cases"]
+    assert case["states"] >= 1000, (case["states"], case["distinct_states"])
+    counts = case["rules"]["engine"]["counts"]
+    assert counts["refused"] == counts["torn"] == counts["lost"] == 0, counts
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+@pytest.mark.multiproc
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("engine_case", ["save", "retention"])
+def test_antifragile_thousand_states_per_configuration(
+        engine_case: str, ranks: int, tmp_path: Path, s3_server: dict[str, Any]) -> None:
+    _big(engine_case, ranks, tmp_path, s3_server)
