@@ -24,6 +24,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,14 +86,19 @@ class CheckerPool:
     def __init__(self, *, engine: str, bucket: str, bodies: Path, env: dict[str, str],
                  workers: int) -> None:
         self.procs: list[subprocess.Popen[str]] = []
+        # a checker's stderr goes to a file: a pipe nobody reads fills up (64 KiB of, say,
+        # asyncio's errors about a reader's unclosed sessions) and blocks the checker for good
+        self._stderr: dict[int, Any] = {}
         child_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         for _ in range(workers):
+            err = tempfile.TemporaryFile(mode="w+", prefix="crashcheck-checker-")  # noqa: SIM115
             proc = subprocess.Popen(
                 [sys.executable, "-m", "antifragile.chaos.crashcheck.worker", "check",
                  "--engine", engine, "--bucket", bucket, "--bodies", str(bodies)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                 text=True, env=child_env, preexec_fn=_die_with_parent(os.getpid()))
             self.procs.append(proc)
+            self._stderr[proc.pid] = err
         for proc in self.procs:
             self._expect(proc, "ready")
 
@@ -100,8 +106,11 @@ class CheckerPool:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line:
-            err = proc.stderr.read() if proc.stderr else ""
-            raise CheckerError(f"a checker process exited ({proc.wait()}): "
+            code = proc.wait()
+            stderr = self._stderr[proc.pid]
+            stderr.seek(0)
+            err = stderr.read()
+            raise CheckerError(f"a checker process exited ({code}): "
                                f"{err.strip().splitlines()[-1:] or ''}")
         doc: dict[str, Any] = json.loads(line)
         if field not in doc:
@@ -157,6 +166,8 @@ class CheckerPool:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for err in self._stderr.values():
+            err.close()
 
     def __enter__(self) -> CheckerPool:
         return self
