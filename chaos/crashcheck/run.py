@@ -15,12 +15,7 @@ from typing import Any
 
 from antifragile.chaos.crashcheck.check import CheckerPool
 from antifragile.chaos.crashcheck.pipeline import Settings, run_case, summarize
-from antifragile.chaos.infra.s3 import (
-    DEMO_CREDENTIALS,
-    S3SetupError,
-    check_bucket,
-    configured_endpoint,
-)
+from antifragile.chaos.infra.s3 import S3SetupError, check_bucket, endpoint
 
 
 @contextlib.contextmanager
@@ -28,29 +23,16 @@ def s3_endpoint(endpoint_url: str | None,
                 progress: Callable[[str], None]) -> Iterator[tuple[str, dict[str, str]]]:
     """(endpoint, environment for clients): the one given, ``AWS_ENDPOINT_URL``, or a local
     SeaweedFS cluster started here for the run."""
-    configured = endpoint_url or configured_endpoint()
-    if configured:
+    with endpoint(endpoint_url) as ep:
         env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                           "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN")
                if k in os.environ}
+        env.update(ep.env)
         env.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        yield configured, env
-        return
-    from antifragile.chaos.infra.seaweedfs import SeaweedCluster, SeaweedError
-
-    cluster = SeaweedCluster(access_key=DEMO_CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                             secret_key=DEMO_CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
-    try:
-        cluster.start()
-    except SeaweedError as exc:
-        raise S3SetupError(f"no --endpoint-url or AWS_ENDPOINT_URL given and a local SeaweedFS "
-                           f"cluster could not start: {exc}") from None
-    progress(f"s3: started a local SeaweedFS cluster at {cluster.endpoint_url} in "
-             f"{cluster.start_s:.1f} s")
-    try:
-        yield cluster.endpoint_url, dict(cluster.env)
-    finally:
-        cluster.close()
+        if ep.cluster is not None:
+            progress(f"s3: started a local SeaweedFS cluster at {ep.url} in "
+                     f"{ep.cluster.start_s:.1f} s")
+        yield ep.url, env
 
 
 def crashcheck(settings: Settings, *, endpoint_url: str | None = None,

@@ -101,9 +101,10 @@ def environ(env: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def endpoint() -> Iterator[S3Endpoint]:
-    """The configured endpoint, or a SeaweedFS cluster on 127.0.0.1 (free ports) until exit."""
-    configured = configured_endpoint()
+def endpoint(given: str | None = None) -> Iterator[S3Endpoint]:
+    """``given``, else the configured endpoint, else a SeaweedFS cluster on 127.0.0.1 (free
+    ports) until exit."""
+    configured = given or configured_endpoint()
     if configured:
         yield S3Endpoint(configured, {})
         return
@@ -112,8 +113,8 @@ def endpoint() -> Iterator[S3Endpoint]:
     try:
         cluster.start()
     except SeaweedError as exc:
-        raise S3SetupError(f"no AWS_ENDPOINT_URL is set and a local SeaweedFS cluster could "
-                           f"not start: {exc}") from None
+        raise S3SetupError(f"no S3 endpoint given (AWS_ENDPOINT_URL) and a local SeaweedFS "
+                           f"cluster could not start: {exc}") from None
     try:
         yield S3Endpoint(cluster.endpoint_url, {**DEMO_CREDENTIALS, **cluster.env}, cluster)
     finally:
