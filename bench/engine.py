@@ -208,15 +208,20 @@ def state_nbytes(state: dict[str, Any]) -> int:
 # --- environment -----------------------------------------------------------------------------
 
 
-def drop_page_cache() -> bool:
-    """Flush dirty pages and drop the page cache; False when this process may not."""
-    os.sync()
+def _write_proc(path: str, text: str) -> bool:
+    """Write ``text`` to a /proc control file; False when this process may not."""
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+        with open(path, "w") as f:
+            f.write(text)
     except OSError:
         return False
     return True
+
+
+def drop_page_cache() -> bool:
+    """Flush dirty pages and drop the page cache; False when this process may not."""
+    os.sync()
+    return _write_proc("/proc/sys/vm/drop_caches", "3\n")
 
 
 def filesystem_type(path: str) -> str:
@@ -698,12 +703,7 @@ def rss_bytes() -> int:
 
 def reset_peak_rss() -> bool:
     """Reset this process's peak RSS (VmHWM) to its current RSS; False where not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5\n")
-    except OSError:
-        return False
-    return True
+    return _write_proc("/proc/self/clear_refs", "5\n")
 
 
 def peak_rss_bytes() -> int:

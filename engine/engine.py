@@ -293,9 +293,9 @@ class CheckpointEngine:
         values = json.loads(json.dumps({p: s.value for p, s in flat.values.items()},
                                        allow_nan=True))
         attrs = self._group_attrs(step, flat, metadata)
-        if last is not None and not last._retained.is_set():
+        if last is not None and not last.retention_done():
             self._draining.append(last)
-        self._draining = [h for h in self._draining if not h._retained.is_set()]
+        self._draining = [h for h in self._draining if not h.retention_done()]
         # the writers start first and write each object as soon as its cell is staged
         self._staging.begin()
         self._last = handle
@@ -718,7 +718,7 @@ class CheckpointEngine:
             return
         self._closed = True
         for handle in [*self._draining, self._last]:
-            if handle is not None and not handle._retained.is_set():
+            if handle is not None and not handle.retention_done():
                 try:
                     handle.wait()
                 except CheckpointError as exc:
