@@ -52,6 +52,7 @@ from .persist import (
     write_record,
 )
 from .plan import (
+    ArraySpec,
     GlobalPlan,
     HeldBox,
     PlanOptions,
@@ -86,6 +87,12 @@ def _classify(step: int, exc: Exception) -> tuple[int, CheckpointError]:
         return _FATAL, exc
     log.error("loading step %d failed unexpectedly", step, exc_info=exc)
     return _UNREADABLE, CheckpointError(f"step {step}: {type(exc).__name__}: {exc}")
+
+
+def _layout(spec: ArraySpec) -> dict[str, Any]:
+    """An array's layout as the group's index records it (``StepReader.array`` reads it)."""
+    return {"offset": list(spec.offset), "shape": list(spec.shape),
+            "chunk_shape": list(spec.shard_shape), "inner_rows": spec.inner_rows}
 
 
 def _raise_first(futures: list[Future[None]]) -> None:
@@ -355,7 +362,9 @@ class CheckpointEngine:
                 if entry not in meshes:
                     meshes.append(entry)
         tensors = {path: {"dtype": spec.dtype, "shape": list(spec.shape),
-                          "arrays": [a.name for a in spec.arrays]}
+                          "arrays": [a.name for a in spec.arrays],
+                          # a load reads the layout here: no request per array document
+                          "array_layout": {a.name: _layout(a) for a in spec.arrays}}
                    for path, spec in self._plan.tensors.items()}
         layout = {"world_size": self.world_size, "meshes": meshes}
         return {"step": step, "layout": layout, "metadata": metadata or {}, "tensors": tensors,

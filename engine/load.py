@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import _format
-from ._dtypes import torch_dtype, zarr_data_type
+from ._dtypes import dtype_name, torch_dtype, zarr_data_type
 from ._paths import COMMIT, check_array_name, step_dir
 from .commit import parse_marker, read_marker
 from .errors import CheckpointCorruptError
@@ -40,6 +40,7 @@ class StoredTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     arrays: tuple[str, ...]
+    layouts: dict[str, Any] | None = None  # per array: offset, shape, chunk_shape, inner_rows
 
 
 def _int_list(value: object, *, where: str, positive: bool = False) -> tuple[int, ...]:
@@ -158,56 +159,93 @@ class StepReader:
         if not isinstance(entry, dict) or not isinstance(entry.get("arrays"), list):
             raise CheckpointCorruptError(f"{where}: malformed index entry")
         arrays = tuple(check_array_name(a, step=self.step) for a in entry["arrays"])
+        layouts = entry.get("array_layout")
+        if layouts is not None and (not isinstance(layouts, dict) or set(layouts) != set(arrays)):
+            raise CheckpointCorruptError(f"{where}: malformed index entry (array_layout)")
         return StoredTensor(path, torch_dtype(entry.get("dtype"), where=where),
-                            _int_list(entry.get("shape"), where=where), arrays)
+                            _int_list(entry.get("shape"), where=where), arrays, layouts)
 
     def array(self, name: str, tensor: StoredTensor) -> ArraySpec:
+        """The layout of array ``name``: from the group's index where the save recorded it
+        there (no request), else from the array's ``zarr.json`` (checkpoints of earlier
+        versions). ``verify`` checks that the two agree (``array_document``)."""
         if name not in self._arrays:
-            with _blame(f"{name}/zarr.json"):
-                self._arrays[name] = self._parse_array(name, tensor)
+            if tensor.layouts is None:
+                self._arrays[name] = self.array_document(name, tensor)
+            else:
+                self._arrays[name] = self._index_array(name, tensor)
         return self._arrays[name]
 
-    def _parse_array(self, name: str, tensor: StoredTensor) -> ArraySpec:
+    def _index_array(self, name: str, tensor: StoredTensor) -> ArraySpec:
+        where = f"step {self.step}, array {name!r} in the group's index"
+        assert tensor.layouts is not None
+        entry = tensor.layouts[name]
+        with _blame("zarr.json"):
+            try:
+                offset, shape = entry["offset"], entry["shape"]
+                grid, inner = entry["chunk_shape"], entry["inner_rows"]
+            except (KeyError, TypeError) as exc:
+                raise CheckpointCorruptError(f"{where}: malformed ({exc})") from None
+            grid = _int_list(grid, where=where, positive=True)
+            if not isinstance(inner, int) or isinstance(inner, bool) or inner < 1 or (
+                    grid and grid[0] % inner):
+                raise CheckpointCorruptError(f"{where}: bad inner_rows {str(inner)[:40]}")
+            return self._checked(ArraySpec(name, tensor.path, _int_list(offset, where=where),
+                                           _int_list(shape, where=where),
+                                           dtype_name(tensor.dtype), grid,
+                                           inner if grid else 1), tensor, where)
+
+    def array_document(self, name: str, tensor: StoredTensor) -> ArraySpec:
+        """The layout of array ``name`` as its ``zarr.json`` (read and checked) describes it."""
         where = f"step {self.step}, array {name!r}"
-        doc = self.read_json(f"{name}/zarr.json")
-        try:
-            attrs = doc["attributes"]["antifragile"]
-            shape = _int_list(doc["shape"], where=where)
-            offset = _int_list(attrs["offset"], where=where)
-            grid = _int_list(doc["chunk_grid"]["configuration"]["chunk_shape"], where=where,
-                             positive=True)
-            codecs = doc["codecs"]
-        except (KeyError, TypeError) as exc:
-            raise CheckpointCorruptError(f"{where}: malformed zarr.json ({exc})") from None
-        if (torch_dtype(attrs.get("dtype"), where=where) != tensor.dtype
-                or doc.get("data_type") != zarr_data_type(tensor.dtype)):
-            raise CheckpointCorruptError(f"{where}: dtype disagrees with the tensor index")
+        with _blame(f"{name}/zarr.json"):
+            doc = self.read_json(f"{name}/zarr.json")
+            try:
+                attrs = doc["attributes"]["antifragile"]
+                shape = _int_list(doc["shape"], where=where)
+                offset = _int_list(attrs["offset"], where=where)
+                grid = _int_list(doc["chunk_grid"]["configuration"]["chunk_shape"], where=where,
+                                 positive=True)
+                codecs = doc["codecs"]
+            except (KeyError, TypeError) as exc:
+                raise CheckpointCorruptError(f"{where}: malformed zarr.json ({exc})") from None
+            if (torch_dtype(attrs.get("dtype"), where=where) != tensor.dtype
+                    or doc.get("data_type") != zarr_data_type(tensor.dtype)):
+                raise CheckpointCorruptError(f"{where}: dtype disagrees with the tensor index")
+            inner = grid[0] if grid else 1
+            if shape:
+                try:
+                    conf = codecs[0]["configuration"]
+                    ok = (len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed"
+                          and conf["index_location"] == "end"
+                          and [c["name"] for c in conf["codecs"]] == ["bytes", "crc32c"]
+                          and [c["name"] for c in conf["index_codecs"]] == ["bytes", "crc32c"])
+                    inner_shape = _int_list(conf["chunk_shape"], where=where, positive=True)
+                except (KeyError, TypeError, IndexError):
+                    ok = False
+                if (not ok or len(inner_shape) != len(grid) or inner_shape[1:] != grid[1:]
+                        or grid[0] % inner_shape[0]):
+                    raise CheckpointCorruptError(f"{where}: unsupported codec pipeline")
+                inner = inner_shape[0]
+            elif not isinstance(codecs, list) or [
+                    c.get("name") for c in codecs if isinstance(c, dict)] != ["bytes", "crc32c"]:
+                raise CheckpointCorruptError(f"{where}: unsupported codec pipeline")
+            return self._checked(ArraySpec(name, tensor.path, offset, shape, attrs["dtype"], grid,
+                                           inner), tensor, where)
+
+    def _checked(self, spec: ArraySpec, tensor: StoredTensor, where: str) -> ArraySpec:
+        """``spec`` if it fits its tensor and its chunk grid is plausible (before anything is
+        allocated from it)."""
+        shape, offset, grid = spec.shape, spec.offset, spec.shard_shape
         if (len(shape) != len(tensor.shape) or len(offset) != len(shape) or len(grid) != len(shape)
                 or any(o + n > t for o, n, t in zip(offset, shape, tensor.shape))):
-            raise CheckpointCorruptError(f"{where}: shape {shape} at {offset} does not fit the "
-                                         f"tensor's {list(tensor.shape)}")
+            raise CheckpointCorruptError(f"{where}: shape {list(shape)} at {list(offset)} does not "
+                                         f"fit the tensor's {list(tensor.shape)}")
         cells = math.prod(math.ceil(n / c) for n, c in zip(shape, grid))
         # every shard is listed in the manifest
         if cells > min(_MAX_CELLS, len(self.manifest.objects)):
             raise CheckpointCorruptError(f"{where}: absurd chunk grid ({cells} shards)")
-        inner = grid[0] if grid else 1
-        if shape:
-            try:
-                conf = codecs[0]["configuration"]
-                ok = (len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed"
-                      and conf["index_location"] == "end"
-                      and [c["name"] for c in conf["codecs"]] == ["bytes", "crc32c"]
-                      and [c["name"] for c in conf["index_codecs"]] == ["bytes", "crc32c"])
-                inner_shape = _int_list(conf["chunk_shape"], where=where, positive=True)
-            except (KeyError, TypeError, IndexError):
-                ok = False
-            if not ok or inner_shape[1:] != grid[1:] or grid[0] % inner_shape[0]:
-                raise CheckpointCorruptError(f"{where}: unsupported codec pipeline")
-            inner = inner_shape[0]
-        elif not isinstance(codecs, list) or [
-                c.get("name") for c in codecs if isinstance(c, dict)] != ["bytes", "crc32c"]:
-            raise CheckpointCorruptError(f"{where}: unsupported codec pipeline")
-        return ArraySpec(name, tensor.path, offset, shape, attrs["dtype"], grid, inner)
+        return spec
 
     def _part_crcs(self, spec: ArraySpec, cell: tuple[int, ...], where: str) -> list[int]:
         """The manifest's part CRCs of a cell: one per stored inner chunk, then the index's."""
@@ -247,9 +285,11 @@ class StepReader:
     # -- data ----------------------------------------------------------------------------------
 
     def load_arrays(self, tensors: Sequence[StoredTensor], pool: Executor) -> None:
-        """Read and validate the metadata of every array of ``tensors`` at once, on ``pool``
-        (a checkpoint of 1,000 tensors is 1,000 documents: one round trip, not 1,000)."""
-        todo = [(name, t) for t in tensors for name in t.arrays if name not in self._arrays]
+        """Read and validate the metadata documents of every array of ``tensors`` whose layout
+        the group's index does not record (earlier versions) at once, on ``pool`` (a checkpoint
+        of 1,000 tensors is 1,000 documents: one round trip, not 1,000)."""
+        todo = [(name, t) for t in tensors if t.layouts is None for name in t.arrays
+                if name not in self._arrays]
         for _ in pool.map(lambda job: self.array(*job), todo):
             pass
 

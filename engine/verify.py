@@ -5,7 +5,6 @@ it is quarantined and why, and what is damaged now."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -79,22 +78,43 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
         report.add(key, None, str(exc))
         return report
 
-    def parse(job: tuple[str, StoredTensor]) -> None:  # every array's metadata at once;
-        with contextlib.suppress(CheckpointError):  # errors are reported below
-            reader.array(*job)
+    def parse(job: tuple[str, StoredTensor]) -> tuple[ArraySpec | None, str | None]:
+        """One array, all at once on the pool: its layout (from the group's index, or from
+        its zarr.json in checkpoints of earlier versions), and what is wrong with its
+        zarr.json (read and checked here: it must describe the layout the index records)."""
+        name, tensor = job
+        try:
+            spec = reader.array(name, tensor)
+        except CheckpointError as exc:
+            return None, str(exc)
+        if tensor.layouts is None:
+            return spec, None  # read from the document itself, which is checked
+        try:
+            if reader.array_document(name, tensor) != spec:
+                return spec, (f"step {step}, array {name!r}: zarr.json describes a layout that "
+                              "differs from the group's index")
+        except CheckpointError as exc:
+            return spec, str(exc)
+        return spec, None
 
-    for _ in pool.map(parse, [(n, t) for t in reader.tensors.values() for n in t.arrays]):
-        pass
+    jobs = [(n, t) for t in reader.tensors.values() for n in t.arrays]
+    specs: dict[str, ArraySpec] = {}
+    read: set[str] = set()  # array documents read and checked here
+    for (name, tensor), (spec, error) in zip(jobs, pool.map(parse, jobs)):
+        index_failed = spec is None and tensor.layouts is not None
+        if not index_failed:
+            read.add(f"{name}/zarr.json")
+        if error is not None:
+            report.add("zarr.json" if index_failed else f"{name}/zarr.json", name, error)
+        if spec is not None:
+            specs[name] = spec
     cells: dict[str, tuple[ArraySpec, tuple[int, ...]]] = {}
     for tensor in reader.tensors.values():
-        covered, parsed = 0, True
+        covered = 0
         for name in tensor.arrays:
-            try:
-                spec = reader.array(name, tensor)
-            except CheckpointError as exc:
-                report.add(f"{name}/zarr.json", name, str(exc))
-                parsed = False
+            if name not in specs:
                 continue
+            spec = specs[name]
             covered += math.prod(spec.shape)
             if not math.prod(spec.shape):
                 continue
@@ -107,12 +127,11 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
         if covered != math.prod(tensor.shape):
             report.add("zarr.json", None, f"the arrays of tensor {tensor.path!r} cover {covered} "
                        f"of its {math.prod(tensor.shape)} elements")
-        elif parsed:
+        elif all(name in specs for name in tensor.arrays):
             try:
                 reader.arrays_of(tensor)  # as many elements as the tensor: no overlap either
             except CheckpointError as exc:
                 report.add("zarr.json", None, str(exc))
-
     def check(key: str) -> tuple[str, int, str | None]:
         try:
             data = reader.read_object(key)
@@ -124,7 +143,10 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
         except CheckpointError as exc:
             return key, 0, str(exc)
 
-    for key, nbytes, error in pool.map(check, sorted(reader.manifest.objects)):
+    report.objects += sum(key in read for key in reader.manifest.objects)
+    report.nbytes += sum(n for key, (n, *_) in reader.manifest.objects.items() if key in read)
+    todo = sorted(key for key in reader.manifest.objects if key not in read)
+    for key, nbytes, error in pool.map(check, todo):
         report.objects += 1
         report.nbytes += nbytes
         if error:

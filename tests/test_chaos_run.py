@@ -53,7 +53,11 @@ def test_kill_rank_recovers_and_ends_bitwise_equal(tmp_path: Path, cache: Path,
         assert fault[key] is not None and fault[key] >= 0
     assert fault["recovery_s"] == pytest.approx(sum(fault[k] for k in (
         "detect_s", "restart_s", "restore_s", "recompute_s")))
-    assert report["run"]["attempts"] == 2 and 0 < report["run"]["goodput"] < 1
+    run = report["run"]
+    assert run["attempts"] == 2 and 0 < run["goodput"] < 1
+    # the fault-free run's goodput, recorded with its cache entry: what the faults cost
+    assert 0 < run["reference_goodput"] < 1
+    assert run["goodput_vs_reference"] == pytest.approx(run["goodput"] / run["reference_goodput"])
     assert {c["step"] for c in report["checkpoints"] if c["committed"]} >= {4, 8, 20}
     assert (tmp_path / "out" / "report.md").read_text().startswith("# kill: PASS")
 

@@ -111,11 +111,6 @@ DAMAGE: dict[str, tuple[Callable[[Raw], None], str, str | None]] = {
     "index-bit": (lambda raw: raw.flip_bit(2, SHARD, -INDEX_NBYTES + 3, bit=0), SHARD, "model/w"),
     "truncated": (_truncate, SHARD, "model/w"),
     "deleted": (lambda raw: raw.delete(2, SHARD), SHARD, "model/w"),
-    "array-metadata": (
-        lambda raw: raw.flip_bit(2, "model/w/zarr.json", 40),
-        "model/w/zarr.json",
-        "model/w",
-    ),
     "group-metadata": (lambda raw: raw.flip_bit(2, "zarr.json", 40), "zarr.json", None),
     "commit-marker": (
         lambda raw: raw.write(2, "COMMIT", raw.read(2, "COMMIT")[:-7]),
@@ -157,6 +152,23 @@ def test_damaged_step_is_reported_refused_and_skipped(
     assert engine.verify(2).ok
     assert engine.load(target) == 2
     assert torch.equal(target["model"]["w"], state_of(22)["model"]["w"])
+
+
+def test_a_damaged_array_document_is_reported_by_verify_and_not_used_by_load(
+    two_steps: tuple[CheckpointEngine, Raw],
+) -> None:
+    """A load takes each array's layout from the group's index (checked against the COMMIT
+    manifest), not from the array's own zarr.json, which is there for other zarr readers: a
+    damaged one is reported by verify, and refusing the intact data would lose a checkpoint."""
+    engine, raw = two_steps
+    raw.flip_bit(2, "model/w/zarr.json", 40)
+    report = engine.verify(2)
+    assert not report.ok and report.bad_arrays == ["model/w"]
+    assert [p.key for p in report.problems] == ["model/w/zarr.json"]
+    target = blank()
+    assert engine.load(target) == 2
+    assert torch.equal(target["model"]["w"], state_of(2)["model"]["w"])
+    assert engine.steps() == [1, 2]
 
 
 def test_damage_outside_what_the_target_reads_is_caught_by_verify(

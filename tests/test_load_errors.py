@@ -249,16 +249,18 @@ class _HeldReads:
 
 
 def test_no_read_of_a_failed_step_lands_after_the_fallback(tmp_path: Path) -> None:
-    """Step 2's second tensor has damaged metadata, found after reads of its first tensor
-    may have started: load() falls back to step 1, and no read of step 2 may still be running
-    to overwrite the target with step 2's data afterwards."""
+    """Step 2's second tensor is damaged, found while reads of its first tensor are held:
+    load() falls back to step 1, and no read of step 2 may still be running to overwrite the
+    target with step 2's data afterwards."""
     url = str(tmp_path / "ckpt")
     with CheckpointEngine(url, keep_last=None) as engine:
         for step in (1, 2):
             engine.save(step, {"a": torch.full((4,), float(step)),
                                "b": torch.full((4,), float(step))}, blocking=True)
-        doc = tmp_path / "ckpt" / "step_000000002" / "b" / "zarr.json"
-        doc.write_bytes(doc.read_bytes().replace(b'"float32"', b'"float64"'))
+        shard = tmp_path / "ckpt" / "step_000000002" / "b" / "c" / "0"
+        data = bytearray(shard.read_bytes())
+        data[0] ^= 1
+        shard.write_bytes(bytes(data))
         held = _HeldReads(engine.storage.inner)
         engine.storage.inner = held
         target = {"a": torch.zeros(4), "b": torch.zeros(4)}

@@ -158,8 +158,11 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
     lines = [f"# {s['name']}: {v['verdict'].upper()}", ""]
     if s.get("description"):
         lines += [s["description"], ""]
-    lines += [f"- wall time {_fmt(run['wall_s'], ' s')}, goodput {_fmt(run['goodput'])}, "
-              f"attempts {run['attempts']}, final step {run['final_step']}",
+    vs_ref = run.get("goodput_vs_reference")
+    lines += [f"- wall time {_fmt(run['wall_s'], ' s')}, goodput {_fmt(run['goodput'])}"
+              + (f" ({vs_ref:.1%} of the fault-free run's {run['reference_goodput']:.3f})"
+                 if vs_ref is not None else "")
+              + f", attempts {run['attempts']}, final step {run['final_step']}",
               f"- bitwise equal to the fault-free reference: {_fmt(v['bitwise_equal'])}"]
     lines += [f"- {reason}" for reason in v["reasons"]]
     if report.get("differing_entries"):
@@ -309,6 +312,9 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
     parts += ["<h2>Run</h2>", html_table(None, [
         ["wall time s", wall], ["goodput (time of steps that count / wall)",
                                 None if goodput is None else f"{goodput:.1%}"],
+        ["goodput of the fault-free reference run", run.get("reference_goodput")],
+        ["goodput / the reference's", None if run.get("goodput_vs_reference") is None
+         else f"{run['goodput_vs_reference']:.1%}"],
         ["attempts", run.get("attempts")],
         ["final step", f"{run.get('final_step')} of "
                        f"{s['trainer'].get('steps', run.get('expected_step'))}"],

@@ -81,8 +81,20 @@ def _ensure_reference(s: Scenario, progress: Callable[[str], None]) -> str:
                            f"{s.checkpoint.engine} checkpoint at {folder / 'ckpt'} (the script "
                            f"must checkpoint to $ANTIFRAGILE_CKPT_URL); see "
                            f"{folder / 'torchrun.log'}")
-    done.write_text(json.dumps({"scenario": s.name, "finished": time.time()}))
+    done.write_text(json.dumps({"scenario": s.name, "finished": time.time(),
+                                "wall_s": record.wall_s, "goodput": measure.goodput(record)}))
     return str(folder / "ckpt")
+
+
+def _reference_goodput(reference_url: str | None) -> float | None:
+    """The fault-free run's goodput, as its cache entry recorded it (None: an older entry)."""
+    if reference_url is None:
+        return None
+    try:
+        value = json.loads((Path(reference_url).parent / "DONE").read_text()).get("goodput")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, float) else None
 
 
 def _final_step(record: RunRecord) -> int | None:
@@ -181,10 +193,15 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
                             reference_url=reference_url, final_committed=final_committed,
                             committed=committed, expected_step=expected_step,
                             determinism=determinism)
+    goodput, reference_goodput = measure.goodput(record), _reference_goodput(reference_url)
     doc = {
         "scenario": s.model_dump(by_alias=True, mode="json"),
         "environment": report.environment(),
-        "run": {"wall_s": record.wall_s, "goodput": measure.goodput(record),
+        "run": {"wall_s": record.wall_s, "goodput": goodput,
+                "reference_goodput": reference_goodput,
+                # what the faults cost: 1.0 = as productive as the fault-free run
+                "goodput_vs_reference": goodput / reference_goodput
+                if goodput is not None and reference_goodput else None,
                 "attempts": 1 + max((e["attempt"] for e in record.events), default=0),
                 "final_step": final_step, "expected_step": expected_step,
                 "returncode": record.returncode, "paused_s": record.paused_s,

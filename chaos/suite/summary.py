@@ -68,7 +68,7 @@ def summarize(name: str, file: str, doc: dict[str, Any], report: str | None) -> 
         "detect_mean_s": mean_of("detect_s"), "reform_mean_s": mean_of("restart_s"),
         "restore_mean_s": mean_of("restore_s"), "recompute_mean_s": mean_of("recompute_s"),
         "lost_steps": sum(lost) if lost else None,
-        "goodput": run.get("goodput"),
+        "goodput": run.get("goodput"), "goodput_vs_reference": run.get("goodput_vs_reference"),
         "stall_mean_s": mean(stalls) if stalls else None,
         "stall_max_s": max(stalls) if stalls else None,
         "wall_s": run.get("wall_s"), "report": report,
