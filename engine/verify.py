@@ -132,6 +132,7 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
                 reader.arrays_of(tensor)  # as many elements as the tensor: no overlap either
             except CheckpointError as exc:
                 report.add("zarr.json", None, str(exc))
+
     def check(key: str) -> tuple[str, int, str | None]:
         try:
             data = reader.read_object(key)
