@@ -174,8 +174,10 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
         # what each rank's save requested through its record (waiting for COMMIT excluded)
         "save": sum(n for n in by_rank.values() if isinstance(n, int)),
         "save_by_rank": by_rank,
-        # a load of the whole step in one process: COMMIT, zarr.json, array docs, objects
-        "load": 2 + len(rows) + sum(r["shards"] for r in rows),
+        # a load of the whole step in one process: COMMIT, zarr.json, the shard objects
+        # (and each array's zarr.json where the group's index lacks its layout: older saves)
+        "load": 2 + sum(r["shards"] for r in rows) + sum(
+            len(t.arrays) for t in reader.tensors.values() if t.layouts is None),
     }
     if as_json:
         click.echo(json.dumps({"step": step, "layout": layout, "values": values,
