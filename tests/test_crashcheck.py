@@ -150,12 +150,24 @@ def test_crashcheck_help_does_not_import_torch() -> None:
 # -- the recording proxy on a real S3 server ---------------------------------------------------
 
 @pytest.mark.s3
+@pytest.mark.parametrize("slow_note", [False, True], ids=["", "noted-after-the-answer"])
 def test_proxy_records_puts_copies_deletes_and_multi_deletes(
-        s3_bucket: tuple[str, dict[str, Any]]) -> None:
+        s3_bucket: tuple[str, dict[str, Any]], slow_note: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``slow_note``: the proxy notes a request a while after the client has its answer (as a
+    busy machine may schedule it): ``stop()`` right after the last answer still has it."""
     import boto3
 
     from antifragile.chaos.crashcheck.record import RecordingProxy
 
+    if slow_note:
+        note = RecordingProxy._note
+
+        def late(self: RecordingProxy, *args: Any) -> None:
+            time.sleep(0.3)
+            note(self, *args)
+
+        monkeypatch.setattr(RecordingProxy, "_note", late)
     url, options = s3_bucket
     bucket = url.removeprefix("s3://").split("/")[0]
     with RecordingProxy(options["endpoint_url"], bucket=bucket, root="r",

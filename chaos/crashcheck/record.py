@@ -5,9 +5,11 @@ Unlike :class:`chaos.infra.proxy.FaultProxy` (which pumps bytes), this proxy par
 it reads a whole request (head and body: ``Content-Length``, ``chunked``; ``Expect:
 100-continue`` is answered here, and the ``Expect`` header is not part of a SigV4 signature),
 forwards it on a connection of its own, reads the whole answer and passes it back. A request is
-*issued* when its first byte reaches the proxy and *acknowledged* once its answer has been
-handed back to the client: the server applied it somewhere inside that interval, which is all
-the crash model needs (``enumerate.py``). ``latency_s`` holds each request back before it is
+*issued* once its head has reached the proxy (the server cannot apply it before the proxy
+forwards it; timing from the first byte instead would date a request on a kept-alive
+connection from the end of the one before) and *acknowledged* once its answer has been handed
+back to the client: the server applied it somewhere inside that interval, which is all the
+crash model needs (``enumerate.py``). ``latency_s`` holds each request back before it is
 forwarded, as a real object store's latency would, so that concurrent requests overlap.
 
 Mutations (one :class:`Mutation` per key changed): ``PUT`` (object, or ``COPY`` with
@@ -83,6 +85,10 @@ class RecordingProxy:
         self.bucket, self.root = bucket, root.strip("/")
         self.latency_s = latency_s
         self._lock = threading.Lock()
+        # requests read but not yet noted: a client may have its answer (and call stop())
+        # before the thread that served it has noted it
+        self._serving = 0
+        self._noted = threading.Condition(self._lock)
         self._recording: Recording | None = None
         self._t0 = 0.0
         self._uploads: dict[str, dict[int, bytes]] = {}  # upload id -> part number -> body
@@ -96,12 +102,18 @@ class RecordingProxy:
         return f"http://{host}:{port}"
 
     def start(self) -> None:
+        """Record from now on; requests answered before this call are not in the recording
+        (waits, up to 10 s, for the threads still noting them)."""
         with self._lock:
+            self._noted.wait_for(lambda: self._serving == 0, timeout=10.0)
             self._recording = Recording()
             self._t0 = time.monotonic()
 
     def stop(self) -> Recording:
+        """The recording; every request answered before this call is in it (waits, up to
+        10 s, for the threads still noting requests they have answered)."""
         with self._lock:
+            self._noted.wait_for(lambda: self._serving == 0, timeout=10.0)
             recording, self._recording = self._recording, None
         if recording is None:
             raise RuntimeError("stop() without start()")
@@ -133,47 +145,59 @@ class RecordingProxy:
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:
-        upstream: socket.socket | None = None
+        upstream: list[socket.socket] = []  # one connection, opened at the first request
         reader = _Reader(client)
         try:
             while True:
-                issued = time.monotonic()
                 head = reader.head()
                 if head is None:
                     return
-                request_line, headers = _parse_head(head)
-                method, target = request_line.split(" ")[:2]
-                if headers.get("expect", "").lower() == "100-continue":
-                    client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    head = _drop_header(head, b"expect")
-                body, raw = reader.body(headers)
-                if self.latency_s:
-                    time.sleep(self.latency_s)
-                if upstream is None:
-                    upstream = socket.create_connection(self.upstream, timeout=60)
-                upstream.sendall(head + raw)
-                answer = _Reader(upstream)
-                response_head = answer.head()
-                if response_head is None:
-                    raise OSError("the upstream closed the connection")
-                status_line, response_headers = _parse_head(response_head)
-                status = int(status_line.split(" ")[1])
-                if method == "HEAD" or status in (204, 304):
-                    response_body, response_raw = b"", b""
-                else:
-                    response_body, response_raw = answer.body(response_headers, response=True)
-                client.sendall(response_head + response_raw)
-                acked = time.monotonic()
-                self._note(method, target, headers, body, status, response_body, issued, acked)
-                if response_headers.get("connection", "").lower() == "close":
-                    return
+                issued = time.monotonic()  # storage cannot apply it before it is forwarded
+                with self._lock:
+                    self._serving += 1
+                try:
+                    if not self._forward(client, reader, head, issued, upstream):
+                        return
+                finally:
+                    with self._lock:
+                        self._serving -= 1
+                        self._noted.notify_all()
         except (OSError, ValueError, IndexError):
             return
         finally:
-            for sock in (client, upstream):
-                if sock is not None:
-                    with contextlib.suppress(OSError):
-                        sock.close()
+            for sock in (client, *upstream):
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def _forward(self, client: socket.socket, reader: _Reader, head: bytes, issued: float,
+                 upstream: list[socket.socket]) -> bool:
+        """Forward one request upstream and its answer back, then note it; False when the
+        connection ends after it."""
+        request_line, headers = _parse_head(head)
+        method, target = request_line.split(" ")[:2]
+        if headers.get("expect", "").lower() == "100-continue":
+            client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            head = _drop_header(head, b"expect")
+        body, raw = reader.body(headers)
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        if not upstream:
+            upstream.append(socket.create_connection(self.upstream, timeout=60))
+        upstream[0].sendall(head + raw)
+        answer = _Reader(upstream[0])
+        response_head = answer.head()
+        if response_head is None:
+            raise OSError("the upstream closed the connection")
+        status_line, response_headers = _parse_head(response_head)
+        status = int(status_line.split(" ")[1])
+        if method == "HEAD" or status in (204, 304):
+            response_body, response_raw = b"", b""
+        else:
+            response_body, response_raw = answer.body(response_headers, response=True)
+        client.sendall(response_head + response_raw)
+        acked = time.monotonic()
+        self._note(method, target, headers, body, status, response_body, issued, acked)
+        return response_headers.get("connection", "").lower() != "close"
 
     # -- what a request changed ---------------------------------------------------------------
 

@@ -312,7 +312,8 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
     parts += ["<h2>Run</h2>", html_table(None, [
         ["wall time s", wall], ["goodput (time of steps that count / wall)",
                                 None if goodput is None else f"{goodput:.1%}"],
-        ["goodput of the fault-free reference run", run.get("reference_goodput")],
+        ["goodput of the fault-free reference run", None if run.get("reference_goodput") is None
+         else f"{run['reference_goodput']:.1%}"],
         ["goodput / the reference's", None if run.get("goodput_vs_reference") is None
          else f"{run['goodput_vs_reference']:.1%}"],
         ["attempts", run.get("attempts")],
