@@ -90,7 +90,7 @@ class Hostile:
 
         def mirror(group: dict[str, Any]) -> None:
             for entry in group["attributes"]["antifragile"]["tensors"].values():
-                if name in entry["array_layout"]:
+                if name in entry["arrays"]:
                     entry["array_layout"][name] = layout
 
         self.edit_json("zarr.json", mirror)
