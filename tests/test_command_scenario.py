@@ -182,6 +182,23 @@ def test_ranks_are_found_as_the_agents_children_with_torchruns_environment() -> 
         agent.wait()
 
 
+def test_a_process_start_time_is_on_the_wall_clock_of_the_events() -> None:
+    """Start times are compared with fault injection times (``time.time()``): one off by the
+    boot-time rounding or the wall clock's drift since boot (seconds) puts a restart's new
+    process before the kill that caused it."""
+    for _ in range(3):
+        before = time.time()
+        child = subprocess.Popen(["sleep", "5"])
+        after = time.time()
+        try:
+            started = children(os.getpid())[child.pid]
+        finally:
+            child.kill()
+            child.wait()
+        tick = 1 / os.sysconf("SC_CLK_TCK")
+        assert before - 2 * tick <= started <= after + 2 * tick, (before, started, after)
+
+
 # --- measurements and verdict when the script reports little --------------------------------
 
 T0 = 1_000.0
@@ -224,6 +241,17 @@ def test_without_the_probe_detect_and_restart_are_measured_the_rest_is_said() ->
     v = checker.judge(_command_scenario(), returncode=0, timings=[t], final_step=20,
                       faulty_url="u", reference_url=None, final_committed=True)
     assert v.verdict == "pass", v.reasons
+
+
+def test_a_kill_belongs_to_the_attempt_of_the_process_it_hit_whatever_the_clocks_say() -> None:
+    """A restarted process whose start time reads a little before the kill (clocks of two
+    sources) must not make the kill look like it struck the new attempt."""
+    record, kill = _no_probe_record(engine_events=False)
+    for e in record.events:
+        if e["attempt"] == 1:
+            e["t"] = T0 + 19.9
+    t = measure.fault_timings(record, kill)
+    assert t.effect_observed and t.ended_attempt == 0, t.effect
 
 
 def test_with_the_engines_events_only_the_restore_is_measured_too() -> None:

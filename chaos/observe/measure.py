@@ -91,6 +91,17 @@ def _attempt_at(record: RunRecord, t: float) -> int:
     return current
 
 
+def _struck_attempt(record: RunRecord, injection: Injection) -> int:
+    """The attempt ``injection`` hit: that of the process it signalled where a rank's start
+    names that pid (exact, whatever the clocks say), else the one running at its time."""
+    pid = injection.detail.get("pid")
+    if injection.rank is not None and pid is not None:
+        for e in record.events:
+            if e["event"] in _STARTS and e.get("pid") == pid and e["rank"] == injection.rank:
+                return int(e["attempt"])
+    return _attempt_at(record, injection.t)
+
+
 def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window_s: float
                    ) -> tuple[bool, str]:
     """Whether ``injection`` ended ``attempt`` (the one running when it was made), with the
@@ -238,7 +249,7 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
     made = not injection.skipped and not injection.missed
     if injection.kind in STORAGE_FAULTS and made:
         timings.outage = outage_effects(record, injection)
-    attempt = _attempt_at(record, injection.t)
+    attempt = _struck_attempt(record, injection)
     # The runner reads event files as they are written, so it fires a step-triggered fault a
     # little after the step; the trainer may be further on. What counts is where the trainer
     # was when the fault hit, and everything the failed attempt finished must be redone.

@@ -19,9 +19,13 @@ from typing import Any
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _boot_time() -> float:
-    with open("/proc/stat", encoding="ascii") as f:
-        return float(next(line.split()[1] for line in f if line.startswith("btime")))
+def _uptime() -> float:
+    """Seconds since boot on the clock ``/proc/<pid>/stat`` start times use. (``btime`` in
+    ``/proc/stat`` is whole seconds and drifts from the wall clock as NTP adjusts it: a start
+    time from it could be a second or more off, enough to put a restarted process before the
+    kill that caused it.)"""
+    with open("/proc/uptime", encoding="ascii") as f:
+        return float(f.read().split()[0])
 
 
 def _stat(pid: int) -> tuple[int, float] | None:
@@ -45,14 +49,15 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def children(pid: int) -> dict[int, float]:
-    """``pid``'s live child processes and their start times (unix seconds)."""
-    boot = _boot_time()
+    """``pid``'s live child processes and their start times (unix seconds): now less each
+    process's age."""
+    now, uptime = time.time(), _uptime()
     out = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             stat = _stat(int(name))
             if stat is not None and stat[0] == pid:
-                out[int(name)] = boot + stat[1]
+                out[int(name)] = now - (uptime - stat[1])
     return out
 
 
