@@ -45,6 +45,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -540,7 +541,19 @@ class SeaweedCluster:
             time.sleep(0.2)
 
     def _probe(self) -> None:
-        """Create a bucket, put, get and delete an object, delete the bucket."""
+        """Every server listens, the master counts every volume server (a round trip alone
+        can pass with one of them still starting); then create a bucket, put, get and
+        delete an object, delete the bucket."""
+        silent = [s.role for s in self.servers.values() if not _answers(self.host, s.port)]
+        if silent:
+            raise SeaweedError(f"not listening yet: {', '.join(silent)}")
+        master = f"http://{self.host}:{self.servers['master'].port}/dir/status"
+        with urllib.request.urlopen(master, timeout=2) as answer:
+            topology = json.load(answer)["Topology"]
+        nodes = sum(len(rack.get("DataNodes") or []) for dc in topology.get("DataCenters") or []
+                    for rack in dc.get("Racks") or [])
+        if nodes < self.volumes:
+            raise SeaweedError(f"the master knows {nodes} of {self.volumes} volume servers")
         client = self.client(connect_timeout=1, read_timeout=5,
                              retries={"total_max_attempts": 1})
         bucket = "antifragile-health"
