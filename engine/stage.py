@@ -39,6 +39,7 @@ from .plan import CellWrite
 
 ALIGN_BYTES = 4096  # O_DIRECT wants buffer, offset and length aligned to the logical block
 _CRC = struct.Struct("<I")
+_POOL_MIN_BYTES = 1 << 20  # cells this large are copied on the staging threads
 
 
 @dataclass(slots=True)
@@ -212,10 +213,7 @@ class StagingArea:
                 for cell, src in zip(self.cells, sources):
                     _copy_cell(cell, src, self.arena.data_ptr(), on_device=True)
             else:
-                futures = [_copiers().submit(self._stage_cell, i, src)
-                           for i, src in enumerate(sources)]
-                for future in futures:
-                    future.result()
+                self._stage_on_host(sources)
             for path, shadow in self.shadows.items():
                 shadow.copy_(iter_local(tensors[path]).detach(), non_blocking=True)
             if on_device:
@@ -229,10 +227,40 @@ class StagingArea:
             self._cond.notify_all()
         return time.perf_counter() - start
 
+    def _stage_on_host(self, sources: list[torch.Tensor]) -> None:
+        """Large cells on the copy threads, the small ones here, released to the writers a
+        batch at a time: a future, or a writer woken, per small cell costs more than its copy
+        (each hand-over of the GIL can wait a switch interval, 5 ms, on a busy machine)."""
+        arena = self.arena.data_ptr()
+        futures = [_copiers().submit(self._stage_cell, i, src)
+                   for i, src in enumerate(sources) if self.cells[i].nbytes >= _POOL_MIN_BYTES]
+        batch: list[int] = []
+        batch_bytes = 0
+        for i, src in enumerate(sources):
+            cell = self.cells[i]
+            if cell.nbytes >= _POOL_MIN_BYTES:
+                continue
+            _copy_cell(cell, src, arena, on_device=False)
+            batch.append(i)
+            batch_bytes += cell.nbytes
+            if batch_bytes >= _POOL_MIN_BYTES:
+                self._release(batch)
+                batch, batch_bytes = [], 0
+        self._release(batch)
+        for future in futures:
+            future.result()
+
     def _stage_cell(self, index: int, src: torch.Tensor) -> None:
         _copy_cell(self.cells[index], src, self.arena.data_ptr(), on_device=False)
+        self._release([index])
+
+    def _release(self, indices: list[int]) -> None:
+        """Cells ``indices`` are staged: writers waiting for them may go."""
+        if not indices:
+            return
         with self._cond:
-            self._staged[index] = True
+            for i in indices:
+                self._staged[i] = True
             self._cond.notify_all()
 
     def wait_staged(self, index: int | None = None) -> None:

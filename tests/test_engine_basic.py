@@ -290,6 +290,31 @@ def test_steps_and_latest_step(ckpt: CheckpointEngine) -> None:
     assert ckpt.latest_step() == 30
 
 
+def test_a_state_whose_layout_changes_between_saves_is_saved_as_it_is_now(
+        ckpt: CheckpointEngine) -> None:
+    """The engine reuses its plan while the state's layout stays the same; a changed shape,
+    dtype, key or value must still be saved as it is at the call."""
+    states = [
+        {"w": torch.arange(6.0), "b": torch.ones(2), "n": 1},
+        {"w": torch.arange(6.0) + 1, "b": torch.ones(2), "n": 2},  # same layout, new data
+        {"w": torch.arange(8.0), "b": torch.ones(2), "n": 3},  # a shape
+        {"w": torch.arange(8, dtype=torch.int64), "b": torch.ones(2), "n": 4},  # a dtype
+        {"w": torch.arange(8, dtype=torch.int64), "c": torch.zeros(3), "n": 5},  # a key
+        {"w": torch.arange(8, dtype=torch.int64), "c": torch.zeros(3), "n": 6, "m": "x"},
+    ]
+    for step, state in enumerate(states, 1):
+        ckpt.save(step, state, blocking=True)
+    for step, state in enumerate(states, 1):
+        target = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None
+                  for k, v in state.items()}
+        assert ckpt.load(target, step=step) == step
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert target[key].dtype == value.dtype and torch.equal(target[key], value)
+            else:
+                assert target[key] == value, (step, key)
+
+
 def test_save_while_persisting_is_skipped_with_busy_error(ckpt: CheckpointEngine) -> None:
     state = {"w": torch.randn(8, 8)}
     gated = gate(ckpt)
