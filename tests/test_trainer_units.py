@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ from antifragile.trainer.config import TrainConfig, parse_args
 from antifragile.trainer.data import TokenData
 from antifragile.trainer.model import GPT, ModelConfig, init_weights, keep_stage, split_layers
 from antifragile.trainer.parallel.dims import ParallelDims
+from antifragile.trainer.recovery import GlooSockets
 
 
 def test_synthetic_batches_are_a_function_of_the_cursor() -> None:
@@ -130,3 +133,62 @@ def test_a_retention_failure_after_the_commit_is_reported(
     failed = [e for e in lines if e["event"] == "ckpt_retention_failed"]
     assert len(failed) == 1 and failed[0]["step"] == 2
     assert "PermissionError" in failed[0]["error"]
+
+
+# --- the connections an in-process recovery shuts down ----------------------------------------
+
+
+def _connected(server: socket.socket) -> tuple[socket.socket, socket.socket]:
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    return client, accepted
+
+
+def _at_fd(sock: socket.socket, fd: int) -> socket.socket:
+    """``sock`` moved to file descriptor ``fd`` (as the kernel does when it reuses a number)."""
+    if sock.fileno() == fd:  # the kernel did
+        return sock
+    os.dup2(sock.fileno(), fd)
+    sock.close()
+    return socket.socket(fileno=fd)
+
+
+def test_a_connection_opened_at_a_reused_descriptor_is_shut_down() -> None:
+    """A socket closed during the formation frees its descriptor; a gloo connection that gets
+    the same number is the formation's and must be aborted (rank 0 of a 2x2x2 run once waited
+    the full collective timeout in a tensor-parallel all-reduce after every other rank had
+    aborted: its connection was at a number that was a socket before the formation began)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        transient, transient_peer = _connected(server)
+        sockets = GlooSockets(keep_ports=set())
+        sockets.begin()
+        number = transient.fileno()
+        transient.close()
+        transient_peer.close()
+        client, peer = _connected(server)
+        gloo = _at_fd(client, number)
+        sockets.end()
+        assert sockets.shutdown() == 2  # both ends: this process holds both
+        peer.settimeout(5)
+        assert peer.recv(1) == b""  # the connection was shut down
+        gloo.close()
+        peer.close()
+
+
+def test_a_captured_descriptor_reused_after_the_formation_is_left_alone() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sockets = GlooSockets(keep_ports=set())
+        sockets.begin()
+        gloo, gloo_peer = _connected(server)
+        sockets.end()
+        number = gloo.fileno()
+        gloo.close()
+        gloo_peer.close()
+        other, other_peer = _connected(server)  # e.g. a new store client, at the same number
+        other = _at_fd(other, number)
+        assert sockets.shutdown() == 0
+        other.sendall(b"x")
+        other_peer.settimeout(5)
+        assert other_peer.recv(1) == b"x"
+        other.close()
+        other_peer.close()

@@ -106,40 +106,47 @@ def first_formation(js: JobStore, slot: int, world_size: int) -> Formation:
 class GlooSockets:
     """The TCP connections a process group formation opened, so that they can be shut down.
 
-    Captured as the difference of this process's connected sockets before and after the
-    formation; connections to the stores are never touched (their peer port is excluded).
+    Captured as the sockets this process holds after the formation that it did not hold
+    before, told apart by inode, not by descriptor number: a socket closed during the
+    formation frees its number for a gloo connection, and a captured number closed later may
+    be reused by another connection, which must not be shut down. Connections to the stores
+    are never touched (their peer port is excluded).
     """
 
     def __init__(self, keep_ports: set[int]) -> None:
         self.keep_ports = keep_ports
         self._before: set[int] = set()
-        self.fds: set[int] = set()
+        self.fds: dict[int, int] = {}  # descriptor -> socket inode
 
     @staticmethod
-    def _socket_fds() -> set[int]:
-        fds = set()
+    def _sockets() -> dict[int, int]:
+        found = {}
         for name in os.listdir("/proc/self/fd"):
             with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                    fds.add(int(name))
-        return fds
+                link = os.readlink(f"/proc/self/fd/{name}")
+                if link.startswith("socket:["):
+                    found[int(name)] = int(link[len("socket:["):-1])
+        return found
 
     def begin(self) -> None:
-        self._before = self._socket_fds()
+        self._before = set(self._sockets().values())
 
     def end(self) -> None:
-        self.fds = self._socket_fds() - self._before
+        self.fds = {fd: inode for fd, inode in self._sockets().items()
+                    if inode not in self._before}
 
     def shutdown(self) -> int:
         """Shut down every captured connection (not listeners, not store links); returns how
         many. Thread-safe with respect to the collectives it interrupts."""
         closed = 0
-        for fd in sorted(self.fds):
+        for fd, inode in sorted(self.fds.items()):
             try:
                 sock = socket.socket(fileno=os.dup(fd))
             except OSError:
                 continue
             try:
+                if os.fstat(sock.fileno()).st_ino != inode:
+                    continue  # closed since, and the number reused
                 peer = sock.getpeername()
                 if isinstance(peer, tuple) and peer[1] in self.keep_ports:
                     continue
