@@ -76,3 +76,14 @@ def test_s3_benchmark_prints_ratios_and_request_counts(tmp_path: Path) -> None:
     assert state["requests"]["raw_get"] == state["objects"]
     assert state["requests"]["save"] >= state["objects"]
     assert state["persist_ratio"] > 0 and state["load_ratio"] > 0
+
+
+def test_save_cost_benchmark_prints_the_engine_against_dcp_and_memcpy(tmp_path: Path) -> None:
+    out = tmp_path / "cost.json"
+    done = subprocess.run([sys.executable, "-m", "bench.save_cost", "--saves", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "engine save() return / DCP async_save return" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["entries_per_rank"] > 300
+    assert all(v > 0 for v in result["median_s"].values())
