@@ -326,11 +326,10 @@ class CheckpointEngine:
                 self._stage(handle, flat)
             except BaseException:
                 handle._observed = True  # raised here; the save it started fails with it
-                if not overlap:
-                    self._workers.run(*persist)  # it fails the save with the staging error
                 raise
-        if not overlap:
-            self._workers.run(*persist)
+            finally:
+                if not overlap:  # after a staging error it fails the save with that error
+                    self._workers.run(*persist)
         if blocking:
             waited = time.perf_counter()
             handle.wait()

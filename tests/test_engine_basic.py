@@ -375,6 +375,39 @@ def test_failed_persist_surfaces_on_wait(storage: Storage, ckpt: CheckpointEngin
     assert ckpt.latest_step() == 3
 
 
+def test_a_staging_error_fails_its_save_and_the_next_save_goes_ahead(
+        ckpt: CheckpointEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small state is staged before its writer starts; when the copy fails, the save still
+    ends (failed, nothing committed) so the next one is not refused as busy forever."""
+    import warnings
+
+    from antifragile.engine import CheckpointBusyError, stage
+
+    state = {"w": torch.randn(4, 4)}
+    ckpt.save(1, state, blocking=True)
+    real = stage._copy_cell
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(stage, "_copy_cell", broken)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        ckpt.save(2, state)
+    monkeypatch.setattr(stage, "_copy_cell", real)
+    deadline = time.monotonic() + 30
+    while True:  # the failed save ends on its writer thread, soon
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            handle = ckpt.save(3, state)
+        try:
+            handle.wait()
+            break
+        except CheckpointBusyError:
+            assert time.monotonic() < deadline, "the failed save of step 2 never ended"
+            time.sleep(0.05)
+    assert ckpt.steps() == [1, 3]
+
+
 def test_unobserved_failure_makes_next_save_raise(storage: Storage, ckpt: CheckpointEngine) -> None:
     state = {"w": torch.randn(4, 4)}
     repair = break_storage(storage, 2)
