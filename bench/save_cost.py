@@ -43,10 +43,10 @@ def _worker(rank: int, world: int, port: int, root: str, saves: int, out: str) -
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from antifragile.engine import CheckpointEngine
     from antifragile.trainer.model import GPT, ModelConfig
+    from antifragile.trainer.parallel import apply_fsdp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -54,9 +54,7 @@ def _worker(rank: int, world: int, port: int, root: str, saves: int, out: str) -
     torch.manual_seed(0)
     model = GPT(ModelConfig(layers=2, d_model=64, heads=4, vocab=256, seq_len=32))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    apply_fsdp(model, mesh, pipelined=False)  # as the trainer shards it
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     tokens = torch.randint(0, 256, (4, 32))
     model(tokens).float().sum().backward()

@@ -56,7 +56,8 @@ class Stateful(Protocol):
 
 # JSON leaves and containers: never Stateful, and checked by exact type first because a
 # runtime Protocol check costs tens of microseconds (hundreds of them per save add up)
-_PLAIN = frozenset({str, int, float, bool, type(None), dict, list, tuple})
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_PLAIN = _SCALARS | {dict, list, tuple}
 
 
 def is_stateful(obj: object) -> TypeGuard[Stateful]:
@@ -150,7 +151,7 @@ def describe(value: object, path: str) -> JSON:
 
 
 def _check_json(value: object, path: str) -> JSON:
-    if type(value) in (str, int, float, bool, type(None)):
+    if type(value) in _SCALARS:
         return value
     try:
         json.dumps(value, allow_nan=True)
