@@ -758,7 +758,8 @@ class CheckpointEngine:
             raise CheckpointError("the engine is closed")
 
     def close(self) -> None:
-        """Wait for the save in flight (its failure is logged, not raised), release threads."""
+        """Wait for the save in flight (its failure is logged, not raised) and for the threads
+        that ran it to end."""
         if self._closed:
             return
         self._closed = True
@@ -769,7 +770,9 @@ class CheckpointEngine:
                 except CheckpointError as exc:
                     log.warning("save in flight at close failed: %s", exc)
         self._pool.shutdown(wait=True)
-        self._workers.close()
+        stuck = self._workers.close()
+        if stuck:
+            log.warning("closed with checkpoint threads still running: %s", ", ".join(stuck))
 
     def __enter__(self) -> CheckpointEngine:
         return self

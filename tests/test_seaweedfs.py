@@ -277,9 +277,11 @@ def test_a_volume_server_down_then_back_keeps_its_objects(own_cluster: SeaweedCl
     keys = [f"k{i}" for i in range(8)]
     for i, key in enumerate(keys):
         client.put_object(Bucket=bucket, Key=key, Body=bytes([i]) * 50_000)
-    index = own_cluster.busiest_volume()
-    held = [k for k, at in _holders(own_cluster, bucket, keys).items() if at == index]
-    assert held, f"volume server {index} holds the most bytes but none of {keys}"
+    # the server holding most of these objects (the cluster, shared by the module's tests,
+    # may hold more bytes elsewhere: its busiest server can hold none of them)
+    where = _holders(own_cluster, bucket, keys)
+    index = max(sorted(set(where.values())), key=list(where.values()).count)
+    held = [k for k, at in where.items() if at == index]
     server = own_cluster.volume_servers[index]
     old_pid = server.pid
     if mode == "kill":

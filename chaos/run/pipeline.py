@@ -56,6 +56,16 @@ def _reference_key(s: Scenario) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _run_failed(what: str, code: int, folder: Path, lines: int = 12) -> str:
+    """Why a run failed: its exit code and the end of its torchrun log (all a CI log shows)."""
+    log = folder / "torchrun.log"
+    try:
+        tail = log.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        tail = ["(no log)"]
+    return f"{what} failed (code {code}); the end of {log}:\n    " + "\n    ".join(tail)
+
+
 def reference_cache() -> Path:
     root = os.environ.get("ANTIFRAGILE_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "antifragile")
@@ -73,8 +83,8 @@ def _ensure_reference(s: Scenario, progress: Callable[[str], None]) -> str:
     progress("reference: running the fault-free run")
     record = run_scenario(s, folder, str(folder / "ckpt"), faults=False)
     if record.returncode != 0:
-        raise RuntimeError(f"the fault-free reference run failed (code {record.returncode}); "
-                           f"see {folder / 'torchrun.log'}")
+        raise RuntimeError(_run_failed("the fault-free reference run", record.returncode,
+                                       folder))
     if s.is_command and checker.newest_committed(s.checkpoint.engine, str(folder / "ckpt")) \
             is None:
         raise RuntimeError(f"the fault-free reference run left no committed "
@@ -127,8 +137,8 @@ def _determinism(s: Scenario, out: Path, reference_url: str,
     folder = out / "determinism"
     record = run_scenario(s, folder, str(folder / "ckpt"), faults=False)
     if record.returncode != 0:
-        return checker.Comparison(error=f"the second fault-free run failed (code "
-                                        f"{record.returncode}); see {folder / 'torchrun.log'}")
+        return checker.Comparison(error=_run_failed("the second fault-free run",
+                                                    record.returncode, folder))
     step = None if s.is_command else s.trainer.steps  # type: ignore[union-attr]
     comparison = checker.determinism(s.checkpoint.engine, reference_url, str(folder / "ckpt"),
                                      step)
