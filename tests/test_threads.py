@@ -26,8 +26,8 @@ class _Payload:
     pass
 
 
-def _workers_alive() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(("ckpt-", "ckpt_"))]
+def _alive(workers: DaemonWorkers) -> list[str]:
+    return [t.name for t in workers._threads if t.is_alive()]
 
 
 def test_close_ends_every_worker_before_it_returns() -> None:
@@ -39,8 +39,9 @@ def test_close_ends_every_worker_before_it_returns() -> None:
     release.set()
     for event in done:
         event.wait(5)
+    assert len(workers._threads) == 3
     workers.close()
-    assert _workers_alive() == []
+    assert _alive(workers) == []
 
 
 def test_an_idle_worker_keeps_no_reference_to_its_last_job() -> None:
@@ -67,7 +68,7 @@ def test_an_engine_closed_after_saves_leaves_no_worker(tmp_path: Path) -> None:
         for step in (1, 2, 3):
             ckpt.save(step, {"w": torch.randn(16, 8)[::2]})
             ckpt.wait()
-    assert _workers_alive() == []
+    assert ckpt._workers._threads and _alive(ckpt._workers) == []
 
 
 def test_a_script_that_exits_right_after_saves_exits_cleanly(tmp_path: Path) -> None:
