@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,8 @@ from antifragile.trainer.config import TrainConfig, parse_args
 from antifragile.trainer.data import TokenData
 from antifragile.trainer.model import GPT, ModelConfig, init_weights, keep_stage, split_layers
 from antifragile.trainer.parallel.dims import ParallelDims
-from antifragile.trainer.recovery import GlooSockets
+from antifragile.trainer.progress import Phase, SharedProgress
+from antifragile.trainer.recovery import FailureWatch, GlooSockets, JobStore, signal_failure
 
 
 def test_synthetic_batches_are_a_function_of_the_cursor() -> None:
@@ -192,3 +194,59 @@ def test_a_captured_descriptor_reused_after_the_formation_is_left_alone() -> Non
         assert other_peer.recv(1) == b"x"
         other.close()
         other_peer.close()
+
+
+def _watch(stuck_after_s: float, progress: SharedProgress | None = None
+           ) -> tuple[JobStore, FailureWatch, threading.Event, threading.Event]:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    aborted, stuck = threading.Event(), threading.Event()
+    watch = FailureWatch(lambda: JobStore(store, "a0"), 3, aborted.set, progress=progress,
+                         stuck_after_s=stuck_after_s, on_stuck=stuck.set)
+    watch.start()
+    return JobStore(store, "a0"), watch, aborted, stuck
+
+
+def _training() -> SharedProgress:
+    progress = SharedProgress()
+    progress.set(Phase.TRAINING, step=7)
+    return progress
+
+
+def test_a_training_thread_still_in_its_collective_after_the_abort_is_ended() -> None:
+    js, _, aborted, stuck = _watch(0.2, _training())
+    signal_failure(js, 3, "worker 1.0 died")
+    assert aborted.wait(5), "the failure did not abort the generation"
+    assert stuck.wait(5), "a training thread that never left was not escalated"
+
+
+def test_a_training_thread_that_leaves_in_time_is_not_ended() -> None:
+    js, watch, aborted, stuck = _watch(1.0, _training())
+    signal_failure(js, 3, "worker 1.0 died")
+    assert aborted.wait(5)
+    watch.left()
+    assert not stuck.wait(1.5)
+
+
+def test_a_thread_that_progresses_saves_or_is_held_is_waited_for() -> None:
+    progress = _training()
+    js, watch, aborted, stuck = _watch(0.5, progress)
+    signal_failure(js, 3, "worker 1.0 died")
+    assert aborted.wait(5)
+    for _ in range(10):  # micro-steps after the abort: slow, not stuck
+        progress.bump()
+        assert not stuck.wait(0.1)
+    for phase in (Phase.CHECKPOINT, Phase.PAUSED):
+        progress.set(phase)
+        assert not stuck.wait(1.2), phase
+    progress.set(Phase.TRAINING)
+    assert stuck.wait(5), "no progress in training after the abort"
+    watch.stop()
+
+
+def test_a_stopped_watch_neither_aborts_nor_ends() -> None:
+    js, watch, aborted, stuck = _watch(0.1, _training())
+    watch.stop()
+    signal_failure(js, 3, "worker 1.0 died")
+    assert not aborted.wait(0.5) and not stuck.wait(0.5)

@@ -40,6 +40,7 @@ from antifragile.trainer.progress import Phase, SharedProgress
 
 HANG_EXIT_CODE = 43  # the supervisor killed a hung child
 RESTART_EXIT_CODE = 44  # in-process recovery found no spare: torchrun restarts the group
+STUCK_EXIT_CODE = 45  # in-process recovery: stuck in a collective after the abort (a death)
 _PR_SET_PDEATHSIG = 1
 
 

@@ -11,6 +11,7 @@ at start, then wait for an assignment.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -39,7 +40,11 @@ from antifragile.trainer.recovery import (
     wait_for_assignment,
     worker_id,
 )
-from antifragile.trainer.supervisor import RESTART_EXIT_CODE
+from antifragile.trainer.supervisor import RESTART_EXIT_CODE, STUCK_EXIT_CODE
+
+# how long the training thread may take to leave a failed generation's collective once its
+# connections are shut down (it takes milliseconds; 8 ranks on 2 busy cores, well under 1 s)
+STUCK_AFTER_S = 5.0
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -190,7 +195,8 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
                 recovery=cfg.recovery)
     watch = None
     if cfg.recovery == "in_process":
-        watch = FailureWatch(launch.job_store, ctx.generation, ctx.sockets.shutdown)
+        watch = FailureWatch(launch.job_store, ctx.generation, ctx.sockets.shutdown,
+                             progress=progress, stuck_after_s=STUCK_AFTER_S, on_stuck=_stuck)
         watch.start()
     checkpointer: list[TrainCheckpointer] = []  # set by _train: its memory outlives a failure
     try:
@@ -200,6 +206,8 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         leave()
         return code
     except Exception as exc:
+        if watch is not None:
+            watch.left()
         # a failure of the generation: a collective error, or the failure key set (by the
         # dead worker's supervisor) around the time this error was raised
         if watch is None or not (_is_collective_error(exc) or watch.fired.wait(1.0)):
@@ -227,6 +235,16 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         if watch is not None:
             watch.stop()
         events.close()
+
+
+def _stuck() -> None:
+    """The training thread stayed in a collective of a failed generation after its
+    connections were shut down: end the process (see ``FailureWatch``)."""
+    print(f"in-process recovery: the training thread made no progress and did not leave the "
+          f"failed generation's collective for {STUCK_AFTER_S:.0f} s after the abort; exiting "
+          f"(code {STUCK_EXIT_CODE}) so that the others re-form without this process",
+          file=sys.stderr, flush=True)
+    os._exit(STUCK_EXIT_CODE)
 
 
 def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: SharedProgress,
