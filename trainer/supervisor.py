@@ -202,6 +202,8 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
         if death.code == 0:
             return 0
         how = f"signal {-death.code}" if death.code < 0 else f"exit code {death.code}"
+        if death.code == STUCK_EXIT_CODE:
+            how += " (stuck in the failed generation's collective after the abort)"
         events.emit("rank_died", rank=death.rank, attempt=death.generation, pid=death.pid,
                     how=how, hung=death.hung, phase=death.phase.name.lower(),
                     incarnation=incarnation)
