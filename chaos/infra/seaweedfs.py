@@ -53,6 +53,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from antifragile.chaos.infra.logs import tail
+
 WEED_ENV = "ANTIFRAGILE_WEED"  # an explicit path to a weed binary
 STATE_ENV = "ANTIFRAGILE_SEAWEEDFS_STATE"  # where state files go (default: see state_dir)
 _MARKER = ".antifragile-seaweedfs"  # in every folder a cluster made: only those are deleted
@@ -170,14 +172,6 @@ def _free_ports(host: str, n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def _tail(path: Path, lines: int = 8) -> str:
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n    ".join(text[-lines:]) or "(empty log)"
 
 
 class _Spawner:
@@ -414,7 +408,7 @@ class SeaweedCluster:
             if not server.alive() or time.monotonic() > deadline:
                 raise SeaweedError(f"volume server {index} did not come back within "
                                    f"{timeout_s:.0f} s; log {server.log}:\n    "
-                                   f"{_tail(server.log)}")
+                                   f"{tail(server.log)}")
             time.sleep(0.1)
         assert server.pid is not None
         return server.pid
@@ -522,7 +516,7 @@ class SeaweedCluster:
             for s in self.servers.values():
                 if not s.alive():
                     assert s.proc is not None
-                    log = _tail(s.log)
+                    log = tail(s.log)
                     message = (f"SeaweedFS {s.role} exited with code {s.proc.returncode} "
                                f"during start-up: {' '.join(s.argv)}\n  log {s.log}:\n    {log}")
                     if "address already in use" in log:

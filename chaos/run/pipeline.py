@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from antifragile.chaos.faults import Injection
+from antifragile.chaos.infra.logs import tail
 from antifragile.chaos.infra.s3 import RunStorage, run_storage
 from antifragile.chaos.observe import checker, measure
 from antifragile.chaos.observe.record import RunRecord
@@ -56,14 +57,10 @@ def _reference_key(s: Scenario) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _run_failed(what: str, code: int, folder: Path, lines: int = 12) -> str:
+def _run_failed(what: str, code: int, folder: Path) -> str:
     """Why a run failed: its exit code and the end of its torchrun log (all a CI log shows)."""
     log = folder / "torchrun.log"
-    try:
-        tail = log.read_text(errors="replace").strip().splitlines()[-lines:]
-    except OSError:
-        tail = ["(no log)"]
-    return f"{what} failed (code {code}); the end of {log}:\n    " + "\n    ".join(tail)
+    return f"{what} failed (code {code}); the end of {log}:\n    {tail(log, 12)}"
 
 
 def reference_cache() -> Path:
