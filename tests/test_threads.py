@@ -73,7 +73,9 @@ def test_an_engine_closed_after_saves_leaves_no_worker(tmp_path: Path) -> None:
 
 def test_a_script_that_exits_right_after_saves_exits_cleanly(tmp_path: Path) -> None:
     """Saves whose last tensors are views (freeing them takes the GIL in C++), an engine
-    dropped without close(): the interpreter exits with 0, every time."""
+    dropped without close(): the interpreter exits with 0. A smoke check: the race it guards
+    against hit ~1 in 50 runs, so three runs rarely catch it; the tests above pin the
+    mechanism (a closed engine's threads have ended, an idle one holds no job)."""
     script = tmp_path / "s.py"
     script.write_text(textwrap.dedent("""
         import sys

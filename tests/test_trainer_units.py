@@ -157,9 +157,9 @@ def _at_fd(sock: socket.socket, fd: int) -> socket.socket:
 
 def test_a_connection_opened_at_a_reused_descriptor_is_shut_down() -> None:
     """A socket closed during the formation frees its descriptor; a gloo connection that gets
-    the same number is the formation's and must be aborted (rank 0 of a 2x2x2 run once waited
-    the full collective timeout in a tensor-parallel all-reduce after every other rank had
-    aborted: its connection was at a number that was a socket before the formation began)."""
+    the same number is the formation's and must be aborted (first suspected of the rare 2x2x2
+    survivor left in a tensor-parallel all-reduce after the abort; that hang recurred after
+    this fix, so it was not its cause)."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         transient, transient_peer = _connected(server)
         sockets = GlooSockets(keep_ports=set())

@@ -30,6 +30,7 @@ from antifragile.trainer.parallel import apply_fsdp, apply_tp, build_schedule
 from antifragile.trainer.pause import PausePoints
 from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import (
+    STUCK_AFTER_S,
     FailureWatch,
     Formation,
     finish,
@@ -41,10 +42,6 @@ from antifragile.trainer.recovery import (
     worker_id,
 )
 from antifragile.trainer.supervisor import RESTART_EXIT_CODE, STUCK_EXIT_CODE
-
-# how long the training thread may take to leave a failed generation's collective once its
-# connections are shut down (it takes milliseconds; 8 ranks on 2 busy cores, well under 1 s)
-STUCK_AFTER_S = 5.0
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -196,7 +193,7 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
     watch = None
     if cfg.recovery == "in_process":
         watch = FailureWatch(launch.job_store, ctx.generation, ctx.sockets.shutdown,
-                             progress=progress, stuck_after_s=STUCK_AFTER_S, on_stuck=_stuck)
+                             progress=progress, on_stuck=_stuck)
         watch.start()
     checkpointer: list[TrainCheckpointer] = []  # set by _train: its memory outlives a failure
     try:
