@@ -76,7 +76,26 @@ def test_inspect_describes_arrays(tmp_path: Path) -> None:
     assert f"requests: save {doc['requests']['save']}" in table.output
 
 
-def test_bad_url_is_a_clear_error(tmp_path: Path) -> None:
+def test_a_step_that_is_not_committed_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "none").mkdir()
     result = CliRunner().invoke(main, ["ckpt", "inspect", str(tmp_path / "none"), "--step", "1"])
     assert result.exit_code == 2
     assert "step 1 is not committed" in result.output
+
+
+def test_a_local_url_that_is_missing_or_a_file_is_bad_input(tmp_path: Path) -> None:
+    """A typo in a local path is not "no checkpoint": exit 2 naming the path and why, for
+    every subcommand (an existing empty folder is still a plain "no committed checkpoint")."""
+    runner = CliRunner()
+    (tmp_path / "notes.txt").write_text("hello")
+    for command in (["ls"], ["verify"], ["inspect", "--step", "1"]):
+        missing = runner.invoke(main, ["ckpt", command[0], str(tmp_path / "nope"), *command[1:]])
+        assert missing.exit_code == 2, missing.output
+        assert f"{tmp_path / 'nope'}: no such folder" in missing.output
+        a_file = runner.invoke(main, ["ckpt", command[0], str(tmp_path / "notes.txt"),
+                                      *command[1:]])
+        assert a_file.exit_code == 2, a_file.output
+        assert "is a file, not a checkpoint folder" in a_file.output
+    (tmp_path / "empty").mkdir()
+    empty = runner.invoke(main, ["ckpt", "ls", str(tmp_path / "empty")])
+    assert empty.exit_code == 0 and "no committed checkpoint" in empty.output
