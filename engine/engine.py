@@ -268,6 +268,7 @@ class CheckpointEngine:
         for storage.
         """
         self._check_open()
+        step_dir(step)  # a bad step is the caller's mistake: refused here, not in the save thread
         flat = flatten(state)
         inv, fingerprint = self._inventory(flat)
         last = self._last
@@ -472,7 +473,7 @@ class CheckpointEngine:
                 staging.wait_staged()  # no save may stage into the buffers while this one does
             handle.persist_s = time.monotonic() - start
             handle.requests = storage.requests
-            log.warning("checkpoint of step %d failed: %s", step, error)
+            log.warning("checkpoint of step %s failed: %s", step, error)
             self._events.failed(step, error)
             handle._future.set_exception(error)
         finally:
@@ -542,6 +543,8 @@ class CheckpointEngine:
         ``last_load_sources`` says how many bytes came from each.
         """
         self._check_open()
+        if step is not None:
+            step_dir(step)
         flat = flatten(state, loading=True)
         storage = CountingStorage(self.storage)
         self.last_load_sources = {"memory_bytes": 0, "storage_bytes": 0}

@@ -13,6 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -605,3 +606,23 @@ def test_a_commit_never_overwrites_another_saves_commit(tmp_path: Any) -> None:
         with pytest.raises(CheckpointError, match=r"step 5.*committed by another save"):
             engine.save(5, {"w": torch.zeros(3)}, blocking=True)
     assert (tmp_path / "ckpt" / "step_000000005" / "COMMIT").read_bytes() == foreign
+
+
+@pytest.mark.parametrize("step", [-1, "7", 2.0, True, None])
+def test_a_step_that_is_not_a_non_negative_int_is_refused_by_the_call(
+        ckpt: CheckpointEngine, step: Any) -> None:
+    """A bad step is the caller's mistake: ``save``/``load`` raise at once, naming it; no
+    background save starts (it used to fail in the save thread, whose log line then crashed
+    formatting a str step with %d)."""
+    with pytest.raises(CheckpointError, match="step must be a non-negative int"):
+        ckpt.save(step, {"w": torch.zeros(2)})
+    if step is not None:
+        with pytest.raises(CheckpointError, match="step must be a non-negative int"):
+            ckpt.load({"w": torch.zeros(2)}, step=step)
+    assert ckpt.steps() == []
+
+
+def test_a_local_url_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder"):
+        CheckpointEngine(str(tmp_path / "notes.txt"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..errors import CheckpointError
@@ -17,7 +18,10 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Ret
     if not isinstance(url, str) or not url:
         raise CheckpointError(f"checkpoint url must be a non-empty string, got {url!r}")
     if "://" not in url or url.startswith("file://"):
-        return RetryingStorage(LocalStorage(url.removeprefix("file://")))
+        root = url.removeprefix("file://")
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise CheckpointError(f"{url} is a file, not a checkpoint folder")
+        return RetryingStorage(LocalStorage(root))
     protocol = url.split("://", 1)[0]
     try:
         from ._fsspec import FsspecStorage
