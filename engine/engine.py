@@ -274,9 +274,12 @@ class CheckpointEngine:
         last = self._last
         failure = last._unobserved_failure() if last else None
         busy = last is not None and not last.done()
-        replan, any_busy, any_failed, nonce = self._all_max([
+        replan, any_busy, any_failed, nonce, high, negated_low = self._all_max([
             int(fingerprint != self._fingerprint), int(busy), int(failure is not None),
-            secrets.randbits(62) if self.rank == 0 else 0])
+            secrets.randbits(62) if self.rank == 0 else 0, step, -step])
+        if high != -negated_low:  # every rank sees it, so every rank raises
+            raise CheckpointError(f"step {step} not saved: the ranks called save() with "
+                                  f"different steps ({-negated_low} to {high})")
         if any_failed:
             assert last is not None
             last._observed = True
@@ -545,6 +548,12 @@ class CheckpointEngine:
         self._check_open()
         if step is not None:
             step_dir(step)
+        high, negated_low = self._all_max([-1 if step is None else step,
+                                           1 if step is None else -step])
+        if high != -negated_low:
+            raise CheckpointError(f"nothing loaded: the ranks called load() with different "
+                                  f"steps (step={step} here; None is -1: {-negated_low} to "
+                                  f"{high})")
         flat = flatten(state, loading=True)
         storage = CountingStorage(self.storage)
         self.last_load_sources = {"memory_bytes": 0, "storage_bytes": 0}

@@ -22,7 +22,7 @@ from _dist import RankGroup
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from antifragile.engine import CheckpointEngine
+from antifragile.engine import CheckpointEngine, CheckpointError
 
 pytestmark = pytest.mark.multiproc
 
@@ -220,3 +220,31 @@ def test_digests_see_one_flipped_bit_on_host_and_device_paths() -> None:
         assert digests([base])[0] != digests([flipped])[0], dtype
         host = _device_sums(base.view(torch.uint8).reshape(-1))
         assert not torch.equal(host, _device_sums(raw.reshape(-1))), dtype
+
+
+def save_and_load_own_step(url: str) -> tuple[str, str, list[int]]:
+    """Each rank asks for a step of its own: both calls are refused on every rank, at once."""
+    rank = dist.get_rank()
+    out = []
+    with CheckpointEngine(url) as engine:
+        engine.save(1, {"w": torch.ones(4)}, blocking=True)
+        for call in (lambda: engine.save(10 + rank, {"w": torch.zeros(4)}, blocking=True),
+                     lambda: engine.load({"w": torch.empty(4)}, step=1 if rank else None)):
+            try:
+                call()
+                out.append("no error")
+            except CheckpointError as exc:
+                out.append(str(exc))
+        return out[0], out[1], engine.steps()
+
+
+def test_ranks_that_pass_different_steps_are_refused_not_hung(
+    ranks: RankGroup, tmp_path: Path
+) -> None:
+    """save(10) on one rank and save(11) on the other used to hang (each waited for the
+    other's record of its own step); load(step=1) beside load(step=None) compared nonces."""
+    for rank, (saved, loaded, steps) in enumerate(ranks.run(save_and_load_own_step,
+                                                             str(tmp_path / "ckpt"))):
+        assert "the ranks called save() with different steps (10 to 11)" in saved, rank
+        assert "the ranks called load() with different steps" in loaded, rank
+        assert steps == [1], rank
