@@ -268,15 +268,28 @@ class CheckpointEngine:
         for storage.
         """
         self._check_open()
-        step_dir(step)  # a bad step is the caller's mistake: refused here, not in the save thread
-        flat = flatten(state)
-        inv, fingerprint = self._inventory(flat)
+        # The caller's mistakes (a bad step, a value that cannot be stored) are found on one
+        # rank but raised on all, after the first collective: a rank that raised alone would
+        # leave the others waiting in it, or pair them with its next training collective.
+        mistake: CheckpointError | None = None
+        try:
+            step_dir(step)
+            flat = flatten(state)
+            inv, fingerprint = self._inventory(flat)
+        except CheckpointError as exc:
+            mistake, fingerprint = exc, self._fingerprint
+        numeric = step if mistake is None else -1
         last = self._last
         failure = last._unobserved_failure() if last else None
         busy = last is not None and not last.done()
-        replan, any_busy, any_failed, nonce, high, negated_low = self._all_max([
+        replan, any_busy, any_failed, nonce, high, negated_low, any_mistake = self._all_max([
             int(fingerprint != self._fingerprint), int(busy), int(failure is not None),
-            secrets.randbits(62) if self.rank == 0 else 0, step, -step])
+            secrets.randbits(62) if self.rank == 0 else 0, numeric, -numeric,
+            int(mistake is not None)])
+        if any_mistake:
+            raise mistake or CheckpointError(
+                f"step {step} not saved: another rank's call of save() was refused (its error "
+                "names the step or state path)")
         if high != -negated_low:  # every rank sees it, so every rank raises
             raise CheckpointError(f"step {step} not saved: the ranks called save() with "
                                   f"different steps ({-negated_low} to {high})")
@@ -546,15 +559,24 @@ class CheckpointEngine:
         ``last_load_sources`` says how many bytes came from each.
         """
         self._check_open()
-        if step is not None:
-            step_dir(step)
-        high, negated_low = self._all_max([-1 if step is None else step,
-                                           1 if step is None else -step])
+        mistake: CheckpointError | None = None  # raised on every rank, as in save()
+        try:
+            if step is not None:
+                step_dir(step)
+            flat = flatten(state, loading=True)
+        except CheckpointError as exc:
+            mistake = exc
+        numeric = -1 if step is None or mistake is not None else step
+        high, negated_low, any_mistake = self._all_max([numeric, -numeric,
+                                                        int(mistake is not None)])
+        if any_mistake:
+            raise mistake or CheckpointError(
+                "nothing loaded: another rank's call of load() was refused (its error names "
+                "the step or state path)")
         if high != -negated_low:
             raise CheckpointError(f"nothing loaded: the ranks called load() with different "
                                   f"steps (step={step} here; None is -1: {-negated_low} to "
                                   f"{high})")
-        flat = flatten(state, loading=True)
         storage = CountingStorage(self.storage)
         self.last_load_sources = {"memory_bytes": 0, "storage_bytes": 0}
         try:

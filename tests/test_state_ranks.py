@@ -248,3 +248,37 @@ def test_ranks_that_pass_different_steps_are_refused_not_hung(
         assert "the ranks called save() with different steps (10 to 11)" in saved, rank
         assert "the ranks called load() with different steps" in loaded, rank
         assert steps == [1], rank
+
+
+def one_rank_passes_what_cannot_be_stored(url: str) -> list[str]:
+    rank = dist.get_rank()
+    out = []
+    with CheckpointEngine(url) as engine:
+        bad = {1, 2} if rank == 1 else 1  # a set: refused by rank 1's own checks only
+        for call in (lambda: engine.save(1, {"w": torch.ones(4), "x": bad}, blocking=True),
+                     lambda: engine.load({"w": torch.empty(4), "x": bad})):
+            try:
+                call()
+                out.append("no error")
+            except CheckpointError as exc:
+                out.append(str(exc))
+        # the group is still usable: nothing was left waiting in a collective
+        engine.save(2, {"w": torch.full((4,), float(rank))}, blocking=True)
+        out.append(str(engine.steps()))
+    return out
+
+
+def test_a_mistake_found_on_one_rank_is_raised_on_every_rank(
+    ranks: RankGroup, tmp_path: Path
+) -> None:
+    """A state path only one rank cannot store used to raise on that rank alone, leaving the
+    other in the save's first collective (until the process group timed out, or paired with
+    the next collective the failed rank made)."""
+    results = ranks.run(one_rank_passes_what_cannot_be_stored, str(tmp_path / "ckpt"))
+    for rank, (saved, loaded, steps) in enumerate(results):
+        expected = ("set is neither a tensor nor JSON-able" if rank == 1
+                    else "another rank's call of save() was refused")
+        assert expected in saved, (rank, saved)
+        assert ("set" in loaded if rank == 1
+                else "another rank's call of load() was refused" in loaded), (rank, loaded)
+        assert steps == "[2]", rank
