@@ -93,6 +93,20 @@ def _classify(step: int, exc: Exception) -> tuple[int, CheckpointError]:
     return _UNREADABLE, CheckpointError(f"step {step}: {type(exc).__name__}: {exc}")
 
 
+def _refuse_together(outcome: str, call: str, mistake: CheckpointError | None,
+                     any_mistake: int, high: int, negated_low: int) -> None:
+    """Raise on every rank when any rank's call was refused by its own checks, or when the
+    ranks passed different steps (all-reduced MAX of ``step`` and ``-step``; None and a
+    refused step are -1): every rank sees the same reduced values, so all raise or none."""
+    if any_mistake:
+        raise mistake or CheckpointError(
+            f"{outcome}: another rank's call of {call}() was refused (its error names the step "
+            "or state path)")
+    if high != -negated_low:
+        raise CheckpointError(f"{outcome}: the ranks called {call}() with different steps "
+                              f"({-negated_low} to {high}; None is -1)")
+
+
 def _layout(spec: ArraySpec) -> dict[str, Any]:
     """An array's layout as the group's index records it (``StepReader.array`` reads it)."""
     return {"offset": list(spec.offset), "shape": list(spec.shape),
@@ -286,13 +300,8 @@ class CheckpointEngine:
             int(fingerprint != self._fingerprint), int(busy), int(failure is not None),
             secrets.randbits(62) if self.rank == 0 else 0, numeric, -numeric,
             int(mistake is not None)])
-        if any_mistake:
-            raise mistake or CheckpointError(
-                f"step {step} not saved: another rank's call of save() was refused (its error "
-                "names the step or state path)")
-        if high != -negated_low:  # every rank sees it, so every rank raises
-            raise CheckpointError(f"step {step} not saved: the ranks called save() with "
-                                  f"different steps ({-negated_low} to {high})")
+        _refuse_together(f"step {step} not saved", "save", mistake, any_mistake, high,
+                         negated_low)
         if any_failed:
             assert last is not None
             last._observed = True
@@ -569,14 +578,7 @@ class CheckpointEngine:
         numeric = -1 if step is None or mistake is not None else step
         high, negated_low, any_mistake = self._all_max([numeric, -numeric,
                                                         int(mistake is not None)])
-        if any_mistake:
-            raise mistake or CheckpointError(
-                "nothing loaded: another rank's call of load() was refused (its error names "
-                "the step or state path)")
-        if high != -negated_low:
-            raise CheckpointError(f"nothing loaded: the ranks called load() with different "
-                                  f"steps (step={step} here; None is -1: {-negated_low} to "
-                                  f"{high})")
+        _refuse_together("nothing loaded", "load", mistake, any_mistake, high, negated_low)
         storage = CountingStorage(self.storage)
         self.last_load_sources = {"memory_bytes": 0, "storage_bytes": 0}
         try:
