@@ -6,6 +6,7 @@ import os
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -135,6 +136,67 @@ def test_a_retention_failure_after_the_commit_is_reported(
     failed = [e for e in lines if e["event"] == "ckpt_retention_failed"]
     assert len(failed) == 1 and failed[0]["step"] == 2
     assert "PermissionError" in failed[0]["error"]
+
+
+def _final_save_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refuse_for_s: float
+                      ) -> tuple[Any, Any, Path]:
+    """A checkpointer whose storage refuses every write for ``refuse_for_s`` from now."""
+    import time
+
+    from antifragile.trainer.checkpoint import TrainCheckpointer
+    from antifragile.trainer.ckpt_backends.antifragile import AntifragileBackend
+    from antifragile.trainer.events import EventLog
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    backend = AntifragileBackend(str(tmp_path / "ckpt"), keep_last=2, timeout_s=30.0,
+                                 async_=True)
+    storage = backend.engine.storage.inner
+    write, until = storage.write, time.monotonic() + refuse_for_s
+
+    def refusing(key: str, *args: Any, **kwargs: Any) -> None:
+        if time.monotonic() < until:
+            raise PermissionError(f"storage refuses {key}")
+        write(key, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "write", refusing)
+    events = EventLog(str(tmp_path), rank=0, attempt=0)
+    return TrainCheckpointer(backend, model, optimizer, events), events, tmp_path / "events"
+
+
+def _kinds(events_dir: Path) -> list[tuple[str, Any]]:
+    import json
+
+    lines = (events_dir / "rank0.jsonl").read_text().splitlines()
+    return [(e["event"], e.get("step")) for e in map(json.loads, lines)]
+
+
+def test_the_last_checkpoint_is_retried_until_storage_takes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A periodic save that fails is superseded by the next; the last one is not, so it is
+    retried with backoff (storage refusing for 2.5 s: attempts at 0, 1 and 3 s)."""
+    ckpt, events, events_dir = _final_save_setup(tmp_path, monkeypatch, refuse_for_s=2.5)
+    assert ckpt.save_final(7, 56, patience_s=30) is True
+    ckpt.close()
+    events.close()
+    kinds = _kinds(events_dir)
+    assert kinds.count(("ckpt_failed", 7)) == 2 and kinds.count(("ckpt_retry", 7)) == 2
+    last_failure = max(i for i, k in enumerate(kinds) if k == ("ckpt_failed", 7))
+    assert kinds.index(("ckpt_committed", 7)) > last_failure
+    assert ckpt.backend.engine.steps() == [7]
+
+
+def test_the_last_checkpoint_gives_up_after_its_patience(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt, events, events_dir = _final_save_setup(tmp_path, monkeypatch, refuse_for_s=60)
+    assert ckpt.save_final(7, 56, patience_s=2.5) is False  # attempts at 0 and 1 s
+    ckpt.close()
+    events.close()
+    kinds = _kinds(events_dir)
+    assert kinds.count(("ckpt_failed", 7)) == 2 and ("ckpt_committed", 7) not in kinds
+    assert ckpt.backend.engine.steps() == []
 
 
 # --- the connections an in-process recovery shuts down ----------------------------------------

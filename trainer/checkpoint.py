@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from antifragile.engine import CheckpointError
@@ -21,6 +22,18 @@ from antifragile.trainer.events import EventLog
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
+# how long the last step's checkpoint is retried while it fails (see save_final)
+FINAL_SAVE_PATIENCE_S = 120.0
+FINAL_SAVE_MAX_DELAY_S = 15.0
+
+
+def _any_rank(device: torch.device, *flags: bool) -> list[bool]:
+    """Each flag OR-ed over the ranks of the job (as is, in a single process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(flags)
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(x) for x in t.cpu()]
 
 
 class TrainCheckpointer:
@@ -31,6 +44,7 @@ class TrainCheckpointer:
         self.optimizer = optimizer
         self.events = events
         self._pending: PendingSave | None = None
+        self.committed_step: int | None = None  # the newest save known to have committed
         # committed saves whose retention still runs (our engine's coordinator): a retention
         # failure is reported once it is known
         self._retaining: list[Any] = []
@@ -88,6 +102,32 @@ class TrainCheckpointer:
             self.finish()
             self.events.emit("ckpt_blocked", step=step, seconds=time.perf_counter() - t0)
 
+    def save_final(self, step: int, cursor: int, *,
+                   patience_s: float = FINAL_SAVE_PATIENCE_S) -> bool:
+        """The last step's checkpoint: blocking, and retried while it fails (storage down or
+        refusing, an outage) for up to ``patience_s``, backing off 1, 2, 4 ... 15 s. A periodic
+        save that fails is superseded by the next one; nothing supersedes the last, and without
+        it the run's tail since the previous checkpoint is lost. The ranks retry or stop
+        together (a save is collective): they agree on each outcome. True once committed.
+        (A COMMIT that storage applied but whose answer was lost fails the handle, and the
+        retries are then refused as already committed until the patience runs out: the
+        checkpoint is there all the same. Asking storage instead would be a collective call
+        that a storage error can break on one rank only.)"""
+        deadline = time.monotonic() + patience_s
+        delay = 1.0
+        device = next(self.model.parameters()).device
+        while True:
+            self.save(step, cursor, blocking=True)
+            failed, out_of_time = _any_rank(device, self.committed_step != step,
+                                            time.monotonic() + delay > deadline)
+            if not failed:
+                return True
+            if out_of_time:
+                return False
+            self.events.emit("ckpt_retry", step=step, in_s=delay)
+            time.sleep(delay)
+            delay = min(2 * delay, FINAL_SAVE_MAX_DELAY_S)
+
     def poll(self) -> None:
         """Report a finished background save (committed or failed) and a failed retention once."""
         handle = self._pending
@@ -95,6 +135,7 @@ class TrainCheckpointer:
             self._pending = None
             error = handle.exception()
             if error is None:
+                self.committed_step = handle.step
                 self.events.emit("ckpt_committed", step=handle.step,
                                  bytes=handle.committed_nbytes or handle.nbytes,
                                  rank_bytes=handle.nbytes, persist_s=handle.persist_s)

@@ -276,7 +276,10 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
             ckpt.poll()
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
                 progress.set(Phase.CHECKPOINT)
-                ckpt.save(step, cursor, blocking=step == cfg.steps or not cfg.async_ckpt)
+                if step == cfg.steps:
+                    ckpt.save_final(step, cursor)
+                else:
+                    ckpt.save(step, cursor, blocking=not cfg.async_ckpt)
                 pauses.save_phase(step, "staged")
                 progress.set(Phase.TRAINING)
         pauses.step_end(step)
