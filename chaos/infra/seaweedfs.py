@@ -59,6 +59,7 @@ WEED_ENV = "ANTIFRAGILE_WEED"  # an explicit path to a weed binary
 STATE_ENV = "ANTIFRAGILE_SEAWEEDFS_STATE"  # where state files go (default: see state_dir)
 _MARKER = ".antifragile-seaweedfs"  # in every folder a cluster made: only those are deleted
 _PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT_S = 5.0  # a SIGSTOPped server must show as stopped within this
 _counter = itertools.count()
 
 # master.toml, read from the master's working directory: grow two volumes per collection (one
@@ -115,17 +116,33 @@ def state_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"antifragile-seaweedfs-{os.getuid()}"
 
 
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name (state first), or None: no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def start_time(pid: int) -> int | None:
     """The process's start time (clock ticks since boot), or None if there is no such process;
     with the pid it identifies a process (pids are recycled, start times are not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] == "Z":  # exited, not yet waited for
+    fields = _stat(pid)
+    if fields is None or fields[0] == "Z":  # Z: exited, not yet waited for
         return None
     return int(fields[19])
+
+
+def _wait_stopped(pid: int, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+    """Whether the process shows as stopped (``T``) within ``timeout_s``: a SIGSTOP reaches
+    every thread of a many-threaded Go server only after a moment."""
+    deadline = time.monotonic() + timeout_s
+    while (fields := _stat(pid)) is not None and fields[0] != "T":
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return fields is not None
 
 
 def _same_process(pid: int, started: int | None) -> bool:
@@ -421,6 +438,9 @@ class SeaweedCluster:
                 raise SeaweedError(f"volume server {index} is not running")
             os.kill(server.proc.pid, signal.SIGSTOP)
             server.stopped = True
+            if not _wait_stopped(server.proc.pid):
+                raise SeaweedError(f"volume server {index} (pid {server.proc.pid}) was sent "
+                                   f"SIGSTOP but did not stop within {STOP_TIMEOUT_S:g} s")
             return server.proc.pid
 
     def resume_volume(self, index: int) -> None:
