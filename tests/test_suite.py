@@ -201,6 +201,10 @@ def test_skipped_scenarios_are_counted_apart_and_never_ok(tmp_path: Path) -> Non
 def test_discover_and_plan_reject_bad_suites(tmp_path: Path) -> None:
     with pytest.raises(suite.SuiteError, match="no such folder"):
         suite.discover(tmp_path / "nope")
+    (tmp_path / "one.yaml").write_text("name: one\n")
+    with pytest.raises(suite.SuiteError, match="is a file, not a folder of scenarios"):
+        suite.discover(tmp_path / "one.yaml")
+    (tmp_path / "one.yaml").unlink()
     with pytest.raises(suite.SuiteError, match="no scenario files"):
         suite.discover(tmp_path)
     (tmp_path / "sub").mkdir()

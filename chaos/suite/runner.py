@@ -42,6 +42,9 @@ class Planned:
 def discover(folder: Path, patterns: Sequence[str] = ("*",)) -> list[Path]:
     """Every ``*.yaml``/``*.yml`` under ``folder`` (recursively) whose name or stem matches
     one of ``patterns`` (globs)."""
+    if folder.exists() and not folder.is_dir():
+        raise SuiteError(f"{folder} is a file, not a folder of scenarios (chaos run takes one "
+                         "scenario)")
     if not folder.is_dir():
         raise SuiteError(f"{folder}: no such folder")
     patterns = list(patterns) or ["*"]
