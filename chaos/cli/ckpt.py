@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import click
@@ -17,14 +17,13 @@ def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
              ) -> dict[str, Any] | None:
     """fsspec options from the flags. For ``s3://`` URLs the bucket is asked once first, with
     short timeouts, so that a bad endpoint, bucket or credentials is a one-line error (exit 2)
-    within seconds instead of the engine's patient retrying. A local path must be a folder: a
-    typo is bad input, not "no committed checkpoint"."""
-    if "://" not in url or url.startswith("file://"):
-        path = Path(url.removeprefix("file://"))
-        if not path.exists():
-            _fail(f"{url}: no such folder")
-        if not path.is_dir():
-            _fail(f"{url} is a file, not a checkpoint folder")
+    within seconds instead of the engine's patient retrying. A local path must exist: a typo
+    is bad input, not "no committed checkpoint" (a file there is refused by ``open_storage``)."""
+    from antifragile.engine.storage import local_root
+
+    root = local_root(url)
+    if root is not None and not os.path.exists(root):
+        _fail(f"{url}: no such folder")
     options: dict[str, Any] = {}
     if endpoint_url:
         options["endpoint_url"] = endpoint_url

@@ -10,15 +10,20 @@ from ._base import PERMANENT, CountingStorage, RetryingStorage, Storage
 from ._local import LocalStorage
 
 __all__ = ["PERMANENT", "CountingStorage", "LocalStorage", "RetryingStorage", "Storage",
-           "open_storage"]
+           "local_root", "open_storage"]
+
+
+def local_root(url: str) -> str | None:
+    """The folder of a local checkpoint URL (a plain path or ``file://``); None for fsspec."""
+    return url.removeprefix("file://") if "://" not in url or url.startswith("file://") else None
 
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> RetryingStorage:
     """Open a checkpoint root: a plain path or ``file://`` is local; anything else is fsspec."""
     if not isinstance(url, str) or not url:
         raise CheckpointError(f"checkpoint url must be a non-empty string, got {url!r}")
-    if "://" not in url or url.startswith("file://"):
-        root = url.removeprefix("file://")
+    root = local_root(url)
+    if root is not None:
         if os.path.exists(root) and not os.path.isdir(root):
             raise CheckpointError(f"{url} is a file, not a checkpoint folder")
         return RetryingStorage(LocalStorage(root))
