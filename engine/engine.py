@@ -184,7 +184,7 @@ class SaveHandle:
 class CheckpointEngine:
     """Sharded, asynchronous checkpoints of (3D-)sharded training state on zarr v3.
 
-    ``url`` is a local path or any fsspec URL (``s3://bucket/prefix``). ``keep_last`` committed
+    ``url`` is a local path, ``s3://bucket/prefix`` or another fsspec URL. ``keep_last`` committed
     steps are retained (``None`` keeps all). ``commit_timeout_s`` bounds how long a save may take
     to commit before its handle fails naming the missing ranks.
 

@@ -68,7 +68,8 @@ def test_s3_benchmark_prints_ratios_and_request_counts(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
     assert "SeaweedFS cluster (master, 2 volume servers, filer, S3 gateway) started" in out
-    assert "ratio persist / raw PUT" in out and "ratio load / raw GET" in out
+    assert "ratio persist / raw s3fs PUT" in out and "ratio load / raw s3fs GET" in out
+    assert "ratio persist / raw obstore PUT" in out and "ratio load / raw obstore GET" in out
     assert "requests: save " in out and "engine reports" in out
     (state,) = json.loads(result_json.read_text())["states"]
     assert state["state"] == "quickstart" and state["objects"] > state["tensors"]
@@ -76,6 +77,7 @@ def test_s3_benchmark_prints_ratios_and_request_counts(tmp_path: Path) -> None:
     assert state["requests"]["raw_get"] == state["objects"]
     assert state["requests"]["save"] >= state["objects"]
     assert state["persist_ratio"] > 0 and state["load_ratio"] > 0
+    assert state["persist_ratio_obstore"] > 0 and state["load_ratio_obstore"] > 0
 
 
 def test_save_cost_benchmark_prints_the_engine_against_dcp_and_memcpy(tmp_path: Path) -> None:

@@ -3,9 +3,10 @@ does not answer are a StorageError (a CheckpointError) naming the URL and the re
 ``steps()``, ``save()`` and ``load()`` alike, within a bounded time: never a hang, never a
 misleading "nothing committed" (issue 12).
 
-The bound: every S3 request s3fs makes for the engine has a connect timeout and a read timeout
-(``FsspecStorage.CLIENT_DEFAULTS``) and is tried once by the client; ``RetryingStorage`` tries
-an operation ``attempts`` times with backoff. The tests shorten both to keep the suite fast.
+The bound: every S3 request the engine makes (through obstore, ``engine/storage/_s3.py``) has a
+connect timeout, a read timeout and an overall timeout and is tried once by the client;
+``RetryingStorage`` tries an operation ``attempts`` times with backoff. The tests shorten both
+to keep the suite fast.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ import torch
 
 from antifragile.engine import CheckpointEngine, CheckpointError, StorageError
 from antifragile.engine.storage import RetryingStorage
-from antifragile.engine.storage._fsspec import CLIENT_DEFAULTS, FsspecStorage, client_options
+from antifragile.engine.storage._s3 import (
+    CONNECT_TIMEOUT_S,
+    READ_TIMEOUT_S,
+    S3Storage,
+    store_config,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -38,17 +44,44 @@ def _timed(fn: Callable[[], Any]) -> tuple[BaseException, float]:
     raise AssertionError("no error")
 
 
-def test_client_defaults_bound_every_request() -> None:
+def test_every_request_is_bounded_and_tried_once_by_the_client() -> None:
     """Without options the client gets short timeouts and no retries of its own (the engine
     retries); the caller's config_kwargs win key by key."""
-    opts = client_options({})
-    assert opts["config_kwargs"] == CLIENT_DEFAULTS
-    assert CLIENT_DEFAULTS["connect_timeout"] <= 5 and CLIENT_DEFAULTS["read_timeout"] <= 10
-    assert CLIENT_DEFAULTS["retries"]["total_max_attempts"] == 1
-    mine = client_options({"config_kwargs": {"read_timeout": 60}, "key": "k"})
-    assert mine["config_kwargs"]["read_timeout"] == 60
-    assert mine["config_kwargs"]["connect_timeout"] == CLIENT_DEFAULTS["connect_timeout"]
-    assert mine["key"] == "k"
+    client = store_config({})["client_options"]
+    assert client["connect_timeout"].total_seconds() == CONNECT_TIMEOUT_S <= 5
+    assert client["read_timeout"].total_seconds() == READ_TIMEOUT_S <= 10
+    assert store_config({})["retry_config"]["max_retries"] == 0
+    mine = store_config({"config_kwargs": {"read_timeout": 60, "retries": {"mode": "x"}}})
+    assert mine["client_options"]["read_timeout"].total_seconds() == 60
+    assert mine["client_options"]["connect_timeout"].total_seconds() == CONNECT_TIMEOUT_S
+
+
+def test_s3fs_style_options_are_translated() -> None:
+    """Storage options written for s3fs keep working: endpoint, credentials, region, anonymous
+    access and path style; an http endpoint is allowed as such."""
+    got = store_config({"client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name":
+                                          "eu-west-1"}, "key": "k", "secret": "s", "token": "t",
+                        "anon": True, "skip_instance_cache": True,
+                        "config_kwargs": {"s3": {"addressing_style": "virtual"}}})
+    assert got["endpoint"] == "http://127.0.0.1:9" and got["region"] == "eu-west-1"
+    assert (got["access_key_id"], got["secret_access_key"], got["session_token"]) == (
+        "k", "s", "t")
+    assert got["skip_signature"] and got["virtual_hosted_style_request"]
+    assert got["client_options"]["allow_http"]
+    assert not store_config({"endpoint_url": "https://s3.example"})["client_options"][
+        "allow_http"]
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"profile": "dev"}, "storage option profile"),
+    ({"client_kwargs": {"verify": False}}, "client_kwargs key verify"),
+    ({"config_kwargs": {"signature_version": "s3v4"}}, "config_kwargs key signature_version"),
+])
+def test_an_option_the_client_does_not_know_is_refused_by_name(
+        options: dict[str, Any], named: str) -> None:
+    with pytest.raises(CheckpointError, match=rf"cannot open s3://bucket/run: unsupported "
+                       rf"{named} \(supported: "):
+        CheckpointEngine("s3://bucket/run", storage_options=options)
 
 
 @pytest.mark.s3
@@ -89,7 +122,7 @@ def test_an_endpoint_that_does_not_answer_fails_within_the_bound(silent_endpoint
                "config_kwargs": {"connect_timeout": 1, "read_timeout": 1}}
     with CheckpointEngine("s3://bucket/run", storage_options=options) as engine:
         assert isinstance(engine.storage, RetryingStorage)
-        assert isinstance(engine.storage.inner, FsspecStorage)
+        assert isinstance(engine.storage.inner, S3Storage)
         engine.storage.attempts = 2
         engine.storage.base_delay_s = 0.01
         # one operation: attempts x (connect + read timeout), plus backoff; a failed save

@@ -1,13 +1,16 @@
 """Storage failures: transient S3 errors are retried with backoff, an outage beyond the retry
 budget fails the save (not the training), and the retry wrapper's own rules.
 
-S3 faults come from a TCP proxy between s3fs and the S3 server (chaos/infra/proxy.py), so the
-engine's real client stack sees real resets and real 503 responses.
+S3 faults come from a TCP proxy between the engine's S3 client and the S3 server
+(chaos/infra/proxy.py), so the engine's real client stack sees real resets and real 503
+responses.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -19,15 +22,11 @@ import torch
 
 from antifragile.chaos.infra.proxy import FaultProxy
 from antifragile.engine import CheckpointEngine, StorageError
-from antifragile.engine.storage import RetryingStorage
+from antifragile.engine.storage import RetryingStorage, open_storage
 from antifragile.engine.storage import _base as storage_base
 
-# botocore's own retries off: every retry seen below is the engine's (RetryingStorage)
-NO_CLIENT_RETRIES = {
-    "retries": {"max_attempts": 1, "mode": "standard"},
-    "connect_timeout": 2,
-    "read_timeout": 5,
-}
+# the client never retries: every retry seen below is the engine's (RetryingStorage)
+SHORT_TIMEOUTS = {"connect_timeout": 2, "read_timeout": 5}
 
 
 @pytest.fixture
@@ -39,14 +38,9 @@ def proxy(s3_server: dict[str, Any]) -> Iterator[FaultProxy]:
     fault_proxy.close()
 
 
-def through(
-    proxy: FaultProxy, bucket: tuple[str, dict[str, Any]], client_retries: bool
-) -> tuple[str, dict[str, Any]]:
+def through(proxy: FaultProxy, bucket: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     url, options = bucket
-    options = {**options, "endpoint_url": proxy.endpoint_url}
-    if not client_retries:
-        options["config_kwargs"] = NO_CLIENT_RETRIES
-    return url, options
+    return url, {**options, "endpoint_url": proxy.endpoint_url, "config_kwargs": SHORT_TIMEOUTS}
 
 
 def state_of(step: int) -> dict[str, Any]:
@@ -70,7 +64,7 @@ def assert_loads(engine: CheckpointEngine, step: int) -> None:
 def test_connection_resets_are_retried(
     proxy: FaultProxy, s3_bucket: tuple[str, dict[str, Any]]
 ) -> None:
-    url, options = through(proxy, s3_bucket, client_retries=True)
+    url, options = through(proxy, s3_bucket)
     with CheckpointEngine(url, storage_options=options) as engine:
         engine.save(1, state_of(1), blocking=True)
         proxy.fault("reset", count=3)
@@ -86,7 +80,7 @@ def test_service_unavailable_is_retried_by_the_engine_with_backoff(
 ) -> None:
     """s3fs retries connection errors itself but not a 503; with the client's retries off,
     RetryingStorage is what rides it out."""
-    url, options = through(proxy, s3_bucket, client_retries=False)
+    url, options = through(proxy, s3_bucket)
     with CheckpointEngine(url, storage_options=options) as engine:
         engine.save(1, state_of(1), blocking=True)
         proxy.fault("http503", count=4)
@@ -103,7 +97,7 @@ def test_service_unavailable_is_retried_by_the_engine_with_backoff(
 def test_outage_beyond_the_retry_budget_fails_the_save_not_the_training(
     proxy: FaultProxy, s3_bucket: tuple[str, dict[str, Any]]
 ) -> None:
-    url, options = through(proxy, s3_bucket, client_retries=False)
+    url, options = through(proxy, s3_bucket)
     with CheckpointEngine(url, storage_options=options) as engine:
         assert isinstance(engine.storage, RetryingStorage)
         engine.storage.attempts = 3  # a short budget keeps the test fast
@@ -274,3 +268,70 @@ def test_local_reads_and_writes_loop_over_short_transfers(
     assert storage.read("a/b") == data
     assert storage.read("a/b", 250, 700) == data[250:700]
     assert storage.read("a/b", 700, 10_000) == data[700:]
+
+
+def test_every_backend_keeps_the_storage_contract(storage: tuple[str, Any]) -> None:
+    """The Storage interface on each real backend: ranged and scatter reads (also past the end
+    and of an empty object), sizes, listings, and a tree delete that leaves a sibling whose
+    name merely starts the same."""
+    url, options = storage
+    s = open_storage(url, options)
+    for key in ("step_5/a", "step_5/b/c", "step_50/a", "step_5x", "empty"):
+        s.write(key, [key.encode(), b"|", b"tail"] if key != "empty" else [])
+    assert s.read("step_5/a") == b"step_5/a|tail"
+    assert s.read("step_5/a", 2, 6) == b"ep_5"
+    assert s.read("step_5/a", 9) == b"tail"
+    assert s.read("step_5/a", 13) == b"" and s.read("step_5/a", 20, 30) == b""
+    assert s.read("empty") == b"" and s.read("empty", 0, 8) == b""
+    head, rest = bytearray(4), bytearray(20)
+    assert s.read_into("step_5/a", 1, [head, rest]) == 12
+    assert head == b"tep_" and rest[:8] == b"5/a|tail"
+    assert s.size("step_5/b/c") == len(b"step_5/b/c|tail") and s.size("empty") == 0
+    assert s.exists("step_5/a") and not s.exists("step_5/nope") and not s.exists("step_5")
+    with pytest.raises(FileNotFoundError):
+        s.read("step_5/nope")
+    assert s.list_dir("") == ["empty", "step_5", "step_50", "step_5x"]
+    assert s.list_dir("step_5") == ["a", "b"] and s.list_dir("missing") == []
+    s.delete_tree("step_5")
+    assert not s.exists("step_5/a") and not s.exists("step_5/b/c")
+    assert s.read("step_50/a") == b"step_50/a|tail" and s.read("step_5x") == b"step_5x|tail"
+    # SeaweedFS may list an emptied prefix as a folder for a while (it removes them lazily)
+    assert set(s.list_dir("")) - {"step_5"} == {"empty", "step_50", "step_5x"}
+    s.delete("step_5x")
+    s.delete("step_5x")  # deleting what is gone is fine
+    assert not s.exists("step_5x")
+
+
+@pytest.mark.s3
+def test_a_process_forked_after_s3_requests_is_refused_not_hung(
+        s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    """obstore's runtime does not survive fork: a child that used it would hang on its first
+    request. It gets a StorageError saying why instead."""
+    url, options = s3_bucket
+    s = open_storage(url, options)
+    s.write("k", [b"v"])
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what reading did, then leave without cleanup
+        try:
+            os.close(read_end)
+            try:
+                s.read("k")
+                message = "read worked"
+            except StorageError as exc:
+                message = f"StorageError: {exc}"
+            os.write(write_end, message.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG)[0] == 0:
+        time.sleep(0.05)
+    else:
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as reader:
+        said = reader.read().decode()
+    assert said.startswith("StorageError:") and "forked" in said and "spawn" in said, said
+    assert s.read("k") == b"v"  # the parent carries on

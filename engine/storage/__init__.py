@@ -1,4 +1,5 @@
-"""Storage backends: a local path or any fsspec URL (S3 via s3fs), behind one small interface."""
+"""Storage backends: a local path, S3 (through obstore) or any other fsspec URL, behind one small
+interface."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def local_root(url: str) -> str | None:
 
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> RetryingStorage:
-    """Open a checkpoint root: a plain path or ``file://`` is local; anything else is fsspec."""
+    """Open a checkpoint root: a plain path or ``file://`` is local, ``s3://`` is S3, anything
+else goes through fsspec."""
     if not isinstance(url, str) or not url:
         raise CheckpointError(f"checkpoint url must be a non-empty string, got {url!r}")
     root = local_root(url)
@@ -29,6 +31,10 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Ret
         return RetryingStorage(LocalStorage(root))
     protocol = url.split("://", 1)[0]
     try:
+        if protocol in ("s3", "s3a"):
+            from ._s3 import S3Storage
+
+            return RetryingStorage(S3Storage(url, storage_options))
         from ._fsspec import FsspecStorage
 
         return RetryingStorage(FsspecStorage(url, storage_options))
