@@ -16,7 +16,7 @@ log = logging.getLogger("antifragile.engine.storage")
 T = TypeVar("T")
 
 # Errors that retrying cannot fix. Everything else (connection resets, timeouts, 5xx, throttling,
-# which s3fs and aiohttp raise as OSError or their own types) is retried with backoff.
+# which the S3 backend raises as OSError) is retried with backoff.
 # FileNotFoundError passes through as it is (callers ask "is it there?" with it); every other
 # error leaves this layer as a StorageError (a CheckpointError) naming the operation and key.
 PERMANENT: tuple[type[BaseException], ...] = (
@@ -144,7 +144,7 @@ class CountingStorage:
     A request is one call of the Storage interface: one object written, read (whole or a byte
     range), sized, looked up, listed or deleted; ``sync`` is not one (a no-op on object stores).
     Retries inside RetryingStorage are not counted again. On S3 a ``delete_tree`` is a listing
-    plus batched deletes, and ``exists`` of a missing key may cost s3fs a listing too.
+    plus batched deletes.
     Thread-safe: the engine's pool shares one counter per operation.
     """
 
