@@ -11,6 +11,7 @@ to keep the suite fast.
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -136,3 +137,24 @@ def test_an_endpoint_that_does_not_answer_fails_within_the_bound(silent_endpoint
             assert "s3://bucket/run" in str(exc) and "failed 2 times" in str(exc), exc
             assert "timeout" in str(exc).lower() or "timed out" in str(exc).lower(), exc
             assert seconds < bound_s, (seconds, exc)
+
+
+@pytest.mark.parametrize(("answer", "raised", "says"), [
+    ("403 Forbidden: <Code>AccessDenied</Code>", PermissionError, "403 Forbidden"),
+    ("301 Moved Permanently: <Code>PermanentRedirect</Code>", ValueError,
+     "set client_kwargs['region_name'] or AWS_REGION"),
+    ("503 Service Unavailable: <Code>SlowDown</Code>", OSError, "503"),
+])
+def test_server_answers_become_the_errors_the_retry_layer_sorts(
+        answer: str, raised: type[BaseException], says: str) -> None:
+    """A 403 and a wrong region are not retried (PermissionError, ValueError); a 503 is."""
+    from obstore.exceptions import GenericError
+
+    storage = S3Storage("s3://bucket/run", {"endpoint_url": "http://127.0.0.1:9"})
+
+    def answers() -> None:
+        raise GenericError(f"Generic S3 error: Server returned non-2xx status code: {answer}")
+
+    with pytest.raises(raised, match=re.escape(says)) as caught:
+        storage._call("read", "k", answers)
+    assert type(caught.value) is raised  # a 503 is a plain OSError: transient, retried

@@ -22,7 +22,9 @@ as a StorageError naming the URL, the key and the cause, never a hang.
 
 A missing bucket is not a missing object: every operation that meets ``NoSuchBucket`` raises a
 StorageError saying which bucket does not exist at which endpoint, so that a listing is not
-mistaken for "nothing committed". A 403 is a PermissionError (not retried).
+mistaken for "nothing committed". A 403 is a PermissionError, a 301 (a bucket in another
+region than the one configured: obstore does not follow it) an error that says to set the
+region; neither is retried.
 
 Objects of at least ``MULTIPART_MIN_BYTES`` go up as a multipart upload of ``PART_BYTES`` parts,
 sent concurrently (``PART_CONCURRENCY``).
@@ -165,6 +167,9 @@ class S3Storage:
                 raise FileNotFoundError(f"{self.url}/{key}: no such object") from exc
             if " 403 " in text:
                 raise PermissionError(text) from exc
+            if " 301 " in text:  # AWS answers a request sent to the wrong region so
+                raise ValueError(f"{text} (the bucket is in another region: set "
+                                 "client_kwargs['region_name'] or AWS_REGION)") from exc
             if " 416 " in text:
                 raise _RangeNotSatisfiable(text) from exc
             raise OSError(text) from exc
