@@ -66,8 +66,17 @@ def read_into(storage: Any, key: str, start: int, buffers: Sequence[Any]) -> int
     defines ``read`` (a test's fault, a user's instrumentation) sees every read."""
     if getattr(type(storage), "read_into", None) is not None:
         return int(storage.read_into(key, start, buffers))
-    views = [memoryview(b).cast("B") for b in buffers]
-    data = memoryview(storage.read(key, start, start + sum(map(len, views))))
+    views = byte_views(buffers)
+    return scatter(storage.read(key, start, start + sum(map(len, views))), views)
+
+
+def byte_views(buffers: Sequence[Any]) -> list[memoryview]:
+    return [memoryview(b).cast("B") for b in buffers]
+
+
+def scatter(data: Any, views: Sequence[memoryview]) -> int:
+    """Copy ``data`` into ``views`` in order, as far as either goes; returns the bytes copied."""
+    data = memoryview(data)
     pos = 0
     for view in views:
         n = min(len(view), len(data) - pos)

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ..errors import StorageError
+from ._base import byte_views, scatter
 
 T = TypeVar("T")
 
@@ -208,14 +209,8 @@ class S3Storage:
 
     def read_into(self, key: str, start: int, buffers: Sequence[Any]) -> int:
         """Scatter one ranged GET into ``buffers`` (one copy, out of obstore's buffer)."""
-        views = [memoryview(b).cast("B") for b in buffers]
-        data = self._get(key, start, start + sum(map(len, views)))
-        pos = 0
-        for view in views:
-            n = min(len(view), len(data) - pos)
-            view[:n] = data[pos:pos + n]
-            pos += n
-        return pos
+        views = byte_views(buffers)
+        return scatter(self._get(key, start, start + sum(map(len, views))), views)
 
     def size(self, key: str) -> int:
         import obstore
