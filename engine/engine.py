@@ -35,7 +35,7 @@ from ._paths import COMMIT, step_dir
 from ._ranks import PerRank
 from ._ranks import inventory as rank_inventory
 from ._restore import Sources
-from ._state import FlatState, finish_load, flatten, iter_local, state_signature
+from ._state import FlatState, finish_load, flatten, iter_local, same_value, state_signature
 from ._threads import DaemonWorkers
 from .errors import (
     CheckpointBusyError,
@@ -68,6 +68,7 @@ log = logging.getLogger("antifragile.engine")
 
 # staging areas at least this large overlap their copy with the writes (see save)
 OVERLAP_MIN_BYTES = 64 * 2**20
+_MISSING = object()
 
 # load outcomes, ordered so that an all-reduce MAX gives the worst one across ranks:
 # mismatch (the target wants what the step lacks) and unreadable (storage would not hand it
@@ -279,7 +280,7 @@ class CheckpointEngine:
         Collective. A previous save that failed without anybody calling its ``wait()`` makes
         this call raise that failure (nothing is started). A previous save still in flight makes
         this one a no-op whose handle fails with CheckpointBusyError: training does not wait
-        for storage.
+        for storage. A committed ``step`` is never overwritten: see ``_same_as_committed``.
         """
         self._check_open()
         # The caller's mistakes (a bad step, a value that cannot be stored) are found on one
@@ -445,28 +446,31 @@ class CheckpointEngine:
                         previous.wait()
             if storage.exists(f"{step_dir(step)}/{COMMIT}"):
                 recorded = True  # write nothing into a committed step, not even an error record
-                raise CheckpointError(f"step {step} is already committed; it is not overwritten")
-            all_docs = metadata_objects(plan)
-            docs = _commit.metadata_share(plan, all_docs, self.rank)
-            self._phase(step, "persisting")
-            manifest = write_objects(storage, step, nonce, staging, docs, self._pool)
-            handle.nbytes = manifest.nbytes
-            self._phase(step, "written")
-            write_record(storage, step, self.rank, rank_record(
-                step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce, manifest=manifest,
-                values=values, requests=storage.requests["total"] + 1))
-            recorded = True
-            self._phase(step, "recorded")
-            if self.rank == 0:
-                result = _commit.coordinate(
-                    storage, plan=plan, step=step, nonce=nonce, deadline=deadline,
-                    group_attrs=attrs, metadata_keys=set(all_docs), cancel=self._cancel,
-                    before_commit=lambda: self._phase(step, "committing"))
-                handle.committed_nbytes = result.nbytes
+                nonce, handle.committed_nbytes, handle.nbytes = self._same_as_committed(
+                    storage, plan, staging, step, values)
             else:
-                handle.committed_nbytes = _commit.wait_for_commit(
-                    storage, step=step, nonce=nonce, world_size=plan.world_size,
-                    deadline=deadline + min(30.0, self.commit_timeout_s / 2), cancel=self._cancel)
+                all_docs = metadata_objects(plan)
+                docs = _commit.metadata_share(plan, all_docs, self.rank)
+                self._phase(step, "persisting")
+                manifest = write_objects(storage, step, nonce, staging, docs, self._pool)
+                handle.nbytes = manifest.nbytes
+                self._phase(step, "written")
+                write_record(storage, step, self.rank, rank_record(
+                    step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce,
+                    manifest=manifest, values=values, requests=storage.requests["total"] + 1))
+                recorded = True
+                self._phase(step, "recorded")
+                if self.rank == 0:
+                    result = _commit.coordinate(
+                        storage, plan=plan, step=step, nonce=nonce, deadline=deadline,
+                        group_attrs=attrs, metadata_keys=set(all_docs), cancel=self._cancel,
+                        before_commit=lambda: self._phase(step, "committing"))
+                    handle.committed_nbytes = result.nbytes
+                else:
+                    handle.committed_nbytes = _commit.wait_for_commit(
+                        storage, step=step, nonce=nonce, world_size=plan.world_size,
+                        deadline=deadline + min(30.0, self.commit_timeout_s / 2),
+                        cancel=self._cancel)
             if self.keep_in_memory:
                 self._memory = MemoryCopy.of(step, nonce, staging)
             handle.persist_s = time.monotonic() - start
@@ -504,6 +508,52 @@ class CheckpointEngine:
         finally:
             handle.staged.set()
             handle._retained.set()
+
+    def _same_as_committed(self, storage: Storage, plan: GlobalPlan, staging: StagingArea,
+                           step: int, values: dict[str, Any]) -> tuple[int, int, int]:
+        """The nonce, size and this rank's bytes of committed step ``step`` when it holds,
+        intact, exactly what this rank's save would write: the same plan and JSON values, and
+        each of this rank's objects read back equal to what this save staged (with the part
+        CRCs the manifest records). Then a save that finds its step committed succeeds without
+        writing: the retry of a save whose COMMIT landed but whose answer was lost (every rank
+        judges its own share). Otherwise the refusal: a committed step is never overwritten."""
+        def refuse(why: str) -> CheckpointError:
+            return CheckpointError(f"step {step} is already committed; it is not overwritten "
+                                   f"({why})")
+        try:
+            reader = StepReader(storage, step)
+        except CheckpointError as exc:
+            raise refuse(f"it is unreadable: {exc}") from exc
+        if reader.commit.get("plan_id") != plan.plan_id:
+            raise refuse("it was saved under another plan")
+        for path, value in values.items():
+            saved = reader.values_by_rank.get(path, {}).get(str(self.rank), _MISSING)
+            if saved is _MISSING:
+                saved = reader.values.get(path, _MISSING)
+            if saved is _MISSING or not same_value(saved, value):
+                raise refuse(f"{path!r} holds another value")
+        docs = _commit.metadata_share(plan, metadata_objects(plan), self.rank)
+
+        def differs(job: tuple[str, Any]) -> str | None:
+            key, staged = job
+            if isinstance(staged, int):
+                staging.wait_staged(staged)
+                staged, crcs = staging.finish(staged)
+                if reader.manifest.crcs.get(key) != crcs:
+                    return f"{key} holds other data"
+            try:
+                stored = reader.read_object(key)
+            except CheckpointError as exc:
+                return str(exc)
+            return None if stored == staged else f"{key} is not what its manifest records"
+
+        jobs = [*((w.key, i) for i, w in enumerate(staging.writes)), *docs.items()]
+        problems = [p for p in self._pool.map(differs, jobs) if p is not None]
+        staging.wait_staged()
+        if problems:
+            raise refuse(problems[0])
+        mine = sum(reader.entry(key)[0] for key, _ in jobs)
+        return int(reader.commit["nonce"]), int(reader.commit.get("nbytes", 0)), mine
 
     def _phase(self, step: int, phase: str) -> None:
         if self._on_phase is not None:

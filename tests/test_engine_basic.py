@@ -436,6 +436,82 @@ def test_committed_step_is_never_overwritten(ckpt: CheckpointEngine) -> None:
     assert ckpt.verify(4).ok
 
 
+class _CommitAnswerLost:
+    """Storage applies the COMMIT of ``step`` but its answer never arrives (the connection
+    drops once the request is through): the first time only."""
+
+    def __init__(self, inner: Any, step: int) -> None:
+        self.inner, self.key, self.lost = inner, f"step_{step:09d}/COMMIT", False
+
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+        self.inner.write(key, parts, durable=durable)
+        if key == self.key and not self.lost:
+            self.lost = True
+            raise PermissionError("connection dropped before the answer")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_retry_of_a_save_whose_commit_landed_but_whose_answer_was_lost_succeeds(
+        ckpt: CheckpointEngine) -> None:
+    """The save fails (its COMMIT's answer was lost) although storage holds the commit. Saving
+    the same state at that step again is a success with nothing written, as the checkpoint is
+    exactly what this save would write; other content at that step is still refused."""
+    state = {"w": torch.randn(6, 4), "step": 2}
+    ckpt.storage.inner = _CommitAnswerLost(ckpt.storage.inner, 2)
+    with pytest.raises(CheckpointError, match="step 2"):
+        ckpt.save(2, state, blocking=True)
+    assert ckpt.steps() == [2]
+    handle = ckpt.save(2, state, blocking=True)
+    assert handle.exception() is None
+    assert handle.committed_nbytes > 0
+    for other in ({"w": state["w"] + 1, "step": 2}, {"w": state["w"], "step": 3}):
+        with pytest.raises(CheckpointError, match="step 2 is already committed"):
+            ckpt.save(2, other, blocking=True)
+    target = {"w": torch.empty(6, 4), "step": 0}
+    assert ckpt.load(target) == 2
+    assert torch.equal(target["w"], state["w"]) and target["step"] == 2
+    assert ckpt.verify(2).ok
+
+
+def _save_twice_losing_rank0s_commit_answer(url: str) -> list[str]:
+    """On each of 2 ranks: save step 3 of a row-sharded tensor, rank 0's COMMIT answer lost;
+    then the same save again. Returns each attempt's outcome."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    state = {"w": distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh, [Shard(0)])}
+    outcomes = []
+    with CheckpointEngine(url) as engine:
+        if engine.rank == 0:
+            engine.storage.inner = _CommitAnswerLost(engine.storage.inner, 3)
+        for _ in range(2):
+            try:
+                engine.save(3, state, blocking=True)
+                outcomes.append("committed")
+            except CheckpointError as exc:
+                outcomes.append(f"failed: {exc}")
+    return outcomes
+
+
+@pytest.mark.multiproc
+def test_ranks_that_disagreed_on_a_lost_commit_answer_agree_on_the_retry(tmp_path: Path) -> None:
+    """Rank 0's COMMIT landed but its answer was lost: rank 1 saw the COMMIT and succeeded,
+    rank 0 failed. The retry, made by both, succeeds on both (each rank's share is intact)."""
+    from _dist import run_ranks
+
+    url = str(tmp_path / "ckpt")
+    rank0, rank1 = run_ranks(2, _save_twice_losing_rank0s_commit_answer, url, timeout_s=90)
+    assert rank0[0].startswith("failed") and "COMMIT" in rank0[0], rank0
+    assert rank0[1:] == ["committed"] and rank1 == ["committed", "committed"], (rank0, rank1)
+    with CheckpointEngine(url) as engine:
+        target = {"w": torch.empty(8, 4)}
+        assert engine.load(target) == 3
+        assert torch.equal(target["w"], torch.arange(32.0).reshape(8, 4))
+
+
 # -- retention -------------------------------------------------------------------------------
 
 

@@ -7,8 +7,8 @@ intact step verifies and loads to exactly what was saved at it; each damaged one
 ``verify`` naming the damaged arrays, and loading it by number raises CheckpointCorruptError
 naming the step and an array (it is never loaded silently). ``load()`` returns the newest
 intact step, naming (and quarantining) each newer damaged one. After a save, at most
-``keep_last`` steps are committed and the newest is kept; a save of a committed step is
-refused and leaves its files untouched.
+``keep_last`` steps are committed and the newest is kept; a save of a committed step leaves
+its files untouched: refused with other content, a success with the content it holds.
 
 Crashes are simulated, not performed: a SIGKILL per rule would be too slow here (the real ones
 are in ``test_crash.py``). The ``crash`` rule writes the debris a crash in a given phase leaves,
@@ -173,17 +173,26 @@ class SaveProtocol(RuleBasedStateMachine):
 
     # -- rules ----------------------------------------------------------------------------------
 
-    @rule(step=STEPS)
-    def save(self, step: int) -> None:
-        """A blocking save commits, then retention runs; a committed step is never rewritten."""
+    @rule(step=STEPS, same=st.booleans())
+    def save(self, step: int, same: bool) -> None:
+        """A blocking save commits, then retention runs; a committed step is never rewritten:
+        saving it again succeeds, writing nothing, when it holds, intact, the state saved
+        (a retry of a save whose answer was lost), and is refused otherwise."""
+        newest = max(self.committed | {step})
         if step in self.committed:
             before = snapshot(self.root / step_name(step))
-            with pytest.raises(CheckpointError, match=rf"step {step} is already committed"):
-                self.engine.save(step, make_state(step), blocking=True)
+            refused = not same or step in self.damaged
+            state = make_state(step if same else step + 100)
+            if refused:
+                with pytest.raises(CheckpointError, match=rf"step {step} is already committed"):
+                    self.engine.save(step, state, blocking=True)
+            else:
+                self.engine.save(step, state, blocking=True)
             assert snapshot(self.root / step_name(step)) == before, "a committed step was touched"
-            return
-        newest = max(self.committed | {step})
-        self.engine.save(step, make_state(step), blocking=True)
+            if refused:
+                return
+        else:
+            self.engine.save(step, make_state(step), blocking=True)
         self._committed(step)
         for victim in self._retention_victims():
             self._gone(victim)

@@ -187,6 +187,32 @@ def test_the_last_checkpoint_is_retried_until_storage_takes_it(
     assert ckpt.backend.engine.steps() == [7]
 
 
+def test_the_last_checkpoint_whose_commit_answer_was_lost_is_committed_on_its_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Storage applied the last save's COMMIT but its answer was lost: the save failed, and
+    its retry finds that checkpoint, intact and equal to the state, so the run ends
+    committed (it used to be refused as already committed until the patience ran out)."""
+    ckpt, events, events_dir = _final_save_setup(tmp_path, monkeypatch, refuse_for_s=0)
+    storage = ckpt.backend.engine.storage.inner
+    write, lost = storage.write, []
+
+    def losing(key: str, *args: Any, **kwargs: Any) -> None:
+        write(key, *args, **kwargs)
+        if key.endswith("/COMMIT") and not lost:
+            lost.append(key)
+            raise PermissionError(f"the answer to {key} was lost")
+
+    monkeypatch.setattr(storage, "write", losing)
+    assert ckpt.save_final(7, 56, patience_s=30) is True
+    ckpt.close()
+    events.close()
+    kinds = _kinds(events_dir)
+    assert kinds.count(("ckpt_failed", 7)) == 1 and kinds.count(("ckpt_retry", 7)) == 1
+    assert kinds.index(("ckpt_committed", 7)) > kinds.index(("ckpt_failed", 7))
+    assert lost and ckpt.backend.engine.steps() == [7]
+
+
 def test_the_last_checkpoint_gives_up_after_its_patience(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -109,10 +109,9 @@ class TrainCheckpointer:
         save that fails is superseded by the next one; nothing supersedes the last, and without
         it the run's tail since the previous checkpoint is lost. The ranks retry or stop
         together (a save is collective): they agree on each outcome. True once committed.
-        (A COMMIT that storage applied but whose answer was lost fails the handle, and the
-        retries are then refused as already committed until the patience runs out: the
-        checkpoint is there all the same. Asking storage instead would be a collective call
-        that a storage error can break on one rank only.)"""
+        (A COMMIT that storage applied but whose answer was lost fails the save on rank 0;
+        the retry finds the step committed with exactly this state and succeeds without
+        writing: the engine's ``_same_as_committed``.)"""
         deadline = time.monotonic() + patience_s
         delay = 1.0
         device = next(self.model.parameters()).device
