@@ -4,6 +4,7 @@ watchdog is fed progress samples, the protocol runs on an in-memory store."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -91,17 +92,38 @@ def test_a_dead_rank_is_replaced_by_a_live_warm_spare() -> None:
     waiter = threading.Thread(target=lambda: assigned.append(
         wait_for_assignment(JobStore(store, "a0"), "3.0")))
     waiter.start()
-    assert report_death(js, me="2.0", generation=-1, how="signal 9", member=False,
-                        reform_timeout_s=1.0)  # spare 2.0 died while idle
+    assert report_death(js, me="2.0", successor="2.1", generation=-1, how="signal 9",
+                        member=False, reform_timeout_s=1.0)  # spare 2.0 died while idle
     dead_member = threading.Thread(target=lambda: assigned.append(report_death(
-        JobStore(store, "a0"), me="1.0", generation=0, how="signal 9", member=True,
-        reform_timeout_s=5.0)))
+        JobStore(store, "a0"), me="1.0", successor="1.1", generation=0, how="signal 9",
+        member=True, reform_timeout_s=5.0)))
     dead_member.start()
     nxt = recover(js, "0.0", first, timeout_s=5.0)
     waiter.join(5.0)
     dead_member.join(5.0)
-    assert nxt == Formation(1, ("0.0", "3.0"))
-    assert nxt in assigned and True in assigned  # the spare joined; the dead slot may respawn
+    assert nxt == Formation(1, ("0.0", "3.0"))  # the warm spare, not a cold successor
+    assert nxt in assigned and True in assigned  # the spare joined; the dead slot respawns
+
+
+def test_a_second_loss_while_re_forming_takes_the_first_dead_slots_successor() -> None:
+    """Rank 2 dies; rank 1, stuck in the failed collective, ends itself before the survivors
+    re-form. Each dead slot's supervisor registered its successor as a spare before reporting
+    the death, so two ranks lost find two spares: no restart."""
+    store = _store()
+    js = JobStore(store, "a0")
+    first = first_formation(js, 0, 3)
+    register_spare(js, "3.0")
+    js.set("spare/3.0/ready", 1.0)
+    reported: list[bool] = []
+    for me in ("2.0", "1.0"):
+        threading.Thread(target=lambda me=me: reported.append(report_death(
+            JobStore(store, "a0"), me=me, successor=me[0] + ".1", generation=0, how="signal 9",
+            member=True, reform_timeout_s=5.0))).start()
+    assert recover(js, "0.0", first, timeout_s=5.0) == Formation(1, ("0.0", "3.0", "2.1"))
+    deadline = time.monotonic() + 5
+    while len(reported) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reported == [True, True]
 
 
 def test_a_respawned_slot_is_a_spare_again() -> None:
@@ -122,8 +144,15 @@ def test_too_few_spares_falls_back_to_a_restart() -> None:
     js.set("dead/2.0", {})
     reason = recover(js, "0.0", first, timeout_s=5.0)
     assert isinstance(reason, str) and "2 rank(s) lost and 1 spare(s) left" in reason
-    assert not report_death(js, me="1.0", generation=0, how="signal 9", member=True,
-                            reform_timeout_s=1.0)
+    assert not report_death(js, me="1.0", successor=None, generation=0, how="signal 9",
+                            member=True, reform_timeout_s=1.0)
+
+
+def test_a_spare_registered_as_the_job_finished_is_released() -> None:
+    js = JobStore(_store(), "a0")
+    finish(js)
+    register_spare(js, "4.1")  # after ``finish`` looked at the pool
+    assert wait_for_assignment(js, "4.1") is None
 
 
 def test_finish_releases_idle_spares() -> None:

@@ -9,9 +9,10 @@ lives under ``antifragile/a<restart count>/`` (or ``antifragile/fresh/`` where e
 round gets a fresh store).
 
 Spares: the torchrun slots beyond dp*tp*pp start as spares, and in-process mode turns every
-slot whose training process died into a spare again (its supervisor forks a fresh one), so the
-pool refills. Spares register in ``spares/<n>``, warm up (torch is already imported; the model
-is built) and wait on ``spare/<id>/assign``.
+slot whose training process died into a spare again (its supervisor registers a fresh one at
+once, before the survivors re-form, and forks it once they have), so the pool refills. Spares
+register in ``spares/<n>``, warm up (torch is already imported; the model is built) and wait on
+``spare/<id>/assign``.
 
 A failure of generation ``g`` (a worker died, its supervisor says so; or a collective failed)
 sets ``g<g>/fail``. Every survivor's watcher thread is blocked on that key: it shuts down the
@@ -300,6 +301,8 @@ def wait_for_assignment(js: JobStore, me: str) -> Formation | None:
     """A warm spare: the generation it joins, or None once the job is done (see
     :func:`finish`)."""
     js.set(f"spare/{me}/ready", time.time())
+    if job_done(js):  # ``finish`` may have missed a spare registered as it ran
+        return None
     while not js.wait(f"spare/{me}/assign", 24 * 3600.0):
         pass
     doc = js.get(f"spare/{me}/assign")
@@ -316,11 +319,20 @@ def finish(js: JobStore) -> None:
             js.set(f"spare/{spare}/assign", {"done": True})
 
 
-def report_death(js: JobStore, *, me: str, generation: int, how: str, member: bool,
-                 reform_timeout_s: float) -> bool:
-    """The supervisor of a dead training process (in-process mode): say so; for a member of a
+def report_death(js: JobStore, *, me: str, successor: str | None, generation: int, how: str,
+                 member: bool, reform_timeout_s: float) -> bool:
+    """The supervisor of a dead training process (in-process mode): register the fresh process
+    it will fork (``successor``, if any) as a spare, then say ``me`` is dead; for a member of a
     generation, wait until the survivors have re-formed. False: they could not (no spare, or
-    nothing happened within ``reform_timeout_s``), and the job must restart."""
+    nothing happened within ``reform_timeout_s``), and the job must restart.
+
+    The successor is registered before the death is reported, so a coordinator that sees the
+    death also sees the spare: a second loss while the survivors re-form (a survivor stuck in
+    the failed collective ends itself) finds the pool refilled, not one short. Its process is
+    forked only once the survivors have re-formed (a cold spare joins once it is warm), so
+    its warm-up does not compete with their recovery for the cores."""
+    if successor is not None:
+        register_spare(js, successor)
     js.set(f"dead/{me}", {"how": how, "generation": generation, "t": time.time()})
     if not member:
         return True

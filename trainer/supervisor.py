@@ -20,7 +20,9 @@ between bumps seen so far, so slow steps (8 ranks on 2 cores) are not false alar
 When the child dies: in ``restart`` mode the supervisor exits with the child's code and torchrun
 restarts the group. In ``in_process`` mode it reports the death in the launcher's store, waits
 until the survivors have re-formed the group with a spare (else it exits non-zero and torchrun
-restarts everything), and forks a fresh child that starts as a spare: the pool refills.
+restarts everything), and forks a fresh child that starts as a spare: the pool refills. Where
+the job has spares, that child is registered as one before the death is reported, so a second
+loss during the re-formation still finds a spare (``report_death``).
 """
 
 from __future__ import annotations
@@ -177,10 +179,10 @@ def _watch(pid: int, progress: SharedProgress, watchdog: Watchdog, events: _Supe
 def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, recovery: str,
               hang_timeout_s: float | None, run_dir: str | None,
               store_factory: Callable[[], Any] | None = None, poll_s: float = 0.05,
-              reform_timeout_s: float = 120.0) -> int:
+              reform_timeout_s: float = 120.0, spares: int = 0) -> int:
     """Run ``child_main(progress, incarnation)`` in a forked child and watch it; returns this
     worker's exit code. In in-process mode a dead child is reported and replaced by a fresh
-    one that starts as a spare (incarnation + 1)."""
+    one that starts as a spare (incarnation + 1); ``spares``: how many the job started with."""
     events = _SupervisorEvents(run_dir, slot)
     current = {"pid": 0}
 
@@ -211,13 +213,18 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
         if recovery != "in_process" or store_factory is None or \
                 death.code == RESTART_EXIT_CODE:
             return exit_code
-        from antifragile.trainer.recovery import job_done, report_death, worker_id
+        from antifragile.trainer.recovery import job_done, register_spare, report_death, worker_id
 
         js = js or store_factory()
         member = death.phase != Phase.SPARE and death.generation >= 0
+        successor = worker_id(slot, incarnation + 1)  # this slot becomes a spare again
+        # registered at once where the job has spares: the pool refills as the survivors re-form
         if not report_death(js, me=worker_id(slot, incarnation), generation=death.generation,
-                            how=how, member=member, reform_timeout_s=reform_timeout_s):
+                            successor=successor if spares else None, how=how, member=member,
+                            reform_timeout_s=reform_timeout_s):
             return exit_code  # the survivors could not re-form: torchrun restarts the group
-        if job_done(js):
+        if not spares:
+            register_spare(js, successor)
+        if job_done(js):  # after registering: ``finish`` released the spare or ran before
             return 0
-        incarnation += 1  # this slot becomes a spare again
+        incarnation += 1

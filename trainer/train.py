@@ -155,7 +155,8 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
         formation: Formation | None = first_formation(js, launch.slot, world)
     else:
         progress.set(Phase.SPARE)
-        register_spare(js, me)
+        if incarnation == 0:  # a dead slot's fresh process: its supervisor registered it
+            register_spare(js, me)
         t0 = time.perf_counter()
         model = build_model(cfg)  # warm: torch imported, model built, before it is needed
         spare_log = EventLog(cfg.run_dir, -1, -1, name=f"spare{launch.slot}")
