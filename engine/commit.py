@@ -89,19 +89,26 @@ def _poll_delays(world_size: int) -> Iterator[float]:
         delay = min(delay * 1.5, cap)
 
 
-def committed_steps(storage: Storage) -> list[int]:
+def committed_steps(storage: Storage, ghosts: set[int] | None = None) -> list[int]:
     """Committed steps, ascending (a step folder with a COMMIT marker). One listing, then the
-    markers are looked up concurrently (one HEAD each on S3: not one round trip per step)."""
-    return _step_dirs(storage)[1]
+    markers are looked up concurrently (one HEAD each on S3: not one round trip per step).
+    ``ghosts``: steps known to be listed with nothing in them (see ``retain``), left out."""
+    return _step_dirs(storage, ghosts)[1]
 
 
-def _step_dirs(storage: Storage) -> tuple[list[int], list[int]]:
-    """Every step folder and the committed ones, ascending."""
+def _step_dirs(storage: Storage, ghosts: set[int] | None = None
+               ) -> tuple[list[int], list[int]]:
+    """Every step folder and the committed ones, ascending; ``ghosts`` are left out (and no
+    longer kept once they are no longer listed)."""
     steps = {}
     for name in storage.list_dir(""):
         step = parse_step_dir(name)
         if step is not None:
             steps[step] = name
+    if ghosts is not None:
+        ghosts.intersection_update(steps)
+        for step in ghosts:
+            del steps[step]
     every = sorted(steps)
     found = _exist_all(storage, [f"{steps[step]}/{COMMIT}" for step in every])
     return every, [step for step, there in zip(every, found) if there]
@@ -330,13 +337,20 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
         _pause(next(delays), cancel, step)
 
 
-def retain(storage: Storage, keep_last: int | None) -> list[int]:
+def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = None
+           ) -> list[int]:
     """Delete committed steps beyond the newest ``keep_last`` and uncommitted debris older than
     the newest committed step. A quarantined step is evidence: it stays as long as a committed
     step of its age would (it is newer than the oldest step kept). Never deletes the newest
     committed step. Returns deleted steps. One listing of the root (its step folders and,
-    concurrently, their markers: ``committed_steps``), then only the deletions."""
-    every, committed = _step_dirs(storage)
+    concurrently, their markers: ``committed_steps``), then only the deletions.
+
+    ``ghosts``: kept by the caller across calls. An object store may go on listing a deleted
+    step's empty folders for minutes (SeaweedFS removes them one level per cleanup cycle); a
+    step folder found to hold nothing is added, and is not looked up, deleted and listed again
+    at every save, which made a save's requests grow with the length of the run. The caller
+    drops a step when it saves that step again."""
+    every, committed = _step_dirs(storage, ghosts)
     if not committed:
         return []
     keep = set(committed[-keep_last:]) if keep_last else set(committed)
@@ -347,9 +361,12 @@ def retain(storage: Storage, keep_last: int | None) -> list[int]:
             continue
         if step > min(keep) and storage.exists(f"{step_dir(step)}/{QUARANTINE}"):
             continue
-        storage.delete(f"{step_dir(step)}/{COMMIT}")  # invisible first, then the data
-        storage.delete_tree(step_dir(step))
-        deleted.append(step)
+        if step in committed:
+            storage.delete(f"{step_dir(step)}/{COMMIT}")  # invisible first, then the data
+        if storage.delete_tree(step_dir(step)):
+            deleted.append(step)
+        elif ghosts is not None:
+            ghosts.add(step)
     storage.sync()
     return deleted
 

@@ -232,6 +232,7 @@ class CheckpointEngine:
         self._inventory_cache: tuple[tuple[Any, ...], dict[str, Any], str] | None = None
         self._attrs_cache: tuple[GlobalPlan, tuple[Any, ...], dict[str, Any]] | None = None
         self._plan: GlobalPlan | None = None
+        self._ghosts: set[int] = set()  # step folders listed, but empty: ``commit.retain``
         self._per_rank = PerRank([], 0)
         self._staging: StagingArea | None = None
         self._last: SaveHandle | None = None
@@ -437,6 +438,7 @@ class CheckpointEngine:
                  values: dict[str, Any], attrs: dict[str, Any]) -> None:
         step, start = handle.step, time.monotonic()
         deadline = start + self.commit_timeout_s
+        self._ghosts.discard(step)  # saved again (after a restart from an older step)
         storage = CountingStorage(self.storage)  # this save's requests: handle.requests
         recorded = False
         try:
@@ -566,7 +568,7 @@ class CheckpointEngine:
         """Retention after a commit. The save is committed whatever happens here: a failure is
         a warning and ``handle.retention_error``, and the next save's retention retries it."""
         try:
-            deleted = _commit.retain(storage, self.keep_last)
+            deleted = _commit.retain(storage, self.keep_last, self._ghosts)
         except Exception as exc:
             handle.retention_error = (f"step {handle.step} committed, but retention failed (it "
                                       f"runs again at the next save): {exc}")
@@ -588,7 +590,7 @@ class CheckpointEngine:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
-        return _commit.committed_steps(self.storage)
+        return _commit.committed_steps(self.storage, set(self._ghosts))
 
     def latest_step(self) -> int | None:
         steps = self.steps()

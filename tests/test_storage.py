@@ -164,8 +164,12 @@ class FlakyStorage:
         self._call("delete")
         self.objects.pop(key, None)
 
-    def delete_tree(self, prefix: str) -> None:
+    def delete_tree(self, prefix: str) -> bool:
         self._call("delete_tree")
+        found = [k for k in self.objects if k.startswith(prefix + "/")]
+        for key in found:
+            del self.objects[key]
+        return bool(found)
 
     def sync(self) -> None:
         self._call("sync")
@@ -189,7 +193,7 @@ OPERATIONS: dict[str, Callable[[RetryingStorage], Any]] = {
     "delete_tree": lambda s: s.delete_tree("a"),
     "sync": lambda s: s.sync(),
 }
-EXPECTED = {"read": b"at", "size": 4, "exists": True, "list_dir": ["b"]}
+EXPECTED = {"read": b"at", "size": 4, "exists": True, "list_dir": ["b"], "delete_tree": True}
 
 
 @pytest.mark.parametrize("op", list(OPERATIONS))

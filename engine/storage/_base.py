@@ -50,7 +50,9 @@ class Storage(Protocol):
 
     def delete(self, key: str) -> None: ...
 
-    def delete_tree(self, prefix: str) -> None: ...
+    def delete_tree(self, prefix: str) -> bool:
+        """Delete every object under ``prefix``; whether there was any."""
+        ...
 
     def sync(self) -> None:
         """Make every completed write's directory entry durable (a no-op on object stores)."""
@@ -140,8 +142,8 @@ class RetryingStorage:
     def delete(self, key: str) -> None:
         self._call("delete", key, lambda: self.inner.delete(key))
 
-    def delete_tree(self, prefix: str) -> None:
-        self._call("delete", prefix, lambda: self.inner.delete_tree(prefix))
+    def delete_tree(self, prefix: str) -> bool:
+        return self._call("delete", prefix, lambda: self.inner.delete_tree(prefix))
 
     def sync(self) -> None:
         self._call("sync", "", self.inner.sync)
@@ -202,9 +204,9 @@ class CountingStorage:
         self._count("delete")
         self.inner.delete(key)
 
-    def delete_tree(self, prefix: str) -> None:
+    def delete_tree(self, prefix: str) -> bool:
         self._count("delete")
-        self.inner.delete_tree(prefix)
+        return self.inner.delete_tree(prefix)
 
     def sync(self) -> None:
         self.inner.sync()

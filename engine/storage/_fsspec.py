@@ -55,10 +55,14 @@ class FsspecStorage:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(key))
 
-    def delete_tree(self, prefix: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+    def delete_tree(self, prefix: str) -> bool:
+        try:
             self.fs.rm(self._path(prefix), recursive=True)
-        self.fs.invalidate_cache()
+        except FileNotFoundError:
+            return False
+        finally:
+            self.fs.invalidate_cache()
+        return True
 
     def sync(self) -> None:
         return None

@@ -190,10 +190,13 @@ class LocalStorage:
         with self._lock:
             self._dirty_dirs.add(os.path.dirname(self._path(key)))
 
-    def delete_tree(self, prefix: str) -> None:
-        shutil.rmtree(self._path(prefix), ignore_errors=True)
+    def delete_tree(self, prefix: str) -> bool:
+        path = self._path(prefix)
+        existed = os.path.lexists(path)
+        shutil.rmtree(path, ignore_errors=True)
         with self._lock:
-            self._dirty_dirs.add(os.path.dirname(self._path(prefix)))
+            self._dirty_dirs.add(os.path.dirname(path))
+        return existed
 
     def sync(self) -> None:
         with self._lock:

@@ -239,7 +239,7 @@ class S3Storage:
 
         self._call("delete", key, lambda: obstore.delete(self.store, key))
 
-    def delete_tree(self, prefix: str) -> None:
+    def delete_tree(self, prefix: str) -> bool:
         """A listing, then S3's batched delete of what it found."""
         import obstore
 
@@ -248,6 +248,7 @@ class S3Storage:
             o["path"] for batch in obstore.list(self.store, prefix) for o in batch])
         if paths:
             self._call("delete", prefix, lambda: obstore.delete(self.store, paths))
+        return bool(paths)
 
     def sync(self) -> None:
         return None
