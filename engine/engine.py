@@ -688,7 +688,7 @@ class CheckpointEngine:
         failure: tuple[str, str] | None = None
         if self.rank == 0:
             try:
-                listing = list(reversed(_commit.committed_steps(storage)))
+                listing = list(reversed(_commit.committed_steps(storage, set(self._ghosts))))
             except CheckpointError as exc:
                 failure = (type(exc).__name__, str(exc))
         listing, failure = self._gather((listing, failure))[0]
