@@ -78,8 +78,7 @@ def test_connection_resets_are_retried(
 def test_service_unavailable_is_retried_by_the_engine_with_backoff(
     proxy: FaultProxy, s3_bucket: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """s3fs retries connection errors itself but not a 503; with the client's retries off,
-    RetryingStorage is what rides it out."""
+    """The client never retries: RetryingStorage is what rides a 503 out."""
     url, options = through(proxy, s3_bucket)
     with CheckpointEngine(url, storage_options=options) as engine:
         engine.save(1, state_of(1), blocking=True)

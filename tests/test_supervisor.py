@@ -4,7 +4,6 @@ watchdog is fed progress samples, the protocol runs on an in-memory store."""
 from __future__ import annotations
 
 import threading
-import time
 
 import torch.distributed as dist
 
@@ -115,14 +114,14 @@ def test_a_second_loss_while_re_forming_takes_the_first_dead_slots_successor() -
     register_spare(js, "3.0")
     js.set("spare/3.0/ready", 1.0)
     reported: list[bool] = []
-    for me in ("2.0", "1.0"):
-        threading.Thread(target=lambda me=me: reported.append(report_death(
-            JobStore(store, "a0"), me=me, successor=me[0] + ".1", generation=0, how="signal 9",
-            member=True, reform_timeout_s=5.0))).start()
+    supervisors = [threading.Thread(target=lambda me=me: reported.append(report_death(
+        JobStore(store, "a0"), me=me, successor=me[0] + ".1", generation=0, how="signal 9",
+        member=True, reform_timeout_s=5.0))) for me in ("2.0", "1.0")]
+    for supervisor in supervisors:
+        supervisor.start()
     assert recover(js, "0.0", first, timeout_s=5.0) == Formation(1, ("0.0", "3.0", "2.1"))
-    deadline = time.monotonic() + 5
-    while len(reported) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    for supervisor in supervisors:
+        supervisor.join(5.0)
     assert reported == [True, True]
 
 

@@ -70,6 +70,10 @@ def _refuse(where: str, names: set[str], known: set[str]) -> None:
                          f"(supported: {', '.join(sorted(known))})")
 
 
+def _env_endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
+
+
 def store_config(storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """obstore ``S3Store`` keyword arguments from s3fs-style options (see the module docstring);
     a ValueError names an option it does not know."""
@@ -95,7 +99,7 @@ def store_config(storage_options: dict[str, Any] | None) -> dict[str, Any]:
         kwargs["region"] = client["region_name"]
     if style == "virtual":
         kwargs["virtual_hosted_style_request"] = True
-    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
+    endpoint = endpoint or _env_endpoint()
     kwargs["client_options"] = {
         "allow_http": str(endpoint or "").startswith("http://"),
         "connect_timeout": _seconds(config.get("connect_timeout"), CONNECT_TIMEOUT_S),
@@ -134,8 +138,7 @@ class S3Storage:
         if not self.bucket:
             raise ValueError(f"{url} names no bucket")
         kwargs = store_config(storage_options)
-        self.endpoint = kwargs.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") \
-            or "the default endpoint"
+        self.endpoint = kwargs.get("endpoint") or _env_endpoint() or "the default endpoint"
         self.store = S3Store(self.bucket, prefix=prefix or None, **kwargs)
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
