@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,16 @@ from antifragile.trainer.data import TokenData
 from antifragile.trainer.model import GPT, ModelConfig, init_weights, keep_stage, split_layers
 from antifragile.trainer.parallel.dims import ParallelDims
 from antifragile.trainer.progress import Phase, SharedProgress
-from antifragile.trainer.recovery import FailureWatch, GlooSockets, JobStore, signal_failure
+from antifragile.trainer.recovery import (
+    STUCK_AFTER_S,
+    STUCK_GAPS,
+    STUCK_MIN_S,
+    FailureWatch,
+    GlooSockets,
+    JobStore,
+    signal_failure,
+    stuck_bound,
+)
 
 
 def test_synthetic_batches_are_a_function_of_the_cursor() -> None:
@@ -284,14 +294,14 @@ def test_a_captured_descriptor_reused_after_the_formation_is_left_alone() -> Non
         other_peer.close()
 
 
-def _watch(stuck_after_s: float, progress: SharedProgress | None = None
+def _watch(stuck_after_s: float | None, progress: SharedProgress | None = None
            ) -> tuple[JobStore, FailureWatch, threading.Event, threading.Event]:
     import torch.distributed as dist
 
     store = dist.HashStore()
     aborted, stuck = threading.Event(), threading.Event()
     watch = FailureWatch(lambda: JobStore(store, "a0"), 3, aborted.set, progress=progress,
-                         stuck_after_s=stuck_after_s, on_stuck=stuck.set)
+                         stuck_after_s=stuck_after_s, on_stuck=lambda seconds: stuck.set())
     watch.start()
     return JobStore(store, "a0"), watch, aborted, stuck
 
@@ -330,6 +340,36 @@ def test_a_thread_that_progresses_saves_or_is_held_is_waited_for() -> None:
         assert not stuck.wait(1.5), phase
     progress.set(Phase.TRAINING)
     assert stuck.wait(5), "no progress in training after the abort"
+    watch.stop()
+
+
+def test_the_stuck_bound_follows_the_gaps_the_loop_showed_while_training() -> None:
+    assert stuck_bound([0.0] * (STUCK_GAPS - 1)) == STUCK_AFTER_S  # too few to judge
+    assert stuck_bound([0.01] * STUCK_GAPS) == STUCK_MIN_S
+    assert stuck_bound([0.01] * 75 + [0.5] * 25) == 2.0  # a backward every 4th gap counts
+    assert stuck_bound([0.01] * 99 + [3.0]) == STUCK_MIN_S  # one slow first step does not
+    assert stuck_bound([3.0] * 100) == STUCK_AFTER_S
+    progress = _training()
+    for _ in range(STUCK_GAPS):
+        progress.bump()
+    progress.set(Phase.CHECKPOINT)
+    time.sleep(0.3)  # a save, a restore or a pause is not a gap in training
+    progress.set(Phase.TRAINING)
+    assert len(progress.gaps_s) >= STUCK_GAPS and max(progress.gaps_s) < 0.2
+
+
+def test_a_stuck_thread_of_a_fast_loop_is_ended_within_seconds_of_the_abort() -> None:
+    # a 2x2x2 survivor that stayed in its collective was ended only after 5-10 s (the fixed
+    # bound), all of it recovery time; this loop's marks come microseconds apart: 1 s
+    progress = _training()
+    for _ in range(STUCK_GAPS):
+        progress.bump()
+    js, watch, aborted, stuck = _watch(None, progress)
+    began = time.monotonic()
+    signal_failure(js, 3, "worker 1.0 died")
+    assert aborted.wait(5)
+    assert stuck.wait(4.0), "a stuck thread of a fast loop was waited for as long as 5 s"
+    assert time.monotonic() - began >= STUCK_MIN_S * 0.9
     watch.stop()
 
 

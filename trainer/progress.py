@@ -13,6 +13,7 @@ import enum
 import mmap
 import struct
 import time
+from collections import deque
 
 _LAYOUT = struct.Struct("<QQqqqd")  # counter, phase, generation, rank, step, bumped_at
 
@@ -38,19 +39,32 @@ class SharedProgress:
         self._generation = -1
         self._rank = -1
         self._step = 0
-        self._write(time.time())
+        self._written = time.time()
+        # the latest times between two writes while training: what "no progress for a while"
+        # means for this model on this machine (read by this process only, not shared)
+        self.gaps_s: deque[float] = deque(maxlen=512)
+        self._write(self._written)
+
+    def _gap(self) -> float:
+        """Now; the time since the last write counts as a gap if it was spent training."""
+        now = time.time()
+        if self._phase == Phase.TRAINING:
+            self.gaps_s.append(now - self._written)
+        return now
 
     def _write(self, now: float) -> None:
+        self._written = now
         _LAYOUT.pack_into(self._buf, 0, self._counter, int(self._phase), self._generation,
                           self._rank, self._step, now)
 
     def bump(self) -> None:
         """A unit of training progress (a block's forward, a step)."""
         self._counter += 1
-        self._write(time.time())
+        self._write(self._gap())
 
     def set(self, phase: Phase, *, generation: int | None = None, rank: int | None = None,
             step: int | None = None) -> None:
+        now = self._gap()
         self._phase = phase
         if generation is not None:
             self._generation = generation
@@ -59,7 +73,7 @@ class SharedProgress:
         if step is not None:
             self._step = step
         self._counter += 1
-        self._write(time.time())
+        self._write(now)
 
     def read(self) -> tuple[int, Phase, int, int, int, float]:
         """(counter, phase, generation, rank, step, wall time of the last write)."""

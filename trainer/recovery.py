@@ -35,7 +35,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -45,9 +45,22 @@ import torch.distributed as dist
 from antifragile.trainer.progress import Phase, SharedProgress
 
 PREFIX = "antifragile"
-# how long the training thread may take to leave a failed generation's collective once its
-# connections are shut down (it takes milliseconds; 8 ranks on 2 busy cores, well under 1 s)
+# How long a training thread may show no progress after its generation's connections were shut
+# down before it counts as stuck in a collective (it leaves one in milliseconds): 4x the 95th
+# percentile of the latest gaps between its progress marks while training (a block's forward,
+# a backward, an optimizer step: a rare slow one, such as a generation's first step, does not
+# count), at least 1 s, at most 5 s; 5 s until it has made STUCK_GAPS marks.
 STUCK_AFTER_S = 5.0
+STUCK_MIN_S = 1.0
+STUCK_GAPS = 20
+
+
+def stuck_bound(gaps_s: Sequence[float]) -> float:
+    """Seconds without progress after the abort that mean "stuck" (see ``STUCK_AFTER_S``)."""
+    if len(gaps_s) < STUCK_GAPS:
+        return STUCK_AFTER_S
+    p95 = sorted(gaps_s)[int(0.95 * (len(gaps_s) - 1))]
+    return min(STUCK_AFTER_S, max(STUCK_MIN_S, 4 * p95))
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +185,8 @@ class FailureWatch:
 
     The abort must get the training thread out of its collective: it calls :meth:`left` once
     it is out. If it is not, and ``progress`` shows it training without a micro-step for
-    ``stuck_after_s``, ``on_stuck`` runs (it ends the process, so its supervisor reports the
+    ``stuck_after_s`` after the abort (default: :func:`stuck_bound` of what ``progress`` has
+    seen), ``on_stuck(seconds)`` runs (it ends the process, so its supervisor reports the
     rank dead and the others re-form without it, instead of waiting for the collective
     timeout: a 2x2x2 survivor stayed in a TP all-reduce after the abort in 4 of 18 runs of one
     session, 0 of 11 of the next, cause unknown, which cost 60 s and a restart). A thread that
@@ -180,8 +194,8 @@ class FailureWatch:
 
     def __init__(self, make_store: Callable[[], JobStore], generation: int,
                  on_failure: Callable[[], None], *, progress: SharedProgress | None = None,
-                 stuck_after_s: float = STUCK_AFTER_S,
-                 on_stuck: Callable[[], None] | None = None) -> None:
+                 stuck_after_s: float | None = None,
+                 on_stuck: Callable[[float], None] | None = None) -> None:
         self.generation = generation
         self.fired = threading.Event()
         self._stop = threading.Event()
@@ -215,15 +229,18 @@ class FailureWatch:
             return
         self.fired.set()
         self._on_failure()
-        if self._progress is None or self._on_stuck is None:
+        progress = self._progress
+        if progress is None or self._on_stuck is None:
             return
-        seen = self._progress.read()[0]
-        while not self._left.wait(self._stuck_after_s):
-            counter, phase = self._progress.read()[:2]
-            if phase == Phase.TRAINING and counter == seen:
-                self._on_stuck()
+        aborted = time.time()
+        bound = self._stuck_after_s
+        if bound is None:
+            bound = stuck_bound(progress.gaps_s)
+        while not self._left.wait(min(0.1, bound / 4)):
+            _, phase, _, _, _, written = progress.read()
+            if phase == Phase.TRAINING and time.time() - max(written, aborted) >= bound:
+                self._on_stuck(bound)
                 return
-            seen = counter
 
 
 def signal_failure(js: JobStore, generation: int, reason: str) -> None:

@@ -10,6 +10,7 @@ at start, then wait for an assignment.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -30,7 +31,6 @@ from antifragile.trainer.parallel import apply_fsdp, apply_tp, build_schedule
 from antifragile.trainer.pause import PausePoints
 from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import (
-    STUCK_AFTER_S,
     FailureWatch,
     Formation,
     finish,
@@ -235,13 +235,15 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         events.close()
 
 
-def _stuck() -> None:
+def _stuck(seconds: float) -> None:
     """The training thread stayed in a collective of a failed generation after its
-    connections were shut down: end the process (see ``FailureWatch``)."""
+    connections were shut down: end the process (see ``FailureWatch``), leaving every thread's
+    stack in the log (where it was stuck is not yet understood)."""
     print(f"in-process recovery: the training thread made no progress and did not leave the "
-          f"failed generation's collective for {STUCK_AFTER_S:.0f} s after the abort; exiting "
-          f"(code {STUCK_EXIT_CODE}) so that the others re-form without this process",
-          file=sys.stderr, flush=True)
+          f"failed generation's collective for {seconds:.1f} s after the abort; exiting "
+          f"(code {STUCK_EXIT_CODE}) so that the others re-form without this process; "
+          "its threads' stacks:", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     os._exit(STUCK_EXIT_CODE)
 
 
