@@ -46,10 +46,10 @@ from antifragile.trainer.progress import Phase, SharedProgress
 
 PREFIX = "antifragile"
 # How long a training thread may show no progress after its generation's connections were shut
-# down before it counts as stuck in a collective (it leaves one in milliseconds): 4x the 95th
-# percentile of the latest gaps between its progress marks while training (a block's forward,
-# a backward, an optimizer step: a rare slow one, such as a generation's first step, does not
-# count), at least 1 s, at most 5 s; 5 s until it has made STUCK_GAPS marks.
+# down before it counts as stuck in a collective (it leaves one in milliseconds), judged from
+# the latest gaps between its progress marks while training (a block's forward, a backward, an
+# optimizer step): 4x their 95th percentile and 1.5x the longest (a backward of a deep model
+# is a rare gap: one per micro-step), at least 1 s, at most 5 s; 5 s until STUCK_GAPS marks.
 STUCK_AFTER_S = 5.0
 STUCK_MIN_S = 1.0
 STUCK_GAPS = 20
@@ -59,8 +59,9 @@ def stuck_bound(gaps_s: Sequence[float]) -> float:
     """Seconds without progress after the abort that mean "stuck" (see ``STUCK_AFTER_S``)."""
     if len(gaps_s) < STUCK_GAPS:
         return STUCK_AFTER_S
-    p95 = sorted(gaps_s)[int(0.95 * (len(gaps_s) - 1))]
-    return min(STUCK_AFTER_S, max(STUCK_MIN_S, 4 * p95))
+    ordered = sorted(gaps_s)
+    p95 = ordered[int(0.95 * (len(ordered) - 1))]
+    return min(STUCK_AFTER_S, max(STUCK_MIN_S, 4 * p95, 1.5 * ordered[-1]))
 
 
 @dataclass(frozen=True, slots=True)
