@@ -189,9 +189,11 @@ class FailureWatch:
     ``stuck_after_s`` after the abort (default: :func:`stuck_bound` of what ``progress`` has
     seen), ``on_stuck(seconds)`` runs (it ends the process, so its supervisor reports the
     rank dead and the others re-form without it, instead of waiting for the collective
-    timeout: a 2x2x2 survivor stayed in a TP all-reduce after the abort in 4 of 18 runs of one
-    session, 0 of 11 of the next, cause unknown, which cost 60 s and a restart). A thread that
-    saves, restores, is held at a pause point or still makes progress is waited for."""
+    timeout: a 2x2x2 survivor stayed in a collective after the abort in 4 of 18 runs of one
+    session, 0 of 11 of the next, 2 of 8 of a third, which cost 60 s and a restart; the stack
+    it leaves shows the training thread inside ``ProcessGroupGloo.all_gather_single`` (FSDP2's
+    unshard), a call the shutdown does not interrupt; why is not known). A thread that saves,
+    restores, is held at a pause point or still makes progress is waited for."""
 
     def __init__(self, make_store: Callable[[], JobStore], generation: int,
                  on_failure: Callable[[], None], *, progress: SharedProgress | None = None,
