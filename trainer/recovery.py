@@ -238,7 +238,7 @@ class FailureWatch:
         aborted = time.time()
         bound = self._stuck_after_s
         if bound is None:
-            bound = stuck_bound(progress.gaps_s)
+            bound = stuck_bound(progress.gaps_s.copy())  # one C call: the training thread appends
         while not self._left.wait(min(0.1, bound / 4)):
             _, phase, _, _, _, written = progress.read()
             if phase == Phase.TRAINING and time.time() - max(written, aborted) >= bound:
