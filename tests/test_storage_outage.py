@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -261,6 +262,27 @@ def test_run_storage_is_a_run_folder_by_default(tmp_path: Path) -> None:
         assert storage.trainer_env == {} and storage.proxy is None
 
 
+def _collections(cluster: Any) -> set[str]:
+    """The collections (one per bucket) the SeaweedFS master has volumes for."""
+    master = f"http://{cluster.host}:{cluster.servers['master'].port}/vol/status"
+    with urllib.request.urlopen(master, timeout=5) as answer:
+        status = json.load(answer)
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("Collection"), str):
+                found.add(node["Collection"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(status)
+    return found
+
+
 @pytest.mark.s3
 def test_run_storage_starts_seaweedfs_when_no_endpoint_is_configured(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,6 +302,11 @@ def test_run_storage_starts_seaweedfs_when_no_endpoint_is_configured(
                          key=storage.trainer_env["AWS_ACCESS_KEY_ID"],
                          secret=storage.trainer_env["AWS_SECRET_ACCESS_KEY"])
         bucket, prefix = s3.split_url(url)
+        # the new bucket's volumes are grown before the trainer starts (the first write into
+        # a new bucket would: ~0.7 s, taken from the run's first checkpoint save), and the
+        # write that grew them left nothing behind
+        assert bucket in _collections(storage.cluster)
+        assert "Contents" not in client.list_objects_v2(Bucket=bucket)
         client.put_object(Bucket=bucket, Key=f"{prefix}/x", Body=b"through the proxy")
         assert storage.proxy.stats.passed >= 1
     assert "AWS_ENDPOINT_URL" not in os.environ

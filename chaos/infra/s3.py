@@ -201,8 +201,8 @@ def check_bucket(url: str, endpoint_url: str | None = None,
 
 def prepare(url: str, ep: S3Endpoint) -> None:
     """Make sure ``url`` can take a fresh run: the endpoint answers, the bucket exists
-    (created on a local cluster) and the prefix holds no checkpoints, which the trainer would
-    otherwise resume from."""
+    (created, and its volumes grown, on a local cluster) and the prefix holds no checkpoints,
+    which the trainer would otherwise resume from."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
@@ -211,7 +211,10 @@ def prepare(url: str, ep: S3Endpoint) -> None:
         raise S3SetupError(f"checkpoint.url {exc}") from None
     bucket, prefix = split_url(url)
     client = _client(ep.url)
-    try:  # objects, not common prefixes: SeaweedFS lists an emptied "folder" for minutes
+    try:
+        if ep.cluster is not None:
+            ep.cluster.warm(bucket)
+        # objects, not common prefixes: SeaweedFS lists an emptied "folder" for minutes
         listing = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/" if prefix else "",
                                          MaxKeys=100)
     except (BotoCoreError, ClientError) as exc:
