@@ -190,7 +190,7 @@ class FailureWatch:
     seen), ``on_stuck(seconds)`` runs (it ends the process, so its supervisor reports the
     rank dead and the others re-form without it, instead of waiting for the collective
     timeout: a 2x2x2 survivor stayed in a collective after the abort in 4 of 18 runs of one
-    session, 0 of 11 of the next, 2 of 8 of a third, which cost 60 s and a restart; the stack
+    session, 0 of 11 of the next, 2 of 18 of a third, which cost 60 s and a restart; the stack
     it leaves shows the training thread inside ``ProcessGroupGloo.all_gather_single`` (FSDP2's
     unshard), a call the shutdown does not interrupt; why is not known). A thread that saves,
     restores, is held at a pause point or still makes progress is waited for."""
