@@ -39,11 +39,11 @@ class SharedProgress:
         self._generation = -1
         self._rank = -1
         self._step = 0
-        self._written = time.time()
         # the latest times between two writes while training: what "no progress for a while"
         # means for this model on this machine (read by this process only, not shared)
         self.gaps_s: deque[float] = deque(maxlen=512)
-        self._write(self._written)
+        self._written = 0.0  # wall time of the last write (set by _write)
+        self._write(time.time())
 
     def _gap(self) -> float:
         """Now; the time since the last write counts as a gap if it was spent training."""
