@@ -60,6 +60,29 @@ def test_the_adaptive_timeout_follows_slow_steps() -> None:
     assert dog.timeout_s() == 40.0  # 20 x p99, above the floor
 
 
+def test_saves_restores_and_pauses_are_not_taken_for_training_intervals() -> None:
+    # a 30 s blocking save between fast steps: the counter moves into CHECKPOINT and back
+    # into TRAINING; the 30 s between those two changes is not an interval between bumps of
+    # the training loop (before the fix it became one: p99 30 s, timeout 600 s, a stall seen
+    # after 1800 s instead of 30 s)
+    for phase in (Phase.CHECKPOINT, Phase.RESTORING, Phase.PAUSED):
+        dog = Watchdog(floor_s=10.0, k=20.0)
+        t, counter = 0.0, 0
+        for _ in range(50):
+            t, counter = t + 0.1, counter + 1
+            assert dog.observe(t, counter, Phase.TRAINING, False) is None
+        t, counter = t + 0.05, counter + 1
+        dog.observe(t, counter, phase, False)
+        t += 30.0
+        dog.observe(t, counter, phase, False)
+        t, counter = t + 0.05, counter + 1
+        dog.observe(t, counter, Phase.TRAINING, False)
+        for _ in range(20):
+            t, counter = t + 0.1, counter + 1
+            dog.observe(t, counter, Phase.TRAINING, False)
+        assert dog.timeout_s() == 10.0, phase
+
+
 def test_main_thread_state_of_this_process_is_running() -> None:
     import os
 
@@ -165,3 +188,139 @@ def test_finish_releases_idle_spares() -> None:
     finish(js)
     spare.join(5.0)
     assert released == [None] and job_done(js)
+
+
+_STALE_PID_SCRIPT = """
+import os, signal
+import torch.distributed as dist
+import antifragile.trainer.recovery as recovery
+import antifragile.trainer.supervisor as supervisor
+from antifragile.trainer.recovery import JobStore
+
+store = dist.HashStore()
+real_kill = os.kill
+
+def report_death(js, **kwargs):
+    # torchrun tears the group down (SIGTERM) while this supervisor waits for the survivors
+    # to re-form; its child was reaped before
+    real_kill(os.getpid(), signal.SIGTERM)
+    return True
+
+def kill(pid, sig):
+    if sig == signal.SIGKILL:
+        print("SIGKILL", pid, flush=True)
+        return None
+    return real_kill(pid, sig)
+
+recovery.report_death = report_death
+supervisor.os.kill = kill
+supervisor.supervise(lambda progress, incarnation: 3, slot=1, recovery="in_process",
+                     hang_timeout_s=None, run_dir=None, poll_s=0.01, reform_timeout_s=1.0,
+                     store_factory=lambda: JobStore(store, "a0"), spares=1)
+"""
+
+
+def test_a_supervisor_told_to_stop_does_not_kill_the_number_of_a_child_it_reaped() -> None:
+    # SIGTERM while it waits in ``report_death`` (up to ``reform_timeout_s``, when torchrun
+    # tears the group down): the SIGKILL went to the reaped child's pid, which by then may
+    # be another process's
+    import signal
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _STALE_PID_SCRIPT], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 128 + signal.SIGTERM, out.stdout + out.stderr
+    assert "SIGKILL" not in out.stdout, out.stdout
+
+
+def _spares_ready(js: JobStore, *spares: str) -> None:
+    for spare in spares:
+        register_spare(js, spare)
+        js.set(f"spare/{spare}/ready", 1.0)
+
+
+def test_a_late_lowest_survivor_does_not_publish_a_second_generation() -> None:
+    # 1.0 reaches recover first; 0.0, the lowest, comes after 1.0's deadline (a blocking save,
+    # a collective the abort did not end yet): 1.0 counts it lost and coordinates; 0.0 then
+    # found everyone accounted for and coordinated again, overwriting g0/next with another
+    # generation (two generations for one failure)
+    store = _store()
+    js = JobStore(store, "a0")
+    first = first_formation(js, 0, 3)
+    _spares_ready(js, "3.0", "4.0", "5.0")
+    js.set("dead/2.0", {})
+    by_1 = recover(JobStore(store, "a0"), "1.0", first, timeout_s=0.3)
+    by_0 = recover(JobStore(store, "a0"), "0.0", first, timeout_s=5.0)
+    assert by_1 == by_0 == Formation(1, ("3.0", "1.0", "4.0"))  # 0.0 counted lost, replaced
+
+
+def test_a_survivor_that_died_after_registering_alive_is_replaced() -> None:
+    store = _store()
+    js = JobStore(store, "a0")
+    first = first_formation(js, 0, 3)
+    _spares_ready(js, "3.0", "4.0")
+    js.set("dead/2.0", {})
+    js.set("g0/alive/1.0", 1.0)  # 1.0 registered as a survivor, then died
+    js.set("dead/1.0", {})
+    assert recover(js, "0.0", first, timeout_s=5.0) == Formation(1, ("0.0", "3.0", "4.0"))
+
+
+def _re_formed(store: dist.Store) -> JobStore:
+    """g0 = (0.0, 1.0, 2.0); 2.0 died; 0.0 and 1.0 re-formed as g1 = (0.0, 1.0, 3.0)."""
+    js = JobStore(store, "a0")
+    first = first_formation(js, 0, 3)
+    _spares_ready(js, "3.0", "4.0")
+    js.set("dead/2.0", {})
+    other = threading.Thread(target=lambda: recover(JobStore(store, "a0"), "1.0", first,
+                                                    timeout_s=5.0))
+    other.start()
+    assert recover(js, "0.0", first, timeout_s=5.0) == Formation(1, ("0.0", "1.0", "3.0"))
+    other.join(5.0)
+    return js
+
+
+def test_a_member_of_the_next_generation_that_dies_before_joining_it_fails_it() -> None:
+    # a survivor that dies after the re-formation was published (its progress still says
+    # generation 0), or an assigned spare that dies before it read its assignment: nobody told
+    # generation 1, whose other members then waited in its rendezvous for the collective
+    # timeout and crashed
+    for me, generation, member in (("1.0", 0, True), ("3.0", -1, False)):
+        js = _re_formed(_store())
+        assert report_death(js, me=me, successor=None, generation=generation, how="signal 9",
+                            member=member, reform_timeout_s=1.0)
+        assert js.has("g1/fail"), me
+
+
+def test_a_member_found_dead_after_the_re_formation_is_published_fails_it() -> None:
+    # the other order: the death is reported (and read by its supervisor) before the
+    # coordinator publishes; the coordinator's check after publishing catches it
+    store = _store()
+    js = JobStore(store, "a0")
+    first = first_formation(js, 0, 2)
+    _spares_ready(js, "2.0")
+    js.set("dead/1.0", {})
+    real_set = js.set
+
+    def set_then_spare_dies(key: str, value: object) -> None:
+        real_set(key, value)
+        if key == "spare/2.0/assign":
+            real_set("dead/2.0", {})  # the spare died as it was assigned
+
+    js.set = set_then_spare_dies  # type: ignore[method-assign]
+    assert recover(js, "0.0", first, timeout_s=5.0) == Formation(1, ("0.0", "2.0"))
+    assert js.has("g1/fail")
+
+
+def test_a_generation_that_failed_before_its_members_met_is_not_waited_for() -> None:
+    from antifragile.trainer.recovery import gather
+
+    store = _store()
+    js = _re_formed(store)
+    assert gather(js, Formation(1, ("0.0", "1.0", "3.0")), "0.0", timeout_s=0.2) == \
+        "not every member of generation 1 arrived within 0 s"
+    js.set("g1/fail", {"reason": "worker 3.0 died"})
+    assert gather(js, Formation(1, ("0.0", "1.0", "3.0")), "0.0", timeout_s=30.0) == \
+        "generation 1 failed before its members met: worker 3.0 died"
+    js.add("g2/arrived", 2)  # 1.0 and 3.0 arrived
+    assert gather(js, Formation(2, ("0.0", "1.0", "3.0")), "0.0", timeout_s=5.0) is None

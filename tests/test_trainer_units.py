@@ -349,6 +349,10 @@ def test_the_stuck_bound_follows_the_gaps_the_loop_showed_while_training() -> No
     assert stuck_bound([0.01] * 75 + [0.5] * 25) == 2.0  # a backward every 4th gap
     assert stuck_bound([0.01] * 98 + [0.8] * 2) == 1.5 * 0.8  # a deep model's rare backward
     assert stuck_bound([3.0] * 100) == STUCK_AFTER_S
+    # never below 1.5x the loop's own longest gap: a survivor in the middle of one of its
+    # usual 8 s gaps at the abort (a compute with no collective to leave) is not stuck
+    assert stuck_bound([8.0] * 100) == 12.0
+    assert stuck_bound([8.0] * (STUCK_GAPS - 1)) == 12.0
     progress = _training()
     for _ in range(STUCK_GAPS):
         progress.bump()
@@ -356,6 +360,10 @@ def test_the_stuck_bound_follows_the_gaps_the_loop_showed_while_training() -> No
     time.sleep(0.3)  # a save, a restore or a pause is not a gap in training
     progress.set(Phase.TRAINING)
     assert len(progress.gaps_s) >= STUCK_GAPS and max(progress.gaps_s) < 0.2
+    gaps = len(progress.gaps_s)
+    time.sleep(0.3)  # blocked in the failed generation's collective, then the failure
+    progress.set(Phase.RECOVERING)
+    assert len(progress.gaps_s) == gaps, "the wait that ended in a failure is not a gap"
 
 
 def test_a_stuck_thread_of_a_fast_loop_is_ended_within_seconds_of_the_abort() -> None:

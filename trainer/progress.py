@@ -45,10 +45,11 @@ class SharedProgress:
         self._written = 0.0  # wall time of the last write (set by _write)
         self._write(time.time())
 
-    def _gap(self) -> float:
-        """Now; the time since the last write counts as a gap if it was spent training."""
+    def _gap(self, *, counts: bool = True) -> float:
+        """Now; the time since the last write counts as a gap if it was spent training (and
+        ``counts``: not when it ended in a failure)."""
         now = time.time()
-        if self._phase == Phase.TRAINING:
+        if counts and self._phase == Phase.TRAINING:
             self.gaps_s.append(now - self._written)
         return now
 
@@ -64,7 +65,9 @@ class SharedProgress:
 
     def set(self, phase: Phase, *, generation: int | None = None, rank: int | None = None,
             step: int | None = None) -> None:
-        now = self._gap()
+        # a wait that ended in the generation's failure (a collective the abort broke) is no
+        # gap of the loop: it would lengthen the next generation's stuck bound
+        now = self._gap(counts=phase != Phase.RECOVERING)
         self._phase = phase
         if generation is not None:
             self._generation = generation

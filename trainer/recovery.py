@@ -48,8 +48,10 @@ PREFIX = "antifragile"
 # How long a training thread may show no progress after its generation's connections were shut
 # down before it counts as stuck in a collective (it leaves one in milliseconds), judged from
 # the latest gaps between its progress marks while training (a block's forward, a backward, an
-# optimizer step): 4x their 95th percentile and 1.5x the longest (a backward of a deep model
-# is a rare gap: one per micro-step), at least 1 s, at most 5 s; 5 s until STUCK_GAPS marks.
+# optimizer step): 4x their 95th percentile, at least 1 s, at most 5 s, but never less than
+# 1.5x the longest (a backward of a deep model is a rare gap: one per micro-step; a survivor
+# inside one of its usual gaps at the abort, in a compute with no collective to leave, is not
+# stuck); 5 s (or 1.5x the longest) until STUCK_GAPS marks.
 STUCK_AFTER_S = 5.0
 STUCK_MIN_S = 1.0
 STUCK_GAPS = 20
@@ -57,11 +59,12 @@ STUCK_GAPS = 20
 
 def stuck_bound(gaps_s: Sequence[float]) -> float:
     """Seconds without progress after the abort that mean "stuck" (see ``STUCK_AFTER_S``)."""
+    longest = 1.5 * max(gaps_s, default=0.0)
     if len(gaps_s) < STUCK_GAPS:
-        return STUCK_AFTER_S
+        return max(STUCK_AFTER_S, longest)
     ordered = sorted(gaps_s)
     p95 = ordered[int(0.95 * (len(ordered) - 1))]
-    return min(STUCK_AFTER_S, max(STUCK_MIN_S, 4 * p95, 1.5 * ordered[-1]))
+    return max(STUCK_MIN_S, min(STUCK_AFTER_S, 4 * p95), longest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,23 +256,31 @@ def signal_failure(js: JobStore, generation: int, reason: str) -> None:
 
 
 def recover(js: JobStore, me: str, failed: Formation, *, timeout_s: float) -> Formation | str:
-    """A survivor's part of re-forming: the next formation, or why the job must restart."""
+    """A survivor's part of re-forming: the next formation (which may not hold ``me``: it came
+    too late and was counted lost), or why the job must restart.
+
+    Whoever the coordinator is, one generation is published per failure: the first survivor
+    to claim ``g<g>/coordinator`` among those that see themselves as the lowest survivor, and
+    none once ``g<g>/next`` exists (a survivor that comes after the deadline of the others
+    finds them gone and must not coordinate again)."""
     g = failed.generation
     signal_failure(js, g, f"worker {me} saw the failure")
     js.set(f"g{g}/alive/{me}", time.time())
     deadline = time.monotonic() + timeout_s
     alive: list[str] = []
     dead: list[str] = []
-    while True:
-        alive = [m for m in failed.members if js.has(f"g{g}/alive/{m}")]
-        dead = [m for m in failed.members if m not in alive and js.has(f"dead/{m}")]
+    while not js.has(f"g{g}/next"):
+        # dead first: a survivor that registered alive and died since is dead
+        dead = [m for m in failed.members if js.has(f"dead/{m}")]
+        alive = [m for m in failed.members if m not in dead and js.has(f"g{g}/alive/{m}")]
         if len(alive) + len(dead) == len(failed.members):
             break
         if time.monotonic() > deadline:  # neither alive nor reported dead: treat as lost
             dead = [m for m in failed.members if m not in alive]
             break
         time.sleep(0.002)
-    if me == min(alive, key=_order):
+    if alive and me == min(alive, key=_order) and not js.has(f"g{g}/next") \
+            and js.add(f"g{g}/coordinator", 1) == 1:
         _coordinate(js, failed, dead)
     if not js.wait(f"g{g}/next", timeout_s):
         return f"no new generation was published within {timeout_s:.0f} s"
@@ -277,6 +288,27 @@ def recover(js: JobStore, me: str, failed: Formation, *, timeout_s: float) -> Fo
     if "restart" in nxt:
         return str(nxt["restart"])
     return Formation(int(nxt["generation"]), tuple(nxt["members"]))
+
+
+def gather(js: JobStore, formation: Formation, me: str, *, timeout_s: float) -> str | None:
+    """Before a generation's rendezvous: wait until every member has arrived. None once they
+    have; else why not (the generation failed first: a member died before it arrived, see
+    :func:`report_death`; or not everyone came within ``timeout_s``). A rendezvous with a dead
+    member would wait for the whole collective timeout and then fail outside any recovery."""
+    g = formation.generation
+    if js.add(f"g{g}/arrived", 1) == len(formation.members):
+        js.set(f"g{g}/met", time.time())
+    deadline = time.monotonic() + timeout_s
+    pause = 0.002  # polled (a timed-out store wait logs a warning), backing off to 50 ms
+    while not js.has(f"g{g}/met"):
+        if js.has(f"g{g}/fail"):
+            return (f"generation {g} failed before its members met: "
+                    f"{js.get(f'g{g}/fail').get('reason', '?')}")
+        if time.monotonic() >= deadline:
+            return f"not every member of generation {g} arrived within {timeout_s:.0f} s"
+        time.sleep(pause)
+        pause = min(0.05, pause * 1.5)
+    return None
 
 
 def _order(wid: str) -> tuple[int, int]:
@@ -308,6 +340,12 @@ def _coordinate(js: JobStore, failed: Formation, dead: list[str]) -> None:
     for rank, spare in zip(lost, free):
         js.set(f"spare/{spare}/assign", {**nxt, "rank": rank})
     js.set(f"g{g}/next", nxt)
+    # a member that died as this was decided: its supervisor may have looked for the new
+    # generation before it was published (see ``report_death``), so say it here
+    gone = [m for m in members if js.has(f"dead/{m}")]
+    if gone:
+        signal_failure(js, nxt["generation"], f"worker {gone[0]} died before generation "
+                                              f"{nxt['generation']} formed")
 
 
 def register_spare(js: JobStore, me: str) -> None:
@@ -354,12 +392,23 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
     if successor is not None:
         register_spare(js, successor)
     js.set(f"dead/{me}", {"how": how, "generation": generation, "t": time.time()})
-    if not member:
+    if not member:  # an idle spare, unless it was just given a place (see ``_coordinate``)
+        if js.has(f"spare/{me}/assign"):
+            doc = js.get(f"spare/{me}/assign")
+            if not doc.get("done"):
+                signal_failure(js, int(doc["generation"]), f"spare {me} died ({how}) before "
+                                                           "it joined")
         return True
     signal_failure(js, generation, f"worker {me} died ({how})")
     if not js.wait(f"g{generation}/next", reform_timeout_s):
         return False
-    return "restart" not in js.get(f"g{generation}/next")
+    nxt = js.get(f"g{generation}/next")
+    if "restart" in nxt:
+        return False
+    if me in nxt["members"]:  # a survivor that died after the re-formation was decided
+        signal_failure(js, int(nxt["generation"]), f"worker {me} died ({how}) before "
+                                                   "it joined")
+    return True
 
 
 def job_done(js: JobStore) -> bool:

@@ -42,7 +42,7 @@ from antifragile.trainer.progress import Phase, SharedProgress
 
 HANG_EXIT_CODE = 43  # the supervisor killed a hung child
 RESTART_EXIT_CODE = 44  # in-process recovery found no spare: torchrun restarts the group
-STUCK_EXIT_CODE = 45  # in-process recovery: stuck in a collective after the abort (a death)
+STUCK_EXIT_CODE = 45  # in-process recovery: stuck after the abort, or counted lost (a death)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -57,6 +57,7 @@ class Watchdog:
     _intervals: list[float] = field(default_factory=list)
     _last_counter: int = -1
     _last_change: float = 0.0
+    _last_phase: Phase | None = None  # the phase seen at the last change of the counter
     _stopped_since: float | None = None
 
     def timeout_s(self) -> float:
@@ -71,9 +72,11 @@ class Watchdog:
     def observe(self, now: float, counter: int, phase: Phase, stopped: bool) -> str | None:
         """``"stopped"`` or ``"stalled"`` when the child is hung, else None."""
         if counter != self._last_counter:
-            if phase == Phase.TRAINING and self._last_counter >= 0:
+            # an interval of the training loop: both of its ends seen while training (the
+            # time from entering a save, a restore or a pause to leaving it is not one)
+            if phase == Phase.TRAINING and self._last_phase == Phase.TRAINING:
                 self._intervals.append(now - self._last_change)
-            self._last_counter, self._last_change = counter, now
+            self._last_counter, self._last_change, self._last_phase = counter, now, phase
         self._stopped_since = (self._stopped_since or now) if stopped else None
         if phase in (Phase.DONE, Phase.SPARE) and not stopped:
             return None
@@ -201,11 +204,13 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
         current["pid"] = _fork_child(child_main, progress, incarnation)
         death = _watch(current["pid"], progress, Watchdog(hang_timeout_s=hang_timeout_s),
                        events, slot, poll_s)
+        current["pid"] = 0  # reaped: its number may be another process's by now
         if death.code == 0:
             return 0
         how = f"signal {-death.code}" if death.code < 0 else f"exit code {death.code}"
         if death.code == STUCK_EXIT_CODE:
-            how += " (stuck in the failed generation's collective after the abort)"
+            how += " (stuck in the failed generation's collective after the abort, or came " \
+                   "too late to the re-formation: counted lost)"
         events.emit("rank_died", rank=death.rank, attempt=death.generation, pid=death.pid,
                     how=how, hung=death.hung, phase=death.phase.name.lower(),
                     incarnation=incarnation)

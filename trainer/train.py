@@ -35,6 +35,7 @@ from antifragile.trainer.recovery import (
     Formation,
     finish,
     first_formation,
+    gather,
     recover,
     register_spare,
     signal_failure,
@@ -170,6 +171,11 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
     memory: Any = None
     while True:
         assert formation is not None
+        if me not in formation.members:  # counted lost: it came too late to the re-formation
+            print(f"in-process recovery: worker {me} reached the re-formation after the others "
+                  f"had counted it lost; exiting (code {STUCK_EXIT_CODE}) to be replaced",
+                  file=sys.stderr, flush=True)
+            return STUCK_EXIT_CODE
         outcome = _generation(cfg, launch, me, formation, progress, model, cause, memory)
         if isinstance(outcome, int):
             if outcome == 0 and formation.members.index(me) == 0:
@@ -186,6 +192,14 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
     storage)."""
     progress.set(Phase.STARTING, generation=formation.generation,
                  rank=formation.members.index(me))
+    if cfg.recovery == "in_process":
+        js = launch.job_store()
+        why = gather(js, formation, me, timeout_s=cfg.collective_timeout_s)
+        if why is not None:  # a member died before it arrived: no rendezvous, re-form again
+            print(f"in-process recovery: {why}", file=sys.stderr, flush=True)
+            progress.set(Phase.RECOVERING)
+            nxt = recover(js, me, formation, timeout_s=cfg.collective_timeout_s)
+            return RESTART_EXIT_CODE if isinstance(nxt, str) else (nxt, memory)
     ctx = join(launch, me, formation, device_type=cfg.device)
     events = EventLog(cfg.run_dir, ctx.rank, ctx.generation)
     events.emit("start", pid=os.getpid(), world_size=ctx.world_size, worker=me,
