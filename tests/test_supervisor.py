@@ -324,3 +324,53 @@ def test_a_generation_that_failed_before_its_members_met_is_not_waited_for() -> 
         "generation 1 failed before its members met: worker 3.0 died"
     js.add("g2/arrived", 2)  # 1.0 and 3.0 arrived
     assert gather(js, Formation(2, ("0.0", "1.0", "3.0")), "0.0", timeout_s=5.0) is None
+
+
+_JOIN_SCRIPT = """
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from antifragile.trainer.config import TrainConfig
+from antifragile.trainer.distributed import Launch
+from antifragile.trainer.progress import SharedProgress
+from antifragile.trainer.recovery import Formation, JobStore
+from antifragile.trainer.train import _generation
+
+os.environ["MASTER_ADDR"] = "127.0.0.1"
+base = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=8))
+os.environ["MASTER_PORT"] = str(base.port)
+launch = Launch(0, 3, 0, base, "a0", None, timedelta(seconds=8))
+js = JobStore(base, "a0")
+formation = Formation(7, ("0.0", "3.0"))
+# 3.0 died before it joined generation 7; its supervisor said so, and the next
+# generation (or a restart) is already decided
+js.set("dead/3.0", {"how": "signal 9", "generation": 7})
+js.set("g7/fail", {"reason": "worker 3.0 died"})
+js.set("g7/next", {"restart": "1 rank(s) lost and 0 spare(s) left"})
+cfg = TrainConfig(recovery="in_process", collective_timeout_s=8.0)
+t0 = time.monotonic()
+try:
+    out = _generation(cfg, launch, "0.0", formation, SharedProgress(), None, "in_process",
+                      None)
+    print("RETURNED", out, round(time.monotonic() - t0, 1))
+except BaseException as exc:
+    print("RAISED", type(exc).__name__, round(time.monotonic() - t0, 1))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_a_member_of_a_generation_that_failed_before_it_met_re_forms_instead_of_crashing(
+) -> None:
+    # generation 7 = (0.0, 3.0); 3.0 died before it joined and g7/fail is set: 0.0 goes
+    # through the recovery (here a restart, as decided) and returns; it waited in the
+    # rendezvous for the whole collective timeout and crashed with the error
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _JOIN_SCRIPT], capture_output=True, text=True,
+                         timeout=120)
+    line = [x for x in out.stdout.splitlines() if x.startswith(("RETURNED", "RAISED"))]
+    assert line, out.stdout + out.stderr
+    assert line[0].startswith("RETURNED 44"), line[0]
