@@ -206,7 +206,10 @@ class StagingArea:
         them stall on a busy machine."""
         start = time.perf_counter()
         try:
-            sources = [iter_local(tensors[c.write.array.tensor]).detach() for c in self.cells]
+            # a conjugate or negative view keeps its values behind a bit that a byte copy
+            # would drop: resolved into a copy (a no-op for every other tensor)
+            sources = [iter_local(tensors[c.write.array.tensor]).detach().resolve_conj()
+                       .resolve_neg() for c in self.cells]
             on_device = any(s.device.type != "cpu" for s in sources) or any(
                 iter_local(tensors[p]).device.type != "cpu" for p in self.shadows)
             if on_device:

@@ -157,6 +157,20 @@ def test_nested_state_round_trips_exactly(ckpt: CheckpointEngine) -> None:
     assert_same(target, expected)
 
 
+def test_conjugate_and_negative_views_are_saved_with_their_values(
+        ckpt: CheckpointEngine) -> None:
+    # a lazy conj view, and a contiguous view with the neg bit (x.conj().imag of one element):
+    # their bytes are the unconjugated values; a byte copy saved x instead of x.conj()
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    neg = torch.tensor([1 + 2j], dtype=torch.complex64).conj().imag
+    assert neg.is_neg() and neg.is_contiguous()
+    ckpt.save(1, {"z": x.conj(), "v": neg}, blocking=True)
+    out = {"z": torch.zeros(2, dtype=torch.complex64), "v": torch.zeros(1)}
+    ckpt.load(out)
+    assert torch.equal(out["z"], x.conj().resolve_conj())
+    assert out["v"].tolist() == [-2.0]
+
+
 def test_load_fills_non_contiguous_views_in_place(ckpt: CheckpointEngine) -> None:
     state = nested_state()
     ckpt.save(1, state, blocking=True)
