@@ -234,9 +234,21 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
                 flat.types["values"][path] = desc
 
     def walk_stateful(obj: Stateful, path: str, entries: bool = False) -> None:
-        holder = [obj.state_dict()]
+        try:
+            holder = [obj.state_dict()]
+        except Exception as exc:
+            raise CheckpointError(f"{path or 'the state'}: {type(obj).__name__}.state_dict() "
+                                  f"raised {type(exc).__name__}: {exc}") from exc
         walk(holder[0], path, _setter(holder, 0), entries)
-        flat.finishers.append(lambda: obj.load_state_dict(holder[0]))
+        def finish() -> None:
+            try:
+                obj.load_state_dict(holder[0])
+            except Exception as exc:
+                raise CheckpointError(f"{path or 'the state'}: {type(obj).__name__}."
+                                      f"load_state_dict() refused the loaded state: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+
+        flat.finishers.append(finish)
 
     if not isinstance(state, (dict, list, tuple, Stateful)):
         raise CheckpointError(f"the state must be a dict, list or Stateful, not {type(state)}")

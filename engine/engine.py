@@ -108,6 +108,17 @@ def _refuse_together(outcome: str, call: str, mistake: CheckpointError | None,
                               f"({-negated_low} to {high}; None is -1)")
 
 
+def _refusal(outcome: str, exc: Exception) -> CheckpointError:
+    """``exc`` as the CheckpointError that every rank raises (see ``_refuse_together``): a
+    CheckpointError as it is, any other error of the caller's state (a ``state_dict()`` or
+    ``load_state_dict()`` that raised) named and chained."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    error = CheckpointError(f"{outcome}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
 def _layout(spec: ArraySpec) -> dict[str, Any]:
     """An array's layout as the group's index records it (``StepReader.array`` reads it)."""
     return {"offset": list(spec.offset), "shape": list(spec.shape),
@@ -292,8 +303,8 @@ class CheckpointEngine:
             step_dir(step)
             flat = flatten(state)
             inv, fingerprint = self._inventory(flat)
-        except CheckpointError as exc:
-            mistake, fingerprint = exc, self._fingerprint
+        except Exception as exc:  # a Stateful's state_dict() too: refused on every rank
+            mistake, fingerprint = _refusal(f"step {step} not saved", exc), self._fingerprint
         numeric = step if mistake is None else -1
         last = self._last
         failure = last._unobserved_failure() if last else None
@@ -625,8 +636,8 @@ class CheckpointEngine:
             if step is not None:
                 step_dir(step)
             flat = flatten(state, loading=True)
-        except CheckpointError as exc:
-            mistake = exc
+        except Exception as exc:
+            mistake = _refusal("nothing loaded", exc)
         numeric = -1 if step is None or mistake is not None else step
         high, negated_low, any_mistake = self._all_max([numeric, -numeric,
                                                         int(mistake is not None)])
@@ -658,7 +669,17 @@ class CheckpointEngine:
                     f"step {candidate}: the ranks see different saves of it (node-local storage "
                     "at one path, or two jobs writing one URL?); refusing to mix them")
             if worst == _OK:
-                finish_load(flat, values)
+                refused: CheckpointError | None = None
+                try:  # the state's objects take what was loaded (load_state_dict)
+                    finish_load(flat, values)
+                except Exception as exc:
+                    refused = CheckpointError(f"step {candidate} loaded, but not taken: {exc}")
+                    refused.__cause__ = exc
+                (any_refused,) = self._all_max([int(refused is not None)])
+                if any_refused:  # the same objects would refuse an older step: no fallback
+                    raise refused or CheckpointError(
+                        f"step {candidate} loaded, but another rank's state refused it (its "
+                        "error names the object)")
                 self._events.restore_end(candidate, began)
                 return candidate
             reports = self._gather((outcome, type(error).__name__, str(error),

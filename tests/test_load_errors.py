@@ -302,3 +302,60 @@ def test_ranks_that_see_different_saves_of_a_step_refuse_to_mix_them(tmp_path: P
     outcomes = run_ranks(2, _load_step_1, urls, timeout_s=90)
     assert all(o.startswith("refused") and "step 1" in o and "different saves" in o
                for o in outcomes), outcomes
+
+
+# -- the state's own objects fail ---------------------------------------------------------------
+
+
+class _Refusing:
+    """A Stateful whose ``state_dict()`` (``fails_at="save"``) or ``load_state_dict()``
+    (``"load"``) raises, as a scheduler or loader of another version can."""
+
+    def __init__(self, fails_at: str | None) -> None:
+        self.fails_at = fails_at
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.fails_at == "save":
+            raise RuntimeError("state_dict failed on this rank")
+        return {"n": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.fails_at == "load":
+            raise KeyError("missing key 'milestones'")
+
+
+def _save_then_load_with_one_refusing_rank(url: str) -> tuple[str, str]:
+    import torch.distributed as dist
+
+    fails = dist.get_rank() == 1
+    outcomes = []
+    with CheckpointEngine(url) as engine:
+        for call in ("save", "load"):
+            try:
+                if call == "save":
+                    state = {"w": torch.ones(4), "obj": _Refusing("save" if fails else None)}
+                    engine.save(1, state, blocking=True)
+                else:
+                    engine.save(2, {"w": torch.ones(4), "obj": _Refusing(None)}, blocking=True)
+                    engine.load({"w": torch.zeros(4), "obj": _Refusing("load" if fails else None)})
+                outcomes.append("ok")
+            except Exception as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+    return outcomes[0], outcomes[1]
+
+
+@pytest.mark.multiproc
+def test_a_stateful_that_raises_on_one_rank_is_a_checkpoint_error_on_every_rank(
+        tmp_path: Path) -> None:
+    # a state_dict() that raised on rank 1 before the save's first collective left rank 0 in
+    # it until the process-group timeout; a load_state_dict() that raised escaped load() as
+    # itself (a KeyError), on that rank only
+    out = run_ranks(2, _save_then_load_with_one_refusing_rank, str(tmp_path / "ckpt"),
+                    timeout_s=60)
+    (saved_0, loaded_0), (saved_1, loaded_1) = out
+    assert saved_0.startswith("CheckpointError: step 1 not saved: another rank's"), saved_0
+    assert saved_1 == ("CheckpointError: obj: _Refusing.state_dict() raised RuntimeError: "
+                       "state_dict failed on this rank"), saved_1
+    assert loaded_0.startswith("CheckpointError: step 2 loaded, but another rank's"), loaded_0
+    assert loaded_1.startswith("CheckpointError: step 2 loaded, but not taken: obj: _Refusing."
+                               "load_state_dict() refused the loaded state: KeyError"), loaded_1
