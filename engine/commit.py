@@ -337,13 +337,19 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
         _pause(next(delays), cancel, step)
 
 
-def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = None
-           ) -> list[int]:
+def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = None, *,
+           saved: int | None = None) -> list[int]:
     """Delete committed steps beyond the newest ``keep_last`` and uncommitted debris older than
     the newest committed step. A quarantined step is evidence: it stays as long as a committed
     step of its age would (it is newer than the oldest step kept). Never deletes the newest
     committed step. Returns deleted steps. One listing of the root (its step folders and,
     concurrently, their markers: ``committed_steps``), then only the deletions.
+
+    ``saved``: the step whose commit this retention follows. It is kept, and so is every
+    folder newer than it: after a rollback to an older step, committed steps of the abandoned
+    future may be newer, and the folder of this run's next save, in flight while this runs,
+    is then "uncommitted and older than the newest committed step" (the engine makes a save
+    of an older step wait for this retention).
 
     ``ghosts``: kept by the caller across calls. An object store may go on listing a deleted
     step's empty folders for minutes (SeaweedFS removes them one level per cleanup cycle); a
@@ -355,9 +361,13 @@ def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = No
         return []
     keep = set(committed[-keep_last:]) if keep_last else set(committed)
     keep.add(committed[-1])
+    newest_debris = committed[-1]
+    if saved is not None:
+        keep.add(saved)
+        newest_debris = min(newest_debris, saved)
     deleted = []
     for step in every:
-        if step in keep or step > committed[-1]:
+        if step in keep or step > newest_debris:
             continue
         if step > min(keep) and storage.exists(f"{step_dir(step)}/{QUARANTINE}"):
             continue

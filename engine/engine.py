@@ -579,7 +579,7 @@ class CheckpointEngine:
         """Retention after a commit. The save is committed whatever happens here: a failure is
         a warning and ``handle.retention_error``, and the next save's retention retries it."""
         try:
-            deleted = _commit.retain(storage, self.keep_last, self._ghosts)
+            deleted = _commit.retain(storage, self.keep_last, self._ghosts, saved=handle.step)
         except Exception as exc:
             handle.retention_error = (f"step {handle.step} committed, but retention failed (it "
                                       f"runs again at the next save): {exc}")

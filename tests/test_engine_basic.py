@@ -554,6 +554,25 @@ def test_keep_last_retains_newest_and_removes_older_debris(storage: Storage) -> 
         assert engine.load(target, step=4) == 4 and torch.equal(target["w"], state["w"])
 
 
+def test_retention_spares_the_step_it_follows_and_saves_newer_than_it(storage: Storage) -> None:
+    # a newer committed step (100) is left from before a rollback to an older step; step 10's
+    # retention deleted step 20's folder as "debris older than the newest committed step"
+    # while step 20 was being saved (which then committed torn), and with keep_last=1 it
+    # deleted step 10 itself right after its save returned committed
+    url, options = storage
+    fs, root = raw_fs(storage)
+    with CheckpointEngine(url, storage_options=options) as stale:
+        stale.save(100, {"w": torch.full((3,), 100.0)}, blocking=True)
+    with CheckpointEngine(url, storage_options=options, keep_last=1) as engine:
+        fs.pipe_file(f"{root}/step_000000020/w/c/0", b"a save of this run, in flight")
+        engine.save(10, {"w": torch.full((3,), 10.0)}, blocking=True)
+        assert engine.steps() == [10, 100]
+        assert "step_000000020" in step_folders(storage)
+        target = {"w": torch.empty(3)}
+        assert engine.load(target, step=10) == 10 and torch.equal(target["w"],
+                                                                 torch.full((3,), 10.0))
+
+
 def test_keep_last_one_never_deletes_the_newest(storage: Storage) -> None:
     url, options = storage
     with CheckpointEngine(url, storage_options=options, keep_last=1) as engine:
