@@ -654,7 +654,9 @@ class CheckpointEngine:
         candidates = self._candidates(step, storage)
         began = self._events.restore_begin()
         newest_error: CheckpointError | None = None
-        for i, candidate in enumerate(candidates):
+        pending, relisted = list(candidates), step is not None
+        while pending:
+            candidate = pending.pop(0)
             outcome, nonce = _OK, 0
             values: dict[str, Any] = {}
             error: CheckpointError | None = None
@@ -692,10 +694,19 @@ class CheckpointEngine:
                 note = self._quarantine(candidate, error, reports, storage)
             newest_error = newest_error or error
             self._events.restore_skipped(candidate, error)
-            if i + 1 < len(candidates):
+            if not pending and not relisted:
+                # a save that committed since the listing may have had its retention delete
+                # the steps listed (a reader beside a training job, a load beside a save):
+                # what committed since is tried too, once, after them
+                relisted = True
+                listed: list[int] = []
+                with contextlib.suppress(CheckpointNotFoundError):  # on every rank alike
+                    listed = self._candidates(None, storage)
+                pending = [s for s in listed if s > candidates[0]]
+                candidates = [*candidates, *pending]
+            if pending:
                 warnings.warn(f"checkpoint step {candidate} skipped, trying step "
-                              f"{candidates[i + 1]}: {error}{note}", RuntimeWarning,
-                              stacklevel=2)
+                              f"{pending[0]}: {error}{note}", RuntimeWarning, stacklevel=2)
         assert newest_error is not None
         raise type(newest_error)(f"{newest_error} (no older step loads either; tried "
                                  f"{candidates})")

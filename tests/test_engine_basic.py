@@ -573,6 +573,32 @@ def test_retention_spares_the_step_it_follows_and_saves_newer_than_it(storage: S
                                                                  torch.full((3,), 10.0))
 
 
+def test_a_load_whose_listed_step_is_deleted_by_a_newer_save_loads_the_newer(
+        storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a reader lists step 10; the training job commits step 20 and its retention
+    # (keep_last=1) deletes step 10 before the reader reads it: the load failed although an
+    # intact step (20) existed
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=1) as writer, \
+            CheckpointEngine(url, storage_options=options) as reader:
+        writer.save(10, {"w": torch.full((3,), 10.0)}, blocking=True)
+        load_step = reader._load_step
+        calls: list[int] = []
+
+        def newer_save_first(step: int, *args: Any) -> Any:
+            if not calls:
+                writer.save(20, {"w": torch.full((3,), 20.0)}, blocking=True)
+                writer.wait()  # its retention has deleted step 10
+            calls.append(step)
+            return load_step(step, *args)
+
+        monkeypatch.setattr(reader, "_load_step", newer_save_first)
+        target = {"w": torch.empty(3)}
+        with pytest.warns(RuntimeWarning, match="step 10 skipped, trying step 20"):
+            assert reader.load(target) == 20
+        assert calls == [10, 20] and torch.equal(target["w"], torch.full((3,), 20.0))
+
+
 def test_keep_last_one_never_deletes_the_newest(storage: Storage) -> None:
     url, options = storage
     with CheckpointEngine(url, storage_options=options, keep_last=1) as engine:
