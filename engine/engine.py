@@ -292,9 +292,12 @@ class CheckpointEngine:
         Collective. A previous save that failed without anybody calling its ``wait()`` makes
         this call raise that failure (nothing is started). A previous save still in flight makes
         this one a no-op whose handle fails with CheckpointBusyError: training does not wait
-        for storage. A committed ``step`` is never overwritten: see ``_same_as_committed``.
+        for storage; a ``blocking`` save (a run's last) waits for it, then saves. A committed
+        ``step`` is never overwritten: see ``_same_as_committed``.
         """
         self._check_open()
+        if blocking and self._last is not None:
+            wait([self._last._future])  # done, not observed: a failure still refuses this save
         # The caller's mistakes (a bad step, a value that cannot be stored) are found on one
         # rank but raised on all, after the first collective: a rank that raised alone would
         # leave the others waiting in it, or pair them with its next training collective.

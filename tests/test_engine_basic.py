@@ -12,6 +12,7 @@ import copy
 import math
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -344,6 +345,21 @@ def test_save_while_persisting_is_skipped_with_busy_error(ckpt: CheckpointEngine
     first.wait()
     assert ckpt.steps() == [1]
     ckpt.save(2, state, blocking=True)
+    assert ckpt.steps() == [1, 2]
+
+
+def test_a_blocking_save_behind_one_in_flight_waits_for_it_and_saves(
+        ckpt: CheckpointEngine) -> None:
+    # a run's last save (blocking) behind an async save still persisting: it returned a
+    # failed handle with only a warning, and the last step was never written
+    state = {"w": torch.randn(8, 8)}
+    gated = gate(ckpt)
+    ckpt.save(1, state)
+    assert gated.entered.wait(30)
+    threading.Timer(0.5, gated.release.set).start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "skipped" warning
+        ckpt.save(2, state, blocking=True)
     assert ckpt.steps() == [1, 2]
 
 
