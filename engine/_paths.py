@@ -46,7 +46,7 @@ def check_component(component: str, *, where: str) -> str:
         or component in _RESERVED
         or component.startswith(".")
         or _BAD_COMPONENT.search(component)
-        or len(component) > 255
+        or len(component.encode()) > 255  # bytes: a file system's limit on a name
     ):
         raise CheckpointError(f"{where}: {component!r} cannot be a name on storage")
     return component

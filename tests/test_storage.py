@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlparse
@@ -338,3 +339,31 @@ def test_a_process_forked_after_s3_requests_is_refused_not_hung(
         said = reader.read().decode()
     assert said.startswith("StorageError:") and "forked" in said and "spawn" in said, said
     assert s.read("k") == b"v"  # the parent carries on
+
+
+def test_a_name_too_long_for_the_file_system_is_refused_at_the_call(tmp_path: Path) -> None:
+    # 200 characters, 400 bytes: passed the check (255 characters), then failed in the
+    # background, retried 6 times as if transient (ENAMETOOLONG)
+    from antifragile.engine import CheckpointError
+
+    key = "\u00e9" * 200
+    with CheckpointEngine(str(tmp_path)) as engine, \
+            pytest.raises(CheckpointError, match="cannot be a name on storage"):
+        engine.save(1, {key: torch.ones(2)})
+
+
+def test_errors_no_retry_can_change_are_not_retried() -> None:
+    import errno
+
+    class Refusing:
+        url = "mem://"
+        calls = 0
+
+        def write(self, key: str, parts: Any, *, durable: bool = False) -> None:
+            Refusing.calls += 1
+            raise OSError(errno.ENAMETOOLONG, "File name too long")
+
+    storage = RetryingStorage(Refusing(), attempts=6, base_delay_s=0.01)  # type: ignore[arg-type]
+    with pytest.raises(StorageError, match="File name too long"):
+        storage.write("k", [b"x"])
+    assert Refusing.calls == 1

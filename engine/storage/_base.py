@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import random
 import threading
@@ -23,6 +24,7 @@ PERMANENT: tuple[type[BaseException], ...] = (
     FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
     ValueError, TypeError, KeyError, CheckpointError, NotImplementedError,
 )
+PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EROFS})  # no retry changes them
 
 
 class Storage(Protocol):
@@ -108,9 +110,10 @@ class RetryingStorage:
                 return fn()
             except (FileNotFoundError, CheckpointError):
                 raise
-            except PERMANENT as exc:
-                raise StorageError(f"{op} {self.url}/{key}: {type(exc).__name__}: {exc}") from exc
             except Exception as exc:  # transient by elimination
+                if isinstance(exc, PERMANENT) or getattr(exc, "errno", None) in PERMANENT_ERRNOS:
+                    raise StorageError(f"{op} {self.url}/{key}: {type(exc).__name__}: "
+                                       f"{exc}") from exc
                 if attempt == self.attempts:
                     raise StorageError(
                         f"{op} {self.url}/{key} failed {attempt} times: {type(exc).__name__}: {exc}"
