@@ -140,6 +140,15 @@ class Sources:
         if found:
             desc = self.types["values"].get(path) if self.types else None
             return ("value", value, desc)
+        # a tensor or bytes saved at the path itself (a fresh object holds None where a used
+        # one holds its generator state or cursor)
+        source = (self._tensor_source(path, None) if path in self.per_rank
+                  else path if path in self.reader.tensors else None)
+        if source is not None:
+            if path in (self.types["bytes"] if self.types else ()):
+                return self._bytes_leaf(path, source)
+            self.whole.add(source)
+            return ("tensor", source, None)
         return self._subtree(path)
 
     def _subtree(self, path: str) -> dict[str, Any] | None:

@@ -303,6 +303,31 @@ def test_bytes_round_trip_as_raw_bytes(ckpt: CheckpointEngine, tmp_path: Path) -
     assert ckpt.verify(1).ok
 
 
+class _Sampler:
+    """A fresh one holds None where a used one holds its generator state and a cursor."""
+
+    def __init__(self, used: bool) -> None:
+        self.gen = torch.arange(3, dtype=torch.uint8) if used else None
+        self.cursor = b"cursor" if used else None
+        self.weights = torch.ones(2)  # a tensor either way: the target is walked entry by entry
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": self.weights, "gen": self.gen, "cursor": self.cursor, "epoch": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gen, self.cursor = state["gen"], state["cursor"]
+
+
+def test_a_fresh_object_with_none_where_a_tensor_or_bytes_was_saved_takes_them(
+        ckpt: CheckpointEngine) -> None:
+    # it raised "step 1 has no value 'sampler/gen'"
+    ckpt.save(1, {"w": torch.ones(2), "sampler": _Sampler(used=True)}, blocking=True)
+    fresh = _Sampler(used=False)
+    ckpt.load({"w": torch.zeros(2), "sampler": fresh})
+    assert fresh.cursor == b"cursor"
+    assert fresh.gen is not None and torch.equal(fresh.gen, torch.arange(3, dtype=torch.uint8))
+
+
 def test_bytes_inside_a_stateful_are_restored_into_it(ckpt: CheckpointEngine) -> None:
     class Loader:
         def __init__(self, blob: bytes) -> None:
