@@ -87,7 +87,9 @@ def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def dumps(doc: Any) -> bytes:
-    return json.dumps(doc, indent=1, sort_keys=True, allow_nan=True).encode()
+    """A document's bytes: keys in the order the document holds them (a JSON value of the
+    state keeps its dict order: a loader that resumes by iterating a dict resumes the same)."""
+    return json.dumps(doc, indent=1, allow_nan=True).encode()
 
 
 def inner_count(spec: ArraySpec) -> int:

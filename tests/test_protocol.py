@@ -142,12 +142,13 @@ class SaveProtocol(RuleBasedStateMachine):
 
     # -- the model ------------------------------------------------------------------------------
 
-    def _retention_victims(self) -> list[int]:
-        """What retention deletes after a commit, in its order (ascending): a quarantined step
-        stays while it is newer than the oldest step kept."""
-        newest = max(self.committed)
-        keep = set(sorted(self.committed)[-KEEP_LAST:])
-        return sorted(s for s in self.committed | self.debris if s not in keep and s < newest
+    def _retention_victims(self, saved: int) -> list[int]:
+        """What retention deletes after the commit of ``saved``, in its order (ascending):
+        never ``saved`` nor a step newer than it (a save of this run may be in flight there,
+        after a rollback); a quarantined step stays while it is newer than the oldest step
+        kept."""
+        keep = set(sorted(self.committed)[-KEEP_LAST:]) | {saved}
+        return sorted(s for s in self.committed | self.debris if s not in keep and s < saved
                       and not (s in self.quarantined and s > min(keep)))
 
     def _gone(self, step: int) -> None:
@@ -194,10 +195,11 @@ class SaveProtocol(RuleBasedStateMachine):
         else:
             self.engine.save(step, make_state(step), blocking=True)
         self._committed(step)
-        for victim in self._retention_victims():
+        for victim in self._retention_victims(step):
             self._gone(victim)
         visible = self.engine.steps()
-        assert len(visible) <= KEEP_LAST and visible[-1] == newest, visible
+        assert visible[-1] == newest and step in visible, visible
+        assert len([s for s in visible if s <= step]) <= KEEP_LAST, visible
 
     @rule(data=st.data(), phase=st.sampled_from(PHASES))
     def crash(self, data: st.DataObject, phase: str) -> None:
@@ -238,7 +240,7 @@ class SaveProtocol(RuleBasedStateMachine):
                 _copy(src, dst, key)
         _copy(src, dst, "COMMIT")  # the marker is written last
         self._committed(step)
-        victims = self._retention_victims()
+        victims = self._retention_victims(step)
         done = data.draw(st.integers(0, len(victims)), label="deleted before the kill")
         for victim in victims[:done]:
             shutil.rmtree(self.root / step_name(victim))

@@ -273,6 +273,17 @@ def test_json_values_keep_tuples_and_int_keys(ckpt: CheckpointEngine) -> None:
     assert_bitwise(target, expected)
 
 
+def test_json_values_keep_their_dict_order(ckpt: CheckpointEngine) -> None:
+    # a loader resuming by iterating a dict of shard -> rows left; it came back sorted
+    remaining = {"shard_c": 3, "shard_a": 5, "shard_b": 1, 10: 0, 2: 1}
+    ckpt.save(1, {"w": torch.ones(2), "loader": {"w": torch.ones(1), "remaining": remaining}},
+              blocking=True)
+    target: dict[str, Any] = {"w": torch.zeros(2), "loader": {"w": torch.zeros(1),
+                                                              "remaining": {}}}
+    ckpt.load(target)
+    assert list(target["loader"]["remaining"].items()) == list(remaining.items())
+
+
 @pytest.mark.parametrize(("value", "named"), [({1.5: "x"}, "1.5"), ({0: "a", "0": "b"}, "'0'"),
                                               ({None: 1}, "None")],
                          ids=["float-key", "int-and-str-key", "none-key"])
