@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, CheckpointError
 
 _NATIVE: dict[torch.dtype, str] = {
     torch.bool: "bool",
@@ -30,9 +30,18 @@ _TORCH_BY_NAME: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (*_NATIVE, torch.bfloat16, torch.uint16, torch.uint32, torch.uint64)
 }
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+# stored as their bit patterns too (MX scales, packed fp4, half-precision complex)
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+              "float8_e8m0fnu", "float4_e2m1fn_x2", "complex32"):
     if hasattr(torch, _name):
         _TORCH_BY_NAME[_name] = getattr(torch, _name)
+
+
+def check_dtype(dtype: torch.dtype, *, path: str) -> None:
+    """Refuse, at the call, a dtype the engine cannot store (sub-byte ``int4``, ``uint1``...)."""
+    if dtype_name(dtype) not in _TORCH_BY_NAME:
+        raise CheckpointError(f"state path {path!r}: a tensor of dtype {dtype_name(dtype)} "
+                              "cannot be stored (no byte-exact zarr data type for it)")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -23,7 +23,7 @@ from itertools import product
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ._dtypes import dtype_name
+from ._dtypes import check_dtype, dtype_name
 from .errors import CheckpointError
 
 try:  # private in torch; FSDP2 + TP produce it
@@ -209,6 +209,7 @@ def inventory(tensors: dict[str, torch.Tensor], values: Iterable[str]) -> dict[s
     """What this rank holds, as JSON: gathered from every rank to build the global plan."""
     entries: dict[str, object] = {}
     for path, tensor in tensors.items():
+        check_dtype(tensor.dtype, path=path)
         entries[path] = {
             "dtype": dtype_name(tensor.dtype),
             "shape": list(tensor.shape),

@@ -172,6 +172,26 @@ def test_conjugate_and_negative_views_are_saved_with_their_values(
     assert out["v"].tolist() == [-2.0]
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_mx_scales_fp4_and_half_complex_round_trip_bitwise_and_sub_byte_ints_are_refused(
+        ckpt: CheckpointEngine) -> None:
+    # float8_e8m0fnu, float4_e2m1fn_x2 and complex32 were refused as "CheckpointCorruptError:
+    # unknown dtype", the error of a damaged checkpoint
+    gen = torch.Generator().manual_seed(5)
+    state = {name: torch.randint(0, 255, (6, 4), dtype=torch.uint8, generator=gen).view(
+        getattr(torch, name)) for name in ("float8_e8m0fnu", "float4_e2m1fn_x2")}
+    state["complex32"] = torch.randint(0, 2**15, (3, 4), dtype=torch.int16, generator=gen
+                                       ).view(torch.complex32)
+    ckpt.save(1, state, blocking=True)
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    ckpt.load(target)
+    for key, value in state.items():
+        assert target[key].dtype == value.dtype
+        assert torch.equal(target[key].view(torch.uint8), value.view(torch.uint8)), key
+    with pytest.raises(CheckpointError, match="'q': a tensor of dtype int4 cannot be stored"):
+        ckpt.save(2, {"q": torch.zeros(4, dtype=torch.int4)})
+
+
 def test_load_fills_non_contiguous_views_in_place(ckpt: CheckpointEngine) -> None:
     state = nested_state()
     ckpt.save(1, state, blocking=True)
