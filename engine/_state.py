@@ -240,6 +240,7 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
             raise CheckpointError(f"{path or 'the state'}: {type(obj).__name__}.state_dict() "
                                   f"raised {type(exc).__name__}: {exc}") from exc
         walk(holder[0], path, _setter(holder, 0), entries)
+
         def finish() -> None:
             try:
                 obj.load_state_dict(holder[0])

@@ -657,7 +657,8 @@ class CheckpointEngine:
         candidates = self._candidates(step, storage)
         began = self._events.restore_begin()
         newest_error: CheckpointError | None = None
-        pending, relisted = list(candidates), step is not None
+        pending = list(candidates)
+        relisted = step is not None  # an explicit step is tried alone
         while pending:
             candidate = pending.pop(0)
             outcome, nonce = _OK, 0

@@ -192,8 +192,8 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
     storage)."""
     progress.set(Phase.STARTING, generation=formation.generation,
                  rank=formation.members.index(me))
-    if cfg.recovery == "in_process":
-        js = launch.job_store()
+    js = launch.job_store() if cfg.recovery == "in_process" else None
+    if js is not None:
         why = gather(js, formation, me, timeout_s=cfg.collective_timeout_s)
         if why is not None:  # a member died before it arrived: no rendezvous, re-form again
             print(f"in-process recovery: {why}", file=sys.stderr, flush=True)
@@ -225,10 +225,10 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         if watch is None or not (_is_collective_error(exc) or watch.fired.wait(1.0)):
             events.emit("exit", code=1, error=f"{type(exc).__name__}: {exc}")
             raise
+        assert js is not None  # in process
         progress.set(Phase.RECOVERING)
         reason = f"{type(exc).__name__}: {str(exc)[:300]}"
         events.emit("recovery_begin", reason=reason)
-        js = launch.job_store()
         signal_failure(js, ctx.generation, f"rank {ctx.rank}: {reason}")
         watch.stop()
         ctx.sockets.shutdown()
