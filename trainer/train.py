@@ -168,7 +168,7 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
         if formation is None:
             return 0
         cause = "in_process"
-    memory: Any = None
+    memory: list[Any] = [None]  # the last committed save in host memory, until restored
     while True:
         assert formation is not None
         if me not in formation.members:  # counted lost: it came too late to the re-formation
@@ -181,12 +181,13 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
             if outcome == 0 and formation.members.index(me) == 0:
                 finish(js)
             return outcome
-        (formation, memory), model, cause = outcome, None, "in_process"
+        (formation, memory[0]), model, cause = outcome, None, "in_process"
+        del outcome  # memory[0] alone holds the copy: released once restored
 
 
 def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
                 progress: SharedProgress, model: GPT | None, cause: str,
-                memory: Any) -> int | tuple[Formation, Any]:
+                memory: list[Any]) -> int | tuple[Formation, Any]:
     """Play one generation: its exit code, or (after an in-process recovery) the next
     formation and this rank's last committed save still in memory (None: restore from
     storage)."""
@@ -199,7 +200,7 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
             print(f"in-process recovery: {why}", file=sys.stderr, flush=True)
             progress.set(Phase.RECOVERING)
             nxt = recover(js, me, formation, timeout_s=cfg.collective_timeout_s)
-            return RESTART_EXIT_CODE if isinstance(nxt, str) else (nxt, memory)
+            return RESTART_EXIT_CODE if isinstance(nxt, str) else (nxt, memory[0])
     ctx = join(launch, me, formation, device_type=cfg.device)
     events = EventLog(cfg.run_dir, ctx.rank, ctx.generation)
     events.emit("start", pid=os.getpid(), world_size=ctx.world_size, worker=me,
@@ -232,9 +233,9 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         signal_failure(js, ctx.generation, f"rank {ctx.rank}: {reason}")
         watch.stop()
         ctx.sockets.shutdown()
-        kept = None
+        kept = memory[0]  # failed before it restored: the previous copy still holds
         if checkpointer:  # the save in flight cannot commit (a rank is gone): give it up
-            kept = checkpointer[0].backend.memory_copy()
+            kept = checkpointer[0].backend.memory_copy() or kept
             checkpointer[0].backend.abandon()
         leave()
         events.emit("generation_end", memory_step=kept.step if kept is not None else None)
@@ -262,7 +263,7 @@ def _stuck(seconds: float) -> None:
 
 
 def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: SharedProgress,
-           model: GPT | None, memory: Any, checkpointer: list[TrainCheckpointer]) -> int:
+           model: GPT | None, memory: list[Any], checkpointer: list[TrainCheckpointer]) -> int:
     trainer = Trainer(cfg, ctx, progress, model)
     pauses = PausePoints(cfg.run_dir, ctx.rank, events.emit, on_hold=lambda held: progress.set(
         Phase.PAUSED if held else Phase.TRAINING))
@@ -278,7 +279,10 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
     ctx.sockets.end()  # every process group of this generation exists now
     if ckpt is not None:
         progress.set(Phase.RESTORING, step=step)
-        restored = ckpt.restore(memory)
+        restored = ckpt.restore(memory[0])
+        # restored: the previous generation's staging buffers are no longer needed (they
+        # held host memory the size of this rank's state beside the new engine's own)
+        memory[0] = None
         if restored is not None:
             step, cursor = restored
     progress.set(Phase.TRAINING, step=step)
