@@ -25,7 +25,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -239,17 +239,20 @@ class StagingArea:
                    for i, src in enumerate(sources) if self.cells[i].nbytes >= _POOL_MIN_BYTES]
         batch: list[int] = []
         batch_bytes = 0
-        for i, src in enumerate(sources):
-            cell = self.cells[i]
-            if cell.nbytes >= _POOL_MIN_BYTES:
-                continue
-            _copy_cell(cell, src, arena, on_device=False)
-            batch.append(i)
-            batch_bytes += cell.nbytes
-            if batch_bytes >= _POOL_MIN_BYTES:
-                self._release(batch)
-                batch, batch_bytes = [], 0
-        self._release(batch)
+        try:
+            for i, src in enumerate(sources):
+                cell = self.cells[i]
+                if cell.nbytes >= _POOL_MIN_BYTES:
+                    continue
+                _copy_cell(cell, src, arena, on_device=False)
+                batch.append(i)
+                batch_bytes += cell.nbytes
+                if batch_bytes >= _POOL_MIN_BYTES:
+                    self._release(batch)
+                    batch, batch_bytes = [], 0
+            self._release(batch)
+        finally:  # a failed copy here: no copy of the pool goes on into the buffers after it
+            wait(futures)
         for future in futures:
             future.result()
 

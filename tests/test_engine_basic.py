@@ -426,6 +426,31 @@ def test_failed_persist_surfaces_on_wait(storage: Storage, ckpt: CheckpointEngin
     assert ckpt.latest_step() == 3
 
 
+def test_a_failed_staging_leaves_no_copy_running_into_the_staging_buffers(
+        ckpt: CheckpointEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a small cell's copy failed on the caller's thread while a large cell's copy went on in
+    # the copy pool: it wrote into the buffers (and released its cell) after the save had
+    # failed, while the next save could be staging into them
+    from antifragile.engine import stage
+
+    real = stage._copy_cell
+    running: list[int] = []
+
+    def slow_large_broken_small(cell: Any, *args: Any, **kwargs: Any) -> None:
+        if cell.nbytes < stage._POOL_MIN_BYTES:
+            raise RuntimeError("copy failed")
+        running.append(1)
+        time.sleep(0.5)
+        real(cell, *args, **kwargs)
+        running.pop()
+
+    monkeypatch.setattr(stage, "_copy_cell", slow_large_broken_small)
+    state = {"big": torch.randn(1024, 512), "small": torch.randn(4, 4)}
+    with pytest.raises(RuntimeError, match="copy failed"):
+        ckpt.save(1, state)
+    assert not running, "a staging copy still runs after its save failed"
+
+
 def test_a_staging_error_fails_its_save_and_the_next_save_goes_ahead(
         ckpt: CheckpointEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A small state is staged before its writer starts; when the copy fails, the save still
