@@ -4,7 +4,7 @@
 
     from antifragile import probe
 
-    step = ckpt.load(state) if ckpt.latest_step() is not None else 0  # the engine reports it
+    step = ckpt.load(state) if ckpt.agreed_steps() else 0  # the engine reports it
     for step in range(step + 1, steps + 1):
         loss = train_step()
         probe.step_end(step, loss)          # step times, losses, lost steps; pause points

@@ -610,6 +610,15 @@ class CheckpointEngine:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def agreed_steps(self) -> list[int]:
+        """Committed steps, newest first, as rank 0 lists them. Collective: every rank gets
+        the same list (``steps()`` lists on each rank, and a COMMIT landing in between makes
+        ranks disagree about whether there is anything to load at all)."""
+        try:
+            return self._candidates(None, self.storage)
+        except CheckpointNotFoundError:
+            return []
+
     def verify(self, step: int) -> VerifyReport:
         """Read every object of ``step`` back; check crc32c, sizes and coverage."""
         return verify_step(self.storage, step, self._pool)

@@ -386,3 +386,26 @@ def test_a_stopped_watch_neither_aborts_nor_ends() -> None:
     watch.stop()
     signal_failure(js, 3, "worker 1.0 died")
     assert not aborted.wait(0.5) and not stuck.wait(0.5)
+
+
+def _restore_decisions(url: str) -> list[int]:
+    import torch.distributed as dist
+
+    from antifragile.trainer.ckpt_backends.antifragile import AntifragileBackend
+
+    backend = AntifragileBackend(url, keep_last=2, timeout_s=30, async_=True)
+    try:
+        if dist.get_rank() == 1:  # a COMMIT (the failed generation's last) landed in between
+            backend.engine.steps = lambda: [7]  # type: ignore[method-assign]
+        return backend.candidates()
+    finally:
+        backend.close()
+
+
+@pytest.mark.multiproc
+def test_ranks_agree_on_whether_there_is_a_checkpoint_to_restore(tmp_path: Path) -> None:
+    # each rank listed for itself: one could call the collective load while another started
+    # fresh and went on training
+    from _dist import run_ranks
+
+    assert run_ranks(2, _restore_decisions, str(tmp_path / "ckpt"), timeout_s=60) == [[], []]

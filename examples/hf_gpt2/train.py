@@ -73,7 +73,7 @@ def main() -> None:
     state = {"model": model, "optim": optimizer, "sched": scheduler, "loader": loader,
              "rng": torch.get_rng_state(), "epoch": 0}
     step = 0
-    if ckpt.latest_step() is not None:
+    if ckpt.agreed_steps():
         step = ckpt.load(state)  # newest intact checkpoint; objects restored in place
         torch.set_rng_state(state["rng"])
 

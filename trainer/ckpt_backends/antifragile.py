@@ -25,8 +25,7 @@ class AntifragileBackend:
                                        chaos_events=False)
 
     def candidates(self) -> list[int]:
-        latest = self.engine.latest_step()
-        return [] if latest is None else [latest]
+        return self.engine.agreed_steps()[:1]
 
     def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
         return self.engine.save(step, state, blocking=False)
