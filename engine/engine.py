@@ -614,8 +614,13 @@ class CheckpointEngine:
         """Committed steps, newest first, as rank 0 lists them. Collective: every rank gets
         the same list (``steps()`` lists on each rank, and a COMMIT landing in between makes
         ranks disagree about whether there is anything to load at all)."""
+        return self._listed(self.storage)
+
+    def _listed(self, storage: Storage) -> list[int]:
+        """``_candidates(None, ...)``, with nothing committed as an empty list (on every rank
+        alike: the listing is rank 0's)."""
         try:
-            return self._candidates(None, self.storage)
+            return self._candidates(None, storage)
         except CheckpointNotFoundError:
             return []
 
@@ -712,10 +717,7 @@ class CheckpointEngine:
                 # the steps listed (a reader beside a training job, a load beside a save):
                 # what committed since is tried too, once, after them
                 relisted = True
-                listed: list[int] = []
-                with contextlib.suppress(CheckpointNotFoundError):  # on every rank alike
-                    listed = self._candidates(None, storage)
-                pending = [s for s in listed if s > candidates[0]]
+                pending = [s for s in self._listed(storage) if s > candidates[0]]
                 candidates = [*candidates, *pending]
             if pending:
                 warnings.warn(f"checkpoint step {candidate} skipped, trying step "
