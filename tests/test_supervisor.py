@@ -7,6 +7,7 @@ import threading
 
 import torch.distributed as dist
 
+from antifragile.trainer import supervisor
 from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import (
     Formation,
@@ -140,11 +141,14 @@ def test_a_second_loss_while_re_forming_takes_the_first_dead_slots_successor() -
     supervisors = [threading.Thread(target=lambda me=me: reported.append(report_death(
         JobStore(store, "a0"), me=me, successor=me[0] + ".1", generation=0, how="signal 9",
         member=True, reform_timeout_s=5.0))) for me in ("2.0", "1.0")]
-    for supervisor in supervisors:
-        supervisor.start()
-    assert recover(js, "0.0", first, timeout_s=5.0) == Formation(1, ("0.0", "3.0", "2.1"))
-    for supervisor in supervisors:
-        supervisor.join(5.0)
+    for thread in supervisors:
+        thread.start()
+    nxt = recover(js, "0.0", first, timeout_s=5.0)
+    # the warm spare first; then whichever successor was registered first (the threads race)
+    assert nxt.generation == 1 and nxt.members[:2] == ("0.0", "3.0"), nxt
+    assert nxt.members[2] in ("2.1", "1.1"), nxt
+    for thread in supervisors:
+        thread.join(5.0)
     assert reported == [True, True]
 
 
@@ -374,3 +378,55 @@ def test_a_member_of_a_generation_that_failed_before_it_met_re_forms_instead_of_
     line = [x for x in out.stdout.splitlines() if x.startswith(("RETURNED", "RAISED"))]
     assert line, out.stdout + out.stderr
     assert line[0].startswith("RETURNED 44"), line[0]
+
+
+_LOOP_SCRIPT = """
+import sys, threading, time
+import torch.distributed as dist
+import antifragile.trainer.supervisor as supervisor
+from antifragile.trainer.recovery import JobStore, finish
+
+store = dist.HashStore()
+code = int(sys.argv[1])
+
+def child(progress, incarnation):
+    return code
+
+real_fork = supervisor._fork_child
+def counting_fork(*args):
+    print("fork", flush=True)
+    return real_fork(*args)
+supervisor._fork_child = counting_fork
+if code != 2:  # the job ends 3 s in: a supervisor that gave up on its slot returns then
+    threading.Timer(3.0, lambda: finish(JobStore(store, "a0"))).start()
+rc = supervisor.supervise(child, slot=1, recovery="in_process", hang_timeout_s=None,
+                          run_dir=None, poll_s=0.01, reform_timeout_s=1.0,
+                          store_factory=lambda: JobStore(store, "a0"), spares=1)
+print("rc", rc, flush=True)
+"""
+
+
+def _supervise_failing_child(code: int) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _LOOP_SCRIPT, str(code)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.count("fork"), out.stdout + out.stderr
+
+
+def test_a_training_process_refused_by_its_launch_is_not_forked_again() -> None:
+    # exit code 2 (a launch that does not fit the configuration): every fresh process would
+    # be refused the same way; the supervisor forked one after another, forever
+    forks, out = _supervise_failing_child(2)
+    assert forks == 1 and "rc 2" in out, out
+
+
+def test_a_slot_whose_fresh_processes_keep_dying_before_they_train_stops_refilling() -> None:
+    # a spare that dies at once, again and again (a broken node, a missing file): the
+    # supervisor forked a successor after every death, a crash loop; now it gives up on the
+    # slot after a few, says so, and waits for the job to end without it
+    forks, out = _supervise_failing_child(3)
+    assert forks == supervisor.SPARE_RETRIES and "rc 0" in out, out
+    assert "gives up" in out, out

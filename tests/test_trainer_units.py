@@ -409,3 +409,23 @@ def test_ranks_agree_on_whether_there_is_a_checkpoint_to_restore(tmp_path: Path)
     from _dist import run_ranks
 
     assert run_ranks(2, _restore_decisions, str(tmp_path / "ckpt"), timeout_s=60) == [[], []]
+
+
+def test_in_process_recovery_is_refused_where_a_training_process_hosts_the_store(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With a fresh store per rendezvous round (multi-host launch) slot 0's training process
+    hosts the launcher's store; a kill of that process would take the store, and with it the
+    re-formation, away: in_process is refused at start, naming the reason."""
+    from antifragile.trainer.train import LaunchError, run
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    cfg = parse_args(["--recovery", "in_process", "--steps", "2", "--ckpt-url",
+                      str(tmp_path / "ckpt"), "--collective-timeout-s", "5"])
+    with pytest.raises(LaunchError, match=r"in_process.*store"):
+        run(cfg)

@@ -20,13 +20,17 @@ def main() -> int:
 
     from antifragile.trainer.progress import SharedProgress
     from antifragile.trainer.supervisor import supervise
-    from antifragile.trainer.train import run
+    from antifragile.trainer.train import LaunchError, run
 
     def train(progress: SharedProgress, incarnation: int) -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
         if cfg.device == "cpu":
             torch.set_num_threads(1)
-        return run(cfg, progress, incarnation)
+        try:
+            return run(cfg, progress, incarnation)
+        except LaunchError as exc:
+            print(f"antifragile.trainer: error: {exc}", file=sys.stderr, flush=True)
+            return 2
 
     if "RANK" not in os.environ:  # not under torchrun: one process, nobody to supervise it
         return train(SharedProgress(), 0)

@@ -39,6 +39,7 @@ class Launch:
     attempt_key: str  # the key namespace of this torchrun attempt
     counter_at: str | None  # host:port of the job-wide generation counter, if not ``base``
     timeout: timedelta
+    hosts_store: bool = False  # this process serves ``base`` (slot 0 of a fresh-store round)
 
     def job_store(self) -> JobStore:
         """A new client of the launcher's store (one per thread)."""
@@ -71,20 +72,21 @@ def launch_info(*, collective_timeout_s: float) -> Launch:
     timeout = timedelta(seconds=collective_timeout_s)
     counter_at = os.environ.get("ANTIFRAGILE_ATTEMPT_STORE") or None
     base: Any = None
+    hosts_store = False
     if "MASTER_ADDR" in os.environ:
         agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         if counter_at and agent_hosts_store:
             raise RuntimeError("ANTIFRAGILE_ATTEMPT_STORE needs a fresh store per attempt: "
                                "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun")
+        hosts_store = slot == 0 and not agent_hosts_store
         base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), slots,
-                             is_master=slot == 0 and not agent_hosts_store, timeout=timeout,
-                             wait_for_workers=False)
+                             is_master=hosts_store, timeout=timeout, wait_for_workers=False)
     else:
         base = dist.HashStore()
     # a fresh store per rendezvous round needs no namespace; the agent's store does
     attempt_key = "fresh" if counter_at else f"a{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     return Launch(slot, slots, int(os.environ.get("LOCAL_RANK", 0)), base, attempt_key,
-                  counter_at, timeout)
+                  counter_at, timeout, hosts_store)
 
 
 @dataclass(slots=True)

@@ -43,6 +43,8 @@ from antifragile.trainer.progress import Phase, SharedProgress
 HANG_EXIT_CODE = 43  # the supervisor killed a hung child
 RESTART_EXIT_CODE = 44  # in-process recovery found no spare: torchrun restarts the group
 STUCK_EXIT_CODE = 45  # in-process recovery: stuck after the abort, or counted lost (a death)
+USAGE_EXIT_CODE = 2  # the launch does not fit the configuration: a fresh process would fail too
+SPARE_RETRIES = 3  # fresh processes of a slot that die in a row before they train: give up
 _PR_SET_PDEATHSIG = 1
 
 
@@ -198,7 +200,7 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     js = None
-    incarnation = 0
+    incarnation = idle_deaths = 0
     while True:
         progress = SharedProgress()
         current["pid"] = _fork_child(child_main, progress, incarnation)
@@ -216,20 +218,39 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
                     incarnation=incarnation)
         exit_code = HANG_EXIT_CODE if death.hung else (death.code if death.code > 0 else 1)
         if recovery != "in_process" or store_factory is None or \
-                death.code == RESTART_EXIT_CODE:
+                death.code in (RESTART_EXIT_CODE, USAGE_EXIT_CODE):
             return exit_code
         from antifragile.trainer.recovery import job_done, register_spare, report_death, worker_id
 
         js = js or store_factory()
         member = death.phase != Phase.SPARE and death.generation >= 0
+        idle_deaths = 0 if member else idle_deaths + 1
+        refill = idle_deaths < SPARE_RETRIES
         successor = worker_id(slot, incarnation + 1)  # this slot becomes a spare again
         # registered at once where the job has spares: the pool refills as the survivors re-form
         if not report_death(js, me=worker_id(slot, incarnation), generation=death.generation,
-                            successor=successor if spares else None, how=how, member=member,
-                            reform_timeout_s=reform_timeout_s):
+                            successor=successor if spares and refill else None, how=how,
+                            member=member, reform_timeout_s=reform_timeout_s):
             return exit_code  # the survivors could not re-form: torchrun restarts the group
+        if not refill:
+            return _give_up(js, events, death, slot, idle_deaths)
         if not spares:
             register_spare(js, successor)
         if job_done(js):  # after registering: ``finish`` released the spare or ran before
             return 0
         incarnation += 1
+
+
+def _give_up(js: Any, events: _SupervisorEvents, death: _Death, slot: int, deaths: int) -> int:
+    """The slot's fresh processes died ``deaths`` times in a row before they trained: stop
+    forking (a crash loop helps nobody), say so, and wait for the job to end without this slot
+    (torchrun's teardown, on a restart, ends this process as any other)."""
+    from antifragile.trainer.recovery import job_done
+
+    events.emit("spare_lost", rank=death.rank, attempt=death.generation, deaths=deaths)
+    print(f"[supervisor {slot}] gives up on this slot: {deaths} fresh processes in a row died "
+          "before they trained; the job goes on with one spare fewer", file=sys.stderr,
+          flush=True)
+    while not job_done(js):
+        time.sleep(0.5)
+    return 0

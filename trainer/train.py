@@ -138,6 +138,11 @@ def _is_collective_error(exc: BaseException | None) -> bool:
     return False
 
 
+class LaunchError(ValueError):
+    """The launch does not fit the configuration: a user's mistake, reported without a
+    traceback (``python -m antifragile.trainer`` exits 2)."""
+
+
 def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: int = 0) -> int:
     """One training process: play a rank (or wait as a spare) until the job ends. A slot
     beyond dp*tp*pp, or a fresh process of a slot whose previous one died (``incarnation`` >
@@ -145,9 +150,17 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
     progress = progress or SharedProgress()
     launch = launch_info(collective_timeout_s=cfg.collective_timeout_s)
     world = cfg.parallel.world_size
-    if launch.slots < world or (launch.slots > world and cfg.recovery != "in_process"):
-        raise ValueError(f"torchrun started {launch.slots} workers for dp*tp*pp = {world}; "
-                         "extra workers are spares, which only --recovery in_process uses")
+    if launch.slots < world:
+        raise LaunchError(f"torchrun started {launch.slots} workers for dp*tp*pp = {world}: "
+                          f"start at least {world} (--nproc-per-node x nodes)")
+    if launch.slots > world and cfg.recovery != "in_process":
+        raise LaunchError(f"torchrun started {launch.slots} workers for dp*tp*pp = {world}; "
+                          "extra workers are spares, which only --recovery in_process uses")
+    if launch.hosts_store and cfg.recovery == "in_process":
+        raise LaunchError("--recovery in_process needs a launcher store that outlives every "
+                          "training process (torchrun's agent store, one host); here slot 0's "
+                          "training process hosts it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), so "
+                          "its death would end the re-formation: use --recovery restart")
     js = launch.job_store()
     me = worker_id(launch.slot, incarnation)
     model: GPT | None = None
