@@ -478,3 +478,18 @@ def test_chaos_run_writes_the_whole_report(tmp_path: Path, monkeypatch: pytest.M
     assert [e["step"] for e in doc["reference_losses"]] == list(range(1, 17))
     assert _png_size((out / "timeline.png").read_bytes()) == plots.figure_size_px(
         "timeline.png", doc)
+
+
+def test_a_slot_given_up_and_spares_lost_while_idle_are_reported(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    events = [{"t": T0 + 1, "rank": -1, "attempt": -1, "event": "spare_ready", "worker": "2.0"},
+              {"t": T0 + 2, "rank": -1, "attempt": -1, "event": "rank_died", "slot": 2,
+               "phase": "spare", "how": "signal 9"},
+              {"t": T0 + 3, "rank": -1, "attempt": -1, "event": "spare_lost", "slot": 2,
+               "deaths": 3, "by": "supervisor"}]
+    spares = measure.spares(RunRecord(0, T0, T0 + 4, events, [], {}))
+    assert spares["ready"] == 1 and len(spares["lost_while_idle"]) == 1
+    assert spares["given_up"] == [{"t": T0 + 3, "slot": 2, "deaths": 3}]
+    text = report.write_markdown(tmp_path, {**doc, "run": {**doc["run"], "spares": spares}}
+                                 ).read_text()
+    assert "1 died while idle (replaced); slot 2 given up after 3 deaths" in text, text

@@ -502,14 +502,18 @@ def goodput(record: RunRecord) -> float | None:
 
 def spares(record: RunRecord) -> dict[str, Any]:
     """The warm spares of an in-process run: how many became ready, which took over a rank,
-    and which died while idle (each is replaced: its supervisor forks a fresh spare)."""
+    and which died while idle (each is replaced: its supervisor forks a fresh spare, unless
+    the slot's fresh processes kept dying before they trained: ``given_up``)."""
     ready = [e for e in record.events if e["event"] == "spare_ready"]
     took_over = [{"attempt": e["attempt"], "rank": e["rank"], "worker": e.get("worker")}
                  for e in record.events if e["event"] == "start" and e.get("cause") == "in_process"
                  and any(r.get("worker") == e.get("worker") for r in ready)]
     lost = [{"t": e["t"], "slot": e.get("slot"), "how": e.get("how")}
             for e in record.events if e["event"] == "rank_died" and e.get("phase") == "spare"]
-    return {"ready": len(ready), "took_over": took_over, "lost_while_idle": lost}
+    given_up = [{"t": e["t"], "slot": e.get("slot"), "deaths": e.get("deaths")}
+                for e in record.events if e["event"] == "spare_lost"]
+    return {"ready": len(ready), "took_over": took_over, "lost_while_idle": lost,
+            "given_up": given_up}
 
 
 def losses(record: RunRecord) -> list[dict[str, Any]]:

@@ -165,6 +165,13 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
               + f", attempts {run['attempts']}, final step {run['final_step']}",
               f"- bitwise equal to the fault-free reference: {_fmt(v['bitwise_equal'])}"]
     lines += [f"- {reason}" for reason in v["reasons"]]
+    spares = run.get("spares") or {}
+    if spares.get("ready") or spares.get("lost_while_idle") or spares.get("given_up"):
+        lines.append(f"- warm spares: {spares.get('ready', 0)} ready, "
+                     f"{len(spares.get('took_over', []))} took over a rank, "
+                     f"{len(spares.get('lost_while_idle', []))} died while idle (replaced)"
+                     + "".join(f"; slot {g['slot']} given up after {g['deaths']} deaths "
+                               "before training" for g in spares.get("given_up", [])))
     if report.get("differing_entries"):
         lines += ["", "Entries that differ from the reference: "
                   + ", ".join(f"`{k}`" for k in report["differing_entries"])]
