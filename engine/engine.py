@@ -119,6 +119,33 @@ def _refusal(outcome: str, exc: Exception) -> CheckpointError:
     return error
 
 
+def _metadata_copy(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """A JSON copy of ``save``'s ``metadata``: the coordinator writes it when it commits, in the
+    background, and the caller may reuse its dict once ``save`` returns. What JSON would not
+    store as given (another type, a key that is not a str) is refused, naming where."""
+    def check(value: object, where: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise CheckpointError(f"{where}: key {key!r} ({type(key).__name__}) is not a "
+                                          "str; JSON would store it as another key")
+                check(item, f"{where}[{key!r}]")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                check(item, f"{where}[{index}]")
+        elif value is not None and not isinstance(value, (str, int, float)):
+            raise CheckpointError(f"{where}: {type(value).__name__} is not JSON (metadata holds "
+                                  "str, int, float, bool, None, lists and str-keyed dicts)")
+
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"metadata: a dict, not {type(metadata).__name__}")
+    check(metadata, "metadata")
+    copied: dict[str, Any] = json.loads(json.dumps(metadata, allow_nan=True))
+    return copied
+
+
 def _layout(spec: ArraySpec) -> dict[str, Any]:
     """An array's layout as the group's index records it (``StepReader.array`` reads it)."""
     return {"offset": list(spec.offset), "shape": list(spec.shape),
@@ -293,7 +320,8 @@ class CheckpointEngine:
         this call raise that failure (nothing is started). A previous save still in flight makes
         this one a no-op whose handle fails with CheckpointBusyError: training does not wait
         for storage; a ``blocking`` save (a run's last) waits for it, then saves. A committed
-        ``step`` is never overwritten: see ``_same_as_committed``.
+        ``step`` is never overwritten: see ``_same_as_committed``. ``metadata`` (JSON, str
+        keys) is copied by the call and recorded in the step's group attributes.
         """
         self._check_open()
         if blocking and self._last is not None:
@@ -304,6 +332,7 @@ class CheckpointEngine:
         mistake: CheckpointError | None = None
         try:
             step_dir(step)
+            metadata_json = _metadata_copy(metadata)
             flat = flatten(state)
             inv, fingerprint = self._inventory(flat)
         except Exception as exc:  # a Stateful's state_dict() too: refused on every rank
@@ -347,7 +376,7 @@ class CheckpointEngine:
         assert self._plan is not None and self._staging is not None
         values = json.loads(json.dumps({p: s.value for p, s in flat.values.items()},
                                        allow_nan=True))
-        attrs = self._group_attrs(step, flat, metadata)
+        attrs = self._group_attrs(step, flat, metadata_json)
         if last is not None and not last.retention_done():
             self._draining.append(last)
         self._draining = [h for h in self._draining if not h.retention_done()]
@@ -417,7 +446,7 @@ class CheckpointEngine:
         handle.staged.set()
         self._events.staged(handle.step, handle.stall_s)
 
-    def _group_attrs(self, step: int, flat: FlatState, metadata: dict[str, Any] | None
+    def _group_attrs(self, step: int, flat: FlatState, metadata: dict[str, Any]
                      ) -> dict[str, Any]:
         """The group's attributes: the layout part is built once per plan and state layout
         (it lists every array of the plan) and shared by the saves that follow."""
@@ -428,7 +457,7 @@ class CheckpointEngine:
             cached = (self._plan, signature, self._layout_attrs(flat))
             self._attrs_cache = cached
         layout = cached[2]
-        return {"step": step, "layout": layout["layout"], "metadata": metadata or {},
+        return {"step": step, "layout": layout["layout"], "metadata": metadata,
                 "tensors": layout["tensors"], "per_rank": layout["per_rank"]}
 
     def _layout_attrs(self, flat: FlatState) -> dict[str, Any]:

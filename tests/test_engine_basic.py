@@ -9,6 +9,8 @@ never overwritten, retention keeps the newest step, and load errors name the pat
 from __future__ import annotations
 
 import copy
+import datetime
+import json
 import math
 import threading
 import time
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -772,6 +775,47 @@ def test_invalid_state_is_refused_naming_the_path(
         assert engine.steps() == []
         engine.save(1, {"w": torch.ones(2)}, blocking=True)
         assert engine.steps() == [1]
+
+
+@pytest.mark.parametrize(
+    ("metadata", "named"),
+    [
+        ({"when": datetime.datetime(2024, 1, 1)}, r"metadata\['when'\].*datetime"),
+        ({"loss": np.float32(1.5)}, r"metadata\['loss'\].*float32"),
+        ({"run": {"loss": torch.tensor(1.5)}}, r"metadata\['run'\]\['loss'\].*Tensor"),
+        ({1: "a"}, r"metadata: key 1 \(int\)"),
+        ({"ranks": [{2: "b"}]}, r"metadata\['ranks'\]\[0\]: key 2 \(int\)"),
+    ],
+    ids=["datetime", "numpy-scalar", "tensor", "int-key", "nested-int-key"],
+)
+def test_metadata_that_json_cannot_store_is_refused_by_the_call(
+    tmp_path: Path, metadata: dict[Any, Any], named: str
+) -> None:
+    """Refused by ``save`` itself, like a state value that cannot be stored: no data written,
+    no step folder left, an int key not silently turned into a str."""
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        with pytest.raises(CheckpointError, match=named):
+            engine.save(1, {"w": torch.ones(2)}, metadata=metadata)
+        assert engine.steps() == [] and not (tmp_path / "ckpt" / "step_000000001").exists()
+        engine.save(1, {"w": torch.ones(2)}, blocking=True, metadata={"ok": [1, None, 0.5]})
+        assert engine.steps() == [1]
+
+
+def test_metadata_mutated_after_save_returns_is_committed_as_it_was(tmp_path: Path) -> None:
+    """``save`` returns once the state may be mutated: the metadata dict too (a training loop
+    reuses its dict), although the coordinator writes it only when it commits."""
+    metadata = {"step": 1, "loss": 0.5, "tags": ["a"]}
+    with CheckpointEngine(str(tmp_path)) as engine:
+        storage = gate(engine)
+        handle = engine.save(1, {"w": torch.ones(2)}, metadata=metadata)
+        handle.staged.wait()
+        metadata["step"], metadata["loss"] = 2, 0.25
+        metadata["tags"].append("b")  # type: ignore[attr-defined]
+        storage.release.set()
+        handle.wait()
+    group = json.loads((tmp_path / "step_000000001" / "zarr.json").read_text())
+    assert group["attributes"]["antifragile"]["metadata"] == {
+        "step": 1, "loss": 0.5, "tags": ["a"]}
 
 
 class _CommitsFirst:
