@@ -654,7 +654,8 @@ class CheckpointEngine:
             return []
 
     def verify(self, step: int) -> VerifyReport:
-        """Read every object of ``step`` back; check crc32c, sizes and coverage."""
+        """Read every object of ``step`` back; check crc32c, sizes and coverage. A step neither
+        committed nor quarantined raises CheckpointNotFoundError."""
         return verify_step(self.storage, step, self._pool)
 
     # -- load ----------------------------------------------------------------------------------

@@ -62,7 +62,9 @@ def _array_of(key: str) -> str | None:
 def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
     """Read every object of ``step`` (size, crc32c of every part, each part the one the manifest
     records) and check that the manifest covers every shard of every array the step's index
-    names. A quarantined step is read against its moved-aside manifest (never ``ok``)."""
+    names. A quarantined step is read against its moved-aside manifest (never ``ok``). A step
+    neither committed nor quarantined raises CheckpointNotFoundError: nothing to verify is not
+    damage (a step number mistyped, or deleted by retention)."""
     report = VerifyReport(step)
     try:
         try:
@@ -73,6 +75,8 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
                 raise
             report.ok, report.quarantined = False, str(found[0].get("reason"))
             reader = StepReader(storage, step, marker=found[1])
+    except CheckpointNotFoundError:
+        raise  # only the COMMIT's absence raises it: the step is not there to be damaged
     except CheckpointError as exc:  # the marker or the group metadata: name which
         key = exc.key if isinstance(exc, CheckpointCorruptError) and exc.key else "COMMIT"
         report.add(key, None, str(exc))

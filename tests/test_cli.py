@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -51,6 +52,22 @@ def test_verify_exit_codes(tmp_path: Path) -> None:
     assert missing.exit_code == 2
     assert "step 30 is not a committed checkpoint" in missing.output
     assert "Traceback" not in missing.output
+
+
+def test_verify_of_a_step_deleted_after_the_listing_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention beside a running job can delete a listed step before verify reads it: exit 2
+    naming the step as not committed, not exit 1 "DAMAGED"."""
+    from antifragile.engine import commit
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20])
+    monkeypatch.setattr(commit, "committed_steps", lambda storage: [10, 20, 30])
+    result = CliRunner().invoke(main, ["ckpt", "verify", url])
+    assert result.exit_code == 2, result.output
+    assert "error: step 30 is not committed" in result.output
+    assert "DAMAGED" not in result.output and "Traceback" not in result.output
 
 
 def test_inspect_describes_arrays(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from antifragile.engine import (
     CheckpointCorruptError,
     CheckpointEngine,
     CheckpointError,
+    CheckpointNotFoundError,
     PlanOptions,
 )
 
@@ -152,6 +153,21 @@ def test_damaged_step_is_reported_refused_and_skipped(
     assert engine.verify(2).ok
     assert engine.load(target) == 2
     assert torch.equal(target["model"]["w"], state_of(22)["model"]["w"])
+
+
+def test_verify_of_a_step_that_is_not_committed_raises_not_found_instead_of_damage(
+    tmp_path: Any,
+) -> None:
+    """A step never saved, deleted by retention, or only begun (a folder without COMMIT) has
+    nothing to verify: a typo in a step number is not damage."""
+    with CheckpointEngine(str(tmp_path), keep_last=1, plan_options=PLAN) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+        (tmp_path / "step_000000003").mkdir()
+        for step in (1, 3, 99):
+            with pytest.raises(CheckpointNotFoundError, match=rf"step {step} is not committed"):
+                engine.verify(step)
+        assert engine.verify(2).ok
 
 
 def test_a_damaged_array_document_is_reported_by_verify_and_not_used_by_load(

@@ -22,7 +22,7 @@ import torch
 
 from antifragile.chaos.observe.measure import FaultTimings
 from antifragile.chaos.scenario import Scenario
-from antifragile.engine import CheckpointError
+from antifragile.engine import CheckpointError, CheckpointNotFoundError
 from antifragile.trainer.ckpt_backends import committed_steps, read_checkpoint
 
 
@@ -154,9 +154,15 @@ def verify_committed(url: str) -> dict[int, list[str]]:
         steps = committed_steps(storage)
     except CheckpointError as exc:
         return {-1: [f"cannot list the committed steps: {exc}"]}
+    def problems(step: int, pool: ThreadPoolExecutor) -> list[str]:
+        try:
+            report = verify_step(storage, step, pool)
+        except CheckpointNotFoundError as exc:  # listed as committed, its COMMIT gone since
+            return [f"COMMIT: {exc}"]
+        return [f"{p.key}: {p.reason}" for p in report.problems]
+
     with ThreadPoolExecutor(8) as pool:
-        reports = {step: verify_step(storage, step, pool) for step in steps}
-    return {step: [f"{p.key}: {p.reason}" for p in r.problems] for step, r in reports.items()}
+        return {step: problems(step, pool) for step in steps}
 
 
 def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_step: int | None,
