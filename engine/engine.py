@@ -58,6 +58,7 @@ from .plan import (
     HeldBox,
     PlanOptions,
     build_plan,
+    check_tensor,
     local_boxes,
 )
 from .stage import StagingArea
@@ -683,6 +684,8 @@ class CheckpointEngine:
             if step is not None:
                 step_dir(step)
             flat = flatten(state, loading=True)
+            for path, tensor in flat.tensors.items():
+                check_tensor(tensor, path=path, target=True)
         except Exception as exc:
             mistake = _refusal("nothing loaded", exc)
         numeric = -1 if step is None or mistake is not None else step

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ._dtypes import check_dtype, dtype_name
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointMismatchError
 
 try:  # private in torch; FSDP2 + TP produce it
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -205,11 +205,37 @@ def local_boxes(tensor: torch.Tensor, *, path: str) -> list[HeldBox]:
 # --- inventories and the global plan ---------------------------------------------------------
 
 
+def check_tensor(tensor: torch.Tensor, *, path: str, target: bool = False) -> None:
+    """Refuse, at the call, a tensor whose bytes the engine cannot copy out (or, a load
+    ``target``, in): no data (the meta device), not one strided block of memory (sparse,
+    nested), a dtype zarr cannot hold, or a target whose elements share memory (a broadcast
+    view: the load is a CheckpointMismatchError, whatever the step)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    why = None
+    if local.is_nested:
+        why = "a nested tensor (save its components: unbind())"
+    elif local.layout != torch.strided:
+        why = f"a {str(local.layout).removeprefix('torch.')} tensor (convert it: to_dense())"
+    elif local.is_meta:
+        why = "a tensor on the meta device holds no data (materialize it first)"
+    if why is not None:
+        raise CheckpointError(f"state path {path!r}: {why}; only strided tensors holding data "
+                              f"can be {'loaded into' if target else 'saved'}")
+    check_dtype(tensor.dtype, path=path)
+    shared = [d for d, (n, stride) in enumerate(zip(local.shape, local.stride()))
+              if stride == 0 and n > 1]
+    if target and shared:
+        raise CheckpointMismatchError(
+            f"state path {path!r}: dim {shared[0]} has stride 0 (a broadcast view such as "
+            "expand(): its elements share memory), so it cannot be loaded into; load into a "
+            "tensor that owns its elements (clone() it)")
+
+
 def inventory(tensors: dict[str, torch.Tensor], values: Iterable[str]) -> dict[str, object]:
     """What this rank holds, as JSON: gathered from every rank to build the global plan."""
     entries: dict[str, object] = {}
     for path, tensor in tensors.items():
-        check_dtype(tensor.dtype, path=path)
+        check_tensor(tensor, path=path)
         entries[path] = {
             "dtype": dtype_name(tensor.dtype),
             "shape": list(tensor.shape),

@@ -742,6 +742,24 @@ def test_mismatch_on_every_step_warns_raises_and_quarantines_nothing(
     assert ckpt.load(target) == 2
 
 
+def test_a_load_target_that_cannot_be_filled_is_refused_without_trying_any_step(
+    ckpt: CheckpointEngine,
+) -> None:
+    """A broadcast view (stride 0: its elements share memory) or a meta tensor cannot take the
+    data of any step: refused by the call naming the path, no step tried (no warning)."""
+    ckpt.save(1, {"bias": torch.ones(2, 3)}, blocking=True)
+    ckpt.save(2, {"bias": torch.ones(2, 3)}, blocking=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(CheckpointMismatchError, match=r"'bias'.*dim 0 has stride 0"):
+            ckpt.load({"bias": torch.zeros(3).expand(2, 3)})
+        with pytest.raises(CheckpointError, match=r"'bias'.*meta device"):
+            ckpt.load({"bias": torch.empty(2, 3, device="meta")})
+    assert ckpt.steps() == [1, 2]
+    target = {"bias": torch.zeros(2, 3)[:, :]}  # a view that owns its elements loads
+    assert ckpt.load(target) == 2 and torch.equal(target["bias"], torch.ones(2, 3))
+
+
 def test_load_of_a_subset_of_the_checkpoint(ckpt: CheckpointEngine) -> None:
     state = {"model": {"w": torch.randn(3), "b": torch.randn(2)}, "step": 4}
     ckpt.save(4, state, blocking=True)
@@ -762,8 +780,14 @@ def test_load_of_a_subset_of_the_checkpoint(ckpt: CheckpointEngine) -> None:
         ({"model": {"..": torch.ones(2)}}, r"'\.\.'"),
         ({"model": {".hidden": torch.ones(2)}}, r"\.hidden"),
         ({"model": {("tuple", "key"): torch.ones(2)}}, "tuple"),
+        ({"model": {"w": torch.empty(4, device="meta")}}, "'model/w'.*meta device"),
+        ({"model": {"w": torch.eye(3).to_sparse()}}, "'model/w'.*sparse_coo"),
+        ({"model": {"w": torch.nested.as_nested_tensor([torch.ones(2), torch.ones(3)],
+                                                       layout=torch.jagged)}},
+         "'model/w'.*nested"),
     ],
-    ids=["set", "lambda", "slash-key", "dotdot-key", "hidden-key", "tuple-key"],
+    ids=["set", "lambda", "slash-key", "dotdot-key", "hidden-key", "tuple-key", "meta",
+         "sparse", "nested"],
 )
 def test_invalid_state_is_refused_naming_the_path(
     tmp_path: Any, state: dict[str, Any], named: str
