@@ -177,6 +177,14 @@ def _read_only(path: str) -> Callable[[JSON], None]:
     return refuse
 
 
+def _rebuild(saved: tuple[Any, ...], items: list[Any], assign: Callable[[JSON], None]) -> None:
+    """Put the tuple back with the items a load assigned; unchanged when every item is still
+    the same object (tensors filled in place), so a tuple in a tuple given as the whole state
+    needs no assignment."""
+    if any(new is not old for new, old in zip(items, saved)):
+        assign(tuple(items))
+
+
 def flatten(state: object, *, loading: bool = False) -> FlatState:
     """Flatten ``state``; Stateful objects are replaced by their ``state_dict()``.
 
@@ -222,9 +230,9 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
             flat.types["containers"][path] = ["t"]
             items = list(obj)  # load assigns into this copy, then the tuple is rebuilt
             for index, value in enumerate(obj):
-                setter = _setter(items, index) if path else _read_only(path)
-                walk(value, _join(path, str(index)), setter)
-            flat.finishers.append(lambda: assign(tuple(items)))
+                item_path = _join(path, str(index))
+                walk(value, item_path, _setter(items, index) if path else _read_only(item_path))
+            flat.finishers.append(lambda: _rebuild(obj, items, assign))
         else:
             if not path:
                 raise CheckpointError("the state must be a dict, list or Stateful holding tensors")

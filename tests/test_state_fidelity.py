@@ -398,3 +398,19 @@ def test_a_tuple_holding_tensors_is_filled_and_its_values_replaced(
     ckpt.load(target)
     assert target["pair"][1:] == ("relu", 3) and type(target["pair"]) is tuple
     assert target["pair"][0] is tensor and tensor.tolist() == [1, 2]
+
+
+def test_a_tuple_state_holding_nested_tuples_of_tensors_loads_in_place(
+    ckpt: CheckpointEngine,
+) -> None:
+    """A whole state given as a tuple cannot have an entry replaced; tensors filled in place
+    need none, however deep the tuples. An entry that would be replaced is refused by path."""
+    ckpt.save(1, (torch.ones(1), (torch.ones(2), (torch.full((3,), 3.0),))), blocking=True)
+    inner = torch.zeros(3)
+    target = (torch.zeros(1), (torch.zeros(2), (inner,)))
+    ckpt.load(target)
+    assert target[1][1][0] is inner and inner.tolist() == [3.0, 3.0, 3.0]
+    assert target[0].tolist() == [1.0] and target[1][0].tolist() == [1.0, 1.0]
+    ckpt.save(2, (torch.ones(1), (torch.ones(2), "relu")), blocking=True)
+    with pytest.raises(CheckpointError, match=r"state path '1': cannot assign into a tuple"):
+        ckpt.load((torch.zeros(1), (torch.zeros(2), "gelu")))
