@@ -32,7 +32,7 @@ What comes back, exactly (the engine's load semantics):
 from __future__ import annotations
 
 import json
-import math
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeGuard, runtime_checkable
@@ -301,7 +301,15 @@ def state_signature(flat: FlatState) -> tuple[Any, ...]:
 
 
 def same_value(a: JSON, b: JSON) -> bool:
-    """JSON equality that treats NaN as equal to NaN (a restored loss may be NaN)."""
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
+    """Exact JSON equality: the same type at every level (``True`` is not ``1``, ``1`` is not
+    ``1.0``), floats by their bits (``-0.0`` is not ``0.0``; a NaN equals itself: a restored
+    loss may be NaN), dict keys in the same order (a load restores that order)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same_value(v, b[k]) for k, v in a.items())
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     return bool(a == b)

@@ -514,6 +514,27 @@ def test_committed_step_is_never_overwritten(ckpt: CheckpointEngine) -> None:
     assert ckpt.verify(4).ok
 
 
+@pytest.mark.parametrize(
+    ("saved", "again"),
+    [(1, True), (0, False), (1, 1.0), (0.0, -0.0), ([1, 1], [1, True]), ({"a": 0.0}, {"a": -0.0}),
+     ({"a": 1, "b": 2}, {"b": 2, "a": 1})],
+    ids=["int-bool", "zero-false", "int-float", "zero-sign", "in-a-list", "in-a-dict", "order"],
+)
+def test_a_resave_whose_json_differs_only_in_type_sign_or_order_is_refused(
+        tmp_path: Path, saved: Any, again: Any) -> None:
+    """Python's == finds True == 1 and -0.0 == 0.0; the step would then keep the old value while
+    the caller believes the new one saved. Equal JSON (a NaN included) is still a re-save."""
+    with CheckpointEngine(str(tmp_path)) as engine:
+        engine.save(5, {"w": torch.ones(2), "cfg": saved, "loss": math.nan}, blocking=True)
+        engine.save(5, {"w": torch.ones(2), "cfg": copy.deepcopy(saved), "loss": math.nan},
+                    blocking=True)
+        with pytest.raises(CheckpointError, match=r"step 5 is already committed.*'cfg'"):
+            engine.save(5, {"w": torch.ones(2), "cfg": again, "loss": math.nan}, blocking=True)
+        target = {"w": torch.zeros(2), "cfg": None}
+        engine.load(target, step=5)
+        assert_same(target["cfg"], saved)
+
+
 class _CommitAnswerLost:
     """Storage applies the COMMIT of ``step`` but its answer never arrives (the connection
     drops once the request is through): the first time only."""
