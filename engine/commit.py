@@ -93,11 +93,11 @@ def committed_steps(storage: Storage, ghosts: set[int] | None = None) -> list[in
     """Committed steps, ascending (a step folder with a COMMIT marker). One listing, then the
     markers are looked up concurrently (one HEAD each on S3: not one round trip per step).
     ``ghosts``: steps known to be listed with nothing in them (see ``retain``), left out."""
-    return _step_dirs(storage, ghosts)[1]
+    return step_dirs(storage, ghosts)[1]
 
 
-def _step_dirs(storage: Storage, ghosts: set[int] | None = None
-               ) -> tuple[list[int], list[int]]:
+def step_dirs(storage: Storage, ghosts: set[int] | None = None
+              ) -> tuple[list[int], list[int]]:
     """Every step folder and the committed ones, ascending; ``ghosts`` are left out (and no
     longer kept once they are no longer listed)."""
     steps = {}
@@ -356,7 +356,7 @@ def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = No
     step folder found to hold nothing is added, and is not looked up, deleted and listed again
     at every save, which made a save's requests grow with the length of the run. The caller
     drops a step when it saves that step again."""
-    every, committed = _step_dirs(storage, ghosts)
+    every, committed = step_dirs(storage, ghosts)
     if not committed:
         return []
     keep = set(committed[-keep_last:]) if keep_last else set(committed)

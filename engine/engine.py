@@ -272,6 +272,9 @@ class CheckpointEngine:
         self._attrs_cache: tuple[GlobalPlan, tuple[Any, ...], dict[str, Any]] | None = None
         self._plan: GlobalPlan | None = None
         self._ghosts: set[int] = set()  # step folders listed, but empty: ``commit.retain``
+        # rank 0: folders without a COMMIT that a save failed to commit, a load quarantined or
+        # a listing found (a crashed save's): cleared before the step is saved again
+        self._unfinished: set[int] = set()
         self._per_rank = PerRank([], 0)
         self._staging: StagingArea | None = None
         self._last: SaveHandle | None = None
@@ -342,6 +345,8 @@ class CheckpointEngine:
         last = self._last
         failure = last._unobserved_failure() if last else None
         busy = last is not None and not last.done()
+        if self.rank == 0 and mistake is None and not busy and step in self._unfinished:
+            self._clear_unfinished(step)
         replan, any_busy, any_failed, nonce, high, negated_low, any_mistake = self._all_max([
             int(fingerprint != self._fingerprint), int(busy), int(failure is not None),
             secrets.randbits(62) if self.rank == 0 else 0, numeric, -numeric,
@@ -407,6 +412,22 @@ class CheckpointEngine:
             handle.wait()
             self._events.blocked(step, waited)
         return handle
+
+    def _clear_unfinished(self, step: int) -> None:
+        """Rank 0, before the first collective of a save of ``step``, so before any rank writes
+        into it: remove what an earlier attempt left in its folder (arrays of another layout
+        that a zarr reader of the committed step would list, records, ABORT). Only for a step
+        known to need it, so that a save makes no storage request on the training thread
+        otherwise; a committed step is never touched."""
+        base = step_dir(step)
+        try:
+            if self.storage.exists(f"{base}/{COMMIT}"):
+                self._unfinished.discard(step)  # committed since: it is never touched
+            else:
+                self.storage.delete_tree(base)  # kept in the set until a save commits it
+        except CheckpointError as exc:
+            log.warning("step %d: removing what an earlier attempt left failed (the save "
+                        "writes over it): %s", step, exc)
 
     def _inventory(self, flat: FlatState) -> tuple[dict[str, Any], str]:
         """This rank's inventory and its fingerprint; reused while the state's layout (paths,
@@ -517,6 +538,7 @@ class CheckpointEngine:
                         storage, step=step, nonce=nonce, world_size=plan.world_size,
                         deadline=deadline + min(30.0, self.commit_timeout_s / 2),
                         cancel=self._cancel)
+            self._unfinished.discard(step)
             if self.keep_in_memory:
                 self._memory = MemoryCopy.of(step, nonce, staging)
             handle.persist_s = time.monotonic() - start
@@ -544,6 +566,7 @@ class CheckpointEngine:
                         manifest=None, values={}, error=str(error)))
             if self.rank == 0:
                 _commit.abort(storage, step, nonce, str(error))
+                self._unfinished.add(step)
             with contextlib.suppress(Exception):
                 staging.wait_staged()  # no save may stage into the buffers while this one does
             handle.persist_s = time.monotonic() - start
@@ -768,7 +791,9 @@ class CheckpointEngine:
         failure: tuple[str, str] | None = None
         if self.rank == 0:
             try:
-                listing = list(reversed(_commit.committed_steps(storage, set(self._ghosts))))
+                every, committed = _commit.step_dirs(storage, set(self._ghosts))
+                listing = list(reversed(committed))
+                self._unfinished.update(set(every) - set(committed))
             except CheckpointError as exc:
                 failure = (type(exc).__name__, str(exc))
         listing, failure = self._gather((listing, failure))[0]
@@ -818,6 +843,7 @@ class CheckpointEngine:
             try:
                 _commit.quarantine(storage, step, str(error), confirmed_by=confirmer,
                                    reports={r: m for r, (o, _, m, _) in enumerate(reports) if o})
+                self._unfinished.add(step)  # saved again, it holds only the new save
             except CheckpointError as exc:
                 log.warning("step %d: quarantine failed (it stays visible): %s", step, exc)
         return f" (quarantined; confirmed by rank {confirmer})"

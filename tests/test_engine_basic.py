@@ -535,6 +535,45 @@ def test_a_resave_whose_json_differs_only_in_type_sign_or_order_is_refused(
         assert_same(target["cfg"], saved)
 
 
+def _fail_at(phase: str) -> Callable[[int, str], None]:
+    def hook(step: int, at: str) -> None:
+        if at == phase:
+            raise RuntimeError(f"failed at {at}")
+
+    return hook
+
+
+@pytest.mark.parametrize("phase", ["persisting", "written", "recorded", "committing"])
+@pytest.mark.parametrize("restarted", [False, True], ids=["same-engine", "restarted"])
+def test_a_step_saved_again_after_a_failed_attempt_holds_only_the_new_save(
+        tmp_path: Path, phase: str, restarted: bool) -> None:
+    """A save of step 2 fails after writing (in this engine, or in a process that then died:
+    its successor lists the folder); step 2 saved again in another layout commits a folder in
+    which a zarr reader finds only the new arrays. A committed step is never removed."""
+    url = str(tmp_path)
+    state = {"w": torch.full((4,), 2.0), "old": torch.full((8,), 2.0)}
+    engine = CheckpointEngine(url, keep_last=None)
+    engine.save(1, {"w": torch.ones(4)}, blocking=True)
+    engine._on_phase = _fail_at(phase)
+    with pytest.raises(CheckpointError, match="step 2"):
+        engine.save(2, state, blocking=True)
+    engine._on_phase = None
+    if restarted:
+        engine.close()
+        engine = CheckpointEngine(url, keep_last=None)
+        assert engine.agreed_steps() == [1]
+    with engine:
+        engine.save(2, {"w": torch.full((4,), 3.0)}, blocking=True)
+        assert sorted(p.name for p in (tmp_path / "step_000000002").iterdir()) == [
+            ".ranks", "COMMIT", "w", "zarr.json"]
+        with pytest.raises(CheckpointError, match="step 2 is already committed"):
+            engine.save(2, {"w": torch.full((4,), 4.0)}, blocking=True)
+        engine.save(2, {"w": torch.full((4,), 3.0)}, blocking=True)
+        target = {"w": torch.zeros(4)}
+        assert engine.load(target) == 2 and target["w"].tolist() == [3.0] * 4
+        assert engine.verify(2).ok
+
+
 class _CommitAnswerLost:
     """Storage applies the COMMIT of ``step`` but its answer never arrives (the connection
     drops once the request is through): the first time only."""
@@ -608,6 +647,43 @@ def test_ranks_that_disagreed_on_a_lost_commit_answer_agree_on_the_retry(tmp_pat
     with CheckpointEngine(url) as engine:
         target = {"w": torch.empty(8, 4)}
         assert engine.load(target) == 3
+        assert torch.equal(target["w"], torch.arange(32.0).reshape(8, 4))
+
+
+def _resave_after_rank_1_failed(url: str) -> list[str]:
+    """On each of 2 ranks: step 2 of a row-sharded tensor and a plain one fails on rank 1 once
+    written, then step 2 is saved again without the plain one. Returns the outcomes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    w = distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh, [Shard(0)])
+    outcomes = []
+    with CheckpointEngine(url) as engine:
+        engine._on_phase = _fail_at("written") if engine.rank == 1 else None
+        for state in ({"w": w, "old": torch.ones(4)}, {"w": w}):
+            try:
+                engine.save(2, state, blocking=True)
+                outcomes.append("committed")
+            except CheckpointError as exc:
+                outcomes.append(f"failed: {exc}")
+            engine._on_phase = None
+    return outcomes
+
+
+@pytest.mark.multiproc
+def test_a_resave_after_a_failed_attempt_on_another_rank_clears_it_first(tmp_path: Path) -> None:
+    """Rank 0 removes the failed attempt's folder before the save's first collective: no rank
+    has written into it yet, so every rank's new objects are kept and the old array is gone."""
+    from _dist import run_ranks
+
+    url = str(tmp_path / "ckpt")
+    outcomes = run_ranks(2, _resave_after_rank_1_failed, url, timeout_s=90)
+    assert all(o[0].startswith("failed") and o[1] == "committed" for o in outcomes), outcomes
+    assert not (tmp_path / "ckpt" / "step_000000002" / "old").exists()
+    with CheckpointEngine(url) as engine:
+        target = {"w": torch.empty(8, 4)}
+        assert engine.load(target) == 2 and engine.verify(2).ok
         assert torch.equal(target["w"], torch.arange(32.0).reshape(8, 4))
 
 
