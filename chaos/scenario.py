@@ -385,6 +385,34 @@ def parse_scenario(data: Any, *, path: str = "<scenario>") -> Scenario:
         raise ScenarioError(_format_error(path, exc)) from None
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int) -> None:
+        super().__init__(f"line {line}: duplicate key {key!r}")
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping: plain YAML keeps the
+    last, so a second ``faults:`` would silently drop the first's faults. Keys merged in with
+    ``<<`` may still be overridden (that is what a merge is for)."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                except TypeError:  # unhashable: the base class says so
+                    continue
+                if duplicate:
+                    raise _DuplicateKey(key, key_node.start_mark.line + 1)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_scenario(path: str | Path, *, seed: int | None = None) -> Scenario:
     """Read and validate a scenario file; ``seed`` overrides the file's."""
     path = str(path)
@@ -401,7 +429,9 @@ def load_scenario(path: str | Path, *, seed: int | None = None) -> Scenario:
     if not text.strip():
         raise ScenarioError(f"{path}: the file is empty (a scenario needs at least a name)")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
+    except _DuplicateKey as exc:
+        raise ScenarioError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""

@@ -124,3 +124,30 @@ def test_the_reference_cache_key_is_what_decides_the_final_state() -> None:
         assert pipeline._reference_key(base) != key
     finally:
         _paths.FORMAT_VERSION = real
+
+
+@pytest.mark.parametrize(("text", "line", "key"), [
+    ("name: x\nfaults:\n  - {kind: kill_rank, rank: 1, at_step: 12}\nfaults: []\n", 4, "faults"),
+    ("name: x\nfaults:\n  - {kind: kill_rank, rank: 1, at_step: 12, at_step: 25}\n", 3,
+     "at_step"),
+    ("name: x\ntrainer:\n  steps: 30\n  parallel: {dp: 2}\n  steps: 40\n", 5, "steps"),
+], ids=["top-level", "flow-mapping", "nested"])
+def test_duplicate_keys_are_refused_not_last_one_wins(tmp_path: Path, text: str, line: int,
+                                                      key: str) -> None:
+    """YAML's last-one-wins would silently drop faults (a copy-pasted ``faults: []`` at the
+    end) and still pass: a repeated key anywhere is bad input, naming its line."""
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario(path)
+    assert str(exc.value) == f"{path}: line {line}: duplicate key {key!r}"
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.strip() == f"error: {path}: line {line}: duplicate key {key!r}"
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
+    path = tmp_path / "merge.yaml"
+    path.write_text("name: x\ntrainer:\n  <<: {steps: 20, parallel: {dp: 2}}\n  steps: 10\n"
+                    "checkpoint: {every_steps: 5}\n")
+    assert load_scenario(path).trainer.steps == 10  # type: ignore[union-attr]
