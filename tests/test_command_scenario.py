@@ -215,7 +215,7 @@ def _no_probe_record(*, engine_events: bool) -> tuple[RunRecord, Injection]:
         events += [{"t": T0 + 25, "rank": r, "attempt": 1, "event": e, "step": 8,
                     "seconds": 0.5, **({"pid": 200 + r, "world_size": 2} if e == "start" else {})}
                    for r in (0, 1) for e in ("start", "restore_end")]
-    kill = Injection("kill_rank", T0 + 20, step=None, rank=1, detail={"pid": 101})
+    kill = Injection("kill_rank", T0 + 20, step=None, rank=1, fault_index=0, detail={"pid": 101})
     record = RunRecord(0, T0, T0 + 60, sorted(events, key=lambda e: e["t"]), [kill],
                        {0: T0 + 20.5, 1: T0 + 60})
     return record, kill

@@ -100,7 +100,7 @@ def synthetic_record() -> RunRecord:
     job = _Job()
     t = job.steps(job.start(T0 + 5.0, 0), 0, 1, 3)
     hang = t + 0.05
-    job.injections.append(Injection("hang_rank", hang, step=3, rank=2,
+    job.injections.append(Injection("hang_rank", hang, step=3, rank=2, fault_index=0,
                                     detail={"pid": 1002, "duration_s": 4.0}))
     job.emit(hang + 2.0, 2, 0, "hang_detected", by="supervisor", slot=2, how="stopped",
              thread_state="T", stall_s=2.0, timeout_s=2.0)
@@ -109,12 +109,13 @@ def synthetic_record() -> RunRecord:
         job.emit(hang + 2.1, r, 0, "exit", code=1, error="RuntimeError: connection closed")
     job.attempt_ends[0] = hang + 2.3
     t = job.steps(job.start(hang + 5.3, 1, restore=2), 1, 3, 7)
-    job.injections.append(Injection("corrupt_shard", t + 0.05, step=7,
+    job.injections.append(Injection("corrupt_shard", t + 0.05, step=7, fault_index=1,
                                     detail={"checkpoint_step": 6, "object": "model/x/c/0",
                                             "mode": "bitflip"}))
     t = job.steps(t, 1, 8, 8, failing=frozenset({8}))
     kill = t + 0.05
-    job.injections.append(Injection("kill_rank", kill, step=8, rank=1, detail={"pid": 1011}))
+    job.injections.append(Injection("kill_rank", kill, step=8, rank=1, fault_index=2,
+                                    detail={"pid": 1011}))
     for r in (0, 2, 3):
         job.emit(kill + 0.5, r, 1, "exit", code=1, error="RuntimeError: peer closed")
     job.attempt_ends[1] = kill + 0.6

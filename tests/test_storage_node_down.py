@@ -199,13 +199,13 @@ def _judge(timings: list[FaultTimings], committed: dict[int, list[str]] | None) 
 
 def test_the_verdict_fails_on_a_torn_commit_or_a_server_that_stayed_down() -> None:
     outage = {"training_continued": True, "steps_during_outage": 3, "error": None}
-    fine = FaultTimings("storage_node_down", 1.0, 5, None, outage=outage,
+    fine = FaultTimings("storage_node_down", 1.0, 5, None, fault_index=0, outage=outage,
                         effect_observed=True, effect="volume server 1 down for 5.5 s")
     assert _judge([fine], {4: [], 8: []}).verdict == "pass"
     torn = _judge([fine], {4: [], 8: ["model/w/c/0: crc32c mismatch"]})
     assert torn.verdict == "fail"
     assert torn.reasons == ["committed step 8 does not verify: model/w/c/0: crc32c mismatch"]
-    stuck = FaultTimings("storage_node_down", 1.0, 5, None, effect_observed=True,
+    stuck = FaultTimings("storage_node_down", 1.0, 5, None, fault_index=0, effect_observed=True,
                          outage={**outage, "error": "SeaweedError: volume server 0 did not "
                                  "come back within 30 s"})
     v = _judge([stuck], {})

@@ -8,6 +8,7 @@ Checkpoints are written by the real engine in this process; runs are synthetic `
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -154,9 +155,11 @@ def test_final_committed_reads_the_engine(tmp_path: Path) -> None:
 
 # --- synthetic runs: every fault made, and made a difference ------------------------------------
 
-def _kill(job: _Job, t: float, attempt: int, rank: int, step: int) -> float:
-    """SIGKILL ``rank`` at ``t``: the survivors fail on their next collective, the attempt ends."""
-    job.injections.append(Injection("kill_rank", t, step=step, rank=rank,
+def _kill(job: _Job, t: float, attempt: int, rank: int, step: int, fault_index: int = 0
+          ) -> float:
+    """SIGKILL ``rank`` at ``t`` (the scenario's fault ``fault_index``): the survivors fail on
+    their next collective, the attempt ends."""
+    job.injections.append(Injection("kill_rank", t, step=step, rank=rank, fault_index=fault_index,
                                     detail={"pid": 1000 + 10 * attempt + rank}))
     for r in range(WORLD):
         if r != rank:
@@ -192,13 +195,13 @@ def _hang_then_kill() -> RunRecord:
     (the newest: the damaged 4 is never read) and finishes."""
     job = _Job()
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 4)
-    job.injections.append(Injection("hang_rank", t + 0.05, step=4, rank=2,
+    job.injections.append(Injection("hang_rank", t + 0.05, step=4, rank=2, fault_index=0,
                                     detail={"pid": 1002, "duration_s": 1.0}))
     t = job.steps(t + 1.5, 0, 5, 6)
-    job.injections.append(Injection("corrupt_shard", t + 0.05, step=6, detail={
+    job.injections.append(Injection("corrupt_shard", t + 0.05, step=6, fault_index=1, detail={
         "checkpoint_step": 4, "object": "model/w/c/0", "mode": "bitflip"}))
     t = job.steps(t, 0, 7, 7)
-    t = _kill(job, t + 0.05, 0, 1, 7)
+    t = _kill(job, t + 0.05, 0, 1, 7, fault_index=2)
     t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 12)
     return _finish(job, t, 1)
 
@@ -246,9 +249,9 @@ def test_a_damaged_step_nobody_read_is_no_effect() -> None:
 def _corrupt_then_kill(*, skipped: int | None, restore: int) -> RunRecord:
     job = _Job()
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
-    job.injections.append(Injection("corrupt_shard", t + 0.05, step=7, detail={
+    job.injections.append(Injection("corrupt_shard", t + 0.05, step=7, fault_index=0, detail={
         "checkpoint_step": 6, "object": "model/w/c/0", "mode": "bitflip"}))
-    t = _kill(job, t + 0.1, 0, 1, 7)
+    t = _kill(job, t + 0.1, 0, 1, 7, fault_index=1)
     t = job.steps(job.start(t + 3.0, 1, restore=restore, skipped=skipped), 1, restore + 1, 12)
     return _finish(job, t, 1)
 
@@ -274,7 +277,8 @@ def _crash_during_save(*, committed_before_kill: bool, restore: int,
         if committed_event and r:
             job.emit(t + 0.3, r, 0, "ckpt_committed", step=8, bytes=4_000_000,
                      rank_bytes=1_000_000, persist_s=0.3)
-    job.injections.append(Injection("crash_during_save", t + 0.02, step=8, rank=0, detail={
+    job.injections.append(Injection("crash_during_save", t + 0.02, step=8, rank=0, fault_index=0,
+                                    detail={
         "pid": 1000, "checkpoint_step": 8, "committed_before_kill": committed_before_kill}))
     for r in (1, 2, 3):
         job.emit(t + 0.5, r, 0, "exit", code=1, error="RuntimeError: peer closed")
@@ -315,7 +319,8 @@ def _outage(requests_faulted: int | None, requests_delayed: int = 0) -> RunRecor
     if requests_faulted is not None:
         detail.update(ended_t=t + 1.05, requests_faulted=requests_faulted,
                       connections_passed=0, requests_delayed=requests_delayed)
-    job.injections.append(Injection("storage_outage", t + 0.05, step=5, detail=detail))
+    job.injections.append(Injection("storage_outage", t + 0.05, step=5, fault_index=0,
+                                    detail=detail))
     return _finish(job, job.steps(t, 0, 6, 12), 0)
 
 
@@ -345,7 +350,7 @@ def _link_cut(*, restart: bool, detected: bool = False) -> RunRecord:
     job = _Job()
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 6)
     cut = t + 0.05
-    job.injections.append(Injection("drop_link", cut, step=6, detail={
+    job.injections.append(Injection("drop_link", cut, step=6, fault_index=0, detail={
         "between": [0, 1], "duration_s": 3.0, "mechanism": "veth down"}))
     if not restart:
         return _finish(job, job.steps(cut + 3.0, 0, 7, 12), 0)
@@ -382,7 +387,7 @@ def test_a_link_cut_nobody_noticed_fails() -> None:
 def test_a_missed_fault_fails_and_a_skipped_one_is_skipped() -> None:
     job = _Job()
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 12)
-    job.injections.append(Injection("corrupt_shard", T0 + 1.6, step=1,
+    job.injections.append(Injection("corrupt_shard", T0 + 1.6, step=1, fault_index=0,
                                     missed="no committed checkpoint latest to corrupt"))
     record = _finish(job, t, 0)
     v, (corrupt,) = _verdict(record, [{"kind": "corrupt_shard", "at_step": 1}])
@@ -392,7 +397,8 @@ def test_a_missed_fault_fails_and_a_skipped_one_is_skipped() -> None:
 
     job = _Job()
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 12)
-    job.injections.append(Injection("drop_link", T0 + 2.6, step=2, skipped="network namespaces "
+    job.injections.append(Injection("drop_link", T0 + 2.6, step=2, fault_index=0,
+                                    skipped="network namespaces "
                                     "unavailable: creating them needs root"))
     s = parse_scenario({**SCENARIO, "trainer": {**SCENARIO["trainer"], "nodes": 2},
                         "faults": [{"kind": "drop_link", "at_step": 2}],
@@ -414,8 +420,44 @@ def test_a_fault_that_never_fired_fails() -> None:
     record = _finish(job, job.steps(job.start(T0 + 1.0, 0), 0, 1, 12), 0)
     v, _ = _verdict(record, [KILL, {"kind": "kill_rank", "rank": 0, "mtbf_s": 100}])
     assert v.verdict == "fail"
-    assert v.reasons == ["kill_rank: the scenario has 2 such faults, 0 were injected (a "
-                         "trigger was never reached)"]
+    assert v.reasons == [f"faults.{i} (kill_rank): never injected (its trigger was never "
+                         "reached)" for i in (0, 1)]
+
+
+def test_every_fault_must_fire_not_every_kind() -> None:
+    """Two kill_rank faults: the first (mtbf_s) fires twice, the second never. Counting per
+    kind (2 kill_rank wanted, 2 made) would pass; each fault of the scenario must have fired."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 5)
+    t = _kill(job, t + 0.05, 0, 0, 5, fault_index=0)
+    t = job.steps(job.start(t + 1.0, 1, restore=4), 1, 5, 9)
+    t = _kill(job, t + 0.05, 1, 0, 9, fault_index=0)
+    t = job.steps(job.start(t + 1.0, 2, restore=8), 2, 9, 12)
+    faults = [{"kind": "kill_rank", "rank": 0, "mtbf_s": 20},
+              {"kind": "kill_rank", "rank": 1, "mtbf_s": 3600}]
+    v, timings = _verdict(_finish(job, t, 2), faults)
+    assert [t.fault_index for t in timings] == [0, 0]
+    assert all(t.effect_observed for t in timings), [t.effect for t in timings]
+    assert v.verdict == "fail"
+    assert v.reasons == ["faults.1 (kill_rank): never injected (its trigger was never "
+                         "reached)"]
+
+
+def test_the_runner_tags_each_injection_with_its_fault() -> None:
+    """Step- and checkpoint-triggered faults sharing a pause point keep their scenario index,
+    which the checker counts by (a copy of the fault made for a save phase too)."""
+    from antifragile.chaos.run import runner
+
+    s = parse_scenario({**SCENARIO, "faults": [
+        {"kind": "kill_rank", "rank": 0, "mtbf_s": 50},
+        {"kind": "kill_rank", "rank": 1, "at_step": 4},
+        {"kind": "hang_rank", "rank": 0, "at_step": 4},
+        {"kind": "crash_during_save", "rank": "random", "at_checkpoint": 1}]})
+    pending = [runner._Pending(f, i) for i, f in enumerate(s.faults)]
+    points = runner._pause_plan(s, pending, random.Random(0))
+    assert [p.index for p in pending] == [0]
+    planned = sorted((i, f.kind) for point in points.values() for i, f in point.faults)
+    assert planned == [(1, "kill_rank"), (2, "hang_rank"), (3, "crash_during_save")]
 
 
 def test_a_kill_during_the_recovery_of_the_previous_one_interrupts_it_without_failing() -> None:
@@ -426,7 +468,7 @@ def test_a_kill_during_the_recovery_of_the_previous_one_interrupts_it_without_fa
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
     t = _kill(job, t + 0.05, 0, 1, 7)
     second = job.start(t + 1.0, 1)  # started, killed before any restore or step
-    t = _kill(job, second + 0.1, 1, 0, 7)
+    t = _kill(job, second + 0.1, 1, 0, 7, fault_index=1)
     t = job.steps(job.start(t + 1.0, 2, restore=6), 2, 7, 12)
     v, (first, last) = _verdict(_finish(job, t, 2), [KILL, {**KILL, "rank": 0}])
     assert first.ended_attempt == 0 and first.recovery_s is None and first.restored_step is None

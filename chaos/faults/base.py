@@ -77,7 +77,8 @@ class Injection:
     front of S3); the scenario was not tested as written (verdict ``skipped``). ``missed``: the
     mechanism was there but the fault found nothing to act on when it was due (no committed
     checkpoint to corrupt, the rank had already exited); the fault did not happen (verdict
-    ``fail``)."""
+    ``fail``). ``fault_index``: which fault of the scenario's ``faults`` this is (set by the
+    runner; an ``mtbf_s`` fault has one injection per arrival)."""
 
     kind: str
     t: float
@@ -86,6 +87,7 @@ class Injection:
     skipped: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     missed: str | None = None
+    fault_index: int | None = None
 
 
 @dataclass(slots=True)

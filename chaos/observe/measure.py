@@ -46,6 +46,7 @@ class FaultTimings:
     injected_t: float
     injected_step: int | None
     rank: int | None
+    fault_index: int | None = None  # which of the scenario's faults (``faults.<index>``)
     skipped: str | None = None
     missed: str | None = None
     checkpoint_step: int | None = None
@@ -243,7 +244,8 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
     caused none has no recovery, whatever restarts came later."""
     timings = FaultTimings(kind=injection.kind, injected_t=injection.t,
                            injected_step=injection.step, rank=injection.rank,
-                           skipped=injection.skipped, missed=injection.missed,
+                           fault_index=injection.fault_index, skipped=injection.skipped,
+                           missed=injection.missed,
                            checkpoint_step=injection.detail.get("checkpoint_step"),
                            paused_s=injection.detail.get("paused_s"))
     made = not injection.skipped and not injection.missed

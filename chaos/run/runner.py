@@ -31,6 +31,7 @@ from antifragile.chaos.scenario import Scenario
 @dataclass(slots=True)
 class _Pending:
     fault: FaultBase
+    index: int  # in the scenario's faults: what each injection is recorded as
     next_t: float | None = None  # for mtbf arrivals and at_s
 
 
@@ -70,7 +71,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     A command trainer's ranks are also found from outside (``workers.WorkerWatch``), so
     time-based faults reach a script that never calls the probe."""
     rng = random.Random(s.seed)
-    pending = [_Pending(f) for f in (s.faults if faults else [])]
+    pending = [_Pending(f, i) for i, f in enumerate(s.faults if faults else [])]
     max_restarts = 2 * len(pending) + (50 if any(p.fault.mtbf_s for p in pending) else 0)
     points = _pause_plan(s, pending, rng)
     _write_plan(run_dir, points)
@@ -114,8 +115,9 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                     point = points.get(e["point"])
                     if point is not None and job.all_paused(point, e):
                         target = _target(s, job.current_pids(), ckpt_url, rng, storage, hosts)
-                        for fault in point.faults:
+                        for index, fault in point.faults:
                             injection = fault.inject(target, point.step)  # type: ignore[attr-defined]
+                            injection.fault_index = index
                             injection.detail["paused_s"] = time.time() - point.first_paused_t
                             injections.append(injection)
                         _release(run_dir, point)
@@ -131,9 +133,11 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                           and (s.is_command or job.step < s.trainer.steps)
                           and all(_alive(pid) for pid in pids.values()))
                     if up:
-                        injections.append(p.fault.inject(  # type: ignore[attr-defined]
+                        injection = p.fault.inject(  # type: ignore[attr-defined]
                             _target(s, pids, ckpt_url, rng, storage, hosts),
-                            job.step or (None if s.is_command else 0)))
+                            job.step or (None if s.is_command else 0))
+                        injection.fault_index = p.index
+                        injections.append(injection)
                     if p.fault.mtbf_s:
                         p.next_t = now + rng.expovariate(1 / p.fault.mtbf_s)
                     elif up:  # at_s: once, at the first moment the job is up after it
@@ -164,7 +168,7 @@ class _Point:
     step: int
     ranks: list[int] | None  # None: every rank
     phase: str | None = None  # a save phase (checkpoint faults), else the end of the step
-    faults: list[FaultBase] = field(default_factory=list)
+    faults: list[tuple[int, FaultBase]] = field(default_factory=list)  # (index, fault) due here
     paused: set[tuple[int, int]] = field(default_factory=set)  # (generation, rank)
     first_paused_t: float = 0.0
     released: bool = False
@@ -209,7 +213,7 @@ def _pause_plan(s: Scenario, pending: list[_Pending], rng: random.Random) -> dic
         key = (step, phase, ranks)
         if key not in points:
             points[key] = _Point(f"p{len(points)}", step, list(ranks) if ranks else None, phase)
-        points[key].faults.append(f)
+        points[key].faults.append((p.index, f))
     return {point.id: point for point in points.values()}
 
 
