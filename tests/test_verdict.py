@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import math
 import random
+import threading
+import warnings
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,6 +100,71 @@ def test_equal_checkpoints_compare_equal(tmp_path: Path) -> None:
     comparison = checker.compare_final(got, ref, STEPS)
     assert comparison.differs == [] and comparison.error is None
     assert comparison.compared_bytes == (15 + 3) * 4
+
+
+def _nan32(payload: int) -> np.float32:
+    return np.array([0x7FC00000 | payload], dtype=np.uint32).view(np.float32)[0]
+
+
+@pytest.mark.parametrize(("x", "y", "same"), [
+    (np.float32(0.0), np.float32(-0.0), False),
+    (np.float16(0.0), np.float16(-0.0), False),
+    (_nan32(1), _nan32(1), True),
+    (_nan32(1), _nan32(2), False),
+    (np.float32(1.0), np.float64(1.0), False),
+    (np.float64(1.0), 1.0, False),
+    (np.int64(3), 3, False),
+    (np.bool_(True), True, False),
+    (complex(0.0, 0.0), complex(0.0, -0.0), False),
+    (complex(1.0, 2.0), complex(1.0, 2.0), True),
+    (np.array([0.0]), np.array([-0.0]), False),
+    (np.array([1, 2]), np.array([1, 2]), True),
+    (np.array([1, 2]), np.array([[1, 2]]), False),
+    (np.array([1, 2], dtype=np.int32), np.array([1, 2], dtype=np.int64), False),
+    (np.array([0.0, "a"], dtype=object), np.array([-0.0, "a"], dtype=object), False),
+    (np.array([1.5, "a"], dtype=object), np.array([1.5, "a"], dtype=object), True),
+    (True, 1, False),
+    (Decimal("1.0"), Decimal("1.00"), False),
+    (Decimal("1.0"), Decimal("1.0"), True),
+    ({1, 2}, {2, 1}, True),
+    ({0.0}, {-0.0}, False),
+], ids=lambda v: repr(v)[:40])
+def test_non_tensor_values_compare_bit_for_bit(x: Any, y: Any, same: bool) -> None:
+    """What DCP and torchsnapshot hand back pickled (numpy arrays and scalars, complex,
+    arbitrary objects) is compared by type and bits too, never by a loose ``==``."""
+    assert checker.same_value(x, y) is same
+    assert checker.same_value(y, x) is same
+
+
+def test_a_numpy_rng_state_in_a_dcp_checkpoint_compares(tmp_path: Path) -> None:
+    """``np.random.get_state()`` saved by DCP (a tuple holding a uint32 array): compared, not
+    a ValueError from ``array == array``."""
+    import torch.distributed.checkpoint as dcp
+
+    for run, draws in (("ref", 0), ("same", 0), ("other", 1)):
+        rng = np.random.RandomState(0)
+        rng.random_sample(draws)
+        state = {"model": {"w": torch.arange(4.0)}, "rng": {"numpy": rng.get_state()}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=str(tmp_path / run / f"step_{STEPS:09d}"))
+    ref = str(tmp_path / "ref")
+    same = checker.compare_final(str(tmp_path / "same"), ref, STEPS, engine="dcp")
+    assert same.error is None and same.differs == []
+    other = checker.compare_final(str(tmp_path / "other"), ref, STEPS, engine="dcp")
+    assert other.error is None and other.differs and all("rng" in k for k in other.differs)
+
+
+def test_a_value_that_cannot_be_compared_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An object without a bit-exact comparison (it cannot even be pickled) is reported as
+    differing, and why, rather than trusted to ``==``."""
+    lock = threading.Lock()
+    entries = {"model/w": torch.ones(2), "train/lock": lock}
+    monkeypatch.setattr(checker, "read_checkpoint", lambda engine, url, step: dict(entries))
+    assert checker.same_value(lock, lock) is False
+    comparison = checker.compare_final("faulty", "reference", STEPS, engine="dcp")
+    assert len(comparison.differs) == 1
+    assert comparison.differs[0].startswith("train/lock (uncomparable: ")
 
 
 # --- item 14: bitwise equality needs a reference ---------------------------------------------

@@ -13,10 +13,12 @@ read back through the engine's own reader (``trainer.ckpt_backends``: ours, DCP,
 
 from __future__ import annotations
 
+import pickle
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from antifragile.chaos.observe.measure import FaultTimings
@@ -64,21 +66,62 @@ def same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
                                                                      _tensor_bits(y))
 
 
+#: types whose ``==`` is already exact once both sides have the same type
+_EXACT_EQ = (type(None), bool, int, str, bytes)
+
+
 def same_value(x: Any, y: Any) -> bool:
-    """JSON-like values by type and value: ``1``, ``1.0`` and ``True`` all differ; floats by
-    their bits (``-0.0`` differs from ``0.0``, a NaN equals the same NaN); containers
-    element by element."""
+    """Bit for bit, by type: ``1``, ``1.0`` and ``True`` all differ; floats and complex numbers
+    by their bits (``-0.0`` differs from ``0.0``, a NaN equals the same NaN); numpy arrays and
+    scalars by dtype, shape and bytes; containers element by element; any other object by its
+    pickle. A value with no such comparison (it cannot be pickled) differs."""
+    return _differs(x, y) is None
+
+
+_DIFFERENT = "different"
+
+
+def _differs(x: Any, y: Any) -> str | None:
+    """None when equal bit for bit; else ``_DIFFERENT``, or why they cannot be compared."""
     if type(x) is not type(y):
-        return False
+        return _DIFFERENT
+    same: bool
     if isinstance(x, torch.Tensor):
-        return same_tensor(x, y)
-    if isinstance(x, float):
-        return struct.pack("<d", x) == struct.pack("<d", y)
-    if isinstance(x, dict):
-        return x.keys() == y.keys() and all(same_value(x[k], y[k]) for k in x)
-    if isinstance(x, list | tuple):
-        return len(x) == len(y) and all(same_value(a, b) for a, b in zip(x, y))
-    return bool(x == y)
+        same = same_tensor(x, y)
+    elif isinstance(x, np.ndarray | np.generic):  # before float: np.float64 is a float
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return _DIFFERENT
+        if x.dtype.hasobject:  # the bytes are pointers: compare what they point to
+            return _differs(x.tolist(), y.tolist())
+        same = x.tobytes() == y.tobytes()
+    elif isinstance(x, float):
+        same = struct.pack("<d", x) == struct.pack("<d", y)
+    elif isinstance(x, complex):
+        same = struct.pack("<dd", x.real, x.imag) == struct.pack("<dd", y.real, y.imag)
+    elif isinstance(x, _EXACT_EQ):
+        same = x == y
+    elif isinstance(x, dict):
+        if x.keys() != y.keys():
+            return _DIFFERENT
+        return next((w for w in (_differs(x[k], y[k]) for k in x) if w), None)
+    elif isinstance(x, list | tuple):
+        if len(x) != len(y):
+            return _DIFFERENT
+        return next((w for w in (_differs(a, b) for a, b in zip(x, y)) if w), None)
+    elif isinstance(x, set | frozenset):  # no order to pair by: each needs a bitwise match
+        rest = list(y)
+        for a in x:
+            match = next((i for i, b in enumerate(rest) if same_value(a, b)), None)
+            if match is None:
+                return _DIFFERENT
+            rest.pop(match)
+        return None if not rest else _DIFFERENT
+    else:
+        try:
+            same = pickle.dumps(x) == pickle.dumps(y)
+        except Exception as exc:  # unpicklable: no bit-exact comparison, so not "equal"
+            return f"{type(x).__name__} cannot be pickled: {type(exc).__name__}: {exc}"
+    return None if same else _DIFFERENT
 
 
 def compare_final(faulty_url: str, reference_url: str, step: int, *,
@@ -99,8 +142,11 @@ def compare_final(faulty_url: str, reference_url: str, step: int, *,
         x, y = got[key], want[key]
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
             out.compared_bytes += x.numel() * x.element_size()
-        if not same_value(x, y):
+        why = _differs(x, y)
+        if why == _DIFFERENT:
             out.differs.append(key)
+        elif why is not None:  # reported as differing, and why: never trusted to ==
+            out.differs.append(f"{key} (uncomparable: {why})")
     out.differs.sort()
     if out.compared_bytes == 0:
         out.error = (f"nothing to compare: the final {engine} checkpoints of step {step} hold "
