@@ -107,3 +107,70 @@ def test_no_reference_with_a_bitwise_expectation_is_bad_input(tmp_path: Path) ->
     _one_line_error(["run", str(path), "--no-reference", "--out", str(out)],
                     f"{path}: expect.bitwise_equal_to_reference is true, but --no-reference")
     assert not out.exists(), "nothing may run"
+
+
+def _command_scenario_file(tmp_path: Path) -> Path:
+    script = tmp_path / "noop.py"
+    script.write_text("print('never checkpoints')\n")
+    path = tmp_path / "noop.yaml"
+    path.write_text("name: noop\ntrainer: {command: [python, noop.py]}\n"
+                    "faults:\n  - {kind: kill_rank, rank: 0, at_s: 1000}\n")
+    return path
+
+
+@pytest.mark.parametrize("returncode", [1, 0])
+def test_a_failed_reference_run_is_a_clear_error_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, returncode: int) -> None:
+    """The fault-free reference run fails (code 1), or exits 0 without checkpointing: no
+    verdict can be reached, and the user must fix the script: ``error: FILE: reason``, exit 5
+    (README), no traceback."""
+    from antifragile.chaos.observe.record import RunRecord
+    from antifragile.chaos.run import pipeline
+
+    def reference_run(s: object, run_dir: Path, ckpt_url: str, **_: object) -> RunRecord:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "torchrun.log").write_text("the script's last words\n")
+        return RunRecord(returncode, 0.0, 1.0, [], [])
+
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pipeline, "run_scenario", reference_run)
+    path = _command_scenario_file(tmp_path)
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 5, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.output
+    why = ("failed (code 1)" if returncode else "left no committed antifragile checkpoint")
+    assert errors[0].startswith(f"error: {path}: the fault-free reference run ")
+    assert why in errors[0]
+
+
+def test_a_run_past_its_time_limit_is_a_clear_error(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's time limit kills the job and says which run and where its log is; the
+    CLI reports it like any run that could not be made (exit 5)."""
+    import subprocess
+
+    from antifragile.chaos.run import pipeline, runner
+    from antifragile.chaos.scenario import load_scenario
+
+    def never_ends(*_: object, **__: object) -> subprocess.Popen[str]:
+        return subprocess.Popen(["sleep", "60"], start_new_session=True, text=True)
+
+    monkeypatch.setattr(runner, "launch", never_ends)
+    s = load_scenario(_command_scenario_file(tmp_path))
+    with pytest.raises(runner.ChaosRunError, match=r"the faulty run of noop went past its "
+                       r"time limit of 0\.3 s"):
+        runner.run_scenario(s, tmp_path / "run", str(tmp_path / "ckpt"), timeout_s=0.3)
+
+    def times_out(*_: object, **__: object) -> None:
+        raise runner.ChaosRunError("the fault-free run of noop went past its time limit")
+
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pipeline, "run_scenario", times_out)
+    path = tmp_path / "noop.yaml"
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 5, result.output
+    assert "Traceback" not in result.output
+    assert f"error: {path}: the fault-free run of noop went past its time limit" in \
+        result.output

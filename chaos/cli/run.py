@@ -50,7 +50,9 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
     """Run a scenario: inject its faults, measure recovery, check nothing was lost.
 
     Exit 0 pass, 1 fail, 2 bad input, 3 skipped (a fault could not be made here),
-    4 nondeterministic (--check-determinism: two fault-free runs differ)."""
+    4 nondeterministic (--check-determinism: two fault-free runs differ), 5 no verdict: the
+    run could not be made (the fault-free reference run failed or left no checkpoint, or a
+    run went past its time limit)."""
     s = load(file, seed)
     if no_reference and s.expect.bitwise_equal_to_reference:
         fail(needs_reference(file))
@@ -60,6 +62,7 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
     from antifragile.chaos.cli.progress import Progress
     from antifragile.chaos.infra.s3 import S3SetupError
     from antifragile.chaos.run.pipeline import run
+    from antifragile.chaos.run.runner import ChaosRunError
 
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     folder = Path(out) if out else Path("reports") / f"{s.name}-{stamp}"
@@ -70,6 +73,8 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
                           status=progress.status)
         except S3SetupError as exc:
             fail(f"{file}: {exc}")
+        except ChaosRunError as exc:
+            fail(f"{file}: {exc}", code=RUN_ERROR_EXIT)
     v = outcome.report["verdict"]
     click.echo(f"{s.name}: {v['verdict'].upper()}  report: {folder / 'report.md'}")
     for reason in v["reasons"]:
@@ -83,6 +88,8 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
 
 #: ``chaos run``'s exit code per verdict; 2 is bad input (before anything runs).
 EXIT_CODES = {"pass": 0, "fail": 1, "skipped": 3, "nondeterministic": 4}
+#: no verdict: the run could not be made (``ChaosRunError``: a failed reference run, a time limit)
+RUN_ERROR_EXIT = 5
 
 
 def _fault_line(f: dict[str, Any]) -> str:

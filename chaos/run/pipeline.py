@@ -19,7 +19,7 @@ from antifragile.chaos.observe import checker, measure
 from antifragile.chaos.observe.record import RunRecord
 from antifragile.chaos.report import document as report
 from antifragile.chaos.report import plots
-from antifragile.chaos.run.runner import run_scenario
+from antifragile.chaos.run.runner import ChaosRunError, run_scenario
 from antifragile.chaos.run.status import RunStatus
 from antifragile.chaos.scenario import CommandSpec, Scenario
 
@@ -70,7 +70,8 @@ def reference_cache() -> Path:
 
 
 def _ensure_reference(s: Scenario, progress: Callable[[str], None]) -> str:
-    """The fault-free run's checkpoint folder, from the cache or run now."""
+    """The fault-free run's checkpoint folder, from the cache or run now; ChaosRunError when
+    that run fails or leaves no checkpoint (nothing to compare with: no verdict)."""
     folder = reference_cache() / _reference_key(s)
     done = folder / "DONE"
     if done.exists():
@@ -80,11 +81,11 @@ def _ensure_reference(s: Scenario, progress: Callable[[str], None]) -> str:
     progress("reference: running the fault-free run")
     record = run_scenario(s, folder, str(folder / "ckpt"), faults=False)
     if record.returncode != 0:
-        raise RuntimeError(_run_failed("the fault-free reference run", record.returncode,
-                                       folder))
+        raise ChaosRunError(_run_failed("the fault-free reference run", record.returncode,
+                                        folder))
     if s.is_command and checker.newest_committed(s.checkpoint.engine, str(folder / "ckpt")) \
             is None:
-        raise RuntimeError(f"the fault-free reference run left no committed "
+        raise ChaosRunError(f"the fault-free reference run left no committed "
                            f"{s.checkpoint.engine} checkpoint at {folder / 'ckpt'} (the script "
                            f"must checkpoint to $ANTIFRAGILE_CKPT_URL); see "
                            f"{folder / 'torchrun.log'}")

@@ -28,6 +28,16 @@ from antifragile.chaos.run.workers import WorkerWatch
 from antifragile.chaos.scenario import Scenario
 
 
+class ChaosRunError(Exception):
+    """A run that could not be made, for a reason the user must fix (the fault-free reference
+    run failed or left no checkpoint, a run went past its time limit): no verdict. The message
+    is meant for the user as is."""
+
+
+class RunTimeout(ChaosRunError, TimeoutError):
+    """A run went past its time limit; the job was killed."""
+
+
 @dataclass(slots=True)
 class _Pending:
     fault: FaultBase
@@ -103,7 +113,9 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             watch = WorkerWatch(agents.procs[0].pid)
         while agents.running():
             if time.time() - started > timeout_s:
-                raise TimeoutError(f"scenario {s.name} ran past {timeout_s:.0f} s")
+                raise RunTimeout(f"the {'faulty' if faults else 'fault-free'} run of {s.name} "
+                                 f"went past its time limit of {timeout_s:g} s and was killed; "
+                                 f"see {run_dir / 'torchrun.log'}")
             for e in watch.poll() if watch else []:
                 observed.append(e)
                 job.see(e)
