@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    StrictInt,
     Tag,
     ValidationError,
     ValidationInfo,
@@ -26,6 +27,7 @@ from pydantic import (
 )
 
 from antifragile.chaos.faults import FAULT_CONFIGS, FaultConfig
+from antifragile.chaos.faults.base import Seconds
 
 #: The shipped scenarios (``chaos list``): the repository's ``scenarios/`` folder.
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
@@ -54,9 +56,9 @@ class _Strict(BaseModel):
 
 
 class Parallel(_Strict):
-    dp: Annotated[int, Field(ge=1)] = 1
-    tp: Annotated[int, Field(ge=1)] = 1
-    pp: Annotated[int, Field(ge=1)] = 1
+    dp: Annotated[StrictInt, Field(ge=1)] = 1
+    tp: Annotated[StrictInt, Field(ge=1)] = 1
+    pp: Annotated[StrictInt, Field(ge=1)] = 1
 
     @property
     def world_size(self) -> int:
@@ -64,30 +66,30 @@ class Parallel(_Strict):
 
 
 class ModelSpec(_Strict):
-    layers: Annotated[int, Field(ge=1)] = 4
-    d_model: Annotated[int, Field(ge=1)] = 64
-    heads: Annotated[int, Field(ge=1)] = 4
-    vocab: Annotated[int, Field(ge=2)] = 256
-    seq_len: Annotated[int, Field(ge=1)] = 32
+    layers: Annotated[StrictInt, Field(ge=1)] = 4
+    d_model: Annotated[StrictInt, Field(ge=1)] = 64
+    heads: Annotated[StrictInt, Field(ge=1)] = 4
+    vocab: Annotated[StrictInt, Field(ge=2)] = 256
+    seq_len: Annotated[StrictInt, Field(ge=1)] = 32
 
 
 class TrainerSpec(_Strict):
     parallel: Parallel = Parallel()
-    nodes: Annotated[int, Field(ge=1)] = 1
+    nodes: Annotated[StrictInt, Field(ge=1)] = 1
     model: ModelSpec = ModelSpec()
-    steps: Annotated[int, Field(ge=1)] = 60
-    batch_size: Annotated[int, Field(ge=1)] = 8
-    micro_batches: Annotated[int, Field(ge=1)] = 4
+    steps: Annotated[StrictInt, Field(ge=1)] = 60
+    batch_size: Annotated[StrictInt, Field(ge=1)] = 8
+    micro_batches: Annotated[StrictInt, Field(ge=1)] = 4
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    collective_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    collective_timeout_s: Annotated[Seconds, Field(gt=0)] = 60.0
     #: no training progress for this long is a hang; None: adaptive (max(10 s, 20 x p99 of
     #: the intervals between progress bumps))
-    hang_timeout_s: Annotated[float, Field(gt=0)] | None = None
+    hang_timeout_s: Annotated[Seconds, Field(gt=0)] | None = None
     #: after a rank fails: torchrun restarts the group, or the survivors re-form it in process
     #: with a warm spare (falling back to a restart when no spare is left)
     recovery: Literal["restart", "in_process"] = "restart"
     #: warm spare workers for in_process recovery (default 1 there, 0 otherwise)
-    spares: Annotated[int, Field(ge=0)] | None = None
+    spares: Annotated[StrictInt, Field(ge=0)] | None = None
 
     @property
     def world_size(self) -> int:
@@ -152,9 +154,9 @@ class CommandSpec(_Strict):
     #: argv of one rank; ``python``/``python3`` is the interpreter chaos runs in, and a script
     #: path is resolved relative to the scenario file, then the working directory
     command: Annotated[list[str], Field(min_length=1)]
-    nproc_per_node: Annotated[int, Field(ge=1)] = 1
+    nproc_per_node: Annotated[StrictInt, Field(ge=1)] = 1
     #: one host: emulated hosts (network namespaces) run only the built-in trainer for now
-    nodes: Annotated[int, Field(ge=1)] = 1
+    nodes: Annotated[StrictInt, Field(ge=1)] = 1
     #: added to every rank's environment
     env: dict[str, str | int | float] = {}
     #: the script reports steps through ``antifragile.probe``: needed by ``at_step`` faults
@@ -162,7 +164,7 @@ class CommandSpec(_Strict):
     probe: bool = True
     #: the longest the job takes to notice a dead or hung peer (the script's own process-group
     #: timeout or watchdog): a fault counts as the cause of a restart within this (+ teardown)
-    detect_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    detect_timeout_s: Annotated[Seconds, Field(gt=0)] = 60.0
 
     @property
     def world_size(self) -> int:
@@ -253,9 +255,9 @@ TrainerChoice = Annotated[
 
 class CheckpointSpec(_Strict):
     url: str | None = None
-    every_steps: Annotated[int, Field(ge=1)] = 10
+    every_steps: Annotated[StrictInt, Field(ge=1)] = 10
     async_: bool = Field(True, alias="async")
-    keep_last: Annotated[int, Field(ge=1)] = 3
+    keep_last: Annotated[StrictInt, Field(ge=1)] = 3
     #: the engine under test: ours, torch.distributed.checkpoint, or torchsnapshot
     engine: Literal["antifragile", "dcp", "torchsnapshot"] = "antifragile"
 
@@ -271,14 +273,15 @@ class CheckpointSpec(_Strict):
 
 class Expect(_Strict):
     bitwise_equal_to_reference: bool = True
-    max_recovery_s: Annotated[float, Field(gt=0)] | None = None
-    max_lost_steps: Annotated[int, Field(ge=0)] | None = None
+    max_recovery_s: Annotated[Seconds, Field(gt=0)] | None = None
+    max_lost_steps: Annotated[StrictInt, Field(ge=0)] | None = None
 
 
 class Scenario(_Strict):
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")]
     description: str = ""
-    seed: int = 0
+    #: seeds the trainer's generators (and the faults' choices): a 64-bit signed, non-negative
+    seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] = 0
     trainer: TrainerChoice = TrainerSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     faults: list[Annotated[FaultConfig, Field(discriminator="kind")]] = []
@@ -350,6 +353,9 @@ class Scenario(_Strict):
             problem = fault.check(dims, steps, checkpoints)
             problem = problem or fault.check_storage(self.checkpoint.url)
             problem = problem or fault.check_nodes(self.trainer.nodes)
+            if isinstance(self.trainer, TrainerSpec):  # a script's checkpoints are its own
+                problem = problem or fault.check_checkpoints(self.checkpoint.every_steps,
+                                                             self.trainer.steps)
             if problem:
                 key, reason = problem
                 raise ValueError(f"faults.{i}{'.' + key if key else ''}: {reason}")

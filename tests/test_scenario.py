@@ -151,3 +151,88 @@ def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
     path.write_text("name: x\ntrainer:\n  <<: {steps: 20, parallel: {dp: 2}}\n  steps: 10\n"
                     "checkpoint: {every_steps: 5}\n")
     assert load_scenario(path).trainer.steps == 10  # type: ignore[union-attr]
+
+
+def _fault(**fault: Any) -> dict[str, Any]:
+    return _with(faults=[fault])
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    (_fault(kind="corrupt_shard", checkpoint=-3, at_step=12),
+     "faults.0.checkpoint: -3 is not a checkpoint: name one by its step (>= 1), or latest"),
+    (_fault(kind="corrupt_shard", checkpoint=True, at_step=12),
+     "faults.0.checkpoint: True is not a checkpoint"),
+    (_fault(kind="corrupt_shard", checkpoint=7, at_step=12),
+     "faults.0.checkpoint: the built-in trainer saves every 5 steps (checkpoint.every_steps): "
+     "step 7 is never saved"),
+    (_fault(kind="corrupt_shard", checkpoint=25, at_step=12),
+     "faults.0.checkpoint: step 25 is after the last step (20)"),
+    (_fault(kind="corrupt_shard", checkpoint=20, mtbf_s=5),
+     "faults.0.checkpoint: step 20 is the last step's checkpoint, saved when no fault can fire "
+     "any more"),
+    (_fault(kind="corrupt_shard", checkpoint=15, at_step=12),
+     "faults.0.checkpoint: step 15 is not saved yet when the fault fires (at step 12)"),
+    (_fault(kind="corrupt_shard", checkpoint=15, at_checkpoint=2),
+     "faults.0.checkpoint: step 15 is not saved yet when the fault fires (at step 10)"),
+    (_fault(kind="kill_rank", rank=True, at_step=3),
+     "faults.0.rank: True is not a rank: give a rank number, random, or coordinates"),
+    (_fault(kind="kill_rank", rank=1.5, at_step=3), "faults.0.rank: 1.5 is not a rank"),
+    (_fault(kind="kill_rank", rank=1, at_step=True),
+     "faults.0.at_step: Input should be a valid integer"),
+    (_fault(kind="kill_rank", rank=1, at_checkpoint=True),
+     "faults.0.at_checkpoint: Input should be a valid integer"),
+    (_fault(kind="kill_rank", rank=1, mtbf_s=float("inf")),
+     "faults.0.mtbf_s: Input should be a finite number"),
+    (_fault(kind="kill_rank", rank=1, at_s=float("nan")),
+     "faults.0.at_s: Input should be a finite number"),
+    (_fault(kind="kill_rank", rank=1, mtbf_s=True), "faults.0.mtbf_s: Input should be a valid "
+     "number"),
+    (_fault(kind="hang_rank", rank=1, at_step=3, duration_s=float("inf")),
+     "faults.0.duration_s: Input should be a finite number"),
+    (_fault(kind="hang_rank", rank=1, at_step=3, duration_s=1e12),
+     "faults.0.duration_s: Input should be less than or equal to 9223372036"),
+    (_with(checkpoint={"url": "s3://b/p", "every_steps": 5},
+           faults=[{"kind": "storage_node_down", "server": True, "at_step": 3}]),
+     "faults.0.server: True is not a volume server: give its index (>= 0) or busiest"),
+    (_with(seed=2**64), "s.yaml: seed: Input should be less than or equal to "
+     "9223372036854775807"),
+    (_with(seed=-1), "s.yaml: seed: Input should be greater than or equal to 0"),
+    (_with(seed=True), "s.yaml: seed: Input should be a valid integer"),
+    (_with(trainer={"steps": True}), "s.yaml: trainer.steps: Input should be a valid integer"),
+    (_with(checkpoint={"every_steps": True}),
+     "s.yaml: checkpoint.every_steps: Input should be a valid integer"),
+    (_with(expect={"max_recovery_s": float("nan")}),
+     "s.yaml: expect.max_recovery_s: Input should be a finite number"),
+    (_with(trainer={"collective_timeout_s": float("inf")}),
+     "s.yaml: trainer.collective_timeout_s: Input should be a finite number"),
+], ids=lambda v: "" if isinstance(v, dict) else v[:50])
+def test_values_that_would_fail_only_at_run_time_are_refused(doc: Any, message: str) -> None:
+    """Caught before anything runs, one line each: a checkpoint the run never has (the fault
+    would only be "missed" after the whole run), a boolean read as 1, an infinite time (a
+    ZeroDivisionError, or a timer thread dying so SIGCONT is never sent), a seed too large."""
+    with pytest.raises(ScenarioError) as exc:
+        parse_scenario(doc, path="s.yaml")
+    assert str(exc.value).startswith("s.yaml: ") and "\n" not in str(exc.value), str(exc.value)
+    assert message in str(exc.value)
+
+
+def test_checkpoints_and_ranks_that_exist_are_accepted() -> None:
+    for fault in ({"kind": "corrupt_shard", "checkpoint": 10, "at_step": 12},
+                  {"kind": "corrupt_shard", "checkpoint": 10, "at_step": 10},
+                  {"kind": "corrupt_shard", "checkpoint": 5, "mtbf_s": 5},
+                  {"kind": "corrupt_shard", "checkpoint": "latest", "at_step": 3},
+                  {"kind": "kill_rank", "rank": "random", "at_s": 2},
+                  {"kind": "kill_rank", "rank": {"dp": 1}, "mtbf_s": 30},
+                  {"kind": "hang_rank", "rank": 1, "at_step": 3, "duration_s": 2}):
+        parse_scenario(_fault(**fault))
+    assert parse_scenario(_with(seed=2**63 - 1)).seed == 2**63 - 1
+
+
+def test_infinite_times_in_yaml_are_a_one_line_error(tmp_path: Path) -> None:
+    path = tmp_path / "inf.yaml"
+    path.write_text("name: x\ntrainer: {parallel: {dp: 2}, steps: 30}\n"
+                    "faults:\n  - {kind: kill_rank, rank: 1, mtbf_s: .inf}\n")
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.strip() == (f"error: {path}: faults.0.mtbf_s: Input should be a finite "
+                                     "number")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt
 
 if TYPE_CHECKING:
     from antifragile.chaos.infra.netns import Network
@@ -14,16 +15,31 @@ if TYPE_CHECKING:
     from antifragile.chaos.infra.seaweedfs import SeaweedCluster
 
 
+#: A time in seconds: a number (not a YAML ``true``), finite (an infinite or NaN time divides
+#: by zero in the mtbf arrivals, or kills the timer thread that ends a fault, so a stopped rank
+#: is never continued) and no longer than a timer can wait.
+Seconds = Annotated[StrictFloat, Field(allow_inf_nan=False, le=threading.TIMEOUT_MAX)]
+
+
 class Coordinates(BaseModel):
     """A rank named by its parallel coordinates."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    dp: Annotated[int, Field(ge=0)] = 0
-    pp: Annotated[int, Field(ge=0)] = 0
-    tp: Annotated[int, Field(ge=0)] = 0
+    dp: Annotated[StrictInt, Field(ge=0)] = 0
+    pp: Annotated[StrictInt, Field(ge=0)] = 0
+    tp: Annotated[StrictInt, Field(ge=0)] = 0
 
 
-RankTarget = int | Literal["random"] | Coordinates
+def _rank_input(value: Any) -> Any:
+    """One clear error for what is no rank at all (a YAML ``true`` is not rank 1)."""
+    if isinstance(value, bool) or not (isinstance(value, int | dict | Coordinates)
+                                       or value == "random"):
+        raise ValueError(f"{value!r} is not a rank: give a rank number, random, or coordinates "
+                         "{dp, pp, tp}")
+    return value
+
+
+RankTarget = Annotated[StrictInt | Literal["random"] | Coordinates, BeforeValidator(_rank_input)]
 
 
 class FaultBase(BaseModel):
@@ -34,10 +50,10 @@ class FaultBase(BaseModel):
     need nothing from the trainer: they work on any training script."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    at_step: Annotated[int, Field(ge=1)] | None = None
-    at_checkpoint: Annotated[int, Field(ge=1)] | None = None
-    mtbf_s: Annotated[float, Field(gt=0)] | None = None
-    at_s: Annotated[float, Field(ge=0)] | None = None
+    at_step: Annotated[StrictInt, Field(ge=1)] | None = None
+    at_checkpoint: Annotated[StrictInt, Field(ge=1)] | None = None
+    mtbf_s: Annotated[Seconds, Field(gt=0)] | None = None
+    at_s: Annotated[Seconds, Field(ge=0)] | None = None
 
     def check(self, dims: tuple[int, int, int], steps: int, checkpoints: int
               ) -> tuple[str, str] | None:
@@ -67,6 +83,17 @@ class FaultBase(BaseModel):
     def check_nodes(self, nodes: int) -> tuple[str, str] | None:
         """(key, reason) if this fault cannot happen on ``nodes`` (emulated) hosts."""
         return None
+
+    def check_checkpoints(self, every_steps: int, steps: int) -> tuple[str, str] | None:
+        """(key, reason) if this fault names a checkpoint that the built-in trainer, saving
+        every ``every_steps`` of ``steps`` steps, does not have when the fault fires."""
+        return None
+
+    def trigger_step(self, every_steps: int) -> int | None:
+        """The step a step- or checkpoint-triggered fault fires at (None: time-triggered)."""
+        if self.at_checkpoint is not None:
+            return self.at_checkpoint * every_steps
+        return self.at_step
 
 
 @dataclass(slots=True)

@@ -16,15 +16,44 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, StrictInt
 
 from antifragile.chaos.faults.base import FaultBase, Injection, Target
 
 
+def _checkpoint_input(value: Any) -> Any:
+    if value == "latest" or (isinstance(value, int) and not isinstance(value, bool)
+                             and value >= 1):
+        return value
+    raise ValueError(f"{value!r} is not a checkpoint: name one by its step (>= 1), or latest")
+
+
 class CorruptShard(FaultBase):
     kind: Literal["corrupt_shard"]
-    checkpoint: Literal["latest"] | int = "latest"
+    #: the step of the committed checkpoint to damage, or the newest one when the fault fires
+    checkpoint: Annotated[Literal["latest"] | StrictInt,
+                          BeforeValidator(_checkpoint_input)] = "latest"
     mode: Literal["bitflip", "truncate", "delete"] = "bitflip"
+
+    def check_checkpoints(self, every_steps: int, steps: int) -> tuple[str, str] | None:
+        step = self.checkpoint
+        if not isinstance(step, int):
+            return None
+        if step > steps:
+            return "checkpoint", f"step {step} is after the last step ({steps})"
+        if step == steps:
+            return "checkpoint", (f"step {step} is the last step's checkpoint, saved when no "
+                                  "fault can fire any more")
+        if step % every_steps:
+            return "checkpoint", (f"the built-in trainer saves every {every_steps} steps "
+                                  f"(checkpoint.every_steps): step {step} is never saved")
+        fires = self.trigger_step(every_steps)
+        if fires is not None and step > fires:
+            return "checkpoint", (f"step {step} is not saved yet when the fault fires (at "
+                                  f"step {fires})")
+        return None
 
     def inject(self, target: Target, step: int | None) -> Injection:
         from antifragile.engine._paths import step_dir

@@ -15,16 +15,17 @@ import threading
 import time
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
-from antifragile.chaos.faults.base import FaultBase, Injection, Target
+from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target
 
 
 class DropLink(FaultBase):
     kind: Literal["drop_link"]
-    between: Annotated[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]],
+    between: Annotated[tuple[Annotated[StrictInt, Field(ge=0)],
+                             Annotated[StrictInt, Field(ge=0)]],
                        Field(description="the two node indices whose link goes down")] = (0, 1)
-    duration_s: Annotated[float, Field(gt=0)] = 15.0
+    duration_s: Annotated[Seconds, Field(gt=0)] = 15.0
 
     def check_nodes(self, nodes: int) -> tuple[str, str] | None:
         if nodes < 2:

@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from antifragile.chaos.faults.base import FaultBase, Injection, RankTarget, Target
+from antifragile.chaos.faults.base import FaultBase, Injection, RankTarget, Seconds, Target
 
 _PTRACE_DETACH = 17
 _PTRACE_SEIZE = 0x4206
@@ -31,7 +31,7 @@ _WALL = 0x40000000
 class HangRank(FaultBase):
     kind: Literal["hang_rank"]
     rank: RankTarget = "random"
-    duration_s: Annotated[float, Field(gt=0)] = 30.0
+    duration_s: Annotated[Seconds, Field(gt=0)] = 30.0
     mode: Literal["process", "thread"] = "process"
 
     def inject(self, target: Target, step: int | None) -> Injection:

@@ -18,18 +18,25 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field, StrictInt
 
-from antifragile.chaos.faults.base import FaultBase, Injection, Target
+from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target
+
+
+def _server_input(value: Any) -> Any:
+    if value == "busiest" or (isinstance(value, int) and not isinstance(value, bool)
+                              and value >= 0):
+        return value
+    raise ValueError(f"{value!r} is not a volume server: give its index (>= 0) or busiest")
 
 
 class StorageNodeDown(FaultBase):
     kind: Literal["storage_node_down"]
-    duration_s: Annotated[float, Field(gt=0)] = 10.0
+    duration_s: Annotated[Seconds, Field(gt=0)] = 10.0
     mode: Literal["kill", "stop"] = "kill"
-    server: Annotated[int, Field(ge=0)] | Literal["busiest"] = "busiest"
+    server: Annotated[StrictInt | Literal["busiest"], BeforeValidator(_server_input)] = "busiest"
 
     def check_storage(self, url: str | None) -> tuple[str, str] | None:
         if not (url or "").startswith("s3://"):

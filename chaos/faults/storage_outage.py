@@ -17,16 +17,16 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from antifragile.chaos.faults.base import FaultBase, Injection, Target
+from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target
 
 _PROXY_KIND = {"error": "http503", "latency": "latency", "blackhole": "blackhole"}
 
 
 class StorageOutage(FaultBase):
     kind: Literal["storage_outage"]
-    duration_s: Annotated[float, Field(gt=0)] = 10.0
+    duration_s: Annotated[Seconds, Field(gt=0)] = 10.0
     mode: Literal["error", "latency", "blackhole"] = "error"
-    latency_s: Annotated[float, Field(gt=0)] = 2.0
+    latency_s: Annotated[Seconds, Field(gt=0)] = 2.0
 
     def check_storage(self, url: str | None) -> tuple[str, str] | None:
         if not (url or "").startswith("s3://"):
