@@ -174,3 +174,60 @@ def test_a_run_past_its_time_limit_is_a_clear_error(tmp_path: Path,
     assert "Traceback" not in result.output
     assert f"error: {path}: the fault-free run of noop went past its time limit" in \
         result.output
+
+
+@pytest.mark.parametrize("engine", ["antifragile", "dcp"])
+def test_a_local_url_holding_committed_checkpoints_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
+    """A fixed local ``checkpoint.url`` used by an earlier run: the trainer would resume from
+    that run's checkpoints and the verdict fail for reasons that have nothing to do with the
+    faults. Refused before anything runs (exit 2), as a used S3 prefix is."""
+    import warnings
+
+    import torch
+
+    from antifragile.chaos.run import pipeline
+
+    url = tmp_path / "fixed"
+    state = {"model": {"w": torch.ones(3)}}
+    if engine == "antifragile":
+        from antifragile.engine import CheckpointEngine
+
+        with CheckpointEngine(str(url), keep_last=None) as ckpt:
+            ckpt.save(10, state).wait()
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=str(url / "step_000000010"))
+
+    def must_not_run(*_: object, **__: object) -> None:
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(pipeline, "run_scenario", must_not_run)
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: s\ntrainer: {{parallel: {{dp: 2}}, steps: 20}}\n"
+                    f"checkpoint: {{every_steps: 5, url: {url}, engine: {engine}}}\n"
+                    "expect: {bitwise_equal_to_reference: false}\n")
+    _one_line_error(["run", str(path), "--out", str(tmp_path / "out")],
+                    f"{path}: checkpoint.url {url} already holds committed {engine} "
+                    "checkpoints (step 10); the trainer would resume from them")
+    url_file = tmp_path / "a-file"
+    url_file.write_text("not a folder")
+    path.write_text(f"name: s\ntrainer: {{parallel: {{dp: 2}}, steps: 20}}\n"
+                    f"checkpoint: {{every_steps: 5, url: {url_file}}}\n"
+                    "expect: {bitwise_equal_to_reference: false}\n")
+    _one_line_error(["run", str(path), "--out", str(tmp_path / "out")],
+                    f"{path}: checkpoint.url {url_file}: ")
+
+
+def test_a_fresh_local_url_is_used_as_given(tmp_path: Path) -> None:
+    from antifragile.chaos.infra.s3 import run_storage
+    from antifragile.chaos.scenario import parse_scenario
+
+    url = tmp_path / "fresh"
+    url.mkdir()
+    s = parse_scenario({"name": "s", "checkpoint": {"url": str(url)}})
+    with run_storage(s, tmp_path / "out") as storage:
+        assert storage.url == str(url)

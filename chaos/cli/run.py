@@ -60,7 +60,7 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
         fail("--check-determinism compares a second fault-free run with the reference run, "
              "which --no-reference skips")
     from antifragile.chaos.cli.progress import Progress
-    from antifragile.chaos.infra.s3 import S3SetupError
+    from antifragile.chaos.infra.s3 import StorageSetupError
     from antifragile.chaos.run.pipeline import run
     from antifragile.chaos.run.runner import ChaosRunError
 
@@ -71,7 +71,7 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
             outcome = run(s, folder, reference=not no_reference,
                           check_determinism=check_determinism, progress=progress,
                           status=progress.status)
-        except S3SetupError as exc:
+        except StorageSetupError as exc:  # S3 that cannot be used, a folder already used
             fail(f"{file}: {exc}")
         except ChaosRunError as exc:
             fail(f"{file}: {exc}", code=RUN_ERROR_EXIT)

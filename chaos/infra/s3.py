@@ -16,7 +16,8 @@ bridge (``chaos/run/runner.py``), so they need namespaces and a plain ``http://`
 Before anything runs, :func:`check_bucket` asks the endpoint once with short timeouts, so a bad
 endpoint is a one-line error (exit 2) within :data:`CHECK_BOUND_S` seconds, not a hang: an
 endpoint that does not answer, a missing bucket, refused credentials; :func:`prepare` also
-refuses a prefix that already holds checkpoints.
+refuses a prefix that already holds checkpoints (and :func:`check_local` a local folder that
+holds committed ones).
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ _CONNECT_S, _READ_S, _ATTEMPTS = 3, 5, 2
 CHECK_BOUND_S = _ATTEMPTS * max(_CONNECT_S, _READ_S) + 5
 
 
-class S3SetupError(Exception):
+class StorageSetupError(Exception):
+    """A run's checkpoint storage cannot be used; the message is meant for the user as is."""
+
+
+class S3SetupError(StorageSetupError):
     """The S3 side of a run cannot be set up; the message is meant for the user as is."""
 
 
@@ -228,6 +233,25 @@ def prepare(url: str, ep: S3Endpoint) -> None:
                            "from it: give the run a fresh prefix")
 
 
+def check_local(url: str, engine: str) -> None:
+    """Refuse a local ``checkpoint.url`` that already holds committed ``engine`` checkpoints
+    (an earlier run's): the trainer would resume from them, as from a used S3 prefix."""
+    from antifragile.engine import CheckpointError
+    from antifragile.trainer.ckpt_backends import committed_steps
+
+    try:
+        steps = committed_steps(engine, url)
+    except CheckpointError as exc:
+        raise StorageSetupError(f"checkpoint.url {url}: {exc}") from None
+    if steps:
+        shown = ", ".join(str(step) for step in steps[:3]) + (" ..." if len(steps) > 3 else "")
+        raise StorageSetupError(
+            f"checkpoint.url {url} already holds committed {engine} checkpoints (step"
+            f"{'s' if len(steps) > 1 else ''} {shown}); the trainer would resume from them: "
+            "give the run a fresh folder, delete this one, or set url: null (a folder in the "
+            "run's --out)")
+
+
 @contextlib.contextmanager
 def run_storage(s: Scenario, out: Path, progress: Callable[[str], None] = print
                 ) -> Iterator[RunStorage]:
@@ -239,6 +263,8 @@ def run_storage(s: Scenario, out: Path, progress: Callable[[str], None] = print
     """
     url = s.checkpoint.url
     if not is_s3(url):
+        if url:  # a folder chaos does not own: never cleared, so it must hold no run yet
+            check_local(url, s.checkpoint.engine)
         yield RunStorage(url or str(out / "ckpt"))
         return
     assert url is not None
