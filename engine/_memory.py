@@ -7,7 +7,10 @@ cells another rank writes), so the buffers cover this rank's whole local state. 
 a failed process group then restores its tensors from memory, with no storage reads for them;
 JSON values, bytes and the step's metadata still come from the committed step (small), which
 is also what binds the memory copy to it: the copy is used only for the step and nonce that
-committed, and each owned region is checked against the COMMIT manifest's chunk CRCs.
+committed, and only while no later save has staged over its buffers; each owned region is
+checked against the COMMIT manifest's chunk CRCs. A shadow (a replica another rank writes) has
+no object of its own in the manifest: its CRC is taken when the save commits, on the save's
+thread, and checked at the restore, so a bit that flipped in memory since is not loaded.
 """
 
 from __future__ import annotations
@@ -35,10 +38,14 @@ class MemoryCopy:
     # owned cells to check against the manifest: (object key, tensor path, index in staging)
     cells: list[tuple[str, str, int]] = field(default_factory=list)
     staging: StagingArea | None = None
+    epoch: int = 0  # the staging area's epoch this copy is of
+    shadow_crcs: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, step: int, nonce: int, staging: StagingArea) -> MemoryCopy:
-        copy = cls(step, nonce, local_shapes=dict(staging.local_shapes), staging=staging)
+        copy = cls(step, nonce, local_shapes=dict(staging.local_shapes), staging=staging,
+                   epoch=staging.epoch,
+                   shadow_crcs={p: staging.shadow_crc(p) for p in staging.shadows})
         for index, cell in enumerate(staging.cells):
             write = cell.write
             path = write.array.tensor
@@ -84,12 +91,18 @@ class MemoryCopy:
         return copied
 
     def check(self, crcs: dict[str, list[int]], paths: set[str]) -> str | None:
-        """The first owned region of ``paths`` whose bytes do not match the CRCs the COMMIT
-        manifest lists for its object, or None when all match."""
-        assert self.staging is not None or not self.cells
+        """Why the copy of ``paths`` cannot be used (a later save staged over its buffers, or
+        the first region whose bytes do not match the CRCs the COMMIT manifest lists for its
+        object, or its shadow's CRC), or None when all match."""
+        staging = self.staging
+        if staging is None:
+            return None if not self.cells and not self.shadow_crcs else "no staging buffers"
+        if staging.epoch != self.epoch:
+            return "a later save has staged over its buffers"
         for key, path, index in self.cells:
-            if path not in paths:
-                continue
-            if list(crcs.get(key) or []) != self.staging.chunk_crcs(index):  # type: ignore[union-attr]
-                return key
+            if path in paths and list(crcs.get(key) or []) != staging.chunk_crcs(index):
+                return f"{key} does not match its COMMIT manifest"
+        for path, crc in self.shadow_crcs.items():
+            if path in paths and staging.shadow_crc(path) != crc:
+                return f"the replica of {path!r} changed since the commit"
         return None

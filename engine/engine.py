@@ -907,10 +907,10 @@ class CheckpointEngine:
                    if memory.covers(stored.path, tensor)}
         if len(covered) != len(targets):
             return {}  # another layout: read everything (one source keeps the load simple)
-        damaged = memory.check(reader.commit.get("crcs") or {}, set(covered))
-        if damaged is not None:
-            log.warning("step %d: the copy in memory of %s does not match its COMMIT "
-                        "manifest; reading the step from storage", reader.step, damaged)
+        unusable = memory.check(reader.commit.get("crcs") or {}, set(covered))
+        if unusable is not None:
+            log.warning("step %d: the copy in memory is not used: %s; reading the step from "
+                        "storage", reader.step, unusable)
             return {}
         return covered
 

@@ -148,6 +148,7 @@ class StagingArea:
         self._staged = [True] * len(self.cells)  # which cells the save in progress staged
         self._complete = True  # shadows too
         self._error: BaseException | None = None
+        self.epoch = 0  # bumped by every save that stages here: a memory copy's staleness
 
     def _image(self, write: CellWrite, offset: int, stored: int, chunk_nbytes: int,
                nbytes: int) -> CellImage:
@@ -190,6 +191,7 @@ class StagingArea:
         with self._cond:
             self._staged = [False] * len(self.cells)
             self._complete, self._error = False, None
+            self.epoch += 1
 
     def fail(self, error: BaseException) -> None:
         """Staging failed: writers waiting for a cell raise instead of waiting forever."""
@@ -294,6 +296,10 @@ class StagingArea:
         if cell.index_crc is not None:
             crcs.append(cell.index_crc)
         return memoryview(image), crcs  # type: ignore[arg-type]
+
+    def shadow_crc(self, path: str) -> int:
+        """The CRC of the shadow of ``path`` as its bytes are now."""
+        return _format.crc(self.shadows[path].reshape(-1).view(torch.uint8).numpy())
 
     def chunk_crcs(self, index: int) -> list[int]:
         """The part CRCs of cell ``index`` as its staged bytes are now (a memory copy's check)."""

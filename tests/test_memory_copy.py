@@ -167,3 +167,41 @@ def _abandon_a_save_nobody_can_commit(url: str) -> list[Any]:
 def test_abandon_fails_a_save_in_flight_at_once(ranks: RankGroup, tmp_path: Path) -> None:
     (failed, waited), _ = ranks.run(_abandon_a_save_nobody_can_commit, str(tmp_path / "ck"))
     assert "abandoned" in failed and waited < 5.0, (failed, waited)
+
+
+def _shadow_damaged_or_outdated(url: str) -> list[Any]:
+    """The replica another rank writes lives in this rank's shadow buffer: a flipped bit in
+    it, or a copy used after a newer save staged over the same buffers, was loaded silently
+    (only the cells a rank owns were checked against the manifest)."""
+    mesh = DeviceMesh("cpu", torch.arange(2))
+    full = torch.randn(6, 6, generator=torch.Generator().manual_seed(4))
+    saved = {"r": distribute_tensor(full, mesh, [Replicate()])}
+    engine = CheckpointEngine(url, keep_in_memory=True, keep_last=None)
+    engine.save(5, saved, blocking=True)
+    memory = engine.memory_copy()
+    assert memory is not None and memory.staging is not None
+    flipped = list(memory.staging.shadows)
+    for path in flipped:
+        _bits(memory.staging.shadows[path])[5] ^= 0x10
+    out = []
+    for _ in range(2):
+        target = {"r": distribute_tensor(full * -1.0, mesh, [Replicate()])}
+        with CheckpointEngine(url) as loader:
+            loader.load(target, step=5, memory=memory)
+        out.append(torch.equal(_bits(target["r"].to_local()), _bits(full)))
+        for path in flipped:  # undone; then a newer save stages over the buffers
+            _bits(memory.staging.shadows[path])[5] ^= 0x10
+        flipped = []
+        engine.save(6, {"r": distribute_tensor(full * 2.0, mesh, [Replicate()])}, blocking=True)
+    engine.close()
+    return [dist.get_rank(), bool(memory.staging.shadows), *out]
+
+
+@pytest.mark.multiproc
+def test_a_damaged_or_outdated_replica_in_memory_is_not_used(ranks: RankGroup,
+                                                            tmp_path: Path) -> None:
+    results = ranks.run(_shadow_damaged_or_outdated, str(tmp_path / "ckpt"))
+    assert any(shadowed for _, shadowed, *_ in results)  # one rank holds the replica as a shadow
+    for rank, _, after_flip, after_newer_save in results:
+        assert after_flip, f"rank {rank}: a flipped bit in its replica was loaded"
+        assert after_newer_save, f"rank {rank}: a newer save's values loaded as step 5"
