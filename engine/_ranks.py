@@ -56,7 +56,7 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def digests(tensors: list[torch.Tensor]) -> list[int]:
     """A digest in [0, 2**62) of each tensor's bytes: crc32c on the host; on an accelerator two
-    word sums (all words, odd words) computed there, so only 16 bytes per tensor move."""
+    position-weighted word sums computed there, so only 16 bytes per tensor move."""
     out = [0] * len(tensors)
     sums: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, tensor in enumerate(tensors):
@@ -73,9 +73,21 @@ def digests(tensors: list[torch.Tensor]) -> list[int]:
     return [d & _MASK for d in out]
 
 
+_SUM_BLOCK = 1 << 22  # words per step: the int64 temporaries stay at 64 MiB
+
+
 def _device_sums(raw: torch.Tensor) -> torch.Tensor:
+    """Two sums of the words, each weighted by a function of the word's position (``i + 1``
+    and a multiplicative hash of ``i``; int64, wrapping): a value that moved changes both,
+    which plain sums did not see (shuffled indices have the sum of the sorted ones)."""
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    return torch.stack([words.sum(dtype=torch.int64), words[1::2].sum(dtype=torch.int64)])
+    out = torch.zeros(2, dtype=torch.int64, device=raw.device)
+    for start in range(0, words.numel(), _SUM_BLOCK):
+        block = words[start:start + _SUM_BLOCK].to(torch.int64)
+        i = torch.arange(start, start + block.numel(), dtype=torch.int64, device=raw.device)
+        out[0] += (block * (i + 1)).sum()
+        out[1] += (block * (((i * 2654435761) & 0x7FFFFFFF) | 1)).sum()
+    return out
 
 
 class PerRank:

@@ -222,6 +222,23 @@ def test_digests_see_one_flipped_bit_on_host_and_device_paths() -> None:
         assert not torch.equal(host, _device_sums(raw.reshape(-1))), dtype
 
 
+def test_device_digests_see_values_that_moved() -> None:
+    """Per-rank shuffled sample indices hold the same values in another order: the word sums
+    accelerators used (all words, odd words) were equal for any permutation that keeps the
+    parity of positions, so the ranks' tensors were taken for one replica and written once."""
+    from antifragile.engine._ranks import _device_sums
+
+    def sums(t: torch.Tensor) -> torch.Tensor:
+        return _device_sums(t.contiguous().view(torch.uint8).reshape(-1))
+
+    indices = torch.arange(1000)
+    assert not torch.equal(sums(indices), sums(indices[torch.randperm(1000)]))
+    swapped = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert not torch.equal(sums(swapped), sums(swapped[[2, 1, 0, 3]]))  # same parity
+    odd = torch.arange(13, dtype=torch.uint8)  # bytes, not words
+    assert not torch.equal(sums(odd), sums(odd.flip(0)))
+
+
 def save_and_load_own_step(url: str) -> tuple[str, str, list[int]]:
     """Each rank asks for a step of its own: both calls are refused on every rank, at once."""
     rank = dist.get_rank()
