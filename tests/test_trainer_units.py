@@ -429,3 +429,54 @@ def test_in_process_recovery_is_refused_where_a_training_process_hosts_the_store
                       str(tmp_path / "ckpt"), "--collective-timeout-s", "5"])
     with pytest.raises(LaunchError, match=r"in_process.*store"):
         run(cfg)
+
+
+_FORMATION_SCRIPT = """
+import os, sys, threading, time
+import torch.distributed as dist
+from antifragile.trainer.distributed import GlooSockets, join, launch_info
+from antifragile.trainer.recovery import Formation
+
+launch = launch_info(collective_timeout_s=60)
+sockets = GlooSockets(launch.store_ports())
+ctx = join(launch, f"{launch.slot}.0", Formation(0, ("0.0", "1.0")), sockets,
+           device_type="cpu")
+if launch.slot == 1:
+    os._exit(0)  # dies while the others build their subgroups
+threading.Timer(0.5, sockets.shutdown).start()  # the generation's failure watch fires
+t0 = time.monotonic()
+try:
+    dist.new_group([0, 1])
+    print("built", flush=True)
+except Exception as exc:
+    print(f"left after {time.monotonic() - t0:.1f} s: {type(exc).__name__}", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_failure_while_the_subgroups_form_ends_the_wait_at_once() -> None:
+    """A member died after the generation's rendezvous, while the others built their
+    subgroups (the device mesh: a store wait for the dead member's address): the abort shut
+    down only gloo's connections, captured once every group existed, so the survivors waited
+    for the collective timeout (60 s) and then fell back to a restart. The generation now
+    talks to the store over a connection of its own, which the abort cuts."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, "-c", _FORMATION_SCRIPT], text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in (0, 1)]
+    try:
+        out, err = procs[0].communicate(timeout=40)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert out.startswith("left after"), out + err[-2000:]
+    assert float(out.split()[2]) < 5.0, out

@@ -100,12 +100,18 @@ class DistContext:
     sockets: GlooSockets  # the generation's connections, for an abort
 
 
-def join(launch: Launch, me: str, formation: Formation, *, device_type: str) -> DistContext:
+def join(launch: Launch, me: str, formation: Formation, sockets: GlooSockets, *,
+         device_type: str) -> DistContext:
     """Initialise the default process group of ``formation`` as its member ``me`` (a worker
-    id). Call :meth:`GlooSockets.end` once every subgroup (mesh) is built."""
+    id), over a store connection of the generation's own (``sockets`` can cut it, and the
+    gloo connections: the abort). Call :meth:`GlooSockets.end` once every subgroup (mesh) is
+    built."""
     rank = formation.members.index(me)
     world_size = len(formation.members)
-    store = dist.PrefixStore(f"antifragile/g{formation.generation}", launch.base)
+    sockets.begin()
+    # one process (no torchrun): the in-memory store, nobody to wait for
+    link = sockets.link(launch.connect) if isinstance(launch.base, dist.TCPStore) else launch.base
+    store = dist.PrefixStore(f"antifragile/g{formation.generation}", link)
     if device_type == "cuda":
         torch.cuda.set_device(launch.local_rank)
         device = torch.device("cuda", launch.local_rank)
@@ -113,8 +119,6 @@ def join(launch: Launch, me: str, formation: Formation, *, device_type: str) -> 
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    sockets = GlooSockets(launch.store_ports())
-    sockets.begin()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=launch.timeout)
     return DistContext(rank, world_size, me, formation.generation, device, store, sockets)

@@ -133,13 +133,19 @@ class GlooSockets:
     before, told apart by inode, not by descriptor number: a socket closed during the
     formation frees its number for a gloo connection, and a captured number closed later may
     be reused by another connection, which must not be shut down. Connections to the stores
-    are never touched (their peer port is excluded).
+    are not touched (their peer port is excluded), except the generation's own store link
+    (:meth:`link`), and only before :meth:`end`: cut, it ends a rendezvous wait for a member
+    that died while the generation's groups were forming, which no gloo connection does.
+    Once formed it is left alone: cutting it then stalled the next generation's rendezvous
+    on torchrun's store for 5 s in every 2x2x2 recovery (why is not known).
     """
 
     def __init__(self, keep_ports: set[int]) -> None:
         self.keep_ports = keep_ports
         self._before: set[int] = set()
         self.fds: dict[int, int] = {}  # descriptor -> socket inode
+        self.links: dict[int, int] = {}  # the generation's store link (descriptor -> inode)
+        self._ended = False
 
     @staticmethod
     def _sockets() -> dict[int, int]:
@@ -154,32 +160,57 @@ class GlooSockets:
     def begin(self) -> None:
         self._before = set(self._sockets().values())
 
+    def link(self, connect: Callable[[], Any]) -> Any:
+        """``connect()`` (the generation's own store client), its connections kept to be cut
+        by :meth:`shutdown` even before :meth:`end`."""
+        before = set(self._sockets().values())
+        client = connect()
+        self.links = {fd: inode for fd, inode in self._sockets().items()
+                      if inode not in before and _peer_port(fd) in self.keep_ports}
+        return client
+
     def end(self) -> None:
         self.fds = {fd: inode for fd, inode in self._sockets().items()
                     if inode not in self._before}
+        self._ended = True
 
     def shutdown(self) -> int:
-        """Shut down every captured connection (not listeners, not store links); returns how
-        many. Thread-safe with respect to the collectives it interrupts."""
-        closed = 0
-        for fd, inode in sorted(self.fds.items()):
-            try:
-                sock = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                continue
-            try:
-                if os.fstat(sock.fileno()).st_ino != inode:
-                    continue  # closed since, and the number reused
-                peer = sock.getpeername()
-                if isinstance(peer, tuple) and peer[1] in self.keep_ports:
-                    continue
-                sock.shutdown(socket.SHUT_RDWR)
-                closed += 1
-            except OSError:
-                pass  # a listener, or already closed
-            finally:
-                sock.close()
-        return closed
+        """Shut down every captured connection and the store link (not listeners, not other
+        store connections); returns how many. Thread-safe with respect to the collectives and
+        store waits it interrupts."""
+        if not self._ended:  # forming: a rendezvous may wait in the store for a dead member
+            return sum(_shut(fd, inode, keep_ports=set()) for fd, inode in self.links.items())
+        return sum(_shut(fd, inode, self.keep_ports) for fd, inode in sorted(self.fds.items()))
+
+
+def _peer_port(fd: int) -> int | None:
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            peer = sock.getpeername()
+    except OSError:
+        return None
+    return peer[1] if isinstance(peer, tuple) else None
+
+
+def _shut(fd: int, inode: int, keep_ports: set[int]) -> bool:
+    """Shut down the connection at ``fd`` if it is still the socket ``inode`` and its peer's
+    port is not in ``keep_ports``."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        if os.fstat(sock.fileno()).st_ino != inode:
+            return False  # closed since, and the number reused
+        peer = sock.getpeername()
+        if isinstance(peer, tuple) and peer[1] in keep_ports:
+            return False
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False  # a listener, or already closed
+    finally:
+        sock.close()
 
 
 class FailureWatch:
@@ -206,7 +237,9 @@ class FailureWatch:
         self.fired = threading.Event()
         self._stop = threading.Event()
         self._left = threading.Event()
-        self._make_store = make_store
+        # connected here, on the caller's thread: a connection this thread opened during the
+        # rendezvous would be taken for the generation's store link (``GlooSockets.link``)
+        self._js = make_store()
         self._on_failure = on_failure
         self._progress = progress
         self._stuck_after_s = stuck_after_s
@@ -227,7 +260,7 @@ class FailureWatch:
         self._left.set()
 
     def _run(self) -> None:
-        js = self._make_store()
+        js = self._js
         key = f"g{self.generation}/fail"
         while not js.wait(key, 24 * 3600.0):
             pass

@@ -33,6 +33,7 @@ from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import (
     FailureWatch,
     Formation,
+    GlooSockets,
     finish,
     first_formation,
     gather,
@@ -214,18 +215,20 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
             progress.set(Phase.RECOVERING)
             nxt = recover(js, me, formation, timeout_s=cfg.collective_timeout_s)
             return RESTART_EXIT_CODE if isinstance(nxt, str) else (nxt, memory[0])
-    ctx = join(launch, me, formation, device_type=cfg.device)
-    events = EventLog(cfg.run_dir, ctx.rank, ctx.generation)
-    events.emit("start", pid=os.getpid(), world_size=ctx.world_size, worker=me,
-                dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cause=cause,
-                recovery=cfg.recovery)
+    rank, generation = formation.members.index(me), formation.generation
+    events = EventLog(cfg.run_dir, rank, generation)
+    sockets = GlooSockets(launch.store_ports())
     watch = None
-    if cfg.recovery == "in_process":
-        watch = FailureWatch(launch.job_store, ctx.generation, ctx.sockets.shutdown,
+    if cfg.recovery == "in_process":  # armed before the rendezvous: a member may die during it
+        watch = FailureWatch(launch.job_store, generation, sockets.shutdown,
                              progress=progress, on_stuck=_stuck)
         watch.start()
     checkpointer: list[TrainCheckpointer] = []  # set by _train: its memory outlives a failure
     try:
+        ctx = join(launch, me, formation, sockets, device_type=cfg.device)
+        events.emit("start", pid=os.getpid(), world_size=ctx.world_size, worker=me,
+                    dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cause=cause,
+                    recovery=cfg.recovery)
         code = _train(cfg, ctx, events, progress, model, memory, checkpointer)
         progress.set(Phase.DONE)
         events.emit("exit", code=code)
@@ -243,9 +246,9 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         progress.set(Phase.RECOVERING)
         reason = f"{type(exc).__name__}: {str(exc)[:300]}"
         events.emit("recovery_begin", reason=reason)
-        signal_failure(js, ctx.generation, f"rank {ctx.rank}: {reason}")
+        signal_failure(js, generation, f"rank {rank}: {reason}")
         watch.stop()
-        ctx.sockets.shutdown()
+        sockets.shutdown()
         kept = memory[0]  # failed before it restored: the previous copy still holds
         if checkpointer:  # the save in flight cannot commit (a rank is gone): give it up
             kept = checkpointer[0].backend.memory_copy() or kept
