@@ -19,7 +19,7 @@ def main() -> int:
     import torch  # before the fork: the training process starts with it loaded
 
     from antifragile.trainer.progress import SharedProgress
-    from antifragile.trainer.supervisor import supervise
+    from antifragile.trainer.supervisor import USAGE_EXIT_CODE, supervise
     from antifragile.trainer.train import LaunchError, run
 
     def train(progress: SharedProgress, incarnation: int) -> int:
@@ -30,7 +30,7 @@ def main() -> int:
             return run(cfg, progress, incarnation)
         except LaunchError as exc:
             print(f"antifragile.trainer: error: {exc}", file=sys.stderr, flush=True)
-            return 2
+            return USAGE_EXIT_CODE
 
     if "RANK" not in os.environ:  # not under torchrun: one process, nobody to supervise it
         return train(SharedProgress(), 0)

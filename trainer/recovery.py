@@ -175,9 +175,9 @@ class GlooSockets:
         self._ended = True
 
     def shutdown(self) -> int:
-        """Shut down every captured connection and the store link (not listeners, not other
-        store connections); returns how many. Thread-safe with respect to the collectives and
-        store waits it interrupts."""
+        """While forming, the generation's store link; once formed, every captured connection
+        (not listeners, not store connections). Returns how many were shut down. Thread-safe
+        with respect to the collectives and store waits it interrupts."""
         if not self._ended:  # forming: a rendezvous may wait in the store for a dead member
             return sum(_shut(fd, inode, keep_ports=set()) for fd, inode in self.links.items())
         return sum(_shut(fd, inode, self.keep_ports) for fd, inode in sorted(self.fds.items()))
