@@ -544,3 +544,57 @@ def test_a_kill_during_the_recovery_of_the_previous_one_interrupts_it_without_fa
     assert first.interrupted_by_t == pytest.approx(second + 0.1)
     assert last.ended_attempt == 1 and last.restored_step == 6 and last.recovery_s is not None
     assert v.verdict == "pass", v.reasons
+
+
+def test_a_hang_that_a_kill_in_the_same_attempt_masked_is_not_credited() -> None:
+    """A kill of rank 1 and a stop of rank 3 at one pause point: the kill ends the attempt
+    before any watchdog could see the hang, and the stopped rank writes nothing, which was
+    taken for the hang's own effect (it was credited with the kill's restart and recovery)."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    job.injections.append(Injection("hang_rank", t + 0.04, step=7, rank=3, fault_index=1,
+                                    detail={"pid": 1003, "duration_s": 20.0}))
+    stopped_t = t + 0.04
+    t = _kill(job, t + 0.05, 0, 1, 7, fault_index=0)
+    job.events = [e for e in job.events if not (e["rank"] == 3 and e["t"] > stopped_t)]
+    t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 12)
+    v, (hang, kill) = _verdict(_finish(job, t, 1), [
+        KILL, {"kind": "hang_rank", "rank": 3, "at_step": 7, "duration_s": 20}])
+    assert kill.effect_observed and kill.ended_attempt == 0
+    assert hang.effect_observed is False and hang.recovery_s is None
+    assert "masked" in (hang.effect or "") and "kill_rank" in (hang.effect or ""), hang.effect
+    assert v.verdict == "fail"
+
+
+def test_two_random_kills_at_one_point_hit_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ``rank: random`` kills at one pause point drew the same rank: the second SIGKILL
+    went to the dead, not yet reaped process (it succeeds on a zombie) and counted as made."""
+    import signal
+
+    from antifragile.chaos.faults import base
+    from antifragile.chaos.faults.kill_rank import KillRank
+
+    sent: list[int] = []
+    dead: set[int] = set()
+
+    def kill(pid: int, sig: int) -> None:
+        if sig == signal.SIGKILL:
+            sent.append(pid)
+            dead.add(pid)
+
+    monkeypatch.setattr(base.os, "kill", kill)
+    monkeypatch.setattr(base, "alive", lambda pid: pid not in dead)
+    for seed in range(20):
+        sent.clear()
+        dead.clear()
+        target = base.Target(pids={0: 100, 1: 101, 2: 102}, coordinates={}, ckpt_url="unused",
+                             rng=random.Random(seed))
+        fault = KillRank(kind="kill_rank", rank="random", at_step=3)
+        made = [fault.inject(target, 3) for _ in range(2)]
+        assert [m.missed for m in made] == [None, None], seed
+        assert len(set(sent)) == 2 and made[0].rank != made[1].rank, seed
+    dead.clear()
+    target = base.Target(pids={0: 100}, coordinates={}, ckpt_url="unused", rng=random.Random(0))
+    first, again = (KillRank(kind="kill_rank", rank=0, at_step=3).inject(target, 3)
+                    for _ in range(2))
+    assert first.missed is None and again.missed and "already" in again.missed

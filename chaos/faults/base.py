@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from dataclasses import dataclass, field
@@ -131,10 +132,11 @@ class Target:
     storage_proxy_unavailable: str | None = None  # why there is none, if one was wanted
     storage_cluster: SeaweedCluster | None = None  # the S3 store chaos started, for node faults
     storage_cluster_unavailable: str | None = None  # why there is none
+    hit: set[int] = field(default_factory=set)  # ranks a fault already signalled (this point)
 
     def resolve(self, rank: RankTarget) -> int:
-        if rank == "random":
-            return self.rng.choice(sorted(self.pids))
+        if rank == "random":  # a rank no other fault of the same moment has hit, if any
+            return self.rng.choice(sorted(set(self.pids) - self.hit) or sorted(self.pids))
         if isinstance(rank, Coordinates):
             wanted = (rank.dp, rank.pp, rank.tp)
             for r, coords in self.coordinates.items():
@@ -143,3 +145,26 @@ class Target:
             raise ValueError(f"no rank at {wanted}")
         assert isinstance(rank, int)
         return rank
+
+    def signal(self, rank: int, sig: int) -> str | None:
+        """Send ``sig`` to ``rank``'s worker: None once sent, else why it was not (the process
+        had exited; a zombie not yet reaped counts, since a signal to one succeeds and does
+        nothing)."""
+        pid = self.pids[rank]
+        if alive(pid):
+            try:
+                os.kill(pid, sig)
+                self.hit.add(rank)
+                return None
+            except ProcessLookupError:
+                pass
+        return f"rank {rank} (pid {pid}) had already exited"
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] not in "ZX"
+    except (OSError, IndexError):
+        return False

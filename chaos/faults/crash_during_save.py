@@ -12,7 +12,6 @@ never claims a mid-save crash that did not happen.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from typing import Literal
@@ -40,7 +39,10 @@ class CrashDuringSave(FaultBase):
 
         rank = target.resolve(self.rank)
         pid = target.pids[rank]
-        os.kill(pid, signal.SIGKILL)
+        missed = target.signal(rank, signal.SIGKILL)
+        if missed:
+            return Injection(self.kind, time.time(), step=step, rank=rank, missed=missed,
+                             detail={"pid": pid, "checkpoint_step": step, "phase": self.phase})
         committed = step is not None and open_storage(target.ckpt_url).exists(
             f"{step_dir(step)}/{COMMIT}")
         return Injection(self.kind, time.time(), step=step, rank=rank,

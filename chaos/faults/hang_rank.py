@@ -44,9 +44,13 @@ class HangRank(FaultBase):
             if error:
                 return Injection(self.kind, time.time(), step=step, rank=rank,
                                  skipped=f"ptrace of pid {pid} refused: {error}", detail=detail)
+            target.hit.add(rank)
             return Injection(self.kind, time.time(), step=step, rank=rank,
                              detail={**detail, "tid": pid})
-        os.kill(pid, signal.SIGSTOP)
+        missed = target.signal(rank, signal.SIGSTOP)
+        if missed:
+            return Injection(self.kind, time.time(), step=step, rank=rank, missed=missed,
+                             detail=detail)
 
         def resume() -> None:
             with contextlib.suppress(ProcessLookupError):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from typing import Literal
@@ -16,11 +15,7 @@ class KillRank(FaultBase):
 
     def inject(self, target: Target, step: int | None) -> Injection:
         rank = target.resolve(self.rank)
-        pid = target.pids[rank]
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:  # a random arrival can land as the attempt ends or dies
-            return Injection(self.kind, time.time(), step=step, rank=rank,
-                             missed=f"rank {rank} (pid {pid}) had already exited",
-                             detail={"pid": pid})
-        return Injection(self.kind, time.time(), step=step, rank=rank, detail={"pid": pid})
+        # a random arrival can land as the attempt ends, or another fault killed the rank
+        missed = target.signal(rank, signal.SIGKILL)
+        return Injection(self.kind, time.time(), step=step, rank=rank, missed=missed,
+                         detail={"pid": target.pids[rank]})

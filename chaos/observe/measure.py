@@ -117,6 +117,9 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
     - ``drop_link``: the attempt failed in the window (a watchdog that found a rank hung is
       named as the evidence).
 
+    A stop or a cut without a watchdog's evidence, in an attempt that a kill of another rank
+    ended, is ``masked``: the kill, not it, ended the attempt.
+
     Supervisors write their own events (``rank_died``, ``hang_detected``) about a rank; only
     the rank's own events count as "it wrote".
 
@@ -139,7 +142,13 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
     r = injection.rank
     hung = [e for e in events if e["event"] == "hang_detected" and (r is None or e["rank"] == r)]
     wrote = [e for e in events if e["rank"] == r and e.get("by") not in ("supervisor", "chaos")]
+    killer = None if hung else _killed_by_another(record, injection, attempt, end)
+    masked = None if killer is None else (
+        f"masked: {killer.kind} of rank {killer.rank} {killer.t - injection.t:+.2f} s from it "
+        f"ended attempt {attempt} before any watchdog saw this {injection.kind}")
     if injection.kind == "drop_link":
+        if masked:  # a cut shows itself only through a watchdog
+            return False, masked
         how = (f"rank {hung[0]['rank']}'s supervisor found it hung ({hung[0]['how']}); "
                if hung else "")
         return True, f"{how}attempt {attempt} ended {waited:.2f} s after the cut"
@@ -151,8 +160,24 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
         return False, (f"no restart followed: rank {r} went on ({wrote[0]['event']} "
                        f"{wrote[0]['t'] - injection.t:.2f} s later), and attempt {attempt} "
                        f"ended {waited:.1f} s after the fault for another reason")
+    if masked:  # the stopped rank wrote nothing, but the kill ended the attempt
+        return False, masked
     what = "stopped" if injection.kind == "hang_rank" else "killed"
     return True, f"rank {r} {what}; attempt {attempt} ended {waited:.2f} s later"
+
+
+def _killed_by_another(record: RunRecord, injection: Injection, attempt: int, end: float
+                       ) -> Injection | None:
+    """For a stop or a cut: a kill of another rank, made in the same attempt before it
+    ended, which ends it whatever the stop or cut did."""
+    if injection.kind not in ("hang_rank", "drop_link"):
+        return None
+    for other in record.injections:
+        if other is not injection and other.kind in ("kill_rank", "crash_during_save") \
+                and not other.missed and not other.skipped and other.rank != injection.rank \
+                and other.t <= end and _struck_attempt(record, other) == attempt:
+            return other
+    return None
 
 
 def _link_noticed(record: RunRecord, injection: Injection, why_not: str) -> tuple[bool, str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from antifragile.chaos.faults import FaultBase, Injection, Target
+from antifragile.chaos.faults.base import alive
 from antifragile.chaos.infra.launch import launch, launch_hosts
 from antifragile.chaos.infra.netns import NetnsUnavailable, Network
 from antifragile.chaos.infra.proxy import FaultProxy
@@ -43,18 +44,6 @@ class _Pending:
     fault: FaultBase
     index: int  # in the scenario's faults: what each injection is recorded as
     next_t: float | None = None  # for mtbf arrivals and at_s
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped by torchrun) counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def _coordinates(s: Scenario) -> dict[int, tuple[int, int, int]]:
@@ -143,7 +132,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                     pids = job.current_pids()
                     up = (len(pids) == s.trainer.world_size
                           and (s.is_command or job.step < s.trainer.steps)
-                          and all(_alive(pid) for pid in pids.values()))
+                          and all(alive(pid) for pid in pids.values()))
                     if up:
                         injection = p.fault.inject(  # type: ignore[attr-defined]
                             _target(s, pids, ckpt_url, rng, storage, hosts),
@@ -276,7 +265,7 @@ class _Job:
 
     def ended(self, g: int) -> bool:
         ranks = self.generations.get(g, {})
-        return len(ranks) > 0 and all(r in self.left.get(g, set()) or not _alive(pid)
+        return len(ranks) > 0 and all(r in self.left.get(g, set()) or not alive(pid)
                                       for r, pid in ranks.items())
 
     def check_ends(self, now: float) -> None:
