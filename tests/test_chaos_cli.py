@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,56 @@ def test_a_fresh_local_url_is_used_as_given(tmp_path: Path) -> None:
     s = parse_scenario({"name": "s", "checkpoint": {"url": str(url)}})
     with run_storage(s, tmp_path / "out") as storage:
         assert storage.url == str(url)
+
+
+def test_a_pause_point_a_rank_never_reaches_is_given_up(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script that calls the probe on rank 0 only: rank 0 is held at step 3's pause point
+    for a rank that never comes, and the run waited there until its time limit (an hour).
+    Once the others have waited the detection window, the fault is missed, saying why, and
+    the held rank goes on."""
+    from antifragile.chaos.run import runner
+    from antifragile.chaos.scenario import load_scenario
+
+    (tmp_path / "rank0only.py").write_text(
+        "import os, time\nfrom antifragile import probe\n"
+        "for step in range(1, 6):\n    time.sleep(0.1)\n"
+        "    if os.environ['RANK'] == '0':\n        probe.step_end(step)\n")
+    path = tmp_path / "rank0only.yaml"
+    path.write_text("name: rank0only\ntrainer: {command: [python, rank0only.py], "
+                    "nproc_per_node: 2}\nfaults:\n  - {kind: kill_rank, rank: 1, at_step: 3}\n"
+                    "expect: {bitwise_equal_to_reference: false}\n")
+    monkeypatch.setattr(runner, "detection_window_s", lambda s: 2.0)
+    monkeypatch.chdir(tmp_path)
+    record = runner.run_scenario(load_scenario(path), tmp_path / "run",
+                                 str(tmp_path / "ckpt"), timeout_s=120)
+    (injection,) = record.injections
+    assert injection.fault_index == 0 and injection.rank is None
+    assert "rank(s) [1] never reached the pause point" in (injection.missed or ""), injection
+    assert record.returncode == 0  # rank 0 was released and finished
+
+
+def test_an_aborted_run_leaves_no_worker_behind(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun starts each worker in a session of its own: killing the agent's process
+    group at the time limit left a user's script running."""
+    import subprocess
+
+    from antifragile.chaos.run import runner
+    from antifragile.chaos.scenario import load_scenario
+
+    pid_file = tmp_path / "worker.pid"
+
+    def agent(*_: object, **__: object) -> subprocess.Popen[str]:
+        return subprocess.Popen(["bash", "-c", f"setsid sleep 120 & echo $! > {pid_file}; wait"],
+                                start_new_session=True, text=True)
+
+    monkeypatch.setattr(runner, "launch", agent)
+    with pytest.raises(runner.ChaosRunError):
+        runner.run_scenario(load_scenario(_command_scenario_file(tmp_path)), tmp_path / "run",
+                            str(tmp_path / "ckpt"), timeout_s=1.0)
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 5.0  # a SIGKILL takes effect a moment after it is sent
+    while runner.alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not runner.alive(worker), f"worker {worker} outlived the run"

@@ -6,6 +6,7 @@ signals and storage operations done to the job, never code inside it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -24,8 +25,9 @@ from antifragile.chaos.infra.launch import launch, launch_hosts
 from antifragile.chaos.infra.netns import NetnsUnavailable, Network
 from antifragile.chaos.infra.proxy import FaultProxy
 from antifragile.chaos.infra.s3 import ENDPOINT_VARS, RunStorage
+from antifragile.chaos.observe.measure import detection_window_s
 from antifragile.chaos.observe.record import EventTail, RunRecord
-from antifragile.chaos.run.workers import WorkerWatch
+from antifragile.chaos.run.workers import WorkerWatch, children
 from antifragile.chaos.scenario import Scenario
 
 
@@ -70,6 +72,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     A command trainer's ranks are also found from outside (``workers.WorkerWatch``), so
     time-based faults reach a script that never calls the probe."""
     rng = random.Random(s.seed)
+    wait_s = detection_window_s(s)  # for every rank to reach a pause point
     pending = [_Pending(f, i) for i, f in enumerate(s.faults if faults else [])]
     max_restarts = 2 * len(pending) + (50 if any(p.fault.mtbf_s for p in pending) else 0)
     points = _pause_plan(s, pending, rng)
@@ -124,6 +127,20 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                         _release(run_dir, point)
                         job.paused_s += time.time() - point.first_paused_t
             now = time.time()
+            for point in points.values():
+                if point.paused and not point.released and now - point.last_paused_t > wait_s \
+                        and max(g for g, _ in point.paused) >= max(job.generations, default=0):
+                    # a rank that never comes (a script that calls the probe on rank 0 only)
+                    # would hold the others until the run's time limit: the faults due here
+                    # did not happen, and the held ranks go on
+                    why = (f"rank(s) {point.missing(s.trainer.world_size)} never reached the "
+                           f"pause point {point.as_json()} in {wait_s:g} s after the others (a "
+                           "script must call antifragile.probe.step_end on every rank)")
+                    for index, fault in point.faults:
+                        injections.append(Injection(fault.kind, now, step=point.step,
+                                                    missed=why, fault_index=index))
+                    _release(run_dir, point)
+                    job.paused_s += now - point.first_paused_t
             for p in pending:
                 if p.next_t is not None and now >= p.next_t and job.generations:
                     # An arrival while the job is down (re-forming, restarting) or after its
@@ -172,7 +189,14 @@ class _Point:
     faults: list[tuple[int, FaultBase]] = field(default_factory=list)  # (index, fault) due here
     paused: set[tuple[int, int]] = field(default_factory=set)  # (generation, rank)
     first_paused_t: float = 0.0
+    last_paused_t: float = 0.0
     released: bool = False
+
+    def missing(self, world_size: int) -> list[int]:
+        """The ranks not (yet) held here in the newest generation that reached it."""
+        generation = max((g for g, _ in self.paused), default=0)
+        wanted = self.ranks if self.ranks is not None else range(world_size)
+        return [r for r in wanted if (generation, r) not in self.paused]
 
     def as_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"id": self.id}
@@ -278,6 +302,7 @@ class _Job:
         current generation), and the point has not been released yet."""
         if not point.paused:
             point.first_paused_t = e["t"]
+        point.last_paused_t = e["t"]
         point.paused.add((e["attempt"], e["rank"]))
         if point.released:
             return False
@@ -327,9 +352,18 @@ class _Agents:
         return True
 
     def kill(self) -> None:
+        """SIGKILL each agent that still runs, with its workers: torchrun starts each in a
+        session of its own, which a signal to the agent's group does not reach (a user's
+        script outlived an aborted run)."""
         for p in self.procs:
             if p.poll() is None:
+                workers = children(p.pid)
                 os.killpg(p.pid, signal.SIGKILL)
+                for pid in workers:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)  # the worker and what it started
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)  # one that leads no group of its own
                 p.wait()
 
     @property
