@@ -386,6 +386,7 @@ class CheckpointEngine:
         if last is not None and not last.retention_done():
             self._draining.append(last)
         self._draining = [h for h in self._draining if not h.retention_done()]
+        self._memory = None  # the buffers are about to hold an uncommitted step
         self._staging.begin()
         self._last = handle
         persist = (f"ckpt-save-{step}", self._persist, handle, self._plan, self._staging, nonce,
@@ -458,7 +459,6 @@ class CheckpointEngine:
         """Stage on this thread. A failure reaches the save's writers (it fails); deferred,
         it is not raised again here."""
         assert self._staging is not None
-        self._memory = None  # the buffers are about to hold an uncommitted step
         try:
             handle.stall_s = self._staging.stage(flat.tensors)
         except BaseException:

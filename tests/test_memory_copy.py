@@ -205,3 +205,24 @@ def test_a_damaged_or_outdated_replica_in_memory_is_not_used(ranks: RankGroup,
     for rank, _, after_flip, after_newer_save in results:
         assert after_flip, f"rank {rank}: a flipped bit in its replica was loaded"
         assert after_newer_save, f"rank {rank}: a newer save's values loaded as step 5"
+
+
+def test_a_deferred_save_withdraws_the_copy_when_it_is_called(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """With ``defer_staging`` the copy was withdrawn only once the staging thread ran: a
+    ``memory_copy()`` in between returned the committed copy while its buffers were about to
+    be overwritten."""
+    gate = threading.Event()
+    with CheckpointEngine(str(tmp_path / "ckpt"), keep_in_memory=True) as engine:
+        engine.save(1, _state(1), blocking=True)
+        assert engine.memory_copy() is not None
+        stage = engine._stage
+        monkeypatch.setattr(engine, "_stage", lambda *a, **k: (gate.wait(30), stage(*a, **k)))
+        handle = engine.save(2, _state(2), defer_staging=True)
+        try:
+            assert engine.memory_copy() is None
+        finally:
+            gate.set()
+        handle.wait(30)
+        assert engine.memory_copy().step == 2  # type: ignore[union-attr]
