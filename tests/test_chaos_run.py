@@ -89,12 +89,13 @@ def test_corrupt_latest_checkpoint_falls_back_and_still_ends_equal(
 
 def test_faults_that_did_nothing_fail_even_when_the_state_is_equal(
         tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two corruptions that prove nothing: one finds no checkpoint 3 to damage (every 4 steps),
-    the other damages the newest checkpoint but no restart ever reads it. The run ends equal
+    """Two corruptions that prove nothing: one finds no checkpoint to damage yet (at step 2,
+    saves every 4; a named step the trainer never saves is refused at validation), the other
+    damages the newest checkpoint but no restart ever reads it. The run ends equal
     to the reference, and the verdict still fails, saying why."""
     monkeypatch.setenv("ANTIFRAGILE_CACHE", str(cache))
     doc = _scenario("no-effect", [
-        {"kind": "corrupt_shard", "at_step": 2, "checkpoint": 3},
+        {"kind": "corrupt_shard", "at_step": 2, "checkpoint": "latest"},
         {"kind": "corrupt_shard", "at_step": 9, "checkpoint": "latest"},
     ])
     path = tmp_path / "no-effect.yaml"
@@ -103,14 +104,15 @@ def test_faults_that_did_nothing_fail_even_when_the_state_is_equal(
     assert result.exit_code == 1, result.output
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     missed, unread = report["faults"]
-    assert missed["missed"] == "no committed checkpoint 3 to corrupt"
+    assert missed["missed"] == "no committed checkpoint to corrupt"
     assert missed["effect_observed"] is False and unread["effect_observed"] is False
     damaged = unread["checkpoint_step"]
     assert damaged is not None and damaged % 4 == 0 and unread["recovery_s"] is None
     verdict = report["verdict"]
     assert verdict["verdict"] == "fail" and verdict["bitwise_equal"] is True
     assert len(verdict["reasons"]) == 2, verdict
-    assert "no observable effect: not made: no committed checkpoint 3" in verdict["reasons"][0]
+    assert "no observable effect: not made: no committed checkpoint to corrupt" in \
+        verdict["reasons"][0]
     assert f"no restore read the damaged step {damaged}" in verdict["reasons"][1]
     assert "NO EFFECT" in result.output
 

@@ -457,12 +457,12 @@ def test_a_missed_fault_fails_and_a_skipped_one_is_skipped() -> None:
     job = _Job()
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 12)
     job.injections.append(Injection("corrupt_shard", T0 + 1.6, step=1, fault_index=0,
-                                    missed="no committed checkpoint latest to corrupt"))
+                                    missed="no committed checkpoint to corrupt"))
     record = _finish(job, t, 0)
     v, (corrupt,) = _verdict(record, [{"kind": "corrupt_shard", "at_step": 1}])
     assert corrupt.effect_observed is False and v.verdict == "fail"
     assert v.reasons == ["corrupt_shard at step 1: no observable effect: not made: no committed "
-                         "checkpoint latest to corrupt"]
+                         "checkpoint to corrupt"]
 
     job = _Job()
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 12)

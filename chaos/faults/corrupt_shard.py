@@ -68,7 +68,9 @@ class CorruptShard(FaultBase):
         chosen = steps[-1] if steps and self.checkpoint == "latest" else self.checkpoint
         if not steps or chosen not in steps:
             return Injection(self.kind, time.time(), step=step,
-                             missed=f"no committed checkpoint {self.checkpoint} to corrupt")
+                             missed="no committed checkpoint to corrupt" if
+                             self.checkpoint == "latest" else
+                             f"no committed checkpoint {self.checkpoint} to corrupt")
         assert isinstance(chosen, int)
         manifest = read_commit(storage, chosen)["objects"]
         shards = sorted(k for k, (n, _) in manifest.items() if "/c/" in k and n > 0)
