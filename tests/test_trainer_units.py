@@ -438,7 +438,7 @@ from antifragile.trainer.distributed import GlooSockets, join, launch_info
 from antifragile.trainer.recovery import Formation
 
 launch = launch_info(collective_timeout_s=60)
-sockets = GlooSockets(launch.store_ports())
+sockets = GlooSockets(launch.store_ports(), links=launch.link)
 ctx = join(launch, f"{launch.slot}.0", Formation(0, ("0.0", "1.0")), sockets,
            device_type="cpu")
 if launch.slot == 1:
@@ -458,8 +458,8 @@ def test_a_failure_while_the_subgroups_form_ends_the_wait_at_once() -> None:
     """A member died after the generation's rendezvous, while the others built their
     subgroups (the device mesh: a store wait for the dead member's address): the abort shut
     down only gloo's connections, captured once every group existed, so the survivors waited
-    for the collective timeout (60 s) and then fell back to a restart. The generation now
-    talks to the store over a connection of its own, which the abort cuts."""
+    for the collective timeout (60 s) and then fell back to a restart. The abort of a forming
+    generation now cuts the store connection the rendezvous waits on."""
     import subprocess
     import sys
 

@@ -18,14 +18,14 @@ as long as the job): generation numbers come from a counter there.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from antifragile.trainer.recovery import Formation, GlooSockets, JobStore
+from antifragile.trainer.recovery import Formation, GlooSockets, JobStore, store_link
 
 
 @dataclass(slots=True)
@@ -40,6 +40,13 @@ class Launch:
     counter_at: str | None  # host:port of the job-wide generation counter, if not ``base``
     timeout: timedelta
     hosts_store: bool = False  # this process serves ``base`` (slot 0 of a fresh-store round)
+    link: dict[int, int] = field(default_factory=dict)  # ``base``'s connection (store_link)
+    link_cut: bool = False  # an abort shut that connection down: ``relink`` before its use
+
+    def relink(self) -> None:
+        """A fresh client of the launcher's store, for the groups to rendezvous through."""
+        self.base, self.link = store_link(self.connect, self.store_ports())
+        self.link_cut = False
 
     def job_store(self) -> JobStore:
         """A new client of the launcher's store (one per thread)."""
@@ -73,20 +80,23 @@ def launch_info(*, collective_timeout_s: float) -> Launch:
     counter_at = os.environ.get("ANTIFRAGILE_ATTEMPT_STORE") or None
     base: Any = None
     hosts_store = False
+    link: dict[int, int] = {}
     if "MASTER_ADDR" in os.environ:
         agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         if counter_at and agent_hosts_store:
             raise RuntimeError("ANTIFRAGILE_ATTEMPT_STORE needs a fresh store per attempt: "
                                "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun")
         hosts_store = slot == 0 and not agent_hosts_store
-        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), slots,
-                             is_master=hosts_store, timeout=timeout, wait_for_workers=False)
+        base, link = store_link(lambda: dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), slots,
+            is_master=hosts_store, timeout=timeout, wait_for_workers=False),
+            {int(os.environ["MASTER_PORT"])})
     else:
         base = dist.HashStore()
     # a fresh store per rendezvous round needs no namespace; the agent's store does
     attempt_key = "fresh" if counter_at else f"a{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     return Launch(slot, slots, int(os.environ.get("LOCAL_RANK", 0)), base, attempt_key,
-                  counter_at, timeout, hosts_store)
+                  counter_at, timeout, hosts_store, link)
 
 
 @dataclass(slots=True)
@@ -103,15 +113,12 @@ class DistContext:
 def join(launch: Launch, me: str, formation: Formation, sockets: GlooSockets, *,
          device_type: str) -> DistContext:
     """Initialise the default process group of ``formation`` as its member ``me`` (a worker
-    id), over a store connection of the generation's own (``sockets`` can cut it, and the
-    gloo connections: the abort). Call :meth:`GlooSockets.end` once every subgroup (mesh) is
-    built."""
+    id); ``sockets`` (made with ``launch.link``) can abort it, and its rendezvous. Call
+    :meth:`GlooSockets.end` once every subgroup (mesh) is built."""
     rank = formation.members.index(me)
     world_size = len(formation.members)
     sockets.begin()
-    # one process (no torchrun): the in-memory store, nobody to wait for
-    link = sockets.link(launch.connect) if isinstance(launch.base, dist.TCPStore) else launch.base
-    store = dist.PrefixStore(f"antifragile/g{formation.generation}", link)
+    store = dist.PrefixStore(f"antifragile/g{formation.generation}", launch.base)
     if device_type == "cuda":
         torch.cuda.set_device(launch.local_rank)
         device = torch.device("cuda", launch.local_rank)

@@ -133,18 +133,21 @@ class GlooSockets:
     before, told apart by inode, not by descriptor number: a socket closed during the
     formation frees its number for a gloo connection, and a captured number closed later may
     be reused by another connection, which must not be shut down. Connections to the stores
-    are not touched (their peer port is excluded), except the generation's own store link
-    (:meth:`link`), and only before :meth:`end`: cut, it ends a rendezvous wait for a member
-    that died while the generation's groups were forming, which no gloo connection does.
-    Once formed it is left alone: cutting it then stalled the next generation's rendezvous
-    on torchrun's store for 5 s in every 2x2x2 recovery (why is not known).
+    are not touched (their peer port is excluded), except the connection the groups rendezvous
+    through (``links``), and only before :meth:`end`: cut, it ends a rendezvous wait for a
+    member that died while the generation's groups were forming, which no gloo connection
+    does; the next generation then connects again (``cut``). Only then: a fresh connection
+    for every generation stalled the next rendezvous on torchrun's store for 5 s in 3 of 5
+    2x2x2 recoveries (0 of 3 without; why is not known), and cutting a formed generation's
+    connection did so every time.
     """
 
-    def __init__(self, keep_ports: set[int]) -> None:
+    def __init__(self, keep_ports: set[int], links: dict[int, int] | None = None) -> None:
         self.keep_ports = keep_ports
         self._before: set[int] = set()
         self.fds: dict[int, int] = {}  # descriptor -> socket inode
-        self.links: dict[int, int] = {}  # the generation's store link (descriptor -> inode)
+        self.links = dict(links or {})  # the group's store connection (see ``store_link``)
+        self.cut = False  # the store connection was shut down: the next group needs another
         self._ended = False
 
     @staticmethod
@@ -160,15 +163,6 @@ class GlooSockets:
     def begin(self) -> None:
         self._before = set(self._sockets().values())
 
-    def link(self, connect: Callable[[], Any]) -> Any:
-        """``connect()`` (the generation's own store client), its connections kept to be cut
-        by :meth:`shutdown` even before :meth:`end`."""
-        before = set(self._sockets().values())
-        client = connect()
-        self.links = {fd: inode for fd, inode in self._sockets().items()
-                      if inode not in before and _peer_port(fd) in self.keep_ports}
-        return client
-
     def end(self) -> None:
         self.fds = {fd: inode for fd, inode in self._sockets().items()
                     if inode not in self._before}
@@ -179,8 +173,19 @@ class GlooSockets:
         (not listeners, not store connections). Returns how many were shut down. Thread-safe
         with respect to the collectives and store waits it interrupts."""
         if not self._ended:  # forming: a rendezvous may wait in the store for a dead member
-            return sum(_shut(fd, inode, keep_ports=set()) for fd, inode in self.links.items())
+            cut = sum(_shut(fd, inode, keep_ports=set()) for fd, inode in self.links.items())
+            self.cut = self.cut or cut > 0
+            return cut
         return sum(_shut(fd, inode, self.keep_ports) for fd, inode in sorted(self.fds.items()))
+
+
+def store_link(connect: Callable[[], Any], ports: set[int]) -> tuple[Any, dict[int, int]]:
+    """``connect()`` (a store client) and its connections to ``ports`` (descriptor -> inode),
+    for :class:`GlooSockets` to cut."""
+    before = set(GlooSockets._sockets().values())
+    client = connect()
+    return client, {fd: inode for fd, inode in GlooSockets._sockets().items()
+                    if inode not in before and _peer_port(fd) in ports}
 
 
 def _peer_port(fd: int) -> int | None:

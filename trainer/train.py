@@ -217,7 +217,9 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
             return RESTART_EXIT_CODE if isinstance(nxt, str) else (nxt, memory[0])
     rank, generation = formation.members.index(me), formation.generation
     events = EventLog(cfg.run_dir, rank, generation)
-    sockets = GlooSockets(launch.store_ports())
+    if launch.link_cut:  # the last generation's abort cut its rendezvous connection
+        launch.relink()
+    sockets = GlooSockets(launch.store_ports(), links=launch.link)
     watch = None
     if cfg.recovery == "in_process":  # armed before the rendezvous: a member may die during it
         watch = FailureWatch(launch.job_store, generation, sockets.shutdown,
@@ -249,6 +251,7 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         signal_failure(js, generation, f"rank {rank}: {reason}")
         watch.stop()
         sockets.shutdown()
+        launch.link_cut = sockets.cut
         kept = memory[0]  # failed before it restored: the previous copy still holds
         if checkpointer:  # the save in flight cannot commit (a rank is gone): give it up
             kept = checkpointer[0].backend.memory_copy() or kept
