@@ -206,3 +206,14 @@ def test_a_flipped_bit_in_dcp_data_is_not_detected_by_dcp(tmp_path: Path,
         assert any(r.startswith("corrupt_shard") and "no observable effect" in r
                    for r in verdict["reasons"]), verdict
     assert verdict["verdict"] != "pass" or verdict["bitwise_equal"] is True
+
+
+def test_entries_that_flatten_to_one_key_are_refused_not_collapsed() -> None:
+    """``{"a/b": x}`` beside ``{"a": {"b": y}}``: both flattened to ``a/b`` and one silently
+    replaced the other, so the verdict compared one entry and never saw the other."""
+    from antifragile.engine import CheckpointError
+    from antifragile.trainer.ckpt_backends.base import flat
+
+    assert flat({"a": {"b": 1}, "c": 2}) == {"a/b": 1, "c": 2}
+    with pytest.raises(CheckpointError, match="'a/b'"):
+        flat({"a/b": 1, "a": {"b": 2}})

@@ -282,12 +282,16 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
 
 
 def flat(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"model": {"w": t}}`` -> ``{"model/w": t}``, as ``CheckpointEngine.read`` names keys."""
+    """``{"model": {"w": t}}`` -> ``{"model/w": t}``, as ``CheckpointEngine.read`` names keys.
+    Two entries that would get one name (``{"a/b": x, "a": {"b": y}}``) are refused: one would
+    hide the other from a comparison."""
     out: dict[str, Any] = {}
     for key, value in nested.items():
         path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flat(value, f"{path}/"))
-        else:
-            out[path] = value
+        for name, item in (flat(value, f"{path}/") if isinstance(value, dict)
+                           else {path: value}).items():
+            if name in out:
+                raise CheckpointError(f"two entries of the state are both named {name!r} once "
+                                      "nested keys are joined with '/'")
+            out[name] = item
     return out
