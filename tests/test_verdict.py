@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import threading
+import time
 import warnings
 from decimal import Decimal
 from pathlib import Path
@@ -583,6 +584,7 @@ def test_two_random_kills_at_one_point_hit_two_ranks(monkeypatch: pytest.MonkeyP
             dead.add(pid)
 
     monkeypatch.setattr(base.os, "kill", kill)
+    monkeypatch.setattr(base.os, "getpgid", lambda pid: 1)  # not group leaders: os.kill
     monkeypatch.setattr(base, "alive", lambda pid: pid not in dead)
     for seed in range(20):
         sent.clear()
@@ -598,3 +600,26 @@ def test_two_random_kills_at_one_point_hit_two_ranks(monkeypatch: pytest.MonkeyP
     first, again = (KillRank(kind="kill_rank", rank=0, at_step=3).inject(target, 3)
                     for _ in range(2))
     assert first.missed is None and again.missed and "already" in again.missed
+
+
+def test_a_signal_to_a_worker_that_leads_its_session_reaches_what_it_started() -> None:
+    """A script launched through a wrapper (``command: [./train.sh]``) without the probe: the
+    worker torchrun started is the shell, and a SIGKILL of the shell alone left the training
+    process running, orphaned, still writing its checkpoints."""
+    import signal
+    import subprocess
+
+    from antifragile.chaos.faults import base
+
+    wrapper = subprocess.Popen(["bash", "-c", "sleep 60 & echo $!; wait"],
+                               start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert wrapper.stdout is not None
+    trainer = int(wrapper.stdout.readline())
+    target = base.Target(pids={0: wrapper.pid}, coordinates={}, ckpt_url="unused",
+                         rng=random.Random(0))
+    assert target.signal(0, signal.SIGKILL) is None
+    wrapper.wait(10)
+    deadline = time.monotonic() + 5.0
+    while base.alive(trainer) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not base.alive(trainer), "the wrapped training process outlived the kill"

@@ -149,16 +149,26 @@ class Target:
     def signal(self, rank: int, sig: int) -> str | None:
         """Send ``sig`` to ``rank``'s worker: None once sent, else why it was not (the process
         had exited; a zombie not yet reaped counts, since a signal to one succeeds and does
-        nothing)."""
+        nothing). A worker that leads its process group (torchrun starts each in a session of
+        its own; a user's wrapper script is one) gets it with everything it started: a shell
+        killed alone leaves its training process running, orphaned."""
         pid = self.pids[rank]
         if alive(pid):
             try:
-                os.kill(pid, sig)
+                send(pid, sig)
                 self.hit.add(rank)
                 return None
             except ProcessLookupError:
                 pass
         return f"rank {rank} (pid {pid}) had already exited"
+
+
+def send(pid: int, sig: int) -> None:
+    """``sig`` to ``pid``, or to its process group where it leads one (see ``Target.signal``)."""
+    if os.getpgid(pid) == pid:
+        os.killpg(pid, sig)
+    else:
+        os.kill(pid, sig)
 
 
 def alive(pid: int) -> bool:

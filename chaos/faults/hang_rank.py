@@ -20,7 +20,14 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from antifragile.chaos.faults.base import FaultBase, Injection, RankTarget, Seconds, Target
+from antifragile.chaos.faults.base import (
+    FaultBase,
+    Injection,
+    RankTarget,
+    Seconds,
+    Target,
+    send,
+)
 
 _PTRACE_DETACH = 17
 _PTRACE_SEIZE = 0x4206
@@ -54,7 +61,7 @@ class HangRank(FaultBase):
 
         def resume() -> None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+                send(pid, signal.SIGCONT)  # as it was stopped: with its group, if it leads one
 
         timer = threading.Timer(self.duration_s, resume)
         timer.daemon = True
