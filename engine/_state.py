@@ -288,15 +288,17 @@ def iter_local(tensor: torch.Tensor) -> torch.Tensor:
 
 def state_signature(flat: FlatState) -> tuple[Any, ...]:
     """What a rank's inventory is made of, cheap to build and compare: each tensor's path,
-    dtype and shape, a DTensor's mesh, placements and local shape; the value paths. Equal
-    signatures give equal inventories (the meshes compare by content, by identity first)."""
+    dtype, shape, layout and whether it is a meta tensor (both refused by the inventory's
+    check), a DTensor's mesh, placements and local shape; the value paths. Equal signatures
+    give equal inventories (the meshes compare by content, by identity first)."""
     tensors: list[tuple[Any, ...]] = []
     for path, t in flat.tensors.items():
         if isinstance(t, DTensor):
+            local = iter_local(t)
             tensors.append((path, t.dtype, tuple(t.shape), t.device_mesh, tuple(t.placements),
-                            tuple(iter_local(t).shape)))
+                            tuple(local.shape), local.layout, local.is_meta))
         else:
-            tensors.append((path, t.dtype, tuple(t.shape)))
+            tensors.append((path, t.dtype, tuple(t.shape), t.layout, t.is_meta))
     return tuple(tensors), tuple(sorted(flat.values))
 
 

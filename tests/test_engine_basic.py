@@ -898,6 +898,19 @@ def test_invalid_state_is_refused_naming_the_path(
         assert engine.steps() == [1]
 
 
+def test_a_tensor_that_becomes_unsupported_between_saves_is_refused(tmp_path: Any) -> None:
+    """The inventory is reused while paths, dtypes and shapes stay the same: a tensor that
+    became a meta or sparse one of the same shape skipped the check and failed in staging with
+    a bare NotImplementedError."""
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        engine.save(1, {"model": {"w": torch.eye(3)}}, blocking=True)
+        for changed, named in ((torch.empty(3, 3, device="meta"), "'model/w'.*meta device"),
+                               (torch.eye(3).to_sparse(), "'model/w'.*sparse_coo")):
+            with pytest.raises(CheckpointError, match=named):
+                engine.save(2, {"model": {"w": changed}}, blocking=True)
+        assert engine.steps() == [1]
+
+
 @pytest.mark.parametrize(
     ("metadata", "named"),
     [
