@@ -432,8 +432,9 @@ class CheckpointEngine:
 
     def _inventory(self, flat: FlatState) -> tuple[dict[str, Any], str]:
         """This rank's inventory and its fingerprint; reused while the state's layout (paths,
-        dtypes, shapes, meshes, placements, local shapes, value paths) is the same as at the
-        last save: building it maps every DTensor's placements to boxes (~0.1 ms a tensor)."""
+        dtypes, shapes, tensor layouts, meshes, placements, local shapes, value paths; see
+        ``state_signature``) is the same as at the last save: building it maps every
+        DTensor's placements to boxes (~0.1 ms a tensor)."""
         signature = state_signature(flat)
         cached = self._inventory_cache
         if cached is not None and cached[0] == signature:

@@ -242,8 +242,8 @@ class FailureWatch:
         self.fired = threading.Event()
         self._stop = threading.Event()
         self._left = threading.Event()
-        # connected here, on the caller's thread: a connection this thread opened during the
-        # rendezvous would be taken for the generation's store link (``GlooSockets.link``)
+        # connected here, on the caller's thread, before the rendezvous: a connection opened
+        # while ``store_link`` looks for a new store client's would be taken for it
         self._js = make_store()
         self._on_failure = on_failure
         self._progress = progress

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from antifragile.chaos.faults import FaultBase, Injection, Target
-from antifragile.chaos.faults.base import alive
+from antifragile.chaos.faults.base import alive, send
 from antifragile.chaos.infra.launch import launch, launch_hosts
 from antifragile.chaos.infra.netns import NetnsUnavailable, Network
 from antifragile.chaos.infra.proxy import FaultProxy
@@ -359,11 +359,9 @@ class _Agents:
             if p.poll() is None:
                 workers = children(p.pid)
                 os.killpg(p.pid, signal.SIGKILL)
-                for pid in workers:
+                for pid in workers:  # each with what it started (its group, if it leads one)
                     with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(pid, signal.SIGKILL)  # the worker and what it started
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, signal.SIGKILL)  # one that leads no group of its own
+                        send(pid, signal.SIGKILL)
                 p.wait()
 
     @property
