@@ -1,9 +1,11 @@
 """A local (POSIX) checkpoint root: direct or vectored writes; ``sync()`` makes them durable.
 
-Writes are not fsynced one by one (a checkpoint has hundreds of small objects and an fsync
-costs milliseconds each): ``sync()`` flushes the whole file system with one ``syncfs(2)``
-(Linux), falling back to fsync of every file and directory written since the last sync. The
-protocol calls ``sync()`` before each record and marker, which is what durability needs.
+Writes are not fsynced one by one as they are made: ``sync()`` fsyncs every file written and
+every directory changed since the last sync, on a few threads at once (concurrent fsyncs share
+the file system's journal commits). The protocol calls ``sync()`` before each record and
+marker, which is what durability needs. Not ``syncfs(2)``: it also waits for every other
+writer's dirty pages on the disk (a pip install, a data loader's cache, another job), so one
+save's commit could take seconds for data that is not the checkpoint's.
 
 An object whose first part is a page-aligned buffer (a staged shard object, see ``stage``) is
 written with O_DIRECT: its aligned prefix goes from that buffer to the device without a copy
@@ -27,6 +29,7 @@ import os
 import shutil
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -38,6 +41,7 @@ ALIGN_BYTES = 4096  # O_DIRECT alignment of buffer address, file offset and leng
 DIRECT_MIN_BYTES = 1 << 20  # smaller objects gain nothing from bypassing the page cache
 _MAX_WRITE = 1 << 30  # one write(2) moves at most ~2 GiB; stay well under, aligned
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_FSYNC_THREADS = 8
 
 
 class LocalStorage:
@@ -202,17 +206,12 @@ class LocalStorage:
         with self._lock:
             files, self._dirty_files = self._dirty_files, set()
             dirs, self._dirty_dirs = self._dirty_dirs, set()
-        if (files or dirs) and _syncfs(self.root):
-            return
-        for path in sorted(files) + sorted(dirs, key=len, reverse=True):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        paths = [*files, *dirs]
+        if len(paths) <= 2:
+            for path in paths:
+                _fsync(path)
+        else:
+            list(_fsync_pool().map(_fsync, paths))  # raises the first failure
 
 
 def _address(view: memoryview) -> int:
@@ -225,16 +224,28 @@ def _set_direct(fd: int, on: bool) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, (flags | _O_DIRECT) if on else (flags & ~_O_DIRECT))
 
 
-def _syncfs(path: str) -> bool:
-    """``syncfs(2)`` on the file system holding ``path``; False where unavailable."""
-    libc = _libc()
-    if libc is None:
-        return False
-    fd = os.open(path, os.O_RDONLY)
+def _fsync(path: str) -> None:
+    """fsync a file or directory; one deleted since it was written needs nothing."""
     try:
-        return bool(libc.syncfs(fd) == 0)
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _fsync_pool() -> ThreadPoolExecutor:
+    """This process's fsync threads (a forked child has none of its parent's threads)."""
+    pool = _pools.get(os.getpid())
+    if pool is None:  # setdefault is atomic: two first callers share one pool (no lock to fork)
+        pool = _pools.setdefault(os.getpid(), ThreadPoolExecutor(
+            _FSYNC_THREADS, thread_name_prefix="antifragile-fsync"))
+    return pool
 
 
 _SYNC_FILE_RANGE_WRITE = 2
@@ -244,7 +255,7 @@ def _start_writeback(fd: int) -> None:
     """Start writing the file's dirty pages now (``sync_file_range``), without waiting, so the
     disk works while later objects are still being written instead of all at ``sync()``."""
     libc = _libc()
-    if libc is not None and hasattr(libc, "sync_file_range"):
+    if libc is not None:
         libc.sync_file_range(fd, ctypes.c_longlong(0), ctypes.c_longlong(0),
                              ctypes.c_uint(_SYNC_FILE_RANGE_WRITE))
 
@@ -253,7 +264,7 @@ def _start_writeback(fd: int) -> None:
 def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc if hasattr(libc, "syncfs") else None
+        return libc if hasattr(libc, "sync_file_range") else None
     except OSError:
         return None
 
