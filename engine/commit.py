@@ -80,9 +80,12 @@ def metadata_share(plan: GlobalPlan, docs: dict[str, bytes], rank: int) -> dict[
 
 def _poll_delays(world_size: int) -> Iterator[float]:
     """Seconds between polls: from 10 ms up by 1.5x to a cap that grows with the number of
-    ranks polling one prefix (0.5 s up to 1,000 ranks at ~1,000 requests/s in all, then
-    ``world_size / 500`` s, at most 5 s), each jittered by +-10% so that ranks spread out."""
-    cap = min(5.0, max(0.5, world_size / 500))
+    ranks polling one prefix (``world_size / 500`` s: ~500 requests/s for the whole job; at
+    least 50 ms, at most 5 s), each jittered by +-10% so that ranks spread out. The cap is
+    how late a rank may see a COMMIT: a save counts as in flight until every rank has seen
+    it, and the next save is skipped as busy (a 0.5 s cap made a 2-rank save that committed
+    in 0.2 s look busy 5 steps later)."""
+    cap = min(5.0, max(0.05, world_size / 500))
     delay = 0.01
     while True:
         yield delay * random.uniform(0.9, 1.1)

@@ -132,9 +132,10 @@ def test_unaligned_or_small_buffers_are_written_buffered(tmp_path: Path) -> None
 
 def test_sync_flushes_what_the_storage_wrote_and_nothing_else(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``sync()`` fsyncs the files this storage wrote and the directories it changed, never the
-    whole file system: a ``syncfs`` also waited for every other writer's dirty pages on that
-    disk (after a 600 MB pip install, a quickstart save took longer than 7 steps to commit)."""
+    """With much dirty data on the machine, ``sync()`` fsyncs the files this storage wrote and
+    the directories it changed, not the whole file system: a ``syncfs`` also waited for every
+    other writer's dirty pages on that disk (after a 600 MB pip install, a quickstart save took
+    longer than 7 steps to commit)."""
     libc = local_storage._libc()
 
     class NoSyncfs:
@@ -144,6 +145,7 @@ def test_sync_flushes_what_the_storage_wrote_and_nothing_else(
             return getattr(libc, name)
 
     monkeypatch.setattr(local_storage, "_libc", lambda: NoSyncfs())
+    monkeypatch.setattr(local_storage, "_dirty_bytes", lambda: 600 << 20)
     fsynced: list[str] = []
     real_fsync = os.fsync
 
