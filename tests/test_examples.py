@@ -17,11 +17,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
 @pytest.mark.parametrize(("scenario", "killed_after", "restored"), [
-    ("hf-gpt2-kill.yaml", 17, 15),
-    ("fsdp2-dcp-kill.yaml", 23, 20),
+    # asynchronous saves: the save of step 15 may still be in flight 2 steps later
+    ("hf-gpt2-kill.yaml", 17, (15, 10)),
+    ("fsdp2-dcp-kill.yaml", 23, (20,)),  # blocking DCP saves
 ])
-def test_example_survives_a_kill_bitwise(scenario: str, killed_after: int, restored: int,
-                                         tmp_path: Path,
+def test_example_survives_a_kill_bitwise(scenario: str, killed_after: int,
+                                         restored: tuple[int, ...], tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
@@ -32,7 +33,10 @@ def test_example_survives_a_kill_bitwise(scenario: str, killed_after: int, resto
     assert report["verdict"] == {"verdict": "pass", "reasons": [], "bitwise_equal": True}
     (fault,) = report["faults"]
     assert fault["kind"] == "kill_rank" and fault["injected_step"] == killed_after
-    assert fault["restored_step"] == restored and fault["lost_steps"] == killed_after - restored
+    newest = max(c["step"] for c in report["checkpoints"]
+                 if c["committed"] and c["attempt"] == 0 and c["step"] <= killed_after)
+    assert fault["restored_step"] == newest and newest in restored, report["checkpoints"]
+    assert fault["lost_steps"] == killed_after - newest
     assert fault["recovery_s"] is not None and report["not_measured"] == []
     assert report["run"]["final_step"] == report["run"]["expected_step"] == 40
     committed = [c for c in report["checkpoints"] if c["committed"]]
