@@ -494,3 +494,29 @@ def test_a_slot_given_up_and_spares_lost_while_idle_are_reported(
     text = report.write_markdown(tmp_path, {**doc, "run": {**doc["run"], "spares": spares}}
                                  ).read_text()
     assert "1 died while idle (replaced); slot 2 given up after 3 deaths" in text, text
+
+
+def test_a_second_kill_of_an_in_process_survivor_is_charged_to_the_generation_it_hit() -> None:
+    """In process, a survivor keeps its pid into the next generation: the kill of rank 1 (pid
+    101) in generation 1 was charged to generation 0, its first start with that pid, which had
+    ended for another reason (the report said "injected at step 12 ... attempt 0 did not end
+    after it" for a kill at step 22, and the verdict failed)."""
+    job = _Job()
+    for attempt, pids in ((0, (100, 101)), (1, (102, 101)), (2, (102, 103))):
+        t = T0 + 10 * attempt
+        for rank, pid in enumerate(pids):
+            job.emit(t, rank, attempt, "start", pid=pid, world_size=2, dp=2, tp=1, pp=1)
+            if attempt:
+                job.emit(t + 0.2, rank, attempt, "restore_end", step=4 * attempt, seconds=0.1)
+        for step in range(4 * attempt + 1, 4 * attempt + 6):
+            for rank in range(2):
+                job.emit(t + 0.3 + 0.5 * (step - 4 * attempt), rank, attempt, "step_end",
+                         step=step, loss=1.0, seconds=0.4)
+    kills = [Injection("kill_rank", T0 + 2.9, step=5, rank=0, fault_index=0, detail={"pid": 100}),
+             Injection("kill_rank", T0 + 12.9, step=9, rank=1, fault_index=1,
+                       detail={"pid": 101})]
+    record = RunRecord(0, T0, T0 + 30, job.events, kills, {0: T0 + 3.0, 1: T0 + 13.0})
+    first, second = (measure.fault_timings(record, k) for k in kills)
+    assert (first.injected_step, first.ended_attempt) == (5, 0)
+    assert (second.injected_step, second.ended_attempt) == (9, 1), second
+    assert second.effect_observed and second.restored_step == 8

@@ -93,13 +93,17 @@ def _attempt_at(record: RunRecord, t: float) -> int:
 
 
 def _struck_attempt(record: RunRecord, injection: Injection) -> int:
-    """The attempt ``injection`` hit: that of the process it signalled where a rank's start
-    names that pid (exact, whatever the clocks say), else the one running at its time."""
+    """The attempt ``injection`` hit: the latest that the process it signalled started as
+    that rank (a survivor of an in-process recovery keeps its pid into the next generation),
+    where a rank's start names that pid (exact, whatever the clocks say), else the one
+    running at its time."""
     pid = injection.detail.get("pid")
     if injection.rank is not None and pid is not None:
-        for e in record.events:
-            if e["event"] in _STARTS and e.get("pid") == pid and e["rank"] == injection.rank:
-                return int(e["attempt"])
+        started = [int(e["attempt"]) for e in record.events
+                   if e["event"] in _STARTS and e.get("pid") == pid
+                   and e["rank"] == injection.rank and e["t"] <= injection.t]
+        if started:
+            return max(started)
     return _attempt_at(record, injection.t)
 
 
