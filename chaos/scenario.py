@@ -88,7 +88,7 @@ class TrainerSpec(_Strict):
     #: after a rank fails: torchrun restarts the group, or the survivors re-form it in process
     #: with a warm spare (falling back to a restart when no spare is left)
     recovery: Literal["restart", "in_process"] = "restart"
-    #: warm spare workers for in_process recovery (default 1 there, 0 otherwise)
+    #: warm spare workers for in_process recovery (default one per node there, 0 otherwise)
     spares: Annotated[StrictInt, Field(ge=0)] | None = None
 
     @property
@@ -99,18 +99,19 @@ class TrainerSpec(_Strict):
     def spare_workers(self) -> int:
         if self.spares is not None:
             return self.spares
-        return 1 if self.recovery == "in_process" else 0
+        return self.nodes if self.recovery == "in_process" else 0
 
     @model_validator(mode="after")
     def _recovery(self) -> TrainerSpec:
         if self.spares and self.recovery != "in_process":
             raise ValueError(f"spares: {self.spares} spare(s) are used only by recovery "
                              "in_process (restart mode starts new processes instead)")
-        if self.recovery == "in_process" and self.nodes > 1:
-            raise ValueError("recovery in_process runs on one host (nodes: 1): its store is "
-                             "the local torchrun agent's")
-        limit = max_workers()
         total = self.parallel.world_size + self.spare_workers
+        if self.nodes > 1 and total % self.nodes:
+            raise ValueError(f"spares: {self.parallel.world_size} ranks + {self.spare_workers} "
+                             f"spare(s) = {total} workers cannot be split evenly over "
+                             f"{self.nodes} nodes (torchrun starts as many on each)")
+        limit = max_workers()
         if total > limit:
             raise ValueError(f"spares: {self.parallel.world_size} ranks + "
                              f"{self.spare_workers} spare(s) = {total} worker processes; "

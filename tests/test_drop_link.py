@@ -271,6 +271,33 @@ def test_kill_rank_on_two_hosts_recovers_and_ends_bitwise_equal(
 @pytest.mark.multiproc
 @needs_netns
 @pytest.mark.timeout(900)
+def test_in_process_recovery_across_two_hosts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 (host 0; its slot's supervisor serves the round's store, so the store outlives
+    the training process) and then rank 1 (host 1) are killed: each time the survivor re-forms
+    the group over the emulated network with a warm spare, with no torchrun restart."""
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    scenario = load_scenario(ROOT / "scenarios" / "nightly" / "kill-rank-2nodes-in-process.yaml")
+    outcome = run(scenario, tmp_path / "out", progress=lambda _: None)
+    assert outcome.passed, outcome.report["verdict"]
+    first, second = outcome.report["faults"]
+    assert first["restored_step"] == 10 and second["restored_step"] == 20
+    for fault in (first, second):
+        assert fault["recovery_mode"] == "in_process" and fault["fallback"] is None, fault
+        assert fault["restart_s"] < 2.0, fault  # the group re-formed: no new processes
+    events = [json.loads(line) for f in sorted((tmp_path / "out" / "run" / "events").glob("*"))
+              for line in f.read_text().splitlines()]
+    first_attempt = min(e["attempt"] for e in events if e["event"] == "start")
+    slots = {e["rank"]: int(e["worker"].split(".")[0]) for e in events
+             if e["event"] == "start" and e["attempt"] == first_attempt}
+    assert slots[0] // 2 != slots[1] // 2, slots  # 2 slots a host: one rank on each at first
+    assert not _ours(), "the run's namespaces are gone"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@needs_netns
+@pytest.mark.timeout(900)
 def test_a_cut_too_short_to_notice_is_not_observed_and_fails(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Down for 0.3 s against a 30 s stall bound: TCP retransmits, nobody notices, nothing

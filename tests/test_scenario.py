@@ -236,3 +236,12 @@ def test_infinite_times_in_yaml_are_a_one_line_error(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert result.output.strip() == (f"error: {path}: faults.0.mtbf_s: Input should be a finite "
                                      "number")
+
+
+def test_in_process_on_several_hosts_has_a_spare_per_host_split_evenly() -> None:
+    """torchrun starts as many workers on every host: ranks + spares must split evenly."""
+    trainer = {**BASE["trainer"], "nodes": 2, "recovery": "in_process"}
+    assert parse_scenario({**BASE, "trainer": trainer}).trainer.spare_workers == 2
+    with pytest.raises(ScenarioError, match=r"s\.yaml: trainer.*2 ranks \+ 1 spare\(s\) = 3 "
+                                            r"workers cannot be split evenly over 2 nodes"):
+        parse_scenario({**BASE, "trainer": {**trainer, "spares": 1}}, path="s.yaml")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch.distributed as dist
 
 from antifragile.trainer import supervisor
@@ -14,6 +15,7 @@ from antifragile.trainer.recovery import (
     JobStore,
     finish,
     first_formation,
+    first_slots,
     job_done,
     recover,
     register_spare,
@@ -103,12 +105,25 @@ def _store() -> dist.Store:
     return dist.HashStore()
 
 
+@pytest.mark.parametrize(("slots", "world", "local_slots", "active"), [
+    (3, 2, 3, [0, 1]),  # one host, one spare: slot 2
+    (2, 2, 1, [0, 1]),  # two hosts, no spares
+    (4, 2, 2, [0, 2]),  # two hosts, a spare on each (slots 1 and 3)
+    (12, 8, 6, [0, 1, 2, 3, 6, 7, 8, 9]),  # 2x2x2 on two hosts, two spares each
+])
+def test_ranks_spread_over_the_hosts_and_every_host_keeps_its_spares(
+        slots: int, world: int, local_slots: int, active: list[int]) -> None:
+    """Slots are numbered host by host; had slots 0..world-1 played the ranks, a 2-host job
+    with a spare per host would have put both ranks on host 0 and both spares on host 1."""
+    assert first_slots(slots, world, local_slots) == active
+
+
 def test_a_dead_rank_is_replaced_by_a_live_warm_spare() -> None:
     store = _store()
     js = JobStore(store, "a0")
-    first = first_formation(js, 0, 2)  # workers 0.0 and 1.0 play; 2.0 and 3.0 are spares
+    first = first_formation(js, 0, range(2))  # workers 0.0 and 1.0 play; 2.0 and 3.0 are spares
     assert first == Formation(0, ("0.0", "1.0"))
-    assert first_formation(JobStore(store, "a0"), 1, 2) == first
+    assert first_formation(JobStore(store, "a0"), 1, range(2)) == first
     for spare in ("2.0", "3.0"):
         register_spare(js, spare)
     assigned: list[Formation | None] = []
@@ -134,7 +149,7 @@ def test_a_second_loss_while_re_forming_takes_the_first_dead_slots_successor() -
     the death, so two ranks lost find two spares: no restart."""
     store = _store()
     js = JobStore(store, "a0")
-    first = first_formation(js, 0, 3)
+    first = first_formation(js, 0, range(3))
     register_spare(js, "3.0")
     js.set("spare/3.0/ready", 1.0)
     reported: list[bool] = []
@@ -155,7 +170,7 @@ def test_a_second_loss_while_re_forming_takes_the_first_dead_slots_successor() -
 def test_a_respawned_slot_is_a_spare_again() -> None:
     store = _store()
     js = JobStore(store, "a0")
-    first = first_formation(js, 0, 2)
+    first = first_formation(js, 0, range(2))
     register_spare(js, "1.1")  # slot 1's fresh process, after 1.0 died
     js.set("dead/1.0", {})
     assert recover(js, "0.0", first, timeout_s=5.0) == Formation(1, ("0.0", "1.1"))
@@ -164,7 +179,7 @@ def test_a_respawned_slot_is_a_spare_again() -> None:
 def test_too_few_spares_falls_back_to_a_restart() -> None:
     store = _store()
     js = JobStore(store, "a0")
-    first = first_formation(js, 0, 3)
+    first = first_formation(js, 0, range(3))
     register_spare(js, "3.0")
     js.set("dead/1.0", {})
     js.set("dead/2.0", {})
@@ -196,6 +211,7 @@ def test_finish_releases_idle_spares() -> None:
 
 _STALE_PID_SCRIPT = """
 import os, signal
+import pytest
 import torch.distributed as dist
 import antifragile.trainer.recovery as recovery
 import antifragile.trainer.supervisor as supervisor
@@ -251,7 +267,7 @@ def test_a_late_lowest_survivor_does_not_publish_a_second_generation() -> None:
     # generation (two generations for one failure)
     store = _store()
     js = JobStore(store, "a0")
-    first = first_formation(js, 0, 3)
+    first = first_formation(js, 0, range(3))
     _spares_ready(js, "3.0", "4.0", "5.0")
     js.set("dead/2.0", {})
     by_1 = recover(JobStore(store, "a0"), "1.0", first, timeout_s=0.3)
@@ -262,7 +278,7 @@ def test_a_late_lowest_survivor_does_not_publish_a_second_generation() -> None:
 def test_a_survivor_that_died_after_registering_alive_is_replaced() -> None:
     store = _store()
     js = JobStore(store, "a0")
-    first = first_formation(js, 0, 3)
+    first = first_formation(js, 0, range(3))
     _spares_ready(js, "3.0", "4.0")
     js.set("dead/2.0", {})
     js.set("g0/alive/1.0", 1.0)  # 1.0 registered as a survivor, then died
@@ -273,7 +289,7 @@ def test_a_survivor_that_died_after_registering_alive_is_replaced() -> None:
 def _re_formed(store: dist.Store) -> JobStore:
     """g0 = (0.0, 1.0, 2.0); 2.0 died; 0.0 and 1.0 re-formed as g1 = (0.0, 1.0, 3.0)."""
     js = JobStore(store, "a0")
-    first = first_formation(js, 0, 3)
+    first = first_formation(js, 0, range(3))
     _spares_ready(js, "3.0", "4.0")
     js.set("dead/2.0", {})
     other = threading.Thread(target=lambda: recover(JobStore(store, "a0"), "1.0", first,
@@ -301,7 +317,7 @@ def test_a_member_found_dead_after_the_re_formation_is_published_fails_it() -> N
     # coordinator publishes; the coordinator's check after publishing catches it
     store = _store()
     js = JobStore(store, "a0")
-    first = first_formation(js, 0, 2)
+    first = first_formation(js, 0, range(2))
     _spares_ready(js, "2.0")
     js.set("dead/1.0", {})
     real_set = js.set
@@ -333,6 +349,7 @@ def test_a_generation_that_failed_before_its_members_met_is_not_waited_for() -> 
 _JOIN_SCRIPT = """
 import os, sys, time
 from datetime import timedelta
+import pytest
 import torch.distributed as dist
 from antifragile.trainer.config import TrainConfig
 from antifragile.trainer.distributed import Launch
@@ -344,7 +361,7 @@ os.environ["MASTER_ADDR"] = "127.0.0.1"
 base = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=8))
 os.environ["MASTER_PORT"] = str(base.port)
-launch = Launch(0, 3, 0, base, "a0", None, timedelta(seconds=8))
+launch = Launch(0, 3, 0, 3, base, "a0", None, timedelta(seconds=8))
 js = JobStore(base, "a0")
 formation = Formation(7, ("0.0", "3.0"))
 # 3.0 died before it joined generation 7; its supervisor said so, and the next
@@ -382,6 +399,7 @@ def test_a_member_of_a_generation_that_failed_before_it_met_re_forms_instead_of_
 
 _LOOP_SCRIPT = """
 import sys, threading, time
+import pytest
 import torch.distributed as dist
 import antifragile.trainer.supervisor as supervisor
 from antifragile.trainer.recovery import JobStore, finish

@@ -35,11 +35,13 @@ def main() -> int:
     if "RANK" not in os.environ:  # not under torchrun: one process, nobody to supervise it
         return train(SharedProgress(), 0)
 
-    def store() -> object:
-        from antifragile.trainer.distributed import launch_info
+    from antifragile.trainer.distributed import launch_info, serve_store
 
+    def store() -> object:
         return launch_info(collective_timeout_s=cfg.collective_timeout_s).job_store()
 
+    # served for as long as this process lives (it ends with os._exit below)
+    _served = serve_store(recovery=cfg.recovery, collective_timeout_s=cfg.collective_timeout_s)
     code = supervise(train, slot=int(os.environ["RANK"]), recovery=cfg.recovery,
                      hang_timeout_s=cfg.hang_timeout_s, run_dir=cfg.run_dir,
                      store_factory=store, reform_timeout_s=cfg.collective_timeout_s * 2,

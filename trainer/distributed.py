@@ -12,7 +12,9 @@ an agent restarts its healthy workers when another agent waits in the rendezvous
 changes do not count as retries") and keeps its count. The multi-host launcher therefore sets
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store per rendezvous round, hosted by worker
 rank 0) and ``ANTIFRAGILE_ATTEMPT_STORE=<host>:<port>`` (the c10d rendezvous store, which lives
-as long as the job): generation numbers come from a counter there.
+as long as the job): generation numbers come from a counter there. Worker rank 0 is a
+supervisor (``trainer.supervisor``); in in-process mode it serves that store itself
+(:func:`serve_store`), so that the store outlives every training process of the round.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Launch:
     slot: int  # torchrun's RANK: which worker process this is
     slots: int  # torchrun's WORLD_SIZE: trainer ranks + spares
     local_rank: int
+    local_slots: int  # torchrun's LOCAL_WORLD_SIZE: the slots on this host
     base: Any  # the launcher's store (None without torchrun)
     attempt_key: str  # the key namespace of this torchrun attempt
     counter_at: str | None  # host:port of the job-wide generation counter, if not ``base``
@@ -72,6 +75,27 @@ class Launch:
         return ports
 
 
+SERVED_ENV = "ANTIFRAGILE_STORE_SERVED"  # set by slot 0's supervisor: it serves the store
+
+
+def serve_store(*, recovery: str, collective_timeout_s: float) -> Any:
+    """Slot 0's supervisor, before it forks: where the launcher's store is worker 0's to serve
+    (no agent store: a multi-host launch) and recovery is in process, serve it here, in the
+    process that lives as long as the torchrun round, instead of in slot 0's training process,
+    whose death would take the store and with it the re-formation. Returns the server (keep
+    it referenced) or None where there is nothing to serve."""
+    if (recovery != "in_process" or os.environ.get("RANK") != "0"
+            or "MASTER_ADDR" not in os.environ
+            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"):
+        return None
+    server = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           int(os.environ["WORLD_SIZE"]), is_master=True,
+                           timeout=timedelta(seconds=collective_timeout_s),
+                           wait_for_workers=False)
+    os.environ[SERVED_ENV] = "1"  # the training processes it forks connect as clients
+    return server
+
+
 def launch_info(*, collective_timeout_s: float) -> Launch:
     """Read torchrun's environment (also works without torchrun: one slot, a HashStore)."""
     slot = int(os.environ.get("RANK", 0))
@@ -86,7 +110,7 @@ def launch_info(*, collective_timeout_s: float) -> Launch:
         if counter_at and agent_hosts_store:
             raise RuntimeError("ANTIFRAGILE_ATTEMPT_STORE needs a fresh store per attempt: "
                                "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun")
-        hosts_store = slot == 0 and not agent_hosts_store
+        hosts_store = slot == 0 and not agent_hosts_store and SERVED_ENV not in os.environ
         base, link = store_link(lambda: dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), slots,
             is_master=hosts_store, timeout=timeout, wait_for_workers=False),
@@ -95,7 +119,8 @@ def launch_info(*, collective_timeout_s: float) -> Launch:
         base = dist.HashStore()
     # a fresh store per rendezvous round needs no namespace; the agent's store does
     attempt_key = "fresh" if counter_at else f"a{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-    return Launch(slot, slots, int(os.environ.get("LOCAL_RANK", 0)), base, attempt_key,
+    return Launch(slot, slots, int(os.environ.get("LOCAL_RANK", 0)),
+                  int(os.environ.get("LOCAL_WORLD_SIZE", slots)), base, attempt_key,
                   counter_at, timeout, hosts_store, link)
 
 

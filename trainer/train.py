@@ -36,6 +36,7 @@ from antifragile.trainer.recovery import (
     GlooSockets,
     finish,
     first_formation,
+    first_slots,
     gather,
     recover,
     register_spare,
@@ -159,15 +160,17 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
                           "extra workers are spares, which only --recovery in_process uses")
     if launch.hosts_store and cfg.recovery == "in_process":
         raise LaunchError("--recovery in_process needs a launcher store that outlives every "
-                          "training process (torchrun's agent store, one host); here slot 0's "
-                          "training process hosts it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), so "
-                          "its death would end the re-formation: use --recovery restart")
+                          "training process (torchrun's agent store, or one served by slot 0's "
+                          "supervisor: run under `python -m antifragile.trainer`); here slot "
+                          "0's training process hosts it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), "
+                          "so its death would end the re-formation: use --recovery restart")
     js = launch.job_store()
     me = worker_id(launch.slot, incarnation)
     model: GPT | None = None
     cause = "start"
-    if launch.slot < world and incarnation == 0:
-        formation: Formation | None = first_formation(js, launch.slot, world)
+    active = first_slots(launch.slots, world, launch.local_slots)
+    if launch.slot in active and incarnation == 0:
+        formation: Formation | None = first_formation(js, launch.slot, active)
     else:
         progress.set(Phase.SPARE)
         if incarnation == 0:  # a dead slot's fresh process: its supervisor registered it

@@ -105,7 +105,7 @@ def launch_hosts(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int
                 "keep_alive_max_attempt=24")
         cmd = host.command([
             sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
-            f"--nproc-per-node={s.trainer.parallel.world_size // nodes}",
+            f"--nproc-per-node={(s.trainer.world_size + s.trainer.spare_workers) // nodes}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={s.name}",
             f"--rdzv-conf={conf}", f"--local-addr={host.address}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
