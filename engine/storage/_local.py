@@ -211,12 +211,10 @@ class LocalStorage:
             files, self._dirty_files = self._dirty_files, set()
             dirs, self._dirty_dirs = self._dirty_dirs, set()
         paths = [*files, *dirs]
-        if len(paths) > 2 and _dirty_bytes() <= SYNCFS_MAX_DIRTY and _syncfs(self.root):
-            return
-        if len(paths) <= 2:
+        if len(paths) <= 2:  # a marker and its folder: fsync them, no journal-wide flush
             for path in paths:
                 _fsync(path)
-        else:
+        elif not (_dirty_bytes() <= SYNCFS_MAX_DIRTY and _syncfs(self.root)):
             list(_fsync_pool().map(_fsync, paths))  # raises the first failure
 
 
