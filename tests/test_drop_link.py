@@ -213,6 +213,11 @@ def _report(out: Path) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
+def _events(out: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted((out / "run" / "events").glob("*"))
+            for line in f.read_text().splitlines()]
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 @needs_netns
@@ -234,8 +239,7 @@ def test_drop_link_scenario_recovers_and_ends_bitwise_equal(
     assert fault["detect_s"] + fault["restart_s"] >= 10 - 0.5
     assert fault["restored_step"] == 10 and fault["lost_steps"] >= fault["injected_step"] - 10
     assert report["run"]["attempts"] == 2
-    events = [json.loads(line) for f in sorted((tmp_path / "out" / "run" / "events").glob("*"))
-              for line in f.read_text().splitlines()]
+    events = _events(tmp_path / "out")
     hangs = [e for e in events if e["event"] == "hang_detected"]
     assert hangs and all(e["attempt"] == 0 for e in hangs)
     assert {e["rank"] for e in events if e["event"] == "start" and e["attempt"] == 1} == {0, 1}
@@ -260,8 +264,7 @@ def test_kill_rank_on_two_hosts_recovers_and_ends_bitwise_equal(
     first, second = outcome.report["faults"]
     assert first["restored_step"] == 10 and second["restored_step"] == 20
     assert outcome.report["run"]["attempts"] == 3
-    events = [json.loads(line) for f in sorted((tmp_path / "out" / "run" / "events").glob("*"))
-              for line in f.read_text().splitlines()]
+    events = _events(tmp_path / "out")
     starts = {(e["attempt"], e["rank"]) for e in events if e["event"] == "start"}
     assert starts == {(a, r) for a in (0, 1, 2) for r in (0, 1)}
     assert not _ours(), "the run's namespaces are gone"
@@ -285,8 +288,7 @@ def test_in_process_recovery_across_two_hosts(
     for fault in (first, second):
         assert fault["recovery_mode"] == "in_process" and fault["fallback"] is None, fault
         assert fault["restart_s"] < 2.0, fault  # the group re-formed: no new processes
-    events = [json.loads(line) for f in sorted((tmp_path / "out" / "run" / "events").glob("*"))
-              for line in f.read_text().splitlines()]
+    events = _events(tmp_path / "out")
     first_attempt = min(e["attempt"] for e in events if e["event"] == "start")
     slots = {e["rank"]: int(e["worker"].split(".")[0]) for e in events
              if e["event"] == "start" and e["attempt"] == first_attempt}

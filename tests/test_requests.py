@@ -173,16 +173,21 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
     yield slept
 
 
+def _wait_for_a_commit(tmp_path: Any, *, world_size: int, rounds: int = 40) -> _PollCounter:
+    """A rank of ``world_size`` waiting for a COMMIT that its polls see only after ``rounds``."""
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        engine.save(1, {"w": torch.ones(2)}, blocking=True)
+        nonce = read_commit(engine.storage, 1)["nonce"]
+        polled = _PollCounter(engine.storage, rounds=rounds)
+        commit_module.wait_for_commit(polled, step=1, nonce=nonce, deadline=float("inf"),
+                                      world_size=world_size)
+    return polled
+
+
 def test_waiting_for_a_commit_is_one_request_per_round_with_backoff(
     tmp_path: Any, sleeps: list[float]
 ) -> None:
-    url = str(tmp_path / "ckpt")
-    with CheckpointEngine(url) as engine:
-        engine.save(1, {"w": torch.ones(2)}, blocking=True)
-        nonce = read_commit(engine.storage, 1)["nonce"]
-        polled = _PollCounter(engine.storage, rounds=40)
-        commit_module.wait_for_commit(polled, step=1, nonce=nonce, deadline=float("inf"),
-                                      world_size=1000)
+    polled = _wait_for_a_commit(tmp_path, world_size=1000)
     assert polled.calls == {"list": 41, "read": 1}, polled.calls  # then COMMIT is read once
     assert len(sleeps) == 40
     assert all(b >= a * 0.7 for a, b in itertools.pairwise(sleeps)), sleeps  # backs off
@@ -194,13 +199,7 @@ def test_a_small_job_sees_a_commit_within_tens_of_milliseconds(tmp_path: Any,
     """2 ranks: polls back off only to 50 ms (not 0.5 s). A rank that saw the COMMIT up to 50%
     of the persist time late kept its save busy, and the next save (5 steps of 60 ms later in
     the transformers example) was skipped although the commit had long been written."""
-    url = str(tmp_path / "ckpt")
-    with CheckpointEngine(url) as engine:
-        engine.save(1, {"w": torch.ones(2)}, blocking=True)
-        nonce = read_commit(engine.storage, 1)["nonce"]
-        polled = _PollCounter(engine.storage, rounds=40)
-        commit_module.wait_for_commit(polled, step=1, nonce=nonce, deadline=float("inf"),
-                                      world_size=2)
+    _wait_for_a_commit(tmp_path, world_size=2)
     assert max(sleeps) <= 0.05 * 1.1, sleeps
     # the whole job polls one prefix at most ~1,000 times a second: world / cap
     delays = commit_module._poll_delays(200)
