@@ -300,6 +300,29 @@ def test_in_process_recovery_across_two_hosts(
 @pytest.mark.multiproc
 @needs_netns
 @pytest.mark.timeout(900)
+def test_a_cut_link_in_process_falls_back_to_a_restart_without_waiting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cut stalls both ranks and both supervisors kill theirs: nobody survives to re-form
+    the group in process. The supervisors see that and restart at once (the recovery took
+    105 s when they waited 2 x collective_timeout_s for a re-formation, and a death reported
+    over a new connection across the just-healed link first waited 63 s to connect)."""
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    doc = yaml.safe_load((ROOT / "scenarios" / "drop-link.yaml").read_text())
+    doc["name"] = "drop-link-in-process"
+    doc["trainer"]["recovery"] = "in_process"
+    outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
+    assert outcome.passed, outcome.report["verdict"]
+    (fault,) = outcome.report["faults"]
+    assert fault["recovery_mode"] == "restart", fault
+    assert "no survivor to re-form it" in (fault["fallback"] or ""), fault
+    assert fault["restart_s"] < doc["trainer"]["collective_timeout_s"], fault
+    assert not _ours(), "the run's namespaces are gone"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@needs_netns
+@pytest.mark.timeout(900)
 def test_a_cut_too_short_to_notice_is_not_observed_and_fails(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Down for 0.3 s against a 30 s stall bound: TCP retransmits, nobody notices, nothing

@@ -520,3 +520,24 @@ def test_a_second_kill_of_an_in_process_survivor_is_charged_to_the_generation_it
     assert (first.injected_step, first.ended_attempt) == (5, 0)
     assert (second.injected_step, second.ended_attempt) == (9, 1), second
     assert second.effect_observed and second.restored_step == 8
+
+
+def test_a_fallback_decided_by_a_supervisor_is_reported_with_its_reason() -> None:
+    """Every rank died (a cut link): no survivor exits with the restart code and a reason, so
+    the supervisor that found nobody to re-form says why; the report names it."""
+    job = _Job()
+    for attempt, pids in ((0, (100, 101)), (1, (102, 103))):
+        t = T0 + 10 * attempt
+        for rank, pid in enumerate(pids):
+            job.emit(t, rank, attempt, "start", pid=pid, world_size=2, dp=2, tp=1, pp=1,
+                     recovery="in_process", cause="start" if attempt == 0 else "restart")
+            job.emit(t + 0.3 + 0.5 * attempt, rank, attempt, "step_end", step=5 * attempt + 1,
+                     loss=1.0, seconds=0.4)
+    job.emit(T0 + 4.0, 1, 0, "rank_died", by="supervisor", pid=101, how="signal 9", hung=True)
+    job.emit(T0 + 4.1, 1, 0, "fallback", by="supervisor",
+             error="every rank of generation 0 died: no survivor to re-form it")
+    kill = Injection("kill_rank", T0 + 2.0, step=1, rank=1, fault_index=0, detail={"pid": 101})
+    record = RunRecord(0, T0, T0 + 20, job.events, [kill], {0: T0 + 4.2})
+    t = measure.fault_timings(record, kill)
+    assert t.recovery_mode == "restart" and t.fallback is not None
+    assert "no survivor to re-form it" in t.fallback, t

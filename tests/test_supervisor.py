@@ -4,6 +4,7 @@ watchdog is fed progress samples, the protocol runs on an in-memory store."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -165,6 +166,29 @@ def test_a_second_loss_while_re_forming_takes_the_first_dead_slots_successor() -
     for thread in supervisors:
         thread.join(5.0)
     assert reported == [True, True]
+
+
+def test_when_every_rank_died_there_is_nobody_to_wait_for() -> None:
+    """A cut link or a job-wide hang: every rank is killed by its supervisor. No survivor is
+    left to coordinate, so the supervisors waited ``reform_timeout_s`` for a re-formation that
+    could never come (60 s of a 105 s recovery in a two-host drop_link run) before torchrun
+    restarted the group; now the last death they see decides the restart."""
+    store = _store()
+    first_formation(JobStore(store, "a0"), 0, range(2))
+    for spare in ("2.0", "3.0"):
+        register_spare(JobStore(store, "a0"), spare)
+    reported: list[bool] = []
+    supervisors = [threading.Thread(target=lambda me=me: reported.append(report_death(
+        JobStore(store, "a0"), me=me, successor=None, generation=0, how="signal 9",
+        member=True, reform_timeout_s=60.0))) for me in ("0.0", "1.0")]
+    t0 = time.monotonic()
+    for thread in supervisors:
+        thread.start()
+    for thread in supervisors:
+        thread.join(10.0)
+    assert reported == [False, False] and time.monotonic() - t0 < 10.0
+    nxt = JobStore(store, "a0").get("g0/next")
+    assert "every rank of generation 0 died" in nxt["restart"], nxt
 
 
 def test_a_respawned_slot_is_a_spare_again() -> None:

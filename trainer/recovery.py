@@ -132,8 +132,9 @@ def first_formation(js: JobStore, slot: int, active: Sequence[int]) -> Formation
     """Generation of a fresh start: ``active[r]`` plays rank r (``first_slots``; slot 0,
     always rank 0, numbers it). Called by every active slot; the others are spares."""
     if slot == 0:
-        js.set("first", {"generation": js.new_generation(),
-                         "members": [worker_id(s, 0) for s in active]})
+        doc = {"generation": js.new_generation(), "members": [worker_id(s, 0) for s in active]}
+        js.set(f"g{doc['generation']}/members", doc["members"])
+        js.set("first", doc)
     doc = js.get("first")
     return Formation(int(doc["generation"]), tuple(doc["members"]))
 
@@ -387,6 +388,7 @@ def _coordinate(js: JobStore, failed: Formation, dead: list[str]) -> None:
         members[rank] = spare
     nxt = {"generation": js.new_generation(), "members": members,
            "replaced": {str(r): w for r, w in zip(lost, free)}}
+    js.set(f"g{nxt['generation']}/members", members)
     for rank, spare in zip(lost, free):
         js.set(f"spare/{spare}/assign", {**nxt, "rank": rank})
     js.set(f"g{g}/next", nxt)
@@ -431,8 +433,9 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
                  member: bool, reform_timeout_s: float) -> bool:
     """The supervisor of a dead training process (in-process mode): register the fresh process
     it will fork (``successor``, if any) as a spare, then say ``me`` is dead; for a member of a
-    generation, wait until the survivors have re-formed. False: they could not (no spare, or
-    nothing happened within ``reform_timeout_s``), and the job must restart.
+    generation, wait until the survivors have re-formed. False: they could not (no spare, no
+    survivor at all, or nothing happened within ``reform_timeout_s``), and the job must
+    restart.
 
     The successor is registered before the death is reported, so a coordinator that sees the
     death also sees the spare: a second loss while the survivors re-form (a survivor stuck in
@@ -450,8 +453,16 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
                                                            "it joined")
         return True
     signal_failure(js, generation, f"worker {me} died ({how})")
-    if not js.wait(f"g{generation}/next", reform_timeout_s):
-        return False
+    deadline = time.monotonic() + reform_timeout_s
+    while not js.has(f"g{generation}/next"):
+        # no survivor will ever coordinate: the first to see that decides the restart now
+        if _nobody_left(js, generation) and js.add(f"g{generation}/coordinator", 1) == 1:
+            js.set(f"g{generation}/next", {"restart": f"every rank of generation "
+                                           f"{generation} died: no survivor to re-form it"})
+        elif time.monotonic() > deadline:
+            return False
+        else:
+            time.sleep(0.01)
     nxt = js.get(f"g{generation}/next")
     if "restart" in nxt:
         return False
@@ -459,6 +470,20 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
         signal_failure(js, int(nxt["generation"]), f"worker {me} died ({how}) before "
                                                    "it joined")
     return True
+
+
+def restart_reason(js: JobStore, generation: int, reform_timeout_s: float) -> str:
+    """Why ``generation`` was not re-formed in process (after ``report_death`` said so)."""
+    if js.has(f"g{generation}/next"):
+        return str(js.get(f"g{generation}/next").get("restart", "re-formed"))
+    return f"no re-formation of generation {generation} within {reform_timeout_s:.0f} s"
+
+
+def _nobody_left(js: JobStore, generation: int) -> bool:
+    """Every member of ``generation`` is reported dead (False while its members are unknown)."""
+    if not js.has(f"g{generation}/members"):
+        return False
+    return all(js.has(f"dead/{m}") for m in js.get(f"g{generation}/members"))
 
 
 def job_done(js: JobStore) -> bool:

@@ -204,6 +204,11 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
     while True:
         progress = SharedProgress()
         current["pid"] = _fork_child(child_main, progress, incarnation)
+        if js is None and recovery == "in_process" and store_factory is not None:
+            # connected now, while the network is whole: a death reported across a cut link
+            # (or one just healed) goes over a live connection, not a new one whose connect
+            # attempts time out (30 s) and back off (another 33 s) in torch's TCPStore client
+            js = store_factory()
         death = _watch(current["pid"], progress, Watchdog(hang_timeout_s=hang_timeout_s),
                        events, slot, poll_s)
         current["pid"] = 0  # reaped: its number may be another process's by now
@@ -220,7 +225,13 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
         if recovery != "in_process" or store_factory is None or \
                 death.code in (RESTART_EXIT_CODE, USAGE_EXIT_CODE):
             return exit_code
-        from antifragile.trainer.recovery import job_done, register_spare, report_death, worker_id
+        from antifragile.trainer.recovery import (
+            job_done,
+            register_spare,
+            report_death,
+            restart_reason,
+            worker_id,
+        )
 
         js = js or store_factory()
         member = death.phase != Phase.SPARE and death.generation >= 0
@@ -231,7 +242,10 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
         if not report_death(js, me=worker_id(slot, incarnation), generation=death.generation,
                             successor=successor if spares and refill else None, how=how,
                             member=member, reform_timeout_s=reform_timeout_s):
-            return exit_code  # the survivors could not re-form: torchrun restarts the group
+            # the survivors could not re-form (or there were none): torchrun restarts the group
+            events.emit("fallback", rank=death.rank, attempt=death.generation,
+                        error=restart_reason(js, death.generation, reform_timeout_s))
+            return exit_code
         if not refill:
             return _give_up(js, events, death, slot, idle_deaths)
         if not spares:

@@ -337,8 +337,10 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
     started = max(e["t"] for e in starts)
     timings.recovery_mode = ("in_process" if any(e.get("cause") == "in_process" for e in starts)
                              else "restart")
+    # a survivor that found too few spares, or a dead rank's supervisor that found no survivor
     gave_up = [e for e in _by_attempt(record.events, attempt, "exit")
                if e.get("code") == RESTART_EXIT_CODE]
+    gave_up += _by_attempt(record.events, attempt, "fallback")
     if timings.recovery_mode == "restart" and gave_up:
         timings.fallback = str(gave_up[0].get("error"))
     timings.detect_s = max(torn_down - injection.t, 0.0)
