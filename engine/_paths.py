@@ -15,6 +15,7 @@ STEP_DIGITS = 9
 COMMIT = "COMMIT"
 ABORT = "ABORT"
 QUARANTINE = "QUARANTINE"  # a damaged step's COMMIT, moved aside with the reason
+QUARANTINE_LOG = "quarantined"  # every QUARANTINE note also, outside the step folders
 RECORDS_DIR = ".ranks"
 
 _STEP_RE = re.compile(rf"^step_(\d{{{STEP_DIGITS},}})$")

@@ -40,6 +40,7 @@ from ._paths import (
     COMMIT,
     FORMAT_VERSION,
     QUARANTINE,
+    QUARANTINE_LOG,
     RECORDS_DIR,
     check_object_key,
     parse_step_dir,
@@ -389,8 +390,10 @@ def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, s
     """Hide a damaged committed step, keeping the evidence: its COMMIT moves (bytes unchanged)
     into a sealed QUARANTINE note with the reason, what every rank reported, and which rank
     confirmed it, so that ``verify`` can still read the step against its manifest. The step
-    can be saved again. The note is written (durably) before COMMIT is deleted: a crash in
-    between leaves the step committed, and the next load finds the damage again."""
+    can be saved again, which clears its folder: the note is also kept in the quarantine log
+    (``QUARANTINE_LOG``, outside the step folders; ``quarantine_log``), which neither a new
+    save nor retention touches. The note is written (durably) before COMMIT is deleted: a
+    crash in between leaves the step committed, and the next load finds the damage again."""
     base = step_dir(step)
     try:
         marker = storage.read(f"{base}/{COMMIT}")
@@ -399,7 +402,9 @@ def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, s
     note = {"step": step, "reason": reason, "reports": {str(r): m for r, m in reports.items()},
             "confirmed_by": confirmed_by, "time": time.time(),
             "commit_b64": base64.b64encode(bytes(marker)).decode()}
-    storage.write(f"{base}/{QUARANTINE}", [_format.seal(note)], durable=True)
+    sealed = _format.seal(note)
+    storage.write(f"{QUARANTINE_LOG}/{base}.{time.time_ns()}", [sealed], durable=True)
+    storage.write(f"{base}/{QUARANTINE}", [sealed], durable=True)
     storage.sync()
     storage.delete(f"{base}/{COMMIT}")
     storage.sync()
@@ -418,6 +423,19 @@ def read_quarantine(storage: Storage, step: int) -> tuple[dict[str, Any], bytes]
         raise CheckpointCorruptError(f"step {step}: QUARANTINE note lacks the COMMIT it moved "
                                      f"aside ({exc})") from None
     return note, marker
+
+
+def quarantine_log(storage: Storage) -> list[tuple[int, dict[str, Any]]]:
+    """Every quarantine note ever written under this root, (step, note) oldest first: also
+    those of steps saved again or retired since. A damaged note raises
+    CheckpointCorruptError naming it."""
+    notes = []
+    for name in storage.list_dir(QUARANTINE_LOG):
+        step = parse_step_dir(name.partition(".")[0])
+        if step is not None:
+            data = storage.read(f"{QUARANTINE_LOG}/{name}")
+            notes.append((step, _format.unseal(data, where=f"{QUARANTINE_LOG}/{name}")))
+    return sorted(notes, key=lambda found: float(found[1].get("time", 0)))
 
 
 def quarantined_steps(storage: Storage) -> list[int]:

@@ -426,6 +426,33 @@ def test_quarantine_keeps_the_manifest_so_verify_still_explains_the_damage(
     assert "step 2: QUARANTINED" in everything.output
 
 
+def test_a_quarantined_step_saved_again_keeps_the_evidence_of_its_damage(
+    storage: Storage,
+) -> None:
+    """Training resumes from step 1 and saves step 2 again: the new save clears the damaged
+    folder, and with it the QUARANTINE note that was the only record of what was damaged and
+    why. The note is also kept outside the step folders, and `chaos ckpt ls` lists it."""
+    from click.testing import CliRunner
+
+    from antifragile.chaos.cli import main
+
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=2, plan_options=PLAN) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+        Raw.open(storage).flip_bit(2, SHARD, 100)
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+            assert engine.load(blank()) == 1
+        engine.save(2, state_of(2), blocking=True)  # training went on and saved step 2 again
+        assert engine.steps() == [1, 2] and engine.verify(2).ok
+    flags = ["--endpoint-url", options["endpoint_url"]] if options else []
+    listing = CliRunner().invoke(main, ["ckpt", "ls", url, *flags])
+    assert listing.exit_code == 0, listing.output
+    earlier = [x for x in listing.output.splitlines() if "quarantined earlier" in x]
+    assert len(earlier) == 1 and earlier[0].split()[0] == "2" and SHARD in earlier[0], \
+        listing.output
+
+
 RANK_1_SHARD = "model/w/c/3/0"  # rows 48-63: read by rank 1 only when 2 ranks hold Shard(0)
 
 

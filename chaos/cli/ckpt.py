@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -76,6 +77,7 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
     from antifragile.engine import CheckpointError
     from antifragile.engine.commit import (
         committed_steps,
+        quarantine_log,
         quarantined_steps,
         read_commit,
         read_quarantine,
@@ -86,19 +88,24 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
         storage = open_storage(url, _options(endpoint_url, pairs, url))
         steps = committed_steps(storage)
         hidden = quarantined_steps(storage)
-        if not steps and not hidden:
+        current = {}  # the notes of the steps quarantined now (listed with the steps)
+        if steps or hidden:
+            click.echo(f"{'step':>12}  {'bytes':>12}  {'objects':>8}  world")
+        else:
             click.echo(f"no committed checkpoint under {url}")
-            return
-        click.echo(f"{'step':>12}  {'bytes':>12}  {'objects':>8}  world")
         for step in sorted([*steps, *hidden]):
             if step in hidden:
                 found = read_quarantine(storage, step)
-                reason = found[0].get("reason") if found else "?"
-                click.echo(f"{step:>12}  quarantined: {reason}")
+                current[step] = found[0].get("time") if found else None
+                click.echo(f"{step:>12}  quarantined: {found[0].get('reason') if found else '?'}")
                 continue
             marker = read_commit(storage, step)
             click.echo(f"{step:>12}  {_human(int(marker.get('nbytes', 0))):>12}  "
                        f"{len(marker['objects']):>8}  {marker.get('world_size', '?')}")
+        for step, note in quarantine_log(storage):  # steps saved again or retired since
+            if current.get(step, object()) != note.get("time"):
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(note.get("time", 0)))
+                click.echo(f"{step:>12}  quarantined earlier ({when}): {note.get('reason')}")
     except CheckpointError as exc:
         _fail(str(exc))
 
