@@ -233,7 +233,6 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
             worker_id,
         )
 
-        js = js or store_factory()
         member = death.phase != Phase.SPARE and death.generation >= 0
         idle_deaths = 0 if member else idle_deaths + 1
         refill = idle_deaths < SPARE_RETRIES
