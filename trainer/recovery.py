@@ -452,11 +452,16 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
                 signal_failure(js, int(doc["generation"]), f"spare {me} died ({how}) before "
                                                            "it joined")
         return True
+    js.add(f"g{generation}/deaths", 1)
     signal_failure(js, generation, f"worker {me} died ({how})")
+    # published before the generation could start (None for one formed by hand, in tests)
+    size = len(js.get(f"g{generation}/members")) if js.has(f"g{generation}/members") else None
     deadline = time.monotonic() + reform_timeout_s
     while not js.has(f"g{generation}/next"):
         # no survivor will ever coordinate: the first to see that decides the restart now
-        if _nobody_left(js, generation) and js.add(f"g{generation}/coordinator", 1) == 1:
+        # (one request a round, however large the job: the members' deaths are counted)
+        if size is not None and js.add(f"g{generation}/deaths", 0) >= size \
+                and js.add(f"g{generation}/coordinator", 1) == 1:
             js.set(f"g{generation}/next", {"restart": f"every rank of generation "
                                            f"{generation} died: no survivor to re-form it"})
         elif time.monotonic() > deadline:
@@ -477,13 +482,6 @@ def restart_reason(js: JobStore, generation: int, reform_timeout_s: float) -> st
     if js.has(f"g{generation}/next"):
         return str(js.get(f"g{generation}/next").get("restart", "re-formed"))
     return f"no re-formation of generation {generation} within {reform_timeout_s:.0f} s"
-
-
-def _nobody_left(js: JobStore, generation: int) -> bool:
-    """Every member of ``generation`` is reported dead (False while its members are unknown)."""
-    if not js.has(f"g{generation}/members"):
-        return False
-    return all(js.has(f"dead/{m}") for m in js.get(f"g{generation}/members"))
 
 
 def job_done(js: JobStore) -> bool:
