@@ -213,6 +213,13 @@ def _report(out: Path) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
+def _drop_link(name: str) -> dict:
+    """The shipped two-host scenario, renamed, for a test to change."""
+    doc = yaml.safe_load((ROOT / "scenarios" / "drop-link.yaml").read_text())
+    doc["name"] = name
+    return doc
+
+
 def _events(out: Path) -> list[dict]:
     return [json.loads(line) for f in sorted((out / "run" / "events").glob("*"))
             for line in f.read_text().splitlines()]
@@ -255,8 +262,7 @@ def test_kill_rank_on_two_hosts_recovers_and_ends_bitwise_equal(
     """The killed rank's agent restarts counted; the other agent restarts because a node
     waits in the rendezvous, uncounted: the attempt number must still agree."""
     monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
-    doc = yaml.safe_load((ROOT / "scenarios" / "drop-link.yaml").read_text())
-    doc["name"] = "kill-rank-two-hosts"
+    doc = _drop_link("kill-rank-two-hosts")
     doc["faults"] = [{"kind": "kill_rank", "rank": 1, "at_step": 12},
                      {"kind": "kill_rank", "rank": 0, "at_step": 22}]
     outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
@@ -307,8 +313,7 @@ def test_a_cut_link_in_process_falls_back_to_a_restart_without_waiting(
     105 s when they waited 2 x collective_timeout_s for a re-formation, and a death reported
     over a new connection across the just-healed link first waited 63 s to connect)."""
     monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
-    doc = yaml.safe_load((ROOT / "scenarios" / "drop-link.yaml").read_text())
-    doc["name"] = "drop-link-in-process"
+    doc = _drop_link("drop-link-in-process")
     doc["trainer"]["recovery"] = "in_process"
     outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
     assert outcome.passed, outcome.report["verdict"]
@@ -327,8 +332,7 @@ def test_a_cut_too_short_to_notice_is_not_observed_and_fails(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Down for 0.3 s against a 30 s stall bound: TCP retransmits, nobody notices, nothing
     restarts. The cut proved nothing about recovery, so the verdict fails and says so."""
-    doc = yaml.safe_load((ROOT / "scenarios" / "drop-link.yaml").read_text())
-    doc["name"] = "short-cut"
+    doc = _drop_link("short-cut")
     doc["trainer"]["hang_timeout_s"] = 10
     doc["faults"] = [{"kind": "drop_link", "at_step": 12, "duration_s": 0.3, "between": [0, 1]}]
     doc["expect"] = {"bitwise_equal_to_reference": False}
