@@ -88,6 +88,9 @@ class TrainerSpec(_Strict):
     #: after a rank fails: torchrun restarts the group, or the survivors re-form it in process
     #: with a warm spare (falling back to a restart when no spare is left)
     recovery: Literal["restart", "in_process"] = "restart"
+    #: in_process: a worker slot whose supervisor renews no lease for this long is lost,
+    #: with its host (default: 5 s, or 1.5 x hang_timeout_s where that is shorter)
+    lease_s: Annotated[Seconds, Field(gt=0)] | None = None
     #: warm spare workers for in_process recovery (default one per node there, 0 otherwise)
     spares: Annotated[StrictInt, Field(ge=0)] | None = None
 
@@ -106,6 +109,9 @@ class TrainerSpec(_Strict):
         if self.spares and self.recovery != "in_process":
             raise ValueError(f"spares: {self.spares} spare(s) are used only by recovery "
                              "in_process (restart mode starts new processes instead)")
+        if self.lease_s is not None and self.recovery != "in_process":
+            raise ValueError("lease_s: leases are held only under recovery in_process (in "
+                             "restart mode torchrun's agents watch the workers)")
         total = self.parallel.world_size + self.spare_workers
         if self.nodes > 1 and total % self.nodes:
             raise ValueError(f"spares: {self.parallel.world_size} ranks + {self.spare_workers} "
@@ -240,6 +246,7 @@ _SCRIPT_DECIDES = ("every_steps", "async", "keep_last")
 _COMMAND_REFUSES = {
     "crash_during_save": "needs the built-in trainer's save-phase pause points",
     "drop_link": "needs emulated hosts, which run only the built-in trainer",
+    "host_down": "needs emulated hosts, which run only the built-in trainer",
 }
 
 
@@ -357,6 +364,7 @@ class Scenario(_Strict):
             if isinstance(self.trainer, TrainerSpec):  # a script's checkpoints are its own
                 problem = problem or fault.check_checkpoints(self.checkpoint.every_steps,
                                                              self.trainer.steps)
+                problem = problem or fault.check_trainer(self.trainer)
             if problem:
                 key, reason = problem
                 raise ValueError(f"faults.{i}{'.' + key if key else ''}: {reason}")

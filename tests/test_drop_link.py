@@ -1,5 +1,6 @@
-"""``drop_link`` and emulated hosts: the namespaces really cut and restore TCP between hosts,
-leave nothing behind, and a two-host job survives a cut link and a killed rank bit-exactly."""
+"""``drop_link``, ``host_down`` and emulated hosts: the namespaces really cut and restore TCP
+between hosts, silence a failed host and kill what ran on it, leave nothing behind, and a
+two-host job survives a cut link, a killed rank and a lost host bit-exactly."""
 
 from __future__ import annotations
 
@@ -10,16 +11,20 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from antifragile.chaos.faults import Target
+from antifragile.chaos.faults.base import Injection
 from antifragile.chaos.faults.drop_link import DropLink
+from antifragile.chaos.faults.host_down import HostDown
 from antifragile.chaos.infra import netns
 from antifragile.chaos.infra.netns import NetnsUnavailable, Network
 from antifragile.chaos.run.pipeline import run
+from antifragile.chaos.run.runner import _Agents
 from antifragile.chaos.scenario import ScenarioError, load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,6 +104,64 @@ def test_three_hosts_cut_exactly_the_named_pair() -> None:
             for s in servers:
                 s.kill()
                 s.wait()
+
+
+@needs_netns
+def test_a_host_that_goes_down_falls_silent_and_everything_on_it_dies() -> None:
+    with Network(2) as net:
+        server = _serve(net, 1)
+        assert _connect(net, 0, 1) == "ok"
+        target = Target(pids={0: 1, 1: server.pid}, coordinates={}, ckpt_url="",
+                        rng=random.Random(0), network=net)
+        injection = HostDown(kind="host_down", at_step=3, node=1).inject(target, 3)
+        assert server.wait(timeout=30) == -9
+        assert injection.rank == 1 and injection.detail["ranks"] == [1]
+        assert injection.detail["lost_node"] == 1 and not injection.missed
+        # no reset from a dead host's kernel: the connection attempt times out, as on a
+        # powered-off host, instead of being refused
+        assert "timed out" in _connect(net, 0, 1)
+        # a host with no rank on it (spares only) has nothing to recover: missed, and why
+        again = HostDown(kind="host_down", at_step=3, node=1).inject(target, 3)
+        assert again.missed and "no rank ran on node 1" in again.missed
+
+
+def test_agents_of_a_lost_host_are_not_waited_for_nor_its_peers_exit_barrier() -> None:
+    """torchrun's agents wait in an exit barrier (300 s) for every agent, a lost host's too:
+    once the job is over and no agent has a worker left, the live ones are ended and count
+    as having succeeded; before that, or while a worker lives, they are waited for."""
+    procs = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2)]
+    agents = _Agents(procs, linger_s=0.2)  # type: ignore[arg-type]
+    try:
+        agents.note(Injection("host_down", 0.0, detail={"lost_node": 1}))
+        procs[1].kill()
+        procs[1].wait()
+        assert agents.running(lambda: False)  # not over: the live agent is waited for
+        assert agents.running(lambda: True)  # over, idle: the linger starts
+        deadline = time.monotonic() + 10
+        while agents.running(lambda: True):
+            assert time.monotonic() < deadline
+        assert procs[0].poll() is not None and agents.returncode == 0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize(("trainer", "node", "message"), [
+    ({"nodes": 1}, 1, "faults.0.node: host_down needs trainer.nodes >= 2"),
+    ({"nodes": 2}, 0, "faults.0.node: node 0 serves the job's stores"),
+    ({"nodes": 2}, 2, "faults.0.node: node 2 is outside the 2 nodes"),
+    ({"nodes": 2, "recovery": "restart"}, 1, "faults.0.kind: host_down needs trainer.recovery: "
+                                             "in_process"),
+    ({"nodes": 2, "spares": 0}, 1, r"faults.0.node: node 1 runs 1 rank\(s\) and the other "
+                                   r"nodes hold 0 spare\(s\): raise trainer.spares to at "
+                                   "least 2"),
+])
+def test_host_down_is_validated_against_the_job(trainer: dict, node: int, message: str) -> None:
+    doc = {"name": "x", "trainer": {"parallel": {"dp": 2}, "recovery": "in_process", **trainer},
+           "faults": [{"kind": "host_down", "at_step": 5, "node": node}]}
+    with pytest.raises(ScenarioError, match=message):
+        parse_scenario(doc, path="x.yaml")
 
 
 @needs_netns
@@ -299,6 +362,32 @@ def test_in_process_recovery_across_two_hosts(
     slots = {e["rank"]: int(e["worker"].split(".")[0]) for e in events
              if e["event"] == "start" and e["attempt"] == first_attempt}
     assert slots[0] // 2 != slots[1] // 2, slots  # 2 slots a host: one rank on each at first
+    assert not _ours(), "the run's namespaces are gone"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@needs_netns
+@pytest.mark.timeout(900)
+def test_a_host_lost_whole_is_found_by_its_leases_and_replaced_in_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host 1 goes dark and everything on it dies, supervisors and agent too: nobody reports
+    its deaths. Before leases, the survivor sat in its collective until its own watchdog
+    killed it (6 s), waited 60 s for a re-formation, fell back to a restart and torchrun's
+    rendezvous gave up on the lost host after 180 s: the run failed at step 12 after 4.5
+    min. Now slot 0's supervisor finds host 1's leases lapsed (3 s: 1.5 x hang_timeout_s),
+    and rank 0 re-forms with host 0's spare."""
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    scenario = load_scenario(ROOT / "scenarios" / "nightly" / "host-down-2nodes-in-process.yaml")
+    outcome = run(scenario, tmp_path / "out", progress=lambda _: None)
+    assert outcome.passed, outcome.report["verdict"]
+    (fault,) = outcome.report["faults"]
+    assert fault["recovery_mode"] == "in_process" and fault["fallback"] is None, fault
+    assert fault["detect_s"] < 3.0 + 2.0 and fault["restored_step"] == 10, fault
+    events = _events(tmp_path / "out")
+    lost = {(e["rank"], e["slot"]) for e in events if e["event"] == "rank_died" and e.get("lost")}
+    assert lost == {(1, 2), (-1, 3)}, lost  # rank 1 and the spare of host 1 (slots 2 and 3)
+    assert not any(e["event"] == "hang_detected" for e in events)
     assert not _ours(), "the run's namespaces are gone"
 
 

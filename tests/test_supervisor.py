@@ -237,7 +237,6 @@ _STALE_PID_SCRIPT = """
 import os, signal
 import pytest
 import torch.distributed as dist
-import antifragile.trainer.recovery as recovery
 import antifragile.trainer.supervisor as supervisor
 from antifragile.trainer.recovery import JobStore
 
@@ -256,7 +255,7 @@ def kill(pid, sig):
         return None
     return real_kill(pid, sig)
 
-recovery.report_death = report_death
+supervisor.report_death = report_death
 supervisor.os.kill = kill
 supervisor.supervise(lambda progress, incarnation: 3, slot=1, recovery="in_process",
                      hang_timeout_s=None, run_dir=None, poll_s=0.01, reform_timeout_s=1.0,

@@ -45,7 +45,8 @@ def main() -> int:
     code = supervise(train, slot=int(os.environ["RANK"]), recovery=cfg.recovery,
                      hang_timeout_s=cfg.hang_timeout_s, run_dir=cfg.run_dir,
                      store_factory=store, reform_timeout_s=cfg.collective_timeout_s * 2,
-                     spares=int(os.environ["WORLD_SIZE"]) - cfg.parallel.world_size)
+                     spares=int(os.environ["WORLD_SIZE"]) - cfg.parallel.world_size,
+                     slots=int(os.environ["WORLD_SIZE"]), lease_s=cfg.lease_s)
     # The supervisor holds no state worth a clean interpreter teardown, which takes seconds
     # with torch loaded (15 s on a busy 2-core machine): the launcher waits for this exit.
     sys.stdout.flush()

@@ -31,6 +31,7 @@ class TrainConfig:
     collective_timeout_s: float = 60.0
     hang_timeout_s: float | None = None  # None: adaptive (trainer.supervisor.Watchdog)
     recovery: str = "restart"  # restart | in_process
+    lease_s: float | None = None  # in_process: a slot silent this long is lost (trainer.lease)
     activation_checkpointing: bool = False
     device: str = "cpu"
 
@@ -64,6 +65,8 @@ class TrainConfig:
             raise ValueError(f"recovery must be restart or in_process, not {self.recovery!r}")
         if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
+        if self.lease_s is not None and self.lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -98,6 +101,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--recovery", choices=("restart", "in_process"), default="restart",
                    help="restart: torchrun restarts the group after a failure; in_process: "
                    "survivors re-form it with a warm spare (extra torchrun workers)")
+    p.add_argument("--lease-s", type=float, default=None,
+                   help="in_process: a worker slot whose supervisor renews no lease for this "
+                   "long is lost, with its host (default: 5 s, or 1.5 x --hang-timeout-s "
+                   "where that is shorter)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = p.parse_args(argv)
@@ -111,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             run_dir=a.run_dir, ckpt_url=a.ckpt_url, ckpt_engine=a.ckpt_engine,
             ckpt_every=a.ckpt_every, async_ckpt=not a.no_async_ckpt, keep_last=a.keep_last,
             ckpt_timeout_s=a.ckpt_timeout_s, collective_timeout_s=a.collective_timeout_s,
-            hang_timeout_s=a.hang_timeout_s, recovery=a.recovery,
+            hang_timeout_s=a.hang_timeout_s, recovery=a.recovery, lease_s=a.lease_s,
             activation_checkpointing=a.activation_checkpointing, device=a.device)
     except ValueError as exc:
         p.error(str(exc))

@@ -429,6 +429,25 @@ def finish(js: JobStore) -> None:
             js.set(f"spare/{spare}/assign", {"done": True})
 
 
+def declare_dead(js: JobStore, *, me: str, generation: int, how: str, member: bool) -> None:
+    """Say worker ``me`` is dead: a member fails ``generation``; an idle spare is only left
+    out of re-formations, unless it was just given a place (see ``_coordinate``), whose
+    generation then fails. Said by its supervisor (``report_death``) or, for a slot that died
+    whole, by the lease monitor (``trainer.lease``); a death said twice counts once."""
+    if js.add(f"dead/{me}/said", 1) > 1:  # the first word on it stands
+        return
+    js.set(f"dead/{me}", {"how": how, "generation": generation, "t": time.time()})
+    if not member:
+        if js.has(f"spare/{me}/assign"):
+            doc = js.get(f"spare/{me}/assign")
+            if not doc.get("done"):
+                signal_failure(js, int(doc["generation"]), f"spare {me} died ({how}) before "
+                                                           "it joined")
+        return
+    js.add(f"g{generation}/deaths", 1)
+    signal_failure(js, generation, f"worker {me} died ({how})")
+
+
 def report_death(js: JobStore, *, me: str, successor: str | None, generation: int, how: str,
                  member: bool, reform_timeout_s: float) -> bool:
     """The supervisor of a dead training process (in-process mode): register the fresh process
@@ -444,16 +463,9 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
     its warm-up does not compete with their recovery for the cores."""
     if successor is not None:
         register_spare(js, successor)
-    js.set(f"dead/{me}", {"how": how, "generation": generation, "t": time.time()})
-    if not member:  # an idle spare, unless it was just given a place (see ``_coordinate``)
-        if js.has(f"spare/{me}/assign"):
-            doc = js.get(f"spare/{me}/assign")
-            if not doc.get("done"):
-                signal_failure(js, int(doc["generation"]), f"spare {me} died ({how}) before "
-                                                           "it joined")
+    declare_dead(js, me=me, generation=generation, how=how, member=member)
+    if not member:
         return True
-    js.add(f"g{generation}/deaths", 1)
-    signal_failure(js, generation, f"worker {me} died ({how})")
     # published before the generation could start (None for one formed by hand, in tests)
     size = len(js.get(f"g{generation}/members")) if js.has(f"g{generation}/members") else None
     deadline = time.monotonic() + reform_timeout_s

@@ -38,7 +38,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from antifragile.trainer.lease import Heartbeat, Holder, LeaseMonitor, Lost, default_lease_s
 from antifragile.trainer.progress import Phase, SharedProgress
+from antifragile.trainer.recovery import (
+    job_done,
+    register_spare,
+    report_death,
+    restart_reason,
+    worker_id,
+)
 
 HANG_EXIT_CODE = 43  # the supervisor killed a hung child
 RESTART_EXIT_CODE = 44  # in-process recovery found no spare: torchrun restarts the group
@@ -184,12 +192,15 @@ def _watch(pid: int, progress: SharedProgress, watchdog: Watchdog, events: _Supe
 def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, recovery: str,
               hang_timeout_s: float | None, run_dir: str | None,
               store_factory: Callable[[], Any] | None = None, poll_s: float = 0.05,
-              reform_timeout_s: float = 120.0, spares: int = 0) -> int:
+              reform_timeout_s: float = 120.0, spares: int = 0, slots: int = 1,
+              lease_s: float | None = None) -> int:
     """Run ``child_main(progress, incarnation)`` in a forked child and watch it; returns this
     worker's exit code. In in-process mode a dead child is reported and replaced by a fresh
-    one that starts as a spare (incarnation + 1); ``spares``: how many the job started with."""
+    one that starts as a spare (incarnation + 1); ``spares``: how many the job started with.
+    In in-process mode the supervisor also holds a lease on its slot, and slot 0's judges the
+    leases of all ``slots`` (``trainer.lease``; ``lease_s``: default ``default_lease_s``)."""
     events = _SupervisorEvents(run_dir, slot)
-    current = {"pid": 0}
+    current: dict[str, Any] = {"pid": 0, "incarnation": 0, "progress": None}
 
     def stop(signum: int, _: object) -> None:  # torchrun tears the group down
         if current["pid"]:
@@ -199,20 +210,26 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    js = None
+    js = heartbeat = None
     incarnation = idle_deaths = 0
     while True:
         progress = SharedProgress()
+        current.update(progress=progress, incarnation=incarnation)
         current["pid"] = _fork_child(child_main, progress, incarnation)
         if js is None and recovery == "in_process" and store_factory is not None:
             # connected now, while the network is whole: a death reported across a cut link
             # (or one just healed) goes over a live connection, not a new one whose connect
             # attempts time out (30 s) and back off (another 33 s) in torch's TCPStore client
             js = store_factory()
+            heartbeat = _hold_leases(store_factory, slot, slots, current, events,
+                                     lease_s if lease_s is not None
+                                     else default_lease_s(hang_timeout_s))
         death = _watch(current["pid"], progress, Watchdog(hang_timeout_s=hang_timeout_s),
                        events, slot, poll_s)
         current["pid"] = 0  # reaped: its number may be another process's by now
         if death.code == 0:
+            if heartbeat is not None:
+                heartbeat.retire()
             return 0
         how = f"signal {-death.code}" if death.code < 0 else f"exit code {death.code}"
         if death.code == STUCK_EXIT_CODE:
@@ -225,14 +242,6 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
         if recovery != "in_process" or store_factory is None or \
                 death.code in (RESTART_EXIT_CODE, USAGE_EXIT_CODE):
             return exit_code
-        from antifragile.trainer.recovery import (
-            job_done,
-            register_spare,
-            report_death,
-            restart_reason,
-            worker_id,
-        )
-
         member = death.phase != Phase.SPARE and death.generation >= 0
         idle_deaths = 0 if member else idle_deaths + 1
         refill = idle_deaths < SPARE_RETRIES
@@ -254,12 +263,34 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
         incarnation += 1
 
 
+def _hold_leases(store_factory: Callable[[], Any], slot: int, slots: int,
+                 current: dict[str, Any], events: _SupervisorEvents, lease_s: float
+                 ) -> Heartbeat:
+    """Renew this slot's lease on a thread of its own (its own store client); slot 0 also
+    judges every slot's."""
+    def holder() -> Holder:
+        _, phase, generation, _, _, _ = current["progress"].read()
+        return Holder(worker_id(slot, current["incarnation"]), generation,
+                      phase != Phase.SPARE and generation >= 0)
+
+    def lost(found: Lost) -> None:
+        events.emit("rank_died", rank=found.rank, attempt=found.generation, slot=found.slot,
+                    worker=found.worker, how=found.how, hung=False, lost=True,
+                    phase="spare" if found.rank < 0 else "unknown")
+        print(f"[supervisor {slot}] {f'rank {found.rank}' if found.rank >= 0 else 'spare'} "
+              f"(worker {found.worker}) {found.how}", file=sys.stderr, flush=True)
+
+    heartbeat = Heartbeat(store_factory(), slot, holder)
+    heartbeat.start()
+    if slot == 0:
+        LeaseMonitor(slots, lease_s).start(store_factory(), lost)
+    return heartbeat
+
+
 def _give_up(js: Any, events: _SupervisorEvents, death: _Death, slot: int, deaths: int) -> int:
     """The slot's fresh processes died ``deaths`` times in a row before they trained: stop
     forking (a crash loop helps nobody), say so, and wait for the job to end without this slot
     (torchrun's teardown, on a restart, ends this process as any other)."""
-    from antifragile.trainer.recovery import job_done
-
     events.emit("spare_lost", rank=death.rank, attempt=death.generation, deaths=deaths)
     print(f"[supervisor {slot}] gives up on this slot: {deaths} fresh processes in a row died "
           "before they trained; the job goes on with one spare fewer", file=sys.stderr,

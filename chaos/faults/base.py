@@ -85,6 +85,11 @@ class FaultBase(BaseModel):
         """(key, reason) if this fault cannot happen on ``nodes`` (emulated) hosts."""
         return None
 
+    def check_trainer(self, trainer: Any) -> tuple[str, str] | None:
+        """(key, reason) if this fault cannot end well with the built-in ``trainer``
+        (a ``TrainerSpec``: recovery mode, spares, nodes)."""
+        return None
+
     def check_checkpoints(self, every_steps: int, steps: int) -> tuple[str, str] | None:
         """(key, reason) if this fault names a checkpoint that the built-in trainer, saving
         every ``every_steps`` of ``steps`` steps, does not have when the fault fires."""

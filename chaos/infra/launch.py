@@ -54,6 +54,8 @@ def trainer_args(s: Scenario, run_dir: Path, ckpt_url: str) -> list[str]:
             "--ckpt-every", c.every_steps, "--keep-last", c.keep_last, "--run-dir", run_dir]
     if t.hang_timeout_s is not None:
         args += ["--hang-timeout-s", t.hang_timeout_s]
+    if t.lease_s is not None:
+        args += ["--lease-s", t.lease_s]
     if not c.async_:
         args.append("--no-async-ckpt")
     return [str(a) for a in args]

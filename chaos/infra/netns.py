@@ -6,6 +6,9 @@ Topology: one namespace per host (``<prefix>-h<i>``) and one "switch" namespace
 the caller's namespace, so the emulated network can reach nothing but itself, and since every
 run gets its own namespaces, fixed addresses and ports never clash between runs.
 
+A host that fails for good (``host_down``): its switch port goes down, then everything in its
+namespace is SIGKILLed (:meth:`Network.host_down`).
+
 Cutting the link between hosts ``a`` and ``b`` (``drop_link``):
 
 - with two hosts, the literal reading: both hosts' switch ports are set down (a pulled cable).
@@ -96,15 +99,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _kill_inside(namespace: str) -> None:
-    """SIGKILL every process still in ``namespace`` (all of them were started by this run)."""
+def _kill_inside(namespace: str) -> list[int]:
+    """SIGKILL every process still in ``namespace`` (all of them were started by this run);
+    returns their pids."""
     try:
         pids = [int(p) for p in _ip("netns", "pids", namespace).split()]
     except (NetnsError, NetnsUnavailable):
-        return
+        return []
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 def _delete(namespace: str) -> None:
@@ -249,6 +254,17 @@ class Network:
             for src, dst in ((ha, hb), (hb, ha)):
                 _ip("-n", src.namespace, "route", "del", "blackhole", f"{dst.address}/32")
         self._down.discard((min(a, b), max(a, b)))
+
+    def host_down(self, index: int) -> tuple[str, list[int]]:
+        """Host ``index`` fails for good: its switch port goes down first, so that it falls
+        silent as a host that loses power (its peers get no reset, their connections stall),
+        then every process inside it is SIGKILLed. Returns how, and the pids killed."""
+        if not 0 <= index < len(self.hosts):
+            raise ValueError(f"no host {index} in a network of {len(self.hosts)}")
+        _ip("-n", self.switch, "link", "set", f"h{index}", "down")
+        return (f"switch port h{index} down, then every process in "
+                f"{self.hosts[index].namespace} SIGKILLed"), _kill_inside(
+                    self.hosts[index].namespace)
 
     def is_down(self, a: int, b: int) -> bool:
         return (min(a, b), max(a, b)) in self._down

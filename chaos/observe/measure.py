@@ -74,6 +74,9 @@ class FaultTimings:
     unmeasured: str | None = None  # what of the recovery could not be measured, and why
 
 
+KILLS = ("kill_rank", "crash_during_save", "host_down")  # faults that kill ranks outright
+
+
 def _by_attempt(events: list[dict[str, Any]], attempt: int, kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["attempt"] == attempt and e["event"] == kind]
 
@@ -113,7 +116,8 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
     evidence or why not. Caused means: the attempt ended within ``window_s`` of the fault (of
     the link coming back, for ``drop_link``) and the fault's own mark is on the failure:
 
-    - ``kill_rank``, ``crash_during_save``: the rank wrote nothing after the signal (a killed
+    - ``kill_rank``, ``crash_during_save``, ``host_down``: the rank (the lowest of the lost
+      host's) wrote nothing after the signal (a killed
       process cannot; one that did was not killed by it).
     - ``hang_rank``: the rank's supervisor found it hung, or the rank wrote nothing after the
       stop (it was still stopped when the group was torn down). A rank that resumed and
@@ -166,6 +170,10 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
                        f"ended {waited:.1f} s after the fault for another reason")
     if masked:  # the stopped rank wrote nothing, but the kill ended the attempt
         return False, masked
+    if injection.kind == "host_down":
+        return True, (f"node {injection.detail['node']} went down with rank(s) "
+                      f"{injection.detail['ranks']}; attempt {attempt} ended {waited:.2f} s "
+                      "later")
     what = "stopped" if injection.kind == "hang_rank" else "killed"
     return True, f"rank {r} {what}; attempt {attempt} ended {waited:.2f} s later"
 
@@ -177,7 +185,7 @@ def _killed_by_another(record: RunRecord, injection: Injection, attempt: int, en
     if injection.kind not in ("hang_rank", "drop_link"):
         return None
     for other in record.injections:
-        if other is not injection and other.kind in ("kill_rank", "crash_during_save") \
+        if other is not injection and other.kind in KILLS \
                 and not other.missed and not other.skipped and other.rank != injection.rank \
                 and other.t <= end and _struck_attempt(record, other) == attempt:
             return other
@@ -535,18 +543,23 @@ def goodput(record: RunRecord) -> float | None:
 
 def spares(record: RunRecord) -> dict[str, Any]:
     """The warm spares of an in-process run: how many became ready, which took over a rank,
-    and which died while idle (each is replaced: its supervisor forks a fresh spare, unless
+    which were lost with their slot (its supervisor too, or their host: found by the lease
+    monitor, ``trainer.lease``; nobody is left to replace them), and which died while idle
+    (each is replaced: its supervisor forks a fresh spare, unless
     the slot's fresh processes kept dying before they trained: ``given_up``)."""
     ready = [e for e in record.events if e["event"] == "spare_ready"]
     took_over = [{"attempt": e["attempt"], "rank": e["rank"], "worker": e.get("worker")}
                  for e in record.events if e["event"] == "start" and e.get("cause") == "in_process"
                  and any(r.get("worker") == e.get("worker") for r in ready)]
-    lost = [{"t": e["t"], "slot": e.get("slot"), "how": e.get("how")}
-            for e in record.events if e["event"] == "rank_died" and e.get("phase") == "spare"]
+    idle = [e for e in record.events if e["event"] == "rank_died" and e.get("phase") == "spare"]
+    lost = [{"t": e["t"], "slot": e.get("slot"), "how": e.get("how")} for e in idle
+            if not e.get("lost")]
+    with_host = [{"t": e["t"], "slot": e.get("slot"), "how": e.get("how")} for e in idle
+                 if e.get("lost")]
     given_up = [{"t": e["t"], "slot": e.get("slot"), "deaths": e.get("deaths")}
                 for e in record.events if e["event"] == "spare_lost"]
     return {"ready": len(ready), "took_over": took_over, "lost_while_idle": lost,
-            "given_up": given_up}
+            "lost_with_slot": with_host, "given_up": given_up}
 
 
 def losses(record: RunRecord) -> list[dict[str, Any]]:

@@ -170,6 +170,8 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
         lines.append(f"- warm spares: {spares.get('ready', 0)} ready, "
                      f"{len(spares.get('took_over', []))} took over a rank, "
                      f"{len(spares.get('lost_while_idle', []))} died while idle (replaced)"
+                     + (f", {len(spares['lost_with_slot'])} lost with their host or "
+                        "supervisor (not replaced)" if spares.get("lost_with_slot") else "")
                      + "".join(f"; slot {g['slot']} given up after {g['deaths']} deaths "
                                "before training" for g in spares.get("given_up", [])))
     if report.get("differing_entries"):

@@ -28,7 +28,7 @@ ATTEMPT_COLORS = ["#1f77b4", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#7f7f7
 FAULT_COLOR = "#d62728"
 RECOVERY_COLOR = "#2ca02c"
 _LABEL_BOX = {"boxstyle": "round,pad=0.15", "fc": "white", "alpha": 0.75, "lw": 0}
-_FAILURES = {"kill_rank", "crash_during_save"}
+_FAILURES = {"kill_rank", "crash_during_save", "host_down"}
 
 
 @dataclass(slots=True)

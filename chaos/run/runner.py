@@ -103,7 +103,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                         else [launch(s, run_dir, ckpt_url, max_restarts=max_restarts, env=env)])
         if s.is_command:
             watch = WorkerWatch(agents.procs[0].pid)
-        while agents.running():
+        while agents.running(job.finished):
             if time.time() - started > timeout_s:
                 raise RunTimeout(f"the {'faulty' if faults else 'fault-free'} run of {s.name} "
                                  f"went past its time limit of {timeout_s:g} s and was killed; "
@@ -121,6 +121,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                         target = _target(s, job.current_pids(), ckpt_url, rng, storage, hosts)
                         for index, fault in point.faults:
                             injection = fault.inject(target, point.step)  # type: ignore[attr-defined]
+                            agents.note(injection)
                             injection.fault_index = index
                             injection.detail["paused_s"] = time.time() - point.first_paused_t
                             injections.append(injection)
@@ -154,6 +155,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                         injection = p.fault.inject(  # type: ignore[attr-defined]
                             _target(s, pids, ckpt_url, rng, storage, hosts),
                             job.step or (None if s.is_command else 0))
+                        agents.note(injection)
                         injection.fault_index = p.index
                         injections.append(injection)
                     if p.fault.mtbf_s:
@@ -267,6 +269,7 @@ class _Job:
         self.world_size = world_size
         self.generations: dict[int, dict[int, int]] = {}  # generation -> rank -> pid
         self.left: dict[int, set[int]] = {}  # generation -> ranks that tore it down
+        self.clean: dict[int, set[int]] = {}  # generation -> ranks that exited with code 0
         self.ends: dict[int, float] = {}
         self.step = 0
         self.paused_s = 0.0
@@ -279,10 +282,19 @@ class _Job:
             self.generations.setdefault(g, {}).setdefault(e["rank"], e["pid"])
         elif e["event"] in ("generation_end", "exit", "rank_died"):
             self.left.setdefault(g, set()).add(e["rank"])
+            if e["event"] == "exit" and e.get("code") == 0:
+                self.clean.setdefault(g, set()).add(e["rank"])
             if e["event"] == "generation_end" and self.ended(g):
                 self.ends.setdefault(g, e["t"])
         elif e["event"] == "step_end" and g == max(self.generations, default=0):
             self.step = max(self.step, e["step"])
+
+    def finished(self) -> bool:
+        """Every rank of the newest generation exited normally: the job is over."""
+        if not self.generations:
+            return False
+        newest = max(self.generations)
+        return set(range(self.world_size)) <= self.clean.get(newest, set())
 
     def current_pids(self) -> dict[int, int]:
         return dict(self.generations[max(self.generations)]) if self.generations else {}
@@ -333,15 +345,32 @@ class _Hosts:
 
 class _Agents:
     """The run's torchrun agents (one per host). The run ends when all have exited; one that
-    failed leaves the others waiting in the rendezvous, so they get ``grace_s`` to follow."""
+    failed leaves the others waiting in the rendezvous, so they get ``grace_s`` to follow.
 
-    def __init__(self, procs: list[subprocess.Popen[str]], *, grace_s: float = 60.0) -> None:
+    The agent of a host that a fault took down (``host_down``) is out of the count. The
+    others, once their workers have ended the job, would wait in torchrun's exit barrier for
+    it (300 s): once every rank of the last generation has exited normally and no agent has
+    a worker left for ``linger_s``, they are ended and count as having succeeded."""
+
+    def __init__(self, procs: list[subprocess.Popen[str]], *, grace_s: float = 60.0,
+                 linger_s: float = 2.0) -> None:
         self.procs = procs
         self.grace_s = grace_s
+        self.linger_s = linger_s
+        self.lost: set[int] = set()  # hosts a fault took down, with their agents
         self._failed_t: float | None = None
+        self._idle_t: float | None = None
+        self._released = False  # the live agents were ended in their exit barrier
 
-    def running(self) -> bool:
-        codes = [p.poll() for p in self.procs]
+    def note(self, injection: Injection) -> None:
+        if injection.detail.get("lost_node") is not None:
+            self.lost.add(int(injection.detail["lost_node"]))
+
+    def _live(self) -> list[subprocess.Popen[str]]:
+        return [p for i, p in enumerate(self.procs) if i not in self.lost]
+
+    def running(self, job_finished: Callable[[], bool]) -> bool:
+        codes = [p.poll() for p in self._live()]
         if all(c is not None for c in codes):
             return False
         if any(codes) and self._failed_t is None:
@@ -349,6 +378,13 @@ class _Agents:
         if self._failed_t is not None and time.time() - self._failed_t > self.grace_s:
             self.kill()
             return False
+        if self.lost and job_finished():
+            idle = not any(children(p.pid) for p in self._live() if p.poll() is None)
+            self._idle_t = (self._idle_t or time.time()) if idle else None
+            if self._idle_t is not None and time.time() - self._idle_t >= self.linger_s:
+                self._released = True
+                self.kill()
+                return False
         return True
 
     def kill(self) -> None:
@@ -366,8 +402,11 @@ class _Agents:
 
     @property
     def returncode(self) -> int:
-        """0 only if every agent succeeded, else the first failing agent's code."""
-        codes = [p.returncode if p.returncode is not None else -9 for p in self.procs]
+        """0 only if every agent not lost succeeded (or was released from its exit barrier),
+        else the first failing agent's code."""
+        if self._released:
+            return 0
+        codes = [p.returncode if p.returncode is not None else -9 for p in self._live()]
         return next((c for c in codes if c), 0)
 
 

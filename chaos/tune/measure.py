@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # the tuning model stays importable without torch
     from antifragile.chaos.scenario import Scenario
 
 
-STOPPING_KINDS = frozenset({"kill_rank", "hang_rank", "crash_during_save", "drop_link"})
+STOPPING_KINDS = frozenset({"kill_rank", "hang_rank", "crash_during_save", "drop_link",
+                            "host_down"})
 """Fault kinds that stop the job (the launcher restarts it): the failures M counts. A
 corrupted shard or a storage outage costs a checkpoint, not the job."""
 

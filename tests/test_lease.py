@@ -1,0 +1,112 @@
+"""Leases (``trainer.lease``): a slot that died whole, supervisor and all (a lost host), is found
+by its silence and declared dead, so the survivors re-form without waiting for a report that
+never comes. No processes: the protocol on an in-memory store, threads for the supervisors."""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from antifragile.trainer.lease import Heartbeat, Holder, LeaseMonitor, Lost, declare_lost
+from antifragile.trainer.recovery import (
+    Formation,
+    JobStore,
+    declare_dead,
+    first_formation,
+    recover,
+    register_spare,
+)
+
+
+def _js(store: dist.Store) -> JobStore:
+    return JobStore(store, "fresh")
+
+
+def _lease(slot: int, worker: str, n: int, *, generation: int = 0, member: bool = True
+           ) -> tuple[int, dict[str, object]]:
+    return slot, {"worker": worker, "generation": generation, "member": member, "n": n}
+
+
+def test_a_silent_slot_is_lost_once_after_its_lease_by_the_monitors_clock() -> None:
+    monitor = LeaseMonitor(slots=4, lease_s=2.0)
+    assert monitor.observe(0.0, dict([_lease(0, "0.0", 7), _lease(1, "1.0", 3)])) == []
+    # slot 0 renews; slot 1 says the same number: silent since t=0 (its own clock is unread)
+    assert monitor.observe(1.9, dict([_lease(0, "0.0", 8), _lease(1, "1.0", 3)])) == []
+    lost = monitor.observe(2.0, dict([_lease(0, "0.0", 9), _lease(1, "1.0", 3)]))
+    assert lost == [(1, Holder("1.0", 0, True), 2.0)]
+    assert monitor.observe(9.0, dict([_lease(0, "0.0", 10), _lease(1, "1.0", 3)])) == []
+
+
+def test_spares_are_declared_before_members_and_retired_slots_not_at_all() -> None:
+    monitor = LeaseMonitor(slots=4, lease_s=1.0)
+    leases = dict([_lease(1, "1.0", 1), _lease(3, "3.0", 1, generation=-1, member=False),
+                   (2, {"retired": True})])
+    monitor.observe(0.0, leases)
+    lost = monitor.observe(1.5, leases)
+    # a coordinator woken by the lost member must find the spare of the same host dead already
+    assert [holder.worker for _, holder, _ in lost] == ["3.0", "1.0"]
+
+
+def test_a_death_said_by_its_supervisor_and_by_the_monitor_counts_once() -> None:
+    js = _js(dist.HashStore())
+    first_formation(js, 0, range(2))
+    declare_dead(js, me="1.0", generation=0, how="signal 9", member=True)
+    declare_lost(js, 1, Holder("1.0", 0, True), 6.0)
+    assert js.add("g0/deaths", 0) == 1  # two would read as "every rank of generation 0 died"
+    assert js.get("dead/1.0")["how"] == "signal 9"
+
+
+def test_a_lost_member_is_declared_in_the_generation_it_re_formed_into() -> None:
+    js = _js(dist.HashStore())
+    first_formation(js, 0, range(2))
+    js.set("g0/next", {"generation": 1, "members": ["0.0", "1.0"]})
+    js.set("g1/members", ["0.0", "1.0"])
+    # its last lease still named generation 0
+    lost = declare_lost(js, 1, Holder("1.0", 0, True), 5.0)
+    assert (lost.generation, lost.rank) == (1, 1)
+    assert js.has("g1/fail") and "no lease renewal from slot 1" in js.get("g1/fail")["reason"]
+
+
+def test_a_retired_heartbeat_says_so() -> None:
+    js = _js(dist.HashStore())
+    beat = Heartbeat(js, 3, lambda: Holder("3.0", 0, True), interval_s=0.01)
+    beat.start()
+    time.sleep(0.05)
+    assert js.get("lease/3")["n"] >= 1
+    beat.retire()
+    assert js.get("lease/3") == {"retired": True}
+
+
+def test_survivors_re_form_without_a_host_that_died_whole() -> None:
+    """Two hosts of two slots: rank 0 and spare 2.0 on host 0, rank 1 and spare 3.0 on host 1.
+    Host 1 dies: its supervisors too, so nobody reports its deaths. Without leases the survivor
+    waited the whole re-formation timeout for rank 1, and the coordinator could have picked
+    the lost host's spare (registered first and warm); now the monitor declares both dead
+    after the lease, and the survivor re-forms with host 0's spare at once."""
+    store = dist.HashStore()
+    js = _js(store)
+    first = first_formation(js, 0, [0, 1])
+    for spare in ("3.0", "2.0"):
+        register_spare(js, spare)
+        js.set(f"spare/{spare}/ready", 1.0)
+    living = {0: Holder("0.0", 0, True), 2: Holder("2.0", -1, False)}
+    beats = [Heartbeat(_js(store), slot, lambda h=h: h, interval_s=0.02)
+             for slot, h in living.items()]
+    for beat in beats:
+        beat.start()
+    # host 1's supervisors wrote their leases once, then died with their host
+    for slot, holder in ((1, Holder("1.0", 0, True)), (3, Holder("3.0", -1, False))):
+        js.set(f"lease/{slot}", {"worker": holder.worker, "generation": holder.generation,
+                                 "member": holder.member, "n": 0})
+    lost: list[Lost] = []
+    LeaseMonitor(4, lease_s=0.5, interval_s=0.02).start(_js(store), lost.append)
+    t0 = time.monotonic()
+    nxt = recover(js, "0.0", first, timeout_s=30.0)
+    assert time.monotonic() - t0 < 5.0
+    assert nxt == Formation(1, ("0.0", "2.0")), nxt
+    assert sorted((x.slot, x.worker, x.generation, x.rank) for x in lost) == [
+        (1, "1.0", 0, 1), (3, "3.0", -1, -1)]
+    js.set("done", 1.0)  # the monitor stops judging
+    for beat in beats:
+        beat.retire()

@@ -1,0 +1,175 @@
+"""Leases: in-process recovery learns of a slot that died whole, which nobody reports.
+
+A dead training process is reported by its supervisor (``recovery.report_death``). When the
+supervisor goes too (a host that loses power or its kernel, an OOM kill of the supervisor, a
+host cut off the network for good), nobody reports it: the survivors' collectives fail or,
+with a powered-off peer that sends no reset, hang, and the survivors waited for the whole
+re-formation timeout (2 x ``collective_timeout_s``) for a member neither alive nor reported
+dead, while the coordinator could give a lost rank to a spare on the lost host.
+
+So every supervisor holds a lease: its :class:`Heartbeat` thread writes ``lease/<slot>`` (the
+slot's current training process, the generation it plays in, a sequence number) every
+``interval_s``. The supervisor of slot 0 runs a :class:`LeaseMonitor` thread that reads every
+lease with one request a round; a slot whose sequence number has not moved for ``lease_s`` by
+the monitor's own clock (no clocks are compared across hosts) is lost, and its worker is
+declared dead (``recovery.declare_dead``): idle spares first, so that a coordinator woken by a
+lost member never picks a spare of the same lost host, then members, whose generation fails,
+which aborts the survivors' collectives and lets them re-form at once.
+
+Slot 0's supervisor serves the job's store on several hosts, so whatever takes it down takes
+the store (and the job) with it: it is the one place that outlives every slot it can judge. A
+slot judged lost that was only slow is handled as a death (its process, no longer a member,
+finds itself left out of the next generation, exits, and its slot becomes a spare again): a
+needless recovery, never a wrong one. ``lease_s`` should be below the survivors' own stall
+escalation (3 x ``hang_timeout_s``), or their watchdogs kill them first.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from antifragile.trainer.recovery import JobStore, declare_dead, job_done
+
+INTERVAL_S = 0.25  # how often a lease is renewed, and the monitor looks
+LEASE_S = 5.0  # the default silence after which a slot is lost (see ``default_lease_s``)
+
+
+def default_lease_s(hang_timeout_s: float | None) -> float:
+    """5 s, or 1.5 x the hang timeout where that is shorter: a survivor waiting in a collective
+    for a lost peer is killed by its own watchdog after 3 x the hang timeout."""
+    return LEASE_S if hang_timeout_s is None else min(LEASE_S, 1.5 * hang_timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """What a lease says about its slot's current training process."""
+
+    worker: str  # its worker id (``recovery.worker_id``)
+    generation: int  # the generation it plays in (-1: not yet)
+    member: bool  # it plays a rank (False: an idle spare)
+
+
+class Heartbeat:
+    """A supervisor's lease on its slot: a daemon thread renewing ``lease/<slot>`` with what
+    ``holder()`` says (called on that thread; it must only read)."""
+
+    def __init__(self, js: JobStore, slot: int, holder: Callable[[], Holder], *,
+                 interval_s: float = INTERVAL_S) -> None:
+        self._js, self._slot, self._holder, self._interval_s = js, slot, holder, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{slot}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def retire(self) -> None:
+        """The slot's process ended on purpose (the job is done): stop renewing, and say so,
+        so that the silence that follows is not taken for a loss."""
+        self._stop.set()
+        self._thread.join()
+        self._write({"retired": True})
+
+    def _write(self, doc: dict[str, Any]) -> bool:
+        try:
+            self._js.set(f"lease/{self._slot}", doc)
+        except Exception:  # the store is gone: the job is over or restarting
+            return False
+        return True
+
+    def _run(self) -> None:
+        seq = 0
+        while not self._stop.is_set():
+            held = self._holder()
+            if not self._write({"worker": held.worker, "generation": held.generation,
+                                "member": held.member, "n": seq}):
+                return
+            seq += 1
+            self._stop.wait(self._interval_s)
+
+
+@dataclass(slots=True)
+class LeaseMonitor:
+    """Judges the leases of ``slots`` (pure logic: :meth:`observe`; :meth:`start` runs it on a
+    thread against a store)."""
+
+    slots: int
+    lease_s: float = LEASE_S
+    interval_s: float = INTERVAL_S
+    _seen: dict[int, tuple[int, float]] = field(default_factory=dict)  # slot -> (n, changed at)
+    _lost: set[str] = field(default_factory=set)  # workers already declared
+    _known: set[str] = field(default_factory=set)  # lease keys that exist
+
+    def observe(self, now: float, leases: dict[int, dict[str, Any]]
+                ) -> list[tuple[int, Holder, float]]:
+        """(slot, holder, silent seconds) of every slot found lost at ``now`` (once per
+        worker), idle spares first. A slot never seen is not judged: it has not started."""
+        lost = []
+        for slot, doc in leases.items():
+            if doc.get("retired"):  # its process ended on purpose (the job is over)
+                continue
+            n = int(doc["n"])
+            if slot not in self._seen or self._seen[slot][0] != n:
+                self._seen[slot] = (n, now)
+                continue
+            silent = now - self._seen[slot][1]
+            holder = Holder(str(doc["worker"]), int(doc["generation"]), bool(doc["member"]))
+            if silent >= self.lease_s and holder.worker not in self._lost:
+                self._lost.add(holder.worker)
+                lost.append((slot, holder, silent))
+        return sorted(lost, key=lambda found: found[1].member)
+
+    def start(self, js: JobStore, on_lost: Callable[[Lost], None]) -> None:
+        """Judge on a daemon thread until the job is done; ``on_lost`` is told of each worker
+        declared dead."""
+        threading.Thread(target=self._run, args=(js, on_lost), name="lease-monitor",
+                         daemon=True).start()
+
+    def _run(self, js: JobStore, on_lost: Callable[[Lost], None]) -> None:
+        keys = [f"lease/{slot}" for slot in range(self.slots)]
+        try:
+            while not job_done(js):
+                self._known.update(k for k in keys if k not in self._known and js.has(k))
+                present = [k for k in keys if k in self._known]
+                values = js.attempt.multi_get(present) if present else []
+                leases = {int(k.rpartition("/")[2]): json.loads(v)
+                          for k, v in zip(present, values)}
+                for slot, holder, silent in self.observe(time.monotonic(), leases):
+                    on_lost(declare_lost(js, slot, holder, silent))
+                time.sleep(self.interval_s)
+        except Exception:  # the store is gone: the job is over or restarting
+            return
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """A worker declared dead for its slot's silence."""
+
+    slot: int
+    worker: str
+    generation: int  # the newest it played in (-1: an idle spare)
+    rank: int  # its rank there (-1: an idle spare)
+    how: str
+
+
+def declare_lost(js: JobStore, slot: int, holder: Holder, silent_s: float) -> Lost:
+    """Declare ``holder``'s worker dead for its slot's silence, in the newest generation it
+    plays in (a lease is up to ``INTERVAL_S`` old, and a member may have re-formed since)."""
+    generation = holder.generation
+    member = holder.member and generation >= 0
+    while member and js.has(f"g{generation}/next"):
+        nxt = js.get(f"g{generation}/next")
+        if "restart" in nxt or holder.worker not in nxt["members"]:
+            break
+        generation = int(nxt["generation"])
+    how = (f"lost: no lease renewal from slot {slot}'s supervisor for {silent_s:.1f} s (its "
+           "host or its supervisor is gone)")
+    declare_dead(js, me=holder.worker, generation=generation, member=member, how=how)
+    members = js.get(f"g{generation}/members") if member and js.has(
+        f"g{generation}/members") else []
+    rank = members.index(holder.worker) if holder.worker in members else -1
+    return Lost(slot, holder.worker, generation if member else -1, rank, how)
