@@ -112,6 +112,12 @@ class TrainerSpec(_Strict):
         if self.lease_s is not None and self.recovery != "in_process":
             raise ValueError("lease_s: leases are held only under recovery in_process (in "
                              "restart mode torchrun's agents watch the workers)")
+        if self.lease_s is not None and self.hang_timeout_s is not None \
+                and self.lease_s >= 3 * self.hang_timeout_s:
+            raise ValueError(f"lease_s: {self.lease_s:g} s is not below the watchdog's stall "
+                             f"escalation, 3 x hang_timeout_s = {3 * self.hang_timeout_s:g} s: "
+                             "survivors waiting for a lost host would be killed by their own "
+                             "watchdogs before it is declared lost")
         total = self.parallel.world_size + self.spare_workers
         if self.nodes > 1 and total % self.nodes:
             raise ValueError(f"spares: {self.parallel.world_size} ranks + {self.spare_workers} "

@@ -164,6 +164,19 @@ def test_host_down_is_validated_against_the_job(trainer: dict, node: int, messag
         parse_scenario(doc, path="x.yaml")
 
 
+@pytest.mark.parametrize(("trainer", "message"), [
+    ({"recovery": "restart", "lease_s": 3}, "trainer: lease_s: leases are held only under "
+                                            "recovery in_process"),
+    ({"recovery": "in_process", "hang_timeout_s": 2, "lease_s": 6},
+     r"trainer: lease_s: 6 s is not below the watchdog's stall escalation, 3 x hang_timeout_s "
+     "= 6 s"),
+])
+def test_a_lease_that_cannot_work_is_refused(trainer: dict, message: str) -> None:
+    doc = {"name": "x", "trainer": {"parallel": {"dp": 2}, **trainer}}
+    with pytest.raises(ScenarioError, match=message):
+        parse_scenario(doc, path="x.yaml")
+
+
 @needs_netns
 def test_hosts_reach_a_service_on_the_bridge_over_their_own_link() -> None:
     """How emulated hosts reach S3: this process listens on the bridge; a host's cut link cuts

@@ -8,7 +8,14 @@ import time
 
 import torch.distributed as dist
 
-from antifragile.trainer.lease import Heartbeat, Holder, LeaseMonitor, Lost, declare_lost
+from antifragile.trainer.lease import (
+    Heartbeat,
+    Holder,
+    LeaseMonitor,
+    Lost,
+    declare_lost,
+    renewal_interval_s,
+)
 from antifragile.trainer.recovery import (
     Formation,
     JobStore,
@@ -26,6 +33,12 @@ def _js(store: dist.Store) -> JobStore:
 def _lease(slot: int, worker: str, n: int, *, generation: int = 0, member: bool = True
            ) -> tuple[int, dict[str, object]]:
     return slot, {"worker": worker, "generation": generation, "member": member, "n": n}
+
+
+def test_renewals_slow_down_in_large_jobs_but_stay_several_per_lease() -> None:
+    assert renewal_interval_s(8, 5.0) == 0.25
+    assert renewal_interval_s(4000, 5.0) == 1.0  # 4,000 renewals a second
+    assert renewal_interval_s(100_000, 5.0) == 1.25  # a quarter of the lease
 
 
 def test_a_silent_slot_is_lost_once_after_its_lease_by_the_monitors_clock() -> None:

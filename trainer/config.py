@@ -67,6 +67,10 @@ class TrainConfig:
             raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
         if self.lease_s is not None and self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if self.lease_s is not None and self.hang_timeout_s is not None \
+                and self.lease_s >= 3 * self.hang_timeout_s:
+            raise ValueError(f"lease_s {self.lease_s:g} must be below 3 x hang_timeout_s "
+                             f"({3 * self.hang_timeout_s:g} s, the watchdog's stall escalation)")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

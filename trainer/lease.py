@@ -9,12 +9,13 @@ dead, while the coordinator could give a lost rank to a spare on the lost host.
 
 So every supervisor holds a lease: its :class:`Heartbeat` thread writes ``lease/<slot>`` (the
 slot's current training process, the generation it plays in, a sequence number) every
-``interval_s``. The supervisor of slot 0 runs a :class:`LeaseMonitor` thread that reads every
-lease with one request a round; a slot whose sequence number has not moved for ``lease_s`` by
-the monitor's own clock (no clocks are compared across hosts) is lost, and its worker is
-declared dead (``recovery.declare_dead``): idle spares first, so that a coordinator woken by a
-lost member never picks a spare of the same lost host, then members, whose generation fails,
-which aborts the survivors' collectives and lets them re-form at once.
+``renewal_interval_s`` (0.25 s in small jobs). The supervisor of slot 0 runs a
+:class:`LeaseMonitor` thread that reads every lease with one request a round; a slot whose
+sequence number has not moved for ``lease_s`` by the monitor's own clock (no clocks are
+compared across hosts) is lost, and its worker is declared dead (``recovery.declare_dead``):
+idle spares first, so that a coordinator woken by a lost member never picks a spare of the
+same lost host, then members, whose generation fails, which aborts the survivors'
+collectives and lets them re-form at once.
 
 Slot 0's supervisor serves the job's store on several hosts, so whatever takes it down takes
 the store (and the job) with it: it is the one place that outlives every slot it can judge. A
@@ -35,14 +36,22 @@ from typing import Any
 
 from antifragile.trainer.recovery import JobStore, declare_dead, job_done
 
-INTERVAL_S = 0.25  # how often a lease is renewed, and the monitor looks
+INTERVAL_S = 0.25  # how often a lease is renewed, and the monitor looks (small jobs)
 LEASE_S = 5.0  # the default silence after which a slot is lost (see ``default_lease_s``)
+RENEWALS_PER_S = 4000  # what the leases may cost the store, at most (requests per second)
 
 
 def default_lease_s(hang_timeout_s: float | None) -> float:
     """5 s, or 1.5 x the hang timeout where that is shorter: a survivor waiting in a collective
     for a lost peer is killed by its own watchdog after 3 x the hang timeout."""
     return LEASE_S if hang_timeout_s is None else min(LEASE_S, 1.5 * hang_timeout_s)
+
+
+def renewal_interval_s(slots: int, lease_s: float) -> float:
+    """How often leases are renewed and judged: every 0.25 s, less often in large jobs so
+    that renewals cost the store at most ``RENEWALS_PER_S`` requests a second (4,000 slots: 1
+    s), and at least 4 times per lease."""
+    return min(lease_s / 4, max(INTERVAL_S, slots / RENEWALS_PER_S))
 
 
 @dataclass(frozen=True, slots=True)

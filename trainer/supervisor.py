@@ -38,7 +38,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from antifragile.trainer.lease import Heartbeat, Holder, LeaseMonitor, Lost, default_lease_s
+from antifragile.trainer.lease import (
+    Heartbeat,
+    Holder,
+    LeaseMonitor,
+    Lost,
+    default_lease_s,
+    renewal_interval_s,
+)
 from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import (
     job_done,
@@ -280,10 +287,11 @@ def _hold_leases(store_factory: Callable[[], Any], slot: int, slots: int,
         print(f"[supervisor {slot}] {f'rank {found.rank}' if found.rank >= 0 else 'spare'} "
               f"(worker {found.worker}) {found.how}", file=sys.stderr, flush=True)
 
-    heartbeat = Heartbeat(store_factory(), slot, holder)
+    every_s = renewal_interval_s(slots, lease_s)
+    heartbeat = Heartbeat(store_factory(), slot, holder, interval_s=every_s)
     heartbeat.start()
     if slot == 0:
-        LeaseMonitor(slots, lease_s).start(store_factory(), lost)
+        LeaseMonitor(slots, lease_s, every_s).start(store_factory(), lost)
     return heartbeat
 
 
