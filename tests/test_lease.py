@@ -42,23 +42,27 @@ def test_renewals_slow_down_in_large_jobs_but_stay_several_per_lease() -> None:
 
 
 def test_a_silent_slot_is_lost_once_after_its_lease_by_the_monitors_clock() -> None:
-    monitor = LeaseMonitor(slots=4, lease_s=2.0)
+    monitor = LeaseMonitor(slots=4, lease_s=2.0, interval_s=0.25)
     assert monitor.observe(0.0, dict([_lease(0, "0.0", 7), _lease(1, "1.0", 3)])) == []
     # slot 0 renews; slot 1 says the same number: silent since t=0 (its own clock is unread)
-    assert monitor.observe(1.9, dict([_lease(0, "0.0", 8), _lease(1, "1.0", 3)])) == []
-    lost = monitor.observe(2.0, dict([_lease(0, "0.0", 9), _lease(1, "1.0", 3)]))
-    assert lost == [(1, Holder("1.0", 0, True), 2.0)]
+    assert monitor.observe(2.0, dict([_lease(0, "0.0", 8), _lease(1, "1.0", 3)])) == []
+    lost = monitor.observe(2.25, dict([_lease(0, "0.0", 9), _lease(1, "1.0", 3)]))
+    assert lost == [(1, Holder("1.0", 0, True), 2.25)]
     assert monitor.observe(9.0, dict([_lease(0, "0.0", 10), _lease(1, "1.0", 3)])) == []
 
 
 def test_spares_are_declared_before_members_and_retired_slots_not_at_all() -> None:
-    monitor = LeaseMonitor(slots=4, lease_s=1.0)
+    monitor = LeaseMonitor(slots=4, lease_s=1.0, interval_s=0.25)
+    # a host's two slots went silent together; the member's last renewal came a little later
+    monitor.observe(0.0, dict([_lease(3, "3.0", 1, generation=-1, member=False),
+                               (2, {"retired": True})]))
+    monitor.observe(0.1, dict([_lease(1, "1.0", 1)]))
     leases = dict([_lease(1, "1.0", 1), _lease(3, "3.0", 1, generation=-1, member=False),
                    (2, {"retired": True})])
-    monitor.observe(0.0, leases)
-    lost = monitor.observe(1.5, leases)
     # a coordinator woken by the lost member must find the spare of the same host dead already
-    assert [holder.worker for _, holder, _ in lost] == ["3.0", "1.0"]
+    assert [holder.worker for _, holder, _ in monitor.observe(1.1, leases)] == ["3.0"]
+    assert [holder.worker for _, holder, _ in monitor.observe(1.35, leases)] == ["1.0"]
+    assert monitor.observe(9.0, leases) == []
 
 
 def test_a_death_said_by_its_supervisor_and_by_the_monitor_counts_once() -> None:

@@ -116,7 +116,11 @@ class LeaseMonitor:
     def observe(self, now: float, leases: dict[int, dict[str, Any]]
                 ) -> list[tuple[int, Holder, float]]:
         """(slot, holder, silent seconds) of every slot found lost at ``now`` (once per
-        worker), idle spares first. A slot never seen is not judged: it has not started."""
+        worker), idle spares first. A slot never seen is not judged: it has not started.
+
+        A member is judged one interval later than a spare: the slots of a lost host fall
+        silent together, but their last renewals differ by up to an interval, and a spare of
+        that host still counted alive when its member is declared could be given the rank."""
         lost = []
         for slot, doc in leases.items():
             if doc.get("retired"):  # its process ended on purpose (the job is over)
@@ -127,7 +131,8 @@ class LeaseMonitor:
                 continue
             silent = now - self._seen[slot][1]
             holder = Holder(str(doc["worker"]), int(doc["generation"]), bool(doc["member"]))
-            if silent >= self.lease_s and holder.worker not in self._lost:
+            due = self.lease_s + (self.interval_s if holder.member else 0.0)
+            if silent >= due and holder.worker not in self._lost:
                 self._lost.add(holder.worker)
                 lost.append((slot, holder, silent))
         return sorted(lost, key=lambda found: found[1].member)
