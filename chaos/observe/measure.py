@@ -155,9 +155,12 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
         f"masked: {killer.kind} of rank {killer.rank} {killer.t - injection.t:+.2f} s from it "
         f"ended attempt {attempt} before any watchdog saw this {injection.kind}")
     if injection.kind == "drop_link":
-        if masked:  # a cut shows itself only through a watchdog
+        if masked:  # a cut shows itself only through a watchdog (or a lease)
             return False, masked
-        how = (f"rank {hung[0]['rank']}'s supervisor found it hung ({hung[0]['how']}); "
+        lost = sorted(e["rank"] for e in events if e["event"] == "rank_died" and e.get("lost")
+                      and e["rank"] >= 0 and e["t"] <= end)
+        how = (f"rank(s) {lost} declared lost (their supervisors' leases lapsed); " if lost
+               else f"rank {hung[0]['rank']}'s supervisor found it hung ({hung[0]['how']}); "
                if hung else "")
         return True, f"{how}attempt {attempt} ended {waited:.2f} s after the cut"
     if injection.kind == "hang_rank" and hung:

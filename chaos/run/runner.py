@@ -347,10 +347,14 @@ class _Agents:
     """The run's torchrun agents (one per host). The run ends when all have exited; one that
     failed leaves the others waiting in the rendezvous, so they get ``grace_s`` to follow.
 
-    The agent of a host that a fault took down (``host_down``) is out of the count. The
-    others, once their workers have ended the job, would wait in torchrun's exit barrier for
-    it (300 s): once every rank of the last generation has exited normally and no agent has
-    a worker left for ``linger_s``, they are ended and count as having succeeded."""
+    The agent of a host that a fault took down (``host_down``) is out of the count. Once
+    every rank of the last generation has exited normally and host 0's agent has had no
+    worker left for ``linger_s``, the job is over and the agents still running are leftovers:
+    host 0's waits in torchrun's exit barrier (300 s) for a lost host's agent, or for one that
+    the job went on without (declared lost by its leases while cut off; once the link is
+    back its workers find the job's store gone with host 0's, and its agent would wait in a
+    rendezvous for ``join_timeout``). They are ended and count as having succeeded: the job's
+    outcome is in its events and its checkpoints, which the verdict checks."""
 
     def __init__(self, procs: list[subprocess.Popen[str]], *, grace_s: float = 60.0,
                  linger_s: float = 2.0) -> None:
@@ -378,8 +382,9 @@ class _Agents:
         if self._failed_t is not None and time.time() - self._failed_t > self.grace_s:
             self.kill()
             return False
-        if self.lost and job_finished():
-            idle = not any(children(p.pid) for p in self._live() if p.poll() is None)
+        head = self.procs[0]  # host 0's agent: never lost (it serves the stores)
+        if len(self.procs) > 1 and job_finished():
+            idle = head.poll() == 0 or (head.poll() is None and not children(head.pid))
             self._idle_t = (self._idle_t or time.time()) if idle else None
             if self._idle_t is not None and time.time() - self._idle_t >= self.linger_s:
                 self._released = True
