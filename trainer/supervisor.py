@@ -22,7 +22,9 @@ restarts the group. In ``in_process`` mode it reports the death in the launcher'
 until the survivors have re-formed the group with a spare (else it exits non-zero and torchrun
 restarts everything), and forks a fresh child that starts as a spare: the pool refills. Where
 the job has spares, that child is registered as one before the death is reported, so a second
-loss during the re-formation still finds a spare (``report_death``).
+loss during the re-formation still finds a spare (``report_death``). It also holds a lease on
+its slot, and slot 0's supervisor judges every slot's, so that a slot that dies whole (its
+supervisor too: a lost host) is declared dead by someone (``trainer.lease``).
 """
 
 from __future__ import annotations
