@@ -161,6 +161,7 @@ def test_once_the_job_is_over_leftover_agents_are_not_waited_for(lost: int | Non
     ({"nodes": 1}, 1, "faults.0.node: host_down needs trainer.nodes >= 2"),
     ({"nodes": 2}, 0, "faults.0.node: node 0 serves the job's stores"),
     ({"nodes": 2}, 2, "faults.0.node: node 2 is outside the 2 nodes"),
+    ({"nodes": 2, "mtbf": True}, 1, "faults.0.mtbf_s: a host goes down once"),
     ({"nodes": 2, "recovery": "restart"}, 1, "faults.0.kind: host_down needs trainer.recovery: "
                                              "in_process"),
     ({"nodes": 2, "spares": 0}, 1, r"faults.0.node: node 1 runs 1 rank\(s\) and the other "
@@ -168,8 +169,9 @@ def test_once_the_job_is_over_leftover_agents_are_not_waited_for(lost: int | Non
                                    "least 2"),
 ])
 def test_host_down_is_validated_against_the_job(trainer: dict, node: int, message: str) -> None:
+    trigger = {"mtbf_s": 30.0} if trainer.pop("mtbf", False) else {"at_step": 5}
     doc = {"name": "x", "trainer": {"parallel": {"dp": 2}, "recovery": "in_process", **trainer},
-           "faults": [{"kind": "host_down", "at_step": 5, "node": node}]}
+           "faults": [{"kind": "host_down", "node": node, **trigger}]}
     with pytest.raises(ScenarioError, match=message):
         parse_scenario(doc, path="x.yaml")
 

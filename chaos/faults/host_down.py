@@ -28,6 +28,13 @@ class HostDown(FaultBase):
     kind: Literal["host_down"]
     node: Annotated[StrictInt, Field(ge=0, description="the emulated host that fails")] = 1
 
+    def check(self, dims: tuple[int, int, int], steps: int, checkpoints: int
+              ) -> tuple[str, str] | None:
+        if self.mtbf_s is not None:
+            return "mtbf_s", ("a host goes down once and does not come back: give at_step, "
+                              "at_checkpoint or at_s")
+        return super().check(dims, steps, checkpoints)
+
     def check_nodes(self, nodes: int) -> tuple[str, str] | None:
         if nodes < 2:
             return "node", ("host_down needs trainer.nodes >= 2 (ranks on emulated hosts); "
