@@ -19,11 +19,11 @@ A failure of generation ``g`` (a worker died, its supervisor says so; or a colle
 sets ``g<g>/fail``. Every survivor's watcher thread is blocked on that key: it shuts down the
 sockets of the generation's gloo process groups (gloo's own ``abort`` does not interrupt a
 collective in flight; a closed connection does, on both ends), so a training thread blocked in
-any collective gets an error at once. The survivors then register (``g<g>/alive/<id>``), wait
-until every member is either alive or reported dead (``dead/<id>``), and the lowest surviving
-worker coordinates: each dead rank gets a live spare, and the new generation is published in
-``g<g>/next``. With too few spares it publishes a restart instead: the survivors exit with
-``RESTART_EXIT_CODE`` and torchrun restarts the whole group.
+any collective gets an error at once. The survivors then register (``g<g>/alive/<id>``); the
+first of them claims the coordination, waits until every member is either alive or reported
+dead (``dead/<id>``), gives each dead rank a live spare and publishes the new generation in
+``g<g>/next``, which the others wait for. With too few spares it publishes a restart instead:
+the survivors exit with ``RESTART_EXIT_CODE`` and torchrun restarts the whole group.
 
 torchrun stays the launcher and its store the rendezvous; nothing here starts processes.
 """
@@ -310,35 +310,50 @@ def recover(js: JobStore, me: str, failed: Formation, *, timeout_s: float) -> Fo
     """A survivor's part of re-forming: the next formation (which may not hold ``me``: it came
     too late and was counted lost), or why the job must restart.
 
-    Whoever the coordinator is, one generation is published per failure: the first survivor
-    to claim ``g<g>/coordinator`` among those that see themselves as the lowest survivor, and
-    none once ``g<g>/next`` exists (a survivor that comes after the deadline of the others
-    finds them gone and must not coordinate again)."""
+    One generation is published per failure, by the first survivor to claim
+    ``g<g>/coordinator``, and none once ``g<g>/next`` exists (a survivor that comes after the
+    others' deadline finds them gone and must not coordinate again). The others only wait for
+    it: one blocking request each, so that a recovery of N ranks costs the store O(N)
+    requests, not N survivors each looking up every member every few milliseconds (N^2)."""
     g = failed.generation
+    deadline = time.monotonic() + timeout_s
     signal_failure(js, g, f"worker {me} saw the failure")
     js.set(f"g{g}/alive/{me}", time.time())
-    deadline = time.monotonic() + timeout_s
-    alive: list[str] = []
-    dead: list[str] = []
-    while not js.has(f"g{g}/next"):
-        # dead first: a survivor that registered alive and died since is dead
-        dead = [m for m in failed.members if js.has(f"dead/{m}")]
-        alive = [m for m in failed.members if m not in dead and js.has(f"g{g}/alive/{m}")]
-        if len(alive) + len(dead) == len(failed.members):
-            break
-        if time.monotonic() > deadline:  # neither alive nor reported dead: treat as lost
-            dead = [m for m in failed.members if m not in alive]
-            break
-        time.sleep(0.002)
-    if alive and me == min(alive, key=_order) and not js.has(f"g{g}/next") \
-            and js.add(f"g{g}/coordinator", 1) == 1:
-        _coordinate(js, failed, dead)
+    js.add(f"g{g}/arrived_alive", 1)
+    if not js.has(f"g{g}/next") and js.add(f"g{g}/coordinator", 1) == 1:
+        _coordinate(js, failed, _dead_members(js, failed, deadline))
     if not js.wait(f"g{g}/next", timeout_s):
         return f"no new generation was published within {timeout_s:.0f} s"
     nxt = js.get(f"g{g}/next")
     if "restart" in nxt:
         return str(nxt["restart"])
     return Formation(int(nxt["generation"]), tuple(nxt["members"]))
+
+
+def _dead_members(js: JobStore, failed: Formation, deadline: float) -> list[str]:
+    """The coordinator: wait until every member of ``failed`` is alive (registered in
+    :func:`recover`) or dead (``dead/<id>``: reported by its supervisor, or declared lost by
+    the lease monitor); those neither by ``deadline`` count as dead. Two counters a round; each
+    member looked up only when they add up, and every ``_SCAN_S`` (a death some counter
+    misses: a spare that died after its assignment, a member dead before it joined)."""
+    g, size = failed.generation, len(failed.members)
+    pause, scanned = 0.002, 0.0
+    while True:
+        now = time.monotonic()
+        counted = js.add(f"g{g}/arrived_alive", 0) + js.add(f"g{g}/deaths", 0)
+        if counted >= size or now - scanned >= _SCAN_S or now > deadline:
+            scanned = now
+            # dead first: a survivor that registered alive and died since is dead
+            dead = [m for m in failed.members if js.has(f"dead/{m}")]
+            alive = [m for m in failed.members
+                     if m not in dead and js.has(f"g{g}/alive/{m}")]
+            if len(alive) + len(dead) == size or now > deadline:
+                return [m for m in failed.members if m not in alive]
+        time.sleep(pause)
+        pause = min(0.05, pause * 1.5)
+
+
+_SCAN_S = 0.25  # see ``_dead_members``
 
 
 def gather(js: JobStore, formation: Formation, me: str, *, timeout_s: float) -> str | None:
@@ -362,18 +377,13 @@ def gather(js: JobStore, formation: Formation, me: str, *, timeout_s: float) -> 
     return None
 
 
-def _order(wid: str) -> tuple[int, int]:
-    slot, _, incarnation = wid.partition(".")
-    return int(slot), int(incarnation)
-
-
 def _spares(js: JobStore) -> list[str]:
     """Every spare that ever registered (``register_spare``), oldest first."""
     return [js.get(f"spares/{i}") for i in range(js.add("spares/count", 0))]
 
 
 def _coordinate(js: JobStore, failed: Formation, dead: list[str]) -> None:
-    """The lowest surviving worker: give each dead rank a live spare, publish the generation."""
+    """The coordinating survivor: give each dead rank a live spare, publish the generation."""
     g = failed.generation
     lost = [r for r, m in enumerate(failed.members) if m in dead]
     free = [w for w in _spares(js)
