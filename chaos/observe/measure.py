@@ -117,8 +117,8 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
     the link coming back, for ``drop_link``) and the fault's own mark is on the failure:
 
     - ``kill_rank``, ``crash_during_save``, ``host_down``: the rank (the lowest of the lost
-      host's) wrote nothing after the signal (a killed
-      process cannot; one that did was not killed by it).
+      host's) wrote nothing after the signal (a killed process cannot; one that did was not
+      killed by it).
     - ``hang_rank``: the rank's supervisor found it hung, or the rank wrote nothing after the
       stop (it was still stopped when the group was torn down). A rank that resumed and
       trained on was not the cause of a later restart.
@@ -548,8 +548,8 @@ def spares(record: RunRecord) -> dict[str, Any]:
     """The warm spares of an in-process run: how many became ready, which took over a rank,
     which were lost with their slot (its supervisor too, or their host: found by the lease
     monitor, ``trainer.lease``; nobody is left to replace them), and which died while idle
-    (each is replaced: its supervisor forks a fresh spare, unless
-    the slot's fresh processes kept dying before they trained: ``given_up``)."""
+    (each is replaced: its supervisor forks a fresh spare, unless the slot's fresh processes
+    kept dying before they trained: ``given_up``)."""
     ready = [e for e in record.events if e["event"] == "spare_ready"]
     took_over = [{"attempt": e["attempt"], "rank": e["rank"], "worker": e.get("worker")}
                  for e in record.events if e["event"] == "start" and e.get("cause") == "in_process"

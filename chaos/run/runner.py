@@ -364,7 +364,7 @@ class _Agents:
         self.lost: set[int] = set()  # hosts a fault took down, with their agents
         self._failed_t: float | None = None
         self._idle_t: float | None = None
-        self._released = False  # the live agents were ended in their exit barrier
+        self._released = False  # the agents left were ended as leftovers of a finished job
 
     def note(self, injection: Injection) -> None:
         if injection.detail.get("lost_node") is not None:
