@@ -18,7 +18,9 @@ same lost host, then members, whose generation fails, which aborts the survivors
 collectives and lets them re-form at once.
 
 Slot 0's supervisor serves the job's store on several hosts, so whatever takes it down takes
-the store (and the job) with it: it is the one place that outlives every slot it can judge. A
+the store (and the job) with it: it is the one place that outlives every slot it can judge.
+(On one host torchrun's agent serves the store; there the loss of slot 0's supervisor alone
+leaves nobody to judge, and its rank is counted lost at the re-formation deadline, as before.) A
 slot judged lost that was only slow is handled as a death (its process, no longer a member,
 finds itself left out of the next generation, exits, and its slot becomes a spare again): a
 needless recovery, never a wrong one. ``lease_s`` should be below the survivors' own stall
@@ -61,6 +63,17 @@ class Holder:
     worker: str  # its worker id (``recovery.worker_id``)
     generation: int  # the generation it plays in (-1: not yet)
     member: bool  # it plays a rank (False: an idle spare)
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """A worker declared dead for its slot's silence."""
+
+    slot: int
+    worker: str
+    generation: int  # the newest it played in (-1: an idle spare)
+    rank: int  # its rank there (-1: an idle spare)
+    how: str
 
 
 class Heartbeat:
@@ -157,17 +170,6 @@ class LeaseMonitor:
                 time.sleep(self.interval_s)
         except Exception:  # the store is gone: the job is over or restarting
             return
-
-
-@dataclass(frozen=True, slots=True)
-class Lost:
-    """A worker declared dead for its slot's silence."""
-
-    slot: int
-    worker: str
-    generation: int  # the newest it played in (-1: an idle spare)
-    rank: int  # its rank there (-1: an idle spare)
-    how: str
 
 
 def declare_lost(js: JobStore, slot: int, holder: Holder, silent_s: float) -> Lost:
