@@ -14,6 +14,7 @@ from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import (
     Formation,
     JobStore,
+    declare_dead,
     finish,
     first_formation,
     first_slots,
@@ -534,3 +535,29 @@ def test_a_re_formation_costs_the_store_requests_linear_in_the_ranks() -> None:
     assert results[0] == Formation(1, (*(f"{i}.0" for i in range(n - 1)), f"{n}.0"))
     # 12,759-41,746 requests before; ~330 now (the supervisor of the dead rank polls too)
     assert store.requests - before < 40 * n, store.requests - before
+
+
+def test_a_coordinator_that_dies_before_publishing_is_taken_over_by_its_supervisor() -> None:
+    """Rank 0 arrives first and claims the coordination, and dies while it waits for the
+    others (an 8-rank job waits up to seconds for a stuck survivor): rank 1 waited for a
+    generation nobody would publish, until its deadline, then the job restarted."""
+    store = _store()
+    first = first_formation(JobStore(store, "a0"), 0, range(3))
+    _spares_ready(JobStore(store, "a0"), "3.0", "4.0")
+    js = JobStore(store, "a0")
+    js.set("g0/fail", {"reason": "rank 2 died"})
+    js.set("g0/alive/0.0", 1.0)  # rank 0's part of recover(), up to its claim
+    js.add("g0/arrived_alive", 1)
+    assert js.add("g0/coordinator", 1) == 1
+    js.set("g0/coordinator/by", "0.0")
+    declare_dead(js, me="2.0", generation=0, how="signal 9", member=True)
+    survivor: list[Formation | str] = []
+    thread = threading.Thread(target=lambda: survivor.append(
+        recover(JobStore(store, "a0"), "1.0", first, timeout_s=30.0)))
+    t0 = time.monotonic()
+    thread.start()
+    assert report_death(JobStore(store, "a0"), me="0.0", successor=None, generation=0,
+                        how="signal 9", member=True, reform_timeout_s=30.0)
+    thread.join(30.0)
+    assert survivor == [Formation(1, ("3.0", "1.0", "4.0"))]
+    assert time.monotonic() - t0 < 5.0

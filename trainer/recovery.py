@@ -321,6 +321,7 @@ def recover(js: JobStore, me: str, failed: Formation, *, timeout_s: float) -> Fo
     js.set(f"g{g}/alive/{me}", time.time())
     js.add(f"g{g}/arrived_alive", 1)
     if not js.has(f"g{g}/next") and js.add(f"g{g}/coordinator", 1) == 1:
+        js.set(f"g{g}/coordinator/by", me)  # should it die now, its supervisor takes over
         _coordinate(js, failed, _dead_members(js, failed, deadline))
     if not js.wait(f"g{g}/next", timeout_s):
         return f"no new generation was published within {timeout_s:.0f} s"
@@ -476,6 +477,8 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
     declare_dead(js, me=me, generation=generation, how=how, member=member)
     if not member:
         return True
+    if js.has(f"g{generation}/coordinator/by") and js.get(f"g{generation}/coordinator/by") == me:
+        _take_over(js, generation, reform_timeout_s)
     # published before the generation could start (None for one formed by hand, in tests)
     size = len(js.get(f"g{generation}/members")) if js.has(f"g{generation}/members") else None
     deadline = time.monotonic() + reform_timeout_s
@@ -497,6 +500,24 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
         signal_failure(js, int(nxt["generation"]), f"worker {me} died ({how}) before "
                                                    "it joined")
     return True
+
+
+def _take_over(js: JobStore, generation: int, timeout_s: float) -> None:
+    """The survivor that claimed the coordination of ``generation``'s re-formation died
+    before it published the next generation (it waits there for every member to be
+    accounted for, up to the deadline): its supervisor finishes the coordination from the
+    store, instead of the others waiting for it until their own deadline, then restarting."""
+    if js.has(f"g{generation}/next") or not js.has(f"g{generation}/members"):
+        return
+    failed = Formation(generation, tuple(js.get(f"g{generation}/members")))
+    dead = _dead_members(js, failed, time.monotonic() + timeout_s)
+    if js.has(f"g{generation}/next"):
+        return
+    if len(dead) == len(failed.members):
+        js.set(f"g{generation}/next", {"restart": f"every rank of generation {generation} "
+                                                  "died: no survivor to re-form it"})
+    else:
+        _coordinate(js, failed, dead)
 
 
 def restart_reason(js: JobStore, generation: int, reform_timeout_s: float) -> str:
