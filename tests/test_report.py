@@ -541,3 +541,20 @@ def test_a_fallback_decided_by_a_supervisor_is_reported_with_its_reason() -> Non
     t = measure.fault_timings(record, kill)
     assert t.recovery_mode == "restart" and t.fallback is not None
     assert "no survivor to re-form it" in t.fallback, t
+
+
+def test_a_spare_takes_over_once_however_often_it_re_forms_after() -> None:
+    """A spare that took a rank survives later failures and starts again (cause in_process) in
+    each later generation: counted once per start it was 19 take-overs for 11 recoveries."""
+    def event(t: float, kind: str, attempt: int, rank: int, **fields: Any) -> dict[str, Any]:
+        return {"t": T0 + t, "event": kind, "attempt": attempt, "rank": rank, **fields}
+
+    events = [event(0.0, "spare_ready", -1, -1, worker="2.0"),
+              event(0.0, "spare_ready", -1, -1, worker="3.0"),
+              event(1.0, "start", 1, 1, worker="2.0", cause="in_process"),
+              event(1.0, "start", 1, 0, worker="0.0", cause="in_process"),
+              event(2.0, "start", 2, 1, worker="2.0", cause="in_process"),
+              event(2.0, "start", 2, 0, worker="3.0", cause="in_process")]
+    spares = measure.spares(RunRecord(0, T0, T0 + 3, events, [], {}))
+    assert spares["took_over"] == [{"attempt": 1, "rank": 1, "worker": "2.0"},
+                                   {"attempt": 2, "rank": 0, "worker": "3.0"}]

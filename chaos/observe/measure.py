@@ -551,9 +551,14 @@ def spares(record: RunRecord) -> dict[str, Any]:
     (each is replaced: its supervisor forks a fresh spare, unless the slot's fresh processes
     kept dying before they trained: ``given_up``)."""
     ready = [e for e in record.events if e["event"] == "spare_ready"]
+    spare_ids = {r.get("worker") for r in ready}
+    first_starts: dict[str, dict[str, Any]] = {}  # a spare took over at its first start; it
+    for e in sorted(record.events, key=lambda e: e["t"]):  # survives later re-formations
+        if e["event"] == "start" and e.get("cause") == "in_process" \
+                and e.get("worker") in spare_ids:
+            first_starts.setdefault(e["worker"], e)
     took_over = [{"attempt": e["attempt"], "rank": e["rank"], "worker": e.get("worker")}
-                 for e in record.events if e["event"] == "start" and e.get("cause") == "in_process"
-                 and any(r.get("worker") == e.get("worker") for r in ready)]
+                 for e in first_starts.values()]
     idle = [e for e in record.events if e["event"] == "rank_died" and e.get("phase") == "spare"]
     lost = [{"t": e["t"], "slot": e.get("slot"), "how": e.get("how")} for e in idle
             if not e.get("lost")]
