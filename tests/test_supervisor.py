@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from antifragile.trainer import supervisor
+from antifragile.trainer.placement import first_slots
 from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import (
     Formation,
@@ -17,7 +18,6 @@ from antifragile.trainer.recovery import (
     declare_dead,
     finish,
     first_formation,
-    first_slots,
     job_done,
     recover,
     register_spare,

@@ -40,13 +40,14 @@ def main() -> int:
     def store() -> object:
         return launch_info(collective_timeout_s=cfg.collective_timeout_s).job_store()
 
+    slots = int(os.environ["WORLD_SIZE"])  # torchrun's workers: trainer ranks + spares
     # served for as long as this process lives (it ends with os._exit below)
     _served = serve_store(recovery=cfg.recovery, collective_timeout_s=cfg.collective_timeout_s)
     code = supervise(train, slot=int(os.environ["RANK"]), recovery=cfg.recovery,
                      hang_timeout_s=cfg.hang_timeout_s, run_dir=cfg.run_dir,
                      store_factory=store, reform_timeout_s=cfg.collective_timeout_s * 2,
-                     spares=int(os.environ["WORLD_SIZE"]) - cfg.parallel.world_size,
-                     slots=int(os.environ["WORLD_SIZE"]), lease_s=cfg.lease_s)
+                     spares=slots - cfg.parallel.world_size, slots=slots,
+                     lease_s=cfg.lease_s)
     # The supervisor holds no state worth a clean interpreter teardown, which takes seconds
     # with torch loaded (15 s on a busy 2-core machine): the launcher waits for this exit.
     sys.stdout.flush()

@@ -9,7 +9,7 @@ lives under ``antifragile/a<restart count>/`` (or ``antifragile/fresh/`` where e
 round gets a fresh store).
 
 Spares: the torchrun slots beyond dp*tp*pp start as spares (on each host its last ones,
-``first_slots``), and in-process mode turns every
+``placement.first_slots``), and in-process mode turns every
 slot whose training process died into a spare again (its supervisor registers a fresh one at
 once, before the survivors re-form, and forks it once they have), so the pool refills. Spares
 register in ``spares/<n>``, warm up (torch is already imported; the model is built) and wait on
@@ -115,17 +115,6 @@ class JobStore:
         except (dist.DistStoreError, RuntimeError):
             return self.has(key)
         return True
-
-
-def first_slots(slots: int, world_size: int, local_slots: int) -> list[int]:
-    """The torchrun slots that play ranks 0..world-1 at a fresh start (the others start as
-    spares): on each host (``local_slots`` consecutive slots, torchrun's LOCAL_WORLD_SIZE) its
-    first world/hosts, so the ranks spread over the hosts as in a launch without spares, and
-    every host keeps spares of its own. One host: slots 0..world-1."""
-    hosts = slots // local_slots if local_slots and slots % local_slots == 0 else 1
-    if hosts == 1 or world_size % hosts:
-        return list(range(world_size))
-    return [h * local_slots + i for h in range(hosts) for i in range(world_size // hosts)]
 
 
 def first_formation(js: JobStore, slot: int, active: Sequence[int]) -> Formation:

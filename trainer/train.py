@@ -29,6 +29,7 @@ from antifragile.trainer.events import EventLog
 from antifragile.trainer.model import GPT, init_weights, keep_stage
 from antifragile.trainer.parallel import apply_fsdp, apply_tp, build_schedule
 from antifragile.trainer.pause import PausePoints
+from antifragile.trainer.placement import first_slots
 from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import (
     FailureWatch,
@@ -36,7 +37,6 @@ from antifragile.trainer.recovery import (
     GlooSockets,
     finish,
     first_formation,
-    first_slots,
     gather,
     recover,
     register_spare,

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictInt
 
 from antifragile.chaos.faults.base import FaultBase, Injection, Target
+from antifragile.trainer.placement import first_slots
 
 
 class HostDown(FaultBase):
@@ -56,8 +57,8 @@ class HostDown(FaultBase):
         if nodes < 2:
             return None  # check_nodes says why
         per_node = (world + trainer.spare_workers) // nodes
-        lost_ranks = sum(1 for r in range(world) if self.node * per_node <= r
-                         < (self.node + 1) * per_node) if world % nodes else world // nodes
+        lost_ranks = sum(1 for slot in first_slots(per_node * nodes, world, per_node)
+                         if slot // per_node == self.node)
         spares_elsewhere = trainer.spare_workers // nodes * (nodes - 1)
         if spares_elsewhere < lost_ranks:
             return "node", (f"node {self.node} runs {lost_ranks} rank(s) and the other nodes "
