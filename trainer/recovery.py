@@ -476,8 +476,7 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
         # (one request a round, however large the job: the members' deaths are counted)
         if size is not None and js.add(f"g{generation}/deaths", 0) >= size \
                 and js.add(f"g{generation}/coordinator", 1) == 1:
-            js.set(f"g{generation}/next", {"restart": f"every rank of generation "
-                                           f"{generation} died: no survivor to re-form it"})
+            _nobody_left(js, generation)
         elif time.monotonic() > deadline:
             return False
         else:
@@ -503,10 +502,15 @@ def _take_over(js: JobStore, generation: int, timeout_s: float) -> None:
     if js.has(f"g{generation}/next"):
         return
     if len(dead) == len(failed.members):
-        js.set(f"g{generation}/next", {"restart": f"every rank of generation {generation} "
-                                                  "died: no survivor to re-form it"})
+        _nobody_left(js, generation)
     else:
         _coordinate(js, failed, dead)
+
+
+def _nobody_left(js: JobStore, generation: int) -> None:
+    """Publish the restart of a generation whose every rank died."""
+    js.set(f"g{generation}/next", {"restart": f"every rank of generation {generation} died: "
+                                              "no survivor to re-form it"})
 
 
 def restart_reason(js: JobStore, generation: int, reform_timeout_s: float) -> str:

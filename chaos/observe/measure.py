@@ -560,10 +560,12 @@ def spares(record: RunRecord) -> dict[str, Any]:
     took_over = [{"attempt": e["attempt"], "rank": e["rank"], "worker": e.get("worker")}
                  for e in first_starts.values()]
     idle = [e for e in record.events if e["event"] == "rank_died" and e.get("phase") == "spare"]
-    lost = [{"t": e["t"], "slot": e.get("slot"), "how": e.get("how")} for e in idle
-            if not e.get("lost")]
-    with_host = [{"t": e["t"], "slot": e.get("slot"), "how": e.get("how")} for e in idle
-                 if e.get("lost")]
+
+    def death(e: dict[str, Any]) -> dict[str, Any]:
+        return {"t": e["t"], "slot": e.get("slot"), "how": e.get("how")}
+
+    lost = [death(e) for e in idle if not e.get("lost")]
+    with_host = [death(e) for e in idle if e.get("lost")]
     given_up = [{"t": e["t"], "slot": e.get("slot"), "deaths": e.get("deaths")}
                 for e in record.events if e["event"] == "spare_lost"]
     return {"ready": len(ready), "took_over": took_over, "lost_while_idle": lost,
