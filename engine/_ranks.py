@@ -123,14 +123,23 @@ class PerRank:
               all_max: Callable[[list[int]], list[int]]) -> bool:
         """Digest the replicated plain tensors; True when some now differ (they become per
         rank, and the plan must be rebuilt)."""
-        candidates = self._candidates()
-        if not candidates:
+        if not self._candidates():
             return False
-        held = [p for p in candidates if p in tensors]
-        mine = dict(zip(held, digests([tensors[p] for p in held])))
+        return self.settle(all_max(self.local_digests(tensors)))
+
+    def local_digests(self, tensors: dict[str, torch.Tensor] | None) -> list[int]:
+        """This rank's part of ``agree``'s all-reduce (a save folds it into its first one):
+        the digest of each candidate it holds and their negations; ``None`` (a rank whose
+        state was refused) holds none. The same length on every rank."""
+        candidates = self._candidates()
+        held = [p for p in candidates if tensors is not None and p in tensors]
+        mine = dict(zip(held, digests([tensors[p] for p in held]))) if tensors else {}
         local = [mine.get(p, _ABSENT) for p in candidates]
-        negated = [-d if d != _ABSENT else _ABSENT for d in local]
-        agreed = all_max(local + negated)
+        return local + [-d if d != _ABSENT else _ABSENT for d in local]
+
+    def settle(self, agreed: list[int]) -> bool:
+        """``agree`` once ``local_digests`` were all-reduced (MAX): True when copies differ."""
+        candidates = self._candidates()
         n = len(candidates)
         differing = {p for i, p in enumerate(candidates) if agreed[i] != -agreed[n + i]}
         self.paths |= differing
