@@ -1,7 +1,8 @@
 """The last committed save, still in host memory: what in-process recovery restores from.
 
 After a save commits, its staging buffers hold exactly what this rank wrote of that step, and
-they stay untouched until the next save starts staging. With ``keep_in_memory`` the staging
+they stay untouched while the next save persists (the engine keeps two sets of buffers and
+stages into the one the copy does not hold) until the save after it starts staging. With ``keep_in_memory`` the staging
 area also keeps a copy of every local tensor this rank does not own in full (replicas whose
 cells another rank writes), so the buffers cover this rank's whole local state. A survivor of
 a failed process group then restores its tensors from memory, with no storage reads for them;

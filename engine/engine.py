@@ -230,12 +230,15 @@ class CheckpointEngine:
 
     ``keep_in_memory``: the staging buffers also hold the replicas this rank does not write, so
     the last committed save is this rank's whole state in host memory (``memory_copy()``), for
-    ``load(..., memory=...)`` after a failure. ``on_phase(step, phase)`` is called as a save
-    passes ``persisting``, ``written`` (objects durable), ``recorded`` (rank record written)
-    and, on the coordinator, ``committing`` (every record in, COMMIT not yet written), on the
-    save's background thread: chaos holds a save there to crash it at a named phase.
-    Under ``chaos run`` the engine reports its saves and restores as events (``_events.py``);
-    ``chaos_events=False`` is for a trainer that reports them itself.
+    ``load(..., memory=...)`` after a failure; two sets of buffers, used in turn, so that the
+    copy survives a save in flight (an async save persists for a good part of the interval
+    between saves: a failure then would otherwise find no copy in memory).
+    ``on_phase(step, phase)`` is called as a save passes ``persisting``, ``written`` (objects
+    durable), ``recorded`` (rank record written) and, on the coordinator, ``committing``
+    (every record in, COMMIT not yet written), on the save's background thread: chaos holds
+    a save there to crash it at a named phase. Under ``chaos run`` the engine reports its
+    saves and restores as events (``_events.py``); ``chaos_events=False`` is for a trainer
+    that reports them itself.
     """
 
     def __init__(
@@ -280,6 +283,9 @@ class CheckpointEngine:
         self._unfinished: set[int] = set()
         self._per_rank = PerRank([], 0)
         self._staging: StagingArea | None = None
+        # keep_in_memory: a second set of buffers, so that a save stages beside the last
+        # committed one (the memory copy) instead of over it; the two are used in turn
+        self._other_staging: StagingArea | None = None
         self._last: SaveHandle | None = None
         self._draining: list[SaveHandle] = []  # committed saves whose retention still runs
         self._closed = False
@@ -397,7 +403,9 @@ class CheckpointEngine:
         if last is not None and not last.retention_done():
             self._draining.append(last)
         self._draining = [h for h in self._draining if not h.retention_done()]
-        self._memory = None  # the buffers are about to hold an uncommitted step
+        if self._memory is not None and self._memory.staging is self._staging:
+            self._staging, self._other_staging = (
+                self._other_staging or self._new_staging(flat), self._staging)
         self._staging.begin()
         self._last = handle
         persist = (f"ckpt-save-{step}", self._persist, handle, self._plan, self._staging, nonce,
@@ -462,10 +470,13 @@ class CheckpointEngine:
         self._fingerprint = fingerprint
 
     def _replan(self, flat: FlatState) -> None:
-        plan = build_plan(self._per_rank.plan_inventories(), self._plan_options)
-        self._staging = StagingArea(plan.writes[self.rank], flat.tensors,
-                                    keep_in_memory=self.keep_in_memory)
-        self._plan = plan
+        self._plan = build_plan(self._per_rank.plan_inventories(), self._plan_options)
+        self._staging, self._other_staging = self._new_staging(flat), None
+
+    def _new_staging(self, flat: FlatState) -> StagingArea:
+        assert self._plan is not None
+        return StagingArea(self._plan.writes[self.rank], flat.tensors,
+                           keep_in_memory=self.keep_in_memory)
 
     def _stage(self, handle: SaveHandle, flat: FlatState, deferred: bool = False) -> None:
         """Stage on this thread. A failure reaches the save's writers (it fails); deferred,
@@ -935,7 +946,10 @@ class CheckpointEngine:
 
     def memory_copy(self) -> MemoryCopy | None:
         """This rank's part of the last committed save, in host memory (``keep_in_memory``),
-        or None (not kept, or a newer save has started staging over it)."""
+        or None (not kept, or nothing committed yet). A save in flight stages into the other
+        of two sets of buffers, so the copy stays whole until that save has committed (and
+        is replaced by it); a copy handed out earlier is refused by a load once the save
+        after next has staged over its buffers."""
         return self._memory
 
     def abandon(self) -> None:

@@ -207,22 +207,40 @@ def test_a_damaged_or_outdated_replica_in_memory_is_not_used(ranks: RankGroup,
         assert after_newer_save, f"rank {rank}: a newer save's values loaded as step 5"
 
 
-def test_a_deferred_save_withdraws_the_copy_when_it_is_called(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch
-                                                               ) -> None:
-    """With ``defer_staging`` the copy was withdrawn only once the staging thread ran: a
-    ``memory_copy()`` in between returned the committed copy while its buffers were about to
-    be overwritten."""
+def _restored_from(memory: Any, url: str, step: int) -> tuple[dict[str, Any], dict[str, int]]:
+    target = _state(99)
+    with CheckpointEngine(url) as fresh:
+        assert fresh.load(target, step=step, memory=memory) == step
+        return target, dict(fresh.last_load_sources)
+
+
+@pytest.mark.parametrize("defer_staging", [False, True])
+def test_the_copy_survives_a_save_in_flight(tmp_path: Path, defer_staging: bool) -> None:
+    """A save used to stage over the buffers of the last committed one and withdraw the copy:
+    an async save persists for a good part of the interval between saves, and a failure
+    then found no copy in memory (a survivor of the goodput run restored from storage). The
+    buffers are now two, used in turn: while step 2 persists the copy is step 1's, whole;
+    once step 3 has staged over step 1's buffers, a copy of step 1 kept since is refused."""
+    url = str(tmp_path / "ckpt")
     gate = threading.Event()
-    with CheckpointEngine(str(tmp_path / "ckpt"), keep_in_memory=True) as engine:
+    hold = {2}
+    with CheckpointEngine(url, keep_in_memory=True, keep_last=None,
+                          on_phase=lambda step, phase: step in hold and gate.wait(30)) as engine:
         engine.save(1, _state(1), blocking=True)
-        assert engine.memory_copy() is not None
-        stage = engine._stage
-        monkeypatch.setattr(engine, "_stage", lambda *a, **k: (gate.wait(30), stage(*a, **k)))
-        handle = engine.save(2, _state(2), defer_staging=True)
+        first = engine.memory_copy()
+        assert first is not None and first.step == 1
+        handle = engine.save(2, _state(2), defer_staging=defer_staging)
         try:
-            assert engine.memory_copy() is None
+            handle.staged.wait(30)
+            assert engine.memory_copy() is first
+            target, sources = _restored_from(first, url, 1)
+            assert sources["storage_bytes"] == 0 and sources["memory_bytes"] > 0
+            assert torch.equal(_bits(target["model"]["w"]), _bits(_state(1)["model"]["w"]))
         finally:
             gate.set()
         handle.wait(30)
         assert engine.memory_copy().step == 2  # type: ignore[union-attr]
+        engine.save(3, _state(3), blocking=True)  # into step 1's buffers
+        target, sources = _restored_from(first, url, 1)
+        assert sources["memory_bytes"] == 0, "a copy whose buffers were staged over was used"
+        assert torch.equal(_bits(target["model"]["w"]), _bits(_state(1)["model"]["w"]))
