@@ -28,6 +28,7 @@ from pydantic import (
 
 from antifragile.chaos.faults import FAULT_CONFIGS, FaultConfig
 from antifragile.chaos.faults.base import Seconds
+from antifragile.trainer.progress import STALL_ESCALATION
 
 #: The shipped scenarios (``chaos list``): the repository's ``scenarios/`` folder.
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
@@ -113,9 +114,10 @@ class TrainerSpec(_Strict):
             raise ValueError("lease_s: leases are held only under recovery in_process (in "
                              "restart mode torchrun's agents watch the workers)")
         if self.lease_s is not None and self.hang_timeout_s is not None \
-                and self.lease_s >= 3 * self.hang_timeout_s:
+                and self.lease_s >= STALL_ESCALATION * self.hang_timeout_s:
             raise ValueError(f"lease_s: {self.lease_s:g} s is not below the watchdog's stall "
-                             f"escalation, 3 x hang_timeout_s = {3 * self.hang_timeout_s:g} s: "
+                             f"escalation, {STALL_ESCALATION:g} x hang_timeout_s = "
+                             f"{STALL_ESCALATION * self.hang_timeout_s:g} s: "
                              "survivors waiting for a lost host would be killed by their own "
                              "watchdogs before it is declared lost")
         total = self.parallel.world_size + self.spare_workers

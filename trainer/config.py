@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from antifragile.trainer.ckpt_backends import ENGINES
 from antifragile.trainer.model import ModelConfig
 from antifragile.trainer.parallel.dims import ParallelDims
+from antifragile.trainer.progress import STALL_ESCALATION
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -68,9 +69,10 @@ class TrainConfig:
         if self.lease_s is not None and self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         if self.lease_s is not None and self.hang_timeout_s is not None \
-                and self.lease_s >= 3 * self.hang_timeout_s:
-            raise ValueError(f"lease_s {self.lease_s:g} must be below 3 x hang_timeout_s "
-                             f"({3 * self.hang_timeout_s:g} s, the watchdog's stall escalation)")
+                and self.lease_s >= STALL_ESCALATION * self.hang_timeout_s:
+            raise ValueError(f"lease_s {self.lease_s:g} must be below {STALL_ESCALATION:g} x "
+                             f"hang_timeout_s ({STALL_ESCALATION * self.hang_timeout_s:g} s, the "
+                             "watchdog's stall escalation)")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

@@ -15,6 +15,11 @@ import struct
 import time
 from collections import deque
 
+# How the supervisor's watchdog judges a silent counter (``trainer.supervisor.Watchdog``);
+# here, torch-free, for chaos's validation and measurements too:
+HANG_FLOOR_S = 10.0  # the adaptive hang timeout never goes below this
+STALL_ESCALATION = 3.0  # a counter still while training: a hang after this x the timeout
+
 _LAYOUT = struct.Struct("<QQqqqd")  # counter, phase, generation, rank, step, bumped_at
 
 

@@ -48,7 +48,7 @@ from antifragile.trainer.lease import (
     default_lease_s,
     renewal_interval_s,
 )
-from antifragile.trainer.progress import Phase, SharedProgress
+from antifragile.trainer.progress import HANG_FLOOR_S, STALL_ESCALATION, Phase, SharedProgress
 from antifragile.trainer.recovery import (
     job_done,
     register_spare,
@@ -70,9 +70,9 @@ class Watchdog:
     """Judges progress samples; pure logic (the supervisor feeds it, tests too)."""
 
     hang_timeout_s: float | None = None  # None: adaptive
-    floor_s: float = 10.0
+    floor_s: float = HANG_FLOOR_S
     k: float = 20.0
-    escalate: float = 3.0
+    escalate: float = STALL_ESCALATION
     _intervals: list[float] = field(default_factory=list)
     _last_counter: int = -1
     _last_change: float = 0.0

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from antifragile.chaos.faults import Injection
 from antifragile.chaos.observe.record import RunRecord
+from antifragile.trainer.progress import HANG_FLOOR_S, STALL_ESCALATION
 
 if TYPE_CHECKING:
     from antifragile.chaos.scenario import Scenario
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
 #: ``collective_timeout_s``) for the agents to tear the group down (``--monitor-interval`` 0.2 s,
 #: ``--shutdown-timeout`` 3 s) on a loaded machine.
 TEARDOWN_S = 30.0
-HANG_FLOOR_S = 10.0  # the trainer's adaptive hang timeout never goes below this
 RESTART_EXIT_CODE = 44  # trainer.supervisor: in-process recovery found no spare
 
 
@@ -28,7 +28,7 @@ def detection_window_s(s: Scenario) -> float:
     when the link comes back up). A command trainer's bound is its ``detect_timeout_s``."""
     if s.is_command:
         return s.trainer.detect_timeout_s + TEARDOWN_S  # type: ignore[union-attr]
-    hang_s = (s.trainer.hang_timeout_s or HANG_FLOOR_S) * 3  # the watchdog's escalation
+    hang_s = (s.trainer.hang_timeout_s or HANG_FLOOR_S) * STALL_ESCALATION
     return max(hang_s, s.trainer.collective_timeout_s) + TEARDOWN_S
 
 # Faults on storage (not on the job): what they did is measured by outage_effects, and which of
