@@ -2,16 +2,17 @@
 
 After a save commits, its staging buffers hold exactly what this rank wrote of that step, and
 they stay untouched while the next save persists (the engine keeps two sets of buffers and
-stages into the one the copy does not hold) until the save after it starts staging. With ``keep_in_memory`` the staging
-area also keeps a copy of every local tensor this rank does not own in full (replicas whose
-cells another rank writes), so the buffers cover this rank's whole local state. A survivor of
-a failed process group then restores its tensors from memory, with no storage reads for them;
-JSON values, bytes and the step's metadata still come from the committed step (small), which
-is also what binds the memory copy to it: the copy is used only for the step and nonce that
-committed, and only while no later save has staged over its buffers; each owned region is
-checked against the COMMIT manifest's chunk CRCs. A shadow (a replica another rank writes) has
-no object of its own in the manifest: its CRC is taken when the save commits, on the save's
-thread, and checked at the restore, so a bit that flipped in memory since is not loaded.
+stages into the one the copy does not hold) until the save after it starts staging. With
+``keep_in_memory`` the staging area also keeps a copy of every local tensor this rank does not
+own in full (replicas whose cells another rank writes), so the buffers cover this rank's whole
+local state. A survivor of a failed process group then restores its tensors from memory, with
+no storage reads for them; JSON values, bytes and the step's metadata still come from the
+committed step (small), which is also what binds the memory copy to it: the copy is used only
+for the step and nonce that committed, and only while no later save has staged over its
+buffers; each owned region is checked against the COMMIT manifest's chunk CRCs. A shadow (a
+replica another rank writes) has no object of its own in the manifest: its CRC is taken when
+the save commits, on the save's thread, and checked at the restore, so a bit that flipped in
+memory since is not loaded.
 """
 
 from __future__ import annotations

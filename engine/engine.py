@@ -406,21 +406,22 @@ class CheckpointEngine:
         if self._memory is not None and self._memory.staging is self._staging:
             self._staging, self._other_staging = (
                 self._other_staging or self._new_staging(flat), self._staging)
-        self._staging.begin()
+        staging = self._staging
+        staging.begin()
         self._last = handle
-        persist = (f"ckpt-save-{step}", self._persist, handle, self._plan, self._staging, nonce,
+        persist = (f"ckpt-save-{step}", self._persist, handle, self._plan, staging, nonce,
                    values, attrs)
         # A large state's writers start first and write each object as soon as its cell is
         # staged. A small state is staged first: its copy takes milliseconds, and a writer
         # thread running Python beside it would make the loop wait for the GIL instead.
-        overlap = defer_staging or self._staging.nbytes >= OVERLAP_MIN_BYTES
+        overlap = defer_staging or staging.nbytes >= OVERLAP_MIN_BYTES
         if overlap:
             self._workers.run(*persist)
         if defer_staging:
-            self._workers.run(f"ckpt-stage-{step}", self._stage, handle, flat, True)
+            self._workers.run(f"ckpt-stage-{step}", self._stage, handle, staging, flat, True)
         else:
             try:
-                self._stage(handle, flat)
+                self._stage(handle, staging, flat)
             except BaseException:
                 handle._observed = True  # raised here; the save it started fails with it
                 raise
@@ -478,12 +479,12 @@ class CheckpointEngine:
         return StagingArea(self._plan.writes[self.rank], flat.tensors,
                            keep_in_memory=self.keep_in_memory)
 
-    def _stage(self, handle: SaveHandle, flat: FlatState, deferred: bool = False) -> None:
+    def _stage(self, handle: SaveHandle, staging: StagingArea, flat: FlatState,
+               deferred: bool = False) -> None:
         """Stage on this thread. A failure reaches the save's writers (it fails); deferred,
         it is not raised again here."""
-        assert self._staging is not None
         try:
-            handle.stall_s = self._staging.stage(flat.tensors)
+            handle.stall_s = staging.stage(flat.tensors)
         except BaseException:
             if deferred:
                 return
