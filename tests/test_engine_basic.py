@@ -535,6 +535,27 @@ def test_a_resave_whose_json_differs_only_in_type_sign_or_order_is_refused(
         assert_same(target["cfg"], saved)
 
 
+def test_a_resave_of_a_step_whose_documents_were_formatted_otherwise_is_a_resave(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine wrote its zarr.json documents indented until it wrote them compact (json's
+    indent path encodes in Python); a save of a step committed by the older engine (the
+    retry of a save whose COMMIT landed, across an upgrade) compared the documents byte for
+    byte and was refused. The same document is the same, whatever its spacing."""
+    from antifragile.engine import _format
+
+    state = {"w": torch.arange(6.0), "cfg": {"lr": 0.1}}
+    with monkeypatch.context() as patch:
+        patch.setattr(_format, "dumps",
+                      lambda doc: json.dumps(doc, indent=1, allow_nan=True).encode())
+        with CheckpointEngine(str(tmp_path)) as engine:
+            engine.save(5, state, blocking=True)
+    assert b'\n "zarr_format"' in (tmp_path / "step_000000005" / "w" / "zarr.json").read_bytes()
+    with CheckpointEngine(str(tmp_path)) as engine:
+        engine.save(5, state, blocking=True)
+        with pytest.raises(CheckpointError, match="step 5 is already committed"):
+            engine.save(5, {"w": torch.arange(6.0) + 1, "cfg": {"lr": 0.1}}, blocking=True)
+
+
 def _fail_at(phase: str) -> Callable[[int, str], None]:
     def hook(step: int, at: str) -> None:
         if at == phase:
