@@ -233,8 +233,11 @@ class FailureWatch:
     timeout: a 2x2x2 survivor stayed in a collective after the abort in 4 of 18 runs of one
     session, 0 of 11 of the next, 2 of 18 of a third, which cost 60 s and a restart; the stack
     it leaves shows the training thread inside ``ProcessGroupGloo.all_gather_single`` (FSDP2's
-    unshard), a call the shutdown does not interrupt; why is not known). A thread that saves,
-    restores, is held at a pause point or still makes progress is waited for."""
+    unshard) or a tensor-parallel ``wait_tensor``. The cause is gloo's: when a connection
+    fails, ``tcp::Pair::signalException`` wakes the unbound buffers still waiting for the
+    peer's handshake but not those whose bytes sit in the transmit queue, which wait out the
+    group's timeout; nothing outside gloo can wake them (README, "Known issue"). A thread
+    that saves, restores, is held at a pause point or still makes progress is waited for."""
 
     def __init__(self, make_store: Callable[[], JobStore], generation: int,
                  on_failure: Callable[[], None], *, progress: SharedProgress | None = None,

@@ -275,7 +275,8 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
 def _stuck(seconds: float) -> None:
     """The training thread stayed in a collective of a failed generation after its
     connections were shut down: end the process (see ``FailureWatch``), leaving every thread's
-    stack in the log (where it was stuck is not yet understood)."""
+    stack in the log (a gloo send queued when its connection failed is never woken: see
+    ``FailureWatch``)."""
     print(f"in-process recovery: the training thread made no progress and did not leave the "
           f"failed generation's collective for {seconds:.1f} s after the abort; exiting "
           f"(code {STUCK_EXIT_CODE}) so that the others re-form without this process; "
