@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from antifragile.trainer.model import GPT, ModelConfig, init_weights, keep_stage
 from antifragile.trainer.parallel.dims import ParallelDims
 from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import (
+    PARKED_S,
     STUCK_AFTER_S,
     STUCK_GAPS,
     STUCK_MIN_S,
@@ -27,6 +29,7 @@ from antifragile.trainer.recovery import (
     JobStore,
     signal_failure,
     stuck_bound,
+    thread_wait,
 )
 
 
@@ -294,14 +297,16 @@ def test_a_captured_descriptor_reused_after_the_formation_is_left_alone() -> Non
         other_peer.close()
 
 
-def _watch(stuck_after_s: float | None, progress: SharedProgress | None = None
+def _watch(stuck_after_s: float | None, progress: SharedProgress | None = None,
+           thread_id: int | None = None
            ) -> tuple[JobStore, FailureWatch, threading.Event, threading.Event]:
     import torch.distributed as dist
 
     store = dist.HashStore()
     aborted, stuck = threading.Event(), threading.Event()
     watch = FailureWatch(lambda: JobStore(store, "a0"), 3, aborted.set, progress=progress,
-                         stuck_after_s=stuck_after_s, on_stuck=lambda seconds: stuck.set())
+                         stuck_after_s=stuck_after_s, on_stuck=lambda seconds: stuck.set(),
+                         thread_id=thread_id)
     watch.start()
     return JobStore(store, "a0"), watch, aborted, stuck
 
@@ -379,6 +384,67 @@ def test_a_stuck_thread_of_a_fast_loop_is_ended_within_seconds_of_the_abort() ->
     assert stuck.wait(4.0), "a stuck thread of a fast loop was waited for as long as 5 s"
     assert time.monotonic() - began >= STUCK_MIN_S * 0.9
     watch.stop()
+
+
+def _thread(target: Any) -> tuple[threading.Thread, int]:
+    ids: list[int] = []
+    ready = threading.Event()
+
+    def run() -> None:
+        ids.append(threading.get_native_id())
+        ready.set()
+        target()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    ready.wait(5)
+    return thread, ids[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_training_thread_parked_in_one_wait_after_the_abort_is_ended_at_once() -> None:
+    """A gloo send queued when its connection failed is never woken (gloo signals only the
+    buffers waiting for the peer's handshake): the 2x2x2 survivor stuck that way was ended
+    only at the bound of its loop's gaps, 1.5-5 s, all of it recovery time. Asleep in one
+    kernel wait (no context switch) for PARKED_S after the abort, it is stuck."""
+    release = threading.Event()
+    _, tid = _thread(release.wait)  # one futex wait with no timeout, like c10d's Work::wait
+    time.sleep(0.1)
+    assert thread_wait(tid) is not None and thread_wait(tid)[0] == "S"  # type: ignore[index]
+    js, watch, aborted, stuck = _watch(None, _training(), thread_id=tid)  # bound: 5 s
+    began = time.monotonic()
+    signal_failure(js, 3, "worker 1.0 died")
+    assert aborted.wait(5)
+    assert stuck.wait(3.0), "a thread parked in one wait was waited for as long as its bound"
+    assert time.monotonic() - began >= PARKED_S * 0.9
+    release.set()
+    watch.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_training_thread_that_computes_or_waits_in_turns_is_not_taken_for_parked() -> None:
+    """Computing (running, or preempted on two busy cores) and short waits (the GIL, a
+    sleep) move the thread's context-switch counters: only the bound of its gaps applies."""
+    done = threading.Event()
+
+    def compute() -> None:
+        x = torch.randn(64, 64)
+        while not done.is_set():
+            x = (x @ x).tanh()
+
+    def naps() -> None:
+        while not done.is_set():
+            time.sleep(0.02)
+
+    for target in (compute, naps):
+        _, tid = _thread(target)
+        js, watch, aborted, stuck = _watch(2.0, _training(), thread_id=tid)
+        signal_failure(js, 3, "worker 1.0 died")
+        assert aborted.wait(5)
+        assert not stuck.wait(1.5), target.__name__
+        assert stuck.wait(3.0), f"{target.__name__}: the bound of its gaps still applies"
+        watch.stop()
+    done.set()
 
 
 def test_a_stopped_watch_neither_aborts_nor_ends() -> None:

@@ -58,6 +58,29 @@ STUCK_MIN_S = 1.0
 STUCK_GAPS = 20
 
 
+# A training thread asleep in one kernel wait (state S, neither context-switch counter moving)
+# this long after its generation's connections were shut down is stuck at once, whatever its
+# gaps: a collective woken by the shutdown leaves in milliseconds, a compute runs (state R,
+# or switches), a wait for the GIL is woken every switch interval. What parks a thread for
+# good there is a gloo send queued when its connection failed, which nothing wakes before
+# the group's timeout (see ``FailureWatch``).
+PARKED_S = 0.5
+
+
+def thread_wait(tid: int) -> tuple[str, int, int] | None:
+    """A thread of this process: its scheduler state and its voluntary and involuntary
+    context switches (``/proc``), or None where they cannot be read (not Linux, gone)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        with open(f"/proc/self/task/{tid}/status", encoding="ascii") as f:
+            counts = dict(line.split(":", 1) for line in f if "ctxt_switches" in line)
+        return (state, int(counts["voluntary_ctxt_switches"]),
+                int(counts["nonvoluntary_ctxt_switches"]))
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
 def stuck_bound(gaps_s: Sequence[float]) -> float:
     """Seconds without progress after the abort that mean "stuck" (see ``STUCK_AFTER_S``)."""
     longest = 1.5 * max(gaps_s, default=0.0)
@@ -225,25 +248,28 @@ class FailureWatch:
     generation's connections). ``fired`` tells the training thread an error was a failure of
     the generation, not a bug of its own.
 
-    The abort must get the training thread out of its collective: it calls :meth:`left` once
-    it is out. If it is not, and ``progress`` shows it training without a micro-step for
+    The abort must get the training thread out of its collective: it calls :meth:`left` once it
+    is out. If it is not, and ``progress`` shows it training without a micro-step for
     ``stuck_after_s`` after the abort (default: :func:`stuck_bound` of what ``progress`` has
-    seen), ``on_stuck(seconds)`` runs (it ends the process, so its supervisor reports the
-    rank dead and the others re-form without it, instead of waiting for the collective
-    timeout: a 2x2x2 survivor stayed in a collective after the abort in 4 of 18 runs of one
-    session, 0 of 11 of the next, 2 of 18 of a third, which cost 60 s and a restart; the stack
-    it leaves shows the training thread inside ``ProcessGroupGloo.all_gather_single`` (FSDP2's
-    unshard) or a tensor-parallel ``wait_tensor``. The cause is gloo's: when a connection
-    fails, ``tcp::Pair::signalException`` wakes the unbound buffers still waiting for the
-    peer's handshake but not those whose bytes sit in the transmit queue, which wait out the
-    group's timeout; nothing outside gloo can wake them (README, "Known issue"). A thread
-    that saves, restores, is held at a pause point or still makes progress is waited for."""
+    seen), or asleep in one kernel wait for ``PARKED_S`` (``thread_id``: the training thread,
+    sampled in ``/proc``), ``on_stuck(seconds)`` runs (it ends the process, so its supervisor
+    reports the rank dead and the others re-form without it, instead of waiting for the
+    collective timeout: a 2x2x2 survivor stayed in a collective after the abort in 4 of 18 runs
+    of one session, 0 of 11 of the next, 2 of 18 of a third, which cost 60 s and a restart; the
+    stack it leaves shows the training thread inside ``ProcessGroupGloo.all_gather_single``
+    (FSDP2's unshard) or a tensor-parallel ``wait_tensor``). The cause is gloo's: when a
+    connection fails, ``tcp::Pair::signalException`` wakes the unbound buffers still waiting for
+    the peer's handshake but not those whose bytes sit in the transmit queue, which wait out the
+    group's timeout; nothing outside gloo can wake them (README, "Known issue"). A thread that
+    saves, restores, is held at a pause point or still makes progress is waited for."""
 
     def __init__(self, make_store: Callable[[], JobStore], generation: int,
                  on_failure: Callable[[], None], *, progress: SharedProgress | None = None,
                  stuck_after_s: float | None = None,
-                 on_stuck: Callable[[float], None] | None = None) -> None:
+                 on_stuck: Callable[[float], None] | None = None,
+                 thread_id: int | None = None) -> None:
         self.generation = generation
+        self._thread_id = thread_id  # the training thread's native id: parked there is stuck
         self.fired = threading.Event()
         self._stop = threading.Event()
         self._left = threading.Event()
@@ -285,11 +311,36 @@ class FailureWatch:
         bound = self._stuck_after_s
         if bound is None:
             bound = stuck_bound(progress.gaps_s.copy())  # one C call: the training thread appends
-        while not self._left.wait(min(0.1, bound / 4)):
+        parked = _Parked(self._thread_id)
+        while not self._left.wait(min(0.05, bound / 4)):
             _, phase, _, _, _, written = progress.read()
-            if phase == Phase.TRAINING and time.time() - max(written, aborted) >= bound:
+            now = time.time()
+            parked_s = parked.seconds(now)
+            if phase != Phase.TRAINING:
+                continue
+            if now - max(written, aborted) >= bound:
                 self._on_stuck(bound)
                 return
+            if parked_s >= PARKED_S and now - max(written, aborted) >= PARKED_S:
+                self._on_stuck(now - max(written, aborted))
+                return
+
+
+class _Parked:
+    """How long a thread has been asleep in one kernel wait, from samples of ``thread_wait``
+    (0 while it runs, switches, or cannot be read)."""
+
+    def __init__(self, tid: int | None) -> None:
+        self.tid = tid
+        self._last: tuple[str, int, int] | None = None
+        self._since = 0.0
+
+    def seconds(self, now: float) -> float:
+        sample = thread_wait(self.tid) if self.tid is not None else None
+        if sample is None or sample[0] != "S" or sample != self._last:
+            self._last, self._since = sample, now
+            return 0.0
+        return now - self._since
 
 
 def signal_failure(js: JobStore, generation: int, reason: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -226,7 +227,8 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
     watch = None
     if cfg.recovery == "in_process":  # armed before the rendezvous: a member may die during it
         watch = FailureWatch(launch.job_store, generation, sockets.shutdown,
-                             progress=progress, on_stuck=_stuck)
+                             progress=progress, on_stuck=_stuck,
+                             thread_id=threading.get_native_id())
         watch.start()
     checkpointer: list[TrainCheckpointer] = []  # set by _train: its memory outlives a failure
     try:
