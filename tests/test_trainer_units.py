@@ -386,7 +386,8 @@ def test_a_stuck_thread_of_a_fast_loop_is_ended_within_seconds_of_the_abort() ->
     watch.stop()
 
 
-def _thread(target: Any) -> tuple[threading.Thread, int]:
+def _thread_id(target: Any) -> int:
+    """The native id of a daemon thread started to run ``target``."""
     ids: list[int] = []
     ready = threading.Event()
 
@@ -395,10 +396,9 @@ def _thread(target: Any) -> tuple[threading.Thread, int]:
         ready.set()
         target()
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    threading.Thread(target=run, daemon=True).start()
     ready.wait(5)
-    return thread, ids[0]
+    return ids[0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -408,7 +408,7 @@ def test_a_training_thread_parked_in_one_wait_after_the_abort_is_ended_at_once()
     only at the bound of its loop's gaps, 1.5-5 s, all of it recovery time. Asleep in one
     kernel wait (no context switch) for PARKED_S after the abort, it is stuck."""
     release = threading.Event()
-    _, tid = _thread(release.wait)  # one futex wait with no timeout, like c10d's Work::wait
+    tid = _thread_id(release.wait)  # one futex wait with no timeout, like c10d's Work::wait
     time.sleep(0.1)
     assert thread_wait(tid) is not None and thread_wait(tid)[0] == "S"  # type: ignore[index]
     js, watch, aborted, stuck = _watch(None, _training(), thread_id=tid)  # bound: 5 s
@@ -437,7 +437,7 @@ def test_a_training_thread_that_computes_or_waits_in_turns_is_not_taken_for_park
             time.sleep(0.02)
 
     for target in (compute, naps):
-        _, tid = _thread(target)
+        tid = _thread_id(target)
         js, watch, aborted, stuck = _watch(2.0, _training(), thread_id=tid)
         signal_failure(js, 3, "worker 1.0 died")
         assert aborted.wait(5)
