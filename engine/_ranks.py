@@ -129,8 +129,9 @@ class PerRank:
 
     def local_digests(self, tensors: dict[str, torch.Tensor] | None) -> list[int]:
         """This rank's part of ``agree``'s all-reduce (a save folds it into its first one):
-        the digest of each candidate it holds and their negations; ``None`` (a rank whose
-        state was refused) holds none. The same length on every rank."""
+        the digest of each candidate it holds and their negations; ``None``: placeholders (a
+        rank whose state was refused, or that knows the result will not be used). The same
+        length on every rank."""
         candidates = self._candidates()
         held = [p for p in candidates if tensors is not None and p in tensors]
         mine = dict(zip(held, digests([tensors[p] for p in held]))) if tensors else {}

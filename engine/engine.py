@@ -364,8 +364,12 @@ class CheckpointEngine:
         if self.rank == 0 and mistake is None and not busy and step in self._unfinished:
             self._clear_unfinished(step)
         # one all-reduce: the flags, the nonce, the step, and the digests of the replicated
-        # plain tensors under the current plan (``PerRank.agree``; used unless it is rebuilt)
-        digests = self._per_rank.local_digests(None if mistake else flat.tensors)
+        # plain tensors under the current plan (``PerRank.agree``). A rank that already knows
+        # they will not be used (it is busy, or its layout changed: the plan is rebuilt and
+        # agrees its own) sends placeholders: a DDP model's every parameter is such a tensor
+        usable = mistake is None and not busy and fingerprint == self._fingerprint \
+            and self._plan is not None
+        digests = self._per_rank.local_digests(flat.tensors if usable else None)
         agreed = self._all_max([
             int(fingerprint != self._fingerprint), int(busy), int(failure is not None),
             secrets.randbits(62) if self.rank == 0 else 0, numeric, -numeric,

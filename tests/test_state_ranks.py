@@ -10,6 +10,7 @@ paths: never silently.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -345,3 +346,41 @@ def test_a_save_of_an_unchanged_layout_makes_one_collective(
     for rank, (counts, own) in enumerate(results):
         assert counts == [3, 1, 1, 1], (rank, counts)
         assert own == rank, (rank, own)  # the folded digests saw the copies differ
+
+
+def digests_per_save(url: str) -> list[int]:
+    """How many tensors each save digested on this rank: the first (it builds the plan), two
+    of an unchanged layout, and one skipped as busy while the one before it persists."""
+    from antifragile.engine import _ranks
+
+    counts: list[int] = []
+    digested = [0]
+    real = _ranks.digests
+
+    def counted(tensors: list[torch.Tensor]) -> list[int]:
+        digested[0] += len(tensors)
+        return real(tensors)
+
+    gate = threading.Event()
+    state = {"w": torch.ones(8), "seen": torch.tensor(1), "rng": torch.arange(4)}
+    with CheckpointEngine(url, keep_last=None,
+                          on_phase=lambda step, phase: step == 3 and gate.wait(30)) as engine:
+        _ranks.digests = counted
+        try:
+            for step, blocking in ((1, True), (2, True), (3, False), (4, False)):
+                digested[0] = 0
+                handle = engine.save(step, state, blocking=blocking)
+                counts.append(digested[0])
+            assert handle.done() and handle.exception() is not None  # step 4: busy
+        finally:
+            _ranks.digests = real
+            gate.set()
+    return counts
+
+
+def test_a_save_digests_only_what_it_agrees_on(ranks: RankGroup, tmp_path: Path) -> None:
+    """The digests of the replicated plain tensors (a DDP model's every parameter) went into
+    every save's first all-reduce: a save skipped as busy digested them for nothing, and the
+    first save twice (the plan it builds agrees them again). Now: once, where they count."""
+    for rank, counts in enumerate(ranks.run(digests_per_save, str(tmp_path / "ckpt"))):
+        assert counts == [3, 3, 3, 0], (rank, counts)
