@@ -56,6 +56,7 @@ PREFIX = "antifragile"
 STUCK_AFTER_S = 5.0
 STUCK_MIN_S = 1.0
 STUCK_GAPS = 20
+_SCAN_S = 0.25  # how often a coordinator looks every member up (see ``_dead_members``)
 
 
 # A training thread asleep in one kernel wait (state S, neither context-switch counter moving)
@@ -315,14 +316,15 @@ class FailureWatch:
         while not self._left.wait(min(0.05, bound / 4)):
             _, phase, _, _, _, written = progress.read()
             now = time.time()
-            parked_s = parked.seconds(now)
+            parked_s = parked.seconds(now)  # sampled in every phase: a change restarts it
+            still_s = now - max(written, aborted)  # no progress since the abort
             if phase != Phase.TRAINING:
                 continue
-            if now - max(written, aborted) >= bound:
+            if still_s >= bound:
                 self._on_stuck(bound)
                 return
-            if parked_s >= PARKED_S and now - max(written, aborted) >= PARKED_S:
-                self._on_stuck(now - max(written, aborted))
+            if parked_s >= PARKED_S and still_s >= PARKED_S:
+                self._on_stuck(still_s)
                 return
 
 
@@ -395,9 +397,6 @@ def _dead_members(js: JobStore, failed: Formation, deadline: float) -> list[str]
                 return [m for m in failed.members if m not in alive]
         time.sleep(pause)
         pause = min(0.05, pause * 1.5)
-
-
-_SCAN_S = 0.25  # see ``_dead_members``
 
 
 def gather(js: JobStore, formation: Formation, me: str, *, timeout_s: float) -> str | None:
