@@ -377,13 +377,22 @@ def test_a_stuck_thread_of_a_fast_loop_is_ended_within_seconds_of_the_abort() ->
     progress = _training()
     for _ in range(STUCK_GAPS):
         progress.bump()
-    js, watch, aborted, stuck = _watch(None, progress)
+    ended_s = _ended_after_abort(_watch(None, progress), within_s=4.0)
+    assert ended_s is not None, "a stuck thread of a fast loop was waited for as long as 5 s"
+    assert ended_s >= STUCK_MIN_S * 0.9
+
+
+def _ended_after_abort(watched: tuple[JobStore, FailureWatch, threading.Event, threading.Event],
+                       *, within_s: float) -> float | None:
+    """Fail the watched generation: seconds until the watch ended the thread as stuck, or
+    None if it did not within ``within_s``."""
+    js, watch, aborted, stuck = watched
     began = time.monotonic()
     signal_failure(js, 3, "worker 1.0 died")
     assert aborted.wait(5)
-    assert stuck.wait(4.0), "a stuck thread of a fast loop was waited for as long as 5 s"
-    assert time.monotonic() - began >= STUCK_MIN_S * 0.9
+    ended = stuck.wait(within_s)
     watch.stop()
+    return time.monotonic() - began if ended else None
 
 
 def _thread_id(target: Any) -> int:
@@ -411,14 +420,11 @@ def test_a_training_thread_parked_in_one_wait_after_the_abort_is_ended_at_once()
     tid = _thread_id(release.wait)  # one futex wait with no timeout, like c10d's Work::wait
     time.sleep(0.1)
     assert thread_wait(tid) is not None and thread_wait(tid)[0] == "S"  # type: ignore[index]
-    js, watch, aborted, stuck = _watch(None, _training(), thread_id=tid)  # bound: 5 s
-    began = time.monotonic()
-    signal_failure(js, 3, "worker 1.0 died")
-    assert aborted.wait(5)
-    assert stuck.wait(3.0), "a thread parked in one wait was waited for as long as its bound"
-    assert time.monotonic() - began >= PARKED_S * 0.9
+    ended_s = _ended_after_abort(_watch(None, _training(), thread_id=tid),  # bound: 5 s
+                                 within_s=3.0)
     release.set()
-    watch.stop()
+    assert ended_s is not None, "a thread parked in one wait was waited for as long as its bound"
+    assert ended_s >= PARKED_S * 0.9
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
