@@ -11,7 +11,10 @@ per save and in the same run:
 - the engine's ``save()`` return (non-blocking: the loop's wait) and its ``stall_s`` (the
   staging copy alone);
 - DCP ``async_save`` return on the same state dict (its loop wait);
-- a plain ``copy_`` of every local tensor into preallocated buffers (the bytes' floor).
+- a plain ``copy_`` of every local tensor into preallocated buffers (the bytes' floor);
+- the persist of each (``save()`` to committed, ``async_save`` to its future's result): for
+  a small state on a local disk, file-system metadata (a file per shard, a folder per array,
+  retention's deletes), not bytes.
 
 Saves are spaced so each persists before the next (nothing is skipped as busy); the first
 two saves of each method (plans, allocations) are not timed. Medians over the timed saves of
@@ -60,7 +63,8 @@ def _worker(rank: int, world: int, port: int, root: str, saves: int, out: str) -
     model(tokens).float().sum().backward()
     optimizer.step()
     times: dict[str, list[float]] = {"engine_return": [], "engine_stall": [],
-                                     "dcp_async_return": [], "memcpy": []}
+                                     "dcp_async_return": [], "memcpy": [],
+                                     "engine_persist": [], "dcp_persist": []}
     entries = 0
     with CheckpointEngine(os.path.join(root, "engine"), keep_last=2) as engine:
         for i in range(saves + 2):
@@ -85,11 +89,14 @@ def _worker(rank: int, world: int, port: int, root: str, saves: int, out: str) -
             t4 = time.perf_counter()
             future.result()
             dist.barrier()
+            t5 = time.perf_counter()
             if i >= 2:
                 times["memcpy"].append(t1 - t0)
                 times["engine_return"].append(t2 - t1)
                 times["engine_stall"].append(handle.stall_s)
                 times["dcp_async_return"].append(t4 - t3)
+                times["engine_persist"].append(t3 - t1)
+                times["dcp_persist"].append(t5 - t3)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"times": times, "entries": entries}, f)
     dist.destroy_process_group()
@@ -117,7 +124,8 @@ def run(ranks: int, saves: int) -> dict[str, Any]:
             "median_s": medians,
             "engine_return_vs_dcp_async_return": medians["engine_return"]
             / medians["dcp_async_return"],
-            "engine_stall_vs_memcpy": medians["engine_stall"] / medians["memcpy"]}
+            "engine_stall_vs_memcpy": medians["engine_stall"] / medians["memcpy"],
+            "engine_persist_vs_dcp_persist": medians["engine_persist"] / medians["dcp_persist"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,11 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     m = result["median_s"]
     print(f"save cost, {result['ranks']} ranks, {result['entries_per_rank']} state entries "
           f"per rank, median of {result['saves']} saves (slowest rank):")
-    for key in ("engine_return", "engine_stall", "dcp_async_return", "memcpy"):
+    for key in ("engine_return", "engine_stall", "dcp_async_return", "memcpy", "engine_persist",
+                "dcp_persist"):
         print(f"  {key:<18} {m[key] * 1e3:8.2f} ms")
     print(f"  engine save() return / DCP async_save return: "
           f"{result['engine_return_vs_dcp_async_return']:.2f}x")
     print(f"  engine stall / memcpy: {result['engine_stall_vs_memcpy']:.2f}x")
+    print(f"  engine persist / DCP persist: {result['engine_persist_vs_dcp_persist']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -73,7 +73,7 @@ def array_metadata(spec: ArraySpec) -> dict[str, Any]:
         "shape": list(spec.shape),
         "data_type": zarr_data_type(dtype),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(spec.shard_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": spec.separator}},
         "fill_value": fill_value(dtype),
         "codecs": codecs,
         "attributes": attrs,

@@ -41,6 +41,7 @@ from ._paths import (
     FORMAT_VERSION,
     QUARANTINE,
     QUARANTINE_LOG,
+    READABLE_FORMATS,
     RECORDS_DIR,
     check_object_key,
     parse_step_dir,
@@ -151,7 +152,7 @@ def parse_marker(data: bytes | bytearray, step: int) -> tuple[dict[str, Any], Ma
     except CheckpointCorruptError:
         _refuse_other_format(data, step)
         raise
-    if doc.get("format") != FORMAT_VERSION or doc.get("step") != step:
+    if doc.get("format") not in READABLE_FORMATS or doc.get("step") != step:
         raise CheckpointCorruptError(f"{where} is malformed (format {doc.get('format')!r}, "
                                      f"step {doc.get('step')!r})")
     manifest = _format.parse_manifest(doc, where=where)
@@ -167,10 +168,11 @@ def _refuse_other_format(data: bytes | bytearray, step: int) -> None:
     except (ValueError, UnicodeDecodeError):
         return
     version = doc.get("format") if isinstance(doc, dict) else None
-    if isinstance(version, int) and version != FORMAT_VERSION:
+    if isinstance(version, int) and version not in READABLE_FORMATS:
         raise CheckpointError(
-            f"step {step} was written in checkpoint format {version}; this engine reads format "
-            f"{FORMAT_VERSION} only (load it with the antifragile version that wrote it)")
+            f"step {step} was written in checkpoint format {version}; this engine reads formats "
+            f"{', '.join(map(str, READABLE_FORMATS))} (load it with the antifragile version "
+            "that wrote it)")
 
 
 def _claims_nonce(data: bytes | bytearray, nonce: int) -> bool:

@@ -25,7 +25,7 @@ import torch
 
 from . import _format
 from ._dtypes import dtype_name, torch_dtype, zarr_data_type
-from ._paths import COMMIT, check_array_name, step_dir
+from ._paths import COMMIT, check_array_name, chunk_separator, step_dir
 from .commit import parse_marker, read_marker
 from .errors import CheckpointCorruptError
 from .plan import ArraySpec, HeldBox
@@ -53,11 +53,13 @@ def _int_list(value: object, *, where: str, positive: bool = False) -> tuple[int
 
 
 def split_cell_key(key: str) -> tuple[str, tuple[int, ...]] | None:
-    """``(array name, cell)`` of a shard object key (``model/w/c/1/0``), None for others.
-    Names may contain a ``c`` component (``model/c/w``): the last ``/c/`` is the separator."""
-    head, sep, tail = key.rpartition("/c/")
-    if sep and all(p.isdigit() for p in tail.split("/")):
-        return head, tuple(int(p) for p in tail.split("/"))
+    """``(array name, cell)`` of a shard object key (``model/w/c.1.0``; ``model/w/c/1/0`` in
+    format 2), None for others. Names may contain ``c`` components (``model/c/w``,
+    ``model/c.5``): the last ``/c.`` (or ``/c/``) followed by numbers only is the separator."""
+    for sep in (".", "/"):
+        head, found, tail = key.rpartition(f"/c{sep}")
+        if found and all(p.isdigit() for p in tail.split(sep)):
+            return head, tuple(int(p) for p in tail.split(sep))
     return (key.removesuffix("/c"), ()) if key.endswith("/c") else None
 
 
@@ -85,6 +87,7 @@ class StepReader:
         with _blame(COMMIT):
             self.commit, self.manifest = (read_marker(storage, step) if marker is None
                                           else parse_marker(marker, step))
+        self.separator = chunk_separator(self.commit["format"])
         group = self.read_json("zarr.json")
         group_attrs = group.get("attributes") if isinstance(group, dict) else None
         attrs = group_attrs.get("antifragile") if isinstance(group_attrs, dict) else None
@@ -193,7 +196,7 @@ class StepReader:
             return self._checked(ArraySpec(name, tensor.path, _int_list(offset, where=where),
                                            _int_list(shape, where=where),
                                            dtype_name(tensor.dtype), grid,
-                                           inner if grid else 1), tensor, where)
+                                           inner if grid else 1, self.separator), tensor, where)
 
     def array_document(self, name: str, tensor: StoredTensor) -> ArraySpec:
         """The layout of array ``name`` as its ``zarr.json`` (read and checked) describes it."""
@@ -207,8 +210,12 @@ class StepReader:
                 grid = _int_list(doc["chunk_grid"]["configuration"]["chunk_shape"], where=where,
                                  positive=True)
                 codecs = doc["codecs"]
+                keys = doc["chunk_key_encoding"]
             except (KeyError, TypeError) as exc:
                 raise CheckpointCorruptError(f"{where}: malformed zarr.json ({exc})") from None
+            if keys != {"name": "default", "configuration": {"separator": self.separator}}:
+                raise CheckpointCorruptError(f"{where}: chunk keys {str(keys)[:80]}, the format "
+                                             f"of the step has {self.separator!r} separators")
             if (torch_dtype(attrs.get("dtype"), where=where) != tensor.dtype
                     or doc.get("data_type") != zarr_data_type(tensor.dtype)):
                 raise CheckpointCorruptError(f"{where}: dtype disagrees with the tensor index")
@@ -231,7 +238,7 @@ class StepReader:
                     c.get("name") for c in codecs if isinstance(c, dict)] != ["bytes", "crc32c"]:
                 raise CheckpointCorruptError(f"{where}: unsupported codec pipeline")
             return self._checked(ArraySpec(name, tensor.path, offset, shape, attrs["dtype"], grid,
-                                           inner), tensor, where)
+                                           inner, self.separator), tensor, where)
 
     def _checked(self, spec: ArraySpec, tensor: StoredTensor, where: str) -> ArraySpec:
         """``spec`` if it fits its tensor and its chunk grid is plausible (before anything is

@@ -54,9 +54,10 @@ class ArraySpec:
     dtype: str  # torch dtype name
     shard_shape: tuple[int, ...]  # the chunk grid: one storage object per cell
     inner_rows: int  # rows (dim 0) per inner chunk inside a shard
+    separator: str = "."  # of chunk keys: "/" in checkpoints of format 2 (``_paths``)
 
     def cell_key(self, cell: Sequence[int]) -> str:
-        return f"{self.name}/c" + "".join(f"/{i}" for i in cell)
+        return f"{self.name}/c" + "".join(f"{self.separator}{i}" for i in cell)
 
     def grid_shape(self) -> tuple[int, ...]:
         return tuple(math.ceil(n / c) if n else 0 for n, c in zip(self.shape, self.shard_shape))

@@ -86,6 +86,7 @@ def test_save_cost_benchmark_prints_the_engine_against_dcp_and_memcpy(tmp_path: 
                            "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "engine save() return / DCP async_save return" in done.stdout
+    assert "engine persist / DCP persist" in done.stdout
     result = json.loads(out.read_text())
     from antifragile.trainer.model import GPT, ModelConfig
 

@@ -40,7 +40,7 @@ def test_verify_exit_codes(tmp_path: Path) -> None:
     assert ok.exit_code == 0, ok.output
     assert "step 10: ok" in ok.output and "step 20: ok" in ok.output
 
-    shard = tmp_path / "ckpt" / "step_000000020" / "model" / "w" / "c" / "0" / "0"
+    shard = tmp_path / "ckpt" / "step_000000020" / "model" / "w" / "c.0.0"
     data = bytearray(shard.read_bytes())
     data[5] ^= 0x10
     shard.write_bytes(bytes(data))

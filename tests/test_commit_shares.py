@@ -22,8 +22,8 @@ DOCS = {f"model/t{i}/zarr.json": b"{}" for i in range(75)} | {"model/zarr.json":
 
 
 def test_documents_even_out_the_objects_per_rank() -> None:
-    plan = FakePlan(2, {0: {f"model/t{i}/c/0" for i in range(40)},
-                        1: {f"model/t{i}/c/0" for i in range(40, 75)}})
+    plan = FakePlan(2, {0: {f"model/t{i}/c.0" for i in range(40)},
+                        1: {f"model/t{i}/c.0" for i in range(40, 75)}})
     owners = metadata_owners(plan, DOCS)
     per_rank = [len(plan.keys_of(r)) + sum(o == r for o in owners.values()) for r in range(2)]
     assert sorted(owners) == sorted(DOCS)
@@ -35,5 +35,5 @@ def test_documents_even_out_the_objects_per_rank() -> None:
 def test_every_rank_computes_the_same_owners_and_one_rank_writes_all() -> None:
     plan = FakePlan(4, {r: {f"s{r}/{i}" for i in range(r * 3)} for r in range(4)})
     assert metadata_owners(plan, DOCS) == metadata_owners(plan, list(reversed(DOCS)))
-    alone = FakePlan(1, {0: {"a/c/0"}})
+    alone = FakePlan(1, {0: {"a/c.0"}})
     assert set(metadata_share(alone, DOCS, 0)) == set(DOCS)

@@ -57,9 +57,9 @@ def step_dirs(root: Path) -> set[int]:
 
 def shard_count(root: Path, step: int) -> int:
     """Complete shard objects of ``model/w`` (a write in progress has a temporary name)."""
-    folder = step_path(root, step) / "model" / "w" / "c"
+    folder = step_path(root, step) / "model" / "w"
     names = os.listdir(folder) if folder.is_dir() else []
-    return sum(not name.endswith(".tmp") for name in names)
+    return sum(name.startswith("c.") and not name.endswith(".tmp") for name in names)
 
 
 def assert_committed_are_complete(root: Path) -> None:

@@ -258,7 +258,7 @@ def test_replicated_tensors_are_written_once_and_spread(ranks: RankGroup, tmp_pa
     all_keys = [k for objs in data.values() for k in objs]
     assert len(all_keys) == len(set(all_keys)), "an object is written by two ranks"
     for name, *_ in tensors:
-        assert any(k.startswith(f"t/{name}/c/") for k in all_keys), name
+        assert any(k.startswith(f"t/{name}/c.") for k in all_keys), name
     tensor_bytes = sum(math.prod(s) * 4 for _, s, *_ in tensors)
     per_rank = {r: sum(objs.values()) for r, objs in data.items()}
     assert sum(per_rank.values()) < 1.1 * tensor_bytes, "replicas were written more than once"

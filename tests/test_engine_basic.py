@@ -727,8 +727,8 @@ def test_keep_last_retains_newest_and_removes_older_debris(storage: Storage) -> 
         for step in (1, 2, 3, 4):
             engine.save(step, state, blocking=True)
         assert engine.steps() == [3, 4]
-        fs.pipe_file(f"{root}/step_000000002/w/c/0/0", b"debris of a crashed save")
-        fs.pipe_file(f"{root}/step_000000009/w/c/0/0", b"a save that may still be running")
+        fs.pipe_file(f"{root}/step_000000002/w/c.0.0", b"debris of a crashed save")
+        fs.pipe_file(f"{root}/step_000000009/w/c.0.0", b"a save that may still be running")
         engine.save(5, state, blocking=True)
         assert engine.steps() == [4, 5]
         assert step_folders(storage) == ["step_000000004", "step_000000005", "step_000000009"]
@@ -746,7 +746,7 @@ def test_retention_spares_the_step_it_follows_and_saves_newer_than_it(storage: S
     with CheckpointEngine(url, storage_options=options) as stale:
         stale.save(100, {"w": torch.full((3,), 100.0)}, blocking=True)
     with CheckpointEngine(url, storage_options=options, keep_last=1) as engine:
-        fs.pipe_file(f"{root}/step_000000020/w/c/0", b"a save of this run, in flight")
+        fs.pipe_file(f"{root}/step_000000020/w/c.0", b"a save of this run, in flight")
         engine.save(10, {"w": torch.full((3,), 10.0)}, blocking=True)
         assert engine.steps() == [10, 100]
         assert "step_000000020" in step_folders(storage)

@@ -33,7 +33,7 @@ from antifragile.engine.storage import open_storage
 
 # model/w: 8 x 4 float32 in 2 shard objects of 4 rows, each of 2 inner chunks of 2 rows
 PLAN = PlanOptions(max_object_bytes=64, inner_chunk_bytes=32)
-SHARD = "model/w/c/1/0"
+SHARD = "model/w/c.1.0"
 SCALAR = "model/s/c"
 EMPTY = 2**64 - 1
 
@@ -107,7 +107,7 @@ def make_checkpoint(root: Path) -> Hostile:
     with CheckpointEngine(str(root), plan_options=PLAN) as engine:
         engine.save(1, source_state(), blocking=True)
     hostile = Hostile(root)
-    assert {SHARD, SCALAR, "model/w/c/0/0"} <= set(hostile.read_json("COMMIT")["objects"])
+    assert {SHARD, SCALAR, "model/w/c.0.0"} <= set(hostile.read_json("COMMIT")["objects"])
     return hostile
 
 
@@ -199,8 +199,8 @@ HOSTILE: dict[str, Callable[[Hostile], None]] = {
     ),
     "manifest-entry-of-another-key": lambda h: h.edit_commit(
         lambda c: (
-            c["objects"].__setitem__(SHARD, c["objects"]["model/w/c/0/0"]),
-            c["crcs"].__setitem__(SHARD, c["crcs"]["model/w/c/0/0"]),
+            c["objects"].__setitem__(SHARD, c["objects"]["model/w/c.0.0"]),
+            c["crcs"].__setitem__(SHARD, c["crcs"]["model/w/c.0.0"]),
         )
     ),
     "absurd-shape-many-shards": lambda h: (
@@ -377,7 +377,7 @@ def _index_bomb(h: Hostile) -> None:
             _sharding(_set("chunk_shape", [1, 4]))(a),
         )
     )
-    h.edit_commit(lambda c: set_entry(c, "model/w/c/0/0", 2**40, c["crcs"]["model/w/c/0/0"]))
+    h.edit_commit(lambda c: set_entry(c, "model/w/c.0.0", 2**40, c["crcs"]["model/w/c.0.0"]))
 
 
 def _verify_grid_bomb(h: Hostile) -> None:

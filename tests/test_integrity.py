@@ -28,7 +28,7 @@ Storage = tuple[str, dict[str, Any] | None]
 
 # 64 x 16 float32 = 4 KiB in 4 shard objects of 16 rows, each of 4 inner chunks of 4 rows
 PLAN = PlanOptions(max_object_bytes=1024, inner_chunk_bytes=256)
-SHARD = "model/w/c/1/0"
+SHARD = "model/w/c.1.0"
 INDEX_NBYTES = 4 * 16 + 4
 
 
@@ -191,13 +191,13 @@ def test_damage_outside_what_the_target_reads_is_caught_by_verify(
     two_steps: tuple[CheckpointEngine, Raw],
 ) -> None:
     engine, raw = two_steps
-    raw.flip_bit(2, "model/b/c/0", 3)
+    raw.flip_bit(2, "model/b/c.0", 3)
     target = {"model": {"w": torch.zeros(64, 16)}}
     assert engine.load(target, step=2) == 2
     assert torch.equal(target["model"]["w"], state_of(2)["model"]["w"])
     report = engine.verify(2)
     assert not report.ok and report.bad_arrays == ["model/b"]
-    assert [p.key for p in report.problems] == ["model/b/c/0"]
+    assert [p.key for p in report.problems] == ["model/b/c.0"]
 
 
 def test_every_step_damaged_raises_and_quarantines_all(
@@ -219,7 +219,7 @@ def test_verify_names_the_array_whose_path_has_a_c_component(storage: Storage) -
     with CheckpointEngine(url, storage_options=options) as engine:
         engine.save(1, {"model": {"c": {"w": torch.randn(4, 4)}}}, blocking=True)
         raw = Raw.open(storage)
-        raw.flip_bit(1, "model/c/w/c/0/0", 5)
+        raw.flip_bit(1, "model/c/w/c.0.0", 5)
         report = engine.verify(1)
     assert not report.ok
     assert report.bad_arrays == ["model/c/w"]
@@ -256,8 +256,8 @@ def test_stale_object_from_another_step_is_refused(storage: Storage) -> None:
         for step, state in states.items():
             engine.save(step, state, blocking=True)
         raw = Raw.open(storage)
-        _copy_object(raw, (10, "w/c/0/0"), (20, "w/c/0/0"))
-        _assert_refused(engine, 20, "w/c/0/0", "w", {"w": torch.zeros(16, 8)})
+        _copy_object(raw, (10, "w/c.0.0"), (20, "w/c.0.0"))
+        _assert_refused(engine, 20, "w/c.0.0", "w", {"w": torch.zeros(16, 8)})
         target = {"w": torch.zeros(16, 8)}
         with pytest.warns(RuntimeWarning, match="step 20 skipped"):
             assert engine.load(target) == 10
@@ -271,8 +271,8 @@ def test_object_of_another_array_of_the_same_size_is_refused(storage: Storage) -
     with CheckpointEngine(url, storage_options=options) as engine:
         engine.save(1, state, blocking=True)
         raw = Raw.open(storage)
-        _copy_object(raw, (1, "a/c/0/0"), (1, "b/c/0/0"))
-        _assert_refused(engine, 1, "b/c/0/0", "b", {"a": torch.zeros(16, 8),
+        _copy_object(raw, (1, "a/c.0.0"), (1, "b/c.0.0"))
+        _assert_refused(engine, 1, "b/c.0.0", "b", {"a": torch.zeros(16, 8),
                                                    "b": torch.zeros(16, 8)})
 
 
@@ -286,13 +286,13 @@ def test_two_same_size_objects_swapped_are_refused(storage: Storage) -> None:
                           plan_options=PlanOptions(max_object_bytes=32)) as engine:
         engine.save(1, {"w": w}, blocking=True)
         raw = Raw.open(storage)
-        first, second = raw.read(1, "w/c/0/0"), raw.read(1, "w/c/1/0")
+        first, second = raw.read(1, "w/c.0.0"), raw.read(1, "w/c.1.0")
         assert len(first) == len(second) and first != second
-        raw.write(1, "w/c/0/0", second)
-        raw.write(1, "w/c/1/0", first)
+        raw.write(1, "w/c.0.0", second)
+        raw.write(1, "w/c.1.0", first)
         report = engine.verify(1)
-        assert {p.key for p in report.problems} == {"w/c/0/0", "w/c/1/0"}, report.summary()
-        with pytest.raises(CheckpointCorruptError, match=r"step 1\b.*w/c/[01]/0"):
+        assert {p.key for p in report.problems} == {"w/c.0.0", "w/c.1.0"}, report.summary()
+        with pytest.raises(CheckpointCorruptError, match=r"step 1\b.*w/c\.[01]\.0"):
             engine.load({"w": torch.zeros(7, 4)}, step=1)
 
 
@@ -326,9 +326,9 @@ def test_partial_reads_check_the_manifest_too(storage: Storage) -> None:
             gen = torch.Generator().manual_seed(step)
             engine.save(step, {"w": torch.randn(16, 8, generator=gen)}, blocking=True)
     raw = Raw.open(storage)
-    _copy_object(raw, (10, "w/c/0/0"), (20, "w/c/0/0"))
+    _copy_object(raw, (10, "w/c.0.0"), (20, "w/c.0.0"))
     outcomes = run_ranks(2, _load_half, url, options, 20)
-    assert all(o.startswith("refused") and "step 20" in o and "w/c/0/0" in o
+    assert all(o.startswith("refused") and "step 20" in o and "w/c.0.0" in o
                for o in outcomes), outcomes
     assert run_ranks(2, _load_half, url, options, 10) == ["loaded", "loaded"]
 
@@ -453,7 +453,7 @@ def test_a_quarantined_step_saved_again_keeps_the_evidence_of_its_damage(
         listing.output
 
 
-RANK_1_SHARD = "model/w/c/3/0"  # rows 48-63: read by rank 1 only when 2 ranks hold Shard(0)
+RANK_1_SHARD = "model/w/c.3.0"  # rows 48-63: read by rank 1 only when 2 ranks hold Shard(0)
 
 
 def _load_with_a_bad_link_on_rank_1(url: str) -> tuple[int, list[str]]:

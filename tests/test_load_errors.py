@@ -30,7 +30,7 @@ from antifragile.engine import (
 )
 
 Storage = tuple[str, dict[str, Any] | None]
-PLAN = PlanOptions(max_object_bytes=256)  # 16 x 8 float32: objects of 8 rows, c/0/0 and c/1/0
+PLAN = PlanOptions(max_object_bytes=256)  # 16 x 8 float32: objects of 8 rows, c.0.0 and c.1.0
 
 
 def state_of(step: int) -> dict[str, Any]:
@@ -61,9 +61,9 @@ def make_directory(root: Path, step: int, key: str) -> None:
 def test_object_that_is_a_directory_falls_back_without_quarantine(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     save_steps(url, None)
-    make_directory(tmp_path / "ckpt", 2, "w/c/1/0")
+    make_directory(tmp_path / "ckpt", 2, "w/c.1.0")
     with CheckpointEngine(url) as engine:
-        with pytest.raises(StorageError, match=r"step 2\b.*w/c/1/0.*IsADirectoryError"):
+        with pytest.raises(StorageError, match=r"step 2\b.*w/c.1.0.*IsADirectoryError"):
             engine.load(blank(), step=2)
         target = blank()
         with pytest.warns(RuntimeWarning, match=r"step 2 skipped.*IsADirectoryError"):
@@ -71,7 +71,7 @@ def test_object_that_is_a_directory_falls_back_without_quarantine(tmp_path: Path
         assert torch.equal(target["w"], state_of(1)["w"]) and target["step"] == 1
         assert engine.steps() == [1, 2], "unreadable is not damaged: nothing is quarantined"
         report = engine.verify(2)
-        assert not report.ok and "w/c/1/0" in {p.key for p in report.problems}
+        assert not report.ok and "w/c.1.0" in {p.key for p in report.problems}
 
 
 def test_commit_of_another_format_is_refused_with_a_clear_error(tmp_path: Path) -> None:
@@ -83,6 +83,43 @@ def test_commit_of_another_format_is_refused_with_a_clear_error(tmp_path: Path) 
         with pytest.raises(CheckpointError, match=r"step 1 was written in checkpoint format 1"):
             engine.load(blank(), step=1)
         assert engine.steps() == [1]
+
+
+
+FORMAT_2 = Path(__file__).parent / "data" / "format2"  # step 7, written by antifragile 0c7622b
+
+
+def test_a_checkpoint_of_format_2_still_loads_and_verifies(tmp_path: Path) -> None:
+    """Format 3 changed the chunk keys (``w/c.1.0``; ``w/c/1/0`` in format 2): a step written
+    by the version before loads, bit for bit what zarr-python reads from the same files, and
+    verifies; the next save beside it is format 3."""
+    import shutil
+
+    import numpy as np
+    import zarr
+
+    url = tmp_path / "ckpt"
+    shutil.copytree(FORMAT_2, url)
+    assert (url / "step_000000007" / "model" / "w" / "c" / "3" / "0").is_file()
+
+    def template() -> dict[str, Any]:
+        return {"model": {"w": torch.zeros(64, 16), "b": torch.zeros(16, dtype=torch.bfloat16),
+                          "scalar": torch.tensor(0.0)}, "train": {"step": 0, "tag": ""}}
+
+    with CheckpointEngine(str(url)) as engine:
+        assert engine.verify(7).ok
+        state, again = template(), template()
+        assert engine.load(state, step=7) == 7
+        engine.save(8, state, blocking=True)
+        engine.load(again, step=8)
+    assert again["train"] == {"step": 7, "tag": "format 2"}
+    assert all(torch.equal(again["model"][k], v) for k, v in state["model"].items())
+    group = zarr.open_group(str(url / "step_000000007"), mode="r")
+    assert torch.equal(state["model"]["w"], torch.from_numpy(np.asarray(group["model/w"][...])))
+    assert torch.equal(state["model"]["b"].view(torch.int16),
+                       torch.from_numpy(np.asarray(group["model/b"][...]).view(np.int16)))
+    assert state["model"]["scalar"].item() == 2.5 and state["train"]["step"] == 7
+    assert (url / "step_000000008" / "model" / "w" / "c.0.0").is_file()
 
 
 # -- S3: a 403 from the server --------------------------------------------------------------
@@ -163,9 +200,9 @@ def test_a_403_on_an_object_falls_back_without_quarantine(
 ) -> None:
     url, options, proxy = denying
     save_steps(url, options)
-    proxy.deny = lambda method, path: "step_000000002/w/c/1/0" in path
+    proxy.deny = lambda method, path: "step_000000002/w/c.1.0" in path
     with CheckpointEngine(url, storage_options=options) as engine:
-        with pytest.raises(StorageError, match=r"step 2\b.*w/c/1/0.*PermissionError"):
+        with pytest.raises(StorageError, match=r"step 2\b.*w/c.1.0.*PermissionError"):
             engine.load(blank(), step=2)
         target = blank()
         with pytest.warns(RuntimeWarning, match="step 2 skipped"):
@@ -194,7 +231,7 @@ def test_a_403_on_listing_is_a_storage_error(
 
 
 def _load_rows(url: str, step: int | None) -> tuple[str, int, bool]:
-    """Rank r loads rows [8r, 8r + 8): only rank 1 reads object w/c/1/0. Returns the outcome,
+    """Rank r loads rows [8r, 8r + 8): only rank 1 reads object w/c.1.0. Returns the outcome,
     the step loaded (-1 on error) and whether the loaded rows are that step's."""
     import warnings
 
@@ -220,9 +257,9 @@ def _load_rows(url: str, step: int | None) -> tuple[str, int, bool]:
 def test_an_error_on_one_rank_is_agreed_by_all(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     save_steps(url, None)
-    make_directory(tmp_path / "ckpt", 2, "w/c/1/0")
+    make_directory(tmp_path / "ckpt", 2, "w/c.1.0")
     explicit = run_ranks(2, _load_rows, url, 2, timeout_s=90)
-    assert all(o.startswith("StorageError") and "rank 1" in o and "w/c/1/0" in o
+    assert all(o.startswith("StorageError") and "rank 1" in o and "w/c.1.0" in o
                for o, _, _ in explicit), explicit
     latest = run_ranks(2, _load_rows, url, None, timeout_s=90)
     assert [(step, ok) for _, step, ok in latest] == [(1, True), (1, True)], latest
@@ -240,7 +277,7 @@ class _HeldReads:
         self.release = threading.Event()
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
-        if "step_000000002/a/c/" in key:
+        if "step_000000002/a/c." in key:
             self.release.wait(30)
         return self.inner.read(key, start, end)
 
@@ -257,7 +294,7 @@ def test_no_read_of_a_failed_step_lands_after_the_fallback(tmp_path: Path) -> No
         for step in (1, 2):
             engine.save(step, {"a": torch.full((4,), float(step)),
                                "b": torch.full((4,), float(step))}, blocking=True)
-        shard = tmp_path / "ckpt" / "step_000000002" / "b" / "c" / "0"
+        shard = tmp_path / "ckpt" / "step_000000002" / "b" / "c.0"
         data = bytearray(shard.read_bytes())
         data[0] ^= 1
         shard.write_bytes(bytes(data))

@@ -379,8 +379,8 @@ def test_pipeline_stages_hold_different_tensors() -> None:
     ]
     plan = build_plan(invs)
     assert {r: [w.key for w in ws] for r, ws in plan.writes.items()} == {
-        0: ["layers.0.w/c/0/0"],
-        1: ["layers.1.w/c/0/0"],
+        0: ["layers.0.w/c.0.0"],
+        1: ["layers.1.w/c.0.0"],
     }
 
 

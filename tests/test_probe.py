@@ -147,7 +147,7 @@ def test_a_damaged_step_is_reported_skipped(tmp_path: Path,
         ckpt.save(1, {"w": torch.ones(16)}, blocking=True)
         ckpt.save(2, {"w": torch.ones(16) * 2}, blocking=True)
         (chunk,) = [p for p in (url / "step_000000002").rglob("*")
-                    if p.is_file() and "/c/" in str(p)]
+                    if p.is_file() and "/c." in str(p)]
         data = bytearray(chunk.read_bytes())
         data[0] ^= 1
         chunk.write_bytes(bytes(data))

@@ -97,7 +97,7 @@ def step_name(step: int) -> str:
 
 
 def array_of(key: str) -> str:
-    return key.split("/c/")[0]
+    return key.split("/c.")[0]
 
 
 @functools.cache
@@ -213,7 +213,7 @@ class SaveProtocol(RuleBasedStateMachine):
         objects = [
             k
             for k in files_under(src)
-            if (k.endswith("/zarr.json") or "/c/" in k) and not k.startswith(".")
+            if (k.endswith("/zarr.json") or "/c." in k) and not k.startswith(".")
         ]
         if phase == "object-writes":
             written = data.draw(st.lists(st.sampled_from(objects), unique=True), label="written")
@@ -279,7 +279,7 @@ class SaveProtocol(RuleBasedStateMachine):
         keys = [  # each object is damaged at most once: a second bit flip could undo the first
             k
             for k in sorted(manifest)
-            if "/c/" in k
+            if "/c." in k
             and k not in self.damaged.get(step, set())
             and (mode == "delete" or (folder / k).stat().st_size > 0)
         ]

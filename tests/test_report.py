@@ -110,7 +110,7 @@ def synthetic_record() -> RunRecord:
     job.attempt_ends[0] = hang + 2.3
     t = job.steps(job.start(hang + 5.3, 1, restore=2), 1, 3, 7)
     job.injections.append(Injection("corrupt_shard", t + 0.05, step=7, fault_index=1,
-                                    detail={"checkpoint_step": 6, "object": "model/x/c/0",
+                                    detail={"checkpoint_step": 6, "object": "model/x/c.0",
                                             "mode": "bitflip"}))
     t = job.steps(t, 1, 8, 8, failing=frozenset({8}))
     kill = t + 0.05

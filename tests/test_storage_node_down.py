@@ -202,9 +202,9 @@ def test_the_verdict_fails_on_a_torn_commit_or_a_server_that_stayed_down() -> No
     fine = FaultTimings("storage_node_down", 1.0, 5, None, fault_index=0, outage=outage,
                         effect_observed=True, effect="volume server 1 down for 5.5 s")
     assert _judge([fine], {4: [], 8: []}).verdict == "pass"
-    torn = _judge([fine], {4: [], 8: ["model/w/c/0: crc32c mismatch"]})
+    torn = _judge([fine], {4: [], 8: ["model/w/c.0: crc32c mismatch"]})
     assert torn.verdict == "fail"
-    assert torn.reasons == ["committed step 8 does not verify: model/w/c/0: crc32c mismatch"]
+    assert torn.reasons == ["committed step 8 does not verify: model/w/c.0: crc32c mismatch"]
     stuck = FaultTimings("storage_node_down", 1.0, 5, None, fault_index=0, effect_observed=True,
                          outage={**outage, "error": "SeaweedError: volume server 0 did not "
                                  "come back within 30 s"})
@@ -225,12 +225,12 @@ def test_verify_committed_reads_every_committed_step_back(
     assert checker.verify_committed(url) == {4: [], 8: []}
     bucket, prefix = s3.split_url(url)
     client = s3._client(options["endpoint_url"], options)
-    key = f"{prefix}/step_000000008/w/c/0"
+    key = f"{prefix}/step_000000008/w/c.0"
     body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     body[0] ^= 0xFF
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
     found = checker.verify_committed(url)
-    assert found[4] == [] and found[8] and "w/c/0" in found[8][0]
+    assert found[4] == [] and found[8] and "w/c.0" in found[8][0]
 
 
 # -- the shipped scenario, whole ---------------------------------------------------------------

@@ -269,7 +269,7 @@ def _hang_then_kill() -> RunRecord:
                                     detail={"pid": 1002, "duration_s": 1.0}))
     t = job.steps(t + 1.5, 0, 5, 6)
     job.injections.append(Injection("corrupt_shard", t + 0.05, step=6, fault_index=1, detail={
-        "checkpoint_step": 4, "object": "model/w/c/0", "mode": "bitflip"}))
+        "checkpoint_step": 4, "object": "model/w/c.0", "mode": "bitflip"}))
     t = job.steps(t, 0, 7, 7)
     t = _kill(job, t + 0.05, 0, 1, 7, fault_index=2)
     t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 12)
@@ -320,7 +320,7 @@ def _corrupt_then_kill(*, skipped: int | None, restore: int) -> RunRecord:
     job = _Job()
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
     job.injections.append(Injection("corrupt_shard", t + 0.05, step=7, fault_index=0, detail={
-        "checkpoint_step": 6, "object": "model/w/c/0", "mode": "bitflip"}))
+        "checkpoint_step": 6, "object": "model/w/c.0", "mode": "bitflip"}))
     t = _kill(job, t + 0.1, 0, 1, 7, fault_index=1)
     t = job.steps(job.start(t + 3.0, 1, restore=restore, skipped=skipped), 1, restore + 1, 12)
     return _finish(job, t, 1)

@@ -160,7 +160,7 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
             as_json: bool) -> None:
     """Arrays, shapes, dtypes, bytes and layout of one committed step."""
     from antifragile.engine import CheckpointError
-    from antifragile.engine.load import StepReader
+    from antifragile.engine.load import StepReader, split_cell_key
     from antifragile.engine.storage import open_storage
 
     try:
@@ -171,9 +171,8 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
         for path, tensor in sorted(reader.tensors.items()):
             for name in tensor.arrays:
                 spec = reader.array(name, tensor)
-                prefix = f"{name}/c"
                 nbytes = sum(n for k, (n, _) in reader.manifest.objects.items()
-                             if k == prefix or k.startswith(prefix + "/"))
+                             if (split_cell_key(k) or ("",))[0] == name)
                 shards = math.prod(math.ceil(n / c) for n, c in zip(spec.shape, spec.shard_shape))
                 rows.append({"array": name, "tensor": path, "dtype": spec.dtype,
                              "shape": list(spec.shape), "offset": list(spec.offset),

@@ -58,6 +58,7 @@ class CorruptShard(FaultBase):
     def inject(self, target: Target, step: int | None) -> Injection:
         from antifragile.engine._paths import step_dir
         from antifragile.engine.commit import committed_steps, read_commit
+        from antifragile.engine.load import split_cell_key
         from antifragile.engine.storage import open_storage
 
         peer = _peer_engine(target.ckpt_url)
@@ -73,7 +74,8 @@ class CorruptShard(FaultBase):
                              f"no committed checkpoint {self.checkpoint} to corrupt")
         assert isinstance(chosen, int)
         manifest = read_commit(storage, chosen)["objects"]
-        shards = sorted(k for k, (n, _) in manifest.items() if "/c/" in k and n > 0)
+        shards = sorted(k for k, (n, _) in manifest.items()  # of arrays, not of scalars
+                        if n > 0 and (split_cell_key(k) or ("", ()))[1])
         key = target.rng.choice(shards)
         path = f"{step_dir(chosen)}/{key}"
         if self.mode == "delete":
