@@ -67,19 +67,29 @@ class LocalStorage:
         return os.path.join(self.root, key) if key else self.root
 
     def _makedirs(self, path: str) -> None:
+        """Make folder ``path`` and what it lacks above it: one ``mkdir`` where the parent
+        exists (an array's folder in its step's), no lookups; remembered once made or found."""
         if path in self._folders:
             return
-        leaf, created = path, []
-        while not os.path.isdir(path):
-            created.append(path)
-            path = os.path.dirname(path)
-        for new in reversed(created):
-            os.makedirs(new, exist_ok=True)
+        try:
+            os.mkdir(path)
+            made = True
+        except FileExistsError:
+            made = False
+        except FileNotFoundError:  # the parent is missing (gone, if it was remembered)
+            self._forget_folders(os.path.dirname(path))
+            self._makedirs(os.path.dirname(path))
+            made = True
+            try:
+                os.mkdir(path)
+            except FileExistsError:  # another thread's, since
+                made = False
         with self._lock:
-            self._dirty_dirs.update(os.path.dirname(p) for p in created)
+            if made:
+                self._dirty_dirs.add(os.path.dirname(path))
             if len(self._folders) >= _FOLDERS_MAX:
                 self._folders.clear()
-            self._folders.add(leaf)
+            self._folders.add(path)
 
     def _forget_folders(self, path: str) -> None:
         """Folders at or under ``path`` are no longer known to exist."""
