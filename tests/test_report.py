@@ -558,3 +558,39 @@ def test_a_spare_takes_over_once_however_often_it_re_forms_after() -> None:
     spares = measure.spares(RunRecord(0, T0, T0 + 3, events, [], {}))
     assert spares["took_over"] == [{"attempt": 1, "rank": 1, "worker": "2.0"},
                                    {"attempt": 2, "rank": 0, "worker": "3.0"}]
+
+
+def test_the_steps_slowed_by_a_persist_are_charged_to_its_checkpoint(tmp_path: Path) -> None:
+    """A save's stall is only what the loop waits for; its persist's threads then take cores
+    and the GIL from the steps that run beside it. Two ranks, 0.05 s steps, a save at step 20
+    committed 0.3 s after staging: steps 21 and 22 take 0.2 and 0.1 s on the slower rank, so
+    the checkpoint's slowdown is 0.15 + 0.05 s; the save at step 40 slows nothing."""
+    events: list[dict[str, Any]] = []
+    t = T0
+    slow = {21: 0.2, 22: 0.1}
+    for step in range(1, 51):
+        seconds = slow.get(step, 0.05)
+        t += seconds
+        for r in (0, 1):
+            events.append({"t": t, "rank": r, "attempt": 0, "event": "step_end", "step": step,
+                           "loss": 1.0, "seconds": seconds if r == 1 else 0.05})
+        if step in (20, 40):
+            for r in (0, 1):
+                events.append({"t": t + 0.001, "rank": r, "attempt": 0, "event": "ckpt_staged",
+                               "step": step, "stall_s": 0.002})
+                events.append({"t": t + (0.3 if step == 20 else 0.04), "rank": r, "attempt": 0,
+                               "event": "ckpt_committed", "step": step, "bytes": 1000,
+                               "persist_s": 0.3})
+    events.sort(key=lambda e: e["t"])
+    record = RunRecord(0, T0, t + 0.1, events, [])
+    rows = {c["step"]: c for c in measure.checkpoints(record)}
+    assert rows[20]["slowdown_s"] == pytest.approx(0.2)
+    assert rows[40]["slowdown_s"] == pytest.approx(0.0)
+    cost = measure.checkpoint_cost(record, list(rows.values()))
+    assert cost is not None and cost["stall_s"] == pytest.approx(0.004)
+    assert cost["share_of_step_time"] == pytest.approx((0.004 + 0.2) / (48 * 0.05 + 0.3))
+    doc = build_doc(record)
+    doc["run"]["checkpoint_cost"] = cost
+    md = report.write_markdown(tmp_path, doc).read_text()
+    assert "0.20 s of slower steps while they persisted (7.6% of the steps' time)" in md
+    assert "| 0 | 20 | 0.00 | 0.30 | 0.20 |" in md

@@ -494,10 +494,14 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
 
 def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
     """Per checkpoint: stall (slowest rank: staging, plus the write itself when the loop waited
-    for it), persist (slowest rank), bytes, throughput. A save refused before staging (the
-    previous one still persisting) is listed too: uncommitted, ``stall_s`` None, its error."""
+    for it), persist (slowest rank), bytes, throughput, and ``slowdown_s``: how much longer
+    than the attempt's median the steps were while it persisted (the persist's threads take
+    cores and the GIL from training: a cost the stall does not show). A save refused before
+    staging (the previous one still persisting) is listed too: uncommitted, ``stall_s`` None,
+    its error."""
     out: dict[tuple[int, int], dict[str, Any]] = {}
     stalls: dict[tuple[int, int], dict[int, float]] = {}  # checkpoint -> rank -> seconds
+    windows: dict[tuple[int, int], list[float]] = {}  # first staged, last committed
 
     def entry(e: dict[str, Any]) -> dict[str, Any]:
         return out.setdefault((e["attempt"], e["step"]), {
@@ -513,16 +517,53 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
             seconds = e["stall_s"] if e["event"] == "ckpt_staged" else e["seconds"]
             per_rank[e["rank"]] = per_rank.get(e["rank"], 0.0) + seconds
             c["stall_s"] = max(per_rank.values())
+            window = windows.setdefault(key, [e["t"], e["t"]])
+            window[0] = min(window[0], e["t"])
         elif e["event"] == "ckpt_committed":
+            window = windows.setdefault(key, [e["t"], e["t"]])
+            window[1] = max(window[1], e["t"])
             c["committed"] = True
             c["persist_s"] = max(c["persist_s"] or 0.0, e["persist_s"])
             c["bytes"] = max(c["bytes"] or 0, e["bytes"])
         else:
             c.setdefault("error", e.get("error"))
-    for c in out.values():
+    steps = _slowest_steps(record)
+    paces = {a: sorted(s for _, s in v)[len(v) // 2] for a, v in steps.items() if v}
+    for (attempt, _), c in out.items():
         if c["committed"] and c["persist_s"]:
             c["throughput_gib_s"] = c["bytes"] / c["persist_s"] / 2**30
+        window = windows.get((attempt, c["step"]))
+        if c["committed"] and window and attempt in paces:
+            start, end = window
+            c["slowdown_s"] = sum(max(seconds - paces[attempt], 0.0)
+                                  for t, seconds in steps[attempt]
+                                  if t > start and t - seconds < end)
     return sorted(out.values(), key=lambda c: (c["attempt"], c["step"]))
+
+
+def _slowest_steps(record: RunRecord) -> dict[int, list[tuple[float, float]]]:
+    """Per attempt, each step's end and duration on its slowest rank."""
+    found: dict[tuple[int, int], tuple[float, float]] = {}
+    for e in record.events:
+        if e["event"] == "step_end":
+            t, seconds = found.get((e["attempt"], e["step"]), (0.0, 0.0))
+            found[(e["attempt"], e["step"])] = (max(t, e["t"]), max(seconds, e["seconds"]))
+    out: dict[int, list[tuple[float, float]]] = {}
+    for (attempt, _), value in sorted(found.items()):
+        out.setdefault(attempt, []).append(value)
+    return out
+
+
+def checkpoint_cost(record: RunRecord, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the checkpoints cost the training loop in all: the stalls, the slower steps while
+    they persisted, and the two as a share of the steps' time (None without steps)."""
+    step_time = sum(s for v in _slowest_steps(record).values() for _, s in v)
+    if not step_time:
+        return None
+    stall = sum(c["stall_s"] or 0.0 for c in rows)
+    slowdown = sum(c.get("slowdown_s") or 0.0 for c in rows)
+    return {"stall_s": stall, "slowdown_s": slowdown,
+            "share_of_step_time": (stall + slowdown) / step_time}
 
 
 def goodput(record: RunRecord) -> float | None:

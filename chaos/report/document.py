@@ -165,6 +165,11 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
               + f", attempts {run['attempts']}, final step {run['final_step']}",
               f"- bitwise equal to the fault-free reference: {_fmt(v['bitwise_equal'])}"]
     lines += [f"- {reason}" for reason in v["reasons"]]
+    cost = run.get("checkpoint_cost")
+    if cost:
+        lines.append(f"- checkpoints cost the training loop {_fmt(cost['stall_s'], ' s')} of "
+                     f"stall and {_fmt(cost['slowdown_s'], ' s')} of slower steps while they "
+                     f"persisted ({cost['share_of_step_time']:.1%} of the steps' time)")
     spares = run.get("spares") or {}
     if spares.get("ready") or spares.get("lost_while_idle") or spares.get("given_up"):
         lines.append(f"- warm spares: {spares.get('ready', 0)} ready, "
@@ -198,12 +203,13 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
             f"{_fmt(f['restored_step'])} | {_fmt(f['lost_steps'])} | "
             f"{note.replace('|', '/')} |")
     lines += ["", "## Checkpoints", "",
-              "| attempt | step | stall s | persist s | MiB | committed |",
-              "|---|---|---|---|---|---|"]
+              "| attempt | step | stall s | persist s | slower steps s | MiB | committed |",
+              "|---|---|---|---|---|---|---|"]
     for c in report["checkpoints"]:
         mib = c["bytes"] / 2**20 if c["bytes"] else None
         lines.append(f"| {c['attempt']} | {c['step']} | {_fmt(c['stall_s'])} | "
-                     f"{_fmt(c['persist_s'])} | {_fmt(mib)} | {c['committed']} |")
+                     f"{_fmt(c['persist_s'])} | {_fmt(c.get('slowdown_s'))} | {_fmt(mib)} | "
+                     f"{c['committed']} |")
     if plots:
         lines += ["", "## Plots", "", "All of it in one page: [report.html](report.html)", ""]
         for plot in plots:
@@ -325,6 +331,10 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
          else f"{run['reference_goodput']:.1%}"],
         ["goodput / the reference's", None if run.get("goodput_vs_reference") is None
          else f"{run['goodput_vs_reference']:.1%}"],
+        ["checkpoints' cost to the loop (stall + slower steps while persisting)",
+         None if not run.get("checkpoint_cost") else
+         f"{run['checkpoint_cost']['stall_s']:.2f} s + {run['checkpoint_cost']['slowdown_s']:.2f}"
+         f" s = {run['checkpoint_cost']['share_of_step_time']:.1%} of the steps' time"],
         ["attempts", run.get("attempts")],
         ["final step", f"{run.get('final_step')} of "
                        f"{s['trainer'].get('steps', run.get('expected_step'))}"],
@@ -353,8 +363,9 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
     cks = report.get("checkpoints") or []
     parts.append("<h2>Checkpoints</h2>")
     parts.append(html_table(
-        ["attempt", "step", "stall s", "persist s", "MiB", "GiB/s", "committed", "error"],
-        [[c["attempt"], c["step"], c["stall_s"], c["persist_s"],
+        ["attempt", "step", "stall s", "persist s", "slower steps s", "MiB", "GiB/s",
+         "committed", "error"],
+        [[c["attempt"], c["step"], c["stall_s"], c["persist_s"], c.get("slowdown_s"),
           c["bytes"] / 2**20 if c.get("bytes") else None, c.get("throughput_gib_s"),
           c["committed"], c.get("error")] for c in cks],
         ["" if c["committed"] else "bad" for c in cks])

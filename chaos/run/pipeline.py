@@ -202,6 +202,7 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
                             committed=committed, expected_step=expected_step,
                             determinism=determinism)
     goodput, reference_goodput = measure.goodput(record), _reference_goodput(reference_url)
+    checkpoints = measure.checkpoints(record)
     doc = {
         "scenario": s.model_dump(by_alias=True, mode="json"),
         "environment": report.environment(),
@@ -214,6 +215,7 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
                 "final_step": final_step, "expected_step": expected_step,
                 "returncode": record.returncode, "paused_s": record.paused_s,
                 "spares": measure.spares(record),
+                "checkpoint_cost": measure.checkpoint_cost(record, checkpoints),
                 "checkpoint_url": ckpt_url, "reference_url": reference_url},
         "not_measured": measure.not_measured(record, timings),
         "differing_entries": verdict.differs,
@@ -221,7 +223,7 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
             "deterministic": determinism.equal, "error": determinism.error,
             "differing_entries": determinism.differs},
         "faults": measure.as_dicts(timings),
-        "checkpoints": measure.checkpoints(record),
+        "checkpoints": checkpoints,
         "committed_verified": None if committed is None
         else {str(step): problems for step, problems in sorted(committed.items())},
         "losses": measure.losses(record),
