@@ -425,7 +425,8 @@ class StepReader:
                            *(slice(a - o, b - o) for a, b, o in zip(c_lo[1:], c_hi[1:],
                                                                    box.offset[1:])))]
                 slot = bytearray(4)
-                if inner_whole and r_lo == start[0] + i * k and dst.is_contiguous():
+                if (inner_whole and r_lo == start[0] + i * k and dst.is_contiguous()
+                        and dst.device.type == "cpu"):  # read straight into host memory only
                     head = _bytes_of(dst)
                     pad = np.empty(chunk_nbytes - len(head), dtype=np.uint8)  # rows not wanted
                     buffers += [head, pad, slot]

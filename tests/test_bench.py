@@ -95,3 +95,13 @@ def test_save_cost_benchmark_prints_the_engine_against_dcp_and_memcpy(tmp_path: 
     # every parameter, and AdamW's exp_avg, exp_avg_sq and step for each
     assert result["entries_per_rank"] == 4 * params
     assert all(v > 0 for v in result["median_s"].values())
+
+
+def test_bench_gpu_says_it_measured_nothing_without_a_device() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: tests/test_gpu.py runs the bench")
+    done = subprocess.run([sys.executable, "-m", "bench.gpu"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 3 and "no CUDA device here; nothing measured" in done.stdout

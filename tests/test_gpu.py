@@ -30,3 +30,18 @@ def test_trainer_runs_on_cuda_with_async_checkpoints(tmp_path: Path) -> None:
     run_trainer(tmp_path, steps=6, ckpt_every=3, extra=["--device", "cuda"])
     assert {e["step"] for e in events(tmp_path) if e["event"] == "ckpt_committed"} == {3, 6}
     assert checkpoint_arrays(str(tmp_path / "ckpt"), 6)
+
+
+def test_bench_gpu_prints_the_staging_share_of_the_link(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--gib", "0.25", "--reps", "1",
+                           "--trainer-pairs", "0", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert "x the link (target >= 0.8x)" in done.stdout
+    figures = json.loads(out.read_text())
+    assert figures["engine"]["bitwise_equal"] and figures["link_s"] > 0
