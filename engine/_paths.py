@@ -10,18 +10,9 @@ import re
 
 from .errors import CheckpointCorruptError, CheckpointError
 
-FORMAT_VERSION = 3  # 2: manifest of part CRCs + digests, sealed records and COMMIT; 3: chunk keys
-READABLE_FORMATS = (2, 3)  # ``c.1.0`` (one folder per array, not one per grid level)
-
-
-def chunk_separator(version: int) -> str:
-    """The zarr chunk-key separator of a checkpoint format: ``w/c/1/0`` in 2, ``w/c.1.0`` in 3.
-
-    Format 3 stores an array's shard objects beside its ``zarr.json``; with ``/`` every grid
-    level was a folder of its own (a 103-array step: 269 folders for 281 files, against 107),
-    and a folder is a metadata operation: on a local disk ~0.3 ms each, on a parallel file
-    system a round trip to its metadata server."""
-    return "/" if version == 2 else "."
+# 2: manifest of part CRCs + digests, sealed records and COMMIT; 3: chunk keys ``c.1.0``
+FORMAT_VERSION = 3
+READABLE_FORMATS = (2, 3)
 STEP_DIGITS = 9
 COMMIT = "COMMIT"
 ABORT = "ABORT"
@@ -49,6 +40,16 @@ def parse_step_dir(name: str) -> int | None:
 
 def record_key(step: int, rank: int) -> str:
     return f"{step_dir(step)}/{RECORDS_DIR}/{rank}.json"
+
+
+def chunk_separator(version: int) -> str:
+    """The zarr chunk-key separator of a checkpoint format: ``w/c/1/0`` in 2, ``w/c.1.0`` in 3.
+
+    Format 3 stores an array's shard objects beside its ``zarr.json``; with ``/`` every grid
+    level was a folder of its own (a 103-array step: 269 folders for 281 files, against 107),
+    and a folder is a metadata operation: on a local disk ~0.3 ms each, on a parallel file
+    system a round trip to its metadata server."""
+    return "/" if version == 2 else "."
 
 
 def check_component(component: str, *, where: str) -> str:
