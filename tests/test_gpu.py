@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,10 +36,6 @@ def test_trainer_runs_on_cuda_with_async_checkpoints(tmp_path: Path) -> None:
 
 
 def test_bench_gpu_prints_the_staging_share_of_the_link(tmp_path: Path) -> None:
-    import json
-    import subprocess
-    import sys
-
     out = tmp_path / "gpu.json"
     done = subprocess.run([sys.executable, "-m", "bench.gpu", "--gib", "0.25", "--reps", "1",
                            "--trainer-pairs", "0", "--json", str(out)],
