@@ -178,12 +178,15 @@ def test_folders_are_made_once_and_again_when_removed_behind_the_storage(
     process's retention, an operator) is made again, not a failed write; one it removed
     itself (``delete_tree``) too."""
     looked_up: list[str] = []
-    real_isdir = os.path.isdir
+    made: list[str] = []
+    real_isdir, real_mkdir = os.path.isdir, os.mkdir
     monkeypatch.setattr(os.path, "isdir", lambda p: looked_up.append(p) or real_isdir(p))
+    monkeypatch.setattr(os, "mkdir", lambda p, *a: made.append(p) or real_mkdir(p, *a))
     storage = LocalStorage(str(tmp_path))
     for i in range(50):
         storage.write(f"step_1/w/c.{i}", [b"w"])
     assert len(looked_up) <= 4, looked_up  # the folders' first write only
+    assert len(made) <= 4, made
     shutil.rmtree(tmp_path / "step_1")
     storage.write("step_1/w/c.50", [b"again"])
     assert (tmp_path / "step_1/w/c.50").read_bytes() == b"again"

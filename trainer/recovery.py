@@ -261,7 +261,7 @@ class FailureWatch:
     (FSDP2's unshard) or a tensor-parallel ``wait_tensor``). The cause is gloo's: when a
     connection fails, ``tcp::Pair::signalException`` wakes the unbound buffers still waiting for
     the peer's handshake but not those whose bytes sit in the transmit queue, which wait out the
-    group's timeout; nothing outside gloo can wake them (README, "Known issue"). A thread that
+    group's timeout; nothing outside gloo can wake them (README, "Known limits"). A thread that
     saves, restores, is held at a pause point or still makes progress is waited for."""
 
     def __init__(self, make_store: Callable[[], JobStore], generation: int,
