@@ -87,8 +87,10 @@ class Trainer:
                                            foreach=False)
         self.schedule = None
         if dims.pp > 1:
-            self.schedule = build_schedule(model, mesh["pp"], ctx.device, schedule=cfg.schedule,
-                                           num_micro_batches=cfg.micro_batches, loss_fn=loss_fn)
+            self.schedule = build_schedule(
+                model, mesh["pp"], ctx.device, schedule=cfg.schedule,
+                num_micro_batches=cfg.micro_batches,
+                micro_batch_size=cfg.batch_size // dims.dp // cfg.micro_batches, loss_fn=loss_fn)
         self.data = TokenData(cfg.model.seq_len, cfg.model.vocab, cfg.seed, cfg.data_path)
         self.is_first = self.pp_rank == 0
         self.is_last = self.pp_rank == dims.pp - 1
