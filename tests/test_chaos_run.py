@@ -3,7 +3,13 @@ the faulty run proven bit-identical to the fault-free reference."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +194,55 @@ def test_crash_during_save_never_exposes_the_torn_checkpoint(
                    for r in outcome.report["verdict"]["reasons"])
     first_attempt = [c for c in outcome.report["checkpoints"] if c["attempt"] == 0]
     assert any(c["step"] == 12 for c in first_attempt)
+
+
+def _started_by(marker: str, but: int) -> dict[int, str]:
+    """Processes whose command line names ``marker`` (a test's folder), except pid ``but``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == but:
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile
+            continue
+        if marker in cmdline:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_an_ended_chaos_leaves_no_process_behind(tmp_path: Path, sig: signal.Signals) -> None:
+    """torchrun runs in a session of its own (faults signal a rank's group), so it hears
+    nothing of what ends chaos: a CI timeout's SIGTERM, or a SIGKILL, left the job running
+    (an in-process job with nobody to end it re-forms forever)."""
+    doc = _scenario("long", [{"kind": "kill_rank", "rank": 1, "at_step": 1900}])
+    doc["trainer"] = {**TRAINER, "steps": 2000}
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    chaos = subprocess.Popen(
+        [sys.executable, "-c", "from antifragile.chaos.cli import entry; entry()", "run",
+         str(path), "--out", str(tmp_path / "out")],
+        env={**os.environ, "ANTIFRAGILE_CACHE": str(tmp_path / "cache")},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    marker = str(tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not any("antifragile.trainer" in c for c in _started_by(marker, chaos.pid).values()):
+            assert chaos.poll() is None and time.monotonic() < deadline, chaos.stderr
+            time.sleep(0.2)
+        time.sleep(1.0)  # the ranks are up
+        chaos.send_signal(sig)
+        _, err = chaos.communicate(timeout=60)
+        if sig == signal.SIGTERM:
+            assert chaos.returncode == 128 + signal.SIGTERM, err
+            assert "terminated (SIGTERM)" in err and "Traceback" not in err, err
+        deadline = time.monotonic() + 30
+        while _started_by(marker, chaos.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _started_by(marker, chaos.pid)
+    finally:
+        chaos.kill()
+        for pid in _started_by(marker, chaos.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -17,11 +17,9 @@ Outcomes, against the digests of what was saved:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from antifragile.chaos.infra.lifetime import die_with_parent
 
 OUTCOMES = ("old", "new", "refused", "torn", "lost")
 BAD = ("refused", "torn", "lost")
@@ -61,21 +61,6 @@ def classify(result: dict[str, Any], expected: Expected) -> str:
     return "torn"
 
 
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
-    """A checker is SIGKILLed when crashcheck dies (Linux), instead of idling on its stdin."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:
-        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
-
-
 class CheckerError(RuntimeError):
     """A checker process died or said something unexpected."""
 
@@ -96,7 +81,7 @@ class CheckerPool:
                 [sys.executable, "-m", "antifragile.chaos.crashcheck.worker", "check",
                  "--engine", engine, "--bucket", bucket, "--bodies", str(bodies)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                text=True, env=child_env, preexec_fn=_die_with_parent(os.getpid()))
+                text=True, env=child_env, preexec_fn=die_with_parent(os.getpid()))
             self.procs.append(proc)
             self._stderr[proc.pid] = err
         for proc in self.procs:

@@ -4,10 +4,13 @@ script (``trainer.command``) with the environment variables of the probe contrac
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from antifragile.chaos.infra.lifetime import die_with_parent
 from antifragile.chaos.infra.netns import IFNAME, Network
 from antifragile.chaos.scenario import CommandSpec, Scenario, is_python
 
@@ -81,7 +84,13 @@ def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
            "PYTHONUNBUFFERED": "1", **(env or {})}
     log = open(run_dir / "torchrun.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_ends_with_chaos())
+
+
+def _ends_with_chaos() -> Callable[[], None] | None:
+    """torchrun is sent SIGTERM if chaos dies without stopping it (SIGKILL): it then stops its
+    workers, the supervisors, which act on SIGTERM at once (``lifetime``)."""
+    return die_with_parent(os.getpid(), signal.SIGTERM)
 
 
 RDZV_PORT = 29400  # inside host 0's own namespace, so never taken by anything else
@@ -120,5 +129,6 @@ def launch_hosts(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int
         name = "torchrun.log" if host.index == 0 else f"torchrun-host{host.index}.log"
         log = open(run_dir / name, "w")  # noqa: SIM115 - closed with the process
         procs.append(subprocess.Popen(cmd, env=host_env, stdout=log, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
+                                      text=True, start_new_session=True,
+                                      preexec_fn=_ends_with_chaos()))
     return procs

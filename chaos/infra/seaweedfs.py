@@ -31,7 +31,6 @@ called from any thread (faults run on timers); start and close from the owner.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import json
 import os
@@ -53,12 +52,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from antifragile.chaos.infra.lifetime import die_with_parent
 from antifragile.chaos.infra.logs import tail
 
 WEED_ENV = "ANTIFRAGILE_WEED"  # an explicit path to a weed binary
 STATE_ENV = "ANTIFRAGILE_SEAWEEDFS_STATE"  # where state files go (default: see state_dir)
 _MARKER = ".antifragile-seaweedfs"  # in every folder a cluster made: only those are deleted
-_PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 5.0  # a SIGSTOPped server must show as stopped within this
 _counter = itertools.count()
 _WARM_KEY = ".antifragile-warm-up"  # see SeaweedCluster.warm
@@ -215,7 +214,7 @@ class _Spawner:
 
     def spawn(self, argv: list[str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
         future: Future[subprocess.Popen[bytes]] = Future()
-        preexec = _die_with_parent(os.getpid()) if self._die_with_owner else None
+        preexec = die_with_parent(os.getpid()) if self._die_with_owner else None
 
         def start() -> subprocess.Popen[bytes]:
             with open(log, "ab") as out:
@@ -229,20 +228,6 @@ class _Spawner:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=10)
-
-
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: the state files still reap orphans
-        return None
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the owner died before the signal was armed
-            os._exit(1)
-
-    return preexec
 
 
 @dataclass(slots=True)

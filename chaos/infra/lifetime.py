@@ -1,0 +1,55 @@
+"""Nothing chaos starts outlives it.
+
+A ``chaos`` command starts process trees of its own (a torchrun job and its ranks, a SeaweedFS
+cluster, crashcheck's checkers), each in a session of its own so that a fault can signal a
+whole rank's group. So none of them hears the terminal's signals, and when chaos ends without
+its ``finally`` blocks (SIGTERM from a CI timeout or ``timeout``, SIGKILL) they would run on:
+an in-process-recovery job with nobody to end it re-forms forever. Two lines of defence:
+
+- :func:`die_with_parent`: the child is sent a signal by the kernel when the thread that
+  started it ends (``PR_SET_PDEATHSIG``), even after a SIGKILL of chaos;
+- :func:`exit_on_sigterm`: SIGTERM ends chaos the way Ctrl-C does, through its ``finally``
+  blocks (a job is stopped, emulated hosts are taken down, a cluster's folder is deleted).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable
+from types import FrameType
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child sent ``sig`` when its parent's spawning thread
+    ends; None where there is no ``prctl`` (not Linux). ``parent``: ``os.getpid()`` of the
+    caller, to catch a parent that died before the signal was armed."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise ``SystemExit(143)`` in the main thread, once: cleanup then runs
+    undisturbed by a second SIGTERM (SIGKILL still ends it, and :func:`die_with_parent`
+    takes the children with it)."""
+
+    def handler(signum: int, _: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("chaos: terminated (SIGTERM); stopping what it started", file=sys.stderr,
+              flush=True)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
