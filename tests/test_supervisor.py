@@ -13,6 +13,7 @@ from antifragile.trainer import supervisor
 from antifragile.trainer.placement import first_slots
 from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import (
+    CRASH_LOOP_FAILURES,
     Formation,
     JobStore,
     declare_dead,
@@ -143,6 +144,41 @@ def test_a_dead_rank_is_replaced_by_a_live_warm_spare() -> None:
     dead_member.join(5.0)
     assert nxt == Formation(1, ("0.0", "3.0"))  # the warm spare, not a cold successor
     assert nxt in assigned and True in assigned  # the spare joined; the dead slot respawns
+
+
+def _fail_in_turn(reached: list[int]) -> list[Formation | str]:
+    """Rank 1 dies in every generation, the survivor having reached ``reached[i]``; a warm
+    spare is always there to take its place."""
+    store = _store()
+    js = JobStore(store, "a0")
+    formation = first_formation(js, 0, range(2))
+    outcomes: list[Formation | str] = []
+    for i, step in enumerate(reached):
+        register_spare(js, f"2.{i}")
+        js.set(f"spare/2.{i}/ready", 1.0)
+        declare_dead(js, me=formation.members[1], generation=formation.generation,
+                     how="signal 9", member=True)
+        nxt = recover(js, "0.0", formation, timeout_s=5.0, reached=step)
+        outcomes.append(nxt)
+        if isinstance(nxt, str):
+            break
+        formation = nxt
+    return outcomes
+
+
+def test_a_failure_that_recurs_where_it_happened_is_handed_to_the_restart() -> None:
+    """A bug or bad data that fails every generation at the same step was re-formed in process
+    forever (each death refills the spare pool; 400 generations in 10 minutes): after
+    CRASH_LOOP_FAILURES failures in a row that got no further than the job had, the next
+    re-formation is a torchrun restart, which --max-restarts bounds."""
+    outcomes = _fail_in_turn([12, 11, 12, 11, 12])
+    assert [isinstance(o, Formation) for o in outcomes] == [True, True, True, False]
+    assert f"{CRASH_LOOP_FAILURES} failures in a row got no further than step 12" in outcomes[-1]
+
+
+def test_failures_that_each_get_further_are_all_re_formed_in_process() -> None:
+    outcomes = _fail_in_turn([12, 11, 20, 19, 19, 25, 30, 29, 28])
+    assert all(isinstance(o, Formation) for o in outcomes) and len(outcomes) == 9
 
 
 def test_a_second_loss_while_re_forming_takes_the_first_dead_slots_successor() -> None:

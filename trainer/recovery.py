@@ -57,6 +57,11 @@ STUCK_AFTER_S = 5.0
 STUCK_MIN_S = 1.0
 STUCK_GAPS = 20
 _SCAN_S = 0.25  # how often a coordinator looks every member up (see ``_dead_members``)
+# Failures in a row that got no further than the job had before them: a crash loop (a bug,
+# bad data, a bad host fails every generation at the same place), which re-forming in process
+# would repeat forever (each failure refills the spare pool). The next one is handed to the
+# torchrun restart instead, whose --max-restarts ends it.
+CRASH_LOOP_FAILURES = 3
 
 
 # A training thread asleep in one kernel wait (state S, neither context-switch counter moving)
@@ -118,6 +123,18 @@ class JobStore:
     def new_generation(self) -> int:
         """A job-wide, never reused generation number."""
         return int(self.counter.add(f"{PREFIX}/generations", 1)) - 1
+
+    def failed_at(self, reached: int) -> tuple[int, int]:
+        """Record a failed generation whose ranks had reached step ``reached``: (failures in a
+        row, this one included, that got no further than the job had before them, 0 when
+        this one got further; the furthest step the job has reached). Job-wide."""
+        furthest, in_place = f"{PREFIX}/furthest_step", f"{PREFIX}/failures_in_place"
+        best = int(self.counter.get(furthest)) if self.counter.check([furthest]) else -1
+        if reached > best:
+            self.counter.set(furthest, str(reached))
+            self.counter.set(in_place, "0")
+            return 0, reached
+        return int(self.counter.add(in_place, 1)), best
 
     def set(self, key: str, value: Any) -> None:
         self.attempt.set(key, json.dumps(value))
@@ -351,9 +368,11 @@ def signal_failure(js: JobStore, generation: int, reason: str) -> None:
         js.set(f"g{generation}/fail", {"reason": reason, "t": time.time()})
 
 
-def recover(js: JobStore, me: str, failed: Formation, *, timeout_s: float) -> Formation | str:
+def recover(js: JobStore, me: str, failed: Formation, *, timeout_s: float,
+            reached: int | None = None) -> Formation | str:
     """A survivor's part of re-forming: the next formation (which may not hold ``me``: it came
-    too late and was counted lost), or why the job must restart.
+    too late and was counted lost), or why the job must restart. ``reached``: the last step
+    this rank completed (a coordinator judges crash loops by it: ``CRASH_LOOP_FAILURES``).
 
     One generation is published per failure, by the first survivor to claim
     ``g<g>/coordinator``, and none once ``g<g>/next`` exists (a survivor that comes after the
@@ -367,7 +386,7 @@ def recover(js: JobStore, me: str, failed: Formation, *, timeout_s: float) -> Fo
     js.add(f"g{g}/arrived_alive", 1)
     if not js.has(f"g{g}/next") and js.add(f"g{g}/coordinator", 1) == 1:
         js.set(f"g{g}/coordinator/by", me)  # should it die now, its supervisor takes over
-        _coordinate(js, failed, _dead_members(js, failed, deadline))
+        _coordinate(js, failed, _dead_members(js, failed, deadline), reached)
     if not js.wait(f"g{g}/next", timeout_s):
         return f"no new generation was published within {timeout_s:.0f} s"
     nxt = js.get(f"g{g}/next")
@@ -425,9 +444,21 @@ def _spares(js: JobStore) -> list[str]:
     return [js.get(f"spares/{i}") for i in range(js.add("spares/count", 0))]
 
 
-def _coordinate(js: JobStore, failed: Formation, dead: list[str]) -> None:
-    """The coordinating survivor: give each dead rank a live spare, publish the generation."""
+def _coordinate(js: JobStore, failed: Formation, dead: list[str],
+                reached: int | None = None) -> None:
+    """The coordinating survivor: give each dead rank a live spare, publish the generation;
+    or, in a crash loop (judged from the step the generation ``reached``, when known), the
+    restart."""
     g = failed.generation
+    if reached is not None:
+        in_place, furthest = js.failed_at(reached)
+        if in_place >= CRASH_LOOP_FAILURES:
+            js.set(f"g{g}/next", {"restart": (
+                f"{in_place} failures in a row got no further than step {furthest}: a "
+                "failure that recurs where it happened (a bug, bad data, a bad host) is not "
+                "re-formed in process again; torchrun restarts the group, and its "
+                "--max-restarts bounds what follows")})
+            return
     lost = [r for r, m in enumerate(failed.members) if m in dead]
     free = [w for w in _spares(js)
             if not js.has(f"dead/{w}") and not js.has(f"spare/{w}/assign")]

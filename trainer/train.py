@@ -219,7 +219,8 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         if why is not None:  # a member died before it arrived: no rendezvous, re-form again
             print(f"in-process recovery: {why}", file=sys.stderr, flush=True)
             progress.set(Phase.RECOVERING)
-            nxt = recover(js, me, formation, timeout_s=cfg.collective_timeout_s)
+            nxt = recover(js, me, formation, timeout_s=cfg.collective_timeout_s,
+                          reached=progress.read()[4])
             return RESTART_EXIT_CODE if isinstance(nxt, str) else (nxt, memory[0])
     rank, generation = formation.members.index(me), formation.generation
     events = EventLog(cfg.run_dir, rank, generation)
@@ -265,7 +266,8 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
             checkpointer[0].backend.abandon()
         leave()
         events.emit("generation_end", memory_step=kept.step if kept is not None else None)
-        nxt = recover(js, me, formation, timeout_s=cfg.collective_timeout_s)
+        nxt = recover(js, me, formation, timeout_s=cfg.collective_timeout_s,
+                      reached=progress.read()[4])
         if isinstance(nxt, str):
             events.emit("exit", code=RESTART_EXIT_CODE, error=nxt)
             return RESTART_EXIT_CODE
