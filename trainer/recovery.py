@@ -69,8 +69,9 @@ CRASH_LOOP_FAILURES = 3
 # gaps: a collective woken by the shutdown leaves in milliseconds, a compute runs (state R,
 # or switches), a wait for the GIL is woken every switch interval. What parks a thread for
 # good there is a gloo send queued when its connection failed, which nothing wakes before
-# the group's timeout (see ``FailureWatch``).
-PARKED_S = 0.5
+# the group's timeout (see ``FailureWatch``). 0.25 s: five samples of the watch; with 0.5 s
+# the 2x2x2 recoveries with a parked survivor took 2.0-2.1 s (1.1-1.6 s without one).
+PARKED_S = 0.25
 
 
 def thread_wait(tid: int) -> tuple[str, int, int] | None:

@@ -33,6 +33,7 @@ from typing import Any
 from antifragile.chaos.crashcheck.check import BAD, OUTCOMES, CheckerPool, Expected, classify
 from antifragile.chaos.crashcheck.enumerate import CrashState, Enumeration, enumerate_states
 from antifragile.chaos.crashcheck.record import Mutation, Recording, RecordingProxy
+from antifragile.chaos.infra.lifetime import die_with_parent
 
 ENGINES = ("antifragile", "dcp", "torchsnapshot")
 CASES = ("save", "retention", "overwrite", "overwrite-committed")
@@ -145,7 +146,7 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
                 [sys.executable, "-m", "antifragile.chaos.crashcheck.worker", "save",
                  "--engine", settings.engine, "--url", f"s3://{bucket}/{root}", "--plan", plan],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, env=rank_env))
+                text=True, env=rank_env, preexec_fn=die_with_parent(os.getpid())))
         try:
             first = _line(procs)
             base: dict[str, str] = {}
