@@ -32,7 +32,6 @@ from . import commit as _commit
 from ._events import EngineEvents
 from ._memory import MemoryCopy
 from ._paths import COMMIT, step_dir
-from ._priority import WriterThreads
 from ._ranks import PerRank
 from ._ranks import inventory as rank_inventory
 from ._restore import Sources
@@ -276,9 +275,7 @@ class CheckpointEngine:
         self.rank = dist.get_rank(self._pg) if self._pg is not None else 0
         self.world_size = dist.get_world_size(self._pg) if self._pg is not None else 1
         self._group = self._agreement_group()
-        self._writers = WriterThreads()
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-io",
-                                        initializer=self._writers.register)
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-io")
         self._workers = DaemonWorkers()  # the save and deferred-staging threads
         self._fingerprint = ""
         self._inventory_cache: tuple[tuple[Any, ...], dict[str, Any], str] | None = None
@@ -498,8 +495,7 @@ class CheckpointEngine:
         """Stage on this thread. A failure reaches the save's writers (it fails); deferred,
         it is not raised again here."""
         try:
-            with self._writers.yielding():  # the writers overlap the copy on idle CPU only
-                handle.stall_s = staging.stage(flat.tensors)
+            handle.stall_s = staging.stage(flat.tensors)
         except BaseException:
             if deferred:
                 return

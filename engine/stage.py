@@ -7,7 +7,8 @@ every later save of the same plan, so a save allocates nothing and the persist s
 each object from one aligned buffer (O_DIRECT where the file system takes it: no page-cache
 copy). The shard index depends only on the layout and is written once, with its crc32c; the
 chunk crc32c values are filled in by :meth:`StagingArea.finish` on the writer's thread, in
-parallel with other objects' writes (never as a pass of its own before them).
+parallel with other objects' writes (never as a pass of its own before them), and only once
+the copy has ended (``persist``).
 
 Writers may start before staging ends: :meth:`StagingArea.wait_staged` returns as soon as the
 object's cell is staged, so the disk works while later cells are still being copied.
@@ -245,6 +246,12 @@ class StagingArea:
                 self._staged[i] = True
             self._cond.notify_all()
 
+    @property
+    def copied(self) -> bool:
+        """Whether the save in progress finished staging (successfully or not)."""
+        with self._cond:
+            return self._complete or self._error is not None
+
     def wait_staged(self, index: int | None = None) -> None:
         """Block until cell ``index`` (None: everything, shadows included) is staged; raise
         CheckpointError when staging failed first."""
@@ -254,6 +261,16 @@ class StagingArea:
             if self._error is not None:
                 raise CheckpointError(f"staging failed: {type(self._error).__name__}: "
                                       f"{self._error}")
+
+    def image(self, index: int) -> memoryview:
+        """The staged object of cell ``index`` as it is (its chunk CRC slots filled by
+        :meth:`finish`)."""
+        cell = self.cells[index]
+        return memoryview(self._bytes[cell.offset:cell.offset + cell.nbytes])  # type: ignore[arg-type]
+
+    def crc_slots(self, index: int) -> list[tuple[int, int]]:
+        """The byte ranges of the chunk CRC slots in the object of cell ``index``."""
+        return [(c.start + c.nbytes, c.start + c.nbytes + 4) for c in self.cells[index].chunks]
 
     def finish(self, index: int) -> tuple[memoryview, list[int]]:
         """The staged object of cell ``index``, ready to write, and its part CRCs (each stored

@@ -11,6 +11,7 @@ import math
 import mmap
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,86 @@ def test_direct_write_with_an_unaligned_tail(tmp_path: Path) -> None:
         assert storage.buffered_bytes == 123 + 9
     buf = bytearray(len(data))
     assert read_into(storage, "a/obj", 0, [buf]) == len(data) and buf == data
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_late_bytes_are_written_in_place_before_the_object_is_visible(
+        tmp_path: Path, direct: bool) -> None:
+    """``late`` fills bytes of the first part after it was written (a page rewritten with
+    O_DIRECT where the file system takes it, a range across a page boundary, the buffered
+    tail); the object then holds them, and nobody saw it under its key before."""
+    storage = LocalStorage(str(tmp_path))
+    if not direct:
+        storage.direct_io = False
+    view = _aligned((1 << 20) + 4096 * 3 + 123)
+    ranges = [(10, 14), (4096 * 100 - 2, 4096 * 100 + 2), (len(view) - 5, len(view) - 1)]
+    seen: list[bool] = []
+
+    def late() -> list[tuple[int, int]]:
+        seen.append((tmp_path / "obj").exists())
+        for start, end in ranges:
+            view[start:end] = b"\xa5" * (end - start)
+        return ranges
+
+    expected = bytearray(view)
+    for start, end in ranges:
+        expected[start:end] = b"\xa5" * (end - start)
+    storage.write("obj", [view, b"more"], late=late)
+    assert seen == [False]
+    assert (tmp_path / "obj").read_bytes() == bytes(expected) + b"more"
+    assert storage.direct_bytes == (0 if not direct or not storage.direct_io else
+                                    (1 << 20) + 4096 * 3)
+
+
+def test_an_object_store_fills_late_bytes_before_it_sends_the_object() -> None:
+    from antifragile.engine.storage._fsspec import FsspecStorage
+
+    storage = FsspecStorage(f"memory://late-{os.getpid()}")
+    data = bytearray(b"0123456789")
+
+    def late() -> list[tuple[int, int]]:
+        data[2:4] = b"ab"
+        return [(2, 4)]
+
+    storage.write("obj", [data], late=late)
+    assert storage.read("obj") == b"01ab456789"
+
+
+def test_writers_that_start_before_the_copy_ends_store_the_right_checksums(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first cell is written while the last is still being copied, its CRC slots filled
+    in place afterwards: the step verifies and loads bit for bit."""
+    from antifragile.engine import engine as engine_module
+    from antifragile.engine import stage
+
+    monkeypatch.setattr(engine_module, "OVERLAP_MIN_BYTES", 0)  # writers start with the copy
+    state = {"a": torch.randn(1024, 512), "b": torch.randn(64, 64)}
+    real = stage._copy_cell
+    late_writes: list[str] = []
+
+    def slow_last(cell: Any, src: torch.Tensor) -> None:
+        if cell.write.array.tensor == "b":
+            time.sleep(0.5)  # the writer of "a" (staged, released) runs meanwhile
+        real(cell, src)
+
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        inner = engine.storage.inner
+        write = inner.write
+
+        def recording(key: str, parts: Any, **kwargs: Any) -> None:
+            if kwargs.get("late") is not None:
+                late_writes.append(key)
+            write(key, parts, **kwargs)
+
+        monkeypatch.setattr(inner, "write", recording)
+        monkeypatch.setattr(stage, "_copy_cell", slow_last)
+        engine.save(1, state, blocking=True)
+        assert any("/a/" in key for key in late_writes), late_writes
+        report = engine.verify(1)
+        assert report.ok, report.problems
+        target = {"a": torch.zeros(1024, 512), "b": torch.zeros(64, 64)}
+        engine.load(target)
+        assert torch.equal(target["a"], state["a"]) and torch.equal(target["b"], state["b"])
 
 
 def test_unaligned_or_small_buffers_are_written_buffered(tmp_path: Path) -> None:

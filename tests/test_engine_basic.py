@@ -52,11 +52,11 @@ class GatedStorage:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+    def write(self, key: str, parts: Sequence[Any], **kwargs: Any) -> None:
         self.entered.set()
         if not self.release.wait(60):
             raise PermissionError("test gate never opened")
-        self.inner.write(key, parts, durable=durable)
+        self.inner.write(key, parts, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -602,8 +602,8 @@ class _CommitAnswerLost:
     def __init__(self, inner: Any, step: int) -> None:
         self.inner, self.key, self.lost = inner, f"step_{step:09d}/COMMIT", False
 
-    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
-        self.inner.write(key, parts, durable=durable)
+    def write(self, key: str, parts: Sequence[Any], **kwargs: Any) -> None:
+        self.inner.write(key, parts, **kwargs)
         if key == self.key and not self.lost:
             self.lost = True
             raise PermissionError("connection dropped before the answer")
@@ -980,10 +980,10 @@ class _CommitsFirst:
     def __init__(self, inner: Any, foreign: bytes) -> None:
         self.inner, self.foreign = inner, foreign
 
-    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+    def write(self, key: str, parts: Sequence[Any], **kwargs: Any) -> None:
         if key == "step_000000005/zarr.json":
             self.inner.write("step_000000005/COMMIT", [self.foreign], durable=True)
-        self.inner.write(key, parts, durable=durable)
+        self.inner.write(key, parts, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -361,13 +361,13 @@ class _FlipInRecords:
         self.inner = inner
         self.flipped = 0
 
-    def write(self, key: str, parts: Any, *, durable: bool = False) -> None:
+    def write(self, key: str, parts: Any, **kwargs: Any) -> None:
         if "/.ranks/" in key:
             data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
             damaged = data.replace(b'"step": 7', b'"step": 6')
             self.flipped += damaged != data
             parts = [damaged]
-        self.inner.write(key, parts, durable=durable)
+        self.inner.write(key, parts, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

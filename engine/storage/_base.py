@@ -15,6 +15,7 @@ from ..errors import CheckpointError, StorageError
 
 log = logging.getLogger("antifragile.engine.storage")
 T = TypeVar("T")
+Late = Callable[[], Sequence[tuple[int, int]]]  # see Storage.write
 
 # Errors that retrying cannot fix. Everything else (connection resets, timeouts, 5xx, throttling,
 # which the S3 backend raises as OSError) is retried with backoff.
@@ -37,9 +38,15 @@ class Storage(Protocol):
 
     url: str
 
-    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False,
+              late: Late | None = None) -> None:
         """Store ``parts`` as one object. ``durable``: its bytes are on stable storage before
-        it becomes visible under ``key`` (markers); otherwise ``sync()`` makes them durable."""
+        it becomes visible under ``key`` (markers); otherwise ``sync()`` makes them durable.
+        ``late``: fills in bytes of ``parts[0]`` that were not ready when the write began
+        (a staged object's checksums) and returns their ``(start, end)`` ranges. A storage
+        that can write part of an object again (a file) calls it once the parts are written
+        and writes those ranges again before the object becomes visible; one that cannot (an
+        object store) calls it before it writes."""
         ...
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray: ...
@@ -124,8 +131,10 @@ class RetryingStorage:
                 delay = min(delay * 2, self.max_delay_s)
         raise AssertionError("unreachable")
 
-    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
-        self._call("write", key, lambda: self.inner.write(key, parts, durable=durable))
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False,
+              late: Late | None = None) -> None:
+        extra = {"late": late} if late is not None else {}  # an inner storage may not know it
+        self._call("write", key, lambda: self.inner.write(key, parts, durable=durable, **extra))
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         return self._call("read", key, lambda: self.inner.read(key, start, end))
@@ -179,9 +188,11 @@ class CountingStorage:
             counts = dict(self._counts)
         return {**counts, "total": sum(counts.values())}
 
-    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False,
+              late: Late | None = None) -> None:
         self._count("write")
-        self.inner.write(key, parts, durable=durable)
+        extra = {"late": late} if late is not None else {}
+        self.inner.write(key, parts, durable=durable, **extra)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         self._count("read")

@@ -10,6 +10,8 @@ from typing import Any
 
 import fsspec
 
+from ._base import Late
+
 
 class FsspecStorage:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -22,7 +24,10 @@ class FsspecStorage:
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
 
-    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False,
+              late: Late | None = None) -> None:
+        if late is not None:  # an object is written once, whole
+            late()
         self.fs.pipe_file(self._path(key), b"".join(memoryview(p).cast("B") for p in parts))
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:

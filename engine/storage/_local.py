@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from ._base import Late
+
 log = logging.getLogger("antifragile.engine.storage")
 
 _IOV_MAX = 1024
@@ -107,7 +109,8 @@ class LocalStorage:
             self._makedirs(os.path.dirname(path))
             return os.open(path, flags, 0o644)
 
-    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False,
+              late: Late | None = None) -> None:
         path = self._path(key)
         self._makedirs(os.path.dirname(path))
         tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"  # a kill never tears `path`
@@ -127,6 +130,8 @@ class LocalStorage:
                 direct = False
         if fd < 0:
             fd = self._create(tmp, flags)
+        first = views[0] if views else memoryview(b"")
+        done = 0
         try:
             if direct:
                 head = len(views[0]) // ALIGN_BYTES * ALIGN_BYTES
@@ -135,6 +140,8 @@ class LocalStorage:
                 views[0] = views[0][done:]
                 views = [v for v in views if len(v)]
             buffered = self._writev(fd, views)
+            if late is not None:
+                self._rewrite(fd, first, late(), done)
             if durable:  # a marker: never visible before its bytes are (power loss)
                 os.fsync(fd)
             elif buffered >= WRITEBACK_MIN_BYTES:
@@ -165,6 +172,31 @@ class LocalStorage:
             self.direct_io = True
             self.direct_bytes += done
         return done
+
+    def _rewrite(self, fd: int, first: memoryview, ranges: Sequence[tuple[int, int]],
+                 direct_end: int) -> None:
+        """Write ``ranges`` of the first part again, as they are now: the pages around them
+        with O_DIRECT below ``direct_end`` (what went with O_DIRECT; a partial page through
+        the page cache would be read from the device first), the rest through the cache."""
+        pages: list[tuple[int, int]] = []  # merged, page-aligned, below direct_end
+        for start, end in sorted(ranges):
+            if start < direct_end:
+                lo = start // ALIGN_BYTES * ALIGN_BYTES
+                hi = min(-(-min(end, direct_end) // ALIGN_BYTES) * ALIGN_BYTES, direct_end)
+                if pages and lo <= pages[-1][1]:
+                    pages[-1] = (pages[-1][0], max(pages[-1][1], hi))
+                else:
+                    pages.append((lo, hi))
+            if end > direct_end:
+                start = max(start, direct_end)
+                os.pwrite(fd, first[start:end], start)
+        if pages:
+            _set_direct(fd, True)
+            try:
+                for lo, hi in pages:
+                    os.pwrite(fd, first[lo:hi], lo)
+            finally:
+                _set_direct(fd, False)
 
     def _writev(self, fd: int, views: list[memoryview]) -> int:
         nbytes = sum(map(len, views))

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ..errors import StorageError
-from ._base import byte_views, scatter
+from ._base import Late, byte_views, scatter
 
 T = TypeVar("T")
 
@@ -182,9 +182,12 @@ class S3Storage:
         except BaseError as exc:  # a bad path, an unsupported operation: retrying cannot help
             raise ValueError(_brief(exc)) from exc
 
-    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False) -> None:
+    def write(self, key: str, parts: Sequence[Any], *, durable: bool = False,
+              late: Late | None = None) -> None:
         import obstore
 
+        if late is not None:  # an object is written once, whole
+            late()
         data = b"".join(memoryview(p).cast("B") for p in parts)
         self._call("write", key, lambda: obstore.put(
             self.store, key, data, use_multipart=len(data) >= MULTIPART_MIN_BYTES,
