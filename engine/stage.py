@@ -17,12 +17,16 @@ The arena is pinned when CUDA is present so device-to-host copies run asynchrono
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import mmap
+import os
 import struct
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +40,7 @@ from .plan import CellWrite
 
 ALIGN_BYTES = 4096  # O_DIRECT wants buffer, offset and length aligned to the logical block
 _CRC = struct.Struct("<I")
-_RELEASE_BYTES = 1 << 20  # staged cells are handed to the writers in batches this large
+_POOL_MIN_BYTES = 1 << 20  # cells this large are copied on the staging threads
 
 
 @dataclass(slots=True)
@@ -198,13 +202,13 @@ class StagingArea:
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> float:
         """Copy the owned cells of ``tensors`` (and the shadows); returns the seconds it took
-        (the stall). From CPU memory, cells become available to writers as they are copied, a
-        batch of at least ``_RELEASE_BYTES`` at a time (a writer woken per small cell costs
-        more than its copy: each hand-over of the GIL can wait a switch interval, 5 ms, on a
-        busy machine); from a device, all at once after the final synchronize. Each cell is
-        one torch copy (its full chunks as one strided tensor), parallel over torch's
-        intra-op threads as a plain ``copy_`` of the state is: glibc ``memmove`` of the same
-        rows on a pool of threads was 15% slower than that copy (2 GiB, 2 cores)."""
+        (the stall). Each cell becomes available to writers as soon as it is copied (on CPU;
+        from a device, after the final synchronize). From CPU memory, cells are copied on a
+        few threads with plain ``memmove`` of their rows where they are contiguous (one call
+        per inner chunk, the GIL released): a torch copy is a parallel region, and many of
+        them stall on a busy machine. (One torch copy per cell on torch's intra-op threads
+        was tried: ~15% faster alone, but its static split of each copy between two threads
+        stalled more while writers ran beside it, 1.17-1.24x a memcpy against 1.07-1.19x.)"""
         start = time.perf_counter()
         try:
             # a conjugate or negative view keeps its values behind a bit that a byte copy
@@ -213,17 +217,11 @@ class StagingArea:
                        .resolve_neg() for c in self.cells]
             on_device = any(s.device.type != "cpu" for s in sources) or any(
                 iter_local(tensors[p]).device.type != "cpu" for p in self.shadows)
-            batch: list[int] = []
-            batch_bytes = 0
-            for i, (cell, src) in enumerate(zip(self.cells, sources)):
-                _copy_cell(cell, src)
-                if on_device:
-                    continue
-                batch.append(i)
-                batch_bytes += cell.nbytes
-                if batch_bytes >= _RELEASE_BYTES:
-                    self._release(batch)
-                    batch, batch_bytes = [], 0
+            if on_device:
+                for cell, src in zip(self.cells, sources):
+                    _copy_cell(cell, src, self.arena.data_ptr(), on_device=True)
+            else:
+                self._stage_on_host(sources)
             for path, shadow in self.shadows.items():
                 shadow.copy_(iter_local(tensors[path]).detach(), non_blocking=True)
             if on_device:
@@ -236,6 +234,36 @@ class StagingArea:
             self._complete = True
             self._cond.notify_all()
         return time.perf_counter() - start
+
+    def _stage_on_host(self, sources: list[torch.Tensor]) -> None:
+        """Large cells on the copy threads, the small ones here, released to the writers a
+        batch at a time: a future, or a writer woken, per small cell costs more than its copy
+        (each hand-over of the GIL can wait a switch interval, 5 ms, on a busy machine)."""
+        arena = self.arena.data_ptr()
+        futures = [_copiers().submit(self._stage_cell, i, src)
+                   for i, src in enumerate(sources) if self.cells[i].nbytes >= _POOL_MIN_BYTES]
+        batch: list[int] = []
+        batch_bytes = 0
+        try:
+            for i, src in enumerate(sources):
+                cell = self.cells[i]
+                if cell.nbytes >= _POOL_MIN_BYTES:
+                    continue
+                _copy_cell(cell, src, arena, on_device=False)
+                batch.append(i)
+                batch_bytes += cell.nbytes
+                if batch_bytes >= _POOL_MIN_BYTES:
+                    self._release(batch)
+                    batch, batch_bytes = [], 0
+            self._release(batch)
+        finally:  # a failed copy here: no copy of the pool goes on into the buffers after it
+            wait(futures)
+        for future in futures:
+            future.result()
+
+    def _stage_cell(self, index: int, src: torch.Tensor) -> None:
+        _copy_cell(self.cells[index], src, self.arena.data_ptr(), on_device=False)
+        self._release([index])
 
     def _release(self, indices: list[int]) -> None:
         """Cells ``indices`` are staged: writers waiting for them may go."""
@@ -300,12 +328,33 @@ class StagingArea:
         return crcs + ([] if cell.index_crc is None else [cell.index_crc])
 
 
-def _copy_cell(cell: CellImage, src: torch.Tensor) -> None:
+@functools.cache
+def _copiers_of(pid: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
+                              thread_name_prefix="ckpt-stage")
+
+
+def _copiers() -> ThreadPoolExecutor:
+    """The staging copy threads of this process (a forked child gets its own: the parent's
+    threads do not exist in it)."""
+    return _copiers_of(os.getpid())
+
+
+def _copy_cell(cell: CellImage, src: torch.Tensor, arena_ptr: int, *, on_device: bool) -> None:
     write = cell.write
     region = tuple(slice(o, o + n) for o, n in zip(write.local_offset, write.valid_shape))
     block = src[region]
     if not write.array.shape:
         cell.chunks[0].view.copy_(block, non_blocking=True)
+        return
+    dtype = torch_dtype(write.array.dtype, where=write.key)
+    if (not on_device and block.is_contiguous() and block.dtype == dtype
+            and tuple(block.shape[1:]) == tuple(write.array.shard_shape[1:])):
+        row_nbytes = math.prod(block.shape[1:]) * block.element_size()
+        base = block.data_ptr()
+        for chunk in cell.chunks:  # rows are contiguous in both: plain byte copies
+            ctypes.memmove(arena_ptr + cell.offset + chunk.start,
+                           base + chunk.first_row * row_nbytes, chunk.rows * row_nbytes)
         return
     chunks = cell.chunks
     if cell.full is not None:

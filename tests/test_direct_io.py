@@ -177,10 +177,10 @@ def test_writers_that_start_before_the_copy_ends_store_the_right_checksums(
     real = stage._copy_cell
     late_writes: list[str] = []
 
-    def slow_last(cell: Any, src: torch.Tensor) -> None:
+    def slow_last(cell: Any, *args: Any, **kwargs: Any) -> None:
         if cell.write.array.tensor == "b":
             time.sleep(0.5)  # the writer of "a" (staged, released) runs meanwhile
-        real(cell, src)
+        real(cell, *args, **kwargs)
 
     with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
         inner = engine.storage.inner

@@ -431,16 +431,16 @@ def test_failed_persist_surfaces_on_wait(storage: Storage, ckpt: CheckpointEngin
 
 def test_a_failed_staging_leaves_no_copy_running_into_the_staging_buffers(
         ckpt: CheckpointEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    # a small cell's copy failed while a large cell's copy went on (on a copy pool, as
-    # staging once was): it wrote into the buffers (and released its cell) after the save
-    # had failed, while the next save could be staging into them
+    # a small cell's copy failed on the caller's thread while a large cell's copy went on in
+    # the copy pool: it wrote into the buffers (and released its cell) after the save had
+    # failed, while the next save could be staging into them
     from antifragile.engine import stage
 
     real = stage._copy_cell
     running: list[int] = []
 
     def slow_large_broken_small(cell: Any, *args: Any, **kwargs: Any) -> None:
-        if cell.nbytes < stage._RELEASE_BYTES:
+        if cell.nbytes < stage._POOL_MIN_BYTES:
             raise RuntimeError("copy failed")
         running.append(1)
         time.sleep(0.5)
