@@ -140,8 +140,10 @@ class FlakyStorage:
         if self.calls[op] <= self.failures:
             raise self.error()
 
-    def write(self, key: str, parts: Any, *, durable: bool = False) -> None:
+    def write(self, key: str, parts: Any, *, durable: bool = False, late: Any = None) -> None:
         self._call("write")
+        if late is not None:
+            late()
         self.objects[key] = b"".join(parts)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
@@ -359,7 +361,8 @@ def test_errors_no_retry_can_change_are_not_retried() -> None:
         url = "mem://"
         calls = 0
 
-        def write(self, key: str, parts: Any, *, durable: bool = False) -> None:
+        def write(self, key: str, parts: Any, *, durable: bool = False,
+                  late: Any = None) -> None:
             Refusing.calls += 1
             raise OSError(errno.ENAMETOOLONG, "File name too long")
 

@@ -133,8 +133,7 @@ class RetryingStorage:
 
     def write(self, key: str, parts: Sequence[Any], *, durable: bool = False,
               late: Late | None = None) -> None:
-        extra = {"late": late} if late is not None else {}  # an inner storage may not know it
-        self._call("write", key, lambda: self.inner.write(key, parts, durable=durable, **extra))
+        self._call("write", key, lambda: self.inner.write(key, parts, durable=durable, late=late))
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         return self._call("read", key, lambda: self.inner.read(key, start, end))
@@ -191,8 +190,7 @@ class CountingStorage:
     def write(self, key: str, parts: Sequence[Any], *, durable: bool = False,
               late: Late | None = None) -> None:
         self._count("write")
-        extra = {"late": late} if late is not None else {}
-        self.inner.write(key, parts, durable=durable, **extra)
+        self.inner.write(key, parts, durable=durable, late=late)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         self._count("read")
