@@ -594,3 +594,29 @@ def test_the_steps_slowed_by_a_persist_are_charged_to_its_checkpoint(tmp_path: P
     md = report.write_markdown(tmp_path, doc).read_text()
     assert "0.20 s of slower steps while they persisted (7.6% of the steps' time)" in md
     assert "| 0 | 20 | 0.00 | 0.30 | 0.20 |" in md
+
+
+def test_a_save_whose_processes_died_before_its_commit_event_is_committed_if_restored(
+        tmp_path: Path) -> None:
+    """Step 5's save commits while its ranks are being killed, so no ``ckpt_committed`` event
+    is ever written; the next attempt restores step 5, which proves the COMMIT landed. The
+    report says so instead of listing step 5 as uncommitted. Step 10's save, skipped as busy,
+    and step 15's, cut short and never restored, stay uncommitted."""
+    events: list[dict[str, Any]] = []
+    for step in (5, 10, 15):
+        events.append({"t": T0 + step * 0.1, "rank": 0, "attempt": 0, "event": "ckpt_staged",
+                       "step": step, "stall_s": 0.001})
+    events.append({"t": T0 + 1.01, "rank": 0, "attempt": 0, "event": "ckpt_failed", "step": 10,
+                   "error": "step 10 skipped: the save of step 5 is still persisting"})
+    events.append({"t": T0 + 3.0, "rank": 0, "attempt": 1, "event": "restore_end", "step": 5,
+                   "seconds": 0.2})
+    record = RunRecord(0, T0, T0 + 4.0, events, [])
+    rows = {c["step"]: c for c in measure.checkpoints(record)}
+    assert rows[5]["committed"] is True and rows[5]["restored_by"] == 1
+    assert rows[5]["persist_s"] is None
+    assert rows[10]["committed"] is False and "restored_by" not in rows[10]
+    assert rows[15]["committed"] is False and "restored_by" not in rows[15]
+    doc = build_doc(record)
+    md = report.write_markdown(tmp_path, doc).read_text()
+    assert "| 0 | 5 | 0.00 | - | - | - | True (restored by attempt 1) |" in md
+    assert "| 0 | 15 | 0.00 | - | - | - | False |" in md

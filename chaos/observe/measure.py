@@ -498,7 +498,9 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
     than the attempt's median the steps were while it persisted (the persist's threads take
     cores and the GIL from training: a cost the stall does not show). A save refused before
     staging (the previous one still persisting) is listed too: uncommitted, ``stall_s`` None,
-    its error."""
+    its error. A save with neither a committed nor a failed event whose step a later attempt
+    restored did commit (its processes ended before they saw the COMMIT): committed, with
+    ``restored_by`` that attempt and its persist time unknown."""
     out: dict[tuple[int, int], dict[str, Any]] = {}
     stalls: dict[tuple[int, int], dict[int, float]] = {}  # checkpoint -> rank -> seconds
     windows: dict[tuple[int, int], list[float]] = {}  # first staged, last committed
@@ -527,13 +529,20 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
             c["bytes"] = max(c["bytes"] or 0, e["bytes"])
         else:
             c.setdefault("error", e.get("error"))
+    restores = sorted({(e["attempt"], e["step"]) for e in record.events
+                       if e["event"] == "restore_end" and e.get("step") is not None})
+    for (attempt, step), c in sorted(out.items(), reverse=True):  # a step's last save first
+        by = next((a for a, s in restores if s == step and a > attempt), None)
+        if by is not None and not c["committed"] and "error" not in c and not any(
+                a > attempt and s == step and out[(a, s)]["committed"] for a, s in out):
+            c["committed"], c["restored_by"] = True, by
     steps = _slowest_steps(record)
     paces = {a: sorted(s for _, s in v)[len(v) // 2] for a, v in steps.items() if v}
     for (attempt, _), c in out.items():
         if c["committed"] and c["persist_s"]:
             c["throughput_gib_s"] = c["bytes"] / c["persist_s"] / 2**30
         window = windows.get((attempt, c["step"]))
-        if c["committed"] and window and attempt in paces:
+        if c["committed"] and c["persist_s"] and window and attempt in paces:
             start, end = window
             c["slowdown_s"] = sum(max(seconds - paces[attempt], 0.0)
                                   for t, seconds in steps[attempt]

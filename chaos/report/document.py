@@ -125,6 +125,13 @@ def write_json(out: Path, report: dict[str, Any]) -> Path:
     return path
 
 
+def committed_cell(c: dict[str, Any]) -> str:
+    """A checkpoint's committed column: True, False, or True as proven by a later restore."""
+    if c.get("restored_by") is not None:
+        return f"True (restored by attempt {c['restored_by']})"
+    return str(c["committed"])
+
+
 def _fmt(x: Any, unit: str = "") -> str:
     if x is None:
         return "-"
@@ -209,7 +216,7 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
         mib = c["bytes"] / 2**20 if c["bytes"] else None
         lines.append(f"| {c['attempt']} | {c['step']} | {_fmt(c['stall_s'])} | "
                      f"{_fmt(c['persist_s'])} | {_fmt(c.get('slowdown_s'))} | {_fmt(mib)} | "
-                     f"{c['committed']} |")
+                     f"{committed_cell(c)} |")
     if plots:
         lines += ["", "## Plots", "", "All of it in one page: [report.html](report.html)", ""]
         for plot in plots:
@@ -367,7 +374,7 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
          "committed", "error"],
         [[c["attempt"], c["step"], c["stall_s"], c["persist_s"], c.get("slowdown_s"),
           c["bytes"] / 2**20 if c.get("bytes") else None, c.get("throughput_gib_s"),
-          c["committed"], c.get("error")] for c in cks],
+          committed_cell(c), c.get("error")] for c in cks],
         ["" if c["committed"] else "bad" for c in cks])
         if cks else "<p>No checkpoint was staged.</p>")
     parts.append("<h2>Plots</h2>")

@@ -296,7 +296,8 @@ def _draw_checkpoints(fig: Any, doc: dict[str, Any]) -> None:
     for x, c in enumerate(cks):
         stall_ax.annotate(f"{stall[x] * 1e3:.0f} ms", (x, stall[x]), xytext=(0, 2),
                           textcoords="offset points", ha="center", fontsize=7)
-        text = f"{persist[x]:.2f} s" if c.get("committed") else "failed"
+        text = (("restored later" if c.get("persist_s") is None else f"{persist[x]:.2f} s")
+                if c.get("committed") else "failed")
         persist_ax.annotate(text, (x, persist[x]), xytext=(0, 2), textcoords="offset points",
                             ha="center", fontsize=7,
                             color="black" if c.get("committed") else FAULT_COLOR)
