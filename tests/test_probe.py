@@ -204,3 +204,35 @@ def test_dcp_helpers_just_save_and_load_outside_chaos(tmp_path: Path) -> None:
     probe.dcp_load(target, checkpoint_id=tmp_path / "s", step=1)
     assert torch.equal(target["w"], torch.ones(4))
     assert not (tmp_path / "events").exists() and _events.channel() is None
+
+
+def test_a_later_pass_of_a_step_holds_only_the_next_time_the_job_gets_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two points at step 3, the second for the job's second pass there (``on_pass: 2``): the
+    first time step 3 ends only p0 holds, even once p0 is released; the next time (a process
+    that resumed before step 3), p1 holds."""
+    _under_chaos(monkeypatch, tmp_path)
+    release = tmp_path / "control" / "release"
+    release.mkdir(parents=True)
+    (tmp_path / "control" / "plan.json").write_text(json.dumps(
+        {"points": [{"id": "p0", "step": 3}, {"id": "p1", "step": 3, "pass": 2}]}))
+    probe.step_end(2)  # first use: reads the plan
+
+    def pass_through_step_3(point: str) -> None:
+        holder = threading.Thread(target=probe.step_end, args=(3,), daemon=True)
+        holder.start()
+        deadline = time.monotonic() + 10
+        while [e.get("point") for e in _events_of(tmp_path) if e["event"] == "paused"][-1:] \
+                != [point]:
+            assert time.monotonic() < deadline, f"never paused at {point}"
+            time.sleep(0.01)
+        (release / point).touch()
+        holder.join(10)
+        assert not holder.is_alive(), f"still held after {point}'s release"
+
+    pass_through_step_3("p0")
+    assert [e.get("point") for e in _events_of(tmp_path) if e["event"] == "paused"] == ["p0"]
+    pass_through_step_3("p1")
+    probe.step_end(3)  # a third pass: nothing left to hold
+    assert [e.get("point") for e in _events_of(tmp_path) if e["event"] == "paused"] == [
+        "p0", "p1"]

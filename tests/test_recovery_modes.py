@@ -26,17 +26,23 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("reference-cache")
 
 
-def _run(tmp_path: Path, name: str, fault: dict[str, Any], **trainer: Any) -> dict[str, Any]:
+def _run_all(tmp_path: Path, name: str, faults: list[dict[str, Any]], **trainer: Any
+             ) -> list[dict[str, Any]]:
     doc = {"name": name, "seed": 3, "trainer": {**TRAINER, **trainer},
-           "checkpoint": {"every_steps": 4, "keep_last": 3}, "faults": [fault],
+           "checkpoint": {"every_steps": 4, "keep_last": 3}, "faults": faults,
            "expect": {"bitwise_equal_to_reference": True}}
     outcome = run(parse_scenario(doc), tmp_path / name, progress=lambda _: None)
     assert outcome.passed, outcome.report["verdict"]
     assert outcome.report["verdict"]["bitwise_equal"] is True
-    (timings,) = outcome.report["faults"]
-    assert timings["injected_step"] == 10 and timings["restored_step"] == 8
-    for key in ("detect_s", "restart_s", "restore_s", "recompute_s", "recovery_s"):
-        assert timings[key] is not None and timings[key] >= 0, key
+    for timings in outcome.report["faults"]:
+        assert timings["injected_step"] == 10 and timings["restored_step"] == 8
+        for key in ("detect_s", "restart_s", "restore_s", "recompute_s", "recovery_s"):
+            assert timings[key] is not None and timings[key] >= 0, key
+    return list(outcome.report["faults"])
+
+
+def _run(tmp_path: Path, name: str, fault: dict[str, Any], **trainer: Any) -> dict[str, Any]:
+    (timings,) = _run_all(tmp_path, name, [fault], **trainer)
     return timings
 
 
@@ -73,3 +79,18 @@ def test_in_process_without_a_spare_falls_back_to_a_restart(
              recovery="in_process", spares=0)
     assert t["recovery_mode"] == "restart"
     assert "1 rank(s) lost and 0 spare(s) left" in (t["fallback"] or ""), t
+
+
+@pytest.mark.timeout(900)
+def test_a_crash_loop_is_handed_to_a_restart_after_three_in_process_recoveries(
+        tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 is killed at step 10 every time the job gets there (``on_pass`` 1-4), a failure
+    that recurs where it happened. Three in-process re-formations that get no further than
+    step 10, then the fourth failure goes to torchrun's restart (whose --max-restarts bounds a
+    loop that goes on), and the run still ends bitwise equal."""
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(cache))
+    faults = [{"kind": "kill_rank", "rank": 1, "at_step": 10, "on_pass": n} for n in range(1, 5)]
+    timings = _run_all(tmp_path, "crash-loop", faults, recovery="in_process")
+    assert [t["recovery_mode"] for t in timings] == ["in_process"] * 3 + ["restart"], timings
+    assert "3 failures in a row got no further than step 10" in (timings[3]["fallback"] or "")
+    assert all(t["fallback"] is None for t in timings[:3]), timings

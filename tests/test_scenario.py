@@ -35,6 +35,11 @@ def _with(**changes: Any) -> dict[str, Any]:
     (_with(faults=[{"kind": "kill_rank", "rank": 0}]), "exactly one trigger"),
     (_with(faults=[{"kind": "crash_during_save", "at_checkpoint": 9}]),
      "faults.0.at_checkpoint: the run takes only 4 checkpoint(s)"),
+    (_with(faults=[{"kind": "kill_rank", "rank": 0, "mtbf_s": 5.0, "on_pass": 2}]),
+     "s.yaml: faults.0.on_pass: a pass counts the times the job gets to a step: it needs "
+     "at_step or at_checkpoint"),
+    (_with(faults=[{"kind": "kill_rank", "rank": 0, "at_step": 3, "on_pass": 0}]),
+     "s.yaml: faults.0.on_pass: Input should be greater than or equal to 1"),
     (_with(faults=[{"kind": "kill_rank", "rank": 0, "at_step": 3, "colour": "red"}]),
      "s.yaml: faults.0.colour: unknown key"),
     (_with(trainer={"steps": "many"}), "s.yaml: trainer.steps: Input should be a valid integer"),

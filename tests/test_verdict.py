@@ -530,6 +530,21 @@ def test_the_runner_tags_each_injection_with_its_fault() -> None:
     assert planned == [(1, "kill_rank"), (2, "hang_rank"), (3, "crash_during_save")]
 
 
+def test_faults_at_one_step_on_different_passes_get_a_pause_point_each() -> None:
+    """Two kills at step 4 land together (one point); a third with ``on_pass: 2`` gets its own
+    point, held the second time the job gets to step 4."""
+    from antifragile.chaos.run import runner
+
+    s = parse_scenario({**SCENARIO, "faults": [
+        {"kind": "kill_rank", "rank": 1, "at_step": 4},
+        {"kind": "kill_rank", "rank": 0, "at_step": 4},
+        {"kind": "kill_rank", "rank": 1, "at_step": 4, "on_pass": 2}]})
+    pending = [runner._Pending(f, i) for i, f in enumerate(s.faults)]
+    points = runner._pause_plan(s, pending, random.Random(0))
+    assert [(p.as_json(), [i for i, _ in p.faults]) for p in points.values()] == [
+        ({"id": "p0", "step": 4}, [0, 1]), ({"id": "p1", "step": 4, "pass": 2}, [2])]
+
+
 def test_a_kill_during_the_recovery_of_the_previous_one_interrupts_it_without_failing() -> None:
     """Rank 1 dies at step 7; attempt 1 starts, and rank 0 dies before attempt 1 restored:
     the first recovery was cut short by the second fault, whose recovery covers both. Not a

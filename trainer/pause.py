@@ -10,7 +10,10 @@ A ``step`` point holds every listed rank (default: all) at the end of that step,
 checkpoint (if any) is staged; a ``checkpoint_step`` point holds the save of that step at a
 phase (see ``antifragile.engine`` phase hooks). Holding emits a ``paused`` event, then waits
 until ``control/release/<id>`` exists. A point is passed once: after its release (also by a
-later attempt that reaches the same step again) it no longer holds.
+later attempt that reaches the same step again) it no longer holds. A point with ``"pass": n``
+holds the n-th time the job gets there: each time, only the points of the lowest pass not yet
+released hold, so a later pass waits for the job to come back (after a recovery that resumed
+from an earlier step).
 """
 
 from __future__ import annotations
@@ -59,13 +62,18 @@ class PausePoints:
             self._on_hold(False)
         self._emit("resumed", point=point["id"], held_s=time.monotonic() - started)
 
+    def _due(self, here: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Of this rank's points at one place, those to hold this time: the lowest pass that
+        is not yet released."""
+        waiting = [p for p in here if self._mine(p) and not self._released(p["id"])]
+        first = min((p.get("pass", 1) for p in waiting), default=None)
+        return [p for p in waiting if p.get("pass", 1) == first]
+
     def step_end(self, step: int) -> None:
-        for point in self.points:
-            if point.get("step") == step and self._mine(point):
-                self._hold(point, step=step)
+        for point in self._due([p for p in self.points if p.get("step") == step]):
+            self._hold(point, step=step)
 
     def save_phase(self, step: int, phase: str) -> None:
-        for point in self.points:
-            if (point.get("checkpoint_step") == step and point.get("phase") == phase
-                    and self._mine(point)):
-                self._hold(point, step=step, phase=phase)
+        for point in self._due([p for p in self.points if p.get("checkpoint_step") == step
+                                and p.get("phase") == phase]):
+            self._hold(point, step=step, phase=phase)

@@ -48,13 +48,17 @@ class FaultBase(BaseModel):
     ``at_checkpoint`` (the n-th checkpoint of the run), ``mtbf_s`` (seeded exponential
     arrivals, mean ``mtbf_s`` seconds, until the run ends) or ``at_s`` (once, that many seconds
     after the job started, at the first moment all its ranks are up). ``mtbf_s`` and ``at_s``
-    need nothing from the trainer: they work on any training script."""
+    need nothing from the trainer: they work on any training script. ``on_pass`` (with
+    ``at_step`` or ``at_checkpoint``): the n-th time the job gets there, counting the passes
+    made again after a recovery resumed from an earlier step; the same fault at the same step
+    on passes 1, 2, 3 is a crash loop."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     at_step: Annotated[StrictInt, Field(ge=1)] | None = None
     at_checkpoint: Annotated[StrictInt, Field(ge=1)] | None = None
     mtbf_s: Annotated[Seconds, Field(gt=0)] | None = None
     at_s: Annotated[Seconds, Field(ge=0)] | None = None
+    on_pass: Annotated[StrictInt, Field(ge=1)] = 1
 
     def check(self, dims: tuple[int, int, int], steps: int, checkpoints: int
               ) -> tuple[str, str] | None:
@@ -63,6 +67,9 @@ class FaultBase(BaseModel):
                     if getattr(self, t) is not None]
         if len(triggers) != 1:
             return "", "give exactly one trigger: at_step, at_checkpoint, mtbf_s or at_s"
+        if self.on_pass != 1 and self.at_step is None and self.at_checkpoint is None:
+            return "on_pass", ("a pass counts the times the job gets to a step: it needs "
+                               "at_step or at_checkpoint")
         if self.at_step is not None and self.at_step >= steps:
             return "at_step", f"step {self.at_step} is not before the last step ({steps})"
         if self.at_checkpoint is not None and self.at_checkpoint > checkpoints:

@@ -188,6 +188,7 @@ class _Point:
     step: int
     ranks: list[int] | None  # None: every rank
     phase: str | None = None  # a save phase (checkpoint faults), else the end of the step
+    on_pass: int = 1  # the n-th time the job gets there
     faults: list[tuple[int, FaultBase]] = field(default_factory=list)  # (index, fault) due here
     paused: set[tuple[int, int]] = field(default_factory=set)  # (generation, rank)
     first_paused_t: float = 0.0
@@ -208,13 +209,16 @@ class _Point:
             doc.update(checkpoint_step=self.step, phase=self.phase)
         if self.ranks is not None:
             doc["ranks"] = self.ranks
+        if self.on_pass != 1:
+            doc["pass"] = self.on_pass
         return doc
 
 
 def _pause_plan(s: Scenario, pending: list[_Pending], rng: random.Random) -> dict[str, _Point]:
     """One pause point per moment a step- or checkpoint-triggered fault is due; those faults
-    leave ``pending``. A checkpoint's moment is its step (the n-th save is at n x every)."""
-    points: dict[tuple[int, str | None, tuple[int, ...] | None], _Point] = {}
+    leave ``pending``. A checkpoint's moment is its step (the n-th save is at n x every), and
+    a moment is also its pass (``on_pass``)."""
+    points: dict[tuple[int, str | None, tuple[int, ...] | None, int], _Point] = {}
     coordinates = _coordinates(s)
     for p in list(pending):
         f = p.fault
@@ -237,9 +241,10 @@ def _pause_plan(s: Scenario, pending: list[_Pending], rng: random.Random) -> dic
                             if c == (rank.dp, rank.pp, rank.tp))
             ranks = (int(rank),)
             f = f.model_copy(update={"rank": int(rank)})
-        key = (step, phase, ranks)
+        key = (step, phase, ranks, f.on_pass)
         if key not in points:
-            points[key] = _Point(f"p{len(points)}", step, list(ranks) if ranks else None, phase)
+            points[key] = _Point(f"p{len(points)}", step, list(ranks) if ranks else None, phase,
+                                 f.on_pass)
         points[key].faults.append((p.index, f))
     return {point.id: point for point in points.values()}
 
