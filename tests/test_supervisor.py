@@ -597,3 +597,53 @@ def test_a_coordinator_that_dies_before_publishing_is_taken_over_by_its_supervis
     thread.join(30.0)
     assert survivor == [Formation(1, ("3.0", "1.0", "4.0"))]
     assert time.monotonic() - t0 < 5.0
+
+
+class _ReadTogether:
+    """A store whose first two reads wait for each other: two coordinators that look the job's
+    furthest step up at the same time (the read-then-write window of ``failed_at``)."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        self.inner = inner
+        self.barrier = threading.Barrier(2, timeout=10)
+        self.reads = 0
+        self.lock = threading.Lock()
+
+    def get(self, key: str) -> bytes:
+        value = self.inner.get(key)
+        with self.lock:
+            self.reads += 1
+            first = self.reads <= 2
+        if first:
+            self.barrier.wait()
+            if threading.current_thread().name == "late":
+                time.sleep(0.2)  # its write lands after the other's
+        return value
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_two_failures_recorded_at_once_never_move_the_furthest_step_back() -> None:
+    """Two failed generations judged at the same moment, one that reached step 12 and one
+    that reached step 11, after the job had reached step 10: whichever order they land in,
+    the job's furthest step is 12 afterwards (a read-then-write put it back to 11, so a loop
+    failing at step 12 would have counted as progress again)."""
+    store = _store()
+    JobStore(store, "a0").failed_at(10)
+    shared = _ReadTogether(store)
+    results: dict[int, tuple[int, int]] = {}
+
+    def fail(reached: int) -> None:
+        results[reached] = JobStore(store, "a0", counter=shared).failed_at(reached)
+
+    threads = [threading.Thread(target=fail, args=(12,), name="early"),
+               threading.Thread(target=fail, args=(11,), name="late")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert results[12] == (0, 12)
+    assert results[11] in ((1, 12), (0, 11)), results  # after the 12, or before it
+    assert JobStore(store, "a0").failed_at(12) == ((2, 12) if results[11] == (1, 12)
+                                                   else (1, 12))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -129,13 +130,18 @@ class JobStore:
         """Record a failed generation whose ranks had reached step ``reached``: (failures in a
         row, this one included, that got no further than the job had before them, 0 when
         this one got further; the furthest step the job has reached). Job-wide."""
-        furthest, in_place = f"{PREFIX}/furthest_step", f"{PREFIX}/failures_in_place"
-        best = int(self.counter.get(furthest)) if self.counter.check([furthest]) else -1
-        if reached > best:
-            self.counter.set(furthest, str(reached))
-            self.counter.set(in_place, "0")
-            return 0, reached
-        return int(self.counter.add(in_place, 1)), best
+        # one key, "furthest failures token", swapped whole (compare_set): two coordinators
+        # judging at once must not move the furthest step back or lose a count. The token
+        # makes every value written unique, so a swap that lost cannot read as its own.
+        key = f"{PREFIX}/failures_in_place"
+        token = secrets.token_hex(8)
+        while True:
+            old = self.counter.get(key).decode() if self.counter.check([key]) else ""
+            best, in_place = (int(x) for x in old.split()[:2]) if old else (-1, 0)
+            best, in_place = (reached, 0) if reached > best else (best, in_place + 1)
+            new = f"{best} {in_place} {token}"
+            if self.counter.compare_set(key, old, new).decode() == new:
+                return in_place, best
 
     def set(self, key: str, value: Any) -> None:
         self.attempt.set(key, json.dumps(value))
