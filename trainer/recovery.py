@@ -133,7 +133,7 @@ class JobStore:
         # one key, "furthest failures token", swapped whole (compare_set): two coordinators
         # judging at once must not move the furthest step back or lose a count. The token
         # makes every value written unique, so a swap that lost cannot read as its own.
-        key = f"{PREFIX}/failures_in_place"
+        key = f"{PREFIX}/furthest_and_failures"
         token = secrets.token_hex(8)
         while True:
             old = self.counter.get(key).decode() if self.counter.check([key]) else ""
