@@ -165,7 +165,10 @@ def test_chaos_run_kill_rank_over_dcp_passes(tmp_path: Path,
     assert fault["recovery_s"] is not None and fault["recovery_s"] > 0
     committed_ckpts = [c for c in report["checkpoints"] if c["committed"]]
     assert {c["step"] for c in committed_ckpts} >= {4, 12}
-    assert all(c["bytes"] > 0 and c["stall_s"] > 0 for c in committed_ckpts)
+    # a save that committed as its processes were killed is known only by the restore that
+    # read it (``restored_by``): no figures
+    assert all(c["bytes"] > 0 and c["stall_s"] > 0 for c in committed_ckpts
+               if "restored_by" not in c)
     assert committed_steps("dcp", report["run"]["checkpoint_url"])[-1] == 12
     assert (tmp_path / "out" / "ckpt" / step_name(12) / MARKERS["dcp"]).is_file()
 
