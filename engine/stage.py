@@ -290,11 +290,14 @@ class StagingArea:
                 raise CheckpointError(f"staging failed: {type(self._error).__name__}: "
                                       f"{self._error}")
 
+    def _array(self, index: int) -> np.ndarray:
+        cell = self.cells[index]
+        return self._bytes[cell.offset:cell.offset + cell.nbytes]
+
     def image(self, index: int) -> memoryview:
         """The staged object of cell ``index`` as it is (its chunk CRC slots filled by
         :meth:`finish`)."""
-        cell = self.cells[index]
-        return memoryview(self._bytes[cell.offset:cell.offset + cell.nbytes])  # type: ignore[arg-type]
+        return memoryview(self._array(index))  # type: ignore[arg-type]
 
     def crc_slots(self, index: int) -> list[tuple[int, int]]:
         """The byte ranges of the chunk CRC slots in the object of cell ``index``."""
@@ -304,16 +307,10 @@ class StagingArea:
         """The staged object of cell ``index``, ready to write, and its part CRCs (each stored
         chunk's, then the index's). Computes the chunk crc32c values into their slots: call it
         on the writer's thread, once the cell is staged."""
-        cell = self.cells[index]
-        image = self._bytes[cell.offset:cell.offset + cell.nbytes]
-        crcs = []
-        for chunk in cell.chunks:
-            value = _format.crc(image[chunk.start:chunk.start + chunk.nbytes])
-            end = chunk.start + chunk.nbytes
-            image[end:end + 4] = np.frombuffer(_CRC.pack(value), dtype=np.uint8)
-            crcs.append(value)
-        if cell.index_crc is not None:
-            crcs.append(cell.index_crc)
+        image = self._array(index)
+        crcs = self.chunk_crcs(index)
+        for value, (start, end) in zip(crcs, self.crc_slots(index)):  # the index has no slot
+            image[start:end] = np.frombuffer(_CRC.pack(value), dtype=np.uint8)
         return memoryview(image), crcs  # type: ignore[arg-type]
 
     def shadow_crc(self, path: str) -> int:
@@ -322,8 +319,7 @@ class StagingArea:
 
     def chunk_crcs(self, index: int) -> list[int]:
         """The part CRCs of cell ``index`` as its staged bytes are now (a memory copy's check)."""
-        cell = self.cells[index]
-        image = self._bytes[cell.offset:cell.offset + cell.nbytes]
+        cell, image = self.cells[index], self._array(index)
         crcs = [_format.crc(image[c.start:c.start + c.nbytes]) for c in cell.chunks]
         return crcs + ([] if cell.index_crc is None else [cell.index_crc])
 
