@@ -10,7 +10,8 @@ What a load restores, exactly (objects, emptier targets, bytes, per-rank tensors
 than saved): ``_state`` (semantics), ``_objects``, ``_ranks`` and ``_restore``.
 """
 
-from .engine import CheckpointEngine, SaveHandle
+from ._handle import SaveHandle
+from .engine import CheckpointEngine
 from .errors import (
                            CheckpointBusyError,
                            CheckpointCorruptError,

@@ -7,6 +7,11 @@ background thread with ``defer_staging=True``) while one background thread per e
 persists each object as soon as it is staged, then commits. The background threads never
 touch a process group: ranks coordinate through storage records, so a stuck save cannot
 deadlock training.
+
+This module holds the calls and their order; the parts live beside it: ``_agree`` (the
+collectives and the verdicts every rank shares), ``stage``, ``persist`` and ``commit`` (the
+two phases of a save), ``_resave`` (a save of a step already committed), ``_fill`` (reading
+one step into a load target), ``verify``.
 """
 
 from __future__ import annotations
@@ -15,52 +20,52 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import secrets
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-
 from . import commit as _commit
+from ._agree import (
+    CORRUPT,
+    ERRORS,
+    FATAL,
+    OK,
+    Ranks,
+    Report,
+    classify,
+    refusal,
+    refuse_together,
+)
 from ._events import EngineEvents
+from ._fill import fill_step, read_whole
+from ._handle import SaveHandle
 from ._memory import MemoryCopy
 from ._paths import COMMIT, step_dir
 from ._ranks import PerRank
 from ._ranks import inventory as rank_inventory
-from ._restore import Sources
-from ._state import FlatState, finish_load, flatten, iter_local, same_value, state_signature
+from ._resave import same_as_committed
+from ._state import FlatState, finish_load, flatten, state_signature
 from ._threads import DaemonWorkers
 from .errors import (
     CheckpointBusyError,
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointMismatchError,
     CheckpointNotFoundError,
-    StorageError,
 )
 from .load import StepReader
 from .persist import (
+    group_layout,
+    metadata_copy,
     metadata_objects,
     rank_record,
     write_objects,
     write_record,
 )
-from .plan import (
-    ArraySpec,
-    GlobalPlan,
-    HeldBox,
-    PlanOptions,
-    build_plan,
-    check_tensor,
-    local_boxes,
-)
+from .plan import GlobalPlan, PlanOptions, build_plan, check_tensor
 from .stage import StagingArea
 from .storage import CountingStorage, Storage, open_storage
 from .verify import VerifyReport, verify_step
@@ -69,163 +74,6 @@ log = logging.getLogger("antifragile.engine")
 
 # staging areas at least this large overlap their copy with the writes (see save)
 OVERLAP_MIN_BYTES = 64 * 2**20
-_MISSING = object()
-
-# load outcomes, ordered so that an all-reduce MAX gives the worst one across ranks:
-# mismatch (the target wants what the step lacks) and unreadable (storage would not hand it
-# over) skip the step; corrupt skips and quarantines it; fatal raises at once
-_OK, _MISMATCH, _UNREADABLE, _CORRUPT, _FATAL = 0, 1, 2, 3, 4
-_ERRORS: dict[str, type[CheckpointError]] = {cls.__name__: cls for cls in (
-    CheckpointError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError,
-    StorageError)}
-
-
-def _classify(step: int, exc: Exception) -> tuple[int, CheckpointError]:
-    """The outcome of a failed load of ``step`` and the CheckpointError to report for it."""
-    if isinstance(exc, CheckpointMismatchError):
-        return _MISMATCH, exc
-    if isinstance(exc, CheckpointCorruptError):
-        return _CORRUPT, exc
-    if isinstance(exc, (StorageError, CheckpointNotFoundError)):
-        named = exc if f"step {step}" in str(exc) else type(exc)(f"step {step}: {exc}")
-        return _UNREADABLE, named
-    if isinstance(exc, CheckpointError):
-        return _FATAL, exc
-    log.error("loading step %d failed unexpectedly", step, exc_info=exc)
-    return _UNREADABLE, CheckpointError(f"step {step}: {type(exc).__name__}: {exc}")
-
-
-def _refuse_together(outcome: str, call: str, mistake: CheckpointError | None,
-                     any_mistake: int, high: int, negated_low: int) -> None:
-    """Raise on every rank when any rank's call was refused by its own checks, or when the
-    ranks passed different steps (all-reduced MAX of ``step`` and ``-step``; None and a
-    refused step are -1): every rank sees the same reduced values, so all raise or none."""
-    if any_mistake:
-        raise mistake or CheckpointError(
-            f"{outcome}: another rank's call of {call}() was refused (its error names the step "
-            "or state path)")
-    if high != -negated_low:
-        raise CheckpointError(f"{outcome}: the ranks called {call}() with different steps "
-                              f"({-negated_low} to {high}; None is -1)")
-
-
-def _refusal(outcome: str, exc: Exception) -> CheckpointError:
-    """``exc`` as the CheckpointError that every rank raises (see ``_refuse_together``): a
-    CheckpointError as it is, any other error of the caller's state (a ``state_dict()`` or
-    ``load_state_dict()`` that raised) named and chained."""
-    if isinstance(exc, CheckpointError):
-        return exc
-    error = CheckpointError(f"{outcome}: {type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
-
-
-def _metadata_copy(metadata: dict[str, Any] | None) -> dict[str, Any]:
-    """A JSON copy of ``save``'s ``metadata``: the coordinator writes it when it commits, in the
-    background, and the caller may reuse its dict once ``save`` returns. What JSON would not
-    store as given (another type, a key that is not a str) is refused, naming where."""
-    def check(value: object, where: str) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    raise CheckpointError(f"{where}: key {key!r} ({type(key).__name__}) is not a "
-                                          "str; JSON would store it as another key")
-                check(item, f"{where}[{key!r}]")
-        elif isinstance(value, (list, tuple)):
-            for index, item in enumerate(value):
-                check(item, f"{where}[{index}]")
-        elif value is not None and not isinstance(value, (str, int, float)):
-            raise CheckpointError(f"{where}: {type(value).__name__} is not JSON (metadata holds "
-                                  "str, int, float, bool, None, lists and str-keyed dicts)")
-
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict):
-        raise CheckpointError(f"metadata: a dict, not {type(metadata).__name__}")
-    check(metadata, "metadata")
-    copied: dict[str, Any] = json.loads(json.dumps(metadata, allow_nan=True))
-    return copied
-
-
-def _layout(spec: ArraySpec) -> dict[str, Any]:
-    """An array's layout as the group's index records it (``StepReader.array`` reads it)."""
-    return {"offset": list(spec.offset), "shape": list(spec.shape),
-            "chunk_shape": list(spec.shard_shape), "inner_rows": spec.inner_rows}
-
-
-def _same_document(stored: bytes | bytearray, staged: bytes) -> bool:
-    try:
-        return bool(json.loads(stored) == json.loads(staged))
-    except ValueError:
-        return False
-
-
-def _raise_first(futures: list[Future[None]]) -> None:
-    wait(futures)
-    for future in futures:
-        error = future.exception()
-        if error is not None:
-            raise error
-
-
-class SaveHandle:
-    """One save in flight. ``staged`` is set once the state may be mutated again.
-
-    ``done()`` is True once the save committed (or failed); on the coordinator the retention
-    that follows a commit runs after that, and ``wait()`` waits for it too.
-
-    Figures for this rank: ``stall_s`` (what the caller waited for staging), ``persist_s``
-    (background write + commit, up to the COMMIT visible), ``nbytes`` (bytes this rank wrote),
-    ``committed_nbytes`` (the whole checkpoint, on the coordinator), ``requests`` (storage
-    requests this rank's save made, by kind, and their ``total``: see
-    ``storage.CountingStorage``; set when done, updated with retention's on the coordinator).
-    ``retention_error``: on the coordinator, why retention after the commit failed (the save is
-    committed all the same), else None; final once ``wait()`` returned.
-    """
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.staged = threading.Event()
-        self.stall_s = 0.0
-        self.persist_s = 0.0
-        self.nbytes = 0
-        self.committed_nbytes = 0
-        self.retention_error: str | None = None
-        self.requests: dict[str, int] = {}
-        self._future: Future[None] = Future()
-        self._observed = False
-        # set once the coordinator's retention after the commit is over (at once elsewhere):
-        # the save is done (committed) before, so the next one need not wait for retention
-        self._retained = threading.Event()
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until committed, and on the coordinator until the retention that follows the
-        commit is over (``retention_error`` is final then; ``done()`` is True from the commit
-        on); raise the save's CheckpointError if it failed."""
-        self._observed = True
-        self._future.result(timeout)
-        if not self._retained.wait(timeout):
-            raise TimeoutError(f"step {self.step}: committed; retention still running")
-
-    def retention_done(self) -> bool:
-        """True once the save is over, the coordinator's retention after the commit included
-        (``retention_error`` is final then)."""
-        return self._retained.is_set()
-
-    def exception(self) -> BaseException | None:
-        """The failure, once done (None while in flight or on success)."""
-        if not self.done():
-            return None
-        self._observed = True
-        return self._future.exception()
-
-    def _unobserved_failure(self) -> BaseException | None:
-        if self.done() and not self._observed:
-            return self._future.exception()
-        return None
 
 
 class CheckpointEngine:
@@ -269,12 +117,8 @@ class CheckpointEngine:
         self.commit_timeout_s = commit_timeout_s
         self.storage: Storage = open_storage(url, storage_options)
         self._plan_options = plan_options or PlanOptions()
-        self._pg = process_group
-        if self._pg is None and dist.is_available() and dist.is_initialized():
-            self._pg = dist.group.WORLD
-        self.rank = dist.get_rank(self._pg) if self._pg is not None else 0
-        self.world_size = dist.get_world_size(self._pg) if self._pg is not None else 1
-        self._group = self._agreement_group()
+        self._ranks = Ranks(process_group)
+        self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-io")
         self._workers = DaemonWorkers()  # the save and deferred-staging threads
         self._fingerprint = ""
@@ -306,29 +150,6 @@ class CheckpointEngine:
         self.last_load_requests: dict[str, int] = {}
         self._events = EngineEvents(chaos_events)
 
-    # -- collectives (training thread only) ----------------------------------------------------
-
-    def _agreement_group(self) -> Any:
-        if self._pg is None or self.world_size == 1:
-            return None
-        if "gloo" in str(dist.get_backend(self._pg)):
-            return self._pg
-        return dist.new_group(dist.get_process_group_ranks(self._pg), backend="gloo")
-
-    def _all_max(self, values: list[int]) -> list[int]:
-        if self._group is None:
-            return values
-        t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        return [int(x) for x in t]
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if self._group is None:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._group)
-        return out
-
     # -- save ----------------------------------------------------------------------------------
 
     def save(self, step: int, state: Any, *, blocking: bool = False,
@@ -340,7 +161,7 @@ class CheckpointEngine:
         this call raise that failure (nothing is started). A previous save still in flight makes
         this one a no-op whose handle fails with CheckpointBusyError: training does not wait
         for storage; a ``blocking`` save (a run's last) waits for it, then saves. A committed
-        ``step`` is never overwritten: see ``_same_as_committed``. ``metadata`` (JSON, str
+        ``step`` is never overwritten: see ``_resave``. ``metadata`` (JSON, str
         keys) is copied by the call and recorded in the step's group attributes.
         """
         self._check_open()
@@ -352,11 +173,11 @@ class CheckpointEngine:
         mistake: CheckpointError | None = None
         try:
             step_dir(step)
-            metadata_json = _metadata_copy(metadata)
+            metadata_json = metadata_copy(metadata)
             flat = flatten(state)
             inv, fingerprint = self._inventory(flat)
         except Exception as exc:  # a Stateful's state_dict() too: refused on every rank
-            mistake, fingerprint = _refusal(f"step {step} not saved", exc), self._fingerprint
+            mistake, fingerprint = refusal(f"step {step} not saved", exc), self._fingerprint
         numeric = step if mistake is None else -1
         last = self._last
         failure = last._unobserved_failure() if last else None
@@ -370,12 +191,12 @@ class CheckpointEngine:
         usable = mistake is None and not busy and fingerprint == self._fingerprint \
             and self._plan is not None
         digests = self._per_rank.local_digests(flat.tensors if usable else None)
-        agreed = self._all_max([
+        agreed = self._ranks.all_max([
             int(fingerprint != self._fingerprint), int(busy), int(failure is not None),
             secrets.randbits(62) if self.rank == 0 else 0, numeric, -numeric,
             int(mistake is not None), *digests])
         replan, any_busy, any_failed, nonce, high, negated_low, any_mistake = agreed[:7]
-        _refuse_together(f"step {step} not saved", "save", mistake, any_mistake, high,
+        refuse_together(f"step {step} not saved", "save", mistake, any_mistake, high,
                          negated_low)
         if any_failed:
             assert last is not None
@@ -398,10 +219,10 @@ class CheckpointEngine:
             return handle
         if replan or self._plan is None:
             self._gather_inventories(inv, fingerprint)
-            differ = self._group is not None and self._per_rank.agree(flat.tensors,
-                                                                       self._all_max)
+            differ = not self._ranks.alone and self._per_rank.agree(flat.tensors,
+                                                                     self._ranks.all_max)
         else:
-            differ = self._group is not None and self._per_rank.settle(agreed[7:])
+            differ = not self._ranks.alone and self._per_rank.settle(agreed[7:])
         if differ:
             self._plan = None  # a plain tensor differs between ranks: now saved per rank
         flat.tensors = self._per_rank.rename(flat.tensors)
@@ -476,7 +297,7 @@ class CheckpointEngine:
         return inv, fingerprint
 
     def _gather_inventories(self, inv: dict[str, Any], fingerprint: str) -> None:
-        inventories = [json.loads(s) for s in self._gather(json.dumps(inv))]
+        inventories = [json.loads(s) for s in self._ranks.gather(json.dumps(inv))]
         self._per_rank = PerRank(inventories, self.rank, sticky=self._per_rank.paths)
         self._plan = None
         self._fingerprint = fingerprint
@@ -511,28 +332,12 @@ class CheckpointEngine:
         signature = self._inventory_cache[0]
         cached = self._attrs_cache
         if cached is None or cached[0] is not self._plan or cached[1] is not signature:
-            cached = (self._plan, signature, self._layout_attrs(flat))
+            cached = (self._plan, signature, group_layout(
+                self._plan, flat, self.world_size, self._per_rank.index()))
             self._attrs_cache = cached
         layout = cached[2]
         return {"step": step, "layout": layout["layout"], "metadata": metadata,
                 "tensors": layout["tensors"], "per_rank": layout["per_rank"]}
-
-    def _layout_attrs(self, flat: FlatState) -> dict[str, Any]:
-        assert self._plan is not None
-        meshes = []
-        for tensor in flat.tensors.values():
-            if isinstance(tensor, DTensor):
-                mesh = tensor.device_mesh
-                entry = {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())}
-                if entry not in meshes:
-                    meshes.append(entry)
-        tensors = {path: {"dtype": spec.dtype, "shape": list(spec.shape),
-                          "arrays": [a.name for a in spec.arrays],
-                          # a load reads the layout here: no request per array document
-                          "array_layout": {a.name: _layout(a) for a in spec.arrays}}
-                   for path, spec in self._plan.tensors.items()}
-        layout = {"world_size": self.world_size, "meshes": meshes}
-        return {"layout": layout, "tensors": tensors, "per_rank": self._per_rank.index()}
 
     def _metadata_docs(self, plan: GlobalPlan) -> dict[str, bytes]:
         cached = self._docs_cache
@@ -555,8 +360,9 @@ class CheckpointEngine:
                         previous.wait()
             if storage.exists(f"{step_dir(step)}/{COMMIT}"):
                 recorded = True  # write nothing into a committed step, not even an error record
-                nonce, handle.committed_nbytes, handle.nbytes = self._same_as_committed(
-                    storage, plan, staging, step, values)
+                docs = _commit.metadata_share(plan, self._metadata_docs(plan), self.rank)
+                nonce, handle.committed_nbytes, handle.nbytes = same_as_committed(
+                    storage, step, self.rank, plan, staging, docs, values, self._pool)
             else:
                 all_docs = self._metadata_docs(plan)
                 docs = _commit.metadata_share(plan, all_docs, self.rank)
@@ -619,56 +425,6 @@ class CheckpointEngine:
         finally:
             handle.staged.set()
             handle._retained.set()
-
-    def _same_as_committed(self, storage: Storage, plan: GlobalPlan, staging: StagingArea,
-                           step: int, values: dict[str, Any]) -> tuple[int, int, int]:
-        """The nonce, size and this rank's bytes of committed step ``step`` when it holds,
-        intact, exactly what this rank's save would write: the same plan and JSON values, and
-        each of this rank's objects read back equal to what this save staged (with the part
-        CRCs the manifest records). Then a save that finds its step committed succeeds without
-        writing: the retry of a save whose COMMIT landed but whose answer was lost (every rank
-        judges its own share). Otherwise the refusal: a committed step is never overwritten."""
-        def refuse(why: str) -> CheckpointError:
-            return CheckpointError(f"step {step} is already committed; it is not overwritten "
-                                   f"({why})")
-        try:
-            reader = StepReader(storage, step)
-        except CheckpointError as exc:
-            raise refuse(f"it is unreadable: {exc}") from exc
-        if reader.commit.get("plan_id") != plan.plan_id:
-            raise refuse("it was saved under another plan")
-        for path, value in values.items():
-            saved = reader.values_by_rank.get(path, {}).get(str(self.rank), _MISSING)
-            if saved is _MISSING:
-                saved = reader.values.get(path, _MISSING)
-            if saved is _MISSING or not same_value(saved, value):
-                raise refuse(f"{path!r} holds another value")
-        docs = _commit.metadata_share(plan, self._metadata_docs(plan), self.rank)
-
-        def differs(job: tuple[str, Any]) -> str | None:
-            key, staged = job
-            document = not isinstance(staged, int)
-            if not document:
-                staging.wait_staged(staged)
-                staged, crcs = staging.finish(staged)
-                if reader.manifest.crcs.get(key) != crcs:
-                    return f"{key} holds other data"
-            try:
-                stored = reader.read_object(key)
-            except CheckpointError as exc:
-                return str(exc)
-            # a document the same but for its spacing (an engine that formatted it otherwise)
-            if stored == staged or (document and _same_document(stored, staged)):
-                return None
-            return f"{key} is not what its manifest records"
-
-        jobs = [*((w.key, i) for i, w in enumerate(staging.writes)), *docs.items()]
-        problems = [p for p in self._pool.map(differs, jobs) if p is not None]
-        staging.wait_staged()
-        if problems:
-            raise refuse(problems[0])
-        mine = sum(reader.entry(key)[0] for key, _ in jobs)
-        return int(reader.commit["nonce"]), int(reader.commit.get("nbytes", 0)), mine
 
     def _phase(self, step: int, phase: str) -> None:
         if self._on_phase is not None:
@@ -756,11 +512,11 @@ class CheckpointEngine:
             for path, tensor in flat.tensors.items():
                 check_tensor(tensor, path=path, target=True)
         except Exception as exc:
-            mistake = _refusal("nothing loaded", exc)
+            mistake = refusal("nothing loaded", exc)
         numeric = -1 if step is None or mistake is not None else step
-        high, negated_low, any_mistake = self._all_max([numeric, -numeric,
-                                                        int(mistake is not None)])
-        _refuse_together("nothing loaded", "load", mistake, any_mistake, high, negated_low)
+        high, negated_low, any_mistake = self._ranks.all_max([numeric, -numeric,
+                                                              int(mistake is not None)])
+        refuse_together("nothing loaded", "load", mistake, any_mistake, high, negated_low)
         storage = CountingStorage(self.storage)
         self.last_load_sources = {"memory_bytes": 0, "storage_bytes": 0}
         try:
@@ -777,40 +533,40 @@ class CheckpointEngine:
         relisted = step is not None  # an explicit step is tried alone
         while pending:
             candidate = pending.pop(0)
-            outcome, nonce = _OK, 0
+            outcome, nonce = OK, 0
             values: dict[str, Any] = {}
             error: CheckpointError | None = None
             try:
                 values, nonce = self._load_step(candidate, flat, storage, memory)
             except Exception as exc:  # every failure is classified, then agreed by all ranks
-                outcome, error = _classify(candidate, exc)
-            worst, high, negated_low = self._all_max([outcome, nonce, -nonce])
-            if worst == _OK and high != -negated_low:
-                outcome = worst = _FATAL  # every rank sees it: they all compared the same values
+                outcome, error = classify(candidate, exc)
+            worst, high, negated_low = self._ranks.all_max([outcome, nonce, -nonce])
+            if worst == OK and high != -negated_low:
+                outcome = worst = FATAL  # every rank sees it: they all compared the same values
                 error = CheckpointError(
                     f"step {candidate}: the ranks see different saves of it (node-local storage "
                     "at one path, or two jobs writing one URL?); refusing to mix them")
-            if worst == _OK:
+            if worst == OK:
                 refused: CheckpointError | None = None
                 try:  # the state's objects take what was loaded (load_state_dict)
                     finish_load(flat, values)
                 except Exception as exc:
                     refused = CheckpointError(f"step {candidate} loaded, but not taken: {exc}")
                     refused.__cause__ = exc
-                (any_refused,) = self._all_max([int(refused is not None)])
+                (any_refused,) = self._ranks.all_max([int(refused is not None)])
                 if any_refused:  # the same objects would refuse an older step: no fallback
                     raise refused or CheckpointError(
                         f"step {candidate} loaded, but another rank's state refused it (its "
                         "error names the object)")
                 self._events.restore_end(candidate, began)
                 return candidate
-            reports = self._gather((outcome, type(error).__name__, str(error),
+            reports: list[Report] = self._ranks.gather((outcome, type(error).__name__, str(error),
                                     getattr(error, "key", None)))
-            error = self._agreed_error(reports, worst)
-            if worst == _FATAL or step is not None:
+            error = self._ranks.agreed_error(reports, worst)
+            if worst == FATAL or step is not None:
                 raise error
             note = ""
-            if worst == _CORRUPT:
+            if worst == CORRUPT:
                 note = self._quarantine(candidate, error, reports, storage)
             newest_error = newest_error or error
             self._events.restore_skipped(candidate, error)
@@ -842,33 +598,21 @@ class CheckpointEngine:
                 self._unfinished.update(set(every) - set(committed))
             except CheckpointError as exc:
                 failure = (type(exc).__name__, str(exc))
-        listing, failure = self._gather((listing, failure))[0]
+        listing, failure = self._ranks.gather((listing, failure))[0]
         if failure is not None:
-            raise _ERRORS.get(failure[0], CheckpointError)(f"listing {self.url}: {failure[1]}")
+            raise ERRORS.get(failure[0], CheckpointError)(f"listing {self.url}: {failure[1]}")
         if not listing:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
         return listing
 
-    def _agreed_error(self, reports: list[tuple[int, str, str, str | None]], worst: int
-                      ) -> CheckpointError:
-        """The same error on every rank: the first rank whose outcome is the worst one, its
-        error class and message, and which ranks reported that outcome."""
-        culprits = [r for r, (o, _, _, _) in enumerate(reports) if o == worst]
-        _, name, message, _ = reports[culprits[0]]
-        if self.world_size > 1:
-            who = ", ".join(map(str, culprits))
-            plural = "s" if len(culprits) > 1 else ""
-            message = f"{message} (rank{plural} {who} of {self.world_size})"
-        return _ERRORS.get(name, CheckpointError)(message)
-
     def _quarantine(self, step: int, error: CheckpointError,
-                    reports: list[tuple[int, str, str, str | None]], storage: Storage) -> str:
+                    reports: list[Report], storage: Storage) -> str:
         """Collective. Quarantine ``step`` once its damage is agreed: the first rank that saw it
         names the object, and another rank (the next one; the same one when alone) reads it
         again, whole. Damage that was not on storage (a bad link or DRAM on one node) is not
         confirmed: the step is skipped for this load but stays visible. Returns a note for
         the warning."""
-        reporter, key = next((r, k) for r, (o, _, _, k) in enumerate(reports) if o == _CORRUPT)
+        reporter, key = next((r, k) for r, (o, _, _, k) in enumerate(reports) if o == CORRUPT)
         confirmer = (reporter + 1) % self.world_size
         seen = 0
         if self.rank == confirmer:
@@ -882,7 +626,7 @@ class CheckpointEngine:
                 except Exception as exc:  # cannot tell: do not act on one rank's view
                     log.warning("step %d: re-reading %s to confirm damage failed: %s",
                                 step, key, exc)
-        if not self._all_max([seen])[0]:
+        if not self._ranks.all_max([seen])[0]:
             return (f"; rank {confirmer} re-read {key} intact, so the damage is not confirmed "
                     "and the step is not quarantined")
         if self.rank == 0:
@@ -895,70 +639,13 @@ class CheckpointEngine:
         return f" (quarantined; confirmed by rank {confirmer})"
 
     def _load_step(self, step: int, flat: FlatState, storage: Storage,
-                   memory: MemoryCopy | None = None) -> tuple[dict[str, Any], int]:
-        """Check the step against the target, read every array's metadata (concurrently), plan
-        every read (coverage checked), then run the reads and wait for all of them: no read of
-        a step that failed can still be running when the next step is tried. Returns the JSON
-        values and the nonce of the save read (the ranks check they all read the same one)."""
-        reader = StepReader(storage, step)
-        sources = Sources(reader, flat, self.rank)
-        targets = []
-        for path, tensor in flat.tensors.items():
-            if path not in sources.fill:
-                continue  # bytes, or state the checkpoint rightly lacks: see Sources
-            stored = reader.tensors[sources.fill[path]]
-            if stored.dtype != tensor.dtype:
-                raise CheckpointMismatchError(
-                    f"step {step}, tensor {path!r}: stored dtype {stored.dtype}, target "
-                    f"dtype {tensor.dtype} (load into a matching tensor, then convert)")
-            if stored.shape != tuple(tensor.shape):
-                raise CheckpointMismatchError(
-                    f"step {step}, tensor {path!r}: stored shape {list(stored.shape)}, "
-                    f"target shape {list(tensor.shape)}")
-            targets.append((path, tensor, stored))
-        in_memory = self._from_memory(memory, reader, targets)
-        targets = [t for t in targets if t[2].path not in in_memory]
-        reader.load_arrays([stored for _, _, stored in targets]
-                           + [reader.tensors[name] for name in sorted(sources.whole)], self._pool)
-        reads = []
-        whole: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for path, tensor, stored in targets:
-                local = iter_local(tensor)
-                for box in local_boxes(tensor, path=path):
-                    region = local[tuple(slice(o, o + n)
-                                         for o, n in zip(box.local_offset, box.shape))]
-                    reads += reader.read_box(stored, box, region)
-            for name in sorted(sources.whole):
-                stored = reader.tensors[name]
-                whole[name] = torch.empty(stored.shape, dtype=stored.dtype)
-                box = HeldBox((0,) * len(stored.shape), stored.shape, (0,) * len(stored.shape))
-                reads += reader.read_box(stored, box, whole[name])
-        _raise_first([self._pool.submit(read) for read in reads])
-        self.last_load_sources["storage_bytes"] += sum(
-            math.prod(iter_local(t).shape) * t.element_size() for _, t, _ in targets)
-        assert memory is not None or not in_memory
-        for path, tensor in in_memory.items():
-            self.last_load_sources["memory_bytes"] += memory.fill(path, tensor)  # type: ignore[union-attr]
-        return sources.values(whole), int(reader.commit["nonce"])
-
-    def _from_memory(self, memory: MemoryCopy | None, reader: StepReader,
-                     targets: list[tuple[str, torch.Tensor, Any]]) -> dict[str, torch.Tensor]:
-        """The targets ``memory`` fills (stored path -> target tensor): all of them when it
-        holds this very save of the step and its bytes match the manifest, else none."""
-        if memory is None or memory.step != reader.step or \
-                memory.nonce != int(reader.commit["nonce"]):
-            return {}
-        covered = {stored.path: tensor for _, tensor, stored in targets
-                   if memory.covers(stored.path, tensor)}
-        if len(covered) != len(targets):
-            return {}  # another layout: read everything (one source keeps the load simple)
-        unusable = memory.check(reader.commit.get("crcs") or {}, set(covered))
-        if unusable is not None:
-            log.warning("step %d: the copy in memory is not used: %s; reading the step from "
-                        "storage", reader.step, unusable)
-            return {}
-        return covered
+                   memory: MemoryCopy | None) -> tuple[dict[str, Any], int]:
+        """``step`` into ``flat`` (see ``_fill.fill_step``): its JSON values and the nonce of
+        the save read (the ranks check they all read the same one)."""
+        filled = fill_step(storage, step, flat, self.rank, self._pool, memory)
+        self.last_load_sources["storage_bytes"] += filled.storage_bytes
+        self.last_load_sources["memory_bytes"] += filled.memory_bytes
+        return filled.values, filled.nonce
 
     def memory_copy(self) -> MemoryCopy | None:
         """This rank's part of the last committed save, in host memory (``keep_in_memory``),
@@ -981,18 +668,7 @@ class CheckpointEngine:
         state path (``model/layers.0.attn.wq.weight``). For inspection and comparison in one
         process: not collective, and it holds the whole checkpoint in memory."""
         self._check_open()
-        reader = StepReader(self.storage, step)
-        reader.load_arrays(list(reader.tensors.values()), self._pool)
-        out: dict[str, Any] = {}
-        reads = []
-        for path, stored in reader.tensors.items():
-            tensor = torch.empty(stored.shape, dtype=stored.dtype)
-            box = HeldBox((0,) * tensor.dim(), stored.shape, (0,) * tensor.dim())
-            reads += reader.read_box(stored, box, tensor)
-            out[path] = tensor
-        _raise_first([self._pool.submit(read) for read in reads])
-        values = {p: v for p, v in reader.values.items() if not p.startswith(".")}
-        return {**values, **out}
+        return read_whole(self.storage, step, self._pool)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -1,20 +1,26 @@
-"""Persist: write this rank's shard objects with bounded concurrency, then its phase-1 record.
+"""Persist: what a save writes. This rank's shard objects with bounded concurrency, then its
+phase-1 record; the documents the coordinator adds (every array's zarr.json, the group's
+layout index); the check of the ``metadata`` a caller passes.
 
-Runs on the engine's background thread. The record (``.ranks/<rank>.json``, sealed JSON) lists
+Writes run on the engine's background thread. The record (``.ranks/<rank>.json``, sealed JSON) lists
 every object the rank wrote with its size, part CRCs and digest (see ``_format``); it is written
 only after all of them are durable, so a record never refers to a torn object.
 """
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Executor
 from typing import Any
+
+from torch.distributed.tensor import DTensor
 
 from . import _format
 from ._format import Manifest
 from ._paths import record_key, step_dir
-from .errors import CheckpointCorruptError
-from .plan import GlobalPlan
+from ._state import FlatState
+from .errors import CheckpointCorruptError, CheckpointError
+from .plan import ArraySpec, GlobalPlan
 from .stage import StagingArea
 from .storage import Storage
 
@@ -29,6 +35,59 @@ def metadata_objects(plan: GlobalPlan) -> dict[str, bytes]:
             docs.setdefault("/".join(parts[:i]) + "/zarr.json",
                             _format.dumps(_format.group_metadata()))
     return docs
+
+
+def metadata_copy(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """A JSON copy of ``save``'s ``metadata``: the coordinator writes it when it commits, in the
+    background, and the caller may reuse its dict once ``save`` returns. What JSON would not
+    store as given (another type, a key that is not a str) is refused, naming where."""
+    def check(value: object, where: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise CheckpointError(f"{where}: key {key!r} ({type(key).__name__}) is not a "
+                                          "str; JSON would store it as another key")
+                check(item, f"{where}[{key!r}]")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                check(item, f"{where}[{index}]")
+        elif value is not None and not isinstance(value, (str, int, float)):
+            raise CheckpointError(f"{where}: {type(value).__name__} is not JSON (metadata holds "
+                                  "str, int, float, bool, None, lists and str-keyed dicts)")
+
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"metadata: a dict, not {type(metadata).__name__}")
+    check(metadata, "metadata")
+    copied: dict[str, Any] = json.loads(json.dumps(metadata, allow_nan=True))
+    return copied
+
+
+def group_layout(plan: GlobalPlan, flat: FlatState, world_size: int,
+                 per_rank: dict[str, Any]) -> dict[str, Any]:
+    """The layout part of the group's attributes, the index a load reads instead of every
+    array's document: the world size and device meshes, each tensor's dtype, shape and arrays
+    with their layouts, and the index of what was saved per rank."""
+    meshes = []
+    for tensor in flat.tensors.values():
+        if isinstance(tensor, DTensor):
+            mesh = tensor.device_mesh
+            entry = {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())}
+            if entry not in meshes:
+                meshes.append(entry)
+    tensors = {path: {"dtype": spec.dtype, "shape": list(spec.shape),
+                      "arrays": [a.name for a in spec.arrays],
+                      "array_layout": {a.name: _layout(a) for a in spec.arrays}}
+               for path, spec in plan.tensors.items()}
+    layout = {"world_size": world_size, "meshes": meshes}
+    return {"layout": layout, "tensors": tensors, "per_rank": per_rank}
+
+
+def _layout(spec: ArraySpec) -> dict[str, Any]:
+    """An array's layout as the group's index records it (``StepReader.array`` reads it)."""
+    return {"offset": list(spec.offset), "shape": list(spec.shape),
+            "chunk_shape": list(spec.shard_shape), "inner_rows": spec.inner_rows}
 
 
 def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,

@@ -111,7 +111,7 @@ class TrainCheckpointer:
         together (a save is collective): they agree on each outcome. True once committed.
         (A COMMIT that storage applied but whose answer was lost fails the save on rank 0;
         the retry finds the step committed with exactly this state and succeeds without
-        writing: the engine's ``_same_as_committed``.)"""
+        writing: the engine's ``_resave.same_as_committed``.)"""
         deadline = time.monotonic() + patience_s
         delay = 1.0
         device = next(self.model.parameters()).device

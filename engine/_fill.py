@@ -1,0 +1,131 @@
+"""Reading one committed step into a load target (``CheckpointEngine.load`` tries the steps,
+this reads one), and a whole step into fresh tensors (``CheckpointEngine.read``)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from concurrent.futures import Executor, Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._memory import MemoryCopy
+from ._restore import Sources
+from ._state import FlatState, iter_local
+from .errors import CheckpointMismatchError
+from .load import StepReader, StoredTensor
+from .plan import HeldBox, local_boxes
+from .storage import Storage
+
+log = logging.getLogger("antifragile.engine")
+
+
+@dataclass
+class Filled:
+    """What a step gave the target: the JSON values (and bytes, and rebuilt sub-trees) to hand
+    to the state's objects, the nonce of the save read, and where the tensors' bytes came
+    from."""
+
+    values: dict[str, Any]
+    nonce: int
+    storage_bytes: int
+    memory_bytes: int
+
+
+def _raise_first(futures: list[Future[None]]) -> None:
+    wait(futures)
+    for future in futures:
+        error = future.exception()
+        if error is not None:
+            raise error
+
+
+def _whole(stored: StoredTensor) -> tuple[torch.Tensor, HeldBox]:
+    """A fresh tensor for all of ``stored`` and the box that covers it."""
+    zeros = (0,) * len(stored.shape)
+    return torch.empty(stored.shape, dtype=stored.dtype), HeldBox(zeros, stored.shape, zeros)
+
+
+def fill_step(storage: Storage, step: int, flat: FlatState, rank: int, pool: Executor,
+              memory: MemoryCopy | None = None) -> Filled:
+    """Check the step against the target, read every array's metadata (concurrently), plan
+    every read (coverage checked), then run the reads and wait for all of them: no read of a
+    step that failed can still be running when the next step is tried. ``memory``: see
+    ``CheckpointEngine.load``."""
+    reader = StepReader(storage, step)
+    sources = Sources(reader, flat, rank)
+    targets = []
+    for path, tensor in flat.tensors.items():
+        if path not in sources.fill:
+            continue  # bytes, or state the checkpoint rightly lacks: see Sources
+        stored = reader.tensors[sources.fill[path]]
+        if stored.dtype != tensor.dtype:
+            raise CheckpointMismatchError(
+                f"step {step}, tensor {path!r}: stored dtype {stored.dtype}, target "
+                f"dtype {tensor.dtype} (load into a matching tensor, then convert)")
+        if stored.shape != tuple(tensor.shape):
+            raise CheckpointMismatchError(
+                f"step {step}, tensor {path!r}: stored shape {list(stored.shape)}, "
+                f"target shape {list(tensor.shape)}")
+        targets.append((path, tensor, stored))
+    in_memory = _from_memory(memory, reader, targets)
+    targets = [t for t in targets if t[2].path not in in_memory]
+    reader.load_arrays([stored for _, _, stored in targets]
+                       + [reader.tensors[name] for name in sorted(sources.whole)], pool)
+    reads = []
+    whole: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for path, tensor, stored in targets:
+            local = iter_local(tensor)
+            for box in local_boxes(tensor, path=path):
+                region = local[tuple(slice(o, o + n)
+                                     for o, n in zip(box.local_offset, box.shape))]
+                reads += reader.read_box(stored, box, region)
+        for name in sorted(sources.whole):
+            whole[name], box = _whole(reader.tensors[name])
+            reads += reader.read_box(reader.tensors[name], box, whole[name])
+    _raise_first([pool.submit(read) for read in reads])
+    storage_bytes = sum(math.prod(iter_local(t).shape) * t.element_size()
+                        for _, t, _ in targets)
+    memory_bytes = 0
+    for path, tensor in in_memory.items():
+        assert memory is not None
+        memory_bytes += memory.fill(path, tensor)
+    return Filled(sources.values(whole), int(reader.commit["nonce"]), storage_bytes,
+                  memory_bytes)
+
+
+def _from_memory(memory: MemoryCopy | None, reader: StepReader,
+                 targets: list[tuple[str, torch.Tensor, Any]]) -> dict[str, torch.Tensor]:
+    """The targets ``memory`` fills (stored path -> target tensor): all of them when it holds
+    this very save of the step and its bytes match the manifest, else none."""
+    if memory is None or memory.step != reader.step or \
+            memory.nonce != int(reader.commit["nonce"]):
+        return {}
+    covered = {stored.path: tensor for _, tensor, stored in targets
+               if memory.covers(stored.path, tensor)}
+    if len(covered) != len(targets):
+        return {}  # another layout: read everything (one source keeps the load simple)
+    unusable = memory.check(reader.commit.get("crcs") or {}, set(covered))
+    if unusable is not None:
+        log.warning("step %d: the copy in memory is not used: %s; reading the step from "
+                    "storage", reader.step, unusable)
+        return {}
+    return covered
+
+
+def read_whole(storage: Storage, step: int, pool: Executor) -> dict[str, Any]:
+    """Every tensor of ``step`` as a whole plain CPU tensor, and every JSON value, keyed by
+    state path."""
+    reader = StepReader(storage, step)
+    reader.load_arrays(list(reader.tensors.values()), pool)
+    out: dict[str, Any] = {}
+    reads = []
+    for path, stored in reader.tensors.items():
+        out[path], box = _whole(stored)
+        reads += reader.read_box(stored, box, out[path])
+    _raise_first([pool.submit(read) for read in reads])
+    values = {p: v for p, v in reader.values.items() if not p.startswith(".")}
+    return {**values, **out}

@@ -1,0 +1,66 @@
+"""SaveHandle: one save in flight, as ``CheckpointEngine.save`` returns it."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+
+class SaveHandle:
+    """One save in flight. ``staged`` is set once the state may be mutated again.
+
+    ``done()`` is True once the save committed (or failed); on the coordinator the retention
+    that follows a commit runs after that, and ``wait()`` waits for it too.
+
+    Figures for this rank: ``stall_s`` (what the caller waited for staging), ``persist_s``
+    (background write + commit, up to the COMMIT visible), ``nbytes`` (bytes this rank wrote),
+    ``committed_nbytes`` (the whole checkpoint, on the coordinator), ``requests`` (storage
+    requests this rank's save made, by kind, and their ``total``: see
+    ``storage.CountingStorage``; set when done, updated with retention's on the coordinator).
+    ``retention_error``: on the coordinator, why retention after the commit failed (the save is
+    committed all the same), else None; final once ``wait()`` returned.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.staged = threading.Event()
+        self.stall_s = 0.0
+        self.persist_s = 0.0
+        self.nbytes = 0
+        self.committed_nbytes = 0
+        self.retention_error: str | None = None
+        self.requests: dict[str, int] = {}
+        self._future: Future[None] = Future()
+        self._observed = False
+        # set once the coordinator's retention after the commit is over (at once elsewhere):
+        # the save is done (committed) before, so the next one need not wait for retention
+        self._retained = threading.Event()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until committed, and on the coordinator until the retention that follows the
+        commit is over (``retention_error`` is final then; ``done()`` is True from the commit
+        on); raise the save's CheckpointError if it failed."""
+        self._observed = True
+        self._future.result(timeout)
+        if not self._retained.wait(timeout):
+            raise TimeoutError(f"step {self.step}: committed; retention still running")
+
+    def retention_done(self) -> bool:
+        """True once the save is over, the coordinator's retention after the commit included
+        (``retention_error`` is final then)."""
+        return self._retained.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The failure, once done (None while in flight or on success)."""
+        if not self.done():
+            return None
+        self._observed = True
+        return self._future.exception()
+
+    def _unobserved_failure(self) -> BaseException | None:
+        if self.done() and not self._observed:
+            return self._future.exception()
+        return None
