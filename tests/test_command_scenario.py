@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from antifragile.chaos.cli import main
 from antifragile.chaos.faults import Injection
 from antifragile.chaos.infra.launch import command_args, command_env
-from antifragile.chaos.observe import checker, measure
+from antifragile.chaos.observe import checker, figures, measure
 from antifragile.chaos.observe.record import RunRecord
 from antifragile.chaos.run.pipeline import _reference_key
 from antifragile.chaos.run.workers import WorkerWatch, children
@@ -233,7 +233,7 @@ def test_without_the_probe_detect_and_restart_are_measured_the_rest_is_said() ->
     assert t.detect_s == pytest.approx(0.5) and t.restart_s == pytest.approx(1.5)
     assert (t.restore_s, t.recompute_s, t.recovery_s, t.lost_steps) == (None,) * 4
     assert t.unmeasured and "does not call antifragile.probe" in t.unmeasured
-    assert measure.goodput(record) is None
+    assert figures.goodput(record) is None
     said = measure.not_measured(record, [t])
     assert any(s.startswith("step times, losses and goodput") for s in said)
     assert any("processes torchrun started" in s for s in said)

@@ -21,7 +21,7 @@ import yaml
 from PIL import Image
 
 from antifragile.chaos.faults import Injection
-from antifragile.chaos.observe import checker, measure
+from antifragile.chaos.observe import checker, figures, measure
 from antifragile.chaos.observe.record import RunRecord
 from antifragile.chaos.report import document as report
 from antifragile.chaos.report import plots
@@ -144,12 +144,12 @@ def build_doc(record: RunRecord) -> dict[str, Any]:
     return {
         "scenario": s.model_dump(by_alias=True, mode="json"),
         "environment": report.environment(),
-        "run": {"wall_s": record.wall_s, "goodput": measure.goodput(record), "attempts": 3,
+        "run": {"wall_s": record.wall_s, "goodput": figures.goodput(record), "attempts": 3,
                 "final_step": 12, "returncode": 0, "checkpoint_url": "/tmp/<ckpt>",
                 "reference_url": None},
         "faults": measure.as_dicts(timings),
-        "checkpoints": measure.checkpoints(record),
-        "losses": measure.losses(record),
+        "checkpoints": figures.checkpoints(record),
+        "losses": figures.losses(record),
         "verdict": checker.summary(verdict),
         "timeline": report.timeline(record),
         "reference_losses": [{"step": s, "loss": _loss(s)} for s in range(1, 13)],
@@ -488,7 +488,7 @@ def test_a_slot_given_up_and_spares_lost_while_idle_are_reported(
                "phase": "spare", "how": "signal 9"},
               {"t": T0 + 3, "rank": -1, "attempt": -1, "event": "spare_lost", "slot": 2,
                "deaths": 3, "by": "supervisor"}]
-    spares = measure.spares(RunRecord(0, T0, T0 + 4, events, [], {}))
+    spares = figures.spares(RunRecord(0, T0, T0 + 4, events, [], {}))
     assert spares["ready"] == 1 and len(spares["lost_while_idle"]) == 1
     assert spares["given_up"] == [{"t": T0 + 3, "slot": 2, "deaths": 3}]
     text = report.write_markdown(tmp_path, {**doc, "run": {**doc["run"], "spares": spares}}
@@ -555,7 +555,7 @@ def test_a_spare_takes_over_once_however_often_it_re_forms_after() -> None:
               event(1.0, "start", 1, 0, worker="0.0", cause="in_process"),
               event(2.0, "start", 2, 1, worker="2.0", cause="in_process"),
               event(2.0, "start", 2, 0, worker="3.0", cause="in_process")]
-    spares = measure.spares(RunRecord(0, T0, T0 + 3, events, [], {}))
+    spares = figures.spares(RunRecord(0, T0, T0 + 3, events, [], {}))
     assert spares["took_over"] == [{"attempt": 1, "rank": 1, "worker": "2.0"},
                                    {"attempt": 2, "rank": 0, "worker": "3.0"}]
 
@@ -583,10 +583,10 @@ def test_the_steps_slowed_by_a_persist_are_charged_to_its_checkpoint(tmp_path: P
                                "persist_s": 0.3})
     events.sort(key=lambda e: e["t"])
     record = RunRecord(0, T0, t + 0.1, events, [])
-    rows = {c["step"]: c for c in measure.checkpoints(record)}
+    rows = {c["step"]: c for c in figures.checkpoints(record)}
     assert rows[20]["slowdown_s"] == pytest.approx(0.2)
     assert rows[40]["slowdown_s"] == pytest.approx(0.0)
-    cost = measure.checkpoint_cost(record, list(rows.values()))
+    cost = figures.checkpoint_cost(record, list(rows.values()))
     assert cost is not None and cost["stall_s"] == pytest.approx(0.004)
     assert cost["share_of_step_time"] == pytest.approx((0.004 + 0.2) / (48 * 0.05 + 0.3))
     doc = build_doc(record)
@@ -611,7 +611,7 @@ def test_a_save_whose_processes_died_before_its_commit_event_is_committed_if_res
     events.append({"t": T0 + 3.0, "rank": 0, "attempt": 1, "event": "restore_end", "step": 5,
                    "seconds": 0.2})
     record = RunRecord(0, T0, T0 + 4.0, events, [])
-    rows = {c["step"]: c for c in measure.checkpoints(record)}
+    rows = {c["step"]: c for c in figures.checkpoints(record)}
     assert rows[5]["committed"] is True and rows[5]["restored_by"] == 1
     assert rows[5]["persist_s"] is None
     assert rows[10]["committed"] is False and "restored_by" not in rows[10]

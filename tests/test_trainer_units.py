@@ -14,23 +14,22 @@ import numpy as np
 import pytest
 import torch
 
-from antifragile.trainer.config import TrainConfig, parse_args
-from antifragile.trainer.data import TokenData
-from antifragile.trainer.model import GPT, ModelConfig, init_weights, keep_stage, split_layers
-from antifragile.trainer.parallel.dims import ParallelDims
-from antifragile.trainer.progress import Phase, SharedProgress
-from antifragile.trainer.recovery import (
+from antifragile.trainer.abort import (
     PARKED_S,
     STUCK_AFTER_S,
     STUCK_GAPS,
     STUCK_MIN_S,
     FailureWatch,
     GlooSockets,
-    JobStore,
-    signal_failure,
     stuck_bound,
     thread_wait,
 )
+from antifragile.trainer.config import TrainConfig, parse_args
+from antifragile.trainer.data import TokenData
+from antifragile.trainer.model import GPT, ModelConfig, init_weights, keep_stage, split_layers
+from antifragile.trainer.parallel.dims import ParallelDims
+from antifragile.trainer.progress import Phase, SharedProgress
+from antifragile.trainer.recovery import JobStore, signal_failure
 
 
 def test_synthetic_batches_are_a_function_of_the_cursor() -> None:

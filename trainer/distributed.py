@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from antifragile.trainer.recovery import Formation, GlooSockets, JobStore, store_link
+from antifragile.trainer.abort import GlooSockets, store_link
+from antifragile.trainer.recovery import Formation, JobStore
 
 
 @dataclass(slots=True)

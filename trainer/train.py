@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from antifragile.trainer.abort import FailureWatch, GlooSockets
 from antifragile.trainer.checkpoint import TrainCheckpointer
 from antifragile.trainer.ckpt_backends import open_backend
 from antifragile.trainer.config import TrainConfig
@@ -33,9 +34,7 @@ from antifragile.trainer.pause import PausePoints
 from antifragile.trainer.placement import first_slots
 from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import (
-    FailureWatch,
     Formation,
-    GlooSockets,
     finish,
     first_formation,
     gather,

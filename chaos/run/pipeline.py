@@ -15,7 +15,7 @@ from typing import Any
 from antifragile.chaos.faults import Injection
 from antifragile.chaos.infra.logs import tail
 from antifragile.chaos.infra.s3 import RunStorage, run_storage
-from antifragile.chaos.observe import checker, measure
+from antifragile.chaos.observe import checker, figures, measure
 from antifragile.chaos.observe.record import RunRecord
 from antifragile.chaos.report import document as report
 from antifragile.chaos.report import plots
@@ -90,7 +90,7 @@ def _ensure_reference(s: Scenario, progress: Callable[[str], None]) -> str:
                            f"must checkpoint to $ANTIFRAGILE_CKPT_URL); see "
                            f"{folder / 'torchrun.log'}")
     done.write_text(json.dumps({"scenario": s.name, "finished": time.time(),
-                                "wall_s": record.wall_s, "goodput": measure.goodput(record)}))
+                                "wall_s": record.wall_s, "goodput": figures.goodput(record)}))
     return str(folder / "ckpt")
 
 
@@ -201,8 +201,8 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
                             reference_url=reference_url, final_committed=final_committed,
                             committed=committed, expected_step=expected_step,
                             determinism=determinism)
-    goodput, reference_goodput = measure.goodput(record), _reference_goodput(reference_url)
-    checkpoints = measure.checkpoints(record)
+    goodput, reference_goodput = figures.goodput(record), _reference_goodput(reference_url)
+    checkpoints = figures.checkpoints(record)
     doc = {
         "scenario": s.model_dump(by_alias=True, mode="json"),
         "environment": report.environment(),
@@ -214,8 +214,8 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
                 "attempts": 1 + max((e["attempt"] for e in record.events), default=0),
                 "final_step": final_step, "expected_step": expected_step,
                 "returncode": record.returncode, "paused_s": record.paused_s,
-                "spares": measure.spares(record),
-                "checkpoint_cost": measure.checkpoint_cost(record, checkpoints),
+                "spares": figures.spares(record),
+                "checkpoint_cost": figures.checkpoint_cost(record, checkpoints),
                 "checkpoint_url": ckpt_url, "reference_url": reference_url},
         "not_measured": measure.not_measured(record, timings),
         "differing_entries": verdict.differs,
@@ -226,14 +226,14 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
         "checkpoints": checkpoints,
         "committed_verified": None if committed is None
         else {str(step): problems for step, problems in sorted(committed.items())},
-        "losses": measure.losses(record),
+        "losses": figures.losses(record),
         "verdict": checker.summary(verdict),
         "timeline": report.timeline(record),
         "reference_losses": report.reference_losses(Path(reference_url).parent)
         if reference_url else [],
     }
     report.write_json(out, doc)
-    figures = plots.render_all(doc, out)  # never raises: a failed plot carries its error
-    report.write_markdown(out, doc, figures)
-    report.write_html(out, doc, figures)
+    rendered = plots.render_all(doc, out)  # never raises: a failed plot carries its error
+    report.write_markdown(out, doc, rendered)
+    report.write_html(out, doc, rendered)
     return Outcome(out, doc)

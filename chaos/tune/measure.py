@@ -92,9 +92,9 @@ def _steps(record: RunRecord) -> dict[int, dict[int, tuple[float, float]]]:
 def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir: str = ""
                       ) -> Measured:
     """C, R, step time, start-up and tail from a finished run (DESIGN 4.3 measurements)."""
-    from antifragile.chaos.observe import measure
+    from antifragile.chaos.observe import figures, measure
 
-    ckpts = measure.checkpoints(record)
+    ckpts = figures.checkpoints(record)
     if not ckpts:
         raise MeasureError("the run took no checkpoint, so its cost cannot be measured")
     staged = {(c["attempt"], c["step"]) for c in ckpts if c["stall_s"] is not None}
@@ -131,7 +131,7 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
         step_s=float(np.median(after + other)), startup_s=max(t1 - sec1 - record.started_t, 0.0),
         tail_s=max(record.ended_t - last_attempt[max(last_attempt)][0], 0.0),
         failures=len(timed), checkpoints=len(ckpts), injected_kill=injected_kill,
-        wall_s=record.wall_s, goodput=measure.goodput(record), run_dir=run_dir)
+        wall_s=record.wall_s, goodput=figures.goodput(record), run_dir=run_dir)
 
 
 def _run(s: Scenario, folder: Path) -> RunRecord:
@@ -171,7 +171,7 @@ def sweep(s: Scenario, costs: Costs, measured: Measured, folder: Path, *, every:
           progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Short real runs at each ``every_steps``, failures at the MTBF; measured goodput vs the
     model's prediction for that run (its start-up and tail included: the runs are short)."""
-    from antifragile.chaos.observe import measure
+    from antifragile.chaos.observe import figures
 
     if mtbf_from_scenario:
         faults = [f.model_dump(mode="json", exclude_none=True) for f in s.faults
@@ -189,7 +189,7 @@ def sweep(s: Scenario, costs: Costs, measured: Measured, folder: Path, *, every:
         model = expected_goodput(tau, costs.ckpt_s, costs.restart_s, costs.mtbf_s)
         work = steps * costs.step_s
         predicted = work / (measured.startup_s + measured.tail_s + work / model)
-        got = measure.goodput(record)
+        got = figures.goodput(record)
         rows.append({"every_steps": e, "interval_s": tau, "steps": steps,
                      "wall_s": record.wall_s, "failures": sum(
                          1 for i in record.injections
