@@ -20,6 +20,9 @@ page cache is dropped before every timed run when the process may write
 per-repetition pairs (each save right after its memcpy): memory bandwidth on a shared VM drifts.
 The CPU other processes used during the run is reported, so a number taken on a busy machine
 says so. Every file is deleted at the end.
+
+Beside this module: ``_state`` (the state), ``_peers`` (the baselines), ``_machine`` (page cache,
+CPU and memory readings), ``scale`` (``--sweep``: how a save grows with the state).
 """
 
 from __future__ import annotations
@@ -28,29 +31,36 @@ import argparse
 import json
 import math
 import os
-import resource
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from antifragile.engine import CheckpointEngine
 from antifragile.engine._paths import step_dir
+from bench._machine import CpuTimes, default_parent, drop_page_cache, filesystem_type, remove, timed
+from bench._peers import (
+    DirectWriter,
+    dcp_async_save,
+    dcp_save_sync,
+    engine_load,
+    save_two_rank_checkpoint,
+    single_rank_group,
+    torch_save_fsync,
+    torchsnapshot_take_sync,
+)
+from bench._state import gpt_like_state, map_tensors, model_dim, state_nbytes, tensors_of
+from bench.scale import ScalePoint, render_scale, scale_point
 
 GIB = 2**30
-DIRECT_BLOCK_BYTES = 64 * 2**20
-_OPTIM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 # key -> (section, what was measured, shown as throughput of the payload)
 ROWS: dict[str, tuple[str, str, bool]] = {
@@ -150,287 +160,6 @@ class Report:
 
     def row(self, key: str) -> Row:
         return next(r for r in self.rows if r.key == key)
-
-
-# --- the state -------------------------------------------------------------------------------
-
-
-def model_dim(size_bytes: float) -> int:
-    """The width ``d`` whose state (see :func:`param_shapes`) is about ``size_bytes``."""
-    d = math.sqrt(size_bytes / (3 * 4 * 40))  # 3 copies (param + 2 moments), fp32, 40 d^2 params
-    return max(64, round(d / 64) * 64)
-
-
-def param_shapes(d: int) -> list[tuple[str, tuple[int, ...]]]:
-    """A 2-block GPT: a 16d-token embedding, fused qkv, output and MLP matrices, a final norm."""
-    shapes: list[tuple[str, tuple[int, ...]]] = [("tok_emb.weight", (16 * d, d))]
-    for i in range(2):
-        shapes += [
-            (f"layers.{i}.attn.wqkv.weight", (3 * d, d)),
-            (f"layers.{i}.attn.wo.weight", (d, d)),
-            (f"layers.{i}.mlp.w1.weight", (4 * d, d)),
-            (f"layers.{i}.mlp.w2.weight", (d, 4 * d)),
-        ]
-    return [*shapes, ("norm.weight", (d,))]
-
-
-def gpt_like_state(d: int, *, seed: int = 0) -> dict[str, Any]:
-    """``{"model": {...}, "optim": {"exp_avg": {...}, "exp_avg_sq": {...}, "step": 0}}``,
-    every tensor ``randn`` from its own seeded generator (the same values on every call)."""
-    groups = ("model", *_OPTIM_MOMENTS)
-    out: dict[str, dict[str, Any]] = {g: {} for g in groups}
-    index = 0
-    for group in groups:
-        for name, shape in param_shapes(d):
-            generator = torch.Generator().manual_seed(seed + index)
-            out[group][name] = torch.randn(shape, generator=generator)
-            index += 1
-    optim = {m: out[m] for m in _OPTIM_MOMENTS}
-    return {"model": out["model"], "optim": {**optim, "step": 0}}
-
-
-def map_tensors(state: dict[str, Any], fn: Callable[[torch.Tensor], Any]) -> dict[str, Any]:
-    """A copy of the nested dict ``state`` with ``fn`` applied to every tensor."""
-    return {
-        k: map_tensors(v, fn)
-        if isinstance(v, dict)
-        else fn(v)
-        if isinstance(v, torch.Tensor)
-        else v
-        for k, v in state.items()
-    }
-
-
-def tensors_of(state: dict[str, Any]) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    for value in state.values():
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, dict):
-            found += tensors_of(value)
-    return found
-
-
-def state_nbytes(state: dict[str, Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors_of(state))
-
-
-# --- environment -----------------------------------------------------------------------------
-
-
-def _write_proc(path: str, text: str) -> bool:
-    """Write ``text`` to a /proc control file; False when this process may not."""
-    try:
-        with open(path, "w") as f:
-            f.write(text)
-    except OSError:
-        return False
-    return True
-
-
-def drop_page_cache() -> bool:
-    """Flush dirty pages and drop the page cache; False when this process may not."""
-    os.sync()
-    return _write_proc("/proc/sys/vm/drop_caches", "3\n")
-
-
-def filesystem_type(path: str) -> str:
-    """The type of the mount holding ``path`` (``ext4``, ``tmpfs``...), from /proc/mounts."""
-    path = os.path.realpath(path)
-    best, fstype = "", "unknown"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                _, mount, kind, *_ = line.split()
-                if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(
-                    best
-                ):
-                    best, fstype = mount, kind
-    except OSError:
-        pass
-    return fstype
-
-
-def default_parent() -> str:
-    """/var/tmp when it is on a real disk (it usually is), else /tmp."""
-    return "/var/tmp" if filesystem_type("/var/tmp") != "tmpfs" else "/tmp"
-
-
-@dataclass(frozen=True, slots=True)
-class CpuTimes:
-    """Machine-wide busy and steal seconds (/proc/stat) and this process tree's CPU seconds."""
-
-    busy_s: float
-    steal_s: float
-    own_s: float
-    wall_s: float
-
-    @staticmethod
-    def now() -> CpuTimes:
-        hz = os.sysconf("SC_CLK_TCK")
-        try:
-            with open("/proc/stat") as f:
-                user, nice, system, _idle, _iowait, irq, softirq, steal = map(
-                    int, f.readline().split()[1:9]
-                )
-        except (OSError, ValueError):
-            user = nice = system = irq = softirq = steal = 0
-        own = sum(
-            u.ru_utime + u.ru_stime
-            for u in (
-                resource.getrusage(resource.RUSAGE_SELF),
-                resource.getrusage(resource.RUSAGE_CHILDREN),
-            )
-        )
-        busy = (user + nice + system + irq + softirq) / hz
-        return CpuTimes(busy, steal / hz, own, time.monotonic())
-
-    def since(self, start: CpuTimes) -> str:
-        """What else used the machine between ``start`` and this snapshot."""
-        capacity = (self.wall_s - start.wall_s) * (os.cpu_count() or 1)
-        foreign = max(0.0, self.busy_s - start.busy_s - (self.own_s - start.own_s))
-        steal = self.steal_s - start.steal_s
-        line = (
-            f"other processes (incl. kernel writeback) used {foreign:.0f} CPU-s of "
-            f"{capacity:.0f} ({100 * foreign / capacity:.0f}%); hypervisor steal "
-            f"{100 * steal / capacity:.0f}%"
-        )
-        if foreign > 0.1 * capacity or steal > 0.05 * capacity:
-            line += ": the machine was shared, treat the figures with caution"
-        return line
-
-
-@contextmanager
-def single_rank_group(root: str) -> Iterator[None]:
-    """A 1-rank gloo process group (DCP's async_save requires one), on a FileStore."""
-    store = dist.FileStore(os.path.join(root, "pg-store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.unlink(path)
-
-
-# --- baselines -------------------------------------------------------------------------------
-
-
-class DirectWriter:
-    """Sequential O_DIRECT writes of ``nbytes`` from a page-aligned buffer in 64 MiB requests.
-
-    The buffer is the engine's staging arena after its first save (the same bytes, laid out as
-    the objects it writes), so the baseline needs no memory of its own and no copy inside the
-    timing: the figure is what the disk takes for one sequential stream of this size, fsync
-    included.
-    """
-
-    def __init__(self, buffer: memoryview, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.buffer = buffer
-
-    @staticmethod
-    def of(ckpt: CheckpointEngine) -> DirectWriter:
-        arena = ckpt._staging.arena if ckpt._staging is not None else None
-        if arena is None:
-            raise RuntimeError("the engine has not staged yet")
-        buffer = memoryview(arena.numpy())  # type: ignore[arg-type]
-        return DirectWriter(buffer, len(buffer))
-
-    def write(self, path: str) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-        try:
-            done = 0
-            while done < self.nbytes:
-                done += os.write(fd, self.buffer[done : done + DIRECT_BLOCK_BYTES])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        self.buffer.release()
-
-
-def torch_save_fsync(state: dict[str, Any], path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def dcp_save_sync(state: dict[str, Any], path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(state, checkpoint_id=path)  # FileSystemWriter fsyncs each file (sync_files=True)
-    os.sync()  # and the directory entries
-
-
-def torchsnapshot_take_sync(state: dict[str, Any], path: str) -> None:
-    from torchsnapshot import Snapshot, StateDict
-
-    Snapshot.take(path, {k: StateDict(**v) for k, v in state.items()})
-    os.sync()  # torchsnapshot's fs plugin does not fsync
-
-
-def engine_load(url: str, target: dict[str, Any]) -> None:
-    with CheckpointEngine(url, keep_last=None) as ckpt:
-        ckpt.load(target)
-
-
-def dcp_async_save(state: dict[str, Any], path: str) -> Future[Any]:
-    import torch.distributed.checkpoint as dcp
-
-    response = dcp.async_save(state, checkpoint_id=path)
-    return response if isinstance(response, Future) else response.upload_completion
-
-
-# --- resharding: a checkpoint written by two processes ---------------------------------------
-
-
-def _sharded_save_worker(rank: int, url: str, store_path: str, state: dict[str, Any]) -> None:
-    """Rank ``rank`` of 2: hold the Shard(0) half of every tensor of ``state`` (shared memory,
-    not copied) as a DTensor on a 1-D mesh of 2, and save it as step 1."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-
-        def shard(t: torch.Tensor) -> torch.Tensor:
-            local = torch.chunk(t, 2, dim=0)[rank]
-            return DTensor.from_local(
-                local, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride()
-            )
-
-        with CheckpointEngine(url, keep_last=None) as ckpt:
-            ckpt.save(1, map_tensors(state, shard), blocking=True)
-    finally:
-        dist.destroy_process_group()
-
-
-def save_two_rank_checkpoint(url: str, store_path: str, state: dict[str, Any]) -> float:
-    """Spawn a 2-process gloo group on this host that saves ``state`` sharded; its seconds."""
-    import torch.multiprocessing as tmp
-
-    shared = map_tensors(state, lambda t: t.clone().share_memory_())
-    return timed(
-        lambda: tmp.start_processes(
-            _sharded_save_worker, args=(url, store_path, shared), nprocs=2, start_method="spawn"
-        )
-    )
 
 
 # --- the benchmark ---------------------------------------------------------------------------
@@ -699,138 +428,6 @@ def run(size_gib: float, parent: str, reps: int, peer_budget_s: float) -> Report
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return report
-
-
-# --- scale: how a save grows with the state ---------------------------------------------------
-
-
-def _proc_status_kib(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def rss_bytes() -> int:
-    return _proc_status_kib("VmRSS") * 1024
-
-
-def reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (VmHWM) to its current RSS; False where not possible."""
-    return _write_proc("/proc/self/clear_refs", "5\n")
-
-
-def peak_rss_bytes() -> int:
-    return _proc_status_kib("VmHWM") * 1024
-
-
-def mem_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-@dataclass(kw_only=True, slots=True)
-class ScalePoint:
-    size_gib: float
-    nbytes: int
-    staging_nbytes: int
-    stall_s: list[float]
-    persist_s: list[float]
-    direct_s: list[float]
-    base_rss: int
-    peak_rss: int
-
-    @property
-    def persist_gib_s(self) -> float:
-        return self.nbytes / GIB / statistics.median(self.persist_s)
-
-    @property
-    def direct_ratio(self) -> float:
-        return statistics.median(self.direct_s) / statistics.median(self.persist_s)
-
-    @property
-    def s_per_gib(self) -> float:
-        return statistics.median(self.persist_s) / (self.nbytes / GIB)
-
-    @property
-    def rss_extra(self) -> float:
-        """Peak RSS during the saves beyond the process before the state, the state and the
-        staging area, as a fraction of state + staging."""
-        held = self.nbytes + self.staging_nbytes
-        return (self.peak_rss - self.base_rss - held) / held
-
-
-def scale_point(size_gib: float, parent: str, reps: int) -> ScalePoint | str:
-    """Engine saves of a ``size_gib`` state (blocking staging, committed and fsync'd) and
-    O_DIRECT writes of as many bytes from the engine's staging arena, alternating; the peak
-    RSS of the timed saves. A string (why) when the machine lacks the memory."""
-    need = 2.2 * size_gib * GIB
-    if mem_available_bytes() < need:
-        return (f"{size_gib:g} GiB skipped: {mem_available_bytes() / GIB:.1f} GiB available, "
-                f"needs ~{need / GIB:.1f} (state + staging)")
-    root = tempfile.mkdtemp(prefix="antifragile-scale-", dir=parent)
-    base = rss_bytes()
-    state = gpt_like_state(model_dim(size_gib * GIB))
-    nbytes = state_nbytes(state)
-    ckpt = CheckpointEngine(os.path.join(root, "engine"), keep_last=None)
-    direct: DirectWriter | None = None
-    stall, persist, direct_s = [], [], []
-    try:
-        drop_page_cache()
-        ckpt.save(0, state).wait()  # plans and allocates the staging area
-        direct = DirectWriter.of(ckpt)
-        reset_peak_rss()
-        for rep in range(1, reps + 1):
-            drop_page_cache()
-            start = time.perf_counter()
-            handle = ckpt.save(rep, state)
-            stall.append(time.perf_counter() - start)
-            handle.wait()
-            persist.append(time.perf_counter() - start)
-            remove(os.path.join(ckpt.url, step_dir(rep - 1)))
-            drop_page_cache()
-            out = os.path.join(root, "direct")
-            direct_s.append(timed(partial(direct.write, out)))
-            remove(out)
-        peak = peak_rss_bytes()
-        staging = ckpt._staging.nbytes if ckpt._staging is not None else 0
-    finally:
-        if direct is not None:
-            direct.close()
-        ckpt.close()
-        shutil.rmtree(root, ignore_errors=True)
-    return ScalePoint(size_gib=size_gib, nbytes=nbytes, staging_nbytes=staging, stall_s=stall,
-                      persist_s=persist, direct_s=direct_s, base_rss=base, peak_rss=peak)
-
-
-def render_scale(points: list[ScalePoint | str]) -> str:
-    lines = ["[scale] engine save() until committed vs state size (blocking staging; O_DIRECT "
-             "sequential write of the same bytes from the staging arena; medians)",
-             f"  {'size':>8} {'stall':>8} {'persist':>9} {'GiB/s':>7} {'O_DIRECT':>9} "
-             f"{'ratio':>6} {'s/GiB':>7}  peak RSS during saves (over process + state + staging)"]
-    done = [p for p in points if isinstance(p, ScalePoint)]
-    for p in points:
-        if isinstance(p, str):
-            lines.append(f"  {p}")
-            continue
-        rss_verdict = "PASS" if p.rss_extra <= 0.10 else "MISS"
-        lines.append(
-            f"  {p.nbytes / GIB:6.2f}Gi {statistics.median(p.stall_s):7.3f}s "
-            f"{statistics.median(p.persist_s):8.3f}s {p.persist_gib_s:7.3f} "
-            f"{statistics.median(p.direct_s):8.3f}s {p.direct_ratio:5.2f}x {p.s_per_gib:6.3f}s"
-            f"  {p.peak_rss / GIB:6.2f} GiB ({100 * p.rss_extra:+.1f}%, target <= 10% "
-            f"{rss_verdict})")
-    if len(done) > 1:
-        per_gib = [p.s_per_gib for p in done]
-        growth = max(per_gib) / min(per_gib)
-        verdict = "PASS" if growth <= 1.5 else "MISS"
-        lines.append(f"  ratio s/GiB largest / smallest {growth:6.3f}x  target <= 1.5x (linear, "
-                     f"no cliff) {verdict}")
-    return "\n".join(lines)
 
 
 def to_json(report: Report) -> dict[str, Any]:

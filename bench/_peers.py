@@ -1,0 +1,133 @@
+"""The baselines the engine is measured against: an O_DIRECT sequential write, torch.save, DCP
+and torchsnapshot, and a checkpoint saved by two gloo processes (for the resharded load)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from antifragile.engine import CheckpointEngine
+from bench._machine import timed
+from bench._state import map_tensors
+
+DIRECT_BLOCK_BYTES = 64 * 2**20
+
+
+@contextmanager
+def single_rank_group(root: str) -> Iterator[None]:
+    """A 1-rank gloo process group (DCP's async_save requires one), on a FileStore."""
+    store = dist.FileStore(os.path.join(root, "pg-store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class DirectWriter:
+    """Sequential O_DIRECT writes of ``nbytes`` from a page-aligned buffer in 64 MiB requests.
+
+    The buffer is the engine's staging arena after its first save (the same bytes, laid out as
+    the objects it writes), so the baseline needs no memory of its own and no copy inside the
+    timing: the figure is what the disk takes for one sequential stream of this size, fsync
+    included.
+    """
+
+    def __init__(self, buffer: memoryview, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.buffer = buffer
+
+    @staticmethod
+    def of(ckpt: CheckpointEngine) -> DirectWriter:
+        arena = ckpt._staging.arena if ckpt._staging is not None else None
+        if arena is None:
+            raise RuntimeError("the engine has not staged yet")
+        buffer = memoryview(arena.numpy())  # type: ignore[arg-type]
+        return DirectWriter(buffer, len(buffer))
+
+    def write(self, path: str) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        try:
+            done = 0
+            while done < self.nbytes:
+                done += os.write(fd, self.buffer[done : done + DIRECT_BLOCK_BYTES])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.buffer.release()
+
+
+def torch_save_fsync(state: dict[str, Any], path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def dcp_save_sync(state: dict[str, Any], path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=path)  # FileSystemWriter fsyncs each file (sync_files=True)
+    os.sync()  # and the directory entries
+
+
+def torchsnapshot_take_sync(state: dict[str, Any], path: str) -> None:
+    from torchsnapshot import Snapshot, StateDict
+
+    Snapshot.take(path, {k: StateDict(**v) for k, v in state.items()})
+    os.sync()  # torchsnapshot's fs plugin does not fsync
+
+
+def engine_load(url: str, target: dict[str, Any]) -> None:
+    with CheckpointEngine(url, keep_last=None) as ckpt:
+        ckpt.load(target)
+
+
+def dcp_async_save(state: dict[str, Any], path: str) -> Future[Any]:
+    import torch.distributed.checkpoint as dcp
+
+    response = dcp.async_save(state, checkpoint_id=path)
+    return response if isinstance(response, Future) else response.upload_completion
+
+
+def _sharded_save_worker(rank: int, url: str, store_path: str, state: dict[str, Any]) -> None:
+    """Rank ``rank`` of 2: hold the Shard(0) half of every tensor of ``state`` (shared memory,
+    not copied) as a DTensor on a 1-D mesh of 2, and save it as step 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+
+        def shard(t: torch.Tensor) -> torch.Tensor:
+            local = torch.chunk(t, 2, dim=0)[rank]
+            return DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride()
+            )
+
+        with CheckpointEngine(url, keep_last=None) as ckpt:
+            ckpt.save(1, map_tensors(state, shard), blocking=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def save_two_rank_checkpoint(url: str, store_path: str, state: dict[str, Any]) -> float:
+    """Spawn a 2-process gloo group on this host that saves ``state`` sharded; its seconds."""
+    import torch.multiprocessing as tmp
+
+    shared = map_tensors(state, lambda t: t.clone().share_memory_())
+    return timed(
+        lambda: tmp.start_processes(
+            _sharded_save_worker, args=(url, store_path, shared), nprocs=2, start_method="spawn"
+        )
+    )

@@ -1,0 +1,128 @@
+"""How an engine save grows with the state (``python -m bench.engine --sweep 1,2,4,8``): save
+time against an O_DIRECT write of as many bytes, and the peak RSS, at each size."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import partial
+
+from antifragile.engine import CheckpointEngine
+from antifragile.engine._paths import step_dir
+from bench._machine import (
+    drop_page_cache,
+    mem_available_bytes,
+    peak_rss_bytes,
+    remove,
+    reset_peak_rss,
+    rss_bytes,
+    timed,
+)
+from bench._peers import DirectWriter
+from bench._state import gpt_like_state, model_dim, state_nbytes
+
+GIB = 2**30
+
+
+@dataclass(kw_only=True, slots=True)
+class ScalePoint:
+    size_gib: float
+    nbytes: int
+    staging_nbytes: int
+    stall_s: list[float]
+    persist_s: list[float]
+    direct_s: list[float]
+    base_rss: int
+    peak_rss: int
+
+    @property
+    def persist_gib_s(self) -> float:
+        return self.nbytes / GIB / statistics.median(self.persist_s)
+
+    @property
+    def direct_ratio(self) -> float:
+        return statistics.median(self.direct_s) / statistics.median(self.persist_s)
+
+    @property
+    def s_per_gib(self) -> float:
+        return statistics.median(self.persist_s) / (self.nbytes / GIB)
+
+    @property
+    def rss_extra(self) -> float:
+        """Peak RSS during the saves beyond the process before the state, the state and the
+        staging area, as a fraction of state + staging."""
+        held = self.nbytes + self.staging_nbytes
+        return (self.peak_rss - self.base_rss - held) / held
+
+
+def scale_point(size_gib: float, parent: str, reps: int) -> ScalePoint | str:
+    """Engine saves of a ``size_gib`` state (blocking staging, committed and fsync'd) and
+    O_DIRECT writes of as many bytes from the engine's staging arena, alternating; the peak
+    RSS of the timed saves. A string (why) when the machine lacks the memory."""
+    need = 2.2 * size_gib * GIB
+    if mem_available_bytes() < need:
+        return (f"{size_gib:g} GiB skipped: {mem_available_bytes() / GIB:.1f} GiB available, "
+                f"needs ~{need / GIB:.1f} (state + staging)")
+    root = tempfile.mkdtemp(prefix="antifragile-scale-", dir=parent)
+    base = rss_bytes()
+    state = gpt_like_state(model_dim(size_gib * GIB))
+    nbytes = state_nbytes(state)
+    ckpt = CheckpointEngine(os.path.join(root, "engine"), keep_last=None)
+    direct: DirectWriter | None = None
+    stall, persist, direct_s = [], [], []
+    try:
+        drop_page_cache()
+        ckpt.save(0, state).wait()  # plans and allocates the staging area
+        direct = DirectWriter.of(ckpt)
+        reset_peak_rss()
+        for rep in range(1, reps + 1):
+            drop_page_cache()
+            start = time.perf_counter()
+            handle = ckpt.save(rep, state)
+            stall.append(time.perf_counter() - start)
+            handle.wait()
+            persist.append(time.perf_counter() - start)
+            remove(os.path.join(ckpt.url, step_dir(rep - 1)))
+            drop_page_cache()
+            out = os.path.join(root, "direct")
+            direct_s.append(timed(partial(direct.write, out)))
+            remove(out)
+        peak = peak_rss_bytes()
+        staging = ckpt._staging.nbytes if ckpt._staging is not None else 0
+    finally:
+        if direct is not None:
+            direct.close()
+        ckpt.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return ScalePoint(size_gib=size_gib, nbytes=nbytes, staging_nbytes=staging, stall_s=stall,
+                      persist_s=persist, direct_s=direct_s, base_rss=base, peak_rss=peak)
+
+
+def render_scale(points: list[ScalePoint | str]) -> str:
+    lines = ["[scale] engine save() until committed vs state size (blocking staging; O_DIRECT "
+             "sequential write of the same bytes from the staging arena; medians)",
+             f"  {'size':>8} {'stall':>8} {'persist':>9} {'GiB/s':>7} {'O_DIRECT':>9} "
+             f"{'ratio':>6} {'s/GiB':>7}  peak RSS during saves (over process + state + staging)"]
+    done = [p for p in points if isinstance(p, ScalePoint)]
+    for p in points:
+        if isinstance(p, str):
+            lines.append(f"  {p}")
+            continue
+        rss_verdict = "PASS" if p.rss_extra <= 0.10 else "MISS"
+        lines.append(
+            f"  {p.nbytes / GIB:6.2f}Gi {statistics.median(p.stall_s):7.3f}s "
+            f"{statistics.median(p.persist_s):8.3f}s {p.persist_gib_s:7.3f} "
+            f"{statistics.median(p.direct_s):8.3f}s {p.direct_ratio:5.2f}x {p.s_per_gib:6.3f}s"
+            f"  {p.peak_rss / GIB:6.2f} GiB ({100 * p.rss_extra:+.1f}%, target <= 10% "
+            f"{rss_verdict})")
+    if len(done) > 1:
+        per_gib = [p.s_per_gib for p in done]
+        growth = max(per_gib) / min(per_gib)
+        verdict = "PASS" if growth <= 1.5 else "MISS"
+        lines.append(f"  ratio s/GiB largest / smallest {growth:6.3f}x  target <= 1.5x (linear, "
+                     f"no cliff) {verdict}")
+    return "\n".join(lines)
