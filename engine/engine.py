@@ -560,8 +560,8 @@ class CheckpointEngine:
                         "error names the object)")
                 self._events.restore_end(candidate, began)
                 return candidate
-            reports: list[Report] = self._ranks.gather((outcome, type(error).__name__, str(error),
-                                    getattr(error, "key", None)))
+            reports: list[Report] = self._ranks.gather(
+                (outcome, type(error).__name__, str(error), getattr(error, "key", None)))
             error = self._ranks.agreed_error(reports, worst)
             if worst == FATAL or step is not None:
                 raise error
