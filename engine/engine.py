@@ -358,14 +358,13 @@ class CheckpointEngine:
                 if previous.step >= step:
                     with contextlib.suppress(Exception):
                         previous.wait()
+            all_docs = self._metadata_docs(plan)
+            docs = _commit.metadata_share(plan, all_docs, self.rank)  # the ones this rank writes
             if storage.exists(f"{step_dir(step)}/{COMMIT}"):
                 recorded = True  # write nothing into a committed step, not even an error record
-                docs = _commit.metadata_share(plan, self._metadata_docs(plan), self.rank)
                 nonce, handle.committed_nbytes, handle.nbytes = same_as_committed(
                     storage, step, self.rank, plan, staging, docs, values, self._pool)
             else:
-                all_docs = self._metadata_docs(plan)
-                docs = _commit.metadata_share(plan, all_docs, self.rank)
                 self._phase(step, "persisting")
                 manifest = write_objects(storage, step, nonce, staging, docs, self._pool)
                 handle.nbytes = manifest.nbytes
