@@ -91,8 +91,8 @@ def main() -> None:
             probe.step_end(step, loss.item())
             if step % args.ckpt_every == 0 or step == args.steps:
                 state.update(rng=torch.get_rng_state(), epoch=epoch)
-                if step == args.steps:  # the last save must not be skipped for a busy one
-                    ckpt.wait()
+                # the last save blocks: it waits for one still in flight instead of being
+                # skipped as busy, and returns once committed
                 ckpt.save(step, state, blocking=step == args.steps)
             if step == args.steps:
                 break
