@@ -2,9 +2,9 @@
 phase-1 record; the documents the coordinator adds (every array's zarr.json, the group's
 layout index); the check of the ``metadata`` a caller passes.
 
-Writes run on the engine's background thread. The record (``.ranks/<rank>.json``, sealed JSON) lists
-every object the rank wrote with its size, part CRCs and digest (see ``_format``); it is written
-only after all of them are durable, so a record never refers to a torn object.
+Writes run on the engine's background thread. The record (``.ranks/<rank>.json``, sealed
+JSON) lists every object the rank wrote with its size, part CRCs and digest (see ``_format``);
+it is written only after all of them are durable, so a record never refers to a torn object.
 """
 
 from __future__ import annotations
