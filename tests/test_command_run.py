@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from antifragile.chaos.cli import main
 from antifragile.chaos.run.pipeline import run
 from antifragile.chaos.scenario import parse_scenario
+from tests._reports import check_restored
 
 pytestmark = pytest.mark.multiproc
 
@@ -38,14 +39,14 @@ def _scenario(name: str, args: list[str], faults: list[dict[str, Any]], *, probe
 
 def test_a_killed_script_resumes_and_ends_bitwise_equal(tmp_path: Path, cache: Path) -> None:
     doc = _scenario("mine-kill", ["--steps", "20", "--every", "4"],
-                    [{"kind": "kill_rank", "rank": 1, "at_step": 10}], max_lost_steps=4)
+                    [{"kind": "kill_rank", "rank": 1, "at_step": 10}], max_lost_steps=6)
     outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
     report = outcome.report
     assert report["verdict"] == {"verdict": "pass", "reasons": [], "bitwise_equal": True}
     (fault,) = report["faults"]
     # held at the end of step 10 by the probe's pause point, killed there
-    assert fault["injected_step"] == 10 and fault["restored_step"] == 8
-    assert fault["lost_steps"] == 2 and fault["unmeasured"] is None
+    assert fault["injected_step"] == 10 and fault["unmeasured"] is None
+    check_restored(report, fault, saved=(4, 8))  # 8 unless its async save was in flight
     assert fault["recovery_s"] == pytest.approx(sum(fault[k] for k in (
         "detect_s", "restart_s", "restore_s", "recompute_s")))
     assert report["run"]["final_step"] == report["run"]["expected_step"] == 20

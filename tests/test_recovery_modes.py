@@ -13,6 +13,7 @@ import pytest
 
 from antifragile.chaos.run.pipeline import run
 from antifragile.chaos.scenario import parse_scenario
+from tests._reports import check_restored
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -26,14 +27,6 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("reference-cache")
 
 
-def _committed_before(report: dict[str, Any], t: float) -> int:
-    """The newest step any rank had seen commit by Unix time ``t`` (0: none)."""
-    timeline = report["timeline"]
-    cutoff_s = t - timeline["started_t"]
-    return max((c["step"] for w in timeline["workers"] for c in w["checkpoints"]
-                if c["committed_s"] is not None and c["committed_s"] <= cutoff_s), default=0)
-
-
 def _run_all(tmp_path: Path, name: str, faults: list[dict[str, Any]], **trainer: Any
              ) -> list[dict[str, Any]]:
     doc = {"name": name, "seed": 3, "trainer": {**TRAINER, **trainer},
@@ -44,12 +37,7 @@ def _run_all(tmp_path: Path, name: str, faults: list[dict[str, Any]], **trainer:
     assert outcome.report["verdict"]["bitwise_equal"] is True
     for timings in outcome.report["faults"]:
         assert timings["injected_step"] == 10
-        # a save of step 4 or 8 (every 4 steps, before the fault), and none older than the
-        # newest one a rank had seen commit by then: step 8's async save may still be in
-        # flight 2 steps later on a loaded machine, and then step 4 is the one to restore
-        known = _committed_before(outcome.report, timings["injected_t"])
-        assert timings["restored_step"] in (4, 8), timings
-        assert timings["restored_step"] >= known, (timings, known)
+        check_restored(outcome.report, timings, saved=(4, 8))
         for key in ("detect_s", "restart_s", "restore_s", "recompute_s", "recovery_s"):
             assert timings[key] is not None and timings[key] >= 0, key
     return list(outcome.report["faults"])
