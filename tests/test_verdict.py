@@ -335,6 +335,32 @@ def test_a_damaged_step_restored_without_noticing_fails() -> None:
     assert corrupt.effect_observed and v.verdict == "pass", v.reasons
 
 
+def _kill_then_restore(restore: int, skipped: int | None = None) -> RunRecord:
+    """Checkpoints 2, 4 and 6 commit (each 0.4 s after its step), rank 1 is killed at step 7,
+    attempt 1 restores ``restore`` (reporting ``skipped`` as passed over) and finishes."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    t = _kill(job, t + 0.1, 0, 1, 7)
+    t = job.steps(job.start(t + 3.0, 1, restore=restore, skipped=skipped), 1, restore + 1, 12)
+    return _finish(job, t, 1)
+
+
+def test_a_restore_older_than_the_newest_committed_step_fails() -> None:
+    """Step 6 had committed before the kill; a restore of step 4 that skipped nothing lost two
+    steps of work for no reason (within max_lost_steps and bitwise equal all the same, since
+    the recompute is deterministic): the verdict fails. Skipped with a reason (damaged,
+    unreadable), going back is right."""
+    v, (kill,) = _verdict(_kill_then_restore(restore=6), [KILL], max_lost_steps=4)
+    assert kill.restorable_step == 6 and v.verdict == "pass", v.reasons
+    v, (kill,) = _verdict(_kill_then_restore(restore=4), [KILL], max_lost_steps=4)
+    assert kill.restored_step == 4 and kill.restorable_step == 6
+    assert v.verdict == "fail"
+    assert any("restored step 4, although step 6 had committed before the fault" in r
+               for r in v.reasons), v.reasons
+    v, (kill,) = _verdict(_kill_then_restore(restore=4, skipped=6), [KILL], max_lost_steps=4)
+    assert kill.restorable_step == 4 and v.verdict == "pass", v.reasons
+
+
 def _crash_during_save(*, committed_before_kill: bool, restore: int,
                        committed_event: bool = False) -> RunRecord:
     """Rank 0 is killed once checkpoint 8 is staged (it commits at +0.4 s in ``_Job``)."""

@@ -298,6 +298,11 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
                 and t.recovery_s > s.expect.max_recovery_s:
             v.fail(f"{t.kind} at step {t.injected_step}: recovery took {t.recovery_s:.1f} s "
                    f"> max_recovery_s {s.expect.max_recovery_s}")
+        if t.restored_step is not None and t.restorable_step is not None \
+                and t.restored_step < t.restorable_step:
+            v.fail(f"{t.kind} at step {t.injected_step}: restored step {t.restored_step}, "
+                   f"although step {t.restorable_step} had committed before the fault and no "
+                   "restore skipped it (work lost for no reason)")
         if s.expect.max_lost_steps is not None and t.lost_steps is not None \
                 and t.lost_steps > s.expect.max_lost_steps:
             v.fail(f"{t.kind} at step {t.injected_step}: {t.lost_steps} steps lost "

@@ -67,6 +67,9 @@ class FaultTimings:
     recompute_s: float | None = None
     recovery_s: float | None = None
     restored_step: int | None = None
+    # the newest step a rank had seen commit when the fault hit that no restore up to this
+    # recovery's skipped (as damaged or unreadable): the restore must not go back further
+    restorable_step: int | None = None
     restore_memory_bytes: int | None = None  # restored from host memory (in-process survivors)
     restore_storage_bytes: int | None = None  # read from storage
     lost_steps: int | None = None
@@ -391,6 +394,8 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
     if restored_step is None:
         return  # never restored (the job did not come back, or a later fault hit first)
     timings.restored_step = restored_step
+    if restores:
+        timings.restorable_step = _restorable(record, injection.t, restored)
     timings.lost_steps = max(injected - restored_step, 0)
     if restored_step >= injected:  # restored at or past the fault's step: nothing to redo
         caught_up = [restored if restored is not None else started]
@@ -403,6 +408,15 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
         timings.recompute_s = max(min(caught_up) - restored, 0.0)
         timings.recovery_s = (timings.detect_s + timings.restart_s + timings.restore_s
                               + timings.recompute_s)
+
+
+def _restorable(record: RunRecord, fault_t: float, restored_t: float | None) -> int | None:
+    """The newest step any rank had reported committed by ``fault_t`` (in any attempt) that no
+    restore skipped up to ``restored_t``; None when none had."""
+    skipped = {_restore_skipped_step(e) for e in record.events
+               if e["event"] == "restore_skipped" and (restored_t is None or e["t"] <= restored_t)}
+    return max((e["step"] for e in record.events if e["event"] == "ckpt_committed"
+                and e["t"] <= fault_t and e["step"] not in skipped), default=None)
 
 
 def _save_lifecycles(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
