@@ -43,9 +43,11 @@ def _raise_first(futures: list[Future[None]]) -> None:
 
 
 def _whole(stored: StoredTensor) -> tuple[torch.Tensor, HeldBox]:
-    """A fresh tensor for all of ``stored`` and the box that covers it."""
-    zeros = (0,) * len(stored.shape)
-    return torch.empty(stored.shape, dtype=stored.dtype), HeldBox(zeros, stored.shape, zeros)
+    """A fresh tensor for all of ``stored`` and the box that covers it (a plain tensor's one
+    box, as ``local_boxes`` gives it)."""
+    tensor = torch.empty(stored.shape, dtype=stored.dtype)
+    (box,) = local_boxes(tensor, path=stored.path)
+    return tensor, box
 
 
 def fill_step(storage: Storage, step: int, flat: FlatState, rank: int, pool: Executor,
