@@ -10,8 +10,9 @@ deadlock training.
 
 This module holds the calls and their order; the parts live beside it: ``_agree`` (the
 collectives and the verdicts every rank shares), ``stage``, ``persist`` and ``commit`` (the
-two phases of a save), ``_resave`` (a save of a step already committed), ``_fill`` (reading
-one step into a load target), ``verify``.
+two phases of a save), ``_resave`` (a save of a step already committed), ``_loader`` (the
+steps a load tries, agreed by every rank, and quarantine), ``_fill`` (reading one step into a
+load target), ``verify``.
 """
 
 from __future__ import annotations
@@ -29,34 +30,19 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from . import commit as _commit
-from ._agree import (
-    CORRUPT,
-    ERRORS,
-    FATAL,
-    OK,
-    Ranks,
-    Report,
-    classify,
-    refusal,
-    refuse_together,
-)
+from ._agree import Ranks, refusal, refuse_together
 from ._events import EngineEvents
-from ._fill import fill_step, read_whole
+from ._fill import read_whole
 from ._handle import SaveHandle
+from ._loader import Loader
 from ._memory import MemoryCopy
 from ._paths import COMMIT, step_dir
 from ._ranks import PerRank
 from ._ranks import inventory as rank_inventory
 from ._resave import same_as_committed
-from ._state import FlatState, finish_load, flatten, state_signature
+from ._state import FlatState, flatten, state_signature
 from ._threads import DaemonWorkers
-from .errors import (
-    CheckpointBusyError,
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointNotFoundError,
-)
-from .load import StepReader
+from .errors import CheckpointBusyError, CheckpointError
 from .persist import (
     group_layout,
     metadata_copy,
@@ -149,6 +135,8 @@ class CheckpointEngine:
         # storage requests of the last load() on this rank, by kind, and their "total"
         self.last_load_requests: dict[str, int] = {}
         self._events = EngineEvents(chaos_events)
+        self._loader = Loader(self._ranks, url, self._pool, self._events, self._ghosts,
+                              self._unfinished)
 
     # -- save ----------------------------------------------------------------------------------
 
@@ -468,15 +456,7 @@ class CheckpointEngine:
         """Committed steps, newest first, as rank 0 lists them. Collective: every rank gets
         the same list (``steps()`` lists on each rank, and a COMMIT landing in between makes
         ranks disagree about whether there is anything to load at all)."""
-        return self._listed(self.storage)
-
-    def _listed(self, storage: Storage) -> list[int]:
-        """``_candidates(None, ...)``, with nothing committed as an empty list (on every rank
-        alike: the listing is rank 0's)."""
-        try:
-            return self._candidates(None, storage)
-        except CheckpointNotFoundError:
-            return []
+        return self._loader.listed(self.storage)
 
     def verify(self, step: int) -> VerifyReport:
         """Read every object of ``step`` back; check crc32c, sizes and coverage. A step neither
@@ -519,132 +499,9 @@ class CheckpointEngine:
         storage = CountingStorage(self.storage)
         self.last_load_sources = {"memory_bytes": 0, "storage_bytes": 0}
         try:
-            return self._load(flat, step, storage, memory)
+            return self._loader.load(flat, step, storage, memory, self.last_load_sources)
         finally:
             self.last_load_requests = storage.requests
-
-    def _load(self, flat: FlatState, step: int | None, storage: Storage,
-              memory: MemoryCopy | None) -> int:
-        candidates = self._candidates(step, storage)
-        began = self._events.restore_begin()
-        newest_error: CheckpointError | None = None
-        pending = list(candidates)
-        relisted = step is not None  # an explicit step is tried alone
-        while pending:
-            candidate = pending.pop(0)
-            outcome, nonce = OK, 0
-            values: dict[str, Any] = {}
-            error: CheckpointError | None = None
-            try:
-                values, nonce = self._load_step(candidate, flat, storage, memory)
-            except Exception as exc:  # every failure is classified, then agreed by all ranks
-                outcome, error = classify(candidate, exc)
-            worst, high, negated_low = self._ranks.all_max([outcome, nonce, -nonce])
-            if worst == OK and high != -negated_low:
-                outcome = worst = FATAL  # every rank sees it: they all compared the same values
-                error = CheckpointError(
-                    f"step {candidate}: the ranks see different saves of it (node-local storage "
-                    "at one path, or two jobs writing one URL?); refusing to mix them")
-            if worst == OK:
-                refused: CheckpointError | None = None
-                try:  # the state's objects take what was loaded (load_state_dict)
-                    finish_load(flat, values)
-                except Exception as exc:
-                    refused = CheckpointError(f"step {candidate} loaded, but not taken: {exc}")
-                    refused.__cause__ = exc
-                (any_refused,) = self._ranks.all_max([int(refused is not None)])
-                if any_refused:  # the same objects would refuse an older step: no fallback
-                    raise refused or CheckpointError(
-                        f"step {candidate} loaded, but another rank's state refused it (its "
-                        "error names the object)")
-                self._events.restore_end(candidate, began)
-                return candidate
-            reports: list[Report] = self._ranks.gather(
-                (outcome, type(error).__name__, str(error), getattr(error, "key", None)))
-            error = self._ranks.agreed_error(reports, worst)
-            if worst == FATAL or step is not None:
-                raise error
-            note = ""
-            if worst == CORRUPT:
-                note = self._quarantine(candidate, error, reports, storage)
-            newest_error = newest_error or error
-            self._events.restore_skipped(candidate, error)
-            if not pending and not relisted:
-                # a save that committed since the listing may have had its retention delete
-                # the steps listed (a reader beside a training job, a load beside a save):
-                # what committed since is tried too, once, after them
-                relisted = True
-                pending = [s for s in self._listed(storage) if s > candidates[0]]
-                candidates = [*candidates, *pending]
-            if pending:
-                warnings.warn(f"checkpoint step {candidate} skipped, trying step "
-                              f"{pending[0]}: {error}{note}", RuntimeWarning, stacklevel=2)
-        assert newest_error is not None
-        raise type(newest_error)(f"{newest_error} (no older step loads either; tried "
-                                 f"{candidates})")
-
-    def _candidates(self, step: int | None, storage: Storage) -> list[int]:
-        """The steps to try, newest first: ``step``, or rank 0's view of what is committed
-        (so that every rank tries the same steps; a failure to list is raised on every rank)."""
-        if step is not None:
-            return [step]
-        listing: list[int] = []
-        failure: tuple[str, str] | None = None
-        if self.rank == 0:
-            try:
-                every, committed = _commit.step_dirs(storage, set(self._ghosts))
-                listing = list(reversed(committed))
-                self._unfinished.update(set(every) - set(committed))
-            except CheckpointError as exc:
-                failure = (type(exc).__name__, str(exc))
-        listing, failure = self._ranks.gather((listing, failure))[0]
-        if failure is not None:
-            raise ERRORS.get(failure[0], CheckpointError)(f"listing {self.url}: {failure[1]}")
-        if not listing:
-            raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
-        return listing
-
-    def _quarantine(self, step: int, error: CheckpointError,
-                    reports: list[Report], storage: Storage) -> str:
-        """Collective. Quarantine ``step`` once its damage is agreed: the first rank that saw it
-        names the object, and another rank (the next one; the same one when alone) reads it
-        again, whole. Damage that was not on storage (a bad link or DRAM on one node) is not
-        confirmed: the step is skipped for this load but stays visible. Returns a note for
-        the warning."""
-        reporter, key = next((r, k) for r, (o, _, _, k) in enumerate(reports) if o == CORRUPT)
-        confirmer = (reporter + 1) % self.world_size
-        seen = 0
-        if self.rank == confirmer:
-            if key is None:  # inconsistent metadata: every reader of it sees the same documents
-                seen = 1
-            else:
-                try:
-                    StepReader(storage, step).recheck(key)
-                except CheckpointCorruptError:
-                    seen = 1
-                except Exception as exc:  # cannot tell: do not act on one rank's view
-                    log.warning("step %d: re-reading %s to confirm damage failed: %s",
-                                step, key, exc)
-        if not self._ranks.all_max([seen])[0]:
-            return (f"; rank {confirmer} re-read {key} intact, so the damage is not confirmed "
-                    "and the step is not quarantined")
-        if self.rank == 0:
-            try:
-                _commit.quarantine(storage, step, str(error), confirmed_by=confirmer,
-                                   reports={r: m for r, (o, _, m, _) in enumerate(reports) if o})
-                self._unfinished.add(step)  # saved again, it holds only the new save
-            except CheckpointError as exc:
-                log.warning("step %d: quarantine failed (it stays visible): %s", step, exc)
-        return f" (quarantined; confirmed by rank {confirmer})"
-
-    def _load_step(self, step: int, flat: FlatState, storage: Storage,
-                   memory: MemoryCopy | None) -> tuple[dict[str, Any], int]:
-        """``step`` into ``flat`` (see ``_fill.fill_step``): its JSON values and the nonce of
-        the save read (the ranks check they all read the same one)."""
-        filled = fill_step(storage, step, flat, self.rank, self._pool, memory)
-        self.last_load_sources["storage_bytes"] += filled.storage_bytes
-        self.last_load_sources["memory_bytes"] += filled.memory_bytes
-        return filled.values, filled.nonce
 
     def memory_copy(self) -> MemoryCopy | None:
         """This rank's part of the last committed save, in host memory (``keep_in_memory``),

@@ -764,7 +764,7 @@ def test_a_load_whose_listed_step_is_deleted_by_a_newer_save_loads_the_newer(
     with CheckpointEngine(url, storage_options=options, keep_last=1) as writer, \
             CheckpointEngine(url, storage_options=options) as reader:
         writer.save(10, {"w": torch.full((3,), 10.0)}, blocking=True)
-        load_step = reader._load_step
+        load_step = reader._loader._load_step
         calls: list[int] = []
 
         def newer_save_first(step: int, *args: Any) -> Any:
@@ -774,7 +774,7 @@ def test_a_load_whose_listed_step_is_deleted_by_a_newer_save_loads_the_newer(
             calls.append(step)
             return load_step(step, *args)
 
-        monkeypatch.setattr(reader, "_load_step", newer_save_first)
+        monkeypatch.setattr(reader._loader, "_load_step", newer_save_first)
         target = {"w": torch.empty(3)}
         with pytest.warns(RuntimeWarning, match="step 10 skipped, trying step 20"):
             assert reader.load(target) == 20

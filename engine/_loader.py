@@ -1,0 +1,181 @@
+"""The load side of a :class:`CheckpointEngine`: which steps to try, newest first, as every rank
+agrees; one step read into the target (``_fill``); the outcome of each try agreed by all
+ranks, so that they fall back to the same older step or raise the same error together; a
+damaged step quarantined once a second rank's re-read confirms the damage.
+
+The engine checks the caller's arguments and counts the requests; this module holds the
+loop of one ``load()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import commit as _commit
+from ._agree import CORRUPT, ERRORS, FATAL, OK, Ranks, Report, classify
+from ._events import EngineEvents
+from ._fill import fill_step
+from ._memory import MemoryCopy
+from ._state import FlatState, finish_load
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .load import StepReader
+from .storage import Storage
+
+log = logging.getLogger("antifragile.engine")
+
+
+class Loader:
+    """Loads for one engine. ``ghosts`` and ``unfinished`` are the engine's own sets (shared,
+    not copied): step folders listed but empty, and folders without a COMMIT that rank 0
+    clears before the step is saved again (a quarantined step becomes one)."""
+
+    def __init__(self, ranks: Ranks, url: str, pool: ThreadPoolExecutor, events: EngineEvents,
+                 ghosts: set[int], unfinished: set[int]) -> None:
+        self._ranks = ranks
+        self._url = url
+        self._pool = pool
+        self._events = events
+        self._ghosts = ghosts
+        self._unfinished = unfinished
+
+    def load(self, flat: FlatState, step: int | None, storage: Storage,
+             memory: MemoryCopy | None, sources: dict[str, int]) -> int:
+        """Collective: ``step`` (or the newest step that loads intact) into ``flat``; returns
+        the step loaded. ``sources`` gains the bytes read from memory and from storage."""
+        candidates = self.candidates(step, storage)
+        began = self._events.restore_begin()
+        newest_error: CheckpointError | None = None
+        pending = list(candidates)
+        relisted = step is not None  # an explicit step is tried alone
+        while pending:
+            candidate = pending.pop(0)
+            outcome, nonce = OK, 0
+            values: dict[str, Any] = {}
+            error: CheckpointError | None = None
+            try:
+                values, nonce = self._load_step(candidate, flat, storage, memory, sources)
+            except Exception as exc:  # every failure is classified, then agreed by all ranks
+                outcome, error = classify(candidate, exc)
+            worst, high, negated_low = self._ranks.all_max([outcome, nonce, -nonce])
+            if worst == OK and high != -negated_low:
+                outcome = worst = FATAL  # every rank sees it: they all compared the same values
+                error = CheckpointError(
+                    f"step {candidate}: the ranks see different saves of it (node-local storage "
+                    "at one path, or two jobs writing one URL?); refusing to mix them")
+            if worst == OK:
+                self._take(candidate, flat, values)
+                self._events.restore_end(candidate, began)
+                return candidate
+            reports: list[Report] = self._ranks.gather(
+                (outcome, type(error).__name__, str(error), getattr(error, "key", None)))
+            error = self._ranks.agreed_error(reports, worst)
+            if worst == FATAL or step is not None:
+                raise error
+            note = ""
+            if worst == CORRUPT:
+                note = self.quarantine(candidate, error, reports, storage)
+            newest_error = newest_error or error
+            self._events.restore_skipped(candidate, error)
+            if not pending and not relisted:
+                # a save that committed since the listing may have had its retention delete
+                # the steps listed (a reader beside a training job, a load beside a save):
+                # what committed since is tried too, once, after them
+                relisted = True
+                pending = [s for s in self.listed(storage) if s > candidates[0]]
+                candidates = [*candidates, *pending]
+            if pending:
+                warnings.warn(f"checkpoint step {candidate} skipped, trying step "
+                              f"{pending[0]}: {error}{note}", RuntimeWarning, stacklevel=3)
+        assert newest_error is not None
+        raise type(newest_error)(f"{newest_error} (no older step loads either; tried "
+                                 f"{candidates})")
+
+    def _take(self, step: int, flat: FlatState, values: dict[str, Any]) -> None:
+        """The state's objects take what was loaded (``load_state_dict``), on every rank or
+        on none: the same objects would refuse an older step, so there is no fallback."""
+        refused: CheckpointError | None = None
+        try:
+            finish_load(flat, values)
+        except Exception as exc:
+            refused = CheckpointError(f"step {step} loaded, but not taken: {exc}")
+            refused.__cause__ = exc
+        (any_refused,) = self._ranks.all_max([int(refused is not None)])
+        if any_refused:
+            raise refused or CheckpointError(
+                f"step {step} loaded, but another rank's state refused it (its error names "
+                "the object)")
+
+    def listed(self, storage: Storage) -> list[int]:
+        """``candidates(None, ...)``, with nothing committed as an empty list (on every rank
+        alike: the listing is rank 0's)."""
+        try:
+            return self.candidates(None, storage)
+        except CheckpointNotFoundError:
+            return []
+
+    def candidates(self, step: int | None, storage: Storage) -> list[int]:
+        """The steps to try, newest first: ``step``, or rank 0's view of what is committed
+        (so that every rank tries the same steps; a failure to list is raised on every rank)."""
+        if step is not None:
+            return [step]
+        listing: list[int] = []
+        failure: tuple[str, str] | None = None
+        if self._ranks.rank == 0:
+            try:
+                every, committed = _commit.step_dirs(storage, set(self._ghosts))
+                listing = list(reversed(committed))
+                self._unfinished.update(set(every) - set(committed))
+            except CheckpointError as exc:
+                failure = (type(exc).__name__, str(exc))
+        listing, failure = self._ranks.gather((listing, failure))[0]
+        if failure is not None:
+            raise ERRORS.get(failure[0], CheckpointError)(f"listing {self._url}: {failure[1]}")
+        if not listing:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {self._url}")
+        return listing
+
+    def quarantine(self, step: int, error: CheckpointError, reports: list[Report],
+                   storage: Storage) -> str:
+        """Collective. Quarantine ``step`` once its damage is agreed: the first rank that saw it
+        names the object, and another rank (the next one; the same one when alone) reads it
+        again, whole. Damage that was not on storage (a bad link or DRAM on one node) is not
+        confirmed: the step is skipped for this load but stays visible. Returns a note for
+        the warning."""
+        reporter, key = next((r, k) for r, (o, _, _, k) in enumerate(reports) if o == CORRUPT)
+        confirmer = (reporter + 1) % self._ranks.world_size
+        seen = 0
+        if self._ranks.rank == confirmer:
+            if key is None:  # inconsistent metadata: every reader of it sees the same documents
+                seen = 1
+            else:
+                try:
+                    StepReader(storage, step).recheck(key)
+                except CheckpointCorruptError:
+                    seen = 1
+                except Exception as exc:  # cannot tell: do not act on one rank's view
+                    log.warning("step %d: re-reading %s to confirm damage failed: %s",
+                                step, key, exc)
+        if not self._ranks.all_max([seen])[0]:
+            return (f"; rank {confirmer} re-read {key} intact, so the damage is not confirmed "
+                    "and the step is not quarantined")
+        if self._ranks.rank == 0:
+            try:
+                _commit.quarantine(storage, step, str(error), confirmed_by=confirmer,
+                                   reports={r: m for r, (o, _, m, _) in enumerate(reports) if o})
+                self._unfinished.add(step)  # saved again, it holds only the new save
+            except CheckpointError as exc:
+                log.warning("step %d: quarantine failed (it stays visible): %s", step, exc)
+        return f" (quarantined; confirmed by rank {confirmer})"
+
+    def _load_step(self, step: int, flat: FlatState, storage: Storage,
+                   memory: MemoryCopy | None, sources: dict[str, int]
+                   ) -> tuple[dict[str, Any], int]:
+        """``step`` into ``flat`` (see ``_fill.fill_step``): its JSON values and the nonce of
+        the save read (the ranks check they all read the same one)."""
+        filled = fill_step(storage, step, flat, self._ranks.rank, self._pool, memory)
+        sources["storage_bytes"] += filled.storage_bytes
+        sources["memory_bytes"] += filled.memory_bytes
+        return filled.values, filled.nonce
