@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-import itertools
-import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from antifragile.chaos.faults import Injection
-from antifragile.chaos.observe.record import RunRecord
+from antifragile.chaos.observe.effects import (
+    STORAGE_FAULTS,
+    corrupt_effect,
+    crash_effect,
+    link_noticed,
+    node_down_effect,
+    outage_effect,
+    outage_effects,
+    restore_skipped_step,
+)
+from antifragile.chaos.observe.record import STARTS, RunRecord
 from antifragile.trainer.progress import HANG_FLOOR_S, STALL_ESCALATION
 
 if TYPE_CHECKING:
@@ -30,15 +38,6 @@ def detection_window_s(s: Scenario) -> float:
         return s.trainer.detect_timeout_s + TEARDOWN_S  # type: ignore[union-attr]
     hang_s = (s.trainer.hang_timeout_s or HANG_FLOOR_S) * STALL_ESCALATION
     return max(hang_s, s.trainer.collective_timeout_s) + TEARDOWN_S
-
-# Faults on storage (not on the job): what they did is measured by outage_effects, and which of
-# their injection's detail fields the report keeps.
-STORAGE_FAULTS: dict[str, tuple[str, ...]] = {
-    "storage_outage": ("mode", "duration_s", "latency_s", "requests_faulted",
-                       "connections_passed", "requests_delayed"),
-    "storage_node_down": ("mode", "duration_s", "server", "pid", "restarted_pid", "error"),
-}
-
 
 @dataclass(slots=True)
 class FaultTimings:
@@ -84,20 +83,6 @@ def _by_attempt(events: list[dict[str, Any]], attempt: int, kind: str) -> list[d
     return [e for e in events if e["attempt"] == attempt and e["event"] == kind]
 
 
-_STARTS = ("start", "worker_started")  # reported by a rank; a command's rank seen in /proc
-
-
-def _attempt_at(record: RunRecord, t: float) -> int:
-    """The attempt that was running at time ``t``."""
-    starts = sorted({e["attempt"]: e["t"] for e in reversed(record.events)
-                     if e["event"] in _STARTS}.items())
-    current = 0
-    for attempt, start_t in starts:
-        if start_t <= t:
-            current = attempt
-    return current
-
-
 def _struck_attempt(record: RunRecord, injection: Injection) -> int:
     """The attempt ``injection`` hit: the latest that the process it signalled started as
     that rank (a survivor of an in-process recovery keeps its pid into the next generation),
@@ -106,11 +91,11 @@ def _struck_attempt(record: RunRecord, injection: Injection) -> int:
     pid = injection.detail.get("pid")
     if injection.rank is not None and pid is not None:
         started = [int(e["attempt"]) for e in record.events
-                   if e["event"] in _STARTS and e.get("pid") == pid
+                   if e["event"] in STARTS and e.get("pid") == pid
                    and e["rank"] == injection.rank and e["t"] <= injection.t]
         if started:
             return max(started)
-    return _attempt_at(record, injection.t)
+    return record.attempt_at(injection.t)
 
 
 def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window_s: float
@@ -198,88 +183,6 @@ def _killed_by_another(record: RunRecord, injection: Injection, attempt: int, en
     return None
 
 
-def _link_noticed(record: RunRecord, injection: Injection, why_not: str) -> tuple[bool, str]:
-    """A cut that ended no attempt is still observed if a watchdog found a rank hung while
-    the link was down (the job noticed, and got through)."""
-    up_t = injection.t + (injection.detail.get("duration_s") or 0.0)
-    for e in record.events:
-        if e["event"] == "hang_detected" and injection.t <= e["t"] <= up_t:
-            return True, (f"rank {e['rank']}'s supervisor found it hung ({e['how']}) while the "
-                          "link was down; the job went on without a restart")
-    return False, (f"the cut was not observed: no watchdog found a rank hung while the link "
-                   f"was down, and {why_not}")
-
-
-def _restore_skipped_step(event: dict[str, Any]) -> int | None:
-    """The checkpoint step a ``restore_skipped`` event names: its ``step`` field, else the first
-    step its reason names (every backend's reads ``checkpoint step N skipped, trying ...``)."""
-    if isinstance(event.get("step"), int):
-        return int(event["step"])
-    found = re.search(r"\bstep (\d+)", event.get("reason") or "")
-    return int(found.group(1)) if found else None
-
-
-def _corrupt_effect(record: RunRecord, injection: Injection) -> tuple[bool, str]:
-    """The engine noticed the damage: a restore after it skipped the damaged step. A restore
-    that loaded it (no complaint) or none that read it means the damage had no observable
-    effect: the run proves nothing about it."""
-    damaged = injection.detail.get("checkpoint_step")
-    later = [e for e in record.events if e["t"] >= injection.t]
-    for e in later:
-        if e["event"] == "restore_skipped" and _restore_skipped_step(e) == damaged:
-            return True, (f"attempt {e['attempt']}'s restore skipped the damaged step "
-                          f"{damaged}: {e.get('reason')}")
-    for e in later:
-        if e["event"] == "restore_end" and e.get("step") == damaged:
-            return False, (f"attempt {e['attempt']} restored the damaged step {damaged} "
-                           "without noticing the damage")
-    return False, (f"no restore read the damaged step {damaged} (no restart followed, or a "
-                   "newer step was restored)")
-
-
-def _outage_effect(injection: Injection) -> tuple[bool, str]:
-    d = injection.detail
-    if d.get("requests_faulted") is None:
-        return False, ("the outage had not ended when the run did: the proxy's counts were "
-                       "never taken")
-    faulted, delayed = d["requests_faulted"], d.get("requests_delayed") or 0
-    if faulted + delayed == 0:
-        return False, f"no request reached the proxy during the {d['duration_s']:g} s outage"
-    return True, (f"{faulted} requests faulted ({d['mode']}), {delayed} requests delayed "
-                  "during the outage")
-
-
-def _node_down_effect(outage: dict[str, Any] | None) -> tuple[bool, str]:
-    """A volume server down matters if saves ran while it was: they committed late, failed
-    or were skipped (retried or not); a down window no save touched proved nothing."""
-    if outage is None:
-        return False, "the volume server's down window was never measured"
-    if outage.get("error"):
-        return False, f"the volume server did not come back: {outage['error']}"
-    rows = outage.get("checkpoints") or []
-    if not rows:
-        return False, (f"no save ran while the volume server was down for "
-                       f"{outage.get('duration_s')} s")
-    outcomes = ", ".join(f"step {r['step']} {r['outcome']}" for r in rows)
-    return True, f"{len(rows)} save(s) in flight while the volume server was down: {outcomes}"
-
-
-def _crash_effect(record: RunRecord, injection: Injection, attempt: int,
-                  restored_step: int | None) -> tuple[bool, str] | None:
-    """Why a ``crash_during_save`` that ended its attempt did not crash during the save:
-    COMMIT was already there, or the step committed after all. None: it did."""
-    step = injection.detail.get("checkpoint_step")
-    if injection.detail.get("committed_before_kill"):
-        return False, (f"COMMIT of step {step} was already written when rank {injection.rank} "
-                       "was killed: the save won the race, no crash during it happened")
-    committed = any(e["event"] == "ckpt_committed" and e["attempt"] == attempt
-                    and e["step"] == step for e in record.events)
-    if committed or (restored_step is not None and restored_step == step):
-        return False, (f"step {step} committed after the kill (rank {injection.rank}'s part "
-                       "was already written): no torn checkpoint was left")
-    return None
-
-
 def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 90.0
                   ) -> FaultTimings:
     """What one fault did. Recovery is measured on the restart the fault caused (see
@@ -307,25 +210,25 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
         timings.effect_observed, timings.effect = False, f"not made: {injection.missed}"
         return timings
     if injection.kind == "corrupt_shard":
-        timings.effect_observed, timings.effect = _corrupt_effect(record, injection)
+        timings.effect_observed, timings.effect = corrupt_effect(record, injection)
         return timings
     if injection.kind == "storage_outage":
-        timings.effect_observed, timings.effect = _outage_effect(injection)
+        timings.effect_observed, timings.effect = outage_effect(injection)
         return timings
     if injection.kind == "storage_node_down":
-        timings.effect_observed, timings.effect = _node_down_effect(timings.outage)
+        timings.effect_observed, timings.effect = node_down_effect(timings.outage)
         return timings
     caused, timings.effect = _ended_attempt(record, injection, attempt, window_s)
     timings.effect_observed = caused
     if not caused:
         if injection.kind == "drop_link":
-            timings.effect_observed, timings.effect = _link_noticed(record, injection,
+            timings.effect_observed, timings.effect = link_noticed(record, injection,
                                                                     timings.effect)
         return timings
     timings.ended_attempt = attempt
     _recovery(record, injection, attempt, done, timings)
     if injection.kind == "crash_during_save":
-        missed = _crash_effect(record, injection, attempt, timings.restored_step)
+        missed = crash_effect(record, injection, attempt, timings.restored_step)
         if missed is not None:
             timings.effect_observed, timings.effect = missed
     return timings
@@ -413,97 +316,10 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
 def _restorable(record: RunRecord, fault_t: float, restored_t: float | None) -> int | None:
     """The newest step any rank had reported committed by ``fault_t`` (in any attempt) that no
     restore skipped up to ``restored_t``; None when none had."""
-    skipped = {_restore_skipped_step(e) for e in record.events
+    skipped = {restore_skipped_step(e) for e in record.events
                if e["event"] == "restore_skipped" and (restored_t is None or e["t"] <= restored_t)}
     return max((e["step"] for e in record.events if e["event"] == "ckpt_committed"
                 and e["t"] <= fault_t and e["step"] not in skipped), default=None)
-
-
-def _save_lifecycles(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (attempt, step) save: when it was staged (first rank), when it committed (staged +
-    slowest rank's persist_s: the committed event itself only comes at the next poll), or the
-    failure the trainer reported (a save skipped while another persisted has no staging)."""
-    saves: dict[tuple[int, int], dict[str, Any]] = {}
-    for e in events:
-        if e["event"] not in ("ckpt_staged", "ckpt_committed", "ckpt_failed"):
-            continue
-        c = saves.setdefault((e["attempt"], e["step"]), {
-            "step": e["step"], "attempt": e["attempt"], "staged_t": None, "stall_s": 0.0,
-            "persist_s": None, "committed": False, "failed_t": None, "error": None})
-        if e["event"] == "ckpt_staged":
-            c["staged_t"] = min(c["staged_t"] or e["t"], e["t"])
-            c["stall_s"] = max(c["stall_s"], e["stall_s"])
-        elif e["event"] == "ckpt_committed":
-            c["committed"] = True
-            c["persist_s"] = max(c["persist_s"] or 0.0, e["persist_s"])
-        else:
-            c["failed_t"] = min(c["failed_t"] or e["t"], e["t"])
-            c["error"] = c["error"] or e.get("error")
-    return sorted(saves.values(), key=lambda c: (c["attempt"], c["step"]))
-
-
-def _median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
-
-
-def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
-    """What a storage outage (or a storage node down) did: the saves in flight during it
-    (delayed if they committed, else failed or skipped), the extra time the training loop lost,
-    whether training kept going, and the first save that committed after it (recovery). The
-    loop's pace is the gap between rank 0's consecutive steps; the extra stall is
-    what the gaps overlapping the outage took beyond the median gap outside it."""
-    d = injection.detail
-    t0 = injection.t
-    t1 = d.get("ended_t") or t0 + d["duration_s"]
-    saves = _save_lifecycles(record.events)
-    affected, clean_persist = [], []
-    for c in saves:
-        end_t = (c["staged_t"] + c["persist_s"]) if c["committed"] else c["failed_t"]
-        began = c["staged_t"] if c["staged_t"] is not None else c["failed_t"]
-        if began is not None and began <= t1 and (end_t is None or end_t >= t0):
-            affected.append(c)
-        elif c["committed"]:
-            clean_persist.append(c["persist_s"])
-    baseline_persist_s = _median(clean_persist)
-    rows = []
-    for c in affected:
-        error = c["error"] or ""
-        outcome = "committed" if c["committed"] else (
-            "skipped" if "still persisting" in error else "failed" if c["failed_t"] else "lost")
-        delay = (c["persist_s"] - baseline_persist_s
-                 if c["committed"] and baseline_persist_s is not None else None)
-        rows.append({"step": c["step"], "attempt": c["attempt"], "outcome": outcome,
-                     "persist_s": c["persist_s"], "delay_s": delay, "error": c["error"]})
-    steps = sorted((e["t"], e["attempt"]) for e in record.events
-                   if e["event"] == "step_end" and e["rank"] == 0)
-    during: list[float] = []
-    outside: list[float] = []
-    for (prev_t, prev_a), (t, a) in itertools.pairwise(steps):
-        if a == prev_a:
-            (during if prev_t <= t1 and t >= t0 else outside).append(t - prev_t)
-    pace_s = _median(outside)
-    attempt = _attempt_at(record, t0)
-    restarted = any(e["event"] == "start" and e["attempt"] > attempt and t0 <= e["t"] <= t1
-                    for e in record.events)
-    steps_during = sum(1 for t, a in steps if t0 <= t <= t1 and a == attempt)
-    later = [c["step"] for c in saves if c["committed"] and c["staged_t"] is not None
-             and c["staged_t"] > t1]
-    return {
-        **{k: d.get(k) for k in STORAGE_FAULTS.get(injection.kind,
-                                                    STORAGE_FAULTS["storage_outage"])},
-        "outage_s": (d["ended_t"] - t0) if d.get("ended_t") else None,
-        "checkpoints": rows,
-        "checkpoints_failed": [r["step"] for r in rows if r["outcome"] in ("failed", "lost")],
-        "checkpoints_skipped": [r["step"] for r in rows if r["outcome"] == "skipped"],
-        "checkpoints_delayed": [r["step"] for r in rows if r["outcome"] == "committed"],
-        "baseline_persist_s": baseline_persist_s,
-        "first_commit_after_step": later[0] if later else None,
-        "extra_stall_s": sum(max(g - pace_s, 0.0) for g in during) if pace_s else None,
-        "step_pace_s": pace_s,
-        "steps_during_outage": steps_during,
-        "training_continued": steps_during > 0 and not restarted,
-    }
 
 
 def not_measured(record: RunRecord, timings: list[FaultTimings]) -> list[str]:

@@ -14,6 +14,8 @@ from typing import Any
 
 from antifragile.chaos.faults.base import Injection
 
+STARTS = ("start", "worker_started")  # reported by a rank; a command's rank seen in /proc
+
 
 @dataclass(slots=True)
 class RunRecord:
@@ -30,6 +32,16 @@ class RunRecord:
     @property
     def wall_s(self) -> float:
         return self.ended_t - self.started_t
+
+    def attempt_at(self, t: float) -> int:
+        """The attempt that was running at time ``t``."""
+        starts = sorted({e["attempt"]: e["t"] for e in reversed(self.events)
+                         if e["event"] in STARTS}.items())
+        current = 0
+        for attempt, start_t in starts:
+            if start_t <= t:
+                current = attempt
+        return current
 
 
 class EventTail:

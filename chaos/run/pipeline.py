@@ -16,6 +16,7 @@ from antifragile.chaos.faults import Injection
 from antifragile.chaos.infra.logs import tail
 from antifragile.chaos.infra.s3 import RunStorage, run_storage
 from antifragile.chaos.observe import checker, figures, measure
+from antifragile.chaos.observe.effects import STORAGE_FAULTS
 from antifragile.chaos.observe.record import RunRecord
 from antifragile.chaos.report import document as report
 from antifragile.chaos.report import plots
@@ -189,7 +190,7 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
     # After a fault on storage, every committed step left must read back intact (no torn
     # commit); checked now, while the run's S3 (a local cluster) still exists.
     committed = checker.verify_committed(ckpt_url) if any(
-        i.kind in measure.STORAGE_FAULTS and not i.skipped for i in record.injections) else None
+        i.kind in STORAGE_FAULTS and not i.skipped for i in record.injections) else None
     if s.is_command:  # the final state is the newest committed checkpoint
         final_step = checker.newest_committed(engine, ckpt_url)
         final_committed = final_step is not None
