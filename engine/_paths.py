@@ -14,6 +14,7 @@ from .errors import CheckpointCorruptError, CheckpointError
 FORMAT_VERSION = 3
 READABLE_FORMATS = (2, 3)
 STEP_DIGITS = 9
+MAX_STEP = 2**62  # steps travel in the ranks' int64 all-reduces, negated too
 COMMIT = "COMMIT"
 ABORT = "ABORT"
 QUARANTINE = "QUARANTINE"  # a damaged step's COMMIT, moved aside with the reason
@@ -29,6 +30,8 @@ def step_dir(step: int) -> str:
     """The folder (zarr group) of a step: ``step_000000120``."""
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+    if step >= MAX_STEP:
+        raise CheckpointError(f"step must be < 2**62, got {step}")
     return f"step_{step:0{STEP_DIGITS}d}"
 
 
@@ -53,15 +56,21 @@ def chunk_separator(version: int) -> str:
 
 
 def check_component(component: str, *, where: str) -> str:
-    """Return ``component`` if it is a safe single path component, else raise."""
-    if (
-        not isinstance(component, str)
-        or component in _RESERVED
-        or component.startswith(".")
-        or _BAD_COMPONENT.search(component)
-        or len(component.encode()) > 255  # bytes: a file system's limit on a name
-    ):
-        raise CheckpointError(f"{where}: {component!r} cannot be a name on storage")
+    """Return ``component`` if it is a safe single path component, else raise saying why."""
+    why = None
+    if not isinstance(component, str):
+        why = "it is not a str"
+    elif component in _RESERVED:
+        why = "the name is reserved (empty, '.', '..' or one the checkpoint format uses)"
+    elif component.startswith("."):
+        why = "it starts with '.' (the format's own names do)"
+    elif found := _BAD_COMPONENT.search(component):
+        why = (f"it holds {found.group()!r}" if found.group() in "/\\"
+               else "it holds a control character")
+    elif len(component.encode()) > 255:
+        why = "it is longer than 255 bytes (a file system's limit on a name)"
+    if why is not None:
+        raise CheckpointError(f"{where}: {component!r} cannot be a name on storage: {why}")
     return component
 
 

@@ -354,6 +354,21 @@ def test_a_name_too_long_for_the_file_system_is_refused_at_the_call(tmp_path: Pa
         engine.save(1, {key: torch.ones(2)})
 
 
+@pytest.mark.parametrize(("key", "why"), [("a/b", "holds '/'"), (".hidden", "starts with '.'"),
+                                         ("COMMIT", "reserved"), ("tab\there", "control")])
+def test_a_key_that_cannot_be_a_name_is_named_with_the_reason(tmp_path: Path, key: str,
+                                                               why: str) -> None:
+    # it said "state path '': 'a/b' cannot be a name on storage": the empty path of the
+    # state's root where the key's place belonged, and no reason
+    from antifragile.engine import CheckpointError
+
+    with CheckpointEngine(str(tmp_path)) as engine, pytest.raises(CheckpointError) as raised:
+        engine.save(1, {"model": {key: torch.ones(2)}})
+    message = str(raised.value)
+    assert f"under state path 'model': {key!r} cannot be a name" in message, message
+    assert why in message, message
+
+
 def test_errors_no_retry_can_change_are_not_retried() -> None:
     import errno
 
