@@ -542,15 +542,15 @@ def test_every_fault_must_fire_not_every_kind() -> None:
 def test_the_runner_tags_each_injection_with_its_fault() -> None:
     """Step- and checkpoint-triggered faults sharing a pause point keep their scenario index,
     which the checker counts by (a copy of the fault made for a save phase too)."""
-    from antifragile.chaos.run import runner
+    from antifragile.chaos.run import pauses
 
     s = parse_scenario({**SCENARIO, "faults": [
         {"kind": "kill_rank", "rank": 0, "mtbf_s": 50},
         {"kind": "kill_rank", "rank": 1, "at_step": 4},
         {"kind": "hang_rank", "rank": 0, "at_step": 4},
         {"kind": "crash_during_save", "rank": "random", "at_checkpoint": 1}]})
-    pending = [runner._Pending(f, i) for i, f in enumerate(s.faults)]
-    points = runner._pause_plan(s, pending, random.Random(0))
+    pending = [pauses.Pending(f, i) for i, f in enumerate(s.faults)]
+    points = pauses.pause_plan(s, pending, random.Random(0))
     assert [p.index for p in pending] == [0]
     planned = sorted((i, f.kind) for point in points.values() for i, f in point.faults)
     assert planned == [(1, "kill_rank"), (2, "hang_rank"), (3, "crash_during_save")]
@@ -559,14 +559,14 @@ def test_the_runner_tags_each_injection_with_its_fault() -> None:
 def test_faults_at_one_step_on_different_passes_get_a_pause_point_each() -> None:
     """Two kills at step 4 land together (one point); a third with ``on_pass: 2`` gets its own
     point, held the second time the job gets to step 4."""
-    from antifragile.chaos.run import runner
+    from antifragile.chaos.run import pauses
 
     s = parse_scenario({**SCENARIO, "faults": [
         {"kind": "kill_rank", "rank": 1, "at_step": 4},
         {"kind": "kill_rank", "rank": 0, "at_step": 4},
         {"kind": "kill_rank", "rank": 1, "at_step": 4, "on_pass": 2}]})
-    pending = [runner._Pending(f, i) for i, f in enumerate(s.faults)]
-    points = runner._pause_plan(s, pending, random.Random(0))
+    pending = [pauses.Pending(f, i) for i, f in enumerate(s.faults)]
+    points = pauses.pause_plan(s, pending, random.Random(0))
     assert [(p.as_json(), [i for i, _ in p.faults]) for p in points.values()] == [
         ({"id": "p0", "step": 4}, [0, 1]), ({"id": "p1", "step": 4, "pass": 2}, [2])]
 

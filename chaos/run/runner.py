@@ -7,19 +7,17 @@ signals and storage operations done to the job, never code inside it.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from antifragile.chaos.faults import FaultBase, Injection, Target
+from antifragile.chaos.faults import Injection, Target
 from antifragile.chaos.faults.base import alive, send
 from antifragile.chaos.infra.launch import launch, launch_hosts
 from antifragile.chaos.infra.netns import NetnsUnavailable, Network
@@ -27,6 +25,14 @@ from antifragile.chaos.infra.proxy import FaultProxy
 from antifragile.chaos.infra.s3 import ENDPOINT_VARS, RunStorage
 from antifragile.chaos.observe.measure import detection_window_s
 from antifragile.chaos.observe.record import EventTail, RunRecord
+from antifragile.chaos.run.pauses import (
+    Pending,
+    Point,
+    mesh_coordinates,
+    pause_plan,
+    release,
+    write_plan,
+)
 from antifragile.chaos.run.workers import WorkerWatch, children
 from antifragile.chaos.scenario import Scenario
 
@@ -39,21 +45,6 @@ class ChaosRunError(Exception):
 
 class RunTimeout(ChaosRunError, TimeoutError):
     """A run went past its time limit; the job was killed."""
-
-
-@dataclass(slots=True)
-class _Pending:
-    fault: FaultBase
-    index: int  # in the scenario's faults: what each injection is recorded as
-    next_t: float | None = None  # for mtbf arrivals and at_s
-
-
-def _coordinates(s: Scenario) -> dict[int, tuple[int, int, int]]:
-    if s.is_command:  # a script's ranks have no mesh chaos knows of
-        return {}
-    p = s.trainer.parallel
-    return {r: (r // (p.pp * p.tp), (r // p.tp) % p.pp, r % p.tp)
-            for r in range(p.world_size)}
 
 
 def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = True,
@@ -73,10 +64,10 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     time-based faults reach a script that never calls the probe."""
     rng = random.Random(s.seed)
     wait_s = detection_window_s(s)  # for every rank to reach a pause point
-    pending = [_Pending(f, i) for i, f in enumerate(s.faults if faults else [])]
+    pending = [Pending(f, i) for i, f in enumerate(s.faults if faults else [])]
     max_restarts = 2 * len(pending) + (50 if any(p.fault.mtbf_s for p in pending) else 0)
-    points = _pause_plan(s, pending, rng)
-    _write_plan(run_dir, points)
+    points = pause_plan(s, pending, rng)
+    write_plan(run_dir, points)
     started = time.time()
     for p in pending:
         if p.fault.mtbf_s:
@@ -125,7 +116,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                             injection.fault_index = index
                             injection.detail["paused_s"] = time.time() - point.first_paused_t
                             injections.append(injection)
-                        _release(run_dir, point)
+                        release(run_dir, point)
                         job.paused_s += time.time() - point.first_paused_t
             now = time.time()
             for point in points.values():
@@ -140,7 +131,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                     for index, fault in point.faults:
                         injections.append(Injection(fault.kind, now, step=point.step,
                                                     missed=why, fault_index=index))
-                    _release(run_dir, point)
+                    release(run_dir, point)
                     job.paused_s += now - point.first_paused_t
             for p in pending:
                 if p.next_t is not None and now >= p.next_t and job.generations:
@@ -178,92 +169,6 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     events = sorted(tail.events + observed, key=lambda e: e["t"]) if observed else tail.events
     return RunRecord(agents.returncode, started, ended, events, injections, job.ends,
                      paused_s=job.paused_s)
-
-
-@dataclass(slots=True)
-class _Point:
-    """A pause point of the plan and the faults due there."""
-
-    id: str
-    step: int
-    ranks: list[int] | None  # None: every rank
-    phase: str | None = None  # a save phase (checkpoint faults), else the end of the step
-    on_pass: int = 1  # the n-th time the job gets there
-    faults: list[tuple[int, FaultBase]] = field(default_factory=list)  # (index, fault) due here
-    paused: set[tuple[int, int]] = field(default_factory=set)  # (generation, rank)
-    first_paused_t: float = 0.0
-    last_paused_t: float = 0.0
-    released: bool = False
-
-    def missing(self, world_size: int) -> list[int]:
-        """The ranks not (yet) held here in the newest generation that reached it."""
-        generation = max((g for g, _ in self.paused), default=0)
-        wanted = self.ranks if self.ranks is not None else range(world_size)
-        return [r for r in wanted if (generation, r) not in self.paused]
-
-    def as_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"id": self.id}
-        if self.phase is None:
-            doc["step"] = self.step
-        else:
-            doc.update(checkpoint_step=self.step, phase=self.phase)
-        if self.ranks is not None:
-            doc["ranks"] = self.ranks
-        if self.on_pass != 1:
-            doc["pass"] = self.on_pass
-        return doc
-
-
-def _pause_plan(s: Scenario, pending: list[_Pending], rng: random.Random) -> dict[str, _Point]:
-    """One pause point per moment a step- or checkpoint-triggered fault is due; those faults
-    leave ``pending``. A checkpoint's moment is its step (the n-th save is at n x every), and
-    a moment is also its pass (``on_pass``)."""
-    points: dict[tuple[int, str | None, tuple[int, ...] | None, int], _Point] = {}
-    coordinates = _coordinates(s)
-    for p in list(pending):
-        f = p.fault
-        if f.at_step is None and f.at_checkpoint is None:
-            continue
-        pending.remove(p)
-        phase = getattr(f, "phase", None)
-        if f.at_checkpoint is not None:
-            step = f.at_checkpoint * s.checkpoint.every_steps
-        else:
-            step = f.at_step  # type: ignore[assignment]
-            phase = None
-        ranks: tuple[int, ...] | None = None
-        if phase is not None:  # a save phase holds only the rank the fault hits
-            rank = getattr(f, "rank", 0)
-            if rank == "random":
-                rank = rng.randrange(s.trainer.world_size)
-            elif not isinstance(rank, int):
-                rank = next(r for r, c in coordinates.items()
-                            if c == (rank.dp, rank.pp, rank.tp))
-            ranks = (int(rank),)
-            f = f.model_copy(update={"rank": int(rank)})
-        key = (step, phase, ranks, f.on_pass)
-        if key not in points:
-            points[key] = _Point(f"p{len(points)}", step, list(ranks) if ranks else None, phase,
-                                 f.on_pass)
-        points[key].faults.append((p.index, f))
-    return {point.id: point for point in points.values()}
-
-
-def _write_plan(run_dir: Path, points: dict[str, _Point]) -> None:
-    """A run's events and control files start empty (a previous run in the same folder would
-    otherwise be read as this one)."""
-    control = run_dir / "control"
-    for folder in (control, run_dir / "events"):
-        if folder.exists():
-            shutil.rmtree(folder)
-    (control / "release").mkdir(parents=True)
-    (control / "plan.json").write_text(json.dumps(
-        {"points": [p.as_json() for p in points.values()]}, indent=1))
-
-
-def _release(run_dir: Path, point: _Point) -> None:
-    (run_dir / "control" / "release" / point.id).touch()
-    point.released = True
 
 
 class _Job:
@@ -314,7 +219,7 @@ class _Job:
             if g not in self.ends and self.ended(g):
                 self.ends[g] = now
 
-    def all_paused(self, point: _Point, e: dict[str, Any]) -> bool:
+    def all_paused(self, point: Point, e: dict[str, Any]) -> bool:
         """Record a ``paused`` event; True once every rank the point holds is there (in the
         current generation), and the point has not been released yet."""
         if not point.paused:
@@ -422,8 +327,8 @@ class _Agents:
 
 def _target(s: Scenario, pids: dict[int, int], ckpt_url: str, rng: random.Random,
             storage: RunStorage | None = None, hosts: _Hosts | None = None) -> Target:
-    return Target(pids=dict(pids), coordinates=_coordinates(s), ckpt_url=ckpt_url, rng=rng,
-                  network=hosts.network if hosts else None,
+    return Target(pids=dict(pids), coordinates=mesh_coordinates(s), ckpt_url=ckpt_url,
+                  rng=rng, network=hosts.network if hosts else None,
                   network_error=hosts.error if hosts else None,
                   storage_proxy=storage.proxy if storage else None,
                   storage_proxy_unavailable=storage.proxy_unavailable if storage else None,
