@@ -22,6 +22,7 @@ from ._memory import MemoryCopy
 from ._state import FlatState, finish_load
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .load import StepReader
+from .quarantine import quarantine as quarantine_step
 from .storage import Storage
 
 log = logging.getLogger("antifragile.engine")
@@ -163,8 +164,8 @@ class Loader:
                     "and the step is not quarantined")
         if self._ranks.rank == 0:
             try:
-                _commit.quarantine(storage, step, str(error), confirmed_by=confirmer,
-                                   reports={r: m for r, (o, _, m, _) in enumerate(reports) if o})
+                quarantine_step(storage, step, str(error), confirmed_by=confirmer,
+                                reports={r: m for r, (o, _, m, _) in enumerate(reports) if o})
                 self._unfinished.add(step)  # saved again, it holds only the new save
             except CheckpointError as exc:
                 log.warning("step %d: quarantine failed (it stays visible): %s", step, exc)

@@ -1,4 +1,5 @@
-"""Phase 2 of a save, and what is visible: COMMIT markers, waiting, retention, quarantine.
+"""Phase 2 of a save, and what is visible: COMMIT markers, waiting, retention (quarantine, the
+hiding of a damaged step, is in ``quarantine``).
 
 A checkpoint is visible exactly when ``step_N/COMMIT`` exists and parses. The coordinator
 (rank 0) writes it after every rank's record exists, carries this save's nonce and lists exactly
@@ -22,7 +23,6 @@ collective of the training job).
 
 from __future__ import annotations
 
-import base64
 import heapq
 import json
 import random
@@ -40,7 +40,6 @@ from ._paths import (
     COMMIT,
     FORMAT_VERSION,
     QUARANTINE,
-    QUARANTINE_LOG,
     READABLE_FORMATS,
     RECORDS_DIR,
     check_object_key,
@@ -385,63 +384,3 @@ def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = No
             ghosts.add(step)
     storage.sync()
     return deleted
-
-
-def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, str],
-               confirmed_by: int) -> None:
-    """Hide a damaged committed step, keeping the evidence: its COMMIT moves (bytes unchanged)
-    into a sealed QUARANTINE note with the reason, what every rank reported, and which rank
-    confirmed it, so that ``verify`` can still read the step against its manifest. The step
-    can be saved again, which clears its folder: the note is also kept in the quarantine log
-    (``QUARANTINE_LOG``, outside the step folders; ``quarantine_log``), which neither a new
-    save nor retention touches. The note is written (durably) before COMMIT is deleted: a
-    crash in between leaves the step committed, and the next load finds the damage again."""
-    base = step_dir(step)
-    try:
-        marker = storage.read(f"{base}/{COMMIT}")
-    except FileNotFoundError:
-        return  # hidden already (another process quarantined it, or retention ran)
-    note = {"step": step, "reason": reason, "reports": {str(r): m for r, m in reports.items()},
-            "confirmed_by": confirmed_by, "time": time.time(),
-            "commit_b64": base64.b64encode(bytes(marker)).decode()}
-    sealed = _format.seal(note)
-    storage.write(f"{QUARANTINE_LOG}/{base}.{time.time_ns()}", [sealed], durable=True)
-    storage.write(f"{base}/{QUARANTINE}", [sealed], durable=True)
-    storage.sync()
-    storage.delete(f"{base}/{COMMIT}")
-    storage.sync()
-
-
-def read_quarantine(storage: Storage, step: int) -> tuple[dict[str, Any], bytes] | None:
-    """A quarantined step's note and its moved-aside COMMIT bytes; None when there is none."""
-    try:
-        data = storage.read(f"{step_dir(step)}/{QUARANTINE}")
-    except FileNotFoundError:
-        return None
-    note = _format.unseal(data, where=f"step {step}: QUARANTINE note")
-    try:
-        marker = base64.b64decode(note["commit_b64"], validate=True)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointCorruptError(f"step {step}: QUARANTINE note lacks the COMMIT it moved "
-                                     f"aside ({exc})") from None
-    return note, marker
-
-
-def quarantine_log(storage: Storage) -> list[tuple[int, dict[str, Any]]]:
-    """Every quarantine note ever written under this root, (step, note) oldest first: also
-    those of steps saved again or retired since. A damaged note raises
-    CheckpointCorruptError naming it."""
-    notes = []
-    for name in storage.list_dir(QUARANTINE_LOG):
-        step = parse_step_dir(name.partition(".")[0])
-        if step is not None:
-            data = storage.read(f"{QUARANTINE_LOG}/{name}")
-            notes.append((step, _format.unseal(data, where=f"{QUARANTINE_LOG}/{name}")))
-    return sorted(notes, key=lambda found: float(found[1].get("time", 0)))
-
-
-def quarantined_steps(storage: Storage) -> list[int]:
-    """Steps hidden by quarantine (a QUARANTINE note and no COMMIT), ascending."""
-    return [step for step in all_step_dirs(storage)
-            if storage.exists(f"{step_dir(step)}/{QUARANTINE}")
-            and not storage.exists(f"{step_dir(step)}/{COMMIT}")]

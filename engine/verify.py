@@ -10,10 +10,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from itertools import product
 
-from .commit import read_quarantine
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .load import StepReader, StoredTensor, split_cell_key
 from .plan import ArraySpec
+from .quarantine import read_quarantine
 from .storage import Storage
 
 

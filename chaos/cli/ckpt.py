@@ -75,13 +75,8 @@ def ckpt() -> None:
 def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
     """List committed steps with their size, and quarantined steps with the reason."""
     from antifragile.engine import CheckpointError
-    from antifragile.engine.commit import (
-        committed_steps,
-        quarantine_log,
-        quarantined_steps,
-        read_commit,
-        read_quarantine,
-    )
+    from antifragile.engine.commit import committed_steps, read_commit
+    from antifragile.engine.quarantine import quarantine_log, quarantined_steps, read_quarantine
     from antifragile.engine.storage import open_storage
 
     try:
@@ -122,7 +117,8 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
     quarantine kept and says what is damaged.
     """
     from antifragile.engine import CheckpointError
-    from antifragile.engine.commit import committed_steps, quarantined_steps, read_quarantine
+    from antifragile.engine.commit import committed_steps
+    from antifragile.engine.quarantine import quarantined_steps, read_quarantine
     from antifragile.engine.storage import open_storage
     from antifragile.engine.verify import verify_step
 
