@@ -620,3 +620,43 @@ def test_a_save_whose_processes_died_before_its_commit_event_is_committed_if_res
     md = report.write_markdown(tmp_path, doc).read_text()
     assert "| 0 | 5 | 0.00 | - | - | - | True (restored by attempt 1) |" in md
     assert "| 0 | 15 | 0.00 | - | - | - | False |" in md
+
+
+def test_the_runs_final_blocking_save_is_marked_final() -> None:
+    """The save after the run's last step blocks until it commits, so its stall is its whole
+    persist: the job's shutdown, not a stall of training (a nightly run compared it as one: a
+    1.0 s -> 1.7 s persist right after an S3 outage read as a stall regression). It is marked
+    ``final``. A blocking save mid-run (synchronous checkpoints) is not, nor is the last save
+    of an attempt that died after it."""
+    events: list[dict[str, Any]] = []
+
+    def step(attempt: int, n: int) -> None:
+        for r in (0, 1):
+            events.append({"t": T0 + n * 0.1 + attempt, "rank": r, "attempt": attempt,
+                           "event": "step_end", "step": n, "loss": 1.0, "seconds": 0.1})
+
+    def save(attempt: int, n: int, blocked_s: float | None) -> None:
+        t = T0 + n * 0.1 + attempt + 0.01
+        for r in (0, 1):
+            events.append({"t": t, "rank": r, "attempt": attempt, "event": "ckpt_staged",
+                           "step": n, "stall_s": 0.001})
+            if blocked_s is not None:
+                events.append({"t": t + blocked_s, "rank": r, "attempt": attempt,
+                               "event": "ckpt_blocked", "step": n, "seconds": blocked_s})
+            events.append({"t": t + (blocked_s or 0.05), "rank": r, "attempt": attempt,
+                           "event": "ckpt_committed", "step": n, "bytes": 10,
+                           "persist_s": blocked_s or 0.05})
+
+    for n in range(1, 11):
+        step(0, n)
+        if n == 5:
+            save(0, 5, 0.3)  # synchronous, mid-run
+    save(0, 10, 0.4)  # blocking, but attempt 0 died after it: attempt 1 trains on
+    for n in range(6, 21):
+        step(1, n)
+    save(1, 20, 1.7)
+    events.sort(key=lambda e: e["t"])
+    rows = {(c["attempt"], c["step"]): c for c in
+            figures.checkpoints(RunRecord(0, T0, T0 + 5, events, []))}
+    assert [k for k, c in rows.items() if c.get("final")] == [(1, 20)]
+    assert rows[(1, 20)]["stall_s"] == pytest.approx(1.701)

@@ -30,8 +30,8 @@ def _fault(kind: str = "kill_rank", **kw: Any) -> dict[str, Any]:
 
 
 def _report(recoveries: list[float], *, verdict: str = "pass", goodput: float = 0.5,
-            stalls: tuple[float, ...] = (0.01, 0.03)) -> dict[str, Any]:
-    return {"run": {"wall_s": 40.0, "goodput": goodput},
+            stalls: tuple[float, ...] = (0.01, 0.03), wall_s: float = 40.0) -> dict[str, Any]:
+    return {"run": {"wall_s": wall_s, "goodput": goodput},
             "faults": [_fault(recovery_s=r, lost_steps=2) for r in recoveries],
             "checkpoints": [{"step": 4 * (i + 1), "stall_s": s} for i, s in enumerate(stalls)],
             "verdict": {"verdict": verdict, "reasons": [] if verdict == "pass" else ["bad"],
@@ -103,6 +103,29 @@ def test_regressions_follow_the_thresholds_and_floors() -> None:
     assert "10.00 s -> 12.50 s (+25%" in slow["reason"]
     assert got["new"] == [] and got["missing"] == [] and got["not_compared"] == []
     assert got["tolerances"]["goodput_points"] == 0.05
+
+
+def test_the_final_blocking_save_is_not_a_stall_of_training() -> None:
+    doc = _report([4.0], stalls=(0.02, 0.04))
+    doc["checkpoints"].append({"step": 12, "stall_s": 1.7, "final": True})
+    e = suite.summarize("s", "s.yaml", doc, "s/report.json")
+    assert e["stall_mean_s"] == pytest.approx(0.03) and e["stall_max_s"] == 0.04
+
+
+def test_runs_with_different_numbers_of_faults_compare_the_time_each_fault_cost() -> None:
+    """Faults that arrive in wall time (``mtbf_s``) strike a slower run more often: a nightly
+    run with 8 kills in 46.8 s (goodput 0.443) against 5 in 38.2 s (0.534) read as a 9-point
+    goodput regression, yet each kill cost less (3.26 s against 3.56 s of lost time). With
+    different fault counts the lost time per fault is compared, with the recovery's limits."""
+    base = _baseline(_entry("mtbf", [2.5] * 5, goodput=0.534, wall_s=38.2),
+                     _entry("mtbf-worse", [2.5] * 5, goodput=0.534, wall_s=38.2))
+    now = [_entry("mtbf", [2.5] * 8, goodput=0.443, wall_s=46.8),
+           _entry("mtbf-worse", [2.5] * 8, goodput=0.2, wall_s=46.8)]  # 4.68 s a fault
+    got = suite.compare(now, base, file="prev/summary.json")
+    assert [(r["scenario"], r["metric"]) for r in got["regressions"]] == [
+        ("mtbf-worse", "lost time per fault")]
+    reason = got["regressions"][0]["reason"]
+    assert "8 faults against 5" in reason and "3.56 s -> 4.68 s" in reason, reason
 
 
 def test_new_missing_and_failed_scenarios_are_noted_not_regressions() -> None:

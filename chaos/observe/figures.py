@@ -17,10 +17,13 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
     staging (the previous one still persisting) is listed too: uncommitted, ``stall_s`` None,
     its error. A save with neither a committed nor a failed event whose step a later attempt
     restored did commit (its processes ended before they saw the COMMIT): committed, with
-    ``restored_by`` that attempt and its persist time unknown."""
+    ``restored_by`` that attempt and its persist time unknown. ``final``: the blocking save
+    after the last attempt's last step (its stall is its persist: the job's shutdown, not a
+    stall of training)."""
     out: dict[tuple[int, int], dict[str, Any]] = {}
     stalls: dict[tuple[int, int], dict[int, float]] = {}  # checkpoint -> rank -> seconds
     windows: dict[tuple[int, int], list[float]] = {}  # first staged, last committed
+    blocked: set[tuple[int, int]] = set()
 
     def entry(e: dict[str, Any]) -> dict[str, Any]:
         return out.setdefault((e["attempt"], e["step"]), {
@@ -32,6 +35,8 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
             continue
         key, c = (e["attempt"], e["step"]), entry(e)
         if e["event"] in ("ckpt_staged", "ckpt_blocked"):
+            if e["event"] == "ckpt_blocked":
+                blocked.add(key)
             per_rank = stalls.setdefault(key, {})
             seconds = e["stall_s"] if e["event"] == "ckpt_staged" else e["seconds"]
             per_rank[e["rank"]] = per_rank.get(e["rank"], 0.0) + seconds
@@ -55,6 +60,12 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
             c["committed"], c["restored_by"] = True, by
     steps = _slowest_steps(record)
     paces = {a: sorted(s for _, s in v)[len(v) // 2] for a, v in steps.items() if v}
+    if steps:
+        last = max(steps)
+        ended = max((t for t, _ in steps[last]), default=float("-inf"))
+        for key in blocked:
+            if key[0] == last and key in windows and windows[key][0] >= ended:
+                out[key]["final"] = True
     for (attempt, _), c in out.items():
         if c["committed"] and c["persist_s"]:
             c["throughput_gib_s"] = c["bytes"] / c["persist_s"] / 2**30
