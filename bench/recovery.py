@@ -1,6 +1,7 @@
 """Recovery below the restart floor, measured: restart vs in-process, side by side, one run.
 
-    python -m bench.recovery [--only quickstart,3d,hang,goodput] [--out DIR] [--json PATH]
+    python -m bench.recovery [--only quickstart,3d,hang,goodput,goodput-long] [--out DIR]
+                             [--json PATH]
 
 Each case runs shipped scenarios through ``chaos run`` (a fault-free reference first, run
 in this bench with a fresh cache unless ``--cached-reference``) and reads the faulty runs'
@@ -32,6 +33,7 @@ CASES: dict[str, list[str]] = {
              "hang-rank.yaml"],
     "goodput": ["goodput/kill-every-15s-in-process.yaml", "goodput/kill-every-60s-in-process.yaml",
                 "goodput/kill-every-15s-restart.yaml", "goodput/kill-every-60s-restart.yaml"],
+    "goodput-long": ["goodput/kill-every-60s-in-process-long.yaml"],
 }
 
 
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="quickstart,3d,hang", help="comma-separated cases "
-                   f"({', '.join(CASES)}); goodput runs take ~10 min each")
+                   f"({', '.join(CASES)}); goodput runs take ~10 min each, "
+                   "goodput-long ~17")
     p.add_argument("--out", type=Path, help="where the reports go (default: a temp folder)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--cached-reference", action="store_true",
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             checks.append(_check(f"{rows[name]['scenario']} detect s (timeout 2)",
                                  get(name, "detect_s"), "<=", 3.5))
     for name, target in (("goodput/kill-every-15s-in-process.yaml", 0.80),
-                         ("goodput/kill-every-60s-in-process.yaml", 0.95)):
+                         ("goodput/kill-every-60s-in-process.yaml", 0.95),
+                         ("goodput/kill-every-60s-in-process-long.yaml", 0.95)):
         if name in rows:
             checks.append(_check(f"{rows[name]['scenario']} goodput", get(name, "goodput"),
                                  ">=", target))
