@@ -655,6 +655,9 @@ def test_the_runs_final_blocking_save_is_marked_final() -> None:
     for n in range(6, 21):
         step(1, n)
     save(1, 20, 1.7)
+    # one rank's last step_end written after the other rank staged the final save
+    events.append({"t": T0 + 3.5, "rank": 1, "attempt": 1, "event": "step_end", "step": 20,
+                   "loss": 1.0, "seconds": 0.1})
     events.sort(key=lambda e: e["t"])
     rows = {(c["attempt"], c["step"]): c for c in
             figures.checkpoints(RunRecord(0, T0, T0 + 5, events, []))}

@@ -60,12 +60,12 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
             c["committed"], c["restored_by"] = True, by
     steps = _slowest_steps(record)
     paces = {a: sorted(s for _, s in v)[len(v) // 2] for a, v in steps.items() if v}
-    if steps:
-        last = max(steps)
-        ended = max((t for t, _ in steps[last]), default=float("-inf"))
-        for key in blocked:
-            if key[0] == last and key in windows and windows[key][0] >= ended:
-                out[key]["final"] = True
+    ends = [(e["attempt"], e["step"]) for e in record.events if e["event"] == "step_end"]
+    if ends:  # by step, not time: the ranks' events of one moment differ by milliseconds
+        last_attempt, last_step = max(ends)
+        for attempt, step in blocked:
+            if attempt == last_attempt and step >= last_step:
+                out[(attempt, step)]["final"] = True
     for (attempt, _), c in out.items():
         if c["committed"] and c["persist_s"]:
             c["throughput_gib_s"] = c["bytes"] / c["persist_s"] / 2**30
