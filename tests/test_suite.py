@@ -87,13 +87,16 @@ def test_regressions_follow_the_thresholds_and_floors() -> None:
                      _entry("stall", [10.0], stalls=(0.1, 0.1)),
                      _entry("tiny-stall", [10.0], stalls=(0.01, 0.01)),
                      _entry("goodput", [10.0], goodput=0.60),
-                     _entry("goodput-ok", [10.0], goodput=0.60))
+                     _entry("goodput-ok", [10.0], goodput=0.60),
+                     _entry("short", [10.0], goodput=0.638, wall_s=15.42))
     now = [_entry("slow-recovery", [12.5]),       # +25% and +2.5 s: regression
            _entry("noise", [2.9]),                # +45% but +0.9 s: under the 1 s floor
            _entry("stall", [10.0], stalls=(0.2, 0.2)),       # +100%, +0.1 s: regression
            _entry("tiny-stall", [10.0], stalls=(0.03, 0.03)),  # +200% but +0.02 s: floor
            _entry("goodput", [10.0], goodput=0.54),           # -6 points: regression
-           _entry("goodput-ok", [10.0], goodput=0.56)]        # -4 points: fine
+           _entry("goodput-ok", [10.0], goodput=0.56),         # -4 points: fine
+           # -5.2 points, but 0.78 s more lost (a nightly storage outage, 15 s): the floor
+           _entry("short", [10.0], goodput=0.586, wall_s=15.16)]
     got = suite.compare(now, base, file="prev/summary.json")
     found = {(r["scenario"], r["metric"]) for r in got["regressions"]}
     assert found == {("slow-recovery", "recovery (max)"), ("stall", "stall (mean)"),

@@ -138,19 +138,24 @@ def _worse(metric: str, base: float | None, cur: float | None, rel: float, floor
                       f"and +{floor:g} s)"}
 
 
+def _lost(entry: dict[str, Any]) -> float | None:
+    """Wall time not spent on steps that count."""
+    goodput, wall = entry.get("goodput"), entry.get("wall_s")
+    return None if goodput is None or wall is None else float(wall * (1 - goodput))
+
+
 def _lost_per_fault(entry: dict[str, Any]) -> float | None:
-    """Wall time not spent on steps that count, per fault made."""
-    made, goodput, wall = entry.get("faults_made"), entry.get("goodput"), entry.get("wall_s")
-    if not made or goodput is None or wall is None:
-        return None
-    return float(wall * (1 - goodput) / made)
+    made, lost = entry.get("faults_made"), _lost(entry)
+    return None if not made or lost is None else lost / made
 
 
 def _goodput_worse(base: dict[str, Any], cur: dict[str, Any], tol: Tolerances
                    ) -> dict[str, Any] | None:
-    """Goodput lower by more than ``goodput_points``. Faults that arrive in wall time
-    (``mtbf_s``) strike a slower run more often, so when the two runs made different numbers
-    of faults the time each fault cost is compared instead, with the recovery's limits."""
+    """Goodput lower by more than ``goodput_points``, and by at least the recovery's floor in
+    lost wall time (a 15 s scenario's goodput swings by 5 points with a start-up 0.8 s
+    slower). Faults that arrive in wall time (``mtbf_s``) strike a slower run more often, so
+    when the two runs made different numbers of faults the time each fault cost is compared
+    instead, with the recovery's limits."""
     b, c = base.get("goodput"), cur["goodput"]
     if b is None or c is None:
         return None
@@ -162,7 +167,9 @@ def _goodput_worse(base: dict[str, Any], cur: dict[str, Any], tol: Tolerances
             worse["reason"] = (f"goodput {b:.3f} -> {c:.3f} with {n_cur} faults against "
                                f"{n_base}: {worse['reason']}")
         return worse
-    if b - c <= tol.goodput_points:
+    lost_b, lost_c = _lost(base), _lost(cur)
+    if b - c <= tol.goodput_points or (lost_b is not None and lost_c is not None
+                                       and lost_c - lost_b < tol.recovery_floor_s):
         return None
     return {"metric": "goodput", "baseline": b, "current": c,
             "reason": f"goodput {b:.3f} -> {c:.3f} ({(c - b) * 100:+.1f} points, "
