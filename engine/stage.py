@@ -104,15 +104,14 @@ def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
         arena = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
         if arena.data_ptr() % ALIGN_BYTES == 0:
             return arena
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
-    # huge pages, asked for before the first touch (MAP_POPULATE would fault 4 KiB pages in
-    # first): fewer TLB misses in the copy, and an O_DIRECT write pins 32 pages per 64 MiB
-    # instead of 16384 (a save's kernel CPU fell ~40%)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
-    arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
-    arena.zero_()  # fault every page in now, not in the first save's stall
-    return arena
+    # 4 KiB pages, faulted in now (not in the first save's copy). Transparent huge pages were
+    # measured: a save's kernel CPU fell ~40% (an O_DIRECT write pins 32 pages per 64 MiB, not
+    # 16384), its wall time did not move, and faulting the arena in took 3.3-5.2 s for 2 GiB
+    # against 0.6-2.4 s on this VM (docs/performance-log.md, thirteenth session)
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(
+        mmap, "MAP_POPULATE", 0)
+    region = mmap.mmap(-1, nbytes, flags=flags)
+    return torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
 
 
 class StagingArea:

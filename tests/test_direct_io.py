@@ -358,36 +358,3 @@ def test_an_object_over_2_gib_round_trips(tmp_path: Path) -> None:
         target = {"w": torch.empty(rows, dtype=torch.int32)}
         engine.load(target)
     assert torch.equal(target["w"], torch.arange(rows, dtype=torch.int32))
-
-
-def _thp_mode() -> str:
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "unavailable"
-    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "unavailable"
-
-
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"),
-                    reason="transparent huge pages are not enabled on this kernel")
-def test_a_large_arena_is_backed_by_huge_pages() -> None:
-    """The staging arena asks for transparent huge pages before its pages are faulted in (a
-    madvise after MAP_POPULATE came too late: the arena stayed in 4 KiB pages, and each
-    O_DIRECT write pinned 16384 pages per 64 MiB object)."""
-    state = {"w": torch.zeros(16 * 2**20 // 4)}  # 16 MiB
-    flat = flatten(state)
-    plan = build_plan([inventory(flat.tensors, flat.values)], PlanOptions())
-    area = StagingArea(plan.writes[0], flat.tensors)
-    start = area.arena.data_ptr()
-    end = start + area.arena.numel()
-    huge_kib = 0
-    with open("/proc/self/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                low, high = (int(x, 16) for x in head.split("-"))
-                inside = low < end and start < high
-            elif inside and head == "AnonHugePages:":
-                huge_kib += int(line.split()[1])
-    assert huge_kib * 1024 >= area.arena.numel() // 2, f"{huge_kib} KiB in huge pages"
