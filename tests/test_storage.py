@@ -385,3 +385,70 @@ def test_errors_no_retry_can_change_are_not_retried() -> None:
     with pytest.raises(StorageError, match="File name too long"):
         storage.write("k", [b"x"])
     assert Refusing.calls == 1
+
+
+@pytest.mark.parametrize("dirty_bytes", [0, 1 << 40], ids=["syncfs-refused", "fsync-each"])
+def test_a_failed_fsync_fails_the_sync_and_no_retry_hides_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeps: list[float],
+        dirty_bytes: int) -> None:
+    """An fsync that fails (EIO: the disk lost the written pages) means the objects may not be
+    on disk. The retry of ``sync()`` found nothing left to flush and returned: the save went on
+    to write its record and COMMIT over data that was never made durable."""
+    import errno
+
+    from antifragile.engine.storage import LocalStorage
+    from antifragile.engine.storage import _local as local_storage
+
+    monkeypatch.setattr(local_storage, "_dirty_bytes", lambda: dirty_bytes)
+    monkeypatch.setattr(local_storage, "_syncfs", lambda path: False)  # syncfs failed too
+    storage = RetryingStorage(LocalStorage(str(tmp_path)), attempts=6)
+    for i in range(3):
+        storage.write(f"step_000000001/w/c.{i}", [bytes(100)])
+    real_fsync, failed = os.fsync, []
+
+    def fsync(fd: int) -> None:
+        if not failed:
+            failed.append(os.readlink(f"/proc/self/fd/{fd}"))
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(StorageError, match="Input/output error") as raised:
+        storage.sync()
+    assert failed and failed[0] in str(raised.value), str(raised.value)
+
+
+def test_a_sync_retried_after_a_transient_error_flushes_what_the_first_try_did_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeps: list[float]) -> None:
+    """A transient failure before anything was flushed (EMFILE opening a file to fsync it) is
+    retried; the retry must fsync every file and folder written, not find the set already
+    taken and return."""
+    import errno
+
+    from antifragile.engine.storage import LocalStorage
+    from antifragile.engine.storage import _local as local_storage
+
+    monkeypatch.setattr(local_storage, "_dirty_bytes", lambda: 1 << 40)  # fsync each
+    storage = RetryingStorage(LocalStorage(str(tmp_path)), attempts=6)
+    for i in range(3):
+        storage.write(f"step_000000001/w/c.{i}", [bytes(100)])
+    real_open, real_fsync = os.open, os.fsync
+    refused: list[str] = []
+    fsynced: set[str] = set()
+
+    def open_(path: str, flags: int, mode: int = 0o777) -> int:
+        if flags == os.O_RDONLY and not refused:
+            refused.append(path)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, mode)
+
+    def fsync(fd: int) -> None:
+        fsynced.add(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "fsync", fsync)
+    storage.sync()
+    assert refused and len(sleeps) == 1
+    assert {str(tmp_path / f"step_000000001/w/c.{i}") for i in range(3)} <= fsynced, fsynced
+    assert str(tmp_path / "step_000000001/w") in fsynced, fsynced

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import StorageError
 from ._base import Late
 
 log = logging.getLogger("antifragile.engine.storage")
@@ -279,11 +280,17 @@ class LocalStorage:
             files, self._dirty_files = self._dirty_files, set()
             dirs, self._dirty_dirs = self._dirty_dirs, set()
         paths = [*files, *dirs]
-        if len(paths) <= 2:  # a marker and its folder: fsync them, no journal-wide flush
-            for path in paths:
-                _fsync(path)
-        elif not (_dirty_bytes() <= SYNCFS_MAX_DIRTY and _syncfs(self.root)):
-            list(_fsync_pool().map(_fsync, paths))  # raises the first failure
+        try:
+            if len(paths) <= 2:  # a marker and its folder: fsync them, no journal-wide flush
+                for path in paths:
+                    _fsync(path)
+            elif not (_dirty_bytes() <= SYNCFS_MAX_DIRTY and _syncfs(self.root)):
+                list(_fsync_pool().map(_fsync, paths))  # raises the first failure
+        except BaseException:  # a retry flushes them again, not an empty set
+            with self._lock:
+                self._dirty_files |= files
+                self._dirty_dirs |= dirs
+            raise
 
 
 def _address(view: memoryview) -> int:
@@ -328,6 +335,9 @@ def _fsync(path: str) -> None:
         return
     try:
         os.fsync(fd)
+    except OSError as exc:  # the kernel reports a lost write once: a second fsync passes
+        raise StorageError(f"fsync {path}: {exc}; what was written there may not be on "
+                           "disk") from exc
     finally:
         os.close(fd)
 
