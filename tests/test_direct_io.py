@@ -358,3 +358,36 @@ def test_an_object_over_2_gib_round_trips(tmp_path: Path) -> None:
         target = {"w": torch.empty(rows, dtype=torch.int32)}
         engine.load(target)
     assert torch.equal(target["w"], torch.arange(rows, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_late_bytes_survive_short_pwrites(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          direct: bool) -> None:
+    """pwrite may write less than asked (a signal, a nearly full disk): the rest of each late
+    range is written too, not silently dropped (the object then held stale checksum slots
+    while its record listed the right ones: a committed step that fails its crc32c)."""
+    real_pwrite = os.pwrite
+
+    def short_pwrite(fd: int, data: Any, offset: int) -> int:
+        view = memoryview(data).cast("B")
+        is_direct = local_storage.fcntl.fcntl(fd, local_storage.fcntl.F_GETFL) & \
+            local_storage._O_DIRECT
+        return real_pwrite(fd, view[:local_storage.ALIGN_BYTES if is_direct else 1], offset)
+
+    monkeypatch.setattr(os, "pwrite", short_pwrite)
+    storage = LocalStorage(str(tmp_path))
+    if not direct:
+        storage.direct_io = False
+    view = _aligned((1 << 20) + 4096 * 3 + 123)
+    ranges = [(10, 14), (4096 * 100 - 2, 4096 * 100 + 2), (len(view) - 5, len(view) - 1)]
+
+    def late() -> list[tuple[int, int]]:
+        for start, end in ranges:
+            view[start:end] = b"\xa5" * (end - start)
+        return ranges
+
+    expected = bytearray(view)
+    for start, end in ranges:
+        expected[start:end] = b"\xa5" * (end - start)
+    storage.write("obj", [view, b"more"], late=late)
+    assert (tmp_path / "obj").read_bytes() == bytes(expected) + b"more"

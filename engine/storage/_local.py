@@ -190,12 +190,12 @@ class LocalStorage:
                     pages.append((lo, hi))
             if end > direct_end:
                 start = max(start, direct_end)
-                os.pwrite(fd, first[start:end], start)
+                _pwrite_all(fd, first[start:end], start)
         if pages:
             _set_direct(fd, True)
             try:
                 for lo, hi in pages:
-                    os.pwrite(fd, first[lo:hi], lo)
+                    _pwrite_all(fd, first[lo:hi], lo)
             finally:
                 _set_direct(fd, False)
 
@@ -376,6 +376,16 @@ def _libc() -> ctypes.CDLL | None:
         return libc if hasattr(libc, "sync_file_range") else None
     except OSError:
         return None
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """``pwrite`` all of ``view`` at ``offset``: one call may write less than asked."""
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset + done}")
+        done += n
 
 
 def _advance(views: list[memoryview], written: int) -> list[memoryview]:
