@@ -454,3 +454,22 @@ def test_a_sync_retried_after_a_transient_error_flushes_what_the_first_try_did_n
     assert {str(tmp_path / f"step_000000001/w/c.{i}") for i in range(3)} <= fsynced, fsynced
     assert str(tmp_path / "step_000000001/w") in fsynced, fsynced
 
+
+@pytest.mark.parametrize("durable", [False, True], ids=["object", "marker"])
+def test_a_failed_local_write_leaves_no_temporary_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool) -> None:
+    """A write that fails (a full disk) leaves neither the object nor its temporary file: the
+    temporary held the disk space a retry or the next save needed, and a zarr reader of the
+    folder listed it."""
+    import errno
+
+    from antifragile.engine.storage import LocalStorage
+
+    def full(fd: int, buffers: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", full)
+    storage = LocalStorage(str(tmp_path))
+    with pytest.raises(OSError, match="No space left"):
+        storage.write("step_000000001/w/c.0", [b"x" * 100], durable=durable)
+    assert os.listdir(tmp_path / "step_000000001" / "w") == []

@@ -134,22 +134,27 @@ class LocalStorage:
         first = views[0] if views else memoryview(b"")
         done = 0
         try:
-            if direct:
-                head = len(views[0]) // ALIGN_BYTES * ALIGN_BYTES
-                done = self._write_direct(fd, views[0][:head])
-                _set_direct(fd, False)
-                views[0] = views[0][done:]
-                views = [v for v in views if len(v)]
-            buffered = self._writev(fd, views)
-            if late is not None:
-                self._rewrite(fd, first, late(), done)
-            if durable:  # a marker: never visible before its bytes are (power loss)
-                os.fsync(fd)
-            elif buffered >= WRITEBACK_MIN_BYTES:
-                _start_writeback(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            try:
+                if direct:
+                    head = len(views[0]) // ALIGN_BYTES * ALIGN_BYTES
+                    done = self._write_direct(fd, views[0][:head])
+                    _set_direct(fd, False)
+                    views[0] = views[0][done:]
+                    views = [v for v in views if len(v)]
+                buffered = self._writev(fd, views)
+                if late is not None:
+                    self._rewrite(fd, first, late(), done)
+                if durable:  # a marker: never visible before its bytes are (power loss)
+                    os.fsync(fd)
+                elif buffered >= WRITEBACK_MIN_BYTES:
+                    _start_writeback(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:  # a failed write leaves nothing behind (a full disk's space)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         with self._lock:
             self._dirty_dirs.add(os.path.dirname(path))
             self._dirty_files.add(path)
