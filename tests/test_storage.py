@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -453,6 +454,72 @@ def test_a_sync_retried_after_a_transient_error_flushes_what_the_first_try_did_n
     assert refused and len(sleeps) == 1
     assert {str(tmp_path / f"step_000000001/w/c.{i}") for i in range(3)} <= fsynced, fsynced
     assert str(tmp_path / "step_000000001/w") in fsynced, fsynced
+
+
+def test_a_sync_returns_only_once_what_another_sync_took_is_durable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator's retention syncs the same storage while the next save writes and syncs
+    its objects: a sync that took the save's files must not let the save's own sync return
+    (and its COMMIT follow) while those files are still being flushed."""
+    from antifragile.engine.storage import LocalStorage
+    from antifragile.engine.storage import _local as local_storage
+
+    monkeypatch.setattr(local_storage, "_dirty_bytes", lambda: 1 << 40)  # fsync each
+    storage = LocalStorage(str(tmp_path))
+    for i in range(3):
+        storage.write(f"step_000000002/w/c.{i}", [bytes(100)])
+    real_fsync, flushing, release = os.fsync, threading.Event(), threading.Event()
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/c.1"):
+            flushing.set()
+            release.wait(30)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    retention = threading.Thread(target=storage.sync)
+    retention.start()
+    assert flushing.wait(30)  # the retention's sync holds c.1, not yet durable
+    save = threading.Thread(target=storage.sync)
+    save.start()
+    save.join(0.5)
+    returned_early = not save.is_alive()
+    release.set()
+    retention.join(30)
+    save.join(30)
+    assert not returned_early, "the save's sync returned while its file was being flushed"
+
+
+def test_an_fsync_failure_in_another_sync_fails_the_next_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeps: list[float]) -> None:
+    """The retention's sync took the next save's files and an fsync failed (its error only a
+    retention warning): the save's own sync must fail too, not fsync the file again (the kernel
+    reports a lost write once: a second fsync passes) and let the save commit."""
+    import errno
+
+    from antifragile.engine.storage import LocalStorage
+    from antifragile.engine.storage import _local as local_storage
+
+    monkeypatch.setattr(local_storage, "_dirty_bytes", lambda: 1 << 40)  # fsync each
+    storage = RetryingStorage(LocalStorage(str(tmp_path)), attempts=6)
+    for i in range(3):
+        storage.write(f"step_000000002/w/c.{i}", [bytes(100)])
+    real_fsync, failed = os.fsync, []
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith("/c.1") and not failed:
+            failed.append(path)
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(StorageError):
+        storage.sync()  # the retention's
+    with pytest.raises(StorageError, match=r"c\.1") as raised:
+        storage.sync()  # the save's
+    assert "failed" in str(raised.value)
+    storage.sync()  # reported once: the saves after it go on
 
 
 @pytest.mark.parametrize("durable", [False, True], ids=["object", "marker"])

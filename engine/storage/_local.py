@@ -61,6 +61,11 @@ class LocalStorage:
         self._dirty_files: set[str] = set()
         self._folders: set[str] = set()  # made or found since: no lookup per object written
         self._lock = threading.Lock()
+        # one sync at a time: the coordinator's retention syncs beside the next save, and a
+        # save's sync may return only once the files it wrote are durable, whoever took them
+        self._sync_lock = threading.Lock()
+        # paths whose fsync failed, put back to be reported by the sync that takes them next
+        self._lost: dict[str, str] = {}
         # None until the first direct write was tried; then whether the file system takes it
         self.direct_io: bool | None = None if _O_DIRECT else False
         self.direct_bytes = 0  # bytes written with O_DIRECT
@@ -281,22 +286,36 @@ class LocalStorage:
         return existed
 
     def sync(self) -> None:
-        with self._lock:
-            files, self._dirty_files = self._dirty_files, set()
-            dirs, self._dirty_dirs = self._dirty_dirs, set()
-        paths = [*files, *dirs]
-        try:
-            if len(paths) <= 2:  # a marker and its folder: fsync them, no journal-wide flush
-                for path in paths:
-                    _fsync(path)
-            elif not (_dirty_bytes() <= SYNCFS_MAX_DIRTY and _syncfs(self.root)):
-                list(_fsync_pool().map(_fsync, paths))  # raises the first failure
-        except BaseException:  # a retry flushes them again, not an empty set
+        """Make every write and deletion before this call durable. A path whose fsync failed
+        fails the next sync that takes it too (an fsync failure in the retention's sync, which
+        took the next save's files, fails that save's sync), and is not flushed again: the
+        kernel reports a lost write once, so a second fsync would pass over it. (The price: the
+        save after the one whose own sync failed may fail too, unless that save's folder was
+        deleted in between.)"""
+        with self._sync_lock:
             with self._lock:
-                self._dirty_files |= files
-                self._dirty_dirs |= dirs
-            raise
-
+                files, self._dirty_files = self._dirty_files, set()
+                dirs, self._dirty_dirs = self._dirty_dirs, set()
+                lost = {p: self._lost.pop(p) for p in [*files, *dirs] if p in self._lost}
+            lost = {p: e for p, e in lost.items() if os.path.lexists(p)}  # not deleted since
+            if lost:
+                path, error = next(iter(lost.items()))
+                raise StorageError(f"{len(lost)} path(s) written before this sync failed an "
+                                   f"earlier fsync, {path} among them: {error}")
+            paths = [*files, *dirs]
+            try:
+                if len(paths) <= 2:  # a marker and its folder: fsync them, no journal flush
+                    for path in paths:
+                        _fsync(path)
+                elif not (_dirty_bytes() <= SYNCFS_MAX_DIRTY and _syncfs(self.root)):
+                    list(_fsync_pool().map(_fsync, paths))  # raises the first failure
+            except BaseException as exc:  # a retry flushes them again, not an empty set
+                with self._lock:
+                    self._dirty_files |= files
+                    self._dirty_dirs |= dirs
+                    if isinstance(exc, StorageError):  # an fsync failed: reported, not retried
+                        self._lost.update(dict.fromkeys(paths, str(exc)))
+                raise
 
 def _address(view: memoryview) -> int:
     """The address of a buffer's first byte."""
