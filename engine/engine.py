@@ -168,6 +168,13 @@ class CheckpointEngine:
             mistake, fingerprint = refusal(f"step {step} not saved", exc), self._fingerprint
         numeric = step if mistake is None else -1
         last = self._last
+        if self.rank == 0 and mistake is None:
+            # the retention after a commit of this step or a newer one deletes uncommitted
+            # folders older than that step: this one's among them (a save after a rollback).
+            # It ends before the first collective, so before any rank writes into the folder
+            for previous in [*self._draining, last]:
+                if previous is not None and previous.step >= step and previous.done():
+                    previous._retained.wait()
         failure = last._unobserved_failure() if last else None
         busy = last is not None and not last.done()
         if self.rank == 0 and mistake is None and not busy and step in self._unfinished:
@@ -342,10 +349,6 @@ class CheckpointEngine:
         storage = CountingStorage(self.storage)  # this save's requests: handle.requests
         recorded = False
         try:
-            for previous in list(self._draining):  # its retention might delete this step
-                if previous.step >= step:
-                    with contextlib.suppress(Exception):
-                        previous.wait()
             all_docs = self._metadata_docs(plan)
             docs = _commit.metadata_share(plan, all_docs, self.rank)  # the ones this rank writes
             if storage.exists(f"{step_dir(step)}/{COMMIT}"):

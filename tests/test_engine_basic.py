@@ -781,6 +781,108 @@ def test_a_load_whose_listed_step_is_deleted_by_a_newer_save_loads_the_newer(
         assert calls == [10, 20] and torch.equal(target["w"], torch.full((3,), 20.0))
 
 
+class _MainThreadWaits(threading.Event):
+    """Stands in for a save handle's "retention over" event: records when the training (main)
+    thread starts waiting for that retention."""
+
+    def __init__(self, main_waits: threading.Event) -> None:
+        super().__init__()
+        self.main_waits = main_waits
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if threading.current_thread() is threading.main_thread():
+            self.main_waits.set()
+        return super().wait(timeout)
+
+
+class _HeldDebrisDeletion:
+    """Rank 0's storage: retention's removal of the debris folder of step 5 waits until rank 1
+    has written its objects of a save of step 5 (``written``) or rank 0's training thread waits
+    for that retention (``main_waits``); ``deleted`` is created once it is removed."""
+
+    def __init__(self, inner: Any, written: Path, deleted: Path,
+                 main_waits: threading.Event) -> None:
+        self.inner, self.written, self.deleted = inner, written, deleted
+        self.main_waits = main_waits
+
+    def delete_tree(self, prefix: str) -> bool:
+        if prefix == "step_000000005":
+            deadline = time.monotonic() + 60
+            while not (self.written.exists() or self.main_waits.is_set()):
+                if time.monotonic() > deadline:
+                    raise PermissionError("test gate never opened")
+                time.sleep(0.01)
+        found = bool(self.inner.delete_tree(prefix))
+        if prefix == "step_000000005":
+            self.deleted.touch()
+        return found
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _save_an_older_step_while_rank0s_retention_runs(url: str, signals: str) -> list[Any]:
+    """On each of 2 ranks: steps 10 and 20 of a row-sharded tensor; step 20's retention (rank 0)
+    removes the debris of a crashed save of step 5 while the ranks save step 5 (after a
+    rollback). Returns whether step 5 verifies, and what a load of it gives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def state(value: float) -> dict[str, Any]:
+        return {"w": distribute_tensor(torch.full((8, 4), value), mesh, [Shard(0)])}
+
+    written, deleted = Path(signals, "rank1-wrote-step-5"), Path(signals, "step-5-debris-gone")
+    main_waits = threading.Event()
+
+    def rank1_written(step: int, phase: str) -> None:
+        if step == 5 and phase == "written":
+            written.touch()
+            until(deleted.exists)  # rank 0's retention had its chance to remove the folder
+
+    with CheckpointEngine(url, keep_last=None) as engine:
+        engine.save(10, state(10.0), blocking=True)
+        if engine.rank == 0:
+            debris = Path(url, "step_000000005", "w")
+            debris.mkdir(parents=True)
+            (debris / "c").write_bytes(b"debris of a crashed save")
+            engine.storage.inner = _HeldDebrisDeletion(engine.storage.inner, written, deleted,
+                                                       main_waits)
+        else:
+            engine._on_phase = rank1_written
+        handle = engine.save(20, state(20.0))
+        if engine.rank == 0:
+            until(handle.done)  # committed; its retention is held at the debris of step 5
+            handle._retained = _MainThreadWaits(main_waits)
+        else:
+            handle.wait()
+        engine.save(5, state(5.0), blocking=True)
+        engine.wait()
+        target = {"w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])}
+        try:
+            engine.load(target, step=5)
+            loaded: Any = bool((target["w"].to_local() == 5.0).all())
+        except CheckpointError as exc:
+            loaded = str(exc)
+        return [engine.verify(5).ok, loaded]
+
+
+@pytest.mark.multiproc
+def test_an_older_step_saved_beside_the_coordinators_retention_commits_whole(
+        tmp_path: Path) -> None:
+    """After a rollback, a save of step 5 begins while rank 0's retention after step 20 is still
+    removing the debris of an earlier crashed save of step 5. Only rank 0 used to wait for that
+    retention: rank 1 wrote its objects, the retention deleted them, and rank 0 committed a
+    step 5 whose COMMIT lists objects that are gone."""
+    from _dist import run_ranks
+
+    url = str(tmp_path / "ckpt")
+    outcomes = run_ranks(2, _save_an_older_step_while_rank0s_retention_runs, url,
+                         str(tmp_path), timeout_s=120)
+    assert outcomes == [[True, True], [True, True]], outcomes
+
+
 def test_keep_last_one_never_deletes_the_newest(storage: Storage) -> None:
     url, options = storage
     with CheckpointEngine(url, storage_options=options, keep_last=1) as engine:
