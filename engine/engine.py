@@ -208,6 +208,7 @@ class CheckpointEngine:
             handle._future.set_exception(CheckpointBusyError(
                 f"step {step} skipped: the save of step {busy_step} is still persisting"))
             handle.staged.set()
+            handle._retained.set()  # over: it has no retention to wait for
             warnings.warn(f"checkpoint of step {step} skipped: step {busy_step} still persisting",
                           RuntimeWarning, stacklevel=2)
             self._events.failed(step, handle._future.exception() or "")

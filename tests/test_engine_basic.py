@@ -362,6 +362,7 @@ def test_save_while_persisting_is_skipped_with_busy_error(ckpt: CheckpointEngine
     with pytest.warns(RuntimeWarning, match=r"step 2 skipped.*step 1 still persisting"):
         second = ckpt.save(2, state)
     assert second.staged.is_set()
+    assert second.done() and second.retention_done()  # over: nothing to wait or poll for
     with pytest.raises(CheckpointBusyError, match="step 2"):
         second.wait()
     gated.release.set()
