@@ -187,8 +187,9 @@ class CheckpointEngine:
             and self._plan is not None
         digests = self._per_rank.local_digests(flat.tensors if usable else None)
         agreed = self._ranks.all_max([
-            int(fingerprint != self._fingerprint), int(busy), int(failure is not None),
-            secrets.randbits(62) if self.rank == 0 else 0, numeric, -numeric,
+            int(fingerprint != self._fingerprint or self._plan is None), int(busy),
+            int(failure is not None), secrets.randbits(62) if self.rank == 0 else 0, numeric,
+            -numeric,
             int(mistake is not None), *digests])
         replan, any_busy, any_failed, nonce, high, negated_low, any_mistake = agreed[:7]
         refuse_together(f"step {step} not saved", "save", mistake, any_mistake, high,
@@ -299,12 +300,16 @@ class CheckpointEngine:
         self._fingerprint = fingerprint
 
     def _replan(self, flat: FlatState) -> None:
-        self._plan = build_plan(self._per_rank.plan_inventories(), self._plan_options)
-        self._staging, self._other_staging = self._new_staging(flat), None
+        """A new plan and its buffers, or (the allocation failed) neither: the next save plans
+        again, every rank with it (``_plan`` None is part of the agreed ``replan``)."""
+        plan = build_plan(self._per_rank.plan_inventories(), self._plan_options)
+        staging = self._new_staging(flat, plan)
+        self._plan, self._staging, self._other_staging = plan, staging, None
 
-    def _new_staging(self, flat: FlatState) -> StagingArea:
-        assert self._plan is not None
-        return StagingArea(self._plan.writes[self.rank], flat.tensors,
+    def _new_staging(self, flat: FlatState, plan: GlobalPlan | None = None) -> StagingArea:
+        plan = plan or self._plan
+        assert plan is not None
+        return StagingArea(plan.writes[self.rank], flat.tensors,
                            keep_in_memory=self.keep_in_memory)
 
     def _stage(self, handle: SaveHandle, staging: StagingArea, flat: FlatState,

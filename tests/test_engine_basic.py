@@ -354,6 +354,31 @@ def test_a_state_whose_layout_changes_between_saves_is_saved_as_it_is_now(
                 assert target[key] == value, (step, key)
 
 
+def test_a_save_whose_staging_allocation_failed_leaves_the_next_save_working(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staging buffers of a new plan could not be allocated (out of memory): that save
+    raises, and the next one plans and allocates again; it used to keep the new plan without
+    its buffers and fail every later save on an assertion."""
+    from antifragile.engine import engine as engine_module
+
+    real, calls = engine_module.StagingArea, []
+
+    def allocate(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("cannot allocate the staging arena")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "StagingArea", allocate)
+    state = {"w": torch.arange(12.0)}
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        with pytest.raises(MemoryError):
+            engine.save(1, state)
+        engine.save(2, state, blocking=True)
+        target = {"w": torch.zeros(12)}
+        assert engine.load(target) == 2 and torch.equal(target["w"], state["w"])
+
+
 def test_save_while_persisting_is_skipped_with_busy_error(ckpt: CheckpointEngine) -> None:
     state = {"w": torch.randn(8, 8)}
     gated = gate(ckpt)
