@@ -12,6 +12,7 @@ import mmap
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,21 +123,19 @@ def test_direct_write_with_an_unaligned_tail(tmp_path: Path) -> None:
     assert read_into(storage, "a/obj", 0, [buf]) == len(data) and buf == data
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
-def test_late_bytes_are_written_in_place_before_the_object_is_visible(
-        tmp_path: Path, direct: bool) -> None:
-    """``late`` fills bytes of the first part after it was written (a page rewritten with
-    O_DIRECT where the file system takes it, a range across a page boundary, the buffered
-    tail); the object then holds them, and nobody saw it under its key before."""
+def _write_with_late_bytes(tmp_path: Path, direct: bool,
+                           on_late: Callable[[], None] = lambda: None) -> LocalStorage:
+    """Write ``obj`` (an aligned first part of 1 MiB and 3 pages and 123 bytes, then b"more")
+    whose ``late`` ranges (in the first page, across a page boundary, in the buffered tail)
+    are filled after the first part was written; check the file holds them."""
     storage = LocalStorage(str(tmp_path))
     if not direct:
         storage.direct_io = False
     view = _aligned((1 << 20) + 4096 * 3 + 123)
     ranges = [(10, 14), (4096 * 100 - 2, 4096 * 100 + 2), (len(view) - 5, len(view) - 1)]
-    seen: list[bool] = []
 
     def late() -> list[tuple[int, int]]:
-        seen.append((tmp_path / "obj").exists())
+        on_late()
         for start, end in ranges:
             view[start:end] = b"\xa5" * (end - start)
         return ranges
@@ -145,8 +144,20 @@ def test_late_bytes_are_written_in_place_before_the_object_is_visible(
     for start, end in ranges:
         expected[start:end] = b"\xa5" * (end - start)
     storage.write("obj", [view, b"more"], late=late)
-    assert seen == [False]
     assert (tmp_path / "obj").read_bytes() == bytes(expected) + b"more"
+    return storage
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_late_bytes_are_written_in_place_before_the_object_is_visible(
+        tmp_path: Path, direct: bool) -> None:
+    """``late`` fills bytes of the first part after it was written (a page rewritten with
+    O_DIRECT where the file system takes it, a range across a page boundary, the buffered
+    tail); the object then holds them, and nobody saw it under its key before."""
+    seen: list[bool] = []
+    storage = _write_with_late_bytes(tmp_path, direct, lambda: seen.append(
+        (tmp_path / "obj").exists()))
+    assert seen == [False]
     assert storage.direct_bytes == (0 if not direct or not storage.direct_io else
                                     (1 << 20) + 4096 * 3)
 
@@ -375,19 +386,4 @@ def test_late_bytes_survive_short_pwrites(tmp_path: Path, monkeypatch: pytest.Mo
         return real_pwrite(fd, view[:local_storage.ALIGN_BYTES if is_direct else 1], offset)
 
     monkeypatch.setattr(os, "pwrite", short_pwrite)
-    storage = LocalStorage(str(tmp_path))
-    if not direct:
-        storage.direct_io = False
-    view = _aligned((1 << 20) + 4096 * 3 + 123)
-    ranges = [(10, 14), (4096 * 100 - 2, 4096 * 100 + 2), (len(view) - 5, len(view) - 1)]
-
-    def late() -> list[tuple[int, int]]:
-        for start, end in ranges:
-            view[start:end] = b"\xa5" * (end - start)
-        return ranges
-
-    expected = bytearray(view)
-    for start, end in ranges:
-        expected[start:end] = b"\xa5" * (end - start)
-    storage.write("obj", [view, b"more"], late=late)
-    assert (tmp_path / "obj").read_bytes() == bytes(expected) + b"more"
+    _write_with_late_bytes(tmp_path, direct)
