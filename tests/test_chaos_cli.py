@@ -110,6 +110,34 @@ def test_no_reference_with_a_bitwise_expectation_is_bad_input(tmp_path: Path) ->
     assert not out.exists(), "nothing may run"
 
 
+def test_an_out_folder_that_cannot_be_made_is_bad_input(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--out`` below a file (or on a read-only file system): one line naming the option and
+    the reason, exit 2, before anything runs; it was a NotADirectoryError traceback, exit 1."""
+    from antifragile.chaos.run import pipeline
+
+    def must_not_run(*_: object, **__: object) -> None:
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(pipeline, "run_scenario", must_not_run)
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\ntrainer: {parallel: {dp: 2}, steps: 2}\n"
+                    "checkpoint: {every_steps: 1}\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _one_line_error(["run", str(path), "--out", str(blocker / "out")],
+                    f"--out {blocker / 'out'}: cannot create the folder: Not a directory")
+
+
+def test_a_seed_option_out_of_range_names_the_option(tmp_path: Path) -> None:
+    """``--seed -1`` was reported as the file's ``seed:`` key, which the user never wrote."""
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nseed: 3\n")
+    result = CliRunner().invoke(main, ["run", str(path), "--seed", "-1"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "'--seed'" in result.output and "s.yaml: seed:" not in result.output, result.output
+
+
 def _command_scenario_file(tmp_path: Path) -> Path:
     script = tmp_path / "noop.py"
     script.write_text("print('never checkpoints')\n")

@@ -110,6 +110,9 @@ def test_verdict_fails_on_the_documented_rule_only() -> None:
     (["--engine", "dcp", "--case", "nope"], "--case 'nope': unknown case"),
     (["--engine", "dcp", "--rule", "engine"], "--rule 'engine': not a load rule of dcp"),
     (["--engine", "dcp", "--endpoint-url", "https://s3.example"], "plain http://"),
+    (["--engine", "dcp", "--latency-ms", "-5"], "--latency-ms -5.0: must be a finite number >= 0"),
+    (["--engine", "dcp", "--latency-ms", "nan"], "--latency-ms nan: must be a finite number >= 0"),
+    (["--engine", "dcp", "--ranks", "100000"], "--ranks 100000: this machine holds at most"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], says: str) -> None:
     r = CliRunner().invoke(main, ["crashcheck", *args])
@@ -123,6 +126,28 @@ def test_out_that_is_a_file_is_refused(tmp_path: Path) -> None:
     f.write_text("")
     r = CliRunner().invoke(main, ["crashcheck", "--engine", "dcp", "--out", str(f)])
     assert r.exit_code == 2 and r.output.strip() == f"error: --out {f}: is a file, not a folder"
+
+
+def test_out_that_cannot_be_made_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    """It was a traceback once the first case's report was written, after the work."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = CliRunner().invoke(main, ["crashcheck", "--engine", "dcp", "--out",
+                                  str(blocker / "report"), "--endpoint-url", "http://127.0.0.1:1"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.strip() == (f"error: --out {blocker / 'report'}: cannot create the folder: "
+                                "Not a directory")
+
+
+def test_an_endpoint_that_is_not_a_url_is_one_line_and_exit_2(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """botocore's ValueError("Invalid endpoint: http://") was a traceback, exit 1."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    r = CliRunner().invoke(main, ["crashcheck", "--engine", "dcp", "--endpoint-url", "http://"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "Invalid endpoint: http://" in lines[0], r.output
 
 
 def test_unreachable_endpoint_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:

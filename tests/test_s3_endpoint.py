@@ -114,6 +114,25 @@ def test_chaos_run_with_an_endpoint_that_does_not_answer(
     assert not (tmp_path / "out" / "run").exists(), "nothing was launched"
 
 
+@pytest.mark.parametrize("command", ["run", "ckpt"])
+def test_an_endpoint_that_is_not_a_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       command: str) -> None:
+    """botocore refuses it with a ValueError when the client is made: that was a traceback
+    (exit 1) for ``chaos run`` (AWS_ENDPOINT_URL) and ``chaos ckpt`` (--endpoint-url)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    if command == "run":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "not-a-url")
+        code, output, _ = _run(tmp_path, "s3://bucket/run")
+        prefix = f"error: {tmp_path / 's.yaml'}: checkpoint.url s3://bucket/run: "
+    else:
+        code, output, _ = _chaos(["ckpt", "ls", "s3://bucket/p", "--endpoint-url", "http://"])
+        prefix = "error: s3://bucket/p: "
+    assert code == 2, output
+    assert output.strip().splitlines() == [output.strip()], output
+    assert output.startswith(prefix) and "Invalid endpoint: " in output, output
+
+
 @pytest.mark.s3
 @pytest.mark.parametrize("case", ["missing bucket", "wrong secret", "used prefix"])
 def test_chaos_run_refuses_bad_s3_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -272,6 +272,29 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists(), "bad input must be reported before anything runs"
 
 
+def test_cli_out_folder_that_cannot_be_made_and_bad_floors_are_bad_input(
+        tmp_path: Path) -> None:
+    """``--out`` below a file was a NotADirectoryError traceback (exit 1); a NaN noise floor
+    silently turned every regression check off (``diff > nan`` is never true)."""
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    (scenarios / "broken.yaml").write_text("[1]\n")  # an entry of its own: nothing runs
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(blocker / "o")])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.output.strip() == (f"error: --out {blocker / 'o'}: cannot create the folder: "
+                                     "Not a directory")
+    for option, value in (("--recovery-floor-s", "nan"), ("--stall-floor-s", "-1.0"),
+                          ("--stall-floor-s", "inf")):
+        out = tmp_path / "o"
+        result = CliRunner().invoke(main, ["suite", str(scenarios), option, value,
+                                           "--out", str(out)])
+        assert result.exit_code == 2, result.output
+        assert f"{option} {value}: must be a finite number >= 0 seconds" in result.output
+        assert not out.exists(), "bad input must be reported before anything runs"
+
+
 def test_no_reference_with_a_bitwise_expectation_is_bad_input(tmp_path: Path) -> None:
     scenarios = tmp_path / "scenarios"
     scenarios.mkdir()

@@ -1,7 +1,12 @@
-"""What every command shares: one-line errors (exit 2) and loading a scenario file."""
+"""What every command shares: one-line errors (exit 2), loading a scenario file, making the
+output folder."""
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+from pathlib import Path
 from typing import NoReturn
 
 import click
@@ -27,3 +32,30 @@ def needs_reference(file: str) -> str:
     """Why ``--no-reference`` cannot run the scenario of ``file`` (it expects bitwise equality)."""
     return (f"{file}: expect.bitwise_equal_to_reference is true, but --no-reference skips the "
             f"reference run it is checked against (set it to false, or drop --no-reference)")
+
+
+def out_folder(path: str, option: str = "--out") -> Path:
+    """The output folder, made now: one that cannot be made (a file on its way, a read-only
+    or virtual file system) is bad input, reported before any work instead of a traceback
+    after it."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"{option} {path}: cannot create the folder: {exc.strerror or exc}")
+    return folder
+
+
+def drop_if_empty(folder: Path) -> None:
+    """Remove an output folder made for a command that then refused its input, if nothing was
+    written to it."""
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
+
+
+def seconds_at_least_zero(option: str, value: float) -> float:
+    """``value``, or exit 2 when it is negative, infinite or NaN (``x > nan`` is never true,
+    so a NaN threshold would silently turn a check off)."""
+    if not (math.isfinite(value) and value >= 0):
+        fail(f"{option} {value}: must be a finite number >= 0 seconds")
+    return value

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from pathlib import Path
 
 import click
 
-from antifragile.chaos.cli.common import fail
+from antifragile.chaos.cli.common import drop_if_empty, fail, out_folder
 
 ENGINES = ("antifragile", "dcp", "torchsnapshot")  # chaos/crashcheck/pipeline.py's, unimported
 CASES = ("save", "retention", "overwrite", "overwrite-committed")
@@ -51,6 +52,11 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
         fail(f"--engine {engine!r}: unknown engine (known: {', '.join(ENGINES)})")
     if ranks < 1:
         fail(f"--ranks {ranks}: a saving job needs at least 1 rank")
+    from antifragile.chaos.scenario import max_workers
+
+    if ranks > max_workers():
+        fail(f"--ranks {ranks}: this machine holds at most {max_workers()} worker processes "
+             "(one needs ~400 MiB; at most 16 per CPU core)")
     for name in cases:
         if name not in CASES:
             fail(f"--case {name!r}: unknown case (known: {', '.join(CASES)})")
@@ -63,6 +69,8 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
         fail(f"--max-states {max_states}: must be at least 1")
     if checkers < 1:
         fail(f"--checkers {checkers}: must be at least 1")
+    if not (math.isfinite(latency_ms) and latency_ms >= 0):
+        fail(f"--latency-ms {latency_ms}: must be a finite number >= 0")
     if endpoint_url is not None and not endpoint_url.startswith("http://"):
         fail(f"--endpoint-url {endpoint_url}: the recording proxy needs a plain http:// "
              "endpoint")
@@ -70,6 +78,7 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
     folder = Path(out) if out else Path("reports") / f"crashcheck-{engine}-{stamp}"
     if folder.exists() and not folder.is_dir():
         fail(f"--out {folder}: is a file, not a folder")
+    out_folder(str(folder))
     chosen = cases or (("retention",) if retention else
                        ("save", "overwrite", "overwrite-committed"))
     if retention and cases and "retention" not in cases:
@@ -88,6 +97,7 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
                          progress=lambda line: click.echo(line, err=True),
                          on_case=lambda partial: write_all(folder, partial))
     except S3SetupError as exc:
+        drop_if_empty(folder)
         fail(str(exc))
     write_all(folder, doc)
     ok, reasons = verdict(doc)

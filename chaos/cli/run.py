@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from antifragile.chaos.cli.common import fail, load, needs_reference
+from antifragile.chaos.cli.common import fail, load, needs_reference, out_folder
 from antifragile.chaos.scenario import SCENARIOS, CommandSpec, ScenarioError, load_scenario
 
 
@@ -41,7 +41,8 @@ def list_scenarios() -> None:
               "(default reports/<name>-<UTC time>).")
 @click.option("--no-reference", is_flag=True, help="Skip the fault-free reference run "
               "(refused, exit 2, for a scenario that expects bitwise equality).")
-@click.option("--seed", type=int, help="Override the scenario's seed.")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1),
+              help="Override the scenario's seed.")
 @click.option("--check-determinism", is_flag=True, help="First compare a second fault-free "
               "run with the reference: a trainer that is not deterministic gets the verdict "
               "'nondeterministic' (exit 4), not a failed recovery.")
@@ -65,7 +66,7 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
     from antifragile.chaos.run.runner import ChaosRunError
 
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    folder = Path(out) if out else Path("reports") / f"{s.name}-{stamp}"
+    folder = out_folder(out or str(Path("reports") / f"{s.name}-{stamp}"))
     with Progress() as progress:
         try:
             outcome = run(s, folder, reference=not no_reference,

@@ -15,7 +15,12 @@ from pathlib import Path
 import click
 
 from antifragile.chaos import suite as suite_lib
-from antifragile.chaos.cli.common import fail, needs_reference
+from antifragile.chaos.cli.common import (
+    fail,
+    needs_reference,
+    out_folder,
+    seconds_at_least_zero,
+)
 
 
 @click.command("suite")
@@ -43,6 +48,8 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
     if out is None:
         out = str(Path("reports") / f"suite-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     out_dir = Path(out)
+    seconds_at_least_zero("--recovery-floor-s", recovery_floor_s)
+    seconds_at_least_zero("--stall-floor-s", stall_floor_s)
     try:
         previous = suite_lib.load_baseline(Path(baseline)) if baseline else None
         planned = suite_lib.plan(suite_lib.discover(Path(folder), patterns), out_dir)
@@ -52,6 +59,7 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
         for p in planned:
             if p.scenario is not None and p.scenario.expect.bitwise_equal_to_reference:
                 fail(needs_reference(str(p.file)))
+    out_folder(out)
     started = time.monotonic()
     with Progress() as progress:
         entries = suite_lib.run_suite(planned, out_dir, reference=not no_reference,

@@ -187,7 +187,10 @@ def check_bucket(url: str, endpoint_url: str | None = None,
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, _ = split_url(url)
-    client = _client(endpoint_url, options)
+    try:
+        client = _client(endpoint_url, options)
+    except ValueError as exc:  # botocore: "Invalid endpoint: <url>" (given or AWS_ENDPOINT_URL)
+        raise S3SetupError(f"{url}: {exc} (give http://host:port or https://host)") from None
     where = client.meta.endpoint_url
     try:
         try:
