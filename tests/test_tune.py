@@ -172,6 +172,74 @@ def test_cli_bad_input_exits_2_with_a_message(args: list[str], message: str) -> 
     assert isinstance(result.exception, SystemExit)
 
 
+def test_cli_out_folder_that_cannot_be_made_and_a_negative_seed_exit_2(tmp_path: Path) -> None:
+    """Both were tracebacks (exit 1): NotADirectoryError after the simulation, numpy's
+    "expected non-negative integer" for the seed."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = _invoke(["--ckpt-cost-s", "5", "--mtbf-s", "100", "--schedules", "50",
+                      "--out", str(blocker / "tune")])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert (f"error: --out {blocker / 'tune'}: cannot create the folder: Not a directory"
+            in result.stderr)
+    result = _invoke(["--ckpt-cost-s", "5", "--mtbf-s", "100", "--seed", "-1"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "'--seed'" in result.output
+
+
+def test_cli_a_job_that_can_never_finish_a_checkpoint_interval_is_refused() -> None:
+    """C = 5000 s against M = 10 s: the simulation waited for a failure-free stretch of
+    5000 s (e^500 failures) and never ended, its failure table growing without bound; past
+    C/M ~ 710 the model overflowed (a traceback). Refused at once, saying why."""
+    import time
+
+    for cost in ("100", "5000", "20000"):
+        start = time.monotonic()
+        result = _invoke(["--ckpt-cost-s", cost, "--mtbf-s", "10", "--schedules", "50"])
+        assert time.monotonic() - start < 10, cost
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert "goodput" in result.stderr and "at best" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("shape", ["20", "1000", "0.01"])
+def test_cli_a_weibull_shape_that_makes_intervals_infeasible_ends(shape: str) -> None:
+    """k = 20 makes failures nearly periodic (every ~M): a candidate interval longer than M
+    never finished and the simulation never ended (2 GB after 60 s); k = 0.01 makes almost
+    every gap ~0. A schedule is now given up after a bounded number of failures: that
+    interval's goodput is 0, the others are still compared."""
+    import time
+
+    start = time.monotonic()
+    result = _invoke(["--ckpt-cost-s", "5", "--mtbf-s", "100", "--weibull-shape", shape,
+                      "--dist", "weibull", "--json"])
+    assert time.monotonic() - start < 60, shape
+    assert "Traceback" not in result.output, result.output
+    if result.exit_code == 0:
+        doc = json.loads(result.stdout)
+        curve = doc["simulation"]["curves"]["weibull"]
+        assert all(math.isfinite(g) for g in curve["goodput"] + curve["ci_high"])
+        assert 0 < doc["expected_goodput"] <= 1
+    else:
+        assert result.exit_code == 2 and "at any interval" in result.stderr, result.output
+
+
+def test_cli_an_infinite_weibull_shape_is_bad_input() -> None:
+    result = _invoke(["--ckpt-cost-s", "5", "--mtbf-s", "100", "--weibull-shape", "inf"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == "error: the Weibull shape must be a finite number > 0, got inf"
+
+
+def test_cli_projection_to_a_scale_where_nothing_gets_done_is_goodput_zero() -> None:
+    """At 100,000 GPUs of 1 h MTBF (job MTBF 0.036 s) a 300 s checkpoint never completes:
+    the model's exp() overflowed (a traceback); the goodput there is 0."""
+    result = _invoke(["--ckpt-cost-s", "300", "--mtbf-s", "36000", "--gpu-mtbf-h", "1",
+                      "--schedules", "50", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["gpus"]: r for r in json.loads(result.stdout)["projection"]}
+    assert rows[100_000]["expected_goodput"] == 0.0
+    assert math.isfinite(rows[1024]["expected_goodput"])
+
+
 def _tiny(tmp_path: Path, faults: list[dict[str, Any]], steps: int = 12) -> Path:
     doc = {"name": "tune-tiny", "seed": 5,
            "trainer": {"parallel": {"dp": 2, "tp": 1, "pp": 1}, "steps": steps,
@@ -192,6 +260,26 @@ def test_cli_scenario_without_mtbf_or_with_model_options_exits_2(tmp_path: Path)
     assert result.exit_code == 2 and "--ckpt-cost-s" in result.stderr
     result = _invoke([str(tmp_path / "missing.yaml"), "--mtbf-s", "60"])
     assert result.exit_code == 2 and "cannot read" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--schedules", "0"], "schedules must be >= 2, got 0"),
+    (["--weibull-shape", "nan"], "the Weibull shape must be a finite number > 0, got nan"),
+])
+def test_cli_bad_simulation_options_are_refused_before_measuring(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], says: str) -> None:
+    """They were checked only by the simulation, after the scenario had been run to measure
+    C and R (minutes), and after a "simulating 0 failure schedules" line."""
+    from antifragile.chaos.tune import recommend
+
+    def must_not_run(*_: object, **__: object) -> None:
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(recommend, "measure_costs", must_not_run)
+    path = _tiny(tmp_path, [{"kind": "kill_rank", "rank": 1, "at_step": 6}])
+    result = _invoke([str(path), "--mtbf-s", "60", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"error: {says}"
 
 
 def test_scenario_mtbf_adds_the_rates_of_faults_that_stop_the_job(tmp_path: Path) -> None:

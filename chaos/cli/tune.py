@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import click
 
 from antifragile.chaos import tune as model
+from antifragile.chaos.cli.common import drop_if_empty, out_folder
 from antifragile.chaos.cli.common import fail as _fail
 from antifragile.chaos.scenario import ScenarioError
 from antifragile.chaos.tune.recommend import recommend
@@ -136,7 +136,7 @@ def _table(doc: dict[str, Any]) -> str:
 @click.option("--weibull-shape", type=float, default=0.7, show_default=True)
 @click.option("--schedules", type=int, default=2000, show_default=True,
               help="Simulated failure schedules per interval.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--sweep", "do_sweep", is_flag=True, help="Confirm with short real runs.")
 @click.option("--sweep-every", help="Sweep these every_steps (comma-separated; default: half, "
               "the recommendation, double).")
@@ -155,12 +155,15 @@ def tune(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | None,
     chaos tune SCENARIO.yaml [--mtbf-s M] [--sweep]      measure C, R, step time, then tune
     chaos tune --ckpt-cost-s C --mtbf-s M [--restart-s R] [--step-s S] [--json]
     """
+    every = _every_list(sweep_every)
+    folder = out_folder(out) if out else None
     try:
         doc = recommend(scenario, mtbf_s, ckpt_cost_s, restart_s, step_s, gpus, gpu_mtbf_h,
-                        dist, weibull_shape, schedules, seed, do_sweep,
-                        _every_list(sweep_every), sweep_steps, Path(out) if out else None,
-                        progress=_progress)
+                        dist, weibull_shape, schedules, seed, do_sweep, every, sweep_steps,
+                        folder, progress=_progress)
     except (model.TuneError, ScenarioError) as exc:
+        if folder is not None:
+            drop_if_empty(folder)
         _fail(str(exc))
     except model.MeasureError as exc:
         _fail(str(exc), code=1)

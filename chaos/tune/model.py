@@ -77,9 +77,13 @@ def daly_interval(ckpt_s: float, mtbf_s: float) -> float:
 
 def expected_goodput(interval_s: float, ckpt_s: float, restart_s: float, mtbf_s: float
                      ) -> float:
-    """Useful work / expected wall time under Daly's model (exponential failures)."""
-    wall_per_segment = (mtbf_s * math.exp(restart_s / mtbf_s)
-                        * math.expm1((interval_s + ckpt_s) / mtbf_s))
+    """Useful work / expected wall time under Daly's model (exponential failures); 0 where
+    the expected wall time overflows a float (C + tau or R hundreds of times M)."""
+    try:
+        wall_per_segment = (mtbf_s * math.exp(restart_s / mtbf_s)
+                            * math.expm1((interval_s + ckpt_s) / mtbf_s))
+    except OverflowError:
+        return 0.0
     return interval_s / wall_per_segment
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from antifragile.chaos.scenario import load_scenario
 from antifragile.chaos.tune.measure import measure_costs, scenario_mtbf_s, sweep, sweep_every
 from antifragile.chaos.tune.model import Costs, Distribution, TuneError, project
-from antifragile.chaos.tune.simulate import plot, tune
+from antifragile.chaos.tune.simulate import check_simulation, plot, tune
 
 
 def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | None,
@@ -34,6 +34,7 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
         raise TuneError(f"--mtbf-s must be > 0 seconds, got {mtbf_s}")
     if sweep_steps is not None and sweep_steps < 2:
         raise TuneError(f"--sweep-steps must be >= 2, got {sweep_steps}")
+    check_simulation(schedules, shape)  # before a scenario is run to measure the costs
     doc: dict[str, Any] = {}
     measured = s = None
     from_scenario = False

@@ -57,9 +57,16 @@ class _FailureTimes:
         return self.times
 
 
+#: a schedule that meets this many failures before it finishes is given up (its interval
+#: almost never completes a segment: nearly periodic Weibull failures, k >> 1, against an
+#: interval longer than M); without a bound the simulation never ended
+MAX_FAILURES = 10_000
+
+
 def _wall_times(interval_s: float, segments: int, ckpt_s: float, restart_s: float,
                 failures: _FailureTimes) -> np.ndarray:
-    """Wall time of each schedule to finish ``segments`` x (work + checkpoint).
+    """Wall time of each schedule to finish ``segments`` x (work + checkpoint); ``inf`` for a
+    schedule given up after :data:`MAX_FAILURES` failures.
 
     One pass per failure: work resumes ``pause`` seconds after ``t`` (R after a failure,
     0 at the start); a failure before that restarts the restart.
@@ -73,6 +80,11 @@ def _wall_times(interval_s: float, segments: int, ckpt_s: float, restart_s: floa
     wall = np.zeros(n)
     active = np.arange(n)
     while active.size:
+        given_up = nxt[active] >= MAX_FAILURES
+        wall[active[given_up]] = math.inf
+        active = active[~given_up]
+        if not active.size:
+            break
         times = failures.upto(int(nxt[active].max()))
         f = times[active, nxt[active]]
         start = t[active] + pause[active]
@@ -103,6 +115,21 @@ class Curve:
         return int(np.argmax(self.goodput))
 
 
+def check_simulation(schedules: int, shape: float) -> None:
+    """Raise TuneError for settings the simulation cannot take (every tuning simulates the
+    Weibull law too, so its shape is always used)."""
+    if schedules < 2:
+        raise TuneError(f"schedules must be >= 2, got {schedules}")
+    if not (math.isfinite(shape) and shape > 0):
+        raise TuneError(f"the Weibull shape must be a finite number > 0, got {shape}")
+
+
+#: below this model goodput at the best interval the job makes almost no progress: a
+#: failure-free stretch of C + tau takes ~1/goodput failures, so a simulated schedule needs
+#: that many and the simulation would not end (C/M = 5: 60 s and 2 GB; C/M = 10: never)
+MIN_GOODPUT = 0.01
+
+
 def simulate(intervals_s: list[float], costs: Costs, *, dist: Distribution = "exponential",
              shape: float = 0.7, schedules: int = 2000, seed: int = 0,
              failures_per_schedule: int = 100) -> Curve:
@@ -112,10 +139,7 @@ def simulate(intervals_s: list[float], costs: Costs, *, dist: Distribution = "ex
     ``failures_per_schedule`` failures, so the estimate W / mean(wall) is unbiased for
     Daly's expected goodput (exponential case) and comparable across intervals.
     """
-    if schedules < 2:
-        raise TuneError(f"schedules must be >= 2, got {schedules}")
-    if dist == "weibull" and not shape > 0:
-        raise TuneError(f"the Weibull shape must be > 0, got {shape}")
+    check_simulation(schedules, shape if dist == "weibull" else 1.0)
     failures = _FailureTimes(dist, shape, costs.mtbf_s, schedules, seed)
     goodput, low, high = [], [], []
     for tau in intervals_s:
@@ -123,6 +147,11 @@ def simulate(intervals_s: list[float], costs: Costs, *, dist: Distribution = "ex
         segments = max(1, math.ceil(failures_per_schedule * costs.mtbf_s * model / tau))
         wall = _wall_times(tau, segments, costs.ckpt_s, costs.restart_s, failures)
         work = segments * tau
+        if not np.isfinite(wall).all():  # a schedule was given up: no useful work to speak of
+            goodput.append(0.0)
+            low.append(0.0)
+            high.append(0.0)
+            continue
         mean, se = float(wall.mean()), float(wall.std(ddof=1)) / math.sqrt(schedules)
         goodput.append(work / mean)
         low.append(work / (mean + 1.96 * se))
@@ -183,6 +212,15 @@ class Tuning:
 def tune(costs: Costs, *, dist: Distribution = "exponential", shape: float = 0.7,
          schedules: int = 2000, seed: int = 0) -> Tuning:
     """Recommend the candidate interval with the best simulated goodput under ``dist``."""
+    best = optimal_interval(costs.ckpt_s, costs.mtbf_s)
+    at_best = expected_goodput(best, costs.ckpt_s, costs.restart_s, costs.mtbf_s)
+    if at_best < MIN_GOODPUT:
+        raise TuneError(f"with checkpoint cost C = {costs.ckpt_s:g} s, restart + restore R = "
+                        f"{costs.restart_s:g} s and MTBF M = {costs.mtbf_s:g} s the job "
+                        f"makes almost no progress at any interval: goodput {at_best:.2g} at "
+                        f"best (interval {best:.3g} s), below {MIN_GOODPUT:g}; failures come "
+                        "faster than a checkpoint or restart completes, so there is nothing "
+                        "to tune (make C and R smaller than M)")
     intervals = candidate_intervals(costs)
     curves: dict[str, Curve] = {
         d: simulate(intervals, costs, dist=d, shape=shape, schedules=schedules, seed=seed)
@@ -193,7 +231,20 @@ def tune(costs: Costs, *, dist: Distribution = "exponential", shape: float = 0.7
     chosen = curves[dist]
     i = chosen.best()
     tau = chosen.intervals_s[i]
+    if chosen.goodput[i] == 0:
+        shape_note = f" k={shape:g}" if dist == "weibull" else ""
+        raise TuneError(f"under {dist}{shape_note} failures with MTBF M = {costs.mtbf_s:g} s "
+                        f"no interval completes: for every candidate interval "
+                        f"({intervals[0]:.3g}-{intervals[-1]:.3g} s, plus checkpoint cost "
+                        f"C = {costs.ckpt_s:g} s) a simulated schedule met {MAX_FAILURES} "
+                        "failures before finishing, so the job makes almost no progress at "
+                        "any interval")
+    gave_up = [d for d, c in curves.items() if 0.0 in c.goodput]
     notes = []
+    if gave_up:
+        notes.append(f"some intervals never completed in the {' and '.join(gave_up)} "
+                     f"simulation (a schedule met {MAX_FAILURES} failures first): goodput 0 "
+                     "there")
     if gap > SIM_TOLERANCE:
         notes.append(f"the exponential simulation sits {gap:.3f} from the analytic model "
                      f"(tolerance {SIM_TOLERANCE}); use more schedules")
