@@ -122,12 +122,14 @@ class TrainerSpec(_Strict):
                              "watchdogs before it is declared lost")
         total = self.parallel.world_size + self.spare_workers
         if self.nodes > 1 and total % self.nodes:
-            raise ValueError(f"spares: {self.parallel.world_size} ranks + {self.spare_workers} "
+            key = "spares" if self.spare_workers else "nodes"  # what the user may change
+            raise ValueError(f"{key}: {self.parallel.world_size} ranks + {self.spare_workers} "
                              f"spare(s) = {total} workers cannot be split evenly over "
                              f"{self.nodes} nodes (torchrun starts as many on each)")
         limit = max_workers()
         if total > limit:
-            raise ValueError(f"spares: {self.parallel.world_size} ranks + "
+            key = "spares" if self.spare_workers else "parallel"
+            raise ValueError(f"{key}: {self.parallel.world_size} ranks + "
                              f"{self.spare_workers} spare(s) = {total} worker processes; "
                              f"this machine holds at most {limit} ({_LIMIT_REASON})")
         return self
@@ -390,6 +392,9 @@ def _format_error(path: str, exc: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
+        elif err["type"] == "union_tag_not_found":  # a fault entry without its kind
+            loc = f"{loc}.kind" if loc else "kind"
+            msg = f"missing (known: {', '.join(sorted(FAULT_CONFIGS))})"
         elif err["type"] == "union_tag_invalid":
             msg = (f"unknown fault kind {err['input'].get('kind')!r} "
                    f"(known: {', '.join(sorted(FAULT_CONFIGS))})")

@@ -46,6 +46,15 @@ def _with(**changes: Any) -> dict[str, Any]:
     (_with(trainer={"parallel": {"dp": 3}, "batch_size": 8}), "not divisible by dp 3"),
     ({"trainer": {}}, "s.yaml: name: Field required"),
     ([1, 2], "s.yaml: a scenario must be a mapping"),
+    # was pydantic's "Unable to extract tag using discriminator 'kind'"
+    (_with(faults=[{"rank": 0, "at_step": 3}]),
+     "s.yaml: faults.0.kind: missing (known: corrupt_shard, crash_during_save"),
+    # were "trainer: spares: ..." with no spares in the file: the key to change is another
+    (_with(trainer={"parallel": {"dp": 2}, "nodes": 4}),
+     "s.yaml: trainer: nodes: 2 ranks + 0 spare(s) = 2 workers cannot be split evenly over 4"),
+    (_with(trainer={"parallel": {"dp": 4096}, "batch_size": 4096}),
+     "s.yaml: trainer: parallel: 4096 ranks + 0 spare(s) = 4096 worker processes; this "
+     "machine holds at most"),
 ])
 def test_bad_scenarios_are_rejected_with_the_key_path(doc: Any, message: str) -> None:
     with pytest.raises(ScenarioError) as exc:
