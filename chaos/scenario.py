@@ -271,8 +271,17 @@ TrainerChoice = Annotated[
     Discriminator(_trainer_kind)]
 
 
+#: ``checkpoint.storage_options`` -> the environment variable it becomes for chaos, its S3 checks
+#: and every rank (the names s3fs and the engine take in ``storage_options``)
+S3_OPTION_VARS = {"endpoint_url": "AWS_ENDPOINT_URL", "key": "AWS_ACCESS_KEY_ID",
+                  "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN",
+                  "region_name": "AWS_DEFAULT_REGION"}
+
+
 class CheckpointSpec(_Strict):
     url: str | None = None
+    #: for an s3:// url: the endpoint and credentials, over the environment's AWS_* variables
+    storage_options: dict[str, str] | None = None
     every_steps: Annotated[StrictInt, Field(ge=1)] = 10
     async_: bool = Field(True, alias="async")
     keep_last: Annotated[StrictInt, Field(ge=1)] = 3
@@ -287,6 +296,27 @@ class CheckpointSpec(_Strict):
             raise ValueError(f"{engine} is run on local storage only, but url is {url} "
                              "(use engine antifragile, or a local path)")
         return engine
+
+    @model_validator(mode="after")
+    def _s3_options(self) -> CheckpointSpec:
+        if self.storage_options is None:
+            return self
+        if not (self.url or "").startswith("s3://"):
+            where = self.url or "the run's local folder"
+            raise ValueError(f"storage_options: only for an s3:// url, not {where}")
+        for key in self.storage_options:
+            if key not in S3_OPTION_VARS:
+                raise ValueError(f"storage_options.{key}: unknown option (known: "
+                                 f"{', '.join(S3_OPTION_VARS)})")
+        return self
+
+    def s3_environment(self) -> dict[str, str]:
+        """``storage_options`` as the AWS_* variables (the endpoint under both of botocore's
+        names, so it wins over an ``AWS_ENDPOINT_URL_S3`` of the environment)."""
+        env = {S3_OPTION_VARS[k]: v for k, v in (self.storage_options or {}).items()}
+        if "AWS_ENDPOINT_URL" in env:
+            env["AWS_ENDPOINT_URL_S3"] = env["AWS_ENDPOINT_URL"]
+        return env
 
 
 class Expect(_Strict):
@@ -395,6 +425,8 @@ def _format_error(path: str, exc: ValidationError) -> str:
         elif err["type"] == "union_tag_not_found":  # a fault entry without its kind
             loc = f"{loc}.kind" if loc else "kind"
             msg = f"missing (known: {', '.join(sorted(FAULT_CONFIGS))})"
+        elif err["type"] in ("model_type", "dict_type"):  # pydantic's names out of the message
+            msg = _not_a_mapping(err["input"])
         elif err["type"] == "union_tag_invalid":
             msg = (f"unknown fault kind {err['input'].get('kind')!r} "
                    f"(known: {', '.join(sorted(FAULT_CONFIGS))})")
@@ -402,10 +434,20 @@ def _format_error(path: str, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def _not_a_mapping(value: Any) -> str:
+    if value is None:
+        return "is empty: give its keys (key: value lines), or leave it out"
+    return f"must be a mapping (key: value lines), got {type(value).__name__} {value!r:.40}"
+
+
 def parse_scenario(data: Any, *, path: str = "<scenario>") -> Scenario:
     """``path`` names the file in errors; a command's script is looked for next to it first."""
+    if data is None:
+        raise ScenarioError(f"{path}: the file holds no scenario (only comments?); a scenario "
+                            "needs at least a name")
     if not isinstance(data, dict):
-        raise ScenarioError(f"{path}: a scenario must be a mapping, got {type(data).__name__}")
+        raise ScenarioError(f"{path}: a scenario must be a mapping (key: value lines), got "
+                            f"{type(data).__name__}")
     base_dirs = [Path(path).resolve().parent] if os.path.isfile(path) else []
     try:
         return Scenario.model_validate(data, context={"base_dirs": base_dirs})

@@ -4,6 +4,7 @@ holds someone else's checkpoints; for ``chaos run`` and ``chaos ckpt`` (exit 2).
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import uuid
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 from antifragile.chaos.cli import main
 from antifragile.chaos.infra import s3
 from antifragile.chaos.infra.s3 import CHECK_BOUND_S, S3SetupError, check_bucket
+from antifragile.chaos.scenario import load_scenario
 
 
 @pytest.fixture
@@ -80,12 +82,14 @@ def test_refused_credentials(s3_bucket: tuple[str, dict[str, Any]]) -> None:
 # -- chaos run: exit 2 before anything starts --------------------------------------------------
 
 
-def _scenario(tmp_path: Path, url: str) -> Path:
+def _scenario(tmp_path: Path, url: str, storage_options: dict[str, str] | None = None) -> Path:
     path = tmp_path / "s.yaml"
+    checkpoint: dict[str, Any] = {"url": url, "every_steps": 4}
+    if storage_options:
+        checkpoint["storage_options"] = storage_options
     path.write_text(yaml.safe_dump({
         "name": "bad-s3", "trainer": {"parallel": {"dp": 2}, "steps": 8},
-        "checkpoint": {"url": url, "every_steps": 4},
-        "expect": {"bitwise_equal_to_reference": False}}))
+        "checkpoint": checkpoint, "expect": {"bitwise_equal_to_reference": False}}))
     return path
 
 
@@ -156,6 +160,30 @@ def test_chaos_run_refuses_bad_s3_input(tmp_path: Path, monkeypatch: pytest.Monk
     code, output, seconds = _run(tmp_path, url)
     assert code == 2 and expected in output and seconds < CHECK_BOUND_S, output
     assert output.startswith(f"error: {tmp_path / 's.yaml'}: checkpoint.url {url}")
+
+
+@pytest.mark.s3
+def test_a_scenarios_storage_options_name_the_endpoint_and_credentials(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    """``checkpoint.storage_options`` reach S3 without AWS_* variables (no local cluster is
+    started), for chaos's own checks and the trainer's environment; wrong credentials there
+    are the same one-line error as in the environment."""
+    url, options = s3_bucket
+    for var in (*s3.ENDPOINT_VARS, "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    given = {"endpoint_url": options["endpoint_url"], "key": options["key"],
+             "secret": options["secret"]}
+    scenario = load_scenario(_scenario(tmp_path, url, given))
+    with s3.run_storage(scenario, tmp_path / "out", progress=lambda line: None) as storage:
+        assert storage.cluster is None and storage.endpoint == options["endpoint_url"]
+        assert storage.trainer_env["AWS_ENDPOINT_URL"] == options["endpoint_url"]
+        assert storage.trainer_env["AWS_SECRET_ACCESS_KEY"] == options["secret"]
+    assert "AWS_ENDPOINT_URL" not in os.environ  # only for the run
+    path = _scenario(tmp_path, url, {**given, "secret": "wrong"})
+    code, output, _ = _chaos(["run", str(path), "--out", str(tmp_path / "out2"),
+                              "--no-reference"])
+    assert code == 2 and "the endpoint refused the credentials (access key" in output, output
 
 
 # -- chaos ckpt --------------------------------------------------------------------------------

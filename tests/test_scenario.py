@@ -46,6 +46,17 @@ def _with(**changes: Any) -> dict[str, Any]:
     (_with(trainer={"parallel": {"dp": 3}, "batch_size": 8}), "not divisible by dp 3"),
     ({"trainer": {}}, "s.yaml: name: Field required"),
     ([1, 2], "s.yaml: a scenario must be a mapping"),
+    (None, "s.yaml: the file holds no scenario (only comments?)"),
+    # were pydantic's "Input should be a valid dictionary or instance of TrainerSpec"
+    (_with(trainer=None), "s.yaml: trainer: is empty: give its keys (key: value lines), or "
+     "leave it out"),
+    (_with(trainer={"parallel": 2}), "s.yaml: trainer.parallel: must be a mapping (key: value "
+     "lines), got int 2"),
+    (_with(checkpoint={"storage_options": {"endpoint_url": "http://h:1"}}),
+     "s.yaml: checkpoint: storage_options: only for an s3:// url, not the run's local folder"),
+    (_with(checkpoint={"url": "s3://b/p", "storage_options": {"endpoint": "http://h:1"}}),
+     "s.yaml: checkpoint: storage_options.endpoint: unknown option (known: endpoint_url, key, "
+     "secret, token, region_name)"),
     # was pydantic's "Unable to extract tag using discriminator 'kind'"
     (_with(faults=[{"rank": 0, "at_step": 3}]),
      "s.yaml: faults.0.kind: missing (known: corrupt_shard, crash_during_save"),

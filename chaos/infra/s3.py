@@ -262,7 +262,8 @@ def run_storage(s: Scenario, out: Path, progress: Callable[[str], None] = print
 
     For S3, this process's environment names the endpoint until exit (the checker and the
     faults read checkpoints directly), and a fault proxy runs if the scenario has a
-    ``storage_outage``.
+    ``storage_outage``. The scenario's ``checkpoint.storage_options`` (endpoint, credentials)
+    go over the environment's AWS_* variables, for this process and the trainer alike.
     """
     url = s.checkpoint.url
     if not is_s3(url):
@@ -271,6 +272,15 @@ def run_storage(s: Scenario, out: Path, progress: Callable[[str], None] = print
         yield RunStorage(url or str(out / "ckpt"))
         return
     assert url is not None
+    given = s.checkpoint.s3_environment()
+    with environ(given), _s3_run_storage(s, url, progress) as storage:
+        storage.trainer_env = {**given, **storage.trainer_env}
+        yield storage
+
+
+@contextlib.contextmanager
+def _s3_run_storage(s: Scenario, url: str, progress: Callable[[str], None]
+                    ) -> Iterator[RunStorage]:
     if s.trainer.nodes > 1:
         from antifragile.chaos.infra.netns import unavailable_reason
 
@@ -289,7 +299,8 @@ def run_storage(s: Scenario, out: Path, progress: Callable[[str], None] = print
     if node_faults and configured_endpoint():
         raise S3SetupError(f"faults.{node_faults[0]}.kind: storage_node_down stops a volume "
                            "server of the SeaweedFS cluster chaos starts, but the endpoint "
-                           f"{configured_endpoint()} comes from AWS_ENDPOINT_URL; unset it")
+                           f"{configured_endpoint()} is given (AWS_ENDPOINT_URL or "
+                           "checkpoint.storage_options); leave it out")
     with endpoint() as ep, environ(ep.env):
         prepare(url, ep)
         if ep.cluster is not None:
