@@ -288,6 +288,13 @@ class CheckpointSpec(_Strict):
     #: the engine under test: ours, torch.distributed.checkpoint, or torchsnapshot
     engine: Literal["antifragile", "dcp", "torchsnapshot"] = "antifragile"
 
+    @field_validator("url")
+    @classmethod
+    def _bucket(cls, url: str | None) -> str | None:
+        if url is not None and url.startswith("s3://") and not url[5:].split("/", 1)[0]:
+            raise ValueError(f"{url} names no bucket (give s3://bucket/prefix)")
+        return url
+
     @field_validator("engine")
     @classmethod
     def _peer_storage(cls, engine: str, info: ValidationInfo) -> str:

@@ -140,7 +140,8 @@ def read_marker(storage: Storage, step: int) -> tuple[dict[str, Any], Manifest]:
     try:
         data = storage.read(f"{step_dir(step)}/{COMMIT}")
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"step {step} is not committed") from None
+        raise CheckpointNotFoundError(f"step {step} is not committed under {storage.url}"
+                                      ) from None
     return parse_marker(data, step)
 
 

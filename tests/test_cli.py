@@ -66,7 +66,7 @@ def test_verify_of_a_step_deleted_after_the_listing_is_a_clear_error(
     monkeypatch.setattr(commit, "committed_steps", lambda storage: [10, 20, 30])
     result = CliRunner().invoke(main, ["ckpt", "verify", url])
     assert result.exit_code == 2, result.output
-    assert "error: step 30 is not committed" in result.output
+    assert f"error: step 30 is not committed under {url}" in result.output
     assert "DAMAGED" not in result.output and "Traceback" not in result.output
 
 
@@ -97,7 +97,7 @@ def test_a_step_that_is_not_committed_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "none").mkdir()
     result = CliRunner().invoke(main, ["ckpt", "inspect", str(tmp_path / "none"), "--step", "1"])
     assert result.exit_code == 2
-    assert "step 1 is not committed" in result.output
+    assert f"step 1 is not committed under {tmp_path / 'none'}" in result.output
 
 
 def test_a_local_url_that_is_missing_or_a_file_is_bad_input(tmp_path: Path) -> None:

@@ -62,6 +62,13 @@ def test_an_endpoint_that_refuses_connections(closed_endpoint: str) -> None:
 
 
 @pytest.mark.s3
+def test_a_url_without_a_bucket() -> None:
+    """was botocore's ParamValidationError with its two bucket-name regexes"""
+    with pytest.raises(S3SetupError, match=r"^s3://: no bucket in the URL \(give "
+                       r"s3://bucket/prefix\)$"):
+        check_bucket("s3://", "http://127.0.0.1:1", OPTIONS)
+
+
 def test_a_missing_bucket(s3_server: dict[str, Any]) -> None:
     with pytest.raises(S3SetupError, match=r"^s3://no-such-bucket-x/p: bucket 'no-such-bucket-x' "
                        r"does not exist at http://127\.0\.0\.1:\d+$"):

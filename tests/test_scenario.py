@@ -52,6 +52,8 @@ def _with(**changes: Any) -> dict[str, Any]:
      "leave it out"),
     (_with(trainer={"parallel": 2}), "s.yaml: trainer.parallel: must be a mapping (key: value "
      "lines), got int 2"),
+    (_with(checkpoint={"url": "s3:///p"}),
+     "s.yaml: checkpoint.url: s3:///p names no bucket (give s3://bucket/prefix)"),
     (_with(checkpoint={"storage_options": {"endpoint_url": "http://h:1"}}),
      "s.yaml: checkpoint: storage_options: only for an s3:// url, not the run's local folder"),
     (_with(checkpoint={"url": "s3://b/p", "storage_options": {"endpoint": "http://h:1"}}),

@@ -187,6 +187,8 @@ def check_bucket(url: str, endpoint_url: str | None = None,
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, _ = split_url(url)
+    if not bucket:
+        raise S3SetupError(f"{url}: no bucket in the URL (give s3://bucket/prefix)")
     try:
         client = _client(endpoint_url, options)
     except ValueError as exc:  # botocore: "Invalid endpoint: <url>" (given or AWS_ENDPOINT_URL)
