@@ -307,7 +307,7 @@ class CheckpointEngine:
         self._plan, self._staging, self._other_staging = plan, staging, None
 
     def _new_staging(self, flat: FlatState, plan: GlobalPlan | None = None) -> StagingArea:
-        plan = plan or self._plan
+        plan = self._plan if plan is None else plan
         assert plan is not None
         return StagingArea(plan.writes[self.rank], flat.tensors,
                            keep_in_memory=self.keep_in_memory)

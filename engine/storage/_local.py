@@ -317,6 +317,7 @@ class LocalStorage:
                         self._lost.update(dict.fromkeys(paths, str(exc)))
                 raise
 
+
 def _address(view: memoryview) -> int:
     """The address of a buffer's first byte."""
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
