@@ -82,7 +82,8 @@ def test_an_external_endpoint_is_refused_before_anything_runs(
     assert result.exit_code == 2 and time.monotonic() - start < 5
     assert result.output.startswith(f"error: {path}: faults.1.kind: storage_node_down stops a "
                                     "volume server of the SeaweedFS cluster chaos starts, but "
-                                    "the endpoint http://127.0.0.1:9 comes from AWS_ENDPOINT_URL")
+                                    "the endpoint http://127.0.0.1:9 comes from AWS_ENDPOINT_URL; "
+                                    "leave it out")
 
 
 def test_without_a_cluster_it_is_reported_skipped() -> None:

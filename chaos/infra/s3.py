@@ -298,11 +298,12 @@ def _s3_run_storage(s: Scenario, url: str, progress: Callable[[str], None]
                                f"network, which needs a plain http:// endpoint, not "
                                f"{configured}")
     node_faults = [i for i, f in enumerate(s.faults) if f.kind == "storage_node_down"]
+    source = ("checkpoint.storage_options.endpoint_url"
+              if "endpoint_url" in (s.checkpoint.storage_options or {}) else "AWS_ENDPOINT_URL")
     if node_faults and configured_endpoint():
         raise S3SetupError(f"faults.{node_faults[0]}.kind: storage_node_down stops a volume "
                            "server of the SeaweedFS cluster chaos starts, but the endpoint "
-                           f"{configured_endpoint()} is given (AWS_ENDPOINT_URL or "
-                           "checkpoint.storage_options); leave it out")
+                           f"{configured_endpoint()} comes from {source}; leave it out")
     with endpoint() as ep, environ(ep.env):
         prepare(url, ep)
         if ep.cluster is not None:
