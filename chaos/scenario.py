@@ -35,7 +35,7 @@ SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 
 
 _WORKER_MIB = 400  # resident memory of one CPU trainer worker (torch + a small model), measured
-_LIMIT_REASON = f"one worker needs ~{_WORKER_MIB} MiB; at most 16 per CPU core"
+WORKER_LIMIT_REASON = f"one worker needs ~{_WORKER_MIB} MiB; at most 16 per CPU core"
 
 
 def max_workers() -> int:
@@ -131,7 +131,7 @@ class TrainerSpec(_Strict):
             key = "spares" if self.spare_workers else "parallel"
             raise ValueError(f"{key}: {self.parallel.world_size} ranks + "
                              f"{self.spare_workers} spare(s) = {total} worker processes; "
-                             f"this machine holds at most {limit} ({_LIMIT_REASON})")
+                             f"this machine holds at most {limit} ({WORKER_LIMIT_REASON})")
         return self
 
     @model_validator(mode="after")

@@ -39,6 +39,8 @@ def out_folder(path: str, option: str = "--out") -> Path:
     or virtual file system) is bad input, reported before any work instead of a traceback
     after it."""
     folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        fail(f"{option} {path}: is a file, not a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -52,11 +52,11 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
         fail(f"--engine {engine!r}: unknown engine (known: {', '.join(ENGINES)})")
     if ranks < 1:
         fail(f"--ranks {ranks}: a saving job needs at least 1 rank")
-    from antifragile.chaos.scenario import max_workers
+    from antifragile.chaos.scenario import WORKER_LIMIT_REASON, max_workers
 
     if ranks > max_workers():
         fail(f"--ranks {ranks}: this machine holds at most {max_workers()} worker processes "
-             "(one needs ~400 MiB; at most 16 per CPU core)")
+             f"({WORKER_LIMIT_REASON})")
     for name in cases:
         if name not in CASES:
             fail(f"--case {name!r}: unknown case (known: {', '.join(CASES)})")
@@ -75,10 +75,7 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
         fail(f"--endpoint-url {endpoint_url}: the recording proxy needs a plain http:// "
              "endpoint")
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    folder = Path(out) if out else Path("reports") / f"crashcheck-{engine}-{stamp}"
-    if folder.exists() and not folder.is_dir():
-        fail(f"--out {folder}: is a file, not a folder")
-    out_folder(str(folder))
+    folder = out_folder(out or str(Path("reports") / f"crashcheck-{engine}-{stamp}"))
     chosen = cases or (("retention",) if retention else
                        ("save", "overwrite", "overwrite-committed"))
     if retention and cases and "retention" not in cases:
