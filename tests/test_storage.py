@@ -388,20 +388,16 @@ def test_errors_no_retry_can_change_are_not_retried() -> None:
     assert Refusing.calls == 1
 
 
-@pytest.mark.parametrize("dirty_bytes", [0, 1 << 40], ids=["syncfs-refused", "fsync-each"])
-def test_a_failed_fsync_fails_the_sync_and_no_retry_hides_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeps: list[float],
-        dirty_bytes: int) -> None:
-    """An fsync that fails (EIO: the disk lost the written pages) means the objects may not be
-    on disk. The retry of ``sync()`` found nothing left to flush and returned: the save went on
-    to write its record and COMMIT over data that was never made durable."""
+def _three_objects_and_a_failing_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       dirty_bytes: int) -> tuple[RetryingStorage, list[str]]:
+    """A retrying local storage holding ``c.0`` to ``c.2`` written, not yet synced, whose fsync
+    of ``c.1`` fails once with EIO (whichever thread flushes it); the list gets its path."""
     import errno
 
     from antifragile.engine.storage import LocalStorage
     from antifragile.engine.storage import _local as local_storage
 
-    monkeypatch.setattr(local_storage, "_dirty_bytes", lambda: dirty_bytes)
-    monkeypatch.setattr(local_storage, "_syncfs", lambda path: False)  # syncfs failed too
+    monkeypatch.setattr(local_storage, "_dirty_bytes", lambda: dirty_bytes)  # > 64 MiB: fsync each
     storage = RetryingStorage(LocalStorage(str(tmp_path)), attempts=6)
     for i in range(3):
         storage.write(f"step_000000001/w/c.{i}", [bytes(100)])
@@ -409,12 +405,26 @@ def test_a_failed_fsync_fails_the_sync_and_no_retry_hides_it(
 
     def fsync(fd: int) -> None:
         path = os.readlink(f"/proc/self/fd/{fd}")
-        if path.endswith("/c.1") and not failed:  # one file, whichever thread flushes it
+        if path.endswith("/c.1") and not failed:
             failed.append(path)
             raise OSError(errno.EIO, "Input/output error")
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
+    return storage, failed
+
+
+@pytest.mark.parametrize("dirty_bytes", [0, 1 << 40], ids=["syncfs-refused", "fsync-each"])
+def test_a_failed_fsync_fails_the_sync_and_no_retry_hides_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeps: list[float],
+        dirty_bytes: int) -> None:
+    """An fsync that fails (EIO: the disk lost the written pages) means the objects may not be
+    on disk. The retry of ``sync()`` found nothing left to flush and returned: the save went on
+    to write its record and COMMIT over data that was never made durable."""
+    from antifragile.engine.storage import _local as local_storage
+
+    monkeypatch.setattr(local_storage, "_syncfs", lambda path: False)  # syncfs failed too
+    storage, failed = _three_objects_and_a_failing_fsync(tmp_path, monkeypatch, dirty_bytes)
     with pytest.raises(StorageError, match="Input/output error") as raised:
         storage.sync()
     assert failed and failed[0] in str(raised.value), str(raised.value)
@@ -495,25 +505,7 @@ def test_an_fsync_failure_in_another_sync_fails_the_next_one(
     """The retention's sync took the next save's files and an fsync failed (its error only a
     retention warning): the save's own sync must fail too, not fsync the file again (the kernel
     reports a lost write once: a second fsync passes) and let the save commit."""
-    import errno
-
-    from antifragile.engine.storage import LocalStorage
-    from antifragile.engine.storage import _local as local_storage
-
-    monkeypatch.setattr(local_storage, "_dirty_bytes", lambda: 1 << 40)  # fsync each
-    storage = RetryingStorage(LocalStorage(str(tmp_path)), attempts=6)
-    for i in range(3):
-        storage.write(f"step_000000002/w/c.{i}", [bytes(100)])
-    real_fsync, failed = os.fsync, []
-
-    def fsync(fd: int) -> None:
-        path = os.readlink(f"/proc/self/fd/{fd}")
-        if path.endswith("/c.1") and not failed:
-            failed.append(path)
-            raise OSError(errno.EIO, "Input/output error")
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
+    storage, _ = _three_objects_and_a_failing_fsync(tmp_path, monkeypatch, 1 << 40)
     with pytest.raises(StorageError):
         storage.sync()  # the retention's
     with pytest.raises(StorageError, match=r"c\.1") as raised:
