@@ -262,6 +262,35 @@ def test_sync_flushes_what_the_storage_wrote_and_nothing_else(
     assert fsynced == []
 
 
+@pytest.mark.parametrize(("release", "syncfs"), [("5.4.0-150-generic", False), ("5.7.19", False),
+                                                 ("5.8.0", True), ("6.18.44-fc-v1272", True)])
+def test_syncfs_only_where_it_reports_lost_writes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, release: str, syncfs: bool) -> None:
+    """Before Linux 5.8 ``syncfs`` returned 0 even when the writeback of a file failed: a disk
+    that lost a save's pages would have passed ``sync()`` and the step been committed. There
+    each file is fsynced (which reports a lost write on every kernel), whatever the dirty
+    page cache."""
+    libc = local_storage._libc()
+    calls: list[str] = []
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            if name == "syncfs":
+                return lambda fd: calls.append(name) or libc.syncfs(fd)
+            return getattr(libc, name)
+
+    real = os.uname()
+    monkeypatch.setattr(os, "uname", lambda: os.uname_result(
+        (real.sysname, real.nodename, release, real.version, real.machine)))
+    monkeypatch.setattr(local_storage, "_libc", lambda: Counting())
+    monkeypatch.setattr(local_storage, "_dirty_bytes", lambda: 0)
+    storage = LocalStorage(str(tmp_path))
+    for i in range(3):
+        storage.write(f"step_1/w/c.{i}", [bytes(100)])
+    storage.sync()
+    assert calls == (["syncfs"] if syncfs else [])
+
+
 def test_folders_are_made_once_and_again_when_removed_behind_the_storage(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A save writes hundreds of objects into a few folders: the storage remembers the folders

@@ -7,8 +7,9 @@ journal commit (150 small arrays: 20 ms, against 65-70 ms for an fsync of each o
 files and 450 directories on 8 threads), but it also writes out every other writer's dirty
 pages on that file system (a pip install, a data loader's cache, another job): after a 600 MB
 write a quickstart save took seconds to commit. So ``syncfs`` is used only while the whole
-machine holds little dirty data (``SYNCFS_MAX_DIRTY``, from ``/proc/vmstat``); otherwise each
-file and directory is fsynced, on a few threads at once.
+machine holds little dirty data (``SYNCFS_MAX_DIRTY``, from ``/proc/vmstat``) and the kernel
+reports a failed writeback through it (Linux 5.8 on); otherwise each file and directory is
+fsynced, on a few threads at once.
 
 An object whose first part is a page-aligned buffer (a staged shard object, see ``stage``) is
 written with O_DIRECT: its aligned prefix goes from that buffer to the device without a copy
@@ -29,6 +30,7 @@ import fcntl
 import functools
 import logging
 import os
+import re
 import shutil
 import threading
 from collections.abc import Sequence
@@ -341,15 +343,23 @@ def _dirty_bytes() -> int:
 
 
 def _syncfs(path: str) -> bool:
-    """``syncfs(2)`` on the file system holding ``path``; False where unavailable."""
+    """``syncfs(2)`` on the file system holding ``path``; False where unavailable, and before
+    Linux 5.8, where it returned 0 although a file's writeback had failed (an fsync of each
+    file reports that on every kernel)."""
     libc = _libc()
-    if libc is None or not hasattr(libc, "syncfs"):
+    if libc is None or not hasattr(libc, "syncfs") or _kernel_release() < (5, 8):
         return False
     fd = os.open(path, os.O_RDONLY)
     try:
         return bool(libc.syncfs(fd) == 0)
     finally:
         os.close(fd)
+
+
+def _kernel_release() -> tuple[int, int]:
+    """The running Linux kernel's major and minor version; (0, 0) where it cannot be read."""
+    match = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return (int(match[1]), int(match[2])) if match else (0, 0)
 
 
 def _fsync(path: str) -> None:
