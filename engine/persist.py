@@ -10,7 +10,9 @@ it is written only after all of them are durable, so a record never refers to a 
 from __future__ import annotations
 
 import json
-from concurrent.futures import Executor
+import threading
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Executor
 from typing import Any
 
 from torch.distributed.tensor import DTensor
@@ -129,14 +131,28 @@ def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
         storage.write(f"{base}/{key}", [data])
         return key, len(data), [_format.crc(data)]
 
-    futures = [pool.submit(put_cell, i) for i in range(len(staging.cells))]
-    futures += [pool.submit(put_doc, k, v) for k, v in extra.items()]
+    failed = threading.Event()  # after a failure the writes not yet begun are not made
+
+    def unless_failed(put: Callable[..., tuple[str, int, list[int]]], *args: Any
+                      ) -> tuple[str, int, list[int]]:
+        if failed.is_set():
+            raise CancelledError
+        try:
+            return put(*args)
+        except BaseException:
+            failed.set()
+            raise
+
+    futures = [pool.submit(unless_failed, put_cell, i) for i in range(len(staging.cells))]
+    futures += [pool.submit(unless_failed, put_doc, k, v) for k, v in extra.items()]
     manifest = Manifest(nonce)
     errors = []
     for fut in futures:
         try:
             manifest.add(*fut.result())
-        except Exception as exc:  # collect all; report the first
+        except CancelledError:
+            pass
+        except Exception as exc:  # report the first
             errors.append(exc)
     if errors:
         raise errors[0]

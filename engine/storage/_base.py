@@ -25,7 +25,9 @@ PERMANENT: tuple[type[BaseException], ...] = (
     FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
     ValueError, TypeError, KeyError, CheckpointError, NotImplementedError,
 )
-PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EROFS})  # no retry changes them
+# No retry changes them; a full disk or quota neither, in the 1.5 s a retry waits, and a save
+# that waits for space holds every later save back as busy (``disk_full``).
+PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EROFS, errno.ENOSPC, errno.EDQUOT})
 
 
 class Storage(Protocol):
