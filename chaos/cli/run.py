@@ -102,7 +102,8 @@ def _fault_line(f: dict[str, Any]) -> str:
         o = f["outage"]
         stall = "-" if o["extra_stall_s"] is None else f"{o['extra_stall_s']:.2f} s"
         server = f"volume server {o['server']}, " if o.get("server") is not None else ""
-        return (f"{f['kind']} ({server}{o['mode']}, {o['duration_s']:g} s) at step "
+        mode = f"{o['mode']}, " if o.get("mode") else ""
+        return (f"{f['kind']} ({server}{mode}{o['duration_s']:g} s) at step "
                 f"{f['injected_step']}: training went on: {o['training_continued']}; "
                 f"checkpoints delayed {o['checkpoints_delayed']}, failed "
                 f"{o['checkpoints_failed']}, skipped {o['checkpoints_skipped']}; "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from antifragile.chaos.faults.base import FaultBase, Injection, Target
 from antifragile.chaos.faults.corrupt_shard import CorruptShard
 from antifragile.chaos.faults.crash_during_save import CrashDuringSave
+from antifragile.chaos.faults.disk_full import DiskFull
 from antifragile.chaos.faults.drop_link import DropLink
 from antifragile.chaos.faults.hang_rank import HangRank
 from antifragile.chaos.faults.host_down import HostDown
@@ -21,8 +22,9 @@ FAULT_CONFIGS: dict[str, type[FaultBase]] = {
     "host_down": HostDown,
     "storage_outage": StorageOutage,
     "storage_node_down": StorageNodeDown,
+    "disk_full": DiskFull,
 }
 FaultConfig = (KillRank | HangRank | CrashDuringSave | CorruptShard | StorageOutage | DropLink
-               | StorageNodeDown | HostDown)
+               | StorageNodeDown | HostDown | DiskFull)
 
 __all__ = ["FAULT_CONFIGS", "FaultBase", "FaultConfig", "Injection", "Target"]

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from antifragile.chaos.infra.netns import Network
     from antifragile.chaos.infra.proxy import FaultProxy
     from antifragile.chaos.infra.seaweedfs import SeaweedCluster
+    from antifragile.chaos.infra.volume import Volume
 
 
 #: A time in seconds: a number (not a YAML ``true``), finite (an infinite or NaN time divides
@@ -144,6 +145,8 @@ class Target:
     storage_proxy_unavailable: str | None = None  # why there is none, if one was wanted
     storage_cluster: SeaweedCluster | None = None  # the S3 store chaos started, for node faults
     storage_cluster_unavailable: str | None = None  # why there is none
+    volume: Volume | None = None  # the file system chaos mounted for the checkpoints
+    volume_unavailable: str | None = None  # why there is none, if one was wanted
     hit: set[int] = field(default_factory=set)  # ranks a fault already signalled (this point)
 
     def resolve(self, rank: RankTarget) -> int:

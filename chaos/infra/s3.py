@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from antifragile.chaos.faults.disk_full import DiskFull
 from antifragile.chaos.infra.proxy import FaultProxy
 from antifragile.chaos.infra.seaweedfs import SeaweedCluster, SeaweedError
+from antifragile.chaos.infra.volume import Volume, checkpoint_volume
 from antifragile.chaos.scenario import Scenario
 
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # botocore's order of precedence
@@ -71,6 +73,8 @@ class RunStorage:
     endpoint: str | None = None  # the S3 endpoint (not the proxy), for the report
     cluster: SeaweedCluster | None = None  # the local cluster, for storage_node_down
     cluster_unavailable: str | None = None  # why there is none
+    volume: Volume | None = None  # a file system of the run's own, for disk_full
+    volume_unavailable: str | None = None  # why there is none
 
 
 def configured_endpoint() -> str | None:
@@ -271,7 +275,15 @@ def run_storage(s: Scenario, out: Path, progress: Callable[[str], None] = print
     if not is_s3(url):
         if url:  # a folder chaos does not own: never cleared, so it must hold no run yet
             check_local(url, s.checkpoint.engine)
-        yield RunStorage(url or str(out / "ckpt"))
+        sizes = [f.volume_mib for f in s.faults if isinstance(f, DiskFull)]
+        if url or not sizes:
+            yield RunStorage(url or str(out / "ckpt"))
+            return
+        with checkpoint_volume(out / "volume", max(sizes)) as volume:
+            if isinstance(volume, Volume):
+                yield RunStorage(str(volume.path / "ckpt"), volume=volume)
+            else:
+                yield RunStorage(str(out / "ckpt"), volume_unavailable=volume)
         return
     assert url is not None
     given = s.checkpoint.s3_environment()

@@ -21,6 +21,7 @@ STORAGE_FAULTS: dict[str, tuple[str, ...]] = {
     "storage_outage": ("mode", "duration_s", "latency_s", "requests_faulted",
                        "connections_passed", "requests_delayed"),
     "storage_node_down": ("mode", "duration_s", "server", "pid", "restarted_pid", "error"),
+    "disk_full": ("duration_s", "volume_mib", "filled_bytes", "error"),
 }
 
 
@@ -89,6 +90,25 @@ def node_down_effect(outage: dict[str, Any] | None) -> tuple[bool, str]:
                        f"{outage.get('duration_s')} s")
     outcomes = ", ".join(f"step {r['step']} {r['outcome']}" for r in rows)
     return True, f"{len(rows)} save(s) in flight while the volume server was down: {outcomes}"
+
+
+def disk_full_effect(outage: dict[str, Any] | None) -> tuple[bool, str]:
+    """A full disk matters if a save ran into it: one failed for want of space. Saves that all
+    committed meanwhile (the fill lost the race) or none at all proved nothing."""
+    if outage is None:
+        return False, "the full disk's window was never measured"
+    if outage.get("error"):
+        return False, f"the disk was never filled: {outage['error']}"
+    rows = outage.get("checkpoints") or []
+    if not rows:
+        return False, f"no save ran while the disk was full for {outage.get('duration_s')} s"
+    full = [r for r in rows if "No space left" in (r.get("error") or "")]
+    outcomes = ", ".join(f"step {r['step']} {r['outcome']}" for r in rows)
+    if not full:
+        return False, (f"no save failed for want of space while the disk was full "
+                       f"({outcomes})")
+    return True, (f"{len(full)} save(s) refused for want of space (ENOSPC) while the disk "
+                  f"was full: {outcomes}")
 
 
 def crash_effect(record: RunRecord, injection: Injection, attempt: int,
@@ -172,7 +192,10 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
             (during if prev_t <= t1 and t >= t0 else outside).append(t - prev_t)
     pace_s = _median(outside)
     attempt = record.attempt_at(t0)
-    restarted = any(e["event"] == "start" and e["attempt"] > attempt and t0 <= e["t"] <= t1
+    # a restart in the window after a fault on the job (a kill inside it) is that fault's
+    struck_t = min((i.t for i in record.injections if i.kind not in STORAGE_FAULTS
+                    and not i.skipped and not i.missed and t0 <= i.t <= t1), default=t1)
+    restarted = any(e["event"] == "start" and e["attempt"] > attempt and t0 <= e["t"] <= struck_t
                     for e in record.events)
     steps_during = sum(1 for t, a in steps if t0 <= t <= t1 and a == attempt)
     later = [c["step"] for c in saves if c["committed"] and c["staged_t"] is not None

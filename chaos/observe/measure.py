@@ -10,6 +10,7 @@ from antifragile.chaos.observe.effects import (
     STORAGE_FAULTS,
     corrupt_effect,
     crash_effect,
+    disk_full_effect,
     link_noticed,
     node_down_effect,
     outage_effect,
@@ -217,6 +218,9 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
         return timings
     if injection.kind == "storage_node_down":
         timings.effect_observed, timings.effect = node_down_effect(timings.outage)
+        return timings
+    if injection.kind == "disk_full":
+        timings.effect_observed, timings.effect = disk_full_effect(timings.outage)
         return timings
     caused, timings.effect = _ended_attempt(record, injection, attempt, window_s)
     timings.effect_observed = caused

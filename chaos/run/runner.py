@@ -333,4 +333,6 @@ def _target(s: Scenario, pids: dict[int, int], ckpt_url: str, rng: random.Random
                   storage_proxy=storage.proxy if storage else None,
                   storage_proxy_unavailable=storage.proxy_unavailable if storage else None,
                   storage_cluster=storage.cluster if storage else None,
-                  storage_cluster_unavailable=storage.cluster_unavailable if storage else None)
+                  storage_cluster_unavailable=storage.cluster_unavailable if storage else None,
+                  volume=storage.volume if storage else None,
+                  volume_unavailable=storage.volume_unavailable if storage else None)

@@ -1,0 +1,55 @@
+"""``disk_full``: the checkpoints' file system has no free space for ``duration_s``.
+
+The checkpoints go to a tmpfs of ``volume_mib`` that chaos mounts for the run
+(``chaos/infra/volume.py``); the fault is made from outside the trainer, like another job
+filling a shared disk: chaos grows a file over the free space and keeps taking what is freed
+meanwhile, then deletes it. Every write of a save then fails with ENOSPC. Expected: the saves
+during the fault fail their handle (never a torn or half-visible step), training goes on, the
+committed steps stay intact, and the first save after the fault commits.
+
+The injection's ``detail`` is completed when the fault ends (``ended_t``, ``filled_bytes``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Annotated, Literal
+
+from pydantic import Field, StrictInt
+
+from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target
+
+
+class DiskFull(FaultBase):
+    kind: Literal["disk_full"]
+    duration_s: Annotated[Seconds, Field(gt=0)] = 10.0
+    volume_mib: Annotated[StrictInt, Field(ge=16, le=1 << 20)] = 256
+
+    def check_storage(self, url: str | None) -> tuple[str, str] | None:
+        if url is not None:
+            return "kind", (f"disk_full fills a file system that chaos mounts for the run's "
+                            f"checkpoints, never one it does not own, but checkpoint.url is "
+                            f"{url!r}: leave it unset")
+        return None
+
+    def inject(self, target: Target, step: int | None) -> Injection:
+        from antifragile.chaos.infra.volume import Fill
+
+        if target.volume is None:
+            reason = target.volume_unavailable or "no checkpoint volume mounted by chaos"
+            return Injection(self.kind, time.time(), step=step, skipped=reason)
+        fill = Fill(target.volume)
+        injection = Injection(self.kind, time.time(), step=step, detail={
+            "duration_s": self.duration_s, "volume_mib": self.volume_mib, "ended_t": None,
+            "filled_bytes": fill.filled_bytes, "error": fill.error})
+
+        def end() -> None:
+            fill.stop()
+            injection.detail.update(ended_t=time.time(), filled_bytes=fill.filled_bytes,
+                                    error=fill.error)
+
+        timer = threading.Timer(self.duration_s, end)
+        timer.daemon = True
+        timer.start()
+        return injection

@@ -1,0 +1,101 @@
+"""A small file system of the run's own for its checkpoints, which ``disk_full`` fills.
+
+``disk_full`` must fill the file system the checkpoints are on, and only that one: never the
+machine's disk. So with such a fault ``chaos run`` mounts a tmpfs of the fault's ``volume_mib``
+at ``<out>/volume`` (root only: mount(2) needs CAP_SYS_ADMIN), the checkpoints go to
+``<out>/volume/ckpt``, and the tmpfs is unmounted when the run ends (one left mounted by a
+chaos that was SIGKILLed is unmounted by the next run into the same folder). A tmpfs takes no
+O_DIRECT: the engine writes through the page cache there.
+
+The fill is done from outside the trainer, like another job filling a shared disk: a thread of
+chaos grows one file (``fallocate``) over the free space and keeps taking what is freed (the
+engine's retention deleting old steps) until the fault ends, then deletes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+FILL_PERIOD_S = 0.05  # how soon the fill takes space that was freed
+
+
+@dataclass(slots=True)
+class Volume:
+    path: Path  # the mount point; the checkpoints are in its ``ckpt`` folder
+    size_bytes: int
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.path)
+        return st.f_bavail * st.f_frsize
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+
+
+@contextlib.contextmanager
+def checkpoint_volume(path: Path, size_mib: int) -> Iterator[Volume | str]:
+    """A tmpfs of ``size_mib`` at ``path`` for the whole block, or why there can be none."""
+    if os.geteuid() != 0:
+        yield "disk_full mounts a small file system for the checkpoints, which needs root"
+        return
+    if os.path.ismount(path):  # left by a run that was killed
+        _umount(path)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs",
+                               str(path)], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        yield f"mount -t tmpfs failed: {exc}"
+        return
+    if done.returncode != 0:
+        yield f"mount -t tmpfs failed: {(done.stderr or done.stdout).strip()}"
+        return
+    try:
+        yield Volume(path, size_mib << 20)
+    finally:
+        _umount(path)
+
+
+class Fill:
+    """One file that takes a volume's free space until :meth:`stop`; ``filled_bytes``: its
+    size, ``error``: why it could not grow, if it never could."""
+
+    def __init__(self, volume: Volume) -> None:
+        self.volume = volume
+        self.file = volume.path / "disk_full.fill"
+        self.filled_bytes = 0
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._fd = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._take()
+        self._thread = threading.Thread(target=self._keep, name="disk-full", daemon=True)
+        self._thread.start()
+
+    def _take(self) -> None:
+        free = self.volume.free_bytes()
+        while free > 0:
+            try:
+                os.posix_fallocate(self._fd, self.filled_bytes, free)
+                self.filled_bytes += free
+                return
+            except OSError as exc:  # a writer took some meanwhile: take less
+                self.error = None if self.filled_bytes else f"fallocate: {exc}"
+                free //= 2
+
+    def _keep(self) -> None:
+        while not self._stop.wait(FILL_PERIOD_S):
+            self._take()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        os.close(self._fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.file)

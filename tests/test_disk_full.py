@@ -1,0 +1,249 @@
+"""``disk_full``: the checkpoints' file system runs out of space under a running job.
+
+Layers: the engine on a real full file system (a tmpfs filled from outside: root only); the
+scenario rules; the fault's fill against a real tmpfs; what the report makes of it (from
+events); then the shipped scenario as a whole ``chaos run`` (slow): the saves during the fault
+fail for want of space, training goes on, the next save commits, a later kill restores from it
+and the run ends bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from antifragile.chaos.cli import main
+from antifragile.chaos.faults import Injection, Target
+from antifragile.chaos.faults.disk_full import DiskFull
+from antifragile.chaos.infra.volume import Fill, Volume, checkpoint_volume
+from antifragile.chaos.observe.measure import fault_timings
+from antifragile.chaos.observe.record import RunRecord
+from antifragile.chaos.scenario import ScenarioError, load_scenario, parse_scenario
+from antifragile.engine import CheckpointEngine, CheckpointError
+
+ROOT = Path(__file__).resolve().parent.parent
+FULL = {"kind": "disk_full", "at_step": 5, "duration_s": 2}
+
+
+def _doc(url: str | None, faults: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"name": "full", "trainer": {"parallel": {"dp": 2}, "steps": 16},
+            "checkpoint": {"url": url, "every_steps": 4}, "faults": faults}
+
+
+@pytest.fixture
+def volume(tmp_path: Path) -> Iterator[Volume]:
+    with checkpoint_volume(tmp_path / "volume", 32) as v:
+        if not isinstance(v, Volume):
+            pytest.skip(v)
+        yield v
+
+
+# -- the engine on a full disk -----------------------------------------------------------------
+
+
+class CountingWrites:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.writes = 0
+
+    def write(self, key: str, parts: Any, **kwargs: Any) -> None:
+        self.writes += 1
+        self.inner.write(key, parts, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_save_on_a_full_disk_fails_at_once_and_the_next_one_commits(volume: Volume) -> None:
+    """A write refused for want of space is not retried (space does not come back in the 1.5 s
+    a retry waits) and the save's writes not yet begun are not made: the save fails at once
+    instead of holding every later save back as busy while each of its objects fails six
+    times. The committed step stays intact; once there is space the next save commits."""
+    state = {f"w{i}": torch.randn(256) for i in range(40)}
+    with CheckpointEngine(str(volume.path / "ckpt"), keep_last=None, io_threads=2) as engine:
+        engine.save(4, state, blocking=True)
+        counting = CountingWrites(engine.storage.inner)
+        engine.storage.inner = counting
+        fill = Fill(volume)
+        start = time.monotonic()
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            engine.save(8, state, blocking=True)
+        failed_s = time.monotonic() - start
+        fill.stop()
+        # 80 objects (40 cells, 40 zarr.json), 2 writer threads: the few begun before the first
+        # failure was seen, then the failure record and ABORT, each tried once
+        assert counting.writes < 10, f"{counting.writes} writes tried on a full disk"
+        assert failed_s < 1.0, failed_s
+        assert engine.agreed_steps() == [4]
+        engine.save(12, state, blocking=True)
+        assert engine.agreed_steps() == [12, 4]
+        loaded = {k: torch.empty(256) for k in state}
+        assert engine.load(loaded) == 12
+        assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+# -- scenario rules ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url", ["/tmp/ckpt", "s3://b/p"])
+def test_it_fills_only_a_file_system_chaos_mounted(url: str) -> None:
+    with pytest.raises(ScenarioError, match=r"^x.yaml: faults.0.kind: disk_full fills a file "
+                       r"system that chaos mounts for the run's checkpoints, never one it does "
+                       r"not own, but checkpoint.url is .*: leave it unset"):
+        parse_scenario(_doc(url, [FULL]), path="x.yaml")
+
+
+def test_fields_are_validated() -> None:
+    for bad, key in (({"duration_s": 0}, "duration_s"), ({"volume_mib": 8}, "volume_mib"),
+                     ({"volume_mib": 1.5}, "volume_mib"), ({"size": 3}, "size")):
+        with pytest.raises(ScenarioError, match=rf"faults\.0\.{key}"):
+            parse_scenario(_doc(None, [{**FULL, **bad}]))
+    fault = parse_scenario(_doc(None, [FULL])).faults[0]
+    assert isinstance(fault, DiskFull) and (fault.duration_s, fault.volume_mib) == (2, 256)
+    s = load_scenario(ROOT / "scenarios" / "disk-full.yaml")
+    assert s.faults[0].kind == "disk_full" and s.checkpoint.url is None
+
+
+def test_without_a_volume_it_is_reported_skipped() -> None:
+    target = Target(pids={}, coordinates={}, ckpt_url="/x/ckpt", rng=random.Random(0),
+                    volume_unavailable="disk_full mounts a small file system for the "
+                    "checkpoints, which needs root")
+    injection = DiskFull(kind="disk_full", at_step=3).inject(target, 3)
+    assert injection.skipped == target.volume_unavailable
+
+
+# -- the fill, on a real tmpfs -----------------------------------------------------------------
+
+
+def test_the_fill_takes_the_free_space_and_what_is_freed_until_it_ends(volume: Volume) -> None:
+    (volume.path / "old").write_bytes(os.urandom(4 << 20))
+    target = Target(pids={}, coordinates={}, ckpt_url=str(volume.path / "ckpt"),
+                    rng=random.Random(0), volume=volume)
+    injection = DiskFull(kind="disk_full", at_step=1, duration_s=0.5).inject(target, 1)
+    assert injection.skipped is None and volume.free_bytes() == 0
+    with pytest.raises(OSError, match="No space left"):
+        (volume.path / "new").write_bytes(bytes(1 << 20))
+    (volume.path / "old").unlink()  # retention deleting a step: the fill takes it back
+    time.sleep(0.2)
+    assert volume.free_bytes() == 0
+    deadline = time.monotonic() + 10
+    while injection.detail["ended_t"] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert injection.detail["error"] is None and injection.detail["filled_bytes"] >= 28 << 20
+    assert volume.free_bytes() > 30 << 20
+    (volume.path / "new").write_bytes(bytes(1 << 20))
+
+
+def test_the_volume_is_unmounted_after_the_run_and_a_leftover_one_too(tmp_path: Path) -> None:
+    path = tmp_path / "volume"
+    with checkpoint_volume(path, 16) as v:
+        if not isinstance(v, Volume):
+            pytest.skip(v)
+        assert os.path.ismount(path)
+    assert not os.path.ismount(path)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], check=True)
+    with checkpoint_volume(path, 16) as v:  # the mount of a killed chaos is not stacked on
+        assert isinstance(v, Volume)
+    assert not os.path.ismount(path)
+
+
+# -- the report --------------------------------------------------------------------------------
+
+
+def _ev(t: float, event: str, rank: int = 0, attempt: int = 0, **kw: Any) -> dict[str, Any]:
+    return {"t": t, "event": event, "rank": rank, "attempt": attempt, **kw}
+
+
+def _timings(during: list[dict[str, Any]]) -> Any:
+    events = [_ev(0.0, "start", pid=1)]
+    events += [_ev(float(t), "step_end", step=t, seconds=0.5, loss=1.0) for t in range(1, 21)]
+    events += [_ev(2.0, "ckpt_staged", step=2, stall_s=0.01),
+               _ev(2.5, "ckpt_committed", step=2, persist_s=0.5, bytes=10), *during,
+               _ev(14.0, "ckpt_staged", step=14, stall_s=0.01),
+               _ev(14.5, "ckpt_committed", step=14, persist_s=0.5, bytes=10)]
+    events.sort(key=lambda e: e["t"])
+    injection = Injection("disk_full", 5.0, step=5, detail={
+        "duration_s": 5.0, "volume_mib": 64, "ended_t": 10.0, "filled_bytes": 60 << 20,
+        "error": None})
+    return fault_timings(RunRecord(0, 0.0, 21.0, events, [injection]), injection)
+
+
+def test_the_report_says_which_saves_the_full_disk_refused() -> None:
+    t = _timings([_ev(6.0, "ckpt_staged", step=6, stall_s=0.01),
+                  _ev(6.1, "ckpt_failed", step=6, error="step 6, rank 0: write x/c.0: "
+                      "OSError: [Errno 28] No space left on device")])
+    assert t.effect_observed, t.effect
+    assert t.effect.startswith("1 save(s) refused for want of space (ENOSPC)")
+    o = t.outage
+    assert o["checkpoints_failed"] == [6] and o["first_commit_after_step"] == 14
+    assert o["training_continued"] and (o["volume_mib"], o["filled_bytes"]) == (64, 60 << 20)
+
+
+@pytest.mark.parametrize(("during", "why"), [
+    ([], "no save ran while the disk was full"),
+    ([_ev(6.0, "ckpt_staged", step=6, stall_s=0.01),
+      _ev(6.2, "ckpt_committed", step=6, persist_s=0.2, bytes=10)],
+     "no save failed for want of space while the disk was full (step 6 committed)"),
+])
+def test_a_full_disk_no_save_ran_into_proves_nothing(during: list[dict[str, Any]],
+                                                     why: str) -> None:
+    t = _timings(during)
+    assert not t.effect_observed and t.effect.startswith(why), t.effect
+
+
+def test_a_restart_another_fault_caused_during_the_full_disk_is_not_its_doing() -> None:
+    """Training went on through the full disk even if a kill inside its window restarted the
+    job: the restart is the kill's. One with no other fault to explain it is the disk's."""
+    events = [_ev(0.0, "start", pid=1)]
+    events += [_ev(float(t), "step_end", step=t, seconds=0.5, loss=1.0) for t in range(1, 8)]
+    events += [_ev(6.0, "ckpt_staged", step=6, stall_s=0.01),
+               _ev(6.1, "ckpt_failed", step=6, error="step 6, rank 0: write x/c.0: OSError: "
+                   "[Errno 28] No space left on device"),
+               _ev(8.0, "start", attempt=1, pid=2, cause="restart")]
+    events += [_ev(8.0 + t, "step_end", attempt=1, step=4 + t, seconds=0.5, loss=1.0)
+               for t in range(1, 12)]
+    full = Injection("disk_full", 5.0, step=5, detail={
+        "duration_s": 5.0, "volume_mib": 64, "ended_t": 10.0, "filled_bytes": 60 << 20,
+        "error": None})
+    kill = Injection("kill_rank", 7.5, step=7, rank=1)
+    alone = fault_timings(RunRecord(0, 0.0, 21.0, events, [full]), full)
+    assert not alone.outage["training_continued"]
+    both = fault_timings(RunRecord(0, 0.0, 21.0, events, [full, kill]), full)
+    assert both.outage["training_continued"] and both.effect_observed
+
+
+# -- the shipped scenario, whole ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_shipped_scenario_refuses_saves_goes_on_and_ends_bitwise_equal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("disk_full mounts a tmpfs: root only")
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["run", str(ROOT / "scenarios" / "disk-full.yaml"),
+                                       "--out", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    assert result.exit_code == 0, result.output
+    assert report["verdict"] == {"verdict": "pass", "reasons": [], "bitwise_equal": True}
+    full, kill = report["faults"]
+    o = full["outage"]
+    assert full["effect_observed"] and o["checkpoints_failed"] and o["training_continued"]
+    verified = report["committed_verified"]
+    assert verified and all(problems == [] for problems in verified.values()), verified
+    assert kill["restored_step"] is not None and kill["restored_step"] > full["injected_step"]
+    assert not os.path.ismount(out / "volume")
