@@ -223,6 +223,31 @@ def test_a_restart_another_fault_caused_during_the_full_disk_is_not_its_doing() 
     assert both.outage["training_continued"] and both.effect_observed
 
 
+def test_an_attempt_that_died_of_the_full_disk_after_it_did_not_go_on() -> None:
+    """A script whose next ``save()`` raised the failed save's error crashed a little after
+    the window (its next save came 5 steps later), and torchrun restarted it later still: no
+    restart inside the window, yet training did not go on. An attempt the fault struck goes
+    on if it commits a save after the fault, runs to the end, or a fault on the job ends it."""
+    events = [_ev(0.0, "start", pid=1)]
+    events += [_ev(float(t), "step_end", step=t, seconds=0.5, loss=1.0) for t in range(1, 8)]
+    events += [_ev(5.4, "ckpt_staged", step=5, stall_s=0.01),
+               _ev(5.5, "ckpt_failed", step=5, error="step 5, rank 0: write x/c.0: OSError: "
+                   "[Errno 28] No space left on device"),
+               _ev(12.0, "start", attempt=1, pid=2, cause="restart")]
+    events += [_ev(12.0 + t, "step_end", attempt=1, step=t, seconds=0.5, loss=1.0)
+               for t in range(1, 8)]
+    full = Injection("disk_full", 5.0, step=5, detail={
+        "duration_s": 1.0, "volume_mib": 64, "ended_t": 6.0, "filled_bytes": 60 << 20,
+        "error": None})
+    t = fault_timings(RunRecord(0, 0.0, 21.0, events, [full]), full)
+    assert not t.outage["training_continued"]
+    events += [_ev(6.5, "ckpt_staged", step=6, stall_s=0.01),
+               _ev(6.7, "ckpt_committed", step=6, persist_s=0.2, bytes=10)]
+    events.sort(key=lambda e: e["t"])
+    t = fault_timings(RunRecord(0, 0.0, 21.0, events, [full]), full)
+    assert t.outage["training_continued"]
+
+
 # -- the shipped scenario, whole ---------------------------------------------------------------
 
 

@@ -192,11 +192,17 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
             (during if prev_t <= t1 and t >= t0 else outside).append(t - prev_t)
     pace_s = _median(outside)
     attempt = record.attempt_at(t0)
-    # a restart in the window after a fault on the job (a kill inside it) is that fault's
-    struck_t = min((i.t for i in record.injections if i.kind not in STORAGE_FAULTS
-                    and not i.skipped and not i.missed and t0 <= i.t <= t1), default=t1)
-    restarted = any(e["event"] == "start" and e["attempt"] > attempt and t0 <= e["t"] <= struck_t
-                    for e in record.events)
+    # The attempt the fault struck went on if it committed a save after the fault or ran to
+    # the end, or a fault on the job (a kill) ended it. Else the storage fault did, even where
+    # the restart came after the window (a script whose next save() raised the failed one's
+    # error crashed a few steps later; torchrun took seconds to start it again).
+    next_t = min((e["t"] for e in record.events
+                  if e["event"] == "start" and e["attempt"] > attempt), default=None)
+    ended_by_it = next_t is not None and not any(
+        c["committed"] and c["attempt"] == attempt and c["staged_t"] is not None
+        and c["staged_t"] > t1 for c in saves) and not any(
+        i.kind not in STORAGE_FAULTS and not i.skipped and not i.missed and t0 <= i.t <= next_t
+        for i in record.injections)
     steps_during = sum(1 for t, a in steps if t0 <= t <= t1 and a == attempt)
     later = [c["step"] for c in saves if c["committed"] and c["staged_t"] is not None
              and c["staged_t"] > t1]
@@ -213,5 +219,5 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
         "extra_stall_s": sum(max(g - pace_s, 0.0) for g in during) if pace_s else None,
         "step_pace_s": pace_s,
         "steps_during_outage": steps_during,
-        "training_continued": steps_during > 0 and not restarted,
+        "training_continued": steps_during > 0 and not ended_by_it,
     }
