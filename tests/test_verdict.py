@@ -361,6 +361,32 @@ def test_a_restore_older_than_the_newest_committed_step_fails() -> None:
     assert kill.restorable_step == 4 and v.verdict == "pass", v.reasons
 
 
+def test_a_step_committed_again_after_a_restore_skipped_it_is_restorable_again() -> None:
+    """Checkpoint 6 is damaged and skipped by attempt 1's restore (back to 4); attempt 1
+    commits step 6 anew and is killed at step 7. That earlier skip does not excuse attempt 2
+    going back to step 4 past the new commit of step 6."""
+    def run(restore: int) -> RunRecord:
+        job = _Job()
+        t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+        job.injections.append(Injection("corrupt_shard", t + 0.05, step=7, fault_index=0,
+                                        detail={"checkpoint_step": 6, "object": "model/w/c.0",
+                                                "mode": "bitflip"}))
+        t = _kill(job, t + 0.1, 0, 1, 7, fault_index=1)
+        t = job.steps(job.start(t + 3.0, 1, restore=4, skipped=6), 1, 5, 7)
+        t = _kill(job, t + 0.1, 1, 1, 7, fault_index=2)
+        t = job.steps(job.start(t + 3.0, 2, restore=restore), 2, restore + 1, 12)
+        return _finish(job, t, 2)
+
+    faults = [{"kind": "corrupt_shard", "at_step": 7}, KILL, {**KILL, "on_pass": 2}]
+    v, (_, first, second) = _verdict(run(restore=6), faults, max_lost_steps=4)
+    assert (first.restorable_step, second.restorable_step) == (4, 6)
+    assert v.verdict == "pass", v.reasons
+    v, (_, _, second) = _verdict(run(restore=4), faults, max_lost_steps=4)
+    assert second.restored_step == 4 and second.restorable_step == 6
+    assert v.verdict == "fail"
+    assert any("restored step 4, although step 6 had committed" in r for r in v.reasons)
+
+
 def _crash_during_save(*, committed_before_kill: bool, restore: int,
                        committed_event: bool = False) -> RunRecord:
     """Rank 0 is killed once checkpoint 8 is staged (it commits at +0.4 s in ``_Job``)."""

@@ -319,11 +319,14 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
 
 def _restorable(record: RunRecord, fault_t: float, restored_t: float | None) -> int | None:
     """The newest step any rank had reported committed by ``fault_t`` (in any attempt) that no
-    restore skipped up to ``restored_t``; None when none had."""
-    skipped = {restore_skipped_step(e) for e in record.events
-               if e["event"] == "restore_skipped" and (restored_t is None or e["t"] <= restored_t)}
+    restore skipped after that commit, up to ``restored_t``; None when none had. (A skip
+    excuses only the commit it read: the same step committed again later is restorable.)"""
+    skipped = [(restore_skipped_step(e), e["t"]) for e in record.events
+               if e["event"] == "restore_skipped" and (restored_t is None or e["t"] <= restored_t)]
     return max((e["step"] for e in record.events if e["event"] == "ckpt_committed"
-                and e["t"] <= fault_t and e["step"] not in skipped), default=None)
+                and e["t"] <= fault_t
+                and not any(step == e["step"] and t >= e["t"] for step, t in skipped)),
+               default=None)
 
 
 def not_measured(record: RunRecord, timings: list[FaultTimings]) -> list[str]:
