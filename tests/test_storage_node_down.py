@@ -213,6 +213,25 @@ def test_the_verdict_fails_on_a_torn_commit_or_a_server_that_stayed_down() -> No
     assert v.verdict == "fail" and "storage did not come back: SeaweedError" in v.reasons[0]
 
 
+def test_a_server_still_down_when_the_run_ended_fails() -> None:
+    """A down window longer than the rest of the run: the server was never brought back while
+    the job ran (its timer had not fired: no ``ended_t``, no error yet), so nothing shows that
+    it came back. Saves ran while it was down all the same; that is not a pass."""
+    events = [_ev(0.0, "start", pid=1)]
+    events += [_ev(float(t), "step_end", step=t, seconds=0.5, loss=1.0) for t in range(1, 17)]
+    events += [_ev(6.0, "ckpt_staged", step=6, stall_s=0.01),
+               _ev(9.0, "ckpt_failed", step=6, error="step 6, rank 0: write failed"),
+               _ev(14.0, "ckpt_staged", step=14, stall_s=0.01),
+               _ev(15.0, "ckpt_committed", step=14, persist_s=1.0, bytes=10)]
+    events.sort(key=lambda e: e["t"])
+    injection = Injection("storage_node_down", 7.0, step=7, fault_index=0, detail={
+        "mode": "kill", "duration_s": 30.0, "server": 1, "pid": 100, "ended_t": None,
+        "restarted_pid": None, "error": None})
+    t = fault_timings(RunRecord(0, 0.0, 17.0, events, [injection]), injection)
+    assert t.effect_observed is False and "still down when the run ended" in (t.effect or "")
+    assert _judge([t], {14: []}).verdict == "fail"
+
+
 @pytest.mark.s3
 def test_verify_committed_reads_every_committed_step_back(
         s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,11 +79,16 @@ def outage_effect(injection: Injection) -> tuple[bool, str]:
 
 def node_down_effect(outage: dict[str, Any] | None) -> tuple[bool, str]:
     """A volume server down matters if saves ran while it was: they committed late, failed
-    or were skipped (retried or not); a down window no save touched proved nothing."""
+    or were skipped (retried or not); a down window no save touched proved nothing, and one
+    that had not ended when the run did never showed the server coming back."""
     if outage is None:
         return False, "the volume server's down window was never measured"
     if outage.get("error"):
         return False, f"the volume server did not come back: {outage['error']}"
+    if outage.get("outage_s") is None:  # its end had not come: never seen back
+        return False, (f"the volume server was still down when the run ended (a "
+                       f"{outage.get('duration_s')} s down window): it was never seen to "
+                       "come back")
     rows = outage.get("checkpoints") or []
     if not rows:
         return False, (f"no save ran while the volume server was down for "
