@@ -614,6 +614,25 @@ def test_a_kill_during_the_recovery_of_the_previous_one_interrupts_it_without_fa
     assert v.verdict == "pass", v.reasons
 
 
+def test_a_generation_that_failed_before_it_started_is_not_the_recovery() -> None:
+    """Ranks 1 and 2 die at one point; in process, the generation published for the first
+    death fails before its members meet (the second death is found meanwhile) and writes no
+    event, so the job comes back as generation 2. The recovery is that generation's, not
+    "no recovery" for want of a generation 1."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    for rank in (1, 2):
+        job.injections.append(Injection("kill_rank", t + 0.05, step=7, rank=rank,
+                                        fault_index=rank - 1, detail={"pid": 1000 + rank}))
+    job.attempt_ends[0] = t + 0.6
+    t = job.steps(job.start(t + 3.6, 2, restore=6), 2, 7, 12)
+    v, timings = _verdict(_finish(job, t, 2), [KILL, {**KILL, "rank": 2}])
+    for kill in timings:
+        assert kill.ended_attempt == 0 and kill.restored_step == 6, kill
+        assert kill.recovery_s is not None and kill.restart_s == pytest.approx(3.0, abs=0.05)
+    assert v.verdict == "pass", v.reasons
+
+
 def test_a_hang_that_a_kill_in_the_same_attempt_masked_is_not_credited() -> None:
     """A kill of rank 1 and a stop of rank 3 at one pause point: the kill ends the attempt
     before any watchdog could see the hang, and the stopped rank writes nothing, which was

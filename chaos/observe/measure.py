@@ -240,14 +240,17 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
 
 def _recovery(record: RunRecord, injection: Injection, attempt: int,
               done: list[dict[str, Any]], timings: FaultTimings) -> None:
-    """Detect, restart, restore and recompute of the attempt after ``attempt``, which the
-    fault ended; left None when the job never came back (a failed verdict).
+    """Detect, restart, restore and recompute of the attempt that started after ``attempt``,
+    which the fault ended; left None when the job never came back (a failed verdict).
 
     A command trainer that reports nothing (no probe, no engine events): detect and restart
     only, from its processes; the rest is ``unmeasured``. One whose engine reports restores
     but that reports no steps: restore too. One that reports steps but no restore: the step
     it resumed from is the one before its first step, and recovery is measured end to end."""
-    nxt = attempt + 1
+    # the next attempt that started: in process, a generation published for the re-formation
+    # fails before its members meet when another death is found meanwhile, and writes nothing
+    nxt = min((e["attempt"] for e in record.events
+               if e["event"] in STARTS and e["attempt"] > attempt), default=attempt + 1)
     starts = _by_attempt(record.events, nxt, "start")
     reported = bool(starts)
     if not starts:
