@@ -174,6 +174,32 @@ def test_a_failed_reference_run_is_a_clear_error_not_a_traceback(
     assert why in errors[0]
 
 
+def test_a_reference_run_without_its_final_checkpoint_is_no_verdict(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The built-in trainer's reference run exits 0 (its final save's failure is not an exit
+    code) without a committed checkpoint of the last step: nothing to compare with, so no
+    verdict (exit 5), and nothing cached that every later run would be failed against."""
+    from antifragile.chaos.observe.record import RunRecord
+    from antifragile.chaos.run import pipeline
+
+    def reference_run(s: object, run_dir: Path, ckpt_url: str, **_: object) -> RunRecord:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "torchrun.log").write_text("the trainer's last words\n")
+        return RunRecord(0, 0.0, 1.0, [], [])
+
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pipeline, "run_scenario", reference_run)
+    path = tmp_path / "tiny.yaml"
+    path.write_text("name: tiny\ntrainer: {parallel: {dp: 2}, steps: 4}\n"
+                    "checkpoint: {every_steps: 2}\nfaults:\n  - {kind: kill_rank, at_step: 3}\n")
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 5, result.output
+    assert "Traceback" not in result.output
+    assert (f"error: {path}: the fault-free reference run left no committed antifragile "
+            "checkpoint of its final step 4") in result.output, result.output
+    assert not list((tmp_path / "cache").rglob("DONE"))
+
+
 def test_a_run_past_its_time_limit_is_a_clear_error(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner's time limit kills the job and says which run and where its log is; the

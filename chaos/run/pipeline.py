@@ -90,6 +90,13 @@ def _ensure_reference(s: Scenario, progress: Callable[[str], None]) -> str:
                            f"{s.checkpoint.engine} checkpoint at {folder / 'ckpt'} (the script "
                            f"must checkpoint to $ANTIFRAGILE_CKPT_URL); see "
                            f"{folder / 'torchrun.log'}")
+    # the built-in trainer exits 0 when its final save failed
+    if not isinstance(s.trainer, CommandSpec) and not checker.final_committed(
+            s.checkpoint.engine, str(folder / "ckpt"), s.trainer.steps):
+        raise ChaosRunError(f"the fault-free reference run left no committed "
+                           f"{s.checkpoint.engine} checkpoint of its final step "
+                           f"{s.trainer.steps} at {folder / 'ckpt'}; see "
+                           f"{folder / 'torchrun.log'}")
     done.write_text(json.dumps({"scenario": s.name, "finished": time.time(),
                                 "wall_s": record.wall_s, "goodput": figures.goodput(record)}))
     return str(folder / "ckpt")
