@@ -688,6 +688,24 @@ def test_two_random_kills_at_one_point_hit_two_ranks(monkeypatch: pytest.MonkeyP
     assert first.missed is None and again.missed and "already" in again.missed
 
 
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_hang_of_a_rank_that_had_exited_is_missed_not_skipped(mode: str) -> None:
+    """A rank gone when its hang is due: the fault did not happen (``missed``, the verdict
+    fails). A thread hang took ptrace's "No such process" for a mechanism unavailable here
+    (``skipped``), and the verdict said ``skipped`` instead of ``fail``."""
+    import subprocess
+
+    from antifragile.chaos.faults import base
+    from antifragile.chaos.faults.hang_rank import HangRank
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    target = base.Target(pids={0: gone.pid}, coordinates={}, ckpt_url="unused",
+                         rng=random.Random(0))
+    made = HangRank(kind="hang_rank", rank=0, at_step=3, mode=mode).inject(target, 3)
+    assert made.skipped is None and made.missed and "already exited" in made.missed
+
+
 def test_a_signal_to_a_worker_that_leads_its_session_reaches_what_it_started() -> None:
     """A script launched through a wrapper (``command: [./train.sh]``) without the probe: the
     worker torchrun started is the shell, and a SIGKILL of the shell alone left the training

@@ -26,6 +26,7 @@ from antifragile.chaos.faults.base import (
     RankTarget,
     Seconds,
     Target,
+    alive,
     send,
 )
 
@@ -48,6 +49,9 @@ class HangRank(FaultBase):
         if self.mode == "thread":
             hold = _ThreadHold(pid, self.duration_s)
             error = hold.start()
+            if error and not alive(pid):  # nothing to stop: the fault did not happen
+                return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail,
+                                 missed=f"rank {rank} (pid {pid}) had already exited")
             if error:
                 return Injection(self.kind, time.time(), step=step, rank=rank,
                                  skipped=f"ptrace of pid {pid} refused: {error}", detail=detail)
