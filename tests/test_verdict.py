@@ -129,6 +129,11 @@ def _nan32(payload: int) -> np.float32:
     (Decimal("1.0"), Decimal("1.0"), True),
     ({1, 2}, {2, 1}, True),
     ({0.0}, {-0.0}, False),
+    ({1: "a"}, {1: "a"}, True),
+    ({1: "a"}, {True: "a"}, False),
+    ({1: "a"}, {1.0: "a"}, False),
+    ({0.0: "a"}, {-0.0: "a"}, False),
+    ({np.int64(0): "a"}, {0: "a"}, False),
 ], ids=lambda v: repr(v)[:40])
 def test_non_tensor_values_compare_bit_for_bit(x: Any, y: Any, same: bool) -> None:
     """What DCP and torchsnapshot hand back pickled (numpy arrays and scalars, complex,

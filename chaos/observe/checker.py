@@ -73,8 +73,9 @@ _EXACT_EQ = (type(None), bool, int, str, bytes)
 def same_value(x: Any, y: Any) -> bool:
     """Bit for bit, by type: ``1``, ``1.0`` and ``True`` all differ; floats and complex numbers
     by their bits (``-0.0`` differs from ``0.0``, a NaN equals the same NaN); numpy arrays and
-    scalars by dtype, shape and bytes; containers element by element; any other object by its
-    pickle. A value with no such comparison (it cannot be pickled) differs."""
+    scalars by dtype, shape and bytes; containers element by element (a dict's keys too); any
+    other object by its pickle. A value with no such comparison (it cannot be pickled)
+    differs."""
     return _differs(x, y) is None
 
 
@@ -103,7 +104,10 @@ def _differs(x: Any, y: Any) -> str | None:
     elif isinstance(x, dict):
         if x.keys() != y.keys():
             return _DIFFERENT
-        return next((w for w in (_differs(x[k], y[k]) for k in x) if w), None)
+        # keys too by type and bits (1, 1.0 and True are one key to a dict): y's own key
+        y_key = {k: k for k in y}
+        return next((w for w in (_differs(k, y_key[k]) or _differs(x[k], y[k]) for k in x)
+                     if w), None)
     elif isinstance(x, list | tuple):
         if len(x) != len(y):
             return _DIFFERENT
