@@ -627,7 +627,8 @@ def test_the_runs_final_blocking_save_is_marked_final() -> None:
     persist: the job's shutdown, not a stall of training (a nightly run compared it as one: a
     1.0 s -> 1.7 s persist right after an S3 outage read as a stall regression). It is marked
     ``final``. A blocking save mid-run (synchronous checkpoints) is not, nor is the last save
-    of an attempt that died after it."""
+    of an attempt that died after it. Nor does it count in the checkpoints' cost to the
+    training loop."""
     events: list[dict[str, Any]] = []
 
     def step(attempt: int, n: int) -> None:
@@ -659,7 +660,10 @@ def test_the_runs_final_blocking_save_is_marked_final() -> None:
     events.append({"t": T0 + 3.5, "rank": 1, "attempt": 1, "event": "step_end", "step": 20,
                    "loss": 1.0, "seconds": 0.1})
     events.sort(key=lambda e: e["t"])
-    rows = {(c["attempt"], c["step"]): c for c in
-            figures.checkpoints(RunRecord(0, T0, T0 + 5, events, []))}
+    record = RunRecord(0, T0, T0 + 5, events, [])
+    rows = {(c["attempt"], c["step"]): c for c in figures.checkpoints(record)}
     assert [k for k, c in rows.items() if c.get("final")] == [(1, 20)]
     assert rows[(1, 20)]["stall_s"] == pytest.approx(1.701)
+    # nor is it part of what the checkpoints cost the training loop
+    cost = figures.checkpoint_cost(record, list(rows.values()))
+    assert cost is not None and cost["stall_s"] == pytest.approx(0.301 + 0.401)

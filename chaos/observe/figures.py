@@ -93,11 +93,12 @@ def _slowest_steps(record: RunRecord) -> dict[int, list[tuple[float, float]]]:
 
 def checkpoint_cost(record: RunRecord, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """What the checkpoints cost the training loop in all: the stalls, the slower steps while
-    they persisted, and the two as a share of the steps' time (None without steps)."""
+    they persisted, and the two as a share of the steps' time (None without steps). The
+    ``final`` save's stall is the job's shutdown, after the loop: not counted."""
     step_time = sum(s for v in _slowest_steps(record).values() for _, s in v)
     if not step_time:
         return None
-    stall = sum(c["stall_s"] or 0.0 for c in rows)
+    stall = sum(c["stall_s"] or 0.0 for c in rows if not c.get("final"))
     slowdown = sum(c.get("slowdown_s") or 0.0 for c in rows)
     return {"stall_s": stall, "slowdown_s": slowdown,
             "share_of_step_time": (stall + slowdown) / step_time}
