@@ -165,7 +165,7 @@ def _ev(t: float, event: str, rank: int = 0, attempt: int = 0, **kw: Any) -> dic
     return {"t": t, "event": event, "rank": rank, "attempt": attempt, **kw}
 
 
-def _timings(during: list[dict[str, Any]]) -> Any:
+def _timings(during: list[dict[str, Any]], ended_t: float | None = 10.0) -> Any:
     events = [_ev(0.0, "start", pid=1)]
     events += [_ev(float(t), "step_end", step=t, seconds=0.5, loss=1.0) for t in range(1, 21)]
     events += [_ev(2.0, "ckpt_staged", step=2, stall_s=0.01),
@@ -174,7 +174,7 @@ def _timings(during: list[dict[str, Any]]) -> Any:
                _ev(14.5, "ckpt_committed", step=14, persist_s=0.5, bytes=10)]
     events.sort(key=lambda e: e["t"])
     injection = Injection("disk_full", 5.0, step=5, detail={
-        "duration_s": 5.0, "volume_mib": 64, "ended_t": 10.0, "filled_bytes": 60 << 20,
+        "duration_s": 5.0, "volume_mib": 64, "ended_t": ended_t, "filled_bytes": 60 << 20,
         "error": None})
     return fault_timings(RunRecord(0, 0.0, 21.0, events, [injection]), injection)
 
@@ -200,6 +200,15 @@ def test_a_full_disk_no_save_ran_into_proves_nothing(during: list[dict[str, Any]
                                                      why: str) -> None:
     t = _timings(during)
     assert not t.effect_observed and t.effect.startswith(why), t.effect
+
+
+def test_a_disk_still_full_when_the_run_ended_fails() -> None:
+    t = _timings([_ev(6.0, "ckpt_staged", step=6, stall_s=0.01),
+                  _ev(6.1, "ckpt_failed", step=6, error="[Errno 28] No space left on device")],
+                 ended_t=None)
+    assert not t.effect_observed
+    assert t.effect == "the disk was still full when the run ended (a 5.0 s fill): it never had "\
+        "space again"
 
 
 def test_a_restart_another_fault_caused_during_the_full_disk_is_not_its_doing() -> None:

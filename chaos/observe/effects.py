@@ -99,11 +99,15 @@ def node_down_effect(outage: dict[str, Any] | None) -> tuple[bool, str]:
 
 def disk_full_effect(outage: dict[str, Any] | None) -> tuple[bool, str]:
     """A full disk matters if a save ran into it: one failed for want of space. Saves that all
-    committed meanwhile (the fill lost the race) or none at all proved nothing."""
+    committed meanwhile (the fill lost the race) or none at all proved nothing, and a disk
+    still full when the run ended never showed the job saving again."""
     if outage is None:
         return False, "the full disk's window was never measured"
     if outage.get("error"):
         return False, f"the disk was never filled: {outage['error']}"
+    if outage.get("outage_s") is None:
+        return False, (f"the disk was still full when the run ended (a "
+                       f"{outage.get('duration_s')} s fill): it never had space again")
     rows = outage.get("checkpoints") or []
     if not rows:
         return False, f"no save ran while the disk was full for {outage.get('duration_s')} s"
