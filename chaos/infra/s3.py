@@ -264,7 +264,9 @@ def check_local(url: str, engine: str) -> None:
 @contextlib.contextmanager
 def run_storage(s: Scenario, out: Path, progress: Callable[[str], None] = print
                 ) -> Iterator[RunStorage]:
-    """The checkpoint storage of one run of ``s``: a folder in ``out`` by default, or S3.
+    """The checkpoint storage of one run of ``s``: a folder in ``out`` by default (on a tmpfs
+    chaos mounts there for the run when it has a ``disk_full``: ``chaos/infra/volume.py``), or
+    S3.
 
     For S3, this process's environment names the endpoint until exit (the checker and the
     faults read checkpoints directly), and a fault proxy runs if the scenario has a
