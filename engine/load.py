@@ -336,7 +336,8 @@ class StepReader:
 
     def _read_cell(self, spec: ArraySpec, cell: tuple[int, ...], lo: Sequence[int],
                    hi: Sequence[int], box: HeldBox, out: torch.Tensor) -> None:
-        with _blame(spec.cell_key(cell)):
+        # on a pool thread, where grad mode is on: ``out`` may be a view of a parameter
+        with _blame(spec.cell_key(cell)), torch.no_grad():
             read_cell(self, spec, cell, lo, hi, box, out)
 
 def _product(ranges: Sequence[range]) -> list[tuple[int, ...]]:

@@ -209,6 +209,17 @@ def test_load_fills_non_contiguous_views_in_place(ckpt: CheckpointEngine) -> Non
     assert not base_s.any(), "load wrote outside the target view"
 
 
+def test_load_fills_parameters_held_in_a_plain_dict(ckpt: CheckpointEngine) -> None:
+    # the reads run on the engine's pool, where grad mode is on: copying into a view of a
+    # parameter (a 0-d one, a non-contiguous one) raised "a view was created in no_grad mode"
+    state = {"w": torch.arange(12.0).reshape(3, 4), "s": torch.tensor(2.5)}
+    ckpt.save(1, state, blocking=True)
+    target = {"w": nn.Parameter(torch.zeros(4, 3).t()), "s": nn.Parameter(torch.tensor(0.0))}
+    ckpt.load(target, step=1)
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["s"], state["s"])
+    assert target["w"].requires_grad and target["w"].grad_fn is None
+
+
 def small_model(seed: int) -> tuple[nn.Module, torch.optim.Adam]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
