@@ -258,6 +258,11 @@ def seal(doc: dict[str, Any]) -> bytes:
     return body[:-1] + b',"crc32c":%d}' % crc(body)
 
 
+def is_sealed(data: bytes | bytearray) -> bool:
+    """Whether ``data`` ends as :func:`seal` ends a document (its checksum not checked)."""
+    return _SEAL.search(data) is not None
+
+
 def unseal(data: bytes | bytearray, *, where: str) -> dict[str, Any]:
     """The document :func:`seal` wrote; CheckpointCorruptError if its bytes changed."""
     match = _SEAL.search(data)

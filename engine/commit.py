@@ -150,7 +150,8 @@ def parse_marker(data: bytes | bytearray, step: int) -> tuple[dict[str, Any], Ma
     try:
         doc = _format.unseal(data, where=where)
     except CheckpointCorruptError:
-        _refuse_other_format(data, step)
+        if not _format.is_sealed(data):  # format 1 had no seal; a sealed one is damaged
+            _refuse_other_format(data, step)
         raise
     if doc.get("format") not in READABLE_FORMATS or doc.get("step") != step:
         raise CheckpointCorruptError(f"{where} is malformed (format {doc.get('format')!r}, "

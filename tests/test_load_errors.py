@@ -23,6 +23,7 @@ import torch
 from _dist import run_ranks
 
 from antifragile.engine import (
+    CheckpointCorruptError,
     CheckpointEngine,
     CheckpointError,
     PlanOptions,
@@ -83,6 +84,25 @@ def test_commit_of_another_format_is_refused_with_a_clear_error(tmp_path: Path) 
         with pytest.raises(CheckpointError, match=r"step 1 was written in checkpoint format 1"):
             engine.load(blank(), step=1)
         assert engine.steps() == [1]
+
+
+def test_a_commit_whose_format_digit_flipped_is_damage_not_another_format(
+        tmp_path: Path) -> None:
+    # "format": 3 -> 1 is one bit; the marker still parses as JSON but fails its seal. It was
+    # refused as "written in checkpoint format 1" on every rank, with no fallback to step 1
+    url = str(tmp_path / "ckpt")
+    save_steps(url, None)
+    marker = tmp_path / "ckpt" / "step_000000002" / "COMMIT"
+    data = marker.read_bytes()
+    assert data.startswith(b'{"format": 3,')
+    marker.write_bytes(data.replace(b'{"format": 3,', b'{"format": 1,', 1))
+    with CheckpointEngine(url) as engine:
+        with pytest.raises(CheckpointCorruptError, match=r"step 2: COMMIT marker: fails its"):
+            engine.load(blank(), step=2)
+        target = blank()
+        with pytest.warns(RuntimeWarning, match=r"step 2 skipped"):
+            assert engine.load(target) == 1
+        assert torch.equal(target["w"], state_of(1)["w"]) and target["step"] == 1
 
 
 
