@@ -154,6 +154,7 @@ def parse_marker(data: bytes | bytearray, step: int) -> tuple[dict[str, Any], Ma
             _refuse_other_format(data, step)
         raise
     if doc.get("format") not in READABLE_FORMATS or doc.get("step") != step:
+        _refuse_other_format(data, step)  # intact: a newer engine's step is not damage
         raise CheckpointCorruptError(f"{where} is malformed (format {doc.get('format')!r}, "
                                      f"step {doc.get('step')!r})")
     manifest = _format.parse_manifest(doc, where=where)
@@ -163,7 +164,7 @@ def parse_marker(data: bytes | bytearray, step: int) -> tuple[dict[str, Any], Ma
 
 
 def _refuse_other_format(data: bytes | bytearray, step: int) -> None:
-    """A marker of another (older) format is not damage: say which format it is."""
+    """A marker of another format (older, or a newer engine's) is not damage: say which."""
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError):

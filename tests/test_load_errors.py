@@ -105,6 +105,24 @@ def test_a_commit_whose_format_digit_flipped_is_damage_not_another_format(
         assert torch.equal(target["w"], state_of(1)["w"]) and target["step"] == 1
 
 
+def test_an_intact_commit_of_a_newer_format_is_refused_not_quarantined(tmp_path: Path) -> None:
+    # a step a newer engine wrote (its COMMIT intact) was taken for damage, confirmed by the
+    # re-read and quarantined: this engine hid the newer engine's checkpoint from it
+    from antifragile.engine import _format
+
+    url = str(tmp_path / "ckpt")
+    save_steps(url, None)
+    marker = tmp_path / "ckpt" / "step_000000002" / "COMMIT"
+    doc = _format.unseal(marker.read_bytes(), where="COMMIT")
+    marker.write_bytes(_format.seal({**doc, "format": 99}))
+    with CheckpointEngine(url) as engine:
+        with pytest.raises(CheckpointError, match=r"step 2 was written in checkpoint format 99"
+                           ) as raised:
+            engine.load(blank())
+        assert not isinstance(raised.value, CheckpointCorruptError)
+        assert engine.steps() == [1, 2] and marker.exists()
+
+
 
 FORMAT_2 = Path(__file__).parent / "data" / "format2"  # step 7, written by antifragile 0c7622b
 
