@@ -118,7 +118,8 @@ def _scatter_read(reader: StepReader, spec: ArraySpec, key: str, first: int, las
                                                                box.offset[1:])))]
             slot = bytearray(4)
             if (inner_whole and r_lo == start[0] + i * k and dst.is_contiguous()
-                    and dst.device.type == "cpu"):  # read straight into host memory only
+                    and dst.device.type == "cpu"  # read straight into host memory only,
+                    and not dst.is_conj() and not dst.is_neg()):  # as the bytes it shows
                 head = _bytes_of(dst)
                 pad = np.empty(chunk_nbytes - len(head), dtype=np.uint8)  # rows not wanted
                 buffers += [head, pad, slot]

@@ -175,6 +175,20 @@ def test_conjugate_and_negative_views_are_saved_with_their_values(
     assert out["v"].tolist() == [-2.0]
 
 
+def test_conjugate_and_negative_views_are_loaded_into_with_their_values(
+        ckpt: CheckpointEngine) -> None:
+    # a contiguous target was read into as raw bytes: with the conj or neg bit set that
+    # raised (torch.Tensor.view refuses them), a RuntimeError on every step tried
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    ckpt.save(1, {"z": x, "v": torch.tensor([5.0])}, blocking=True)
+    z_base, v_base = torch.zeros(2, dtype=torch.complex64), torch.zeros(1, dtype=torch.complex64)
+    out = {"z": z_base.conj(), "v": v_base.conj().imag}
+    assert out["v"].is_neg() and out["v"].is_contiguous()
+    ckpt.load(out, step=1)
+    assert torch.equal(out["z"].resolve_conj(), x) and out["v"].tolist() == [5.0]
+    assert torch.equal(z_base, x.conj()) and v_base.imag.tolist() == [-5.0]
+
+
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_mx_scales_fp4_and_half_complex_round_trip_bitwise_and_sub_byte_ints_are_refused(
         ckpt: CheckpointEngine) -> None:
