@@ -318,6 +318,7 @@ class StepReader:
         check that needs no data (metadata, coverage) is done here, before any read runs."""
         reads: list[Callable[[], None]] = []
         covered = 0
+        inference = torch.is_inference_mode_enabled()  # the caller's: ``out`` may need it
         for spec in self.arrays_of(tensor):
             lo = [max(b, a) for b, a in zip(box.offset, spec.offset)]
             hi = [min(b + s, a + n) for b, s, a, n in zip(box.offset, box.shape, spec.offset,
@@ -327,7 +328,7 @@ class StepReader:
             covered += math.prod(h - lo_ for lo_, h in zip(lo, hi))
             ranges = [range((l_ - a) // c, math.ceil((h - a) / c))
                       for l_, h, a, c in zip(lo, hi, spec.offset, spec.shard_shape)]
-            reads += [functools.partial(self._read_cell, spec, cell, lo, hi, box, out)
+            reads += [functools.partial(self._read_cell, spec, cell, lo, hi, box, out, inference)
                       for cell in _product(ranges)]
         if covered != math.prod(box.shape):  # never leave part of the target silently unfilled
             raise CheckpointCorruptError(f"step {self.step}, tensor {tensor.path!r}: its arrays "
@@ -335,9 +336,10 @@ class StepReader:
         return reads
 
     def _read_cell(self, spec: ArraySpec, cell: tuple[int, ...], lo: Sequence[int],
-                   hi: Sequence[int], box: HeldBox, out: torch.Tensor) -> None:
-        # on a pool thread, where grad mode is on: ``out`` may be a view of a parameter
-        with _blame(spec.cell_key(cell)), torch.no_grad():
+                   hi: Sequence[int], box: HeldBox, out: torch.Tensor, inference: bool) -> None:
+        # on a pool thread, where grad mode is on and inference mode off: ``out`` may be a
+        # view of a parameter, or an inference tensor
+        with _blame(spec.cell_key(cell)), torch.inference_mode(inference), torch.no_grad():
             read_cell(self, spec, cell, lo, hi, box, out)
 
 def _product(ranges: Sequence[range]) -> list[tuple[int, ...]]:

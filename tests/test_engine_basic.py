@@ -234,6 +234,17 @@ def test_load_fills_parameters_held_in_a_plain_dict(ckpt: CheckpointEngine) -> N
     assert target["w"].requires_grad and target["w"].grad_fn is None
 
 
+def test_a_load_inside_inference_mode_fills_inference_tensors(ckpt: CheckpointEngine) -> None:
+    # an eval script built under inference_mode: the pool threads ran outside it, and torch
+    # refuses an in-place update of an inference tensor there (every step skipped)
+    state = {"w": torch.arange(12.0).reshape(3, 4), "v": torch.arange(4.0), "s": torch.tensor(2.5)}
+    ckpt.save(1, state, blocking=True)
+    with torch.inference_mode():
+        target = {"w": torch.zeros(4, 3).t(), "v": torch.zeros(4), "s": torch.tensor(0.0)}
+        ckpt.load(target, step=1)
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
 def small_model(seed: int) -> tuple[nn.Module, torch.optim.Adam]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
