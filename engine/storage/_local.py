@@ -291,9 +291,10 @@ class LocalStorage:
         """Make every write and deletion before this call durable. A path whose fsync failed
         fails the next sync that takes it too (an fsync failure in the retention's sync, which
         took the next save's files, fails that save's sync), and is not flushed again: the
-        kernel reports a lost write once, so a second fsync would pass over it. (The price: the
-        save after the one whose own sync failed may fail too, unless that save's folder was
-        deleted in between.)"""
+        kernel reports a lost write once, so a second fsync would pass over it. A save whose own
+        sync failed reports them again at its error record's sync, which takes them, so the
+        next save starts clean (on an ext4 whose thin-provisioned device ran out of space, the
+        first save after the space came back committed)."""
         with self._sync_lock:
             with self._lock:
                 files, self._dirty_files = self._dirty_files, set()
