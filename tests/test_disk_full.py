@@ -92,6 +92,74 @@ def test_a_save_on_a_full_disk_fails_at_once_and_the_next_one_commits(volume: Vo
         assert all(torch.equal(loaded[k], state[k]) for k in state)
 
 
+@pytest.fixture
+def thin_disk(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """An ext4 on a loop device whose backing file lives on a 40 MiB tmpfs: a thin-provisioned
+    disk. Yields the ext4's mount point and the tmpfs's (fill it, or remount it larger)."""
+    backing, mounted = tmp_path / "backing", tmp_path / "ext4"
+    backing.mkdir()
+    mounted.mkdir()
+    undo: list[list[str]] = []
+
+    def run(*cmd: str, then: list[str] | None = None) -> str:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            pytest.skip(f"{cmd[0]}: {exc}")
+        if done.returncode != 0:
+            pytest.skip(f"{' '.join(cmd)}: {done.stderr.strip()}")
+        if then:
+            undo.append(then)
+        return done.stdout.strip()
+
+    if os.geteuid() != 0:
+        pytest.skip("a loop device and mounts need root")
+    try:
+        run("mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(backing),
+            then=["umount", "-l", str(backing)])
+        image = backing / "disk.img"
+        with open(image, "wb") as f:
+            f.truncate(256 << 20)
+        device = run("losetup", "-f", "--show", str(image))
+        undo.append(["losetup", "-d", device])
+        # metadata and journal written out now, so that only data needs the backing's space
+        run("mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", device)
+        run("mount", device, str(mounted), then=["umount", "-l", str(mounted)])
+        yield mounted, backing
+    finally:
+        for cmd in reversed(undo):
+            subprocess.run(cmd, capture_output=True, check=False)
+
+
+def test_a_disk_that_loses_writes_fails_the_save_at_fsync_and_the_next_commits(
+        thin_disk: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real lost write, no fake: the thin-provisioned disk runs out of backing space, so
+    the page cache's writeback of a save's files fails and fsync reports it (ENOSPC, on a
+    file system that still shows free space). The save fails naming the file, nothing is
+    committed, the older step loads; once the device has space again the next save commits
+    (the failed fsync is not reported again to it)."""
+    from antifragile.engine.storage import _local as local_storage
+
+    mounted, backing = thin_disk
+    monkeypatch.setattr(local_storage, "SYNCFS_MAX_DIRTY", 0)  # fsync each file
+    state = {f"w{i}": torch.randn(1 << 14) for i in range(200)}  # 200 buffered 64 KiB files
+    with CheckpointEngine(str(mounted / "ckpt"), keep_last=3) as engine:
+        engine.save(1, state, blocking=True)
+        with open(backing / "fill", "wb") as f, pytest.raises(OSError, match="No space"):
+            while True:
+                f.write(bytes(1 << 20))
+        with pytest.raises(CheckpointError, match=r"step 2, rank 0: fsync .*step_000000002/"
+                           r".*No space left on device; what was written there may not be"):
+            engine.save(2, state, blocking=True)
+        assert engine.agreed_steps() == [1]
+        subprocess.run(["mount", "-o", "remount,size=400m", str(backing)], check=True)
+        engine.save(3, state, blocking=True)
+        assert engine.agreed_steps() == [3, 1]
+        loaded = {k: torch.empty(1 << 14) for k in state}
+        assert engine.load(loaded) == 3
+        assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
 # -- scenario rules ----------------------------------------------------------------------------
 
 
