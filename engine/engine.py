@@ -177,8 +177,7 @@ class CheckpointEngine:
                     previous._retained.wait()
         failure = last._unobserved_failure() if last else None
         busy = last is not None and not last.done()
-        if self.rank == 0 and mistake is None and not busy and step in self._unfinished:
-            self._clear_unfinished(step)
+        unfinished = self.rank == 0 and mistake is None and step in self._unfinished
         # one all-reduce: the flags, the nonce, the step, and the digests of the replicated
         # plain tensors under the current plan (``PerRank.agree``). A rank that already knows
         # they will not be used (it is busy, or its layout changed: the plan is rebuilt and
@@ -190,8 +189,8 @@ class CheckpointEngine:
             int(fingerprint != self._fingerprint or self._plan is None), int(busy),
             int(failure is not None), secrets.randbits(62) if self.rank == 0 else 0, numeric,
             -numeric,
-            int(mistake is not None), *digests])
-        replan, any_busy, any_failed, nonce, high, negated_low, any_mistake = agreed[:7]
+            int(mistake is not None), int(unfinished), *digests])
+        replan, any_busy, any_failed, nonce, high, negated_low, any_mistake, clear = agreed[:8]
         refuse_together(f"step {step} not saved", "save", mistake, any_mistake, high,
                          negated_low)
         if any_failed:
@@ -214,12 +213,19 @@ class CheckpointEngine:
                           RuntimeWarning, stacklevel=2)
             self._events.failed(step, handle._future.exception() or "")
             return handle
+        if clear:
+            # no rank is busy, so none still waits for the earlier attempt's COMMIT or ABORT
+            # (removed with its folder); the all-reduce after it holds every rank back from
+            # writing into the folder until it is cleared
+            if self.rank == 0:
+                self._clear_unfinished(step)
+            self._ranks.all_max([0])
         if replan or self._plan is None:
             self._gather_inventories(inv, fingerprint)
             differ = not self._ranks.alone and self._per_rank.agree(flat.tensors,
                                                                      self._ranks.all_max)
         else:
-            differ = not self._ranks.alone and self._per_rank.settle(agreed[7:])
+            differ = not self._ranks.alone and self._per_rank.settle(agreed[8:])
         if differ:
             self._plan = None  # a plain tensor differs between ranks: now saved per rank
         flat.tensors = self._per_rank.rename(flat.tensors)
@@ -264,8 +270,8 @@ class CheckpointEngine:
         return handle
 
     def _clear_unfinished(self, step: int) -> None:
-        """Rank 0, before the first collective of a save of ``step``, so before any rank writes
-        into it: remove what an earlier attempt left in its folder (arrays of another layout
+        """Rank 0, once every rank agreed to save ``step`` and before any rank writes into
+        it: remove what an earlier attempt left in its folder (arrays of another layout
         that a zarr reader of the committed step would list, records, ABORT). Only for a step
         known to need it, so that a save makes no storage request on the training thread
         otherwise; a committed step is never touched."""

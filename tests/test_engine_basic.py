@@ -770,6 +770,78 @@ def test_a_resave_after_a_failed_attempt_on_another_rank_clears_it_first(tmp_pat
         assert torch.equal(target["w"], torch.arange(32.0).reshape(8, 4))
 
 
+class _SignalsClear:
+    """Rank 0's storage: touches ``cleared`` once it has removed a step folder."""
+
+    def __init__(self, inner: Any, cleared: Path) -> None:
+        self.inner, self.cleared = inner, cleared
+
+    def delete_tree(self, prefix: str) -> bool:
+        found = self.inner.delete_tree(prefix)
+        self.cleared.touch()
+        return found
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _LooksLate:
+    """Rank 1's storage: each listing of ``prefix`` waits until ``cleared`` exists (at most
+    2 s), as a rank polling the step folder of a large job may look only seconds later."""
+
+    def __init__(self, inner: Any, prefix: str, cleared: Path) -> None:
+        self.inner, self.prefix, self.cleared = inner, prefix, cleared
+
+    def list_dir(self, prefix: str) -> list[str]:
+        if prefix == self.prefix:
+            deadline = time.monotonic() + 2.0
+            while not self.cleared.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return self.inner.list_dir(prefix)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _retry_a_save_rank_0_failed_at_its_commit(url: str, signals: str) -> list[str]:
+    """On each of 2 ranks: a blocking save of step 2 fails on rank 0 as it commits (it writes
+    an ABORT), then both save step 2 again at once. Returns each attempt's outcome."""
+    cleared = Path(signals, "rank0-cleared-step-2")
+    outcomes = []
+    with CheckpointEngine(url, commit_timeout_s=10) as engine:
+        if engine.rank == 0:
+            engine.storage.inner = _SignalsClear(engine.storage.inner, cleared)
+            engine._on_phase = _fail_at("committing")
+        else:
+            engine.storage.inner = _LooksLate(engine.storage.inner, "step_000000002", cleared)
+        for _ in range(2):
+            try:
+                engine.save(2, {"w": torch.ones(4)}, blocking=True)
+                outcomes.append("committed")
+            except CheckpointError as exc:
+                outcomes.append(f"failed: {exc}")
+            engine._on_phase = None
+    return outcomes
+
+
+@pytest.mark.multiproc
+def test_a_retry_clears_a_failed_attempt_only_once_every_rank_saw_its_abort(
+        tmp_path: Path) -> None:
+    """Rank 0 used to remove the failed attempt's folder (its ABORT with it) as its retry
+    began, before the first collective, while rank 1 had not yet looked for the ABORT: rank 1
+    waited out the commit deadline (here 15 s, by default 630 s) and rank 0 with it, in the
+    retry's first collective."""
+    from _dist import run_ranks
+
+    url = str(tmp_path / "ckpt")
+    rank0, rank1 = run_ranks(2, _retry_a_save_rank_0_failed_at_its_commit, url, str(tmp_path),
+                             timeout_s=90)
+    assert rank0[0].startswith("failed") and rank0[1] == "committed", rank0
+    assert "aborted by rank 0" in rank1[0] and rank1[1] == "committed", rank1
+    with CheckpointEngine(url) as engine:
+        assert engine.steps() == [2] and engine.verify(2).ok
+
+
 # -- retention -------------------------------------------------------------------------------
 
 
