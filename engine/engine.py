@@ -230,7 +230,7 @@ class CheckpointEngine:
             self._plan = None  # a plain tensor differs between ranks: now saved per rank
         flat.tensors = self._per_rank.rename(flat.tensors)
         if self._plan is None:
-            self._replan(flat)
+            self._replan(flat, step)
         assert self._plan is not None and self._staging is not None
         values = json.loads(json.dumps({p: s.value for p, s in flat.values.items()},
                                        allow_nan=True))
@@ -305,11 +305,21 @@ class CheckpointEngine:
         self._plan = None
         self._fingerprint = fingerprint
 
-    def _replan(self, flat: FlatState) -> None:
-        """A new plan and its buffers, or (the allocation failed) neither: the next save plans
-        again, every rank with it (``_plan`` None is part of the agreed ``replan``)."""
-        plan = build_plan(self._per_rank.plan_inventories(), self._plan_options)
-        staging = self._new_staging(flat, plan)
+    def _replan(self, flat: FlatState, step: int) -> None:
+        """A new plan and its buffers, or (the allocation failed on some rank) neither, on
+        every rank: the next save plans again, every rank with it (``_plan`` None is part of
+        the agreed ``replan``). Collective: a rank whose allocation failed raises with the
+        others, which would otherwise wait for its record until the commit deadline."""
+        failure: Exception | None = None
+        try:
+            plan = build_plan(self._per_rank.plan_inventories(), self._plan_options)
+            staging = self._new_staging(flat, plan)
+        except Exception as exc:
+            failure = exc
+        if self._ranks.all_max([int(failure is not None)])[0]:
+            raise failure or CheckpointError(
+                f"step {step} not saved: another rank could not plan it or allocate its "
+                "staging buffers (its error names why)")
         self._plan, self._staging, self._other_staging = plan, staging, None
 
     def _new_staging(self, flat: FlatState, plan: GlobalPlan | None = None) -> StagingArea:

@@ -415,6 +415,53 @@ def test_a_save_whose_staging_allocation_failed_leaves_the_next_save_working(
         assert engine.load(target) == 2 and torch.equal(target["w"], state["w"])
 
 
+def _save_twice_rank_1_out_of_staging_memory_once(url: str) -> list[str]:
+    """On each of 2 ranks: two blocking saves of a row-sharded tensor; rank 1 cannot allocate
+    the first save's staging buffers. Returns each save's outcome."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from antifragile.engine import engine as engine_module
+
+    real, calls = engine_module.StagingArea, []
+
+    def allocate(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1 and torch.distributed.get_rank() == 1:
+            raise MemoryError("cannot allocate the staging arena")
+        return real(*args, **kwargs)
+
+    engine_module.StagingArea = allocate  # type: ignore[misc]
+    mesh = init_device_mesh("cpu", (2,))
+    state = {"w": distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh, [Shard(0)])}
+    outcomes = []
+    with CheckpointEngine(url, commit_timeout_s=10) as engine:
+        for step in (1, 2):
+            try:
+                engine.save(step, state, blocking=True)
+                outcomes.append("committed")
+            except (CheckpointError, MemoryError) as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+    return outcomes
+
+
+@pytest.mark.multiproc
+def test_a_staging_allocation_that_failed_on_one_rank_fails_the_save_on_every_rank_at_once(
+        tmp_path: Path) -> None:
+    """Rank 1 raised alone; rank 0's save waited for rank 1's record until the commit
+    deadline (600 s by default), and every save until then was skipped as busy."""
+    from _dist import run_ranks
+
+    url = str(tmp_path / "ckpt")
+    rank0, rank1 = run_ranks(2, _save_twice_rank_1_out_of_staging_memory_once, url,
+                             timeout_s=90)
+    assert rank1 == ["MemoryError: cannot allocate the staging arena", "committed"], rank1
+    assert rank0[0].startswith("CheckpointError: step 1 not saved") and "rank" in rank0[0], rank0
+    assert rank0[1] == "committed", rank0
+    with CheckpointEngine(url) as engine:
+        assert engine.steps() == [2] and engine.verify(2).ok
+
+
 def test_save_while_persisting_is_skipped_with_busy_error(ckpt: CheckpointEngine) -> None:
     state = {"w": torch.randn(8, 8)}
     gated = gate(ckpt)
