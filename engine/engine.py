@@ -175,8 +175,10 @@ class CheckpointEngine:
             for previous in [*self._draining, last]:
                 if previous is not None and previous.step >= step and previous.done():
                     previous._retained.wait()
-        failure = last._unobserved_failure() if last else None
+        # in this order: a save that ends in between is busy, not a success whose failure
+        # nobody raises (it is raised at the next save)
         busy = last is not None and not last.done()
+        failure = last._unobserved_failure() if last else None
         unfinished = self.rank == 0 and mistake is None and step in self._unfinished
         # one all-reduce: the flags, the nonce, the step, and the digests of the replicated
         # plain tensors under the current plan (``PerRank.agree``). A rank that already knows

@@ -611,6 +611,51 @@ def test_unobserved_failure_makes_next_save_raise(storage: Storage, ckpt: Checkp
     assert ckpt.steps() == [3]
 
 
+class _GatedFailure:
+    """Wraps an engine's storage: writes into ``step``'s folder wait for ``release``, then
+    fail; ``entered`` is set by the first of them."""
+
+    def __init__(self, inner: Any, step: int) -> None:
+        self.inner, self.prefix = inner, f"step_{step:09d}/"
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def write(self, key: str, parts: Sequence[Any], **kwargs: Any) -> None:
+        if key.startswith(self.prefix):
+            self.entered.set()
+            self.release.wait(60)
+            raise PermissionError("test: write refused")
+        self.inner.write(key, parts, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_save_that_fails_while_the_next_save_begins_is_still_raised(
+        ckpt: CheckpointEngine) -> None:
+    """Step 1's save fails just as ``save(2)`` looks at it: after it asked for an unobserved
+    failure (none yet), before it asked whether the save is still in flight (no longer).
+    ``save(2)`` went ahead as if step 1 had committed and the failure was never raised."""
+    state = {"w": torch.randn(4, 4)}
+    gated = _GatedFailure(ckpt.storage, 1)
+    ckpt.storage = gated  # type: ignore[assignment]
+    first = ckpt.save(1, state)
+    assert gated.entered.wait(30)
+    asked = first._unobserved_failure
+
+    def fails_right_after() -> BaseException | None:
+        found = asked()
+        gated.release.set()
+        until(first.done)
+        return found
+
+    first._unobserved_failure = fails_right_after  # type: ignore[method-assign]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # skipped: step 1 was in flight
+        ckpt.save(2, state)
+    with pytest.raises(CheckpointError, match=r"step 3 not saved.*step 1 failed"):
+        ckpt.save(3, state)
+
+
 def test_committed_step_is_never_overwritten(ckpt: CheckpointEngine) -> None:
     original = torch.randn(5, 5)
     ckpt.save(4, {"w": original.clone()}, blocking=True)
