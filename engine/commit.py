@@ -100,10 +100,11 @@ def committed_steps(storage: Storage, ghosts: set[int] | None = None) -> list[in
     return step_dirs(storage, ghosts)[1]
 
 
-def step_dirs(storage: Storage, ghosts: set[int] | None = None
+def step_dirs(storage: Storage, ghosts: set[int] | None = None, known: set[int] | None = None
               ) -> tuple[list[int], list[int]]:
     """Every step folder and the committed ones, ascending; ``ghosts`` are left out (and no
-    longer kept once they are no longer listed)."""
+    longer kept once they are no longer listed). ``known``: steps taken for committed without
+    a look-up (``retain``)."""
     steps = {}
     for name in storage.list_dir(""):
         step = parse_step_dir(name)
@@ -114,8 +115,11 @@ def step_dirs(storage: Storage, ghosts: set[int] | None = None
         for step in ghosts:
             del steps[step]
     every = sorted(steps)
-    found = _exist_all(storage, [f"{steps[step]}/{COMMIT}" for step in every])
-    return every, [step for step, there in zip(every, found) if there]
+    known = known or set()
+    unknown = [step for step in every if step not in known]
+    found = dict(zip(unknown, _exist_all(storage, [f"{steps[step]}/{COMMIT}"
+                                                   for step in unknown])))
+    return every, [step for step in every if step in known or found[step]]
 
 
 def _exist_all(storage: Storage, keys: list[str]) -> list[bool]:
@@ -346,7 +350,7 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
 
 
 def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = None, *,
-           saved: int | None = None) -> list[int]:
+           saved: int | None = None, kept: set[int] | None = None) -> list[int]:
     """Delete committed steps beyond the newest ``keep_last`` and uncommitted debris older than
     the newest committed step. A quarantined step is evidence: it stays as long as a committed
     step of its age would (it is newer than the oldest step kept). Never deletes the newest
@@ -363,8 +367,17 @@ def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = No
     step's empty folders for minutes (SeaweedFS removes them one level per cleanup cycle); a
     step folder found to hold nothing is added, and is not looked up, deleted and listed again
     at every save, which made a save's requests grow with the length of the run. The caller
-    drops a step when it saves that step again."""
-    every, committed = step_dirs(storage, ghosts)
+    drops a step when it saves that step again.
+
+    ``kept``: kept by the caller across calls. With ``keep_last=None`` no committed step is
+    deleted, so a step found committed once is not looked up again (every step's marker was,
+    at every save: requests grew by one per step of the run). One quarantined since still
+    counts as committed: it is kept, never deleted."""
+    known = kept if keep_last is None and kept is not None else None
+    every, committed = step_dirs(storage, ghosts, known)
+    if known is not None:
+        known.intersection_update(every)
+        known.update(committed)
     if not committed:
         return []
     keep = set(committed[-keep_last:]) if keep_last else set(committed)

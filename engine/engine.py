@@ -115,6 +115,7 @@ class CheckpointEngine:
         self._docs_cache: tuple[GlobalPlan, dict[str, bytes]] | None = None
         self._plan: GlobalPlan | None = None
         self._ghosts: set[int] = set()  # step folders listed, but empty: ``commit.retain``
+        self._kept: set[int] = set()  # steps retention found committed (keep_last=None)
         # rank 0: folders without a COMMIT that a save failed to commit, a load quarantined or
         # a listing found (a crashed save's): cleared before the step is saved again
         self._unfinished: set[int] = set()
@@ -451,7 +452,8 @@ class CheckpointEngine:
         """Retention after a commit. The save is committed whatever happens here: a failure is
         a warning and ``handle.retention_error``, and the next save's retention retries it."""
         try:
-            deleted = _commit.retain(storage, self.keep_last, self._ghosts, saved=handle.step)
+            deleted = _commit.retain(storage, self.keep_last, self._ghosts, saved=handle.step,
+                                     kept=self._kept)
         except Exception as exc:
             handle.retention_error = (f"step {handle.step} committed, but retention failed (it "
                                       f"runs again at the next save): {exc}")

@@ -99,6 +99,20 @@ def test_the_requests_of_a_save_do_not_grow_with_the_steps_retention_deleted(
     assert max(wire[2:]) <= wire[2] + 1, wire
 
 
+
+def test_the_requests_of_a_save_that_keeps_every_step_do_not_grow_with_the_steps_kept(
+        storage: Storage) -> None:
+    """``keep_last=None`` deletes no committed step, yet retention looked up the COMMIT of
+    every step folder at every save: the n-th save made n more requests than the first."""
+    url, options = storage
+    totals = []
+    with CheckpointEngine(url, storage_options=options, keep_last=None) as engine:
+        for step in range(1, 9):
+            totals.append(engine.save(step, {"w": torch.ones(4)}, blocking=True)
+                          .requests["total"])
+        assert engine.steps() == list(range(1, 9))
+    assert max(totals[2:]) <= totals[2] + 1, totals
+
 class _MetadataBarrier:
     """Holds the first read of array metadata until a second one is in flight at the same
     time: a reader that reads metadata one at a time never brings a second one, so the barrier
