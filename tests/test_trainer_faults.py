@@ -6,6 +6,7 @@ the trainer reports in its ``start`` events.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -134,3 +135,49 @@ def test_in_process_recovery_replaces_a_killed_rank_with_the_spare(tmp_path: Pat
     assert losses(faulty) == losses(reference)
     assert_bitwise_equal(checkpoint_arrays(str(reference / "ckpt"), 12),
                          checkpoint_arrays(str(faulty / "ckpt"), 12))
+
+
+def _gloo_device_loops(pid: int) -> int:
+    """The gloo transport threads of a process: one per gloo context (process group) alive."""
+    count = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/comm") as f:
+            count += f.read().strip() == "gloo_tcp_loop"
+    return count
+
+
+@pytest.mark.slow
+def test_a_survivor_releases_the_process_groups_of_the_generations_that_failed(
+        tmp_path: Path) -> None:
+    """Rank 1 killed three times: the survivor re-forms in process each time, and holds no
+    more gloo contexts than two generations' (the one it trains in, and the one torch keeps
+    until the next formation), not one more per re-formation (FSDP's modules and states refer
+    to each other, so a failed generation's model, and its process groups with their threads
+    and sockets, outlived it until the interpreter's rare full collection)."""
+    args = [*SMALL_MODEL, "--dp", "2", "--steps", "100000", "--ckpt-every", "4",
+            "--ckpt-url", str(tmp_path / "ckpt"), "--run-dir", str(tmp_path),
+            "--recovery", "in_process"]
+    proc = subprocess.Popen(torchrun_cmd(3, args), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        survivor = _pid(tmp_path, rank=0)
+        held = []
+        for generation in range(4):
+            newcomer = _pid(tmp_path, rank=1, attempt=generation)
+            started = _wait_for(tmp_path, lambda e, g=generation: e["event"] == "start"
+                                and e["attempt"] == g and e["rank"] == 0)["t"]
+            _wait_for(tmp_path, lambda e, g=generation, t=started: e["event"] == "step_end"
+                      and e["attempt"] == g and e["rank"] == 0 and e["t"] > t + 0.5
+                      and e["step"] % 4 == 2)
+            held.append((_gloo_device_loops(survivor), _gloo_device_loops(newcomer)))
+            if generation < 3:
+                os.kill(newcomer, signal.SIGKILL)
+    finally:
+        proc.terminate()  # torchrun tears the workers down
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    per_generation = held[0][1]
+    assert held[0][0] == per_generation > 0, held
+    assert all(survivor <= 2 * per_generation for survivor, _ in held), held

@@ -11,6 +11,7 @@ at start, then wait for an assignment.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import sys
 import threading
@@ -166,6 +167,7 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
                           "supervisor: run under `python -m antifragile.trainer`); here slot "
                           "0's training process hosts it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), "
                           "so its death would end the re-formation: use --recovery restart")
+    gc.freeze()  # what the imports made: a collection after a re-formation skips it (ms)
     js = launch.job_store()
     me = worker_id(launch.slot, incarnation)
     model: GPT | None = None
@@ -202,6 +204,10 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
             return outcome
         (formation, memory[0]), model, cause = outcome, None, "in_process"
         del outcome  # memory[0] alone holds the copy: released once restored
+        # the failed generation's model: FSDP's modules and states refer to each other, so
+        # only a collection frees it, and with it its process groups (their threads, sockets
+        # and, on GPUs, communicators) before the next generation builds its own
+        gc.collect()
 
 
 def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
