@@ -543,10 +543,12 @@ class CheckpointEngine:
     def abandon(self) -> None:
         """Give this engine up without waiting, after its process group failed: a save in
         flight fails its handle at its next poll or phase (it cannot commit: a rank is gone),
-        nothing more is started. ``memory_copy()`` stays readable."""
+        nothing more is started, and the engine's threads end once idle. ``memory_copy()``
+        stays readable."""
         self._closed = True
         self._cancel.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._workers.close(timeout=0.0)
 
     def read(self, step: int) -> dict[str, Any]:
         """Every tensor of ``step`` as a whole plain CPU tensor, and every JSON value, keyed by

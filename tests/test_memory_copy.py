@@ -169,6 +169,21 @@ def test_abandon_fails_a_save_in_flight_at_once(ranks: RankGroup, tmp_path: Path
     assert "abandoned" in failed and waited < 5.0, (failed, waited)
 
 
+def test_an_abandoned_engine_leaves_no_thread_behind(tmp_path: Path) -> None:
+    """A survivor abandons its engine at every in-process re-formation: the engine's threads
+    end (its save threads sat idle forever before, one more per re-formation)."""
+    before = set(threading.enumerate())
+    engine = CheckpointEngine(str(tmp_path / "ckpt"), keep_in_memory=True)
+    for step in (1, 2):
+        engine.save(step, _state(step)).wait()
+    engine.abandon()
+    assert engine.memory_copy() is not None  # what a re-formation restores from
+    deadline = time.monotonic() + 5.0
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t.name for t in set(threading.enumerate()) - before]
+
+
 def _shadow_damaged_or_outdated(url: str) -> list[Any]:
     """The replica another rank writes lives in this rank's shadow buffer: a flipped bit in
     it, or a copy used after a newer save staged over the same buffers, was loaded silently
