@@ -244,6 +244,24 @@ def test_processes_inside_are_killed_and_leftovers_of_dead_runs_are_reaped() -> 
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
+@needs_netns
+def test_an_interrupted_open_leaves_no_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or a SIGTERM, which chaos turns into an exit) while the network is being made:
+    the runner never gets the network to close, so open() removes what it made."""
+    real, calls = netns._ip, []
+
+    def interrupted(*args: str) -> str:
+        calls.append(args)
+        if len(calls) == 6:  # the namespaces exist, the bridge is half made
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(netns, "_ip", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Network(2).open()
+    assert _ours() == []
+
+
 def test_without_namespaces_the_fault_is_skipped_with_the_reason(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(netns.shutil, "which", lambda _: None)

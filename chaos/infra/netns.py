@@ -165,7 +165,8 @@ class Network:
 
     def open(self) -> None:
         """Create the namespaces, the bridge and one veth per host; raise NetnsUnavailable
-        (after removing anything half made) if this machine does not allow it."""
+        (after removing anything half made) if this machine does not allow it. Interrupted,
+        it removes what it made too."""
         reason = unavailable_reason()
         if reason:
             raise NetnsUnavailable(reason)
@@ -189,6 +190,9 @@ class Network:
         except NetnsError as exc:
             self.close()
             raise NetnsUnavailable(str(exc)) from None
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): no caller is left to close it
+            self.close()
+            raise
 
     def listen(self, port: int = 0) -> socket.socket:
         """A TCP socket listening on the bridge (``BRIDGE_ADDRESS``), reachable from every
