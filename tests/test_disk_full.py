@@ -220,10 +220,28 @@ def test_the_volume_is_unmounted_after_the_run_and_a_leftover_one_too(tmp_path: 
             pytest.skip(v)
         assert os.path.ismount(path)
     assert not os.path.ismount(path)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "antifragile-disk-full",
+                    str(path)], check=True)
     with checkpoint_volume(path, 16) as v:  # the mount of a killed chaos is not stacked on
         assert isinstance(v, Volume)
     assert not os.path.ismount(path)
+
+
+def test_a_mount_chaos_did_not_make_is_left_alone(tmp_path: Path) -> None:
+    """``--out`` may be any folder: a file system already mounted at its ``volume`` is
+    someone's, never unmounted nor hidden; the fault is then skipped, saying why."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts need root")
+    path = tmp_path / "volume"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], check=True)
+    try:
+        (path / "theirs").write_text("data")
+        with checkpoint_volume(path, 16) as v:
+            assert isinstance(v, str) and "not made by chaos" in v, v
+        assert os.path.ismount(path) and (path / "theirs").read_text() == "data"
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 # -- the report --------------------------------------------------------------------------------

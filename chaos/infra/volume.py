@@ -5,7 +5,9 @@ machine's disk. So with such a fault ``chaos run`` mounts a tmpfs of the fault's
 at ``<out>/volume`` (root only: mount(2) needs CAP_SYS_ADMIN), the checkpoints go to
 ``<out>/volume/ckpt``, and the tmpfs is unmounted when the run ends (one left mounted by a
 chaos that was SIGKILLed is unmounted by the next run into the same folder). A tmpfs takes no
-O_DIRECT: the engine writes through the page cache there.
+O_DIRECT: the engine writes through the page cache there. Only a tmpfs chaos made (its source
+is :data:`SOURCE`) is ever unmounted: a file system mounted there by anyone else is left alone
+and the fault is skipped.
 
 The fill is done from outside the trainer, like another job filling a shared disk: a thread of
 chaos grows one file (``fallocate``) over the free space and keeps taking what is freed (the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -35,6 +38,22 @@ class Volume:
         return st.f_bavail * st.f_frsize
 
 
+SOURCE = "antifragile-disk-full"  # the tmpfs's source name: how a mount of chaos's is known
+
+
+def _source(path: Path) -> str | None:
+    """The source of the file system mounted last at ``path`` (None: no mount there)."""
+    where = os.path.realpath(path)
+    source = None
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split()
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            if point == where:
+                source = fields[fields.index("-") + 2]
+    return source
+
+
 def _umount(path: Path) -> None:
     subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
@@ -45,11 +64,15 @@ def checkpoint_volume(path: Path, size_mib: int) -> Iterator[Volume | str]:
     if os.geteuid() != 0:
         yield "disk_full mounts a small file system for the checkpoints, which needs root"
         return
-    if os.path.ismount(path):  # left by a run that was killed
-        _umount(path)
+    if os.path.ismount(path):
+        if _source(path) != SOURCE:  # --out is any folder: what is mounted there is not ours
+            yield (f"{path} is a mount point not made by chaos: give disk_full a fresh --out "
+                   "folder")
+            return
+        _umount(path)  # left by a run that was killed
     path.mkdir(parents=True, exist_ok=True)
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs",
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", SOURCE,
                                str(path)], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         yield f"mount -t tmpfs failed: {exc}"
