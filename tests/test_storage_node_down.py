@@ -160,6 +160,30 @@ def test_a_server_outside_the_cluster_is_skipped(cluster: SeaweedCluster) -> Non
     assert injection.skipped == "server 7: the cluster has 2 volume servers"
 
 
+@pytest.mark.s3
+@pytest.mark.parametrize("mode", ["kill", "stop"])
+def test_a_server_another_fault_holds_down_is_missed_not_a_crash(
+        cluster: SeaweedCluster, mode: str) -> None:
+    """Two faults on one server that overlap (two entries, or ``mtbf_s`` arrivals closer
+    than ``duration_s``): the second finds it down. That fault did not happen, and says so;
+    an exception here would end the whole run with a traceback (the job killed, no report).
+    ``busiest`` picks among the servers still up."""
+    first = StorageNodeDown(kind="storage_node_down", at_step=1, duration_s=1.0, server=0)
+    held = first.inject(_target(cluster), 1)
+    try:
+        second = StorageNodeDown(kind="storage_node_down", at_step=2, duration_s=1.0,
+                                 server=0, mode=mode).inject(_target(cluster), 2)
+        assert second.missed is not None and "volume server 0" in second.missed, second
+        busiest = StorageNodeDown(kind="storage_node_down", at_step=2, duration_s=0.5,
+                                  mode=mode).inject(_target(cluster), 2)
+        assert busiest.missed is None and busiest.detail["server"] == 1
+        _until(lambda: busiest.detail["ended_t"] is not None)
+    finally:
+        _until(lambda: held.detail["ended_t"] is not None)
+    assert held.detail["error"] is None
+    assert all(s.alive() for s in cluster.volume_servers)
+
+
 # -- the report and the verdict ----------------------------------------------------------------
 
 

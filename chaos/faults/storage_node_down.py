@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, StrictInt
 
 from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target
+from antifragile.chaos.infra.weed import SeaweedError
 
 
 def _server_input(value: Any) -> Any:
@@ -56,8 +57,14 @@ class StorageNodeDown(FaultBase):
         if isinstance(self.server, int) and self.server >= cluster.volumes:
             return Injection(self.kind, time.time(), step=step, skipped=(
                 f"server {self.server}: the cluster has {cluster.volumes} volume servers"))
-        index = cluster.busiest_volume() if self.server == "busiest" else self.server
-        pid = cluster.kill_volume(index) if self.mode == "kill" else cluster.pause_volume(index)
+        try:
+            index = cluster.busiest_volume() if self.server == "busiest" else self.server
+            pid = (cluster.kill_volume(index) if self.mode == "kill"
+                   else cluster.pause_volume(index))
+        except SeaweedError as exc:  # already down (another fault's, not ended yet)
+            return Injection(self.kind, time.time(), step=step, missed=f"{exc}: it was down "
+                             "when this fault was due", detail={"mode": self.mode,
+                                                                "server": self.server})
         injection = Injection(self.kind, time.time(), step=step, detail={
             "mode": self.mode, "duration_s": self.duration_s, "server": index, "pid": pid,
             "ended_t": None, "restarted_pid": None, "error": None})

@@ -238,12 +238,15 @@ class SeaweedCluster:
         return server
 
     def busiest_volume(self) -> int:
-        """The index of the volume server holding the most bytes (its volume files)."""
+        """The index of the volume server holding the most bytes (its volume files), of those
+        up (not killed or stopped); SeaweedError if none is."""
         def held(server: WeedServer) -> int:
             return sum(f.stat().st_size for f in server.folder.glob("*.dat") if f.is_file())
 
-        sizes = [held(s) for s in self.volume_servers]
-        return sizes.index(max(sizes))
+        up = [i for i, s in enumerate(self.volume_servers) if s.alive() and not s.stopped]
+        if not up:
+            raise SeaweedError(f"none of the {self.volumes} volume servers is up")
+        return max(up, key=lambda i: held(self.volume_servers[i]))
 
     def kill_volume(self, index: int) -> int:
         """SIGKILL volume server ``index``; returns its pid."""
@@ -282,9 +285,13 @@ class SeaweedCluster:
         with self._lock:
             if server.proc is None or not server.alive():
                 raise SeaweedError(f"volume server {index} is not running")
+            if server.stopped:
+                raise SeaweedError(f"volume server {index} is stopped already")
             os.kill(server.proc.pid, signal.SIGSTOP)
             server.stopped = True
-            if not wait_stopped(server.proc.pid):
+            if not wait_stopped(server.proc.pid):  # not held: nothing would continue it
+                os.kill(server.proc.pid, signal.SIGCONT)
+                server.stopped = False
                 raise SeaweedError(f"volume server {index} (pid {server.proc.pid}) was sent "
                                    f"SIGSTOP but did not stop within {STOP_TIMEOUT_S:g} s")
             return server.proc.pid
