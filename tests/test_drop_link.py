@@ -245,6 +245,28 @@ def test_processes_inside_are_killed_and_leftovers_of_dead_runs_are_reaped() -> 
 
 
 @needs_netns
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_a_cut_of_a_link_already_cut_is_missed(nodes: int) -> None:
+    """Two cuts of one link that overlap (two entries, or ``mtbf_s`` arrivals closer than
+    ``duration_s``): the second did not happen, and says so. Before, with three hosts its
+    blackhole route already existed and the error ended the whole run; with two, the first
+    cut's end set the ports up under the second, which was reported as lasting its full
+    duration."""
+    with Network(nodes) as net:
+        target = Target(pids={}, coordinates={}, ckpt_url="", rng=random.Random(0),
+                        network=net)
+        first = DropLink(kind="drop_link", at_step=3, between=(0, 1), duration_s=0.5)
+        assert first.inject(target, 3).missed is None and net.is_down(0, 1)
+        second = DropLink(kind="drop_link", at_step=4, between=(1, 0), duration_s=5)
+        injection = second.inject(target, 4)
+        assert injection.missed is not None and "already down" in injection.missed
+        deadline = time.monotonic() + 10
+        while net.is_down(0, 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+@needs_netns
 def test_an_interrupted_open_leaves_no_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C (or a SIGTERM, which chaos turns into an exit) while the network is being made:
     the runner never gets the network to close, so open() removes what it made."""

@@ -45,6 +45,10 @@ class DropLink(FaultBase):
             reason = target.network_error or "the run has no emulated network"
             return Injection(self.kind, time.time(), step=step, skipped=reason,
                              detail={"between": [a, b]})
+        if network.is_down(a, b):  # another fault's cut, not ended yet
+            return Injection(self.kind, time.time(), step=step, detail={"between": [a, b]},
+                             missed=f"the link between nodes {a} and {b} was already down "
+                                    "(another fault's cut) when this fault was due")
         how = network.link_down(a, b)
         down_t = time.time()
 
