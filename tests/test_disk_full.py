@@ -26,6 +26,7 @@ from antifragile.chaos.cli import main
 from antifragile.chaos.faults import Injection, Target
 from antifragile.chaos.faults.disk_full import DiskFull
 from antifragile.chaos.infra.volume import Fill, Volume, checkpoint_volume
+from antifragile.chaos.infra.weed import start_time
 from antifragile.chaos.observe.measure import fault_timings
 from antifragile.chaos.observe.record import RunRecord
 from antifragile.chaos.scenario import ScenarioError, load_scenario, parse_scenario
@@ -214,17 +215,34 @@ def test_the_fill_takes_the_free_space_and_what_is_freed_until_it_ends(volume: V
 
 
 def test_the_volume_is_unmounted_after_the_run_and_a_leftover_one_too(tmp_path: Path) -> None:
+    """A volume left by a chaos that was SIGKILLed is unmounted by the next disk_full run,
+    into the same folder or not (CI gives every run a fresh --out)."""
     path = tmp_path / "volume"
     with checkpoint_volume(path, 16) as v:
         if not isinstance(v, Volume):
             pytest.skip(v)
         assert os.path.ismount(path)
     assert not os.path.ismount(path)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "antifragile-disk-full",
-                    str(path)], check=True)
-    with checkpoint_volume(path, 16) as v:  # the mount of a killed chaos is not stacked on
-        assert isinstance(v, Volume)
-    assert not os.path.ismount(path)
+    killed = subprocess.Popen(["sleep", "60"])
+    left = {path: f"antifragile-disk-full-{killed.pid}-{start_time(killed.pid)}",
+            tmp_path / "other": f"antifragile-disk-full-{killed.pid}-{start_time(killed.pid)}"}
+    live = tmp_path / "live"
+    left[live] = f"antifragile-disk-full-{os.getpid()}-{start_time(os.getpid())}"
+    try:
+        for where, source in left.items():
+            where.mkdir(exist_ok=True)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", source, str(where)],
+                           check=True)
+        killed.kill()
+        killed.wait()
+        with checkpoint_volume(path, 16) as v:  # the mount of a killed chaos is not stacked on
+            assert isinstance(v, Volume)
+            assert not os.path.ismount(tmp_path / "other")
+            assert os.path.ismount(live), "the volume of a chaos still running is its own"
+        assert not os.path.ismount(path)
+    finally:
+        for where in left:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
 
 
 def test_a_mount_chaos_did_not_make_is_left_alone(tmp_path: Path) -> None:
@@ -238,7 +256,7 @@ def test_a_mount_chaos_did_not_make_is_left_alone(tmp_path: Path) -> None:
     try:
         (path / "theirs").write_text("data")
         with checkpoint_volume(path, 16) as v:
-            assert isinstance(v, str) and "not made by chaos" in v, v
+            assert isinstance(v, str) and "not made by this chaos run" in v, v
         assert os.path.ismount(path) and (path / "theirs").read_text() == "data"
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)

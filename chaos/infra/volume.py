@@ -3,11 +3,14 @@
 ``disk_full`` must fill the file system the checkpoints are on, and only that one: never the
 machine's disk. So with such a fault ``chaos run`` mounts a tmpfs of the fault's ``volume_mib``
 at ``<out>/volume`` (root only: mount(2) needs CAP_SYS_ADMIN), the checkpoints go to
-``<out>/volume/ckpt``, and the tmpfs is unmounted when the run ends (one left mounted by a
-chaos that was SIGKILLed is unmounted by the next run into the same folder). A tmpfs takes no
-O_DIRECT: the engine writes through the page cache there. Only a tmpfs chaos made (its source
-is :data:`SOURCE`) is ever unmounted: a file system mounted there by anyone else is left alone
-and the fault is skipped.
+``<out>/volume/ckpt``, and the tmpfs is unmounted when the run ends. A tmpfs takes no
+O_DIRECT: the engine writes through the page cache there.
+
+Its source names its owner (``antifragile-disk-full-<pid>-<start time>``): one left mounted by
+a chaos that was SIGKILLed is unmounted by the next ``disk_full`` run, whatever its ``--out``
+(:func:`reap_leftovers`; the owner's pid and start time no longer match). Only such a tmpfs is
+ever unmounted: a file system mounted at ``<out>/volume`` by anyone else is left alone and the
+fault is skipped.
 
 The fill is done from outside the trainer, like another job filling a shared disk: a thread of
 chaos grows one file (``fallocate``) over the free space and keeps taking what is freed (the
@@ -25,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from antifragile.chaos.infra.weed import start_time
+
 FILL_PERIOD_S = 0.05  # how soon the fill takes space that was freed
 
 
@@ -38,20 +43,26 @@ class Volume:
         return st.f_bavail * st.f_frsize
 
 
-SOURCE = "antifragile-disk-full"  # the tmpfs's source name: how a mount of chaos's is known
+_SOURCE = re.compile(r"^antifragile-disk-full-(\d+)-(\d+)$")  # owner pid, its start time
 
 
-def _source(path: Path) -> str | None:
-    """The source of the file system mounted last at ``path`` (None: no mount there)."""
-    where = os.path.realpath(path)
-    source = None
+def _mounts() -> list[tuple[str, str]]:
+    """(mount point, source) of every file system mounted here, in mount order."""
     with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-        for line in f:
-            fields = line.split()
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-            if point == where:
-                source = fields[fields.index("-") + 2]
-    return source
+        fields = [line.split() for line in f]
+    return [(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), f[4]),
+             f[f.index("-") + 2]) for f in fields]
+
+
+def reap_leftovers() -> list[str]:
+    """Unmount the volumes of chaos processes that are gone; returns their mount points."""
+    reaped = []
+    for point, source in _mounts():
+        owner = _SOURCE.match(source)
+        if owner and start_time(int(owner.group(1))) != int(owner.group(2)):
+            _umount(Path(point))
+            reaped.append(point)
+    return reaped
 
 
 def _umount(path: Path) -> None:
@@ -64,16 +75,17 @@ def checkpoint_volume(path: Path, size_mib: int) -> Iterator[Volume | str]:
     if os.geteuid() != 0:
         yield "disk_full mounts a small file system for the checkpoints, which needs root"
         return
-    if os.path.ismount(path):
-        if _source(path) != SOURCE:  # --out is any folder: what is mounted there is not ours
-            yield (f"{path} is a mount point not made by chaos: give disk_full a fresh --out "
-                   "folder")
-            return
-        _umount(path)  # left by a run that was killed
+    reap_leftovers()
+    if os.path.ismount(path):  # --out is any folder: what is mounted there is not this run's
+        yield (f"{path} is a mount point not made by this chaos run: give disk_full a fresh "
+               "--out folder")
+        return
     path.mkdir(parents=True, exist_ok=True)
+    me = os.getpid()
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", SOURCE,
-                               str(path)], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m",
+                               f"antifragile-disk-full-{me}-{start_time(me)}", str(path)],
+                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         yield f"mount -t tmpfs failed: {exc}"
         return
