@@ -119,6 +119,7 @@ class Fill:
             try:
                 os.posix_fallocate(self._fd, self.filled_bytes, free)
                 self.filled_bytes += free
+                self.error = None
                 return
             except OSError as exc:  # a writer took some meanwhile: take less
                 self.error = None if self.filled_bytes else f"fallocate: {exc}"
