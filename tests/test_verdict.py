@@ -711,6 +711,30 @@ def test_a_hang_of_a_rank_that_had_exited_is_missed_not_skipped(mode: str) -> No
     assert made.skipped is None and made.missed and "already exited" in made.missed
 
 
+def test_a_hang_of_a_rank_another_hang_holds_is_missed() -> None:
+    """Two hangs of one rank that overlap (``mtbf_s`` arrivals closer than ``duration_s``,
+    which pick a stopped rank: it is alive): the first one's SIGCONT ended the second one's
+    hang early, which was reported as lasting its whole ``duration_s``."""
+    import signal
+    import subprocess
+
+    from antifragile.chaos.faults import base
+    from antifragile.chaos.faults.hang_rank import HangRank
+
+    rank = subprocess.Popen(["sleep", "60"])
+    try:
+        target = base.Target(pids={0: rank.pid}, coordinates={}, ckpt_url="unused",
+                             rng=random.Random(0))
+        first = HangRank(kind="hang_rank", rank=0, at_step=3, duration_s=0.3).inject(target, 3)
+        second = HangRank(kind="hang_rank", rank=0, at_step=4, duration_s=30).inject(target, 4)
+        assert first.missed is None
+        assert second.missed is not None and "stopped already" in second.missed, second
+    finally:
+        rank.send_signal(signal.SIGCONT)
+        rank.kill()
+        rank.wait()
+
+
 def test_a_signal_to_a_worker_that_leads_its_session_reaches_what_it_started() -> None:
     """A script launched through a wrapper (``command: [./train.sh]``) without the probe: the
     worker torchrun started is the shell, and a SIGKILL of the shell alone left the training

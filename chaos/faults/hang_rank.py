@@ -29,6 +29,7 @@ from antifragile.chaos.faults.base import (
     alive,
     send,
 )
+from antifragile.chaos.infra.weed import wait_stopped
 
 _PTRACE_DETACH = 17
 _PTRACE_SEIZE = 0x4206
@@ -58,10 +59,15 @@ class HangRank(FaultBase):
             target.hit.add(rank)
             return Injection(self.kind, time.time(), step=step, rank=rank,
                              detail={**detail, "tid": pid})
+        if _stopped(pid):  # held by another fault, whose SIGCONT would end this one early
+            return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail,
+                             missed=f"rank {rank} (pid {pid}) was stopped already (another "
+                                    "fault's hang) when this fault was due")
         missed = target.signal(rank, signal.SIGSTOP)
         if missed:
             return Injection(self.kind, time.time(), step=step, rank=rank, missed=missed,
                              detail=detail)
+        wait_stopped(pid)  # shows as stopped a moment after the signal
 
         def resume() -> None:
             with contextlib.suppress(ProcessLookupError):
@@ -71,6 +77,15 @@ class HangRank(FaultBase):
         timer.daemon = True
         timer.start()
         return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (``T``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] == "T"
+    except (OSError, IndexError):
+        return False
 
 
 class _ThreadHold:
