@@ -220,6 +220,45 @@ def test_proxy_records_puts_copies_deletes_and_multi_deletes(
     assert rec.requests >= 6
 
 
+@pytest.mark.s3
+def test_proxy_records_a_multipart_upload_and_an_aborted_one_changes_nothing(
+        s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    """An aborted multipart upload (``DELETE ?uploadId``, what a client sends when a part
+    fails) leaves the object at its key as it was: it was recorded as a DELETE of the key."""
+    import boto3
+
+    from antifragile.chaos.crashcheck.enumerate import enumerate_states
+    from antifragile.chaos.crashcheck.record import RecordingProxy
+
+    url, options = s3_bucket
+    bucket = url.removeprefix("s3://").split("/")[0]
+    part = b"p" * (5 * 2**20)
+    with RecordingProxy(options["endpoint_url"], bucket=bucket, root="r") as proxy:
+        client = boto3.client("s3", endpoint_url=proxy.endpoint_url, region_name="us-east-1",
+                              aws_access_key_id=options["key"],
+                              aws_secret_access_key=options["secret"])
+        client.put_object(Bucket=bucket, Key="r/kept", Body=b"committed")
+        proxy.start()
+        upload = client.create_multipart_upload(Bucket=bucket, Key="r/kept")["UploadId"]
+        client.upload_part(Bucket=bucket, Key="r/kept", UploadId=upload, PartNumber=1,
+                           Body=part)
+        client.abort_multipart_upload(Bucket=bucket, Key="r/kept", UploadId=upload)
+        upload = client.create_multipart_upload(Bucket=bucket, Key="r/big")["UploadId"]
+        etags = [client.upload_part(Bucket=bucket, Key="r/big", UploadId=upload, PartNumber=n,
+                                    Body=body)["ETag"] for n, body in ((1, part), (2, b"tail"))]
+        client.complete_multipart_upload(
+            Bucket=bucket, Key="r/big", UploadId=upload,
+            MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e}
+                                       for n, e in enumerate(etags, 1)]})
+        rec = proxy.stop()
+        assert client.get_object(Bucket=bucket, Key="r/kept")["Body"].read() == b"committed"
+    assert [m.kind for m in rec.mutations if m.visible] == ["multipart_complete"]
+    done = rec.mutations[-1]
+    assert (done.key, rec.bodies[done.digest or ""]) == ("big", part + b"tail")
+    final = enumerate_states({"kept": "c"}, rec.mutations).states
+    assert all(s.objects.get("kept") == "c" for s in final)
+
+
 # -- end to end ------------------------------------------------------------------------------
 
 def _run(args: list[str], out: Path, s3: dict[str, Any]) -> tuple[int, dict[str, Any], str]:

@@ -15,8 +15,9 @@ forwarded, as a real object store's latency would, so that concurrent requests o
 Mutations (one :class:`Mutation` per key changed): ``PUT`` (object, or ``COPY`` with
 ``x-amz-copy-source``), ``DELETE``, ``POST ?delete`` (one mutation per key: S3's multi-object
 delete is not atomic), ``POST ?uploads`` / ``PUT ?partNumber`` / ``POST ?uploadId`` (multipart:
-the object appears, with its parts concatenated, when the completion is applied). Requests the
-server refused (not 2xx) change nothing and are not recorded as mutations.
+the object appears, with its parts concatenated, when the completion is applied; ``DELETE
+?uploadId``, an abort, changes no object and is not one). Requests the server refused (not
+2xx) change nothing and are not recorded as mutations.
 """
 
 from __future__ import annotations
@@ -244,6 +245,9 @@ class RecordingProxy:
                               status=status)]
         elif method == "PUT" and key:
             found = [self._put(recording, "put", key, body, times, status)]
+        elif method == "DELETE" and "uploadId" in query:  # an abort: the key is untouched
+            with self._lock:
+                self._uploads.pop(query["uploadId"][0], None)
         elif method == "DELETE" and key:
             found = [Mutation(0, "delete", key, *times, status=status)]
         kept = [m for m in found if 200 <= m.status < 300 and m.key.startswith(f"{self.root}/")]
