@@ -66,6 +66,18 @@ def test_max_states_caps_with_a_seeded_sample() -> None:
     assert 0 in sizes and 6 in sizes  # the states before and after the save are always kept
 
 
+def test_max_states_keeps_the_state_after_the_save_when_a_shorter_crash_reached_it_first(
+        ) -> None:
+    """The state after the save was taken to be the one with the most mutations applied; a
+    save whose last mutation changes nothing (the delete of a temporary object) reaches its
+    final state first with fewer applied than a state in the middle of the save."""
+    muts = [_put(0, "a", 0, 1), _put(1, "tmp", 2, 3), Mutation(2, "delete", "tmp", 4, 5),
+            _put(3, "b", 6, 7), Mutation(4, "delete", "b", 8, 9)]
+    e = enumerate_states({}, muts, max_states=2)
+    assert e.capped and e.distinct == 4
+    assert [s.objects for s in e.states] == [{}, {"a": "d0"}]
+
+
 def test_deletes_copies_and_same_key_overlaps() -> None:
     base = {"old/a": "x", "old/COMMIT": "c", "tmp": "t"}
     muts = [Mutation(0, "delete", "old/COMMIT", 0, 1), Mutation(1, "delete", "old/a", 0, 1),

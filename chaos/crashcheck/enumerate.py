@@ -104,6 +104,7 @@ def enumerate_states(base: dict[str, str], mutations: list[Mutation], *,
     visible = [m for m in mutations if m.visible]
     rng = random.Random(seed)
     seen: dict[str, CrashState] = {}
+    after = ""
     crash_points = sampled = widest = 0
     cuts = cut_points(visible)
     for cut in cuts:
@@ -116,6 +117,7 @@ def enumerate_states(base: dict[str, str], mutations: list[Mutation], *,
             chosen = sorted([*done, *subset], key=lambda m: (m.issued_s, m.index))
             objects = apply(base, chosen)
             key = fingerprint(objects)
+            after = key  # the last cut applies every mutation: the state after the save
             if key in seen:
                 seen[key].cuts += 1
                 continue
@@ -126,7 +128,7 @@ def enumerate_states(base: dict[str, str], mutations: list[Mutation], *,
     capped = max_states is not None and len(states) > max_states
     if capped:  # a seeded sample that always holds the state before and after the save
         assert max_states is not None
-        final = max(range(len(states)), key=lambda i: (len(states[i].applied), i))
+        final = seen[after].id
         ends = sorted({0, final})[:max_states]
         rest = [i for i in range(len(states)) if i not in ends]
         keep = sorted(ends + random.Random(seed).sample(rest, max_states - len(ends)))
