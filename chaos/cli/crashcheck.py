@@ -67,6 +67,8 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
             fail(f"--rule {rule!r}: not a load rule of {engine} (known: {', '.join(known)})")
     if max_states is not None and max_states < 1:
         fail(f"--max-states {max_states}: must be at least 1")
+    if max_inflight < 0:
+        fail(f"--max-inflight {max_inflight}: must be at least 0")
     if checkers < 1:
         fail(f"--checkers {checkers}: must be at least 1")
     if not (math.isfinite(latency_ms) and latency_ms >= 0):
