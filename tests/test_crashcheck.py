@@ -234,6 +234,49 @@ def test_proxy_records_puts_copies_deletes_and_multi_deletes(
 
 
 @pytest.mark.s3
+def test_a_write_sent_after_an_answer_is_never_recorded_in_flight_beside_it(
+        s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy dated an acknowledgement after handing the answer back, so a proxy thread
+    that ran late (a busy machine) dated it after a request the client sent once it had the
+    answer: the two overlapped, and the crash model built states the client's order rules
+    out (the marker written, the object it follows not)."""
+    import boto3
+
+    from antifragile.chaos.crashcheck.enumerate import enumerate_states
+    from antifragile.chaos.crashcheck.record import RecordingProxy
+
+    class LateAfterSend:  # the proxy thread descheduled right after the answer left
+        def __init__(self, sock: Any) -> None:
+            self.sock = sock
+
+        def sendall(self, data: bytes) -> None:
+            self.sock.sendall(data)
+            time.sleep(0.3)
+
+    forward = RecordingProxy._forward
+
+    def late(self: RecordingProxy, client: Any, *args: Any) -> bool:
+        return forward(self, LateAfterSend(client), *args)
+
+    monkeypatch.setattr(RecordingProxy, "_forward", late)
+    url, options = s3_bucket
+    bucket = url.removeprefix("s3://").split("/")[0]
+    with RecordingProxy(options["endpoint_url"], bucket=bucket, root="r") as proxy:
+        data, marker = [boto3.client("s3", endpoint_url=proxy.endpoint_url,
+                                     region_name="us-east-1", aws_access_key_id=options["key"],
+                                     aws_secret_access_key=options["secret"])
+                        for _ in range(2)]  # two connections, as a pool of writers has
+        proxy.start()
+        data.put_object(Bucket=bucket, Key="r/data", Body=b"data")
+        marker.put_object(Bucket=bucket, Key="r/COMMIT", Body=b"marker")
+        rec = proxy.stop()
+    first, second = rec.mutations
+    assert first.acked_s <= second.issued_s, (first, second)
+    states = enumerate_states({}, rec.mutations).states
+    assert all("data" in s.objects for s in states if "COMMIT" in s.objects)
+
+
+@pytest.mark.s3
 def test_proxy_records_a_multipart_upload_and_an_aborted_one_changes_nothing(
         s3_bucket: tuple[str, dict[str, Any]]) -> None:
     """An aborted multipart upload (``DELETE ?uploadId``, what a client sends when a part

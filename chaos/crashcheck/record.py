@@ -7,9 +7,12 @@ it reads a whole request (head and body: ``Content-Length``, ``chunked``; ``Expe
 forwards it on a connection of its own, reads the whole answer and passes it back. A request is
 *issued* once its head has reached the proxy (the server cannot apply it before the proxy
 forwards it; timing from the first byte instead would date a request on a kept-alive
-connection from the end of the one before) and *acknowledged* once its answer has been handed
-back to the client: the server applied it somewhere inside that interval, which is all the
-crash model needs (``enumerate.py``). ``latency_s`` holds each request back before it is
+connection from the end of the one before) and *acknowledged* once its whole answer has come
+back from the server, just before it is handed to the client: the server applied it somewhere
+inside that interval, which is all the crash model needs (``enumerate.py``), and a request
+the client sends once it has the answer is issued after it (dated after handing the answer
+back, a proxy thread that ran late dated it after such a request: the two overlapped, and the
+model built states the client's order rules out). ``latency_s`` holds each request back before it is
 forwarded, as a real object store's latency would, so that concurrent requests overlap.
 
 Mutations (one :class:`Mutation` per key changed): ``PUT`` (object, or ``COPY`` with
@@ -195,8 +198,8 @@ class RecordingProxy:
             response_body, response_raw = b"", b""
         else:
             response_body, response_raw = answer.body(response_headers, response=True)
+        acked = time.monotonic()  # before the client has it: see the module docstring
         client.sendall(response_head + response_raw)
-        acked = time.monotonic()
         self._note(method, target, headers, body, status, response_body, issued, acked)
         return response_headers.get("connection", "").lower() != "close"
 
