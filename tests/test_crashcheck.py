@@ -126,6 +126,8 @@ def test_verdict_fails_on_the_documented_rule_only() -> None:
     (["--engine", "dcp", "--latency-ms", "nan"], "--latency-ms nan: must be a finite number >= 0"),
     (["--engine", "dcp", "--ranks", "100000"], "--ranks 100000: this machine holds at most"),
     (["--engine", "dcp", "--max-inflight", "-1"], "--max-inflight -1: must be at least 0"),
+    (["--engine", "dcp", "--checkers", "100000", "--endpoint-url", "http://127.0.0.1:9"],
+     "--checkers 100000: this machine holds at most"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], says: str) -> None:
     r = CliRunner().invoke(main, ["crashcheck", *args])

@@ -71,6 +71,9 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
         fail(f"--max-inflight {max_inflight}: must be at least 0")
     if checkers < 1:
         fail(f"--checkers {checkers}: must be at least 1")
+    if checkers > max_workers():
+        fail(f"--checkers {checkers}: this machine holds at most {max_workers()} worker "
+             f"processes ({WORKER_LIMIT_REASON})")
     if not (math.isfinite(latency_ms) and latency_ms >= 0):
         fail(f"--latency-ms {latency_ms}: must be a finite number >= 0")
     if endpoint_url is not None and not endpoint_url.startswith("http://"):
