@@ -121,6 +121,8 @@ def test_verdict_fails_on_the_documented_rule_only() -> None:
     (["--engine", "dcp", "--ranks", "0"], "--ranks 0: a saving job needs at least 1 rank"),
     (["--engine", "dcp", "--case", "nope"], "--case 'nope': unknown case"),
     (["--engine", "dcp", "--rule", "engine"], "--rule 'engine': not a load rule of dcp"),
+    (["--engine", "antifragile", "--rule", "newest-folder"],
+     "--rule: the verdict is judged on antifragile's documented load rule, engine: give it too"),
     (["--engine", "dcp", "--endpoint-url", "https://s3.example"], "plain http://"),
     (["--engine", "dcp", "--latency-ms", "-5"], "--latency-ms -5.0: must be a finite number >= 0"),
     (["--engine", "dcp", "--latency-ms", "nan"], "--latency-ms nan: must be a finite number >= 0"),

@@ -33,7 +33,8 @@ CASES = ("save", "retention", "overwrite", "overwrite-committed")
 @click.option("--rule", "rules", multiple=True, help="Load rule (repeatable): engine "
               "(antifragile), marker (the peers' documented one), newest-folder (newest "
               "step folder, no fallback). Default: the engine's documented rule, and "
-              "newest-folder for the peers.")
+              "newest-folder for the peers. The documented rule is always among them: the "
+              "verdict is judged on it.")
 @click.option("--checkers", type=int, default=2, show_default=True,
               help="Checker processes loading states in parallel.")
 @click.option("--latency-ms", type=float, default=20.0, show_default=True,
@@ -65,6 +66,9 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
     for rule in rules:
         if rule not in known:
             fail(f"--rule {rule!r}: not a load rule of {engine} (known: {', '.join(known)})")
+    if rules and known[0] not in rules:  # else the verdict would pass having checked nothing
+        fail(f"--rule: the verdict is judged on {engine}'s documented load rule, {known[0]}: "
+             "give it too")
     if max_states is not None and max_states < 1:
         fail(f"--max-states {max_states}: must be at least 1")
     if max_inflight < 0:
