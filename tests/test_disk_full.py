@@ -239,6 +239,16 @@ def test_a_fill_that_lost_a_race_to_a_writer_still_fills(volume: Volume,
         fill.stop()
 
 
+def test_a_file_in_the_volumes_place_makes_the_fault_skipped_with_the_reason(
+        tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("without root no volume is tried")
+    (tmp_path / "volume").write_text("mine")
+    with checkpoint_volume(tmp_path / "volume", 16) as v:
+        assert isinstance(v, str) and v.startswith(f"cannot mount a tmpfs at {tmp_path}/volume")
+    assert (tmp_path / "volume").read_text() == "mine"
+
+
 def test_the_volume_is_unmounted_after_the_run_and_a_leftover_one_too(tmp_path: Path) -> None:
     """A volume left by a chaos that was SIGKILLed is unmounted by the next disk_full run,
     into the same folder or not (CI gives every run a fresh --out)."""

@@ -80,14 +80,14 @@ def checkpoint_volume(path: Path, size_mib: int) -> Iterator[Volume | str]:
         yield (f"{path} is a mount point not made by this chaos run: give disk_full a fresh "
                "--out folder")
         return
-    path.mkdir(parents=True, exist_ok=True)
     me = os.getpid()
     try:
+        path.mkdir(parents=True, exist_ok=True)
         done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m",
                                f"antifragile-disk-full-{me}-{start_time(me)}", str(path)],
                               capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        yield f"mount -t tmpfs failed: {exc}"
+    except (OSError, subprocess.TimeoutExpired) as exc:  # a file in the way, no mount(8)
+        yield f"cannot mount a tmpfs at {path}: {exc}"
         return
     if done.returncode != 0:
         yield f"mount -t tmpfs failed: {(done.stderr or done.stdout).strip()}"
