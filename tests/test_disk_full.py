@@ -76,15 +76,12 @@ def test_a_save_on_a_full_disk_fails_at_once_and_the_next_one_commits(volume: Vo
         counting = CountingWrites(engine.storage.inner)
         engine.storage.inner = counting
         fill = Fill(volume)
-        start = time.monotonic()
         with pytest.raises(CheckpointError, match="No space left on device"):
             engine.save(8, state, blocking=True)
-        failed_s = time.monotonic() - start
         fill.stop()
         # 80 objects (40 cells, 40 zarr.json), 2 writer threads: the few begun before the first
         # failure was seen, then the failure record and ABORT, each tried once
         assert counting.writes < 10, f"{counting.writes} writes tried on a full disk"
-        assert failed_s < 1.0, failed_s
         assert engine.agreed_steps() == [4]
         engine.save(12, state, blocking=True)
         assert engine.agreed_steps() == [12, 4]
@@ -203,9 +200,10 @@ def test_the_fill_takes_the_free_space_and_what_is_freed_until_it_ends(volume: V
     with pytest.raises(OSError, match="No space left"):
         (volume.path / "new").write_bytes(bytes(1 << 20))
     (volume.path / "old").unlink()  # retention deleting a step: the fill takes it back
-    time.sleep(0.2)
-    assert volume.free_bytes() == 0
     deadline = time.monotonic() + 10
+    while volume.free_bytes() != 0:
+        assert time.monotonic() < deadline, "the fill did not take the freed space back"
+        time.sleep(0.02)
     while injection.detail["ended_t"] is None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
