@@ -7,7 +7,8 @@ and once with async checkpoints every ``--every`` steps, ``--pairs`` times, alte
 step's time is the wall time between consecutive ``step_end`` events of a rank (so it includes
 the checkpoint's stall, which the loop pays after ``step_end``), the slowest rank's per step,
 the first ``--warmup`` steps excluded (process start-up, allocator warm-up, and by default
-the first save, which plans and allocates its staging area). The overhead is the median over
+the first save, which plans and allocates its staging area), then whole periods of ``--every``
+steps (as many saves per timed step as the run makes). The overhead is the median over
 pairs of (mean step with checkpoints / mean step without - 1): 8 processes share this
 machine's cores, so one pair is noise. With
 CUDA, it also compares the engine's staging stall with a plain device-to-host copy of the same
@@ -28,6 +29,14 @@ from pathlib import Path
 from antifragile.trainer.events import read_events
 
 
+def timed_steps(args: argparse.Namespace) -> range:
+    """The steps whose times count: after the ``--warmup`` steps, whole periods of ``--every``
+    steps, so that they hold one save's stall and persist per ``--every`` steps (a part period
+    held one save more or less than its share); the last step is never one of them."""
+    periods = (args.steps - 1 - args.warmup) // args.every
+    return range(args.warmup + 1, args.warmup + 1 + periods * args.every)
+
+
 def _run(args: argparse.Namespace, run_dir: Path, every: int | None) -> dict[str, float]:
     world = args.dp * args.tp * args.pp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -46,12 +55,13 @@ def _run(args: argparse.Namespace, run_dir: Path, every: int | None) -> dict[str
     # the job when every rank is done)
     per_step: dict[int, float] = {}
     last_end: dict[int, float] = {}
+    timed = timed_steps(args)
     for e in log:
         if e["event"] != "step_end":
             continue
         previous = last_end.get(e["rank"])
         last_end[e["rank"]] = e["t"]
-        if previous is not None and args.warmup < e["step"] < args.steps:
+        if previous is not None and e["step"] in timed:
             per_step[e["step"]] = max(per_step.get(e["step"], 0.0), e["t"] - previous)
     stalls = [e["stall_s"] for e in log if e["event"] == "ckpt_staged"]
     persist = [e["persist_s"] for e in log if e["event"] == "ckpt_committed"]
@@ -120,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             pairs.append((base, ckpt, ckpt["mean_step_s"] / base["mean_step_s"] - 1.0))
     overhead = statistics.median(o for _, _, o in pairs)
     layout = f"dp={args.dp} tp={args.tp} pp={args.pp}"
+    timed = timed_steps(args)
     print(f"layout {layout}, {args.steps} steps, device {args.device}, steps "
-          f"{args.warmup + 1}..{args.steps - 1} timed (slowest rank per step, step_end to "
+          f"{timed.start}..{timed.stop - 1} timed (slowest rank per step, step_end to "
           f"step_end: the checkpoint stall included), {args.pairs} paired runs")
     print(f"{'':28}{'mean step':>12}{'median':>10}{'ckpts':>7}{'stall':>10}{'persist':>10}")
     for i, (base, ckpt, pair_overhead) in enumerate(pairs):

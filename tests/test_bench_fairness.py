@@ -39,3 +39,43 @@ def test_save_cost_times_the_engine_save_without_the_barrier_before_it(
     times = json.loads((tmp_path / "rank0.json").read_text())["times"]
     assert max(times["engine_return"]) < barrier_s, times
     assert max(times["dcp_async_return"]) < barrier_s, times
+
+
+def _trainer_events(steps: int, every: int | None, stall_s: float) -> list[dict[str, object]]:
+    """One rank's step_end events: steps of 1 s, and with checkpoints every ``every`` steps
+    the step after each save ``stall_s`` longer (the loop pays the stall after step_end)."""
+    events: list[dict[str, object]] = []
+    t = 0.0
+    for step in range(1, steps + 1):
+        t += 1.0 + (stall_s if every and step > 1 and (step - 1) % every == 0 else 0.0)
+        events.append({"event": "step_end", "rank": 0, "step": step, "t": t})
+        if every and step % every == 0:
+            events.append({"event": "ckpt_staged", "rank": 0, "step": step, "stall_s": stall_s})
+            events.append({"event": "ckpt_committed", "rank": 0, "step": step,
+                           "persist_s": 0.1})
+    return events
+
+
+@pytest.mark.parametrize(("steps", "every", "warmup"), [(60, 10, 11), (120, 20, 21),
+                                                         (60, 10, 5)])
+def test_trainer_bench_times_whole_checkpoint_periods(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int, every: int,
+        warmup: int) -> None:
+    """With a stall of half a step per 10 steps the overhead is 5%: the timed steps hold as
+    many saves per step as the run makes (``bench.trainer``'s defaults, and ``bench.gpu``'s)."""
+    import argparse
+    import subprocess
+
+    from bench import trainer as bench_trainer
+
+    def fake_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bench_trainer.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench_trainer, "read_events", lambda run_dir: _trainer_events(
+        steps, every if "ckpt" in run_dir.name else None, 0.5 * every / 10))
+    args = argparse.Namespace(dp=1, tp=1, pp=1, steps=steps, every=every, warmup=warmup,
+                              layers=1, d_model=64, device="cpu")
+    base = bench_trainer._run(args, tmp_path / "none-0", None)
+    ckpt = bench_trainer._run(args, tmp_path / "ckpt-0", every)
+    assert ckpt["mean_step_s"] / base["mean_step_s"] - 1.0 == pytest.approx(0.05)
