@@ -342,6 +342,16 @@ class Scenario(_Strict):
     faults: list[Annotated[FaultConfig, Field(discriminator="kind")]] = []
     expect: Expect = Expect()
 
+    @field_validator("name")
+    @classmethod
+    def _folder_name(cls, name: str) -> str:
+        """The name is a folder name (``chaos suite``: ``OUT/<name>/``, cleared before the
+        run): ``.`` and ``..`` would name OUT itself or its parent."""
+        if name in (".", ".."):
+            raise ValueError(f"{name!r} names no folder of its own (reports go to a folder "
+                             "named after the scenario): use letters or digits")
+        return name
+
     @property
     def is_command(self) -> bool:
         """The user's own script (``trainer.command``) rather than the built-in trainer."""

@@ -258,6 +258,33 @@ def test_discover_and_plan_reject_bad_suites(tmp_path: Path) -> None:
         suite.plan([b], tmp_path / "out")
 
 
+def test_a_scenario_named_dot_or_dot_dot_is_invalid_not_run_into_out_or_its_parent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scenario runs into ``OUT/<name>/``, cleared first: a name ``.`` cleared OUT (the
+    reports of the scenarios before it), ``..`` the folder above OUT."""
+    from antifragile.chaos.run import pipeline
+
+    def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "report.json").write_text(json.dumps(_report([1.0])))
+        return type("Outcome", (), {"report": _report([1.0])})()
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    (scenarios / "a.yaml").write_text("name: a\n")
+    (scenarios / "b.yaml").write_text("name: '.'\n")
+    (scenarios / "c.yaml").write_text("name: '..'\n")
+    (tmp_path / "keep.txt").write_text("not the suite's")
+    out = tmp_path / "out"
+    planned = suite.plan(suite.discover(scenarios), out)
+    entries = suite.run_suite(planned, out, progress=lambda _: None)
+    assert (out / "a" / "report.json").is_file() and (tmp_path / "keep.txt").is_file()
+    assert [e["verdict"] for e in entries] == ["pass", "fail", "fail"]
+    assert "b.yaml: name: '.' names no folder of its own" in entries[1]["reasons"][0]
+    assert "c.yaml: name: '..' names no folder of its own" in entries[2]["reasons"][0]
+
+
 def test_cli_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
     runner = CliRunner()
     for args in (["suite", str(tmp_path / "missing")], ["suite", str(tmp_path)]):
