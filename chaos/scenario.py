@@ -519,6 +519,8 @@ def load_scenario(path: str | Path, *, seed: int | None = None) -> Scenario:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
     except _DuplicateKey as exc:
         raise ScenarioError(f"{path}: {exc}") from None
+    except RecursionError:  # the YAML composer recurses once per level of nesting
+        raise ScenarioError(f"{path}: nested too deeply to be a scenario") from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""

@@ -173,6 +173,17 @@ def test_duplicate_keys_are_refused_not_last_one_wins(tmp_path: Path, text: str,
     assert result.output.strip() == f"error: {path}: line {line}: duplicate key {key!r}"
 
 
+@pytest.mark.parametrize("nested", ["[" * 2000 + "]" * 2000, "{a: " * 2000 + "1" + "}" * 2000],
+                         ids=["lists", "mappings"])
+def test_deeply_nested_yaml_is_a_one_line_error(tmp_path: Path, nested: str) -> None:
+    """Was a RecursionError traceback from the YAML composer (exit 1)."""
+    path = tmp_path / "deep.yaml"
+    path.write_text(f"name: x\nx: {nested}\n")
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.output.strip() == f"error: {path}: nested too deeply to be a scenario"
+
+
 def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
     path = tmp_path / "merge.yaml"
     path.write_text("name: x\ntrainer:\n  <<: {steps: 20, parallel: {dp: 2}}\n  steps: 10\n"
