@@ -242,8 +242,11 @@ class CommandSpec(_Strict):
 def _find_file(name: str, bases: list[Path]) -> str | None:
     for base in bases:
         path = (base / os.path.expanduser(name))
-        if path.is_file():
-            return str(path.resolve())
+        try:
+            if path.is_file():
+                return str(path.resolve())
+        except OSError:  # a name too long, a folder it may not look into: not there either
+            continue
     return None
 
 

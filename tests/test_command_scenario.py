@@ -46,6 +46,11 @@ def _doc(**changes: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(("doc", "message"), [
     (_doc(trainer={"command": ["python", "no_such_train.py"]}),
      "s.yaml: trainer.command: command[1]: script 'no_such_train.py' not found"),
+    # a name too long for the file system was an OSError traceback (ENAMETOOLONG)
+    (_doc(trainer={"command": ["python", "t" * 300 + ".py"]}),
+     f"s.yaml: trainer.command: command[1]: script '{'t' * 300}.py' not found"),
+    (_doc(trainer={"command": ["./" + "t" * 300]}),
+     f"s.yaml: trainer.command: command[0]: './{'t' * 300}' not found"),
     (_doc(trainer={"command": ["no-such-launcher", "x"]}),
      "s.yaml: trainer.command: command[0]: 'no-such-launcher' is not an executable on PATH"),
     (_doc(trainer={"command": []}), "s.yaml: trainer.command: List should have at least 1 item"),
