@@ -202,12 +202,22 @@ class CommandSpec(_Strict):
     @field_validator("env")
     @classmethod
     def _env_text(cls, env: dict[str, Any]) -> dict[str, str]:
+        """What a process's environment can hold (the OS refuses the rest when the job starts)."""
+        for k, v in env.items():
+            if not k or "=" in k or "\0" in k:
+                raise ValueError(f"{k!r} is not an environment variable name (empty, or it "
+                                 "holds '=' or a NUL byte)")
+            if "\0" in str(v):
+                raise ValueError(f"{k}: a value cannot hold a NUL byte")
         return {k: str(v) for k, v in env.items()}
 
     @field_validator("command")
     @classmethod
     def _resolve(cls, command: list[str], info: ValidationInfo) -> list[str]:
         """Absolute paths for the executable and the script, or why they cannot be found."""
+        for i, arg in enumerate(command):  # no process takes one
+            if "\0" in arg:
+                raise ValueError(f"command[{i}]: {arg!r} holds a NUL byte")
         bases = [*((info.context or {}).get("base_dirs") or []), Path.cwd()]
         where = " or ".join(dict.fromkeys(str(b) for b in bases))
         out = list(command)
@@ -314,10 +324,12 @@ class CheckpointSpec(_Strict):
         if not (self.url or "").startswith("s3://"):
             where = self.url or "the run's local folder"
             raise ValueError(f"storage_options: only for an s3:// url, not {where}")
-        for key in self.storage_options:
+        for key, value in self.storage_options.items():
             if key not in S3_OPTION_VARS:
                 raise ValueError(f"storage_options.{key}: unknown option (known: "
                                  f"{', '.join(S3_OPTION_VARS)})")
+            if "\0" in value:  # it goes into the environment, which cannot hold one
+                raise ValueError(f"storage_options.{key}: holds a NUL byte")
         return self
 
     def s3_environment(self) -> dict[str, str]:

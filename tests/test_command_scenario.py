@@ -51,6 +51,13 @@ def _doc(**changes: Any) -> dict[str, Any]:
      f"s.yaml: trainer.command: command[1]: script '{'t' * 300}.py' not found"),
     (_doc(trainer={"command": ["./" + "t" * 300]}),
      f"s.yaml: trainer.command: command[0]: './{'t' * 300}' not found"),
+    # accepted, then a ValueError traceback when chaos run started the reference run
+    (_doc(trainer={"env": {"OMP_NUM_THREADS=1": ""}}),
+     "s.yaml: trainer.env: 'OMP_NUM_THREADS=1' is not an environment variable name"),
+    (_doc(trainer={"env": {"": "1"}}), "s.yaml: trainer.env: '' is not an environment variable"),
+    (_doc(trainer={"env": {"A": "x\0y"}}), "s.yaml: trainer.env: A: a value cannot hold a NUL"),
+    (_doc(trainer={"command": ["python", SCRIPT, "--tag", "a\0b"]}),
+     "s.yaml: trainer.command: command[3]: 'a\\x00b' holds a NUL byte"),
     (_doc(trainer={"command": ["no-such-launcher", "x"]}),
      "s.yaml: trainer.command: command[0]: 'no-such-launcher' is not an executable on PATH"),
     (_doc(trainer={"command": []}), "s.yaml: trainer.command: List should have at least 1 item"),

@@ -59,6 +59,9 @@ def _with(**changes: Any) -> dict[str, Any]:
     (_with(checkpoint={"url": "s3://b/p", "storage_options": {"endpoint": "http://h:1"}}),
      "s.yaml: checkpoint: storage_options.endpoint: unknown option (known: endpoint_url, key, "
      "secret, token, region_name)"),
+    # accepted, then a ValueError traceback when chaos run put it into the environment
+    (_with(checkpoint={"url": "s3://b/p", "storage_options": {"secret": "a\0b"}}),
+     "s.yaml: checkpoint: storage_options.secret: holds a NUL byte"),
     # was pydantic's "Unable to extract tag using discriminator 'kind'"
     (_with(faults=[{"rank": 0, "at_step": 3}]),
      "s.yaml: faults.0.kind: missing (known: corrupt_shard, crash_during_save"),
