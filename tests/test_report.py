@@ -300,6 +300,27 @@ def test_html_is_self_contained_and_escaped(doc: dict[str, Any],
     assert all(f"]({p.name})" in md for p in figures) and "[report.html](report.html)" in md
 
 
+def test_storage_credentials_of_the_scenario_are_not_written_into_the_report(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """``checkpoint.storage_options`` secret and token were copied as given into report.json
+    and report.html (which CI uploads); the access key and endpoint stay, to say which."""
+    options = {"endpoint_url": "http://store:8333", "key": "AKIDPUBLIC",
+               "secret": "wJalrXUtnFEMI-SECRET", "token": "FwoGZX-SESSION-TOKEN"}
+    s = doc["scenario"]
+    secret = {**doc, "scenario": {**s, "checkpoint": {**s["checkpoint"], "url": "s3://b/p",
+                                                      "storage_options": options}}}
+    report.write_json(tmp_path, secret)
+    report.write_markdown(tmp_path, secret)
+    report.write_html(tmp_path, secret, [])
+    for name in ("report.json", "report.md", "report.html"):
+        text = (tmp_path / name).read_text()
+        assert "wJalrXUtnFEMI-SECRET" not in text and "FwoGZX-SESSION-TOKEN" not in text, name
+    written = json.loads((tmp_path / "report.json").read_text())["scenario"]["checkpoint"]
+    assert written["storage_options"] == {**options, "secret": "***", "token": "***"}
+    assert "AKIDPUBLIC" in (tmp_path / "report.html").read_text()
+    assert secret["scenario"]["checkpoint"]["storage_options"] == options  # not changed
+
+
 def test_reference_losses_come_from_the_reference_events(tmp_path: Path) -> None:
     (tmp_path / "events").mkdir()
     lines = [{"t": T0 + s, "rank": r, "attempt": 0, "event": "step_end", "step": s,

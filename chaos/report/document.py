@@ -119,9 +119,26 @@ def reference_losses(reference_run: Path) -> list[dict[str, Any]]:
     return [{"step": step, "loss": loss} for step, loss in sorted(losses.items())]
 
 
+#: ``checkpoint.storage_options`` that are credentials: a report is uploaded by CI, mailed,
+#: attached to an issue, so it shows them as ``***``
+SECRET_OPTIONS = ("secret", "token")
+
+
+def _without_secrets(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with its scenario's credentials replaced by ``***``."""
+    s = report.get("scenario") or {}
+    options = (s.get("checkpoint") or {}).get("storage_options") or {}
+    hidden = {k: "***" if k in SECRET_OPTIONS else x for k, x in options.items()}
+    if hidden == options:
+        return report
+    return {**report, "scenario": {**s, "checkpoint": {**s["checkpoint"],
+                                                       "storage_options": hidden}}}
+
+
 def write_json(out: Path, report: dict[str, Any]) -> Path:
     path = out / "report.json"
-    path.write_text(json.dumps(report, indent=2, sort_keys=False, allow_nan=True))
+    path.write_text(json.dumps(_without_secrets(report), indent=2, sort_keys=False,
+                               allow_nan=True))
     return path
 
 
@@ -319,6 +336,7 @@ def _more(fault: dict[str, Any]) -> str:
 
 def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
     """``report.html``: verdict, run summary, faults, checkpoints, plots, environment, scenario."""
+    report = _without_secrets(report)
     s, v, run = report["scenario"], report["verdict"], report["run"]
     verdict = str(v["verdict"])
     equal = {True: "yes", False: "NO", None: "not checked"}[v.get("bitwise_equal")]
