@@ -32,6 +32,20 @@ def test_ls_lists_committed_steps(tmp_path: Path) -> None:
     assert steps == ["10", "20"]
 
 
+def test_ls_lists_every_step_past_one_whose_commit_is_damaged(tmp_path: Path) -> None:
+    """A damaged COMMIT stopped the listing at that step with exit 2 (bad input): the steps
+    after it went unlisted. It is a damaged step, listed as such, exit 1 (damage)."""
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20, 30])
+    (tmp_path / "ckpt" / "step_000000020" / "COMMIT").write_text("garbage")
+    result = CliRunner().invoke(main, ["ckpt", "ls", url])
+    assert result.exit_code == 1, result.output
+    rows = result.output.splitlines()[1:]
+    assert [line.split()[0] for line in rows] == ["10", "20", "30"]
+    assert rows[1].split(None, 1)[1].startswith("DAMAGED: step 20: COMMIT marker: no checksum")
+    assert rows[1].endswith("(chaos ckpt verify --step 20)") and "error:" not in result.output
+
+
 def test_verify_exit_codes(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     _save_steps(url, [10, 20])

@@ -73,12 +73,14 @@ def ckpt() -> None:
 @ckpt.command("ls")
 @storage_args
 def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
-    """List committed steps with their size, and quarantined steps with the reason."""
+    """List committed steps with their size, and quarantined steps with the reason. A step
+    whose COMMIT cannot be read is listed as damaged and the exit code is 1."""
     from antifragile.engine import CheckpointError
     from antifragile.engine.commit import committed_steps, read_commit
     from antifragile.engine.quarantine import quarantine_log, quarantined_steps, read_quarantine
     from antifragile.engine.storage import open_storage
 
+    damaged = False
     try:
         storage = open_storage(url, _options(endpoint_url, pairs, url))
         steps = committed_steps(storage)
@@ -94,7 +96,12 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
                 current[step] = found[0].get("time") if found else None
                 click.echo(f"{step:>12}  quarantined: {found[0].get('reason') if found else '?'}")
                 continue
-            marker = read_commit(storage, step)
+            try:
+                marker = read_commit(storage, step)
+            except CheckpointError as exc:  # the other steps are still worth listing
+                damaged = True
+                click.echo(f"{step:>12}  DAMAGED: {exc} (chaos ckpt verify --step {step})")
+                continue
             click.echo(f"{step:>12}  {_human(int(marker.get('nbytes', 0))):>12}  "
                        f"{len(marker['objects']):>8}  {marker.get('world_size', '?')}")
         for step, note in quarantine_log(storage):  # steps saved again or retired since
@@ -103,6 +110,8 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
                 click.echo(f"{step:>12}  quarantined earlier ({when}): {note.get('reason')}")
     except CheckpointError as exc:
         _fail(str(exc))
+    if damaged:
+        raise SystemExit(1)
 
 
 @ckpt.command("verify")
