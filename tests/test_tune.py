@@ -158,7 +158,7 @@ def test_cli_table_projection_and_out_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--ckpt-cost-s", "-5", "--mtbf-s", "100"], "checkpoint cost must be"),
     (["--ckpt-cost-s", "5", "--mtbf-s", "100", "--restart-s", "-1"], "restart cost must be"),
-    (["--ckpt-cost-s", "5", "--mtbf-s", "-100"], "--mtbf-s must be > 0"),
+    (["--ckpt-cost-s", "5", "--mtbf-s", "-100"], "--mtbf-s must be a finite number > 0"),
     (["--ckpt-cost-s", "5"], "needs --mtbf-s"),
     (["--mtbf-s", "100"], "--ckpt-cost-s"),
     (["--ckpt-cost-s", "5", "--mtbf-s", "100", "--sweep"], "give SCENARIO.yaml"),
@@ -265,6 +265,9 @@ def test_cli_scenario_without_mtbf_or_with_model_options_exits_2(tmp_path: Path)
 @pytest.mark.parametrize(("args", "says"), [
     (["--schedules", "0"], "schedules must be >= 2, got 0"),
     (["--weibull-shape", "nan"], "the Weibull shape must be a finite number > 0, got nan"),
+    # infinite passed "> 0": refused only by the model or the projection, after measuring
+    (["--mtbf-s", "inf"], "--mtbf-s must be a finite number > 0 seconds, got inf"),
+    (["--gpu-mtbf-h", "inf"], "--gpu-mtbf-h must be a finite number > 0 hours, got inf"),
 ])
 def test_cli_bad_simulation_options_are_refused_before_measuring(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], says: str) -> None:

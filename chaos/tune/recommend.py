@@ -4,6 +4,7 @@ recommendation, the projection to other scales and the confirming sweep, as one 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -26,12 +27,12 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
     projection and the sweep. Raises TuneError (bad input) or MeasureError (a run failed)."""
     if gpus is not None and gpu_mtbf_h is None:
         raise TuneError("--gpus needs --gpu-mtbf-h (the MTBF of one GPU, in hours)")
-    if gpu_mtbf_h is not None and not gpu_mtbf_h > 0:
-        raise TuneError(f"--gpu-mtbf-h must be > 0 hours, got {gpu_mtbf_h}")
+    if gpu_mtbf_h is not None and not (math.isfinite(gpu_mtbf_h) and gpu_mtbf_h > 0):
+        raise TuneError(f"--gpu-mtbf-h must be a finite number > 0 hours, got {gpu_mtbf_h}")
     if gpus is not None and gpus < 1:
         raise TuneError(f"--gpus must be >= 1, got {gpus}")
-    if mtbf_s is not None and not mtbf_s > 0:
-        raise TuneError(f"--mtbf-s must be > 0 seconds, got {mtbf_s}")
+    if mtbf_s is not None and not (math.isfinite(mtbf_s) and mtbf_s > 0):
+        raise TuneError(f"--mtbf-s must be a finite number > 0 seconds, got {mtbf_s}")
     if sweep_steps is not None and sweep_steps < 2:
         raise TuneError(f"--sweep-steps must be >= 2, got {sweep_steps}")
     check_simulation(schedules, shape)  # before a scenario is run to measure the costs
