@@ -265,6 +265,10 @@ def test_cli_scenario_without_mtbf_or_with_model_options_exits_2(tmp_path: Path)
 @pytest.mark.parametrize(("args", "says"), [
     (["--schedules", "0"], "schedules must be >= 2, got 0"),
     (["--weibull-shape", "nan"], "the Weibull shape must be a finite number > 0, got nan"),
+    # every tuning simulates the Weibull law: k < 0.00586 was an OverflowError traceback in
+    # math.gamma, after measuring
+    (["--weibull-shape", "0.005"], "the Weibull shape 0.005 is too small to simulate (the "
+     "scale that gives its gaps a mean of M overflows a float); give k >= 0.006"),
     # infinite passed "> 0": refused only by the model or the projection, after measuring
     (["--mtbf-s", "inf"], "--mtbf-s must be a finite number > 0 seconds, got inf"),
     (["--gpu-mtbf-h", "inf"], "--gpu-mtbf-h must be a finite number > 0 hours, got inf"),

@@ -122,6 +122,12 @@ def check_simulation(schedules: int, shape: float) -> None:
         raise TuneError(f"schedules must be >= 2, got {schedules}")
     if not (math.isfinite(shape) and shape > 0):
         raise TuneError(f"the Weibull shape must be a finite number > 0, got {shape}")
+    try:
+        math.gamma(1 + 1 / shape)  # the gaps' scale for a mean of M (``_FailureTimes``)
+    except OverflowError:
+        raise TuneError(f"the Weibull shape {shape:g} is too small to simulate (the scale "
+                        "that gives its gaps a mean of M overflows a float); give k >= 0.006"
+                        ) from None
 
 
 #: below this model goodput at the best interval the job makes almost no progress: a
