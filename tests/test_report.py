@@ -300,6 +300,22 @@ def test_html_is_self_contained_and_escaped(doc: dict[str, Any],
     assert all(f"]({p.name})" in md for p in figures) and "[report.html](report.html)" in md
 
 
+def test_a_fault_note_of_several_lines_stays_one_row_of_the_markdown_table(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """A volume server that did not come back has its log's last lines in the fault's effect;
+    the line breaks ended the markdown table in the middle of that row."""
+    effect = ("the volume server did not come back: volume server 1 did not come back within "
+              "30 s; log /x/volume1.log:\n    I1205 starting | port 8081\n    F1205 bind: in use")
+    faults = [{**doc["faults"][0], "skipped": None, "effect": effect}, *doc["faults"][1:]]
+    report.write_markdown(tmp_path, {**doc, "faults": faults})
+    md = (tmp_path / "report.md").read_text().split("## Faults\n\n", 1)[1]
+    table = md.split("\n\n", 1)[0].splitlines()
+    assert len(table) == 2 + len(faults)
+    assert all(row.startswith("|") and row.count("|") == 14 for row in table), table
+    assert table[2].endswith("within 30 s; log /x/volume1.log: I1205 starting / port 8081 "
+                             "F1205 bind: in use |")
+
+
 def test_storage_credentials_of_the_scenario_are_not_written_into_the_report(
         doc: dict[str, Any], tmp_path: Path) -> None:
     """``checkpoint.storage_options`` secret and token were copied as given into report.json

@@ -225,7 +225,7 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
             f"{_fmt(f['restart_s'])} | "
             f"{_fmt(f['restore_s'])} | {_fmt(f['recompute_s'])} | {_recovery_cell(f)} | "
             f"{_fmt(f['restored_step'])} | {_fmt(f['lost_steps'])} | "
-            f"{note.replace('|', '/')} |")
+            f"{' '.join(note.replace('|', '/').split())} |")  # a row is one line
     lines += ["", "## Checkpoints", "",
               "| attempt | step | stall s | persist s | slower steps s | MiB | committed |",
               "|---|---|---|---|---|---|---|"]
