@@ -129,6 +129,28 @@ def test_an_out_folder_that_cannot_be_made_is_bad_input(tmp_path: Path,
                     f"--out {blocker / 'out'}: cannot create the folder: Not a directory")
 
 
+def test_an_out_folder_holding_a_ckpt_folder_of_its_own_is_not_cleared(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run deletes run/, ckpt/ and determinism/ in its --out first: ``--out .`` in a project
+    with checkpoints in ckpt/ deleted them. Only an earlier run's folder is cleared."""
+    from antifragile.chaos.run import pipeline
+
+    def must_not_run(*_: object, **__: object) -> None:
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(pipeline, "run_scenario", must_not_run)
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\ntrainer: {parallel: {dp: 2}, steps: 2}\n"
+                    "checkpoint: {every_steps: 1}\n")
+    project = tmp_path / "project"
+    (project / "ckpt").mkdir(parents=True)
+    (project / "ckpt" / "step_000000100.pt").write_text("weeks of training")
+    _one_line_error(["run", str(path), "--out", str(project)],
+                    f"--out {project}: holds ckpt/, which a run deletes before it starts, and "
+                    "is not a chaos run folder (no report.json)")
+    assert (project / "ckpt" / "step_000000100.pt").read_text() == "weeks of training"
+
+
 def test_a_seed_option_out_of_range_names_the_option(tmp_path: Path) -> None:
     """``--seed -1`` was reported as the file's ``seed:`` key, which the user never wrote."""
     path = tmp_path / "s.yaml"

@@ -38,7 +38,8 @@ def list_scenarios() -> None:
 @click.command("run")
 @click.argument("file")
 @click.option("--out", type=click.Path(file_okay=False), help="Report folder "
-              "(default reports/<name>-<UTC time>).")
+              "(default reports/<name>-<UTC time>); an earlier run's is reused, its run/ and "
+              "ckpt/ deleted first.")
 @click.option("--no-reference", is_flag=True, help="Skip the fault-free reference run "
               "(refused, exit 2, for a scenario that expects bitwise equality).")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1),
@@ -65,6 +66,8 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
     from antifragile.chaos.run.pipeline import run
     from antifragile.chaos.run.runner import ChaosRunError
 
+    if out is not None:
+        _check_not_foreign(Path(out))
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     folder = out_folder(out or str(Path("reports") / f"{s.name}-{stamp}"))
     with Progress() as progress:
@@ -85,6 +88,23 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
     for what in outcome.report.get("not_measured") or []:
         click.echo(f"  not measured: {what}")
     raise SystemExit(EXIT_CODES[outcome.verdict])
+
+
+#: what a run deletes from its folder before it starts (``pipeline.run``: never resumed)
+_CLEARED = ("run", "ckpt", "determinism")
+
+
+def _check_not_foreign(folder: Path) -> None:
+    """Exit 2 if ``--out`` holds a folder a run clears but is no earlier run's folder (no
+    ``report.json``, no ``run/torchrun.log`` of a run cut short): ``--out .`` in a project
+    with a ``ckpt/`` of its own would delete it."""
+    if (folder / "report.json").is_file() or (folder / "run" / "torchrun.log").is_file():
+        return
+    for name in _CLEARED:
+        if (folder / name).exists():
+            fail(f"--out {folder}: holds {name}/, which a run deletes before it starts, and "
+                 "is not a chaos run folder (no report.json); not deleting it (choose another "
+                 "--out)")
 
 
 #: ``chaos run``'s exit code per verdict; 2 is bad input (before anything runs).
