@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from antifragile.chaos.faults import FAULT_CONFIGS, FaultConfig
-from antifragile.chaos.faults.base import Seconds
+from antifragile.chaos.faults.base import Seconds, memory_mib
 from antifragile.trainer.progress import STALL_ESCALATION
 
 #: The shipped scenarios (``chaos list``): the repository's ``scenarios/`` folder.
@@ -40,12 +40,7 @@ WORKER_LIMIT_REASON = f"one worker needs ~{_WORKER_MIB} MiB; at most 16 per CPU 
 
 def max_workers() -> int:
     """How many trainer worker processes this machine can hold."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
-    except (OSError, StopIteration, ValueError):
-        kib = 16 * 2**20
-    return max(1, min(kib // 1024 // _WORKER_MIB, 16 * (os.cpu_count() or 1)))
+    return max(1, min(memory_mib() // _WORKER_MIB, 16 * (os.cpu_count() or 1)))
 
 
 class ScenarioError(Exception):

@@ -180,6 +180,16 @@ def test_fields_are_validated() -> None:
     assert s.faults[0].kind == "disk_full" and s.checkpoint.url is None
 
 
+def test_a_volume_the_machine_could_not_hold_in_memory_is_refused() -> None:
+    """A full tmpfs is RAM: a typo (1048576 for 1024) would take the machine's memory."""
+    from antifragile.chaos.faults.base import memory_mib
+
+    too_big = memory_mib() // 2 + 1
+    with pytest.raises(ScenarioError, match=rf"^x.yaml: faults.0.volume_mib: {too_big} MiB: "
+                       r"the tmpfs is held in memory once filled, and this machine has \d+ MiB"):
+        parse_scenario(_doc(None, [{**FULL, "volume_mib": too_big}]), path="x.yaml")
+
+
 def test_without_a_volume_it_is_reported_skipped() -> None:
     target = Target(pids={}, coordinates={}, ckpt_url="/x/ckpt", rng=random.Random(0),
                     volume_unavailable="disk_full mounts a small file system for the "

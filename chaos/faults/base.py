@@ -178,6 +178,16 @@ class Target:
         return f"rank {rank} (pid {pid}) had already exited"
 
 
+def memory_mib() -> int:
+    """This machine's memory (``MemTotal``); 16 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        kib = 16 * 2**20
+    return kib // 1024
+
+
 def send(pid: int, sig: int) -> None:
     """``sig`` to ``pid``, or to its process group where it leads one (see ``Target.signal``)."""
     if os.getpgid(pid) == pid:

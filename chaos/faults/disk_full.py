@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StrictInt
 
-from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target
+from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target, memory_mib
 
 
 class DiskFull(FaultBase):
@@ -27,6 +27,10 @@ class DiskFull(FaultBase):
     volume_mib: Annotated[StrictInt, Field(ge=16, le=1 << 20)] = 256
 
     def check_storage(self, url: str | None) -> tuple[str, str] | None:
+        if self.volume_mib > memory_mib() // 2:
+            return "volume_mib", (f"{self.volume_mib} MiB: the tmpfs is held in memory once "
+                                  f"filled, and this machine has {memory_mib()} MiB (at most "
+                                  "half of it)")
         if url is not None:
             return "kind", (f"disk_full fills a file system that chaos mounts for the run's "
                             f"checkpoints, never one it does not own, but checkpoint.url is "
@@ -41,7 +45,8 @@ class DiskFull(FaultBase):
             return Injection(self.kind, time.time(), step=step, skipped=reason)
         fill = Fill(target.volume)
         injection = Injection(self.kind, time.time(), step=step, detail={
-            "duration_s": self.duration_s, "volume_mib": self.volume_mib, "ended_t": None,
+            "duration_s": self.duration_s, "volume_mib": target.volume.size_bytes >> 20,
+            "ended_t": None,
             "filled_bytes": fill.filled_bytes, "error": fill.error})
 
         def end() -> None:
