@@ -397,7 +397,9 @@ def test_kill_rank_on_two_hosts_recovers_and_ends_bitwise_equal(
     outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
     assert outcome.passed, outcome.report["verdict"]
     first, second = outcome.report["faults"]
-    assert first["restored_step"] == 10 and second["restored_step"] == 20
+    # the async save before a kill may still be in flight (a loaded machine): then the one
+    # before it; the verdict checked that no newer committed step was passed over
+    assert first["restored_step"] in (5, 10) and second["restored_step"] in (15, 20)
     assert outcome.report["run"]["attempts"] == 3
     events = _events(tmp_path / "out")
     starts = {(e["attempt"], e["rank"]) for e in events if e["event"] == "start"}
@@ -419,7 +421,9 @@ def test_in_process_recovery_across_two_hosts(
     outcome = run(scenario, tmp_path / "out", progress=lambda _: None)
     assert outcome.passed, outcome.report["verdict"]
     first, second = outcome.report["faults"]
-    assert first["restored_step"] == 10 and second["restored_step"] == 20
+    # the async save before a kill may still be in flight (a loaded machine): then the one
+    # before it; the verdict checked that no newer committed step was passed over
+    assert first["restored_step"] in (5, 10) and second["restored_step"] in (15, 20)
     for fault in (first, second):
         assert fault["recovery_mode"] == "in_process" and fault["fallback"] is None, fault
         assert fault["restart_s"] < 2.0, fault  # the group re-formed: no new processes
