@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from antifragile.chaos.faults.disk_full import DiskFull
 from antifragile.chaos.infra.proxy import FaultProxy
 from antifragile.chaos.infra.seaweedfs import SeaweedCluster, SeaweedError
 from antifragile.chaos.infra.volume import Volume, checkpoint_volume
@@ -277,7 +276,7 @@ def run_storage(s: Scenario, out: Path, progress: Callable[[str], None] = print
     if not is_s3(url):
         if url:  # a folder chaos does not own: never cleared, so it must hold no run yet
             check_local(url, s.checkpoint.engine)
-        sizes = [f.volume_mib for f in s.faults if isinstance(f, DiskFull)]
+        sizes = [f.volume_mib for f in s.faults if f.kind == "disk_full"]
         if url or not sizes:
             yield RunStorage(url or str(out / "ckpt"))
             return
