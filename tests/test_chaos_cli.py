@@ -110,16 +110,21 @@ def test_no_reference_with_a_bitwise_expectation_is_bad_input(tmp_path: Path) ->
     assert not out.exists(), "nothing may run"
 
 
-def test_an_out_folder_that_cannot_be_made_is_bad_input(tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--out`` below a file (or on a read-only file system): one line naming the option and
-    the reason, exit 2, before anything runs; it was a NotADirectoryError traceback, exit 1."""
+def _nothing_may_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run started after this fails the test: bad input must be refused before it."""
     from antifragile.chaos.run import pipeline
 
     def must_not_run(*_: object, **__: object) -> None:
         raise AssertionError("nothing may run")
 
     monkeypatch.setattr(pipeline, "run_scenario", must_not_run)
+
+
+def test_an_out_folder_that_cannot_be_made_is_bad_input(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--out`` below a file (or on a read-only file system): one line naming the option and
+    the reason, exit 2, before anything runs; it was a NotADirectoryError traceback, exit 1."""
+    _nothing_may_run(monkeypatch)
     path = tmp_path / "s.yaml"
     path.write_text("name: s\ntrainer: {parallel: {dp: 2}, steps: 2}\n"
                     "checkpoint: {every_steps: 1}\n")
@@ -133,12 +138,7 @@ def test_an_out_folder_holding_a_ckpt_folder_of_its_own_is_not_cleared(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run deletes run/, ckpt/ and determinism/ in its --out first: ``--out .`` in a project
     with checkpoints in ckpt/ deleted them. Only an earlier run's folder is cleared."""
-    from antifragile.chaos.run import pipeline
-
-    def must_not_run(*_: object, **__: object) -> None:
-        raise AssertionError("nothing may run")
-
-    monkeypatch.setattr(pipeline, "run_scenario", must_not_run)
+    _nothing_may_run(monkeypatch)
     path = tmp_path / "s.yaml"
     path.write_text("name: s\ntrainer: {parallel: {dp: 2}, steps: 2}\n"
                     "checkpoint: {every_steps: 1}\n")
@@ -263,8 +263,6 @@ def test_a_local_url_holding_committed_checkpoints_is_refused(
 
     import torch
 
-    from antifragile.chaos.run import pipeline
-
     url = tmp_path / "fixed"
     state = {"model": {"w": torch.ones(3)}}
     if engine == "antifragile":
@@ -279,10 +277,7 @@ def test_a_local_url_holding_committed_checkpoints_is_refused(
             warnings.simplefilter("ignore")
             dcp.save(state, checkpoint_id=str(url / "step_000000010"))
 
-    def must_not_run(*_: object, **__: object) -> None:
-        raise AssertionError("nothing may run")
-
-    monkeypatch.setattr(pipeline, "run_scenario", must_not_run)
+    _nothing_may_run(monkeypatch)
     path = tmp_path / "s.yaml"
     path.write_text(f"name: s\ntrainer: {{parallel: {{dp: 2}}, steps: 20}}\n"
                     f"checkpoint: {{every_steps: 5, url: {url}, engine: {engine}}}\n"
