@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt
 
+from antifragile.chaos.infra.weed import process_state
+
 if TYPE_CHECKING:
     from antifragile.chaos.infra.netns import Network
     from antifragile.chaos.infra.proxy import FaultProxy
@@ -198,8 +200,5 @@ def send(pid: int, sig: int) -> None:
 
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, exited and not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] not in "ZX"
-    except (OSError, IndexError):
-        return False
+    state = process_state(pid)
+    return state is not None and state not in "ZX"

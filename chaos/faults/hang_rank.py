@@ -29,7 +29,7 @@ from antifragile.chaos.faults.base import (
     alive,
     send,
 )
-from antifragile.chaos.infra.weed import wait_stopped
+from antifragile.chaos.infra.weed import process_state, wait_stopped
 
 _PTRACE_DETACH = 17
 _PTRACE_SEIZE = 0x4206
@@ -59,7 +59,7 @@ class HangRank(FaultBase):
             target.hit.add(rank)
             return Injection(self.kind, time.time(), step=step, rank=rank,
                              detail={**detail, "tid": pid})
-        if _stopped(pid):  # held by another fault, whose SIGCONT would end this one early
+        if process_state(pid) == "T":  # held by another fault: its SIGCONT would end this one
             return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail,
                              missed=f"rank {rank} (pid {pid}) was stopped already (another "
                                     "fault's hang) when this fault was due")
@@ -77,15 +77,6 @@ class HangRank(FaultBase):
         timer.daemon = True
         timer.start()
         return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail)
-
-
-def _stopped(pid: int) -> bool:
-    """Whether ``pid`` is stopped by a signal (``T``)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] == "T"
-    except (OSError, IndexError):
-        return False
 
 
 class _ThreadHold:

@@ -78,6 +78,13 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
+def process_state(pid: int) -> str | None:
+    """The process's state letter (``R``, ``S``, ``T`` stopped, ``Z`` zombie...), or None if
+    there is no such process."""
+    fields = _stat(pid)
+    return fields[0] if fields else None
+
+
 def start_time(pid: int) -> int | None:
     """The process's start time (clock ticks since boot), or None if there is no such process;
     with the pid it identifies a process (pids are recycled, start times are not)."""
