@@ -337,6 +337,28 @@ def test_storage_credentials_of_the_scenario_are_not_written_into_the_report(
     assert secret["scenario"]["checkpoint"]["storage_options"] == options  # not changed
 
 
+def test_credentials_in_the_command_trainers_environment_are_not_written_into_the_report(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """``trainer.env`` of a command trainer (a user's script) often carries an API token or a
+    store's secret key; it was copied as given into report.json, .md and .html."""
+    env = {"HF_TOKEN": "hf_XXSECRET1", "WANDB_API_KEY": "wandb-SECRET2",
+           "AWS_SECRET_ACCESS_KEY": "aws-SECRET3", "DB_PASSWORD": "pw-SECRET4",
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    s = doc["scenario"]
+    trainer = {"command": ["python", "train.py"], "nproc_per_node": 2, "env": env}
+    with_env = {**doc, "scenario": {**s, "trainer": trainer}}
+    report.write_json(tmp_path, with_env)
+    report.write_markdown(tmp_path, with_env)
+    report.write_html(tmp_path, with_env, [])
+    for name in ("report.json", "report.md", "report.html"):
+        text = (tmp_path / name).read_text()
+        assert not any(f"SECRET{i}" in text for i in range(1, 5)), name
+    written = json.loads((tmp_path / "report.json").read_text())["scenario"]["trainer"]["env"]
+    assert written == {**env, "HF_TOKEN": "***", "WANDB_API_KEY": "***",
+                       "AWS_SECRET_ACCESS_KEY": "***", "DB_PASSWORD": "***"}
+    assert with_env["scenario"]["trainer"]["env"] == env  # not changed
+
+
 def test_reference_losses_come_from_the_reference_events(tmp_path: Path) -> None:
     (tmp_path / "events").mkdir()
     lines = [{"t": T0 + s, "rank": r, "attempt": 0, "event": "step_end", "step": s,

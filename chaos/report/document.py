@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from antifragile.chaos.observe.record import RunRecord
     from antifragile.chaos.report.plots import Plot
 
@@ -122,17 +124,30 @@ def reference_losses(reference_run: Path) -> list[dict[str, Any]]:
 #: ``checkpoint.storage_options`` that are credentials: a report is uploaded by CI, mailed,
 #: attached to an issue, so it shows them as ``***``
 SECRET_OPTIONS = ("secret", "token")
+#: words of an environment variable's name (split at ``_``) that make its value a credential:
+#: ``HF_TOKEN``, ``WANDB_API_KEY``, ``AWS_SECRET_ACCESS_KEY`` (not ``TOKENIZERS_PARALLELISM``)
+SECRET_WORDS = frozenset({"SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS",
+                          "KEY", "APIKEY"})
+
+
+def _hidden(values: dict[str, Any], secret: Callable[[str], bool]) -> dict[str, Any]:
+    return {k: "***" if secret(k) else x for k, x in values.items()}
 
 
 def _without_secrets(report: dict[str, Any]) -> dict[str, Any]:
-    """``report`` with its scenario's credentials replaced by ``***``."""
+    """``report`` with its scenario's credentials (storage options, a command trainer's
+    environment) replaced by ``***``."""
     s = report.get("scenario") or {}
-    options = (s.get("checkpoint") or {}).get("storage_options") or {}
-    hidden = {k: "***" if k in SECRET_OPTIONS else x for k, x in options.items()}
-    if hidden == options:
+    checkpoint, trainer = s.get("checkpoint") or {}, s.get("trainer") or {}
+    options = checkpoint.get("storage_options") or {}
+    env = trainer.get("env") or {}
+    hidden_options = _hidden(options, lambda k: k in SECRET_OPTIONS)
+    hidden_env = _hidden(env, lambda k: not SECRET_WORDS.isdisjoint(k.upper().split("_")))
+    if hidden_options == options and hidden_env == env:
         return report
-    return {**report, "scenario": {**s, "checkpoint": {**s["checkpoint"],
-                                                       "storage_options": hidden}}}
+    s = {**s, "checkpoint": {**checkpoint, "storage_options": hidden_options}} if options else s
+    s = {**s, "trainer": {**trainer, "env": hidden_env}} if env else s
+    return {**report, "scenario": s}
 
 
 def write_json(out: Path, report: dict[str, Any]) -> Path:
