@@ -64,13 +64,12 @@ class MemoryCopy:
                                 write.local_offset[0] + chunk.first_row + chunk.rows),
                           *(slice(o, o + n) for o, n in zip(write.local_offset[1:],
                                                             write.valid_shape[1:])))
-                view = chunk.view
+                # a raw chunk's view is its bytes (the last dim counts bytes): read as the
+                # dtype at the restore, from the buffer the check covers, not from a clone
+                take = [slice(0, chunk.rows), *(slice(0, n) for n in write.valid_shape[1:])]
                 if chunk.raw:
-                    view = staging.arena[cell.offset + chunk.start:
-                                         cell.offset + chunk.start + chunk.nbytes]
-                    view = view.clone().view(dtype).reshape(-1, *write.array.shard_shape[1:])
-                regions.append((region, view[(slice(0, chunk.rows),
-                                              *(slice(0, n) for n in write.valid_shape[1:]))]))
+                    take[-1] = slice(0, take[-1].stop * dtype.itemsize)
+                regions.append((region, chunk.view[tuple(take)]))
         for path, shadow in staging.shadows.items():
             copy.regions[path] = [(tuple(slice(0, n) for n in shadow.shape), shadow)]
         return copy
@@ -80,7 +79,8 @@ class MemoryCopy:
         local = iter_local(tensor)
         if self.local_shapes.get(path) != tuple(local.shape) or path not in self.regions:
             return not local.numel() and self.local_shapes.get(path) == tuple(local.shape)
-        return sum(math.prod(b.shape) for _, b in self.regions[path]) == local.numel()
+        return sum(math.prod(s.stop - s.start for s in region)
+                   for region, _ in self.regions[path]) == local.numel()
 
     def fill(self, path: str, tensor: torch.Tensor) -> int:
         """Copy the regions into ``tensor``'s local data; returns the bytes copied."""
@@ -88,6 +88,8 @@ class MemoryCopy:
         copied = 0
         with torch.no_grad():
             for region, buf in self.regions.get(path, []):
+                if buf.dtype != local.dtype:  # a raw chunk's bytes, checked just before
+                    buf = buf.clone().view(local.dtype)  # (clone: aligned for the dtype)
                 local[region].copy_(buf)
                 copied += buf.numel() * buf.element_size()
         return copied

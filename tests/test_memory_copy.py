@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from antifragile.engine import CheckpointEngine, CheckpointError
+from antifragile.engine.plan import PlanOptions
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -64,6 +65,37 @@ def test_a_damaged_memory_copy_is_not_used(tmp_path: Path,
     assert "does not match its COMMIT manifest" in caplog.text
     assert loader.last_load_sources["memory_bytes"] == 0
     assert torch.equal(_bits(target["model"]["w"]), _bits(saved["model"]["w"]))
+
+
+def test_a_damaged_copy_of_a_misaligned_chunk_is_not_used(tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Each inner chunk of a cell is followed by its 4-byte CRC, so the second chunk of a float64
+    tensor starts off its dtype's alignment and is staged as raw bytes. The copy used to clone
+    those bytes when the save committed and restore from the clone, which no check covers: a
+    bit flipped in the clone was loaded."""
+    url = str(tmp_path / "ckpt")
+    gen = torch.Generator().manual_seed(1)
+    saved = {"w": torch.randn(64, 16, dtype=torch.float64, generator=gen),
+             "v": torch.randint(-2**60, 2**60, (1024,), generator=gen)}  # 1-D int64
+    options = PlanOptions(inner_chunk_bytes=16 * 8 * 8)  # 8 rows per inner chunk: 8 chunks
+    with CheckpointEngine(url, keep_in_memory=True, plan_options=options) as engine:
+        engine.save(10, saved, blocking=True)
+        memory = engine.memory_copy()
+        assert memory is not None
+        target = {name: torch.zeros_like(t) for name, t in saved.items()}
+        with CheckpointEngine(url, plan_options=options) as loader:  # intact: from memory
+            loader.load(target, memory=memory)
+            assert loader.last_load_sources["storage_bytes"] == 0
+        for name, tensor in saved.items():
+            assert torch.equal(_bits(target[name]), _bits(tensor)), name
+        _, (_, second), *_ = memory.regions["w"]
+        _bits(second)[3] ^= 0x40  # a flipped bit in what the restore copies from
+        target = {name: torch.zeros_like(t) for name, t in saved.items()}
+        loader = CheckpointEngine(url, plan_options=options)
+        loader.load(target, memory=memory)
+    assert torch.equal(_bits(target["w"]), _bits(saved["w"]))
+    assert "does not match its COMMIT manifest" in caplog.text
+    assert loader.last_load_sources["memory_bytes"] == 0
 
 
 def test_a_copy_of_another_save_or_an_uncommitted_one_is_not_used(tmp_path: Path) -> None:
