@@ -73,7 +73,8 @@ class CheckpointEngine:
     the last committed save is this rank's whole state in host memory (``memory_copy()``), for
     ``load(..., memory=...)`` after a failure; two sets of buffers, used in turn, so that the
     copy survives a save in flight (an async save persists for a good part of the interval
-    between saves: a failure then would otherwise find no copy in memory).
+    between saves: a failure then would otherwise find no copy in memory); both are allocated
+    when a save plans, so that an allocation failure fails that save on every rank at once.
     ``on_phase(step, phase)`` is called as a save passes ``persisting``, ``written`` (objects
     durable), ``recorded`` (rank record written) and, on the coordinator, ``committing``
     (every record in, COMMIT not yet written), on the save's background thread: chaos holds
@@ -242,8 +243,8 @@ class CheckpointEngine:
             self._draining.append(last)
         self._draining = [h for h in self._draining if not h.retention_done()]
         if self._memory is not None and self._memory.staging is self._staging:
-            self._staging, self._other_staging = (
-                self._other_staging or self._new_staging(flat), self._staging)
+            assert self._other_staging is not None  # allocated with the plan
+            self._staging, self._other_staging = self._other_staging, self._staging
         staging = self._staging
         staging.begin()
         self._last = handle
@@ -317,17 +318,18 @@ class CheckpointEngine:
         try:
             plan = build_plan(self._per_rank.plan_inventories(), self._plan_options)
             staging = self._new_staging(flat, plan)
+            # with keep_in_memory the next save stages into a second set while the memory
+            # copy holds this one: allocated here too, so that its failure is agreed as well
+            other = self._new_staging(flat, plan) if self.keep_in_memory else None
         except Exception as exc:
             failure = exc
         if self._ranks.all_max([int(failure is not None)])[0]:
             raise failure or CheckpointError(
                 f"step {step} not saved: another rank could not plan it or allocate its "
                 "staging buffers (its error names why)")
-        self._plan, self._staging, self._other_staging = plan, staging, None
+        self._plan, self._staging, self._other_staging = plan, staging, other
 
-    def _new_staging(self, flat: FlatState, plan: GlobalPlan | None = None) -> StagingArea:
-        plan = self._plan if plan is None else plan
-        assert plan is not None
+    def _new_staging(self, flat: FlatState, plan: GlobalPlan) -> StagingArea:
         return StagingArea(plan.writes[self.rank], flat.tensors,
                            keep_in_memory=self.keep_in_memory)
 

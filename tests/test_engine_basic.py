@@ -415,9 +415,10 @@ def test_a_save_whose_staging_allocation_failed_leaves_the_next_save_working(
         assert engine.load(target) == 2 and torch.equal(target["w"], state["w"])
 
 
-def _save_twice_rank_1_out_of_staging_memory_once(url: str) -> list[str]:
+def _save_twice_rank_1_out_of_staging_memory_once(url: str, keep_in_memory: bool,
+                                                  failing: int) -> list[str]:
     """On each of 2 ranks: two blocking saves of a row-sharded tensor; rank 1 cannot allocate
-    the first save's staging buffers. Returns each save's outcome."""
+    its ``failing``-th staging area. Returns each save's outcome."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -427,7 +428,7 @@ def _save_twice_rank_1_out_of_staging_memory_once(url: str) -> list[str]:
 
     def allocate(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
-        if len(calls) == 1 and torch.distributed.get_rank() == 1:
+        if len(calls) == failing and torch.distributed.get_rank() == 1:
             raise MemoryError("cannot allocate the staging arena")
         return real(*args, **kwargs)
 
@@ -435,7 +436,7 @@ def _save_twice_rank_1_out_of_staging_memory_once(url: str) -> list[str]:
     mesh = init_device_mesh("cpu", (2,))
     state = {"w": distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh, [Shard(0)])}
     outcomes = []
-    with CheckpointEngine(url, commit_timeout_s=10) as engine:
+    with CheckpointEngine(url, commit_timeout_s=10, keep_in_memory=keep_in_memory) as engine:
         for step in (1, 2):
             try:
                 engine.save(step, state, blocking=True)
@@ -446,15 +447,19 @@ def _save_twice_rank_1_out_of_staging_memory_once(url: str) -> list[str]:
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("keep_in_memory, failing", [(False, 1), (True, 2)],
+                         ids=["first-area", "keep-in-memory-second-area"])
 def test_a_staging_allocation_that_failed_on_one_rank_fails_the_save_on_every_rank_at_once(
-        tmp_path: Path) -> None:
+        tmp_path: Path, keep_in_memory: bool, failing: int) -> None:
     """Rank 1 raised alone; rank 0's save waited for rank 1's record until the commit
-    deadline (600 s by default), and every save until then was skipped as busy."""
+    deadline (600 s by default), and every save until then was skipped as busy. With
+    ``keep_in_memory`` the second set of buffers (staged into while the copy holds the
+    first) was allocated by the second save alone, outside the agreement."""
     from _dist import run_ranks
 
     url = str(tmp_path / "ckpt")
     rank0, rank1 = run_ranks(2, _save_twice_rank_1_out_of_staging_memory_once, url,
-                             timeout_s=90)
+                             keep_in_memory, failing, timeout_s=90)
     assert rank1 == ["MemoryError: cannot allocate the staging arena", "committed"], rank1
     assert rank0[0].startswith("CheckpointError: step 1 not saved") and "rank" in rank0[0], rank0
     assert rank0[1] == "committed", rank0
