@@ -602,6 +602,27 @@ def test_faults_at_one_step_on_different_passes_get_a_pause_point_each() -> None
         ({"id": "p0", "step": 4}, [0, 1]), ({"id": "p1", "step": 4, "pass": 2}, [2])]
 
 
+def test_a_pause_point_reached_again_by_a_newer_generation_holds_from_its_first_pause() -> None:
+    """Rank 0 of attempt 0 reached the point of step 4 and was held; rank 1 died before it got
+    there, and attempt 1 reached it 30 s later. The hold counted from attempt 0's first pause,
+    so the restart in between was taken for time chaos held the trainer and left out of the
+    wall time: goodput came out higher than the run's."""
+    from antifragile.chaos.run import pauses, runner
+
+    point = pauses.Point("p0", 4, None)
+    job = runner._Job(WORLD)
+    for attempt in (0, 1):
+        for rank in range(WORLD):
+            job.see({"event": "start", "attempt": attempt, "rank": rank, "pid": 100 + rank,
+                     "t": T0 + attempt})
+        if attempt == 0:
+            assert not job.all_paused(point, {"attempt": 0, "rank": 0, "t": T0 + 10.0})
+    held = [job.all_paused(point, {"attempt": 1, "rank": r, "t": T0 + 40.0 + r / 10})
+            for r in range(WORLD)]
+    assert held == [False] * (WORLD - 1) + [True]
+    assert point.first_paused_t == T0 + 40.0
+
+
 def test_a_kill_during_the_recovery_of_the_previous_one_interrupts_it_without_failing() -> None:
     """Rank 1 dies at step 7; attempt 1 starts, and rank 0 dies before attempt 1 restored:
     the first recovery was cut short by the second fault, whose recovery covers both. Not a

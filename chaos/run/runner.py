@@ -221,8 +221,10 @@ class _Job:
 
     def all_paused(self, point: Point, e: dict[str, Any]) -> bool:
         """Record a ``paused`` event; True once every rank the point holds is there (in the
-        current generation), and the point has not been released yet."""
-        if not point.paused:
+        current generation), and the point has not been released yet. The hold counts from the
+        first pause of the newest generation there: an older one's ranks held here ended with
+        it, and the restart after it is the job's time, not chaos's."""
+        if e["attempt"] > max((g for g, _ in point.paused), default=-1):
             point.first_paused_t = e["t"]
         point.last_paused_t = e["t"]
         point.paused.add((e["attempt"], e["rank"]))
