@@ -237,6 +237,23 @@ def test_the_last_checkpoint_gives_up_after_its_patience(
     assert ckpt.backend.engine.steps() == []
 
 
+def test_the_trainer_runs_as_one_process_without_torchrun(tmp_path: Path) -> None:
+    """``python -m antifragile.trainer`` without torchrun is one rank with nobody to supervise
+    it (``launch_info`` gives it an in-process store); it died at its first step with
+    ``KeyError: 'MASTER_ADDR'``, looking for torchrun's store."""
+    import subprocess
+
+    from _trainer import SMALL_MODEL, env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", "2",
+         "--ckpt-every", "2", "--ckpt-url", str(tmp_path / "ckpt"), "--run-dir", str(tmp_path)],
+        env={k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")},
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "ckpt" / "step_000000002" / "COMMIT").exists()
+
+
 # --- the connections an in-process recovery shuts down ----------------------------------------
 
 

@@ -39,7 +39,7 @@ class Launch:
     slots: int  # torchrun's WORLD_SIZE: trainer ranks + spares
     local_rank: int
     local_slots: int  # torchrun's LOCAL_WORLD_SIZE: the slots on this host
-    base: Any  # the launcher's store (None without torchrun)
+    base: Any  # the launcher's store (without torchrun: an in-process HashStore)
     attempt_key: str  # the key namespace of this torchrun attempt
     counter_at: str | None  # host:port of the job-wide generation counter, if not ``base``
     timeout: timedelta
@@ -57,8 +57,8 @@ class Launch:
         return JobStore(self.connect(), self.attempt_key, counter=self._counter())
 
     def connect(self) -> Any:
-        if self.base is None:
-            return dist.HashStore()
+        if "MASTER_ADDR" not in os.environ:  # one process without torchrun: its own store
+            return self.base
         return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                              is_master=False, timeout=self.timeout, wait_for_workers=False)
 
