@@ -254,6 +254,44 @@ def test_the_trainer_runs_as_one_process_without_torchrun(tmp_path: Path) -> Non
     assert (tmp_path / "ckpt" / "step_000000002" / "COMMIT").exists()
 
 
+_REFUSING_LAST_STEP = """
+import sys
+from antifragile.engine.storage._local import LocalStorage
+from antifragile.trainer.__main__ import main
+
+write = LocalStorage.write
+
+def refusing(self, key, *args, **kwargs):
+    if key.startswith("step_000000004/"):
+        raise PermissionError(f"storage refuses {key}")
+    return write(self, key, *args, **kwargs)
+
+LocalStorage.write = refusing
+sys.exit(main())
+"""
+
+
+def test_a_run_whose_last_checkpoint_could_not_be_saved_does_not_exit_0(tmp_path: Path) -> None:
+    """Storage refuses every write of the last step's checkpoint: the trainer retried it for
+    its patience and then exited 0, as if the run were complete and saved; its last steps
+    exist nowhere, and a launcher or scheduler took the job for done."""
+    import json
+    import subprocess
+
+    from _trainer import SMALL_MODEL, env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _REFUSING_LAST_STEP, *SMALL_MODEL, "--steps", "4",
+         "--ckpt-every", "2", "--ckpt-url", str(tmp_path / "ckpt"), "--run-dir", str(tmp_path),
+         "--final-save-patience-s", "1"],
+        env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode not in (0, 2), proc.stderr[-2000:]  # 2: usage, not this
+    assert "step 4" in proc.stderr and "not saved" in proc.stderr, proc.stderr[-2000:]
+    events = [json.loads(line) for line in (tmp_path / "events" / "rank0.jsonl").open()]
+    assert [e["step"] for e in events if e["event"] == "ckpt_committed"] == [2]
+    assert any(e["event"] == "ckpt_failed" and e["step"] == 4 for e in events)
+
+
 # --- the connections an in-process recovery shuts down ----------------------------------------
 
 

@@ -29,6 +29,7 @@ class TrainConfig:
     async_ckpt: bool = True
     keep_last: int = 3
     ckpt_timeout_s: float = 600.0
+    final_save_patience_s: float = 120.0  # the last step's save is retried this long
     collective_timeout_s: float = 60.0
     hang_timeout_s: float | None = None  # None: adaptive (trainer.supervisor.Watchdog)
     recovery: str = "restart"  # restart | in_process
@@ -64,6 +65,9 @@ class TrainConfig:
             raise ValueError(f"{self.model.layers} layers cannot fill {self.parallel.pp} stages")
         if self.recovery not in ("restart", "in_process"):
             raise ValueError(f"recovery must be restart or in_process, not {self.recovery!r}")
+        if self.final_save_patience_s < 0:
+            raise ValueError(f"final_save_patience_s must be >= 0, got "
+                             f"{self.final_save_patience_s}")
         if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
         if self.lease_s is not None and self.lease_s <= 0:
@@ -99,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--ckpt-timeout-s", type=float, default=600.0)
+    p.add_argument("--final-save-patience-s", type=float, default=120.0,
+                   help="the last step's checkpoint is retried while it fails for this long; "
+                   "then the run exits with code 46, its last steps not saved")
     p.add_argument("--no-async-ckpt", action="store_true")
     p.add_argument("--collective-timeout-s", type=float, default=60.0)
     p.add_argument("--hang-timeout-s", type=float, default=None,
@@ -123,7 +130,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             schedule=a.schedule, seed=a.seed, lr=a.lr, data_path=a.data_path,
             run_dir=a.run_dir, ckpt_url=a.ckpt_url, ckpt_engine=a.ckpt_engine,
             ckpt_every=a.ckpt_every, async_ckpt=not a.no_async_ckpt, keep_last=a.keep_last,
-            ckpt_timeout_s=a.ckpt_timeout_s, collective_timeout_s=a.collective_timeout_s,
+            ckpt_timeout_s=a.ckpt_timeout_s, final_save_patience_s=a.final_save_patience_s,
+            collective_timeout_s=a.collective_timeout_s,
             hang_timeout_s=a.hang_timeout_s, recovery=a.recovery, lease_s=a.lease_s,
             activation_checkpointing=a.activation_checkpointing, device=a.device)
     except ValueError as exc:

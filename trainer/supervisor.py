@@ -61,6 +61,9 @@ HANG_EXIT_CODE = 43  # the supervisor killed a hung child
 RESTART_EXIT_CODE = 44  # in-process recovery found no spare: torchrun restarts the group
 STUCK_EXIT_CODE = 45  # in-process recovery: stuck after the abort, or counted lost (a death)
 USAGE_EXIT_CODE = 2  # the launch does not fit the configuration: a fresh process would fail too
+# the last step's checkpoint failed for its patience (every rank agreed): a restart trains the
+# steps since the last committed one again and saves them
+FINAL_SAVE_EXIT_CODE = 46
 SPARE_RETRIES = 3  # fresh processes of a slot that die in a row before they train: give up
 _PR_SET_PDEATHSIG = 1
 
@@ -249,7 +252,7 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
                     incarnation=incarnation)
         exit_code = HANG_EXIT_CODE if death.hung else (death.code if death.code > 0 else 1)
         if recovery != "in_process" or store_factory is None or \
-                death.code in (RESTART_EXIT_CODE, USAGE_EXIT_CODE):
+                death.code in (RESTART_EXIT_CODE, USAGE_EXIT_CODE, FINAL_SAVE_EXIT_CODE):
             return exit_code
         member = death.phase != Phase.SPARE and death.generation >= 0
         idle_deaths = 0 if member else idle_deaths + 1

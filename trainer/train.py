@@ -45,7 +45,11 @@ from antifragile.trainer.recovery import (
     wait_for_assignment,
     worker_id,
 )
-from antifragile.trainer.supervisor import RESTART_EXIT_CODE, STUCK_EXIT_CODE
+from antifragile.trainer.supervisor import (
+    FINAL_SAVE_EXIT_CODE,
+    RESTART_EXIT_CODE,
+    STUCK_EXIT_CODE,
+)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -320,6 +324,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
         if restored is not None:
             step, cursor = restored
     progress.set(Phase.TRAINING, step=step)
+    unsaved = None  # the last step, if its checkpoint could not be saved
     while step < cfg.steps:
         t0 = time.perf_counter()
         loss = trainer.train_step(cursor)
@@ -332,7 +337,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
                 progress.set(Phase.CHECKPOINT)
                 if step == cfg.steps:
-                    ckpt.save_final(step, cursor)
+                    if not ckpt.save_final(step, cursor, patience_s=cfg.final_save_patience_s):
+                        unsaved = step
                 else:
                     ckpt.save(step, cursor, blocking=not cfg.async_ckpt)
                 pauses.save_phase(step, "staged")
@@ -341,5 +347,12 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
     if ckpt is not None:
         progress.set(Phase.CHECKPOINT)
         ckpt.close()
+    if unsaved is not None:
+        if ctx.rank == 0:
+            print(f"antifragile.trainer: error: step {unsaved} not saved: its checkpoint "
+                  f"failed for {cfg.final_save_patience_s:g} s (the ckpt_failed events say "
+                  f"why); exiting with code {FINAL_SAVE_EXIT_CODE}: a restart trains the steps "
+                  "since the last checkpoint again", file=sys.stderr, flush=True)
+        return FINAL_SAVE_EXIT_CODE
     return 0
 
