@@ -306,10 +306,11 @@ def _event(t: float, attempt: int, rank: int, event: str, **fields: Any) -> dict
     return {"t": t, "attempt": attempt, "rank": rank, "event": event, **fields}
 
 
-def test_costs_from_record_reads_c_r_and_step_time_from_the_events() -> None:
+def _killed_run_events() -> tuple[list[dict[str, Any]], float]:
     """A hand-written event log (what two ranks would emit) with known answers: steps of
     1 s, 1.5 s right after each checkpoint, 0.1 s stalls, a kill at t=10.5 torn down at
-    11.0, the new attempt started at 13.0 and restored at 14.0."""
+    11.0, the new attempt started at 13.0 and restored at 14.0. Returns the events and the
+    time of the last one."""
     events = []
     for attempt, first, t0 in ((0, 1, 0.0), (1, 5, 13.0)):
         for rank in (0, 1):
@@ -332,10 +333,18 @@ def test_costs_from_record_reads_c_r_and_step_time_from_the_events() -> None:
                     events.append(_event(t, attempt, rank, "ckpt_staged", step=step,
                                          stall_s=0.1))
     events.sort(key=lambda e: e["t"])
-    record = RunRecord(returncode=0, started_t=-0.5, ended_t=t + 2.0, events=events,
-                       injections=[Injection("kill_rank", 10.5, step=6, rank=1)],
-                       attempt_ends={0: 11.0, 1: t + 2.0})
-    m = tune.costs_from_record(record)
+    return events, t
+
+
+def _killed_run(events: list[dict[str, Any]], t: float) -> RunRecord:
+    return RunRecord(returncode=0, started_t=-0.5, ended_t=t + 2.0, events=events,
+                     injections=[Injection("kill_rank", 10.5, step=6, rank=1)],
+                     attempt_ends={0: 11.0, 1: t + 2.0})
+
+
+def test_costs_from_record_reads_c_r_and_step_time_from_the_events() -> None:
+    events, t = _killed_run_events()
+    m = tune.costs_from_record(_killed_run(events, t))
     assert m.stall_s == pytest.approx(0.1)
     assert m.step_effect_s == pytest.approx(0.5)
     assert m.ckpt_s == pytest.approx(0.6)
@@ -344,6 +353,18 @@ def test_costs_from_record_reads_c_r_and_step_time_from_the_events() -> None:
     assert m.step_s == pytest.approx(1.0) and m.failures == 1
     assert m.startup_s == pytest.approx(1.51)
     assert m.tail_s == pytest.approx(2.1)  # the final checkpoint's stall is in the tail
+
+
+def test_the_final_blocking_save_is_not_part_of_the_checkpoint_cost() -> None:
+    """The run's last save waits for its whole persist (``ckpt_blocked``): the job's
+    shutdown, already in the tail, not a stall the loop pays every interval. Counted in the
+    mean stall, one 2 s final write beside four 0.1 s stalls made C 1.0 s instead of 0.6 s."""
+    events, t = _killed_run_events()
+    events += [_event(t + 1.0, 1, r, "ckpt_blocked", step=8, seconds=2.0) for r in (0, 1)]
+    m = tune.costs_from_record(_killed_run(events, t + 1.0))
+    assert m.stall_s == pytest.approx(0.1)
+    assert m.ckpt_s == pytest.approx(0.6)
+    assert m.tail_s == pytest.approx(3.1)  # where the final write belongs
 
 
 @pytest.mark.slow

@@ -113,7 +113,10 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
     if not other:
         raise MeasureError("the run has too few steps to time one (need > 1 per attempt)")
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    stall = mean([c["stall_s"] for c in ckpts if c["stall_s"] is not None] or [0.0])
+    # the run's final blocking save waits for its whole persist: the job's shutdown (in
+    # ``tail_s``), not a stall the loop pays every interval
+    stall = mean([c["stall_s"] for c in ckpts if c["stall_s"] is not None
+                  and not c.get("final")] or [0.0])
     effect = max(mean(after) - mean(other), 0.0) if after else 0.0
     cycle = (max(mean(cycle_after) - mean(cycle_other), 0.0)
              if cycle_after and cycle_other else None)
