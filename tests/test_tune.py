@@ -413,3 +413,58 @@ def test_sweep_measures_real_goodput_and_its_gap_to_the_model(tmp_path: Path) ->
             assert r["failures"] >= 1, r
         elif r["wall_s"] < first_arrival:
             assert r["failures"] == 0, r
+
+
+def _no_run(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str]]]:
+    """``run_scenario`` replaced by a run that takes no checkpoint; returns, per call, the
+    checkpoint url it got and what that folder held when the run started."""
+    from antifragile.chaos.run import runner
+
+    seen: list[tuple[str, list[str]]] = []
+
+    def fake(s: Any, run_dir: Path, ckpt_url: str, **_: Any) -> RunRecord:
+        held = sorted(p.name for p in Path(ckpt_url).iterdir()) \
+            if Path(ckpt_url).is_dir() else []
+        seen.append((ckpt_url, held))
+        return RunRecord(returncode=0, started_t=0.0, ended_t=1.0, events=[], injections=[])
+
+    monkeypatch.setattr(runner, "run_scenario", fake)
+    return seen
+
+
+def test_a_measuring_run_never_resumes_from_an_earlier_tunes_checkpoints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``chaos tune S --out X`` run again: the first run's checkpoints in ``X/measure/ckpt``
+    would be resumed from (its final step: nothing left to train or time), as ``chaos run``
+    never lets a run do."""
+    from antifragile.chaos.scenario import load_scenario
+
+    seen = _no_run(monkeypatch)
+    folder = tmp_path / "out" / "measure"
+    (folder / "ckpt" / "step_000000012").mkdir(parents=True)  # the earlier tune's
+    s = load_scenario(_tiny(tmp_path, []))
+    with pytest.raises(tune.MeasureError, match="took no checkpoint"):  # the fake run's
+        tune.measure_costs(s, folder, progress=lambda _: None)
+    assert seen == [(str(folder / "ckpt"), [])]
+
+
+def test_a_local_checkpoint_url_that_holds_checkpoints_is_refused_before_measuring(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As ``chaos run`` refuses it (exit 2): the trainer would resume from them."""
+    import torch
+
+    from antifragile.engine import CheckpointEngine
+
+    url = tmp_path / "fixed"
+    with CheckpointEngine(str(url), keep_last=None) as ckpt:
+        ckpt.save(10, {"model": {"w": torch.ones(3)}}).wait()
+    seen = _no_run(monkeypatch)
+    doc = yaml.safe_load(_tiny(tmp_path, []).read_text())
+    doc["checkpoint"]["url"] = str(url)
+    path = tmp_path / "fixed.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = _invoke([str(path), "--mtbf-s", "60"])
+    assert result.exit_code == 2, result.output
+    assert f"checkpoint.url {url} already holds committed antifragile checkpoints" \
+        in result.stderr
+    assert seen == []

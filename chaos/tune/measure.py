@@ -7,6 +7,7 @@ they sit from the model.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,10 +138,19 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
         wall_s=record.wall_s, goodput=figures.goodput(record), run_dir=run_dir)
 
 
-def _run(s: Scenario, folder: Path) -> RunRecord:
+def _run(s: Scenario, folder: Path, progress: Callable[[str], None]) -> RunRecord:
+    """One real run into ``folder``, on the scenario's storage as ``chaos run`` sets it up; its
+    checkpoints start empty, as there (a run of an earlier tune with the same ``--out``, or
+    a ``checkpoint.url`` already used, would be resumed from)."""
+    from antifragile.chaos.infra.s3 import StorageSetupError, run_storage
     from antifragile.chaos.run.runner import run_scenario
 
-    record = run_scenario(s, folder / "run", s.checkpoint.url or str(folder / "ckpt"))
+    shutil.rmtree(folder / "ckpt", ignore_errors=True)
+    try:
+        with run_storage(s, folder, progress) as storage:
+            record = run_scenario(s, folder / "run", storage.url, storage=storage)
+    except StorageSetupError as exc:  # a used folder, S3 that cannot be used: bad input
+        raise TuneError(f"scenario {s.name}: {exc}") from None
     if record.returncode != 0:
         raise MeasureError(f"scenario {s.name}: the run failed (code {record.returncode}); "
                            f"see {folder / 'run' / 'torchrun.log'}")
@@ -159,7 +169,7 @@ def measure_costs(s: Scenario, folder: Path, progress: Callable[[str], None] = p
                  f"rank {getattr(kill, 'rank', None)} at step {kill.at_step}")
     progress(f"measure: running {s.name} ({s.trainer.steps} steps, every "
              f"{s.checkpoint.every_steps}) in {folder}")
-    record = _run(s, folder)
+    record = _run(s, folder, progress)
     return costs_from_record(record, injected_kill=injected, run_dir=str(folder / "run"))
 
 
@@ -187,7 +197,7 @@ def sweep(s: Scenario, costs: Costs, measured: Measured, folder: Path, *, every:
         run_s = _edit(s, trainer__steps=steps, checkpoint__every_steps=e, faults=faults,
                       checkpoint__url=None)
         progress(f"sweep: every {e} steps, {steps} steps, MTBF {costs.mtbf_s:.4g} s")
-        record = _run(run_s, folder / f"every_{e}")
+        record = _run(run_s, folder / f"every_{e}", progress)
         tau = e * costs.step_s
         model = expected_goodput(tau, costs.ckpt_s, costs.restart_s, costs.mtbf_s)
         work = steps * costs.step_s
