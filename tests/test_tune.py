@@ -416,8 +416,8 @@ def test_sweep_measures_real_goodput_and_its_gap_to_the_model(tmp_path: Path) ->
 
 
 def _no_run(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str]]]:
-    """``run_scenario`` replaced by a run that takes no checkpoint; returns, per call, the
-    checkpoint url it got and what that folder held when the run started."""
+    """``run_scenario`` replaced by a run of one step that takes no checkpoint; returns, per
+    call, the checkpoint url it got and what that folder held when the run started."""
     from antifragile.chaos.run import runner
 
     seen: list[tuple[str, list[str]]] = []
@@ -426,7 +426,8 @@ def _no_run(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str]]]:
         held = sorted(p.name for p in Path(ckpt_url).iterdir()) \
             if Path(ckpt_url).is_dir() else []
         seen.append((ckpt_url, held))
-        return RunRecord(returncode=0, started_t=0.0, ended_t=1.0, events=[], injections=[])
+        return RunRecord(returncode=0, started_t=0.0, ended_t=1.0, injections=[],
+                         events=[_event(0.5, 0, 0, "step_end", step=1, loss=1.0, seconds=0.25)])
 
     monkeypatch.setattr(runner, "run_scenario", fake)
     return seen
@@ -468,3 +469,28 @@ def test_a_local_checkpoint_url_that_holds_checkpoints_is_refused_before_measuri
     assert f"checkpoint.url {url} already holds committed antifragile checkpoints" \
         in result.stderr
     assert seen == []
+
+
+def test_the_sweep_runs_an_s3_scenario_with_storage_options_on_its_own_folders(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep's runs checkpoint to folders of their own (url null); the scenario's S3
+    ``storage_options`` went with them and made every edited scenario invalid ("only for an
+    s3:// url"), exit 2 after the measuring run had been made."""
+    from antifragile.chaos.scenario import load_scenario
+
+    seen = _no_run(monkeypatch)
+    doc = yaml.safe_load(_tiny(tmp_path, []).read_text())
+    doc["checkpoint"].update(url="s3://bucket/run", storage_options={
+        "endpoint_url": "http://127.0.0.1:9"})
+    path = tmp_path / "s3.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    s = load_scenario(path)
+    costs = tune.Costs(ckpt_s=0.1, restart_s=1.0, mtbf_s=10.0, step_s=0.05)
+    measured = tune.Measured(ckpt_s=0.1, stall_s=0.1, step_effect_s=0.0, ckpt_cycle_s=None,
+                             restart_s=1.0, step_s=0.05, startup_s=1.0, tail_s=0.1,
+                             failures=1, checkpoints=2, injected_kill=False, wall_s=2.0,
+                             goodput=0.5, run_dir="")
+    rows = tune.sweep(s, costs, measured, tmp_path / "sweep", every=[4], steps=20,
+                      mtbf_from_scenario=False, progress=lambda _: None)
+    assert [r["every_steps"] for r in rows] == [4]
+    assert seen == [(str(tmp_path / "sweep" / "every_4" / "ckpt"), [])]

@@ -195,7 +195,7 @@ def sweep(s: Scenario, costs: Costs, measured: Measured, folder: Path, *, every:
     rows = []
     for e in every:
         run_s = _edit(s, trainer__steps=steps, checkpoint__every_steps=e, faults=faults,
-                      checkpoint__url=None)
+                      checkpoint__url=None, checkpoint__storage_options=None)
         progress(f"sweep: every {e} steps, {steps} steps, MTBF {costs.mtbf_s:.4g} s")
         record = _run(run_s, folder / f"every_{e}", progress)
         tau = e * costs.step_s
