@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -28,6 +29,7 @@ from antifragile.trainer.config import TrainConfig, parse_args
 from antifragile.trainer.data import TokenData
 from antifragile.trainer.model import GPT, ModelConfig, init_weights, keep_stage, split_layers
 from antifragile.trainer.parallel.dims import ParallelDims
+from antifragile.trainer.pause import PausePoints
 from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import JobStore, signal_failure
 
@@ -606,3 +608,42 @@ def test_a_failure_while_the_subgroups_form_ends_the_wait_at_once() -> None:
             p.wait()
     assert out.startswith("left after"), out + err[-2000:]
     assert float(out.split()[2]) < 5.0, out
+
+
+def _pause_plan(run_dir: Path, points: list[dict[str, Any]]) -> Path:
+    release = run_dir / "control" / "release"
+    release.mkdir(parents=True)
+    (run_dir / "control" / "plan.json").write_text(json.dumps({"points": points}))
+    return release
+
+
+def _passing_rank(run_dir: Path, release: Path, rank: int) -> tuple[PausePoints, list[str]]:
+    """A rank's pause points whose holds are released as soon as they are announced (chaos
+    made its fault): the points it held, in order."""
+    held: list[str] = []
+
+    def emit(event: str, **fields: Any) -> None:
+        if event == "paused":
+            held.append(fields["point"])
+            (release / fields["point"]).touch()
+
+    return PausePoints(str(run_dir), rank, emit), held
+
+
+def test_a_save_phase_point_of_a_later_pass_waits_for_the_earlier_pass_of_another_rank(
+        tmp_path: Path) -> None:
+    """Crash rank 1 at the save of step 10 the first time, rank 0 the second time (on_pass
+    2): each rank has one point there. Rank 0 held its pass-2 point the first time the job
+    got there, beside rank 1's pass-1 point: the lowest pass was taken among its own points
+    only, so the second crash landed on the first pass."""
+    release = _pause_plan(tmp_path, [
+        {"id": "p0", "checkpoint_step": 10, "phase": "persisting", "ranks": [1]},
+        {"id": "p1", "checkpoint_step": 10, "phase": "persisting", "ranks": [0], "pass": 2}])
+    rank0, held0 = _passing_rank(tmp_path, release, 0)
+    rank1, held1 = _passing_rank(tmp_path, release, 1)
+    rank0.save_phase(10, "persisting")  # the first pass: p0 is rank 1's
+    rank1.save_phase(10, "persisting")
+    assert (held0, held1) == ([], ["p0"])
+    rank0, held0 = _passing_rank(tmp_path, release, 0)  # the next generation, back at step 10
+    rank0.save_phase(10, "persisting")
+    assert held0 == ["p1"]

@@ -63,11 +63,12 @@ class PausePoints:
         self._emit("resumed", point=point["id"], held_s=time.monotonic() - started)
 
     def _due(self, here: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Of this rank's points at one place, those to hold this time: the lowest pass that
-        is not yet released."""
-        waiting = [p for p in here if self._mine(p) and not self._released(p["id"])]
+        """Of this rank's points at one place, those to hold this time: those of the lowest
+        pass not yet released there, whichever ranks that pass holds (a save phase holds one
+        rank: another rank's point of an earlier pass there means the job is on that pass)."""
+        waiting = [p for p in here if not self._released(p["id"])]
         first = min((p.get("pass", 1) for p in waiting), default=None)
-        return [p for p in waiting if p.get("pass", 1) == first]
+        return [p for p in waiting if p.get("pass", 1) == first and self._mine(p)]
 
     def step_end(self, step: int) -> None:
         for point in self._due([p for p in self.points if p.get("step") == step]):
