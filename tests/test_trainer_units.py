@@ -647,3 +647,38 @@ def test_a_save_phase_point_of_a_later_pass_waits_for_the_earlier_pass_of_anothe
     rank0, held0 = _passing_rank(tmp_path, release, 0)  # the next generation, back at step 10
     rank0.save_phase(10, "persisting")
     assert held0 == ["p1"]
+
+
+def test_a_save_that_commits_while_the_next_one_captures_its_state_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The save of step 1 commits while the loop takes the state for step 2 (the state dicts
+    of a large model take a while). The next save is then accepted and replaced the pending
+    handle of step 1 unreported: no ``ckpt_committed`` for step 1, and ``committed_step``
+    still None."""
+    ckpt, events, events_dir = _final_save_setup(tmp_path, monkeypatch, refuse_for_s=0)
+    storage = ckpt.backend.engine.storage.inner
+    write, go = storage.write, threading.Event()
+
+    def held(key: str, *args: Any, **kwargs: Any) -> None:
+        go.wait(30)
+        write(key, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "write", held)
+    ckpt.save(1, 8, blocking=False)
+    first = ckpt._pending
+    assert first is not None and not first.done()
+    state = ckpt._state
+
+    def committing_meanwhile(step: int, cursor: int) -> dict[str, Any]:
+        go.set()
+        first.wait(30)
+        return state(step, cursor)
+
+    monkeypatch.setattr(ckpt, "_state", committing_meanwhile)
+    ckpt.save(2, 16, blocking=False)
+    assert ckpt.committed_step == 1
+    ckpt.close()
+    events.close()
+    kinds = _kinds(events_dir)
+    assert ("ckpt_committed", 1) in kinds and ("ckpt_committed", 2) in kinds

@@ -95,6 +95,10 @@ class TrainCheckpointer:
         if handle.done() and handle.exception() is not None:  # skipped: previous one busy
             self.events.emit("ckpt_failed", step=step, error=str(handle.exception()))
             return
+        # accepted: the previous save was done when the engine looked, maybe only since the
+        # poll above (it can commit while the state dicts are taken): report it before its
+        # handle is replaced
+        self.poll()
         self.events.emit("ckpt_staged", step=step, stall_s=handle.stall_s + waited_s)
         self._pending = handle
         if blocking:  # the loop also waits for the write: that is stall too
