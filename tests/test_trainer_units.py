@@ -682,3 +682,37 @@ def test_a_save_that_commits_while_the_next_one_captures_its_state_is_reported(
     events.close()
     kinds = _kinds(events_dir)
     assert ("ckpt_committed", 1) in kinds and ("ckpt_committed", 2) in kinds
+
+
+def test_a_skipped_save_does_not_hold_at_staged(tmp_path: Path) -> None:
+    """The save of step 1 is held at ``persisting``, so the save of step 2 is skipped (the
+    engine refuses a save while the previous one persists). A ``staged`` point of step 2 held
+    all the same: a crash_during_save there was made, and reported, as a crash during a save
+    that never ran."""
+    import subprocess
+
+    release = _pause_plan(tmp_path, [
+        {"id": "p0", "checkpoint_step": 1, "phase": "persisting", "ranks": [0]},
+        {"id": "p1", "checkpoint_step": 2, "phase": "staged", "ranks": [0]}])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "antifragile.trainer", "--layers", "1", "--d-model", "8",
+         "--heads", "2", "--vocab", "16", "--seq-len", "4", "--batch-size", "2", "--steps",
+         "3", "--ckpt-every", "1", "--run-dir", str(tmp_path), "--ckpt-url",
+         str(tmp_path / "ckpt")], env={**env, "PYTHONWARNINGS": "ignore"})
+    log = tmp_path / "events" / "rank0.jsonl"
+    paused: list[str] = []
+    deadline = time.monotonic() + 300
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the trainer did not end; held at {paused}")
+        lines = log.read_text().splitlines() if log.exists() else []
+        seen = [json.loads(line) for line in lines if line.endswith("}")]
+        paused = [e["point"] for e in seen if e["event"] == "paused"]
+        skipped = any(e["event"] == "ckpt_failed" and e["step"] == 2 for e in seen)
+        for point in paused + (["p0"] if skipped or "p1" in paused else []):
+            (release / point).touch()
+        time.sleep(0.05)
+    assert proc.returncode == 0
+    assert paused == ["p0"]

@@ -76,8 +76,9 @@ class TrainCheckpointer:
                          **self.backend.load_sources())
         return int(state["train"]["step"]), int(state["train"]["data_cursor"])
 
-    def save(self, step: int, cursor: int, *, blocking: bool) -> None:
+    def save(self, step: int, cursor: int, *, blocking: bool) -> bool:
         """Checkpoint; ``blocking`` (the final step) first waits for the save in flight.
+        True once staged; False when the save was refused (busy, or failed before staging).
 
         A backend that cannot overlap two saves (DCP, torchsnapshot) first waits for the
         previous one; that wait is loop stall and is counted in ``stall_s``."""
@@ -91,10 +92,10 @@ class TrainCheckpointer:
             handle = self.backend.save(step, self._state(step, cursor))
         except CheckpointError as exc:
             self.events.emit("ckpt_failed", step=step, error=str(exc))
-            return
+            return False
         if handle.done() and handle.exception() is not None:  # skipped: previous one busy
             self.events.emit("ckpt_failed", step=step, error=str(handle.exception()))
-            return
+            return False
         # accepted: the previous save was done when the engine looked, maybe only since the
         # poll above (it can commit while the state dicts are taken): report it before its
         # handle is replaced
@@ -105,6 +106,7 @@ class TrainCheckpointer:
             t0 = time.perf_counter()
             self.finish()
             self.events.emit("ckpt_blocked", step=step, seconds=time.perf_counter() - t0)
+        return True
 
     def save_final(self, step: int, cursor: int, *,
                    patience_s: float = FINAL_SAVE_PATIENCE_S) -> bool:

@@ -337,11 +337,12 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
                 progress.set(Phase.CHECKPOINT)
                 if step == cfg.steps:
-                    if not ckpt.save_final(step, cursor, patience_s=cfg.final_save_patience_s):
-                        unsaved = step
+                    staged = ckpt.save_final(step, cursor, patience_s=cfg.final_save_patience_s)
+                    unsaved = None if staged else step
                 else:
-                    ckpt.save(step, cursor, blocking=not cfg.async_ckpt)
-                pauses.save_phase(step, "staged")
+                    staged = ckpt.save(step, cursor, blocking=not cfg.async_ckpt)
+                if staged:  # a save skipped (the previous one still persists) has no phase
+                    pauses.save_phase(step, "staged")
                 progress.set(Phase.TRAINING)
         pauses.step_end(step)
     if ckpt is not None:
