@@ -58,6 +58,23 @@ def test_file_backed_tokens(tmp_path: Path) -> None:
         TokenData(seq_len=16, vocab=50, seed=0, path=str(tmp_path / "bad.npy"))
 
 
+def test_every_window_of_a_token_file_is_sampled(tmp_path: Path) -> None:
+    """A sample is ``seq_len + 1`` tokens from a start drawn below ``len - seq_len - 1``
+    (exclusive): the file's last window (its last token) was never drawn, and a file of
+    exactly one window was refused as too short."""
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.arange(18, dtype=np.int32))  # seq_len 16: two windows, starts 0 and 1
+    data = TokenData(seq_len=16, vocab=50, seed=0, path=str(path))
+    starts = {int(data.sample(i)[0]) for i in range(64)}
+    assert starts == {0, 1}
+    np.save(path, np.arange(17, dtype=np.int32))  # exactly one window
+    assert torch.equal(TokenData(seq_len=16, vocab=50, seed=0, path=str(path)).sample(5),
+                       torch.arange(17))
+    np.save(path, np.arange(16, dtype=np.int32))
+    with pytest.raises(ValueError, match="16 tokens, need at least 17"):
+        TokenData(seq_len=16, vocab=50, seed=0, path=str(path))
+
+
 def test_stages_keep_the_full_models_names() -> None:
     cfg = ModelConfig(layers=5, d_model=32, heads=4, vocab=64, seq_len=8)
     assert [list(r) for r in split_layers(5, 2)] == [[0, 1, 2], [3, 4]]

@@ -32,8 +32,9 @@ class TokenData:
             tokens = np.load(self.path, mmap_mode="r")
             if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
                 raise ValueError(f"{self.path}: expected a 1-D integer token array")
-            if len(tokens) < self.seq_len + 2:
-                raise ValueError(f"{self.path}: {len(tokens)} tokens, need > {self.seq_len + 1}")
+            if len(tokens) < self.seq_len + 1:
+                raise ValueError(f"{self.path}: {len(tokens)} tokens, need at least "
+                                 f"{self.seq_len + 1} (one sample)")
             if int(tokens.max()) >= self.vocab or int(tokens.min()) < 0:
                 raise ValueError(f"{self.path}: token ids outside [0, {self.vocab})")
             self._tokens = tokens
@@ -42,7 +43,7 @@ class TokenData:
         """Sample ``index``: ``seq_len + 1`` token ids (inputs and shifted targets)."""
         gen = torch.Generator().manual_seed(_sample_seed(self.seed, index))
         if self._tokens is not None:
-            start = int(torch.randint(len(self._tokens) - self.seq_len - 1, (1,), generator=gen))
+            start = int(torch.randint(len(self._tokens) - self.seq_len, (1,), generator=gen))
             window = self._tokens[start:start + self.seq_len + 1]
             return torch.from_numpy(np.asarray(window, dtype=np.int64))
         start = int(torch.randint(self.vocab, (1,), generator=gen))
