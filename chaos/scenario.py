@@ -194,6 +194,20 @@ class CommandSpec(_Strict):
                              "(emulated hosts run only the built-in trainer); use nodes: 1")
         return nodes
 
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values(cls, env: Any) -> Any:
+        """Texts and numbers; YAML's booleans would become "1"/"0" (not what was written)."""
+        for k, v in env.items() if isinstance(env, dict) else ():
+            if isinstance(v, bool):
+                raise ValueError(f"{k}: {v} is a YAML boolean (true/false/yes/no/on/off); quote "
+                                 f"the text the variable should hold, e.g. '{str(v).lower()}'")
+            if v is None:
+                raise ValueError(f"{k}: no value (null); give a text or a number, '' for empty")
+            if not isinstance(v, (str, int, float)):
+                raise ValueError(f"{k}: a {type(v).__name__} is not a text or a number")
+        return env
+
     @field_validator("env")
     @classmethod
     def _env_text(cls, env: dict[str, Any]) -> dict[str, str]:

@@ -56,6 +56,15 @@ def _doc(**changes: Any) -> dict[str, Any]:
      "s.yaml: trainer.env: 'OMP_NUM_THREADS=1' is not an environment variable name"),
     (_doc(trainer={"env": {"": "1"}}), "s.yaml: trainer.env: '' is not an environment variable"),
     (_doc(trainer={"env": {"A": "x\0y"}}), "s.yaml: trainer.env: A: a value cannot hold a NUL"),
+    # YAML's false became "0" (a script reading "false" saw "0"); null and a list were three
+    # lines each naming pydantic's union members (.str, .int, .float)
+    (_doc(trainer={"env": {"TOKENIZERS_PARALLELISM": False}}),
+     "s.yaml: trainer.env: TOKENIZERS_PARALLELISM: False is a YAML boolean (true/false/yes/no/"
+     "on/off); quote the text the variable should hold, e.g. 'false'"),
+    (_doc(trainer={"env": {"X": None}}),
+     "s.yaml: trainer.env: X: no value (null); give a text or a number, '' for empty"),
+    (_doc(trainer={"env": {"Y": [1]}}),
+     "s.yaml: trainer.env: Y: a list is not a text or a number"),
     (_doc(trainer={"command": ["python", SCRIPT, "--tag", "a\0b"]}),
      "s.yaml: trainer.command: command[3]: 'a\\x00b' holds a NUL byte"),
     (_doc(trainer={"command": ["no-such-launcher", "x"]}),
