@@ -471,6 +471,23 @@ def test_a_local_checkpoint_url_that_holds_checkpoints_is_refused_before_measuri
     assert seen == []
 
 
+def test_a_measuring_run_past_its_time_limit_ends_with_a_message_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_scenario`` raises ``RunTimeout`` (a ``ChaosRunError``: its message is for the
+    user) when a run goes past its time limit; ``chaos tune`` let it out as a traceback."""
+    from antifragile.chaos.run import runner
+
+    def too_long(s: Any, run_dir: Path, ckpt_url: str, **_: Any) -> RunRecord:
+        raise runner.RunTimeout(f"the faulty run of {s.name} went past its time limit of "
+                                "3600 s and was killed")
+
+    monkeypatch.setattr(runner, "run_scenario", too_long)
+    result = _invoke([str(_tiny(tmp_path, [])), "--mtbf-s", "60"])
+    assert result.exit_code == 1 and result.exception is not None, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert "went past its time limit of 3600 s" in result.stderr
+
+
 def test_the_sweep_runs_an_s3_scenario_with_storage_options_on_its_own_folders(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The sweep's runs checkpoint to folders of their own (url null); the scenario's S3

@@ -143,14 +143,16 @@ def _run(s: Scenario, folder: Path, progress: Callable[[str], None]) -> RunRecor
     checkpoints start empty, as there (a run of an earlier tune with the same ``--out``, or
     a ``checkpoint.url`` already used, would be resumed from)."""
     from antifragile.chaos.infra.s3 import StorageSetupError, run_storage
-    from antifragile.chaos.run.runner import run_scenario
+    from antifragile.chaos.run import runner
 
     shutil.rmtree(folder / "ckpt", ignore_errors=True)
     try:
         with run_storage(s, folder, progress) as storage:
-            record = run_scenario(s, folder / "run", storage.url, storage=storage)
+            record = runner.run_scenario(s, folder / "run", storage.url, storage=storage)
     except StorageSetupError as exc:  # a used folder, S3 that cannot be used: bad input
         raise TuneError(f"scenario {s.name}: {exc}") from None
+    except runner.ChaosRunError as exc:  # past its time limit: no figures to tune with
+        raise MeasureError(f"scenario {s.name}: {exc}") from None
     if record.returncode != 0:
         raise MeasureError(f"scenario {s.name}: the run failed (code {record.returncode}); "
                            f"see {folder / 'run' / 'torchrun.log'}")
