@@ -319,8 +319,13 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
         progress.set(Phase.RESTORING, step=step)
         restored = ckpt.restore(memory[0])
         # restored: the previous generation's staging buffers are no longer needed (they
-        # held host memory the size of this rank's state beside the new engine's own)
-        memory[0] = None
+        # held host memory the size of this rank's state beside the new engine's own), and
+        # with them goes the last of that generation: a collection now frees what of it is
+        # left in reference cycles (its process groups' threads and sockets) rather than
+        # whenever the interpreter next runs a full one
+        if memory[0] is not None:
+            memory[0] = None
+            gc.collect()
         if restored is not None:
             step, cursor = restored
     progress.set(Phase.TRAINING, step=step)
