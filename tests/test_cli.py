@@ -130,3 +130,20 @@ def test_a_local_url_that_is_missing_or_a_file_is_bad_input(tmp_path: Path) -> N
     (tmp_path / "empty").mkdir()
     empty = runner.invoke(main, ["ckpt", "ls", str(tmp_path / "empty")])
     assert empty.exit_code == 0 and "no committed checkpoint" in empty.output
+
+
+def test_ls_of_a_step_deleted_after_the_listing_does_not_call_it_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention beside a running job can delete a listed step (COMMIT first) before ls reads
+    its COMMIT: the step is gone, not damaged, so it is not listed as DAMAGED with exit 1."""
+    from antifragile.engine import commit
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20])
+    monkeypatch.setattr(commit, "committed_steps", lambda storage: [10, 20, 30])
+    result = CliRunner().invoke(main, ["ckpt", "ls", url])
+    assert result.exit_code == 0, result.output
+    assert "DAMAGED" not in result.output and "Traceback" not in result.output
+    assert [line.split()[0] for line in result.output.splitlines()[1:]] == ["10", "20"]
+

@@ -75,7 +75,7 @@ def ckpt() -> None:
 def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
     """List committed steps with their size, and quarantined steps with the reason. A step
     whose COMMIT cannot be read is listed as damaged and the exit code is 1."""
-    from antifragile.engine import CheckpointError
+    from antifragile.engine import CheckpointError, CheckpointNotFoundError
     from antifragile.engine.commit import committed_steps, read_commit
     from antifragile.engine.quarantine import quarantine_log, quarantined_steps, read_quarantine
     from antifragile.engine.storage import open_storage
@@ -98,6 +98,8 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
                 continue
             try:
                 marker = read_commit(storage, step)
+            except CheckpointNotFoundError:  # deleted since the listing (retention): not damage
+                continue
             except CheckpointError as exc:  # the other steps are still worth listing
                 damaged = True
                 click.echo(f"{step:>12}  DAMAGED: {exc} (chaos ckpt verify --step {step})")
