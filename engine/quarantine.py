@@ -10,6 +10,7 @@ step folders.
 from __future__ import annotations
 
 import base64
+import re
 import time
 from typing import Any
 
@@ -18,6 +19,10 @@ from ._paths import COMMIT, QUARANTINE, QUARANTINE_LOG, parse_step_dir, step_dir
 from .commit import all_step_dirs
 from .errors import CheckpointCorruptError
 from .storage import Storage
+
+# a note's name in the log: its step folder and the time it was written (``quarantine``); a
+# local write's temporary file beside it (``<name>.<pid>-<thread>.tmp``) is not one
+_LOG_NAME = re.compile(r"^(step_\d+)\.\d+$")
 
 
 def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, str],
@@ -66,7 +71,8 @@ def quarantine_log(storage: Storage) -> list[tuple[int, dict[str, Any]]]:
     CheckpointCorruptError naming it."""
     notes = []
     for name in storage.list_dir(QUARANTINE_LOG):
-        step = parse_step_dir(name.partition(".")[0])
+        match = _LOG_NAME.match(name)
+        step = parse_step_dir(match[1]) if match else None
         if step is not None:
             data = storage.read(f"{QUARANTINE_LOG}/{name}")
             notes.append((step, _format.unseal(data, where=f"{QUARANTINE_LOG}/{name}")))

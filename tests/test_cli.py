@@ -147,3 +147,23 @@ def test_ls_of_a_step_deleted_after_the_listing_does_not_call_it_damaged(
     assert "DAMAGED" not in result.output and "Traceback" not in result.output
     assert [line.split()[0] for line in result.output.splitlines()[1:]] == ["10", "20"]
 
+
+def test_ls_ignores_a_temporary_file_left_in_the_quarantine_log(tmp_path: Path) -> None:
+    """A local write goes to ``<key>.<pid>-<tid>.tmp`` and is renamed: a process killed in
+    between (or a quarantine being written while ls runs) leaves such a file in
+    ``quarantined/``. It is no quarantine note: ls neither fails on it nor lists it."""
+    from antifragile.engine.quarantine import quarantine, quarantine_log
+    from antifragile.engine.storage import open_storage
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20])
+    storage = open_storage(url)
+    quarantine(storage, 10, "flipped bit", reports={0: "flipped bit"}, confirmed_by=0)
+    log_dir = tmp_path / "ckpt" / "quarantined"
+    (log_dir / "step_000000020.1700000000000000000.4242-140000.tmp").write_bytes(b'{"step": 2')
+    assert [step for step, _ in quarantine_log(storage)] == [10]
+    result = CliRunner().invoke(main, ["ckpt", "ls", url])
+    assert result.exit_code == 0, result.output
+    rows = result.output.splitlines()[1:]
+    assert [line.split()[0] for line in rows] == ["10", "20"], result.output
+    assert "quarantined: flipped bit" in rows[0] and "error" not in result.output
