@@ -387,16 +387,22 @@ def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = No
         keep.add(saved)
         newest_debris = min(newest_debris, saved)
     deleted = []
+    failure: CheckpointError | None = None
     for step in every:
         if step in keep or step > newest_debris:
             continue
-        if step > min(keep) and storage.exists(f"{step_dir(step)}/{QUARANTINE}"):
-            continue
-        if step in committed:
-            storage.delete(f"{step_dir(step)}/{COMMIT}")  # invisible first, then the data
-        if storage.delete_tree(step_dir(step)):
-            deleted.append(step)
-        elif ghosts is not None:
-            ghosts.add(step)
+        try:  # a step that cannot be deleted now does not hold back the others
+            if step > min(keep) and storage.exists(f"{step_dir(step)}/{QUARANTINE}"):
+                continue
+            if step in committed:
+                storage.delete(f"{step_dir(step)}/{COMMIT}")  # invisible first, then the data
+            if storage.delete_tree(step_dir(step)):
+                deleted.append(step)
+            elif ghosts is not None:
+                ghosts.add(step)
+        except CheckpointError as exc:
+            failure = failure or exc
     storage.sync()
+    if failure is not None:
+        raise failure
     return deleted

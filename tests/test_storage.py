@@ -536,3 +536,33 @@ def test_a_failed_local_write_leaves_no_temporary_file(
     with pytest.raises(OSError, match="No space left"):
         storage.write("step_000000001/w/c.0", [b"x" * 100], durable=durable)
     assert os.listdir(tmp_path / "step_000000001" / "w") == []
+
+
+def test_a_local_tree_delete_that_fails_is_reported_not_taken_for_done(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeps: list[float]) -> None:
+    """Retention deletes a retired step's COMMIT, then its folder. A folder the file system
+    does not let go (EIO, EACCES, NFS's busy .nfs files) stays: retention must say it failed
+    (``retention_error``, retried at the next save), not report the step as removed while its
+    bytes still fill the disk; and the other retired steps are deleted all the same."""
+    import errno
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url, keep_last=None) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+    stuck_dir = str(tmp_path / "ckpt" / "step_000000001")
+    real_rmdir = os.rmdir
+
+    def rmdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(path) == stuck_dir:
+            raise OSError(errno.EIO, "Input/output error", path)
+        real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    with CheckpointEngine(url, keep_last=1) as engine:
+        handle = engine.save(3, state_of(3), blocking=True)
+        assert os.path.isdir(stuck_dir)
+        assert not (tmp_path / "ckpt" / "step_000000002").exists()
+        assert handle.retention_error is not None
+        assert "step_000000001" in handle.retention_error, handle.retention_error
+        assert engine.steps() == [3]

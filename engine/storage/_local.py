@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -282,9 +283,16 @@ class LocalStorage:
         path = self._path(prefix)
         existed = os.path.lexists(path)
         self._forget_folders(path)
-        shutil.rmtree(path, ignore_errors=True)
-        with self._lock:
-            self._dirty_dirs.add(os.path.dirname(path))
+        if existed and not os.path.isdir(path):
+            return True  # not a tree (a stray file or link under a step's name): left as it is
+        try:  # what is gone already is fine (another deleter); any other failure is raised
+            if sys.version_info >= (3, 12):
+                shutil.rmtree(path, onexc=_raise_unless_gone)
+            else:
+                shutil.rmtree(path, onerror=lambda fn, p, info: _raise_unless_gone(fn, p, info[1]))
+        finally:
+            with self._lock:
+                self._dirty_dirs.add(os.path.dirname(path))
         return existed
 
     def sync(self) -> None:
@@ -319,6 +327,12 @@ class LocalStorage:
                     if isinstance(exc, StorageError):  # an fsync failed: reported, not retried
                         self._lost.update(dict.fromkeys(paths, str(exc)))
                 raise
+
+
+def _raise_unless_gone(func: Any, path: str, exc: BaseException) -> None:
+    """``shutil.rmtree``'s error handler: a path deleted meanwhile is fine, else raise."""
+    if not isinstance(exc, FileNotFoundError):
+        raise exc
 
 
 def _address(view: memoryview) -> int:
