@@ -167,3 +167,33 @@ def test_ls_ignores_a_temporary_file_left_in_the_quarantine_log(tmp_path: Path) 
     rows = result.output.splitlines()[1:]
     assert [line.split()[0] for line in rows] == ["10", "20"], result.output
     assert "quarantined: flipped bit" in rows[0] and "error" not in result.output
+
+
+def test_ls_and_verify_list_every_step_past_one_whose_quarantine_note_is_damaged(
+    tmp_path: Path,
+) -> None:
+    """A quarantined step's note holds its moved-aside COMMIT. A damaged note stopped ls
+    (and verify's list of quarantined steps) at that step with exit 2 (bad input), the steps
+    after it unlisted: like a damaged COMMIT, it is listed as damaged, exit 1."""
+    from antifragile.engine.quarantine import quarantine
+    from antifragile.engine.storage import open_storage
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20, 30])
+    quarantine(open_storage(url), 20, "flipped bit", reports={0: "flipped bit"}, confirmed_by=0)
+    note = tmp_path / "ckpt" / "step_000000020" / "QUARANTINE"
+    data = bytearray(note.read_bytes())
+    data[30] ^= 0x01
+    note.write_bytes(bytes(data))
+    runner = CliRunner()
+    listing = runner.invoke(main, ["ckpt", "ls", url])
+    assert listing.exit_code == 1, listing.output
+    rows = listing.output.splitlines()[1:]
+    assert [line.split()[0] for line in rows[:3]] == ["10", "20", "30"], listing.output
+    assert "DAMAGED" in rows[1] and "QUARANTINE note" in rows[1] and "error:" not in listing.output
+    assert rows[3:] == [] or "quarantined earlier" in rows[3]  # the log's copy of the note
+    report = runner.invoke(main, ["ckpt", "verify", url])
+    assert report.exit_code == 1, report.output
+    assert "step 10: ok" in report.output and "step 30: ok" in report.output
+    assert "step 20: QUARANTINED" in report.output and "QUARANTINE note" in report.output
+    assert "error:" not in report.output

@@ -92,7 +92,12 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
             click.echo(f"no committed checkpoint under {url}")
         for step in sorted([*steps, *hidden]):
             if step in hidden:
-                found = read_quarantine(storage, step)
+                try:
+                    found = read_quarantine(storage, step)
+                except CheckpointError as exc:  # its moved-aside COMMIT: the others still count
+                    damaged = True
+                    click.echo(f"{step:>12}  DAMAGED: {exc} (chaos ckpt verify --step {step})")
+                    continue
                 current[step] = found[0].get("time") if found else None
                 click.echo(f"{step:>12}  quarantined: {found[0].get('reason') if found else '?'}")
                 continue
@@ -151,7 +156,12 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
                 damaged |= not report.ok
         if step is None:
             for s in hidden:
-                found = read_quarantine(storage, s)
+                try:
+                    found = read_quarantine(storage, s)
+                except CheckpointError as exc:  # its note holds the COMMIT: damage, listed
+                    damaged = True
+                    click.echo(f"step {s}: QUARANTINED, and DAMAGED: {exc}")
+                    continue
                 click.echo(f"step {s}: QUARANTINED: {found[0].get('reason') if found else '?'}")
     except CheckpointError as exc:
         _fail(str(exc))
