@@ -10,6 +10,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from itertools import product
 
+from ._paths import step_dir
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .load import StepReader, StoredTensor, split_cell_key
 from .plan import ArraySpec
@@ -65,6 +66,7 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
     names. A quarantined step is read against its moved-aside manifest (never ``ok``). A step
     neither committed nor quarantined raises CheckpointNotFoundError: nothing to verify is not
     damage (a step number mistyped, or deleted by retention)."""
+    step_dir(step)  # a step that cannot be one is the caller's mistake, raised: not damage
     report = VerifyReport(step)
     try:
         try:

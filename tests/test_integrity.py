@@ -170,6 +170,19 @@ def test_verify_of_a_step_that_is_not_committed_raises_not_found_instead_of_dama
         assert engine.verify(2).ok
 
 
+@pytest.mark.parametrize("step", [-1, "2", 2.0, True, 2**62])
+def test_verify_of_a_step_that_cannot_be_one_is_refused_not_reported_as_damage(
+    tmp_path: Any, step: Any,
+) -> None:
+    """A step that is not a non-negative int below 2**62 is the caller's mistake, refused as
+    save and load refuse it: not a report of a damaged COMMIT."""
+    with CheckpointEngine(str(tmp_path), plan_options=PLAN) as engine:
+        engine.save(2, state_of(2), blocking=True)
+        with pytest.raises(CheckpointError, match=r"step must be") as raised:
+            engine.verify(step)
+        assert not isinstance(raised.value, CheckpointCorruptError)
+
+
 def test_a_damaged_array_document_is_reported_by_verify_and_not_used_by_load(
     two_steps: tuple[CheckpointEngine, Raw],
 ) -> None:
