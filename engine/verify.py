@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 from itertools import product
 
 from ._paths import step_dir
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    StorageError,
+)
 from .load import StepReader, StoredTensor, split_cell_key
 from .plan import ArraySpec
 from .quarantine import read_quarantine
@@ -65,7 +70,8 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
     records) and check that the manifest covers every shard of every array the step's index
     names. A quarantined step is read against its moved-aside manifest (never ``ok``). A step
     neither committed nor quarantined raises CheckpointNotFoundError: nothing to verify is not
-    damage (a step number mistyped, or deleted by retention)."""
+    damage (a step number mistyped, or deleted by retention), nor is storage failing: its
+    StorageError is raised."""
     step_dir(step)  # a step that cannot be one is the caller's mistake, raised: not damage
     report = VerifyReport(step)
     try:
@@ -79,6 +85,8 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
             reader = StepReader(storage, step, marker=found[1])
     except CheckpointNotFoundError:
         raise  # only the COMMIT's absence raises it: the step is not there to be damaged
+    except StorageError:  # storage failing says nothing of the data
+        raise
     except CheckpointError as exc:  # the marker or the group metadata: name which
         key = exc.key if isinstance(exc, CheckpointCorruptError) and exc.key else "COMMIT"
         report.add(key, None, str(exc))
@@ -91,6 +99,8 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
         name, tensor = job
         try:
             spec = reader.array(name, tensor)
+        except StorageError:
+            raise
         except CheckpointError as exc:
             return None, str(exc)
         if tensor.layouts is None:
@@ -99,6 +109,8 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
             if reader.array_document(name, tensor) != spec:
                 return spec, (f"step {step}, array {name!r}: zarr.json describes a layout that "
                               "differs from the group's index")
+        except StorageError:
+            raise
         except CheckpointError as exc:
             return spec, str(exc)
         return spec, None
@@ -147,6 +159,8 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
             else:
                 reader.check_document(key, data)
             return key, len(data), None
+        except StorageError:
+            raise
         except CheckpointError as exc:
             return key, 0, str(exc)
 

@@ -183,6 +183,32 @@ def test_verify_of_a_step_that_cannot_be_one_is_refused_not_reported_as_damage(
         assert not isinstance(raised.value, CheckpointCorruptError)
 
 
+@pytest.mark.parametrize("blocked", ["model/w/c.1.0", "COMMIT", "zarr.json"])
+def test_a_storage_failure_while_verifying_is_raised_not_reported_as_damage(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, blocked: str,
+) -> None:
+    """Storage refusing a read (a 403, an outage past the retries) says nothing about the
+    data: verify reported the object as damaged and ``chaos ckpt verify`` exited 1 (DAMAGED)
+    for an intact step, which an operator may then delete."""
+    from antifragile.engine.errors import StorageError
+
+    with CheckpointEngine(str(tmp_path), plan_options=PLAN) as engine:
+        engine.save(2, state_of(2), blocking=True)
+        inner = engine.storage.inner
+        read = inner.read
+
+        def refusing(key: str, *args: Any, **kwargs: Any) -> Any:
+            if key.startswith(f"step_000000002/{blocked}"):
+                raise PermissionError(f"403 Forbidden: {key}")
+            return read(key, *args, **kwargs)
+
+        monkeypatch.setattr(inner, "read", refusing)
+        with pytest.raises(StorageError, match="403 Forbidden"):
+            engine.verify(2)
+        monkeypatch.undo()
+        assert engine.verify(2).ok
+
+
 def test_a_damaged_array_document_is_reported_by_verify_and_not_used_by_load(
     two_steps: tuple[CheckpointEngine, Raw],
 ) -> None:

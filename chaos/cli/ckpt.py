@@ -126,7 +126,8 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
 @click.option("--step", type=int, help="Only this step (default: every committed step).")
 def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int | None) -> None:
     """Read every object back and check checksums and coverage. Exit 1 on damage; exit 2 for
-    a step that is not committed (mistyped, or deleted by retention since it was listed).
+    a step that is not committed (mistyped, or deleted by retention since it was listed), or
+    storage that fails (refused, unreachable: that says nothing about the data).
 
     Quarantined steps are listed with the reason (they are hidden from loading, so they do not
     make the exit code 1); ``--step N`` of a quarantined step reads it against the manifest its

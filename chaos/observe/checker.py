@@ -208,6 +208,8 @@ def verify_committed(url: str) -> dict[int, list[str]]:
             report = verify_step(storage, step, pool)
         except CheckpointNotFoundError as exc:  # listed as committed, its COMMIT gone since
             return [f"COMMIT: {exc}"]
+        except CheckpointError as exc:  # storage failing: nothing proves the step intact
+            return [f"could not be read back: {exc}"]
         return [f"{p.key}: {p.reason}" for p in report.problems]
 
     with ThreadPoolExecutor(8) as pool:
