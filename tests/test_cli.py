@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -81,6 +82,30 @@ def test_verify_of_a_step_deleted_after_the_listing_is_a_clear_error(
     result = CliRunner().invoke(main, ["ckpt", "verify", url])
     assert result.exit_code == 2, result.output
     assert f"error: step 30 is not committed under {url}" in result.output
+    assert "DAMAGED" not in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", ["ls", "verify"])
+def test_storage_refusing_a_read_is_an_error_not_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """Storage refusing to read a step's COMMIT (a 403, an outage) says nothing about the
+    data: exit 2 naming the failure, not exit 1 with the step listed as DAMAGED."""
+    from antifragile.engine.storage._local import LocalStorage
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20])
+    read = LocalStorage.read
+
+    def refusing(self: Any, key: str, *args: Any, **kwargs: Any) -> Any:
+        if key == "step_000000020/COMMIT":
+            raise PermissionError(f"403 Forbidden: {key}")
+        return read(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "read", refusing)
+    result = CliRunner().invoke(main, ["ckpt", command, url])
+    assert result.exit_code == 2, result.output
+    assert "403 Forbidden" in result.output
     assert "DAMAGED" not in result.output and "Traceback" not in result.output
 
 

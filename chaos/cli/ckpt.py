@@ -74,9 +74,11 @@ def ckpt() -> None:
 @storage_args
 def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
     """List committed steps with their size, and quarantined steps with the reason. A step
-    whose COMMIT cannot be read is listed as damaged and the exit code is 1."""
+    whose COMMIT is damaged is listed so and the exit code is 1; storage that fails (refused,
+    unreachable) ends the listing with exit 2: that says nothing about the data."""
     from antifragile.engine import CheckpointError, CheckpointNotFoundError
     from antifragile.engine.commit import committed_steps, read_commit
+    from antifragile.engine.errors import StorageError
     from antifragile.engine.quarantine import quarantine_log, quarantined_steps, read_quarantine
     from antifragile.engine.storage import open_storage
 
@@ -105,6 +107,8 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
                 marker = read_commit(storage, step)
             except CheckpointNotFoundError:  # deleted since the listing (retention): not damage
                 continue
+            except StorageError:  # storage failing says nothing of the data: exit 2
+                raise
             except CheckpointError as exc:  # the other steps are still worth listing
                 damaged = True
                 click.echo(f"{step:>12}  DAMAGED: {exc} (chaos ckpt verify --step {step})")
