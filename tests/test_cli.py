@@ -86,19 +86,26 @@ def test_verify_of_a_step_deleted_after_the_listing_is_a_clear_error(
 
 
 @pytest.mark.parametrize("command", ["ls", "verify"])
+@pytest.mark.parametrize("refused", ["COMMIT", "QUARANTINE"])
 def test_storage_refusing_a_read_is_an_error_not_damage(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, refused: str
 ) -> None:
-    """Storage refusing to read a step's COMMIT (a 403, an outage) says nothing about the
-    data: exit 2 naming the failure, not exit 1 with the step listed as DAMAGED."""
+    """Storage refusing to read a step's COMMIT, or a quarantined step's note (a 403, an
+    outage), says nothing about the data: exit 2 naming the failure, not exit 1 with the
+    step listed as DAMAGED."""
+    from antifragile.engine.quarantine import quarantine
+    from antifragile.engine.storage import open_storage
     from antifragile.engine.storage._local import LocalStorage
 
     url = str(tmp_path / "ckpt")
     _save_steps(url, [10, 20])
+    if refused == "QUARANTINE":
+        quarantine(open_storage(url), 20, "flipped bit", reports={0: "flipped bit"},
+                   confirmed_by=0)
     read = LocalStorage.read
 
     def refusing(self: Any, key: str, *args: Any, **kwargs: Any) -> Any:
-        if key == "step_000000020/COMMIT":
+        if key == f"step_000000020/{refused}":
             raise PermissionError(f"403 Forbidden: {key}")
         return read(self, key, *args, **kwargs)
 

@@ -96,6 +96,8 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
             if step in hidden:
                 try:
                     found = read_quarantine(storage, step)
+                except StorageError:
+                    raise
                 except CheckpointError as exc:  # its moved-aside COMMIT: the others still count
                     damaged = True
                     click.echo(f"{step:>12}  DAMAGED: {exc} (chaos ckpt verify --step {step})")
@@ -139,6 +141,7 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
     """
     from antifragile.engine import CheckpointError
     from antifragile.engine.commit import committed_steps
+    from antifragile.engine.errors import StorageError
     from antifragile.engine.quarantine import quarantined_steps, read_quarantine
     from antifragile.engine.storage import open_storage
     from antifragile.engine.verify import verify_step
@@ -163,6 +166,8 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
             for s in hidden:
                 try:
                     found = read_quarantine(storage, s)
+                except StorageError:
+                    raise
                 except CheckpointError as exc:  # its note holds the COMMIT: damage, listed
                     damaged = True
                     click.echo(f"step {s}: QUARANTINED, and DAMAGED: {exc}")
