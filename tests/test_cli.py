@@ -116,6 +116,16 @@ def test_storage_refusing_a_read_is_an_error_not_damage(
     assert "DAMAGED" not in result.output and "Traceback" not in result.output
 
 
+def test_storage_option_booleans_are_booleans(tmp_path: Path) -> None:
+    """``--storage-option anon=false`` arrived as the text "false", which is true: the S3
+    client then sent unsigned requests (403s on a private bucket)."""
+    from antifragile.chaos.cli.ckpt import _options
+
+    options = _options(None, ("anon=false", "use_ssl=True", "region_name=eu-1", "key=true1"),
+                       str(tmp_path))
+    assert options == {"anon": False, "use_ssl": True, "region_name": "eu-1", "key": "true1"}
+
+
 def test_inspect_describes_arrays(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     _save_steps(url, [10])

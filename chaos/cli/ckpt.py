@@ -32,7 +32,8 @@ def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--storage-option")
-        options[key] = value
+        # a flag's "false" is a bool (as text it is true: anon=false would sign nothing)
+        options[key] = {"true": True, "false": False}.get(value.lower(), value)
     if url.startswith("s3://"):
         from antifragile.chaos.infra.s3 import S3SetupError, check_bucket
 
