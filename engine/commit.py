@@ -51,6 +51,7 @@ from ._state import same_value
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
     CommitTimeoutError,
 )
@@ -175,7 +176,7 @@ def _refuse_other_format(data: bytes | bytearray, step: int) -> None:
         return
     version = doc.get("format") if isinstance(doc, dict) else None
     if isinstance(version, int) and version not in READABLE_FORMATS:
-        raise CheckpointError(
+        raise CheckpointFormatError(
             f"step {step} was written in checkpoint format {version}; this engine reads formats "
             f"{', '.join(map(str, READABLE_FORMATS))} (load it with the antifragile version "
             "that wrote it)")

@@ -39,5 +39,10 @@ class CheckpointBusyError(CheckpointError):
     """A save was refused because the previous one is still persisting."""
 
 
+class CheckpointFormatError(CheckpointError):
+    """A step written in a checkpoint format this engine does not read (an older one, or a
+    newer engine's): intact, as far as anyone here can tell, and not damage."""
+
+
 class StorageError(CheckpointError):
     """Storage failed permanently, or transiently beyond the retry budget."""

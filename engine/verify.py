@@ -14,6 +14,7 @@ from ._paths import step_dir
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
     StorageError,
 )
@@ -85,7 +86,7 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
             reader = StepReader(storage, step, marker=found[1])
     except CheckpointNotFoundError:
         raise  # only the COMMIT's absence raises it: the step is not there to be damaged
-    except StorageError:  # storage failing says nothing of the data
+    except (StorageError, CheckpointFormatError):  # neither says anything of the data
         raise
     except CheckpointError as exc:  # the marker or the group metadata: name which
         key = exc.key if isinstance(exc, CheckpointCorruptError) and exc.key else "COMMIT"

@@ -126,6 +126,23 @@ def test_storage_option_booleans_are_booleans(tmp_path: Path) -> None:
     assert options == {"anon": False, "use_ssl": True, "region_name": "eu-1", "key": "true1"}
 
 
+def test_a_step_of_another_format_is_listed_as_such_not_as_damage(tmp_path: Path) -> None:
+    """A COMMIT of a format this engine does not read (a newer engine's step, intact) was
+    listed as DAMAGED and verified as damaged (exit 1): an operator may delete it."""
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20])
+    marker = tmp_path / "ckpt" / "step_000000020" / "COMMIT"
+    marker.write_bytes(b'{"format": 99, "step": 20, "nonce": 5, "objects": {}}')
+    runner = CliRunner()
+    listing = runner.invoke(main, ["ckpt", "ls", url])
+    assert listing.exit_code == 0, listing.output
+    assert "DAMAGED" not in listing.output
+    assert "step 20 was written in checkpoint format 99" in listing.output
+    report = runner.invoke(main, ["ckpt", "verify", url, "--step", "20"])
+    assert report.exit_code == 2, report.output
+    assert "DAMAGED" not in report.output and "checkpoint format 99" in report.output
+
+
 def test_inspect_describes_arrays(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     _save_steps(url, [10])

@@ -79,7 +79,7 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
     unreachable) ends the listing with exit 2: that says nothing about the data."""
     from antifragile.engine import CheckpointError, CheckpointNotFoundError
     from antifragile.engine.commit import committed_steps, read_commit
-    from antifragile.engine.errors import StorageError
+    from antifragile.engine.errors import CheckpointFormatError, StorageError
     from antifragile.engine.quarantine import quarantine_log, quarantined_steps, read_quarantine
     from antifragile.engine.storage import open_storage
 
@@ -112,6 +112,9 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
                 continue
             except StorageError:  # storage failing says nothing of the data: exit 2
                 raise
+            except CheckpointFormatError as exc:  # intact for all we know: not damage
+                click.echo(f"{step:>12}  {exc}")
+                continue
             except CheckpointError as exc:  # the other steps are still worth listing
                 damaged = True
                 click.echo(f"{step:>12}  DAMAGED: {exc} (chaos ckpt verify --step {step})")
