@@ -212,7 +212,8 @@ def test_cli_a_weibull_shape_that_makes_intervals_infeasible_ends(shape: str) ->
     start = time.monotonic()
     result = _invoke(["--ckpt-cost-s", "5", "--mtbf-s", "100", "--weibull-shape", shape,
                       "--dist", "weibull", "--json"])
-    assert time.monotonic() - start < 60, shape
+    # it never ended before; k = 0.01 takes ~22 s on an idle 2-core machine, > 60 s under load
+    assert time.monotonic() - start < 180, shape
     assert "Traceback" not in result.output, result.output
     if result.exit_code == 0:
         doc = json.loads(result.stdout)
