@@ -18,13 +18,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from antifragile.engine import CheckpointError
 from antifragile.trainer.ckpt_backends import Backend, PendingSave
+from antifragile.trainer.config import FINAL_SAVE_PATIENCE_S
 from antifragile.trainer.events import EventLog
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-# how long the last step's checkpoint is retried while it fails (see save_final)
-FINAL_SAVE_PATIENCE_S = 120.0
-FINAL_SAVE_MAX_DELAY_S = 15.0
+FINAL_SAVE_MAX_DELAY_S = 15.0  # the longest backoff between the last step's retries
 
 
 def _any_rank(device: torch.device, *flags: bool) -> list[bool]:

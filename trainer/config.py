@@ -10,6 +10,8 @@ from antifragile.trainer.model import ModelConfig
 from antifragile.trainer.parallel.dims import ParallelDims
 from antifragile.trainer.progress import STALL_ESCALATION
 
+FINAL_SAVE_PATIENCE_S = 120.0  # how long the last step's checkpoint is retried while it fails
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TrainConfig:
@@ -29,7 +31,7 @@ class TrainConfig:
     async_ckpt: bool = True
     keep_last: int = 3
     ckpt_timeout_s: float = 600.0
-    final_save_patience_s: float = 120.0  # the last step's save is retried this long
+    final_save_patience_s: float = FINAL_SAVE_PATIENCE_S
     collective_timeout_s: float = 60.0
     hang_timeout_s: float | None = None  # None: adaptive (trainer.supervisor.Watchdog)
     recovery: str = "restart"  # restart | in_process
@@ -103,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--ckpt-timeout-s", type=float, default=600.0)
-    p.add_argument("--final-save-patience-s", type=float, default=120.0,
+    p.add_argument("--final-save-patience-s", type=float, default=FINAL_SAVE_PATIENCE_S,
                    help="the last step's checkpoint is retried while it fails for this long; "
                    "then the run exits with code 46, its last steps not saved")
     p.add_argument("--no-async-ckpt", action="store_true")
