@@ -109,6 +109,10 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     (["--tp", "3"], "heads 4 not divisible by tp 3"),
     (["--pp", "8", "--layers", "4", "--micro-batches", "8"], "cannot fill"),
     (["--pp", "2", "--micro-batches", "3"], "micro-batches"),
+    (["--heads", "0"], "heads must be >= 1"),
+    (["--pp", "2", "--micro-batches", "0"], "micro_batches must be >= 1, got 0"),
+    (["--micro-batches", "-1"], "micro_batches must be >= 1, got -1"),
+    (["--ckpt-every", "0"], "ckpt_every must be >= 1, got 0"),
 ])
 def test_bad_configuration_is_rejected_with_a_reason(argv: list[str], message: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,8 +40,9 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.ckpt_every < 1 or self.batch_size < 1:
-            raise ValueError("steps, ckpt_every and batch_size must be >= 1")
+        for name in ("steps", "batch_size", "micro_batches", "ckpt_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         per_dp, rem = divmod(self.batch_size, self.parallel.dp)
         if rem:
             raise ValueError(f"batch size {self.batch_size} is not divisible by dp "

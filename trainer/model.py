@@ -27,11 +27,11 @@ class ModelConfig:
     mlp_ratio: int = 4
 
     def __post_init__(self) -> None:
-        if self.d_model % self.heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
         for name in ("layers", "d_model", "heads", "vocab", "seq_len", "mlp_ratio"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
 
     @property
     def head_dim(self) -> int:
