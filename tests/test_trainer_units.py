@@ -113,6 +113,18 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     (["--pp", "2", "--micro-batches", "0"], "micro_batches must be >= 1, got 0"),
     (["--micro-batches", "-1"], "micro_batches must be >= 1, got -1"),
     (["--ckpt-every", "0"], "ckpt_every must be >= 1, got 0"),
+    # accepted before, then refused by the training process with a traceback on every rank
+    # (exit 1; a restart under torchrun's --max-restarts), or silently harmful
+    (["--keep-last", "0"], "keep_last must be >= 1, got 0"),
+    (["--lr", "-1"], "lr must be a finite number >= 0, got -1.0"),
+    (["--lr", "nan"], "lr must be a finite number >= 0, got nan"),
+    (["--seed", str(2**64)], "seed must be"),
+    (["--collective-timeout-s", "0"], "collective_timeout_s must be a finite number > 0"),
+    (["--collective-timeout-s", "-5"], "collective_timeout_s must be a finite number > 0"),
+    (["--ckpt-timeout-s", "0"], "ckpt_timeout_s must be a finite number > 0"),
+    (["--final-save-patience-s", "nan"], "final_save_patience_s must be >= 0, got nan"),
+    (["--hang-timeout-s", "nan"], "hang_timeout_s must be > 0, got nan"),
+    (["--lease-s", "nan"], "lease_s must be > 0, got nan"),
 ])
 def test_bad_configuration_is_rejected_with_a_reason(argv: list[str], message: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 
 from antifragile.trainer.ckpt_backends import ENGINES
@@ -40,9 +41,18 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "micro_batches", "ckpt_every"):
+        for name in ("steps", "batch_size", "micro_batches", "ckpt_every", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite number >= 0, got {self.lr}")
+        if not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64) (what torch.manual_seed takes), "
+                             f"got {self.seed}")
+        for name in ("collective_timeout_s", "ckpt_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got "
+                                 f"{getattr(self, name)}")
         per_dp, rem = divmod(self.batch_size, self.parallel.dp)
         if rem:
             raise ValueError(f"batch size {self.batch_size} is not divisible by dp "
@@ -68,12 +78,12 @@ class TrainConfig:
             raise ValueError(f"{self.model.layers} layers cannot fill {self.parallel.pp} stages")
         if self.recovery not in ("restart", "in_process"):
             raise ValueError(f"recovery must be restart or in_process, not {self.recovery!r}")
-        if self.final_save_patience_s < 0:
+        if not self.final_save_patience_s >= 0:  # NaN too: it would retry forever
             raise ValueError(f"final_save_patience_s must be >= 0, got "
                              f"{self.final_save_patience_s}")
-        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
+        if self.hang_timeout_s is not None and not self.hang_timeout_s > 0:  # NaN: never a hang
             raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
-        if self.lease_s is not None and self.lease_s <= 0:
+        if self.lease_s is not None and not self.lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         if self.lease_s is not None and self.hang_timeout_s is not None \
                 and self.lease_s >= STALL_ESCALATION * self.hang_timeout_s:
