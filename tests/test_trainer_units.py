@@ -75,6 +75,30 @@ def test_every_window_of_a_token_file_is_sampled(tmp_path: Path) -> None:
         TokenData(seq_len=16, vocab=50, seed=0, path=str(path))
 
 
+@pytest.mark.parametrize(("make", "message"), [
+    (None, "No such file"),
+    (lambda p: np.save(p, np.arange(100, dtype=np.int32)), "token ids outside [0, 50)"),
+    (lambda p: np.save(p, np.zeros((4, 40), dtype=np.int32)), "1-D integer token array"),
+    (lambda p: np.save(p, np.array([{"a": 1}], dtype=object)), "Python objects"),
+    (lambda p: p.write_text("not tokens\n"), "allow_pickle"),
+    (lambda p: np.savez(open(p, "wb"), np.arange(100)), "not a .npy"),  # noqa: SIM115
+])
+def test_an_unusable_token_file_is_refused_before_training(
+        tmp_path: Path, make: Any, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --data-path the trainer cannot read (missing, ids beyond --vocab, not a 1-D .npy) is
+    a usage error: one line naming the option, exit 2, before any rank starts (it was a
+    traceback in every training process, exit 1, which torchrun restarts)."""
+    path = tmp_path / "tokens.npy"
+    if make is not None:
+        make(path)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--data-path", str(path), "--vocab", "50", "--seq-len", "16"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m antifragile.trainer: error: --data-path ")
+    assert message in err
+
+
 def test_stages_keep_the_full_models_names() -> None:
     cfg = ModelConfig(layers=5, d_model=32, heads=4, vocab=64, seq_len=8)
     assert [list(r) for r in split_layers(5, 2)] == [[0, 1, 2], [3, 4]]

@@ -135,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = p.parse_args(argv)
     try:
-        return TrainConfig(
+        cfg = TrainConfig(
             parallel=ParallelDims(dp=a.dp, tp=a.tp, pp=a.pp),
             model=ModelConfig(layers=a.layers, d_model=a.d_model, heads=a.heads, vocab=a.vocab,
                               seq_len=a.seq_len),
@@ -150,3 +150,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     except ValueError as exc:
         p.error(str(exc))
         raise
+    if cfg.data_path is not None:  # here, before any rank starts, rather than in every rank
+        from antifragile.trainer.data import open_tokens
+
+        try:
+            open_tokens(cfg.data_path, cfg.model.seq_len, cfg.model.vocab)
+        except OSError as exc:
+            p.error(f"--data-path {cfg.data_path}: {exc.strerror or exc}")
+        except ValueError as exc:
+            p.error(f"--data-path {exc}")
+    return cfg

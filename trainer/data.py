@@ -19,6 +19,26 @@ def _sample_seed(seed: int, index: int) -> int:
     return zlib.crc32(f"{seed}:{index}".encode())
 
 
+def open_tokens(path: str, seq_len: int, vocab: int) -> np.ndarray:
+    """The token file at ``path``, memory-mapped, once it is known to serve samples of
+    ``seq_len + 1`` ids below ``vocab``; ``ValueError`` (``OSError`` where it cannot be read)
+    naming the file and what is wrong with it."""
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except ValueError as exc:  # pickled data, not a .npy
+        raise ValueError(f"{path}: {exc}") from None
+    if not isinstance(tokens, np.ndarray):
+        raise ValueError(f"{path}: not a .npy file (a 1-D integer token array)")
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{path}: expected a 1-D integer token array")
+    if len(tokens) < seq_len + 1:
+        raise ValueError(f"{path}: {len(tokens)} tokens, need at least {seq_len + 1} "
+                         "(one sample)")
+    if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
+        raise ValueError(f"{path}: token ids outside [0, {vocab})")
+    return tokens
+
+
 @dataclass(slots=True)
 class TokenData:
     seq_len: int
@@ -29,15 +49,7 @@ class TokenData:
 
     def __post_init__(self) -> None:
         if self.path is not None:
-            tokens = np.load(self.path, mmap_mode="r")
-            if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-                raise ValueError(f"{self.path}: expected a 1-D integer token array")
-            if len(tokens) < self.seq_len + 1:
-                raise ValueError(f"{self.path}: {len(tokens)} tokens, need at least "
-                                 f"{self.seq_len + 1} (one sample)")
-            if int(tokens.max()) >= self.vocab or int(tokens.min()) < 0:
-                raise ValueError(f"{self.path}: token ids outside [0, {self.vocab})")
-            self._tokens = tokens
+            self._tokens = open_tokens(self.path, self.seq_len, self.vocab)
 
     def sample(self, index: int) -> torch.Tensor:
         """Sample ``index``: ``seq_len + 1`` token ids (inputs and shifted targets)."""
