@@ -596,6 +596,21 @@ def test_ranks_agree_on_whether_there_is_a_checkpoint_to_restore(tmp_path: Path)
     assert run_ranks(2, _restore_decisions, str(tmp_path / "ckpt"), timeout_s=60) == [[], []]
 
 
+def test_cuda_without_enough_devices_is_refused_with_a_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device cuda on a host with fewer CUDA devices than workers is a launch that does not
+    fit (exit 2, one line); it was a traceback from torch.cuda.set_device in every rank
+    (AttributeError '_cuda_setDevice' on a CPU build, 'invalid device ordinal' on a GPU host)."""
+    from antifragile.trainer.train import LaunchError, run
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(LaunchError, match=r"--device cuda: .*no CUDA device"):
+        run(parse_args(["--device", "cuda", "--steps", "1"]))
+
+
 def test_in_process_recovery_is_refused_where_a_training_process_hosts_the_store(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """With a fresh store per rendezvous round (multi-host launch) slot 0's training process

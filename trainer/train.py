@@ -165,6 +165,11 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
     if launch.slots > world and cfg.recovery != "in_process":
         raise LaunchError(f"torchrun started {launch.slots} workers for dp*tp*pp = {world}; "
                           "extra workers are spares, which only --recovery in_process uses")
+    if cfg.device == "cuda" and torch.cuda.device_count() < launch.local_slots:
+        found = torch.cuda.device_count()
+        raise LaunchError(f"--device cuda: this host has {found or 'no'} CUDA device(s) for "
+                          f"its {launch.local_slots} worker(s) (one each, spares included): "
+                          "start at most that many per host (--nproc-per-node)")
     if launch.hosts_store and cfg.recovery == "in_process":
         raise LaunchError("--recovery in_process needs a launcher store that outlives every "
                           "training process (torchrun's agent store, or one served by slot 0's "
