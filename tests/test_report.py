@@ -26,6 +26,7 @@ from antifragile.chaos.observe.record import RunRecord
 from antifragile.chaos.report import document as report
 from antifragile.chaos.report import plots
 from antifragile.chaos.scenario import parse_scenario
+from antifragile.chaos.suite import summary
 
 T0 = 1_700_000_000.0
 WORLD = 4  # dp=2, pp=2: ranks 2 and 3 are the last stage, the ones that report a loss
@@ -726,3 +727,29 @@ def test_the_runs_final_blocking_save_is_marked_final() -> None:
     # nor is it part of what the checkpoints cost the training loop
     cost = figures.checkpoint_cost(record, list(rows.values()))
     assert cost is not None and cost["stall_s"] == pytest.approx(0.301 + 0.401)
+
+
+def test_a_script_without_the_probe_has_its_final_blocking_save_marked_final() -> None:
+    """A script that reports no step (``probe: false``) but checkpoints through
+    CheckpointEngine: its last blocking save is still the job's shutdown. Without step events
+    it was never marked ``final``, so the suite's mean stall counted its whole persist (1.7 s
+    beside two 0.01 s stalls: 0.57 s instead of 0.01 s)."""
+    events: list[dict[str, Any]] = []
+    for r in (0, 1):
+        events.append({"t": T0, "rank": r, "attempt": 0, "event": "start", "pid": 10 + r,
+                       "world_size": 2})
+        for n, t in ((5, 1.0), (10, 2.0), (15, 3.0)):
+            events.append({"t": T0 + t, "rank": r, "attempt": 0, "event": "ckpt_staged",
+                           "step": n, "stall_s": 0.01})
+            if n == 15:
+                events.append({"t": T0 + t + 1.7, "rank": r, "attempt": 0,
+                               "event": "ckpt_blocked", "step": n, "seconds": 1.69})
+            events.append({"t": T0 + t + 1.7, "rank": r, "attempt": 0, "event": "ckpt_committed",
+                           "step": n, "bytes": 10, "persist_s": 1.7})
+    events.sort(key=lambda e: e["t"])
+    record = RunRecord(0, T0, T0 + 6, events, [])
+    rows = figures.checkpoints(record)
+    assert [(c["step"], c.get("final", False)) for c in rows] == [
+        (5, False), (10, False), (15, True)]
+    entry = summary.summarize("s", "s.yaml", {"checkpoints": rows}, None)
+    assert entry["stall_mean_s"] == pytest.approx(0.01)

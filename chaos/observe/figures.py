@@ -19,7 +19,7 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
     restored did commit (its processes ended before they saw the COMMIT): committed, with
     ``restored_by`` that attempt and its persist time unknown. ``final``: the blocking save
     after the last attempt's last step (its stall is its persist: the job's shutdown, not a
-    stall of training)."""
+    stall of training); of a script that reports no step, its last attempt's newest save."""
     out: dict[tuple[int, int], dict[str, Any]] = {}
     stalls: dict[tuple[int, int], dict[int, float]] = {}  # checkpoint -> rank -> seconds
     windows: dict[tuple[int, int], list[float]] = {}  # first staged, last committed
@@ -60,8 +60,13 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
             c["committed"], c["restored_by"] = True, by
     steps = _slowest_steps(record)
     paces = {a: sorted(s for _, s in v)[len(v) // 2] for a, v in steps.items() if v}
+    # by step, not time: the ranks' events of one moment differ by milliseconds; a script
+    # that reports no step (no probe): its last attempt's newest save is its loop's last
     ends = [(e["attempt"], e["step"]) for e in record.events if e["event"] == "step_end"]
-    if ends:  # by step, not time: the ranks' events of one moment differ by milliseconds
+    if not ends and record.events:
+        last = max(e["attempt"] for e in record.events)
+        ends = [key for key in out if key[0] == last]
+    if ends:
         last_attempt, last_step = max(ends)
         for attempt, step in blocked:
             if attempt == last_attempt and step >= last_step:
