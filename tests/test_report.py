@@ -753,3 +753,28 @@ def test_a_script_without_the_probe_has_its_final_blocking_save_marked_final() -
         (5, False), (10, False), (15, True)]
     entry = summary.summarize("s", "s.yaml", {"checkpoints": rows}, None)
     assert entry["stall_mean_s"] == pytest.approx(0.01)
+
+
+def test_a_synchronous_save_after_the_last_step_is_final() -> None:
+    """``probe.dcp_save`` (examples/fsdp2_dcp) reports one synchronous save: its time is both
+    stall and persist, and no ``ckpt_blocked`` follows. The save after the last step is the
+    job's shutdown all the same, but it was not marked ``final``: the checkpoints' cost to the
+    training loop and the suite's mean stall counted it (2.0 s beside a 0.5 s save mid-run)."""
+    events: list[dict[str, Any]] = []
+    for r in (0, 1):
+        for n in range(1, 11):
+            events.append({"t": T0 + n, "rank": r, "attempt": 0, "event": "step_end",
+                           "step": n, "loss": 1.0, "seconds": 0.5})
+        for n, seconds in ((5, 0.5), (10, 2.0)):
+            for kind in ("ckpt_staged", "ckpt_committed"):
+                events.append({"t": T0 + n + seconds, "rank": r, "attempt": 0, "event": kind,
+                               "step": n, "stall_s": seconds, "persist_s": seconds,
+                               "bytes": 10})
+    events.sort(key=lambda e: e["t"])
+    record = RunRecord(0, T0, T0 + 13, events, [])
+    rows = figures.checkpoints(record)
+    assert [(c["step"], c.get("final", False)) for c in rows] == [(5, False), (10, True)]
+    cost = figures.checkpoint_cost(record, rows)
+    assert cost is not None and cost["stall_s"] == pytest.approx(0.5)
+    entry = summary.summarize("s", "s.yaml", {"checkpoints": rows}, None)
+    assert entry["stall_mean_s"] == pytest.approx(0.5)

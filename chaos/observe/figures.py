@@ -17,9 +17,10 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
     staging (the previous one still persisting) is listed too: uncommitted, ``stall_s`` None,
     its error. A save with neither a committed nor a failed event whose step a later attempt
     restored did commit (its processes ended before they saw the COMMIT): committed, with
-    ``restored_by`` that attempt and its persist time unknown. ``final``: the blocking save
-    after the last attempt's last step (its stall is its persist: the job's shutdown, not a
-    stall of training); of a script that reports no step, its last attempt's newest save."""
+    ``restored_by`` that attempt and its persist time unknown. ``final``: the blocking (or
+    synchronous) save after the last attempt's last step (its stall is its persist: the job's
+    shutdown, not a stall of training); of a script that reports no step, its last attempt's
+    newest save."""
     out: dict[tuple[int, int], dict[str, Any]] = {}
     stalls: dict[tuple[int, int], dict[int, float]] = {}  # checkpoint -> rank -> seconds
     windows: dict[tuple[int, int], list[float]] = {}  # first staged, last committed
@@ -66,6 +67,10 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
     if not ends and record.events:
         last = max(e["attempt"] for e in record.events)
         ends = [key for key in out if key[0] == last]
+    # a synchronous save (``probe.dcp_save``: one time, reported as stall and as persist)
+    # blocked the loop to its commit as well
+    blocked |= {key for key, c in out.items() if c["committed"] and c["persist_s"] is not None
+                and c["stall_s"] is not None and c["stall_s"] >= c["persist_s"]}
     if ends:
         last_attempt, last_step = max(ends)
         for attempt, step in blocked:
