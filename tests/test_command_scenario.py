@@ -264,6 +264,29 @@ def test_without_the_probe_detect_and_restart_are_measured_the_rest_is_said() ->
     assert v.verdict == "pass", v.reasons
 
 
+def test_a_hang_the_job_never_noticed_is_no_effect_not_a_missing_recovery() -> None:
+    """A script without the probe writes no event of its own, and no script writes ``exit``:
+    a stop that the job rode out (it resumed and the run finished, exit 0, no restart) left
+    no trace of "went on". It was taken as the cause of the attempt's end, and the verdict
+    said "no recovery was observed (the job did not come back)", not that the stop had no
+    effect (shorter than the script's detection timeout)."""
+    record, _ = _no_probe_record(engine_events=False)
+    record.events = [e for e in record.events if e["attempt"] == 0]
+    record.attempt_ends = {0: T0 + 30}
+    hang = Injection("hang_rank", T0 + 20, step=None, rank=1, fault_index=0,
+                     detail={"pid": 101, "duration_s": 5.0, "mode": "process"})
+    record.injections = [hang]
+    t = measure.fault_timings(record, hang)
+    assert not t.effect_observed and t.ended_attempt is None, t.effect
+    assert t.effect and "finished normally" in t.effect
+    scenario = parse_scenario(_doc(faults=[{"kind": "hang_rank", "rank": 1, "at_s": 20}],
+                                   expect={"bitwise_equal_to_reference": False}))
+    v = checker.judge(scenario, returncode=0, timings=[t], final_step=20, faulty_url="u",
+                      reference_url=None, final_committed=True)
+    assert v.verdict == "fail"
+    assert v.reasons == [f"hang_rank at step None: no observable effect: {t.effect}"]
+
+
 def test_a_kill_belongs_to_the_attempt_of_the_process_it_hit_whatever_the_clocks_say() -> None:
     """A restarted process whose start time reads a little before the kill (clocks of two
     sources) must not make the kill look like it struck the new attempt."""

@@ -120,7 +120,8 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
     Supervisors write their own events (``rank_died``, ``hang_detected``) about a rank; only
     the rank's own events count as "it wrote".
 
-    An attempt whose every rank exited normally was ended by nobody.
+    An attempt whose every rank exited normally was ended by nobody; so was the last attempt
+    of a job that exited 0, for a stop or a cut (a script reports no exit).
     """
     end = record.attempt_ends.get(attempt)
     if end is None or end < injection.t:
@@ -135,6 +136,12 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
     clean = {e["rank"] for e in _by_attempt(record.events, attempt, "exit") if e.get("code") == 0}
     if ranks and ranks <= clean:
         return False, f"no restart followed: every rank of attempt {attempt} finished normally"
+    if injection.kind in ("hang_rank", "drop_link") and record.returncode == 0 and not any(
+            e["event"] in STARTS and e["attempt"] > attempt for e in record.events):
+        # a stop or a cut the job rode out; a script writes no ``exit`` (nor, without the
+        # probe, anything that shows it went on): the job's own exit code says it
+        return False, (f"no restart followed: the job finished normally (exit 0) in attempt "
+                       f"{attempt}, {waited:.1f} s after the fault")
     events = [e for e in record.events if e["attempt"] == attempt and e["t"] >= injection.t]
     r = injection.rank
     hung = [e for e in events if e["event"] == "hang_detected" and (r is None or e["rank"] == r)]
