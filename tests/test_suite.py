@@ -258,6 +258,24 @@ def test_discover_and_plan_reject_bad_suites(tmp_path: Path) -> None:
         suite.plan([b], tmp_path / "out")
 
 
+def test_an_invalid_files_name_may_not_be_a_scenarios_name(tmp_path: Path) -> None:
+    """An invalid file's entry is named after the file. ``foo.yaml`` invalid beside a valid
+    ``name: foo`` in ``a.yaml`` passed the unique-name check, and the summary held two
+    entries named ``foo``: the comparison with a baseline (keyed by name) kept only the later
+    one, so the valid scenario's figures were never compared, or its regression was hidden."""
+    doc = yaml.safe_load(_write(tmp_path, "a", []).read_text())
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({**doc, "name": "foo"}))
+    (tmp_path / "foo.yaml").write_text("name: foo\ntrainer: {steps: 0}\n")
+    with pytest.raises(suite.SuiteError, match=r"foo\.yaml: scenario name 'foo' is already "
+                                               r"used by .*a\.yaml"):
+        suite.plan(suite.discover(tmp_path), tmp_path / "out")
+    (tmp_path / "sub").mkdir()  # two invalid files of one name, in two folders
+    (tmp_path / "a.yaml").unlink()
+    (tmp_path / "sub" / "foo.yml").write_text("name: [\n")
+    with pytest.raises(suite.SuiteError, match=r"'foo' is already used by .*foo\.yaml"):
+        suite.plan(suite.discover(tmp_path), tmp_path / "out")
+
+
 def test_a_scenario_named_dot_or_dot_dot_is_invalid_not_run_into_out_or_its_parent(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A scenario runs into ``OUT/<name>/``, cleared first: a name ``.`` cleared OUT (the

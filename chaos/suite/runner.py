@@ -58,7 +58,9 @@ def discover(folder: Path, patterns: Sequence[str] = ("*",)) -> list[Path]:
 
 
 def plan(files: list[Path], out: Path) -> list[Planned]:
-    """Validate every file; refuse duplicate names and output folders that are not ours."""
+    """Validate every file; refuse duplicate names (an invalid file's entry is named after
+    the file: a summary and its comparison with a baseline are keyed by name) and output
+    folders that are not ours."""
     planned = []
     for file in files:
         try:
@@ -67,12 +69,13 @@ def plan(files: list[Path], out: Path) -> list[Planned]:
             planned.append(Planned(file, error=str(exc)))
     seen: dict[str, Path] = {}
     for p in planned:
+        if p.name in seen:
+            named = "" if p.scenario else " (it is invalid: listed under its file's name)"
+            raise SuiteError(f"{p.file}: scenario name {p.name!r} is already used by "
+                             f"{seen[p.name]}; names must be unique in a suite{named}")
+        seen[p.name] = p.file
         if p.scenario is None:
             continue
-        if p.name in seen:
-            raise SuiteError(f"{p.file}: scenario name {p.name!r} is already used by "
-                             f"{seen[p.name]}; names must be unique in a suite")
-        seen[p.name] = p.file
         folder = out / p.name
         if folder.exists() and any(folder.iterdir()) and \
                 not any((folder / m).exists() for m in _RUN_MARKERS):
