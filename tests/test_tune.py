@@ -290,6 +290,22 @@ def test_cli_bad_simulation_options_are_refused_before_measuring(
     assert result.stderr.strip() == f"error: {says}"
 
 
+def test_refused_input_leaves_no_temporary_folder(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --out the measuring run goes to a temporary folder, kept only when a run
+    failed (its log is there). A scenario refused on the way in (too short to time a
+    restart: TuneError) left an empty chaos-tune-measure-* folder behind on every try."""
+    import tempfile
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    path = _tiny(tmp_path, [], steps=1)
+    result = _invoke([str(path), "--mtbf-s", "60"])
+    assert result.exit_code == 2 and "too short to time a restart" in result.stderr
+    assert list(temp.iterdir()) == []
+
+
 def test_scenario_mtbf_adds_the_rates_of_faults_that_stop_the_job(tmp_path: Path) -> None:
     from antifragile.chaos.scenario import load_scenario
 

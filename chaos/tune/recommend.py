@@ -3,6 +3,7 @@ recommendation, the projection to other scales and the confirming sweep, as one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -108,7 +109,8 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
 
 class _folder:
     """``out/<name>`` when an output folder is given, else a temporary one, removed after
-    unless a run failed (its log is there)."""
+    unless a run failed (its log is there); one left empty (input refused before any run)
+    is removed whatever happened."""
 
     def __init__(self, out: Path | None, name: str) -> None:
         self.temporary = out is None
@@ -120,5 +122,10 @@ class _folder:
         return self.path
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        if self.temporary and kind is None:
+        if not self.temporary:
+            return
+        if kind is None:
             shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):  # not empty: what the failed run left
+                self.path.rmdir()
