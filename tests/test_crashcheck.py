@@ -126,16 +126,37 @@ def test_verdict_fails_on_the_documented_rule_only() -> None:
     (["--engine", "dcp", "--endpoint-url", "https://s3.example"], "plain http://"),
     (["--engine", "dcp", "--latency-ms", "-5"], "--latency-ms -5.0: must be a finite number >= 0"),
     (["--engine", "dcp", "--latency-ms", "nan"], "--latency-ms nan: must be a finite number >= 0"),
-    (["--engine", "dcp", "--ranks", "100000"], "--ranks 100000: this machine holds at most"),
+    (["--engine", "dcp", "--ranks", "100000"],
+     "--ranks 100000 + --checkers 2: 100002 worker processes at once; this machine holds"),
     (["--engine", "dcp", "--max-inflight", "-1"], "--max-inflight -1: must be at least 0"),
     (["--engine", "dcp", "--checkers", "100000", "--endpoint-url", "http://127.0.0.1:9"],
-     "--checkers 100000: this machine holds at most"),
+     "--ranks 1 + --checkers 100000: 100001 worker processes at once; this machine holds"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], says: str) -> None:
     r = CliRunner().invoke(main, ["crashcheck", *args])
     assert r.exit_code == 2
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], r.output
+
+
+def test_the_saving_ranks_and_the_checkers_fit_the_machine_together(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker processes (each imports torch) start before the save is recorded and live
+    through it: ranks and checkers are worker processes at the same time. Each was held to
+    the machine's limit alone (two copies of one check), so --ranks 3 with the default 2
+    checkers ran 5 where 4 fit."""
+    from antifragile.chaos import scenario
+    from antifragile.chaos.crashcheck import run
+
+    def must_not_run(*_: object, **__: object) -> None:
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(scenario, "max_workers", lambda: 4)
+    monkeypatch.setattr(run, "crashcheck", must_not_run)
+    r = CliRunner().invoke(main, ["crashcheck", "--engine", "dcp", "--ranks", "3"])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().startswith("error: --ranks 3 + --checkers 2: 5 worker processes "
+                                       "at once; this machine holds at most 4 ("), r.output
 
 
 def test_out_that_is_a_file_is_refused(tmp_path: Path) -> None:

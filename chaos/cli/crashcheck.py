@@ -53,11 +53,6 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
         fail(f"--engine {engine!r}: unknown engine (known: {', '.join(ENGINES)})")
     if ranks < 1:
         fail(f"--ranks {ranks}: a saving job needs at least 1 rank")
-    from antifragile.chaos.scenario import WORKER_LIMIT_REASON, max_workers
-
-    if ranks > max_workers():
-        fail(f"--ranks {ranks}: this machine holds at most {max_workers()} worker processes "
-             f"({WORKER_LIMIT_REASON})")
     for name in cases:
         if name not in CASES:
             fail(f"--case {name!r}: unknown case (known: {', '.join(CASES)})")
@@ -75,9 +70,11 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
         fail(f"--max-inflight {max_inflight}: must be at least 0")
     if checkers < 1:
         fail(f"--checkers {checkers}: must be at least 1")
-    if checkers > max_workers():
-        fail(f"--checkers {checkers}: this machine holds at most {max_workers()} worker "
-             f"processes ({WORKER_LIMIT_REASON})")
+    from antifragile.chaos.scenario import WORKER_LIMIT_REASON, max_workers
+
+    if ranks + checkers > max_workers():  # the checkers start before the save, live through it
+        fail(f"--ranks {ranks} + --checkers {checkers}: {ranks + checkers} worker processes "
+             f"at once; this machine holds at most {max_workers()} ({WORKER_LIMIT_REASON})")
     if not (math.isfinite(latency_ms) and latency_ms >= 0):
         fail(f"--latency-ms {latency_ms}: must be a finite number >= 0")
     if endpoint_url is not None and not endpoint_url.startswith("http://"):
