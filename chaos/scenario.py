@@ -446,6 +446,7 @@ class Scenario(_Strict):
                 problem = problem or fault.check_checkpoints(self.checkpoint.every_steps,
                                                              self.trainer.steps)
                 problem = problem or fault.check_trainer(self.trainer)
+                problem = problem or fault.check_engine(self.checkpoint.engine)
             if problem:
                 key, reason = problem
                 raise ValueError(f"faults.{i}{'.' + key if key else ''}: {reason}")

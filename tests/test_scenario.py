@@ -35,6 +35,16 @@ def _with(**changes: Any) -> dict[str, Any]:
     (_with(faults=[{"kind": "kill_rank", "rank": 0}]), "exactly one trigger"),
     (_with(faults=[{"kind": "crash_during_save", "at_checkpoint": 9}]),
      "faults.0.at_checkpoint: the run takes only 4 checkpoint(s)"),
+    # accepted, then a run that failed as "never injected (its trigger was never reached)":
+    # the peer engines have no save-phase hooks, so the save never paused there
+    (_with(checkpoint={"every_steps": 5, "engine": "dcp"},
+           faults=[{"kind": "crash_during_save", "at_checkpoint": 2, "phase": "written"}]),
+     "s.yaml: faults.0.phase: written is a save phase of engine antifragile (its phase hooks); "
+     "engine dcp has none, so the save never pauses there: use phase staged, or engine "
+     "antifragile"),
+    (_with(checkpoint={"every_steps": 5, "engine": "torchsnapshot"},
+           faults=[{"kind": "crash_during_save", "at_checkpoint": 2}]),
+     "s.yaml: faults.0.phase: persisting is a save phase of engine antifragile"),
     (_with(faults=[{"kind": "kill_rank", "rank": 0, "mtbf_s": 5.0, "on_pass": 2}]),
      "s.yaml: faults.0.on_pass: a pass counts the times the job gets to a step: it needs "
      "at_step or at_checkpoint"),

@@ -100,6 +100,11 @@ class FaultBase(BaseModel):
         (a ``TrainerSpec``: recovery mode, spares, nodes)."""
         return None
 
+    def check_engine(self, engine: str) -> tuple[str, str] | None:
+        """(key, reason) if this fault cannot happen to the built-in trainer checkpointing
+        with ``engine`` (``checkpoint.engine``)."""
+        return None
+
     def check_checkpoints(self, every_steps: int, steps: int) -> tuple[str, str] | None:
         """(key, reason) if this fault names a checkpoint that the built-in trainer, saving
         every ``every_steps`` of ``steps`` steps, does not have when the fault fires."""

@@ -1,7 +1,8 @@
 """``crash_during_save``: SIGKILL a rank while checkpoint n is being saved, at a named phase.
 
 The trainer learns only where to hold: its save of that step pauses at ``phase`` on the target
-rank (a pause point on the save's own thread; ``engine`` phase hooks): ``persisting`` (staged,
+rank (a pause point on the save's own thread; ``engine`` phase hooks, which the peer engines,
+``dcp`` and ``torchsnapshot``, lack: with them only ``staged`` is a phase): ``persisting`` (staged,
 nothing written), ``written`` (its objects durable, no record), ``recorded`` (its record
 written), ``committing`` (the coordinator has every record, COMMIT not written; use rank 0).
 The runner kills the rank there, so the crash lands mid-save by construction. ``staged`` holds
@@ -32,6 +33,13 @@ class CrashDuringSave(FaultBase):
             return "phase", ("only the coordinator (rank 0) commits: phase committing needs "
                              "rank: 0")
         return super().check(dims, steps, checkpoints)
+
+    def check_engine(self, engine: str) -> tuple[str, str] | None:
+        if engine != "antifragile" and self.phase != "staged":
+            return "phase", (f"{self.phase} is a save phase of engine antifragile (its phase "
+                             f"hooks); engine {engine} has none, so the save never pauses "
+                             "there: use phase staged, or engine antifragile")
+        return None
 
     def inject(self, target: Target, step: int | None) -> Injection:
         from antifragile.engine._paths import COMMIT, step_dir
