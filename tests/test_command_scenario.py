@@ -287,6 +287,50 @@ def test_a_hang_the_job_never_noticed_is_no_effect_not_a_missing_recovery() -> N
     assert v.reasons == [f"hang_rank at step None: no observable effect: {t.effect}"]
 
 
+def test_a_full_disk_a_script_without_the_probe_rode_out_passes() -> None:
+    """Without the probe a script reports no step, so "steps during the fill" is always 0:
+    every disk_full or storage_outage of a probe-less script failed as "training did not go
+    on during the outage (0 steps, or a restart)", though the job saved again after it, was
+    never restarted and exited 0. Without steps, only a restart says it did not go on."""
+    events = [{"t": T0 + 1 + r, "rank": r, "attempt": 0, "event": "worker_started",
+               "pid": 100 + r, "by": "chaos"} for r in (0, 1)]
+    for r in (0, 1):
+        events.append({"t": T0 + 3, "rank": r, "attempt": 0, "event": "start",
+                       "pid": 100 + r, "world_size": 2})
+        for step, t in ((10, 10.0), (20, 21.0), (30, 30.0)):
+            events.append({"t": T0 + t, "rank": r, "attempt": 0, "event": "ckpt_staged",
+                           "step": step, "stall_s": 0.01})
+            events.append(
+                {"t": T0 + t + 0.5, "rank": r, "attempt": 0, "event": "ckpt_failed",
+                 "step": step, "error": "[Errno 28] No space left on device"} if step == 20
+                else {"t": T0 + t + 0.5, "rank": r, "attempt": 0, "event": "ckpt_committed",
+                      "step": step, "bytes": 10, "persist_s": 0.5})
+    full = Injection("disk_full", T0 + 20, fault_index=0, detail={
+        "duration_s": 5.0, "volume_mib": 64, "ended_t": T0 + 25, "filled_bytes": 60 << 20,
+        "error": None})
+    record = RunRecord(0, T0, T0 + 40, sorted(events, key=lambda e: e["t"]), [full],
+                       {0: T0 + 40})
+    t = measure.fault_timings(record, full)
+    assert t.effect_observed, t.effect
+    assert t.outage is not None and t.outage["training_continued"]
+    scenario = parse_scenario(_doc(trainer={"probe": False},
+                                   faults=[{"kind": "disk_full", "at_s": 20, "duration_s": 5}],
+                                   expect={"bitwise_equal_to_reference": False}))
+    v = checker.judge(scenario, returncode=0, timings=[t], final_step=30, faulty_url="u",
+                      reference_url=None, final_committed=True)
+    assert v.verdict == "pass", v.reasons
+    # the fill crashed it instead: no save after it, and torchrun started attempt 1
+    record.events = [e for e in record.events if e.get("step") != 30] + [
+        {"t": T0 + 27, "rank": r, "attempt": 1, "event": "worker_started", "pid": 200 + r,
+         "by": "chaos"} for r in (0, 1)]
+    t = measure.fault_timings(record, full)
+    assert t.outage is not None and not t.outage["training_continued"]
+    v = checker.judge(scenario, returncode=0, timings=[t], final_step=10, faulty_url="u",
+                      reference_url=None, final_committed=True)
+    assert "disk_full at step None: training did not go on during the outage (a restart " \
+        "followed it)" in v.reasons
+
+
 def test_a_kill_belongs_to_the_attempt_of_the_process_it_hit_whatever_the_clocks_say() -> None:
     """A restarted process whose start time reads a little before the kill (clocks of two
     sources) must not make the kill look like it struck the new attempt."""

@@ -285,8 +285,10 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
             v.fail(f"{t.kind} at step {t.injected_step}: no observable effect: {t.effect}")
             continue
         if t.outage is not None and not t.outage["training_continued"]:
+            steps = t.outage["steps_during_outage"]
             v.fail(f"{t.kind} at step {t.injected_step}: training did not go on during the "
-                   f"outage ({t.outage['steps_during_outage']} steps, or a restart)")
+                   "outage (" + ("a restart followed it)" if steps is None
+                                 else f"{steps} steps, or a restart)"))
         if t.outage is not None and t.outage.get("error"):
             v.fail(f"{t.kind} at step {t.injected_step}: storage did not come back: "
                    f"{t.outage['error']}")

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from antifragile.chaos.faults import Injection
-from antifragile.chaos.observe.record import RunRecord
+from antifragile.chaos.observe.record import STARTS, RunRecord
 
 # Faults on storage (not on the job): what they did is measured by outage_effects, and which of
 # their injection's detail fields the report keeps.
@@ -169,7 +169,9 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
     (delayed if they committed, else failed or skipped), the extra time the training loop lost,
     whether training kept going, and the first save that committed after it (recovery). The
     loop's pace is the gap between rank 0's consecutive steps; the extra stall is
-    what the gaps overlapping the outage took beyond the median gap outside it."""
+    what the gaps overlapping the outage took beyond the median gap outside it. A script that
+    reports no step: ``steps_during_outage`` None, and training went on unless the fault
+    ended its attempt."""
     d = injection.detail
     t0 = injection.t
     t1 = d.get("ended_t") or t0 + d["duration_s"]
@@ -206,13 +208,15 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
     # the restart came after the window (a script whose next save() raised the failed one's
     # error crashed a few steps later; torchrun took seconds to start it again).
     next_t = min((e["t"] for e in record.events
-                  if e["event"] == "start" and e["attempt"] > attempt), default=None)
+                  if e["event"] in STARTS and e["attempt"] > attempt), default=None)
     ended_by_it = next_t is not None and not any(
         c["committed"] and c["attempt"] == attempt and c["staged_t"] is not None
         and c["staged_t"] > t1 for c in saves) and not any(
         i.kind not in STORAGE_FAULTS and not i.skipped and not i.missed and t0 <= i.t <= next_t
         for i in record.injections)
-    steps_during = sum(1 for t, a in steps if t0 <= t <= t1 and a == attempt)
+    # a script that reports no step (no probe): only a restart says training did not go on
+    steps_during = sum(1 for t, a in steps if t0 <= t <= t1 and a == attempt) \
+        if any(e["event"] == "step_end" for e in record.events) else None
     later = [c["step"] for c in saves if c["committed"] and c["staged_t"] is not None
              and c["staged_t"] > t1]
     return {
@@ -228,5 +232,5 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
         "extra_stall_s": sum(max(g - pace_s, 0.0) for g in during) if pace_s else None,
         "step_pace_s": pace_s,
         "steps_during_outage": steps_during,
-        "training_continued": steps_during > 0 and not ended_by_it,
+        "training_continued": steps_during != 0 and not ended_by_it,
     }
