@@ -68,6 +68,31 @@ def test_retention_keeps_the_newest_and_never_touches_a_save_in_flight(tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_name(4)]
 
 
+@pytest.mark.parametrize("marker", [".metadata", ".snapshot_metadata"])
+def test_a_crash_at_staged_after_a_peers_commit_is_said_to_have_lost_the_race(
+        tmp_path: Path, marker: str) -> None:
+    """crash_during_save at ``staged`` with dcp or torchsnapshot: the save's own thread may
+    commit before the kill. The injection looked only for our engine's COMMIT, so it said
+    ``committed_before_kill: false`` whatever the peer had written, and the verdict blamed a
+    commit "after the kill" for what was a race the save had won before it."""
+    import subprocess
+
+    from antifragile.chaos.faults.crash_during_save import CrashDuringSave
+
+    folder = tmp_path / step_name(10)
+    folder.mkdir()
+    (folder / marker).write_bytes(b"m")
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        fault = CrashDuringSave(kind="crash_during_save", at_checkpoint=2, phase="staged")
+        injected = fault.inject(Target(pids={0: victim.pid}, coordinates={0: (0, 0, 0)},
+                                       ckpt_url=str(tmp_path), rng=random.Random(0)), 10)
+    finally:
+        victim.kill()
+        victim.wait()
+    assert injected.missed is None and injected.detail["committed_before_kill"] is True
+
+
 # -- torchrun, dp=2 -----------------------------------------------------------------------------
 
 def _train(run_dir: Path, engine: str, steps: int, *extra: str) -> None:

@@ -2,13 +2,14 @@
 
 The trainer learns only where to hold: its save of that step pauses at ``phase`` on the target
 rank (a pause point on the save's own thread; ``engine`` phase hooks, which the peer engines,
-``dcp`` and ``torchsnapshot``, lack: with them only ``staged`` is a phase): ``persisting`` (staged,
-nothing written), ``written`` (its objects durable, no record), ``recorded`` (its record
-written), ``committing`` (the coordinator has every record, COMMIT not written; use rank 0).
-The runner kills the rank there, so the crash lands mid-save by construction. ``staged`` holds
-the training thread right after staging instead: the save's thread runs on, so a small
-checkpoint may commit first. The injection records whether COMMIT already existed, so a report
-never claims a mid-save crash that did not happen.
+``dcp`` and ``torchsnapshot``, lack: with them only ``staged`` is a phase): ``persisting``
+(staged, nothing written), ``written`` (its objects durable, no record), ``recorded`` (its
+record written), ``committing`` (the coordinator has every record, COMMIT not written; use
+rank 0). The runner kills the rank there, so the crash lands mid-save by construction.
+``staged`` holds the training thread right after staging instead: the save's thread runs on,
+so a small checkpoint may commit first. The injection records whether the step had committed
+(COMMIT, or a peer engine's marker), so a report never claims a mid-save crash that did not
+happen.
 """
 
 from __future__ import annotations
@@ -42,17 +43,28 @@ class CrashDuringSave(FaultBase):
         return None
 
     def inject(self, target: Target, step: int | None) -> Injection:
-        from antifragile.engine._paths import COMMIT, step_dir
-        from antifragile.engine.storage import open_storage
-
         rank = target.resolve(self.rank)
         pid = target.pids[rank]
         missed = target.signal(rank, signal.SIGKILL)
         if missed:
             return Injection(self.kind, time.time(), step=step, rank=rank, missed=missed,
                              detail={"pid": pid, "checkpoint_step": step, "phase": self.phase})
-        committed = step is not None and open_storage(target.ckpt_url).exists(
-            f"{step_dir(step)}/{COMMIT}")
+        committed = step is not None and _committed(target.ckpt_url, step)
         return Injection(self.kind, time.time(), step=step, rank=rank,
                          detail={"pid": pid, "checkpoint_step": step, "phase": self.phase,
                                  "committed_before_kill": committed})
+
+
+def _committed(url: str, step: int) -> bool:
+    """Whether the save of ``step`` had committed: our engine's COMMIT, or (local storage,
+    where the peers run) dcp's or torchsnapshot's commit marker."""
+    from antifragile.engine._paths import COMMIT, step_dir
+    from antifragile.engine.storage import open_storage
+
+    if open_storage(url).exists(f"{step_dir(step)}/{COMMIT}"):
+        return True
+    if "://" in url and not url.startswith("file://"):
+        return False
+    from antifragile.trainer.ckpt_backends import committed_steps
+
+    return any(step in committed_steps(engine, url) for engine in ("dcp", "torchsnapshot"))
