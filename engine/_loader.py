@@ -19,6 +19,7 @@ from ._agree import CORRUPT, ERRORS, FATAL, OK, Ranks, Report, classify
 from ._events import EngineEvents
 from ._fill import fill_step
 from ._memory import MemoryCopy
+from ._paths import QUARANTINE, step_dir
 from ._state import FlatState, finish_load
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .load import StepReader
@@ -85,7 +86,8 @@ class Loader:
                 # the steps listed (a reader beside a training job, a load beside a save):
                 # what committed since is tried too, once, after them
                 relisted = True
-                pending = [s for s in self.listed(storage) if s > candidates[0]]
+                pending = [s for s in self.listed(storage, quarantined_ok=True)
+                           if s > candidates[0]]
                 candidates = [*candidates, *pending]
             if pending:
                 warnings.warn(f"checkpoint step {candidate} skipped, trying step "
@@ -109,31 +111,44 @@ class Loader:
                 f"step {step} loaded, but another rank's state refused it (its error names "
                 "the object)")
 
-    def listed(self, storage: Storage) -> list[int]:
+    def listed(self, storage: Storage, *, quarantined_ok: bool = False) -> list[int]:
         """``candidates(None, ...)``, with nothing committed as an empty list (on every rank
-        alike: the listing is rank 0's)."""
+        alike: the listing is rank 0's). A root whose every step was quarantined raises
+        CheckpointCorruptError unless ``quarantined_ok``: it is not an empty one."""
         try:
-            return self.candidates(None, storage)
+            return self.candidates(None, storage, quarantined_ok=quarantined_ok)
         except CheckpointNotFoundError:
             return []
 
-    def candidates(self, step: int | None, storage: Storage) -> list[int]:
+    def candidates(self, step: int | None, storage: Storage, *,
+                   quarantined_ok: bool = False) -> list[int]:
         """The steps to try, newest first: ``step``, or rank 0's view of what is committed
-        (so that every rank tries the same steps; a failure to list is raised on every rank)."""
+        (so that every rank tries the same steps; a failure to list is raised on every rank).
+        Nothing committed: CheckpointNotFoundError, or (unless ``quarantined_ok``)
+        CheckpointCorruptError where steps were quarantined: a caller that starts over when
+        nothing is committed would otherwise lose them without a word."""
         if step is not None:
             return [step]
         listing: list[int] = []
+        hidden: list[int] = []
         failure: tuple[str, str] | None = None
         if self._ranks.rank == 0:
             try:
                 every, committed = _commit.step_dirs(storage, set(self._ghosts))
                 listing = list(reversed(committed))
                 self._unfinished.update(set(every) - set(committed))
+                if not committed and not quarantined_ok:
+                    hidden = [s for s in every if storage.exists(f"{step_dir(s)}/{QUARANTINE}")]
             except CheckpointError as exc:
                 failure = (type(exc).__name__, str(exc))
-        listing, failure = self._ranks.gather((listing, failure))[0]
+        listing, hidden, failure = self._ranks.gather((listing, hidden, failure))[0]
         if failure is not None:
             raise ERRORS.get(failure[0], CheckpointError)(f"listing {self._url}: {failure[1]}")
+        if hidden:
+            raise CheckpointCorruptError(
+                f"no intact checkpoint under {self._url}: none is committed and steps {hidden} "
+                f"were quarantined as damaged (`chaos ckpt ls {self._url}` says why); delete "
+                "their step folders to start over")
         if not listing:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self._url}")
         return listing

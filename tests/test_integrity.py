@@ -253,6 +253,24 @@ def test_every_step_damaged_raises_and_quarantines_all(
     assert engine.steps() == []
 
 
+def test_a_root_whose_every_step_was_quarantined_is_not_an_empty_one(
+    two_steps: tuple[CheckpointEngine, Raw],
+) -> None:
+    """The next job (or the next attempt, after the first one's load quarantined them all) may
+    not take "nothing committed" for a fresh root: a trainer that starts over when nothing is
+    committed would silently retrain from step 0."""
+    engine, raw = two_steps
+    for step in (1, 2):
+        raw.flip_bit(step, SHARD, 7)
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointCorruptError):
+        engine.load(blank())
+    assert engine.steps() == []  # what is committed: nothing
+    with pytest.raises(CheckpointCorruptError, match=r"steps \[1, 2\] .*quarantined"):
+        engine.agreed_steps()
+    with pytest.raises(CheckpointCorruptError, match=r"steps \[1, 2\] .*quarantined"):
+        engine.load(blank())
+
+
 def test_verify_names_the_array_whose_path_has_a_c_component(storage: Storage) -> None:
     url, options = storage
     with CheckpointEngine(url, storage_options=options) as engine:
