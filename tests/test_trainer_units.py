@@ -313,6 +313,42 @@ def test_the_trainer_runs_as_one_process_without_torchrun(tmp_path: Path) -> Non
     assert (tmp_path / "ckpt" / "step_000000002" / "COMMIT").exists()
 
 
+def test_a_run_whose_every_checkpoint_is_damaged_does_not_start_over(tmp_path: Path) -> None:
+    """Every committed step of the run is damaged: the first restart's load quarantined them
+    all and died with a traceback, and torchrun's next attempt found nothing committed and
+    trained from step 0, the run's checkpoints set aside without a word. Every attempt now
+    refuses to resume: one line naming the steps, its own exit code, nothing trained."""
+    import subprocess
+
+    from _trainer import SMALL_MODEL, env
+
+    from antifragile.trainer.supervisor import NO_RESUME_EXIT_CODE
+
+    ckpt = tmp_path / "ckpt"
+    run_env = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")}
+
+    def train(steps: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", str(steps),
+             "--ckpt-every", "2", "--ckpt-url", str(ckpt), "--run-dir", str(tmp_path)],
+            env=run_env, capture_output=True, text=True, timeout=120)
+
+    assert train(4).returncode == 0
+    for step in (2, 4):  # one bit of one chunk object of each step
+        chunk = next(p for p in sorted((ckpt / f"step_{step:09d}" / "model").rglob("c*"))
+                     if p.is_file() and p.stat().st_size > 16)
+        data = bytearray(chunk.read_bytes())
+        data[8] ^= 1
+        chunk.write_bytes(bytes(data))
+    for attempt in range(2):  # the load that quarantines them, then a restart of the job
+        proc = train(8)
+        assert proc.returncode == NO_RESUME_EXIT_CODE, (attempt, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr, (attempt, proc.stderr[-2000:])
+        named = "tried [4, 2]" if attempt == 0 else "steps [2, 4] were quarantined"
+        assert "cannot resume" in proc.stderr and named in proc.stderr, proc.stderr[-2000:]
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000000002", "step_000000004"]
+
+
 _REFUSING_LAST_STEP = """
 import sys
 from antifragile.engine.storage._local import LocalStorage

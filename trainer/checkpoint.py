@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from antifragile.engine import CheckpointError
+from antifragile.engine import CheckpointError, StorageError
 from antifragile.trainer.ckpt_backends import Backend, PendingSave
 from antifragile.trainer.config import FINAL_SAVE_PATIENCE_S
 from antifragile.trainer.events import EventLog
@@ -33,6 +33,11 @@ def _any_rank(device: torch.device, *flags: bool) -> list[bool]:
     t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(x) for x in t.cpu()]
+
+
+class ResumeError(Exception):
+    """The run has checkpoints and none of them loads (every one damaged or quarantined, or
+    none fits this state): starting over would lose them, and a restart meets the same."""
 
 
 class TrainCheckpointer:
@@ -56,15 +61,22 @@ class TrainCheckpointer:
     def restore(self, memory: Any = None) -> tuple[int, int] | None:
         """Load the newest intact checkpoint: (step, data cursor), or None to start fresh.
         ``memory``: the previous generation's copy of this rank's last committed save (an
-        in-process recovery); the engine fills what it can from it instead of storage."""
-        if not self.backend.candidates():
-            return None
-        self.events.emit("restore_begin")
-        t0 = time.perf_counter()
-        state = self._state(0, 0)
-        t1 = time.perf_counter()
-        step, skipped = self.backend.load(state, memory)
-        t2 = time.perf_counter()
+        in-process recovery); the engine fills what it can from it instead of storage.
+        ResumeError where there are checkpoints and none loads; storage failing raises its
+        StorageError (a restart may find it back)."""
+        try:
+            if not self.backend.candidates():
+                return None
+            self.events.emit("restore_begin")
+            t0 = time.perf_counter()
+            state = self._state(0, 0)
+            t1 = time.perf_counter()
+            step, skipped = self.backend.load(state, memory)
+            t2 = time.perf_counter()
+        except StorageError:
+            raise
+        except CheckpointError as exc:
+            raise ResumeError(str(exc)) from exc
         for reason in skipped:
             self.events.emit("restore_skipped", reason=reason)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],

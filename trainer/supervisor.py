@@ -64,6 +64,9 @@ USAGE_EXIT_CODE = 2  # the launch does not fit the configuration: a fresh proces
 # the last step's checkpoint failed for its patience (every rank agreed): a restart trains the
 # steps since the last committed one again and saves them
 FINAL_SAVE_EXIT_CODE = 46
+# the run has checkpoints and none loads (all damaged, or not this state's): starting over
+# would lose them, a restart meets the same; the job ends for an operator to look
+NO_RESUME_EXIT_CODE = 47
 SPARE_RETRIES = 3  # fresh processes of a slot that die in a row before they train: give up
 _PR_SET_PDEATHSIG = 1
 
@@ -252,7 +255,8 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
                     incarnation=incarnation)
         exit_code = HANG_EXIT_CODE if death.hung else (death.code if death.code > 0 else 1)
         if recovery != "in_process" or store_factory is None or \
-                death.code in (RESTART_EXIT_CODE, USAGE_EXIT_CODE, FINAL_SAVE_EXIT_CODE):
+                death.code in (RESTART_EXIT_CODE, USAGE_EXIT_CODE, FINAL_SAVE_EXIT_CODE,
+                               NO_RESUME_EXIT_CODE):
             return exit_code
         member = death.phase != Phase.SPARE and death.generation >= 0
         idle_deaths = 0 if member else idle_deaths + 1

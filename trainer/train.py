@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from antifragile.trainer.abort import FailureWatch, GlooSockets
-from antifragile.trainer.checkpoint import TrainCheckpointer
+from antifragile.trainer.checkpoint import ResumeError, TrainCheckpointer
 from antifragile.trainer.ckpt_backends import open_backend
 from antifragile.trainer.config import TrainConfig
 from antifragile.trainer.data import TokenData
@@ -47,6 +47,7 @@ from antifragile.trainer.recovery import (
 )
 from antifragile.trainer.supervisor import (
     FINAL_SAVE_EXIT_CODE,
+    NO_RESUME_EXIT_CODE,
     RESTART_EXIT_CODE,
     STUCK_EXIT_CODE,
 )
@@ -322,7 +323,15 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
     ctx.sockets.end()  # every process group of this generation exists now
     if ckpt is not None:
         progress.set(Phase.RESTORING, step=step)
-        restored = ckpt.restore(memory[0])
+        try:
+            restored = ckpt.restore(memory[0])
+        except ResumeError as exc:
+            ckpt.close()
+            if ctx.rank == 0:
+                print(f"antifragile.trainer: error: cannot resume: {exc}; exiting with code "
+                      f"{NO_RESUME_EXIT_CODE} rather than training from step 0",
+                      file=sys.stderr, flush=True)
+            return NO_RESUME_EXIT_CODE
         # restored: the previous generation's staging buffers are no longer needed (they
         # held host memory the size of this rank's state beside the new engine's own), and
         # with them goes the last of that generation: a collection now frees what of it is
