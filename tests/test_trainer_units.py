@@ -313,6 +313,22 @@ def test_the_trainer_runs_as_one_process_without_torchrun(tmp_path: Path) -> Non
     assert (tmp_path / "ckpt" / "step_000000002" / "COMMIT").exists()
 
 
+def test_several_ranks_without_torchrun_are_refused_naming_torchrun(tmp_path: Path) -> None:
+    """It said "torchrun started 1 workers", of a run that torchrun did not start."""
+    import subprocess
+
+    from _trainer import SMALL_MODEL, env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--dp", "2", "--steps", "2",
+         "--batch-size", "2", "--run-dir", str(tmp_path)],
+        env={k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")},
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "torchrun started" not in proc.stderr
+    assert "without torchrun" in proc.stderr and "--nproc-per-node 2" in proc.stderr
+
+
 def test_a_run_whose_every_checkpoint_is_damaged_does_not_start_over(tmp_path: Path) -> None:
     """Every committed step of the run is damaged: the first restart's load quarantined them
     all and died with a traceback, and torchrun's next attempt found nothing committed and

@@ -160,6 +160,9 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
     progress = progress or SharedProgress()
     launch = launch_info(collective_timeout_s=cfg.collective_timeout_s)
     world = cfg.parallel.world_size
+    if launch.slots < world and "RANK" not in os.environ:
+        raise LaunchError(f"dp*tp*pp = {world} ranks: without torchrun the trainer is one "
+                          f"process; start it with torchrun --nproc-per-node {world}")
     if launch.slots < world:
         raise LaunchError(f"torchrun started {launch.slots} workers for dp*tp*pp = {world}: "
                           f"start at least {world} (--nproc-per-node x nodes)")
