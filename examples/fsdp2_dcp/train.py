@@ -98,6 +98,8 @@ def main() -> None:
         try:
             probe.dcp_load(state, checkpoint_id=root / f"step_{candidate:09d}", step=candidate)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
             if rank == 0:
                 print(f"step {candidate} does not load ({type(exc).__name__}); trying older")
             continue
