@@ -149,6 +149,7 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     (["--final-save-patience-s", "nan"], "final_save_patience_s must be >= 0, got nan"),
     (["--hang-timeout-s", "nan"], "hang_timeout_s must be > 0, got nan"),
     (["--lease-s", "nan"], "lease_s must be > 0, got nan"),
+    (["--lease-s", "5"], "lease_s: leases are held only under recovery in_process"),
 ])
 def test_bad_configuration_is_rejected_with_a_reason(argv: list[str], message: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:

@@ -85,6 +85,9 @@ class TrainConfig:
             raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
         if self.lease_s is not None and not self.lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if self.lease_s is not None and self.recovery != "in_process":
+            raise ValueError("lease_s: leases are held only under recovery in_process (in "
+                             "restart mode torchrun's agents watch the workers)")
         if self.lease_s is not None and self.hang_timeout_s is not None \
                 and self.lease_s >= STALL_ESCALATION * self.hang_timeout_s:
             raise ValueError(f"lease_s {self.lease_s:g} must be below {STALL_ESCALATION:g} x "
