@@ -416,3 +416,29 @@ def test_late_bytes_survive_short_pwrites(tmp_path: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(os, "pwrite", short_pwrite)
     _write_with_late_bytes(tmp_path, direct)
+
+
+def test_late_bytes_after_an_unaligned_short_direct_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An O_DIRECT write may return a count that is not a page multiple (a file system of
+    1 KiB blocks that ran out of space mid-write): the rest goes buffered, and a late range in
+    the page that short write ended in is rewritten through the page cache, not with an
+    O_DIRECT pwrite of part of a page (EINVAL: the object, and the save, failed)."""
+    if not local_storage._O_DIRECT:
+        pytest.skip("no O_DIRECT on this platform")
+    real_write = os.write
+    short = 4096 * 100 + 7
+    counts: list[int] = []
+
+    def short_direct_write(fd: int, data: Any) -> int:
+        if not local_storage.fcntl.fcntl(fd, local_storage.fcntl.F_GETFL) & \
+                local_storage._O_DIRECT or counts:
+            return real_write(fd, data)
+        local_storage._set_direct(fd, False)  # the kernel wrote `short` bytes of it
+        counts.append(real_write(fd, memoryview(data)[:short]))
+        local_storage._set_direct(fd, True)
+        return counts[-1]
+
+    monkeypatch.setattr(os, "write", short_direct_write)
+    storage = _write_with_late_bytes(tmp_path, direct=True)
+    assert counts == [short] or not storage.direct_io

@@ -191,7 +191,10 @@ class LocalStorage:
                  direct_end: int) -> None:
         """Write ``ranges`` of the first part again, as they are now: the pages around them
         with O_DIRECT below ``direct_end`` (what went with O_DIRECT; a partial page through
-        the page cache would be read from the device first), the rest through the cache."""
+        the page cache would be read from the device first), the rest through the cache.
+        A short O_DIRECT write may have ended mid-page: that page goes through the cache too
+        (an O_DIRECT write of part of a page is refused: EINVAL)."""
+        direct_end -= direct_end % ALIGN_BYTES
         pages: list[tuple[int, int]] = []  # merged, page-aligned, below direct_end
         for start, end in sorted(ranges):
             if start < direct_end:
