@@ -21,7 +21,7 @@ QUARANTINE = "QUARANTINE"  # a damaged step's COMMIT, moved aside with the reaso
 QUARANTINE_LOG = "quarantined"  # every QUARANTINE note also, outside the step folders
 RECORDS_DIR = ".ranks"
 
-_STEP_RE = re.compile(rf"^step_(\d{{{STEP_DIGITS},}})$")
+_STEP_RE = re.compile(rf"^step_([0-9]{{{STEP_DIGITS},}})$")  # \d: any script's digits
 _BAD_COMPONENT = re.compile(r"[/\\\x00-\x1f]")
 _RESERVED = {"", ".", "..", "zarr.json", COMMIT, ABORT, QUARANTINE, RECORDS_DIR}
 
@@ -36,9 +36,14 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step of a folder name, or None when the name is not a step folder."""
+    """The step of a folder name, or None when the name is not a step folder: only the names
+    ``step_dir`` gives are (an alias, ``step_0000000005`` beside ``step_000000005``, would be
+    looked up, loaded and deleted under the other name)."""
     match = _STEP_RE.match(name)
-    return int(match.group(1)) if match else None
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step < MAX_STEP and name == step_dir(step) else None
 
 
 def record_key(step: int, rank: int) -> str:

@@ -12,6 +12,7 @@ import copy
 import datetime
 import json
 import math
+import shutil
 import threading
 import time
 import warnings
@@ -363,6 +364,28 @@ def test_steps_and_latest_step(ckpt: CheckpointEngine) -> None:
         ckpt.save(step, state, blocking=True)
     assert ckpt.steps() == [2, 10, 30]
     assert ckpt.latest_step() == 30
+
+
+def test_folders_named_like_a_step_but_not_as_the_engine_names_one_are_not_steps(
+        tmp_path: Path) -> None:
+    """Only ``step_dir``'s own names are steps: a folder whose digits are not ASCII, have more
+    leading zeros than the engine writes or make a step past 2**62 is someone else's, even with
+    a COMMIT in it. Such folders were listed as committed steps (``latest_step()`` named one)
+    that load and verify then called not committed, and one past 2**62 made every
+    ``load()`` raise instead of loading the intact step."""
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(str(root)) as engine:
+        engine.save(5, {"w": torch.arange(4.0)}, blocking=True)
+    for name in ["step_\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0667",
+                 "step_0000000009", "step_00000000\u00b2", "step_" + "9" * 20]:
+        shutil.copytree(root / "step_000000005", root / name)
+    with CheckpointEngine(str(root)) as engine, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert engine.steps() == [5] and engine.latest_step() == 5
+        target = {"w": torch.zeros(4)}
+        assert engine.load(target) == 5 and torch.equal(target["w"], torch.arange(4.0))
+        engine.save(6, {"w": torch.ones(4)}, blocking=True)
+    assert len(list(root.iterdir())) == 6  # retention left the foreign folders alone
 
 
 def test_a_state_whose_layout_changes_between_saves_is_saved_as_it_is_now(
