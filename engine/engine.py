@@ -423,7 +423,9 @@ class CheckpointEngine:
                 error = type(exc)(f"step {step}, rank {self.rank}: {exc}")
             else:
                 error = exc
-            if not recorded:
+            # abandoned (``abandon``): the next generation may be saving this step now, and
+            # its record of this rank would be overwritten (an ABORT names its save's nonce)
+            if not recorded and not self._cancel.is_set():
                 # best effort: if storage is down, the coordinator times out naming this rank
                 with contextlib.suppress(Exception):
                     write_record(storage, step, self.rank, rank_record(

@@ -291,3 +291,33 @@ def test_the_copy_survives_a_save_in_flight(tmp_path: Path, defer_staging: bool)
         target, sources = _restored_from(first, url, 1)
         assert sources["memory_bytes"] == 0, "a copy whose buffers were staged over was used"
         assert torch.equal(_bits(target["model"]["w"]), _bits(_state(1)["model"]["w"]))
+
+
+def test_an_abandoned_save_released_later_leaves_the_next_generations_record_alone(
+        tmp_path: Path) -> None:
+    """A save held in a phase hook (a chaos pause point) when its engine is abandoned, and
+    released only once the next generation saves the same step: it wrote its error record
+    over the new save's record of the same rank, whose coordinator then took it for another
+    attempt's and waited for a record until the commit deadline (the new save failed)."""
+    url = str(tmp_path / "ckpt")
+    held, release = threading.Event(), threading.Event()
+
+    def hold_written(step: int, phase: str) -> None:
+        if phase == "written":
+            held.set()
+            release.wait(60)
+
+    stale = CheckpointEngine(url, on_phase=hold_written)
+    stale_handle = stale.save(3, _state(3))
+    assert held.wait(30)
+    stale.abandon()
+
+    def release_stale(step: int, phase: str) -> None:
+        if phase == "recorded":  # this save's record is written: the stale save goes on now
+            release.set()
+            with pytest.raises(CheckpointError, match="abandoned"):
+                stale_handle.wait(30)
+
+    with CheckpointEngine(url, on_phase=release_stale, commit_timeout_s=3.0) as engine:
+        engine.save(3, _state(3), blocking=True)
+        assert engine.steps() == [3] and engine.verify(3).ok
