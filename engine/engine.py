@@ -446,8 +446,14 @@ class CheckpointEngine:
             handle._retained.set()
 
     def _phase(self, step: int, phase: str) -> None:
+        """Report ``phase`` to the hook. An abandoned save stops here, and never calls the hook:
+        a pause point at this step and phase is the next generation's save's."""
+        self._stop_if_abandoned(step)
         if self._on_phase is not None:
             self._on_phase(step, phase)
+            self._stop_if_abandoned(step)  # abandoned while the hook held it
+
+    def _stop_if_abandoned(self, step: int) -> None:
         if self._cancel.is_set():
             raise CheckpointError(f"step {step}: the save was abandoned (its process group "
                                   "failed)")

@@ -321,3 +321,34 @@ def test_an_abandoned_save_released_later_leaves_the_next_generations_record_alo
     with CheckpointEngine(url, on_phase=release_stale, commit_timeout_s=3.0) as engine:
         engine.save(3, _state(3), blocking=True)
         assert engine.steps() == [3] and engine.verify(3).ok
+
+
+def test_an_abandoned_save_reaches_no_further_phase_hook(tmp_path: Path) -> None:
+    """A save abandoned while it writes (its process group failed) calls no phase hook after
+    that: the trainer's hook holds a save at a chaos pause point of that step and phase, and
+    the abandoned save held there took (and passed) the point meant for the next generation's
+    save of the step, setting the shared progress to PAUSED and then TRAINING meanwhile."""
+    url = str(tmp_path / "ckpt")
+    phases: list[str] = []
+    engine = CheckpointEngine(url, on_phase=lambda step, phase: phases.append(phase))
+    writing, release = threading.Event(), threading.Event()
+    inner = engine.storage
+
+    class RecordGate:
+        def write(self, key: str, parts: Any, **kwargs: Any) -> None:
+            if "/.ranks/" in key:
+                writing.set()
+                release.wait(60)
+            inner.write(key, parts, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+    engine.storage = RecordGate()  # type: ignore[assignment]
+    handle = engine.save(4, _state(4))
+    assert writing.wait(30)
+    engine.abandon()
+    release.set()
+    with pytest.raises(CheckpointError, match="abandoned"):
+        handle.wait(30)
+    assert phases == ["persisting", "written"]
