@@ -46,6 +46,12 @@ def parse_step_dir(name: str) -> int | None:
     return step if step < MAX_STEP and name == step_dir(step) else None
 
 
+def is_index(text: str) -> bool:
+    """Whether ``text`` is a non-negative int in ASCII digits (a rank, a chunk coordinate):
+    ``str.isdigit()`` also takes '²', which ``int()`` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def record_key(step: int, rank: int) -> str:
     return f"{step_dir(step)}/{RECORDS_DIR}/{rank}.json"
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ._paths import is_index
 from ._ranks import rank_array
 from ._state import TYPES_PATH, FlatState
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
@@ -96,7 +97,7 @@ class Sources:
         if by_rank:
             if str(self.rank) in by_rank:
                 return True, by_rank[str(self.rank)]
-            if not all(isinstance(r, str) and r.isdigit() for r in by_rank):
+            if not all(isinstance(r, str) and is_index(r) for r in by_rank):
                 raise CheckpointCorruptError(f"step {self.step}: malformed per-rank values of "
                                              f"{path!r}")
             lowest = min(by_rank, key=int)

@@ -43,6 +43,7 @@ from ._paths import (
     READABLE_FORMATS,
     RECORDS_DIR,
     check_object_key,
+    is_index,
     parse_step_dir,
     record_key,
     step_dir,
@@ -233,7 +234,7 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
     while len(records) < plan.world_size:
         for name in storage.list_dir(f"{base}/{RECORDS_DIR}"):
             rank_str = name.removesuffix(".json")
-            if not rank_str.isdigit() or int(rank_str) in records:
+            if not is_index(rank_str) or int(rank_str) in records:
                 continue
             rank = int(rank_str)
             where = f"step {step}: rank {rank}'s record"

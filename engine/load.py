@@ -25,7 +25,7 @@ import torch
 from . import _format
 from ._cells import read_cell
 from ._dtypes import dtype_name, torch_dtype, zarr_data_type
-from ._paths import COMMIT, check_array_name, chunk_separator, step_dir
+from ._paths import COMMIT, check_array_name, chunk_separator, is_index, step_dir
 from .commit import parse_marker, read_marker
 from .errors import CheckpointCorruptError
 from .plan import ArraySpec, HeldBox
@@ -57,7 +57,7 @@ def split_cell_key(key: str) -> tuple[str, tuple[int, ...]] | None:
     ``model/c.5``): the last ``/c.`` (or ``/c/``) followed by numbers only is the separator."""
     for sep in (".", "/"):
         head, found, tail = key.rpartition(f"/c{sep}")
-        if found and all(p.isdigit() for p in tail.split(sep)):
+        if found and all(is_index(p) for p in tail.split(sep)):
             return head, tuple(int(p) for p in tail.split(sep))
     return (key.removesuffix("/c"), ()) if key.endswith("/c") else None
 

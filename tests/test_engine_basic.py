@@ -388,6 +388,21 @@ def test_folders_named_like_a_step_but_not_as_the_engine_names_one_are_not_steps
     assert len(list(root.iterdir())) == 6  # retention left the foreign folders alone
 
 
+def test_a_records_folder_entry_whose_name_is_not_a_rank_is_ignored(tmp_path: Path) -> None:
+    """The coordinator lists the records folder: an entry whose name only looks like a rank to
+    ``str.isdigit()`` ('²', which ``int()`` refuses) failed the save with a ValueError."""
+    root = tmp_path / "ckpt"
+
+    def plant(step: int, phase: str) -> None:
+        if phase == "written":
+            (root / "step_000000001" / ".ranks").mkdir(parents=True, exist_ok=True)
+            (root / "step_000000001" / ".ranks" / "\u00b2.json").write_bytes(b"{}")
+
+    with CheckpointEngine(str(root), on_phase=plant) as engine:
+        engine.save(1, {"w": torch.ones(3)}, blocking=True)
+        assert engine.steps() == [1]
+
+
 def test_a_state_whose_layout_changes_between_saves_is_saved_as_it_is_now(
         ckpt: CheckpointEngine) -> None:
     """The engine reuses its plan while the state's layout stays the same; a changed shape,

@@ -27,7 +27,12 @@ import pytest
 import torch
 from _forge import edit_commit, part_crcs, set_entry
 
-from antifragile.engine import CheckpointEngine, CheckpointError, PlanOptions
+from antifragile.engine import (
+    CheckpointCorruptError,
+    CheckpointEngine,
+    CheckpointError,
+    PlanOptions,
+)
 from antifragile.engine.commit import read_marker
 from antifragile.engine.storage import open_storage
 
@@ -324,6 +329,22 @@ def test_hostile_verify_reports_not_ok(hostile_root: Path, case: str) -> None:
         report = engine.verify(1)
     assert not report.ok
     assert report.problems
+
+
+def test_non_ascii_digits_in_names_are_damage_not_a_value_error(hostile_root: Path) -> None:
+    """``str.isdigit()`` takes '²' (a digit to Unicode), which ``int()`` refuses: a manifest
+    key ``.../c.1.²`` made verify raise ValueError (a traceback from ``chaos ckpt verify``),
+    and a per-rank value under rank '²' failed a load with a wrapped ValueError, not as
+    damage."""
+    hostile = make_checkpoint(hostile_root)
+    hostile.edit_commit(lambda c: set_entry(c, "model/w/c.1.²", 4, [0]))
+    with CheckpointEngine(str(hostile_root)) as engine:
+        report = engine.verify(1)
+    assert not report.ok and [p.key for p in report.problems] == ["model/w/c.1.²"]
+    _attrs(_set("values_by_rank", {"step": {"²": 1}}))(hostile)
+    with CheckpointEngine(str(hostile_root)) as engine, \
+            pytest.raises(CheckpointCorruptError, match="per-rank values"):
+        engine.load(target_state(), step=1)
 
 
 def test_quarantine_does_not_follow_a_planted_symlink(hostile_root: Path) -> None:
