@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -97,8 +98,15 @@ class CheckpointEngine:
         on_phase: Callable[[int, str], None] | None = None,
         chaos_events: bool = True,
     ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise CheckpointError(f"keep_last must be >= 1 or None, got {keep_last}")
+        # refused here: a keep_last of 2.5 failed every retention (nothing was ever deleted),
+        # a commit_timeout_s of nan never expired
+        if keep_last is not None and (not isinstance(keep_last, int)
+                                      or isinstance(keep_last, bool) or keep_last < 1):
+            raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        if (not isinstance(commit_timeout_s, (int, float)) or isinstance(commit_timeout_s, bool)
+                or not 0 < commit_timeout_s < math.inf):
+            raise CheckpointError("commit_timeout_s must be a positive finite number of seconds, "
+                                  f"got {commit_timeout_s!r}")
         self.url = url
         self.keep_last = keep_last
         self.commit_timeout_s = commit_timeout_s
