@@ -210,6 +210,44 @@ def test_a_retention_failure_after_the_commit_is_reported(
     assert "PermissionError" in failed[0]["error"]
 
 
+def test_the_reported_stall_is_the_whole_wait_of_the_training_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ckpt_staged``'s ``stall_s`` is what the loop waited for the save, as it is for DCP
+    and torchsnapshot (their handles time the whole call): our engine's save() also waits in
+    its collectives for the slowest rank (0.2 s here), which its staging copy alone leaves out."""
+    import json
+    import time
+
+    from antifragile.trainer.checkpoint import TrainCheckpointer
+    from antifragile.trainer.ckpt_backends.antifragile import AntifragileBackend
+    from antifragile.trainer.events import EventLog
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    backend = AntifragileBackend(str(tmp_path / "ckpt"), keep_last=2, timeout_s=30.0,
+                                 async_=True)
+    events = EventLog(str(tmp_path), rank=0, attempt=0)
+    ckpt = TrainCheckpointer(backend, model, optimizer, events)
+    ckpt.save(1, 0, blocking=True)  # plans and allocates the staging area
+    ranks = backend.engine._ranks
+    all_max = ranks.all_max
+
+    def slow_rank(values: list[int]) -> list[int]:
+        time.sleep(0.2)  # the other ranks are not there yet
+        return all_max(values)
+
+    monkeypatch.setattr(ranks, "all_max", slow_rank)
+    start = time.perf_counter()
+    ckpt.save(2, 8, blocking=False)
+    waited = time.perf_counter() - start
+    ckpt.close()
+    events.close()
+    lines = [json.loads(line) for line in (tmp_path / "events" / "rank0.jsonl").open()]
+    (staged,) = [e for e in lines if e["event"] == "ckpt_staged" and e["step"] == 2]
+    assert 0.2 <= staged["stall_s"] <= waited, (staged["stall_s"], waited)
+
+
 def _final_save_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refuse_for_s: float
                       ) -> tuple[Any, Any, Path]:
     """A checkpointer whose storage refuses every write for ``refuse_for_s`` from now."""

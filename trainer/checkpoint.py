@@ -91,14 +91,17 @@ class TrainCheckpointer:
         """Checkpoint; ``blocking`` (the final step) first waits for the save in flight.
         True once staged; False when the save was refused (busy, or failed before staging).
 
-        A backend that cannot overlap two saves (DCP, torchsnapshot) first waits for the
-        previous one; that wait is loop stall and is counted in ``stall_s``."""
+        ``stall_s`` is what the loop waited: the state dicts and the whole backend call (our
+        engine's includes its collectives, which wait for the slowest rank, beside its staging
+        copy). A backend that cannot overlap two saves (DCP, torchsnapshot) first waits for the
+        previous one; that wait is loop stall too."""
         waited_s = 0.0
         if blocking or not self.backend.overlaps_saves:
             t0 = time.perf_counter()
             self.finish()
             waited_s = 0.0 if self.backend.overlaps_saves else time.perf_counter() - t0
         self.poll()
+        called = time.perf_counter()
         try:
             handle = self.backend.save(step, self._state(step, cursor))
         except CheckpointError as exc:
@@ -107,11 +110,12 @@ class TrainCheckpointer:
         if handle.done() and handle.exception() is not None:  # skipped: previous one busy
             self.events.emit("ckpt_failed", step=step, error=str(handle.exception()))
             return False
+        stall_s = time.perf_counter() - called + waited_s
         # accepted: the previous save was done when the engine looked, maybe only since the
         # poll above (it can commit while the state dicts are taken): report it before its
         # handle is replaced
         self.poll()
-        self.events.emit("ckpt_staged", step=step, stall_s=handle.stall_s + waited_s)
+        self.events.emit("ckpt_staged", step=step, stall_s=stall_s)
         self._pending = handle
         if blocking:  # the loop also waits for the write: that is stall too
             t0 = time.perf_counter()
