@@ -317,6 +317,21 @@ def test_a_fault_note_of_several_lines_stays_one_row_of_the_markdown_table(
                              "F1205 bind: in use |")
 
 
+def test_the_markdown_shows_a_stall_of_milliseconds_as_what_it_is(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """A staging stall is a few milliseconds on a small state; two decimals wrote every one
+    of them as 0.00 s in report.md, while report.json held 0.004."""
+    first = {**doc["checkpoints"][0], "stall_s": 0.0042, "slowdown_s": 0.031}
+    cost = {"stall_s": 0.0042, "slowdown_s": 0.031, "share_of_step_time": 0.002}
+    report.write_markdown(tmp_path, {**doc, "checkpoints": [first, *doc["checkpoints"][1:]],
+                                     "run": {**doc["run"], "checkpoint_cost": cost}})
+    md = (tmp_path / "report.md").read_text()
+    table = md.split("## Checkpoints\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    cells = [c.strip() for c in table[2].split("|")[1:-1]]
+    assert cells[2:5] == ["0.0042", f"{first['persist_s']:.2f}", "0.031"], cells
+    assert "cost the training loop 0.0042 s of stall and 0.031 s of slower steps" in md
+
+
 def test_storage_credentials_of_the_scenario_are_not_written_into_the_report(
         doc: dict[str, Any], tmp_path: Path) -> None:
     """``checkpoint.storage_options`` secret and token were copied as given into report.json
@@ -653,7 +668,7 @@ def test_the_steps_slowed_by_a_persist_are_charged_to_its_checkpoint(tmp_path: P
     doc["run"]["checkpoint_cost"] = cost
     md = report.write_markdown(tmp_path, doc).read_text()
     assert "0.20 s of slower steps while they persisted (7.6% of the steps' time)" in md
-    assert "| 0 | 20 | 0.00 | 0.30 | 0.20 |" in md
+    assert "| 0 | 20 | 0.002 | 0.30 | 0.20 |" in md
 
 
 def test_a_save_whose_processes_died_before_its_commit_event_is_committed_if_restored(
@@ -678,8 +693,8 @@ def test_a_save_whose_processes_died_before_its_commit_event_is_committed_if_res
     assert rows[15]["committed"] is False and "restored_by" not in rows[15]
     doc = build_doc(record)
     md = report.write_markdown(tmp_path, doc).read_text()
-    assert "| 0 | 5 | 0.00 | - | - | - | True (restored by attempt 1) |" in md
-    assert "| 0 | 15 | 0.00 | - | - | - | False |" in md
+    assert "| 0 | 5 | 0.001 | - | - | - | True (restored by attempt 1) |" in md
+    assert "| 0 | 15 | 0.001 | - | - | - | False |" in md
 
 
 def test_the_runs_final_blocking_save_is_marked_final() -> None:

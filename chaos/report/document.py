@@ -165,10 +165,11 @@ def committed_cell(c: dict[str, Any]) -> str:
 
 
 def _fmt(x: Any, unit: str = "") -> str:
+    """Two decimals, or two significant digits below 0.1 (a stall of milliseconds is not 0)."""
     if x is None:
         return "-"
     if isinstance(x, float):
-        return f"{x:.2f}{unit}"
+        return f"{x:.2f}{unit}" if x == 0 or abs(x) >= 0.1 else f"{x:.2g}{unit}"
     return f"{x}{unit}"
 
 
