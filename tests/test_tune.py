@@ -384,6 +384,20 @@ def test_the_final_blocking_save_is_not_part_of_the_checkpoint_cost() -> None:
     assert m.tail_s == pytest.approx(3.1)  # where the final write belongs
 
 
+def test_a_run_whose_only_checkpoint_is_its_final_one_has_no_checkpoint_cost_to_measure(
+        ) -> None:
+    """A scenario checkpointing only at its end (``every_steps`` >= ``steps``) stages no save
+    the loop pays every interval: C cannot be measured. It was measured as 0 s, and the run
+    ended in "checkpoint cost must be a finite number > 0 seconds, got 0.0", an input the
+    user never gave."""
+    events, t = _killed_run_events()
+    events = [e for e in events if e["event"] != "ckpt_staged"]
+    events += [_event(t + 1.0, 1, r, "ckpt_staged", step=8, stall_s=0.1) for r in (0, 1)]
+    events += [_event(t + 2.0, 1, r, "ckpt_blocked", step=8, seconds=1.0) for r in (0, 1)]
+    with pytest.raises(tune.MeasureError, match="only its final checkpoint"):
+        tune.costs_from_record(_killed_run(events, t + 2.0))
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_measured_mode_on_a_tiny_scenario(tmp_path: Path) -> None:

@@ -116,8 +116,12 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     # the run's final blocking save waits for its whole persist: the job's shutdown (in
     # ``tail_s``), not a stall the loop pays every interval
-    stall = mean([c["stall_s"] for c in ckpts if c["stall_s"] is not None
-                  and not c.get("final")] or [0.0])
+    stalls = [c["stall_s"] for c in ckpts if c["stall_s"] is not None and not c.get("final")]
+    if not stalls:
+        raise MeasureError("the run staged only its final checkpoint, so the cost of one "
+                           "taken every interval cannot be measured; give the scenario a "
+                           "checkpoint.every_steps below its trainer.steps")
+    stall = mean(stalls)
     effect = max(mean(after) - mean(other), 0.0) if after else 0.0
     cycle = (max(mean(cycle_after) - mean(cycle_other), 0.0)
              if cycle_after and cycle_other else None)
