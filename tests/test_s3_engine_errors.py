@@ -85,6 +85,32 @@ def test_an_option_the_client_does_not_know_is_refused_by_name(
         CheckpointEngine("s3://bucket/run", storage_options=options)
 
 
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:9000", "localhost:9000/", "ftp://host:9",
+                                      "http://", "http://127.0.0.1:port"])
+@pytest.mark.parametrize("given_in", ["endpoint_url", "AWS_ENDPOINT_URL"])
+def test_an_endpoint_that_is_not_an_http_url_is_refused_naming_it(
+        endpoint: str, given_in: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user mistake: an endpoint without its scheme made obstore's signer panic at the first
+    request (a pyo3 PanicException, a BaseException no retry or caller catches)."""
+    monkeypatch.delenv("AWS_ENDPOINT", raising=False)
+    options: dict[str, Any] = {"key": "k", "secret": "s"}
+    if given_in == "endpoint_url":
+        options["endpoint_url"] = endpoint
+        monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    try:
+        with CheckpointEngine("s3://bucket/run", storage_options=options) as engine:
+            engine.steps()
+    except CheckpointError as exc:
+        assert f"cannot open s3://bucket/run: {given_in}" in str(exc), exc
+        assert repr(endpoint) in str(exc) and "http://host:port" in str(exc), exc
+    except BaseException as exc:  # the panic (not an Exception) is what this test is about
+        pytest.fail(f"{type(exc).__name__}: {exc}")
+    else:
+        pytest.fail("no error")
+
+
 @pytest.mark.s3
 def test_a_missing_bucket_is_a_storage_error(s3_server: dict[str, Any]) -> None:
     url = "s3://no-such-bucket-engine/run"

@@ -39,6 +39,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -74,6 +75,21 @@ def _env_endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
 
 
+def _check_endpoint(endpoint: str, source: str) -> None:
+    """A ValueError naming ``source`` unless ``endpoint`` is an http(s) URL with a host and a
+    numeric port, if any: obstore's signer panics on one without a scheme (a BaseException
+    that no caller catches) and builds no request from another scheme."""
+    url = urllib.parse.urlsplit(endpoint)
+    try:
+        url.port  # noqa: B018 - raises ValueError for a port that is not a number
+        valid = url.scheme in ("http", "https") and bool(url.hostname)
+    except ValueError:
+        valid = False
+    if not valid:
+        raise ValueError(f"{source} {endpoint!r} is not an endpoint URL (give http://host:port "
+                         "or https://host)")
+
+
 def store_config(storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """obstore ``S3Store`` keyword arguments from s3fs-style options (see the module docstring);
     a ValueError names an option it does not know."""
@@ -89,6 +105,9 @@ def store_config(storage_options: dict[str, Any] | None) -> dict[str, Any]:
     endpoint = options.get("endpoint_url") or client.get("endpoint_url")
     if endpoint:
         kwargs["endpoint"] = str(endpoint)
+        _check_endpoint(kwargs["endpoint"], "endpoint_url")
+    elif _env_endpoint():
+        _check_endpoint(str(_env_endpoint()), "AWS_ENDPOINT_URL")
     for ours, theirs in (("key", "access_key_id"), ("secret", "secret_access_key"),
                          ("token", "session_token")):
         if options.get(ours):
