@@ -111,6 +111,27 @@ def test_an_endpoint_that_is_not_an_http_url_is_refused_naming_it(
         pytest.fail("no error")
 
 
+@pytest.mark.parametrize(("given", "missing"), [
+    ({"key": "k"}, "SecretAccessKey"), ({"secret": "s"}, "AccessKeyId"),
+    ({"AWS_ACCESS_KEY_ID": "k"}, "SecretAccessKey"),
+])
+def test_half_a_credential_is_refused_when_the_root_is_opened(
+        given: dict[str, str], missing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user mistake caught by obstore when the client is made: it was its GenericError, out
+    of CheckpointEngine() as a traceback, not the CheckpointError open_storage promises."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    options = {"endpoint_url": "http://127.0.0.1:9"}
+    for name, value in given.items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+        else:
+            options[name] = value
+    with pytest.raises(CheckpointError, match=rf"^cannot open s3://bucket/run: .*Missing "
+                       rf"{missing}"):
+        CheckpointEngine("s3://bucket/run", storage_options=options)
+
+
 @pytest.mark.s3
 def test_a_missing_bucket_is_a_storage_error(s3_server: dict[str, Any]) -> None:
     url = "s3://no-such-bucket-engine/run"

@@ -149,6 +149,7 @@ def _brief(exc: BaseException) -> str:
 
 class S3Storage:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        from obstore.exceptions import BaseError
         from obstore.store import S3Store
 
         _, _, root = url.partition("://")
@@ -158,7 +159,10 @@ class S3Storage:
             raise ValueError(f"{url} names no bucket")
         kwargs = store_config(storage_options)
         self.endpoint = kwargs.get("endpoint") or _env_endpoint() or "the default endpoint"
-        self.store = S3Store(self.bucket, prefix=prefix or None, **kwargs)
+        try:
+            self.store = S3Store(self.bucket, prefix=prefix or None, **kwargs)
+        except BaseError as exc:  # options obstore refuses (half a credential): user input
+            raise ValueError(_brief(exc)) from None
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         """Run one obstore call, its errors in the kinds RetryingStorage sorts: FileNotFoundError
