@@ -168,7 +168,7 @@ class CountingStorage:
     A request is one call of the Storage interface: one object written, read (whole or a byte
     range), sized, looked up, listed or deleted; ``sync`` is not one (a no-op on object stores).
     Retries inside RetryingStorage are not counted again. On S3 a ``delete_tree`` is a listing
-    plus batched deletes.
+    plus batched deletes, and a listing of the multipart uploads under it.
     Thread-safe: the engine's pool shares one counter per operation.
     """
 

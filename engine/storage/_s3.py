@@ -27,7 +27,9 @@ region than the one configured: obstore does not follow it) an error that says t
 region; neither is retried.
 
 Objects of at least ``MULTIPART_MIN_BYTES`` go up as a multipart upload of ``PART_BYTES`` parts,
-sent concurrently (``PART_CONCURRENCY``).
+sent concurrently (``PART_CONCURRENCY``). obstore aborts one whose part failed; one whose abort
+failed too (an outage) or whose process was killed is aborted when ``delete_tree`` deletes its
+folder (a step's, by retention).
 
 obstore runs its requests on a tokio runtime, which does not survive ``fork()``: a process
 forked after its parent made S3 requests would hang on its first request. Such a process gets
@@ -37,8 +39,10 @@ a StorageError saying so instead (use the ``spawn`` or ``forkserver`` start meth
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
+import threading
 import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -47,6 +51,7 @@ from ..errors import StorageError
 from ._base import Late, byte_views, scatter
 
 T = TypeVar("T")
+log = logging.getLogger("antifragile.engine.storage")
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 10.0
@@ -157,8 +162,11 @@ class S3Storage:
         self.bucket, _, prefix = root.strip("/").partition("/")
         if not self.bucket:
             raise ValueError(f"{url} names no bucket")
-        kwargs = store_config(storage_options)
+        self.prefix = prefix.strip("/")
+        kwargs = self._config = store_config(storage_options)
         self.endpoint = kwargs.get("endpoint") or _env_endpoint() or "the default endpoint"
+        self._admin: Any = None
+        self._admin_lock = threading.Lock()
         try:
             self.store = S3Store(self.bucket, prefix=prefix or None, **kwargs)
         except BaseError as exc:  # options obstore refuses (half a credential): user input
@@ -269,7 +277,8 @@ class S3Storage:
         self._call("delete", key, lambda: obstore.delete(self.store, key))
 
     def delete_tree(self, prefix: str) -> bool:
-        """A listing, then S3's batched delete of what it found."""
+        """A listing, then S3's batched delete of what it found; then the multipart uploads
+        in progress under ``prefix`` are aborted (see ``_abort_uploads``)."""
         import obstore
 
         prefix = prefix.strip("/")
@@ -277,7 +286,58 @@ class S3Storage:
             o["path"] for batch in obstore.list(self.store, prefix) for o in batch])
         if paths:
             self._call("delete", prefix, lambda: obstore.delete(self.store, paths))
-        return bool(paths)
+        return self._abort_uploads(prefix) > 0 or bool(paths)
+
+    def _abort_uploads(self, prefix: str) -> int:
+        """Abort the multipart uploads in progress under the folder ``prefix``; how many.
+
+        Listings and reads never show such an upload, but S3 keeps (and bills) its parts
+        until it is completed or aborted. obstore aborts an upload whose part failed, but in
+        an outage that abort fails too, and a process killed mid-upload aborts nothing: such
+        uploads go when their step's folder is deleted. Best effort (a failure is logged):
+        obstore cannot make these requests, so they go through botocore (s3fs's client, in
+        the same ``s3`` extra), which a store's IAM policy may also deny."""
+        folder = "/".join(p for p in (self.prefix, prefix) if p) + "/"
+        try:
+            client = self._admin_client()
+            found = [(u["Key"], u["UploadId"])
+                     for page in client.get_paginator("list_multipart_uploads").paginate(
+                         Bucket=self.bucket, Prefix=folder)
+                     for u in page.get("Uploads", [])]
+            for key, upload_id in found:
+                client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except Exception as exc:  # best effort: it never fails the delete
+            log.warning("delete %s/%s: could not abort the multipart uploads under it: %s: %s",
+                        self.url, prefix, type(exc).__name__, exc)
+            return 0
+        return len(found)
+
+    def _admin_client(self) -> Any:
+        """A botocore client with the store's endpoint, credentials, region, addressing style
+        and timeouts, which, like the store, does not retry; made on first use."""
+        with self._admin_lock:
+            if self._admin is None:
+                import botocore
+                import botocore.config
+                import botocore.session
+
+                c = self._config
+                timeouts = c["client_options"]
+                config = botocore.config.Config(
+                    connect_timeout=timeouts["connect_timeout"].total_seconds(),
+                    read_timeout=timeouts["read_timeout"].total_seconds(),
+                    retries={"total_max_attempts": 1},
+                    s3={"addressing_style": "virtual" if c.get("virtual_hosted_style_request")
+                        else "path"},
+                    signature_version=botocore.UNSIGNED if c.get("skip_signature") else None)
+                self._admin = botocore.session.get_session().create_client(
+                    "s3", endpoint_url=c.get("endpoint") or _env_endpoint(),
+                    region_name=(c.get("region") or os.environ.get("AWS_REGION")
+                                 or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"),
+                    aws_access_key_id=c.get("access_key_id"),
+                    aws_secret_access_key=c.get("secret_access_key"),
+                    aws_session_token=c.get("session_token"), config=config)
+            return self._admin
 
     def sync(self) -> None:
         return None
