@@ -85,6 +85,29 @@ def test_an_option_the_client_does_not_know_is_refused_by_name(
         CheckpointEngine("s3://bucket/run", storage_options=options)
 
 
+@pytest.mark.parametrize(("options", "named"), [
+    ({"config_kwargs": {"s3": "virtual"}}, "config_kwargs['s3'] must be a mapping"),
+    ({"client_kwargs": "http://x"}, "client_kwargs must be a mapping"),
+    ("endpoint_url", "storage_options must be a mapping"),
+    ({"key": 123, "secret": "s"}, "key must be a string"),
+    ({"client_kwargs": {"region_name": 7}}, "client_kwargs['region_name'] must be a string"),
+    ({"config_kwargs": {"connect_timeout": -1}},
+     "config_kwargs['connect_timeout'] must be a positive number of seconds"),
+    ({"config_kwargs": {"read_timeout": "soon"}},
+     "config_kwargs['read_timeout'] must be a positive number of seconds"),
+    ({"config_kwargs": {"timeout": float("nan")}},
+     "config_kwargs['timeout'] must be a positive number of seconds"),
+    ({"anon": "false"}, "anon must be True or False"),
+])
+def test_an_option_of_the_wrong_kind_is_refused_by_name(options: Any, named: str) -> None:
+    """Each was a TypeError or AttributeError traceback from CheckpointEngine(), a message
+    naming no option, or (anon='false') unsigned requests; a value is never echoed (it may
+    be a secret)."""
+    with pytest.raises(CheckpointError, match=rf"^cannot open s3://bucket/run: "
+                       rf"{re.escape(named)}"):
+        CheckpointEngine("s3://bucket/run", storage_options=options)
+
+
 @pytest.mark.parametrize("endpoint", ["127.0.0.1:9000", "localhost:9000/", "ftp://host:9",
                                       "http://", "http://127.0.0.1:port"])
 @pytest.mark.parametrize("given_in", ["endpoint_url", "AWS_ENDPOINT_URL"])

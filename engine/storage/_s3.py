@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import re
 import threading
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..errors import StorageError
@@ -98,13 +99,13 @@ def _check_endpoint(endpoint: str, source: str) -> None:
 def store_config(storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """obstore ``S3Store`` keyword arguments from s3fs-style options (see the module docstring);
     a ValueError names an option it does not know."""
-    options = dict(storage_options or {})
+    options = _mapping(storage_options, "storage_options")
     _refuse("storage option", set(options) - _OPTIONS - _IGNORED, _OPTIONS)
-    client = dict(options.get("client_kwargs") or {})
+    client = _mapping(options.get("client_kwargs"), "client_kwargs")
     _refuse("client_kwargs key", set(client) - _CLIENT_KWARGS, _CLIENT_KWARGS)
-    config = dict(options.get("config_kwargs") or {})
+    config = _mapping(options.get("config_kwargs"), "config_kwargs")
     _refuse("config_kwargs key", set(config) - _CONFIG_KWARGS, _CONFIG_KWARGS)
-    style = (config.get("s3") or {}).get("addressing_style")
+    style = _mapping(config.get("s3"), "config_kwargs['s3']").get("addressing_style")
 
     kwargs: dict[str, Any] = {}
     endpoint = options.get("endpoint_url") or client.get("endpoint_url")
@@ -116,19 +117,21 @@ def store_config(storage_options: dict[str, Any] | None) -> dict[str, Any]:
     for ours, theirs in (("key", "access_key_id"), ("secret", "secret_access_key"),
                          ("token", "session_token")):
         if options.get(ours):
-            kwargs[theirs] = options[ours]
+            kwargs[theirs] = _text(options[ours], ours)
+    if options.get("anon") not in (None, True, False):
+        raise ValueError(f"anon must be True or False, not a {type(options['anon']).__name__}")
     if options.get("anon"):
         kwargs["skip_signature"] = True
     if client.get("region_name"):
-        kwargs["region"] = client["region_name"]
+        kwargs["region"] = _text(client["region_name"], "client_kwargs['region_name']")
     if style == "virtual":
         kwargs["virtual_hosted_style_request"] = True
     endpoint = endpoint or _env_endpoint()
     kwargs["client_options"] = {
         "allow_http": str(endpoint or "").startswith("http://"),
-        "connect_timeout": _seconds(config.get("connect_timeout"), CONNECT_TIMEOUT_S),
-        "read_timeout": _seconds(config.get("read_timeout"), READ_TIMEOUT_S),
-        "timeout": _seconds(config.get("timeout"), REQUEST_TIMEOUT_S),
+        **{name: _seconds(config.get(name), default, name) for name, default in (
+            ("connect_timeout", CONNECT_TIMEOUT_S), ("read_timeout", READ_TIMEOUT_S),
+            ("timeout", REQUEST_TIMEOUT_S))},
     }
     zero = datetime.timedelta(0)
     kwargs["retry_config"] = {"max_retries": 0, "retry_timeout": zero,
@@ -136,8 +139,28 @@ def store_config(storage_options: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
-def _seconds(value: Any, default: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(default if value is None else value))
+def _mapping(value: Any, name: str) -> dict[str, Any]:
+    if value is not None and not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a mapping, not a {type(value).__name__}")
+    return dict(value or {})
+
+
+def _text(value: Any, name: str) -> str:
+    """``value``, a string; a ValueError naming ``name`` (never the value: a secret) if not."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, not a {type(value).__name__}")
+    return value
+
+
+def _seconds(value: Any, default: float, name: str) -> datetime.timedelta:
+    try:
+        seconds = float(default if value is None else value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"config_kwargs[{name!r}] must be a positive number of seconds, "
+                         f"not {value!r}")
+    return datetime.timedelta(seconds=seconds)
 
 
 def _brief(exc: BaseException) -> str:
