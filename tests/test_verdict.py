@@ -756,6 +756,40 @@ def test_a_hang_of_a_rank_another_hang_holds_is_missed() -> None:
         rank.wait()
 
 
+@pytest.mark.parametrize(("held_by", "mode"),
+                         [("thread", "thread"), ("thread", "process"), ("process", "thread")])
+def test_a_hang_of_a_rank_a_hang_of_the_other_mode_holds_is_missed(held_by: str,
+                                                                    mode: str) -> None:
+    """A rank whose training thread a thread hang holds (ptrace: state ``t``) or that a
+    process hang holds (``T``), due for another hang: the fault did not happen. A second
+    thread hang was refused by ptrace (EPERM: traced already) and reported *skipped* (the
+    scenario's verdict: not tested here); a process hang waited 5 s for a stop the held
+    thread never shows and was reported made; a thread hang of a SIGSTOPped rank was reported
+    made although the rank was stopped already."""
+    import subprocess
+    import sys
+
+    from antifragile.chaos.faults import base
+    from antifragile.chaos.faults.hang_rank import HangRank
+
+    rank = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"])
+    try:
+        target = base.Target(pids={0: rank.pid}, coordinates={}, ckpt_url="unused",
+                             rng=random.Random(0))
+        first = HangRank(kind="hang_rank", rank=0, at_step=3, duration_s=30,
+                         mode=held_by).inject(target, 3)
+        began = time.monotonic()
+        second = HangRank(kind="hang_rank", rank=0, at_step=4, duration_s=30,
+                          mode=mode).inject(target, 4)
+        assert first.missed is None and first.skipped is None
+        assert second.skipped is None, second
+        assert second.missed is not None and "stopped already" in second.missed, second
+        assert time.monotonic() - began < 2.0
+    finally:
+        rank.kill()
+        rank.wait()
+
+
 def test_a_signal_to_a_worker_that_leads_its_session_reaches_what_it_started() -> None:
     """A script launched through a wrapper (``command: [./train.sh]``) without the probe: the
     worker torchrun started is the shell, and a SIGKILL of the shell alone left the training

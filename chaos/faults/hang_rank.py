@@ -35,6 +35,10 @@ _PTRACE_DETACH = 17
 _PTRACE_SEIZE = 0x4206
 _PTRACE_INTERRUPT = 0x4207
 _WALL = 0x40000000
+#: the states of a rank another hang holds: ``T`` SIGSTOPped (its SIGCONT would end a second
+#: hang early), ``t`` its training thread held by ptrace (which a second tracer cannot seize,
+#: and which never shows the ``T`` a SIGSTOP waits for)
+_HELD = ("T", "t")
 
 
 class HangRank(FaultBase):
@@ -47,6 +51,10 @@ class HangRank(FaultBase):
         rank = target.resolve(self.rank)
         pid = target.pids[rank]
         detail = {"pid": pid, "duration_s": self.duration_s, "mode": self.mode}
+        if process_state(pid) in _HELD:  # by another fault: it would end this one, or refuse it
+            return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail,
+                             missed=f"rank {rank} (pid {pid}) was stopped already (another "
+                                    "fault's hang) when this fault was due")
         if self.mode == "thread":
             hold = _ThreadHold(pid, self.duration_s)
             error = hold.start()
@@ -59,10 +67,6 @@ class HangRank(FaultBase):
             target.hit.add(rank)
             return Injection(self.kind, time.time(), step=step, rank=rank,
                              detail={**detail, "tid": pid})
-        if process_state(pid) == "T":  # held by another fault: its SIGCONT would end this one
-            return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail,
-                             missed=f"rank {rank} (pid {pid}) was stopped already (another "
-                                    "fault's hang) when this fault was due")
         missed = target.signal(rank, signal.SIGSTOP)
         if missed:
             return Injection(self.kind, time.time(), step=step, rank=rank, missed=missed,
