@@ -756,6 +756,24 @@ def test_a_hang_of_a_rank_another_hang_holds_is_missed() -> None:
         rank.wait()
 
 
+def test_a_corruption_of_a_checkpoint_without_array_shards_is_missed(tmp_path: Path) -> None:
+    """A committed checkpoint that holds no shard of an array with dimensions (a script's
+    state of 0-d tensors and JSON values): corrupt_shard drew from an empty list and its
+    IndexError ended the whole chaos run in a traceback, with no report."""
+    from antifragile.chaos.faults import Target
+    from antifragile.chaos.faults.corrupt_shard import CorruptShard
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url) as engine:
+        engine.save(5, {"step": 5, "lr": torch.tensor(0.5)}, blocking=True)
+    target = Target(pids={}, coordinates={}, ckpt_url=url, rng=random.Random(0))
+    made = CorruptShard(kind="corrupt_shard", at_step=6).inject(target, 6)
+    assert made.skipped is None
+    assert made.missed == "checkpoint 5 has no array shard to corrupt", made
+    with CheckpointEngine(url) as engine:
+        assert engine.verify(5).ok
+
+
 @pytest.mark.parametrize(("held_by", "mode"),
                          [("thread", "thread"), ("thread", "process"), ("process", "thread")])
 def test_a_hang_of_a_rank_a_hang_of_the_other_mode_holds_is_missed(held_by: str,

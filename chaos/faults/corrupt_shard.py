@@ -76,6 +76,9 @@ class CorruptShard(FaultBase):
         manifest = read_commit(storage, chosen)["objects"]
         shards = sorted(k for k, (n, _) in manifest.items()  # of arrays, not of scalars
                         if n > 0 and (split_cell_key(k) or ("", ()))[1])
+        if not shards:  # a state of 0-d tensors and JSON values
+            return Injection(self.kind, time.time(), step=step,
+                             missed=f"checkpoint {chosen} has no array shard to corrupt")
         key = target.rng.choice(shards)
         path = f"{step_dir(chosen)}/{key}"
         if self.mode == "delete":
