@@ -209,6 +209,21 @@ def test_a_weed_that_fails_at_once_is_a_clear_error(tmp_path: Path, state: Path)
     assert not list(state.glob("*.json")), "a failed start leaves nothing behind"
 
 
+def test_a_state_folder_that_cannot_be_made_is_a_clear_error_and_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$ANTIFRAGILE_SEAWEEDFS_STATE`` under a file (a user's typo): start() raised
+    NotADirectoryError, which chaos run does not catch (a traceback), and left the cluster's
+    folder behind for good (no state file names it, so no reaping finds it)."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(weed.STATE_ENV, str(tmp_path / "file" / "state"))
+    parent = tmp_path / "clusters"
+    parent.mkdir()
+    with pytest.raises(SeaweedError, match=r"state file \(in .*/file/state, set by "
+                                           r"\$ANTIFRAGILE_SEAWEEDFS_STATE\): .*Not a directory"):
+        SeaweedCluster(weed="/bin/false", parent=parent).start()
+    assert not list(parent.iterdir()), "a failed start leaves no folder behind"
+
+
 def test_a_weed_that_never_answers_times_out(tmp_path: Path, state: Path) -> None:
     fake = tmp_path / "weed"
     fake.write_text("#!/bin/sh\nexec sleep 60\n")

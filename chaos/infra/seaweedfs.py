@@ -48,6 +48,7 @@ from typing import Any
 from antifragile.chaos.infra.logs import tail
 from antifragile.chaos.infra.weed import (
     MARKER,
+    STATE_ENV,
     STOP_TIMEOUT_S,
     SeaweedError,
     Spawner,
@@ -151,8 +152,8 @@ class SeaweedCluster:
         weed = self.weed = self.weed or find_weed()
         reap_orphans()
         for attempt in range(3):
-            self._prepare()
             try:
+                self._prepare()
                 self._launch(weed)
                 self._wait_healthy()
                 self.start_s = time.monotonic() - began
@@ -161,6 +162,11 @@ class SeaweedCluster:
                 self.close()
                 if attempt == 2:
                     raise SeaweedError(str(exc)) from None
+            except OSError as exc:  # its folder, or the state folder ($STATE_ENV), cannot be made
+                self.close()
+                raise SeaweedError(f"cannot make the cluster's folder (in "
+                                   f"{self.parent or tempfile.gettempdir()}) or its state file "
+                                   f"(in {state_dir()}, set by ${STATE_ENV}): {exc}") from None
             except BaseException:
                 self.close()
                 raise
