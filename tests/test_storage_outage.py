@@ -9,9 +9,11 @@ one per outage mode, the faulty run checked bit-identical to the fault-free refe
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
+import socket
 import threading
 import time
 import urllib.request
@@ -163,6 +165,29 @@ def test_latency_delays_each_request_of_a_keep_alive_connection(
     start = time.monotonic()
     assert _get(conn) == 200 and time.monotonic() - start < 0.3
     assert keep_alive_proxy.stats.delayed == 3
+
+
+def test_a_counted_blackhole_holds_its_last_connection_too_until_healed(
+        keep_alive_proxy: FaultProxy) -> None:
+    """``fault("blackhole", count=1)``: the one connection it faults is held, not reset, and
+    ``heal(token)`` severs it. The connection that used up the count found the fault gone,
+    took that for a heal and reset it at once; and ``heal`` of a fault whose count was used
+    up returned without severing what it held."""
+    url = urlparse(keep_alive_proxy.endpoint_url)
+    token = keep_alive_proxy.fault("blackhole", count=1)
+    held = socket.create_connection((url.hostname, url.port), timeout=1.0)
+    held.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    with pytest.raises(TimeoutError):  # held: no answer, no reset
+        held.recv(100)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
+    assert _get(conn) == 200  # the count is used up: the next connection passes
+    keep_alive_proxy.heal(token)
+    held.settimeout(5.0)
+    with contextlib.suppress(ConnectionResetError):  # severed at the heal (FIN, then RST)
+        assert held.recv(100) == b""
+    held.close()
+    conn.close()
+    assert keep_alive_proxy.stats.faulted == 1
 
 
 @pytest.mark.s3

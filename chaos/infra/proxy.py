@@ -81,7 +81,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._fault: _Fault | None = None
         self._open: set[socket.socket] = set()  # passed-through sockets, both sides
-        self._held: set[socket.socket] = set()  # blackholed client sockets
+        self._held: dict[socket.socket, _Fault] = {}  # blackholed client sockets, by fault
         self._listener = listener if listener is not None else socket.create_server((host, 0))
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="fault-proxy", daemon=True)
@@ -123,14 +123,18 @@ class FaultProxy:
 
     def heal(self, token: object | None = None) -> None:
         """End the fault (only if it is still ``token``'s): pass everything again; blackholed
-        connections are severed."""
+        connections are severed (only ``token``'s, if a later fault is on)."""
         with self._lock:
-            if token is not None and token is not self._fault:
-                return
-            if self._fault is not None:
-                self._fault.over.set()
-            self._fault = None
-            held, self._held = self._held, set()
+            current = token is None or token is self._fault
+            if current:
+                if self._fault is not None:
+                    self._fault.over.set()
+                self._fault = None
+            elif isinstance(token, _Fault):  # a later fault is on, or its count was used up
+                token.over.set()
+            held = [sock for sock, fault in self._held.items() if current or fault is token]
+            for sock in held:
+                del self._held[sock]
         for sock in held:
             _hard_close(sock)
 
@@ -187,14 +191,14 @@ class FaultProxy:
         elif fault.kind == "http503":
             _answer_503(client)
         else:
-            self._blackhole(client)
+            self._blackhole(client, fault)
 
-    def _blackhole(self, client: socket.socket) -> None:
+    def _blackhole(self, client: socket.socket, fault: _Fault) -> None:
         with self._lock:
-            if self._fault is None or self._closed.is_set():  # healed since accept()
+            if fault.over.is_set() or self._closed.is_set():  # healed since accept()
                 held = False
             else:
-                self._held.add(client)
+                self._held[client] = fault
                 held = True
         if not held:
             _hard_close(client)
@@ -205,7 +209,7 @@ class FaultProxy:
         except OSError:
             pass
         with self._lock:
-            self._held.discard(client)
+            self._held.pop(client, None)
         client.close()
 
     def _serve(self, client: socket.socket, _: _Fault | None) -> None:
