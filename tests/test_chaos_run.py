@@ -248,3 +248,21 @@ def test_an_ended_chaos_leaves_no_process_behind(tmp_path: Path, sig: signal.Sig
         for pid in _started_by(marker, chaos.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_launched_job_leaves_no_temporary_folder(tmp_path: Path) -> None:
+    """torchrun keeps its per-worker folders (error files, log redirects) under a
+    ``torchelastic_*`` folder it makes in the temporary folder and never deletes: every run
+    chaos launched left one there (thousands on a CI machine), and a rank's error file was
+    not where the run's logs are."""
+    from antifragile.chaos.infra.launch import launch
+
+    s = parse_scenario({"name": "tiny", "trainer": {"command": ["python", "-c", "pass"],
+                                                    "probe": False},
+                        "expect": {"bitwise_equal_to_reference": False}})
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    job = launch(s, tmp_path / "run", str(tmp_path / "ckpt"), max_restarts=0,
+                 env={"TMPDIR": str(temp)})
+    assert job.wait(120) == 0, (tmp_path / "run" / "torchrun.log").read_text()
+    assert [p.name for p in temp.iterdir() if p.name.startswith("torchelastic_")] == []

@@ -74,7 +74,7 @@ def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
            f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
            # Grace before SIGKILL when the agent itself shuts down (restarts in torch 2.13
            # always give 30 s; the workers are supervisors that act on SIGTERM at once).
-           "--shutdown-timeout=3"]
+           "--shutdown-timeout=3", _log_dir(run_dir)]
     if isinstance(s.trainer, CommandSpec):  # the user's script, as its ranks
         cmd += ["--no-python", *command_args(s.trainer)]
         env = {**(env or {}), **command_env(s.trainer, run_dir, ckpt_url)}
@@ -85,6 +85,12 @@ def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
     log = open(run_dir / "torchrun.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=_ends_with_chaos())
+
+
+def _log_dir(run_dir: Path) -> str:
+    """torchrun's folder for its workers' error files, in the run's folder: by default it
+    makes a ``torchelastic_*`` folder in the temporary folder and never deletes it."""
+    return f"--log-dir={run_dir / 'torchelastic'}"
 
 
 def _ends_with_chaos() -> Callable[[], None] | None:
@@ -120,7 +126,7 @@ def launch_hosts(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int
             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={s.name}",
             f"--rdzv-conf={conf}", f"--local-addr={host.address}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
-            "--shutdown-timeout=3",
+            "--shutdown-timeout=3", _log_dir(run_dir),
             "-m", "antifragile.trainer", *trainer_args(s, run_dir, ckpt_url)])
         host_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                     "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": IFNAME,
