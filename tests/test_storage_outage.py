@@ -150,6 +150,32 @@ def test_a_fault_severs_pooled_keep_alive_connections(keep_alive_proxy: FaultPro
     assert keep_alive_proxy.stats.passed == 1
 
 
+def test_a_connection_accepted_as_a_fault_starts_does_not_slip_past_it(
+        keep_alive_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection accepted just before ``fault()`` whose thread was still connecting to the
+    upstream: it joined the open connections after the fault had severed them, so it (a
+    pooled keep-alive connection) carried requests through the whole outage."""
+    connect, upstream = socket.create_connection, keep_alive_proxy.upstream
+    connecting, go_on = threading.Event(), threading.Event()
+
+    def slow_upstream(address: Any, *args: Any, **kwargs: Any) -> socket.socket:
+        if tuple(address) == tuple(upstream):
+            connecting.set()
+            go_on.wait(5)
+        return connect(address, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", slow_upstream)
+    url = urlparse(keep_alive_proxy.endpoint_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
+    conn.connect()
+    assert connecting.wait(5)
+    keep_alive_proxy.fault("http503")
+    go_on.set()
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+        _get(conn)
+    conn.close()
+
+
 def test_latency_delays_each_request_of_a_keep_alive_connection(
         keep_alive_proxy: FaultProxy) -> None:
     url = urlparse(keep_alive_proxy.endpoint_url)

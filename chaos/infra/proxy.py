@@ -80,6 +80,7 @@ class FaultProxy:
         self.stats = ProxyStats()
         self._lock = threading.Lock()
         self._fault: _Fault | None = None
+        self._started = 0  # faults started so far: a connection accepted before one is severed
         self._open: set[socket.socket] = set()  # passed-through sockets, both sides
         self._held: dict[socket.socket, _Fault] = {}  # blackholed client sockets, by fault
         self._listener = listener if listener is not None else socket.create_server((host, 0))
@@ -116,6 +117,7 @@ class FaultProxy:
             if self._fault is not None:
                 self._fault.over.set()
             self._fault = token = _Fault(kind, count, latency_s, threading.Event())
+            self._started += 1
             victims, self._open = self._open, set()
         for sock in victims:
             _hard_close(sock)
@@ -157,18 +159,19 @@ class FaultProxy:
                  tb: TracebackType | None) -> None:
         self.close()
 
-    def _take(self) -> _Fault | None:
-        """The fault to apply to a new connection (None: pass it), counting it down."""
+    def _take(self) -> tuple[_Fault | None, int]:
+        """The fault to apply to a new connection (None: pass it), counting it down, and how
+        many faults had started."""
         with self._lock:
             fault = self._fault
             if fault is None or fault.kind == "latency":
-                return None
+                return None, self._started
             if fault.left is not None:
                 fault.left -= 1
                 if fault.left <= 0:
                     self._fault = None
             self.stats.faulted += 1
-            return fault
+            return fault, self._started
 
     def _latency(self) -> _Fault | None:
         with self._lock:
@@ -181,9 +184,11 @@ class FaultProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            fault = self._take()
-            threading.Thread(target=self._serve if fault is None else self._inject,
-                             args=(client, fault), daemon=True).start()
+            fault, started = self._take()
+            if fault is None:
+                threading.Thread(target=self._serve, args=(client, started), daemon=True).start()
+            else:
+                threading.Thread(target=self._inject, args=(client, fault), daemon=True).start()
 
     def _inject(self, client: socket.socket, fault: _Fault) -> None:
         if fault.kind == "reset":
@@ -212,7 +217,9 @@ class FaultProxy:
             self._held.pop(client, None)
         client.close()
 
-    def _serve(self, client: socket.socket, _: _Fault | None) -> None:
+    def _serve(self, client: socket.socket, started: int) -> None:
+        """Forward ``client``, accepted when ``started`` faults had started: a fault started
+        since (while this connected to the upstream) severs it, as it severed those open."""
         try:
             upstream = socket.create_connection(self.upstream, timeout=10)
         except OSError:
@@ -220,8 +227,14 @@ class FaultProxy:
             return
         upstream.settimeout(None)
         with self._lock:
-            self.stats.passed += 1
-            self._open.update((client, upstream))
+            severed = self._started != started
+            if not severed:
+                self.stats.passed += 1
+                self._open.update((client, upstream))
+        if severed:
+            _hard_close(client)
+            upstream.close()
+            return
         answered = threading.Event()  # the upstream spoke since the client's last request
         answered.set()
         back = threading.Thread(target=_pump, args=(upstream, client, lambda _: answered.set()),
