@@ -166,6 +166,41 @@ def test_the_reference_cache_key_is_what_decides_the_final_state() -> None:
         _paths.FORMAT_VERSION = real
 
 
+def test_two_runs_that_need_one_reference_make_it_once(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two chaos runs of one scenario at once (two terminals, a suite beside a run, two test
+    workers) both found no reference, and both deleted and wrote the one cache folder: one
+    run's fault-free checkpoints under the other's, each deleting what the other wrote."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from antifragile.chaos.run import pipeline
+
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path))
+    made: list[Path] = []
+
+    def fake_run(s: Any, folder: Path, url: str, *, faults: bool) -> SimpleNamespace:
+        made.append(folder)
+        Path(url).mkdir(parents=True)
+        time.sleep(0.5)  # the fault-free run takes a while; the other run arrives meanwhile
+        return SimpleNamespace(returncode=0, wall_s=0.5)
+
+    monkeypatch.setattr(pipeline, "run_scenario", fake_run)
+    monkeypatch.setattr(pipeline.checker, "final_committed", lambda *a: True)
+    monkeypatch.setattr(pipeline.figures, "goodput", lambda record: 1.0)
+    scenario = parse_scenario(BASE)
+    urls: list[str] = []
+    runs = [threading.Thread(target=lambda: urls.append(
+        pipeline._ensure_reference(scenario, lambda _: None))) for _ in range(2)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    assert len(made) == 1, made
+    assert len(urls) == 2 and urls[0] == urls[1] and Path(urls[0]).is_dir()
+
+
 @pytest.mark.parametrize(("text", "line", "key"), [
     ("name: x\nfaults:\n  - {kind: kill_rank, rank: 1, at_step: 12}\nfaults: []\n", 4, "faults"),
     ("name: x\nfaults:\n  - {kind: kill_rank, rank: 1, at_step: 12, at_step: 25}\n", 3,

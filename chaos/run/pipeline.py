@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,12 +72,35 @@ def reference_cache() -> Path:
     return Path(root) / "reference"
 
 
+@contextlib.contextmanager
+def _locked(folder: Path, progress: Callable[[str], None]) -> Iterator[None]:
+    """Hold the cache entry ``folder`` alone (an exclusive flock on ``<folder>.lock``, which
+    ends with its process): another chaos run that needs it waits for it to be made."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"reference: waiting for another chaos run making it ({folder})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _ensure_reference(s: Scenario, progress: Callable[[str], None]) -> str:
-    """The fault-free run's checkpoint folder, from the cache or run now; ChaosRunError when
-    that run fails or leaves no checkpoint (nothing to compare with: no verdict)."""
+    """The fault-free run's checkpoint folder, from the cache or run now (by one chaos run at
+    a time: see ``_locked``); ChaosRunError when that run fails or leaves no checkpoint
+    (nothing to compare with: no verdict)."""
     folder = reference_cache() / _reference_key(s)
+    if (folder / "DONE").exists():
+        progress(f"reference: cached ({folder})")
+        return str(folder / "ckpt")
+    with _locked(folder, progress):
+        return _make_reference(s, folder, progress)
+
+
+def _make_reference(s: Scenario, folder: Path, progress: Callable[[str], None]) -> str:
     done = folder / "DONE"
-    if done.exists():
+    if done.exists():  # made by the chaos run this one waited for
         progress(f"reference: cached ({folder})")
         return str(folder / "ckpt")
     shutil.rmtree(folder, ignore_errors=True)
@@ -90,7 +115,7 @@ def _ensure_reference(s: Scenario, progress: Callable[[str], None]) -> str:
                            f"{s.checkpoint.engine} checkpoint at {folder / 'ckpt'} (the script "
                            f"must checkpoint to $ANTIFRAGILE_CKPT_URL); see "
                            f"{folder / 'torchrun.log'}")
-    # the built-in trainer exits 0 when its final save failed
+    # exit 0 with the final step's checkpoint missing: say so rather than compare with less
     if not isinstance(s.trainer, CommandSpec) and not checker.final_committed(
             s.checkpoint.engine, str(folder / "ckpt"), s.trainer.steps):
         raise ChaosRunError(f"the fault-free reference run left no committed "
