@@ -250,6 +250,44 @@ def test_an_ended_chaos_leaves_no_process_behind(tmp_path: Path, sig: signal.Sig
                 os.kill(pid, signal.SIGKILL)
 
 
+_CLEANUP_SCRIPT = """
+import sys, time
+import antifragile.chaos.cli as cli
+
+def main():  # a command whose cleanup takes a while (stopping a job, unmounting a tmpfs)
+    try:
+        print("running", flush=True)
+        time.sleep(60)
+    finally:
+        print("cleaning", flush=True)
+        time.sleep(1.5)
+        print("cleaned", flush=True)
+
+cli.main = main
+cli.entry()
+"""
+
+
+def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(tmp_path: Path) -> None:
+    """Ctrl-C pressed twice (the first seems to do nothing for a second) raised a second
+    KeyboardInterrupt inside the first one's cleanup, which stopped there: a tmpfs left
+    mounted, an emulated host left up, until a later run reaped them. SIGTERM was already
+    taken once only."""
+    chaos = subprocess.Popen([sys.executable, "-c", _CLEANUP_SCRIPT], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert chaos.stdout is not None
+        assert chaos.stdout.readline().strip() == "running"
+        chaos.send_signal(signal.SIGINT)
+        assert chaos.stdout.readline().strip() == "cleaning"
+        chaos.send_signal(signal.SIGINT)
+        out, err = chaos.communicate(timeout=30)
+    finally:
+        chaos.kill()
+    assert "cleaned" in out, err
+    assert "still stopping what it started" in err, err
+
+
 def test_a_launched_job_leaves_no_temporary_folder(tmp_path: Path) -> None:
     """torchrun keeps its per-worker folders (error files, log redirects) under a
     ``torchelastic_*`` folder it makes in the temporary folder and never deletes: every run

@@ -14,7 +14,7 @@ from antifragile.chaos.cli.crashcheck import crashcheck_cmd
 from antifragile.chaos.cli.run import list_scenarios, run_cmd, validate
 from antifragile.chaos.cli.suite import suite
 from antifragile.chaos.cli.tune import tune
-from antifragile.chaos.infra.lifetime import exit_on_sigterm
+from antifragile.chaos.infra.lifetime import stop_once
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,7 +30,7 @@ def entry() -> None:
     """The ``chaos`` program: SIGTERM stops what it started (``infra.lifetime``), as Ctrl-C
     does. Tests call ``main`` through click's runner, which must not take over the test
     process's SIGTERM."""
-    exit_on_sigterm()
+    stop_once()
     main()
 
 

@@ -8,8 +8,9 @@ an in-process-recovery job with nobody to end it re-forms forever. Two lines of 
 
 - :func:`die_with_parent`: the child is sent a signal by the kernel when the thread that
   started it ends (``PR_SET_PDEATHSIG``), even after a SIGKILL of chaos;
-- :func:`exit_on_sigterm`: SIGTERM ends chaos the way Ctrl-C does, through its ``finally``
-  blocks (a job is stopped, emulated hosts are taken down, a cluster's folder is deleted).
+- :func:`stop_once`: SIGTERM ends chaos the way Ctrl-C does, through its ``finally``
+  blocks (a job is stopped, emulated hosts are taken down, a cluster's folder is deleted),
+  and a second Ctrl-C or SIGTERM does not cut those short.
 """
 
 from __future__ import annotations
@@ -41,15 +42,25 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> Callable[[], None
     return preexec
 
 
-def exit_on_sigterm() -> None:
-    """Make SIGTERM raise ``SystemExit(143)`` in the main thread, once: cleanup then runs
-    undisturbed by a second SIGTERM (SIGKILL still ends it, and :func:`die_with_parent`
-    takes the children with it)."""
+def stop_once() -> None:
+    """Make SIGTERM raise ``SystemExit(143)`` and Ctrl-C ``KeyboardInterrupt`` in the main
+    thread, once: cleanup then runs undisturbed by a second signal of either kind (a second
+    Ctrl-C raised inside the ``finally`` blocks and ended them partway), which only says that
+    it goes on. SIGKILL still ends it, and :func:`die_with_parent` takes the children with
+    it."""
 
-    def handler(signum: int, _: FrameType | None) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    def again(signum: int, _: FrameType | None) -> None:
+        print("chaos: still stopping what it started (SIGKILL ends chaos at once, leaving it "
+              "to the next run to clear)", file=sys.stderr, flush=True)
+
+    def stop(signum: int, _: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, again)
+        signal.signal(signal.SIGINT, again)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         print("chaos: terminated (SIGTERM); stopping what it started", file=sys.stderr,
               flush=True)
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
