@@ -40,9 +40,10 @@ def timed_steps(args: argparse.Namespace) -> range:
 def _run(args: argparse.Namespace, run_dir: Path, every: int | None) -> dict[str, float]:
     world = args.dp * args.tp * args.pp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world}", "-m", "antifragile.trainer", "--dp", str(args.dp), "--tp",
-           str(args.tp), "--pp", str(args.pp), "--steps", str(args.steps), "--run-dir",
-           str(run_dir), "--layers", str(args.layers), "--d-model", str(args.d_model),
+           f"--nproc-per-node={world}", f"--log-dir={run_dir / 'torchelastic'}",
+           "-m", "antifragile.trainer", "--dp", str(args.dp), "--tp", str(args.tp),
+           "--pp", str(args.pp), "--steps", str(args.steps), "--run-dir", str(run_dir),
+           "--layers", str(args.layers), "--d-model", str(args.d_model),
            "--heads", "4", "--seq-len", "64", "--batch-size", "16", "--micro-batches", "4",
            "--device", args.device]
     if every:

@@ -18,8 +18,12 @@ SMALL_MODEL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--vocab", "6
 
 
 def torchrun_cmd(nproc: int, args: list[str], *, max_restarts: int = 0) -> list[str]:
+    """torchrun's per-worker folders go under the trainer's --run-dir, where there is one (by
+    default torchrun leaves a torchelastic_* folder in the temporary folder for good)."""
+    log_dir = [f"--log-dir={Path(args[args.index('--run-dir') + 1]) / 'torchelastic'}"] \
+        if "--run-dir" in args else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", *log_dir,
             "-m", "antifragile.trainer", *args]
 
 
