@@ -294,6 +294,26 @@ def test_a_local_url_holding_committed_checkpoints_is_refused(
                     f"{path}: checkpoint.url {url_file}: ")
 
 
+def test_a_refused_checkpoint_url_leaves_no_report_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Storage refused before anything runs (here a ``checkpoint.url`` that is a file) is bad
+    input: the report folder made for the run, ``--out`` or the default
+    ``reports/<name>-<time>/``, must not stay behind, empty, as if a run had been made."""
+    _nothing_may_run(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    url_file = tmp_path / "a-file"
+    url_file.write_text("not a folder")
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: s\ntrainer: {{parallel: {{dp: 2}}, steps: 20}}\n"
+                    f"checkpoint: {{every_steps: 5, url: {url_file}}}\n"
+                    "expect: {bitwise_equal_to_reference: false}\n")
+    _one_line_error(["run", str(path), "--out", str(tmp_path / "out")],
+                    f"{path}: checkpoint.url {url_file}: ")
+    assert not (tmp_path / "out").exists()
+    _one_line_error(["run", str(path)], f"{path}: checkpoint.url {url_file}: ")
+    assert not list((tmp_path / "reports").glob("s-*"))
+
+
 def test_a_fresh_local_url_is_used_as_given(tmp_path: Path) -> None:
     from antifragile.chaos.infra.s3 import run_storage
     from antifragile.chaos.scenario import parse_scenario

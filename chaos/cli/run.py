@@ -8,7 +8,13 @@ from typing import Any
 
 import click
 
-from antifragile.chaos.cli.common import fail, load, needs_reference, out_folder
+from antifragile.chaos.cli.common import (
+    drop_if_empty,
+    fail,
+    load,
+    needs_reference,
+    out_folder,
+)
 from antifragile.chaos.scenario import SCENARIOS, CommandSpec, ScenarioError, load_scenario
 
 
@@ -76,6 +82,7 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
                           check_determinism=check_determinism, progress=progress,
                           status=progress.status)
         except StorageSetupError as exc:  # S3 that cannot be used, a folder already used
+            drop_if_empty(folder)  # refused before the run: no folder claiming one
             fail(f"{file}: {exc}")
         except ChaosRunError as exc:
             fail(f"{file}: {exc}", code=RUN_ERROR_EXIT)
