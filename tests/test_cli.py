@@ -122,7 +122,7 @@ def test_storage_option_booleans_are_booleans(tmp_path: Path) -> None:
     from antifragile.chaos.cli.ckpt import _options
 
     options = _options(None, ("anon=false", "use_ssl=True", "region_name=eu-1", "key=true1"),
-                       str(tmp_path))
+                       "memory://bucket/run")
     assert options == {"anon": False, "use_ssl": True, "region_name": "eu-1", "key": "true1"}
 
 
@@ -189,6 +189,23 @@ def test_a_local_url_that_is_missing_or_a_file_is_bad_input(tmp_path: Path) -> N
     (tmp_path / "empty").mkdir()
     empty = runner.invoke(main, ["ckpt", "ls", str(tmp_path / "empty")])
     assert empty.exit_code == 0 and "no committed checkpoint" in empty.output
+
+
+@pytest.mark.parametrize("flags", [["--endpoint-url", "http://127.0.0.1:9000"],
+                                   ["--storage-option", "anon=true"]])
+def test_storage_flags_on_a_local_url_are_bad_input(tmp_path: Path, flags: list[str]) -> None:
+    """--endpoint-url and --storage-option reach S3 or fsspec only: given with a local path
+    (``bucket/run`` where ``s3://bucket/run`` was meant) they were ignored and the folder's
+    listing, often "no committed checkpoint" (exit 0), answered a question not asked."""
+    runner = CliRunner()
+    (tmp_path / "bucket" / "run").mkdir(parents=True)
+    url = str(tmp_path / "bucket" / "run")
+    for command in (["ls"], ["verify"], ["inspect", "--step", "1"]):
+        result = runner.invoke(main, ["ckpt", command[0], url, *command[1:], *flags])
+        assert result.exit_code == 2, result.output
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert lines == [f"error: {flags[0]}: {url} is a local folder; {flags[0]} is for "
+                         "s3:// (or another fsspec) URLs"], result.output
 
 
 def test_ls_of_a_step_deleted_after_the_listing_does_not_call_it_damaged(

@@ -19,12 +19,16 @@ def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
     """fsspec options from the flags. For ``s3://`` URLs the bucket is asked once first, with
     short timeouts, so that a bad endpoint, bucket or credentials is a one-line error (exit 2)
     within seconds instead of the engine's patient retrying. A local path must exist: a typo
-    is bad input, not "no committed checkpoint" (a file there is refused by ``open_storage``)."""
+    is bad input, not "no committed checkpoint" (a file there is refused by ``open_storage``),
+    and takes no endpoint or storage option."""
     from antifragile.engine.storage import local_root
 
     root = local_root(url)
     if root is not None and not os.path.exists(root):
         _fail(f"{url}: no such folder")
+    flag = "--endpoint-url" if endpoint_url else "--storage-option" if pairs else None
+    if root is not None and flag:  # a local folder takes neither: it would be ignored
+        _fail(f"{flag}: {url} is a local folder; {flag} is for s3:// (or another fsspec) URLs")
     options: dict[str, Any] = {}
     if endpoint_url:
         options["endpoint_url"] = endpoint_url
