@@ -313,6 +313,8 @@ class CheckpointSpec(_Strict):
     @field_validator("url")
     @classmethod
     def _bucket(cls, url: str | None) -> str | None:
+        if url is not None and "\0" in url:  # it goes into the trainer's argv and environment
+            raise ValueError(f"{url!r} holds a NUL byte")
         if url is not None and url.startswith("s3://") and not url[5:].split("/", 1)[0]:
             raise ValueError(f"{url} names no bucket (give s3://bucket/prefix)")
         return url

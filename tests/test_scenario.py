@@ -72,6 +72,11 @@ def _with(**changes: Any) -> dict[str, Any]:
     # accepted, then a ValueError traceback when chaos run put it into the environment
     (_with(checkpoint={"url": "s3://b/p", "storage_options": {"secret": "a\0b"}}),
      "s.yaml: checkpoint: storage_options.secret: holds a NUL byte"),
+    # validate said ok; chaos run refused a local one printing the NUL in its error, and an
+    # S3 one reached torchrun's argv (a ValueError, after the reference run)
+    (_with(checkpoint={"url": "ck\0pt"}), "s.yaml: checkpoint.url: 'ck\\x00pt' holds a NUL byte"),
+    (_with(checkpoint={"url": "s3://b/p\0q"}),
+     "s.yaml: checkpoint.url: 's3://b/p\\x00q' holds a NUL byte"),
     # was pydantic's "Unable to extract tag using discriminator 'kind'"
     (_with(faults=[{"rank": 0, "at_step": 3}]),
      "s.yaml: faults.0.kind: missing (known: corrupt_shard, crash_during_save"),
