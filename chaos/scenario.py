@@ -548,6 +548,12 @@ def load_scenario(path: str | Path, *, seed: int | None = None) -> Scenario:
         raise ScenarioError(f"{path}: {exc}") from None
     except RecursionError:  # the YAML composer recurses once per level of nesting
         raise ScenarioError(f"{path}: nested too deeply to be a scenario") from None
+    except yaml.reader.ReaderError as exc:  # a character YAML refuses: a position, no mark
+        before = text[:exc.position]
+        line, column = before.count("\n") + 1, len(before) - before.rfind("\n")
+        raise ScenarioError(f"{path}: YAML syntax error (line {line}, column {column}): "
+                            f"unacceptable character #x{exc.character:04x}: {exc.reason}"
+                            ) from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""

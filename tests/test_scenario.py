@@ -105,6 +105,21 @@ def test_yaml_syntax_error_names_the_line(tmp_path: Path) -> None:
         load_scenario(path)
 
 
+@pytest.mark.parametrize(("raw", "where"), [(b"name: x\n\0faults: []\n", "line 2, column 1"),
+                                          (b"name: x\x07\n", "line 1, column 8")])
+def test_a_character_yaml_refuses_is_one_line_naming_its_place(tmp_path: Path, raw: bytes,
+                                                               where: str) -> None:
+    """A NUL or another control character (a binary file's bytes that happen to be UTF-8)
+    was a two-line error ending in 'in "<unicode string>", position 8', without a line."""
+    path = tmp_path / "ctrl.yaml"
+    path.write_bytes(raw)
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario(path)
+    assert "\n" not in str(exc.value), str(exc.value)
+    assert str(exc.value).startswith(f"{path}: YAML syntax error ({where}): unacceptable "
+                                      "character #x"), str(exc.value)
+
+
 def test_cli_exit_codes_and_no_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(_with(faults=[{"kind": "kill_rank", "rank": 9,
