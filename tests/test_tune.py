@@ -42,6 +42,22 @@ def test_daly_is_close_to_the_exact_optimum_and_young_is_first_order() -> None:
     assert tune.daly_interval(30.0, 10.0) == 10.0  # C >= 2M: checkpoint every MTBF
 
 
+@pytest.mark.parametrize("ratio", [1e-8, 1e-12, 1e-15, 1e-17, 1e-100])
+def test_the_exact_optimum_holds_when_checkpoints_are_cheap_against_the_mtbf(ratio: float) -> None:
+    """(1 - u) e^u = e^(-C/M) was solved as written: both sides round to 1 once C/M is below
+    ~1e-16, so the optimum came out ~0 s (3e-61 s at C/M = 1e-17) and chaos tune refused
+    C = 10 s, M = 1e18 s as a job that 'makes almost no progress at any interval'. Daly's
+    series is exact to far better than 1e-6 there."""
+    assert tune.optimal_interval(ratio, 1.0) == pytest.approx(tune.daly_interval(ratio, 1.0),
+                                                              rel=1e-6)
+    result = _invoke(["--ckpt-cost-s", "10", "--mtbf-s", str(10 / ratio), "--schedules", "50",
+                      "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["model_goodput"] > 0.99
+    assert doc["model_optimum_s"] == pytest.approx(doc["daly_interval_s"], rel=1e-6)
+
+
 def test_expected_goodput_matches_the_first_order_waste_model_when_failures_are_rare() -> None:
     c, r, m = 1.0, 5.0, 10_000.0
     tau = tune.young_interval(c, m)

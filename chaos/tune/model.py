@@ -90,18 +90,28 @@ def expected_goodput(interval_s: float, ckpt_s: float, restart_s: float, mtbf_s:
 def optimal_interval(ckpt_s: float, mtbf_s: float) -> float:
     """The exact maximiser of :func:`expected_goodput` (R only scales it).
 
-    Setting the derivative to zero gives ``(1 - u) exp(u) = exp(-C/M)`` for ``u = tau/M``, whose
-    left side falls from 1 to 0 on (0, 1): bisection finds the one root.
+    Setting the derivative to zero gives ``(1 - u) exp(u) = exp(-C/M)`` for ``u = tau/M``, or
+    ``-ln(1 - u) - u = C/M``, whose left side rises from 0 to infinity on (0, 1): bisection
+    finds the one root. Solved in that form (both sides of the first round to 1 once C/M is
+    below ~1e-16), below ``sqrt(2 C/M)`` since the left side is at least ``u^2 / 2``.
     """
-    target = math.exp(-ckpt_s / mtbf_s)
-    lo, hi = 0.0, 1.0
+    ratio = ckpt_s / mtbf_s
+    lo, hi = 0.0, min(1.0, math.sqrt(2 * ratio))
     for _ in range(200):
         mid = (lo + hi) / 2
-        if (1 - mid) * math.exp(mid) > target:
+        if _restart_loss(mid) < ratio:
             lo = mid
         else:
             hi = mid
     return mtbf_s * (lo + hi) / 2
+
+
+def _restart_loss(u: float) -> float:
+    """``-ln(1 - u) - u`` (= u^2/2 + u^3/3 + ...), by its series where the two terms would
+    cancel to nothing."""
+    if u < 1e-3:
+        return u * u * (1 / 2 + u * (1 / 3 + u * (1 / 4 + u * (1 / 5 + u / 6))))
+    return -math.log1p(-u) - u if u < 1 else math.inf
 
 
 def every_steps(interval_s: float, step_s: float) -> int:
