@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from antifragile.chaos.faults.base import memory_mib
 from antifragile.chaos.tune.model import (
     DISTRIBUTIONS,
     SIM_TOLERANCE,
@@ -120,6 +121,11 @@ def check_simulation(schedules: int, shape: float) -> None:
     Weibull law too, so its shape is always used)."""
     if schedules < 2:
         raise TuneError(f"schedules must be >= 2, got {schedules}")
+    block_gib = schedules * _FailureTimes.BLOCK * 8 / 2**30
+    if 2 * block_gib > memory_mib() / 1024:
+        raise TuneError(f"schedules {schedules}: a block of failure times is {schedules} x "
+                        f"{_FailureTimes.BLOCK} floats ({block_gib:.0f} GiB, twice while it "
+                        f"grows); this machine has {memory_mib() / 1024:.0f} GiB")
     if not (math.isfinite(shape) and shape > 0):
         raise TuneError(f"the Weibull shape must be a finite number > 0, got {shape}")
     try:
