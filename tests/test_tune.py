@@ -180,6 +180,11 @@ def test_cli_table_projection_and_out_folder(tmp_path: Path) -> None:
     (["--ckpt-cost-s", "5", "--mtbf-s", "100", "--sweep"], "give SCENARIO.yaml"),
     (["--ckpt-cost-s", "5", "--gpus", "8"], "--gpus needs --gpu-mtbf-h"),
     (["--ckpt-cost-s", "5", "--mtbf-s", "100", "--sweep-every", "0,x"], "--sweep-every"),
+    # accepted and ignored: the model alone answered, as if there had been no such option
+    (["--ckpt-cost-s", "5", "--mtbf-s", "100", "--sweep-every", "5,10"],
+     "error: --sweep-every: only with --sweep (it chooses the sweep's runs)"),
+    (["--ckpt-cost-s", "5", "--mtbf-s", "100", "--sweep-steps", "50"],
+     "error: --sweep-steps: only with --sweep (it chooses the sweep's runs)"),
 ])
 def test_cli_bad_input_exits_2_with_a_message(args: list[str], message: str) -> None:
     result = _invoke(args)

@@ -36,6 +36,9 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
         raise TuneError(f"--mtbf-s must be a finite number > 0 seconds, got {mtbf_s}")
     if sweep_steps is not None and sweep_steps < 2:
         raise TuneError(f"--sweep-steps must be >= 2, got {sweep_steps}")
+    for option, value in (("--sweep-every", every), ("--sweep-steps", sweep_steps)):
+        if value is not None and not do_sweep:
+            raise TuneError(f"{option}: only with --sweep (it chooses the sweep's runs)")
     check_simulation(schedules, shape)  # before a scenario is run to measure the costs
     doc: dict[str, Any] = {}
     measured = s = None
