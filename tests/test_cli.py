@@ -208,6 +208,25 @@ def test_storage_flags_on_a_local_url_are_bad_input(tmp_path: Path, flags: list[
                          "s3:// (or another fsspec) URLs"], result.output
 
 
+def test_ctrl_c_is_not_an_exit_code_of_damage(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit 1 means damage (README); click turns Ctrl-C into "Aborted!" and exit 1, so a
+    verify interrupted by hand read as a DAMAGED checkpoint to the script that ran it. An
+    interrupt is 130 (128 + SIGINT), as SIGTERM is 143."""
+    from antifragile.engine import verify as verify_module
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10])
+
+    def interrupted(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verify_module, "verify_step", interrupted)
+    result = CliRunner().invoke(main, ["ckpt", "verify", url])
+    assert result.exit_code == 130, result.output
+    assert "Traceback" not in result.output
+
+
 def test_ls_of_a_step_deleted_after_the_listing_does_not_call_it_damaged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

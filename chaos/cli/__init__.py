@@ -1,4 +1,5 @@
-"""The ``chaos`` command line. Exit codes: 0 pass / ok, 1 fail / damage, 2 bad input.
+"""The ``chaos`` command line. Exit codes: 0 pass / ok, 1 fail / damage, 2 bad input, 130
+interrupted (Ctrl-C).
 
 Each command lives in its own module here and imports what it needs (torch, the runner, the
 engine) only when it runs, so ``chaos --help``, ``chaos list`` and ``chaos validate`` answer at
@@ -17,7 +18,19 @@ from antifragile.chaos.cli.tune import tune
 from antifragile.chaos.infra.lifetime import stop_once
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Chaos(click.Group):
+    """Ctrl-C exits 130 (128 + SIGINT, as SIGTERM exits 143): click's own exit 1 is what the
+    commands answer for a failed run or a damaged checkpoint."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\nAborted!", err=True)
+            raise SystemExit(130) from None
+
+
+@click.group(cls=_Chaos, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Make large-model training survive failure, and prove it."""
 
