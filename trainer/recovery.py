@@ -150,8 +150,11 @@ def recover(js: JobStore, me: str, failed: Formation, *, timeout_s: float,
     if not js.has(f"g{g}/next") and js.add(f"g{g}/coordinator", 1) == 1:
         js.set(f"g{g}/coordinator/by", me)  # should it die now, its supervisor takes over
         _coordinate(js, failed, _dead_members(js, failed, deadline), reached)
-    if not js.wait(f"g{g}/next", timeout_s):
-        return f"no new generation was published within {timeout_s:.0f} s"
+    # the coordinator publishes after its own deadline (a member neither alive nor dead by
+    # then is counted lost), and a take-over (``report_death``) after one more: a survivor
+    # that waited only ``timeout_s`` gave up first and took the restart
+    if not js.wait(f"g{g}/next", 2 * timeout_s):
+        return f"no new generation was published within {2 * timeout_s:.0f} s"
     nxt = js.get(f"g{g}/next")
     if "restart" in nxt:
         return str(nxt["restart"])
