@@ -3,6 +3,8 @@ watchdog is fed progress samples, the protocol runs on an in-memory store."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,6 +21,7 @@ from antifragile.trainer.recovery import (
     declare_dead,
     finish,
     first_formation,
+    gather,
     job_done,
     recover,
     register_spare,
@@ -275,9 +278,10 @@ import os, signal
 import pytest
 import torch.distributed as dist
 import antifragile.trainer.supervisor as supervisor
-from antifragile.trainer.recovery import JobStore
+from antifragile.trainer.recovery import JobStore, first_formation
 
 store = dist.HashStore()
+first_formation(JobStore(store, "a0"), 0, [0, 1])  # slot 1's process plays rank 1
 real_kill = os.kill
 
 def report_death(js, **kwargs):
@@ -462,9 +466,10 @@ import sys, threading, time
 import pytest
 import torch.distributed as dist
 import antifragile.trainer.supervisor as supervisor
-from antifragile.trainer.recovery import JobStore, finish
+from antifragile.trainer.recovery import JobStore, finish, first_formation
 
 store = dist.HashStore()
+first_formation(JobStore(store, "a0"), 0, [0])  # slot 0 plays; slot 1 is a spare
 code = int(sys.argv[1])
 
 def child(progress, incarnation):
@@ -679,3 +684,75 @@ def test_a_member_counted_lost_at_the_deadline_is_replaced_for_every_survivor() 
     for _ in range(3):
         assert _re_form_without_a_silent_member() == {
             me: Formation(1, ("3.0", "1.0", "2.0")) for me in ("1.0", "2.0")}
+
+
+_STARTING_SCRIPT = """
+import sys, time
+import torch.distributed as dist
+import antifragile.trainer.supervisor as supervisor
+from antifragile.trainer.progress import Phase
+from antifragile.trainer.recovery import JobStore
+
+port, slot = int(sys.argv[1]), int(sys.argv[2])
+
+def child(progress, incarnation):
+    if incarnation == 0:
+        return 1  # dies starting: its progress never named a generation
+    progress.set(Phase.SPARE)
+    print("spare", flush=True)
+    time.sleep(4.0)  # waits for an assignment, as long as the job lasts
+    return 0
+
+def store():
+    return JobStore(dist.TCPStore("127.0.0.1", port, is_master=False,
+                                  wait_for_workers=False), "a0")
+
+rc = supervisor.supervise(child, slot=slot, recovery="in_process", hang_timeout_s=None,
+                          run_dir=None, poll_s=0.01, reform_timeout_s=2.0,
+                          store_factory=store, spares=1, slots=3)
+print("rc", rc, flush=True)
+"""
+
+
+def _server() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def _supervise_starting(port: int, slot: int) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", _STARTING_SCRIPT, str(port), str(slot)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_the_first_slot_dying_before_it_numbers_the_first_generation_restarts_the_job(
+        ) -> None:
+    """Slot 0's training process died before it published the first formation (a crash as
+    it connects to the store): its supervisor took it for an idle spare and forked a fresh
+    process, which starts as a spare; no first formation ever came, the other slots' processes
+    died waiting for it and became spares too, and the job waited forever. Nobody can re-form
+    a generation that never formed: torchrun restarts the group."""
+    server = _server()
+    supervised = _supervise_starting(server.port, 0)
+    out, _ = supervised.communicate(timeout=60)
+    assert "spare" not in out and "rc 1" in out, out
+
+
+def test_a_rank_dying_before_it_joined_the_first_generation_fails_it_at_once() -> None:
+    """Slot 1's training process died before it joined generation 0, a member of it (its
+    progress still said generation -1): its supervisor reported an idle spare, which fails
+    no generation, and rank 0 waited in ``gather`` for the whole collective timeout before
+    it re-formed without it."""
+    server = _server()
+    js = JobStore(server, "a0")
+    first = first_formation(js, 0, range(2))
+    _spares_ready(js, "2.0")
+    supervised = _supervise_starting(server.port, 1)
+    t0 = time.monotonic()
+    why = gather(js, first, "0.0", timeout_s=30.0)
+    waited_s = time.monotonic() - t0
+    nxt = recover(js, "0.0", first, timeout_s=30.0)
+    finish(js)
+    out, _ = supervised.communicate(timeout=60)
+    assert why is not None and "failed before its members met" in why, why
+    assert waited_s < 15.0, waited_s
+    assert nxt == Formation(1, ("0.0", "2.0")), nxt
+    assert "rc 0" in out, out

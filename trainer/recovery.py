@@ -125,6 +125,19 @@ def first_formation(js: JobStore, slot: int, active: Sequence[int]) -> Formation
     return Formation(int(doc["generation"]), tuple(doc["members"]))
 
 
+def first_generation_of(js: JobStore, me: str, timeout_s: float) -> int | None:
+    """A worker of a fresh start that died before its progress named a generation: the first
+    formation's generation if ``me`` is one of its members (its death fails it), -1 if not (a
+    spare), None if no first formation will come (``me`` numbers it, or nobody did within
+    ``timeout_s``): a generation that never formed cannot be re-formed."""
+    if me == worker_id(0, 0) and not js.has("first"):
+        return None
+    if not js.wait("first", timeout_s):
+        return None
+    doc = js.get("first")
+    return int(doc["generation"]) if me in doc["members"] else -1
+
+
 def signal_failure(js: JobStore, generation: int, reason: str) -> None:
     """Tell every member that generation ``generation`` failed."""
     if not js.has(f"g{generation}/fail"):

@@ -50,6 +50,7 @@ from antifragile.trainer.lease import (
 )
 from antifragile.trainer.progress import HANG_FLOOR_S, STALL_ESCALATION, Phase, SharedProgress
 from antifragile.trainer.recovery import (
+    first_generation_of,
     job_done,
     register_spare,
     report_death,
@@ -259,16 +260,26 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
                                NO_RESUME_EXIT_CODE):
             return exit_code
         member = death.phase != Phase.SPARE and death.generation >= 0
+        generation: int | None = death.generation
+        if incarnation == 0 and death.phase == Phase.STARTING and death.generation < 0:
+            # died starting: a member of the first formation all the same if listed there
+            generation = first_generation_of(js, worker_id(slot, 0), reform_timeout_s)
+            if generation is None:
+                events.emit("fallback", rank=death.rank, attempt=death.generation,
+                            error="died before the first generation formed: nothing to "
+                                  "re-form, torchrun restarts the group")
+                return exit_code
+            member = generation >= 0
         idle_deaths = 0 if member else idle_deaths + 1
         refill = idle_deaths < SPARE_RETRIES
         successor = worker_id(slot, incarnation + 1)  # this slot becomes a spare again
         # registered at once where the job has spares: the pool refills as the survivors re-form
-        if not report_death(js, me=worker_id(slot, incarnation), generation=death.generation,
+        if not report_death(js, me=worker_id(slot, incarnation), generation=generation,
                             successor=successor if spares and refill else None, how=how,
                             member=member, reform_timeout_s=reform_timeout_s):
             # the survivors could not re-form (or there were none): torchrun restarts the group
-            events.emit("fallback", rank=death.rank, attempt=death.generation,
-                        error=restart_reason(js, death.generation, reform_timeout_s))
+            events.emit("fallback", rank=death.rank, attempt=generation,
+                        error=restart_reason(js, generation, reform_timeout_s))
             return exit_code
         if not refill:
             return _give_up(js, events, death, slot, idle_deaths)
