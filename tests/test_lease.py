@@ -43,10 +43,11 @@ def test_renewals_slow_down_in_large_jobs_but_stay_several_per_lease() -> None:
 
 def test_a_silent_slot_is_lost_once_after_its_lease_by_the_monitors_clock() -> None:
     monitor = LeaseMonitor(slots=4, lease_s=2.0, interval_s=0.25)
-    assert monitor.observe(0.0, dict([_lease(0, "0.0", 7), _lease(1, "1.0", 3)])) == []
-    # slot 0 renews; slot 1 says the same number: silent since t=0 (its own clock is unread)
-    assert monitor.observe(2.0, dict([_lease(0, "0.0", 8), _lease(1, "1.0", 3)])) == []
-    lost = monitor.observe(2.25, dict([_lease(0, "0.0", 9), _lease(1, "1.0", 3)]))
+    # a round every interval: slot 0 renews; slot 1 says the same number: silent since t=0
+    # (its own clock is unread)
+    for i in range(9):
+        assert monitor.observe(0.25 * i, dict([_lease(0, "0.0", 7 + i), _lease(1, "1.0", 3)])) == []
+    lost = monitor.observe(2.25, dict([_lease(0, "0.0", 16), _lease(1, "1.0", 3)]))
     assert lost == [(1, Holder("1.0", 0, True), 2.25)]
     assert monitor.observe(9.0, dict([_lease(0, "0.0", 10), _lease(1, "1.0", 3)])) == []
 
@@ -59,6 +60,8 @@ def test_spares_are_declared_before_members_and_retired_slots_not_at_all() -> No
     monitor.observe(0.1, dict([_lease(1, "1.0", 1)]))
     leases = dict([_lease(1, "1.0", 1), _lease(3, "3.0", 1, generation=-1, member=False),
                    (2, {"retired": True})])
+    for t in (0.35, 0.6, 0.85):  # a round every interval
+        assert monitor.observe(t, leases) == []
     # a coordinator woken by the lost member must find the spare of the same host dead already
     assert [holder.worker for _, holder, _ in monitor.observe(1.1, leases)] == ["3.0"]
     assert [holder.worker for _, holder, _ in monitor.observe(1.35, leases)] == ["1.0"]
@@ -127,3 +130,22 @@ def test_survivors_re_form_without_a_host_that_died_whole() -> None:
     js.set("done", 1.0)  # the monitor stops judging
     for beat in beats:
         beat.retire()
+
+
+def test_a_monitor_that_was_itself_paused_does_not_count_its_pause_as_silence() -> None:
+    """Slot 0's supervisor (the monitor) and the slots of its host were paused together for
+    5 s (a VM or container pause, a swap storm): when they resume, whichever reads first wins.
+    The monitor read the leases before slot 1's heartbeat had renewed and took the 5 s it had
+    not looked for slot 1's silence: a healthy rank declared lost, its generation failed."""
+    monitor = LeaseMonitor(slots=2, lease_s=1.0, interval_s=0.25)
+    assert monitor.observe(0.0, dict([_lease(0, "0.0", 1), _lease(1, "1.0", 1)])) == []
+    assert monitor.observe(0.25, dict([_lease(0, "0.0", 2), _lease(1, "1.0", 2)])) == []
+    # paused from 0.25 to 5.25; slot 0's heartbeat renewed first, slot 1's not yet
+    assert monitor.observe(5.25, dict([_lease(0, "0.0", 3), _lease(1, "1.0", 2)])) == []
+    assert monitor.observe(5.5, dict([_lease(0, "0.0", 4), _lease(1, "1.0", 3)])) == []
+    # a slot that stays silent after the pause is still lost, after its lease of looking
+    t, lost = 5.5, []
+    while not lost and t < 10.0:
+        t += 0.25
+        lost = monitor.observe(t, dict([_lease(0, "0.0", int(t * 4)), _lease(1, "1.0", 3)]))
+    assert [holder.worker for _, holder, _ in lost] == ["1.0"] and t == 6.75

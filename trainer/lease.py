@@ -125,24 +125,34 @@ class LeaseMonitor:
     _seen: dict[int, tuple[int, float]] = field(default_factory=dict)  # slot -> (n, changed at)
     _lost: set[str] = field(default_factory=set)  # workers already declared
     _known: set[str] = field(default_factory=set)  # lease keys that exist
+    _looked: float | None = None  # ``now`` of the previous round
+    _clock: float = 0.0  # seconds the monitor looked for (see ``observe``)
 
     def observe(self, now: float, leases: dict[int, dict[str, Any]]
                 ) -> list[tuple[int, Holder, float]]:
         """(slot, holder, silent seconds) of every slot found lost at ``now`` (once per
         worker), idle spares first. A slot never seen is not judged: it has not started.
 
+        Silence is counted on the monitor's own clock of looking: a round that comes late
+        counts as two intervals at most. A monitor paused with its host (a VM or container
+        pause) saw nothing meanwhile, and the heartbeats paused with it may renew just after
+        it reads: a slot is lost only after ``lease_s`` of rounds that saw it silent.
+
         A member is judged one interval later than a spare: the slots of a lost host fall
         silent together, but their last renewals differ by up to an interval, and a spare of
         that host still counted alive when its member is declared could be given the rank."""
+        if self._looked is not None:
+            self._clock += min(now - self._looked, 2 * self.interval_s)
+        self._looked = now
         lost = []
         for slot, doc in leases.items():
             if doc.get("retired"):  # its process ended on purpose (the job is over)
                 continue
             n = int(doc["n"])
             if slot not in self._seen or self._seen[slot][0] != n:
-                self._seen[slot] = (n, now)
+                self._seen[slot] = (n, self._clock)
                 continue
-            silent = now - self._seen[slot][1]
+            silent = self._clock - self._seen[slot][1]
             holder = Holder(str(doc["worker"]), int(doc["generation"]), bool(doc["member"]))
             due = self.lease_s + (self.interval_s if holder.member else 0.0)
             if silent >= due and holder.worker not in self._lost:
