@@ -185,6 +185,11 @@ def test_cli_table_projection_and_out_folder(tmp_path: Path) -> None:
      "error: --sweep-every: only with --sweep (it chooses the sweep's runs)"),
     (["--ckpt-cost-s", "5", "--mtbf-s", "100", "--sweep-steps", "50"],
      "error: --sweep-steps: only with --sweep (it chooses the sweep's runs)"),
+    # the model's floats overflowed: numpy's RuntimeWarning, then a 'no interval completes'
+    # about intervals of 1e152 s; C/M rounding to 0 was a ZeroDivisionError traceback
+    (["--ckpt-cost-s", "10", "--mtbf-s", "1e200"], "MTBF must be between"),
+    (["--ckpt-cost-s", "1e-300", "--mtbf-s", "1e8"], "checkpoint cost must be between"),
+    (["--ckpt-cost-s", "5", "--mtbf-s", "1e8", "--restart-s", "1e300"], "restart cost must be"),
 ])
 def test_cli_bad_input_exits_2_with_a_message(args: list[str], message: str) -> None:
     result = _invoke(args)

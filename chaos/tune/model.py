@@ -41,6 +41,10 @@ class MeasureError(RuntimeError):
     """A real run failed or could not be measured; the message names the run folder (exit 1)."""
 
 
+MIN_SECONDS = 1e-6  # a microsecond: the shortest cost, step or MTBF the model takes
+MAX_SECONDS = 1e120  # the longest: squared wall times still fit a float
+
+
 @dataclass(kw_only=True, slots=True)
 class Costs:
     """What the model needs, in seconds: checkpoint cost C, restart + restore cost R, MTBF M,
@@ -60,6 +64,10 @@ class Costs:
             if not math.isfinite(value) or value < 0 or (strict and value == 0):
                 need = "> 0" if strict else ">= 0"
                 raise TuneError(f"{what} must be a finite number {need} seconds, got {value}")
+            # beyond these the model's floats overflow or underflow (C/M rounds to 0)
+            if value > MAX_SECONDS or (strict and value < MIN_SECONDS):
+                raise TuneError(f"{what} must be between {MIN_SECONDS:g} and {MAX_SECONDS:g} "
+                                f"seconds, got {value:g}")
 
 
 def young_interval(ckpt_s: float, mtbf_s: float) -> float:
