@@ -98,6 +98,61 @@ def test_a_retired_heartbeat_says_so() -> None:
     assert js.get("lease/3") == {"retired": True}
 
 
+def test_a_heartbeat_renews_again_after_the_store_failed_it_once() -> None:
+    """One write refused (a store request that timed out while the link to the store's host
+    was cut, for the seconds a drop_link lasts) ended the heartbeat thread for good: the slot
+    fell silent, its healthy rank was declared lost after lease_s, and every later process of
+    the slot ran without a lease."""
+    js = _js(dist.HashStore())
+    store_set, refused = js.set, []
+
+    def flaky_set(key: str, value: object) -> None:
+        if not refused:
+            refused.append(key)
+            raise RuntimeError("Socket Timeout")
+        store_set(key, value)
+
+    js.set = flaky_set  # type: ignore[method-assign]
+    beat = Heartbeat(js, 3, lambda: Holder("3.0", 0, True), interval_s=0.01)
+    beat.start()
+    deadline = time.monotonic() + 5
+    while not (js.has("lease/3") and js.get("lease/3").get("n", 0) >= 2) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    renewed = js.has("lease/3") and js.get("lease/3").get("n", 0) >= 2
+    beat.retire()
+    assert refused == ["lease/3"] and renewed
+
+
+def test_a_monitor_goes_on_judging_after_the_store_failed_it_once() -> None:
+    """Any store error ended the monitor's thread for good: no slot was judged again."""
+    js = _js(dist.HashStore())
+    beat = Heartbeat(js, 1, lambda: Holder("1.0", 0, True), interval_s=0.01)
+    beat.start()
+    time.sleep(0.05)
+    beat._stop.set()  # slot 1 falls silent (its host is gone), without retiring
+    attempt, failed = js.attempt, []
+
+    class FlakyOnce:  # the store's first read of the leases times out
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            if not failed:
+                failed.append(keys)
+                raise RuntimeError("Socket Timeout")
+            return attempt.multi_get(keys)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(attempt, name)
+
+    js.attempt = FlakyOnce()  # type: ignore[assignment]
+    lost: list[Lost] = []
+    LeaseMonitor(4, lease_s=0.3, interval_s=0.02).start(js, lost.append)
+    deadline = time.monotonic() + 5
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    js.set("done", 1)  # the job ends: the monitor stops
+    assert failed and [x.worker for x in lost] == ["1.0"]
+
+
 def test_survivors_re_form_without_a_host_that_died_whole() -> None:
     """Two hosts of two slots: rank 0 and spare 2.0 on host 0, rank 1 and spare 3.0 on host 1.
     Host 1 dies: its supervisors too, so nobody reports its deaths. Without leases the survivor

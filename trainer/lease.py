@@ -99,18 +99,17 @@ class Heartbeat:
     def _write(self, doc: dict[str, Any]) -> bool:
         try:
             self._js.set(f"lease/{self._slot}", doc)
-        except Exception:  # the store is gone: the job is over or restarting
-            return False
+        except Exception:  # the store is gone (the job is over or restarting), or unreachable
+            return False  # for a while (a cut link): the next renewal tries again
         return True
 
     def _run(self) -> None:
         seq = 0
         while not self._stop.is_set():
             held = self._holder()
-            if not self._write({"worker": held.worker, "generation": held.generation,
-                                "member": held.member, "n": seq}):
-                return
-            seq += 1
+            if self._write({"worker": held.worker, "generation": held.generation,
+                            "member": held.member, "n": seq}):
+                seq += 1
             self._stop.wait(self._interval_s)
 
 
@@ -168,8 +167,10 @@ class LeaseMonitor:
 
     def _run(self, js: JobStore, on_lost: Callable[[Lost], None]) -> None:
         keys = [f"lease/{slot}" for slot in range(self.slots)]
-        try:
-            while not job_done(js):
+        while True:
+            try:
+                if job_done(js):
+                    return
                 self._known.update(k for k in keys if k not in self._known and js.has(k))
                 present = [k for k in keys if k in self._known]
                 values = js.attempt.multi_get(present) if present else []
@@ -177,9 +178,9 @@ class LeaseMonitor:
                           for k, v in zip(present, values)}
                 for slot, holder, silent in self.observe(time.monotonic(), leases):
                     on_lost(declare_lost(js, slot, holder, silent))
-                time.sleep(self.interval_s)
-        except Exception:  # the store is gone: the job is over or restarting
-            return
+            except Exception:  # the store is gone (the job is over or restarting: this
+                pass  # process ends soon), or unreachable for a while: the next round retries
+            time.sleep(self.interval_s)
 
 
 def declare_lost(js: JobStore, slot: int, holder: Holder, silent_s: float) -> Lost:
