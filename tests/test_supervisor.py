@@ -107,6 +107,27 @@ def test_shared_progress_round_trips() -> None:
     assert (phase, generation, rank, step) == (Phase.TRAINING, 3, 2, 7) and counter == 2
 
 
+def test_a_hold_ends_in_the_phase_it_began_in() -> None:
+    """A save's pause point holds the save's own thread while the training thread may wait in
+    a blocking save (CHECKPOINT). The release set TRAINING, so the watchdog took the rest of
+    that save (the counter still) for a stall and killed the healthy rank after 3 x its
+    timeout. A hold now ends in the phase it began in, unless the phase moved meanwhile."""
+    progress = SharedProgress()
+    progress.set(Phase.CHECKPOINT, step=8)
+    progress.hold(True)
+    assert progress.read()[1] == Phase.PAUSED
+    progress.hold(False)
+    counter, phase, *_ = progress.read()
+    assert phase == Phase.CHECKPOINT
+    watchdog = Watchdog(hang_timeout_s=1.0)
+    assert watchdog.observe(0.0, counter, phase, stopped=False) is None
+    assert watchdog.observe(10.0, counter, phase, stopped=False) is None  # a long save: no hang
+    progress.hold(True)  # the training thread moved on while the save's thread was held
+    progress.set(Phase.TRAINING, step=9)
+    progress.hold(False)
+    assert progress.read()[1] == Phase.TRAINING
+
+
 def _store() -> dist.Store:
     return dist.HashStore()
 

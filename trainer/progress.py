@@ -48,6 +48,7 @@ class SharedProgress:
         # means for this model on this machine (read by this process only, not shared)
         self.gaps_s: deque[float] = deque(maxlen=512)
         self._written = 0.0  # wall time of the last write (set by _write)
+        self._before_hold = Phase.TRAINING  # the phase a pause point's hold returns to
         self._write(time.time())
 
     def _gap(self, *, counts: bool = True) -> float:
@@ -82,6 +83,17 @@ class SharedProgress:
             self._step = step
         self._counter += 1
         self._write(now)
+
+    def hold(self, held: bool) -> None:
+        """Held at a chaos pause point (``PAUSED``), and released: back to the phase it was in
+        when held, unless that moved meanwhile. A save's pause point holds the save's own
+        thread while the training thread may wait in a blocking save (``CHECKPOINT``), whose
+        rest ``TRAINING`` would have the watchdog take for a stall."""
+        if held:
+            self._before_hold = self._phase
+            self.set(Phase.PAUSED)
+        elif self._phase == Phase.PAUSED:
+            self.set(self._before_hold)
 
     def read(self) -> tuple[int, Phase, int, int, int, float]:
         """(counter, phase, generation, rank, step, wall time of the last write)."""

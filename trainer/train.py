@@ -312,8 +312,7 @@ def _stuck(seconds: float) -> None:
 def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: SharedProgress,
            model: GPT | None, memory: list[Any], checkpointer: list[TrainCheckpointer]) -> int:
     trainer = Trainer(cfg, ctx, progress, model)
-    pauses = PausePoints(cfg.run_dir, ctx.rank, events.emit, on_hold=lambda held: progress.set(
-        Phase.PAUSED if held else Phase.TRAINING))
+    pauses = PausePoints(cfg.run_dir, ctx.rank, events.emit, on_hold=progress.hold)
     ckpt: TrainCheckpointer | None = None
     step, cursor = 0, 0
     if cfg.ckpt_url:
