@@ -421,10 +421,15 @@ def test_shipped_scenario_refuses_saves_goes_on_and_ends_bitwise_equal(
     report = json.loads((out / "report.json").read_text())
     assert result.exit_code == 0, result.output
     assert report["verdict"] == {"verdict": "pass", "reasons": [], "bitwise_equal": True}
-    full, kill = report["faults"]
+    # in the order they came: on a loaded machine the kill (10 s after the ranks are up) may
+    # come before step 12's fill
+    faults = {f["kind"]: f for f in report["faults"]}
+    full, kill = faults["disk_full"], faults["kill_rank"]
     o = full["outage"]
     assert full["effect_observed"] and o["checkpoints_failed"] and o["training_continued"]
     verified = report["committed_verified"]
     assert verified and all(problems == [] for problems in verified.values()), verified
-    assert kill["restored_step"] is not None and kill["restored_step"] > full["injected_step"]
+    assert kill["restored_step"] is not None
+    if kill["injected_t"] > full["injected_t"] + o["outage_s"]:  # killed after the fill
+        assert kill["restored_step"] > full["injected_step"]
     assert not os.path.ismount(out / "volume")

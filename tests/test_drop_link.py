@@ -464,7 +464,12 @@ def _went_on_without_host_1(scenario: Any, out: Path) -> list[dict]:
     assert fault["detect_s"] < 3.0 + 2.0 and fault["restored_step"] == 10, fault
     events = _events(out)
     lost = {(e["rank"], e["slot"]) for e in events if e["event"] == "rank_died" and e.get("lost")}
-    assert lost == {(1, 2), (-1, 3)}, lost
+    # host 1's spare holds a lease once its supervisor is up: on a loaded machine it may not
+    # have been by step 12 (a slot never seen is not judged), but then it was not ready either
+    spare = out / "run" / "events" / "spare3.jsonl"
+    ready = spare.exists() and any(json.loads(line)["t"] < fault["injected_t"]
+                                   for line in spare.read_text().splitlines())
+    assert (1, 2) in lost and lost <= {(1, 2), (-1, 3)} and ((-1, 3) in lost or not ready), lost
     assert not _ours(), "the run's namespaces are gone"
     return events
 
