@@ -108,6 +108,21 @@ def test_regressions_follow_the_thresholds_and_floors() -> None:
     assert got["tolerances"]["goodput_points"] == 0.05
 
 
+def test_a_stall_measured_otherwise_in_the_baseline_is_not_compared() -> None:
+    """The stall became the trainer's whole wait for save() (state dicts and the save's
+    collectives) instead of our engine's staging copy alone: every nightly against a summary
+    of the older format flagged it (0.003 s -> 0.125 s on 2x2x2), and a nightly that compares
+    with the last successful one would have failed for good."""
+    old = {"format": 2, "scenarios": [_entry("s", [10.0], stalls=(0.003, 0.003))]}
+    got = suite.compare([_entry("s", [10.0], stalls=(0.125, 0.125))], old, file="old.json")
+    assert got["regressions"] == []
+    assert [n["reason"] for n in got["not_compared"]] == [
+        f"stall (mean): measured otherwise in the baseline (format 2; now format {suite.FORMAT})"]
+    same = suite.compare([_entry("s", [10.0], stalls=(0.125, 0.125))],
+                         _baseline(_entry("s", [10.0], stalls=(0.003, 0.003))), file="b.json")
+    assert [r["metric"] for r in same["regressions"]] == ["stall (mean)"]
+
+
 def test_the_final_blocking_save_is_not_a_stall_of_training() -> None:
     doc = _report([4.0], stalls=(0.02, 0.04))
     doc["checkpoints"].append({"step": 12, "stall_s": 1.7, "final": True})
