@@ -106,12 +106,42 @@ def test_verdict_fails_on_the_documented_rule_only() -> None:
     def doc(rule: str, documented: bool, torn: int) -> dict[str, Any]:
         counts = {"old": 1, "new": 1, "refused": 0, "torn": torn, "lost": 0}
         return {"cases": [{"engine": "x", "ranks": 1, "case": "save", "rules": {
-            rule: {"documented": documented, "counts": counts, "witnesses": {}}}}]}
+            rule: {"documented": documented, "counts": counts, "witnesses": {},
+                   "final": "new"}}}]}
 
     assert verdict(doc("marker", True, 0)) == (True, [])
     ok, reasons = verdict(doc("marker", True, 2))
     assert not ok and "2 torn" in reasons[0]
     assert verdict(doc("newest-folder", False, 2))[0]  # reported, not targeted
+
+
+
+def test_a_save_that_never_lands_fails_the_verdict() -> None:
+    """Every crash state loading step k passes only if the save, uninterrupted, loads step
+    k+1: a save that raised, or whose COMMIT never made step k+1 loadable, leaves states that
+    all load step k, each of them "old"."""
+    from antifragile.chaos.crashcheck.pipeline import CaseResult, Settings, summarize
+    from antifragile.chaos.crashcheck.record import Recording
+
+    muts = [_put(0, "step_2/a", 0, 1), _put(1, "step_2/COMMIT", 2, 3)]
+    e = enumerate_states({"step_1/COMMIT": "c"}, muts)
+    exp = Expected(old_step=1, old_digest="o", new_step=2, new_digest="n")
+    settings = Settings(engine="antifragile", ranks=1, cases=("save",))
+
+    def doc(final: str, save_error: str | None, name: str = "save") -> dict[str, Any]:
+        result = CaseResult(name, Recording(mutations=muts), {"step_1/COMMIT": "c"}, exp, e,
+                            save_error=save_error)
+        after = max(e.states, key=lambda s: len(s.objects)).id
+        result.outcomes["engine"] = {s.id: final if s.id == after else "old" for s in e.states}
+        return {"cases": [summarize(settings, result)]}
+
+    assert verdict(doc("new", None)) == (True, [])
+    ok, reasons = verdict(doc("old", None))  # the save's COMMIT never made step 2 loadable
+    assert not ok and "step 2" in reasons[0], reasons
+    assert not verdict(doc("old", "rank 0: OSError: refused"))[0]  # the save itself failed
+    # the one case where an engine may refuse the save: a committed step saved again
+    assert verdict(doc("old", "rank 0: CheckpointError: step 2 is committed",
+                       "overwrite-committed"))[0]
 
 
 # -- the command line --------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class Enumeration:
     same_key_overlaps: int
     distinct: int = 0  # distinct states found (``states`` holds them all unless capped)
     capped: bool = False  # more distinct states existed than max_states kept
+    final: int = 0  # the id of the state after the save (every mutation applied): kept
     notes: list[str] = field(default_factory=list)
 
 
@@ -134,7 +135,7 @@ def enumerate_states(base: dict[str, str], mutations: list[Mutation], *,
         keep = sorted(ends + random.Random(seed).sample(rest, max_states - len(ends)))
         states = [states[i] for i in keep]
     return Enumeration(states, len(cuts), crash_points, sampled, widest,
-                       _same_key_overlaps(visible), distinct, capped)
+                       _same_key_overlaps(visible), distinct, capped, seen[after].id)
 
 
 def _same_key_overlaps(visible: list[Mutation]) -> int:

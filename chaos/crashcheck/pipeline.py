@@ -42,6 +42,8 @@ CASES = ("save", "retention", "overwrite", "overwrite-committed")
 RULES = {"antifragile": ("engine",), "dcp": ("marker", "newest-folder"),
          "torchsnapshot": ("marker", "newest-folder")}
 ALL_RULES = ("engine", "marker", "newest-folder")
+#: cases where an engine may refuse the recorded save (its state after the save is step k's)
+MAY_REFUSE = ("overwrite-committed",)
 #: rules a user of the engine is told to use; the others are reported, not targeted
 DOCUMENTED = {"antifragile": "engine", "dcp": "marker", "torchsnapshot": "marker"}
 
@@ -251,7 +253,7 @@ def summarize(settings: Settings, result: CaseResult) -> dict[str, Any]:
                             key=lambda s: (len(s.in_flight), s.cut_s))
                 witnesses[bad] = _witness(state, by_index, result, rule)
         rules[rule] = {"documented": rule == DOCUMENTED[settings.engine], "counts": counts,
-                       "witnesses": witnesses}
+                       "witnesses": witnesses, "final": outcomes.get(e.final)}
     return {
         "case": result.case, "engine": settings.engine, "ranks": settings.ranks,
         "states": len(e.states), "distinct_states": e.distinct,

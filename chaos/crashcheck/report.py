@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from antifragile.chaos.crashcheck.check import BAD, OUTCOMES
+from antifragile.chaos.crashcheck.pipeline import MAY_REFUSE
 from antifragile.chaos.report.document import html_page, html_table, img_tag
 
 COLORS = {"old": "#1f77b4", "new": "#2ca02c", "refused": "#ff7f0e", "torn": "#d62728",
@@ -49,14 +50,25 @@ HEADERS = ["engine", "ranks", "case", "load rule", "states", *OUTCOMES]
 
 
 def verdict(doc: dict[str, Any]) -> tuple[bool, list[str]]:
-    """ok when the documented rule of every case has no refused, torn or lost state."""
+    """ok when the documented rule of every case has no refused, torn or lost state, and loads
+    step k+1 from the state the save left when nothing crashed (else every crash state of a
+    save that never landed loads step k and passes); only ``MAY_REFUSE`` cases may instead
+    report the save refused."""
     reasons = []
     for c in doc["cases"]:
         for rule, r in c["rules"].items():
+            if not r["documented"]:
+                continue
+            where = f"{c['engine']} ({c['ranks']} ranks, {c['case']}, rule {rule})"
             bad = {o: r["counts"][o] for o in BAD if r["counts"][o]}
-            if r["documented"] and bad:
-                reasons.append(f"{c['engine']} ({c['ranks']} ranks, {c['case']}, rule {rule}): "
-                               + ", ".join(f"{n} {o}" for o, n in bad.items()))
+            if bad:
+                reasons.append(f"{where}: " + ", ".join(f"{n} {o}" for o, n in bad.items()))
+            refused = c.get("save_error") is not None and c["case"] in MAY_REFUSE
+            if r["final"] != "new" and not refused:
+                reasons.append(f"{where}: the save of step {c['expected']['new_step']}, not "
+                               f"interrupted, loads {r['final']}, not new"
+                               + (f" (the save failed: {c['save_error']})"
+                                  if c.get("save_error") else ""))
     return not reasons, reasons
 
 
