@@ -144,6 +144,33 @@ def test_a_save_that_never_lands_fails_the_verdict() -> None:
                        "overwrite-committed"))[0]
 
 
+
+def test_the_marker_rule_falls_back_past_a_dcp_step_that_does_not_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP's load failures are CheckpointException, a BaseException: the trainer's fallback
+    (``load_newest``) catches them and loads the next older marked step, and so must the
+    checker's marker rule, else a peer is judged on a path its users do not take."""
+    import fsspec
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from antifragile.chaos.crashcheck import engines
+
+    for step in (1, 2):
+        (tmp_path / engines.step_name(step)).mkdir()
+        (tmp_path / engines.step_name(step) / ".metadata").write_bytes(b"m")
+
+    def load_one(engine: str, fs: Any, folder: str) -> dict[str, Any]:
+        if folder.endswith(engines.step_name(2)):
+            raise CheckpointException("a torn step", {0: (OSError("short read"), None)})
+        return engines.make_state(1)
+
+    monkeypatch.setattr(engines, "_fs", lambda url: (fsspec.filesystem("file"), str(tmp_path)))
+    monkeypatch.setattr(engines, "_load_one", load_one)
+    step, loaded, skipped = engines.load("dcp", "marker", "s3://unused")
+    assert (step, loaded) == (1, engines.digest(engines.make_state(1)))
+    assert len(skipped) == 1 and "step 2: CheckpointException" in skipped[0], skipped
+
+
 # -- the command line --------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("args", "says"), [

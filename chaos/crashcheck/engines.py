@@ -169,6 +169,8 @@ def load(engine: str, rule: str, url: str) -> tuple[int, str, list[str]]:
                 except CheckpointNotFoundError as exc:
                     raise NothingToLoad(str(exc)) from None
         return step, digest(state), [str(w.message)[:200] for w in noted]
+    from torch.distributed.checkpoint.api import CheckpointException
+
     fs, root = _fs(url)
     folders = step_folders(fs, root)
     if rule == "newest-folder":
@@ -184,7 +186,8 @@ def load(engine: str, rule: str, url: str) -> tuple[int, str, list[str]]:
     for step in marked:
         try:
             return step, digest(_load_one(engine, fs, folders[step])), skipped
-        except Exception as exc:  # the trainer's fallback: the next older marked step
+        except (Exception, CheckpointException) as exc:  # the trainer's fallback: the next
+            # older marked step (DCP's CheckpointException derives from BaseException)
             skipped.append(f"step {step}: {type(exc).__name__}: {str(exc)[:200]}")
     raise RuntimeError(f"no marked step loads: {'; '.join(skipped)}")
 
