@@ -24,6 +24,7 @@ import torch
 
 from ._dtypes import torch_dtype
 from ._state import iter_local
+from .plan import HeldBox, local_boxes
 from .stage import StagingArea
 
 Region = tuple[slice, ...]
@@ -37,6 +38,7 @@ class MemoryCopy:
     nonce: int
     regions: dict[str, list[tuple[Region, torch.Tensor]]] = field(default_factory=dict)
     local_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    local_boxes: dict[str, list[HeldBox]] = field(default_factory=dict)
     # owned cells to check against the manifest: (object key, tensor path, index in staging)
     cells: list[tuple[str, str, int]] = field(default_factory=list)
     staging: StagingArea | None = None
@@ -45,7 +47,8 @@ class MemoryCopy:
 
     @classmethod
     def of(cls, step: int, nonce: int, staging: StagingArea) -> MemoryCopy:
-        copy = cls(step, nonce, local_shapes=dict(staging.local_shapes), staging=staging,
+        copy = cls(step, nonce, local_shapes=dict(staging.local_shapes),
+                   local_boxes=dict(staging.local_boxes), staging=staging,
                    epoch=staging.epoch,
                    shadow_crcs={p: staging.shadow_crc(p) for p in staging.shadows})
         for index, cell in enumerate(staging.cells):
@@ -75,7 +78,10 @@ class MemoryCopy:
         return copy
 
     def covers(self, path: str, tensor: torch.Tensor) -> bool:
-        """Whether this copy holds the whole local data of ``tensor`` (same layout)."""
+        """Whether this copy holds the whole local data of ``tensor`` (same layout: the same
+        boxes of the global tensor at the same local offsets, not only the same local shape)."""
+        if self.local_boxes.get(path) != local_boxes(tensor, path=path):
+            return False
         local = iter_local(tensor)
         if self.local_shapes.get(path) != tuple(local.shape) or path not in self.regions:
             return not local.numel() and self.local_shapes.get(path) == tuple(local.shape)

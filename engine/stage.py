@@ -36,7 +36,7 @@ from . import _format
 from ._dtypes import torch_dtype
 from ._state import iter_local
 from .errors import CheckpointError
-from .plan import CellWrite
+from .plan import CellWrite, local_boxes
 
 ALIGN_BYTES = 4096  # O_DIRECT wants buffer, offset and length aligned to the logical block
 _CRC = struct.Struct("<I")
@@ -136,6 +136,9 @@ class StagingArea:
         self.cells = [self._image(w, off, *lay) for w, off, lay in zip(self.writes, offsets,
                                                                        layouts)]
         self.local_shapes = {p: tuple(iter_local(t).shape) for p, t in tensors.items()}
+        # which part of the global tensor each local tensor holds: a memory copy restores
+        # only into the same layout (the same local shape may hold other rows)
+        self.local_boxes = {p: local_boxes(t, path=p) for p, t in tensors.items()}
         self.shadows: dict[str, torch.Tensor] = {}
         if keep_in_memory:
             owned: dict[str, int] = {}

@@ -352,3 +352,27 @@ def test_an_abandoned_save_reaches_no_further_phase_hook(tmp_path: Path) -> None
     with pytest.raises(CheckpointError, match="abandoned"):
         handle.wait(30)
     assert phases == ["persisting", "written"]
+
+
+def _restore_into_another_layout_of_the_same_local_shape(url: str) -> list[Any]:
+    """Saved Shard(0) on the mesh [0, 1], loaded with the copy into Shard(0) on the mesh
+    [1, 0]: each rank's local shape is the same (4, 4), its rows are the other half."""
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    saved = {"w": distribute_tensor(full, DeviceMesh("cpu", torch.arange(2)), [Shard(0)])}
+    with CheckpointEngine(url, keep_in_memory=True) as engine:
+        engine.save(5, saved, blocking=True)
+        memory = engine.memory_copy()
+    flipped = DeviceMesh("cpu", torch.tensor([1, 0]))
+    target = {"w": distribute_tensor(torch.zeros(8, 4), flipped, [Shard(0)])}
+    with CheckpointEngine(url) as loader:
+        loader.load(target, memory=memory)
+    expected = full.chunk(2)[1 - dist.get_rank()]
+    return [dist.get_rank(), torch.equal(_bits(target["w"].to_local()), _bits(expected))]
+
+
+@pytest.mark.multiproc
+def test_a_copy_of_another_layout_with_the_same_local_shape_is_not_used(
+        ranks: RankGroup, tmp_path: Path) -> None:
+    for rank, same in ranks.run(_restore_into_another_layout_of_the_same_local_shape,
+                                str(tmp_path / "ckpt")):
+        assert same, f"rank {rank}: loaded the rows it held at the save, not its new ones"
