@@ -164,6 +164,21 @@ def test_config_defaults_are_consistent() -> None:
     assert cfg.parallel.world_size == 8
 
 
+def _checkpointer(tmp_path: Path, *, keep_last: int = 2) -> tuple[Any, Any]:
+    """The trainer's checkpointer of a small model over our engine (async saves) in
+    ``tmp_path / "ckpt"``, and its event log (``tmp_path / "events"``)."""
+    from antifragile.trainer.checkpoint import TrainCheckpointer
+    from antifragile.trainer.ckpt_backends.antifragile import AntifragileBackend
+    from antifragile.trainer.events import EventLog
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    backend = AntifragileBackend(str(tmp_path / "ckpt"), keep_last=keep_last, timeout_s=30.0,
+                                 async_=True)
+    events = EventLog(str(tmp_path), rank=0, attempt=0)
+    return TrainCheckpointer(backend, model, optimizer, events), events
+
+
 def test_a_retention_failure_after_the_commit_is_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -173,16 +188,8 @@ def test_a_retention_failure_after_the_commit_is_reported(
     import threading
     import time
 
-    from antifragile.trainer.checkpoint import TrainCheckpointer
-    from antifragile.trainer.ckpt_backends.antifragile import AntifragileBackend
-    from antifragile.trainer.events import EventLog
-
-    model = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.AdamW(model.parameters())
-    backend = AntifragileBackend(str(tmp_path / "ckpt"), keep_last=1, timeout_s=30.0,
-                                 async_=True)
-    events = EventLog(str(tmp_path), rank=0, attempt=0)
-    ckpt = TrainCheckpointer(backend, model, optimizer, events)
+    ckpt, events = _checkpointer(tmp_path, keep_last=1)
+    backend = ckpt.backend
     ckpt.save(1, 0, blocking=True)
     release = threading.Event()
 
@@ -219,18 +226,9 @@ def test_the_reported_stall_is_the_whole_wait_of_the_training_loop(
     import json
     import time
 
-    from antifragile.trainer.checkpoint import TrainCheckpointer
-    from antifragile.trainer.ckpt_backends.antifragile import AntifragileBackend
-    from antifragile.trainer.events import EventLog
-
-    model = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.AdamW(model.parameters())
-    backend = AntifragileBackend(str(tmp_path / "ckpt"), keep_last=2, timeout_s=30.0,
-                                 async_=True)
-    events = EventLog(str(tmp_path), rank=0, attempt=0)
-    ckpt = TrainCheckpointer(backend, model, optimizer, events)
+    ckpt, events = _checkpointer(tmp_path)
     ckpt.save(1, 0, blocking=True)  # plans and allocates the staging area
-    ranks = backend.engine._ranks
+    ranks = ckpt.backend.engine._ranks
     all_max = ranks.all_max
 
     def slow_rank(values: list[int]) -> list[int]:
@@ -253,15 +251,8 @@ def _final_save_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refuse_fo
     """A checkpointer whose storage refuses every write for ``refuse_for_s`` from now."""
     import time
 
-    from antifragile.trainer.checkpoint import TrainCheckpointer
-    from antifragile.trainer.ckpt_backends.antifragile import AntifragileBackend
-    from antifragile.trainer.events import EventLog
-
-    model = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.AdamW(model.parameters())
-    backend = AntifragileBackend(str(tmp_path / "ckpt"), keep_last=2, timeout_s=30.0,
-                                 async_=True)
-    storage = backend.engine.storage.inner
+    ckpt, events = _checkpointer(tmp_path)
+    storage = ckpt.backend.engine.storage.inner
     write, until = storage.write, time.monotonic() + refuse_for_s
 
     def refusing(key: str, *args: Any, **kwargs: Any) -> None:
@@ -270,8 +261,7 @@ def _final_save_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refuse_fo
         write(key, *args, **kwargs)
 
     monkeypatch.setattr(storage, "write", refusing)
-    events = EventLog(str(tmp_path), rank=0, attempt=0)
-    return TrainCheckpointer(backend, model, optimizer, events), events, tmp_path / "events"
+    return ckpt, events, tmp_path / "events"
 
 
 def _kinds(events_dir: Path) -> list[tuple[str, Any]]:
