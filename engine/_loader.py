@@ -19,11 +19,11 @@ from ._agree import CORRUPT, ERRORS, FATAL, OK, Ranks, Report, classify
 from ._events import EngineEvents
 from ._fill import fill_step
 from ._memory import MemoryCopy
-from ._paths import QUARANTINE, step_dir
 from ._state import FlatState, finish_load
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .load import StepReader
 from .quarantine import quarantine as quarantine_step
+from .quarantine import quarantined_steps
 from .storage import Storage
 
 log = logging.getLogger("antifragile.engine")
@@ -138,7 +138,7 @@ class Loader:
                 listing = list(reversed(committed))
                 self._unfinished.update(set(every) - set(committed))
                 if not committed and not quarantined_ok:
-                    hidden = [s for s in every if storage.exists(f"{step_dir(s)}/{QUARANTINE}")]
+                    hidden = quarantined_steps(storage)
             except CheckpointError as exc:
                 failure = (type(exc).__name__, str(exc))
         listing, hidden, failure = self._ranks.gather((listing, hidden, failure))[0]
