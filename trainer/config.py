@@ -153,7 +153,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     except ValueError as exc:
         p.error(str(exc))
         raise
-    if cfg.data_path is not None:  # here, before any rank starts, rather than in every rank
+    if cfg.data_path is not None:  # a usage error here, not a traceback in every training
+        # process (which are forked from this one and reuse the checked map: ``open_tokens``)
         from antifragile.trainer.data import open_tokens
 
         try:

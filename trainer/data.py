@@ -8,6 +8,8 @@ A file-backed dataset reads windows of a flat token file (``.npy`` of integer id
 
 from __future__ import annotations
 
+import functools
+import os
 import zlib
 from dataclasses import dataclass
 
@@ -22,7 +24,16 @@ def _sample_seed(seed: int, index: int) -> int:
 def open_tokens(path: str, seq_len: int, vocab: int) -> np.ndarray:
     """The token file at ``path``, memory-mapped, once it is known to serve samples of
     ``seq_len + 1`` ids below ``vocab``; ``ValueError`` (``OSError`` where it cannot be read)
-    naming the file and what is wrong with it."""
+    naming the file and what is wrong with it. Each version of a file is checked (read whole)
+    once per process and those it forks: the command line checks it, and every generation's
+    training process, forked from that one, reuses the checked map."""
+    st = os.stat(path)
+    return _checked_tokens(path, st.st_ino, st.st_size, st.st_mtime_ns, seq_len, vocab)
+
+
+@functools.lru_cache(maxsize=4)
+def _checked_tokens(path: str, _ino: int, _size: int, _mtime_ns: int, seq_len: int,
+                    vocab: int) -> np.ndarray:
     try:
         tokens = np.load(path, mmap_mode="r")
     except ValueError as exc:  # pickled data, not a .npy
