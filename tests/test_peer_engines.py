@@ -68,9 +68,10 @@ def test_retention_keeps_the_newest_and_never_touches_a_save_in_flight(tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_name(4)]
 
 
-@pytest.mark.parametrize("marker", [".metadata", ".snapshot_metadata"])
+@pytest.mark.parametrize(("engine", "marker"), [("dcp", ".metadata"),
+                                                ("torchsnapshot", ".snapshot_metadata")])
 def test_a_crash_at_staged_after_a_peers_commit_is_said_to_have_lost_the_race(
-        tmp_path: Path, marker: str) -> None:
+        tmp_path: Path, engine: str, marker: str) -> None:
     """crash_during_save at ``staged`` with dcp or torchsnapshot: the save's own thread may
     commit before the kill. The injection looked only for our engine's COMMIT, so it said
     ``committed_before_kill: false`` whatever the peer had written, and the verdict blamed a
@@ -86,7 +87,8 @@ def test_a_crash_at_staged_after_a_peers_commit_is_said_to_have_lost_the_race(
     try:
         fault = CrashDuringSave(kind="crash_during_save", at_checkpoint=2, phase="staged")
         injected = fault.inject(Target(pids={0: victim.pid}, coordinates={0: (0, 0, 0)},
-                                       ckpt_url=str(tmp_path), rng=random.Random(0)), 10)
+                                       ckpt_url=str(tmp_path), rng=random.Random(0),
+                                       ckpt_engine=engine), 10)
     finally:
         victim.kill()
         victim.wait()

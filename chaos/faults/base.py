@@ -146,6 +146,7 @@ class Target:
     coordinates: dict[int, tuple[int, int, int]]  # rank -> (dp, pp, tp)
     ckpt_url: str
     rng: random.Random
+    ckpt_engine: str = "antifragile"  # what saves the checkpoints (checkpoint.engine)
     network: Network | None = None  # the emulated hosts when trainer.nodes > 1
     network_error: str | None = None  # why there are none although trainer.nodes > 1
     storage_proxy: FaultProxy | None = None  # in front of S3, for storage_outage

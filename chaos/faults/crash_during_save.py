@@ -49,22 +49,20 @@ class CrashDuringSave(FaultBase):
         if missed:
             return Injection(self.kind, time.time(), step=step, rank=rank, missed=missed,
                              detail={"pid": pid, "checkpoint_step": step, "phase": self.phase})
-        committed = step is not None and _committed(target.ckpt_url, step)
+        committed = step is not None and _committed(target.ckpt_engine, target.ckpt_url, step)
         return Injection(self.kind, time.time(), step=step, rank=rank,
                          detail={"pid": pid, "checkpoint_step": step, "phase": self.phase,
                                  "committed_before_kill": committed})
 
 
-def _committed(url: str, step: int) -> bool:
-    """Whether the save of ``step`` had committed: our engine's COMMIT, or (local storage,
-    where the peers run) dcp's or torchsnapshot's commit marker."""
+def _committed(engine: str, url: str, step: int) -> bool:
+    """Whether ``engine``'s save of ``step`` had committed: our COMMIT (one lookup), or the
+    peer's commit marker."""
+    if engine != "antifragile":
+        from antifragile.trainer.ckpt_backends import committed_steps
+
+        return step in committed_steps(engine, url)
     from antifragile.engine._paths import COMMIT, step_dir
     from antifragile.engine.storage import open_storage
 
-    if open_storage(url).exists(f"{step_dir(step)}/{COMMIT}"):
-        return True
-    if "://" in url and not url.startswith("file://"):
-        return False
-    from antifragile.trainer.ckpt_backends import committed_steps
-
-    return any(step in committed_steps(engine, url) for engine in ("dcp", "torchsnapshot"))
+    return open_storage(url).exists(f"{step_dir(step)}/{COMMIT}")

@@ -330,7 +330,8 @@ class _Agents:
 def _target(s: Scenario, pids: dict[int, int], ckpt_url: str, rng: random.Random,
             storage: RunStorage | None = None, hosts: _Hosts | None = None) -> Target:
     return Target(pids=dict(pids), coordinates=mesh_coordinates(s), ckpt_url=ckpt_url,
-                  rng=rng, network=hosts.network if hosts else None,
+                  rng=rng, ckpt_engine=s.checkpoint.engine,
+                  network=hosts.network if hosts else None,
                   network_error=hosts.error if hosts else None,
                   storage_proxy=storage.proxy if storage else None,
                   storage_proxy_unavailable=storage.proxy_unavailable if storage else None,
