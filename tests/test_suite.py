@@ -178,6 +178,58 @@ def test_baseline_that_is_not_a_summary_is_bad_input(tmp_path: Path) -> None:
         suite.load_baseline(tmp_path / "report.json")
 
 
+@pytest.mark.parametrize(("change", "message"), [
+    ({"format": "3"}, "format: '3' is not a summary format (a whole number >= 1)"),
+    ({"format": None}, "format: None is not a summary format"),
+    ({"format": True}, "format: True is not a summary format"),
+    ({"entry": {"recovery_max_s": "5"}},
+     "scenarios.0 (a).recovery_max_s: '5' is not a number >= 0"),
+    ({"entry": {"goodput": "x"}}, "scenarios.0 (a).goodput: 'x' is not a number >= 0"),
+    ({"entry": {"wall_s": [1]}}, "scenarios.0 (a).wall_s: [1] is not a number >= 0"),
+    ({"entry": {"stall_mean_s": float("nan")}}, "scenarios.0 (a).stall_mean_s: nan is not"),
+    ({"entry": {"recovery_max_s": -1.0}}, "scenarios.0 (a).recovery_max_s: -1.0 is not"),
+    ({"entry": {"recovery_max_s": True}}, "scenarios.0 (a).recovery_max_s: True is not"),
+    ({"entry": {"faults_made": "2"}},
+     "scenarios.0 (a).faults_made: '2' is not a whole number >= 0"),
+])
+def test_a_baseline_with_garbled_figures_is_bad_input(tmp_path: Path, change: dict[str, Any],
+                                                      message: str) -> None:
+    """The figures are compared only after every scenario ran: a baseline whose format or
+    figures were not numbers (edited by hand, another tool's file) passed the check and then
+    crashed ``compare`` with a TypeError after the whole suite, before summary.json was
+    written. A NaN or a negative figure compared as a regression from it."""
+    entry = _entry("a", [5.0])
+    entry.update(change.get("entry", {}))
+    doc = {"format": suite.FORMAT, "scenarios": [entry]}
+    doc.update({k: v for k, v in change.items() if k != "entry"})
+    path = tmp_path / "prev.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(suite.SuiteError) as raised:
+        suite.load_baseline(path)
+    assert str(raised.value).startswith(f"{path}: "), raised.value
+    assert message in str(raised.value)
+
+
+def test_a_baseline_of_the_first_format_without_figures_loads(tmp_path: Path) -> None:
+    doc = {"scenarios": [{"name": "a", "verdict": "pass", "recovery_max_s": None}]}
+    (tmp_path / "prev.json").write_text(json.dumps(doc))
+    assert suite.load_baseline(tmp_path / "prev.json") == doc
+
+
+def test_cli_a_garbled_baseline_is_bad_input_before_the_suite_runs(tmp_path: Path) -> None:
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    (scenarios / "broken.yaml").write_text("[1]\n")  # an entry of its own: nothing runs
+    (tmp_path / "prev.json").write_text(json.dumps({"format": "3", "scenarios": []}))
+    out = tmp_path / "o"
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--baseline",
+                                       str(tmp_path / "prev.json"), "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert "prev.json: format: '3' is not a summary format" in result.output
+    assert not out.exists(), "bad input must be reported before anything runs"
+
+
 # --- outputs -------------------------------------------------------------------------------------
 
 def test_table_and_html_show_failures_regressions_and_escape(tmp_path: Path) -> None:

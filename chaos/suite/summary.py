@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -129,7 +130,36 @@ def load_baseline(path: Path) -> dict[str, Any]:
             isinstance(e, dict) and isinstance(e.get("name"), str) for e in scenarios):
         raise SuiteError(f"{path}: not a chaos suite summary (no 'scenarios' list of named "
                          f"entries)")
+    problem = _garbled(doc)
+    if problem is not None:
+        raise SuiteError(f"{path}: {problem}; not a summary chaos suite wrote (compare with "
+                         "another baseline, or drop --baseline)")
     return doc
+
+
+#: the figures of a baseline entry that ``compare`` computes with (None: not measured)
+_COMPARED_SECONDS = ("recovery_max_s", "stall_mean_s", "goodput", "wall_s")
+
+
+def _garbled(doc: dict[str, Any]) -> str | None:
+    """What in a baseline ``compare`` could not compute with, or None. Checked when it is
+    loaded: ``compare`` runs after every scenario did, and a TypeError there lost the whole
+    suite's summary; a NaN or a negative figure compared as a regression from it."""
+    fmt = doc.get("format", 1)
+    if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt < 1:
+        return f"format: {fmt!r} is not a summary format (a whole number >= 1)"
+    for i, e in enumerate(doc["scenarios"]):
+        for key in _COMPARED_SECONDS:
+            x = e.get(key)
+            if x is not None and (isinstance(x, bool) or not isinstance(x, int | float)
+                                  or not math.isfinite(x) or x < 0):
+                return f"scenarios.{i} ({e['name']}).{key}: {x!r} is not a number >= 0"
+        made = e.get("faults_made")
+        if made is not None and (isinstance(made, bool) or not isinstance(made, int)
+                                 or made < 0):
+            return (f"scenarios.{i} ({e['name']}).faults_made: {made!r} is not a whole "
+                    "number >= 0")
+    return None
 
 
 def _worse(metric: str, base: float | None, cur: float | None, rel: float, floor: float
