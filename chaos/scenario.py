@@ -474,8 +474,33 @@ def _format_error(path: str, exc: ValidationError) -> str:
         elif err["type"] == "union_tag_invalid":
             msg = (f"unknown fault kind {err['input'].get('kind')!r} "
                    f"(known: {', '.join(sorted(FAULT_CONFIGS))})")
+        elif err["type"] in ("int_type", "float_type") and isinstance(err["input"], str) \
+                and _EXPONENT_TEXT.match(err["input"]):
+            msg = _exponent_text(err["input"], whole=err["type"] == "int_type")
         lines.append(f"{path}: {loc}: {msg}" if loc else f"{path}: {msg}")
     return "\n".join(lines)
+
+
+#: a number with an exponent that YAML 1.1 (PyYAML) reads as text: ``5e1``, ``1.5e3``, ``1e-3``
+#: (it takes an exponent only after a dot and with a sign: ``5.0e+1``)
+_EXPONENT_TEXT = re.compile(r"^([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))([eE])([-+]?)([0-9]+)$")
+
+
+def _exponent_text(text: str, *, whole: bool) -> str:
+    """Why ``text``, written as a number, is refused: pydantic's "Input should be a valid
+    number" named no reason for what the user wrote as one."""
+    if whole:
+        return (f"{text!r} is text to YAML, not a number; a whole number is due here: write "
+                "its digits")
+    found = _EXPONENT_TEXT.match(text)
+    assert found is not None
+    mantissa, e, sign, digits = found.groups()
+    signed, unsigned = mantissa[:1] in "+-", mantissa.lstrip("+-")
+    unsigned = unsigned if "." in unsigned else f"{unsigned}.0"
+    unsigned = f"0{unsigned}" if unsigned.startswith(".") else unsigned  # YAML needs a digit
+    number = f"{mantissa[0] if signed else ''}{unsigned}{e}{sign or '+'}{digits}"
+    return (f"{text!r} is text to YAML, not a number: it reads an exponent only after a dot "
+            f"and with a sign (write {number})")
 
 
 def _not_a_mapping(value: Any) -> str:

@@ -351,3 +351,29 @@ def test_in_process_on_several_hosts_has_a_spare_per_host_split_evenly() -> None
     with pytest.raises(ScenarioError, match=r"s\.yaml: trainer.*2 ranks \+ 1 spare\(s\) = 3 "
                                             r"workers cannot be split evenly over 2 nodes"):
         parse_scenario({**BASE, "trainer": {**trainer, "spares": 1}}, path="s.yaml")
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("trainer: {parallel: {dp: 2}, steps: 30, collective_timeout_s: 5e1}",
+     "trainer.collective_timeout_s: '5e1' is text to YAML, not a number: it reads an exponent "
+     "only after a dot and with a sign (write 5.0e+1)"),
+    ("trainer: {parallel: {dp: 2}, steps: 30}\n"
+     "faults: [{kind: kill_rank, rank: 1, mtbf_s: 1.5E3}]",
+     "faults.0.mtbf_s: '1.5E3' is text to YAML, not a number: it reads an exponent only "
+     "after a dot and with a sign (write 1.5E+3)"),
+    ("trainer: {parallel: {dp: 2}, steps: 1e26}",
+     "trainer.steps: '1e26' is text to YAML, not a number; a whole number is due here: write "
+     "its digits"),
+    ("trainer: {parallel: {dp: 2}, steps: 1e400}", "trainer.steps: '1e400' is text to YAML"),
+])
+def test_a_number_with_an_exponent_yaml_reads_as_text_is_said_so(tmp_path: Path, line: str,
+                                                                 message: str) -> None:
+    """PyYAML (YAML 1.1) reads ``5e1`` and ``1.5e3`` as strings: the error was "Input should
+    be a valid number" for what the user wrote as a number, with no hint why."""
+    path = tmp_path / "exp.yaml"
+    path.write_text(f"name: x\n{line}\n")
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.startswith(f"error: {path}: "), result.output
+    assert message in result.output, result.output
+
