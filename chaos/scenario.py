@@ -34,6 +34,10 @@ from antifragile.trainer.progress import STALL_ESCALATION
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 
 
+#: the engine's bound on a step (``engine._paths.MAX_STEP``), here without importing the engine
+#: (and torch): ``chaos validate`` and ``chaos list`` answer at once
+MAX_STEP = 2**62
+
 _WORKER_MIB = 400  # resident memory of one CPU trainer worker (torch + a small model), measured
 WORKER_LIMIT_REASON = f"one worker needs ~{_WORKER_MIB} MiB; at most 16 per CPU core"
 
@@ -93,6 +97,17 @@ class TrainerSpec(_Strict):
     @property
     def world_size(self) -> int:
         return self.parallel.world_size
+
+    @field_validator("steps")
+    @classmethod
+    def _checkpointable(cls, steps: int) -> int:
+        """The run ends with a checkpoint of its last step, and the engine refuses a step of
+        2**62 or more (steps travel in the ranks' int64 all-reduces): such a run was "ok",
+        then trained until chaos run's time limit and ended with no verdict."""
+        if steps >= MAX_STEP:
+            raise ValueError(f"{steps} steps: the engine saves steps below 2**62 (the run's "
+                             "final checkpoint is of its last step)")
+        return steps
 
     @property
     def spare_workers(self) -> int:

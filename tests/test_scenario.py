@@ -377,3 +377,22 @@ def test_a_number_with_an_exponent_yaml_reads_as_text_is_said_so(tmp_path: Path,
     assert result.output.startswith(f"error: {path}: "), result.output
     assert message in result.output, result.output
 
+
+@pytest.mark.parametrize("steps", [2**62, 10**26])
+def test_more_steps_than_the_engine_can_checkpoint_are_refused(tmp_path: Path,
+                                                               steps: int) -> None:
+    """``steps: 100000000000000000000000000`` was "ok": the run's final checkpoint (at its last
+    step) is one the engine refuses (steps stop below 2**62), so chaos run would train until
+    its time limit (1 h) and end with no verdict."""
+    path = tmp_path / "huge.yaml"
+    path.write_text(f"name: x\ntrainer: {{parallel: {{dp: 2}}, steps: {steps}}}\n")
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.strip() == (
+        f"error: {path}: trainer.steps: {steps} steps: the engine saves steps below 2**62 "
+        "(the run's final checkpoint is of its last step)")
+    assert parse_scenario(_with(trainer={"steps": 2**62 - 1})).trainer.steps == 2**62 - 1
+    from antifragile.chaos import scenario
+    from antifragile.engine import _paths
+
+    assert scenario.MAX_STEP == _paths.MAX_STEP
