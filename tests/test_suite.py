@@ -325,6 +325,34 @@ def test_discover_and_plan_reject_bad_suites(tmp_path: Path) -> None:
         suite.plan([b], tmp_path / "out")
 
 
+@pytest.mark.parametrize("own", ["run", "ckpt"])
+def test_a_folder_with_a_run_or_ckpt_of_its_own_is_not_replaced(tmp_path: Path,
+                                                                 own: str) -> None:
+    """A suite deletes ``OUT/<name>/`` whole before it runs the scenario there. A folder
+    holding a ``run/`` or ``ckpt/`` counted as an earlier run's: ``chaos suite scenarios
+    --out .`` in a project with a folder named like a scenario, holding a ``ckpt/`` of its
+    own, deleted that folder. As for ``chaos run --out``, a run folder is one that holds
+    ``report.json``, ``error.txt`` or the ``run/torchrun.log`` of a run cut short."""
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    a = _write(scenarios, "a", [])
+    mine = tmp_path / "out" / "a" / own
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(suite.SuiteError, match=r"out/a: exists and is not a chaos run folder"):
+        suite.plan([a], tmp_path / "out")
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "not a chaos run folder" in result.output, result.output
+    assert (mine / "notes.txt").read_text() == "mine"
+
+    for marker in ("report.json", "error.txt", "run/torchrun.log"):  # ours: replaced
+        folder = tmp_path / marker.replace("/", "-") / "a"
+        (folder / marker).parent.mkdir(parents=True)
+        (folder / marker).write_text("")
+        (folder / "ckpt").mkdir()
+        assert [p.name for p in suite.plan([a], folder.parent)] == ["a"]
+
+
 def test_an_invalid_files_name_may_not_be_a_scenarios_name(tmp_path: Path) -> None:
     """An invalid file's entry is named after the file. ``foo.yaml`` invalid beside a valid
     ``name: foo`` in ``a.yaml`` passed the unique-name check, and the summary held two

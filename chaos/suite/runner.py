@@ -23,7 +23,10 @@ from antifragile.chaos.suite.summary import SuiteError, failed_entry, summarize
 if TYPE_CHECKING:
     from antifragile.chaos.run.pipeline import RunStatus
 
-_RUN_MARKERS = ("report.json", "run", "ckpt", "error.txt")  # what a chaos run folder holds
+#: what shows a folder is a run's: its report, a crashed runner's error, or the torchrun log
+#: of a run cut short (a ``run/`` or ``ckpt/`` alone may be anybody's: the folder is deleted
+#: whole before the scenario runs there, as ``chaos run --out`` refuses such a folder)
+_RUN_MARKERS = ("report.json", "error.txt", "run/torchrun.log")
 
 
 @dataclass(slots=True)
@@ -78,7 +81,7 @@ def plan(files: list[Path], out: Path) -> list[Planned]:
             continue
         folder = out / p.name
         if folder.exists() and any(folder.iterdir()) and \
-                not any((folder / m).exists() for m in _RUN_MARKERS):
+                not any((folder / m).is_file() for m in _RUN_MARKERS):
             raise SuiteError(f"{folder}: exists and is not a chaos run folder; "
                              f"not replacing it (choose another --out)")
     return planned
