@@ -572,3 +572,22 @@ def test_the_sweep_runs_an_s3_scenario_with_storage_options_on_its_own_folders(
                       mtbf_from_scenario=False, progress=lambda _: None)
     assert [r["every_steps"] for r in rows] == [4]
     assert seen == [(str(tmp_path / "sweep" / "every_4" / "ckpt"), [])]
+
+
+def test_a_swept_interval_the_model_gives_no_goodput_is_predicted_zero(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--sweep-every`` may name an interval so long against the MTBF that the model's
+    expected wall time overflows (goodput 0): the prediction for that run divided by it, a
+    ZeroDivisionError traceback after every sweep run had been made."""
+    from antifragile.chaos.tune import measure
+
+    events, t = _killed_run_events()
+    monkeypatch.setattr(measure, "_run", lambda s, folder, progress: _killed_run(events, t))
+    path = _tiny(tmp_path, [{"kind": "kill_rank", "rank": "random", "mtbf_s": 4}])
+    result = _invoke([str(path), "--sweep", "--sweep-every", "2,5000", "--sweep-steps", "12",
+                      "--schedules", "100", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["every_steps"]: row for row in json.loads(result.stdout)["sweep"]}
+    assert rows[5000]["model_goodput"] == 0.0 and rows[5000]["predicted_goodput"] == 0.0
+    assert rows[5000]["gap"] == rows[5000]["measured_goodput"]
+    assert 0 < rows[2]["predicted_goodput"] < 1

@@ -207,7 +207,10 @@ def sweep(s: Scenario, costs: Costs, measured: Measured, folder: Path, *, every:
         tau = e * costs.step_s
         model = expected_goodput(tau, costs.ckpt_s, costs.restart_s, costs.mtbf_s)
         work = steps * costs.step_s
-        predicted = work / (measured.startup_s + measured.tail_s + work / model)
+        # goodput 0: the model's expected wall time overflowed (an interval far longer than
+        # the MTBF, from --sweep-every): so does this run's
+        predicted = (work / (measured.startup_s + measured.tail_s + work / model)
+                     if model > 0 else 0.0)
         got = figures.goodput(record)
         rows.append({"every_steps": e, "interval_s": tau, "steps": steps,
                      "wall_s": record.wall_s, "failures": sum(
