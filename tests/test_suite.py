@@ -353,6 +353,21 @@ def test_a_folder_with_a_run_or_ckpt_of_its_own_is_not_replaced(tmp_path: Path,
         assert [p.name for p in suite.plan([a], folder.parent)] == ["a"]
 
 
+@pytest.mark.parametrize("name", ["summary.json", "summary.html"])
+def test_a_scenario_may_not_be_named_after_the_summary_files(tmp_path: Path, name: str) -> None:
+    """``OUT/<name>/`` is the scenario's report folder: one named summary.json ran, then
+    writing the summary over its folder raised IsADirectoryError after every scenario had
+    run, and the suite's summary was lost."""
+    _write(tmp_path, "a", [])
+    (tmp_path / "a.yaml").write_text((tmp_path / "a.yaml").read_text()
+                                     .replace("name: a", f"name: {name}"))
+    with pytest.raises(suite.SuiteError) as raised:
+        suite.plan(suite.discover(tmp_path), tmp_path / "out")
+    assert str(raised.value) == (f"{tmp_path / 'a.yaml'}: scenario name {name!r} is the "
+                                 f"suite's own {name} in the output folder; rename the "
+                                 "scenario")
+
+
 def test_an_invalid_files_name_may_not_be_a_scenarios_name(tmp_path: Path) -> None:
     """An invalid file's entry is named after the file. ``foo.yaml`` invalid beside a valid
     ``name: foo`` in ``a.yaml`` passed the unique-name check, and the summary held two

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 #: of a run cut short (a ``run/`` or ``ckpt/`` alone may be anybody's: the folder is deleted
 #: whole before the scenario runs there, as ``chaos run --out`` refuses such a folder)
 _RUN_MARKERS = ("report.json", "error.txt", "run/torchrun.log")
+_SUITE_FILES = ("summary.json", "summary.html")  # written into OUT beside the run folders
 
 
 @dataclass(slots=True)
@@ -77,6 +78,9 @@ def plan(files: list[Path], out: Path) -> list[Planned]:
             raise SuiteError(f"{p.file}: scenario name {p.name!r} is already used by "
                              f"{seen[p.name]}; names must be unique in a suite{named}")
         seen[p.name] = p.file
+        if p.name in _SUITE_FILES:  # its report folder would stand where the summary goes
+            raise SuiteError(f"{p.file}: scenario name {p.name!r} is the suite's own "
+                             f"{p.name} in the output folder; rename the scenario")
         if p.scenario is None:
             continue
         folder = out / p.name
