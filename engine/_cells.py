@@ -207,8 +207,11 @@ def _fetch(reader: StepReader, spec: ArraySpec, key: str, first: int, last: int,
 
 
 def _bytes_of(tensor: torch.Tensor) -> Any:
-    """The bytes of a contiguous tensor, writable in place (any dtype, bfloat16 included)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+    """The bytes of a contiguous tensor, writable in place (any dtype, bfloat16 included).
+    Flattened as the memory lies, not with ``reshape(-1)``: the size-1 dims of a contiguous
+    tensor may have any stride, and reshape keeps one (a row of a transposed row vector,
+    strides (1, 5), flattens to stride 5), which a view as bytes refuses."""
+    return tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8).numpy()
 
 
 

@@ -32,6 +32,7 @@ from antifragile.engine import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    PlanOptions,
 )
 
 Storage = tuple[str, dict[str, Any] | None]
@@ -222,6 +223,23 @@ def test_load_fills_non_contiguous_views_in_place(ckpt: CheckpointEngine) -> Non
     assert torch.equal(base_s[::2, 1::3], state["model"]["strided"])
     base_s[::2, 1::3] = 0
     assert not base_s.any(), "load wrote outside the target view"
+
+
+def test_load_fills_contiguous_targets_whose_size_one_dims_have_any_stride(
+        tmp_path: Path) -> None:
+    # a column that is a transposed row (5, 1) with strides (1, 5) is contiguous, and so is a
+    # one-element slice of a strided view; a read of one row of either flattened to a stride
+    # of 5 (or 2) that a view as bytes refuses: "loading step 1 failed unexpectedly"
+    state = {"col": torch.arange(5.0).reshape(5, 1),
+             "one": torch.tensor([1.5], dtype=torch.float64)}
+    with CheckpointEngine(str(tmp_path), keep_last=None,
+                          plan_options=PlanOptions(inner_chunk_bytes=4)) as engine:
+        engine.save(1, state, blocking=True)
+        target = {"col": torch.zeros(1, 5).t(),
+                  "one": torch.zeros(4, dtype=torch.float64)[1::2][:1]}
+        assert all(t.is_contiguous() for t in target.values())
+        engine.load(target, step=1)
+    assert torch.equal(target["col"], state["col"]) and torch.equal(target["one"], state["one"])
 
 
 def test_load_fills_parameters_held_in_a_plain_dict(ckpt: CheckpointEngine) -> None:
