@@ -50,8 +50,11 @@ def inventory(tensors: dict[str, torch.Tensor], values: Iterable[str]) -> dict[s
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    return flat.view(torch.uint8)
+    """The tensor's bytes, flattened as the memory lies: ``reshape(-1)`` of a contiguous
+    one-element tensor keeps its stride (2 for ``buffer[1::2][:1]``), which a view as bytes
+    of a wider dtype refuses."""
+    dense = tensor.detach().resolve_conj().resolve_neg().contiguous()
+    return dense.as_strided((dense.numel(),), (1,)).view(torch.uint8)
 
 
 def digests(tensors: list[torch.Tensor]) -> list[int]:

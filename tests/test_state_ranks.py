@@ -103,6 +103,32 @@ def test_plain_tensors_that_differ_between_ranks_are_kept_per_rank(
     assert got[0]["rng"] != got[1]["rng"] and got[0]["blob"] != got[1]["blob"]
 
 
+def save_strided_scalars(url: str) -> list[bytes]:
+    """Two saves of a one-element strided view (a loss scale kept in a buffer), equal on the
+    ranks at the first save and different at the second; what each rank reads back."""
+    rank = dist.get_rank()
+    buffer = torch.zeros(4, dtype=torch.float64)
+    scale = buffer[1::2][:1]  # contiguous, stride 2
+    with CheckpointEngine(url) as engine:
+        for step in (1, 2):
+            scale.fill_(step + (rank if step == 2 else 0))
+            engine.save(step, {"scale": scale}, blocking=True)
+    target = {"scale": torch.zeros(1, dtype=torch.float64)}
+    with CheckpointEngine(url) as engine:
+        engine.load(target, step=2)
+        return [bits(engine.read(1)["scale"]), bits(target["scale"])]
+
+
+def test_a_one_element_strided_view_held_by_every_rank_is_saved(
+    ranks: RankGroup, tmp_path: Path
+) -> None:
+    # digesting the ranks' copies flattened it with reshape(-1), which kept the stride of 2
+    # that a view as bytes refuses: every save of it raised a RuntimeError
+    for rank, got in enumerate(ranks.run(save_strided_scalars, str(tmp_path / "ckpt"))):
+        assert got == [bits(torch.tensor([value], dtype=torch.float64))
+                       for value in (1.0, 2.0 + rank)], rank
+
+
 def test_more_ranks_than_saved_get_rank_0s_values_with_a_warning(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     with RankGroup(3, timeout_s=180) as three:
