@@ -366,5 +366,7 @@ def _copy_cell(cell: CellImage, src: torch.Tensor, arena_ptr: int, *, on_device:
     for chunk in chunks:
         piece = block[chunk.first_row:chunk.first_row + chunk.rows]
         if chunk.raw:  # as bytes: the last dim (rows, for 1-D) counts bytes
-            piece = (piece if piece.stride(-1) == 1 else piece.contiguous()).view(torch.uint8)
+            if piece.stride(-1) != 1:  # contiguous() keeps a size-1 last dim's stride
+                piece = piece.clone(memory_format=torch.contiguous_format)
+            piece = piece.view(torch.uint8)
         chunk.view[tuple(slice(0, n) for n in piece.shape)].copy_(piece, non_blocking=True)

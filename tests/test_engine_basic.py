@@ -177,6 +177,19 @@ def test_conjugate_and_negative_views_are_saved_with_their_values(
     assert out["v"].tolist() == [-2.0]
 
 
+def test_a_column_of_8_byte_values_whose_rows_are_strided_is_saved(tmp_path: Path) -> None:
+    # a transposed strided row: (4, 1) with strides (2, 8). Its inner chunks after the first
+    # sit 4 bytes off the 8-byte grid (the crc slots) and are copied as bytes; one row of it
+    # is contiguous, so contiguous() kept the stride of 8 of its size-1 last dim, and the
+    # view as bytes raised: the save failed while staging
+    column = torch.arange(8, dtype=torch.float64).reshape(1, 8)[:, ::2].t()
+    assert column.stride() == (2, 8)
+    with CheckpointEngine(str(tmp_path), keep_last=None,
+                          plan_options=PlanOptions(inner_chunk_bytes=8)) as engine:
+        engine.save(1, {"w": column}, blocking=True)
+        assert torch.equal(engine.read(1)["w"], column)
+
+
 def test_conjugate_and_negative_views_are_loaded_into_with_their_values(
         ckpt: CheckpointEngine) -> None:
     # a contiguous target was read into as raw bytes: with the conj or neg bit set that
