@@ -83,7 +83,11 @@ def _device_sums(raw: torch.Tensor) -> torch.Tensor:
     """Two sums of the words, each weighted by a function of the word's position (``i + 1``
     and a multiplicative hash of ``i``; int64, wrapping): a value that moved changes both,
     which plain sums did not see (shuffled indices have the sum of the sorted ones)."""
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    words = raw
+    if raw.numel() % 4 == 0:
+        # a view as int32 must start on the 4-byte grid: a slice of a buffer (a float16
+        # ``buf[1:9]``) may not, and is summed from an aligned copy of the same bytes
+        words = (raw if raw.storage_offset() % 4 == 0 else raw.clone()).view(torch.int32)
     out = torch.zeros(2, dtype=torch.int64, device=raw.device)
     for start in range(0, words.numel(), _SUM_BLOCK):
         block = words[start:start + _SUM_BLOCK].to(torch.int64)

@@ -249,6 +249,19 @@ def test_digests_see_one_flipped_bit_on_host_and_device_paths() -> None:
         assert not torch.equal(host, _device_sums(raw.reshape(-1))), dtype
 
 
+def test_device_digests_of_a_view_off_the_4_byte_grid() -> None:
+    """A half-precision slice of a buffer (``buf[1:9]``) starts 2 bytes into its storage: its
+    bytes viewed as int32 words raised on an accelerator, failing every save of such a
+    replicated plain tensor. Its digest is that of an aligned copy of the same bytes (the
+    device path, run here on CPU), so the ranks' copies still compare equal."""
+    from antifragile.engine._ranks import _bytes_of, _device_sums
+
+    buffer = torch.arange(10).to(torch.float16)
+    view = buffer[1:9]
+    assert _bytes_of(view).storage_offset() % 4 == 2
+    assert torch.equal(_device_sums(_bytes_of(view)), _device_sums(_bytes_of(view.clone())))
+
+
 def test_device_digests_see_values_that_moved() -> None:
     """Per-rank shuffled sample indices hold the same values in another order: the word sums
     accelerators used (all words, odd words) were equal for any permutation that keeps the
