@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from ._memory import MemoryCopy
+from ._paths import is_index
+from ._ranks import rank_array
 from ._restore import Sources
 from ._state import FlatState, iter_local
-from .errors import CheckpointMismatchError
+from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .load import StepReader, StoredTensor
 from .plan import HeldBox, local_boxes
 from .storage import Storage
@@ -120,7 +122,9 @@ def _from_memory(memory: MemoryCopy | None, reader: StepReader,
 
 def read_whole(storage: Storage, step: int, pool: Executor) -> dict[str, Any]:
     """Every tensor of ``step`` as a whole plain CPU tensor, and every JSON value, keyed by
-    state path."""
+    state path. What was saved per rank (it differed between ranks) is keyed by
+    ``rank_array``, one entry per rank that saved a copy, for values as for tensors: the
+    lowest rank's copy alone would hide the others from a comparison of two checkpoints."""
     reader = StepReader(storage, step)
     reader.load_arrays(list(reader.tensors.values()), pool)
     out: dict[str, Any] = {}
@@ -129,5 +133,11 @@ def read_whole(storage: Storage, step: int, pool: Executor) -> dict[str, Any]:
         out[path], box = _whole(stored)
         reads += reader.read_box(stored, box, out[path])
     _raise_first([pool.submit(read) for read in reads])
-    values = {p: v for p, v in reader.values.items() if not p.startswith(".")}
+    values = {p: v for p, v in reader.values.items()
+              if not p.startswith(".") and p not in reader.values_by_rank}
+    for path, by_rank in reader.values_by_rank.items():
+        if not all(is_index(r) for r in by_rank):
+            raise CheckpointCorruptError(f"step {step}: malformed per-rank values of {path!r}")
+        if not path.startswith("."):
+            values.update((rank_array(path, int(r)), v) for r, v in by_rank.items())
     return {**values, **out}

@@ -103,6 +103,24 @@ def test_plain_tensors_that_differ_between_ranks_are_kept_per_rank(
     assert got[0]["rng"] != got[1]["rng"] and got[0]["blob"] != got[1]["blob"]
 
 
+def test_read_gives_every_ranks_copy_of_what_was_saved_per_rank(
+    ranks: RankGroup, tmp_path: Path
+) -> None:
+    # read() gave the lowest rank's copy of a JSON value that differed between ranks, under
+    # its path, and no other: comparing two runs' final checkpoints (chaos's checker) could
+    # not see rank 1's cursor differ. Per-rank values are keyed as per-rank tensors are
+    url = str(tmp_path / "ckpt")
+    ranks.run(save_versions, url, [0, 1])
+    with CheckpointEngine(url) as engine:
+        stored = engine.read(2)
+    saved = [rank_state(rank, 2) for rank in (0, 1)]
+    for rank in (0, 1):
+        assert bits(stored[f"rng/rank_{rank}"]) == bits(saved[rank]["rng"])
+        assert stored[f"loader/cursor/rank_{rank}"] == saved[rank]["loader"]["cursor"]
+    assert "loader/cursor" not in stored and "rng" not in stored
+    assert stored["sampler/epoch"] == 2  # the same on both ranks: one value
+
+
 def save_strided_scalars(url: str) -> list[bytes]:
     """Two saves of a one-element strided view (a loss scale kept in a buffer), equal on the
     ranks at the first save and different at the second; what each rank reads back."""
