@@ -591,3 +591,28 @@ def test_a_swept_interval_the_model_gives_no_goodput_is_predicted_zero(
     assert rows[5000]["model_goodput"] == 0.0 and rows[5000]["predicted_goodput"] == 0.0
     assert rows[5000]["gap"] == rows[5000]["measured_goodput"]
     assert 0 < rows[2]["predicted_goodput"] < 1
+
+
+@pytest.mark.parametrize("extra", [[], ["--sweep-steps", "100000"]])
+def test_a_sweep_whose_runs_would_pass_the_run_time_limit_is_refused_before_they_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str]) -> None:
+    """The default sweep run lasts about three MTBFs (4000 s here, at 1 s a step), and
+    ``--sweep-steps`` may ask for any length: such a run went past chaos run's time limit
+    and failed only then, after the runs before it had been made. Refused once the step
+    time is measured, before any sweep run, naming the option to change."""
+    from antifragile.chaos.tune import measure
+
+    events, t = _killed_run_events()
+    runs: list[Path] = []
+
+    def run(s: Any, folder: Path, progress: Any) -> RunRecord:
+        runs.append(folder)
+        return _killed_run(events, t)
+
+    monkeypatch.setattr(measure, "_run", run)
+    path = _tiny(tmp_path, [{"kind": "kill_rank", "rank": "random", "mtbf_s": 4000}])
+    result = _invoke([str(path), "--sweep", "--schedules", "100", *extra])
+    assert result.exit_code == 2, result.output
+    assert "time limit" in result.output and "--sweep-steps" in result.output
+    assert "Traceback" not in result.output
+    assert len(runs) == 1  # the measuring run only

@@ -47,8 +47,12 @@ class RunTimeout(ChaosRunError, TimeoutError):
     """A run went past its time limit; the job was killed."""
 
 
+#: how long one run may last before its job is killed (``RunTimeout``)
+RUN_TIME_LIMIT_S = 3600.0
+
+
 def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = True,
-                 timeout_s: float = 3600.0, storage: RunStorage | None = None,
+                 timeout_s: float = RUN_TIME_LIMIT_S, storage: RunStorage | None = None,
                  on_event: Callable[[dict[str, Any], list[Injection]], None] | None = None
                  ) -> RunRecord:
     """Run the trainer for ``s`` (with its faults unless ``faults=False``) to the end.

@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from antifragile.chaos.scenario import load_scenario
-from antifragile.chaos.tune.measure import measure_costs, scenario_mtbf_s, sweep, sweep_every
+from antifragile.chaos.tune.measure import (
+    Measured,
+    measure_costs,
+    scenario_mtbf_s,
+    sweep,
+    sweep_every,
+)
 from antifragile.chaos.tune.model import Costs, Distribution, TuneError, project
 from antifragile.chaos.tune.simulate import check_simulation, plot, tune
 
@@ -97,6 +103,7 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
     if do_sweep:
         assert s is not None and measured is not None and costs.step_s is not None
         steps = sweep_steps or max(s.trainer.steps, round(3 * costs.mtbf_s / costs.step_s))
+        _check_sweep_length(steps, costs.step_s, measured, explicit=sweep_steps is not None)
         with _folder(out, "sweep") as folder:
             doc["sweep"] = sweep(
                 s, costs, measured, folder, every=every or sweep_every(rec, steps),
@@ -108,6 +115,25 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
         (out / "tune.json").write_text(json.dumps(doc, indent=2))
         plot(tuning, out / "goodput.png", doc["sweep"])
     return doc
+
+
+def _check_sweep_length(steps: int, step_s: float, measured: Measured, *,
+                        explicit: bool) -> None:
+    """Refuse a sweep whose runs' training alone would pass a run's time limit: each would be
+    killed there, and the first only after the runs before it (the default length is about
+    three MTBFs: a long MTBF asks for hours). Checked once the step time is measured."""
+    from antifragile.chaos.run.runner import RUN_TIME_LIMIT_S
+
+    run_s = measured.startup_s + steps * step_s + measured.tail_s
+    if run_s <= RUN_TIME_LIMIT_S:
+        return
+    fitting = max(2, int((RUN_TIME_LIMIT_S - measured.startup_s - measured.tail_s) / step_s))
+    given = (f"--sweep-steps {steps}" if explicit else
+             f"{steps} steps (about three MTBFs, the default)")
+    raise TuneError(f"--sweep: each run of {given} at the measured {step_s:.3g} s a step would "
+                    f"last at least {run_s:.0f} s, past a run's time limit of "
+                    f"{RUN_TIME_LIMIT_S:.0f} s; give --sweep-steps {fitting} or fewer (or a "
+                    "shorter --mtbf-s)")
 
 
 class _folder:
