@@ -39,6 +39,7 @@ _WALL = 0x40000000
 #: hang early), ``t`` its training thread held by ptrace (which a second tracer cannot seize,
 #: and which never shows the ``T`` a SIGSTOP waits for)
 _HELD = ("T", "t")
+_EXITED = "the thread exited before it stopped"  # a rank dying as it was seized (a kill)
 
 
 class HangRank(FaultBase):
@@ -58,7 +59,7 @@ class HangRank(FaultBase):
         if self.mode == "thread":
             hold = _ThreadHold(pid, self.duration_s)
             error = hold.start()
-            if error and not alive(pid):  # nothing to stop: the fault did not happen
+            if error and (error == _EXITED or not alive(pid)):  # nothing to stop: no fault
                 return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail,
                                  missed=f"rank {rank} (pid {pid}) had already exited")
             if error:
@@ -71,7 +72,15 @@ class HangRank(FaultBase):
         if missed:
             return Injection(self.kind, time.time(), step=step, rank=rank, missed=missed,
                              detail=detail)
-        wait_stopped(pid)  # shows as stopped a moment after the signal
+        if not wait_stopped(pid):  # shows as stopped a moment after the signal, if ever
+            # dying as it was stopped (a kill of the same moment): nothing is held, and the
+            # attempt it ends is the kill's, not this fault's
+            with contextlib.suppress(ProcessLookupError):
+                send(pid, signal.SIGCONT)
+            why = ("had already exited" if not alive(pid)
+                   else "was sent SIGSTOP but did not stop")
+            return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail,
+                             missed=f"rank {rank} (pid {pid}) {why}")
 
         def resume() -> None:
             with contextlib.suppress(ProcessLookupError):
@@ -108,9 +117,11 @@ class _ThreadHold:
             return
         libc.ptrace(_PTRACE_INTERRUPT, self.tid, None, None)
         try:
-            os.waitpid(self.tid, _WALL)  # the interrupt stop
+            _, status = os.waitpid(self.tid, _WALL)  # the interrupt stop, or its death
         except ChildProcessError:
-            self._error = "the thread exited before it stopped"
+            status = None
+        if status is None or not os.WIFSTOPPED(status):  # killed as it was seized
+            self._error = _EXITED
             self._stopped.set()
             return
         self._stopped.set()

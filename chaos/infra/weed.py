@@ -96,10 +96,11 @@ def start_time(pid: int) -> int | None:
 
 def wait_stopped(pid: int, timeout_s: float = STOP_TIMEOUT_S) -> bool:
     """Whether the process shows as stopped (``T``) within ``timeout_s``: a SIGSTOP reaches
-    every thread of a many-threaded Go server only after a moment."""
+    every thread of a many-threaded Go server only after a moment. False at once for one that
+    exited meanwhile (a zombie, or gone): it never will."""
     deadline = time.monotonic() + timeout_s
     while (fields := _stat(pid)) is not None and fields[0] != "T":
-        if time.monotonic() > deadline:
+        if fields[0] in "ZX" or time.monotonic() > deadline:
             return False
         time.sleep(0.005)
     return fields is not None

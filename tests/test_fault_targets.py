@@ -1,0 +1,60 @@
+"""Faults made on processes that are not there to take them: a fault that found nothing to act
+on is ``missed`` (the verdict fails), never recorded as made."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from antifragile.chaos.faults import FAULT_CONFIGS, Target
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A process that sleeps, in a session of its own (as torchrun starts each rank)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                            start_new_session=True)
+    time.sleep(0.5)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _target(pid: int) -> Target:
+    return Target(pids={0: pid}, coordinates={}, ckpt_url="/nonexistent", rng=random.Random(0))
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_hang_of_the_rank_a_kill_of_the_same_moment_took_is_missed(
+        sleeper: subprocess.Popen[bytes], mode: str) -> None:
+    """Two faults at one pause point, a kill and then a hang of the same rank: the rank is
+    dying (not yet a zombie) when the hang is made. Recorded as made, the hang would be
+    credited with ending the attempt the kill ended."""
+    if mode == "thread" and os.geteuid() != 0:
+        pytest.skip("ptrace of a non-child needs root here")
+    target = _target(sleeper.pid)
+    kill = FAULT_CONFIGS["kill_rank"](kind="kill_rank", rank=0, at_step=1).inject(target, 1)
+    assert kill.missed is None
+    began = time.monotonic()
+    hang = FAULT_CONFIGS["hang_rank"](kind="hang_rank", rank=0, at_step=1, duration_s=1.0,
+                                      mode=mode).inject(target, 1)
+    assert hang.missed is not None and "exited" in hang.missed, hang
+    assert hang.skipped is None
+    assert time.monotonic() - began < 2.0  # a zombie is not waited on as if it might stop
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_hang_of_a_rank_that_exited_is_missed(sleeper: subprocess.Popen[bytes],
+                                                mode: str) -> None:
+    sleeper.send_signal(signal.SIGKILL)
+    sleeper.wait()
+    hang = FAULT_CONFIGS["hang_rank"](kind="hang_rank", rank=0, at_step=1, duration_s=1.0,
+                                      mode=mode).inject(_target(sleeper.pid), 1)
+    assert hang.missed is not None and "exited" in hang.missed
