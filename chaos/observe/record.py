@@ -44,12 +44,41 @@ class RunRecord:
         return current
 
 
+class EventLogError(ValueError):
+    """A complete line of an event file that is not an event (garbled, or not an object with
+    ``t``, ``rank``, ``attempt`` and ``event``); the message names the file and the line.
+    Never skipped: the lost event could be the ``ckpt_committed`` or ``restore_skipped`` a
+    verdict rests on, so a run that has one has no verdict."""
+
+
+_FIELDS = {"t": (int, float), "rank": (int,), "attempt": (int,), "event": (str,)}
+
+
+def _event(path: Path, number: int, line: bytes) -> dict[str, Any]:
+    """Line ``number`` (from 1) of ``path`` as an event, or EventLogError saying why not."""
+    try:
+        e = json.loads(line.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise EventLogError(f"{path}:{number}: not a JSON event ({exc}): "
+                            f"{line[:120]!r}") from None
+    wrong = list(_FIELDS) if not isinstance(e, dict) else [
+        k for k, types in _FIELDS.items()
+        if not isinstance(e.get(k), types) or isinstance(e.get(k), bool)]
+    if wrong:
+        raise EventLogError(f"{path}:{number}: not an event (missing or wrong "
+                            f"{', '.join(wrong)}): {line[:120]!r}")
+    return e
+
+
 class EventTail:
-    """Reads new lines of every ``events/*.jsonl`` since the last call."""
+    """Reads new lines of every ``events/*.jsonl`` since the last call; a line still being
+    written (no newline yet) waits for the next call. Raises :class:`EventLogError` at a
+    complete line that is not an event."""
 
     def __init__(self, run_dir: Path) -> None:
         self.dir = run_dir / "events"
         self._offsets: dict[Path, int] = {}
+        self._lines: dict[Path, int] = {}  # complete lines read so far, per file
         self.events: list[dict[str, Any]] = []
 
     def poll(self) -> list[dict[str, Any]]:
@@ -58,12 +87,16 @@ class EventTail:
             return new
         for path in sorted(self.dir.glob("*.jsonl")):
             offset = self._offsets.get(path, 0)
-            with open(path, encoding="utf-8") as f:
+            with open(path, "rb") as f:  # bytes: the offsets are byte counts, as written
                 f.seek(offset)
                 chunk = f.read()
-            complete = chunk[:chunk.rfind("\n") + 1]
-            self._offsets[path] = offset + len(complete.encode())
-            new += [json.loads(line) for line in complete.splitlines() if line.strip()]
+            complete = chunk[:chunk.rfind(b"\n") + 1]
+            lines = complete.split(b"\n")[:-1]
+            first = self._lines.get(path, 0) + 1
+            new += [_event(path, first + i, line) for i, line in enumerate(lines)
+                    if line.strip()]
+            self._offsets[path] = offset + len(complete)
+            self._lines[path] = first - 1 + len(lines)
         new.sort(key=lambda e: e["t"])
         self.events += new
         return new

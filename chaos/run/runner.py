@@ -24,7 +24,7 @@ from antifragile.chaos.infra.netns import NetnsUnavailable, Network
 from antifragile.chaos.infra.proxy import FaultProxy
 from antifragile.chaos.infra.s3 import ENDPOINT_VARS, RunStorage
 from antifragile.chaos.observe.measure import detection_window_s
-from antifragile.chaos.observe.record import EventTail, RunRecord
+from antifragile.chaos.observe.record import EventLogError, EventTail, RunRecord
 from antifragile.chaos.run.pauses import (
     Pending,
     Point,
@@ -106,7 +106,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             for e in watch.poll() if watch else []:
                 observed.append(e)
                 job.see(e)
-            for e in tail.poll():
+            for e in _read(tail):
                 job.see(e)
                 if on_event:
                     on_event(e, injections)
@@ -165,7 +165,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             relay.close()
         if hosts.network is not None:
             hosts.network.close()
-    for e in tail.poll():
+    for e in _read(tail):
         job.see(e)
     ended = time.time()
     for generation in job.generations:
@@ -173,6 +173,16 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     events = sorted(tail.events + observed, key=lambda e: e["t"]) if observed else tail.events
     return RunRecord(agents.returncode, started, ended, events, injections, job.ends,
                      paused_s=job.paused_s)
+
+
+def _read(tail: EventTail) -> list[dict[str, Any]]:
+    """The events written since the last read; a line that is no event ends the run with no
+    verdict (ChaosRunError naming the file and the line), since the verdict may rest on it."""
+    try:
+        return tail.poll()
+    except EventLogError as exc:
+        raise ChaosRunError(f"an event file of the run is damaged, so the run cannot be "
+                            f"judged (an event the verdict needs may be lost): {exc}") from None
 
 
 class _Job:

@@ -1,0 +1,73 @@
+"""Reading the trainer's event files as they are written (``observe.record.EventTail``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from antifragile.chaos.observe.record import EventLogError, EventTail
+from antifragile.chaos.run.runner import ChaosRunError, _read
+
+
+def _line(t: float, event: str, **fields: object) -> str:
+    return json.dumps({"t": t, "rank": 0, "attempt": 0, "event": event, **fields}) + "\n"
+
+
+def _events(tmp_path: Path, text: str | bytes, name: str = "rank0.jsonl") -> Path:
+    folder = tmp_path / "events"
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    with open(path, "ab") as f:
+        f.write(text.encode() if isinstance(text, str) else text)
+    return path
+
+
+def test_a_garbled_complete_line_is_an_error_naming_the_file_and_the_line(
+        tmp_path: Path) -> None:
+    """A torn line that the next attempt's first line completed: never skipped (the lost event
+    could be the ckpt_committed a verdict rests on), never a bare JSONDecodeError."""
+    tail = EventTail(tmp_path)
+    path = _events(tmp_path, _line(1.0, "start", pid=1))
+    assert [e["event"] for e in tail.poll()] == ["start"]
+    _events(tmp_path, '{"t": 2.0, "rank": 0, "attempt": 0, "ev' + _line(3.0, "start", pid=2))
+    with pytest.raises(EventLogError, match=rf"^{path}:2: not a JSON event"):
+        tail.poll()
+    with pytest.raises(ChaosRunError, match=rf"cannot be judged.*{path}:2:"):
+        _read(tail)
+
+
+@pytest.mark.parametrize("line", ['[1, 2]\n', '{"t": 1.0, "rank": 0, "event": "start"}\n',
+                                  '{"t": "x", "rank": 0, "attempt": 0, "event": "start"}\n'])
+def test_a_line_that_is_no_event_is_an_error(tmp_path: Path, line: str) -> None:
+    path = _events(tmp_path, _line(1.0, "start", pid=1) + "\n" + line)
+    with pytest.raises(EventLogError, match=rf"^{path}:3: not an event"):
+        EventTail(tmp_path).poll()
+
+
+def test_a_line_being_written_waits_for_its_end(tmp_path: Path) -> None:
+    tail = EventTail(tmp_path)
+    whole = _line(1.0, "step_end", step=1).encode()
+    _events(tmp_path, whole[:10])
+    assert tail.poll() == []
+    _events(tmp_path, whole[10:])
+    assert [e["step"] for e in tail.poll()] == [1]
+    assert tail.poll() == []
+
+
+def test_offsets_count_bytes_as_written(tmp_path: Path) -> None:
+    """A line ending in CRLF (a script's own writer) and a non-ASCII field cut in the middle of
+    a character by the read: each event is read once, whole."""
+    tail = EventTail(tmp_path)
+    _events(tmp_path, _line(1.0, "step_end", step=1).replace("\n", "\r\n"))
+    assert [e["step"] for e in tail.poll()] == [1]
+    text = json.dumps({"t": 2.0, "rank": 0, "attempt": 0, "event": "note", "what": "é"},
+                      ensure_ascii=False).encode() + b"\n"
+    cut = text.index("é".encode()) + 1
+    _events(tmp_path, text[:cut])
+    assert tail.poll() == []
+    _events(tmp_path, text[cut:] + _line(3.0, "step_end", step=2).encode())
+    assert [(e["event"], e.get("what")) for e in tail.poll()] == [("note", "é"),
+                                                                 ("step_end", None)]
+    assert [e["t"] for e in tail.events] == [1.0, 2.0, 3.0]
