@@ -58,3 +58,15 @@ def test_a_hang_of_a_rank_that_exited_is_missed(sleeper: subprocess.Popen[bytes]
     hang = FAULT_CONFIGS["hang_rank"](kind="hang_rank", rank=0, at_step=1, duration_s=1.0,
                                       mode=mode).inject(_target(sleeper.pid), 1)
     assert hang.missed is not None and "exited" in hang.missed
+
+
+@pytest.mark.parametrize("second", ["kill_rank", "crash_during_save"])
+def test_a_second_kill_of_the_same_rank_at_the_same_moment_is_missed(
+        sleeper: subprocess.Popen[bytes], second: str) -> None:
+    """The first SIGKILL is delivered a moment after kill(2) returns: the second fault must
+    find the rank dead, not be recorded as made (and credited with the first one's death)."""
+    target = _target(sleeper.pid)
+    first = FAULT_CONFIGS["kill_rank"](kind="kill_rank", rank=0, at_step=1).inject(target, 1)
+    assert first.missed is None
+    again = FAULT_CONFIGS[second](kind=second, rank=0, at_checkpoint=1).inject(target, 1)
+    assert again.missed is not None and "exited" in again.missed, again

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -138,6 +140,9 @@ class Injection:
     fault_index: int | None = None
 
 
+KILL_WAIT_S = 2.0  # how long ``Target.signal`` waits for a SIGKILLed process to be dead
+
+
 @dataclass(slots=True)
 class Target:
     """The running job as the faults see it."""
@@ -174,15 +179,25 @@ class Target:
         had exited; a zombie not yet reaped counts, since a signal to one succeeds and does
         nothing). A worker that leads its process group (torchrun starts each in a session of
         its own; a user's wrapper script is one) gets it with everything it started: a shell
-        killed alone leaves its training process running, orphaned."""
+        killed alone leaves its training process running, orphaned.
+
+        A SIGKILL returns once the process is dead (a zombie, or gone; at most
+        ``KILL_WAIT_S``): the kernel delivers it a moment after kill(2) returns, and another
+        fault of the same moment (a second kill of the rank) must find it dead, not be
+        recorded as made and take credit for this one's death."""
         pid = self.pids[rank]
         if alive(pid):
             try:
                 send(pid, sig)
                 self.hit.add(rank)
-                return None
             except ProcessLookupError:
                 pass
+            else:
+                if sig == signal.SIGKILL:
+                    deadline = time.monotonic() + KILL_WAIT_S
+                    while alive(pid) and time.monotonic() < deadline:
+                        time.sleep(0.002)
+                return None
         return f"rank {rank} (pid {pid}) had already exited"
 
 
