@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,23 @@ def test_a_second_kill_of_the_same_rank_at_the_same_moment_is_missed(
     assert first.missed is None
     again = FAULT_CONFIGS[second](kind=second, rank=0, at_checkpoint=1).inject(target, 1)
     assert again.missed is not None and "exited" in again.missed, again
+
+
+def test_a_fault_whose_injection_fails_is_missed_naming_why(tmp_path: Path) -> None:
+    """A fault that raised while it was made (here ``corrupt_shard`` on a checkpoint whose
+    COMMIT is damaged: an earlier fault's work, or storage failing under a storage fault)
+    ended ``chaos run`` with a traceback; it did not happen as the scenario says, so it is
+    missed (the verdict fails), naming the fault and the error, and the run goes on."""
+    from antifragile.chaos.run.runner import _inject
+
+    from antifragile.engine._paths import step_dir
+
+    (tmp_path / step_dir(5)).mkdir()
+    (tmp_path / step_dir(5) / "COMMIT").write_bytes(b"not a marker")
+    fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=6)
+    target = Target(pids={0: os.getpid()}, coordinates={}, ckpt_url=str(tmp_path),
+                    rng=random.Random(0))
+    injection = _inject(fault, target, 6)
+    assert injection.kind == "corrupt_shard" and injection.step == 6
+    assert injection.missed is not None and "corrupt_shard failed" in injection.missed
+    assert "COMMIT" in injection.missed

@@ -115,7 +115,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                     if point is not None and job.all_paused(point, e):
                         target = _target(s, job.current_pids(), ckpt_url, rng, storage, hosts)
                         for index, fault in point.faults:
-                            injection = fault.inject(target, point.step)  # type: ignore[attr-defined]
+                            injection = _inject(fault, target, point.step)
                             agents.note(injection)
                             injection.fault_index = index
                             injection.detail["paused_s"] = time.time() - point.first_paused_t
@@ -147,9 +147,9 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                           and (s.is_command or job.step < s.trainer.steps)
                           and all(alive(pid) for pid in pids.values()))
                     if up:
-                        injection = p.fault.inject(  # type: ignore[attr-defined]
-                            _target(s, pids, ckpt_url, rng, storage, hosts),
-                            job.step or (None if s.is_command else 0))
+                        injection = _inject(p.fault, _target(s, pids, ckpt_url, rng, storage,
+                                                             hosts),
+                                            job.step or (None if s.is_command else 0))
                         agents.note(injection)
                         injection.fault_index = p.index
                         injections.append(injection)
@@ -173,6 +173,21 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     events = sorted(tail.events + observed, key=lambda e: e["t"]) if observed else tail.events
     return RunRecord(agents.returncode, started, ended, events, injections, job.ends,
                      paused_s=job.paused_s)
+
+
+def _inject(fault: Any, target: Target, step: int | None) -> Injection:
+    """Make ``fault``; one whose making raised (storage failing under it, a checkpoint an
+    earlier fault damaged) did not happen as the scenario says: it is missed, naming the
+    error (the verdict fails), and the run goes on to its end instead of a traceback."""
+    try:
+        injection: Injection = fault.inject(target, step)
+    except Exception as exc:
+        rank = getattr(fault, "rank", None)  # "random" or absent: not known
+        return Injection(fault.kind, time.time(), step=step,
+                         rank=rank if isinstance(rank, int) else None,
+                         missed=f"{fault.kind} failed as it was made: "
+                                f"{type(exc).__name__}: {exc}")
+    return injection
 
 
 def _read(tail: EventTail) -> list[dict[str, Any]]:
