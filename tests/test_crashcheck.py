@@ -267,6 +267,80 @@ def test_crashcheck_help_does_not_import_torch() -> None:
     assert out == ["0", "False"]
 
 
+# -- the recording proxy in front of a scripted server --------------------------------------------
+
+class _Scripted:
+    """An HTTP server on loopback that answers every request with ``answer(method, path,
+    body)`` (status, body): the answers a real server gives only in an outage."""
+
+    def __init__(self, answer: Any) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _any(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                status, out = answer(self.command, self.path, body)
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            do_GET = do_PUT = do_POST = do_DELETE = _any
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def __enter__(self) -> _Scripted:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _send(proxy: Any, method: str, target: str, body: bytes = b"",
+          headers: dict[str, str] | None = None) -> int:
+    import http.client
+
+    host, port = proxy.endpoint_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request(method, target, body=body, headers=headers or {})
+        answer = conn.getresponse()
+        answer.read()
+        return answer.status
+    finally:
+        conn.close()
+
+
+def test_a_multi_delete_records_only_the_keys_the_server_deleted() -> None:
+    """A multi-object delete answers 200 with a per-key result: a key under ``<Error>`` was not
+    deleted (and a quiet delete lists only those). The proxy recorded every key of the request
+    as deleted, so the model built states without an object the storage still held."""
+    from antifragile.chaos.crashcheck.record import RecordingProxy
+
+    result = (b'<?xml version="1.0" encoding="UTF-8"?>\n<DeleteResult xmlns="http://s3.amazonaws'
+              b'.com/doc/2006-03-01/"><Deleted><Key>r/a</Key></Deleted><Error><Key>r/b &amp; c'
+              b'</Key><Code>InternalError</Code><Message>try again</Message></Error>'
+              b'</DeleteResult>')
+    request = (b'<Delete xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Object><Key>r/a</Key>'
+               b'</Object><Object><Key>r/b &amp; c</Key></Object><Object><Key>r/&#233;</Key>'
+               b'</Object><Quiet>false</Quiet></Delete>')
+    with _Scripted(lambda method, path, body: (200, result)) as server, \
+            RecordingProxy(server.url, bucket="b", root="r") as proxy:
+        proxy.start()
+        assert _send(proxy, "POST", "/b?delete", request) == 200
+        rec = proxy.stop()
+    assert [(m.kind, m.key) for m in rec.mutations] == [("delete", "a"), ("delete", "\u00e9")]
+
+
 # -- the recording proxy on a real S3 server ---------------------------------------------------
 
 @pytest.mark.s3

@@ -17,10 +17,11 @@ forwarded, as a real object store's latency would, so that concurrent requests o
 
 Mutations (one :class:`Mutation` per key changed): ``PUT`` (object, or ``COPY`` with
 ``x-amz-copy-source``), ``DELETE``, ``POST ?delete`` (one mutation per key: S3's multi-object
-delete is not atomic), ``POST ?uploads`` / ``PUT ?partNumber`` / ``POST ?uploadId`` (multipart:
-the object appears, with its parts concatenated, when the completion is applied; ``DELETE
-?uploadId``, an abort, changes no object and is not one). Requests the server refused (not
-2xx) change nothing and are not recorded as mutations.
+delete is not atomic; a key its answer lists under ``<Error>`` is not one), ``POST ?uploads`` /
+``PUT ?partNumber`` / ``POST ?uploadId`` (multipart: the object appears, with its parts
+concatenated, when the completion is applied; ``DELETE ?uploadId``, an abort, changes no object
+and is not one). Requests the server refused (not 2xx) change nothing and are not recorded as
+mutations.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
+from xml.etree import ElementTree
 
 MUTATING_KINDS = ("put", "copy", "delete", "multipart_create", "multipart_part",
                   "multipart_complete")
@@ -222,8 +224,7 @@ class RecordingProxy:
         found: list[Mutation] = []
         if method == "POST" and "delete" in query:
             found = [Mutation(0, "delete", k, *times, status=status)
-                     for k in re.findall(rb"<Key>(.*?)</Key>", body)
-                     for k in [_xml_text(k)]]
+                     for k in _multi_deleted(body, response)]
         elif method == "POST" and "uploads" in query:
             upload = re.search(rb"<UploadId>(.*?)</UploadId>", response)
             if ok and upload:
@@ -270,12 +271,22 @@ class RecordingProxy:
         return key.removeprefix(f"{self.root}/")
 
 
-def _xml_text(raw: bytes) -> str:
-    text = raw.decode()
-    for entity, char in (("&lt;", "<"), ("&gt;", ">"), ("&quot;", '"'), ("&apos;", "'"),
-                         ("&amp;", "&")):
-        text = text.replace(entity, char)
-    return text
+def _multi_deleted(request: bytes, response: bytes) -> list[str]:
+    """The keys a multi-object delete deleted: those of its request less those its (2xx)
+    answer lists under ``<Error>``. S3 answers such a delete 200 whatever became of each key,
+    and a quiet one lists only the failures; an answer that is no XML lists none. Parsed as
+    XML, not matched: a key's text may hold any entity or character reference."""
+    try:
+        keys = [k.text or "" for k in
+                ElementTree.fromstring(request).iterfind("{*}Object/{*}Key")]
+    except ElementTree.ParseError:
+        return []  # the server cannot have understood it either
+    try:
+        failed = {k.text or "" for k in
+                  ElementTree.fromstring(response).iterfind("{*}Error/{*}Key")}
+    except ElementTree.ParseError:
+        failed = set()
+    return [k for k in keys if k not in failed]
 
 
 def _parse_head(head: bytes) -> tuple[str, dict[str, str]]:
