@@ -341,6 +341,38 @@ def test_a_multi_delete_records_only_the_keys_the_server_deleted() -> None:
     assert [(m.kind, m.key) for m in rec.mutations] == [("delete", "a"), ("delete", "\u00e9")]
 
 
+def test_a_completion_or_copy_answered_200_with_an_error_changes_nothing() -> None:
+    """S3 answers a multipart completion and a copy 200 before it has done them (then keeps
+    the connection alive with spaces), so a failure arrives as an ``<Error>`` body under a 200:
+    the proxy recorded the object as written, and the model built states holding an object
+    the storage never had (the client, told it failed, tries again)."""
+    from antifragile.chaos.crashcheck.record import RecordingProxy
+
+    late_error = (b'<?xml version="1.0" encoding="UTF-8"?>\n   \n<Error><Code>InternalError</Code>'
+                  b'<Message>We encountered an internal error. Please try again.</Message>'
+                  b'</Error>')
+
+    def answer(method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        if path.endswith("?uploads"):
+            return 200, (b"<InitiateMultipartUploadResult><Bucket>b</Bucket><Key>r/big</Key>"
+                         b"<UploadId>u1</UploadId></InitiateMultipartUploadResult>")
+        if "partNumber" in path:
+            return 200, b""
+        return 200, late_error
+
+    with _Scripted(answer) as server, RecordingProxy(server.url, bucket="b", root="r") as proxy:
+        proxy.start()
+        assert _send(proxy, "POST", "/b/r/big?uploads") == 200
+        assert _send(proxy, "PUT", "/b/r/big?partNumber=1&uploadId=u1", b"part") == 200
+        done = b"<CompleteMultipartUpload><Part><PartNumber>1</PartNumber></Part>"
+        assert _send(proxy, "POST", "/b/r/big?uploadId=u1",
+                     done + b"</CompleteMultipartUpload>") == 200
+        assert _send(proxy, "PUT", "/b/r/copy", headers={"x-amz-copy-source": "/b/r/big"}) == 200
+        rec = proxy.stop()
+    assert [m.kind for m in rec.mutations if m.visible] == []
+    assert enumerate_states({}, rec.mutations).distinct == 1
+
+
 # -- the recording proxy on a real S3 server ---------------------------------------------------
 
 @pytest.mark.s3

@@ -21,7 +21,8 @@ delete is not atomic; a key its answer lists under ``<Error>`` is not one), ``PO
 ``PUT ?partNumber`` / ``POST ?uploadId`` (multipart: the object appears, with its parts
 concatenated, when the completion is applied; ``DELETE ?uploadId``, an abort, changes no object
 and is not one). Requests the server refused (not 2xx) change nothing and are not recorded as
-mutations.
+mutations, nor are those answered 2xx with an ``<Error>`` body (a completion or a copy that
+failed after S3 had sent its 200).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ from xml.etree import ElementTree
 MUTATING_KINDS = ("put", "copy", "delete", "multipart_create", "multipart_part",
                   "multipart_complete")
 _HEAD_LIMIT = 64 * 1024
+#: an answer whose body is an ``<Error>`` document: S3 answers a multipart completion and a copy
+#: 200 before it has done them (keeping the connection alive with spaces), so one that failed
+#: says so only in its body, and changed nothing
+_LATE_ERROR = re.compile(rb"\s*(<\?xml[^>]*\?>)?\s*<Error[\s>]")
 
 
 @dataclass(slots=True)
@@ -219,6 +224,8 @@ class RecordingProxy:
         bucket, _, key = unquote(url.path).lstrip("/").partition("/")
         if bucket != self.bucket or method not in ("PUT", "POST", "DELETE"):
             return
+        if 200 <= status < 300 and _LATE_ERROR.match(response):
+            return  # failed after its 200 was sent: see _LATE_ERROR
         ok = 200 <= status < 300
         times = (issued - t0, acked - t0)
         found: list[Mutation] = []
