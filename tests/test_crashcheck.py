@@ -58,6 +58,19 @@ def test_large_in_flight_sets_are_sampled_and_said_so() -> None:
     assert [s.objects for s in again.states] == [s.objects for s in e.states]  # seeded
 
 
+def test_a_sampled_cut_counts_each_subset_once() -> None:
+    """Seeded draws of an in-flight set repeat subsets (10 in flight: 1024 subsets, 2000
+    draws); each repeat was counted as another crash point, so the report claimed more
+    crashes visited than there were (here twice as many)."""
+    muts = [_put(i, f"k{i}", 0, 1) for i in range(10)]
+    e = enumerate_states({}, muts, max_inflight_exhaustive=4, sample_per_cut=2000, seed=1)
+    assert e.sampled_cuts == 1
+    # every subset of the middle cut leaves its own state; the cuts before and after the
+    # writes leave the empty and the full one again
+    assert e.crash_points == e.distinct + 2 == sum(s.cuts for s in e.states)
+    assert e.distinct <= 2 ** 10
+
+
 def test_max_states_caps_with_a_seeded_sample() -> None:
     muts = [_put(i, f"k{i}", 0, 1) for i in range(6)]
     e = enumerate_states({}, muts, max_states=10)

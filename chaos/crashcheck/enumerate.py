@@ -4,8 +4,9 @@ The model: a crash at time T (the whole job dies) leaves every mutation acknowle
 applied, none issued after T, and any subset of those in flight at T (issued before, answered
 after) applied or not. Cut points are taken between consecutive distinct issue/ack times, so
 every distinct (acknowledged, in-flight) pair is visited once. In-flight sets of up to
-``max_inflight_exhaustive`` mutations have all their subsets enumerated; a larger one gets a
-seeded sample of ``sample_per_cut`` subsets, and the result says so (``sampled_cuts``).
+``max_inflight_exhaustive`` mutations have all their subsets enumerated; a larger one gets
+``sample_per_cut`` seeded draws (besides the empty and the full subset; a subset drawn again is
+visited once), and the result says so (``sampled_cuts``).
 
 A state is the bucket's final content, ``{key: body digest}`` (absent: no such object);
 states are deduplicated on it. Applied mutations take effect in issue order; two in-flight
@@ -92,10 +93,14 @@ def _subsets(in_flight: list[Mutation], exhaustive: int, samples: int,
         for r in range(len(in_flight) + 1):
             yield from itertools.combinations(in_flight, r)
         return
-    yield ()
-    yield tuple(in_flight)
-    for _ in range(samples):
-        yield tuple(m for m in in_flight if rng.random() < 0.5)
+    drawn: set[tuple[int, ...]] = set()
+    for draw in range(samples + 2):  # the empty and the full set first, then seeded draws
+        subset = (() if draw == 0 else tuple(in_flight) if draw == 1
+                  else tuple(m for m in in_flight if rng.random() < 0.5))
+        indexes = tuple(m.index for m in subset)
+        if indexes not in drawn:  # a repeat is no other crash: each one is visited once
+            drawn.add(indexes)
+            yield subset
 
 
 def enumerate_states(base: dict[str, str], mutations: list[Mutation], *,
