@@ -91,6 +91,15 @@ def test_max_states_keeps_the_state_after_the_save_when_a_shorter_crash_reached_
     assert [s.objects for s in e.states] == [{}, {"a": "d0"}]
 
 
+def test_a_cap_of_one_state_checks_the_state_after_the_save() -> None:
+    """``--max-states 1`` kept the state before the save (nothing changed yet) and dropped the
+    one after it, which the verdict rests on: the run failed, its save "not loading new"."""
+    muts = [_put(0, "a", 0, 1), _put(1, "COMMIT", 2, 3)]
+    e = enumerate_states({}, muts, max_states=1)
+    assert e.capped and [s.id for s in e.states] == [e.final]
+    assert e.states[0].objects == {"a": "d0", "COMMIT": "d1"}
+
+
 def test_deletes_copies_and_same_key_overlaps() -> None:
     base = {"old/a": "x", "old/COMMIT": "c", "tmp": "t"}
     muts = [Mutation(0, "delete", "old/COMMIT", 0, 1), Mutation(1, "delete", "old/a", 0, 1),

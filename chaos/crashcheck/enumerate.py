@@ -135,7 +135,8 @@ def enumerate_states(base: dict[str, str], mutations: list[Mutation], *,
     if capped:  # a seeded sample that always holds the state before and after the save
         assert max_states is not None
         final = seen[after].id
-        ends = sorted({0, final})[:max_states]
+        # a cap of one keeps the state after the save: the verdict rests on it
+        ends = sorted({0, final}) if max_states > 1 else [final]
         rest = [i for i in range(len(states)) if i not in ends]
         keep = sorted(ends + random.Random(seed).sample(rest, max_states - len(ends)))
         states = [states[i] for i in keep]
