@@ -79,7 +79,6 @@ def test_a_fault_whose_injection_fails_is_missed_naming_why(tmp_path: Path) -> N
     ended ``chaos run`` with a traceback; it did not happen as the scenario says, so it is
     missed (the verdict fails), naming the fault and the error, and the run goes on."""
     from antifragile.chaos.run.runner import _inject
-
     from antifragile.engine._paths import step_dir
 
     (tmp_path / step_dir(5)).mkdir()
