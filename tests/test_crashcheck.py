@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from antifragile.chaos.cli import main
-from antifragile.chaos.crashcheck.check import Expected, classify
+from antifragile.chaos.crashcheck.check import Expected, classify, holds_intact
 from antifragile.chaos.crashcheck.enumerate import apply, enumerate_states
 from antifragile.chaos.crashcheck.record import Mutation
 from antifragile.chaos.crashcheck.report import verdict
@@ -115,13 +115,30 @@ def test_deletes_copies_and_same_key_overlaps() -> None:
 
 def test_classification() -> None:
     exp = Expected(old_step=2, old_digest="o", new_step=3, new_digest="n", older={1: "p"})
-    assert classify({"step": 2, "digest": "o"}, exp) == "old"
-    assert classify({"step": 3, "digest": "n"}, exp) == "new"
-    assert classify({"step": 3, "digest": "o"}, exp) == "torn"  # old data under the new step
-    assert classify({"step": 2, "digest": "z"}, exp) == "torn"
-    assert classify({"step": 1, "digest": "p"}, exp) == "lost"  # rolled back past step 2
-    assert classify({"error": "CheckpointError: ..."}, exp) == "refused"
-    assert classify({"nothing": "no committed step"}, exp) == "lost"
+    for intact in (True, False):
+        assert classify({"step": 2, "digest": "o"}, exp, intact=intact) == "old"
+        assert classify({"step": 3, "digest": "n"}, exp, intact=intact) == "new"
+        # old data under the new step
+        assert classify({"step": 3, "digest": "o"}, exp, intact=intact) == "torn"
+        assert classify({"step": 2, "digest": "z"}, exp, intact=intact) == "torn"
+        # rolled back past step 2
+        assert classify({"step": 1, "digest": "p"}, exp, intact=intact) == "lost"
+    # nothing loaded: a liveness failure while a checkpoint was intact, else step 2 is lost
+    # (an error where neither step's folder survived was reported as refused)
+    for result in ({"error": "CheckpointError: ..."}, {"nothing": "no committed step"}):
+        assert classify(result, exp, intact=True) == "refused"
+        assert classify(result, exp, intact=False) == "lost"
+
+
+def test_a_step_is_intact_when_its_folder_is_as_its_save_left_it() -> None:
+    base = {"step_000000002/COMMIT": "c", "step_000000002/w/c/0": "a", "step_000000001/x": "p"}
+    assert holds_intact(base, base, 2) and holds_intact(base, base, 1)
+    assert holds_intact({**base, "step_000000003/w/c/0": "n"}, base, 2)
+    assert not holds_intact({k: v for k, v in base.items() if k != "step_000000002/COMMIT"},
+                            base, 2)
+    assert not holds_intact({**base, "step_000000002/w/c/0": "b"}, base, 2)  # overwritten
+    assert not holds_intact({**base, "step_000000002/extra": "e"}, base, 2)
+    assert not holds_intact(base, base, 3)  # no such folder: nothing to hold
 
 
 def test_verdict_fails_on_the_documented_rule_only() -> None:

@@ -9,10 +9,11 @@ Outcomes, against the digests of what was saved:
 
 - ``old``: step k, bitwise equal to what step k saved;
 - ``new``: step k+1, bitwise equal to what the recorded save saved;
-- ``refused``: an error, nothing loaded, although an intact checkpoint existed (liveness);
+- ``refused``: an error or nothing loaded, although step k or step k+1 was intact in the state
+  (every object of its folder as its save left it): a liveness failure;
 - ``torn``: something loaded that equals neither (correctness);
 - ``lost``: step k, committed before the save began, cannot be loaded any more: the rule
-  found no checkpoint at all, or only an older step (intact, but a committed step is gone).
+  found no checkpoint, or failed, with neither step intact, or loaded an older step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,11 +48,12 @@ class Expected:
     older: dict[int, str] = field(default_factory=dict)  # older committed steps' digests
 
 
-def classify(result: dict[str, Any], expected: Expected) -> str:
-    if "nothing" in result:
-        return "lost"
-    if "error" in result:
-        return "refused"
+def classify(result: dict[str, Any], expected: Expected, *, intact: bool) -> str:
+    """The outcome of one load. ``intact``: the state holds step k's or step k+1's folder
+    exactly as its save left it (``holds_intact``); a load that ended with nothing then
+    refused a checkpoint it could have had, else step k was lost."""
+    if "nothing" in result or "error" in result:
+        return "refused" if intact else "lost"
     step, loaded = result["step"], result["digest"]
     if step == expected.old_step and loaded == expected.old_digest:
         return "old"
@@ -59,6 +62,21 @@ def classify(result: dict[str, Any], expected: Expected) -> str:
     if expected.older.get(step) == loaded:
         return "lost"  # an older step, intact: step k was lost
     return "torn"
+
+
+#: a step's folder, as every engine here names it (``engines.step_name``, the engine's own)
+STEP_RE = re.compile(r"^step_(\d{9,})$")
+
+
+def holds_intact(objects: dict[str, str], reference: dict[str, str], step: int) -> bool:
+    """Whether ``step``'s folder in ``objects`` (key -> body digest) is exactly what it is in
+    ``reference`` (the bucket when that step's save had ended), and not empty there."""
+    def folder(of: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in of.items()
+                if (m := STEP_RE.match(k.split("/", 1)[0])) and int(m[1]) == step}
+
+    wanted = folder(reference)
+    return bool(wanted) and folder(objects) == wanted
 
 
 class CheckerError(RuntimeError):

@@ -23,14 +23,14 @@ Load rules (what "the newest checkpoint the engine considers valid" means):
 from __future__ import annotations
 
 import hashlib
-import re
 from typing import Any
 
 import torch
 
+from antifragile.chaos.crashcheck.check import STEP_RE
+
 ARRAYS = 12
 NUMEL = 64
-STEP_RE = re.compile(r"^step_(\d{9,})$")
 MARKERS = {"dcp": ".metadata", "torchsnapshot": ".snapshot_metadata"}
 
 

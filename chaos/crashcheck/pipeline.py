@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from antifragile.chaos.crashcheck.check import BAD, OUTCOMES, CheckerPool, Expected, classify
+from antifragile.chaos.crashcheck.check import (
+    BAD,
+    OUTCOMES,
+    CheckerPool,
+    Expected,
+    classify,
+    holds_intact,
+)
 from antifragile.chaos.crashcheck.enumerate import CrashState, Enumeration, enumerate_states
 from antifragile.chaos.crashcheck.record import Mutation, Recording, RecordingProxy
 from antifragile.chaos.infra.lifetime import die_with_parent
@@ -230,8 +237,11 @@ def run_case(settings: Settings, name: str, *, endpoint_url: str, env: dict[str,
     check_s = time.monotonic() - t2
     result = CaseResult(name, recording, base, expected, enumeration, answers=answers,
                         save_error=save_error)
+    final = next(s.objects for s in enumeration.states if s.id == enumeration.final)
+    intact = {s.id: holds_intact(s.objects, base, expected.old_step)
+              or holds_intact(s.objects, final, expected.new_step) for s in enumeration.states}
     for rule in rules:
-        result.outcomes[rule] = {i: classify(a["results"][rule], expected)
+        result.outcomes[rule] = {i: classify(a["results"][rule], expected, intact=intact[i])
                                  for i, a in answers.items()}
     result.timings = {"record_s": round(record_s, 2), "save_s": round(save_s, 3),
                       "enumerate_s": round(enumerate_s, 2), "check_s": round(check_s, 2)}

@@ -118,7 +118,8 @@ def markdown(doc: dict[str, Any], has_plot: bool) -> str:
     lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in table_rows(doc)]
     lines += ["", "`old`: step k loaded, bitwise equal; `new`: step k+1, bitwise equal; "
-              "`refused`: an error while an intact checkpoint existed; `torn`: data equal to "
+              "`refused`: an error or nothing, while step k's or k+1's folder was intact; "
+              "`torn`: data equal to "
               "neither; `lost`: step k, committed before the save, no longer loads (nothing "
               "does, or only an older step).", "",
               "## Cases", ""]
