@@ -150,6 +150,10 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     (["--hang-timeout-s", "nan"], "hang_timeout_s must be > 0, got nan"),
     (["--lease-s", "nan"], "lease_s must be > 0, got nan"),
     (["--lease-s", "5"], "lease_s: leases are held only under recovery in_process"),
+    # a tp rank left no row of the vocabulary: every rank died in the embedding's forward
+    # (index_select(): self indexing axis dim should be positive), exit 1
+    (["--tp", "4", "--vocab", "9"], "vocab 9 leaves tp rank 3 of 4 no rows"),
+    (["--tp", "2", "--vocab", "1"], "vocab 1 leaves tp rank 1 of 2 no rows"),
 ])
 def test_bad_configuration_is_rejected_with_a_reason(argv: list[str], message: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,6 +161,14 @@ def test_bad_configuration_is_rejected_with_a_reason(argv: list[str], message: s
         parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("tp", "vocab"), [(4, 7), (4, 10), (2, 63), (4, 4)])
+def test_a_vocabulary_every_tp_rank_holds_rows_of_is_accepted(tp: int, vocab: int) -> None:
+    """Uneven vocabulary shards train (tp 4, vocab 7: rows 2, 2, 2, 1); only a shard left
+    empty is refused."""
+    cfg = parse_args(["--tp", str(tp), "--heads", "4", "--vocab", str(vocab)])
+    assert cfg.model.vocab == vocab
 
 
 def test_config_defaults_are_consistent() -> None:

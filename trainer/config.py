@@ -74,6 +74,16 @@ class TrainConfig:
             raise ValueError(f"schedule must be gpipe or 1f1b, not {self.schedule!r}")
         if self.model.heads % self.parallel.tp:
             raise ValueError(f"heads {self.model.heads} not divisible by tp {self.parallel.tp}")
+        # the embedding and the head are split over tp by vocabulary rows, in chunks of
+        # ceil(vocab / tp) (torch.chunk): the last ranks may get none, and an embedding shard
+        # without rows fails its forward on every rank (index_select on an empty weight)
+        rows = -(-self.model.vocab // self.parallel.tp)
+        if rows * (self.parallel.tp - 1) >= self.model.vocab:
+            empty = self.model.vocab // rows
+            raise ValueError(f"vocab {self.model.vocab} leaves tp rank {empty} of "
+                             f"{self.parallel.tp} no rows of the embedding (split in chunks of "
+                             f"{rows}): use a vocab that leaves every tp rank some (a multiple "
+                             "of tp does) or a smaller tp")
         if self.model.layers < self.parallel.pp:
             raise ValueError(f"{self.model.layers} layers cannot fill {self.parallel.pp} stages")
         if self.recovery not in ("restart", "in_process"):
