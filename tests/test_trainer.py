@@ -104,3 +104,17 @@ def test_gpipe_schedule_resumes_bitwise(tmp_path: Path) -> None:
     assert losses(straight) == losses(resumed)
     assert_bitwise_equal(checkpoint_arrays(str(straight / "ckpt"), 6),
                          checkpoint_arrays(str(resumed / "ckpt"), 6))
+
+
+def test_a_resumed_run_trains_at_the_lr_it_is_given(tmp_path: Path) -> None:
+    """--lr is the run's learning rate also after a resume: the checkpoint restores the
+    optimizer's state (moments, step counts), not the hyperparameters the run is started
+    with. The checkpoint's lr used to win, so --lr 0 on a resume went on training at 3e-3."""
+    run_trainer(tmp_path, steps=3, ckpt_every=3)
+    run_trainer(tmp_path, steps=4, ckpt_every=1, extra=["--lr", "0"])
+    before, after = (checkpoint_arrays(str(tmp_path / "ckpt"), s) for s in (3, 4))
+    lrs = {v for k, v in after.items() if k.startswith("optim/param_groups.") and k.endswith(".lr")}
+    assert lrs == {0.0}
+    for key in (k for k in before if k.startswith("model/")):
+        assert torch.equal(before[key], after[key]), key  # lr 0, no weight decay: no change
+    assert after["optim/state.output.weight.step"] == 4  # the step counts went on

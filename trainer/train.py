@@ -344,6 +344,11 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
             gc.collect()
         if restored is not None:
             step, cursor = restored
+            # the checkpoint restores the optimizer's state (moments, step counts), and with
+            # torch's optimizer state dict also the lr it was saved with: the run trains at
+            # the --lr it is given, as a run that changes it on a resume means to
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = cfg.lr
     progress.set(Phase.TRAINING, step=step)
     unsaved = None  # the last step, if its checkpoint could not be saved
     while step < cfg.steps:
