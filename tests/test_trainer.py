@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dist import RankGroup
 
 from tests._trainer import assert_bitwise_equal, checkpoint_arrays, events, losses, run_trainer
 
@@ -118,3 +119,39 @@ def test_a_resumed_run_trains_at_the_lr_it_is_given(tmp_path: Path) -> None:
     for key in (k for k in before if k.startswith("model/")):
         assert torch.equal(before[key], after[key]), key  # lr 0, no weight decay: no change
     assert after["optim/state.output.weight.step"] == 4  # the step counts went on
+
+
+def _shards(activation_checkpointing: bool) -> dict[str, tuple[str, ...]]:
+    """On each of 2 ranks: every parameter of a tp 2 Trainer, by its name without the
+    checkpoint wrapper, as (its type, its local shape)."""
+    import types
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from antifragile.trainer.config import TrainConfig
+    from antifragile.trainer.model import ModelConfig
+    from antifragile.trainer.parallel.dims import ParallelDims
+    from antifragile.trainer.train import Trainer
+
+    cfg = TrainConfig(parallel=ParallelDims(tp=2),
+                      model=ModelConfig(layers=2, d_model=32, heads=4, vocab=64, seq_len=16),
+                      activation_checkpointing=activation_checkpointing)
+    ctx = types.SimpleNamespace(world_size=dist.get_world_size(), device=torch.device("cpu"),
+                                rank=dist.get_rank())
+    trainer = Trainer(cfg, ctx, types.SimpleNamespace(bump=lambda: None))  # type: ignore[arg-type]
+    return {name.replace("_checkpoint_wrapped_module.", ""):
+            (type(p).__name__, *map(str, (p.to_local() if isinstance(p, DTensor) else p).shape))
+            for name, p in trainer.model.named_parameters()}
+
+
+def test_activation_checkpointing_keeps_the_blocks_tensor_parallel() -> None:
+    """The blocks were wrapped for activation checkpointing before the TP plan was applied,
+    and the plan's keys (attn.wq, ...) name no child of a wrapper: with
+    --activation-checkpointing every tp rank held and computed whole blocks, with a warning
+    per key in the log and the same losses (tp was only the embedding and the head)."""
+    with RankGroup(2, timeout_s=300) as ranks:
+        plain = ranks.run(_shards, False)
+        checkpointed = ranks.run(_shards, True)
+    assert plain[0]["layers.0.attn.wq.weight"] == ("DTensor", "16", "32")
+    assert checkpointed == plain

@@ -82,10 +82,10 @@ class Trainer:
                            dims.pp)
         for block in model.layers.values():  # micro-step progress for the watchdog
             block.register_forward_pre_hook(lambda *_: progress.bump())
-        if cfg.activation_checkpointing:
-            _checkpoint_blocks(model)
         model.to(ctx.device)
         apply_tp(model, mesh["tp"])
+        if cfg.activation_checkpointing:  # after TP: its plan names a block's own children
+            _checkpoint_blocks(model)
         apply_fsdp(model, mesh["dp"], pipelined=dims.pp > 1)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0,
@@ -131,6 +131,10 @@ class Trainer:
 
 
 def _checkpoint_blocks(model: GPT) -> None:
+    """Wrap each block to recompute its activations in the backward. Only once tensor
+    parallelism is applied: the TP plan names a block's children (``attn.wq``), which a
+    wrapper hides behind ``_checkpoint_wrapped_module``, and ``parallelize_module`` only warns
+    about a key it cannot resolve (the blocks then stay whole on every tp rank)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     for name, block in list(model.layers.items()):
