@@ -121,6 +121,17 @@ def test_a_resumed_run_trains_at_the_lr_it_is_given(tmp_path: Path) -> None:
     assert after["optim/state.output.weight.step"] == 4  # the step counts went on
 
 
+def test_a_resume_past_the_last_step_says_it_trains_nothing(tmp_path: Path) -> None:
+    """A run started again with --steps at or below its newest checkpoint (a smaller --steps
+    by mistake, or a finished job launched again) has nothing to train; it ended with code 0
+    and said nothing, as if it had trained to --steps."""
+    run_trainer(tmp_path, steps=3, ckpt_every=3)
+    proc = run_trainer(tmp_path, steps=2, ckpt_every=1)
+    assert "resumed at step 3, past --steps 2: nothing to train" in proc.stderr
+    proc = run_trainer(tmp_path, steps=3, ckpt_every=1)
+    assert "resumed at step 3, the last (--steps 3): nothing to train" in proc.stderr
+
+
 def _shards(activation_checkpointing: bool) -> dict[str, tuple[str, ...]]:
     """On each of 2 ranks: every parameter of a tp 2 Trainer, by its name without the
     checkpoint wrapper, as (its type, its local shape)."""

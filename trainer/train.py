@@ -353,6 +353,11 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
             # the --lr it is given, as a run that changes it on a resume means to
             for group in trainer.optimizer.param_groups:
                 group["lr"] = cfg.lr
+            if step >= cfg.steps and ctx.rank == 0:  # a finished run, or --steps lowered
+                where = (f"the last (--steps {cfg.steps})" if step == cfg.steps
+                         else f"past --steps {cfg.steps}")
+                print(f"antifragile.trainer: resumed at step {step}, {where}: nothing to "
+                      "train", file=sys.stderr, flush=True)
     progress.set(Phase.TRAINING, step=step)
     unsaved = None  # the last step, if its checkpoint could not be saved
     while step < cfg.steps:
