@@ -10,7 +10,9 @@ the first ``--warmup`` steps excluded (process start-up, allocator warm-up, and 
 the first save, which plans and allocates its staging area), then whole periods of ``--every``
 steps (as many saves per timed step as the run makes). The overhead is the median over
 pairs of (mean step with checkpoints / mean step without - 1): 8 processes share this
-machine's cores, so one pair is noise. With
+machine's cores, so one pair is noise. A save refused (the previous one still persisting) or
+failed costs the loop nothing, so the target is a MISS unless every checkpointed run made
+every save its timed steps hold. With
 CUDA, it also compares the engine's staging stall with a plain device-to-host copy of the same
 state into pinned memory.
 """
@@ -35,6 +37,20 @@ def timed_steps(args: argparse.Namespace) -> range:
     held one save more or less than its share); the last step is never one of them."""
     periods = (args.steps - 1 - args.warmup) // args.every
     return range(args.warmup + 1, args.warmup + 1 + periods * args.every)
+
+
+OVERHEAD_TARGET = 0.02  # issue 10: async checkpoints cost at most 2% of the mean step
+
+
+def overhead_verdict(overhead: float, ckpt_runs: list[dict[str, float]]) -> str:
+    """PASS when ``overhead`` is within the target and every checkpointed run made every save
+    of its timed steps; a run that made fewer measured less checkpointing than was asked."""
+    short = [f"{r['timed_saves']:.0f} of {r['expected_saves']:.0f}" for r in ckpt_runs
+             if r["timed_saves"] < r["expected_saves"]]
+    if short:
+        return (f"MISS ({', '.join(short)} saves in the timed steps made: the others were "
+                "refused or failed, see ckpt_failed)")
+    return "PASS" if overhead <= OVERHEAD_TARGET else "MISS"
 
 
 def _run(args: argparse.Namespace, run_dir: Path, every: int | None) -> dict[str, float]:
@@ -64,11 +80,22 @@ def _run(args: argparse.Namespace, run_dir: Path, every: int | None) -> dict[str
         last_end[e["rank"]] = e["t"]
         if previous is not None and e["step"] in timed:
             per_step[e["step"]] = max(per_step.get(e["step"], 0.0), e["t"] - previous)
+    # the saves the timed steps pay for (a save after step s is paid in step s + 1), and those
+    # every rank staged and none reported failed
+    ranks = {e["rank"] for e in log if e["event"] == "step_end"}
+    staged: dict[int, set[int]] = {}
+    for e in log:
+        if e["event"] == "ckpt_staged":
+            staged.setdefault(e["step"], set()).add(e["rank"])
+    failed = {e["step"] for e in log if e["event"] == "ckpt_failed"}
+    saves = [s for s in range(timed.start - 1, timed.stop - 1) if every and s % every == 0]
+    made = [s for s in saves if staged.get(s, set()) >= ranks and s not in failed]
     stalls = [e["stall_s"] for e in log if e["event"] == "ckpt_staged"]
     persist = [e["persist_s"] for e in log if e["event"] == "ckpt_committed"]
     return {"mean_step_s": statistics.fmean(per_step.values()),
             "median_step_s": statistics.median(per_step.values()),
             "checkpoints": len({e["step"] for e in log if e["event"] == "ckpt_committed"}),
+            "expected_saves": len(saves), "timed_saves": len(made),
             "mean_stall_s": statistics.fmean(stalls) if stalls else 0.0,
             "mean_persist_s": statistics.fmean(persist) if persist else 0.0}
 
@@ -147,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                                     for _, c, _ in pairs)
     print(f"what the loop waits for: mean stall / (every x mean step) = {stall_share * 100:.2f}% "
           "(the rest of the overhead is background persist competing for the cores)")
-    verdict = "PASS" if overhead <= 0.02 else "MISS"
+    verdict = overhead_verdict(overhead, [c for _, c, _ in pairs])
     print(f"checkpoint overhead on mean step time, median of {args.pairs} pairs: "
-          f"{overhead * 100:+.2f}% (target <= 2%) {verdict}")
+          f"{overhead * 100:+.2f}% (target <= {OVERHEAD_TARGET:.0%}) {verdict}")
     gpu = gpu_stall()
     if gpu is None:
         print("GPU staging stall vs pinned D2H copy: skipped (no CUDA device here)")
@@ -159,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{gpu['stall_s'] / gpu['d2h_copy_s']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"layout": layout, "pairs": pairs,
-                                               "overhead": overhead, "gpu": gpu}, indent=2))
+                                               "overhead": overhead, "verdict": verdict,
+                                               "gpu": gpu}, indent=2))
     return 0
 
 

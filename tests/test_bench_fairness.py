@@ -41,15 +41,21 @@ def test_save_cost_times_the_engine_save_without_the_barrier_before_it(
     assert max(times["dcp_async_return"]) < barrier_s, times
 
 
-def _trainer_events(steps: int, every: int | None, stall_s: float) -> list[dict[str, object]]:
+def _trainer_events(steps: int, every: int | None, stall_s: float,
+                    refused: frozenset[int] = frozenset()) -> list[dict[str, object]]:
     """One rank's step_end events: steps of 1 s, and with checkpoints every ``every`` steps
-    the step after each save ``stall_s`` longer (the loop pays the stall after step_end)."""
+    the step after each save ``stall_s`` longer (the loop pays the stall after step_end); a
+    save at a step in ``refused`` is refused (busy) and costs nothing."""
     events: list[dict[str, object]] = []
     t = 0.0
     for step in range(1, steps + 1):
-        t += 1.0 + (stall_s if every and step > 1 and (step - 1) % every == 0 else 0.0)
+        saved_before = every and step > 1 and (step - 1) % every == 0
+        t += 1.0 + (stall_s if saved_before and step - 1 not in refused else 0.0)
         events.append({"event": "step_end", "rank": 0, "step": step, "t": t})
-        if every and step % every == 0:
+        if every and step % every == 0 and step in refused:
+            events.append({"event": "ckpt_failed", "rank": 0, "step": step,
+                           "error": "the previous save is still in flight"})
+        elif every and step % every == 0:
             events.append({"event": "ckpt_staged", "rank": 0, "step": step, "stall_s": stall_s})
             events.append({"event": "ckpt_committed", "rank": 0, "step": step,
                            "persist_s": 0.1})
@@ -79,6 +85,35 @@ def test_trainer_bench_times_whole_checkpoint_periods(
     base = bench_trainer._run(args, tmp_path / "none-0", None)
     ckpt = bench_trainer._run(args, tmp_path / "ckpt-0", every)
     assert ckpt["mean_step_s"] / base["mean_step_s"] - 1.0 == pytest.approx(0.05)
+
+
+def test_trainer_bench_overhead_misses_when_saves_in_the_timed_steps_were_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save refused (the previous one still persisting) or failed costs the loop nothing:
+    with a stall of 0.1 s per 1 s step every 10 steps (+1% when every save is made, a PASS),
+    a run whose timed steps made 1 of their 4 saves shows +0.25%, which says nothing of the
+    2% target: a MISS that says how many were made."""
+    import argparse
+    import subprocess
+
+    from bench import trainer as bench_trainer
+
+    def fake_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(cmd, 0)
+
+    args = argparse.Namespace(dp=1, tp=1, pp=1, steps=60, every=10, warmup=11, layers=1,
+                              d_model=64, device="cpu")
+    monkeypatch.setattr(bench_trainer.subprocess, "run", fake_run)
+    for refused, made, overhead, verdict in ((frozenset(), 4, 0.01, "PASS"),
+                                             (frozenset({20, 30, 40}), 1, 0.0025,
+                                              "MISS (1 of 4 saves")):
+        monkeypatch.setattr(bench_trainer, "read_events", lambda run_dir, refused=refused: (
+            _trainer_events(60, 10 if "ckpt" in run_dir.name else None, 0.1, refused)))
+        base = bench_trainer._run(args, tmp_path / "none-0", None)
+        ckpt = bench_trainer._run(args, tmp_path / "ckpt-0", args.every)
+        assert (ckpt["timed_saves"], ckpt["expected_saves"]) == (made, 4)
+        assert ckpt["mean_step_s"] / base["mean_step_s"] - 1.0 == pytest.approx(overhead)
+        assert bench_trainer.overhead_verdict(overhead, [ckpt]).startswith(verdict)
 
 
 def test_engine_bench_times_no_peer_on_its_first_call(
