@@ -148,3 +148,28 @@ def test_engine_bench_times_no_peer_on_its_first_call(
     for key in ("torch_save", "dcp_save", "torchsnapshot"):
         row = bench.report.row(key)
         assert len(row.samples) == 2 and max(row.samples) < first_call_s, (key, row.samples)
+
+
+def test_recovery_bench_checks_miss_when_the_run_did_not_pass(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A recovery time, a detection time or a goodput is a figure of a recovery that worked:
+    an in-process recovery of 0.4 s whose run failed its chaos checks (state not bitwise equal
+    to the fault-free run's) is no PASS of the 1 s target, nor its ratio to the restart's."""
+    from bench import recovery
+
+    def row(scenario: str, verdict: str, recovery_s: float) -> dict[str, object]:
+        return {"scenario": scenario, "verdict": verdict, "bitwise_equal": verdict == "pass",
+                "recovery_mode": [], "faults": 1, "recovered": 1, "detect_s": 0.1,
+                "reform_s": 0.1, "restore_s": 0.1, "recompute_s": 0.1,
+                "recovery_s": recovery_s, "lost_steps": 0, "goodput": 0.9,
+                "goodput_vs_reference": 0.95, "reference_goodput": 0.95, "wall_s": 10.0}
+
+    runs = {"quickstart.yaml": row("quickstart", "pass", 4.0),
+            "quickstart-in-process.yaml": row("quickstart-in-process", "fail", 0.4)}
+    monkeypatch.setattr(recovery, "_run", lambda name, out: runs[name])
+    recovery.main(["--only", "quickstart", "--out", str(tmp_path), "--cached-reference"])
+    checks = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith(("PASS", "MISS"))]
+    assert len(checks) == 2 and all(line.startswith("MISS") for line in checks), checks
+    assert all("quickstart-in-process: fail" in line for line in checks), checks
