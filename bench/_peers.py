@@ -65,25 +65,44 @@ class DirectWriter:
         self.buffer.release()
 
 
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """Make what a peer wrote at ``path`` durable, as the engine makes its own: every file and
+    folder under it, and its entry in the parent folder. Not ``os.sync()``, which also waits
+    for every other process's dirty pages on every file system."""
+    if os.path.isdir(path):
+        for folder, dirs, files in os.walk(path, topdown=False):
+            for name in (*files, *dirs):
+                _fsync(os.path.join(folder, name))
+    _fsync(path)
+    _fsync(os.path.dirname(os.path.abspath(path)))
+
+
 def torch_save_fsync(state: dict[str, Any], path: str) -> None:
     with open(path, "wb") as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    fsync_tree(path)
 
 
 def dcp_save_sync(state: dict[str, Any], path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     dcp.save(state, checkpoint_id=path)  # FileSystemWriter fsyncs each file (sync_files=True)
-    os.sync()  # and the directory entries
+    fsync_tree(path)  # and the folders (its files again: nothing left to flush)
 
 
 def torchsnapshot_take_sync(state: dict[str, Any], path: str) -> None:
     from torchsnapshot import Snapshot, StateDict
 
     Snapshot.take(path, {k: StateDict(**v) for k, v in state.items()})
-    os.sync()  # torchsnapshot's fs plugin does not fsync
+    fsync_tree(path)  # torchsnapshot's fs plugin does not fsync
 
 
 def engine_load(url: str, target: dict[str, Any]) -> None:

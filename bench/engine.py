@@ -52,6 +52,7 @@ from bench._peers import (
     dcp_async_save,
     dcp_save_sync,
     engine_load,
+    fsync_tree,
     save_two_rank_checkpoint,
     single_rank_group,
     torch_save_fsync,
@@ -70,10 +71,10 @@ ROWS: dict[str, tuple[str, str, bool]] = {
     "dcp_stall": ("stall", "DCP async_save: wall time until it returned", False),
     "persist": ("persist", "engine: save() call until committed (fsync'd)", True),
     "direct": ("persist", "O_DIRECT sequential write, 64 MiB blocks, fsync", True),
-    "torch_save": ("persist", "torch.save to one file + fsync", True),
-    "dcp_save": ("persist", "DCP save (fsyncs its files) + os.sync", True),
-    "dcp_async_total": ("persist", "DCP async_save call until its future is done + os.sync", True),
-    "torchsnapshot": ("persist", "torchsnapshot Snapshot.take + os.sync", True),
+    "torch_save": ("persist", "torch.save to one file + fsync of it and its folder", True),
+    "dcp_save": ("persist", "DCP save (fsyncs its files) + fsync of its folders", True),
+    "dcp_async_total": ("persist", "DCP async_save call until its future is done + fsyncs", True),
+    "torchsnapshot": ("persist", "torchsnapshot Snapshot.take + fsync of each file/folder", True),
     "load": ("load", "engine load(), same layout (saved by this process)", True),
     "dcp_load": ("load", "DCP load into the same plain tensors", True),
     "resharded": ("load", "engine load(), resharded (saved by 2 ranks as Shard(0))", True),
@@ -271,13 +272,14 @@ class Bench:
         return stall, total, handle.stall_s
 
     def _dcp_async(self, tag: str) -> tuple[float, float]:
-        """(s until async_save returned, s until its future was done + os.sync)."""
+        """(s until async_save returned, s until its future was done and its files and
+        folders fsynced)."""
         out = self.path(f"dcp-async-{tag}")
         start = time.perf_counter()
         future = dcp_async_save(self.state, out)
         stall = time.perf_counter() - start
         future.result()
-        os.sync()
+        fsync_tree(out)
         total = time.perf_counter() - start
         remove(out)
         return stall, total
