@@ -48,7 +48,7 @@ class DirectWriter:
         arena = ckpt._staging.arena if ckpt._staging is not None else None
         if arena is None:
             raise RuntimeError("the engine has not staged yet")
-        buffer = memoryview(arena.numpy())  # type: ignore[arg-type]
+        buffer = memoryview(arena.numpy())
         return DirectWriter(buffer, len(buffer))
 
     def write(self, path: str) -> None:

@@ -122,14 +122,14 @@ def trainer(pairs: int) -> dict[str, Any]:
 
     args = argparse.Namespace(dp=1, tp=1, pp=1, steps=120, every=20, warmup=21, layers=4,
                               d_model=512, device="cuda")
-    runs = []
+    runs, overheads = [], []
     with tempfile.TemporaryDirectory(prefix="gpu-trainer-") as tmp:
         for i in range(pairs):
             base = bench_trainer._run(args, Path(tmp) / f"none-{i}", None)
             ckpt = bench_trainer._run(args, Path(tmp) / f"ckpt-{i}", args.every)
-            runs.append({"none": base, "ckpt": ckpt,
-                         "overhead": ckpt["mean_step_s"] / base["mean_step_s"] - 1.0})
-    return {"runs": runs, "overhead": statistics.median(r["overhead"] for r in runs)}
+            overheads.append(ckpt["mean_step_s"] / base["mean_step_s"] - 1.0)
+            runs.append({"none": base, "ckpt": ckpt, "overhead": overheads[-1]})
+    return {"runs": runs, "overhead": statistics.median(overheads)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, cast
 
 
 def _state(model: Any, optimizer: Any, step: int) -> dict[str, Any]:
@@ -86,7 +87,8 @@ def _worker(rank: int, world: int, port: int, root: str, saves: int, out: str) -
             handle.wait()
             dist.barrier()
             t3 = time.perf_counter()
-            future = dcp.async_save(state, checkpoint_id=os.path.join(root, f"dcp-{i}"))
+            future = cast("Future[Any]", dcp.async_save(
+                state, checkpoint_id=os.path.join(root, f"dcp-{i}")))
             t4 = time.perf_counter()
             future.result()
             dist.barrier()

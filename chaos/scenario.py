@@ -379,7 +379,7 @@ class Scenario(_Strict):
     #: seeds the trainer's generators (and the faults' choices): a 64-bit signed, non-negative
     seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] = 0
     trainer: TrainerChoice = TrainerSpec()
-    checkpoint: CheckpointSpec = CheckpointSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec.model_validate({})  # by alias: "async"
     faults: list[Annotated[FaultConfig, Field(discriminator="kind")]] = []
     expect: Expect = Expect()
 

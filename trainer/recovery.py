@@ -249,7 +249,7 @@ def _coordinate(js: JobStore, failed: Formation, dead: list[str],
     members = list(failed.members)
     for rank, spare in zip(lost, free):
         members[rank] = spare
-    nxt = {"generation": js.new_generation(), "members": members,
+    nxt: dict[str, Any] = {"generation": js.new_generation(), "members": members,
            "replaced": {str(r): w for r, w in zip(lost, free)}}
     js.set(f"g{nxt['generation']}/members", members)
     for rank, spare in zip(lost, free):

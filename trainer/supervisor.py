@@ -260,16 +260,16 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
                                NO_RESUME_EXIT_CODE):
             return exit_code
         member = death.phase != Phase.SPARE and death.generation >= 0
-        generation: int | None = death.generation
+        generation = death.generation
         if incarnation == 0 and death.phase == Phase.STARTING and death.generation < 0:
             # died starting: a member of the first formation all the same if listed there
-            generation = first_generation_of(js, worker_id(slot, 0), reform_timeout_s)
-            if generation is None:
+            first = first_generation_of(js, worker_id(slot, 0), reform_timeout_s)
+            if first is None:
                 events.emit("fallback", rank=death.rank, attempt=death.generation,
                             error="died before the first generation formed: nothing to "
                                   "re-form, torchrun restarts the group")
                 return exit_code
-            member = generation >= 0
+            generation, member = first, first >= 0
         idle_deaths = 0 if member else idle_deaths + 1
         refill = idle_deaths < SPARE_RETRIES
         successor = worker_id(slot, incarnation + 1)  # this slot becomes a spare again

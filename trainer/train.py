@@ -115,11 +115,11 @@ class Trainer:
         else:
             losses: list[torch.Tensor] = []
             if self.is_first:
-                self.schedule.step(inputs)  # type: ignore[attr-defined]
+                self.schedule.step(inputs)
             elif self.is_last:
-                self.schedule.step(target=targets, losses=losses)  # type: ignore[attr-defined]
+                self.schedule.step(target=targets, losses=losses)
             else:
-                self.schedule.step()  # type: ignore[attr-defined]
+                self.schedule.step()
             if self.is_last:
                 loss = float(torch.stack([x.detach() for x in losses]).mean())
         self.optimizer.step()

@@ -79,9 +79,9 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
     for (attempt, _), c in out.items():
         if c["committed"] and c["persist_s"]:
             c["throughput_gib_s"] = c["bytes"] / c["persist_s"] / 2**30
-        window = windows.get((attempt, c["step"]))
-        if c["committed"] and c["persist_s"] and window and attempt in paces:
-            start, end = window
+        span = windows.get((attempt, c["step"]))
+        if c["committed"] and c["persist_s"] and span and attempt in paces:
+            start, end = span
             c["slowdown_s"] = sum(max(seconds - paces[attempt], 0.0)
                                   for t, seconds in steps[attempt]
                                   if t > start and t - seconds < end)

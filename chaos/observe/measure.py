@@ -36,7 +36,7 @@ def detection_window_s(s: Scenario) -> float:
     slowest way the job notices a failure, plus the teardown (a ``drop_link``'s window starts
     when the link comes back up). A command trainer's bound is its ``detect_timeout_s``."""
     if s.is_command:
-        return s.trainer.detect_timeout_s + TEARDOWN_S  # type: ignore[union-attr]
+        return s.trainer.detect_timeout_s + TEARDOWN_S
     hang_s = (s.trainer.hang_timeout_s or HANG_FLOOR_S) * STALL_ESCALATION
     return max(hang_s, s.trainer.collective_timeout_s) + TEARDOWN_S
 

@@ -88,7 +88,7 @@ def pause_plan(s: Scenario, pending: list[Pending], rng: random.Random) -> dict[
         if f.at_checkpoint is not None:
             step = f.at_checkpoint * s.checkpoint.every_steps
         else:
-            step = f.at_step  # type: ignore[assignment]
+            step = f.at_step
             phase = None
         ranks: tuple[int, ...] | None = None
         if phase is not None:  # a save phase holds only the rank the fault hits

@@ -170,7 +170,7 @@ def _determinism(s: Scenario, out: Path, reference_url: str,
     if record.returncode != 0:
         return checker.Comparison(error=_run_failed("the second fault-free run",
                                                     record.returncode, folder))
-    step = None if s.is_command else s.trainer.steps  # type: ignore[union-attr]
+    step = None if s.is_command else s.trainer.steps
     comparison = checker.determinism(s.checkpoint.engine, reference_url, str(folder / "ckpt"),
                                      step)
     found = comparison.error or comparison.differs

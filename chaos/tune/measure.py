@@ -135,7 +135,7 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
     last_attempt = by_attempt[max(by_attempt)]
     return Measured(
         ckpt_s=stall + effect, stall_s=stall, step_effect_s=effect, ckpt_cycle_s=cycle,
-        restart_s=mean([t.detect_s + t.restart_s + t.restore_s for t in timed]),  # type: ignore[operator]
+        restart_s=mean([t.detect_s + t.restart_s + t.restore_s for t in timed]),
         step_s=float(np.median(after + other)), startup_s=max(t1 - sec1 - record.started_t, 0.0),
         tail_s=max(record.ended_t - last_attempt[max(last_attempt)][0], 0.0),
         failures=len(timed), checkpoints=len(ckpts), injected_kill=injected_kill,

@@ -41,7 +41,7 @@ def open_backend(engine: str, url: str, *, keep_last: int, timeout_s: float,
     and ``on_phase`` (save phase hooks) are our engine's; the peers have neither."""
     module = _module(engine)
     if engine == "antifragile":
-        return module.AntifragileBackend(url, keep_last=keep_last, timeout_s=timeout_s,  # type: ignore[no-any-return]
+        return module.AntifragileBackend(url, keep_last=keep_last, timeout_s=timeout_s,
                                          async_=async_, keep_in_memory=keep_in_memory,
                                          on_phase=on_phase)
     cls = {"dcp": "DcpBackend", "torchsnapshot": "SnapshotBackend"}[engine]

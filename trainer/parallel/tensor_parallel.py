@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from antifragile.trainer.model import GPT
 
@@ -20,7 +25,7 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh) -> None:
         return
     if model.cfg.heads % tp_mesh.size():
         raise ValueError(f"heads {model.cfg.heads} not divisible by tp {tp_mesh.size()}")
-    plan = {}
+    plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
                                                  output_layouts=Replicate())
