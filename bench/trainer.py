@@ -3,8 +3,9 @@
     python -m bench.trainer [--dp 2 --tp 2 --pp 2] [--steps 60] [--every 10] [--pairs 3]
 
 Runs the trainer under torchrun in pairs (same seed, same layout): once without checkpoints
-and once with async checkpoints every ``--every`` steps, ``--pairs`` times, alternating. A
-step's time is the wall time between consecutive ``step_end`` events of a rank (so it includes
+and once with async checkpoints every ``--every`` steps, ``--pairs`` times, the pair's first
+run alternating between the two. A step's time is the wall time between consecutive
+``step_end`` events of a rank (so it includes
 the checkpoint's stall, which the loop pays after ``step_end``), the slowest rank's per step,
 the first ``--warmup`` steps excluded (process start-up, allocator warm-up, and by default
 the first save, which plans and allocates its staging area), then whole periods of ``--every``
@@ -153,8 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     pairs = []
     with tempfile.TemporaryDirectory(prefix="trainer-bench-") as tmp:
         for i in range(args.pairs):
-            base = _run(args, Path(tmp) / f"none-{i}", None)
-            ckpt = _run(args, Path(tmp) / f"ckpt-{i}", args.every)
+            # which run of a pair goes first alternates: a machine that slows down (or warms
+            # up) over a pair would otherwise always favour the same side
+            if i % 2:
+                ckpt = _run(args, Path(tmp) / f"ckpt-{i}", args.every)
+                base = _run(args, Path(tmp) / f"none-{i}", None)
+            else:
+                base = _run(args, Path(tmp) / f"none-{i}", None)
+                ckpt = _run(args, Path(tmp) / f"ckpt-{i}", args.every)
             pairs.append((base, ckpt, ckpt["mean_step_s"] / base["mean_step_s"] - 1.0))
     overhead = statistics.median(o for _, _, o in pairs)
     layout = f"dp={args.dp} tp={args.tp} pp={args.pp}"
