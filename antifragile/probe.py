@@ -19,7 +19,8 @@ itself; a script checkpointing with ``torch.distributed.checkpoint`` uses :func:
 :func:`dcp_load` instead of ``dcp.save`` / ``dcp.load``.
 
 Not under chaos every function returns at once (the DCP helpers just save or load): no file
-is opened, no thread started, nothing imported; importing this module imports no torch.
+is opened, no thread started, nothing imported, and after the first call not even the
+environment is read; importing this module imports no torch.
 """
 
 from __future__ import annotations
@@ -44,14 +45,21 @@ class _Probe:
 
 
 _probe: _Probe | None = None
+#: not under chaos, as the first call found: chaos sets ``ANTIFRAGILE_RUN_DIR`` before the
+#: process starts, so later calls need not look it up again (an environment lookup of a
+#: missing variable encodes the name and raises a KeyError: work on every step for nothing)
+_off = False
 
 
 def _active() -> _Probe | None:
     """The probe under chaos, built on first use; None (and nothing done) otherwise."""
-    global _probe
+    global _probe, _off
     if _probe is not None:
         return _probe
+    if _off:
+        return None
     if not os.environ.get(RUN_DIR_ENV):
+        _off = True
         return None
     from antifragile.engine._events import channel
     from antifragile.trainer.pause import PausePoints

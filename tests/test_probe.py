@@ -31,6 +31,7 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(_events, "_channel", None)
     monkeypatch.setattr(probe, "_probe", None)
+    monkeypatch.setattr(probe, "_off", False, raising=False)
 
 
 def _under_chaos(monkeypatch: pytest.MonkeyPatch, run_dir: Path, *, rank: int = 0,
@@ -58,6 +59,30 @@ def test_not_under_chaos_every_call_touches_nothing(monkeypatch: pytest.MonkeyPa
         probe.step_end(step, loss=0.5)
         probe.restored(step)
     assert threading.active_count() == threads
+    assert probe._probe is None and _events._channel is None
+
+
+def test_not_under_chaos_a_step_reads_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside chaos the first call decides; later calls look nothing up. Each had read
+    ``os.environ`` (a key encoded to bytes, a KeyError raised and caught: allocations on every
+    step of a training loop that is not under chaos)."""
+
+    class Refused(dict[str, str]):
+        def __getitem__(self, key: str) -> str:
+            raise AssertionError(f"the probe read {key} from the environment")
+
+        def get(self, key: str, default: Any = None) -> Any:
+            raise AssertionError(f"the probe read {key} from the environment")
+
+        def __contains__(self, key: object) -> bool:
+            raise AssertionError(f"the probe looked for {key} in the environment")
+
+    probe.step_end(1, loss=0.5)
+    with monkeypatch.context() as m:
+        m.setattr(os, "environ", Refused())
+        for step in range(2, 1002):
+            probe.step_end(step, loss=0.5)
+            probe.restored(step)
     assert probe._probe is None and _events._channel is None
 
 
