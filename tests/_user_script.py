@@ -3,7 +3,9 @@
 Written as a user would: gloo, a linear model, SGD with momentum, data a pure function of the
 step, checkpoints through ``CheckpointEngine`` at ``$ANTIFRAGILE_CKPT_URL``, resume on start.
 Flags make it misbehave on purpose: ``--no-probe`` (never imports the probe), ``--noise``
-(not deterministic), ``--forget-optimizer`` (resumes without the optimizer state).
+(not deterministic), ``--forget-optimizer`` (resumes without the optimizer state),
+``--stop-short`` (checkpoints every ``--every`` steps only, not its last step, and a resumed
+run exits 0 one step before ``--steps``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> None:
     parser.add_argument("--no-probe", action="store_true")
     parser.add_argument("--noise", action="store_true")
     parser.add_argument("--forget-optimizer", action="store_true")
+    parser.add_argument("--stop-short", action="store_true")
     args = parser.parse_args()
     probe = None
     if not args.no_probe:
@@ -38,11 +41,13 @@ def main() -> None:
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ckpt = CheckpointEngine(os.environ["ANTIFRAGILE_CKPT_URL"], keep_last=3)
-    step = 0
+    step, last = 0, args.steps
     if ckpt.latest_step() is not None:
         state = {"model": model} if args.forget_optimizer else {"model": model, "optim": optimizer}
         step = ckpt.load(state)
-    while step < args.steps:
+        if args.stop_short:
+            last -= 1
+    while step < last:
         step += 1
         g = torch.Generator().manual_seed(step * world + rank)
         x = torch.randn(16, 8, generator=g)
@@ -59,7 +64,7 @@ def main() -> None:
         time.sleep(args.step_s)
         if probe is not None:
             probe.step_end(step, loss)
-        if step % args.every == 0 or step == args.steps:
+        if step % args.every == 0 or (step == args.steps and not args.stop_short):
             if step == args.steps:  # the last save must not be skipped for a busy one
                 ckpt.wait()
             ckpt.save(step, {"model": model, "optim": optimizer},

@@ -72,6 +72,22 @@ def test_a_script_that_forgets_its_optimizer_fails_naming_what_differs(
     assert "model/weight" in (tmp_path / "out" / "report.md").read_text()
 
 
+def test_a_script_that_stops_short_after_its_newest_checkpoint_fails(
+        tmp_path: Path, cache: Path) -> None:
+    """The resumed script exits 0 at step 13, before its last step 14; it checkpoints every 4
+    steps, not its last, so its newest checkpoint (12) is the reference's and equal to it. That
+    was a pass: the steps the run never trained were not looked at."""
+    doc = _scenario("mine-stops-short", ["--steps", "14", "--every", "4", "--stop-short"],
+                    [{"kind": "kill_rank", "rank": 1, "at_step": 10}])
+    outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
+    report = outcome.report
+    assert report["run"]["final_step"] == report["run"]["expected_step"] == 12
+    v = report["verdict"]
+    assert v["verdict"] == "fail" and v["bitwise_equal"] is True, v
+    assert any("last step reported was 13, the reference run's 14" in r
+               for r in v["reasons"]), v
+
+
 @pytest.mark.slow
 def test_a_script_without_the_probe_takes_time_based_faults_and_says_what_it_cannot_measure(
         tmp_path: Path, cache: Path) -> None:

@@ -219,7 +219,8 @@ def verify_committed(url: str) -> dict[int, list[str]]:
 def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_step: int | None,
           faulty_url: str, reference_url: str | None, final_committed: bool,
           committed: dict[int, list[str]] | None = None, expected_step: int | None = None,
-          determinism: Comparison | None = None) -> Verdict:
+          determinism: Comparison | None = None, last_step: int | None = None,
+          reference_last_step: int | None = None) -> Verdict:
     """``final_committed``: the faulty run's checkpoint of the last step is committed (what a
     resumed job would load); without it nothing proves the run's end state survived.
     ``committed``: :func:`verify_committed`'s findings, when they were taken (after a fault on
@@ -227,6 +228,11 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
 
     A command trainer: ``final_step`` is the faulty run's newest committed step and
     ``expected_step`` the reference run's (None without a reference); they must match.
+    ``last_step`` and ``reference_last_step``: the newest step each run reported through the
+    probe (``reference_last_step`` None: the reference reported none, or there is none); they
+    must match too. A script that exits 0 before its last step, or trains past it, after its
+    newest checkpoint (one that does not checkpoint its last step) leaves that checkpoint equal
+    to the reference's: only the steps it reported show the run ended elsewhere.
 
     Every fault of the scenario must have been injected (each ``mtbf_s`` fault at least once)
     and have had its effect (``FaultTimings.effect_observed``); a fault that caused a restart
@@ -246,6 +252,10 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
         elif expected_step is not None and final_step != expected_step:
             v.fail(f"the newest committed checkpoint is step {final_step}, the reference "
                    f"run's is step {expected_step}")
+        if reference_last_step is not None and last_step != reference_last_step:
+            v.fail(f"the last step reported was {last_step}, the reference run's "
+                   f"{reference_last_step}: the run ended elsewhere (a script that exits 0 "
+                   "early, or trains on, after its newest checkpoint)")
         expected_step = final_step if expected_step is None else expected_step
     else:
         expected_step = s.trainer.steps

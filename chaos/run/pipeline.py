@@ -25,6 +25,7 @@ from antifragile.chaos.report import plots
 from antifragile.chaos.run.runner import ChaosRunError, run_scenario
 from antifragile.chaos.run.status import RunStatus
 from antifragile.chaos.scenario import CommandSpec, Scenario
+from antifragile.trainer.events import read_events
 
 
 @dataclass(slots=True)
@@ -139,8 +140,24 @@ def _reference_goodput(reference_url: str | None) -> float | None:
 
 
 def _final_step(record: RunRecord) -> int | None:
-    steps = [e["step"] for e in record.events if e["event"] == "step_end"]
+    return _last_step(record.events)
+
+
+def _last_step(events: list[dict[str, Any]]) -> int | None:
+    """The newest step the run reported (``step_end``); None when it reported none."""
+    steps = [e["step"] for e in events if e["event"] == "step_end"]
     return max(steps) if steps else None
+
+
+def _reference_last_step(reference_url: str | None) -> int | None:
+    """The newest step the fault-free run reported, from its event files in the cache (None:
+    no reference, or it reported no step)."""
+    if reference_url is None:
+        return None
+    try:
+        return _last_step(read_events(Path(reference_url).parent))
+    except (OSError, ValueError):
+        return None
 
 
 def run(s: Scenario, out: Path, *, reference: bool = True, check_determinism: bool = False,
@@ -223,9 +240,12 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
     # commit); checked now, while the run's S3 (a local cluster) still exists.
     committed = checker.verify_committed(ckpt_url) if any(
         i.kind in STORAGE_FAULTS and not i.skipped for i in record.injections) else None
+    last_step = reference_last_step = None
     if s.is_command:  # the final state is the newest committed checkpoint
         final_step = checker.newest_committed(engine, ckpt_url)
         final_committed = final_step is not None
+        last_step, reference_last_step = (_last_step(record.events),
+                                          _reference_last_step(reference_url))
     else:
         final_step = _final_step(record)
         final_committed = checker.final_committed(engine, ckpt_url, s.trainer.steps)
@@ -233,7 +253,8 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
                             final_step=final_step, faulty_url=ckpt_url,
                             reference_url=reference_url, final_committed=final_committed,
                             committed=committed, expected_step=expected_step,
-                            determinism=determinism)
+                            determinism=determinism, last_step=last_step,
+                            reference_last_step=reference_last_step)
     goodput, reference_goodput = figures.goodput(record), _reference_goodput(reference_url)
     checkpoints = figures.checkpoints(record)
     doc = {
