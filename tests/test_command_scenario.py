@@ -157,6 +157,31 @@ def test_the_script_gets_this_python_and_the_probe_contract(tmp_path: Path) -> N
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
 
 
+def test_the_readme_names_every_variable_chaos_sets_for_a_script(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's "What chaos gives the script" is the whole list: the variables the script's
+    environment gains or sees changed. The launch also set ``PYTHONWARNINGS=ignore`` (for the
+    built-in trainer's log), which silenced the script's own warnings, the engine's skipped-save
+    and quarantine warnings among them, and ``OMP_NUM_THREADS``/``PYTHONUNBUFFERED``, unnamed."""
+    from antifragile.chaos.infra import launch
+
+    for name in ("PYTHONWARNINGS", "OMP_NUM_THREADS", "PYTHONUNBUFFERED"):
+        monkeypatch.delenv(name, raising=False)
+    given: dict[str, str] = {}
+
+    def popen(*_: object, env: dict[str, str], **__: object) -> None:
+        given.update(env)
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    s = parse_scenario(_doc())
+    launch.launch(s, tmp_path / "run", "/ckpt/here", max_restarts=0)
+    assert "PYTHONWARNINGS" not in given
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("What chaos gives the script", 1)[1].split("- **The probe**", 1)[0]
+    changed = sorted(k for k, v in given.items() if os.environ.get(k) != v)
+    assert changed and [k for k in changed if k not in section] == []
+
+
 def test_the_reference_is_keyed_by_the_script_content(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("x = 1\n")

@@ -67,7 +67,8 @@ def trainer_args(s: Scenario, run_dir: Path, ckpt_url: str) -> list[str]:
 def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
            env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """Start torchrun (one agent; CPU + gloo) with in-place restarts. ``env`` is added to the
-    environment of torchrun and so of every rank (e.g. the S3 endpoint to use)."""
+    environment of torchrun and so of every rank (e.g. the S3 endpoint to use). A command
+    trainer's environment is what README's "What chaos gives the script" lists."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={s.trainer.world_size + s.trainer.spare_workers}",
@@ -75,13 +76,15 @@ def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
            # Grace before SIGKILL when the agent itself shuts down (restarts in torch 2.13
            # always give 30 s; the workers are supervisors that act on SIGTERM at once).
            "--shutdown-timeout=3", _log_dir(run_dir)]
+    own = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if isinstance(s.trainer, CommandSpec):  # the user's script, as its ranks
+        # its warnings (the engine's skipped saves, quarantined steps) stay in its log
         cmd += ["--no-python", *command_args(s.trainer)]
         env = {**(env or {}), **command_env(s.trainer, run_dir, ckpt_url)}
     else:
+        own["PYTHONWARNINGS"] = "ignore"
         cmd += ["-m", "antifragile.trainer", *trainer_args(s, run_dir, ckpt_url)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONUNBUFFERED": "1", **(env or {})}
+    env = {**os.environ, **own, **(env or {})}
     log = open(run_dir / "torchrun.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=_ends_with_chaos())
