@@ -19,7 +19,6 @@ from antifragile.chaos.infra.logs import tail
 from antifragile.chaos.infra.s3 import RunStorage, run_storage
 from antifragile.chaos.observe import checker, figures, measure
 from antifragile.chaos.observe.effects import STORAGE_FAULTS
-from antifragile.chaos.observe.record import RunRecord
 from antifragile.chaos.report import document as report
 from antifragile.chaos.report import plots
 from antifragile.chaos.run.runner import ChaosRunError, run_scenario
@@ -139,10 +138,6 @@ def _reference_goodput(reference_url: str | None) -> float | None:
     return value if isinstance(value, float) else None
 
 
-def _final_step(record: RunRecord) -> int | None:
-    return _last_step(record.events)
-
-
 def _last_step(events: list[dict[str, Any]]) -> int | None:
     """The newest step the run reported (``step_end``); None when it reported none."""
     steps = [e["step"] for e in events if e["event"] == "step_end"]
@@ -247,7 +242,7 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
         last_step, reference_last_step = (_last_step(record.events),
                                           _reference_last_step(reference_url))
     else:
-        final_step = _final_step(record)
+        final_step = _last_step(record.events)
         final_committed = checker.final_committed(engine, ckpt_url, s.trainer.steps)
     verdict = checker.judge(s, returncode=record.returncode, timings=timings,
                             final_step=final_step, faulty_url=ckpt_url,
