@@ -201,6 +201,17 @@ class CommandSpec(_Strict):
     def spare_workers(self) -> int:
         return 0
 
+    @field_validator("nproc_per_node")
+    @classmethod
+    def _fits(cls, nproc: int) -> int:
+        """As many rank processes as this machine can hold, at the least a trainer's worker
+        needs (a typo such as 100000 had torchrun start them all)."""
+        limit = max_workers()
+        if nproc > limit:
+            raise ValueError(f"{nproc} processes; this machine holds at most {limit} "
+                             f"({WORKER_LIMIT_REASON})")
+        return nproc
+
     @field_validator("nodes")
     @classmethod
     def _one_host(cls, nodes: int) -> int:

@@ -72,6 +72,9 @@ def _doc(**changes: Any) -> dict[str, Any]:
     (_doc(trainer={"command": []}), "s.yaml: trainer.command: List should have at least 1 item"),
     (_doc(trainer={"nproc_per_node": 0}),
      "s.yaml: trainer.nproc_per_node: Input should be greater than or equal to 1"),
+    # accepted: torchrun then started 100000 processes on this machine
+    (_doc(trainer={"nproc_per_node": 100000}),
+     "s.yaml: trainer.nproc_per_node: 100000 processes; this machine holds at most"),
     (_doc(trainer={"gpus": 2}), "s.yaml: trainer.gpus: unknown key"),
     (_doc(trainer={"parallel": {"dp": 2}}),
      "s.yaml: trainer.parallel: a setting of the built-in trainer; with trainer.command"),
