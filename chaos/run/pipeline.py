@@ -185,7 +185,8 @@ def _determinism(s: Scenario, out: Path, reference_url: str,
     step = None if s.is_command else s.trainer.steps
     comparison = checker.determinism(s.checkpoint.engine, reference_url, str(folder / "ckpt"),
                                      step)
-    found = comparison.error or comparison.differs
+    found = comparison.error or (f"{len(comparison.differs)} entries differ, e.g. "
+                                 f"{comparison.differs[:3]}")
     progress("determinism: " + ("the two fault-free runs are bitwise equal" if comparison.equal
                                 else f"NOT deterministic: {found}"))
     return comparison
