@@ -40,7 +40,7 @@ def timed_steps(args: argparse.Namespace) -> range:
     return range(args.warmup + 1, args.warmup + 1 + periods * args.every)
 
 
-OVERHEAD_TARGET = 0.02  # issue 10: async checkpoints cost at most 2% of the mean step
+OVERHEAD_TARGET = 0.02  # issue 14: async checkpoints cost at most 2% of the mean step
 
 
 def overhead_verdict(overhead: float, ckpt_runs: list[dict[str, float]]) -> str:
