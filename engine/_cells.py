@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import _format
-from ._dtypes import torch_dtype
+from ._dtypes import as_bytes, torch_dtype
 from .errors import CheckpointCorruptError
 from .plan import ArraySpec, HeldBox
 from .storage._base import read_into
@@ -120,7 +120,7 @@ def _scatter_read(reader: StepReader, spec: ArraySpec, key: str, first: int, las
             if (inner_whole and r_lo == start[0] + i * k and dst.is_contiguous()
                     and dst.device.type == "cpu"  # read straight into host memory only,
                     and not dst.is_conj() and not dst.is_neg()):  # as the bytes it shows
-                head = _bytes_of(dst)
+                head = as_bytes(dst).numpy()
                 pad = np.empty(chunk_nbytes - len(head), dtype=np.uint8)  # rows not wanted
                 buffers += [head, pad, slot]
                 plan.append((i, None, head, pad, slot))
@@ -206,12 +206,6 @@ def _fetch(reader: StepReader, spec: ArraySpec, key: str, first: int, last: int,
 
 
 
-def _bytes_of(tensor: torch.Tensor) -> Any:
-    """The bytes of a contiguous tensor, writable in place (any dtype, bfloat16 included).
-    Flattened as the memory lies, not with ``reshape(-1)``: the size-1 dims of a contiguous
-    tensor may have any stride, and reshape keeps one (a row of a transposed row vector,
-    strides (1, 5), flattens to stride 5), which a view as bytes refuses."""
-    return tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8).numpy()
 
 
 

@@ -37,6 +37,15 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
         _TORCH_BY_NAME[_name] = getattr(torch, _name)
 
 
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The memory of a contiguous tensor as one flat uint8 view (writable in place, any dtype,
+    bfloat16 included). Flattened as the memory lies, not with ``reshape(-1)``: the size-1
+    dims of a contiguous tensor may have any stride, and reshape keeps one (a transposed row
+    vector, strides (1, 5), flattens to stride 5; ``buffer[1::2][:1]`` to stride 2), which a
+    view as bytes of a wider dtype refuses."""
+    return tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8)
+
+
 def check_dtype(dtype: torch.dtype, *, path: str) -> None:
     """Refuse, at the call, a dtype the engine cannot store (sub-byte ``int4``, ``uint1``...)."""
     if dtype_name(dtype) not in _TORCH_BY_NAME:

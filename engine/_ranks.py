@@ -30,6 +30,7 @@ import crc32c
 import torch
 from torch.distributed.tensor import DTensor
 
+from ._dtypes import as_bytes
 from .errors import CheckpointError
 from .plan import inventory as plan_inventory
 
@@ -50,11 +51,7 @@ def inventory(tensors: dict[str, torch.Tensor], values: Iterable[str]) -> dict[s
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, flattened as the memory lies: ``reshape(-1)`` of a contiguous
-    one-element tensor keeps its stride (2 for ``buffer[1::2][:1]``), which a view as bytes
-    of a wider dtype refuses."""
-    dense = tensor.detach().resolve_conj().resolve_neg().contiguous()
-    return dense.as_strided((dense.numel(),), (1,)).view(torch.uint8)
+    return as_bytes(tensor.detach().resolve_conj().resolve_neg().contiguous())
 
 
 def digests(tensors: list[torch.Tensor]) -> list[int]:

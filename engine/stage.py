@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import _format
-from ._dtypes import torch_dtype
+from ._dtypes import as_bytes, torch_dtype
 from ._state import iter_local
 from .errors import CheckpointError
 from .plan import CellWrite, local_boxes
@@ -320,7 +320,7 @@ class StagingArea:
 
     def shadow_crc(self, path: str) -> int:
         """The CRC of the shadow of ``path`` as its bytes are now."""
-        return _format.crc(self.shadows[path].reshape(-1).view(torch.uint8).numpy())
+        return _format.crc(as_bytes(self.shadows[path]).numpy())
 
     def chunk_crcs(self, index: int) -> list[int]:
         """The part CRCs of cell ``index`` as its staged bytes are now (a memory copy's check)."""

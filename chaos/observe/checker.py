@@ -24,6 +24,7 @@ import torch
 from antifragile.chaos.observe.measure import FaultTimings
 from antifragile.chaos.scenario import Scenario
 from antifragile.engine import CheckpointError, CheckpointNotFoundError
+from antifragile.engine._dtypes import as_bytes
 from antifragile.trainer.ckpt_backends import committed_steps, read_checkpoint
 
 
@@ -56,7 +57,7 @@ class Comparison:
 
 
 def _tensor_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return as_bytes(t.detach().cpu().contiguous())
 
 
 def same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
