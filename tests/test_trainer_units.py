@@ -406,6 +406,35 @@ def test_a_run_whose_every_checkpoint_is_damaged_does_not_start_over(tmp_path: P
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000000002", "step_000000004"]
 
 
+
+def test_a_resume_with_another_seed_is_refused(tmp_path: Path) -> None:
+    """The data stream is a function of --seed: a run resumed with another --seed (a typo, a
+    launcher default) trained on other batches than the checkpoint's run from then on, and no
+    longer matched a run without the restart, without a word. It now refuses to resume,
+    naming both seeds, with the exit code that stops restarts."""
+    import subprocess
+
+    from _trainer import SMALL_MODEL, env
+
+    from antifragile.trainer.supervisor import NO_RESUME_EXIT_CODE
+
+    run_env = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")}
+
+    def train(steps: int, seed: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", str(steps),
+             "--ckpt-every", "2", "--ckpt-url", str(tmp_path / "ckpt"), "--run-dir",
+             str(tmp_path), "--seed", str(seed)],
+            env=run_env, capture_output=True, text=True, timeout=120)
+
+    assert train(2, seed=7).returncode == 0
+    proc = train(4, seed=8)
+    assert proc.returncode == NO_RESUME_EXIT_CODE, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "step 2 was trained with --seed 7, this run has --seed 8" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert train(4, seed=7).returncode == 0
+
 _REFUSING_LAST_STEP = """
 import sys
 from antifragile.engine.storage._local import LocalStorage

@@ -2,7 +2,8 @@
 
 A checkpoint holds ``model/<fqn>`` and ``optim/state.<fqn>.<exp_avg|...>`` (FQN-keyed through
 torch's distributed state-dict helpers, so every pipeline stage and layout names a parameter
-the same way) plus ``train``: the step and the data cursor. The engine that stores it is a
+the same way) plus ``train``: the step, the data cursor and the seed (the data stream is a
+function of it, so a resume with another one is refused). The engine that stores it is a
 ``trainer.ckpt_backends`` backend (ours, DCP or torchsnapshot); the events are the same for all.
 """
 
@@ -37,13 +38,15 @@ def _any_rank(device: torch.device, *flags: bool) -> list[bool]:
 
 class ResumeError(Exception):
     """The run has checkpoints and none of them loads (every one damaged or quarantined, or
-    none fits this state): starting over would lose them, and a restart meets the same."""
+    none fits this state), or the newest was trained with another seed: starting over would
+    lose them, and a restart meets the same."""
 
 
 class TrainCheckpointer:
     def __init__(self, backend: Backend, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, events: EventLog) -> None:
+                 optimizer: torch.optim.Optimizer, events: EventLog, *, seed: int = 0) -> None:
         self.backend = backend
+        self.seed = seed
         self.model = model
         self.optimizer = optimizer
         self.events = events
@@ -56,7 +59,7 @@ class TrainCheckpointer:
     def _state(self, step: int, cursor: int) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
         return {"model": model_sd, "optim": optim_sd,
-                "train": {"step": step, "data_cursor": cursor}}
+                "train": {"step": step, "data_cursor": cursor, "seed": self.seed}}
 
     def restore(self, memory: Any = None) -> tuple[int, int] | None:
         """Load the newest intact checkpoint: (step, data cursor), or None to start fresh.
@@ -79,6 +82,11 @@ class TrainCheckpointer:
             raise ResumeError(str(exc)) from exc
         for reason in skipped:
             self.events.emit("restore_skipped", reason=reason)
+        if int(state["train"]["seed"]) != self.seed:
+            raise ResumeError(f"step {step} was trained with --seed {state['train']['seed']}, "
+                              f"this run has --seed {self.seed}: its batches would differ from "
+                              "the checkpoint's run (resume with that seed, or start a run "
+                              "with a fresh --ckpt-url)")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=_OPTIONS)
         t3 = time.perf_counter()

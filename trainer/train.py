@@ -324,7 +324,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
                                timeout_s=cfg.ckpt_timeout_s, async_=cfg.async_ckpt,
                                keep_in_memory=cfg.recovery == "in_process",
                                on_phase=pauses.save_phase)
-        ckpt = TrainCheckpointer(backend, trainer.model, trainer.optimizer, events)
+        ckpt = TrainCheckpointer(backend, trainer.model, trainer.optimizer, events,
+                                seed=cfg.seed)
         checkpointer.append(ckpt)
     ctx.sockets.end()  # every process group of this generation exists now
     if ckpt is not None:
