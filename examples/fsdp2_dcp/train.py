@@ -71,13 +71,24 @@ def complete_steps(root: Path) -> list[int]:
     return sorted(found, reverse=True)
 
 
+def positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a step count, an interval, a batch)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--ckpt-every", type=int, default=5)
+    parser.add_argument("--steps", type=positive, default=40)
+    parser.add_argument("--ckpt-every", type=positive, default=5)
     parser.add_argument("--ckpt-url", default=os.environ.get("ANTIFRAGILE_CKPT_URL",
                                                              "/tmp/fsdp2-dcp-ckpt"))
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=positive, default=8)
     args = parser.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
