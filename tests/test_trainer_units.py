@@ -910,3 +910,22 @@ def test_a_skipped_save_does_not_hold_at_staged(tmp_path: Path) -> None:
         time.sleep(0.05)
     assert proc.returncode == 0
     assert paused == ["p0"]
+
+
+def test_a_wall_clock_step_during_a_gap_after_the_abort_is_not_taken_for_stuck(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stuck judgment measures time since the loop's last mark: a wall clock stepped
+    forward (NTP) while the training thread is in one of its usual gaps is no
+    time without progress, and a survivor ended for it costs a needless re-formation."""
+    progress = _training()
+    js, watch, aborted, stuck = _watch(1.0, progress)
+    signal_failure(js, 3, "worker 1.0 died")
+    assert aborted.wait(5)
+    progress.bump()
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + 60.0)  # the clock steps a minute on
+    assert not stuck.wait(0.3), "a clock step was taken for a minute without progress"
+    for _ in range(10):  # the thread makes progress again: slow, not stuck
+        progress.bump()
+        assert not stuck.wait(0.05)
+    watch.stop()

@@ -225,14 +225,14 @@ class FailureWatch:
         progress = self._progress
         if progress is None or self._on_stuck is None:
             return
-        aborted = time.time()
+        aborted = time.monotonic()  # the clock of ``progress``
         bound = self._stuck_after_s
         if bound is None:
             bound = stuck_bound(progress.gaps_s.copy())  # one C call: the training thread appends
         parked = _Parked(self._thread_id)
         while not self._left.wait(min(0.05, bound / 4)):
             _, phase, _, _, _, written = progress.read()
-            now = time.time()
+            now = time.monotonic()
             parked_s = parked.seconds(now)  # sampled in every phase: a change restarts it
             still_s = now - max(written, aborted)  # no progress since the abort
             if phase != Phase.TRAINING:

@@ -47,14 +47,15 @@ class SharedProgress:
         # the latest times between two writes while training: what "no progress for a while"
         # means for this model on this machine (read by this process only, not shared)
         self.gaps_s: deque[float] = deque(maxlen=512)
-        self._written = 0.0  # wall time of the last write (set by _write)
+        self._written = 0.0  # monotonic time of the last write (set by _write)
         self._before_hold = Phase.TRAINING  # the phase a pause point's hold returns to
-        self._write(time.time())
+        self._write(time.monotonic())
 
     def _gap(self, *, counts: bool = True) -> float:
         """Now; the time since the last write counts as a gap if it was spent training (and
-        ``counts``: not when it ended in a failure)."""
-        now = time.time()
+        ``counts``: not when it ended in a failure). Monotonic: a step of the wall clock (NTP) is
+        neither a gap nor progress."""
+        now = time.monotonic()
         if counts and self._phase == Phase.TRAINING:
             self.gaps_s.append(now - self._written)
         return now
@@ -96,6 +97,7 @@ class SharedProgress:
             self.set(self._before_hold)
 
     def read(self) -> tuple[int, Phase, int, int, int, float]:
-        """(counter, phase, generation, rank, step, wall time of the last write)."""
+        """(counter, phase, generation, rank, step, ``time.monotonic()`` of the last write:
+        the same clock in every process of the host)."""
         counter, phase, generation, rank, step, at = _LAYOUT.unpack_from(self._buf, 0)
         return counter, Phase(phase), generation, rank, step, at
