@@ -126,6 +126,23 @@ def test_storage_option_booleans_are_booleans(tmp_path: Path) -> None:
     assert options == {"anon": False, "use_ssl": True, "region_name": "eu-1", "key": "true1"}
 
 
+@pytest.mark.parametrize(("url", "flags"), [
+    ("github://a/b", []),  # its file system takes org= and repo=, not the URL: TypeError
+    ("tar://run", ["--storage-option", "fo=MISSING"]),  # an archive that is not there: OSError
+])
+def test_an_fsspec_url_whose_file_system_cannot_be_made_is_bad_input(
+        tmp_path: Path, url: str, flags: list[str]) -> None:
+    """fsspec raises what it likes when a file system cannot be made from the options (a
+    TypeError for a missing argument, an OSError for a missing archive): that was a traceback
+    (exit 1, which reads as damage), not the one-line error naming the URL."""
+    flags = [f.replace("MISSING", str(tmp_path / "missing.tar")) for f in flags]
+    for command in (["ls"], ["verify"], ["inspect", "--step", "1"]):
+        result = CliRunner().invoke(main, ["ckpt", command[0], url, *command[1:], *flags])
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith(f"error: cannot open {url}: "), result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+
+
 def test_a_step_of_another_format_is_listed_as_such_not_as_damage(tmp_path: Path) -> None:
     """A COMMIT of a format this engine does not read (a newer engine's step, intact) was
     listed as DAMAGED and verified as damaged (exit 1): an operator may delete it."""

@@ -41,5 +41,5 @@ else goes through fsspec."""
     except ImportError as exc:
         hint = " (pip install 'antifragile[s3]')" if protocol == "s3" else ""
         raise CheckpointError(f"cannot open {url}: {exc}{hint}") from None
-    except ValueError as exc:
+    except (ValueError, TypeError, OSError) as exc:  # fsspec's, when its options do not fit
         raise CheckpointError(f"cannot open {url}: {exc}") from None
