@@ -219,3 +219,38 @@ def test_chaos_ckpt_refuses_a_missing_bucket_and_bad_credentials(
                               "--storage-option", "key=testing",
                               "--storage-option", "secret=wrong"])
     assert code == 2 and "refused the credentials (access key 'testing'" in output, output
+
+
+def test_chaos_ckpt_checks_the_bucket_signed_as_the_engine_signs(
+        closed_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine takes ``anon`` (unsigned requests: a public bucket) and ``token`` (temporary
+    credentials); the set-up check before it took neither, so ``--storage-option anon=true``
+    without credentials was refused as "no credentials", and a session's key and secret were
+    sent without their token (refused by the server as bad credentials)."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    code, output, _ = _chaos(["ckpt", "ls", "s3://bucket/p", "--endpoint-url", closed_endpoint,
+                              "--storage-option", "anon=true"])
+    assert code == 2 and "the endpoint cannot be reached" in output, output
+
+    sent: list[dict[str, str]] = []
+
+    class Empty:  # the body of the answer the hook gives instead of the endpoint's
+        def stream(self, **kwargs: Any) -> Iterator[bytes]:
+            yield b""
+
+    def capture(request: Any, **kwargs: Any) -> Any:
+        from botocore.awsrequest import AWSResponse
+
+        sent.append(dict(request.headers))
+        return AWSResponse(request.url, 200, {}, Empty())
+
+    for options in ({"anon": True}, {"key": "k", "secret": "s", "token": "session-t"}):
+        client = s3._client(closed_endpoint, options)
+        client.meta.events.register("before-send.s3.HeadBucket", capture)
+        client.head_bucket(Bucket="bucket")
+    assert "Authorization" not in sent[0], sent[0]
+    assert sent[1].get("X-Amz-Security-Token") in ("session-t", b"session-t"), sent[1]

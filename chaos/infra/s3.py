@@ -132,16 +132,20 @@ def endpoint(given: str | None = None) -> Iterator[S3Endpoint]:
 def _client(endpoint_url: str | None = None, options: dict[str, Any] | None = None) -> Any:
     """A botocore S3 client for quick set-up checks: short timeouts, one retry (the engine's
     patient retrying is for checkpoints, not for telling a user the endpoint is down).
-    ``options``: s3fs-style ``key``/``secret``; else the standard AWS variables apply."""
+    ``options``: s3fs-style ``key``/``secret``/``token`` and ``anon`` (unsigned), as the engine
+    takes them; else the standard AWS variables apply."""
     import botocore.session
+    from botocore import UNSIGNED
     from botocore.config import Config
 
     options = options or {}
     return botocore.session.get_session().create_client(
         "s3", endpoint_url=endpoint_url or options.get("endpoint_url"),
         aws_access_key_id=options.get("key"), aws_secret_access_key=options.get("secret"),
+        aws_session_token=options.get("token"),
         config=Config(connect_timeout=_CONNECT_S, read_timeout=_READ_S,
-                      retries={"total_max_attempts": _ATTEMPTS}))
+                      retries={"total_max_attempts": _ATTEMPTS},
+                      signature_version=UNSIGNED if options.get("anon") is True else None))
 
 
 def _access_key(options: dict[str, Any] | None) -> str | None:
