@@ -163,6 +163,9 @@ def parse_marker(data: bytes | bytearray, step: int) -> tuple[dict[str, Any], Ma
         _refuse_other_format(data, step)  # intact: a newer engine's step is not damage
         raise CheckpointCorruptError(f"{where} is malformed (format {doc.get('format')!r}, "
                                      f"step {doc.get('step')!r})")
+    nbytes = doc.get("nbytes")  # shown and returned as it is: an int, or damage
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise CheckpointCorruptError(f"{where} is malformed (nbytes {nbytes!r})")
     manifest = _format.parse_manifest(doc, where=where)
     for key in manifest.objects:
         check_object_key(key, step=step)

@@ -47,6 +47,31 @@ def test_ls_lists_every_step_past_one_whose_commit_is_damaged(tmp_path: Path) ->
     assert rows[1].endswith("(chaos ckpt verify --step 20)") and "error:" not in result.output
 
 
+@pytest.mark.parametrize("nbytes", ["abc", None, float("nan")])
+def test_a_sealed_commit_whose_size_is_not_a_number_is_damage_not_a_traceback(
+        tmp_path: Path, nbytes: Any) -> None:
+    """The marker's ``nbytes`` was used as it came (``int()`` in ls and inspect): a sealed
+    marker that says anything else there (a buggy or hostile writer: ``_forge``) was a
+    traceback, exit 1 without a word of which step. It is a malformed marker now: damage."""
+    from _forge import edit_commit
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20, 30])
+    edit_commit(tmp_path / "ckpt" / "step_000000020" / "COMMIT",
+                lambda doc: doc.__setitem__("nbytes", nbytes))
+    runner = CliRunner()
+    listed = runner.invoke(main, ["ckpt", "ls", url])
+    assert listed.exit_code == 1, listed.output
+    rows = listed.output.splitlines()[1:]
+    assert [line.split()[0] for line in rows] == ["10", "20", "30"], listed.output
+    assert rows[1].split(None, 1)[1].startswith("DAMAGED: step 20: COMMIT marker"), rows[1]
+    verified = runner.invoke(main, ["ckpt", "verify", url, "--step", "20"])
+    assert verified.exit_code == 1 and "DAMAGED" in verified.output, verified.output
+    inspected = runner.invoke(main, ["ckpt", "inspect", url, "--step", "20"])
+    assert inspected.exit_code == 2, inspected.output
+    assert inspected.output.startswith("error: step 20: COMMIT marker"), inspected.output
+
+
 def test_verify_exit_codes(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     _save_steps(url, [10, 20])
