@@ -56,7 +56,8 @@ def read_quarantine(storage: Storage, step: int) -> tuple[dict[str, Any], bytes]
         data = storage.read(f"{step_dir(step)}/{QUARANTINE}")
     except FileNotFoundError:
         return None
-    note = _format.unseal(data, where=f"step {step}: QUARANTINE note")
+    note = _checked(_format.unseal(data, where=f"step {step}: QUARANTINE note"),
+                    where=f"step {step}: QUARANTINE note")
     try:
         marker = base64.b64decode(note["commit_b64"], validate=True)
     except (KeyError, TypeError, ValueError) as exc:
@@ -75,8 +76,18 @@ def quarantine_log(storage: Storage) -> list[tuple[int, dict[str, Any]]]:
         step = parse_step_dir(match[1]) if match else None
         if step is not None:
             data = storage.read(f"{QUARANTINE_LOG}/{name}")
-            notes.append((step, _format.unseal(data, where=f"{QUARANTINE_LOG}/{name}")))
-    return sorted(notes, key=lambda found: float(found[1].get("time", 0)))
+            where = f"{QUARANTINE_LOG}/{name}"
+            notes.append((step, _checked(_format.unseal(data, where=where), where=where)))
+    return sorted(notes, key=lambda found: found[1]["time"])
+
+
+def _checked(note: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """``note``, whose ``time`` is sorted on and shown as a date: a number of seconds since
+    the epoch that a date can be made of, or the note is damaged."""
+    when = note.get("time")
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not 0 <= when <= 1e11:
+        raise CheckpointCorruptError(f"{where}: malformed (time {when!r})")
+    return note
 
 
 def quarantined_steps(storage: Storage) -> list[int]:

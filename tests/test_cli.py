@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +305,38 @@ def test_ls_ignores_a_temporary_file_left_in_the_quarantine_log(tmp_path: Path) 
     rows = result.output.splitlines()[1:]
     assert [line.split()[0] for line in rows] == ["10", "20"], result.output
     assert "quarantined: flipped bit" in rows[0] and "error" not in result.output
+
+
+@pytest.mark.parametrize("when", ["yesterday", None, float("nan"), 1e300])
+def test_a_sealed_quarantine_note_whose_time_is_not_a_date_is_damage_not_a_traceback(
+        tmp_path: Path, when: Any) -> None:
+    """ls sorts the quarantine log by each note's time and shows it as a date: a sealed note
+    that says anything else there (a buggy or hostile writer) was a traceback (float() or
+    localtime()). The note is damaged: named, no traceback, a non-zero exit."""
+    from antifragile.engine import _format
+    from antifragile.engine.quarantine import quarantine
+    from antifragile.engine.storage import open_storage
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20, 30])
+    quarantine(open_storage(url), 20, "flipped bit", reports={0: "flipped bit"}, confirmed_by=0)
+    notes = [tmp_path / "ckpt" / "step_000000020" / "QUARANTINE",
+             *(tmp_path / "ckpt" / "quarantined").iterdir()]
+    for note in notes:
+        doc = json.loads(note.read_bytes())
+        doc.pop("crc32c")
+        note.write_bytes(_format.seal({**doc, "time": when}))
+    runner = CliRunner()
+    report = runner.invoke(main, ["ckpt", "verify", url, "--step", "20"])
+    assert report.exit_code == 1, report.output
+    assert "step 20: QUARANTINE note: malformed (time" in report.output, report.output
+    for _ in range(2):  # then with only the log's note left (the step saved again or retired)
+        listing = runner.invoke(main, ["ckpt", "ls", url])
+        assert isinstance(listing.exception, SystemExit), listing.output
+        assert listing.exit_code in (1, 2), listing.output
+        assert "quarantined/step_000000020." in listing.output, listing.output
+        assert "malformed (time" in listing.output, listing.output
+        shutil.rmtree(notes[0].parent, ignore_errors=True)
 
 
 def test_ls_and_verify_list_every_step_past_one_whose_quarantine_note_is_damaged(
