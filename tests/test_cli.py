@@ -209,6 +209,31 @@ def test_inspect_describes_arrays(tmp_path: Path) -> None:
     assert f"requests: save {doc['requests']['save']}" in table.output
 
 
+@pytest.mark.parametrize("layout", ["x", [1, 2], None])
+def test_inspect_of_a_step_whose_layout_index_is_not_a_mapping(tmp_path: Path,
+                                                             layout: Any) -> None:
+    """The group's ``layout`` (world size, meshes) is shown by inspect and used by nothing
+    else, so the reader does not check it: a sealed step whose group document holds another
+    value there (its manifest entry consistent: ``_forge``) was a traceback in inspect."""
+    from _forge import edit_commit, part_crcs, set_entry
+
+    from antifragile.engine import _format
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10])
+    group = tmp_path / "ckpt" / "step_000000010" / "zarr.json"
+    doc = json.loads(group.read_bytes())
+    doc["attributes"]["antifragile"]["layout"] = layout
+    data = _format.dumps(doc)
+    group.write_bytes(data)
+    edit_commit(group.with_name("COMMIT"),
+                lambda commit: set_entry(commit, "zarr.json", len(data), part_crcs(data, None)))
+    for flags in ([], ["--json"]):
+        result = CliRunner().invoke(main, ["ckpt", "inspect", url, "--step", "10", *flags])
+        assert result.exit_code == 0, result.output
+        assert "model/w" in result.output
+
+
 def test_a_step_that_is_not_committed_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "none").mkdir()
     result = CliRunner().invoke(main, ["ckpt", "inspect", str(tmp_path / "none"), "--step", "1"])

@@ -215,7 +215,8 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
                              "bytes": nbytes})
     except CheckpointError as exc:
         _fail(str(exc))
-    layout = reader.attrs.get("layout", {})
+    layout = reader.attrs.get("layout")  # shown only, never loaded: not checked by the reader
+    layout = layout if isinstance(layout, dict) else {}
     values = {k: v for k, v in reader.values.items() if not k.startswith(".")}  # not engine's
     by_rank = reader.commit.get("requests")
     by_rank = by_rank if isinstance(by_rank, dict) else {}
