@@ -186,6 +186,29 @@ def test_a_step_of_another_format_is_listed_as_such_not_as_damage(tmp_path: Path
     assert "DAMAGED" not in report.output and "checkpoint format 99" in report.output
 
 
+def test_verify_goes_past_a_step_of_another_format_to_the_damage_after_it(
+        tmp_path: Path) -> None:
+    """Verifying a whole root stopped at a step of a format this engine does not read (exit 2,
+    "bad input"): the steps after it went unverified, so damage in them was never reported.
+    That step is named and passed over; the damage after it is exit 1."""
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20, 30])
+    marker = tmp_path / "ckpt" / "step_000000020" / "COMMIT"
+    marker.write_bytes(b'{"format": 99, "step": 20, "nonce": 5, "objects": {}}')
+    runner = CliRunner()
+    intact = runner.invoke(main, ["ckpt", "verify", url])
+    assert intact.exit_code == 2, intact.output
+    assert "step 10: ok" in intact.output and "step 30: ok" in intact.output, intact.output
+    assert "step 20 was written in checkpoint format 99" in intact.output
+    chunk = tmp_path / "ckpt" / "step_000000030" / "model" / "w" / "c.0.0"
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    damaged = runner.invoke(main, ["ckpt", "verify", url])
+    assert damaged.exit_code == 1, damaged.output
+    assert "step 30: DAMAGED" in damaged.output and "model/w/c.0.0" in damaged.output
+
+
 def test_inspect_describes_arrays(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     _save_steps(url, [10])

@@ -141,7 +141,8 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
 def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int | None) -> None:
     """Read every object back and check checksums and coverage. Exit 1 on damage; exit 2 for
     a step that is not committed (mistyped, or deleted by retention since it was listed), or
-    storage that fails (refused, unreachable: that says nothing about the data).
+    storage that fails (refused, unreachable: that says nothing about the data), or (no
+    damage found) a step of a format this engine does not read (the others are verified).
 
     Quarantined steps are listed with the reason (they are hidden from loading, so they do not
     make the exit code 1); ``--step N`` of a quarantined step reads it against the manifest its
@@ -149,7 +150,7 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
     """
     from antifragile.engine import CheckpointError
     from antifragile.engine.commit import committed_steps
-    from antifragile.engine.errors import StorageError
+    from antifragile.engine.errors import CheckpointFormatError, StorageError
     from antifragile.engine.quarantine import quarantined_steps, read_quarantine
     from antifragile.engine.storage import open_storage
     from antifragile.engine.verify import verify_step
@@ -164,10 +165,17 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
         steps = [step] if step is not None else committed
         if not steps and not hidden:
             _fail(f"no committed checkpoint under {url}")
-        damaged = False
+        damaged = unread = False
         with ThreadPoolExecutor(8) as pool:
             for s in steps:
-                report = verify_step(storage, s, pool)
+                try:
+                    report = verify_step(storage, s, pool)
+                except CheckpointFormatError as exc:  # intact for all we know: not damage,
+                    if step is not None:  # and the steps after it are still verified
+                        raise
+                    click.echo(str(exc))
+                    unread = True
+                    continue
                 click.echo(report.summary())
                 damaged |= not report.ok
         if step is None:
@@ -183,8 +191,8 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
                 click.echo(f"step {s}: QUARANTINED: {found[0].get('reason') if found else '?'}")
     except CheckpointError as exc:
         _fail(str(exc))
-    if damaged:
-        raise SystemExit(1)
+    if damaged or unread:
+        raise SystemExit(1 if damaged else 2)
 
 
 @ckpt.command("inspect")
