@@ -640,6 +640,23 @@ def test_a_kill_during_the_recovery_of_the_previous_one_interrupts_it_without_fa
     assert v.verdict == "pass", v.reasons
 
 
+def test_a_kill_after_a_restore_and_before_any_step_charges_no_step_twice() -> None:
+    """Rank 1 dies at step 9; attempt 1 restores step 8 and a random kill hits it before its
+    first step (the runner's step is still 9, the highest it saw). Step 9 is trained twice in
+    all, charged to the first fault: the second hit a trainer at step 8 and lost nothing."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 9)
+    t = _kill(job, t + 0.05, 0, 1, 9)
+    t = _kill(job, job.start(t + 1.0, 1, restore=8) + 0.05, 1, 0, 9, fault_index=1)
+    t = job.steps(job.start(t + 1.0, 2, restore=8), 2, 9, 12)
+    v, (first, second) = _verdict(_finish(job, t, 2), [
+        KILL, {"kind": "kill_rank", "rank": "random", "mtbf_s": 30}])
+    assert (first.restored_step, first.lost_steps) == (8, 1)
+    assert (second.injected_step, second.restored_step, second.lost_steps) == (8, 8, 0)
+    assert second.recompute_s == 0.0 and second.recovery_s is not None
+    assert v.verdict == "pass", v.reasons
+
+
 def test_a_generation_that_failed_before_it_started_is_not_the_recovery() -> None:
     """Ranks 1 and 2 die at one point; in process, the generation published for the first
     death fails before its members meet (the second death is found meanwhile) and writes no

@@ -208,10 +208,14 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
     attempt = _struck_attempt(record, injection)
     # The runner reads event files as they are written, so it fires a step-triggered fault a
     # little after the step; the trainer may be further on. What counts is where the trainer
-    # was when the fault hit, and everything the failed attempt finished must be redone.
+    # was when the fault hit, and everything the failed attempt finished must be redone. An
+    # attempt that finished no step yet was at the step it restored (a time-based fault's
+    # step is the highest the runner saw, an earlier attempt's: the steps past the restore
+    # are the fault's that ended that attempt, not this one's to redo).
     done = _by_attempt(record.events, attempt, "step_end")
+    restored = [e["step"] for e in _by_attempt(record.events, attempt, "restore_end")]
     timings.injected_step = max((e["step"] for e in done if e["t"] <= injection.t),
-                                default=injection.step)
+                                default=min(restored) if restored else injection.step)
     if injection.skipped:
         return timings
     if injection.missed:
