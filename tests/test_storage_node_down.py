@@ -215,6 +215,31 @@ def test_the_report_says_what_failed_and_what_recovered() -> None:
     assert "requests_faulted" not in o, "the proxy's counts belong to storage_outage"
 
 
+def test_a_save_lost_with_an_earlier_attempt_was_not_in_flight_during_the_window() -> None:
+    """Attempt 0's save of step 4 never committed nor failed: a kill ended the attempt at
+    4.6 s. The volume server went down from 10 s to 12 s, when no save ran: that proves
+    nothing, and the lost save, over before the window opened, is no evidence."""
+    events = [_ev(0.0, "start", pid=1)]
+    events += [_ev(float(t), "step_end", step=t, seconds=0.5, loss=1.0) for t in range(1, 5)]
+    events += [_ev(2.0, "ckpt_staged", step=2, stall_s=0.01),
+               _ev(3.0, "ckpt_committed", step=2, persist_s=1.0, bytes=10),
+               _ev(4.0, "ckpt_staged", step=4, stall_s=0.01)]
+    events += [_ev(6.0, "start", attempt=1, pid=2),
+               _ev(6.2, "restore_end", attempt=1, step=2, seconds=0.1)]
+    events += [_ev(6.0 + t, "step_end", attempt=1, step=t, seconds=0.5, loss=1.0)
+               for t in range(3, 15)]
+    events.sort(key=lambda e: e["t"])
+    kill = Injection("kill_rank", 4.1, step=4, rank=0, fault_index=0, detail={"pid": 1})
+    injection = Injection("storage_node_down", 10.0, step=4, fault_index=1, detail={
+        "mode": "kill", "duration_s": 2.0, "server": 1, "pid": 100, "ended_t": 12.0,
+        "restarted_pid": 200, "error": None})
+    record = RunRecord(0, 0.0, 21.0, events, [kill, injection], {0: 4.6, 1: 20.5})
+    t = fault_timings(record, injection)
+    assert t.outage is not None and t.outage["checkpoints"] == []
+    assert t.outage["checkpoints_failed"] == []
+    assert t.effect_observed is False and "no save ran" in (t.effect or "")
+
+
 def _judge(timings: list[FaultTimings], committed: dict[int, list[str]] | None) -> Any:
     s = parse_scenario({**_doc("s3://b/p", [NODE]),
                         "expect": {"bitwise_equal_to_reference": False}})

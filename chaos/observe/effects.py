@@ -178,7 +178,9 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
     saves = _save_lifecycles(record.events)
     affected, clean_persist = [], []
     for c in saves:
-        end_t = (c["staged_t"] + c["persist_s"]) if c["committed"] else c["failed_t"]
+        # a save that neither committed nor failed was lost with its attempt (torn down)
+        end_t = ((c["staged_t"] + c["persist_s"]) if c["committed"] else c["failed_t"]
+                 or record.attempt_ends.get(c["attempt"]))
         began = c["staged_t"] if c["staged_t"] is not None else c["failed_t"]
         if began is not None and began <= t1 and (end_t is None or end_t >= t0):
             affected.append(c)
