@@ -657,6 +657,28 @@ def test_a_kill_after_a_restore_and_before_any_step_charges_no_step_twice() -> N
     assert v.verdict == "pass", v.reasons
 
 
+def test_a_kill_during_a_restore_charges_the_steps_of_the_attempt_before_it() -> None:
+    """Attempt 0 reaches step 9 (its save of step 8 fails) and loses rank 1; attempt 1
+    restores step 6, trains step 7 and is killed; attempt 2 is killed while it restores (the
+    runner's step is still 9); attempt 3 restores step 6 and finishes. Trained more than once:
+    steps 7-9 of attempt 0 and step 7 of attempt 1, four in all, each charged once."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 9, failing=frozenset({8}))
+    t = _kill(job, t + 0.05, 0, 1, 9)
+    t = job.steps(job.start(t + 1.0, 1, restore=6), 1, 7, 7)
+    t = _kill(job, t + 0.05, 1, 0, 9, fault_index=1)
+    t = job.start(t + 1.0, 2)
+    for r in range(WORLD):
+        job.emit(t + 0.1, r, 2, "restore_begin")
+    t = _kill(job, t + 0.2, 2, 1, 9, fault_index=1)
+    t = job.steps(job.start(t + 1.0, 3, restore=6), 3, 7, 12)
+    v, timings = _verdict(_finish(job, t, 3), [
+        KILL, {"kind": "kill_rank", "rank": "random", "mtbf_s": 30}])
+    assert [k.injected_step for k in timings] == [9, 7, 7]
+    assert [k.lost_steps for k in timings] == [3, None, 1]
+    assert v.verdict == "pass", v.reasons
+
+
 def test_a_generation_that_failed_before_it_started_is_not_the_recovery() -> None:
     """Ranks 1 and 2 die at one point; in process, the generation published for the first
     death fails before its members meet (the second death is found meanwhile) and writes no

@@ -99,6 +99,25 @@ def _struck_attempt(record: RunRecord, injection: Injection) -> int:
     return record.attempt_at(injection.t)
 
 
+def _resumed_at(record: RunRecord, attempt: int, first: int | None) -> int | None:
+    """Where ``attempt`` stood before its first step: the step it restored; killed before its
+    restore ended, where the attempt before it stopped (the recovery from the fault that ended
+    that one restored nothing to count its lost steps from: they are still to be redone);
+    ``first`` for the first attempt. (A time-based fault's step is the highest the runner
+    saw, maybe an earlier attempt's: those steps are the lost steps of the fault that ended
+    it, not of one that hit an attempt which had not yet trained.)"""
+    restored = [e["step"] for e in _by_attempt(record.events, attempt, "restore_end")]
+    if restored:
+        return min(restored)
+    earlier = [e["attempt"] for e in record.events
+               if e["event"] in STARTS and e["attempt"] < attempt]
+    if not earlier:
+        return first
+    before = max(earlier)
+    steps = [e["step"] for e in _by_attempt(record.events, before, "step_end")]
+    return max(steps) if steps else _resumed_at(record, before, first)
+
+
 def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window_s: float
                    ) -> tuple[bool, str]:
     """Whether ``injection`` ended ``attempt`` (the one running when it was made), with the
@@ -208,14 +227,10 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
     attempt = _struck_attempt(record, injection)
     # The runner reads event files as they are written, so it fires a step-triggered fault a
     # little after the step; the trainer may be further on. What counts is where the trainer
-    # was when the fault hit, and everything the failed attempt finished must be redone. An
-    # attempt that finished no step yet was at the step it restored (a time-based fault's
-    # step is the highest the runner saw, an earlier attempt's: the steps past the restore
-    # are the fault's that ended that attempt, not this one's to redo).
+    # was when the fault hit, and everything the failed attempt finished must be redone.
     done = _by_attempt(record.events, attempt, "step_end")
-    restored = [e["step"] for e in _by_attempt(record.events, attempt, "restore_end")]
     timings.injected_step = max((e["step"] for e in done if e["t"] <= injection.t),
-                                default=min(restored) if restored else injection.step)
+                                default=_resumed_at(record, attempt, injection.step))
     if injection.skipped:
         return timings
     if injection.missed:
