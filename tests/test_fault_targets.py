@@ -90,3 +90,42 @@ def test_a_fault_whose_injection_fails_is_missed_naming_why(tmp_path: Path) -> N
     assert injection.kind == "corrupt_shard" and injection.step == 6
     assert injection.missed is not None and "corrupt_shard failed" in injection.missed
     assert "COMMIT" in injection.missed
+
+
+@pytest.mark.parametrize("kind", ["kill_rank", "crash_during_save", "hang_rank"])
+def test_a_signal_fault_is_timed_when_it_was_sent_not_when_it_took_effect(
+        sleeper: subprocess.Popen[bytes], kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Detection is timed from the fault: a kill was timed after the wait for the rank's death
+    (and a stop after the wait for it to show stopped), up to 2 s later, so a job that noticed
+    at once had a detection of ~0 s (34 us was seen), or a negative one clamped to 0. The
+    fault's time is now taken before the signal; when it took effect is ``done_t`` (what the
+    rank wrote after that was not written by a dead or stopped process)."""
+    from antifragile.chaos.faults import base
+
+    slow_from = [0.0]
+    real_alive = base.alive
+
+    def slow_alive(pid: int) -> bool:  # the kernel takes 0.3 s to finish the process
+        return time.time() < slow_from[0] + 0.3 or real_alive(pid)
+
+    monkeypatch.setattr(base, "alive", slow_alive)
+    if kind == "hang_rank":  # a stop shows after 0.3 s
+        from antifragile.chaos.faults import hang_rank
+
+        real_wait = hang_rank.wait_stopped
+
+        def slow_wait(pid: int) -> bool:
+            time.sleep(max(slow_from[0] + 0.3 - time.time(), 0.0))
+            return real_wait(pid)
+
+        monkeypatch.setattr(hang_rank, "wait_stopped", slow_wait)
+    options = {"at_checkpoint": 1} if kind == "crash_during_save" else {"at_step": 1}
+    if kind == "hang_rank":
+        options["duration_s"] = 0.5
+    fault = FAULT_CONFIGS[kind](kind=kind, rank=0, **options)
+    slow_from[0] = before = time.time()
+    injection = fault.inject(_target(sleeper.pid), 1)
+    after = time.time()
+    assert injection.missed is None and injection.skipped is None, injection
+    assert before <= injection.t < before + 0.1, (injection.t - before)
+    assert before + 0.3 <= injection.detail["done_t"] <= after

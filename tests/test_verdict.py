@@ -679,6 +679,20 @@ def test_a_kill_during_a_restore_charges_the_steps_of_the_attempt_before_it() ->
     assert v.verdict == "pass", v.reasons
 
 
+def test_what_a_killed_rank_wrote_before_the_kill_took_effect_is_not_going_on() -> None:
+    """A kill is timed when its signal is sent (detection counts from there); the rank can
+    still write an event before the kernel ends it, a moment later (``done_t``). That event is
+    not the rank going on: the kill ended the attempt."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    t = _kill(job, t + 0.1, 0, 1, 7)
+    job.injections[-1].detail["done_t"] = t - 0.6 + 0.05
+    job.emit(t - 0.6 + 0.01, 1, 0, "step_begin", step=8)  # written as the signal arrived
+    t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 12)
+    v, (kill,) = _verdict(_finish(job, t, 1), [KILL])
+    assert v.verdict == "pass", v.reasons
+    assert kill.detect_s is not None and kill.detect_s > 0.5
+
 def test_a_generation_that_failed_before_it_started_is_not_the_recovery() -> None:
     """Ranks 1 and 2 die at one point; in process, the generation published for the first
     death fails before its members meet (the second death is found meanwhile) and writes no

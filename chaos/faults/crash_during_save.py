@@ -45,14 +45,16 @@ class CrashDuringSave(FaultBase):
     def inject(self, target: Target, step: int | None) -> Injection:
         rank = target.resolve(self.rank)
         pid = target.pids[rank]
+        sent_t = time.time()
         missed = target.signal(rank, signal.SIGKILL)
+        done_t = time.time()
         if missed:
             return Injection(self.kind, time.time(), step=step, rank=rank, missed=missed,
                              detail={"pid": pid, "checkpoint_step": step, "phase": self.phase})
         committed = step is not None and _committed(target.ckpt_engine, target.ckpt_url, step)
-        return Injection(self.kind, time.time(), step=step, rank=rank,
+        return Injection(self.kind, sent_t, step=step, rank=rank,
                          detail={"pid": pid, "checkpoint_step": step, "phase": self.phase,
-                                 "committed_before_kill": committed})
+                                 "committed_before_kill": committed, "done_t": done_t})
 
 
 def _committed(engine: str, url: str, step: int) -> bool:

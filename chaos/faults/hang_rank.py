@@ -58,6 +58,7 @@ class HangRank(FaultBase):
                                     "fault's hang) when this fault was due")
         if self.mode == "thread":
             hold = _ThreadHold(pid, self.duration_s)
+            sent_t = time.time()
             error = hold.start()
             if error and (error == _EXITED or not alive(pid)):  # nothing to stop: no fault
                 return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail,
@@ -66,8 +67,9 @@ class HangRank(FaultBase):
                 return Injection(self.kind, time.time(), step=step, rank=rank,
                                  skipped=f"ptrace of pid {pid} refused: {error}", detail=detail)
             target.hit.add(rank)
-            return Injection(self.kind, time.time(), step=step, rank=rank,
-                             detail={**detail, "tid": pid})
+            return Injection(self.kind, sent_t, step=step, rank=rank,
+                             detail={**detail, "tid": pid, "done_t": time.time()})
+        sent_t = time.time()
         missed = target.signal(rank, signal.SIGSTOP)
         if missed:
             return Injection(self.kind, time.time(), step=step, rank=rank, missed=missed,
@@ -81,6 +83,7 @@ class HangRank(FaultBase):
                    else "was sent SIGSTOP but did not stop")
             return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail,
                              missed=f"rank {rank} (pid {pid}) {why}")
+        done_t = time.time()
 
         def resume() -> None:
             with contextlib.suppress(ProcessLookupError):
@@ -89,7 +92,8 @@ class HangRank(FaultBase):
         timer = threading.Timer(self.duration_s, resume)
         timer.daemon = True
         timer.start()
-        return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail)
+        return Injection(self.kind, sent_t, step=step, rank=rank,
+                         detail={**detail, "done_t": done_t})
 
 
 class _ThreadHold:

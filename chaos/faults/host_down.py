@@ -72,11 +72,12 @@ class HostDown(FaultBase):
             reason = target.network_error or "the run has no emulated network"
             return Injection(self.kind, time.time(), step=step, skipped=reason,
                              detail={"node": self.node})
-        how, killed = network.host_down(self.node)
         down_t = time.time()
+        how, killed = network.host_down(self.node)
         ranks = sorted(r for r, pid in target.pids.items() if pid in set(killed))
         detail: dict[str, Any] = {"node": self.node, "mechanism": how, "ranks": ranks,
-                                  "processes": len(killed), "lost_node": self.node}
+                                  "processes": len(killed), "lost_node": self.node,
+                                  "done_t": time.time()}
         if not ranks:
             return Injection(self.kind, down_t, step=step, detail=detail, missed=(
                 f"no rank ran on node {self.node} when it went down (only spares): nothing "

@@ -16,6 +16,7 @@ class KillRank(FaultBase):
     def inject(self, target: Target, step: int | None) -> Injection:
         rank = target.resolve(self.rank)
         # a random arrival can land as the attempt ends, or another fault killed the rank
+        sent_t = time.time()
         missed = target.signal(rank, signal.SIGKILL)
-        return Injection(self.kind, time.time(), step=step, rank=rank, missed=missed,
-                         detail={"pid": target.pids[rank]})
+        return Injection(self.kind, sent_t, step=step, rank=rank, missed=missed,
+                         detail={"pid": target.pids[rank], "done_t": time.time()})

@@ -125,8 +125,8 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
     the link coming back, for ``drop_link``) and the fault's own mark is on the failure:
 
     - ``kill_rank``, ``crash_during_save``, ``host_down``: the rank (the lowest of the lost
-      host's) wrote nothing after the signal (a killed process cannot; one that did was not
-      killed by it).
+      host's) wrote nothing once the signal had taken effect (``done_t``: a killed process
+      cannot; one that did was not killed by it).
     - ``hang_rank``: the rank's supervisor found it hung, or the rank wrote nothing after the
       stop (it was still stopped when the group was torn down). A rank that resumed and
       trained on was not the cause of a later restart.
@@ -164,7 +164,11 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
     events = [e for e in record.events if e["attempt"] == attempt and e["t"] >= injection.t]
     r = injection.rank
     hung = [e for e in events if e["event"] == "hang_detected" and (r is None or e["rank"] == r)]
-    wrote = [e for e in events if e["rank"] == r and e.get("by") not in ("supervisor", "chaos")]
+    # the signal takes effect a moment after it is sent: what the rank wrote before its
+    # death (or stop) showed is not a sign that it went on
+    took_effect = injection.detail.get("done_t", injection.t)
+    wrote = [e for e in events if e["rank"] == r and e.get("by") not in ("supervisor", "chaos")
+             and e["t"] >= took_effect]
     killer = None if hung else _killed_by_another(record, injection, attempt, end)
     masked = None if killer is None else (
         f"masked: {killer.kind} of rank {killer.rank} {killer.t - injection.t:+.2f} s from it "
