@@ -68,6 +68,15 @@ def test_summary_entry_aggregates_faults_and_checkpoints() -> None:
                              "reason": "creating network namespaces needs root"}]
 
 
+def test_steps_lost_once_are_summed_once_when_two_faults_ended_one_attempt() -> None:
+    """Two kills at one pause point end the same attempt; each fault's row reports the steps
+    that attempt lost, and the summary added them twice (4 where 2 were trained again)."""
+    doc = _report([])
+    doc["faults"] = [_fault(recovery_s=3.0, lost_steps=2, ended_attempt=0, rank=r)
+                     for r in (0, 1)]
+    doc["faults"].append(_fault(recovery_s=3.0, lost_steps=1, ended_attempt=1))
+    assert suite.summarize("s", "s.yaml", doc, None)["lost_steps"] == 3
+
 def test_entry_without_figures_and_failed_entry() -> None:
     e = suite.summarize("quiet", "q.yaml", _report([], stalls=()), None)
     assert e["recovery_max_s"] is None and e["lost_steps"] is None and e["stall_mean_s"] is None
