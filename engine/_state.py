@@ -192,9 +192,10 @@ def _read_only(path: str) -> Callable[[JSON], None]:
 def _rebuild(saved: tuple[Any, ...], items: list[Any], assign: Callable[[JSON], None]) -> None:
     """Put the tuple back with the items a load assigned; unchanged when every item is still
     the same object (tensors filled in place), so a tuple in a tuple given as the whole state
-    needs no assignment."""
+    needs no assignment. A named tuple is rebuilt as its own type (its fields stay)."""
     if any(new is not old for new, old in zip(items, saved)):
-        assign(tuple(items))
+        kind = type(saved)
+        assign(kind._make(items) if hasattr(kind, "_make") else tuple(items))
 
 
 def flatten(state: object, *, loading: bool = False) -> FlatState:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -398,6 +398,24 @@ def test_a_tuple_holding_tensors_is_filled_and_its_values_replaced(
     ckpt.load(target)
     assert target["pair"][1:] == ("relu", 3) and type(target["pair"]) is tuple
     assert target["pair"][0] is tensor and tensor.tolist() == [1, 2]
+
+
+class Pair(NamedTuple):
+    weight: torch.Tensor
+    activation: str
+
+
+def test_a_named_tuple_holding_tensors_keeps_its_type_when_its_values_are_replaced(
+    ckpt: CheckpointEngine,
+) -> None:
+    """The target's own tuple type is known: a value replaced in it must not turn the
+    caller's named tuple into a plain tuple (its fields would be gone)."""
+    ckpt.save(1, {"pair": Pair(torch.tensor([1, 2]), "relu")}, blocking=True)
+    tensor = torch.zeros(2, dtype=torch.int64)
+    target = {"pair": Pair(tensor, "gelu")}
+    ckpt.load(target)
+    assert type(target["pair"]) is Pair and target["pair"].activation == "relu"
+    assert target["pair"].weight is tensor and tensor.tolist() == [1, 2]
 
 
 def test_a_tuple_state_holding_nested_tuples_of_tensors_loads_in_place(
