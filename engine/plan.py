@@ -345,11 +345,40 @@ def build_plan(inventories: Sequence[dict], options: PlanOptions = PlanOptions()
     return plan
 
 
+_TILING_CHECK_CELLS = 1 << 22  # the most pieces ``_overlap`` cuts a tensor into
+
+
 def _check_coverage(path: str, shape: tuple[int, ...], boxes: dict) -> None:
+    """The ranks' distinct shards of ``path`` tile its global tensor: no element without a
+    holder (it would never be written), none in two different shards (ranks holding it under
+    two layouts: its cells would have two owners, and the volumes' sum hide a hole)."""
+    total = math.prod(shape)
     covered = sum(math.prod(box_shape) for _, box_shape in boxes)
-    if math.prod(shape) and covered < math.prod(shape):
+    if total and covered < total:
         raise CheckpointError(f"state path {path!r}: the ranks' shards cover {covered} of "
-                              f"{math.prod(shape)} elements of the global tensor")
+                              f"{total} elements of the global tensor")
+    if total and (covered > total or _overlap(shape, boxes)):
+        raise CheckpointError(f"state path {path!r}: the ranks' shards overlap (the ranks hold "
+                              "it under different layouts): " + ", ".join(
+                                  f"{list(o)}+{list(s)}" for o, s in sorted(boxes)[:8]))
+
+
+def _overlap(shape: tuple[int, ...], boxes: dict) -> bool:
+    """Whether two of ``boxes`` (as many elements in all as the tensor) share an element:
+    each is laid on the grid of every shard's edges, and a piece of that grid under two shards
+    is the answer. Always False where that grid would have over ``_TILING_CHECK_CELLS``
+    pieces (shards of misaligned layouts, thousands on each side): not checked there."""
+    import numpy as np
+
+    edges = [sorted({0, n, *(o[d] for o, _ in boxes), *(o[d] + s[d] for o, s in boxes)})
+             for d, n in enumerate(shape)]
+    if math.prod(len(e) - 1 for e in edges) > _TILING_CHECK_CELLS:
+        return False
+    index = [{x: i for i, x in enumerate(e)} for e in edges]
+    count = np.zeros([len(e) - 1 for e in edges], dtype=np.int32)
+    for offset, box_shape in boxes:
+        count[tuple(slice(ix[o], ix[o + s]) for ix, o, s in zip(index, offset, box_shape))] += 1
+    return bool((count > 1).any())
 
 
 def _arrays_for(path: str, dtype: str, shape: tuple[int, ...], itemsize: int, boxes: dict,

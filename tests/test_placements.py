@@ -392,6 +392,18 @@ def test_missing_shard_is_refused() -> None:
         build_plan(invs)
 
 
+@pytest.mark.parametrize("rows", [[(0, 4), (2, 4), (6, 2)], [(0, 4), (2, 4)]])
+def test_shards_of_two_layouts_that_overlap_are_refused(rows: list[tuple[int, int]]) -> None:
+    """Ranks holding one path under two layouts (rows 0-3 and 2-5): their shards overlap, and
+    the coverage check added their volumes, so rows 0-3 and 2-5 of an 8-row tensor passed as
+    covering 16 of 16 elements while rows 6-7 had no holder (never written), and the overlap's
+    cells went to two owners. Distinct shards that overlap are refused, naming the path."""
+    invs = [{"tensors": {"w": {"dtype": "float32", "shape": [8, 2],
+                               "boxes": [[[start, 0], [n, 2], [0, 0]]]}}, "values": []}
+            for start, n in rows]
+    with pytest.raises(CheckpointError, match=r"'w'.*overlap"):
+        build_plan(invs)
+
 def test_disagreeing_shapes_name_both_ranks() -> None:
     invs = inventories({"w": Layout((8, 2), (2,), (Shard(0),))}, 2)
     invs[1]["tensors"]["w"]["shape"] = [8, 3]
