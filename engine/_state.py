@@ -286,10 +286,35 @@ def finish_load(flat: FlatState, values: dict[str, Any]) -> None:
     """Assign the loaded values and bytes, then hand the filled state dicts back to their
     Stateful owners (and rebuild tuples), innermost first."""
     for path, value in values.items():
-        slot = flat.values.get(path) or flat.binary[path]
-        slot.assign(value)
+        slot = flat.values.get(path)
+        if slot is None:
+            flat.binary[path].assign(value)
+        else:
+            slot.assign(_like(slot.value, value))
     for finish in flat.finishers:
         finish()
+
+
+def _like(target: Any, value: Any) -> Any:
+    """``value`` as JSON gives it back, in the type of the target's own value where that is a
+    subclass of it (a numpy float, an IntEnum, an OrderedDict, a named tuple), inside
+    containers too: a load keeps the caller's types as it keeps its tensors. Otherwise (no
+    such value, another type, a constructor that refuses it) as saved."""
+    kind = type(target)
+    if kind is bool or not isinstance(target, type(value)):  # bool(5) would lose the 5
+        return value
+    if kind is type(value) and not isinstance(value, (dict, list, tuple)):
+        return value
+    try:
+        if isinstance(value, dict):
+            entries = {k: _like(target.get(k), v) for k, v in value.items()}
+            return entries if kind is dict else kind(entries)
+        if isinstance(value, (list, tuple)):
+            items = [_like(t, v) for t, v in zip(target, value)] + list(value[len(target):])
+            return kind._make(items) if hasattr(kind, "_make") else kind(items)
+        return kind(value)
+    except Exception:  # a subclass we cannot build: the value as saved
+        return value
 
 
 def iter_local(tensor: torch.Tensor) -> torch.Tensor:

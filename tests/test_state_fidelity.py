@@ -11,6 +11,8 @@ bytes (``tensor.view(torch.uint8)``), never with ``==`` on floats.
 from __future__ import annotations
 
 import copy
+import enum
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -283,6 +285,42 @@ def test_json_values_keep_their_dict_order(ckpt: CheckpointEngine) -> None:
     ckpt.load(target)
     assert list(target["loader"]["remaining"].items()) == list(remaining.items())
 
+
+class Phase(enum.IntEnum):
+    WARMUP = 1
+    DECAY = 2
+
+
+class Betas(NamedTuple):
+    b1: float
+    b2: float
+
+
+def test_json_values_come_back_in_the_targets_own_types(ckpt: CheckpointEngine) -> None:
+    """JSON has float, int, dict and list: a numpy float (a metric), an IntEnum (a phase), an
+    OrderedDict (a state_dict) and a named tuple came back as plain float, int, dict and
+    tuple. Where the target holds a value of a subclass of what JSON gives back, the loaded
+    value takes the target's type (as a tensor is filled in place); other values as saved."""
+    saved = {"w": torch.ones(1), "loss": np.float64(2.5), "phase": Phase.DECAY,
+             "sched": OrderedDict(last_epoch=3, lrs=[0.1, 0.2],
+                                  inner=OrderedDict(k=0.5)),
+             "betas": Betas(0.9, 0.95), "n": 7, "count": 5}
+    ckpt.save(1, saved, blocking=True)
+    target: dict[str, Any] = {
+        "w": torch.zeros(1), "loss": np.float64(0), "phase": Phase.WARMUP,
+        "sched": OrderedDict(last_epoch=0, lrs=[], inner=OrderedDict(k=np.float64(0))),
+        "betas": Betas(0.0, 0.0), "n": "was a string", "count": False}
+    ckpt.load(target)
+    assert type(target["loss"]) is np.float64 and target["loss"] == 2.5
+    assert target["phase"] is Phase.DECAY
+    assert type(target["sched"]) is OrderedDict and list(target["sched"]) == [
+        "last_epoch", "lrs", "inner"]
+    assert type(target["sched"]["inner"]) is OrderedDict
+    assert type(target["sched"]["inner"]["k"]) is np.float64
+    assert target["sched"]["inner"]["k"] == 0.5
+    assert type(target["betas"]) is Betas and target["betas"] == (0.9, 0.95)
+    assert type(target["n"]) is int and target["n"] == 7  # the target's str is no int
+    assert type(target["count"]) is int and target["count"] == 5  # not bool(5)
 
 @pytest.mark.parametrize(("value", "named"), [({1.5: "x"}, "1.5"), ({0: "a", "0": "b"}, "'0'"),
                                               ({None: 1}, "None")],
