@@ -217,7 +217,8 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
     ``metadata_keys``: every metadata document of the plan (each rank's share is checked in its
     record: ``metadata_owners``). Every record, the coordinator's own included, is read back
     from storage and its seal checked. ``before_commit`` runs once every record is in, just
-    before the COMMIT is written (a phase hook: chaos can hold a save there)."""
+    before the COMMIT is written (a phase hook: chaos can hold a save there). With other ranks,
+    nothing is committed after ``deadline``: they stop waiting for the COMMIT soon after it."""
     base = step_dir(step)
     owners = metadata_owners(plan, metadata_keys)
     shares: dict[int, set[str]] = {}
@@ -280,6 +281,13 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
         before_commit()
     if cancel is not None and cancel.is_set():
         raise CheckpointError(f"step {step}: the save was abandoned (its process group failed)")
+    if plan.world_size > 1 and time.monotonic() > deadline:
+        # the waiting ranks give up soon after the deadline (``wait_for_commit``): a COMMIT
+        # written later would make visible a step that they reported failed
+        raise CommitTimeoutError(
+            f"step {step}: every record was in only after the commit deadline, when the other "
+            "ranks stop waiting for the COMMIT; not committed, the previous checkpoint stays "
+            "the newest")
     if storage.exists(f"{base}/{COMMIT}"):  # another save committed this step meanwhile
         raise CheckpointError(f"step {step} was committed by another save while this one ran "
                               "(two jobs writing one URL?); its COMMIT is not overwritten")

@@ -1008,6 +1008,43 @@ def test_a_retry_clears_a_failed_attempt_only_once_every_rank_saw_its_abort(
         assert engine.steps() == [2] and engine.verify(2).ok
 
 
+def _save_with_rank_0_late_to_commit(url: str) -> tuple[list[str], list[int]]:
+    """On each of 2 ranks: step 2's save, whose writes on rank 0 take longer than the commit
+    deadline and the waiting ranks' margin (3 s here), then step 3. Returns each save's
+    outcome and the committed steps."""
+    def late(step: int, phase: str) -> None:
+        if step == 2 and phase == "written":
+            time.sleep(4.0)
+
+    outcomes = []
+    with CheckpointEngine(url, commit_timeout_s=2.0) as engine:
+        engine._on_phase = late if engine.rank == 0 else None
+        for step in (2, 3):
+            try:
+                engine.save(step, {"w": torch.full((4,), float(step))}, blocking=True)
+                outcomes.append("committed")
+            except CheckpointError as exc:
+                outcomes.append(f"failed: {exc}")
+        return outcomes, engine.steps()
+
+
+@pytest.mark.multiproc
+def test_a_coordinator_past_its_deadline_does_not_commit_what_the_other_ranks_gave_up(
+        tmp_path: Path) -> None:
+    """Rank 0 found every record in only after rank 1 had stopped waiting for the COMMIT (its
+    own writes were slow) and committed all the same: rank 1's save failed, rank 0's
+    succeeded, and the step was visible although one rank reported it lost."""
+    from _dist import run_ranks
+
+    url = str(tmp_path / "ckpt")
+    (rank0, steps0), (rank1, steps1) = run_ranks(2, _save_with_rank_0_late_to_commit, url,
+                                                 timeout_s=90)
+    assert rank0[0].startswith("failed") and "deadline" in rank0[0], rank0
+    assert rank1[0].startswith("failed"), rank1
+    assert rank0[1] == rank1[1] == "committed", (rank0, rank1)
+    assert steps0 == steps1 == [3]
+
+
 # -- retention -------------------------------------------------------------------------------
 
 
