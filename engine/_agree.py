@@ -47,6 +47,9 @@ class Ranks:
         if pg is None and dist.is_available() and dist.is_initialized():
             pg = dist.group.WORLD
         self.rank = dist.get_rank(pg) if pg is not None else 0
+        if self.rank < 0:  # torch's rank for a process outside the group
+            raise CheckpointError(f"this process (global rank {dist.get_rank()}) is not a "
+                                  "member of process_group; pass a group that holds it")
         self.world_size = dist.get_world_size(pg) if pg is not None else 1
         self._gloo: Any = None
         if pg is not None and self.world_size > 1:

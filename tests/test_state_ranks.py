@@ -442,3 +442,25 @@ def test_a_save_digests_only_what_it_agrees_on(ranks: RankGroup, tmp_path: Path)
     first save twice (the plan it builds agrees them again). Now: once, where they count."""
     for rank, counts in enumerate(ranks.run(digests_per_save, str(tmp_path / "ckpt"))):
         assert counts == [3, 3, 3, 0], (rank, counts)
+
+
+def engine_on_a_group_without_this_rank(url: str) -> str:
+    """Rank 1 opens an engine on a group of rank 0 alone (every rank makes the group)."""
+    group = dist.new_group([0])
+    if dist.get_rank() == 0:
+        return "member"
+    try:
+        with CheckpointEngine(url, process_group=group) as engine:
+            engine.save(1, {"w": torch.ones(4)}, blocking=True)
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_engine_on_a_group_this_process_is_not_in_is_refused(
+    ranks: RankGroup, tmp_path: Path
+) -> None:
+    """A process outside ``process_group`` got rank -1 of world size -1: its save crashed
+    with a KeyError from the plan (the engine was never refused)."""
+    outcome = ranks.run(engine_on_a_group_without_this_rank, str(tmp_path / "ckpt"))[1]
+    assert "not a member of process_group" in outcome, outcome
