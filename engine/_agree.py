@@ -17,10 +17,13 @@ import torch
 import torch.distributed as dist
 
 from .errors import (
+    CheckpointBusyError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointFormatError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CommitTimeoutError,
     StorageError,
 )
 
@@ -30,9 +33,10 @@ log = logging.getLogger("antifragile.engine")
 # mismatch (the target wants what the step lacks) and unreadable (storage would not hand it
 # over) skip the step; corrupt skips and quarantines it; fatal raises at once
 OK, MISMATCH, UNREADABLE, CORRUPT, FATAL = 0, 1, 2, 3, 4
+# every class a rank may report: an agreed error keeps its class on every rank
 ERRORS: dict[str, type[CheckpointError]] = {cls.__name__: cls for cls in (
     CheckpointError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError,
-    StorageError)}
+    CheckpointFormatError, CommitTimeoutError, CheckpointBusyError, StorageError)}
 
 # one rank's report of a failed load: (outcome, error class name, message, damaged key)
 Report = tuple[int, str, str, "str | None"]

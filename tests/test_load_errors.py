@@ -26,6 +26,7 @@ from antifragile.engine import (
     CheckpointCorruptError,
     CheckpointEngine,
     CheckpointError,
+    CheckpointFormatError,
     PlanOptions,
     StorageError,
 )
@@ -121,6 +122,9 @@ def test_an_intact_commit_of_a_newer_format_is_refused_not_quarantined(tmp_path:
             engine.load(blank())
         assert not isinstance(raised.value, CheckpointCorruptError)
         assert engine.steps() == [1, 2] and marker.exists()
+        # the class survives the ranks' agreement on the error (it became a CheckpointError)
+        with pytest.raises(CheckpointFormatError, match=r"checkpoint format 99"):
+            engine.load(blank(), step=2)
 
 
 
