@@ -55,6 +55,7 @@ from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     CommitTimeoutError,
+    StorageError,
 )
 from .persist import parse_record, record_manifest
 from .plan import GlobalPlan
@@ -337,11 +338,16 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
                     world_size: int = 1, cancel: threading.Event | None = None) -> int:
     """Non-coordinator ranks: block until this save's COMMIT (returns its bytes) or ABORT.
     One request per round (a listing of the step folder), backing off; the marker is read
-    once it is listed."""
+    once it is listed. Storage that fails a round is asked again until the deadline: the
+    coordinator may commit meanwhile, and this rank must not report that step lost."""
     base = step_dir(step)
     delays = _poll_delays(world_size)
+    trouble = ""
     while True:
-        names = set(storage.list_dir(base))
+        try:
+            names, trouble = set(storage.list_dir(base)), ""
+        except StorageError as exc:  # retries spent: look again next round
+            names, trouble = set(), f"; the last look failed: {exc}"
         if COMMIT in names:
             try:
                 marker = read_commit(storage, step)
@@ -352,13 +358,13 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
         if ABORT in names:
             try:
                 doc = parse_record(storage.read(f"{base}/{ABORT}"), where=f"step {step}: ABORT")
-            except (CheckpointCorruptError, FileNotFoundError):
+            except (CheckpointCorruptError, StorageError, FileNotFoundError):
                 doc = {}
             if doc.get("nonce") == nonce:
                 raise CheckpointError(f"step {step}: commit aborted by rank 0: {doc.get('reason')}")
         if time.monotonic() > deadline:
             raise CommitTimeoutError(f"step {step}: no COMMIT from the coordinator (rank 0) "
-                                     "before the deadline")
+                                     f"before the deadline{trouble}")
         _pause(next(delays), cancel, step)
 
 

@@ -33,6 +33,7 @@ from antifragile.engine import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     PlanOptions,
+    StorageError,
 )
 
 Storage = tuple[str, dict[str, Any] | None]
@@ -1043,6 +1044,52 @@ def test_a_coordinator_past_its_deadline_does_not_commit_what_the_other_ranks_ga
     assert rank1[0].startswith("failed"), rank1
     assert rank0[1] == rank1[1] == "committed", (rank0, rank1)
     assert steps0 == steps1 == [3]
+
+
+class _StepFolderOut:
+    """Rank 1's storage: listing ``prefix`` fails (as RetryingStorage raises once its retries
+    are spent) for ``outage_s`` from the first listing on."""
+
+    def __init__(self, inner: Any, prefix: str, outage_s: float) -> None:
+        self.inner, self.prefix, self.outage_s = inner, prefix, outage_s
+        self.began: float | None = None
+
+    def list_dir(self, prefix: str) -> list[str]:
+        if prefix == self.prefix:
+            self.began = self.began or time.monotonic()
+            if time.monotonic() - self.began < self.outage_s:
+                raise StorageError(f"list {prefix}: connection reset (retries spent)")
+        return self.inner.list_dir(prefix)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _save_while_rank_1_cannot_list_for_a_while(url: str) -> tuple[str, list[int]]:
+    """On each of 2 ranks: a blocking save of step 2 while rank 1 cannot list the step folder
+    for its first second (well inside the 10 s deadline). Returns the outcome and the steps."""
+    with CheckpointEngine(url, commit_timeout_s=10.0) as engine:
+        if engine.rank == 1:
+            engine.storage = _StepFolderOut(engine.storage, "step_000000002", 1.0)
+        try:
+            engine.save(2, {"w": torch.ones(4)}, blocking=True)
+            outcome = "committed"
+        except CheckpointError as exc:
+            outcome = f"failed: {exc}"
+        return outcome, engine.steps()
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_cannot_reach_storage_for_a_while_waits_for_the_commit_until_its_deadline(
+        tmp_path: Path) -> None:
+    """Rank 1's first look for the COMMIT failed (storage out on its link for a second) and
+    failed its save at once, while rank 0 committed the step: one rank reported lost what
+    was committed. A waiting rank now looks again until its deadline."""
+    from _dist import run_ranks
+
+    url = str(tmp_path / "ckpt")
+    results = run_ranks(2, _save_while_rank_1_cannot_list_for_a_while, url, timeout_s=90)
+    assert results == [("committed", [2]), ("committed", [2])], results
 
 
 # -- retention -------------------------------------------------------------------------------
