@@ -10,7 +10,9 @@ always on the training thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,6 +44,16 @@ ERRORS: dict[str, type[CheckpointError]] = {cls.__name__: cls for cls in (
 Report = tuple[int, str, str, "str | None"]
 
 
+def _timeout(pg: Any) -> timedelta | None:
+    """The timeout ``pg`` was made with (None: torch does not show it, its default then):
+    the engine's own gloo group waits as long as the caller's group would, not torch's 30
+    minutes."""
+    for device in ("cuda", "cpu"):
+        with contextlib.suppress(Exception):  # no backend for that device, or no options
+            return pg._get_backend(torch.device(device)).options._timeout
+    return None
+
+
 class Ranks:
     """The ranks of ``process_group`` (None: the default group if one is initialized, else
     this process alone), with the two collectives the engine uses."""
@@ -58,7 +70,7 @@ class Ranks:
         self._gloo: Any = None
         if pg is not None and self.world_size > 1:
             self._gloo = pg if "gloo" in str(dist.get_backend(pg)) else dist.new_group(
-                dist.get_process_group_ranks(pg), backend="gloo")
+                dist.get_process_group_ranks(pg), backend="gloo", timeout=_timeout(pg))
 
     @property
     def alone(self) -> bool:

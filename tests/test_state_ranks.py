@@ -444,6 +444,33 @@ def test_a_save_digests_only_what_it_agrees_on(ranks: RankGroup, tmp_path: Path)
         assert counts == [3, 3, 3, 0], (rank, counts)
 
 
+def side_group_timeout(url: str) -> float:
+    """The engine's own gloo group beside a group of another backend (NCCL; here a gloo group
+    that says it is one): its timeout, in seconds."""
+    from datetime import timedelta
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=77))
+    real = dist.get_backend
+    dist.get_backend = lambda pg=None: "nccl"  # type: ignore[assignment]
+    try:
+        engine = CheckpointEngine(url, process_group=group)
+    finally:
+        dist.get_backend = real  # type: ignore[assignment]
+    side = engine._ranks._gloo
+    assert side is not group
+    engine.close()
+    return float(side._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+
+
+def test_the_engines_own_gloo_group_takes_the_callers_timeout(
+    ranks: RankGroup, tmp_path: Path
+) -> None:
+    """Beside an NCCL group the engine makes a gloo group of its own for its agreements; it
+    was made with torch's default timeout (30 minutes), so a rank hung in save() or load()
+    held the others there for half an hour whatever timeout the job gave its group."""
+    assert ranks.run(side_group_timeout, str(tmp_path / "ckpt")) == [77.0, 77.0]
+
+
 def engine_on_a_group_without_this_rank(url: str) -> str:
     """Rank 1 opens an engine on a group of rank 0 alone (every rank makes the group)."""
     group = dist.new_group([0])
