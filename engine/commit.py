@@ -113,9 +113,9 @@ def step_dirs(storage: Storage, ghosts: set[int] | None = None, known: set[int] 
         step = parse_step_dir(name)
         if step is not None:
             steps[step] = name
-    if ghosts is not None:
+    if ghosts is not None:  # shared with the engine's other threads: taken in one operation
         ghosts.intersection_update(steps)
-        for step in ghosts:
+        for step in set.intersection(ghosts, steps):
             del steps[step]
     every = sorted(steps)
     known = known or set()

@@ -100,6 +100,32 @@ def test_the_requests_of_a_save_do_not_grow_with_the_steps_retention_deleted(
 
 
 
+class _ChangedWhileWalked(set):  # type: ignore[type-arg]
+    """The engine's set of ghost steps, changed by another of its threads (a save of a step
+    seen empty discards it) while ``step_dirs`` walks it."""
+
+    def __iter__(self) -> Iterator[int]:
+        walk = super().__iter__()
+        step = next(walk)
+        self.discard(step)  # the other thread, between two steps of the walk
+        yield step
+        yield from walk
+
+
+def test_the_ghost_steps_changed_by_another_thread_do_not_fail_a_listing(tmp_path: Any) -> None:
+    """Retention, loads and saves share the engine's set of steps listed with nothing in them;
+    ``step_dirs`` walked that set itself, so a save's discard on another thread ended the walk
+    with "Set changed size during iteration" (a retention, or a load's listing, failed)."""
+    from antifragile.engine.storage import open_storage
+
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        for step in (1, 2, 3):
+            engine.save(step, {"w": torch.ones(2)}, blocking=True)
+    ghosts = _ChangedWhileWalked({1, 2})
+    every, committed = commit_module.step_dirs(open_storage(str(tmp_path / "ckpt")), ghosts)
+    assert every == [3] and committed == [3]
+
+
 def test_the_requests_of_a_save_that_keeps_every_step_do_not_grow_with_the_steps_kept(
         storage: Storage) -> None:
     """``keep_last=None`` deletes no committed step, yet retention looked up the COMMIT of
