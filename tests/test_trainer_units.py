@@ -82,6 +82,7 @@ def test_every_window_of_a_token_file_is_sampled(tmp_path: Path) -> None:
     (lambda p: np.save(p, np.array([{"a": 1}], dtype=object)), "Python objects"),
     (lambda p: p.write_text("not tokens\n"), "allow_pickle"),
     (lambda p: np.savez(open(p, "wb"), np.arange(100)), "not a .npy"),  # noqa: SIM115
+    (lambda p: p.write_bytes(b""), "empty"),
 ])
 def test_an_unusable_token_file_is_refused_before_training(
         tmp_path: Path, make: Any, message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -38,6 +38,8 @@ def _checked_tokens(path: str, _ino: int, _size: int, _mtime_ns: int, seq_len: i
         tokens = np.load(path, mmap_mode="r")
     except ValueError as exc:  # pickled data, not a .npy
         raise ValueError(f"{path}: {exc}") from None
+    except EOFError:  # numpy's answer for a file of no bytes
+        raise ValueError(f"{path}: empty file, not a .npy of token ids") from None
     if not isinstance(tokens, np.ndarray):
         raise ValueError(f"{path}: not a .npy file (a 1-D integer token array)")
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
