@@ -164,6 +164,19 @@ def test_bad_configuration_is_rejected_with_a_reason(argv: list[str], message: s
     assert message in capsys.readouterr().err
 
 
+def test_a_run_dir_that_cannot_be_made_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--run-dir under a plain file: every rank died with a traceback opening its event log
+    (exit 1, which torchrun restarts); now one line naming the option, exit 2."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--run-dir", str(tmp_path / "file" / "run")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m antifragile.trainer: error: --run-dir ")
+    assert parse_args(["--run-dir", str(tmp_path / "run")]).run_dir == str(tmp_path / "run")
+
+
 @pytest.mark.parametrize(("tp", "vocab"), [(4, 7), (4, 10), (2, 63), (4, 4)])
 def test_a_vocabulary_every_tp_rank_holds_rows_of_is_accepted(tp: int, vocab: int) -> None:
     """Uneven vocabulary shards train (tp 4, vocab 7: rows 2, 2, 2, 1); only a shard left

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field
 
 from antifragile.trainer.ckpt_backends import ENGINES
@@ -163,6 +164,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     except ValueError as exc:
         p.error(str(exc))
         raise
+    if cfg.run_dir is not None:  # every rank and supervisor writes its events there
+        try:
+            os.makedirs(os.path.join(cfg.run_dir, "events"), exist_ok=True)
+        except OSError as exc:
+            p.error(f"--run-dir {cfg.run_dir}: {exc.strerror or exc}")
     if cfg.data_path is not None:  # a usage error here, not a traceback in every training
         # process (which are forked from this one and reuse the checked map: ``open_tokens``)
         from antifragile.trainer.data import open_tokens
