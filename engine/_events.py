@@ -26,6 +26,7 @@ Standard library only: ``antifragile.probe`` uses this module too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -33,6 +34,33 @@ import time
 from typing import Any, TextIO
 
 RUN_DIR_ENV = "ANTIFRAGILE_RUN_DIR"
+
+
+def open_event_file(path: str) -> TextIO:
+    """``path`` opened to append JSON lines, line-buffered (one write per line).
+
+    A writer killed in the middle of a line (SIGKILL between the pages of one write, a full
+    disk) leaves it without its newline, and the next attempt's first line would complete it
+    into one garbled line that the readers refuse. That torn tail is cut off first: the line
+    its writer never finished is lost, as a kill may lose it. Only the file's one writer
+    opens it (a rank, a spare or a supervisor of one attempt at a time)."""
+    with contextlib.suppress(FileNotFoundError), open(path, "r+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        keep = end
+        while keep > 0:
+            start = max(keep - 65536, 0)
+            f.seek(start)
+            block = f.read(keep - start)
+            if keep == end and block.endswith(b"\n"):
+                break  # whole lines: nothing torn
+            newline = block.rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            keep = start
+        if keep < end:
+            f.truncate(keep)
+    return open(path, "a", buffering=1, encoding="utf-8")
 
 
 class Channel:
@@ -50,8 +78,8 @@ class Channel:
         self._lock = threading.Lock()
         folder = os.path.join(run_dir, "events")
         os.makedirs(folder, exist_ok=True)
-        self._file: TextIO = open(  # noqa: SIM115 - open for the life of the process
-            os.path.join(folder, f"rank{rank}.jsonl"), "a", buffering=1, encoding="utf-8")
+        # open for the life of the process
+        self._file: TextIO = open_event_file(os.path.join(folder, f"rank{rank}.jsonl"))
         self.started_t = time.time()
         self.loop_t = self.started_t
         self.emit("start", pid=os.getpid(), world_size=world_size)

@@ -71,3 +71,26 @@ def test_offsets_count_bytes_as_written(tmp_path: Path) -> None:
     assert [(e["event"], e.get("what")) for e in tail.poll()] == [("note", "é"),
                                                                  ("step_end", None)]
     assert [e["t"] for e in tail.events] == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("writer", ["trainer", "engine"])
+def test_a_line_torn_by_a_killed_writer_is_not_glued_to_the_next_attempts(
+        tmp_path: Path, writer: str) -> None:
+    """A rank SIGKILLed in the middle of a line (between the pages of one write) leaves it
+    without its newline; the next attempt's writer appended its first line to it, and the
+    garbled line left the whole run without a verdict. The next writer cuts the torn tail
+    off (the line it never finished is lost, as a kill may lose it) and appends after it."""
+    from antifragile.engine._events import Channel
+    from antifragile.trainer.events import EventLog, read_events
+
+    path = _events(tmp_path, _line(1.0, "start", pid=1) + '{"t": 2.0, "rank": 0, "ev')
+    if writer == "trainer":
+        log = EventLog(str(tmp_path), 0, 1)
+        log.emit("start", pid=2)
+        log.close()
+    else:
+        Channel(str(tmp_path), rank=0, world_size=1, attempt=1)._file.close()
+    assert [(e["attempt"], e["event"]) for e in EventTail(tmp_path).poll()] == [
+        (0, "start"), (1, "start")]
+    assert len(read_events(tmp_path)) == 2
+    assert path.read_text().count("\n") == 2

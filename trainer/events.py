@@ -34,9 +34,12 @@ class EventLog:
         self.attempt = attempt
         self._file: TextIO | None = None
         if run_dir:
+            # here, not at import: read_events (chaos) would load the engine, and torch, with it
+            from antifragile.engine._events import open_event_file
+
             os.makedirs(os.path.join(run_dir, "events"), exist_ok=True)
             path = os.path.join(run_dir, "events", f"{name or f'rank{rank}'}.jsonl")
-            self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+            self._file = open_event_file(path)
 
     def emit(self, event: str, **fields: Any) -> None:
         if self._file is None:

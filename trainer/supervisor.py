@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from antifragile.engine._events import open_event_file
 from antifragile.trainer.lease import (
     Heartbeat,
     Holder,
@@ -133,8 +134,8 @@ class _SupervisorEvents:
         self._file = None
         if run_dir:
             os.makedirs(os.path.join(run_dir, "events"), exist_ok=True)
-            self._file = open(os.path.join(run_dir, "events", f"supervisor{slot}.jsonl"), "a",  # noqa: SIM115
-                              buffering=1, encoding="utf-8")
+            self._file = open_event_file(os.path.join(run_dir, "events",
+                                                      f"supervisor{slot}.jsonl"))
         self.slot = slot
 
     def emit(self, event: str, *, rank: int, attempt: int, **fields: Any) -> None:
