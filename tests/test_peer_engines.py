@@ -21,10 +21,46 @@ from antifragile.chaos.scenario import ScenarioError, parse_scenario
 from antifragile.trainer.ckpt_backends import committed_steps, read_checkpoint
 from antifragile.trainer.ckpt_backends.base import committed, discard_after, prune, step_name
 from antifragile.trainer.config import parse_args
+from tests._dist import run_ranks
 from tests._trainer import assert_bitwise_equal, events, losses, run_trainer, torchrun_cmd
 
 PEERS = ["dcp", "torchsnapshot"]
 MARKERS = {"dcp": ".metadata", "torchsnapshot": ".snapshot_metadata"}
+
+
+def _async_take_fails_on_rank_1(root: str) -> str:
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torchsnapshot.snapshot
+
+    from antifragile.trainer.ckpt_backends.snapshot import SnapshotBackend
+
+    if dist.get_rank() == 1:  # its writes fail while async_take still stages (a full disk)
+        def full(**_: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        torchsnapshot.snapshot.sync_execute_write_reqs = full  # type: ignore[assignment]
+    backend = SnapshotBackend(root, keep_last=2, timeout_s=30, async_=True)
+    t0 = time.monotonic()
+    handle = backend.save(1, {"model": {"w": torch.arange(4.0) + dist.get_rank()}})
+    try:
+        handle.wait(timeout=20)
+    except Exception as exc:
+        return f"{time.monotonic() - t0:.0f} s: {exc}"
+    return "committed"
+
+
+def test_torchsnapshot_async_save_failing_on_one_rank_fails_every_ranks_handle(
+        tmp_path: Path) -> None:
+    """torchsnapshot's async_take writes what fits its staging budget before it returns: a
+    write failing there raised out of the backend's save (a traceback ending the rank) while
+    the other ranks' background threads waited 30 min in torchsnapshot's commit barrier for
+    it. Both ranks' saves now fail (ckpt_failed), at once, and nothing commits."""
+    got = run_ranks(2, _async_take_fails_on_rank_1, str(tmp_path), timeout_s=120)
+    assert all("No space left on device" in g and int(g.split()[0]) < 10 for g in got), got
+    assert committed(tmp_path, ".snapshot_metadata") == []
 
 
 # -- no processes -------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ with warnings.catch_warnings():  # torchsnapshot 0.1.0 calls torch.jit.script at
 
 from antifragile.engine import CheckpointError
 from antifragile.trainer.ckpt_backends.base import (
+    CheckpointGroup,
     PeerBackend,
     PeerHandle,
     committed,
@@ -130,7 +131,12 @@ class SnapshotBackend(PeerBackend):
         t0 = time.perf_counter()
         future: Future[Any]
         if self.async_:  # stages a copy, then writes and commits in its own thread
-            pending = torchsnapshot.Snapshot.async_take(str(path), app, pg=self.group.pg)
+            try:
+                pending = torchsnapshot.Snapshot.async_take(str(path), app, pg=self.group.pg)
+            except Exception as exc:  # reported as ckpt_failed
+                _fail_commit_barrier(str(path), self.group, exc)
+                return PeerHandle(step, failed_future(exc), stall_s=time.perf_counter() - t0,
+                                  sizes=sizes)
             future = Future()
             threading.Thread(target=_resolve, args=(pending, future), daemon=True,
                              name=f"torchsnapshot-step-{step}").start()
@@ -156,6 +162,22 @@ class SnapshotBackend(PeerBackend):
 
     def close(self) -> None:
         """Nothing to release: the trainer waits for the save in flight before closing."""
+
+
+def _fail_commit_barrier(path: str, group: CheckpointGroup, exc: BaseException) -> None:
+    """``async_take`` failed on this rank after its collectives (it writes what fits its
+    staging budget before it returns): the other ranks' background threads wait for this one
+    in torchsnapshot's commit barrier (30 min). Report the error there, as torchsnapshot's
+    own thread does when a background write fails, so that their saves fail now too."""
+    if group.pg is None or group.world_size == 1:
+        return
+    from torchsnapshot.dist_store import LinearBarrier, get_or_create_store
+    from torchsnapshot.pg_wrapper import PGWrapper
+
+    store = get_or_create_store(PGWrapper(group.pg))
+    LinearBarrier(prefix=f"torchsnapshot_{path}", store=store, rank=group.rank,
+                  world_size=group.world_size, leader_rank=0).report_error(
+        f"{type(exc).__name__}: {exc}")
 
 
 def _resolve(pending: Any, future: Future[Any]) -> None:
