@@ -63,6 +63,55 @@ def test_torchsnapshot_async_save_failing_on_one_rank_fails_every_ranks_handle(
     assert committed(tmp_path, ".snapshot_metadata") == []
 
 
+def _save_again_after_a_failed_commit(root: str) -> tuple[str, float]:
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torchsnapshot.dist_store import get_or_create_store
+    from torchsnapshot.pg_wrapper import PGWrapper
+    from torchsnapshot.storage_plugins.fs import FSStoragePlugin
+
+    from antifragile.trainer.ckpt_backends.base import step_name
+    from antifragile.trainer.ckpt_backends.snapshot import SnapshotBackend
+
+    backend = SnapshotBackend(root, keep_last=2, timeout_s=30, async_=True)
+    path = str(backend.root / step_name(1))
+    written = [0.0]
+    if dist.get_rank() == 0:  # what a first try of this step left in torchsnapshot's barrier
+        store = get_or_create_store(PGWrapper(backend.group.pg))
+        store.set(f"torchsnapshot_{path}_0", "Rank 0 encountered error: disk full")
+        store.set(f"torchsnapshot_{path}_1", "")
+    else:  # rank 1 writes slowly
+        write = FSStoragePlugin.write
+
+        async def slow(self: Any, write_io: Any) -> None:
+            time.sleep(2)
+            await write(self, write_io)
+            written[0] = time.time()
+
+        FSStoragePlugin.write = slow  # type: ignore[method-assign]
+    backend.group.barrier()
+    handle = backend.save(1, {"model": {"w": torch.arange(4.0) + dist.get_rank()}})
+    try:
+        handle.wait(timeout=20)
+    except Exception as exc:
+        return str(exc)[:300], time.time()
+    return "committed", written[0] or time.time()
+
+
+def test_torchsnapshot_saves_a_step_again_after_its_commit_failed(tmp_path: Path) -> None:
+    """torchsnapshot's commit barrier keys are named after the step's folder: the last
+    step's retry (or a restart's save of the same step) met the keys of the try before it.
+    A rank's old arrival let the leader commit before that rank had written (a torn
+    checkpoint, were that rank to die), and a leader's old error could fail the others."""
+    (first, committed_t), (second, written_t) = run_ranks(
+        2, _save_again_after_a_failed_commit, str(tmp_path), timeout_s=120)
+    assert (first, second) == ("committed", "committed")
+    assert committed_t >= written_t, "rank 0 committed before rank 1 had written"
+    assert committed(tmp_path, ".snapshot_metadata") == [1]
+
+
 # -- no processes -------------------------------------------------------------------------------
 
 def test_scenario_takes_a_peer_engine_on_local_storage_only() -> None:

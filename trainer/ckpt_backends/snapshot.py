@@ -131,6 +131,7 @@ class SnapshotBackend(PeerBackend):
         t0 = time.perf_counter()
         future: Future[Any]
         if self.async_:  # stages a copy, then writes and commits in its own thread
+            _clear_commit_barrier(str(path), self.group)
             try:
                 pending = torchsnapshot.Snapshot.async_take(str(path), app, pg=self.group.pg)
             except Exception as exc:  # reported as ckpt_failed
@@ -164,6 +165,26 @@ class SnapshotBackend(PeerBackend):
         """Nothing to release: the trainer waits for the save in flight before closing."""
 
 
+def _barrier_store(group: CheckpointGroup) -> Any:
+    from torchsnapshot.dist_store import get_or_create_store
+    from torchsnapshot.pg_wrapper import PGWrapper
+
+    return get_or_create_store(PGWrapper(group.pg))
+
+
+def _clear_commit_barrier(path: str, group: CheckpointGroup) -> None:
+    """Rank 0, before ``async_take``: torchsnapshot names its commit barrier's store keys
+    after the folder, so a step saved again (the last step's retry, a restart's save of the
+    same step) meets what the try before it left there: a rank's old arrival lets rank 0
+    commit before that rank has written, an old error fails the others. No rank can arrive
+    before rank 0 has joined ``async_take``'s collectives, so the keys go first."""
+    if group.pg is None or group.world_size == 1 or group.rank != 0:
+        return
+    store = _barrier_store(group)
+    for rank in range(group.world_size):
+        store.delete_key(f"torchsnapshot_{path}_{rank}")
+
+
 def _fail_commit_barrier(path: str, group: CheckpointGroup, exc: BaseException) -> None:
     """``async_take`` failed on this rank after its collectives (it writes what fits its
     staging budget before it returns): the other ranks' background threads wait for this one
@@ -171,11 +192,9 @@ def _fail_commit_barrier(path: str, group: CheckpointGroup, exc: BaseException) 
     own thread does when a background write fails, so that their saves fail now too."""
     if group.pg is None or group.world_size == 1:
         return
-    from torchsnapshot.dist_store import LinearBarrier, get_or_create_store
-    from torchsnapshot.pg_wrapper import PGWrapper
+    from torchsnapshot.dist_store import LinearBarrier
 
-    store = get_or_create_store(PGWrapper(group.pg))
-    LinearBarrier(prefix=f"torchsnapshot_{path}", store=store, rank=group.rank,
+    LinearBarrier(prefix=f"torchsnapshot_{path}", store=_barrier_store(group), rank=group.rank,
                   world_size=group.world_size, leader_rank=0).report_error(
         f"{type(exc).__name__}: {exc}")
 
