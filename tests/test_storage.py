@@ -518,6 +518,30 @@ def test_an_fsync_failure_in_another_sync_fails_the_next_one(
     storage.sync()  # reported once: the saves after it go on
 
 
+def test_a_sync_failed_for_an_earlier_fsync_keeps_what_it_took_to_flush(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeps: list[float]) -> None:
+    """A sync that fails because it took a path whose earlier fsync failed (the retention's,
+    while the next save writes) also took the save's new objects: it must leave them to be
+    flushed, or the save's own sync finds nothing to do, returns, and the save commits over
+    objects that were never made durable."""
+    storage, _ = _three_objects_and_a_failing_fsync(tmp_path, monkeypatch, 1 << 40)
+    with pytest.raises(StorageError):
+        storage.sync()  # an fsync failed: c.0 to c.2 reported by the next sync that takes them
+    storage.write("step_000000002/w/c.0", [bytes(100)])  # the next save's object
+    with pytest.raises(StorageError, match=r"c\.1"):
+        storage.sync()  # the retention's: reports the earlier failure
+    real_fsync, fsynced = os.fsync, set()
+
+    def fsync(fd: int) -> None:
+        fsynced.add(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    storage.sync()  # the save's
+    assert str(tmp_path / "step_000000002/w/c.0") in fsynced, fsynced
+    assert str(tmp_path / "step_000000002/w") in fsynced, fsynced
+
+
 @pytest.mark.parametrize("durable", [False, True], ids=["object", "marker"])
 def test_a_failed_local_write_leaves_no_temporary_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool) -> None:

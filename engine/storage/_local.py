@@ -312,7 +312,10 @@ class LocalStorage:
                 dirs, self._dirty_dirs = self._dirty_dirs, set()
                 lost = {p: self._lost.pop(p) for p in [*files, *dirs] if p in self._lost}
             lost = {p: e for p, e in lost.items() if os.path.lexists(p)}  # not deleted since
-            if lost:
+            if lost:  # the other paths it took are still to flush (another save's objects)
+                with self._lock:
+                    self._dirty_files |= files - lost.keys()
+                    self._dirty_dirs |= dirs - lost.keys()
                 path, error = next(iter(lost.items()))
                 raise StorageError(f"{len(lost)} path(s) written before this sync failed an "
                                    f"earlier fsync, {path} among them: {error}")
