@@ -168,6 +168,28 @@ def test_a_missing_bucket_is_a_storage_error(s3_server: dict[str, Any]) -> None:
 
 
 @pytest.mark.s3
+def test_a_lookup_in_a_missing_bucket_is_not_a_missing_object(
+        s3_server: dict[str, Any], s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    """``exists`` and ``size`` are one HEAD, whose 404 has no body to say NoSuchBucket: a
+    missing bucket read as "no COMMIT there" (a step not committed, a crash fault that found
+    nothing to do) instead of the StorageError every other operation raises."""
+    from antifragile.engine.storage import open_storage
+
+    storage = open_storage("s3://no-such-bucket-lookup/run", s3_server)
+    for call in (lambda: storage.exists("step_000000001/COMMIT"),
+                 lambda: storage.size("step_000000001/COMMIT")):
+        with pytest.raises(StorageError, match=r"bucket 'no-such-bucket-lookup' does not exist"):
+            call()
+    url, options = s3_bucket  # in a bucket that exists: what is not there is not there
+    storage = open_storage(url, options)
+    assert not storage.exists("step_000000001/COMMIT")
+    with pytest.raises(FileNotFoundError):
+        storage.size("step_000000001/COMMIT")
+    storage.write("k", [b"abc"])
+    assert storage.exists("k") and storage.size("k") == 3
+
+
+@pytest.mark.s3
 def test_refused_credentials_are_a_storage_error(s3_bucket: tuple[str, dict[str, Any]]) -> None:
     url, options = s3_bucket
     with CheckpointEngine(url, storage_options=options) as engine:

@@ -188,6 +188,7 @@ class S3Storage:
         self.prefix = prefix.strip("/")
         kwargs = self._config = store_config(storage_options)
         self.endpoint = kwargs.get("endpoint") or _env_endpoint() or "the default endpoint"
+        self._bucket_seen = False  # a request answered: a HEAD's 404 is then a missing object
         self._admin: Any = None
         self._admin_lock = threading.Lock()
         try:
@@ -215,7 +216,7 @@ class S3Storage:
         )
 
         try:
-            return fn()
+            result = fn()
         except (FileNotFoundError, GenericError) as exc:
             text = _brief(exc)
             if "NoSuchBucket" in text:
@@ -235,6 +236,8 @@ class S3Storage:
             raise PermissionError(_brief(exc)) from exc
         except BaseError as exc:  # a bad path, an unsupported operation: retrying cannot help
             raise ValueError(_brief(exc)) from exc
+        self._bucket_seen = True
+        return result
 
     def write(self, key: str, parts: Sequence[Any], *, durable: bool = False,
               late: Late | None = None) -> None:
@@ -273,12 +276,23 @@ class S3Storage:
         return scatter(self._get(key, start, start + sum(map(len, views))), views)
 
     def size(self, key: str) -> int:
+        """One HEAD. Its 404 has no body to tell a missing bucket from a missing object: until
+        a request of this storage was answered, a GET (whose 404 says which) asks again."""
         import obstore
 
-        return int(self._call("size", key, lambda: obstore.head(self.store, key))["size"])
+        try:
+            return int(self._call("size", key, lambda: obstore.head(self.store, key))["size"])
+        except FileNotFoundError:
+            if self._bucket_seen:
+                raise
+        try:
+            return int(self._call("size", key, lambda: obstore.get(self.store, key).meta["size"]))
+        except FileNotFoundError:
+            self._bucket_seen = True  # the GET's 404 said NoSuchKey
+            raise
 
     def exists(self, key: str) -> bool:
-        """One HEAD."""
+        """One HEAD (see ``size``)."""
         try:
             self.size(key)
         except FileNotFoundError:
