@@ -199,7 +199,7 @@ class S3Storage:
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         """Run one obstore call, its errors in the kinds RetryingStorage sorts: FileNotFoundError
         (no such object), PermissionError (403), ValueError (a bad path), StorageError (no such
-        bucket, a forked process), OSError (anything else: retried)."""
+        bucket, a forked process), OSError (anything else, a 409 too: retried)."""
         global _used_in_pid
         if _used_in_pid is None:
             _used_in_pid = os.getpid()
@@ -209,6 +209,7 @@ class S3Storage:
                 "requests; obstore's runtime does not survive fork (start it with the 'spawn' "
                 "or 'forkserver' method)")
         from obstore.exceptions import (
+            AlreadyExistsError,
             BaseError,
             GenericError,
             PermissionDeniedError,
@@ -234,6 +235,8 @@ class S3Storage:
             raise OSError(text) from exc
         except (PermissionDeniedError, UnauthenticatedError) as exc:
             raise PermissionError(_brief(exc)) from exc
+        except AlreadyExistsError as exc:  # a 409: no request here is conditional, so S3's
+            raise OSError(_brief(exc)) from exc  # OperationAborted ("try again"): transient
         except BaseError as exc:  # a bad path, an unsupported operation: retrying cannot help
             raise ValueError(_brief(exc)) from exc
         self._bucket_seen = True
