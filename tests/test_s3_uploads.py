@@ -24,12 +24,15 @@ pytestmark = [pytest.mark.s3, pytest.mark.filterwarnings("ignore::RuntimeWarning
 
 
 class FailingProxy(RecordingProxy):
-    """Answers 503 to the requests ``fails`` picks by their request line; forwards the rest."""
+    """Answers ``answer`` (a 503) to the requests ``fails`` picks by their request line;
+    forwards the rest."""
 
     def __init__(self, upstream_url: str) -> None:
         super().__init__(upstream_url, bucket="", root="")
         self.fails: Callable[[str], bool] = lambda request_line: False
         self.failed: list[str] = []
+        self.answer = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                       b"Connection: close\r\n\r\n")
 
     def _forward(self, client: Any, reader: _Reader, head: bytes, issued: float,
                  upstream: list[Any]) -> bool:
@@ -38,8 +41,7 @@ class FailingProxy(RecordingProxy):
             return super()._forward(client, reader, head, issued, upstream)
         self.failed.append(request_line)
         reader.body(headers)
-        client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
-                       b"Connection: close\r\n\r\n")
+        client.sendall(self.answer)
         return False
 
 
@@ -101,3 +103,23 @@ def test_a_tree_delete_aborts_the_uploads_under_it(s3_bucket: tuple[str, dict[st
     assert uploads(admin, bucket) == [f"{root}/step_5x/a/c.0"]
     admin.abort_multipart_upload(Bucket=bucket, Key=f"{root}/step_5x/a/c.0",
                                  UploadId=made["step_5x/a/c.0"])
+
+
+def test_an_upload_gone_under_a_write_is_retried(s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    """A part answered 404 NoSuchUpload (the upload was aborted under it: a lifecycle rule,
+    another process's tree delete) reached the retry layer as FileNotFoundError, which it lets
+    through untouched for lookups: the write failed at once, saying "no such object". A new
+    upload succeeds."""
+    url, options = s3_bucket
+    data = bytes(range(256)) * (MULTIPART_MIN_BYTES // 256 + 3)
+    body = b"<Error><Code>NoSuchUpload</Code><Message>gone</Message></Error>"
+    with FailingProxy(options["endpoint_url"]) as proxy:
+        proxy.answer = (b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n"
+                        b"Connection: close\r\n\r\n" % len(body) + body)
+        proxy.fails = lambda line: "partNumber=2&" in line and not proxy.failed
+        storage = open_storage(url, {**options, "endpoint_url": proxy.endpoint_url})
+        assert isinstance(storage, RetryingStorage)
+        storage.base_delay_s = 0.01
+        storage.write("step_000000001/w/c", [data])
+        assert proxy.failed, "no part was refused: nothing is tested"
+        assert storage.read("step_000000001/w/c") == data

@@ -19,8 +19,9 @@ Late = Callable[[], Sequence[tuple[int, int]]]  # see Storage.write
 
 # Errors that retrying cannot fix. Everything else (connection resets, timeouts, 5xx, throttling,
 # which the S3 backend raises as OSError) is retried with backoff.
-# FileNotFoundError passes through as it is (callers ask "is it there?" with it); every other
-# error leaves this layer as a StorageError (a CheckpointError) naming the operation and key.
+# FileNotFoundError passes through as it is (callers ask "is it there?" with it; a write's is
+# retried); every other error leaves this layer as a StorageError (a CheckpointError) naming the
+# operation and key.
 PERMANENT: tuple[type[BaseException], ...] = (
     FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
     ValueError, TypeError, KeyError, CheckpointError, NotImplementedError,
@@ -135,7 +136,13 @@ class RetryingStorage:
 
     def write(self, key: str, parts: Sequence[Any], *, durable: bool = False,
               late: Late | None = None) -> None:
-        self._call("write", key, lambda: self.inner.write(key, parts, durable=durable, late=late))
+        def put() -> None:
+            try:
+                self.inner.write(key, parts, durable=durable, late=late)
+            except FileNotFoundError as exc:  # not "is it there?": an upload aborted under it
+                raise OSError(str(exc)) from exc  # (S3's NoSuchUpload), a folder removed meanwhile
+
+        self._call("write", key, put)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         return self._call("read", key, lambda: self.inner.read(key, start, end))
