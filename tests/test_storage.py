@@ -278,6 +278,28 @@ def test_local_reads_and_writes_loop_over_short_transfers(
     assert storage.read("a/b", 700, 10_000) == data[700:]
 
 
+def test_a_local_write_that_writes_nothing_fails_instead_of_looping(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A buffered ``writev`` that wrote 0 of a non-empty batch went round the loop forever
+    (the save hung); it is an I/O error now, as a ``pwrite`` that writes nothing already was,
+    and no file is left under the key."""
+    from antifragile.engine.storage import LocalStorage
+
+    calls = [0]
+
+    def stuck_writev(fd: int, buffers: list[Any]) -> int:
+        calls[0] += 1
+        if calls[0] > 100:
+            raise RuntimeError("writev called again and again")
+        return 0
+
+    monkeypatch.setattr(os, "writev", stuck_writev)
+    storage = LocalStorage(str(tmp_path))
+    with pytest.raises(OSError, match="wrote nothing"):
+        storage.write("a/b", [b"x" * 100])
+    assert not (tmp_path / "a" / "b").exists()
+
 def test_every_backend_keeps_the_storage_contract(storage: tuple[str, Any]) -> None:
     """The Storage interface on each real backend: ranged and scatter reads (also past the end
     and of an empty object), sizes, listings, and a tree delete that leaves a sibling whose

@@ -220,6 +220,8 @@ class LocalStorage:
         while views:
             batch = views[:_IOV_MAX]
             written = os.writev(fd, batch)
+            if written <= 0 and any(map(len, batch)):
+                raise OSError(errno.EIO, f"writev wrote nothing of {sum(map(len, batch))} bytes")
             views = views[len(batch):] if written == sum(map(len, batch)) else (
                 _advance(batch, written) + views[len(batch):])
         with self._lock:
