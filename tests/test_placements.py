@@ -404,6 +404,7 @@ def test_shards_of_two_layouts_that_overlap_are_refused(rows: list[tuple[int, in
     with pytest.raises(CheckpointError, match=r"'w'.*overlap"):
         build_plan(invs)
 
+
 def test_disagreeing_shapes_name_both_ranks() -> None:
     invs = inventories({"w": Layout((8, 2), (2,), (Shard(0),))}, 2)
     invs[1]["tensors"]["w"]["shape"] = [8, 3]

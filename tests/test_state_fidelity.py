@@ -322,6 +322,7 @@ def test_json_values_come_back_in_the_targets_own_types(ckpt: CheckpointEngine) 
     assert type(target["n"]) is int and target["n"] == 7  # the target's str is no int
     assert type(target["count"]) is int and target["count"] == 5  # not bool(5)
 
+
 @pytest.mark.parametrize(("value", "named"), [({1.5: "x"}, "1.5"), ({0: "a", "0": "b"}, "'0'"),
                                               ({None: 1}, "None")],
                          ids=["float-key", "int-and-str-key", "none-key"])

@@ -77,6 +77,7 @@ def test_steps_lost_once_are_summed_once_when_two_faults_ended_one_attempt() -> 
     doc["faults"].append(_fault(recovery_s=3.0, lost_steps=1, ended_attempt=1))
     assert suite.summarize("s", "s.yaml", doc, None)["lost_steps"] == 3
 
+
 def test_entry_without_figures_and_failed_entry() -> None:
     e = suite.summarize("quiet", "q.yaml", _report([], stalls=()), None)
     assert e["recovery_max_s"] is None and e["lost_steps"] is None and e["stall_mean_s"] is None

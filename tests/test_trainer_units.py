@@ -420,7 +420,6 @@ def test_a_run_whose_every_checkpoint_is_damaged_does_not_start_over(tmp_path: P
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000000002", "step_000000004"]
 
 
-
 def test_a_resume_with_another_seed_is_refused(tmp_path: Path) -> None:
     """The data stream is a function of --seed: a run resumed with another --seed (a typo, a
     launcher default) trained on other batches than the checkpoint's run from then on, and no
@@ -448,6 +447,7 @@ def test_a_resume_with_another_seed_is_refused(tmp_path: Path) -> None:
     assert "step 2 was trained with --seed 7, this run has --seed 8" in proc.stderr, \
         proc.stderr[-2000:]
     assert train(4, seed=7).returncode == 0
+
 
 _REFUSING_LAST_STEP = """
 import sys

@@ -693,6 +693,7 @@ def test_what_a_killed_rank_wrote_before_the_kill_took_effect_is_not_going_on() 
     assert v.verdict == "pass", v.reasons
     assert kill.detect_s is not None and kill.detect_s > 0.5
 
+
 def test_a_generation_that_failed_before_it_started_is_not_the_recovery() -> None:
     """Ranks 1 and 2 die at one point; in process, the generation published for the first
     death fails before its members meet (the second death is found meanwhile) and writes no
