@@ -943,3 +943,18 @@ def test_a_wall_clock_step_during_a_gap_after_the_abort_is_not_taken_for_stuck(
         progress.bump()
         assert not stuck.wait(0.05)
     watch.stop()
+
+
+def test_a_checkpoint_saved_before_seeds_were_stored_resumes(tmp_path: Path) -> None:
+    """Our engine loads ``train`` as one JSON value, the saved dict in place of the target's:
+    a checkpoint written before the seed was stored came back without it, and the seed check
+    died with a KeyError (a traceback on every rank, restarted by torchrun into the same)."""
+    ckpt, events = _checkpointer(tmp_path)
+    with_seed = ckpt._state
+    ckpt._state = lambda step, cursor: {  # type: ignore[method-assign]
+        **with_seed(step, cursor), "train": {"step": step, "data_cursor": cursor}}
+    ckpt.save(2, 16, blocking=True)
+    ckpt._state = with_seed  # type: ignore[method-assign]
+    assert ckpt.restore() == (2, 16)
+    ckpt.close()
+    events.close()

@@ -82,8 +82,11 @@ class TrainCheckpointer:
             raise ResumeError(str(exc)) from exc
         for reason in skipped:
             self.events.emit("restore_skipped", reason=reason)
-        if int(state["train"]["seed"]) != self.seed:
-            raise ResumeError(f"step {step} was trained with --seed {state['train']['seed']}, "
+        # our engine loads ``train`` whole: a checkpoint saved before seeds were stored
+        # comes back without one (its seed is not known, so not checked)
+        saved_seed = state["train"].get("seed", self.seed)
+        if int(saved_seed) != self.seed:
+            raise ResumeError(f"step {step} was trained with --seed {saved_seed}, "
                               f"this run has --seed {self.seed}: its batches would differ from "
                               "the checkpoint's run (resume with that seed, or start a run "
                               "with a fresh --ckpt-url)")
