@@ -49,11 +49,19 @@ def summarize(name: str, file: str, doc: dict[str, Any], report: str | None) -> 
     """The summary entry of one scenario from its ``report.json`` document."""
     faults = doc.get("faults", [])
     recoveries = [f["recovery_s"] for f in faults if f.get("recovery_s") is not None]
-    # faults that ended one attempt (two kills at one moment) each report the steps it lost:
-    # counted once
-    lost = list({(f.get("ended_attempt"), i if f.get("ended_attempt") is None else 0):
-                 f["lost_steps"] for i, f in enumerate(faults)
-                 if f.get("lost_steps") is not None}.values())
+    # faults that ended one attempt (two kills at one moment) each report the steps that
+    # attempt lost: counted once, the most any of them says
+    lost_by_attempt: dict[int, int] = {}
+    lost = []
+    for f in faults:
+        if f.get("lost_steps") is None:
+            continue
+        if f.get("ended_attempt") is None:
+            lost.append(f["lost_steps"])
+        else:
+            attempt = f["ended_attempt"]
+            lost_by_attempt[attempt] = max(lost_by_attempt.get(attempt, 0), f["lost_steps"])
+    lost += lost_by_attempt.values()
     # the run's final blocking save waits for its whole persist: the job's shutdown, not a
     # stall of training (the report shows it)
     stalls = [c["stall_s"] for c in doc.get("checkpoints", [])
