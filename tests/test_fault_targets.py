@@ -137,3 +137,31 @@ def test_a_signal_fault_is_timed_when_it_was_sent_not_when_it_took_effect(
     assert injection.missed is None and injection.skipped is None, injection
     assert before <= injection.t <= sent[0], (injection.t - before, sent[0] - before)
     assert before + 0.3 <= injection.detail["done_t"] <= after
+
+
+def test_the_latest_checkpoint_is_taken_once_the_save_in_flight_has_committed(
+        tmp_path: Path) -> None:
+    """``checkpoint: latest`` at a pause point where the previous save still persists (its
+    folder there, no COMMIT yet): the fault damaged the step before it, which the restore
+    after a kill at the same point never reads (the save commits meanwhile), so the fault had
+    no effect and the nightly scenario failed on a loaded machine. It waits for the save."""
+    import shutil
+    import threading
+
+    import torch
+
+    from antifragile.engine import CheckpointEngine
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url) as engine:
+        for step in (8, 12):
+            engine.save(step, {"w": torch.arange(64.0)}, blocking=True)
+    commit = tmp_path / "ckpt" / "step_000000012" / "COMMIT"
+    aside = tmp_path / "COMMIT.12"
+    shutil.move(commit, aside)  # step 12 still persisting
+    threading.Timer(1.0, shutil.move, (aside, commit)).start()
+    target = Target(pids={}, coordinates={}, ckpt_url=url, rng=random.Random(0))
+    fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=14)
+    injection = fault.inject(target, 14)
+    assert injection.missed is None, injection.missed
+    assert injection.detail["checkpoint_step"] == 12

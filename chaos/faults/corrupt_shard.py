@@ -65,7 +65,7 @@ class CorruptShard(FaultBase):
         if peer is not None:
             return self._inject_peer(peer, target, step)
         storage = open_storage(target.ckpt_url)
-        steps = committed_steps(storage)
+        steps = _settled(storage) if self.checkpoint == "latest" else committed_steps(storage)
         chosen = steps[-1] if steps and self.checkpoint == "latest" else self.checkpoint
         if not steps or chosen not in steps:
             return Injection(self.kind, time.time(), step=step,
@@ -144,3 +144,28 @@ def _peer_engine(url: str) -> str | None:
         if committed_steps_of(engine, url):
             return engine
     return None
+
+
+SETTLE_S = 30.0  # how long ``latest`` waits for a save in flight to commit or fail
+
+
+def _settled(storage: Any) -> list[int]:
+    """The committed steps once no save is in flight: ``latest`` is the newest checkpoint the
+    job has when the fault fires, and a save of the step before the pause point may still be
+    persisting there (it commits a moment later: damaging the one before it, which no restore
+    then reads, would be a fault without effect). A step folder newer than the newest commit,
+    neither aborted nor quarantined, is waited for, at most ``SETTLE_S`` (debris of a killed
+    save never commits)."""
+    from antifragile.engine._paths import ABORT, QUARANTINE, step_dir
+    from antifragile.engine.commit import step_dirs
+
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        every, committed = step_dirs(storage)
+        newest = committed[-1] if committed else 0
+        if time.monotonic() > deadline or not any(
+                step > newest and not any(storage.exists(f"{step_dir(step)}/{marker}")
+                                          for marker in (ABORT, QUARANTINE))
+                for step in every):
+            return committed
+        time.sleep(0.05)
