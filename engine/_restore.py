@@ -242,6 +242,29 @@ class Sources:
                                      "fit the saved entries")
 
 
+def check_attributes(reader: StepReader) -> None:
+    """What a load refuses in the step's attributes whatever its target (``verify``'s check):
+    the per-rank index and the arrays it names, the ranks of per-rank values, and every
+    rank's type record, each description fitting the value that rank loads. Raises
+    CheckpointCorruptError naming the first problem."""
+    ranks = {0} | {int(r) for by_rank in reader.values_by_rank.values()
+                   for r in by_rank if isinstance(r, str) and is_index(r)}
+    for rank in sorted(ranks):
+        sources = Sources(reader, FlatState({}, {}), rank)
+        for path, holders in sources.per_rank.items():
+            missing = [r for r in holders if rank_array(path, r) not in reader.tensors]
+            if missing:
+                raise CheckpointCorruptError(f"step {reader.step}: per-rank tensor "
+                                             f"{rank_array(path, missing[0])!r} is not in the "
+                                             "tensor index")
+        for path in reader.values_by_rank:
+            sources._saved_value(path, record=False)  # its ranks are checked
+        for path, desc in (sources.types or {}).get("values", {}).items():
+            found, value = sources._saved_value(path, record=False)
+            if found:
+                sources._build(("value", value, desc), path, {})
+
+
 def restore(value: Any, desc: Any) -> Any:
     """Undo what JSON did to a value, by its description (``_state.describe``)."""
     if desc is None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from itertools import product
 
 from ._paths import step_dir
+from ._restore import check_attributes
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -116,6 +117,10 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
             return spec, str(exc)
         return spec, None
 
+    try:
+        check_attributes(reader)
+    except CheckpointError as exc:  # what a load of any target would refuse
+        report.add("zarr.json", None, str(exc))
     jobs = [(n, t) for t in reader.tensors.values() for n in t.arrays]
     specs: dict[str, ArraySpec] = {}
     read: set[str] = set()  # array documents read and checked here

@@ -262,6 +262,14 @@ HOSTILE: dict[str, Callable[[Hostile], None]] = {
     ),
     "group-values-not-a-dict": _attrs(_set("values", ["step"])),
     "group-values-by-rank-not-a-dict": _attrs(_set("values_by_rank", {"step": [1]})),
+    # what a load reads of the group's attributes for any target, so verify checks it too
+    "per-rank-index-not-a-dict": _attrs(_set("per_rank", ["model/w"])),
+    "per-rank-array-not-in-the-index": _attrs(_set("per_rank", {"model/w": [0]})),
+    "per-rank-value-of-no-rank": _attrs(_set("values_by_rank", {"step": {"first": 1}})),
+    "type-record-not-a-dict": _attrs(lambda a: a["values"].__setitem__(".types", [])),
+    "type-record-does-not-fit-its-value": _attrs(
+        lambda a: a["values"][".types"]["values"].__setitem__("step", ["d", [], {}])
+    ),
     "tensor-entry-not-a-dict": lambda h: h.edit_json(
         "zarr.json",
         lambda g: g["attributes"]["antifragile"]["tensors"].__setitem__("model/w", "model/w"),

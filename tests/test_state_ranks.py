@@ -113,6 +113,7 @@ def test_read_gives_every_ranks_copy_of_what_was_saved_per_rank(
     ranks.run(save_versions, url, [0, 1])
     with CheckpointEngine(url) as engine:
         stored = engine.read(2)
+        assert engine.verify(2).ok  # the per-rank index, values and type records check out
     saved = [rank_state(rank, 2) for rank in (0, 1)]
     for rank in (0, 1):
         assert bits(stored[f"rng/rank_{rank}"]) == bits(saved[rank]["rng"])
