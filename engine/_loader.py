@@ -46,7 +46,8 @@ class Loader:
     def load(self, flat: FlatState, step: int | None, storage: Storage,
              memory: MemoryCopy | None, sources: dict[str, int]) -> int:
         """Collective: ``step`` (or the newest step that loads intact) into ``flat``; returns
-        the step loaded. ``sources`` gains the bytes read from memory and from storage."""
+        the step loaded. ``sources``: the bytes of the step loaded that came from memory and
+        from storage (a step tried before it that failed on some rank counts for nothing)."""
         candidates = self.candidates(step, storage)
         began = self._events.restore_begin()
         newest_error: CheckpointError | None = None
@@ -192,6 +193,6 @@ class Loader:
         """``step`` into ``flat`` (see ``_fill.fill_step``): its JSON values and the nonce of
         the save read (the ranks check they all read the same one)."""
         filled = fill_step(storage, step, flat, self._ranks.rank, self._pool, memory)
-        sources["storage_bytes"] += filled.storage_bytes
-        sources["memory_bytes"] += filled.memory_bytes
+        sources["storage_bytes"] = filled.storage_bytes
+        sources["memory_bytes"] = filled.memory_bytes
         return filled.values, filled.nonce

@@ -376,3 +376,42 @@ def test_a_copy_of_another_layout_with_the_same_local_shape_is_not_used(
     for rank, same in ranks.run(_restore_into_another_layout_of_the_same_local_shape,
                                 str(tmp_path / "ckpt")):
         assert same, f"rank {rank}: loaded the rows it held at the save, not its new ones"
+
+
+def _fallback_past_the_step_in_memory(url: str) -> list[Any]:
+    """Rank 0 holds step 2 in memory; rank 1 (a spare: no copy) finds its object of step 2
+    damaged, so every rank loads step 1, from storage. Rank 0's sources still counted the
+    bytes it had filled from memory for step 2: the restore was reported (restore_end,
+    chaos's restore_memory_bytes) as partly from memory when none of step 1 came from it."""
+    mesh = DeviceMesh("cpu", torch.arange(2))
+    full = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+
+    def state(scale: float) -> dict[str, Any]:
+        return {"s": distribute_tensor(full * scale, mesh, [Shard(0)])}
+
+    with CheckpointEngine(url, keep_in_memory=True, keep_last=None) as engine:
+        engine.save(1, state(1.0), blocking=True)
+        engine.save(2, state(2.0), blocking=True)
+        memory = engine.memory_copy()
+    dist.barrier()
+    if dist.get_rank() == 1:
+        cell = Path(url) / "step_000000002" / "s" / "c.1.0"  # rank 1's rows
+        data = bytearray(cell.read_bytes())
+        data[0] ^= 0x01
+        cell.write_bytes(bytes(data))
+    dist.barrier()
+    target = state(-1.0)
+    with pytest.warns(RuntimeWarning), CheckpointEngine(url) as loader:
+        step = loader.load(target, memory=memory if dist.get_rank() == 0 else None)
+        sources = dict(loader.last_load_sources)
+    same = torch.equal(_bits(target["s"].to_local()), _bits(state(1.0)["s"].to_local()))
+    return [dist.get_rank(), step, same, sources]
+
+
+@pytest.mark.multiproc
+def test_a_load_that_falls_back_past_the_step_in_memory_reports_storage_only(
+        ranks: RankGroup, tmp_path: Path) -> None:
+    for rank, step, same, sources in ranks.run(_fallback_past_the_step_in_memory,
+                                               str(tmp_path / "ckpt")):
+        assert step == 1 and same, f"rank {rank}"
+        assert sources == {"memory_bytes": 0, "storage_bytes": 16 * 4}, f"rank {rank}: {sources}"
