@@ -132,7 +132,8 @@ def run(ranks: int, saves: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.save_cost",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--saves", type=int, default=20)
     parser.add_argument("--json", help="also write the figures here")
