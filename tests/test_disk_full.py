@@ -409,7 +409,7 @@ def test_an_attempt_that_died_of_the_full_disk_after_it_did_not_go_on() -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)  # 1200 steps twice (reference and faulty run): 270 s alone here
 def test_shipped_scenario_refuses_saves_goes_on_and_ends_bitwise_equal(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if os.geteuid() != 0:
