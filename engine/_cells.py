@@ -205,10 +205,6 @@ def _fetch(reader: StepReader, spec: ArraySpec, key: str, first: int, last: int,
     return data, shifted
 
 
-
-
-
-
 def _writable(data: bytes | bytearray) -> bytearray:
     """``data`` as the writable buffer torch.frombuffer needs, copied only when it is not one."""
     return data if isinstance(data, bytearray) else bytearray(data)

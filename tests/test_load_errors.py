@@ -127,7 +127,6 @@ def test_an_intact_commit_of_a_newer_format_is_refused_not_quarantined(tmp_path:
             engine.load(blank(), step=2)
 
 
-
 FORMAT_2 = Path(__file__).parent / "data" / "format2"  # step 7, written by antifragile 0c7622b
 
 

@@ -99,7 +99,6 @@ def test_the_requests_of_a_save_do_not_grow_with_the_steps_retention_deleted(
     assert max(wire[2:]) <= wire[2] + 1, wire
 
 
-
 class _ChangedWhileWalked(set):  # type: ignore[type-arg]
     """The engine's set of ghost steps, changed by another of its threads (a save of a step
     seen empty discards it) while ``step_dirs`` walks it."""

@@ -25,7 +25,6 @@ STORAGE_FAULTS: dict[str, tuple[str, ...]] = {
 }
 
 
-
 def link_noticed(record: RunRecord, injection: Injection, why_not: str) -> tuple[bool, str]:
     """A cut that ended no attempt is still observed if a watchdog found a rank hung while
     the link was down (the job noticed, and got through)."""
