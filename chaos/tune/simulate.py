@@ -52,9 +52,15 @@ class _FailureTimes:
         return scale * self.rng.weibull(self.shape, size)
 
     def upto(self, column: int) -> np.ndarray:
-        while self.times.shape[1] <= column:
-            last = self.times[:, -1:] if self.times.shape[1] else np.zeros((self.n, 1))
-            self.times = np.hstack([self.times, last + np.cumsum(self._gaps(), axis=1)])
+        """The failure times with at least ``column + 1`` columns, drawn block by block so
+        the numbers never depend on how far a caller asked; one copy per call."""
+        have = self.times.shape[1]
+        if have > column:
+            return self.times
+        blocks = -(-(column + 1 - have) // self.BLOCK)
+        last = self.times[:, -1:] if have else np.zeros((self.n, 1))
+        gaps = np.hstack([self._gaps() for _ in range(blocks)])
+        self.times = np.hstack([self.times, last + np.cumsum(gaps, axis=1)])
         return self.times
 
 
@@ -69,35 +75,37 @@ def _wall_times(interval_s: float, segments: int, ckpt_s: float, restart_s: floa
     """Wall time of each schedule to finish ``segments`` x (work + checkpoint); ``inf`` for a
     schedule given up after :data:`MAX_FAILURES` failures.
 
-    One pass per failure: work resumes ``pause`` seconds after ``t`` (R after a failure,
-    0 at the start); a failure before that restarts the restart.
+    Work resumes R after each failure (at 0 at the start), so the segments committed before
+    failure j depend only on the failure times: each gap F[j] - (F[j-1] + R) commits
+    floor(gap / period) of them (none when a failure comes within the restart). The schedule
+    finishes in the first gap long enough for the segments it still owes, which makes the
+    whole schedule a few array operations over a stretch of columns at a time.
     """
     n = failures.n
     period = interval_s + ckpt_s
-    t = np.zeros(n)
-    pause = np.zeros(n)
-    done = np.zeros(n)  # segments committed
-    nxt = np.zeros(n, dtype=np.int64)  # index of the next failure
-    wall = np.zeros(n)
+    wall = np.full(n, math.inf)
+    done = np.zeros(n)  # segments committed before the stretch
     active = np.arange(n)
-    while active.size:
-        given_up = nxt[active] >= MAX_FAILURES
-        wall[active[given_up]] = math.inf
-        active = active[~given_up]
-        if not active.size:
-            break
-        times = failures.upto(int(nxt[active].max()))
-        f = times[active, nxt[active]]
-        start = t[active] + pause[active]
-        finish = start + (segments - done[active]) * period
+    first = 0  # the stretch's first column
+    width = _FailureTimes.BLOCK
+    while active.size and first < MAX_FAILURES:
+        last = min(first + width, MAX_FAILURES)
+        times = failures.upto(last - 1)
+        f = times[active, first:last]
+        if first:
+            start = times[active, first - 1:last - 1] + restart_s
+        else:
+            start = np.hstack([np.zeros((active.size, 1)), f[:, :-1] + restart_s])
+        committed = np.floor(np.maximum(f - start, 0.0) / period)
+        before = done[active, None] + np.cumsum(committed, axis=1) - committed
+        finish = start + (segments - before) * period
         ok = finish <= f
-        wall[active[ok]] = finish[ok]
-        keep = ~ok
-        active, f, start = active[keep], f[keep], start[keep]
-        done[active] += np.floor(np.maximum(f - start, 0.0) / period)
-        t[active] = f
-        pause[active] = restart_s
-        nxt[active] += 1
+        hit = ok.any(axis=1)
+        rows = np.flatnonzero(hit)
+        wall[active[rows]] = finish[rows, ok.argmax(axis=1)[rows]]
+        done[active] = before[:, -1] + committed[:, -1]
+        active = active[~hit]
+        first, width = last, min(2 * width, 1024)  # 1024 columns: 16 MB per 2000 schedules
     return wall
 
 
