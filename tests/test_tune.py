@@ -124,12 +124,17 @@ def test_the_whole_schedule_wall_times_match_a_failure_by_failure_replay(
     """The simulation computes a schedule in array operations over stretches of failures
     (it took 60 s for k = 0.01 one failure at a time); it must give the replay's numbers."""
     sim = importlib.import_module("antifragile.chaos.tune.simulate")
-    failures = sim._FailureTimes(dist, shape, 100.0, 40, seed=3)
+    failures = sim._FailureTimes(dist, shape, 100.0, 300, seed=3)  # two sets of 256 or less
     for interval_s, segments in ((10.0, 40), (90.0, 5), (300.0, 3)):
         wall = sim._wall_times(interval_s, segments, 5.0, restart_s, failures)
         times = failures.upto(sim.MAX_FAILURES - 1)[:, :sim.MAX_FAILURES]
-        assert wall.tolist() == [_replay(row.tolist(), interval_s, segments, 5.0, restart_s)
-                                 for row in times]
+        replayed: list[float] | None = []
+        for row in times:  # None once a schedule is given up, as the simulation answers
+            replayed.append(_replay(row.tolist(), interval_s, segments, 5.0, restart_s))
+            if replayed[-1] == math.inf:
+                replayed = None
+                break
+        assert replayed == (None if wall is None else wall.tolist())
 
 
 def test_recommendation_is_the_best_simulated_interval_in_whole_steps() -> None:
@@ -268,7 +273,7 @@ def test_cli_a_weibull_shape_that_makes_intervals_infeasible_ends(shape: str) ->
     result = _invoke(["--ckpt-cost-s", "5", "--mtbf-s", "100", "--weibull-shape", shape,
                       "--dist", "weibull", "--json"])
     # it never ended before; k = 0.01 (every schedule meets MAX_FAILURES) took 60 s played
-    # failure by failure, 20 s in stretches of failures, on a 2-core machine
+    # failure by failure, 4 s in stretches of failures (it stops at the first given up)
     assert time.monotonic() - start < 180, shape
     assert "Traceback" not in result.output, result.output
     if result.exit_code == 0:

@@ -71,41 +71,42 @@ MAX_FAILURES = 10_000
 
 
 def _wall_times(interval_s: float, segments: int, ckpt_s: float, restart_s: float,
-                failures: _FailureTimes) -> np.ndarray:
-    """Wall time of each schedule to finish ``segments`` x (work + checkpoint); ``inf`` for a
-    schedule given up after :data:`MAX_FAILURES` failures.
+                failures: _FailureTimes) -> np.ndarray | None:
+    """Wall time of each schedule to finish ``segments`` x (work + checkpoint); None once a
+    schedule is given up after :data:`MAX_FAILURES` failures (the interval then does no
+    useful work to speak of, so the schedules not yet played are not).
 
     Work resumes R after each failure (at 0 at the start), so the segments committed before
     failure j depend only on the failure times: each gap F[j] - (F[j-1] + R) commits
-    floor(gap / period) of them (none when a failure comes within the restart). The schedule
-    finishes in the first gap long enough for the segments it still owes, which makes the
-    whole schedule a few array operations over a stretch of columns at a time.
+    floor(gap / period) of them (none when a failure comes within the restart). A schedule
+    finishes in the first gap long enough for the segments it still owes, which makes it a
+    few array operations over a stretch of failures at a time, 256 schedules at once.
     """
-    n = failures.n
     period = interval_s + ckpt_s
-    wall = np.full(n, math.inf)
-    done = np.zeros(n)  # segments committed before the stretch
-    active = np.arange(n)
-    first = 0  # the stretch's first column
-    width = _FailureTimes.BLOCK
-    while active.size and first < MAX_FAILURES:
-        last = min(first + width, MAX_FAILURES)
-        times = failures.upto(last - 1)
-        f = times[active, first:last]
-        if first:
-            start = times[active, first - 1:last - 1] + restart_s
-        else:
-            start = np.hstack([np.zeros((active.size, 1)), f[:, :-1] + restart_s])
-        committed = np.floor(np.maximum(f - start, 0.0) / period)
-        before = done[active, None] + np.cumsum(committed, axis=1) - committed
-        finish = start + (segments - before) * period
-        ok = finish <= f
-        hit = ok.any(axis=1)
-        rows = np.flatnonzero(hit)
-        wall[active[rows]] = finish[rows, ok.argmax(axis=1)[rows]]
-        done[active] = before[:, -1] + committed[:, -1]
-        active = active[~hit]
-        first, width = last, min(2 * width, 1024)  # 1024 columns: 16 MB per 2000 schedules
+    wall = np.zeros(failures.n)
+    for rows in np.array_split(np.arange(failures.n), -(-failures.n // 256)):
+        done = np.zeros(rows.size)  # segments committed before the stretch
+        first = 0  # the stretch's first failure
+        width = _FailureTimes.BLOCK
+        while rows.size:
+            if first == MAX_FAILURES:
+                return None
+            last = min(first + width, MAX_FAILURES)
+            times = failures.upto(last - 1)
+            f = times[rows, first:last]
+            if first:
+                start = times[rows, first - 1:last - 1] + restart_s
+            else:
+                start = np.hstack([np.zeros((rows.size, 1)), f[:, :-1] + restart_s])
+            committed = np.floor(np.maximum(f - start, 0.0) / period)
+            before = done[:, None] + np.cumsum(committed, axis=1) - committed
+            finish = start + (segments - before) * period
+            ok = finish <= f
+            hit = ok.any(axis=1)
+            wall[rows[hit]] = finish[hit, ok.argmax(axis=1)[hit]]
+            done = (before[:, -1] + committed[:, -1])[~hit]
+            rows = rows[~hit]
+            first, width = last, 2 * width
     return wall
 
 
@@ -167,7 +168,7 @@ def simulate(intervals_s: list[float], costs: Costs, *, dist: Distribution = "ex
         segments = max(1, math.ceil(failures_per_schedule * costs.mtbf_s * model / tau))
         wall = _wall_times(tau, segments, costs.ckpt_s, costs.restart_s, failures)
         work = segments * tau
-        if not np.isfinite(wall).all():  # a schedule was given up: no useful work to speak of
+        if wall is None:  # a schedule was given up: no useful work to speak of
             goodput.append(0.0)
             low.append(0.0)
             high.append(0.0)
