@@ -176,6 +176,35 @@ def test_a_connection_accepted_as_a_fault_starts_does_not_slip_past_it(
     conn.close()
 
 
+def test_a_client_that_half_closes_still_gets_the_answer() -> None:
+    """A client that ends its request with a half-close (``shutdown(SHUT_WR)``, as ``nc -N``
+    or an HTTP/1.0 tool does) still reads the answer through the proxy. The proxy shut the
+    upstream connection down both ways at the client's FIN, so the answer was lost."""
+    upstream = socket.create_server(("127.0.0.1", 0))
+
+    def answer_after_eof() -> None:
+        conn, _ = upstream.accept()
+        with conn:
+            request = b""
+            while chunk := conn.recv(1024):
+                request += chunk
+            conn.sendall(b"echo: " + request)
+
+    server = threading.Thread(target=answer_after_eof, daemon=True)
+    server.start()
+    with FaultProxy(upstream.getsockname()[:2]) as fault_proxy:
+        url = urlparse(fault_proxy.endpoint_url)
+        with socket.create_connection((url.hostname, url.port), timeout=5) as client:
+            client.sendall(b"hello")
+            client.shutdown(socket.SHUT_WR)
+            answer = b""
+            while chunk := client.recv(1024):
+                answer += chunk
+    server.join(5)
+    upstream.close()
+    assert answer == b"echo: hello"
+
+
 def test_latency_delays_each_request_of_a_keep_alive_connection(
         keep_alive_proxy: FaultProxy) -> None:
     url = urlparse(keep_alive_proxy.endpoint_url)

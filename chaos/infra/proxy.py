@@ -265,16 +265,20 @@ class FaultProxy:
 
 
 def _pump(src: socket.socket, dst: socket.socket, on_chunk: Callable[[bytes], None]) -> None:
+    """Copy ``src`` to ``dst`` until ``src`` ends. Its end (a half-close: the request sent,
+    the answer still to come) is passed on as one; a failure (a reset, a severed connection)
+    shuts both down, which ends the other direction's pump too."""
     try:
         while data := src.recv(65536):
             on_chunk(data)
             dst.sendall(data)
     except OSError:
-        pass
-    finally:
         for sock in (src, dst):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+    else:
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
 
 
 def _answer_503(client: socket.socket) -> None:
