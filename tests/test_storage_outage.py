@@ -176,6 +176,39 @@ def test_a_connection_accepted_as_a_fault_starts_does_not_slip_past_it(
     conn.close()
 
 
+def test_a_connection_accepted_as_the_proxy_closes_is_not_forwarded(
+        keep_alive_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection accepted just before ``close()`` whose thread was still connecting to the
+    upstream: it joined the open connections after ``close()`` had severed them, and was
+    forwarded on by a proxy that no longer existed (its thread and both sockets left behind)."""
+    connect, upstream = socket.create_connection, keep_alive_proxy.upstream
+    connecting, go_on = threading.Event(), threading.Event()
+    connected: list[socket.socket] = []
+
+    def slow_upstream(address: Any, *args: Any, **kwargs: Any) -> socket.socket:
+        if tuple(address) == tuple(upstream):
+            connecting.set()
+            go_on.wait(5)
+            connected.append(connect(address, *args, **kwargs))
+            return connected[-1]
+        return connect(address, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", slow_upstream)
+    url = urlparse(keep_alive_proxy.endpoint_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
+    conn.connect()
+    assert connecting.wait(5)
+    keep_alive_proxy.close()
+    go_on.set()
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+        _get(conn)
+    conn.close()
+    deadline = time.monotonic() + 5  # closed by the thread just after it reset the client
+    while connected and connected[0].fileno() != -1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert connected and connected[0].fileno() == -1, "the upstream connection is closed"
+
+
 def test_a_client_that_half_closes_still_gets_the_answer() -> None:
     """A client that ends its request with a half-close (``shutdown(SHUT_WR)``, as ``nc -N``
     or an HTTP/1.0 tool does) still reads the answer through the proxy. The proxy shut the

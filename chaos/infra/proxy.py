@@ -219,7 +219,8 @@ class FaultProxy:
 
     def _serve(self, client: socket.socket, started: int) -> None:
         """Forward ``client``, accepted when ``started`` faults had started: a fault started
-        since (while this connected to the upstream) severs it, as it severed those open."""
+        since (while this connected to the upstream) severs it, as it severed those open, and
+        so does ``close()``."""
         try:
             upstream = socket.create_connection(self.upstream, timeout=10)
         except OSError:
@@ -227,7 +228,7 @@ class FaultProxy:
             return
         upstream.settimeout(None)
         with self._lock:
-            severed = self._started != started
+            severed = self._started != started or self._closed.is_set()
             if not severed:
                 self.stats.passed += 1
                 self._open.update((client, upstream))
