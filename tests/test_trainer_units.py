@@ -155,6 +155,8 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     # (index_select(): self indexing axis dim should be positive), exit 1
     (["--tp", "4", "--vocab", "9"], "vocab 9 leaves tp rank 3 of 4 no rows"),
     (["--tp", "2", "--vocab", "1"], "vocab 1 leaves tp rank 1 of 2 no rows"),
+    # chunks of 2, 2, 1: rank 2 holds a row, rank 3 none (the message named rank 2)
+    (["--tp", "4", "--vocab", "5"], "vocab 5 leaves tp rank 3 of 4 no rows"),
 ])
 def test_bad_configuration_is_rejected_with_a_reason(argv: list[str], message: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:

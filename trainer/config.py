@@ -80,7 +80,7 @@ class TrainConfig:
         # without rows fails its forward on every rank (index_select on an empty weight)
         rows = -(-self.model.vocab // self.parallel.tp)
         if rows * (self.parallel.tp - 1) >= self.model.vocab:
-            empty = self.model.vocab // rows
+            empty = -(-self.model.vocab // rows)  # the first rank past the last chunk
             raise ValueError(f"vocab {self.model.vocab} leaves tp rank {empty} of "
                              f"{self.parallel.tp} no rows of the embedding (split in chunks of "
                              f"{rows}): use a vocab that leaves every tp rank some (a multiple "
