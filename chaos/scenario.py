@@ -153,6 +153,12 @@ class TrainerSpec(_Strict):
             raise ValueError(f"model.heads {self.model.heads} is not divisible by tp {p.tp}")
         if self.model.d_model % self.model.heads:
             raise ValueError(f"model.d_model {self.model.d_model} is not divisible by heads")
+        rows = -(-self.model.vocab // p.tp)  # the embedding's rows per tp rank (torch.chunk)
+        if rows * (p.tp - 1) >= self.model.vocab:  # as the trainer refuses (trainer.config)
+            raise ValueError(f"model.vocab {self.model.vocab} leaves tp rank "
+                             f"{-(-self.model.vocab // rows)} of {p.tp} no rows of the embedding "
+                             f"(split in chunks of {rows}): use a vocab that leaves every tp "
+                             "rank some (a multiple of tp does) or a smaller tp")
         if self.model.layers < p.pp:
             raise ValueError(f"{self.model.layers} layers cannot fill {p.pp} pipeline stages")
         if p.pp > 1 and ((self.batch_size // p.dp) % self.micro_batches

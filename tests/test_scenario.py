@@ -54,6 +54,10 @@ def _with(**changes: Any) -> dict[str, Any]:
      "s.yaml: faults.0.colour: unknown key"),
     (_with(trainer={"steps": "many"}), "s.yaml: trainer.steps: Input should be a valid integer"),
     (_with(trainer={"parallel": {"dp": 3}, "batch_size": 8}), "not divisible by dp 3"),
+    # validate said ok; chaos run failed as "the fault-free reference run failed (code 1)",
+    # the tail of its log torchrun's summary, the trainer's refusal further up
+    (_with(trainer={"parallel": {"tp": 4}, "model": {"vocab": 9}}),
+     "s.yaml: trainer: model.vocab 9 leaves tp rank 3 of 4 no rows of the embedding"),
     ({"trainer": {}}, "s.yaml: name: Field required"),
     ([1, 2], "s.yaml: a scenario must be a mapping"),
     (None, "s.yaml: the file holds no scenario (only comments?)"),
