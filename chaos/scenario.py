@@ -28,6 +28,7 @@ from pydantic import (
 
 from antifragile.chaos.faults import FAULT_CONFIGS, FaultConfig
 from antifragile.chaos.faults.base import Seconds, memory_mib
+from antifragile.chaos.infra.netns import MAX_HOSTS
 from antifragile.trainer.progress import STALL_ESCALATION
 
 #: The shipped scenarios (``chaos list``): the repository's ``scenarios/`` folder.
@@ -108,6 +109,15 @@ class TrainerSpec(_Strict):
             raise ValueError(f"{steps} steps: the engine saves steps below 2**62 (the run's "
                              "final checkpoint is of its last step)")
         return steps
+
+    @field_validator("nodes")
+    @classmethod
+    def _addressable(cls, nodes: int) -> int:
+        """Each node is an emulated host with an address of its own (``chaos/infra/netns.py``)."""
+        if nodes > MAX_HOSTS:
+            raise ValueError(f"{nodes} nodes: chaos runs at most {MAX_HOSTS} emulated hosts (one "
+                             "address each on its emulated network)")
+        return nodes
 
     @property
     def spare_workers(self) -> int:

@@ -309,6 +309,23 @@ def test_drop_link_is_validated_against_the_nodes(nodes: int, between: list[int]
         parse_scenario(doc, path="x.yaml")
 
 
+def test_more_nodes_than_the_emulated_network_can_address_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine that holds the workers (16 per core, 400 MiB each), nodes: 91 was valid,
+    then chaos run ended in a ValueError traceback from ``Network(91)``: the hosts' addresses
+    run out at 90."""
+    from antifragile.chaos import scenario
+
+    monkeypatch.setattr(scenario, "max_workers", lambda: 1000)
+    doc: dict[str, Any] = {"name": "x", "trainer": {"nodes": 91, "parallel": {"dp": 91},
+                                                    "batch_size": 91}}
+    with pytest.raises(ScenarioError, match=r"^x.yaml: trainer.nodes: 91 nodes: .* at most "
+                       r"90 emulated hosts"):
+        parse_scenario(doc, path="x.yaml")
+    doc["trainer"] = {"nodes": 90, "parallel": {"dp": 90}, "batch_size": 90}
+    assert parse_scenario(doc).trainer.nodes == len(Network(90).hosts) == 90
+
+
 def test_s3_on_emulated_hosts_is_valid_and_refused_only_where_it_cannot_run(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from antifragile.chaos.infra import s3

@@ -52,6 +52,7 @@ from types import TracebackType
 IFNAME = "eth0"
 SUBNET = "10.213.0"
 BRIDGE_ADDRESS = f"{SUBNET}.1"  # the switch's own address: services of the run listen there
+MAX_HOSTS = 90  # host i has SUBNET.<10 + i>: two digits each, so that host 0 sorts first
 _CLONE_NEWNET = 0x40000000
 _PREFIX = "afnet"
 _NAME = re.compile(rf"^{_PREFIX}-(\d+)-\d+-(?:sw|h\d+)$")
@@ -146,8 +147,8 @@ class Network:
     """``n_hosts`` emulated hosts on one switch; a context manager that always cleans up."""
 
     def __init__(self, n_hosts: int) -> None:
-        if not 2 <= n_hosts <= 90:
-            raise ValueError(f"an emulated network has 2..90 hosts, not {n_hosts}")
+        if not 2 <= n_hosts <= MAX_HOSTS:
+            raise ValueError(f"an emulated network has 2..{MAX_HOSTS} hosts, not {n_hosts}")
         self.prefix = f"{_PREFIX}-{os.getpid()}-{next(_counter)}"
         self.switch = f"{self.prefix}-sw"
         self.hosts = [EmulatedHost(i, f"{self.prefix}-h{i}", f"{SUBNET}.{10 + i}")
