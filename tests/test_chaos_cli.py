@@ -352,6 +352,66 @@ def test_a_pause_point_a_rank_never_reaches_is_given_up(tmp_path: Path,
     assert record.returncode == 0  # rank 0 was released and finished
 
 
+_RESTARTED_AGENT = """\
+import json, subprocess, sys, time
+from pathlib import Path
+
+events = Path(sys.argv[1])
+events.mkdir(parents=True, exist_ok=True)
+lines = []
+
+def event(attempt, name, **fields):
+    lines.append(json.dumps({"t": time.time(), "rank": 0, "attempt": attempt, "event": name,
+                             **fields}) + "\\n")
+
+first = subprocess.Popen(["sleep", "60"])
+event(0, "start", pid=first.pid)
+for step in range(1, 21):
+    event(0, "step_end", step=step, seconds=0.0, loss=1.0)
+first.kill()  # attempt 0 dies in the save of its final step, 20
+first.wait()
+second = subprocess.Popen(["sleep", "60"])
+event(1, "start", pid=second.pid)
+event(1, "restore_end", step=15, seconds=0.0)
+event(1, "step_end", step=16, seconds=0.0, loss=1.0)
+with open(events / "rank0.jsonl", "a") as f:
+    f.write("".join(lines))
+deadline = time.time() + 8
+while second.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+second.kill()
+"""
+
+
+def test_a_time_based_fault_lands_on_an_attempt_that_redoes_the_final_steps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attempt 0 finished step 20 of 20 and died saving it (a crash_during_save of the final
+    checkpoint); attempt 1 resumed from step 15 and trains again. The runner kept the highest
+    step any attempt had reported, so it took the job for past its last step and held back
+    every mtbf_s and at_s fault for the rest of the run: this at_s fault was reported "never
+    injected"."""
+    import subprocess
+    import sys
+
+    from antifragile.chaos.run import runner
+    from antifragile.chaos.scenario import parse_scenario
+
+    agent_script = tmp_path / "agent.py"
+    agent_script.write_text(_RESTARTED_AGENT)
+
+    def agent(s: object, run_dir: Path, *_: object, **__: object) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, str(agent_script), str(run_dir / "events")],
+                                start_new_session=True, text=True)
+
+    monkeypatch.setattr(runner, "launch", agent)
+    s = parse_scenario({"name": "redo", "trainer": {"steps": 20},
+                        "checkpoint": {"every_steps": 5},
+                        "faults": [{"kind": "kill_rank", "rank": 0, "at_s": 1.0}]})
+    record = runner.run_scenario(s, tmp_path / "run", str(tmp_path / "ckpt"), timeout_s=60)
+    assert [(i.fault_index, i.rank, i.step, i.missed) for i in record.injections] == \
+        [(0, 0, 16, None)]
+
+
 def test_an_aborted_run_leaves_no_worker_behind(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun starts each worker in a session of its own: killing the agent's process

@@ -210,7 +210,7 @@ class _Job:
         self.left: dict[int, set[int]] = {}  # generation -> ranks that tore it down
         self.clean: dict[int, set[int]] = {}  # generation -> ranks that exited with code 0
         self.ends: dict[int, float] = {}
-        self.step = 0
+        self.steps: dict[int, int] = {}  # generation -> newest step it finished or restored
         self.paused_s = 0.0
 
     def see(self, e: dict[str, Any]) -> None:
@@ -225,8 +225,16 @@ class _Job:
                 self.clean.setdefault(g, set()).add(e["rank"])
             if e["event"] == "generation_end" and self.ended(g):
                 self.ends.setdefault(g, e["t"])
-        elif e["event"] == "step_end" and g == max(self.generations, default=0):
-            self.step = max(self.step, e["step"])
+        elif e["event"] in ("step_end", "restore_end") and isinstance(e.get("step"), int):
+            self.steps[g] = max(self.steps.get(g, 0), e["step"])
+
+    @property
+    def step(self) -> int:
+        """Where the newest generation is: the newest step it finished, else the step it
+        restored (0 before either). Not an older generation's: a restart that resumed from
+        an earlier checkpoint redoes those steps, and a job that is back before its last step
+        still takes time-based faults."""
+        return self.steps.get(max(self.generations), 0) if self.generations else 0
 
     def finished(self) -> bool:
         """Every rank of the newest generation exited normally: the job is over."""
