@@ -529,6 +529,29 @@ def _no_run(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str]]]:
     return seen
 
 
+def test_a_kill_at_a_time_the_measuring_run_may_not_reach_is_no_certain_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``at_s`` fires only if the job is still running then: a 12-step run is long over by
+    3600 s. Counted as a certain failure, tune added no kill of its own, the run had no
+    restart to time, and it ended in "no failure of the run was followed by a restart"."""
+    from antifragile.chaos.run import runner
+    from antifragile.chaos.scenario import load_scenario
+
+    ran: list[Any] = []
+
+    def fake(s: Any, run_dir: Path, ckpt_url: str, **_: Any) -> RunRecord:
+        ran.append(s)
+        events, t = _killed_run_events()
+        return _killed_run(events, t)
+
+    monkeypatch.setattr(runner, "run_scenario", fake)
+    s = load_scenario(_tiny(tmp_path, [{"kind": "kill_rank", "rank": 1, "at_s": 3600}]))
+    m = tune.measure_costs(s, tmp_path / "measure", progress=lambda _: None)
+    assert m.injected_kill is True
+    assert [(f.kind, f.at_s, f.at_step) for f in ran[0].faults] == \
+        [("kill_rank", 3600, None), ("kill_rank", None, 6)]
+
+
 def test_a_measuring_run_never_resumes_from_an_earlier_tunes_checkpoints(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``chaos tune S --out X`` run again: the first run's checkpoints in ``X/measure/ckpt``

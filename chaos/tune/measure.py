@@ -167,7 +167,9 @@ def measure_costs(s: Scenario, folder: Path, progress: Callable[[str], None] = p
                   ) -> Measured:
     """Run the scenario once and measure. Random arrivals may all miss a short run, so
     unless a failure is certain (a step- or checkpoint-triggered one), a kill is added."""
-    injected = not any(f.kind in STOPPING_KINDS and not f.mtbf_s for f in s.faults)
+    injected = not any(f.kind in STOPPING_KINDS
+                       and (f.at_step is not None or f.at_checkpoint is not None)
+                       for f in s.faults)
     if injected:
         s = with_kill(s)
         kill = s.faults[-1]
