@@ -552,6 +552,35 @@ def test_a_kill_at_a_time_the_measuring_run_may_not_reach_is_no_certain_failure(
         [("kill_rank", 3600, None), ("kill_rank", None, 6)]
 
 
+def test_a_failure_found_late_by_a_long_hang_timeout_still_times_the_restart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``hang_timeout_s: 40`` a stopped rank is found hung up to 120 s later, and
+    ``chaos run`` waits that long (its detection window, 150 s) before it calls a fault
+    effectless. Measuring judged every failure with a fixed 90 s window: this hang, found after
+    100 s, caused no restart for it, and the run ended in "no failure of the run was followed
+    by a restart and restore"."""
+    from antifragile.chaos.run import runner
+    from antifragile.chaos.scenario import load_scenario
+
+    def fake(s: Any, run_dir: Path, ckpt_url: str, **_: Any) -> RunRecord:
+        events, t = _killed_run_events()
+        events = [{**e, "t": e["t"] + 100.0} if e["attempt"] == 1 else e for e in events]
+        hang = Injection("hang_rank", 10.5, step=6, rank=1,
+                         detail={"pid": 1, "duration_s": 300.0, "mode": "process"})
+        return RunRecord(returncode=0, started_t=-0.5, ended_t=t + 102.0, events=events,
+                         injections=[hang], attempt_ends={0: 111.0, 1: t + 102.0})
+
+    monkeypatch.setattr(runner, "run_scenario", fake)
+    doc = yaml.safe_load(_tiny(tmp_path, [{"kind": "hang_rank", "rank": 1, "at_step": 6,
+                                           "duration_s": 300}]).read_text())
+    doc["trainer"]["hang_timeout_s"] = 40
+    path = tmp_path / "slow-hang.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    m = tune.measure_costs(load_scenario(path), tmp_path / "measure", progress=lambda _: None)
+    assert m.failures == 1 and m.injected_kill is False
+    assert m.restart_s == pytest.approx(100.5 + 2.0 + 1.0)
+
+
 def test_a_measuring_run_never_resumes_from_an_earlier_tunes_checkpoints(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``chaos tune S --out X`` run again: the first run's checkpoints in ``X/measure/ckpt``

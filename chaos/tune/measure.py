@@ -90,9 +90,11 @@ def _steps(record: RunRecord) -> dict[int, dict[int, tuple[float, float]]]:
     return out
 
 
-def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir: str = ""
-                      ) -> Measured:
-    """C, R, step time, start-up and tail from a finished run (DESIGN 4.3 measurements)."""
+def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir: str = "",
+                      window_s: float = 90.0) -> Measured:
+    """C, R, step time, start-up and tail from a finished run (DESIGN 4.3 measurements).
+    ``window_s``: ``detection_window_s`` of the scenario, within which a failure must have
+    ended its attempt to count (as ``chaos run`` judges it)."""
     from antifragile.chaos.observe import figures, measure
 
     ckpts = figures.checkpoints(record)
@@ -125,7 +127,8 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
     effect = max(mean(after) - mean(other), 0.0) if after else 0.0
     cycle = (max(mean(cycle_after) - mean(cycle_other), 0.0)
              if cycle_after and cycle_other else None)
-    timed = [t for t in (measure.fault_timings(record, i) for i in record.injections)
+    timed = [t for t in (measure.fault_timings(record, i, window_s=window_s)
+                         for i in record.injections)
              if t.kind in STOPPING_KINDS and t.restore_s is not None]
     if not timed:
         raise MeasureError(f"no failure of the run was followed by a restart and restore, so R "
@@ -167,6 +170,8 @@ def measure_costs(s: Scenario, folder: Path, progress: Callable[[str], None] = p
                   ) -> Measured:
     """Run the scenario once and measure. Random arrivals may all miss a short run, so
     unless a failure is certain (a step- or checkpoint-triggered one), a kill is added."""
+    from antifragile.chaos.observe.measure import detection_window_s
+
     injected = not any(f.kind in STOPPING_KINDS
                        and (f.at_step is not None or f.at_checkpoint is not None)
                        for f in s.faults)
@@ -178,7 +183,8 @@ def measure_costs(s: Scenario, folder: Path, progress: Callable[[str], None] = p
     progress(f"measure: running {s.name} ({s.trainer.steps} steps, every "
              f"{s.checkpoint.every_steps}) in {folder}")
     record = _run(s, folder, progress)
-    return costs_from_record(record, injected_kill=injected, run_dir=str(folder / "run"))
+    return costs_from_record(record, injected_kill=injected, run_dir=str(folder / "run"),
+                             window_s=detection_window_s(s))
 
 
 def sweep_every(recommended: int, steps: int) -> list[int]:
