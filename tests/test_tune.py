@@ -384,6 +384,27 @@ def test_scenario_mtbf_adds_the_rates_of_faults_that_stop_the_job(tmp_path: Path
     assert [(f.kind, f.rank, f.at_step) for f in killed.faults] == [("kill_rank", 1, 6)]
 
 
+def test_the_kill_added_to_time_a_restart_comes_after_a_checkpoint(tmp_path: Path) -> None:
+    """A restart restores the newest checkpoint: tune's kill at the middle step came before
+    the first one where ``checkpoint.every_steps`` is over half the run (12 steps, every 8: a
+    kill at step 6). The restart had nothing to restore, and R was measured as detect +
+    restart with no restore in it. A run with no checkpoint before its last step leaves no
+    room for one: refused before anything runs."""
+    from antifragile.chaos.scenario import load_scenario
+
+    def kill_step(every: int) -> int | None:
+        doc = yaml.safe_load(_tiny(tmp_path, []).read_text())
+        doc["checkpoint"]["every_steps"] = every
+        path = tmp_path / f"every-{every}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return tune.with_kill(load_scenario(path)).faults[-1].at_step
+
+    assert [kill_step(every) for every in (3, 6, 8, 10)] == [6, 7, 9, 11]
+    with pytest.raises(tune.TuneError, match=r"with checkpoint\.every_steps 11 of 12 steps no "
+                                             "step after a checkpoint comes before the last"):
+        kill_step(11)
+
+
 def _event(t: float, attempt: int, rank: int, event: str, **fields: Any) -> dict[str, Any]:
     return {"t": t, "attempt": attempt, "rank": rank, "event": event, **fields}
 

@@ -70,12 +70,21 @@ def _edit(s: Scenario, **changes: Any) -> Scenario:
 
 
 def with_kill(s: Scenario) -> Scenario:
-    """A copy of ``s`` with a kill of the last rank at the middle step, to time a restart."""
-    if s.trainer.steps < 2:
+    """A copy of ``s`` with a kill of the last rank at the middle step, to time a restart;
+    later where the first checkpoint is later, so that the restart has one to restore (the
+    step after it: at its own step, an asynchronous save may not have committed)."""
+    steps, every = s.trainer.steps, s.checkpoint.every_steps
+    if steps < 2:
         raise TuneError(f"scenario {s.name}: {s.trainer.steps} step(s) is too short to time "
                         "a restart; give it at least 2 steps")
+    if every + 1 >= steps:
+        raise TuneError(f"scenario {s.name}: with checkpoint.every_steps {every} of {steps} "
+                        "steps no step after a checkpoint comes before the last one, where a "
+                        "kill would leave its restart a checkpoint to restore, so a restart "
+                        f"cannot be timed; give it more than {every + 1} steps, or a shorter "
+                        "checkpoint.every_steps")
     kill = {"kind": "kill_rank", "rank": s.trainer.parallel.world_size - 1,
-            "at_step": s.trainer.steps // 2}
+            "at_step": max(steps // 2, every + 1)}
     faults = [f.model_dump(mode="json", exclude_none=True) for f in s.faults]
     return _edit(s, faults=[*faults, kill])
 
