@@ -602,6 +602,37 @@ def test_faults_at_one_step_on_different_passes_get_a_pause_point_each() -> None
         ({"id": "p0", "step": 4}, [0, 1]), ({"id": "p1", "step": 4, "pass": 2}, [2])]
 
 
+def test_a_fault_of_a_later_pass_alone_at_its_step_waits_for_that_pass(tmp_path: Path) -> None:
+    """``on_pass: 3`` with no fault of passes 1 and 2 at step 4: the trainer holds the lowest
+    pass not yet released at a step, and the kill's point was the only one there, so it held
+    the first time the job got to step 4 and the kill landed two passes early. The passes
+    before it hold too now, with nothing due (chaos releases them at once)."""
+    from antifragile.chaos.run import pauses
+    from antifragile.trainer.pause import PausePoints
+
+    s = parse_scenario({**SCENARIO, "faults": [
+        {"kind": "kill_rank", "rank": 1, "at_step": 4, "on_pass": 3}]})
+    pending = [pauses.Pending(f, i) for i, f in enumerate(s.faults)]
+    points = pauses.pause_plan(s, pending, random.Random(0))
+    pauses.write_plan(tmp_path, points)
+
+    def faults_held_passing_step_4() -> list[list[int]]:
+        """A new process of rank 0 (the job back before step 4): the faults of each point it
+        held there, each released as soon as it is reached."""
+        held: list[list[int]] = []
+
+        def emit(event: str, **fields: Any) -> None:
+            if event == "paused":
+                point = points[fields["point"]]
+                held.append([i for i, _ in point.faults])
+                pauses.release(tmp_path, point)
+
+        PausePoints(str(tmp_path), 0, emit).step_end(4)
+        return held
+
+    assert [faults_held_passing_step_4() for _ in range(4)] == [[[]], [[]], [[0]], []]
+
+
 def test_a_pause_point_reached_again_by_a_newer_generation_holds_from_its_first_pause() -> None:
     """Rank 0 of attempt 0 reached the point of step 4 and was held; rank 1 died before it got
     there, and attempt 1 reached it 30 s later. The hold counted from attempt 0's first pause,

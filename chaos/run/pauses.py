@@ -105,6 +105,13 @@ def pause_plan(s: Scenario, pending: list[Pending], rng: random.Random) -> dict[
             points[key] = Point(f"p{len(points)}", step, list(ranks) if ranks else None, phase,
                                  f.on_pass)
         points[key].faults.append((p.index, f))
+    # The trainer holds, where it is, the lowest pass not yet released there: a pass with no
+    # fault due needs a point too (released at once), or a later pass's holds the first time.
+    for step, phase, ranks, on_pass in list(points):
+        passes = {k[3] for k in points if k[:2] == (step, phase)}
+        for earlier in sorted(set(range(1, on_pass)) - passes):
+            points[(step, phase, ranks, earlier)] = Point(
+                f"p{len(points)}", step, list(ranks) if ranks else None, phase, earlier)
     return {point.id: point for point in points.values()}
 
 
