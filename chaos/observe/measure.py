@@ -103,9 +103,8 @@ def _resumed_at(record: RunRecord, attempt: int, first: int | None) -> int | Non
     """Where ``attempt`` stood before its first step: the step it restored; killed before its
     restore ended, where the attempt before it stopped (the recovery from the fault that ended
     that one restored nothing to count its lost steps from: they are still to be redone);
-    ``first`` for the first attempt. (A time-based fault's step is the highest the runner
-    saw, maybe an earlier attempt's: those steps are the lost steps of the fault that ended
-    it, not of one that hit an attempt which had not yet trained.)"""
+    ``first`` for the first attempt. (Not a time-based fault's recorded step: that is the
+    runner's last view of the job, which lags the attempt the fault hit.)"""
     restored = [e["step"] for e in _by_attempt(record.events, attempt, "restore_end")]
     if restored:
         return min(restored)
