@@ -28,9 +28,10 @@ from pydantic import (
 
 from antifragile.chaos.faults import FAULT_CONFIGS, FaultConfig
 from antifragile.chaos.faults.base import Seconds, memory_mib
-from antifragile.chaos.infra.netns import MAX_HOSTS
 from antifragile.trainer.progress import STALL_ESCALATION
 
+#: emulated hosts a run can have: ``chaos.infra.netns.MAX_HOSTS``
+MAX_NODES = 90
 #: The shipped scenarios (``chaos list``): the repository's ``scenarios/`` folder.
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 
@@ -113,9 +114,10 @@ class TrainerSpec(_Strict):
     @field_validator("nodes")
     @classmethod
     def _addressable(cls, nodes: int) -> int:
-        """Each node is an emulated host with an address of its own (``chaos/infra/netns.py``)."""
-        if nodes > MAX_HOSTS:
-            raise ValueError(f"{nodes} nodes: chaos runs at most {MAX_HOSTS} emulated hosts (one "
+        """Each node is an emulated host with an address of its own (``chaos/infra/netns.py``;
+        chaos.infra imports this module, so its ``MAX_HOSTS`` is repeated here)."""
+        if nodes > MAX_NODES:
+            raise ValueError(f"{nodes} nodes: chaos runs at most {MAX_NODES} emulated hosts (one "
                              "address each on its emulated network)")
         return nodes
 

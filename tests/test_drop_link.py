@@ -23,7 +23,7 @@ from antifragile.chaos.faults.base import Injection
 from antifragile.chaos.faults.drop_link import DropLink
 from antifragile.chaos.faults.host_down import HostDown
 from antifragile.chaos.infra import netns
-from antifragile.chaos.infra.netns import NetnsUnavailable, Network
+from antifragile.chaos.infra.netns import MAX_HOSTS, NetnsUnavailable, Network
 from antifragile.chaos.run.pipeline import run
 from antifragile.chaos.run.runner import _Agents
 from antifragile.chaos.scenario import ScenarioError, load_scenario, parse_scenario
@@ -324,6 +324,7 @@ def test_more_nodes_than_the_emulated_network_can_address_are_refused(
         parse_scenario(doc, path="x.yaml")
     doc["trainer"] = {"nodes": 90, "parallel": {"dp": 90}, "batch_size": 90}
     assert parse_scenario(doc).trainer.nodes == len(Network(90).hosts) == 90
+    assert scenario.MAX_NODES == MAX_HOSTS
 
 
 def test_s3_on_emulated_hosts_is_valid_and_refused_only_where_it_cannot_run(
