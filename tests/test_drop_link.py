@@ -560,3 +560,22 @@ def test_two_hosts_checkpoint_to_s3_over_the_emulated_network(
     committed = [c for c in report["checkpoints"] if c["committed"]]
     assert {c["step"] for c in committed} >= {5, 10, 30}
     assert not _ours(), "the run's namespaces are gone"
+
+
+def test_an_ip_command_that_does_not_answer_does_not_stop_the_cleanup(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ip`` is given 30 s; past them its TimeoutExpired escaped ``_delete`` (which passes
+    over NetnsError only), so ``Network.close`` left the namespaces after it in place."""
+    asked: list[list[str]] = []
+
+    def no_answer(cmd: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        asked.append(cmd)
+        raise subprocess.TimeoutExpired(cmd, 30)
+
+    monkeypatch.setattr(netns.subprocess, "run", no_answer)
+    with pytest.raises(netns.NetnsError, match=r"^ip netns delete x: no answer in 30 s"):
+        netns._ip("netns", "delete", "x")
+    net = Network.__new__(Network)
+    net._created = ["a", "b"]
+    net.close()
+    assert [c[-1] for c in asked if c[1:3] == ["netns", "delete"]] == ["x", "b", "a"]

@@ -54,6 +54,7 @@ SUBNET = "10.213.0"
 BRIDGE_ADDRESS = f"{SUBNET}.1"  # the switch's own address: services of the run listen there
 MAX_HOSTS = 90  # host i has SUBNET.<10 + i>: two digits each, so that host 0 sorts first
 _CLONE_NEWNET = 0x40000000
+IP_TIMEOUT_S = 30
 _PREFIX = "afnet"
 _NAME = re.compile(rf"^{_PREFIX}-(\d+)-\d+-(?:sw|h\d+)$")
 _counter = itertools.count()
@@ -69,9 +70,12 @@ class NetnsError(Exception):
 
 def _ip(*args: str) -> str:
     try:
-        done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["ip", *args], capture_output=True, text=True,
+                              timeout=IP_TIMEOUT_S)
     except FileNotFoundError:
         raise NetnsUnavailable("the 'ip' command (iproute2) is not installed") from None
+    except subprocess.TimeoutExpired:
+        raise NetnsError(f"ip {' '.join(args)}: no answer in {IP_TIMEOUT_S} s") from None
     if done.returncode:
         raise NetnsError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
     return done.stdout
