@@ -221,6 +221,28 @@ def test_chaos_ckpt_refuses_a_missing_bucket_and_bad_credentials(
     assert code == 2 and "refused the credentials (access key 'testing'" in output, output
 
 
+@pytest.mark.parametrize("given", ["key", "secret", "profile"])
+def test_chaos_ckpt_with_credentials_that_cannot_make_a_client(
+        given: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An access key without its secret (or a secret without its key), and an AWS_PROFILE
+    that is not configured, were botocore's PartialCredentialsError and ProfileNotFound,
+    raised as the set-up check made its client: a traceback (exit 1), not a one-line error."""
+    options = []
+    if given == "profile":
+        monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+        monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    else:
+        options = ["--storage-option", f"{given}=x"]
+    code, output, _ = _chaos(["ckpt", "ls", "s3://bucket/p", "--endpoint-url",
+                              "http://127.0.0.1:1", *options])
+    assert code == 2, output
+    assert output.strip().splitlines() == [output.strip()], output
+    assert output.startswith("error: s3://bucket/p: "), output
+    assert ("config profile (no-such-profile) could not be found" if given == "profile"
+            else "the access key and secret key go together") in output, output
+
+
 def test_chaos_ckpt_checks_the_bucket_signed_as_the_engine_signs(
         closed_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine takes ``anon`` (unsigned requests: a public bucket) and ``token`` (temporary

@@ -191,7 +191,7 @@ def check_bucket(url: str, endpoint_url: str | None = None,
     """One quick request to the bucket of ``url``: raise S3SetupError naming the URL, the
     endpoint and the reason (no answer, no such bucket, refused credentials) within
     :data:`CHECK_BOUND_S` seconds. ``create``: make the bucket if it is missing."""
-    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.exceptions import BotoCoreError, ClientError, PartialCredentialsError
 
     bucket, _ = split_url(url)
     if not bucket:
@@ -200,6 +200,10 @@ def check_bucket(url: str, endpoint_url: str | None = None,
         client = _client(endpoint_url, options)
     except ValueError as exc:  # botocore: "Invalid endpoint: <url>" (given or AWS_ENDPOINT_URL)
         raise S3SetupError(f"{url}: {exc} (give http://host:port or https://host)") from None
+    except BotoCoreError as exc:  # a key without its secret, an AWS_PROFILE that is not there
+        hint = (" (the access key and secret key go together: give both, or neither)"
+                if isinstance(exc, PartialCredentialsError) else "")
+        raise S3SetupError(f"{url}: {exc}{hint}") from None
     where = client.meta.endpoint_url
     try:
         try:
