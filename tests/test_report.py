@@ -332,6 +332,26 @@ def test_the_markdown_shows_a_stall_of_milliseconds_as_what_it_is(
     assert "cost the training loop 0.0042 s of stall and 0.031 s of slower steps" in md
 
 
+def test_a_fault_that_was_not_made_is_not_said_to_have_caused_no_restart(
+        tmp_path: Path) -> None:
+    """A missed fault (its rank had exited when it was due) had the recovery "none (caused no
+    restart)" in report.md and report.html, the words for a made fault the job rode through."""
+    record = synthetic_record()
+    record.injections[2] = Injection("kill_rank", record.injections[2].t, step=8, rank=1,
+                                     fault_index=2, detail={"pid": 1011},
+                                     missed="rank 1 (pid 1011) had already exited")
+    doc = build_doc(record)
+    report.write_markdown(tmp_path, doc)
+    report.write_html(tmp_path, doc, [])
+    md = (tmp_path / "report.md").read_text()
+    (row,) = [line for line in md.splitlines() if line.startswith("| kill_rank |")]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[9] == "-" and cells[12].startswith("not made: rank 1"), cells
+    page = (tmp_path / "report.html").read_text()
+    (html_row,) = re.findall(r"<tr[^>]*><td>kill_rank</td>.*?</tr>", page)
+    assert "caused no restart" not in html_row, html_row
+
+
 def test_storage_credentials_of_the_scenario_are_not_written_into_the_report(
         doc: dict[str, Any], tmp_path: Path) -> None:
     """``checkpoint.storage_options`` secret and token were copied as given into report.json

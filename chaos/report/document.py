@@ -187,7 +187,7 @@ def _recovery_cell(f: dict[str, Any]) -> str:
         return _fmt(f["recovery_s"])
     if f.get("interrupted_by_t") is not None:
         return "interrupted by the next fault"
-    if not f.get("skipped") and f.get("ended_attempt") is None:
+    if not f.get("skipped") and not f.get("missed") and f.get("ended_attempt") is None:
         return "none (caused no restart)"
     return "-"
 
