@@ -332,6 +332,29 @@ def test_the_markdown_shows_a_stall_of_milliseconds_as_what_it_is(
     assert "cost the training loop 0.0042 s of stall and 0.031 s of slower steps" in md
 
 
+def test_the_timeline_of_a_command_trainer_has_a_row_for_every_rank() -> None:
+    """A command trainer's scenario has ``nproc_per_node``, no ``parallel``: its timeline was
+    drawn for one rank, so ranks 1.. and a fault on them fell outside the plot."""
+    from matplotlib.figure import Figure
+
+    trainer = {"command": ["python", "train.py"], "nproc_per_node": 4, "nodes": 1}
+    workers = [{"attempt": 0, "rank": r, "start_s": 1.0, "last_step_s": 9.0, "exit_s": 10.0,
+                "exit_code": 0, "checkpoints": []} for r in range(4)]
+    doc = {"scenario": {"name": "script", "trainer": trainer}, "run": {"wall_s": 11.0},
+           "timeline": {"wall_s": 11.0, "attempts": [{"attempt": 0, "ended_s": 10.5}],
+                        "workers": workers,
+                        "injections": [{"kind": "kill_rank", "t_s": 5.0, "rank": 3,
+                                        "attempt": 0}]}}
+    assert plots.figure_size_px("timeline.png", doc) == plots.figure_size_px(
+        "timeline.png", {"scenario": {"trainer": {"parallel": {"dp": 4}}}})
+    fig = Figure()
+    plots._draw_timeline(fig, doc)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"rank {r}" for r in range(4)]
+    low, high = sorted(ax.get_ylim())
+    assert low < 3 < high, "rank 3's row (and its kill) is in view"
+
+
 def test_a_fault_that_was_not_made_is_not_said_to_have_caused_no_restart(
         tmp_path: Path) -> None:
     """A missed fault (its rank had exited when it was due) had the recovery "none (caused no

@@ -83,7 +83,10 @@ def _render(draw: Callable[[Any, dict[str, Any]], None], doc: dict[str, Any],
 
 
 def _world_size(doc: dict[str, Any]) -> int:
-    p = doc.get("scenario", {}).get("trainer", {}).get("parallel", {})
+    trainer = doc.get("scenario", {}).get("trainer", {})
+    if "nproc_per_node" in trainer:  # a command trainer: the script decides its parallelism
+        return max(int(trainer["nproc_per_node"]) * int(trainer.get("nodes", 1)), 1)
+    p = trainer.get("parallel", {})
     return max(int(p.get("dp", 1)) * int(p.get("tp", 1)) * int(p.get("pp", 1)), 1)
 
 
