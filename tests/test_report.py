@@ -355,6 +355,27 @@ def test_the_timeline_of_a_command_trainer_has_a_row_for_every_rank() -> None:
     assert low < 3 < high, "rank 3's row (and its kill) is in view"
 
 
+def test_a_host_down_is_drawn_on_every_rank_it_took() -> None:
+    """``host_down`` kills every rank of its host; the timeline's injection carried only the
+    first (the injection's ``rank``), so the plot drew the host's other ranks training on, as
+    if alive, until the attempt ended."""
+    from matplotlib.figure import Figure
+
+    events = [{"t": T0 + 1.0, "rank": r, "attempt": 0, "event": "start", "pid": 100 + r}
+              for r in range(4)]
+    down = Injection("host_down", T0 + 5.0, step=4, rank=2, fault_index=0,
+                     detail={"node": 1, "ranks": [2, 3], "pid": 102, "lost_node": 1})
+    tl = report.timeline(RunRecord(0, T0, T0 + 12.0, events, [down], {0: T0 + 8.0}))
+    assert tl["injections"][0]["ranks"] == [2, 3]
+    doc = {"scenario": {"name": "host", "trainer": {"parallel": {"dp": 4}}},
+           "run": {"wall_s": 12.0}, "timeline": tl}
+    fig = Figure()
+    plots._draw_timeline(fig, doc)
+    dead = [c for c in fig.axes[0].collections if c.get_hatch() == ".."]
+    rows = {round(float(np.mean(p.vertices[:, 1]))) for c in dead for p in c.get_paths()}
+    assert rows == {2, 3}, "both ranks of the lost host are drawn dead from the fault on"
+
+
 def test_a_fault_that_was_not_made_is_not_said_to_have_caused_no_restart(
         tmp_path: Path) -> None:
     """A missed fault (its rank had exited when it was due) had the recovery "none (caused no

@@ -97,7 +97,8 @@ def timeline(record: RunRecord) -> dict[str, Any]:
                            "attempt": attempt, "skipped": i.skipped, "missed": i.missed,
                            "duration_s": i.detail.get("duration_s"),
                            "ended_s": _rel(i.detail.get("ended_t"), t0),
-                           "between": i.detail.get("between")})
+                           "between": i.detail.get("between"),
+                           "ranks": i.detail.get("ranks")})  # host_down: all it took
     return {"started_t": t0, "wall_s": round(record.wall_s, 3),
             "attempts": [{"attempt": a, "ended_s": _rel(t, t0)}
                          for a, t in sorted(record.attempt_ends.items())],

@@ -255,16 +255,18 @@ def _draw_timeline(fig: Any, doc: dict[str, Any]) -> None:
                                        label="fault on storage / network")
             continue
         attempt_end = ended.get(inj.get("attempt", -1))
-        if inj["kind"] == "hang_rank":
-            stop = t + float(inj.get("duration_s") or 0.0)
-            _bar(ax, rank, t, min(stop, attempt_end or stop), 0.5, facecolor="none",
-                 edgecolor=FAULT_COLOR, hatch="xx")
-            legend["hung"] = Patch(facecolor="none", edgecolor=FAULT_COLOR, hatch="xx",
-                                   label="hung (SIGSTOP)")
-        elif inj["kind"] in _FAILURES and attempt_end is not None:
-            _bar(ax, rank, t, attempt_end, 0.5, color="#444444", hatch="..")
-            legend["dead"] = Patch(color="#444444", hatch="..", label="killed, not yet detected")
-        ax.plot([t], [rank], marker="X", color=FAULT_COLOR, ms=11, mec="white", zorder=6)
+        for hit in inj.get("ranks") or [rank]:  # a host_down takes every rank of its host
+            if inj["kind"] == "hang_rank":
+                stop = t + float(inj.get("duration_s") or 0.0)
+                _bar(ax, hit, t, min(stop, attempt_end or stop), 0.5, facecolor="none",
+                     edgecolor=FAULT_COLOR, hatch="xx")
+                legend["hung"] = Patch(facecolor="none", edgecolor=FAULT_COLOR, hatch="xx",
+                                       label="hung (SIGSTOP)")
+            elif inj["kind"] in _FAILURES and attempt_end is not None:
+                _bar(ax, hit, t, attempt_end, 0.5, color="#444444", hatch="..")
+                legend["dead"] = Patch(color="#444444", hatch="..",
+                                       label="killed, not yet detected")
+            ax.plot([t], [hit], marker="X", color=FAULT_COLOR, ms=11, mec="white", zorder=6)
         ax.annotate(inj["kind"], (t, rank), xytext=(6, 6), textcoords="offset points",
                     fontsize=8, color=FAULT_COLOR, zorder=7, bbox=_LABEL_BOX)
         legend["fault"] = Line2D([], [], marker="X", color=FAULT_COLOR, ls="",
