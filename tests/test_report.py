@@ -376,6 +376,29 @@ def test_a_host_down_is_drawn_on_every_rank_it_took() -> None:
     assert rows == {2, 3}, "both ranks of the lost host are drawn dead from the fault on"
 
 
+def test_a_hang_of_the_training_thread_is_not_called_a_sigstop() -> None:
+    """``hang_rank`` ``mode: thread`` holds only the training thread (ptrace), the process's
+    other threads running on; timeline.png's legend called every hang "hung (SIGSTOP)"."""
+    from matplotlib.figure import Figure
+
+    events = [{"t": T0 + 1.0, "rank": r, "attempt": 0, "event": "start", "pid": 100 + r}
+              for r in range(2)]
+    hangs = [Injection("hang_rank", T0 + 3.0, step=2, rank=0, fault_index=0,
+                       detail={"pid": 100, "duration_s": 2.0, "mode": "thread"}),
+             Injection("hang_rank", T0 + 6.0, step=4, rank=1, fault_index=1,
+                       detail={"pid": 101, "duration_s": 2.0, "mode": "process"})]
+    tl = report.timeline(RunRecord(0, T0, T0 + 12.0, events, hangs, {0: T0 + 11.0}))
+    for hangs_shown, legend in ((tl["injections"][:1], ["training thread held (ptrace)"]),
+                                (tl["injections"], ["training thread held (ptrace)",
+                                                    "hung (SIGSTOP)"])):
+        fig = Figure()
+        plots._draw_timeline(fig, {"scenario": {"name": "hang", "trainer": {
+            "parallel": {"dp": 2}}}, "run": {"wall_s": 12.0},
+            "timeline": {**tl, "injections": hangs_shown}})
+        labels = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert [x for x in labels if "hung" in x or "held" in x] == legend, labels
+
+
 def test_a_fault_that_was_not_made_is_not_said_to_have_caused_no_restart(
         tmp_path: Path) -> None:
     """A missed fault (its rank had exited when it was due) had the recovery "none (caused no

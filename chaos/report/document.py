@@ -98,7 +98,8 @@ def timeline(record: RunRecord) -> dict[str, Any]:
                            "duration_s": i.detail.get("duration_s"),
                            "ended_s": _rel(i.detail.get("ended_t"), t0),
                            "between": i.detail.get("between"),
-                           "ranks": i.detail.get("ranks")})  # host_down: all it took
+                           "ranks": i.detail.get("ranks"),  # host_down: all it took
+                           "mode": i.detail.get("mode")})
     return {"started_t": t0, "wall_s": round(record.wall_s, 3),
             "attempts": [{"attempt": a, "ended_s": _rel(t, t0)}
                          for a, t in sorted(record.attempt_ends.items())],

@@ -260,8 +260,10 @@ def _draw_timeline(fig: Any, doc: dict[str, Any]) -> None:
                 stop = t + float(inj.get("duration_s") or 0.0)
                 _bar(ax, hit, t, min(stop, attempt_end or stop), 0.5, facecolor="none",
                      edgecolor=FAULT_COLOR, hatch="xx")
-                legend["hung"] = Patch(facecolor="none", edgecolor=FAULT_COLOR, hatch="xx",
-                                       label="hung (SIGSTOP)")
+                how = ("training thread held (ptrace)" if inj.get("mode") == "thread"
+                       else "hung (SIGSTOP)")
+                legend[how] = Patch(facecolor="none", edgecolor=FAULT_COLOR, hatch="xx",
+                                    label=how)
             elif inj["kind"] in _FAILURES and attempt_end is not None:
                 _bar(ax, hit, t, attempt_end, 0.5, color="#444444", hatch="..")
                 legend["dead"] = Patch(color="#444444", hatch="..",
