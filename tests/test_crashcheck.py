@@ -412,6 +412,40 @@ def test_a_completion_or_copy_answered_200_with_an_error_changes_nothing() -> No
     assert enumerate_states({}, rec.mutations).distinct == 1
 
 
+def test_a_completion_sent_right_after_its_last_part_has_every_part(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy kept a part's body only once the client had the part's answer: a thread
+    that ran late (a busy machine) kept it after the client had sent the completion, which
+    was then recorded with the part missing (an empty object here), so every crash state
+    holding the object held bytes the storage never had."""
+    from antifragile.chaos.crashcheck.record import RecordingProxy
+
+    note = RecordingProxy._note
+
+    def late(self: RecordingProxy, method: str, target: str, *args: Any) -> None:
+        if "partNumber" in target:  # the part's thread descheduled once it had answered
+            time.sleep(0.5)
+        note(self, method, target, *args)
+
+    monkeypatch.setattr(RecordingProxy, "_note", late)
+
+    def answer(method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        if path.endswith("?uploads"):
+            return 200, b"<InitiateMultipartUploadResult><UploadId>u1</UploadId>" \
+                        b"</InitiateMultipartUploadResult>"
+        return 200, b""
+
+    with _Scripted(answer) as server, RecordingProxy(server.url, bucket="b", root="r") as proxy:
+        proxy.start()
+        assert _send(proxy, "POST", "/b/r/big?uploads") == 200
+        assert _send(proxy, "PUT", "/b/r/big?partNumber=1&uploadId=u1", b"part") == 200
+        assert _send(proxy, "POST", "/b/r/big?uploadId=u1", b"<CompleteMultipartUpload><Part>"
+                     b"<PartNumber>1</PartNumber></Part></CompleteMultipartUpload>") == 200
+        rec = proxy.stop()
+    done = rec.mutations[-1]
+    assert (done.kind, rec.bodies[done.digest or ""]) == ("multipart_complete", b"part")
+
+
 # -- the recording proxy on a real S3 server ---------------------------------------------------
 
 @pytest.mark.s3

@@ -206,8 +206,10 @@ class RecordingProxy:
         else:
             response_body, response_raw = answer.body(response_headers, response=True)
         acked = time.monotonic()  # before the client has it: see the module docstring
-        client.sendall(response_head + response_raw)
+        # noted before the client has the answer: a part's body must be kept before the
+        # completion that the answer lets the client send
         self._note(method, target, headers, body, status, response_body, issued, acked)
+        client.sendall(response_head + response_raw)
         return response_headers.get("connection", "").lower() != "close"
 
     # -- what a request changed ---------------------------------------------------------------
