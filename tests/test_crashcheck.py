@@ -576,6 +576,47 @@ def test_proxy_records_a_multipart_upload_and_an_aborted_one_changes_nothing(
     assert all(s.objects.get("kept") == "c" for s in final)
 
 
+def _peer_saves(engine: str, url: str, endpoint_url: str, key: str, secret: str,
+                steps: list[int]) -> None:
+    """One rank of a peer's saving job, as ``worker save`` runs it (no process group given:
+    the default one), through ``endpoint_url``; retention keeps the newest step."""
+    from antifragile.chaos.crashcheck import engines
+
+    os.environ.update({"AWS_ENDPOINT_URL": endpoint_url, "AWS_ENDPOINT_URL_S3": endpoint_url,
+                       "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
+                       "AWS_DEFAULT_REGION": "us-east-1"})
+    for step in steps:
+        engines.save(engine, url, step, keep_last=1)
+
+
+@pytest.mark.s3
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine", ["dcp", "torchsnapshot"])
+def test_a_peers_retention_runs_on_rank_0_only(
+        s3_bucket: tuple[str, dict[str, Any]], engine: str) -> None:
+    """A peer trainer prunes on rank 0 after the commit (``trainer/ckpt_backends``). The
+    saving job called the peer's save without a process group, which made every rank prune:
+    the recording held each retention delete once per rank (overlapping deletes of one key,
+    larger in-flight sets), not the save a peer's user runs."""
+    from _dist import run_ranks
+
+    from antifragile.chaos.crashcheck.record import RecordingProxy
+
+    url, options = s3_bucket
+    bucket = url.removeprefix("s3://").split("/")[0]
+    with RecordingProxy(options["endpoint_url"], bucket=bucket, root="ckpt",
+                        latency_s=0.02) as proxy:
+        args = (url, proxy.endpoint_url, options["key"], options["secret"])
+        run_ranks(2, _peer_saves, engine, *args, [1], timeout_s=240)
+        proxy.start()
+        run_ranks(2, _peer_saves, engine, *args, [2], timeout_s=240)
+        rec = proxy.stop()
+    deleted = [m.key for m in rec.mutations if m.kind == "delete"]
+    assert any(k.startswith("step_000000001/") for k in deleted), deleted
+    assert len(deleted) == len(set(deleted)), sorted(deleted)
+
+
 # -- end to end ------------------------------------------------------------------------------
 
 def _run(args: list[str], out: Path, s3: dict[str, Any]) -> tuple[int, dict[str, Any], str]:

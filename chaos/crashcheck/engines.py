@@ -97,7 +97,9 @@ def save(engine: str, url: str, step: int, *, attempt: int = 0, keep_last: int |
         torchsnapshot.Snapshot.take(path, {"state": _Holder(state)}, pg=pg)
     else:
         raise ValueError(f"unknown engine {engine!r}")
-    if keep_last is not None and (pg is None or torch.distributed.get_rank() == 0):
+    # rank 0 prunes, as the peers' trainers do (``pg=None``: the default group, if any)
+    if keep_last is not None and (not torch.distributed.is_initialized()
+                                  or torch.distributed.get_rank() == 0):
         prune(engine, url, keep_last)
 
 
