@@ -235,6 +235,25 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], says: str) -> None:
     assert len(lines) == 1 and says in lines[0], r.output
 
 
+@pytest.mark.parametrize(("engine", "package", "extra"), [
+    ("torchsnapshot", "torchsnapshot", "peers"), ("antifragile", "obstore", "s3"),
+    ("dcp", "s3fs", "s3")])
+def test_an_engine_whose_package_is_missing_is_one_line_and_exit_2(
+        monkeypatch: pytest.MonkeyPatch, engine: str, package: str, extra: str) -> None:
+    """The peers and the S3 clients are optional extras. Without one, the S3 endpoint and the
+    checkers started, then the saving job died on the import and the command ended in a
+    traceback ("the saving job failed ... No module named 'torchsnapshot'")."""
+    monkeypatch.setitem(sys.modules, package, None)  # what an uninstalled package finds
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    r = CliRunner().invoke(main, ["crashcheck", "--engine", engine,
+                                  "--endpoint-url", "http://127.0.0.1:9"])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and f"{package} is not installed" in lines[0], r.output
+    assert f"antifragile[{extra}]" in lines[0], r.output
+
+
 def test_the_saving_ranks_and_the_checkers_fit_the_machine_together(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The checker processes (each imports torch) start before the save is recorded and live

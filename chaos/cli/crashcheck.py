@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from datetime import UTC, datetime
 from pathlib import Path
@@ -51,6 +52,13 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
     2 bad input."""
     if engine not in ENGINES:
         fail(f"--engine {engine!r}: unknown engine (known: {', '.join(ENGINES)})")
+    # optional extras: the saving job imports them only once the endpoint and checkers run
+    extras = {"antifragile": ("obstore", "s3"), "dcp": ("s3fs", "s3"),
+              "torchsnapshot": ("torchsnapshot", "peers")}
+    for package, extra in dict.fromkeys((extras[engine], ("s3fs", "s3"))):
+        if importlib.util.find_spec(package) is None:
+            fail(f"--engine {engine}: {package} is not installed "
+                 f"(pip install 'antifragile[{extra}]')")
     if ranks < 1:
         fail(f"--ranks {ranks}: a saving job needs at least 1 rank")
     for name in cases:
