@@ -147,6 +147,10 @@ def read_marker(storage: Storage, step: int) -> tuple[dict[str, Any], Manifest]:
     try:
         data = storage.read(f"{step_dir(step)}/{COMMIT}")
     except FileNotFoundError:
+        if storage.exists(f"{step_dir(step)}/{QUARANTINE}"):
+            raise CheckpointNotFoundError(
+                f"step {step} under {storage.url} is quarantined: a load found it damaged and "
+                "set its COMMIT aside (chaos ckpt verify says what is damaged)") from None
         raise CheckpointNotFoundError(f"step {step} is not committed under {storage.url}"
                                       ) from None
     return parse_marker(data, step)

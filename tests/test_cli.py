@@ -111,6 +111,21 @@ def test_verify_of_a_step_deleted_after_the_listing_is_a_clear_error(
     assert "DAMAGED" not in result.output and "Traceback" not in result.output
 
 
+def test_inspect_of_a_quarantined_step_says_it_is_quarantined(tmp_path: Path) -> None:
+    """It said "step 20 is not committed", of a step that was, until a load found it damaged
+    and set its COMMIT aside."""
+    from antifragile.engine.quarantine import quarantine
+    from antifragile.engine.storage import open_storage
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20])
+    quarantine(open_storage(url), 20, "flipped bit", reports={0: "flipped bit"}, confirmed_by=0)
+    result = CliRunner().invoke(main, ["ckpt", "inspect", url, "--step", "20"])
+    assert result.exit_code == 2, result.output
+    assert f"error: step 20 under {url} is quarantined" in result.output, result.output
+    assert "chaos ckpt verify" in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("command", ["ls", "verify"])
 @pytest.mark.parametrize("refused", ["COMMIT", "QUARANTINE"])
 def test_storage_refusing_a_read_is_an_error_not_damage(
