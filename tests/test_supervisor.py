@@ -777,3 +777,20 @@ def test_a_rank_dying_before_it_joined_the_first_generation_fails_it_at_once() -
     assert waited_s < 15.0, waited_s
     assert nxt == Formation(1, ("0.0", "2.0")), nxt
     assert "rc 0" in out, out
+
+
+def test_a_supervisor_paused_with_its_host_does_not_take_the_pause_for_a_stall() -> None:
+    # a container or VM pause (docker pause, a live migration) stops the supervisor and its
+    # child together; the supervisor's first look after it saw the counter unmoved for the
+    # whole pause and SIGKILLed a child that had no chance to bump: a false hang
+    dog = Watchdog(hang_timeout_s=1.0, escalate=3.0, max_round_s=supervisor.LATE_LOOK_S)
+    t = 0.0
+    for counter in range(20):  # training, a look every 50 ms
+        t += 0.05
+        assert dog.observe(t, counter, Phase.TRAINING, False) is None
+    t += 60.0  # paused, both of them
+    assert dog.observe(t, 19, Phase.TRAINING, False) is None
+    assert dog.observe(t + 0.05, 20, Phase.TRAINING, False) is None  # it trains on
+    # a real stall after the pause is still seen, after 3 x the timeout of looking
+    looks = [dog.observe(t + 0.05 + 0.05 * i, 20, Phase.TRAINING, False) for i in range(1, 70)]
+    assert "stalled" in looks[55:] and "stalled" not in looks[:55], looks

@@ -70,6 +70,10 @@ FINAL_SAVE_EXIT_CODE = 46
 # would lose them, a restart meets the same; the job ends for an operator to look
 NO_RESUME_EXIT_CODE = 47
 SPARE_RETRIES = 3  # fresh processes of a slot that die in a row before they train: give up
+# a look of the watchdog that comes later than this after the previous one counts as this
+# long: the supervisor was paused with its child (a container or VM pause), which could not
+# bump meanwhile (see ``Watchdog.observe``)
+LATE_LOOK_S = 1.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -81,11 +85,14 @@ class Watchdog:
     floor_s: float = HANG_FLOOR_S
     k: float = 20.0
     escalate: float = STALL_ESCALATION
+    max_round_s: float | None = None  # a later look counts as this long (None: as it came)
     _intervals: list[float] = field(default_factory=list)
     _last_counter: int = -1
     _last_change: float = 0.0
     _last_phase: Phase | None = None  # the phase seen at the last change of the counter
     _stopped_since: float | None = None
+    _looked: float | None = None  # ``now`` of the previous look
+    _clock: float = 0.0  # seconds the watchdog looked for (see ``observe``)
 
     def timeout_s(self) -> float:
         if self.hang_timeout_s is not None:
@@ -97,7 +104,17 @@ class Watchdog:
         return max(self.floor_s, self.k * p99)
 
     def observe(self, now: float, counter: int, phase: Phase, stopped: bool) -> str | None:
-        """``"stopped"`` or ``"stalled"`` when the child is hung, else None."""
+        """``"stopped"`` or ``"stalled"`` when the child is hung, else None.
+
+        Time is counted on the watchdog's own clock of looking, a look that comes late counting
+        as ``max_round_s`` at most: a supervisor paused with its host saw nothing meanwhile,
+        and its child, paused too, could not bump; its first look after the pause must not
+        take the pause for a stall."""
+        if self._looked is not None:
+            late = now - self._looked
+            self._clock += late if self.max_round_s is None else min(late, self.max_round_s)
+        self._looked = now
+        now = self._clock
         if counter != self._last_counter:
             # an interval of the training loop: both of its ends seen while training (the
             # time from entering a save, a restore or a pause to leaving it is not one)
@@ -114,8 +131,8 @@ class Watchdog:
             return "stalled"
         return None
 
-    def stall_s(self, now: float) -> float:
-        return now - self._last_change
+    def stall_s(self) -> float:
+        return self._clock - self._last_change
 
 
 def main_thread_state(pid: int) -> str:
@@ -190,15 +207,14 @@ def _watch(pid: int, progress: SharedProgress, watchdog: Watchdog, events: _Supe
         counter, phase, generation, rank, step, _ = progress.read()
         if done:
             return _Death(os.waitstatus_to_exitcode(status), False, rank, generation, phase, pid)
-        now = time.monotonic()
         state = main_thread_state(pid)
-        hung = watchdog.observe(now, counter, phase, stopped=state in ("T", "t"))
+        hung = watchdog.observe(time.monotonic(), counter, phase, stopped=state in ("T", "t"))
         if hung:
             events.emit("hang_detected", rank=rank, attempt=generation, pid=pid, how=hung,
-                        thread_state=state, stall_s=watchdog.stall_s(now),
+                        thread_state=state, stall_s=watchdog.stall_s(),
                         timeout_s=watchdog.timeout_s(), step=step, phase=phase.name.lower())
             print(f"[supervisor {slot}] rank {rank} hung ({hung}, main thread {state!r}, no "
-                  f"progress for {watchdog.stall_s(now):.1f} s): SIGKILL pid {pid}",
+                  f"progress for {watchdog.stall_s():.1f} s): SIGKILL pid {pid}",
                   file=sys.stderr, flush=True)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
@@ -241,8 +257,8 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
             heartbeat = _hold_leases(store_factory, slot, slots, current, events,
                                      lease_s if lease_s is not None
                                      else default_lease_s(hang_timeout_s))
-        death = _watch(current["pid"], progress, Watchdog(hang_timeout_s=hang_timeout_s),
-                       events, slot, poll_s)
+        watchdog = Watchdog(hang_timeout_s=hang_timeout_s, max_round_s=LATE_LOOK_S)
+        death = _watch(current["pid"], progress, watchdog, events, slot, poll_s)
         current["pid"] = 0  # reaped: its number may be another process's by now
         if death.code == 0:
             if heartbeat is not None:
