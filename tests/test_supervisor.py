@@ -794,3 +794,40 @@ def test_a_supervisor_paused_with_its_host_does_not_take_the_pause_for_a_stall()
     # a real stall after the pause is still seen, after 3 x the timeout of looking
     looks = [dog.observe(t + 0.05 + 0.05 * i, 20, Phase.TRAINING, False) for i in range(1, 70)]
     assert "stalled" in looks[55:] and "stalled" not in looks[:55], looks
+
+
+_ORPHAN_SCRIPT = """
+import ctypes, os, sys, time
+import antifragile.trainer.supervisor as supervisor
+from antifragile.trainer.progress import SharedProgress
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: as a container's init or systemd may be
+if os.fork() == 0:  # the supervisor
+    class SlowLibc:  # the child is descheduled between fork and its prctl
+        def prctl(self, *args):
+            time.sleep(0.5)
+            return libc.prctl(*args)
+    supervisor.ctypes.CDLL = lambda *a, **k: SlowLibc()
+    def train(progress, incarnation):
+        print("trained", flush=True)
+        return 0
+    supervisor._fork_child(train, SharedProgress(), 0)
+    os._exit(143)  # SIGTERM before the child could set its parent-death signal
+time.sleep(0.1)
+while True:  # reap the supervisor and, reparented here, its orphan
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+"""
+
+
+def test_a_child_whose_supervisor_died_before_it_armed_its_death_signal_does_not_train() -> None:
+    # the child checked for an orphaning with ``getppid() == 1``; under a subreaper (a
+    # container's init, systemd) an orphan's parent is that process, and the child trained
+    # on unsupervised, beside the fresh one torchrun starts
+    out = subprocess.run([sys.executable, "-c", _ORPHAN_SCRIPT], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "trained" not in out.stdout, out.stdout + out.stderr

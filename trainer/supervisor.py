@@ -164,6 +164,7 @@ class _SupervisorEvents:
 
 def _fork_child(child_main: Callable[[SharedProgress, int], int], progress: SharedProgress,
                 incarnation: int) -> int:
+    supervisor = os.getpid()
     pid = os.fork()
     if pid:
         return pid
@@ -171,7 +172,8 @@ def _fork_child(child_main: Callable[[SharedProgress, int], int], progress: Shar
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the supervisor died between fork and prctl
+        # the supervisor died between fork and prctl: reparented, to init or to a subreaper
+        if os.getppid() != supervisor:
             os._exit(1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
