@@ -831,3 +831,34 @@ def test_a_child_whose_supervisor_died_before_it_armed_its_death_signal_does_not
                          text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "trained" not in out.stdout, out.stdout + out.stderr
+
+
+_EXITED_AS_JUDGED_SCRIPT = """
+import os, signal, time
+import antifragile.trainer.supervisor as supervisor
+
+real_kill = os.kill
+
+def kill(pid, sig):  # the child exits on its own just as the watchdog judges it hung
+    if sig == signal.SIGKILL:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    return real_kill(pid, sig)
+
+def train(progress, incarnation):
+    time.sleep(0.5)
+    return 46  # the last step's checkpoint failed: a restart, not a re-formation
+
+supervisor.os.kill = kill
+supervisor.main_thread_state = lambda pid: "T"
+print("rc", supervisor.supervise(train, slot=0, recovery="restart", hang_timeout_s=0.05,
+                                 run_dir=None, poll_s=0.01), flush=True)
+"""
+
+
+def test_a_child_that_exits_as_it_is_judged_hung_keeps_its_exit_code() -> None:
+    # the SIGKILL of a child judged hung found it exited on its own (a zombie): the
+    # supervisor reported a hang (43) instead of the child's own code, which in process
+    # decides between a re-formation and a restart
+    out = subprocess.run([sys.executable, "-c", _EXITED_AS_JUDGED_SCRIPT], capture_output=True,
+                         text=True, timeout=60)
+    assert f"rc {supervisor.FINAL_SAVE_EXIT_CODE}" in out.stdout, out.stdout + out.stderr

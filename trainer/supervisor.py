@@ -212,14 +212,18 @@ def _watch(pid: int, progress: SharedProgress, watchdog: Watchdog, events: _Supe
         state = main_thread_state(pid)
         hung = watchdog.observe(time.monotonic(), counter, phase, stopped=state in ("T", "t"))
         if hung:
+            judged_at = time.time()  # the event's time: a big process takes a while to reap
+            os.kill(pid, signal.SIGKILL)
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            if code != -signal.SIGKILL:  # it exited on its own as it was judged: no hang
+                counter, phase, generation, rank, step, _ = progress.read()
+                return _Death(code, False, rank, generation, phase, pid)
             events.emit("hang_detected", rank=rank, attempt=generation, pid=pid, how=hung,
-                        thread_state=state, stall_s=watchdog.stall_s(),
+                        t=judged_at, thread_state=state, stall_s=watchdog.stall_s(),
                         timeout_s=watchdog.timeout_s(), step=step, phase=phase.name.lower())
             print(f"[supervisor {slot}] rank {rank} hung ({hung}, main thread {state!r}, no "
                   f"progress for {watchdog.stall_s():.1f} s): SIGKILL pid {pid}",
                   file=sys.stderr, flush=True)
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
             return _Death(-signal.SIGKILL, True, rank, generation, phase, pid)
         time.sleep(poll_s)
 
