@@ -204,3 +204,23 @@ def test_a_monitor_that_was_itself_paused_does_not_count_its_pause_as_silence() 
         t += 0.25
         lost = monitor.observe(t, dict([_lease(0, "0.0", int(t * 4)), _lease(1, "1.0", 3)]))
     assert [holder.worker for _, holder, _ in lost] == ["1.0"] and t == 6.75
+
+
+def test_the_monitor_tells_of_a_death_its_supervisor_reported_first_not_again() -> None:
+    # a rank's process died and its supervisor reported it; then the slot fell silent (the
+    # host went down after its GPU killed the process): the store counted the death once, but
+    # the monitor still told of it, and slot 0's supervisor logged a second ``rank_died``
+    # (``lost``) for the same death, with another cause
+    js = _js(dist.HashStore())
+    first_formation(js, 0, range(3))
+    declare_dead(js, me="1.0", generation=0, how="signal 9", member=True)
+    js.set("lease/1", {"worker": "1.0", "generation": 0, "member": True, "n": 7})
+    js.set("lease/2", {"worker": "2.0", "generation": 0, "member": True, "n": 7})
+    told: list[Lost] = []
+    LeaseMonitor(3, lease_s=0.2, interval_s=0.02).start(js, told.append)
+    deadline = time.monotonic() + 10.0
+    while not told and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    js.set("done", 1.0)
+    assert [lost.worker for lost in told] == ["2.0"]

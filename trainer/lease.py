@@ -161,7 +161,7 @@ class LeaseMonitor:
 
     def start(self, js: JobStore, on_lost: Callable[[Lost], None]) -> None:
         """Judge on a daemon thread until the job is done; ``on_lost`` is told of each worker
-        declared dead."""
+        declared dead (not of one whose death its supervisor had reported)."""
         threading.Thread(target=self._run, args=(js, on_lost), name="lease-monitor",
                          daemon=True).start()
 
@@ -177,15 +177,18 @@ class LeaseMonitor:
                 leases = {int(k.rpartition("/")[2]): json.loads(v)
                           for k, v in zip(present, values)}
                 for slot, holder, silent in self.observe(time.monotonic(), leases):
-                    on_lost(declare_lost(js, slot, holder, silent))
+                    lost = declare_lost(js, slot, holder, silent)
+                    if lost is not None:
+                        on_lost(lost)
             except Exception:  # the store is gone (the job is over or restarting: this
                 pass  # process ends soon), or unreachable for a while: the next round retries
             time.sleep(self.interval_s)
 
 
-def declare_lost(js: JobStore, slot: int, holder: Holder, silent_s: float) -> Lost:
+def declare_lost(js: JobStore, slot: int, holder: Holder, silent_s: float) -> Lost | None:
     """Declare ``holder``'s worker dead for its slot's silence, in the newest generation it
-    plays in (a lease is up to ``INTERVAL_S`` old, and a member may have re-formed since)."""
+    plays in (a lease is up to ``INTERVAL_S`` old, and a member may have re-formed since).
+    None where its death was said before (by its supervisor): nothing new to tell."""
     generation = holder.generation
     member = holder.member and generation >= 0
     while member and js.has(f"g{generation}/next"):
@@ -195,7 +198,8 @@ def declare_lost(js: JobStore, slot: int, holder: Holder, silent_s: float) -> Lo
         generation = int(nxt["generation"])
     how = (f"lost: no lease renewal from slot {slot}'s supervisor for {silent_s:.1f} s (its "
            "host or its supervisor is gone)")
-    declare_dead(js, me=holder.worker, generation=generation, member=member, how=how)
+    if not declare_dead(js, me=holder.worker, generation=generation, member=member, how=how):
+        return None
     members = js.get(f"g{generation}/members") if member and js.has(
         f"g{generation}/members") else []
     rank = members.index(holder.worker) if holder.worker in members else -1

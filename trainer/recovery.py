@@ -292,13 +292,14 @@ def finish(js: JobStore) -> None:
             js.set(f"spare/{spare}/assign", {"done": True})
 
 
-def declare_dead(js: JobStore, *, me: str, generation: int, how: str, member: bool) -> None:
+def declare_dead(js: JobStore, *, me: str, generation: int, how: str, member: bool) -> bool:
     """Say worker ``me`` is dead: a member fails ``generation``; an idle spare is only left
     out of re-formations, unless it was just given a place (see ``_coordinate``), whose
     generation then fails. Said by its supervisor (``report_death``) or, for a slot that died
-    whole, by the lease monitor (``trainer.lease``); a death said twice counts once."""
+    whole, by the lease monitor (``trainer.lease``); a death said twice counts once. False:
+    it had been said before."""
     if js.add(f"dead/{me}/said", 1) > 1:  # the first word on it stands
-        return
+        return False
     js.set(f"dead/{me}", {"how": how, "generation": generation, "t": time.time()})
     if not member:
         if js.has(f"spare/{me}/assign"):
@@ -306,9 +307,10 @@ def declare_dead(js: JobStore, *, me: str, generation: int, how: str, member: bo
             if not doc.get("done"):
                 signal_failure(js, int(doc["generation"]), f"spare {me} died ({how}) before "
                                                            "it joined")
-        return
+        return True
     js.add(f"g{generation}/deaths", 1)
     signal_failure(js, generation, f"worker {me} died ({how})")
+    return True
 
 
 def report_death(js: JobStore, *, me: str, successor: str | None, generation: int, how: str,
