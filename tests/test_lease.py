@@ -224,3 +224,30 @@ def test_the_monitor_tells_of_a_death_its_supervisor_reported_first_not_again() 
     time.sleep(0.3)
     js.set("done", 1.0)
     assert [lost.worker for lost in told] == ["2.0"]
+
+
+
+def test_an_idle_spare_declared_lost_that_was_only_slow_learns_it_and_leaves() -> None:
+    # a cut link of a few seconds (drop-link.yaml, in process): the monitor declared the idle
+    # spare of the cut host dead; once the link healed, the spare waited on for an
+    # assignment no coordinator would ever give it (dead spares are skipped), and its
+    # supervisor never refilled the slot: one spare fewer for the rest of the job
+    import threading
+
+    from antifragile.trainer.recovery import finish, wait_for_assignment
+
+    store = dist.HashStore()
+    js = _js(store)
+    first_formation(js, 0, range(2))
+    register_spare(js, "2.0")
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(wait_for_assignment(_js(store), "2.0")),
+                              daemon=True)
+    waiter.start()
+    try:
+        time.sleep(0.1)
+        declare_lost(js, 2, Holder("2.0", -1, False), 6.0)
+        waiter.join(5.0)
+        assert got and isinstance(got[0], str) and "lost" in got[0], got
+    finally:
+        finish(js)  # releases the waiter should it still wait

@@ -270,9 +270,9 @@ def register_spare(js: JobStore, me: str) -> None:
     js.set(f"spares/{index}", me)
 
 
-def wait_for_assignment(js: JobStore, me: str) -> Formation | None:
-    """A warm spare: the generation it joins, or None once the job is done (see
-    :func:`finish`)."""
+def wait_for_assignment(js: JobStore, me: str) -> Formation | str | None:
+    """A warm spare: the generation it joins, None once the job is done (see
+    :func:`finish`), or why it was declared dead (:func:`declare_dead`: it must leave)."""
     js.set(f"spare/{me}/ready", time.time())
     if job_done(js):  # ``finish`` may have missed a spare registered as it ran
         return None
@@ -281,6 +281,8 @@ def wait_for_assignment(js: JobStore, me: str) -> Formation | None:
     doc = js.get(f"spare/{me}/assign")
     if doc.get("done"):
         return None
+    if doc.get("lost"):
+        return str(doc["lost"])
     return Formation(int(doc["generation"]), tuple(doc["members"]))
 
 
@@ -302,11 +304,13 @@ def declare_dead(js: JobStore, *, me: str, generation: int, how: str, member: bo
         return False
     js.set(f"dead/{me}", {"how": how, "generation": generation, "t": time.time()})
     if not member:
-        if js.has(f"spare/{me}/assign"):
-            doc = js.get(f"spare/{me}/assign")
-            if not doc.get("done"):
-                signal_failure(js, int(doc["generation"]), f"spare {me} died ({how}) before "
-                                                           "it joined")
+        # no place for it from now on, and it learns so (``wait_for_assignment``): one only
+        # slow (its slot judged lost by the leases) leaves, and its supervisor refills the slot
+        doc = json.loads(js.attempt.compare_set(f"spare/{me}/assign", "",
+                                                json.dumps({"lost": how})))
+        if not doc.get("done") and not doc.get("lost"):  # it was just given a place
+            signal_failure(js, int(doc["generation"]), f"spare {me} died ({how}) before "
+                                                       "it joined")
         return True
     js.add(f"g{generation}/deaths", 1)
     signal_failure(js, generation, f"worker {me} died ({how})")

@@ -202,9 +202,14 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
         spare_log.emit("spare_ready", worker=me, pid=os.getpid(),
                        warmup_s=time.perf_counter() - t0)
         spare_log.close()
-        formation = wait_for_assignment(js, me)
-        if formation is None:
+        assigned = wait_for_assignment(js, me)
+        if isinstance(assigned, str):  # declared dead: its slot's lease lapsed
+            print(f"in-process recovery: spare {me} was declared dead ({assigned}); exiting "
+                  f"(code {STUCK_EXIT_CODE}) to be replaced", file=sys.stderr, flush=True)
+            return STUCK_EXIT_CODE
+        if assigned is None:
             return 0
+        formation = assigned
         cause = "in_process"
     memory: list[Any] = [None]  # the last committed save in host memory, until restored
     while True:
