@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -150,38 +150,12 @@ def test_a_fault_severs_pooled_keep_alive_connections(keep_alive_proxy: FaultPro
     assert keep_alive_proxy.stats.passed == 1
 
 
-def test_a_connection_accepted_as_a_fault_starts_does_not_slip_past_it(
-        keep_alive_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A connection accepted just before ``fault()`` whose thread was still connecting to the
-    upstream: it joined the open connections after the fault had severed them, so it (a
-    pooled keep-alive connection) carried requests through the whole outage."""
-    connect, upstream = socket.create_connection, keep_alive_proxy.upstream
-    connecting, go_on = threading.Event(), threading.Event()
-
-    def slow_upstream(address: Any, *args: Any, **kwargs: Any) -> socket.socket:
-        if tuple(address) == tuple(upstream):
-            connecting.set()
-            go_on.wait(5)
-        return connect(address, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "create_connection", slow_upstream)
-    url = urlparse(keep_alive_proxy.endpoint_url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
-    conn.connect()
-    assert connecting.wait(5)
-    keep_alive_proxy.fault("http503")
-    go_on.set()
-    with pytest.raises((ConnectionError, http.client.HTTPException)):
-        _get(conn)
-    conn.close()
-
-
-def test_a_connection_accepted_as_the_proxy_closes_is_not_forwarded(
-        keep_alive_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A connection accepted just before ``close()`` whose thread was still connecting to the
-    upstream: it joined the open connections after ``close()`` had severed them, and was
-    forwarded on by a proxy that no longer existed (its thread and both sockets left behind)."""
-    connect, upstream = socket.create_connection, keep_alive_proxy.upstream
+def _act_while_connecting(proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
+                          act: Callable[[], Any]) -> list[socket.socket]:
+    """Connect a client and ``act`` while the proxy's thread for it is still connecting to the
+    upstream; the client's first request must then fail. Returns the upstream connections
+    that thread made."""
+    connect, upstream = socket.create_connection, proxy.upstream
     connecting, go_on = threading.Event(), threading.Event()
     connected: list[socket.socket] = []
 
@@ -194,15 +168,33 @@ def test_a_connection_accepted_as_the_proxy_closes_is_not_forwarded(
         return connect(address, *args, **kwargs)
 
     monkeypatch.setattr(socket, "create_connection", slow_upstream)
-    url = urlparse(keep_alive_proxy.endpoint_url)
+    url = urlparse(proxy.endpoint_url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
     conn.connect()
     assert connecting.wait(5)
-    keep_alive_proxy.close()
+    act()
     go_on.set()
     with pytest.raises((ConnectionError, http.client.HTTPException)):
         _get(conn)
     conn.close()
+    return connected
+
+
+def test_a_connection_accepted_as_a_fault_starts_does_not_slip_past_it(
+        keep_alive_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection accepted just before ``fault()`` whose thread was still connecting to the
+    upstream: it joined the open connections after the fault had severed them, so it (a
+    pooled keep-alive connection) carried requests through the whole outage."""
+    _act_while_connecting(keep_alive_proxy, monkeypatch,
+                          lambda: keep_alive_proxy.fault("http503"))
+
+
+def test_a_connection_accepted_as_the_proxy_closes_is_not_forwarded(
+        keep_alive_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection accepted just before ``close()`` whose thread was still connecting to the
+    upstream: it joined the open connections after ``close()`` had severed them, and was
+    forwarded on by a proxy that no longer existed (its thread and both sockets left behind)."""
+    connected = _act_while_connecting(keep_alive_proxy, monkeypatch, keep_alive_proxy.close)
     deadline = time.monotonic() + 5  # closed by the thread just after it reset the client
     while connected and connected[0].fileno() != -1 and time.monotonic() < deadline:
         time.sleep(0.01)
