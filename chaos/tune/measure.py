@@ -182,7 +182,7 @@ def measure_costs(s: Scenario, folder: Path, progress: Callable[[str], None] = p
     from antifragile.chaos.observe.measure import detection_window_s
 
     injected = not any(f.kind in STOPPING_KINDS
-                       and (f.at_step is not None or f.at_checkpoint is not None)
+                       and f.trigger_step(s.checkpoint.every_steps) is not None
                        for f in s.faults)
     if injected:
         s = with_kill(s)
