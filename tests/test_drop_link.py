@@ -23,7 +23,7 @@ from antifragile.chaos.faults.base import Injection
 from antifragile.chaos.faults.drop_link import DropLink
 from antifragile.chaos.faults.host_down import HostDown
 from antifragile.chaos.infra import netns
-from antifragile.chaos.infra.netns import MAX_HOSTS, NetnsUnavailable, Network
+from antifragile.chaos.infra.netns import MAX_HOSTS, NetnsError, NetnsUnavailable, Network
 from antifragile.chaos.run.pipeline import run
 from antifragile.chaos.run.runner import _Agents
 from antifragile.chaos.scenario import ScenarioError, load_scenario, parse_scenario
@@ -579,3 +579,44 @@ def test_an_ip_command_that_does_not_answer_does_not_stop_the_cleanup(
     net._created = ["a", "b"]
     net.close()
     assert [c[-1] for c in asked if c[1:3] == ["netns", "delete"]] == ["x", "b", "a"]
+
+
+def test_a_link_that_cannot_be_restored_says_so() -> None:
+    """The restore failing (an ``ip`` command refused or timing out) leaves the link down and
+    the job unable to heal: the injection records the error instead of swallowing it."""
+
+    class Unrestorable:
+        def is_down(self, a: int, b: int) -> bool:
+            return False
+
+        def link_down(self, a: int, b: int) -> str:
+            return "blackhole routes"
+
+        def link_up(self, a: int, b: int) -> None:
+            raise NetnsError("ip route del: timed out after 10 s")
+
+    target = Target(pids={}, coordinates={}, ckpt_url="", rng=random.Random(0),
+                    network=Unrestorable())  # type: ignore[arg-type]
+    fault = DropLink(kind="drop_link", at_step=3, between=(0, 1), duration_s=0.01)
+    injection = fault.inject(target, 3)
+    deadline = time.monotonic() + 10
+    while "error" not in injection.detail:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert "timed out" in injection.detail["error"]
+
+
+def test_a_link_never_restored_fails_the_verdict_naming_why() -> None:
+    from antifragile.chaos.observe import measure
+    from antifragile.chaos.observe.record import RunRecord
+
+    t0 = 1000.0
+    events = [{"t": t0 + 1, "rank": r, "attempt": 0, "event": "worker_started", "pid": 10 + r}
+              for r in (0, 1)]
+    cut = Injection("drop_link", t0 + 5, step=3, fault_index=0, detail={
+        "between": [0, 1], "duration_s": 5.0, "mechanism": "blackhole routes",
+        "error": "NetnsError: ip route del: timed out after 10 s"})
+    record = RunRecord(1, t0, t0 + 60, events, [cut], {0: t0 + 60})
+    timings = measure.fault_timings(record, cut)
+    assert not timings.effect_observed
+    assert "never restored" in timings.effect and "timed out" in timings.effect

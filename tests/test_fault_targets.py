@@ -165,3 +165,68 @@ def test_the_latest_checkpoint_is_taken_once_the_save_in_flight_has_committed(
     injection = fault.inject(target, 14)
     assert injection.missed is None, injection.missed
     assert injection.detail["checkpoint_step"] == 12
+
+
+def _state(pid: int) -> str | None:
+    from antifragile.chaos.infra.weed import process_state
+    return process_state(pid)
+
+
+def test_a_hang_that_outlasts_its_run_is_ended_with_the_run(
+        sleeper: subprocess.Popen[bytes]) -> None:
+    """A hang of 300 s in a run that ends sooner: its rank is continued when the run ends, not
+    300 s later, when ``chaos suite`` or ``chaos tune`` is running the next scenario and the
+    pid may be another process's. Before, the end was a timer nothing cancelled."""
+    target = _target(sleeper.pid)
+    hang = FAULT_CONFIGS["hang_rank"](kind="hang_rank", rank=0, at_step=1, duration_s=300.0,
+                                      mode="process").inject(target, 1)
+    assert hang.missed is None and _state(sleeper.pid) == "T"
+    target.endings.end_now()
+    assert _state(sleeper.pid) != "T"
+
+
+def test_a_fault_ends_once_at_its_time_or_with_the_run() -> None:
+    """An end comes at its time (``on_time``) or with the run, once; one due after the run
+    has ended is made at once."""
+    from antifragile.chaos.faults.base import Endings
+
+    ended: list[tuple[str, bool]] = []
+    endings = Endings()
+    endings.after(0.05, lambda on_time: ended.append(("short", on_time)))
+    endings.after(300.0, lambda on_time: ended.append(("long", on_time)))
+    deadline = time.monotonic() + 10
+    while not ended:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    endings.end_now()
+    assert ended == [("short", True), ("long", False)]
+    endings.after(300.0, lambda on_time: ended.append(("after the run", on_time)))
+    endings.end_now()
+    assert ended[2:] == [("after the run", False)]
+
+
+def test_the_runner_ends_the_faults_of_a_run_that_stops(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """However the run stops (here its launch fails), the ends of its faults are made."""
+    from antifragile.chaos.faults import base
+    from antifragile.chaos.run import runner
+    from antifragile.chaos.scenario import load_scenario
+
+    ended: list[bool] = []
+
+    class Recorded(base.Endings):
+        def end_now(self) -> None:
+            ended.append(True)
+            super().end_now()
+
+    def broken_launch(*args: object, **kwargs: object) -> None:
+        raise OSError("no torchrun")
+
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text("name: s\ntrainer: {steps: 4}\ncheckpoint: {every_steps: 2}\n"
+                        "faults: [{kind: hang_rank, rank: 0, at_step: 2, duration_s: 300}]\n")
+    monkeypatch.setattr(runner, "Endings", Recorded)
+    monkeypatch.setattr(runner, "launch", broken_launch)
+    with pytest.raises(OSError, match="no torchrun"):
+        runner.run_scenario(load_scenario(scenario), tmp_path, str(tmp_path / "ckpt"))
+    assert ended == [True]

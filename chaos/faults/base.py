@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
     from antifragile.chaos.infra.seaweedfs import SeaweedCluster
     from antifragile.chaos.infra.volume import Volume
 
+log = logging.getLogger(__name__)
 
 #: A time in seconds: a number (not a YAML ``true``), finite (an infinite or NaN time divides
 #: by zero in the mtbf arrivals, or kills the timer thread that ends a fault, so a stopped rank
@@ -140,6 +143,56 @@ class Injection:
     fault_index: int | None = None
 
 
+class Endings:
+    """The ends of a run's faults that last ``duration_s`` (restore a link, continue a stopped
+    rank, stop a fill, heal a proxy, restart a volume server): each runs at its time, or when
+    the run ends first (``end_now``), never later. A fault's end that outlived its run acted
+    on the next run of ``chaos suite`` or ``chaos tune`` in the same process (a volume server
+    of the next run's cluster restarted, a pid that is now another process continued), and
+    left the next run's network, cluster or volume in its state. An end made with the run
+    (``on_time`` False) undoes the fault but records nothing: the report still says the
+    fault had not ended when the run did."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._due: list[tuple[threading.Timer, Callable[[bool], None]]] = []
+        self._closed = False
+
+    def after(self, seconds: float, end: Callable[[bool], None]) -> None:
+        """Run ``end(on_time)`` once: ``end(True)`` ``seconds`` from now, or ``end(False)`` at
+        ``end_now`` if that comes first (at once if the run has ended)."""
+        once = threading.Lock()
+        done = [False]
+
+        def run_once(on_time: bool = True) -> None:
+            with once:  # end_now waits for an end the timer has begun
+                if not done[0]:
+                    done[0] = True
+                    try:
+                        end(on_time)
+                    except Exception:  # each fault records its own; this one did not
+                        log.exception("a fault's end failed")
+
+        timer = threading.Timer(seconds, run_once)
+        timer.daemon = True
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._due.append((timer, run_once))
+                timer.start()
+        if closed:
+            run_once(False)
+
+    def end_now(self) -> None:
+        """The run ended: every end not yet made is made now, in the order they were due."""
+        with self._lock:
+            self._closed = True
+            due, self._due = self._due, []
+        for timer, run_once in due:
+            timer.cancel()
+            run_once(False)
+
+
 KILL_WAIT_S = 2.0  # how long ``Target.signal`` waits for a SIGKILLed process to be dead
 
 
@@ -161,6 +214,7 @@ class Target:
     volume: Volume | None = None  # the file system chaos mounted for the checkpoints
     volume_unavailable: str | None = None  # why there is none, if one was wanted
     hit: set[int] = field(default_factory=set)  # ranks a fault already signalled (this point)
+    endings: Endings = field(default_factory=Endings)  # when faults that last end
 
     def resolve(self, rank: RankTarget) -> int:
         if rank == "random":  # a rank no other fault of the same moment has hit, if any

@@ -12,7 +12,6 @@ The injection's ``detail`` is completed when the fault ends (``ended_t``, ``fill
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Annotated, Literal
 
@@ -49,12 +48,11 @@ class DiskFull(FaultBase):
             "ended_t": None,
             "filled_bytes": fill.filled_bytes, "error": fill.error})
 
-        def end() -> None:
+        def end(on_time: bool) -> None:
             fill.stop()
-            injection.detail.update(ended_t=time.time(), filled_bytes=fill.filled_bytes,
-                                    error=fill.error)
+            if on_time:
+                injection.detail.update(ended_t=time.time(), filled_bytes=fill.filled_bytes,
+                                        error=fill.error)
 
-        timer = threading.Timer(self.duration_s, end)
-        timer.daemon = True
-        timer.start()
+        target.endings.after(self.duration_s, end)
         return injection

@@ -10,14 +10,15 @@ with the reason.
 
 from __future__ import annotations
 
-import contextlib
-import threading
+import logging
 import time
 from typing import Annotated, Literal
 
 from pydantic import Field, StrictInt
 
 from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target
+
+log = logging.getLogger(__name__)
 
 
 class DropLink(FaultBase):
@@ -50,15 +51,18 @@ class DropLink(FaultBase):
                              missed=f"the link between nodes {a} and {b} was already down "
                                     "(another fault's cut) when this fault was due")
         how = network.link_down(a, b)
-        down_t = time.time()
+        injection = Injection(self.kind, time.time(), step=step,
+                              detail={"between": [a, b], "duration_s": self.duration_s,
+                                      "mechanism": how})
 
-        def restore() -> None:
-            with contextlib.suppress(Exception):  # the run (and its network) already ended
+        def restore(on_time: bool) -> None:
+            try:
                 network.link_up(a, b)
+            except Exception as exc:  # the link stays down: the job cannot heal, say why
+                if on_time:
+                    injection.detail["error"] = f"{type(exc).__name__}: {exc}"
+                log.warning("drop_link: the link between nodes %s and %s was not restored: "
+                            "%s: %s", a, b, type(exc).__name__, exc)
 
-        timer = threading.Timer(self.duration_s, restore)
-        timer.daemon = True
-        timer.start()
-        return Injection(self.kind, down_t, step=step,
-                         detail={"between": [a, b], "duration_s": self.duration_s,
-                                 "mechanism": how})
+        target.endings.after(self.duration_s, restore)
+        return injection

@@ -85,13 +85,11 @@ class HangRank(FaultBase):
                              missed=f"rank {rank} (pid {pid}) {why}")
         done_t = time.time()
 
-        def resume() -> None:
+        def resume(on_time: bool) -> None:
             with contextlib.suppress(ProcessLookupError):
                 send(pid, signal.SIGCONT)  # as it was stopped: with its group, if it leads one
 
-        timer = threading.Timer(self.duration_s, resume)
-        timer.daemon = True
-        timer.start()
+        target.endings.after(self.duration_s, resume)
         return Injection(self.kind, sent_t, step=step, rank=rank,
                          detail={**detail, "done_t": done_t})
 

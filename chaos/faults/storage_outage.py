@@ -11,7 +11,6 @@ The injection's ``detail`` is completed when the outage ends, with the proxy's c
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Annotated, Literal
 
@@ -48,14 +47,13 @@ class StorageOutage(FaultBase):
             "latency_s": self.latency_s if self.mode == "latency" else None,
             "ended_t": None})
 
-        def end() -> None:
+        def end(on_time: bool) -> None:
             proxy.heal(token)
-            during = proxy.snapshot().since(before)
-            injection.detail.update(ended_t=time.time(), requests_faulted=during.faulted,
-                                    connections_passed=during.passed,
-                                    requests_delayed=during.delayed)
+            if on_time:
+                during = proxy.snapshot().since(before)
+                injection.detail.update(ended_t=time.time(), requests_faulted=during.faulted,
+                                        connections_passed=during.passed,
+                                        requests_delayed=during.delayed)
 
-        timer = threading.Timer(self.duration_s, end)
-        timer.daemon = True
-        timer.start()
+        target.endings.after(self.duration_s, end)
         return injection

@@ -251,6 +251,11 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
     if injection.kind == "disk_full":
         timings.effect_observed, timings.effect = disk_full_effect(timings.outage)
         return timings
+    if injection.kind == "drop_link" and injection.detail.get("error"):
+        timings.effect_observed = False  # the verdict fails, naming why
+        timings.effect = (f"the link was never restored, so the job could not heal: "
+                          f"{injection.detail['error']}")
+        return timings
     caused, timings.effect = _ended_attempt(record, injection, attempt, window_s)
     timings.effect_observed = caused
     if not caused:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from antifragile.chaos.faults import Injection, Target
-from antifragile.chaos.faults.base import alive, send
+from antifragile.chaos.faults.base import Endings, alive, send
 from antifragile.chaos.infra.launch import launch, launch_hosts
 from antifragile.chaos.infra.netns import NetnsUnavailable, Network
 from antifragile.chaos.infra.proxy import FaultProxy
@@ -86,6 +86,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     observed: list[dict[str, Any]] = []  # worker_started, seen by chaos in /proc
     injections: list[Injection] = []
     job = _Job(s.trainer.world_size)
+    endings = Endings()  # of the faults that last: made by the end of the run at the latest
     try:
         env = storage.trainer_env if storage else None
         if hosts.network is not None and env and storage and storage.endpoint:
@@ -113,7 +114,8 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                 if e["event"] == "paused":
                     point = points.get(e["point"])
                     if point is not None and job.all_paused(point, e):
-                        target = _target(s, job.current_pids(), ckpt_url, rng, storage, hosts)
+                        target = _target(s, job.current_pids(), ckpt_url, rng, storage, hosts,
+                                         endings)
                         for index, fault in point.faults:
                             injection = _inject(fault, target, point.step)
                             agents.note(injection)
@@ -148,7 +150,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                           and all(alive(pid) for pid in pids.values()))
                     if up:
                         injection = _inject(p.fault, _target(s, pids, ckpt_url, rng, storage,
-                                                             hosts),
+                                                             hosts, endings),
                                             job.step or (None if s.is_command else 0))
                         agents.note(injection)
                         injection.fault_index = p.index
@@ -160,6 +162,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             job.check_ends(time.time())
             time.sleep(0.02)
     finally:
+        endings.end_now()  # a link restored before its network goes, a fill stopped
         agents.kill()
         if relay is not None:
             relay.close()
@@ -365,7 +368,8 @@ class _Agents:
 
 
 def _target(s: Scenario, pids: dict[int, int], ckpt_url: str, rng: random.Random,
-            storage: RunStorage | None = None, hosts: _Hosts | None = None) -> Target:
+            storage: RunStorage | None = None, hosts: _Hosts | None = None,
+            endings: Endings | None = None) -> Target:
     return Target(pids=dict(pids), coordinates=mesh_coordinates(s), ckpt_url=ckpt_url,
                   rng=rng, ckpt_engine=s.checkpoint.engine,
                   network=hosts.network if hosts else None,
@@ -375,4 +379,5 @@ def _target(s: Scenario, pids: dict[int, int], ckpt_url: str, rng: random.Random
                   storage_cluster=storage.cluster if storage else None,
                   storage_cluster_unavailable=storage.cluster_unavailable if storage else None,
                   volume=storage.volume if storage else None,
-                  volume_unavailable=storage.volume_unavailable if storage else None)
+                  volume_unavailable=storage.volume_unavailable if storage else None,
+                  endings=endings or Endings())
