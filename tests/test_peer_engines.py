@@ -333,3 +333,32 @@ def test_entries_that_flatten_to_one_key_are_refused_not_collapsed() -> None:
     assert flat({"a": {"b": 1}, "c": 2}) == {"a/b": 1, "c": 2}
     with pytest.raises(CheckpointError, match="'a/b'"):
         flat({"a/b": 1, "a": {"b": 2}})
+
+
+@pytest.mark.parametrize("engine", ["dcp", "torchsnapshot"])
+def test_latest_waits_for_a_peer_save_in_flight(tmp_path: Path, engine: str) -> None:
+    """The peer's async save of the step before the pause point commits a moment after the
+    fault is due: ``latest`` is that checkpoint, not the one before it (which no restore
+    then reads: a fault without effect). Before, only the engine's own saves were awaited."""
+    import threading
+
+    def write_step(step: int, *, marker: bool) -> Path:
+        folder = tmp_path / step_name(step)
+        folder.mkdir(exist_ok=True)
+        (folder / "__0_0.distcp").write_bytes(b"x" * 64)
+        if marker:
+            (folder / MARKERS[engine]).write_text("{}")
+        return folder
+
+    write_step(5, marker=True)
+    write_step(10, marker=False)
+    committing = threading.Timer(0.5, lambda: write_step(10, marker=True))
+    committing.start()
+    try:
+        target = Target(pids={}, coordinates={}, ckpt_url=str(tmp_path), rng=random.Random(0))
+        fault = CorruptShard(kind="corrupt_shard", at_step=12, mode="truncate")
+        injection = fault.inject(target, 12)
+    finally:
+        committing.join()
+    assert injection.missed is None and injection.detail["engine"] == engine
+    assert injection.detail["checkpoint_step"] == 10

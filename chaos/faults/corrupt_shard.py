@@ -99,7 +99,8 @@ class CorruptShard(FaultBase):
         from antifragile.trainer.ckpt_backends import committed_steps as committed_steps_of
         from antifragile.trainer.ckpt_backends import data_files
 
-        steps = committed_steps_of(engine, target.ckpt_url)
+        steps = (_settled_peer(engine, target.ckpt_url) if self.checkpoint == "latest"
+                 else committed_steps_of(engine, target.ckpt_url))
         chosen = steps[-1] if steps and self.checkpoint == "latest" else self.checkpoint
         if not steps or chosen not in steps:
             return Injection(self.kind, time.time(), step=step,
@@ -167,5 +168,24 @@ def _settled(storage: Any) -> list[int]:
                 step > newest and not any(storage.exists(f"{step_dir(step)}/{marker}")
                                           for marker in (ABORT, QUARANTINE))
                 for step in every):
+            return committed
+        time.sleep(0.05)
+
+
+def _settled_peer(engine: str, url: str) -> list[int]:
+    """``_settled`` for a peer engine: its committed steps once no step folder is newer than
+    the newest commit marker, at most ``SETTLE_S``. Its async save of the step before the
+    pause point commits a moment after the fault is due; without the wait, ``latest`` damaged
+    the checkpoint before it, which no restore then reads. A peer leaves no abort marker, so
+    a killed save's folder is waited for the whole ``SETTLE_S`` (a restart removes it)."""
+    from antifragile.trainer.ckpt_backends import committed_steps as committed_steps_of
+    from antifragile.trainer.ckpt_backends.base import local_root, step_folders
+
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        committed = committed_steps_of(engine, url)
+        newest = committed[-1] if committed else 0
+        if time.monotonic() > deadline or not any(
+                step > newest for step in step_folders(local_root(url))):
             return committed
         time.sleep(0.05)
