@@ -11,6 +11,7 @@ to keep the suite fast.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import time
@@ -295,3 +296,76 @@ def test_a_conflict_answer_is_retried_not_taken_for_permanent(conflict_endpoint:
                  lambda: storage.exists("k"), lambda: storage.delete("k")):
         with pytest.raises(StorageError, match=r"failed 2 times: OSError: .*409"):
             call()
+
+
+@contextlib.contextmanager
+def _answering(status: int, code: str) -> Iterator[tuple[str, list[str]]]:
+    """An S3 endpoint that answers every request ``status`` with the error ``code``; yields
+    its URL and the requests it got."""
+    import http.server
+    import threading
+
+    requests: list[str] = []
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def answer(self) -> None:
+            requests.append(self.command)
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            body = f"<Error><Code>{code}</Code><Message>no</Message></Error>".encode()
+            self.send_response(status)
+            self.send_header("content-length", str(0 if self.command == "HEAD" else len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = answer
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", requests
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(("status", "code"), [
+    (400, "InvalidBucketName"), (400, "InvalidRequest"), (400, "InvalidArgument"),
+    (405, "MethodNotAllowed"), (411, "MissingContentLength"), (413, "EntityTooLarge"),
+    (501, "NotImplemented"),
+])
+def test_a_request_the_server_refuses_fails_at_once(status: int, code: str) -> None:
+    """A 400 (a bad bucket name, a request S3 will never accept), a 405, 411, 413 or 501 is the
+    same answer however often it is asked: it was a plain OSError, retried 6 times (~2.3 s)."""
+    with _answering(status, code) as (endpoint, requests):
+        storage = RetryingStorage(S3Storage("s3://bucket/run", {
+            "endpoint_url": endpoint, "key": "k", "secret": "s"}), attempts=6, base_delay_s=0.05)
+        for op, call in (("write", lambda: storage.write("k", [b"x"])),
+                         ("read", lambda: storage.read("k")),
+                         ("exists", lambda: storage.exists("k")),
+                         ("list", lambda: storage.list_dir("a"))):
+            requests.clear()
+            with pytest.raises(StorageError, match=rf"^{op} s3://bucket/run/\w+: ValueError: "
+                               rf".*{status}") as caught:
+                call()
+            assert "failed" not in str(caught.value)
+            assert len(requests) == 1, (op, requests)
+
+
+@pytest.mark.parametrize(("status", "code"), [(400, "RequestTimeout"), (429, "SlowDown"),
+                                              (500, "InternalError"), (503, "SlowDown")])
+def test_a_timeout_throttling_or_server_error_answer_is_retried(status: int, code: str) -> None:
+    """S3 answers a request whose body came too slowly 400 RequestTimeout: transient, as
+    throttling and 5xx are."""
+    with _answering(status, code) as (endpoint, requests):
+        storage = RetryingStorage(S3Storage("s3://bucket/run", {
+            "endpoint_url": endpoint, "key": "k", "secret": "s"}), attempts=2, base_delay_s=0.01)
+        with pytest.raises(StorageError, match=rf"failed 2 times: OSError: .*{status}"):
+            storage.write("k", [b"x"])
+        assert len(requests) == 2

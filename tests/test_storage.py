@@ -612,3 +612,35 @@ def test_a_local_tree_delete_that_fails_is_reported_not_taken_for_done(
         assert handle.retention_error is not None
         assert "step_000000001" in handle.retention_error, handle.retention_error
         assert engine.steps() == [3]
+
+
+@pytest.mark.parametrize("error", [
+    lambda: OSError(errno.EINVAL, "InvalidBucketName: The specified bucket is not valid."),
+    lambda: OSError(errno.EINVAL, "InvalidRequest"),
+    lambda: OSError(errno.EPERM, "MethodNotAllowed"),
+    lambda: OSError(errno.ENOSYS, "NotImplemented"),
+    lambda: OSError(errno.EOPNOTSUPP, "Operation not supported"),
+    lambda: OSError(errno.EMSGSIZE, "EntityTooLarge"),
+    NotADirectoryError, ValueError, TypeError,
+], ids=["400-bucket-name", "400-request", "405", "501", "unsupported", "413", "not-a-dir",
+        "value", "type"])
+def test_a_refused_request_is_not_retried(sleeps: list[float],
+                                          error: Callable[[], BaseException]) -> None:
+    """The errnos an fsspec backend answers a refused request with (s3fs's mapping of S3's
+    codes: a 400 is EINVAL, a 405 EPERM, a 501 ENOSYS, a 413 EMSGSIZE) fail at once: they were
+    retried 6 times (~2.3 s of backoff) as if they might heal."""
+    inner = FlakyStorage(error, failures=100)
+    storage = RetryingStorage(inner, attempts=6)
+    with pytest.raises(StorageError, match=r"^write fake://root/a/c: \w+") as caught:
+        storage.write("a/c", [b"x"])
+    assert "failed" not in str(caught.value)
+    assert inner.calls["write"] == 1 and sleeps == []
+
+
+def test_a_transient_answer_with_an_errno_is_still_retried(sleeps: list[float]) -> None:
+    """What s3fs maps throttling and 5xx to (EBUSY, EREMOTEIO), and an unknown OSError."""
+    for error in (lambda: OSError(errno.EBUSY, "SlowDown"),
+                  lambda: OSError(errno.EREMOTEIO, "InternalError"), lambda: OSError("?")):
+        inner = FlakyStorage(error, failures=2)
+        RetryingStorage(inner, attempts=6).write("a/c", [b"x"])
+        assert inner.calls["write"] == 3

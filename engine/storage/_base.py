@@ -27,8 +27,13 @@ PERMANENT: tuple[type[BaseException], ...] = (
     ValueError, TypeError, KeyError, CheckpointError, NotImplementedError,
 )
 # No retry changes them; a full disk or quota neither, in the 1.5 s a retry waits, and a save
-# that waits for space holds every later save back as busy (``disk_full``).
-PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EROFS, errno.ENOSPC, errno.EDQUOT})
+# that waits for space holds every later save back as busy (``disk_full``). EINVAL, EPERM,
+# ENOSYS, EOPNOTSUPP and EMSGSIZE are also how an fsspec backend reports a request the server
+# refused as such (s3fs.errors: a 400 such as InvalidBucketName, a 405, a 501, a 413); its
+# throttling and 5xx are EBUSY and EREMOTEIO, retried.
+PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
+                              errno.EINVAL, errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP,
+                              errno.EMSGSIZE})
 
 
 class Storage(Protocol):

@@ -198,8 +198,9 @@ class S3Storage:
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         """Run one obstore call, its errors in the kinds RetryingStorage sorts: FileNotFoundError
-        (no such object), PermissionError (403), ValueError (a bad path), StorageError (no such
-        bucket, a forked process), OSError (anything else, a 409 too: retried)."""
+        (no such object), PermissionError (403), ValueError (a bad path, a request the server
+        refuses as such: see ``_refused``), StorageError (no such bucket, a forked process),
+        OSError (anything else, a 409 too: retried)."""
         global _used_in_pid
         if _used_in_pid is None:
             _used_in_pid = os.getpid()
@@ -232,6 +233,8 @@ class S3Storage:
                                  "client_kwargs['region_name'] or AWS_REGION)") from exc
             if " 416 " in text:
                 raise _RangeNotSatisfiable(text) from exc
+            if _refused(str(exc)):  # whole: the brief text may be cut before the code
+                raise ValueError(text) from exc
             raise OSError(text) from exc
         except (PermissionDeniedError, UnauthenticatedError) as exc:
             raise PermissionError(_brief(exc)) from exc
@@ -381,6 +384,18 @@ class S3Storage:
 
     def sync(self) -> None:
         return None
+
+
+# Answers that asking again cannot change: a malformed request or bad bucket name (400), a
+# method, a missing length, a body too large (405, 411, 413, 414), an unsupported operation
+# (501). Not a 400 RequestTimeout (the body came too slowly) or IncompleteBody (it was cut):
+# those, throttling (429, 503 SlowDown), other 5xx and 409 are retried.
+_REFUSED = re.compile(r"status code: (400|405|411|413|414|501) ")
+_TRANSIENT_400 = ("<Code>RequestTimeout</Code>", "<Code>IncompleteBody</Code>")
+
+
+def _refused(text: str) -> bool:
+    return bool(_REFUSED.search(text)) and not any(code in text for code in _TRANSIENT_400)
 
 
 class _RangeNotSatisfiable(OSError):
