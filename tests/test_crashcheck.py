@@ -378,6 +378,42 @@ def _send(proxy: Any, method: str, target: str, body: bytes = b"",
         conn.close()
 
 
+def test_the_recording_proxy_goes_on_accepting_after_a_failed_accept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed ``accept()`` (EMFILE: the process out of file descriptors for a moment) ended
+    the accept loop: every later request of the run went unanswered and unrecorded."""
+    import errno
+    import socket
+
+    from antifragile.chaos.crashcheck.record import RecordingProxy
+
+    create_server = socket.create_server
+
+    class FailsOnce:
+        def __init__(self) -> None:
+            self.sock, self.failed = create_server(("127.0.0.1", 0)), False
+
+        def accept(self) -> tuple[socket.socket, Any]:
+            if not self.failed:
+                self.failed = True
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+            return self.sock.accept()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.sock, name)
+
+    listener = FailsOnce()
+    monkeypatch.setattr(socket, "create_server", lambda *a, **k: listener)
+    with _Scripted(lambda method, path, body: (200, b"")) as server:
+        proxy = RecordingProxy(server.url, bucket="b", root="r")
+        monkeypatch.undo()
+        with proxy:
+            proxy.start()
+            assert _send(proxy, "PUT", "/b/r/a", b"x") == 200
+            rec = proxy.stop()
+    assert listener.failed and [m.key for m in rec.mutations] == ["a"]
+
+
 def test_a_multi_delete_records_only_the_keys_the_server_deleted() -> None:
     """A multi-object delete answers 200 with a per-key result: a key under ``<Error>`` was not
     deleted (and a quiet delete lists only those). The proxy recorded every key of the request

@@ -10,6 +10,7 @@ one per outage mode, the faulty run checked bit-identical to the fault-free refe
 from __future__ import annotations
 
 import contextlib
+import errno
 import http.client
 import json
 import os
@@ -228,6 +229,47 @@ def test_a_client_that_half_closes_still_gets_the_answer() -> None:
     server.join(5)
     upstream.close()
     assert answer == b"echo: hello"
+
+
+class _AcceptFailsOnce:
+    """A listening socket whose first ``accept()`` fails with ``code`` (a process out of file
+    descriptors: EMFILE; a connection reset while it waited in the backlog: ECONNABORTED)."""
+
+    def __init__(self, code: int) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.code: int | None = code
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        code, self.code = self.code, None
+        if code is not None:
+            raise OSError(code, os.strerror(code))
+        return self.sock.accept()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                                  errno.ECONNABORTED], ids=errno.errorcode.get)
+def test_the_proxy_goes_on_accepting_after_a_failed_accept(code: int) -> None:
+    """A failed ``accept()`` ended the accept loop: the proxy stopped serving for good (an
+    outage that never healed), though it had not been closed."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _KeepAlive)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    listener = _AcceptFailsOnce(code)
+    try:
+        with FaultProxy(server.server_address[:2],  # type: ignore[arg-type]
+                        listener=listener) as fault_proxy:  # type: ignore[arg-type]
+            url = urlparse(fault_proxy.endpoint_url)
+            conn = http.client.HTTPConnection(url.hostname, url.port, timeout=3)
+            assert _get(conn) == 200
+            conn.close()
+        assert listener.sock.fileno() == -1  # and close() still ends it
+        assert not fault_proxy._thread.is_alive()
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_latency_delays_each_request_of_a_keep_alive_connection(

@@ -38,6 +38,8 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 from xml.etree import ElementTree
 
+from antifragile.chaos.infra.proxy import accept
+
 MUTATING_KINDS = ("put", "copy", "delete", "multipart_create", "multipart_part",
                   "multipart_complete")
 _HEAD_LIMIT = 64 * 1024
@@ -148,11 +150,7 @@ class RecordingProxy:
     # -- serving ------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
+        while (client := accept(self._listener, self._closed, "recording proxy")) is not None:
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import logging
 import socket
 import struct
 import threading
@@ -29,6 +31,18 @@ from types import TracebackType
 from urllib.parse import urlparse
 
 FAULT_KINDS = ("reset", "http503", "blackhole", "latency")
+
+log = logging.getLogger("antifragile.chaos.proxy")
+
+# accept() errors that pass: out of file descriptors or buffers until connections close, and
+# a connection that failed in the backlog (Linux hands its network error to accept(); the
+# man page says to retry them). Anything else (EBADF, EINVAL: the listener closed or shut
+# down) ends the accept loop.
+_ACCEPT_TRANSIENT = frozenset({
+    errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPERM,
+    errno.EPROTO, errno.ENOPROTOOPT, errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH,
+    errno.EOPNOTSUPP, errno.ENETDOWN, errno.ENETUNREACH, errno.ETIMEDOUT,
+})
 
 _BODY_503 = (
     b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>ServiceUnavailable</Code>"
@@ -179,11 +193,7 @@ class FaultProxy:
             return fault if fault is not None and fault.kind == "latency" else None
 
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
+        while (client := accept(self._listener, self._closed, "fault proxy")) is not None:
             fault, started = self._take()
             if fault is None:
                 threading.Thread(target=self._serve, args=(client, started), daemon=True).start()
@@ -263,6 +273,29 @@ class FaultProxy:
             with self._lock:
                 self.stats.delayed += 1
             fault.over.wait(fault.latency_s)
+
+
+def accept(listener: socket.socket, closed: threading.Event, name: str
+           ) -> socket.socket | None:
+    """The next connection to ``listener``; None once ``closed`` is set (or the listener is
+    broken). A transient failure (out of file descriptors, a connection aborted in the
+    backlog) is logged and waited out with a backoff, not taken for the end: a proxy whose
+    accept loop ends stops serving for good, which no heal() ends."""
+    delay = 0.01
+    while not closed.is_set():
+        try:
+            return listener.accept()[0]
+        except OSError as exc:
+            if closed.is_set():
+                return None
+            if exc.errno not in _ACCEPT_TRANSIENT:
+                log.error("%s on %s: accept() failed (%s); it accepts no more connections",
+                          name, listener, exc)
+                return None
+            log.warning("%s: accept() failed (%s); trying again in %.2f s", name, exc, delay)
+            closed.wait(delay)
+            delay = min(delay * 2, 1.0)
+    return None
 
 
 def _pump(src: socket.socket, dst: socket.socket, on_chunk: Callable[[bytes], None]) -> None:
