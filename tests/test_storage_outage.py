@@ -272,6 +272,27 @@ def test_the_proxy_goes_on_accepting_after_a_failed_accept(code: int) -> None:
         server.server_close()
 
 
+@pytest.mark.parametrize("sent", [b"", b"PUT /b/k HTTP/1.1\r\nHost: x\r\n",
+                                  b"PUT /b/k HTTP/1.1\r\nContent-Length: 9\r\n\r\npart"],
+                         ids=["nothing", "half-a-head", "half-a-body"])
+def test_a_503_answers_a_client_that_stops_sending_within_the_bound(
+        keep_alive_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch, sent: bytes) -> None:
+    """The 503 fault read the request with blocking recv() calls: a client that sent nothing,
+    part of a head or part of a declared body (a slow client, a stalled upload) held the
+    proxy's thread, and never got its answer, for as long as it kept the connection open."""
+    from antifragile.chaos.infra import proxy as proxy_module
+
+    monkeypatch.setattr(proxy_module, "_REQUEST_READ_S", 0.2)
+    keep_alive_proxy.fault("http503")
+    url = urlparse(keep_alive_proxy.endpoint_url)
+    with socket.create_connection((url.hostname, url.port), timeout=3) as client:
+        client.sendall(sent)
+        answer = b""
+        while chunk := client.recv(1024):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
+
+
 def test_latency_delays_each_request_of_a_keep_alive_connection(
         keep_alive_proxy: FaultProxy) -> None:
     url = urlparse(keep_alive_proxy.endpoint_url)

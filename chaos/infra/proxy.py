@@ -5,8 +5,8 @@ the proxy, and the faults are made here, outside the trainer: its real client st
 aiobotocore, aiohttp) sees real resets, real 503 answers and real silence. Fault kinds:
 
 - ``reset``: accept a connection, then close it with RST.
-- ``http503``: read the request, answer ``503 Service Unavailable`` with an S3 error document
-  (what S3 does when it sheds load), and close.
+- ``http503``: read the request (for up to 5 s), answer ``503 Service Unavailable`` with an
+  S3 error document (what S3 does when it sheds load), and close.
 - ``blackhole``: accept, read, never answer. Held connections are severed (RST) when the fault
   ends, as a network partition healing would; until then the client waits on its own timeout.
 - ``latency``: pass everything, but hold each request back ``latency_s`` before forwarding it.
@@ -25,6 +25,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -49,6 +50,7 @@ _BODY_503 = (
     b"<Message>injected by the antifragile fault proxy</Message></Error>"
 )
 _HEAD_LIMIT = 64 * 1024
+_REQUEST_READ_S = 5.0  # how long a 503 waits for the request it answers (see _answer_503)
 _METHODS = {b"GET", b"PUT", b"POST", b"HEAD", b"DELETE", b"PATCH", b"OPTIONS"}
 
 
@@ -316,12 +318,23 @@ def _pump(src: socket.socket, dst: socket.socket, on_chunk: Callable[[bytes], No
 
 
 def _answer_503(client: socket.socket) -> None:
-    """Read the request head (and a declared body, unless the client waits for 100-continue),
-    answer 503 with an S3 error document, and close."""
+    """Read the request head (and a declared body, unless the client waits for 100-continue)
+    for up to ``_REQUEST_READ_S``, answer 503 with an S3 error document, and close. The bound:
+    a client that sends part of a request and stops (a stalled upload, a slow client) would
+    otherwise hold this thread, and wait for its answer, as long as it keeps the connection."""
+    deadline = time.monotonic() + _REQUEST_READ_S
+
+    def recv(size: int) -> bytes:
+        client.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            return client.recv(size)
+        except TimeoutError:
+            return b""  # answered as it is: what was read is enough to tell a HEAD
+
     head = b""
     try:
         while b"\r\n\r\n" not in head and len(head) < _HEAD_LIMIT:
-            chunk = client.recv(65536)
+            chunk = recv(65536)
             if not chunk:
                 break
             head += chunk
@@ -331,11 +344,12 @@ def _answer_503(client: socket.socket) -> None:
         if fields.get(b"expect", b"").lower() != b"100-continue":
             remaining = int(fields.get(b"content-length", b"0") or 0) - len(body)
             while remaining > 0:
-                chunk = client.recv(min(remaining, 65536))
+                chunk = recv(min(remaining, 65536))
                 if not chunk:
                     break
                 remaining -= len(chunk)
         body_503 = b"" if header.startswith(b"HEAD ") else _BODY_503
+        client.settimeout(_REQUEST_READ_S)  # nor may a client that does not read hold it
         client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
                        + f"Content-Length: {len(body_503)}\r\n".encode()
                        + b"Connection: close\r\n\r\n" + body_503)
