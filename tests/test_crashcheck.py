@@ -235,6 +235,27 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], says: str) -> None:
     assert len(lines) == 1 and says in lines[0], r.output
 
 
+def test_max_inflight_has_an_upper_bound(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every subset of an in-flight set up to ``--max-inflight`` is enumerated: 2^N per cut.
+    Any N was taken, so ``--max-inflight 64`` ran on into a cut of 30 in-flight writes
+    (2^30 subsets: hours, and memory for every distinct state) instead of sampling it."""
+    from antifragile.chaos.crashcheck import run
+
+    def ran(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("crashcheck ran with --max-inflight 64")
+
+    monkeypatch.setattr(run, "crashcheck", ran)
+    r = CliRunner().invoke(main, ["crashcheck", "--engine", "dcp", "--max-inflight", "64",
+                                  "--endpoint-url", "http://127.0.0.1:9",
+                                  "--out", str(tmp_path / "r")])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == ("error: --max-inflight 64: at most 20 (an in-flight set that "
+                                "size has all its 2^64 subsets enumerated, at each cut; larger "
+                                "sets are sampled)"), r.output
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize(("engine", "package", "extra"), [
     ("torchsnapshot", "torchsnapshot", "peers"), ("antifragile", "obstore", "s3"),
     ("dcp", "s3fs", "s3")])

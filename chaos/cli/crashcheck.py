@@ -13,6 +13,9 @@ from antifragile.chaos.cli.common import drop_if_empty, fail, out_folder
 
 ENGINES = ("antifragile", "dcp", "torchsnapshot")  # chaos/crashcheck/pipeline.py's, unimported
 CASES = ("save", "retention", "overwrite", "overwrite-committed")
+# 2^20 subsets of one cut's in-flight set take ~30 s to enumerate and may hold as many distinct
+# states in memory, each to be loaded by a checker; 2^30 takes hours. Larger sets are sampled.
+MAX_INFLIGHT = 20
 
 
 @click.command("crashcheck")
@@ -27,7 +30,7 @@ CASES = ("save", "retention", "overwrite", "overwrite-committed")
               "(a seeded sample, reported as such).")
 @click.option("--max-inflight", type=int, default=12, show_default=True,
               help="In-flight sets up to this size have every subset enumerated; larger "
-              "ones are sampled.")
+              f"ones are sampled. At most {MAX_INFLIGHT}.")
 @click.option("--out", help="Report folder (default reports/crashcheck-<engine>-<UTC time>).")
 @click.option("--endpoint-url", help="S3 endpoint (plain http://); default AWS_ENDPOINT_URL, "
               "else a local SeaweedFS cluster started for the run.")
@@ -76,6 +79,10 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
         fail(f"--max-states {max_states}: must be at least 1")
     if max_inflight < 0:
         fail(f"--max-inflight {max_inflight}: must be at least 0")
+    if max_inflight > MAX_INFLIGHT:
+        fail(f"--max-inflight {max_inflight}: at most {MAX_INFLIGHT} (an in-flight set that "
+             f"size has all its 2^{max_inflight} subsets enumerated, at each cut; larger sets "
+             "are sampled)")
     if checkers < 1:
         fail(f"--checkers {checkers}: must be at least 1")
     from antifragile.chaos.scenario import WORKER_LIMIT_REASON, max_workers
