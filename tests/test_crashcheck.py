@@ -155,6 +155,91 @@ def test_verdict_fails_on_the_documented_rule_only() -> None:
 
 
 
+# a checker that answers every state, but dies on state 1 (once: a process that ran out of
+# memory on it) and hangs on state 2; it speaks the protocol of ``worker.py check``
+_FAKE_CHECKER = """
+import json, os, sys, time
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    task = json.loads(line)
+    if task["id"] == 1:
+        sys.stderr.write("MemoryError: out of memory\\n")
+        sys.stderr.flush()
+        os._exit(3)
+    if task["id"] == 2:
+        time.sleep(60)
+    results = {r: {"step": 1, "digest": "o", "skipped": []} for r in task["rules"]}
+    print(json.dumps({"id": task["id"], "results": results}), flush=True)
+"""
+
+
+def _fake_checkers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from antifragile.chaos.crashcheck import check
+
+    popen = subprocess.Popen
+
+    def fake(args: list[str], **kwargs: Any) -> Any:
+        assert args[1:4] == ["-m", "antifragile.chaos.crashcheck.worker", "check"], args
+        return popen([sys.executable, "-c", _FAKE_CHECKER], **kwargs)
+
+    monkeypatch.setattr(check.subprocess, "Popen", fake)
+    monkeypatch.setattr(check, "STATE_TIMEOUT_S", 1.0, raising=False)
+
+
+@pytest.mark.parametrize("bad", [1, 2], ids=["dies", "hangs"])
+def test_a_checker_that_dies_or_hangs_leaves_its_state_unchecked_and_the_rest_go_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: int) -> None:
+    """A checker process that died on a state raised out of the whole crashcheck run (every
+    state checked so far lost), and one that hung (a load that never returned) hung the run
+    for good. The state is now ``unchecked`` with the reason, the checker is replaced, and
+    every other state is checked."""
+    import threading
+
+    from antifragile.chaos.crashcheck.check import CheckerPool
+
+    _fake_checkers(monkeypatch)
+    tasks = [{"id": i, "prefix": f"p/s{i}", "objects": {}, "rules": ["marker"]}
+             for i in (0, bad, 3, 4, 5)]
+    answers: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with CheckerPool(engine="dcp", bucket="b", bodies=tmp_path, env={},
+                             workers=1) as pool:
+                answers.update(pool.check(tasks))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), "the check still runs after 20 s: a hung checker hangs it"
+    assert errors == []
+    assert sorted(answers) == [0, bad, 3, 4, 5]
+    exp = Expected(old_step=1, old_digest="o", new_step=2, new_digest="n")
+    outcomes = {i: classify(a["results"]["marker"], exp, intact=True) for i, a in answers.items()}
+    assert outcomes == {0: "old", bad: "unchecked", 3: "old", 4: "old", 5: "old"}
+    reason = answers[bad]["unchecked"]
+    if bad == 1:
+        assert reason == ("the checker process exited (3) while checking it: MemoryError: "
+                          "out of memory")
+    else:
+        assert reason == "the checker process answered nothing in 1 s (hung): killed"
+
+
+def test_unchecked_states_fail_the_verdict_with_their_reason() -> None:
+    counts = {"old": 3, "new": 1, "refused": 0, "torn": 0, "lost": 0, "unchecked": 1}
+    doc = {"cases": [{"engine": "x", "ranks": 1, "case": "save",
+                      "unchecked": [{"state": 2, "reason": "the checker process exited (9)"}],
+                      "rules": {"marker": {"documented": True, "counts": counts,
+                                           "witnesses": {}, "final": "new"}}}]}
+    assert verdict(doc) == (False, ["x (1 ranks, save, rule marker): 1 state(s) unchecked "
+                                    "(the first: the checker process exited (9))"])
+
+
 def test_a_save_that_never_lands_fails_the_verdict() -> None:
     """Every crash state loading step k passes only if the save, uninterrupted, loads step
     k+1: a save that raised, or whose COMMIT never made step k+1 loadable, leaves states that

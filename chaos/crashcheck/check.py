@@ -13,11 +13,14 @@ Outcomes, against the digests of what was saved:
   (every object of its folder as its save left it): a liveness failure;
 - ``torn``: something loaded that equals neither (correctness);
 - ``lost``: step k, committed before the save began, cannot be loaded any more: the rule
-  found no checkpoint, or failed, with neither step intact, or loaded an older step.
+  found no checkpoint, or failed, with neither step intact, or loaded an older step;
+- ``unchecked``: the checker process died or hung (``STATE_TIMEOUT_S``) on the state: nothing
+  is known of it (the reason is in its answer); the checker is replaced and the run goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -33,8 +36,12 @@ from typing import Any
 
 from antifragile.chaos.infra.lifetime import die_with_parent
 
-OUTCOMES = ("old", "new", "refused", "torn", "lost")
+OUTCOMES = ("old", "new", "refused", "torn", "lost", "unchecked")
 BAD = ("refused", "torn", "lost")
+#: how long one state (its rebuild and a load per rule) may take before its checker is taken
+#: for hung, and how long a checker may take to start (import torch, an engine)
+STATE_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 300.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -52,6 +59,8 @@ def classify(result: dict[str, Any], expected: Expected, *, intact: bool) -> str
     """The outcome of one load. ``intact``: the state holds step k's or step k+1's folder
     exactly as its save left it (``holds_intact``); a load that ended with nothing then
     refused a checkpoint it could have had, else step k was lost."""
+    if "unchecked" in result:
+        return "unchecked"
     if "nothing" in result or "error" in result:
         return "refused" if intact else "lost"
     step, loaded = result["step"], result["digest"]
@@ -80,7 +89,7 @@ def holds_intact(objects: dict[str, str], reference: dict[str, str], step: int) 
 
 
 class CheckerError(RuntimeError):
-    """A checker process died or said something unexpected."""
+    """A checker process died, hung or said something unexpected."""
 
 
 class CheckerPool:
@@ -88,81 +97,128 @@ class CheckerPool:
 
     def __init__(self, *, engine: str, bucket: str, bodies: Path, env: dict[str, str],
                  workers: int) -> None:
+        self._command = [sys.executable, "-m", "antifragile.chaos.crashcheck.worker", "check",
+                         "--engine", engine, "--bucket", bucket, "--bodies", str(bodies)]
+        self._env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         self.procs: list[subprocess.Popen[str]] = []
         # a checker's stderr goes to a file: a pipe nobody reads fills up (64 KiB of, say,
         # asyncio's errors about a reader's unclosed sessions) and blocks the checker for good
         self._stderr: dict[int, Any] = {}
-        child_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        for _ in range(workers):
-            err = tempfile.TemporaryFile(mode="w+", prefix="crashcheck-checker-")  # noqa: SIM115
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "antifragile.chaos.crashcheck.worker", "check",
-                 "--engine", engine, "--bucket", bucket, "--bodies", str(bodies)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                text=True, env=child_env, preexec_fn=die_with_parent(os.getpid()))
-            self.procs.append(proc)
-            self._stderr[proc.pid] = err
-        for proc in self.procs:
-            self._expect(proc, "ready")
+        # its stdout lines, read by a thread of its own: a read can then time out (a hang)
+        self._lines: dict[int, queue.Queue[str]] = {}
+        self.procs = [self._start() for _ in range(workers)]
+        try:
+            for proc in self.procs:
+                self._expect(proc, "ready", START_TIMEOUT_S)
+        except CheckerError:  # no pool: none of them may outlive this
+            for proc in self.procs:
+                _kill(proc)
+            raise
 
-    def _expect(self, proc: subprocess.Popen[str], field: str) -> dict[str, Any]:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
+    def _start(self) -> subprocess.Popen[str]:
+        err = tempfile.TemporaryFile(mode="w+", prefix="crashcheck-checker-")  # noqa: SIM115
+        proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=err, text=True, env=self._env,
+                                preexec_fn=die_with_parent(os.getpid()))
+        self._stderr[proc.pid] = err
+        lines: queue.Queue[str] = queue.Queue()
+        self._lines[proc.pid] = lines
+        threading.Thread(target=_read_lines, args=(proc, lines), daemon=True).start()
+        return proc
+
+    def _expect(self, proc: subprocess.Popen[str], field: str,
+                timeout_s: float) -> dict[str, Any]:
+        try:
+            line = self._lines[proc.pid].get(timeout=timeout_s)
+        except queue.Empty:
+            raise CheckerError(f"the checker process answered nothing in {timeout_s:.0f} s "
+                               "(hung): killed") from None
         if not line:
             code = proc.wait()
             stderr = self._stderr[proc.pid]
             stderr.seek(0)
-            err = stderr.read()
-            raise CheckerError(f"a checker process exited ({code}): "
-                               f"{err.strip().splitlines()[-1:] or ''}")
-        doc: dict[str, Any] = json.loads(line)
+            last = [x.strip() for x in stderr.read().splitlines() if x.strip()][-1:]
+            raise CheckerError(f"the checker process exited ({code})"
+                               + (" while checking it" if field == "results" else "")
+                               + "".join(f": {x[:300]}" for x in last))
+        try:
+            doc: dict[str, Any] = json.loads(line)
+        except ValueError:
+            doc = {}
         if field not in doc:
             raise CheckerError(f"a checker said {line.strip()[:200]}")
         return doc
 
+    def _ask(self, proc: subprocess.Popen[str], task: dict[str, Any]) -> dict[str, Any]:
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError):  # it died (a broken pipe): _expect says how
+            proc.stdin.write(json.dumps(task) + "\n")
+            proc.stdin.flush()
+        return self._expect(proc, "results", STATE_TIMEOUT_S)
+
+    def _replace(self, proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
+        """Kill ``proc`` (dead or hung) and start a checker in its place."""
+        _kill(proc)
+        self._stderr.pop(proc.pid).close()
+        self._lines.pop(proc.pid, None)
+        new = self._start()
+        self.procs[self.procs.index(proc)] = new
+        self._expect(new, "ready", START_TIMEOUT_S)
+        return new
+
     def check(self, tasks: list[dict[str, Any]],
               progress: Callable[[int], None] | None = None) -> dict[int, dict[str, Any]]:
         """Each task: ``{"id", "prefix", "objects": {key: body file}, "rules"}``; returns
-        the checker's answer per id."""
+        the checker's answer per id. A state whose checker died or hung on it (or that no
+        checker was left to take) is answered ``unchecked`` with the reason, for every rule."""
         todo: queue.Queue[dict[str, Any] | None] = queue.Queue()
         for task in tasks:
             todo.put(task)
         answers: dict[int, dict[str, Any]] = {}
-        errors: list[BaseException] = []
+        gone: list[str] = []  # why a checker could not be replaced
         lock = threading.Lock()
 
         def drive(proc: subprocess.Popen[str]) -> None:
-            assert proc.stdin is not None
-            try:
-                while True:
+            while True:
+                try:
+                    task = todo.get_nowait()
+                except queue.Empty:
+                    return
+                assert task is not None
+                stopped = None
+                try:
+                    doc = self._ask(proc, task)
+                except CheckerError as exc:  # it died or hung on this state
+                    doc = _unchecked(task, str(exc))
                     try:
-                        task = todo.get_nowait()
-                    except queue.Empty:
-                        return
-                    assert task is not None
-                    proc.stdin.write(json.dumps(task) + "\n")
-                    proc.stdin.flush()
-                    doc = self._expect(proc, "results")
-                    with lock:
-                        answers[doc["id"]] = doc
-                        if progress is not None:
-                            progress(len(answers))
-            except BaseException as exc:  # reported once every driver stopped
-                errors.append(exc)
+                        proc = self._replace(proc)
+                    except (CheckerError, OSError) as again:
+                        stopped = f"a checker could not be restarted: {again}"
+                with lock:
+                    answers[doc["id"]] = doc
+                    if stopped is not None:
+                        gone.append(stopped)
+                    if progress is not None:
+                        progress(len(answers))
+                if stopped is not None:
+                    return
 
         threads = [threading.Thread(target=drive, args=(p,), daemon=True) for p in self.procs]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        if errors:
-            raise errors[0]
+        while not todo.empty():  # every checker gone
+            left = todo.get_nowait()
+            assert left is not None
+            answers[left["id"]] = _unchecked(left, gone[0] if gone else "no checker left")
         return answers
 
     def close(self) -> None:
         for proc in self.procs:
             if proc.stdin is not None:
-                proc.stdin.close()
+                with contextlib.suppress(OSError):  # one that died: a broken pipe
+                    proc.stdin.close()
         for proc in self.procs:
             try:
                 proc.wait(timeout=30)
@@ -177,3 +233,27 @@ class CheckerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _read_lines(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
+    """Every line ``proc`` prints, then ``""`` at its end."""
+    assert proc.stdout is not None
+    with contextlib.suppress(OSError, ValueError):
+        for line in proc.stdout:
+            lines.put(line)
+    lines.put("")
+    proc.stdout.close()
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+
+
+def _unchecked(task: dict[str, Any], reason: str) -> dict[str, Any]:
+    return {"id": task["id"], "unchecked": reason,
+            "results": {rule: {"unchecked": reason} for rule in task["rules"]}}

@@ -277,6 +277,9 @@ def summarize(settings: Settings, result: CaseResult) -> dict[str, Any]:
         "base_objects": len(result.base),
         "expected": {"old_step": result.expected.old_step, "new_step": result.expected.new_step},
         "save_error": result.save_error,
+        # states a checker died or hung on: no outcome, the reason instead
+        "unchecked": [{"state": i, "reason": a["unchecked"]}
+                      for i, a in sorted(result.answers.items()) if "unchecked" in a],
         "rules": rules, "timings": result.timings,
         "cuts": [{"state": s.id, "cut_s": round(s.cut_s, 6),
                   **{r: result.outcomes[r].get(s.id) for r in result.outcomes}}

@@ -17,7 +17,7 @@ from antifragile.chaos.crashcheck.pipeline import MAY_REFUSE
 from antifragile.chaos.report.document import html_page, html_table, img_tag
 
 COLORS = {"old": "#1f77b4", "new": "#2ca02c", "refused": "#ff7f0e", "torn": "#d62728",
-          "lost": "#7f7f7f"}
+          "lost": "#7f7f7f", "unchecked": "#bcbd22"}
 METHOD = (
     "Every mutating S3 request of the save of step k+1 (PUT, COPY, DELETE, multi-object "
     "delete per key, multipart completion) was recorded by an HTTP proxy in front of the S3 "
@@ -42,7 +42,7 @@ def table_rows(doc: dict[str, Any]) -> list[list[Any]]:
             counts = r["counts"]
             rows.append([c["engine"], c["ranks"], c["case"],
                          rule + ("" if r["documented"] else " (not documented)"),
-                         c["states"], *[counts[o] for o in OUTCOMES]])
+                         c["states"], *[counts.get(o, 0) for o in OUTCOMES]])
     return rows
 
 
@@ -53,7 +53,8 @@ def verdict(doc: dict[str, Any]) -> tuple[bool, list[str]]:
     """ok when the documented rule of every case has no refused, torn or lost state, and loads
     step k+1 from the state the save left when nothing crashed (else every crash state of a
     save that never landed loads step k and passes); only ``MAY_REFUSE`` cases may instead
-    report the save refused."""
+    report the save refused. A state left unchecked (its checker died or hung) is not ok
+    either: nothing is known of it."""
     reasons = []
     for c in doc["cases"]:
         for rule, r in c["rules"].items():
@@ -63,8 +64,12 @@ def verdict(doc: dict[str, Any]) -> tuple[bool, list[str]]:
             bad = {o: r["counts"][o] for o in BAD if r["counts"][o]}
             if bad:
                 reasons.append(f"{where}: " + ", ".join(f"{n} {o}" for o, n in bad.items()))
+            if r["counts"].get("unchecked"):
+                why = c.get("unchecked") or [{"reason": "?"}]
+                reasons.append(f"{where}: {r['counts']['unchecked']} state(s) unchecked (the "
+                               f"first: {why[0]['reason']})")
             refused = c.get("save_error") is not None and c["case"] in MAY_REFUSE
-            if r["final"] != "new" and not refused:
+            if r["final"] not in ("new", "unchecked") and not refused:
                 reasons.append(f"{where}: the save of step {c['expected']['new_step']}, not "
                                f"interrupted, loads {r['final']}, not new"
                                + (f" (the save failed: {c['save_error']})"
@@ -113,7 +118,7 @@ def markdown(doc: dict[str, Any], has_plot: bool) -> str:
     ok, reasons = verdict(doc)
     lines = [f"# crashcheck: {doc['engine']}", "",
              f"Verdict: **{'OK' if ok else 'FAIL'}** (the documented load rule: 0 refused, "
-             "0 torn, 0 lost)", ""]
+             "0 torn, 0 lost, 0 unchecked)", ""]
     lines += [f"- {r}" for r in reasons]
     lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in table_rows(doc)]
@@ -121,7 +126,8 @@ def markdown(doc: dict[str, Any], has_plot: bool) -> str:
               "`refused`: an error or nothing, while step k's or k+1's folder was intact; "
               "`torn`: data equal to "
               "neither; `lost`: step k, committed before the save, no longer loads (nothing "
-              "does, or only an older step).", "",
+              "does, or only an older step); `unchecked`: the checker process died or hung on "
+              "the state (the reason is in crashcheck.json).", "",
               "## Cases", ""]
     lines += [f"- {_case_line(c)}" for c in doc["cases"]]
     lines += ["", "## Witnesses (one minimal state per non-ok outcome)", ""]
@@ -186,7 +192,7 @@ def plot(doc: dict[str, Any]) -> bytes | None:
         ax.set_ylim(-0.6, len(OUTCOMES) - 0.4)
         ax.set_title(f"{c['engine']}, {c['ranks']} rank(s), {c['case']}, rule {rule}: "
                      f"{c['states']} states", fontsize=9)
-        ax.legend(loc="upper left", fontsize=7, ncols=5)
+        ax.legend(loc="upper left", fontsize=7, ncols=len(OUTCOMES))
     axes[-1].set_xlabel("crash time (s after the recorded save began)")
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
