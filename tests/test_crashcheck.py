@@ -778,6 +778,67 @@ def test_a_peers_retention_runs_on_rank_0_only(
     assert len(deleted) == len(set(deleted)), sorted(deleted)
 
 
+@pytest.mark.s3
+@pytest.mark.parametrize("fails", [False, True], ids=["ends", "fails"])
+def test_crashcheck_deletes_the_bucket_it_made_on_a_users_endpoint(
+        s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+        fails: bool) -> None:
+    """On the user's endpoint (AWS_ENDPOINT_URL, --endpoint-url) crashcheck made a bucket of
+    its own (``crashcheck-<random>``), filled it with the recorded saves and every rebuilt
+    state, and left it there, run after run. It is emptied and deleted at the end, a failed
+    run's too; nothing else on the endpoint is touched."""
+    import boto3
+
+    from antifragile.chaos.crashcheck import run
+    from antifragile.chaos.crashcheck.pipeline import Settings
+
+    users, options = s3_bucket
+    client = boto3.client("s3", endpoint_url=options["endpoint_url"],
+                          aws_access_key_id=options["key"],
+                          aws_secret_access_key=options["secret"], region_name="us-east-1")
+    users_bucket = users.removeprefix("s3://").split("/")[0]
+    client.put_object(Bucket=users_bucket, Key="ckpt/mine", Body=b"x")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret"])
+    made: list[str] = []
+
+    class NoCheckers:
+        def __init__(self, **kwargs: Any) -> None:
+            made.append(kwargs["bucket"])
+
+        def __enter__(self) -> NoCheckers:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    def a_case(settings: Any, name: str, *, bucket: str, **kwargs: Any) -> Any:
+        for key in ("antifragile-r1-save-x/ckpt/step_000000001/COMMIT",
+                    "antifragile-r1-save-x-check/s00000/step_000000001/COMMIT"):
+            client.put_object(Bucket=bucket, Key=key, Body=b"c")
+        client.create_multipart_upload(Bucket=bucket, Key="antifragile-r1-save-x/ckpt/big")
+        if fails:
+            raise RuntimeError("the saving job failed")
+        return None
+
+    monkeypatch.setattr(run, "CheckerPool", NoCheckers)
+    monkeypatch.setattr(run, "run_case", a_case)
+    monkeypatch.setattr(run, "summarize", lambda settings, result: {})
+    settings = Settings(engine="antifragile", ranks=1, cases=("save",))
+    lines: list[str] = []
+    if fails:
+        with pytest.raises(RuntimeError, match="the saving job failed"):
+            run.crashcheck(settings, endpoint_url=options["endpoint_url"], progress=lines.append)
+    else:
+        run.crashcheck(settings, endpoint_url=options["endpoint_url"], progress=lines.append)
+    (bucket,) = made
+    buckets = {b["Name"] for b in client.list_buckets()["Buckets"]}
+    assert bucket not in buckets, lines
+    assert users_bucket in buckets
+    assert [o["Key"] for o in client.list_objects_v2(Bucket=users_bucket)["Contents"]] == [
+        "ckpt/mine"]
+
+
 # -- end to end ------------------------------------------------------------------------------
 
 def _run(args: list[str], out: Path, s3: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
