@@ -28,7 +28,7 @@ from pydantic import (
 
 from antifragile.chaos.faults import FAULT_CONFIGS, FaultConfig
 from antifragile.chaos.faults.base import Seconds, memory_mib
-from antifragile.trainer.progress import STALL_ESCALATION
+from antifragile.trainer.progress import HANG_FLOOR_S, MIN_LEASE_S, STALL_ESCALATION
 
 #: emulated hosts a run can have: ``chaos.infra.netns.MAX_HOSTS``
 MAX_NODES = 90
@@ -91,8 +91,9 @@ class TrainerSpec(_Strict):
     #: with a warm spare (falling back to a restart when no spare is left)
     recovery: Literal["restart", "in_process"] = "restart"
     #: in_process: a worker slot whose supervisor renews no lease for this long is lost,
-    #: with its host (default: 5 s, or 1.5 x hang_timeout_s where that is shorter)
-    lease_s: Annotated[Seconds, Field(gt=0)] | None = None
+    #: with its host (default: 5 s, or 1.5 x hang_timeout_s where that is shorter; at least
+    #: 1 s, as the trainer checks)
+    lease_s: Annotated[Seconds, Field(ge=MIN_LEASE_S)] | None = None
     #: warm spare workers for in_process recovery (default one per node there, 0 otherwise)
     spares: Annotated[StrictInt, Field(ge=0)] | None = None
 
@@ -142,6 +143,13 @@ class TrainerSpec(_Strict):
                              f"{STALL_ESCALATION * self.hang_timeout_s:g} s: "
                              "survivors waiting for a lost host would be killed by their own "
                              "watchdogs before it is declared lost")
+        if self.lease_s is not None and self.hang_timeout_s is None \
+                and self.lease_s >= STALL_ESCALATION * HANG_FLOOR_S:
+            raise ValueError(f"lease_s: {self.lease_s:g} s is not below the watchdog's stall "
+                             "escalation under the adaptive hang timeout, "
+                             f"{STALL_ESCALATION:g} x its floor of {HANG_FLOOR_S:g} s = "
+                             f"{STALL_ESCALATION * HANG_FLOOR_S:g} s: set hang_timeout_s, or a "
+                             "shorter lease_s")
         total = self.parallel.world_size + self.spare_workers
         if self.nodes > 1 and total % self.nodes:
             key = "spares" if self.spare_workers else "nodes"  # what the user may change

@@ -183,6 +183,12 @@ def test_host_down_is_validated_against_the_job(trainer: dict, node: int, messag
     ({"recovery": "in_process", "hang_timeout_s": 2, "lease_s": 6},
      r"trainer: lease_s: 6 s is not below the watchdog's stall escalation, 3 x hang_timeout_s "
      "= 6 s"),
+    # validated, then refused by the trainer at launch (its own check, trainer.config)
+    ({"recovery": "in_process", "lease_s": 30},
+     r"trainer: lease_s: 30 s is not below the watchdog's stall escalation under the adaptive "
+     r"hang timeout, 3 x its floor of 10 s = 30 s"),
+    ({"recovery": "in_process", "lease_s": 0.5}, "trainer.lease_s: Input should be greater than "
+                                                 "or equal to 1"),
 ])
 def test_a_lease_that_cannot_work_is_refused(trainer: dict, message: str) -> None:
     doc = {"name": "x", "trainer": {"parallel": {"dp": 2}, **trainer}}

@@ -149,8 +149,24 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     (["--ckpt-timeout-s", "0"], "ckpt_timeout_s must be a finite number > 0"),
     (["--final-save-patience-s", "nan"], "final_save_patience_s must be >= 0, got nan"),
     (["--hang-timeout-s", "nan"], "hang_timeout_s must be > 0, got nan"),
-    (["--lease-s", "nan"], "lease_s must be > 0, got nan"),
+    (["--lease-s", "nan"], "lease_s must be a finite number >= 1 s"),
     (["--lease-s", "5"], "lease_s: leases are held only under recovery in_process"),
+    # accepted under the adaptive hang timeout: an infinite lease never judged a host lost, a
+    # tiny one was renewed every lease_s / 4 (a busy loop on the store) and took a renewal late
+    # by a store round trip for a lost host, and one of 30 s or more outlasted the survivors'
+    # stall escalation (3 x the adaptive timeout, whose floor is 10 s): their own watchdogs
+    # killed them before the lost host was declared
+    (["--recovery", "in_process", "--lease-s", "inf"],
+     "lease_s must be a finite number >= 1 s (four renewals at the heartbeat's 0.25 s), got inf"),
+    (["--recovery", "in_process", "--lease-s", "0"], "lease_s must be a finite number >= 1 s"),
+    (["--recovery", "in_process", "--lease-s", "-3"], "lease_s must be a finite number >= 1 s"),
+    (["--recovery", "in_process", "--lease-s", "0.01"], "lease_s must be a finite number >= 1 s"),
+    (["--recovery", "in_process", "--lease-s", "30"],
+     "lease_s 30 must be below 3 x the adaptive hang timeout's floor of 10 s (30 s, the "
+     "watchdog's stall escalation at its shortest): pass --hang-timeout-s or a shorter "
+     "--lease-s"),
+    (["--recovery", "in_process", "--hang-timeout-s", "2", "--lease-s", "6"],
+     "lease_s 6 must be below 3 x hang_timeout_s (6 s, the watchdog's stall escalation)"),
     # a tp rank left no row of the vocabulary: every rank died in the embedding's forward
     # (index_select(): self indexing axis dim should be positive), exit 1
     (["--tp", "4", "--vocab", "9"], "vocab 9 leaves tp rank 3 of 4 no rows"),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from antifragile.trainer.ckpt_backends import ENGINES
 from antifragile.trainer.model import ModelConfig
 from antifragile.trainer.parallel.dims import ParallelDims
-from antifragile.trainer.progress import STALL_ESCALATION
+from antifragile.trainer.progress import HANG_FLOOR_S, MIN_LEASE_S, STALL_ESCALATION
 
 FINAL_SAVE_PATIENCE_S = 120.0  # how long the last step's checkpoint is retried while it fails
 
@@ -94,8 +94,9 @@ class TrainConfig:
                              f"{self.final_save_patience_s}")
         if self.hang_timeout_s is not None and not self.hang_timeout_s > 0:  # NaN: never a hang
             raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
-        if self.lease_s is not None and not self.lease_s > 0:
-            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if self.lease_s is not None and not MIN_LEASE_S <= self.lease_s < math.inf:  # NaN too
+            raise ValueError(f"lease_s must be a finite number >= {MIN_LEASE_S:g} s (four "
+                             f"renewals at the heartbeat's 0.25 s), got {self.lease_s}")
         if self.lease_s is not None and self.recovery != "in_process":
             raise ValueError("lease_s: leases are held only under recovery in_process (in "
                              "restart mode torchrun's agents watch the workers)")
@@ -104,6 +105,15 @@ class TrainConfig:
             raise ValueError(f"lease_s {self.lease_s:g} must be below {STALL_ESCALATION:g} x "
                              f"hang_timeout_s ({STALL_ESCALATION * self.hang_timeout_s:g} s, the "
                              "watchdog's stall escalation)")
+        if self.lease_s is not None and self.hang_timeout_s is None \
+                and self.lease_s >= STALL_ESCALATION * HANG_FLOOR_S:
+            # the adaptive timeout may stay at its floor (steps of a second or less): a lease
+            # as long as that escalation lets the survivors' watchdogs kill them first
+            raise ValueError(f"lease_s {self.lease_s:g} must be below {STALL_ESCALATION:g} x "
+                             f"the adaptive hang timeout's floor of {HANG_FLOOR_S:g} s "
+                             f"({STALL_ESCALATION * HANG_FLOOR_S:g} s, the watchdog's stall "
+                             "escalation at its shortest): pass --hang-timeout-s or a shorter "
+                             "--lease-s")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -144,7 +154,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--lease-s", type=float, default=None,
                    help="in_process: a worker slot whose supervisor renews no lease for this "
                    "long is lost, with its host (default: 5 s, or 1.5 x --hang-timeout-s "
-                   "where that is shorter)")
+                   "where that is shorter; at least 1 s, and below 3 x --hang-timeout-s, or "
+                   "30 s under the adaptive hang timeout)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = p.parse_args(argv)

@@ -19,6 +19,10 @@ from collections import deque
 # here, torch-free, for chaos's validation and measurements too:
 HANG_FLOOR_S = 10.0  # the adaptive hang timeout never goes below this
 STALL_ESCALATION = 3.0  # a counter still while training: a hang after this x the timeout
+# the shortest lease (``trainer.lease``): four renewals at the heartbeat's pace (0.25 s). A
+# shorter one is renewed faster (every lease / 4), and a renewal late by a store round trip or
+# a busy host's scheduling takes a healthy slot for lost
+MIN_LEASE_S = 1.0
 
 _LAYOUT = struct.Struct("<QQqqqd")  # counter, phase, generation, rank, step, bumped_at
 
