@@ -402,6 +402,49 @@ def test_several_ranks_without_torchrun_are_refused_naming_torchrun(tmp_path: Pa
     assert "without torchrun" in proc.stderr and "--nproc-per-node 2" in proc.stderr
 
 
+@pytest.mark.parametrize(("recovery", "attempt_store", "agent_store", "message"), [
+    ("restart", "127.0.0.1", "", "ANTIFRAGILE_ATTEMPT_STORE='127.0.0.1': expected <host>:<port>"),
+    ("in_process", "127.0.0.1:port", "", "ANTIFRAGILE_ATTEMPT_STORE='127.0.0.1:port': expected "
+                                         "<host>:<port>"),
+    ("restart", "127.0.0.1:0", "", "ANTIFRAGILE_ATTEMPT_STORE='127.0.0.1:0': expected "
+                                   "<host>:<port>, a port in 1..65535"),
+    ("in_process", "127.0.0.1:29999", "true",
+     "ANTIFRAGILE_ATTEMPT_STORE='127.0.0.1:29999' needs a fresh store per attempt, but "
+     "TORCHELASTIC_USE_AGENT_STORE='true'"),
+])
+def test_a_bad_attempt_store_variable_is_a_usage_error(
+        tmp_path: Path, recovery: str, attempt_store: str, agent_store: str,
+        message: str) -> None:
+    """``ANTIFRAGILE_ATTEMPT_STORE`` without a port, with one that is not a number, or set
+    while torchrun's agent hosts the store: the training process died with a traceback
+    (``ValueError: invalid literal for int()`` when it first connected, or a bare
+    RuntimeError), exit 1, which torchrun restarts into the same death, and in in_process mode
+    the supervisor died the same way. Now one line naming the variable, its value and what is
+    expected, exit 2, before anything is forked."""
+    import subprocess
+
+    from _trainer import SMALL_MODEL, env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_env = {k: v for k, v in env().items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
+    run_env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   ANTIFRAGILE_ATTEMPT_STORE=attempt_store)
+    if agent_store:
+        run_env["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+    proc = subprocess.run(
+        [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", "2",
+         "--recovery", recovery, "--collective-timeout-s", "5",
+         "--ckpt-url", str(tmp_path / "ckpt"), "--run-dir", str(tmp_path)],
+        env=run_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("antifragile.trainer: error: ")
+    assert message in proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_run_whose_every_checkpoint_is_damaged_does_not_start_over(tmp_path: Path) -> None:
     """Every committed step of the run is damaged: the first restart's load quarantined them
     all and died with a traceback, and torchrun's next attempt found nothing committed and

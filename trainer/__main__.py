@@ -35,7 +35,13 @@ def main() -> int:
     if "RANK" not in os.environ:  # not under torchrun: one process, nobody to supervise it
         return train(SharedProgress(), 0)
 
-    from antifragile.trainer.distributed import launch_info, serve_store
+    from antifragile.trainer.distributed import attempt_store, launch_info, serve_store
+
+    try:  # here, once: not in every forked training process, nor in a supervisor's thread
+        attempt_store()
+    except LaunchError as exc:
+        print(f"antifragile.trainer: error: {exc}", file=sys.stderr, flush=True)
+        return USAGE_EXIT_CODE
 
     def store() -> object:
         return launch_info(collective_timeout_s=cfg.collective_timeout_s).job_store()

@@ -31,6 +31,36 @@ from antifragile.trainer.abort import GlooSockets, store_link
 from antifragile.trainer.recovery import Formation, JobStore
 
 
+class LaunchError(ValueError):
+    """The launch does not fit the configuration: a user's mistake, reported without a
+    traceback (``python -m antifragile.trainer`` exits 2)."""
+
+
+ATTEMPT_STORE_ENV = "ANTIFRAGILE_ATTEMPT_STORE"
+
+
+def attempt_store() -> str | None:
+    """``ANTIFRAGILE_ATTEMPT_STORE`` (``<host>:<port>`` of the job-wide generation counter),
+    checked here, where it is read first: it was split only when a training process first
+    connected, so a malformed value, or one set where torchrun's agent hosts the store, died
+    there with a traceback, which torchrun restarts into the same death."""
+    value = os.environ.get(ATTEMPT_STORE_ENV) or None
+    if value is None:
+        return None
+    host, _, port = value.rpartition(":")
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise LaunchError(f"{ATTEMPT_STORE_ENV}={value!r}: expected <host>:<port>, a port in "
+                          "1..65535 (the store of the job-wide generation counter, which the "
+                          "multi-host launcher sets)")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "")
+    if "MASTER_ADDR" in os.environ and agent.lower() == "true":
+        raise LaunchError(f"{ATTEMPT_STORE_ENV}={value!r} needs a fresh store per attempt, but "
+                          f"TORCHELASTIC_USE_AGENT_STORE={agent!r} (torchrun's agent hosts "
+                          "one store for every attempt): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                          f"for torchrun, or unset {ATTEMPT_STORE_ENV}")
+    return value
+
+
 @dataclass(slots=True)
 class Launch:
     """This worker's place in the torchrun job, and the stores it talks through."""
@@ -98,19 +128,17 @@ def serve_store(*, recovery: str, collective_timeout_s: float) -> Any:
 
 
 def launch_info(*, collective_timeout_s: float) -> Launch:
-    """Read torchrun's environment (also works without torchrun: one slot, a HashStore)."""
+    """Read torchrun's environment (also works without torchrun: one slot, a HashStore).
+    :class:`LaunchError` where ``ANTIFRAGILE_ATTEMPT_STORE`` does not fit (``attempt_store``)."""
     slot = int(os.environ.get("RANK", 0))
     slots = int(os.environ.get("WORLD_SIZE", 1))
     timeout = timedelta(seconds=collective_timeout_s)
-    counter_at = os.environ.get("ANTIFRAGILE_ATTEMPT_STORE") or None
+    counter_at = attempt_store()
     base: Any = None
     hosts_store = False
     link: dict[int, int] = {}
     if "MASTER_ADDR" in os.environ:
         agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        if counter_at and agent_hosts_store:
-            raise RuntimeError("ANTIFRAGILE_ATTEMPT_STORE needs a fresh store per attempt: "
-                               "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun")
         hosts_store = slot == 0 and not agent_hosts_store and SERVED_ENV not in os.environ
         base, link = store_link(lambda: dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), slots,

@@ -27,7 +27,14 @@ from antifragile.trainer.checkpoint import ResumeError, TrainCheckpointer
 from antifragile.trainer.ckpt_backends import open_backend
 from antifragile.trainer.config import TrainConfig
 from antifragile.trainer.data import TokenData
-from antifragile.trainer.distributed import DistContext, Launch, join, launch_info, leave
+from antifragile.trainer.distributed import (
+    DistContext,
+    Launch,
+    LaunchError,
+    join,
+    launch_info,
+    leave,
+)
 from antifragile.trainer.events import EventLog
 from antifragile.trainer.model import GPT, init_weights, keep_stage
 from antifragile.trainer.parallel import apply_fsdp, apply_tp, build_schedule
@@ -150,11 +157,6 @@ def _is_collective_error(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-class LaunchError(ValueError):
-    """The launch does not fit the configuration: a user's mistake, reported without a
-    traceback (``python -m antifragile.trainer`` exits 2)."""
 
 
 def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: int = 0) -> int:
