@@ -862,3 +862,51 @@ def test_a_child_that_exits_as_it_is_judged_hung_keeps_its_exit_code() -> None:
     out = subprocess.run([sys.executable, "-c", _EXITED_AS_JUDGED_SCRIPT], capture_output=True,
                          text=True, timeout=60)
     assert f"rc {supervisor.FINAL_SAVE_EXIT_CODE}" in out.stdout, out.stdout + out.stderr
+
+
+_SIGTERM_AFTER_THE_REAP_SCRIPT = """
+import os, signal, sys, time
+import antifragile.trainer.supervisor as supervisor
+
+hung = sys.argv[1] == "hung"
+real_kill, real_waitpid = os.kill, os.waitpid
+reaped = set()
+
+def kill(pid, sig):
+    if pid in reaped:  # said, not sent: the number may be another process's by now
+        print("signalled the reaped pid", pid, flush=True)
+        return None
+    return real_kill(pid, sig)
+
+def waitpid(pid, flags):
+    done, status = real_waitpid(pid, flags)
+    if done:  # torchrun's SIGTERM, handled just after the reap
+        reaped.add(done)
+        print("SIGTERM after the reap", flush=True)
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    return done, status
+
+def train(progress, incarnation):
+    time.sleep(30 if hung else 0.1)
+    return 0
+
+supervisor.os.kill, supervisor.os.waitpid = kill, waitpid
+if hung:
+    supervisor.main_thread_state = lambda pid: "T"
+supervisor.supervise(train, slot=0, recovery="restart", hang_timeout_s=0.05 if hung else None,
+                     run_dir=None, poll_s=0.01)
+print("supervise returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["exited", "hung"])
+def test_a_sigterm_just_after_the_child_is_reaped_signals_nobody(how: str) -> None:
+    """The supervisor forgot its child's pid only after ``_watch`` returned: a SIGTERM handled
+    between the reap (``waitpid``) and that, in the poll or after the SIGKILL of a hung child
+    (while the hang was reported), SIGKILLed a pid no longer its child's, another process's
+    once the number is reused. The handler is run here at exactly that moment."""
+    out = subprocess.run([sys.executable, "-c", _SIGTERM_AFTER_THE_REAP_SCRIPT, how],
+                         capture_output=True, text=True, timeout=60)
+    assert "SIGTERM after the reap" in out.stdout, out.stdout + out.stderr
+    assert "signalled the reaped pid" not in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 128 + 15, out.stdout + out.stderr  # the handler's exit

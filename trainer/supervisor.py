@@ -201,20 +201,37 @@ class _Death:
     pid: int
 
 
-def _watch(pid: int, progress: SharedProgress, watchdog: Watchdog, events: _SupervisorEvents,
-           slot: int, poll_s: float) -> _Death:
-    """Until the child exits (or is killed here, hung)."""
+def _reap(current: dict[str, Any], *, block: bool) -> int | None:
+    """The exit code of the child ``current["pid"]`` once it has exited (None: it runs on,
+    ``block`` False), reaped only after ``current`` forgets its pid. Until it is reaped the
+    pid is the child's (a zombie's), which the SIGTERM handler of :func:`supervise` may signal
+    at any moment; once reaped it may be another process's, and a handler run between
+    ``waitpid`` and the forgetting SIGKILLed that process."""
+    pid = current["pid"]
+    flags = os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG)
+    if os.waitid(os.P_PID, pid, flags) is None:
+        return None
+    current["pid"] = 0
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _watch(current: dict[str, Any], progress: SharedProgress, watchdog: Watchdog,
+           events: _SupervisorEvents, slot: int, poll_s: float) -> _Death:
+    """Until the child ``current["pid"]`` exits (or is killed here, hung); it is reaped, and
+    ``current["pid"]`` 0, on return."""
+    pid = current["pid"]
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        code = _reap(current, block=False)
         counter, phase, generation, rank, step, _ = progress.read()
-        if done:
-            return _Death(os.waitstatus_to_exitcode(status), False, rank, generation, phase, pid)
+        if code is not None:
+            return _Death(code, False, rank, generation, phase, pid)
         state = main_thread_state(pid)
         hung = watchdog.observe(time.monotonic(), counter, phase, stopped=state in ("T", "t"))
         if hung:
             judged_at = time.time()  # the event's time: a big process takes a while to reap
             os.kill(pid, signal.SIGKILL)
-            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            code = _reap(current, block=True)
+            assert code is not None  # waited for
             if code != -signal.SIGKILL:  # it exited on its own as it was judged: no hang
                 counter, phase, generation, rank, step, _ = progress.read()
                 return _Death(code, False, rank, generation, phase, pid)
@@ -264,8 +281,7 @@ def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, re
                                      lease_s if lease_s is not None
                                      else default_lease_s(hang_timeout_s))
         watchdog = Watchdog(hang_timeout_s=hang_timeout_s, max_round_s=LATE_LOOK_S)
-        death = _watch(current["pid"], progress, watchdog, events, slot, poll_s)
-        current["pid"] = 0  # reaped: its number may be another process's by now
+        death = _watch(current, progress, watchdog, events, slot, poll_s)  # reaped, forgotten
         if death.code == 0:
             if heartbeat is not None:
                 heartbeat.retire()
