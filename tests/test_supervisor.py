@@ -625,6 +625,55 @@ def test_a_coordinator_that_dies_before_publishing_is_taken_over_by_its_supervis
     assert time.monotonic() - t0 < 5.0
 
 
+class _Died(Exception):
+    """The coordinator's process died here."""
+
+
+def test_a_coordinator_that_dies_after_taking_a_spare_does_not_lose_it() -> None:
+    """Rank 0 coordinates the loss of rank 2, gives it spare 3.0 (``spare/3.0/assign``) and
+    dies before publishing ``g0/next``. Its supervisor's take-over decided anew from the store,
+    where 3.0 was no longer free (assigned to a generation nobody published: it waited in that
+    generation's rendezvous until its timeout): rank 0 and rank 2 lost, one spare left for
+    them, and the job restarted. The take-over now completes the decision the coordinator
+    recorded before it took any spare; that generation fails at once (rank 0 is dead), and
+    the survivors re-form with the other spare."""
+    store = _store()
+    first = first_formation(JobStore(store, "a0"), 0, range(3))
+    _spares_ready(JobStore(store, "a0"), "3.0", "4.0")
+    js = JobStore(store, "a0")
+    js.set("g0/alive/1.0", 1.0)  # rank 1's part of recover(), before rank 0 coordinates
+    js.add("g0/arrived_alive", 1)
+    declare_dead(js, me="2.0", generation=0, how="signal 9", member=True)
+    dying = JobStore(store, "a0")
+    real_set = dying.set
+
+    def set_until_publishing(key: str, value: object) -> None:
+        if key == "g0/next":
+            raise _Died
+        real_set(key, value)
+
+    dying.set = set_until_publishing  # type: ignore[method-assign]
+    with pytest.raises(_Died):
+        recover(dying, "0.0", first, timeout_s=5.0)
+    assert js.has("spare/3.0/assign") and not js.has("g0/next")  # taken, not published
+    survivor: list[Formation | str] = []
+    thread = threading.Thread(target=lambda: survivor.append(
+        recover(JobStore(store, "a0"), "1.0", first, timeout_s=5.0)))
+    thread.start()
+    assert report_death(JobStore(store, "a0"), me="0.0", successor=None, generation=0,
+                        how="signal 9", member=True, reform_timeout_s=5.0)
+    thread.join(10.0)
+    assert survivor == [Formation(1, ("0.0", "1.0", "3.0"))]
+    assert wait_for_assignment(JobStore(store, "a0"), "3.0") == survivor[0]
+    assert js.has("g1/fail")  # rank 0 died before it joined
+    # the members of generation 1 re-form it with the spare left
+    other = threading.Thread(target=lambda: recover(JobStore(store, "a0"), "3.0", survivor[0],
+                                                    timeout_s=5.0))
+    other.start()
+    assert recover(js, "1.0", survivor[0], timeout_s=5.0) == Formation(2, ("4.0", "1.0", "3.0"))
+    other.join(10.0)
+
+
 class _ReadTogether:
     """A store whose first two reads wait for each other: two coordinators that look the job's
     furthest step up at the same time (the read-then-write window of ``failed_at``)."""

@@ -252,9 +252,20 @@ def _coordinate(js: JobStore, failed: Formation, dead: list[str],
     nxt: dict[str, Any] = {"generation": js.new_generation(), "members": members,
            "replaced": {str(r): w for r, w in zip(lost, free)}}
     js.set(f"g{nxt['generation']}/members", members)
-    for rank, spare in zip(lost, free):
-        js.set(f"spare/{spare}/assign", {**nxt, "rank": rank})
+    # recorded before any spare is taken: should this process die before it publishes, the
+    # spares it told are taken for good (no longer free), so its supervisor's take-over
+    # completes this decision instead of making one without them (``_take_over``)
+    js.set(f"g{g}/decided", nxt)
+    _publish(js, g, nxt)
+
+
+def _publish(js: JobStore, g: int, nxt: dict[str, Any]) -> None:
+    """Tell the spares of the re-formation of generation ``g`` decided in ``nxt`` their
+    places, then everyone the new generation."""
+    for rank, spare in nxt["replaced"].items():
+        js.set(f"spare/{spare}/assign", {**nxt, "rank": int(rank)})
     js.set(f"g{g}/next", nxt)
+    members = nxt["members"]
     # a member that died as this was decided: its supervisor may have looked for the new
     # generation before it was published (see ``report_death``), so say it here
     gone = [m for m in members if js.has(f"dead/{m}")]
@@ -363,8 +374,14 @@ def _take_over(js: JobStore, generation: int, timeout_s: float) -> None:
     """The survivor that claimed the coordination of ``generation``'s re-formation died
     before it published the next generation (it waits there for every member to be
     accounted for, up to the deadline): its supervisor finishes the coordination from the
-    store, instead of the others waiting for it until their own deadline, then restarting."""
+    store, instead of the others waiting for it until their own deadline, then restarting.
+    A decision it had recorded (``g<g>/decided``) is published as it stands."""
     if js.has(f"g{generation}/next") or not js.has(f"g{generation}/members"):
+        return
+    if js.has(f"g{generation}/decided"):
+        # it died publishing: its spares may have read their places and be waiting for the
+        # others in that generation, which then fails at once (the coordinator is a member)
+        _publish(js, generation, js.get(f"g{generation}/decided"))
         return
     failed = Formation(generation, tuple(js.get(f"g{generation}/members")))
     dead = _dead_members(js, failed, time.monotonic() + timeout_s)
