@@ -421,6 +421,46 @@ def test_unreachable_endpoint_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyP
     assert time.monotonic() - began < 30
 
 
+def _no_endpoint(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``crashcheck.run`` with an endpoint that needs no server and a bucket check that passes:
+    what a run then does is up to the test."""
+    import contextlib
+
+    from antifragile.chaos.crashcheck import run
+
+    @contextlib.contextmanager
+    def endpoint(url: str | None, progress: Any) -> Any:
+        yield "http://127.0.0.1:9", {}, True
+
+    monkeypatch.setattr(run, "s3_endpoint", endpoint)
+    monkeypatch.setattr(run, "check_bucket", lambda *a, **k: None)
+    return run
+
+
+def test_a_checker_pool_that_cannot_start_is_one_line_and_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checker that dies on start (a broken install: it imports torch and the engine) made
+    the pool raise CheckerError, which ended the command in a traceback (exit 1, the exit of
+    a failed verdict)."""
+    from antifragile.chaos.crashcheck.check import CheckerError
+
+    run = _no_endpoint(monkeypatch)
+
+    class DeadCheckers:
+        def __init__(self, **kwargs: Any) -> None:
+            raise CheckerError("the checker process exited (1): ImportError: no torch")
+
+    monkeypatch.setattr(run, "CheckerPool", DeadCheckers)
+    out = tmp_path / "r"
+    r = CliRunner().invoke(main, ["crashcheck", "--engine", "dcp", "--out", str(out),
+                                  "--endpoint-url", "http://127.0.0.1:9"])
+    assert isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == ("error: the checker processes could not start: the checker "
+                                "process exited (1): ImportError: no torch"), r.output
+    assert not out.exists()  # nothing was written to it
+
+
 def test_crashcheck_help_does_not_import_torch() -> None:
     code = ("import sys\nfrom click.testing import CliRunner\n"
             "from antifragile.chaos.cli import main\n"

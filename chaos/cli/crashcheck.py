@@ -102,6 +102,7 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
     if retention and cases and "retention" not in cases:
         chosen = (*cases, "retention")
 
+    from antifragile.chaos.crashcheck.check import CheckerError
     from antifragile.chaos.crashcheck.pipeline import Settings
     from antifragile.chaos.crashcheck.report import verdict, write_all
     from antifragile.chaos.crashcheck.run import crashcheck
@@ -117,6 +118,9 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
     except S3SetupError as exc:
         drop_if_empty(folder)
         fail(str(exc))
+    except CheckerError as exc:  # the pool's start; later a dead checker's state is unchecked
+        drop_if_empty(folder)
+        fail(f"the checker processes could not start: {exc}")
     write_all(folder, doc)
     ok, reasons = verdict(doc)
     click.echo(f"crashcheck {engine} ({ranks} rank{'s' if ranks > 1 else ''}): "
