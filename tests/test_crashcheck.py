@@ -461,6 +461,43 @@ def test_a_checker_pool_that_cannot_start_is_one_line_and_exit_2(
     assert not out.exists()  # nothing was written to it
 
 
+class _NoCheckers:
+    def __init__(self, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> _NoCheckers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def test_a_saving_job_that_fails_is_one_line_and_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A saving job that died (here before its first line: an import it lacks) raised
+    RuntimeError("the saving job failed ..."), which ended the command in a traceback (exit 1,
+    the exit of a failed verdict) instead of saying which case failed and why."""
+    from antifragile.chaos.crashcheck import pipeline
+
+    run = _no_endpoint(monkeypatch)
+    monkeypatch.setattr(run, "CheckerPool", _NoCheckers)
+    real_popen = subprocess.Popen
+
+    def dying_worker(args: list[str], **kwargs: Any) -> Any:
+        return real_popen([sys.executable, "-c", "import sys; sys.exit('ImportError: no s3fs')"],
+                          **kwargs)
+
+    monkeypatch.setattr(pipeline.subprocess, "Popen", dying_worker)
+    out = tmp_path / "r"
+    r = CliRunner().invoke(main, ["crashcheck", "--engine", "dcp", "--case", "overwrite",
+                                  "--out", str(out), "--endpoint-url", "http://127.0.0.1:9"])
+    assert isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == ("error: case overwrite: the saving job failed (exit 1): "
+                                "ImportError: no s3fs"), r.output
+    assert not out.exists()  # nothing was written to it
+
+
 def test_crashcheck_help_does_not_import_torch() -> None:
     code = ("import sys\nfrom click.testing import CliRunner\n"
             "from antifragile.chaos.cli import main\n"

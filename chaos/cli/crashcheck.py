@@ -103,7 +103,7 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
         chosen = (*cases, "retention")
 
     from antifragile.chaos.crashcheck.check import CheckerError
-    from antifragile.chaos.crashcheck.pipeline import Settings
+    from antifragile.chaos.crashcheck.pipeline import SaveError, Settings
     from antifragile.chaos.crashcheck.report import verdict, write_all
     from antifragile.chaos.crashcheck.run import crashcheck
     from antifragile.chaos.infra.s3 import S3SetupError
@@ -121,6 +121,9 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
     except CheckerError as exc:  # the pool's start; later a dead checker's state is unchecked
         drop_if_empty(folder)
         fail(f"the checker processes could not start: {exc}")
+    except SaveError as exc:
+        drop_if_empty(folder)
+        fail(str(exc))
     write_all(folder, doc)
     ok, reasons = verdict(doc)
     click.echo(f"crashcheck {engine} ({ranks} rank{'s' if ranks > 1 else ''}): "

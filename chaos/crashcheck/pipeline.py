@@ -169,7 +169,7 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
             saved = _line(procs)
             for proc in procs:
                 if proc.wait(timeout=300) != 0:
-                    raise RuntimeError(_failure(proc))
+                    raise SaveError(_failure(proc))
             recording = proxy.stop()
         finally:
             for proc in procs:
@@ -188,6 +188,10 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
     return recording, base, expected, float(saved["save_s"]), saved.get("error")
 
 
+class SaveError(RuntimeError):
+    """The saving job failed (a rank exited non-zero, or before saying what it saved)."""
+
+
 def _line(procs: list[subprocess.Popen[str]]) -> dict[str, Any]:
     assert procs[0].stdout is not None
     line = procs[0].stdout.readline()
@@ -195,7 +199,7 @@ def _line(procs: list[subprocess.Popen[str]]) -> dict[str, Any]:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-        raise RuntimeError(_failure(procs[0]))
+        raise SaveError(_failure(procs[0]))
     doc: dict[str, Any] = json.loads(line)
     return doc
 

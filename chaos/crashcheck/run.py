@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from antifragile.chaos.crashcheck.check import CheckerPool
-from antifragile.chaos.crashcheck.pipeline import Settings, _s3_client, run_case, summarize
+from antifragile.chaos.crashcheck.pipeline import (
+    SaveError,
+    Settings,
+    _s3_client,
+    run_case,
+    summarize,
+)
 from antifragile.chaos.infra.s3 import S3SetupError, check_bucket, endpoint
 
 
@@ -39,8 +45,9 @@ def crashcheck(settings: Settings, *, endpoint_url: str | None = None,
                progress: Callable[[str], None] = print,
                on_case: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Record, enumerate and check every case of ``settings``; the report document. Raises
-    S3SetupError (a one-line reason) when the endpoint cannot be used. ``on_case`` gets the
-    document after each case (a long run that is stopped keeps its finished cases)."""
+    S3SetupError (a one-line reason) when the endpoint cannot be used, CheckerError when the
+    checkers cannot start, SaveError (naming the case) when a saving job fails. ``on_case``
+    gets the document after each case (a long run that is stopped keeps its finished cases)."""
     began = time.monotonic()
     with s3_endpoint(endpoint_url, progress) as (endpoint, env, local):
         if not endpoint.startswith("http://"):
@@ -64,9 +71,12 @@ def crashcheck(settings: Settings, *, endpoint_url: str | None = None,
                                   "AWS_ENDPOINT_URL_S3": endpoint},
                              workers=settings.checkers) as pool:
                 for name in settings.cases:
-                    result = run_case(settings, name, endpoint_url=endpoint, env=env,
-                                      bucket=bucket, bodies=bodies, pool=pool,
-                                      progress=progress)
+                    try:
+                        result = run_case(settings, name, endpoint_url=endpoint, env=env,
+                                          bucket=bucket, bodies=bodies, pool=pool,
+                                          progress=progress)
+                    except SaveError as exc:
+                        raise SaveError(f"case {name}: {exc}") from exc
                     cases.append(summarize(settings, result))
                     doc["wall_s"] = round(time.monotonic() - began, 1)
                     if on_case is not None:
