@@ -155,6 +155,21 @@ def test_verdict_fails_on_the_documented_rule_only() -> None:
 
 
 
+def test_a_report_of_a_run_that_stopped_before_a_case_does_not_pass() -> None:
+    """The report is written after each case, so a run stopped by Ctrl-C or a failed saving
+    job leaves one holding only the cases before it; its verdict was OK when those were (no
+    case at all: OK too), although the cases asked for were never checked."""
+    counts = {"old": 1, "new": 1, "refused": 0, "torn": 0, "lost": 0}
+    save = {"engine": "x", "ranks": 1, "case": "save", "rules": {
+        "marker": {"documented": True, "counts": counts, "witnesses": {}, "final": "new"}}}
+    asked = {"cases": ["save", "overwrite"]}
+    assert verdict({"settings": asked, "engine": "x", "cases": [save]}) == (
+        False, ["x: case overwrite was not checked (the run stopped before it)"])
+    assert not verdict({"settings": {"cases": ["save"]}, "engine": "x", "cases": []})[0]
+    assert verdict({"settings": {"cases": ["save"]}, "engine": "x", "cases": [save]}) == (
+        True, [])
+
+
 # a checker that answers every state, but dies on state 1 (once: a process that ran out of
 # memory on it) and hangs on state 2; it speaks the protocol of ``worker.py check``
 _FAKE_CHECKER = """

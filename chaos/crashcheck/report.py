@@ -54,8 +54,16 @@ def verdict(doc: dict[str, Any]) -> tuple[bool, list[str]]:
     step k+1 from the state the save left when nothing crashed (else every crash state of a
     save that never landed loads step k and passes); only ``MAY_REFUSE`` cases may instead
     report the save refused. A state left unchecked (its checker died or hung) is not ok
-    either: nothing is known of it."""
+    either: nothing is known of it. Nor is a case asked for but missing (the report of a run
+    that stopped before it)."""
     reasons = []
+    checked = {c["case"] for c in doc["cases"]}
+    for name in doc.get("settings", {}).get("cases", []):
+        if name not in checked:
+            reasons.append(f"{doc['engine']}: case {name} was not checked (the run stopped "
+                           "before it)")
+    if not doc["cases"] and not reasons:
+        reasons.append("no case was checked")
     for c in doc["cases"]:
         for rule, r in c["rules"].items():
             if not r["documented"]:
