@@ -496,6 +496,45 @@ def test_invalid_files_and_a_crashing_runner_are_failed_entries(
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(("stop", "code"), [(KeyboardInterrupt, 130), (SystemExit(143), 143)],
+                         ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_suite_writes_a_summary_of_what_ran_that_is_not_ok(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: BaseException, code: int) -> None:
+    """Ctrl-C (or a CI timeout's SIGTERM) in the middle of a suite wrote no summary: the
+    figures of the scenarios that had run were lost, and a summary.json that an earlier suite
+    left in the same --out (run folders are replaced, so --out is reused) stayed, saying ok
+    for a suite that did not end."""
+    from antifragile.chaos.run import pipeline
+
+    def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
+        if s.name == "b":
+            raise stop
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "report.json").write_text(json.dumps(_report([1.0])))
+        return type("Outcome", (), {"report": _report([1.0])})()
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    for name in ("a", "b", "c"):
+        _write(scenarios, name, [])
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = suite.build([_entry(n, [1.0]) for n in ("a", "b", "c")], suite="s", wall_s=1.0)
+    suite.write_json(out, earlier)
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out)])
+    assert result.exit_code == code, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is False and summary["counts"] == {"pass": 1, "fail": 2, "skipped": 0}
+    a, b, c = summary["scenarios"]
+    assert (a["name"], a["verdict"], a["recovery_max_s"]) == ("a", "pass", 1.0)
+    assert b["verdict"] == "fail" and b["reasons"] == ["interrupted: the suite was stopped "
+                                                       "while it ran"]
+    assert c["verdict"] == "fail" and c["reasons"] == ["not run: the suite was stopped before it"]
+    assert (out / "summary.html").is_file()
+    assert "1 passed, 2 failed" in result.output
+
+
 # --- shipped files -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", sorted((ROOT / "scenarios").rglob("*.yaml")),

@@ -4,7 +4,8 @@ Exit codes as for ``chaos run``: 0 every scenario passed and nothing regressed a
 baseline, 1 a scenario failed or a figure regressed, 3 nothing failed but a scenario was skipped
 (a fault could not be made here; also when every scenario was), 2 bad input (no folder, no
 scenarios, duplicate names, an unreadable baseline, ``--no-reference`` with a scenario that
-expects bitwise equality), reported before anything runs.
+expects bitwise equality), reported before anything runs; 130 Ctrl-C, 143 SIGTERM, once the
+summary is written (the scenario stopped and those never run are failed entries).
 """
 
 from __future__ import annotations
@@ -61,9 +62,13 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
                 fail(needs_reference(str(p.file)))
     out_folder(out)
     started = time.monotonic()
-    with Progress() as progress:
-        entries = suite_lib.run_suite(planned, out_dir, reference=not no_reference,
-                                      progress=progress, status=progress.status)
+    stopped: BaseException | None = None  # Ctrl-C, SIGTERM: raised once the summary is written
+    try:
+        with Progress() as progress:
+            entries = suite_lib.run_suite(planned, out_dir, reference=not no_reference,
+                                          progress=progress, status=progress.status)
+    except suite_lib.SuiteInterrupted as exc:
+        entries, stopped = exc.entries, exc.__cause__
     tol = suite_lib.Tolerances(recovery_floor_s=recovery_floor_s, stall_floor_s=stall_floor_s)
     compared = suite_lib.compare(entries, previous, file=str(baseline), tol=tol) \
         if previous is not None else None
@@ -73,4 +78,6 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
     suite_lib.write_html(out_dir, summary)
     click.echo(suite_lib.format_table(summary))
     click.echo(f"summary: {out_dir / 'summary.json'}  {out_dir / 'summary.html'}")
+    if stopped is not None:
+        raise stopped
     raise SystemExit(suite_lib.exit_code(summary))

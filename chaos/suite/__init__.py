@@ -4,7 +4,7 @@
 ``summary.html`` and the table, and compares with a previous summary.
 """
 
-from antifragile.chaos.suite.runner import Planned, discover, plan, run_suite
+from antifragile.chaos.suite.runner import Planned, SuiteInterrupted, discover, plan, run_suite
 from antifragile.chaos.suite.summary import (
     FORMAT,
     SuiteError,
@@ -21,7 +21,7 @@ from antifragile.chaos.suite.summary import (
 )
 
 __all__ = [
-    "FORMAT", "Planned", "SuiteError", "Tolerances", "build", "compare", "discover", "exit_code",
-    "failed_entry", "format_table", "load_baseline", "plan", "run_suite", "summarize",
-    "write_html", "write_json",
+    "FORMAT", "Planned", "SuiteError", "SuiteInterrupted", "Tolerances", "build", "compare",
+    "discover", "exit_code", "failed_entry", "format_table", "load_baseline", "plan",
+    "run_suite", "summarize", "write_html", "write_json",
 ]

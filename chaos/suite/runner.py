@@ -91,6 +91,16 @@ def plan(files: list[Path], out: Path) -> list[Planned]:
     return planned
 
 
+class SuiteInterrupted(Exception):
+    """Ctrl-C or SIGTERM (the ``__cause__``, to be raised again once the summary is written)
+    stopped the suite: ``entries`` has one for every planned scenario, the one it stopped and
+    those it never ran failed."""
+
+    def __init__(self, entries: list[dict[str, Any]]) -> None:
+        super().__init__("the suite was stopped")
+        self.entries = entries
+
+
 def _fresh(folder: Path) -> None:
     """Clear a previous run's folder: old checkpoints would be resumed from."""
     if folder.exists():
@@ -100,7 +110,8 @@ def _fresh(folder: Path) -> None:
 def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
               progress: Callable[[str], None] = print,
               status: Callable[[RunStatus], None] | None = None) -> list[dict[str, Any]]:
-    """Run every planned scenario into ``out/<name>/``, in order; one entry each."""
+    """Run every planned scenario into ``out/<name>/``, in order; one entry each. Raises
+    SuiteInterrupted, with every entry, when Ctrl-C or SIGTERM stops it."""
     from antifragile.chaos.run.pipeline import run  # torch: only once a suite runs
 
     out.mkdir(parents=True, exist_ok=True)
@@ -125,6 +136,14 @@ def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
                                  f"the runner crashed: {type(exc).__name__}: {exc}",
                                  error=f"{p.name}/error.txt")
             entry["wall_s"] = time.monotonic() - started
+        except (KeyboardInterrupt, SystemExit) as stop:  # SystemExit: SIGTERM (stop_once)
+            entry = failed_entry(p.name, str(p.file),
+                                 "interrupted: the suite was stopped while it ran")
+            entry["wall_s"] = time.monotonic() - started
+            entries.append(entry)
+            entries += [failed_entry(q.name, str(q.file), q.error or "not run: the suite was "
+                                     "stopped before it") for q in planned[i:]]
+            raise SuiteInterrupted(entries) from stop
         else:
             entry = summarize(p.name, str(p.file), outcome.report, f"{p.name}/report.json")
         progress(f"{head}: {entry['verdict'].upper()} in {time.monotonic() - started:.0f} s")
