@@ -355,6 +355,23 @@ def test_the_timeline_of_a_command_trainer_has_a_row_for_every_rank() -> None:
     assert low < 3 < high, "rank 3's row (and its kill) is in view"
 
 
+def test_the_checkpoint_plot_shows_no_stall_for_a_save_that_was_never_staged() -> None:
+    """A save refused before staging (the previous one still persisting) has no stall: the
+    report's tables show "-", but checkpoints.png labelled its bar "0 ms", a stall measured
+    as nothing."""
+    from matplotlib.figure import Figure
+
+    cks = [{"attempt": 0, "step": 5, "stall_s": 0.004, "persist_s": 0.3, "bytes": 10,
+            "committed": True},
+           {"attempt": 0, "step": 10, "stall_s": None, "persist_s": None, "bytes": None,
+            "committed": False, "error": "step 10 skipped: the save of step 5 is still "
+                                         "persisting"}]
+    fig = Figure()
+    plots._draw_checkpoints(fig, {"scenario": {"name": "busy"}, "checkpoints": cks})
+    stall_ax = fig.axes[0]
+    assert [t.get_text() for t in stall_ax.texts] == ["4 ms", "-"]
+
+
 def test_a_host_down_is_drawn_on_every_rank_it_took() -> None:
     """``host_down`` kills every rank of its host; the timeline's injection carried only the
     first (the injection's ``rank``), so the plot drew the host's other ranks training on, as

@@ -301,7 +301,8 @@ def _draw_checkpoints(fig: Any, doc: dict[str, Any]) -> None:
     persist_ax.bar(xs, persist, color=["#2ca02c" if c.get("committed") else FAULT_COLOR
                                        for c in cks])
     for x, c in enumerate(cks):
-        stall_ax.annotate(f"{stall[x] * 1e3:.0f} ms", (x, stall[x]), xytext=(0, 2),
+        stall_ax.annotate("-" if c.get("stall_s") is None else f"{stall[x] * 1e3:.0f} ms",
+                          (x, stall[x]), xytext=(0, 2),
                           textcoords="offset points", ha="center", fontsize=7)
         text = (("restored later" if c.get("persist_s") is None else f"{persist[x]:.2f} s")
                 if c.get("committed") else "failed")
