@@ -297,6 +297,15 @@ def test_a_local_url_that_is_missing_or_a_file_is_bad_input(tmp_path: Path) -> N
     assert empty.exit_code == 0 and "no committed checkpoint" in empty.output
 
 
+def test_an_empty_url_is_bad_input_that_says_so() -> None:
+    """``chaos ckpt ls "$CKPT"`` with the variable unset: the error was ": no such folder",
+    naming nothing."""
+    for command in (["ls"], ["verify"], ["inspect", "--step", "1"]):
+        result = CliRunner().invoke(main, ["ckpt", command[0], "", *command[1:]])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip() == "error: URL: empty (give a checkpoint folder or URL)"
+
+
 @pytest.mark.parametrize("flags", [["--endpoint-url", "http://127.0.0.1:9000"],
                                    ["--storage-option", "anon=true"]])
 def test_storage_flags_on_a_local_url_are_bad_input(tmp_path: Path, flags: list[str]) -> None:

@@ -23,6 +23,8 @@ def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
     and takes no endpoint or storage option."""
     from antifragile.engine.storage import local_root
 
+    if not url:  # "$CKPT" unset: ": no such folder" named nothing
+        _fail("URL: empty (give a checkpoint folder or URL)")
     root = local_root(url)
     if root is not None and not os.path.exists(root):
         _fail(f"{url}: no such folder")
