@@ -299,6 +299,23 @@ def test_skipped_scenarios_are_counted_apart_and_never_ok(tmp_path: Path) -> Non
     assert compared["not_compared"] == [{"scenario": "netns", "reason": "skipped in this run"}]
 
 
+def test_the_summary_page_links_no_report_an_earlier_suite_left(tmp_path: Path) -> None:
+    """``--out`` is reused (run folders are replaced when their scenario runs). A scenario
+    whose file is now invalid, or that an interrupted suite never ran, has no report of this
+    suite, yet summary.html linked the report.html an earlier suite left in its folder: a
+    passing report beside a failed entry."""
+    for name in ("broken", "never-ran", "ran"):
+        (tmp_path / name).mkdir()
+        for f in ("report.html", "report.md"):
+            (tmp_path / name / f).write_text("an earlier suite's")
+    entries = [suite.failed_entry("broken", "broken.yaml", "broken.yaml: faults.0: unknown"),
+               suite.failed_entry("never-ran", "never-ran.yaml", "not run"),
+               _entry("ran", [1.0])]
+    page = suite.write_html(tmp_path, suite.build(entries, suite="d", wall_s=1.0)).read_text()
+    assert "broken/report" not in page and "never-ran/report" not in page
+    assert "href='ran/report.html'" in page and "href='ran/report.md'" in page
+
+
 # --- discovery and planning ----------------------------------------------------------------------
 
 def test_discover_and_plan_reject_bad_suites(tmp_path: Path) -> None:

@@ -346,8 +346,11 @@ def write_html(out: Path, summary: dict[str, Any]) -> Path:
              + "".join(f"<th>{esc(h)}</th>" for h in _COLUMNS) + "<th>report</th></tr>"]
     for e in summary["scenarios"]:
         cells = _row(e, regressed.get(e["name"], []))
-        links = [f"<a href='{quote(e['name'])}/{f}'>{f}</a>"
-                 for f in ("report.html", "report.md", "error.txt")
+        # only this suite's files: an invalid or never-run scenario's folder may hold an
+        # earlier suite's report
+        mine = [*(("report.html", "report.md") if e.get("report") else ()),
+                *(("error.txt",) if e.get("error") else ())]
+        links = [f"<a href='{quote(e['name'])}/{f}'>{f}</a>" for f in mine
                  if (out / e["name"] / f).is_file()]
         cls = ["name", "verdict", "mode", *["num"] * 9, "regression"]
         row = e["verdict"] if e["verdict"] in ("pass", "skipped") else "fail"
