@@ -513,6 +513,38 @@ def test_a_saving_job_that_fails_is_one_line_and_exit_2(
     assert not out.exists()  # nothing was written to it
 
 
+def test_a_saving_rank_that_never_exits_is_one_line_and_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 said what it saved, but a rank then never exited (hung in its shutdown): the
+    wait for it raised subprocess.TimeoutExpired, a traceback."""
+    from antifragile.chaos.crashcheck import pipeline
+
+    run = _no_endpoint(monkeypatch)
+    monkeypatch.setattr(run, "CheckerPool", _NoCheckers)
+    monkeypatch.setattr(pipeline, "_list", lambda client, bucket, prefix: [])
+    monkeypatch.setattr(pipeline, "SAVE_EXIT_TIMEOUT_S", 0.5)
+    worker = ("import json, sys, time\n"
+              "print(json.dumps({'base': {'1/0': 'o'}}), flush=True)\n"
+              "sys.stdin.readline()\n"
+              "print(json.dumps({'saved': 'n', 'save_s': 0.1}), flush=True)\n"
+              "time.sleep(60)\n")
+    real_popen = subprocess.Popen
+
+    def hanging_worker(args: list[str], **kwargs: Any) -> Any:
+        return real_popen([sys.executable, "-c", worker], **kwargs)
+
+    monkeypatch.setattr(pipeline.subprocess, "Popen", hanging_worker)
+    began = time.monotonic()
+    r = CliRunner().invoke(main, ["crashcheck", "--engine", "dcp", "--case", "save",
+                                  "--out", str(tmp_path / "r"),
+                                  "--endpoint-url", "http://127.0.0.1:9"])
+    assert isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == ("error: case save: the saving job failed: rank 0 did not "
+                                "exit 0.5 s after the save (killed)"), r.output
+    assert time.monotonic() - began < 30
+
+
 def test_crashcheck_help_does_not_import_torch() -> None:
     code = ("import sys\nfrom click.testing import CliRunner\n"
             "from antifragile.chaos.cli import main\n"

@@ -134,6 +134,10 @@ def _keep_body(bodies: Path, data: bytes) -> str:
     return digest
 
 
+#: how long the saving job's ranks may take to exit once the save is done
+SAVE_EXIT_TIMEOUT_S = 300.0
+
+
 def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: dict[str, str],
                 bucket: str, bodies: Path, root: str
                 ) -> tuple[Recording, dict[str, str], Expected, float, str | None]:
@@ -167,8 +171,14 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
             procs[0].stdin.write("go\n")
             procs[0].stdin.flush()
             saved = _line(procs)
-            for proc in procs:
-                if proc.wait(timeout=300) != 0:
+            for rank, proc in enumerate(procs):
+                try:
+                    code = proc.wait(timeout=SAVE_EXIT_TIMEOUT_S)
+                except subprocess.TimeoutExpired:  # killed below
+                    raise SaveError(f"the saving job failed: rank {rank} did not exit "
+                                    f"{SAVE_EXIT_TIMEOUT_S:g} s after the save (killed)"
+                                    ) from None
+                if code != 0:
                     raise SaveError(_failure(proc))
             recording = proxy.stop()
         finally:
