@@ -552,6 +552,35 @@ def test_an_interrupted_suite_writes_a_summary_of_what_ran_that_is_not_ok(
     assert "1 passed, 2 failed" in result.output
 
 
+def test_a_runner_crash_whose_traceback_cannot_be_written_is_still_one_failed_entry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner that failed on the file system (a full disk) often cannot have its traceback
+    written either: writing error.txt raised out of run_suite, so one scenario's failure
+    stopped the suite, the scenarios after it never ran and no summary was written."""
+    from antifragile.chaos.run import pipeline
+
+    def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
+        if s.name == "a":
+            (folder / "error.txt").mkdir(parents=True)  # error.txt cannot be written
+            raise OSError(28, "No space left on device")
+        folder.mkdir(parents=True, exist_ok=True)
+        return type("Outcome", (), {"report": _report([1.0])})()
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    for name in ("a", "b"):
+        _write(scenarios, name, [])
+    out = tmp_path / "out"
+    entries = suite.run_suite(suite.plan(suite.discover(scenarios), out), out,
+                              progress=lambda _: None)
+    assert [(e["name"], e["verdict"]) for e in entries] == [("a", "fail"), ("b", "pass")]
+    assert entries[0]["error"] is None
+    assert entries[0]["reasons"][0].startswith(
+        "the runner crashed: OSError: [Errno 28] No space left on device (its traceback could "
+        "not be written: ")
+
+
 # --- shipped files -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", sorted((ROOT / "scenarios").rglob("*.yaml")),

@@ -130,11 +130,15 @@ def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
             outcome = run(p.scenario, folder, reference=reference, progress=progress,
                           status=status)
         except Exception as exc:  # a crashed runner fails this scenario, not the suite
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "error.txt").write_text(traceback.format_exc())
-            entry = failed_entry(p.name, str(p.file),
-                                 f"the runner crashed: {type(exc).__name__}: {exc}",
-                                 error=f"{p.name}/error.txt")
+            reason = f"the runner crashed: {type(exc).__name__}: {exc}"
+            error: str | None = f"{p.name}/error.txt"
+            try:  # a runner that failed on the file system (a full disk) may leave no room
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / "error.txt").write_text(traceback.format_exc())
+            except OSError as unwritten:
+                reason += f" (its traceback could not be written: {unwritten})"
+                error = None
+            entry = failed_entry(p.name, str(p.file), reason, error=error)
             entry["wall_s"] = time.monotonic() - started
         except (KeyboardInterrupt, SystemExit) as stop:  # SystemExit: SIGTERM (stop_once)
             entry = failed_entry(p.name, str(p.file),
