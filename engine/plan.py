@@ -230,6 +230,30 @@ def check_tensor(tensor: torch.Tensor, *, path: str, target: bool = False) -> No
             f"state path {path!r}: dim {shared[0]} has stride 0 (a broadcast view such as "
             "expand(): its elements share memory), so it cannot be loaded into; load into a "
             "tensor that owns its elements (clone() it)")
+    if target and _overlaps_itself(local):
+        raise CheckpointMismatchError(
+            f"state path {path!r}: strides {list(local.stride())} for shape "
+            f"{list(local.shape)} make its elements share memory (as_strided()), so it cannot "
+            "be loaded into; load into a tensor that owns its elements (clone() it)")
+
+
+def _overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` lie at one memory address. Every view that slicing,
+    permuting or stepping makes of dense memory passes the quick test (each stride, in
+    ascending order, steps past all the elements the smaller ones reach); only a layout that
+    fails it (``as_strided``) has its element offsets computed and counted."""
+    dims = sorted((stride, n) for n, stride in zip(tensor.shape, tensor.stride()) if n > 1)
+    reach = 0
+    for stride, n in dims:
+        if stride <= reach:
+            break
+        reach += stride * (n - 1)
+    else:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for stride, n in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride)
+    return bool(torch.unique(offsets).numel() != offsets.numel())
 
 
 def inventory(tensors: dict[str, torch.Tensor], values: Iterable[str]) -> dict[str, object]:

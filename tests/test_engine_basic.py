@@ -1364,6 +1364,23 @@ def test_a_load_target_that_cannot_be_filled_is_refused_without_trying_any_step(
     assert ckpt.load(target) == 2 and torch.equal(target["bias"], torch.ones(2, 3))
 
 
+def test_a_load_target_whose_elements_overlap_in_memory_is_refused(
+    ckpt: CheckpointEngine,
+) -> None:
+    """Strides that are not 0 can make elements share memory too (``as_strided``): such a
+    target loaded "successfully" and then held other values than the step (each shared
+    element kept whichever value was copied last). Refused like a broadcast view; a layout
+    whose strides interleave without sharing memory still loads."""
+    saved = torch.arange(9.0).reshape(3, 3)
+    ckpt.save(1, {"w": saved}, blocking=True)
+    for strides in [(1, 1), (2, 1), (1, 2)]:
+        target = torch.zeros(16).as_strided((3, 3), strides)
+        with pytest.raises(CheckpointMismatchError, match=r"'w'.*share memory"):
+            ckpt.load({"w": target})
+    interleaved = torch.zeros(16).as_strided((3, 3), (3, 4))  # offsets all distinct
+    assert ckpt.load({"w": interleaved}) == 1 and torch.equal(interleaved, saved)
+
+
 def test_load_of_a_subset_of_the_checkpoint(ckpt: CheckpointEngine) -> None:
     state = {"model": {"w": torch.randn(3), "b": torch.randn(2)}, "step": 4}
     ckpt.save(4, state, blocking=True)
