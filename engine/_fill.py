@@ -122,9 +122,12 @@ def _from_memory(memory: MemoryCopy | None, reader: StepReader,
 
 def read_whole(storage: Storage, step: int, pool: Executor) -> dict[str, Any]:
     """Every tensor of ``step`` as a whole plain CPU tensor, and every JSON value, keyed by
-    state path. What was saved per rank (it differed between ranks) is keyed by
-    ``rank_array``, one entry per rank that saved a copy, for values as for tensors: the
-    lowest rank's copy alone would hide the others from a comparison of two checkpoints."""
+    state path, and the type record (``TYPES_PATH``, which no state path can be): what a
+    load makes of the JSON values, containers and bytes (tuples, int keys, bytes or
+    bytearray), without which two checkpoints that load differently would read the same.
+    What was saved per rank (it differed between ranks) is keyed by ``rank_array``, one entry
+    per rank that saved a copy, for values as for tensors: the lowest rank's copy alone would
+    hide the others from a comparison of two checkpoints."""
     reader = StepReader(storage, step)
     reader.load_arrays(list(reader.tensors.values()), pool)
     out: dict[str, Any] = {}
@@ -133,11 +136,9 @@ def read_whole(storage: Storage, step: int, pool: Executor) -> dict[str, Any]:
         out[path], box = _whole(stored)
         reads += reader.read_box(stored, box, out[path])
     _raise_first([pool.submit(read) for read in reads])
-    values = {p: v for p, v in reader.values.items()
-              if not p.startswith(".") and p not in reader.values_by_rank}
+    values = {p: v for p, v in reader.values.items() if p not in reader.values_by_rank}
     for path, by_rank in reader.values_by_rank.items():
         if not all(is_index(r) for r in by_rank):
             raise CheckpointCorruptError(f"step {step}: malformed per-rank values of {path!r}")
-        if not path.startswith("."):
-            values.update((rank_array(path, int(r)), v) for r, v in by_rank.items())
+        values.update((rank_array(path, int(r)), v) for r, v in by_rank.items())
     return {**values, **out}

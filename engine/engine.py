@@ -570,8 +570,10 @@ class CheckpointEngine:
 
     def read(self, step: int) -> dict[str, Any]:
         """Every tensor of ``step`` as a whole plain CPU tensor, and every JSON value, keyed by
-        state path (``model/layers.0.attn.wq.weight``). For inspection and comparison in one
-        process: not collective, and it holds the whole checkpoint in memory."""
+        state path (``model/layers.0.attn.wq.weight``), and the step's type record under
+        ``.types`` (tuples, int keys, bytes: what JSON and uint8 arrays do not say). For
+        inspection and comparison in one process: not collective, and it holds the whole
+        checkpoint in memory."""
         self._check_open()
         return read_whole(self.storage, step, self._pool)
 

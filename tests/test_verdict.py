@@ -103,6 +103,23 @@ def test_equal_checkpoints_compare_equal(tmp_path: Path) -> None:
     assert comparison.compared_bytes == (15 + 3) * 4
 
 
+@pytest.mark.parametrize(("x", "y"), [
+    ((1, 2), [1, 2]),
+    ({1: "a"}, {"1": "a"}),
+    (b"ab", bytearray(b"ab")),
+    ((torch.ones(2), torch.zeros(2)), [torch.ones(2), torch.zeros(2)]),
+], ids=["tuple-list", "int-str-key", "bytes-bytearray", "tensors-in-tuple-list"])
+def test_entries_that_load_as_other_types_differ(tmp_path: Path, x: Any, y: Any) -> None:
+    """JSON has no tuples or int keys, and bytes are stored as uint8: the type record says what
+    a load gives back. ``read()`` left it out, so two final checkpoints that load as a tuple
+    and as a list (or int and str keys) compared equal."""
+    ref = _save(tmp_path / "ref", {**_state(torch.ones(3)), "extra": x})
+    same = _save(tmp_path / "same", {**_state(torch.ones(3)), "extra": x})
+    got = _save(tmp_path / "got", {**_state(torch.ones(3)), "extra": y})
+    assert checker.compare_final(same, ref, STEPS).equal
+    assert checker.compare_final(got, ref, STEPS).differs
+
+
 def _nan32(payload: int) -> np.float32:
     return np.array([0x7FC00000 | payload], dtype=np.uint32).view(np.float32)[0]
 
