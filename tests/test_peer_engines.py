@@ -335,6 +335,31 @@ def test_entries_that_flatten_to_one_key_are_refused_not_collapsed() -> None:
         flat({"a/b": 1, "a": {"b": 2}})
 
 
+@pytest.mark.parametrize(("x", "y"), [
+    ({1: 5}, {"1": 5}),
+    ({}, []),
+    ({"a": 1}, {"b": 1}),
+], ids=["int-str-key", "empty-dict-list", "key-renamed"])
+def test_torchsnapshot_containers_are_compared_too(tmp_path: Path, x: Any, y: Any) -> None:
+    """torchsnapshot keeps a dict's keys (their types) and each container's kind in manifest
+    entries of their own; the reader left those out, so the verdict saw two final checkpoints
+    as equal where one held ``{1: 5}`` and the other ``{"1": 5}``, or ``{}`` and ``[]``."""
+    import torch
+
+    from antifragile.chaos.observe import checker
+    from antifragile.trainer.ckpt_backends.snapshot import SnapshotBackend
+
+    def save(run: str, extra: Any) -> str:
+        url = str(tmp_path / run)
+        backend = SnapshotBackend(url, keep_last=2, timeout_s=30, async_=False)
+        backend.save(3, {"model": {"w": torch.arange(4.0)}, "extra": extra}).wait()
+        return url
+
+    ref = save("ref", x)
+    assert checker.compare_final(save("same", x), ref, 3, engine="torchsnapshot").equal
+    assert checker.compare_final(save("got", y), ref, 3, engine="torchsnapshot").differs
+
+
 @pytest.mark.parametrize("engine", ["dcp", "torchsnapshot"])
 def test_latest_waits_for_a_peer_save_in_flight(tmp_path: Path, engine: str) -> None:
     """The peer's async save of the step before the pause point commits a moment after the

@@ -211,8 +211,11 @@ def steps(url: str) -> list[int]:
 
 
 def read(url: str, step: int) -> dict[str, Any]:
-    """Every leaf of a committed snapshot, keyed by its manifest path (``<rank>/state/...``:
-    per-rank local shards), in one process without a process group."""
+    """Every entry of a committed snapshot, keyed by its manifest path (``<rank>/state/...``:
+    per-rank local shards), in one process without a process group: each leaf's value, and
+    each container's kind and keys (``("dict", [1, "a"])``, ``("list", [])``): torchsnapshot
+    keeps those in entries of their own (a key's type, an empty container), and a comparison
+    without them sees ``{1: x}`` and ``{"1": x}``, or ``{}`` and ``[]``, as the same."""
     path = local_root(url) / step_name(step)
     if not (path / MARKER).is_file():
         raise CheckpointError(f"{path}: no committed torchsnapshot checkpoint (no {MARKER})")
@@ -222,7 +225,9 @@ def read(url: str, step: int) -> dict[str, Any]:
     for key, entry in snapshot.get_manifest().items():
         if isinstance(entry, PrimitiveEntry):  # inline; read_object would leak an event loop
             out[key] = entry.get_value()
-        elif entry.type not in _CONTAINERS:
+        elif entry.type in _CONTAINERS:
+            out[key] = (entry.type, list(getattr(entry, "keys", [])))
+        else:
             out[key] = snapshot.read_object(key)
     return out
 
