@@ -87,6 +87,28 @@ def test_nested_json_values_compare_by_type_and_bits(tmp_path: Path) -> None:
         assert checker.compare_final(got, ref, STEPS).differs == ["train"], value
 
 
+def test_conjugate_and_negative_views_compare_by_their_values(tmp_path: Path) -> None:
+    """A tensor that torch.load hands back (DCP stores a tuple by pickling it) keeps its
+    conjugate or negative bit: comparing it raised a RuntimeError out of the verdict."""
+    import torch.distributed.checkpoint as dcp
+
+    x = torch.tensor([1 + 1j, 2 - 3j])
+    y = torch.tensor([1.0, -2.0])
+    assert checker.same_tensor(x.conj(), x.conj().resolve_conj())
+    assert not checker.same_tensor(x.conj(), x)
+    assert checker.same_tensor(torch._neg_view(y), -y)
+    assert not checker.same_tensor(torch._neg_view(y), y)
+    for run, value in (("ref", x.conj()), ("same", x.conj().resolve_conj()), ("other", x)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model": {"w": torch.ones(2)}, "pair": (value,)},
+                     checkpoint_id=str(tmp_path / run / f"step_{STEPS:09d}"))
+    ref = str(tmp_path / "ref")
+    assert checker.compare_final(str(tmp_path / "same"), ref, STEPS, engine="dcp").equal
+    other = checker.compare_final(str(tmp_path / "other"), ref, STEPS, engine="dcp")
+    assert other.error is None and other.differs == ["pair"]
+
+
 def test_dtype_and_shape_are_part_of_the_bits(tmp_path: Path) -> None:
     ref = _save(tmp_path / "ref", _state(torch.zeros(4)))
     for i, w in enumerate((torch.zeros(4, dtype=torch.int32), torch.zeros(2, 2))):

@@ -57,7 +57,9 @@ class Comparison:
 
 
 def _tensor_bits(t: torch.Tensor) -> torch.Tensor:
-    return as_bytes(t.detach().cpu().contiguous())
+    """The bytes of ``t``'s values: a conjugate or negative view (torch.load keeps the bit)
+    shows other values than its memory holds, and a view of it as bytes is refused."""
+    return as_bytes(t.detach().cpu().resolve_conj().resolve_neg().contiguous())
 
 
 def same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
