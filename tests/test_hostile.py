@@ -339,6 +339,23 @@ def test_hostile_verify_reports_not_ok(hostile_root: Path, case: str) -> None:
     assert report.problems
 
 
+@pytest.mark.parametrize("case", ["shape-float", "shape-rank", "inner-chunk-shape"])
+def test_a_layout_the_group_index_gets_wrong_is_confirmed_and_quarantined(
+    hostile_root: Path, case: str
+) -> None:
+    """An array layout in the group's index that cannot be read names zarr.json; the
+    confirming re-read only checked that document's bytes against the manifest, found them
+    intact, and said the damage was not confirmed: the step was skipped at every load and
+    never quarantined. The re-read now checks the layouts too, as the load did."""
+    hostile = make_checkpoint(hostile_root)
+    HOSTILE[case](hostile)
+    with CheckpointEngine(str(hostile_root)) as engine:
+        with pytest.raises(CheckpointCorruptError, match="group's index"):
+            engine.load(target_state())
+        assert engine.steps() == []
+    assert (hostile.dir / "QUARANTINE").exists()
+
+
 def test_non_ascii_digits_in_names_are_damage_not_a_value_error(hostile_root: Path) -> None:
     """``str.isdigit()`` takes '²' (a digit to Unicode), which ``int()`` refuses: a manifest
     key ``.../c.1.²`` made verify raise ValueError (a traceback from ``chaos ckpt verify``),
