@@ -51,18 +51,24 @@ def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, s
 
 
 def read_quarantine(storage: Storage, step: int) -> tuple[dict[str, Any], bytes] | None:
-    """A quarantined step's note and its moved-aside COMMIT bytes; None when there is none."""
+    """A quarantined step's note and its moved-aside COMMIT bytes; None when there is none.
+    A damaged note raises CheckpointCorruptError whose ``key`` is the note (what ``verify``
+    reports as damaged: the COMMIT is not there)."""
     try:
         data = storage.read(f"{step_dir(step)}/{QUARANTINE}")
     except FileNotFoundError:
         return None
-    note = _checked(_format.unseal(data, where=f"step {step}: QUARANTINE note"),
-                    where=f"step {step}: QUARANTINE note")
     try:
-        marker = base64.b64decode(note["commit_b64"], validate=True)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointCorruptError(f"step {step}: QUARANTINE note lacks the COMMIT it moved "
-                                     f"aside ({exc})") from None
+        note = _checked(_format.unseal(data, where=f"step {step}: QUARANTINE note"),
+                        where=f"step {step}: QUARANTINE note")
+        try:
+            marker = base64.b64decode(note["commit_b64"], validate=True)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"step {step}: QUARANTINE note lacks the COMMIT it "
+                                         f"moved aside ({exc})") from None
+    except CheckpointCorruptError as exc:
+        exc.key = exc.key or QUARANTINE
+        raise
     return note, marker
 
 

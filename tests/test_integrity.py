@@ -483,6 +483,21 @@ def test_quarantine_keeps_the_manifest_so_verify_still_explains_the_damage(
     assert "step 2: QUARANTINED" in everything.output
 
 
+def test_verify_names_a_damaged_quarantine_note_not_the_commit(
+    two_steps: tuple[CheckpointEngine, Raw],
+) -> None:
+    """A quarantined step whose QUARANTINE note is damaged: verify's problem named COMMIT,
+    an object that is not there, instead of the note that is damaged."""
+    engine, raw = two_steps
+    raw.flip_bit(2, SHARD, 100)
+    with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+        assert engine.load(blank()) == 1
+    raw.flip_bit(2, "QUARANTINE", 20)
+    report = engine.verify(2)
+    assert not report.ok
+    assert [p.key for p in report.problems] == ["QUARANTINE"], report.problems
+
+
 def test_a_quarantined_step_saved_again_keeps_the_evidence_of_its_damage(
     storage: Storage,
 ) -> None:
