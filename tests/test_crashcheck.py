@@ -545,6 +545,56 @@ def test_a_saving_rank_that_never_exits_is_one_line_and_exit_2(
     assert time.monotonic() - began < 30
 
 
+def _run_in_thread(args: list[str], within_s: float) -> Any:
+    """``chaos`` with ``args``, in a thread: a run that hangs fails the test, not hangs it."""
+    import threading
+
+    results: list[Any] = []
+    thread = threading.Thread(target=lambda: results.append(CliRunner().invoke(main, args)),
+                              daemon=True)
+    thread.start()
+    thread.join(within_s)
+    assert not thread.is_alive(), f"the run still runs after {within_s:g} s: it hangs"
+    return results[0]
+
+
+@pytest.mark.parametrize("silent", [False, True], ids=["rank-1-dies", "rank-0-silent"])
+def test_a_saving_rank_that_dies_or_says_nothing_before_its_first_line_is_one_line_and_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, silent: bool) -> None:
+    """Of a 2-rank saving job, rank 1 died before its first line (an import it lacks): rank 0
+    waited for it (in the rendezvous) and the driver read rank 0's stdout with no timeout,
+    so the run hung for good; so did a rank 0 that never said anything."""
+    from antifragile.chaos.crashcheck import pipeline
+
+    run = _no_endpoint(monkeypatch)
+    monkeypatch.setattr(run, "CheckerPool", _NoCheckers)
+    monkeypatch.setattr(pipeline, "SAVE_LINE_TIMEOUT_S", 1.0, raising=False)
+    real_popen = subprocess.Popen
+
+    def worker(args: list[str], **kwargs: Any) -> Any:
+        if kwargs["env"]["RANK"] == "1" and not silent:
+            code = "import sys; sys.exit('ImportError: no s3fs')"
+        else:
+            code = "import time; time.sleep(30)"  # in the rendezvous, or hung
+        return real_popen([sys.executable, "-c", code], **kwargs)
+
+    monkeypatch.setattr(pipeline.subprocess, "Popen", worker)
+    began = time.monotonic()
+    r = _run_in_thread(["crashcheck", "--engine", "dcp", "--case", "save", "--ranks", "2",
+                        "--checkers", "1", "--out", str(tmp_path / "r"),
+                        "--endpoint-url", "http://127.0.0.1:9"], 20)
+    assert isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 2, r.output
+    if silent:
+        assert r.output.strip() == ("error: case save: the saving job failed: rank 0 said "
+                                    "nothing in 1 s (killed)"), r.output
+    else:
+        assert r.output.strip() == ("error: case save: the saving job failed (rank 1, exit 1): "
+                                    "ImportError: no s3fs"), r.output
+    assert time.monotonic() - began < 20
+    assert not (tmp_path / "r").exists()
+
+
 def test_crashcheck_help_does_not_import_torch() -> None:
     code = ("import sys\nfrom click.testing import CliRunner\n"
             "from antifragile.chaos.cli import main\n"

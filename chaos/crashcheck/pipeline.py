@@ -17,12 +17,15 @@ Cases (step k committed before the recorded save of step k+1):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -136,6 +139,9 @@ def _keep_body(bodies: Path, data: bytes) -> str:
 
 #: how long the saving job's ranks may take to exit once the save is done
 SAVE_EXIT_TIMEOUT_S = 300.0
+#: how long rank 0 may take to say a line (its base saves done; the recorded save done) before
+#: the job is taken for hung: a rank that is stuck, or waits for a rank that never comes
+SAVE_LINE_TIMEOUT_S = 600.0
 
 
 def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: dict[str, str],
@@ -160,8 +166,12 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
                  "--engine", settings.engine, "--url", f"s3://{bucket}/{root}", "--plan", plan],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 text=True, env=rank_env, preexec_fn=die_with_parent(os.getpid())))
+        # rank 0's lines, read by a thread: a read can then time out (a silent rank 0), and
+        # the other ranks are watched meanwhile (one that died leaves rank 0 waiting for it)
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=_read_lines, args=(procs[0], lines), daemon=True).start()
         try:
-            first = _line(procs)
+            first = _line(procs, lines)
             base: dict[str, str] = {}
             for key in _list(client, bucket, root):
                 data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
@@ -170,7 +180,7 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
             assert procs[0].stdin is not None
             procs[0].stdin.write("go\n")
             procs[0].stdin.flush()
-            saved = _line(procs)
+            saved = _line(procs, lines)
             for rank, proc in enumerate(procs):
                 try:
                     code = proc.wait(timeout=SAVE_EXIT_TIMEOUT_S)
@@ -202,22 +212,52 @@ class SaveError(RuntimeError):
     """The saving job failed (a rank exited non-zero, or before saying what it saved)."""
 
 
-def _line(procs: list[subprocess.Popen[str]]) -> dict[str, Any]:
-    assert procs[0].stdout is not None
-    line = procs[0].stdout.readline()
+def _read_lines(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
+    """Every line ``proc`` prints, then ``""`` at its end."""
+    assert proc.stdout is not None
+    with contextlib.suppress(OSError, ValueError):
+        for line in proc.stdout:
+            lines.put(line)
+    lines.put("")
+
+
+def _line(procs: list[subprocess.Popen[str]], lines: queue.Queue[str]) -> dict[str, Any]:
+    """Rank 0's next line. A rank that exits non-zero first, or a rank 0 silent for
+    ``SAVE_LINE_TIMEOUT_S``, is a SaveError (every rank killed): rank 0 may otherwise wait
+    for the dead rank (in the rendezvous, a collective) for good."""
+    deadline = time.monotonic() + SAVE_LINE_TIMEOUT_S
+    while True:
+        try:
+            line = lines.get(timeout=min(0.2, SAVE_LINE_TIMEOUT_S))
+            break
+        except queue.Empty:
+            pass
+        for rank, proc in enumerate(procs[1:], start=1):
+            if proc.poll():  # non-zero
+                _kill_all(procs)
+                raise SaveError(_failure(proc, rank))
+        if time.monotonic() >= deadline:
+            _kill_all(procs)
+            raise SaveError(f"the saving job failed: rank 0 said nothing in "
+                            f"{SAVE_LINE_TIMEOUT_S:g} s (killed)")
     if not line:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+        _kill_all(procs)
         raise SaveError(_failure(procs[0]))
     doc: dict[str, Any] = json.loads(line)
     return doc
 
 
-def _failure(proc: subprocess.Popen[str]) -> str:
+def _kill_all(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _failure(proc: subprocess.Popen[str], rank: int | None = None) -> str:
     err = proc.stderr.read() if proc.stderr else ""
     tail = [line for line in err.strip().splitlines() if line.strip()][-1:]
-    return f"the saving job failed (exit {proc.wait()}): {' '.join(tail)}"
+    who = f"rank {rank}, " if rank is not None else ""
+    return f"the saving job failed ({who}exit {proc.wait()}): {' '.join(tail)}"
 
 
 def run_case(settings: Settings, name: str, *, endpoint_url: str, env: dict[str, str],
