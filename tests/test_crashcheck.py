@@ -595,6 +595,31 @@ def test_a_saving_rank_that_dies_or_says_nothing_before_its_first_line_is_one_li
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("said", ["Loading checkpoint shards...", "[1, 2]", '{"other": 1}'])
+def test_a_saving_rank_that_prints_something_else_is_one_line_and_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, said: str) -> None:
+    """A line on rank 0's stdout that is not its JSON (a library printing there) raised a bare
+    ValueError (json.loads) or a KeyError later: a traceback."""
+    from antifragile.chaos.crashcheck import pipeline
+
+    run = _no_endpoint(monkeypatch)
+    monkeypatch.setattr(run, "CheckerPool", _NoCheckers)
+    real_popen = subprocess.Popen
+
+    def chatty_worker(args: list[str], **kwargs: Any) -> Any:
+        code = f"import time; print({said!r}, flush=True); time.sleep(30)"
+        return real_popen([sys.executable, "-c", code], **kwargs)
+
+    monkeypatch.setattr(pipeline.subprocess, "Popen", chatty_worker)
+    r = _run_in_thread(["crashcheck", "--engine", "dcp", "--case", "save",
+                        "--out", str(tmp_path / "r"), "--endpoint-url", "http://127.0.0.1:9"],
+                       20)
+    assert isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == (f"error: case save: the saving job failed: rank 0 printed "
+                                f"{said!r}, not its base digests (killed)"), r.output
+
+
 def test_crashcheck_help_does_not_import_torch() -> None:
     code = ("import sys\nfrom click.testing import CliRunner\n"
             "from antifragile.chaos.cli import main\n"

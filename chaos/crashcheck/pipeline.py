@@ -171,7 +171,7 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=_read_lines, args=(procs[0], lines), daemon=True).start()
         try:
-            first = _line(procs, lines)
+            first = _line(procs, lines, "base")
             base: dict[str, str] = {}
             for key in _list(client, bucket, root):
                 data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
@@ -180,7 +180,7 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
             assert procs[0].stdin is not None
             procs[0].stdin.write("go\n")
             procs[0].stdin.flush()
-            saved = _line(procs, lines)
+            saved = _line(procs, lines, "saved")
             for rank, proc in enumerate(procs):
                 try:
                     code = proc.wait(timeout=SAVE_EXIT_TIMEOUT_S)
@@ -221,10 +221,17 @@ def _read_lines(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
     lines.put("")
 
 
-def _line(procs: list[subprocess.Popen[str]], lines: queue.Queue[str]) -> dict[str, Any]:
-    """Rank 0's next line. A rank that exits non-zero first, or a rank 0 silent for
-    ``SAVE_LINE_TIMEOUT_S``, is a SaveError (every rank killed): rank 0 may otherwise wait
-    for the dead rank (in the rendezvous, a collective) for good."""
+#: what rank 0's line with each field says (worker.py ``_save_main``)
+_SAYS = {"base": "its base digests", "saved": "what it saved"}
+
+
+def _line(procs: list[subprocess.Popen[str]], lines: queue.Queue[str],
+          field: str) -> dict[str, Any]:
+    """Rank 0's next line, a JSON object with ``field``; anything else it prints is a
+    SaveError quoting it (the job cannot go on without the line). A rank that exits non-zero
+    first, or a rank 0 silent for ``SAVE_LINE_TIMEOUT_S``, is a SaveError (every rank
+    killed): rank 0 may otherwise wait for the dead rank (in the rendezvous, a collective)
+    for good."""
     deadline = time.monotonic() + SAVE_LINE_TIMEOUT_S
     while True:
         try:
@@ -243,7 +250,14 @@ def _line(procs: list[subprocess.Popen[str]], lines: queue.Queue[str]) -> dict[s
     if not line:
         _kill_all(procs)
         raise SaveError(_failure(procs[0]))
-    doc: dict[str, Any] = json.loads(line)
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or field not in doc:
+        _kill_all(procs)
+        raise SaveError(f"the saving job failed: rank 0 printed {line.strip()[:200]!r}, not "
+                        f"{_SAYS[field]} (killed)")
     return doc
 
 
