@@ -245,6 +245,33 @@ def test_a_checker_that_dies_or_hangs_leaves_its_state_unchecked_and_the_rest_go
         assert reason == "the checker process answered nothing in 1 s (hung): killed"
 
 
+def test_a_checker_that_cannot_be_started_leaves_no_checker_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second checker's Popen raised (out of processes, of file handles): the OSError
+    left the pool's constructor with the first checker still running, an orphan nobody would
+    ever stop (and a traceback for the user)."""
+    from antifragile.chaos.crashcheck import check
+
+    popen = subprocess.Popen
+    started: list[subprocess.Popen[str]] = []
+
+    def fake(args: list[str], **kwargs: Any) -> Any:
+        if started:
+            raise OSError(11, "Resource temporarily unavailable")
+        started.append(popen([sys.executable, "-c", "import time; time.sleep(30)"], **kwargs))
+        return started[0]
+
+    monkeypatch.setattr(check.subprocess, "Popen", fake)
+    try:
+        with pytest.raises(check.CheckerError, match="Resource temporarily unavailable"):
+            check.CheckerPool(engine="dcp", bucket="b", bodies=tmp_path, env={}, workers=2)
+        assert started[0].poll() is not None, "the first checker was left running"
+    finally:
+        if started[0].poll() is None:
+            started[0].kill()
+        started[0].wait()
+
+
 def test_unchecked_states_fail_the_verdict_with_their_reason() -> None:
     counts = {"old": 3, "new": 1, "refused": 0, "torn": 0, "lost": 0, "unchecked": 1}
     doc = {"cases": [{"engine": "x", "ranks": 1, "case": "save",

@@ -106,20 +106,29 @@ class CheckerPool:
         self._stderr: dict[int, Any] = {}
         # its stdout lines, read by a thread of its own: a read can then time out (a hang)
         self._lines: dict[int, queue.Queue[str]] = {}
-        self.procs = [self._start() for _ in range(workers)]
         try:
+            for _ in range(workers):
+                self.procs.append(self._start())
             for proc in self.procs:
                 self._expect(proc, "ready", START_TIMEOUT_S)
-        except CheckerError:  # no pool: none of them may outlive this
+        except BaseException as exc:  # no pool: none of them may outlive this
             for proc in self.procs:
                 _kill(proc)
+            for err in self._stderr.values():
+                err.close()
+            if isinstance(exc, OSError):  # a Popen that failed (no processes, no handles)
+                raise CheckerError(str(exc)) from exc
             raise
 
     def _start(self) -> subprocess.Popen[str]:
         err = tempfile.TemporaryFile(mode="w+", prefix="crashcheck-checker-")  # noqa: SIM115
-        proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=err, text=True, env=self._env,
-                                preexec_fn=die_with_parent(os.getpid()))
+        try:
+            proc = subprocess.Popen(self._command, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=err, text=True,
+                                    env=self._env, preexec_fn=die_with_parent(os.getpid()))
+        except BaseException:
+            err.close()
+            raise
         self._stderr[proc.pid] = err
         lines: queue.Queue[str] = queue.Queue()
         self._lines[proc.pid] = lines
