@@ -647,6 +647,42 @@ def test_a_saving_rank_that_prints_something_else_is_one_line_and_exit_2(
                                 f"{said!r}, not its base digests (killed)"), r.output
 
 
+def test_a_saving_rank_that_cannot_be_started_leaves_no_rank_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's Popen raised: rank 0, started outside the try that kills the ranks, was left
+    running (waiting for rank 1 for good), and the OSError was a traceback."""
+    from antifragile.chaos.crashcheck import pipeline
+
+    run = _no_endpoint(monkeypatch)
+    monkeypatch.setattr(run, "CheckerPool", _NoCheckers)
+    real_popen = subprocess.Popen
+    started: list[subprocess.Popen[str]] = []
+
+    def worker(args: list[str], **kwargs: Any) -> Any:
+        if started:
+            raise OSError(11, "Resource temporarily unavailable")
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                                  **kwargs))
+        return started[0]
+
+    monkeypatch.setattr(pipeline.subprocess, "Popen", worker)
+    try:
+        r = _run_in_thread(["crashcheck", "--engine", "dcp", "--case", "save", "--ranks", "2",
+                            "--checkers", "1", "--out", str(tmp_path / "r"),
+                            "--endpoint-url", "http://127.0.0.1:9"], 20)
+        assert isinstance(r.exception, SystemExit), repr(r.exception)
+        assert r.exit_code == 2, r.output
+        assert r.output.strip() == ("error: case save: the saving job failed: rank 1 could "
+                                    "not be started: [Errno 11] Resource temporarily "
+                                    "unavailable"), r.output
+        assert started[0].poll() is not None, "rank 0 was left running"
+    finally:
+        if started and started[0].poll() is None:
+            started[0].kill()
+        for proc in started:
+            proc.wait()
+
+
 def test_crashcheck_help_does_not_import_torch() -> None:
     code = ("import sys\nfrom click.testing import CliRunner\n"
             "from antifragile.chaos.cli import main\n"

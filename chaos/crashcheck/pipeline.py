@@ -154,23 +154,28 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
                         latency_s=settings.latency_s) as proxy:
         plan = json.dumps({"base": the_case.base, "record": the_case.record})
         port = _free_port()
-        procs = []
-        for rank in range(settings.ranks):
-            rank_env = {**os.environ, **env, "AWS_ENDPOINT_URL": proxy.endpoint_url,
-                        "AWS_ENDPOINT_URL_S3": proxy.endpoint_url, "RANK": str(rank),
-                        "WORLD_SIZE": str(settings.ranks), "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                        "PYTHONWARNINGS": "ignore", "GLOO_SOCKET_IFNAME": "lo"}
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "antifragile.chaos.crashcheck.worker", "save",
-                 "--engine", settings.engine, "--url", f"s3://{bucket}/{root}", "--plan", plan],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, env=rank_env, preexec_fn=die_with_parent(os.getpid())))
+        procs: list[subprocess.Popen[str]] = []
         # rank 0's lines, read by a thread: a read can then time out (a silent rank 0), and
         # the other ranks are watched meanwhile (one that died leaves rank 0 waiting for it)
         lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=_read_lines, args=(procs[0], lines), daemon=True).start()
-        try:
+        try:  # the ranks started are killed below whatever happens, a failed start included
+            for rank in range(settings.ranks):
+                rank_env = {**os.environ, **env, "AWS_ENDPOINT_URL": proxy.endpoint_url,
+                            "AWS_ENDPOINT_URL_S3": proxy.endpoint_url, "RANK": str(rank),
+                            "WORLD_SIZE": str(settings.ranks), "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                            "PYTHONWARNINGS": "ignore", "GLOO_SOCKET_IFNAME": "lo"}
+                try:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "antifragile.chaos.crashcheck.worker", "save",
+                         "--engine", settings.engine, "--url", f"s3://{bucket}/{root}",
+                         "--plan", plan],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        text=True, env=rank_env, preexec_fn=die_with_parent(os.getpid())))
+                except OSError as exc:  # no processes, no file handles left
+                    raise SaveError(f"the saving job failed: rank {rank} could not be "
+                                    f"started: {exc}") from exc
+            threading.Thread(target=_read_lines, args=(procs[0], lines), daemon=True).start()
             first = _line(procs, lines, "base")
             base: dict[str, str] = {}
             for key in _list(client, bucket, root):
