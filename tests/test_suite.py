@@ -581,6 +581,36 @@ def test_a_runner_crash_whose_traceback_cannot_be_written_is_still_one_failed_en
         "not be written: ")
 
 
+def test_a_run_that_could_not_be_made_is_a_failed_entry_with_its_reason_not_a_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ChaosRunError (a failed fault-free reference run, a run past its time limit: what
+    ``chaos run`` reports as no verdict, exit 5, its message as is) was reported as "the
+    runner crashed", with a traceback in error.txt claiming a crash."""
+    from antifragile.chaos.run import pipeline
+    from antifragile.chaos.run.runner import RunTimeout
+
+    why = "the run went past its time limit of 600 s (killed)"
+
+    def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
+        folder.mkdir(parents=True, exist_ok=True)
+        if s.name == "a":
+            raise RunTimeout(why)
+        return type("Outcome", (), {"report": _report([1.0])})()
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    for name in ("a", "b"):
+        _write(scenarios, name, [])
+    out = tmp_path / "out"
+    entries = suite.run_suite(suite.plan(suite.discover(scenarios), out), out,
+                              progress=lambda _: None)
+    assert [(e["name"], e["verdict"]) for e in entries] == [("a", "fail"), ("b", "pass")]
+    assert entries[0]["reasons"] == [why]
+    assert entries[0]["error"] is None
+    assert not (out / "a" / "error.txt").exists()
+
+
 # --- shipped files -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", sorted((ROOT / "scenarios").rglob("*.yaml")),

@@ -1,7 +1,8 @@
 """``chaos suite``: run every scenario of a folder, in order, each into its own report folder.
 
 This is what the nightly CI runs. A suite never stops at the first problem: a failed scenario, an
-invalid scenario file or a runner that crashes each become a failed entry and the next scenario
+invalid scenario file, a run that could not be made (no verdict: its reason) or a runner that
+crashes (its traceback in ``error.txt``) each become a failed entry and the next scenario
 runs. Layout of ``OUT``: ``summary.json``, ``summary.html``, and one ``chaos run`` report folder
 per scenario, ``OUT/<scenario name>/``.
 """
@@ -113,6 +114,7 @@ def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
     """Run every planned scenario into ``out/<name>/``, in order; one entry each. Raises
     SuiteInterrupted, with every entry, when Ctrl-C or SIGTERM stops it."""
     from antifragile.chaos.run.pipeline import run  # torch: only once a suite runs
+    from antifragile.chaos.run.runner import ChaosRunError
 
     out.mkdir(parents=True, exist_ok=True)
     entries = []
@@ -129,6 +131,9 @@ def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
         try:
             outcome = run(p.scenario, folder, reference=reference, progress=progress,
                           status=status)
+        except ChaosRunError as exc:  # no verdict (``chaos run`` exits 5): not a crash
+            entry = failed_entry(p.name, str(p.file), str(exc))  # meant for the user as is
+            entry["wall_s"] = time.monotonic() - started
         except Exception as exc:  # a crashed runner fails this scenario, not the suite
             reason = f"the runner crashed: {type(exc).__name__}: {exc}"
             error: str | None = f"{p.name}/error.txt"
