@@ -611,6 +611,43 @@ def test_a_run_that_could_not_be_made_is_a_failed_entry_with_its_reason_not_a_cr
     assert not (out / "a" / "error.txt").exists()
 
 
+@pytest.mark.parametrize("unwritable", ["summary.json", "summary.html"])
+def test_a_summary_that_cannot_be_written_is_one_line_and_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unwritable: str) -> None:
+    """A full disk (or a folder made read-only meanwhile) when the summary is written at the
+    end of a suite: a traceback, and a summary.json cut short (or an earlier suite's, saying
+    ok) left for CI to read."""
+    import errno
+
+    from antifragile.chaos.run import pipeline
+
+    def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
+        folder.mkdir(parents=True, exist_ok=True)
+        return type("Outcome", (), {"report": _report([1.0])})()
+
+    writer = {"summary.json": "write_json", "summary.html": "write_html"}[unwritable]
+    real = getattr(suite, writer)
+
+    def full_disk(out: Path, summary: dict[str, Any]) -> Path:
+        (out / unwritable).write_text("{cut sho")  # what a write stopped midway leaves
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    monkeypatch.setattr(suite, writer, full_disk)
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    _write(scenarios, "a", [])
+    out = tmp_path / "out"
+    out.mkdir()
+    real(out, suite.build([_entry("a", [1.0])], suite="s", wall_s=1.0))  # an earlier suite's
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out)])
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == (
+        f"error: {out / unwritable}: cannot be written: No space left on device")
+    assert not (out / unwritable).exists()  # neither cut short nor an earlier suite's
+
+
 # --- shipped files -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", sorted((ROOT / "scenarios").rglob("*.yaml")),

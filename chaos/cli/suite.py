@@ -4,14 +4,17 @@ Exit codes as for ``chaos run``: 0 every scenario passed and nothing regressed a
 baseline, 1 a scenario failed or a figure regressed, 3 nothing failed but a scenario was skipped
 (a fault could not be made here; also when every scenario was), 2 bad input (no folder, no
 scenarios, duplicate names, an unreadable baseline, ``--no-reference`` with a scenario that
-expects bitwise equality), reported before anything runs; 130 Ctrl-C, 143 SIGTERM, once the
-summary is written (the scenario stopped and those never run are failed entries).
+expects bitwise equality), reported before anything runs, and a summary that cannot be
+written (a full disk), after the table; 130 Ctrl-C, 143 SIGTERM, once the summary is written
+(the scenario stopped and those never run are failed entries).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -74,10 +77,26 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
         if previous is not None else None
     summary = suite_lib.build(entries, suite=folder, wall_s=time.monotonic() - started,
                               baseline=compared)
-    suite_lib.write_json(out_dir, summary)
-    suite_lib.write_html(out_dir, summary)
+    _write_summary(out_dir, summary)
     click.echo(suite_lib.format_table(summary))
     click.echo(f"summary: {out_dir / 'summary.json'}  {out_dir / 'summary.html'}")
     if stopped is not None:
         raise stopped
     raise SystemExit(suite_lib.exit_code(summary))
+
+
+def _write_summary(out_dir: Path, summary: dict[str, Any]) -> None:
+    """summary.json, then summary.html; one that cannot be written (a full disk, a folder
+    made read-only) is exit 2 naming it, after the table. It and those not yet written are
+    removed: a file cut short, or an earlier suite's left in the reused ``--out`` (saying ok),
+    must not pass for this suite's."""
+    writers = [("summary.json", suite_lib.write_json), ("summary.html", suite_lib.write_html)]
+    for i, (name, write) in enumerate(writers):
+        try:
+            write(out_dir, summary)
+        except OSError as exc:
+            for left, _ in writers[i:]:
+                with contextlib.suppress(OSError):
+                    (out_dir / left).unlink()
+            click.echo(suite_lib.format_table(summary))
+            fail(f"{out_dir / name}: cannot be written: {exc.strerror or exc}")
