@@ -683,6 +683,42 @@ def test_a_saving_rank_that_cannot_be_started_leaves_no_rank_behind(
             proc.wait()
 
 
+@pytest.mark.parametrize("partial", [False, True], ids=["final", "after-a-case"])
+def test_a_report_that_cannot_be_written_is_one_line_and_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, partial: bool) -> None:
+    """A full disk when the report was written (at the end, or after a case: the report of
+    the cases so far) raised a traceback, and left crashcheck.md cut short."""
+    import errno
+
+    doc = {"engine": "dcp", "ranks": 1, "settings": {"cases": ["save"]}, "cases": []}
+
+    def ran(settings: Any, **kwargs: Any) -> dict[str, Any]:
+        if partial:
+            kwargs["on_case"](doc)
+        return doc
+
+    real_write = Path.write_text
+
+    def full_disk(self: Path, data: str, *args: Any, **kwargs: Any) -> int:
+        if self.name.startswith("crashcheck.md"):
+            real_write(self, data[:10], *args, **kwargs)  # what a write stopped midway leaves
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, data, *args, **kwargs)
+
+    from antifragile.chaos.crashcheck import run
+
+    monkeypatch.setattr(run, "crashcheck", ran)
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    out = tmp_path / "r"
+    r = CliRunner().invoke(main, ["crashcheck", "--engine", "dcp", "--case", "save",
+                                  "--out", str(out), "--endpoint-url", "http://127.0.0.1:9"])
+    assert isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == (f"error: {out / 'crashcheck.md'}: cannot be written: No space "
+                                "left on device"), r.output
+    assert not out.exists()  # no report cut short, none in part: the folder made for it went
+
+
 def test_crashcheck_help_does_not_import_torch() -> None:
     code = ("import sys\nfrom click.testing import CliRunner\n"
             "from antifragile.chaos.cli import main\n"

@@ -104,7 +104,7 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
 
     from antifragile.chaos.crashcheck.check import CheckerError
     from antifragile.chaos.crashcheck.pipeline import SaveError, Settings
-    from antifragile.chaos.crashcheck.report import verdict, write_all
+    from antifragile.chaos.crashcheck.report import ReportError, verdict, write_all
     from antifragile.chaos.crashcheck.run import crashcheck
     from antifragile.chaos.infra.s3 import S3SetupError
 
@@ -124,7 +124,14 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
     except SaveError as exc:
         drop_if_empty(folder)
         fail(str(exc))
-    write_all(folder, doc)
+    except ReportError as exc:  # the report of the cases so far (``on_case``)
+        drop_if_empty(folder)
+        fail(str(exc))
+    try:
+        write_all(folder, doc)
+    except ReportError as exc:
+        drop_if_empty(folder)
+        fail(str(exc))
     ok, reasons = verdict(doc)
     click.echo(f"crashcheck {engine} ({ranks} rank{'s' if ranks > 1 else ''}): "
                f"{'OK' if ok else 'FAIL'}  report: {folder / 'crashcheck.md'}")

@@ -6,9 +6,11 @@ Drawn only from the JSON document, so the JSON alone can redraw everything.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -85,18 +87,47 @@ def verdict(doc: dict[str, Any]) -> tuple[bool, list[str]]:
     return not reasons, reasons
 
 
+class ReportError(Exception):
+    """A report file could not be written (a full disk, an unwritable folder); the message
+    names it and is meant for the user as is."""
+
+
 def write_all(out: Path, doc: dict[str, Any]) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "crashcheck.json"]
-    paths[0].write_text(json.dumps(doc, indent=1) + "\n")
+    """Every report file of ``doc`` into ``out``: each is written beside its place and renamed
+    there once all are written, so a failure to write (ReportError: a full disk) leaves
+    neither a file cut short nor a report in part (an earlier ``write_all``'s files stay,
+    whole)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ReportError(f"{out}: cannot create the folder: {exc.strerror or exc}") from exc
     png = plot(doc)
+    files: dict[str, str | bytes] = {"crashcheck.json": json.dumps(doc, indent=1) + "\n"}
     if png is not None:
-        (out / "outcomes.png").write_bytes(png)
-        paths.append(out / "outcomes.png")
-    (out / "crashcheck.md").write_text(markdown(doc, png is not None))
-    (out / "crashcheck.html").write_text(page(doc, png))
-    paths += [out / "crashcheck.md", out / "crashcheck.html"]
-    return paths
+        files["outcomes.png"] = png
+    files["crashcheck.md"] = markdown(doc, png is not None)
+    files["crashcheck.html"] = page(doc, png)
+    written: list[Path] = []
+    current = ""
+    try:
+        for name, data in files.items():
+            current = name
+            temp = out / f"{name}.tmp"
+            written.append(temp)
+            if isinstance(data, bytes):
+                temp.write_bytes(data)
+            else:
+                temp.write_text(data)
+        for name in files:
+            current = name
+            os.replace(out / f"{name}.tmp", out / name)
+    except OSError as exc:
+        for temp in written:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+        raise ReportError(f"{out / current}: cannot be written: {exc.strerror or exc}"
+                          ) from exc
+    return [out / name for name in files]
 
 
 def _case_line(c: dict[str, Any]) -> str:
