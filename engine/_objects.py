@@ -39,15 +39,14 @@ def is_object(obj: object) -> bool:
 def find_models(state: object) -> list[nn.Module]:
     """The modules in ``state``'s containers (not inside other Stateful objects)."""
     found: list[nn.Module] = []
+    seen: set[int] = set()  # a container inside itself is looked into once (flatten refuses it)
 
     def walk(obj: object) -> None:
         if isinstance(obj, nn.Module):
             found.append(obj)
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                walk(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
+        elif isinstance(obj, (dict, list, tuple)) and id(obj) not in seen:
+            seen.add(id(obj))
+            for value in obj.values() if isinstance(obj, dict) else obj:
                 walk(value)
 
     walk(state)

@@ -94,14 +94,21 @@ class FlatState:
         "containers": {}, "values": {}, "bytes": {}})
 
 
-def _has_tensor(obj: object) -> bool:
-    """Whether ``obj`` is walked entry by entry (else it is one JSON value)."""
+def _has_tensor(obj: object, inside: set[int] | None = None) -> bool:
+    """Whether ``obj`` is walked entry by entry (else it is one JSON value). ``inside``: the
+    containers being looked into; one met again (a container inside itself) adds nothing,
+    so a cycle ends here (``flatten`` refuses it, naming where)."""
     if isinstance(obj, (torch.Tensor, bytes, bytearray)):
         return True
-    if isinstance(obj, dict):
-        return any(_has_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_has_tensor(v) for v in obj)
+    if isinstance(obj, (dict, list, tuple)):
+        inside = set() if inside is None else inside
+        if id(obj) in inside:
+            return False
+        inside.add(id(obj))
+        found = any(_has_tensor(v, inside) for v in (obj.values() if isinstance(obj, dict)
+                                                      else obj))
+        inside.discard(id(obj))
+        return found
     return is_stateful(obj)
 
 
@@ -209,6 +216,16 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
 
     flat = FlatState(tensors={}, values={})
     models = _objects.find_models(state)
+    inside: dict[int, str] = {}  # id -> path of each container being walked
+
+    def enter(obj: object, path: str) -> None:
+        """Refuse a container inside itself: walked on, it would recurse until Python's
+        recursion limit, an error naming no key."""
+        if id(obj) in inside:
+            also = f"at {inside[id(obj)]!r}" if inside[id(obj)] else "the whole state"
+            raise CheckpointError(f"state path {path!r}: this {type(obj).__name__} is inside "
+                                  f"itself (it is also {also}); a state must be a tree")
+        inside[id(obj)] = path
 
     def walk(obj: object, path: str, assign: Callable[[JSON], None], entries: bool = False
              ) -> None:
@@ -232,21 +249,27 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
         elif is_stateful(obj):
             walk_stateful(obj, path)
         elif isinstance(obj, dict) and (entries or _has_tensor(obj)):
+            enter(obj, path)
             ints = _check_keys(obj, path)
             if ints:
                 flat.types["containers"][path] = ["d", ints]
             for key, value in obj.items():
                 walk(value, _join(path, _key(key, path)), _setter(obj, key))
+            del inside[id(obj)]
         elif isinstance(obj, list) and (entries or _has_tensor(obj)):
+            enter(obj, path)
             flat.types["containers"][path] = ["l"]
             for index, value in enumerate(obj):
                 walk(value, _join(path, str(index)), _setter(obj, index))
+            del inside[id(obj)]
         elif isinstance(obj, tuple) and (entries or _has_tensor(obj)):
+            enter(obj, path)
             flat.types["containers"][path] = ["t"]
             items = list(obj)  # load assigns into this copy, then the tuple is rebuilt
             for index, value in enumerate(obj):
                 item_path = _join(path, str(index))
                 walk(value, item_path, _setter(items, index) if path else _read_only(item_path))
+            del inside[id(obj)]
             flat.finishers.append(lambda: _rebuild(obj, items, assign))
         else:
             if not path:

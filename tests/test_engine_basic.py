@@ -1422,6 +1422,30 @@ def test_invalid_state_is_refused_naming_the_path(
         assert engine.steps() == [1]
 
 
+def _cyclic(kind: str) -> dict[str, Any]:
+    model: dict[str, Any] = {"w": torch.ones(2)}
+    if kind == "dict":
+        model["parent"] = {"up": model}
+    elif kind == "list":
+        model["layers"] = [torch.zeros(1), model]
+    else:
+        model["pair"] = (torch.zeros(1), [model])
+    return {"model": model}
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "tuple"])
+def test_a_state_that_holds_itself_is_refused_naming_where(tmp_path: Any, kind: str) -> None:
+    """A container inside itself (a config holding its parent, say) was walked until Python's
+    recursion limit: 'step 1 not saved: RecursionError: maximum recursion depth exceeded',
+    naming no key."""
+    where = {"dict": "model/parent/up", "list": "model/layers/1", "tuple": "model/pair/1/0"}
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        with pytest.raises(CheckpointError, match=rf"state path '{where[kind]}': .*inside "
+                                                  "itself"):
+            engine.save(1, _cyclic(kind))
+        assert engine.steps() == []
+
+
 def test_a_tensor_that_becomes_unsupported_between_saves_is_refused(tmp_path: Any) -> None:
     """The inventory is reused while paths, dtypes and shapes stay the same: a tensor that
     became a meta or sparse one of the same shape skipped the check and failed in staging with
