@@ -285,6 +285,13 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
         except Exception as exc:
             raise CheckpointError(f"{path or 'the state'}: {type(obj).__name__}.state_dict() "
                                   f"raised {type(exc).__name__}: {exc}") from exc
+        if not path and not isinstance(holder[0], (dict, list, tuple)) \
+                and not is_stateful(holder[0]):
+            # one value as the whole state: a tensor would be stored under an empty name,
+            # committed, and refused by every load
+            raise CheckpointError(f"the state: {type(obj).__name__}.state_dict() returned "
+                                  f"{type(holder[0]).__name__}; a Stateful given as the whole "
+                                  "state must return a dict (or list) of its entries")
         walk(holder[0], path, _setter(holder, 0), entries)
 
         def finish() -> None:

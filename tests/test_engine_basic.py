@@ -1446,6 +1446,37 @@ def test_a_state_that_holds_itself_is_refused_naming_where(tmp_path: Any, kind: 
         assert engine.steps() == []
 
 
+class _Holder:
+    """A Stateful whose state_dict() is one value, not a dict."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> Any:
+        return self.value
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.value = state_dict
+
+
+@pytest.mark.parametrize("value", [torch.ones(2), b"abc"], ids=["tensor", "bytes"])
+def test_a_whole_state_whose_state_dict_is_one_tensor_is_refused_by_the_save(
+        tmp_path: Any, value: Any) -> None:
+    """A Stateful given as the whole state whose state_dict() returned a tensor (or bytes) was
+    saved under an empty name (the object '/c.0') and committed: a step that every load then
+    refused as hostile, after the save had said it succeeded."""
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        with pytest.raises(CheckpointError, match=r"_Holder\.state_dict\(\) returned "
+                                                  f"{type(value).__name__}"):
+            engine.save(1, _Holder(value), blocking=True)
+        assert engine.steps() == []
+        engine.save(1, {"h": _Holder(value)}, blocking=True)  # one entry of the state: fine
+        target = {"h": _Holder(torch.zeros(2) if isinstance(value, torch.Tensor) else b"")}
+        assert engine.load(target) == 1
+        loaded = target["h"].value
+        assert torch.equal(loaded, value) if isinstance(value, torch.Tensor) else loaded == value
+
+
 def test_a_tensor_that_becomes_unsupported_between_saves_is_refused(tmp_path: Any) -> None:
     """The inventory is reused while paths, dtypes and shapes stay the same: a tensor that
     became a meta or sparse one of the same shape skipped the check and failed in staging with
