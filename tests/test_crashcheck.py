@@ -647,6 +647,31 @@ def test_a_saving_rank_that_prints_something_else_is_one_line_and_exit_2(
                                 f"{said!r}, not its base digests (killed)"), r.output
 
 
+def test_a_saving_rank_that_writes_much_to_stderr_is_not_blocked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks' stderr was a pipe read only once the job had failed: 64 KiB of warnings
+    blocked the rank in its write, and it was taken for silent (hung) instead of being
+    heard."""
+    from antifragile.chaos.crashcheck import pipeline
+
+    run = _no_endpoint(monkeypatch)
+    monkeypatch.setattr(run, "CheckerPool", _NoCheckers)
+    monkeypatch.setattr(pipeline, "SAVE_LINE_TIMEOUT_S", 5.0)
+    real_popen = subprocess.Popen
+
+    def noisy_worker(args: list[str], **kwargs: Any) -> Any:
+        code = ("import sys, time; sys.stderr.write('warning\\n' * 30000); sys.stderr.flush(); "
+                "print('chatter', flush=True); time.sleep(30)")
+        return real_popen([sys.executable, "-c", code], **kwargs)
+
+    monkeypatch.setattr(pipeline.subprocess, "Popen", noisy_worker)
+    r = _run_in_thread(["crashcheck", "--engine", "dcp", "--case", "save",
+                        "--out", str(tmp_path / "r"), "--endpoint-url", "http://127.0.0.1:9"],
+                       20)
+    assert r.exit_code == 2, r.output
+    assert "rank 0 printed 'chatter'" in r.output, r.output
+
+
 def test_a_saving_rank_that_cannot_be_started_leaves_no_rank_behind(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1's Popen raised: rank 0, started outside the try that kills the ranks, was left

@@ -25,13 +25,14 @@ import queue
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from antifragile.chaos.crashcheck.check import (
     BAD,
@@ -155,6 +156,9 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
         plan = json.dumps({"base": the_case.base, "record": the_case.record})
         port = _free_port()
         procs: list[subprocess.Popen[str]] = []
+        # each rank's stderr goes to a file: a pipe nobody reads until the end fills up (64 KiB
+        # of warnings) and blocks the rank in its write, which then looked hung
+        errs = _Stderr()
         # rank 0's lines, read by a thread: a read can then time out (a silent rank 0), and
         # the other ranks are watched meanwhile (one that died leaves rank 0 waiting for it)
         lines: queue.Queue[str] = queue.Queue()
@@ -170,13 +174,13 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
                         [sys.executable, "-m", "antifragile.chaos.crashcheck.worker", "save",
                          "--engine", settings.engine, "--url", f"s3://{bucket}/{root}",
                          "--plan", plan],
-                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errs.new(),
                         text=True, env=rank_env, preexec_fn=die_with_parent(os.getpid())))
                 except OSError as exc:  # no processes, no file handles left
                     raise SaveError(f"the saving job failed: rank {rank} could not be "
                                     f"started: {exc}") from exc
             threading.Thread(target=_read_lines, args=(procs[0], lines), daemon=True).start()
-            first = _line(procs, lines, "base")
+            first = _line(procs, lines, "base", errs)
             base: dict[str, str] = {}
             for key in _list(client, bucket, root):
                 data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
@@ -185,7 +189,7 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
             assert procs[0].stdin is not None
             procs[0].stdin.write("go\n")
             procs[0].stdin.flush()
-            saved = _line(procs, lines, "saved")
+            saved = _line(procs, lines, "saved", errs)
             for rank, proc in enumerate(procs):
                 try:
                     code = proc.wait(timeout=SAVE_EXIT_TIMEOUT_S)
@@ -194,13 +198,14 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
                                     f"{SAVE_EXIT_TIMEOUT_S:g} s after the save (killed)"
                                     ) from None
                 if code != 0:
-                    raise SaveError(_failure(proc))
+                    raise SaveError(_failure(proc, errs, rank, name_rank=False))
             recording = proxy.stop()
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+            errs.close()
     for data in recording.bodies.values():
         _keep_body(bodies, data)
     step, _, _ = the_case.record
@@ -231,7 +236,7 @@ _SAYS = {"base": "its base digests", "saved": "what it saved"}
 
 
 def _line(procs: list[subprocess.Popen[str]], lines: queue.Queue[str],
-          field: str) -> dict[str, Any]:
+          field: str, errs: _Stderr) -> dict[str, Any]:
     """Rank 0's next line, a JSON object with ``field``; anything else it prints is a
     SaveError quoting it (the job cannot go on without the line). A rank that exits non-zero
     first, or a rank 0 silent for ``SAVE_LINE_TIMEOUT_S``, is a SaveError (every rank
@@ -247,14 +252,14 @@ def _line(procs: list[subprocess.Popen[str]], lines: queue.Queue[str],
         for rank, proc in enumerate(procs[1:], start=1):
             if proc.poll():  # non-zero
                 _kill_all(procs)
-                raise SaveError(_failure(proc, rank))
+                raise SaveError(_failure(proc, errs, rank))
         if time.monotonic() >= deadline:
             _kill_all(procs)
             raise SaveError(f"the saving job failed: rank 0 said nothing in "
                             f"{SAVE_LINE_TIMEOUT_S:g} s (killed)")
     if not line:
         _kill_all(procs)
-        raise SaveError(_failure(procs[0]))
+        raise SaveError(_failure(procs[0], errs, 0, name_rank=False))
     try:
         doc = json.loads(line)
     except ValueError:
@@ -272,11 +277,32 @@ def _kill_all(procs: list[subprocess.Popen[str]]) -> None:
             proc.kill()
 
 
-def _failure(proc: subprocess.Popen[str], rank: int | None = None) -> str:
-    err = proc.stderr.read() if proc.stderr else ""
-    tail = [line for line in err.strip().splitlines() if line.strip()][-1:]
-    who = f"rank {rank}, " if rank is not None else ""
-    return f"the saving job failed ({who}exit {proc.wait()}): {' '.join(tail)}"
+class _Stderr:
+    """The saving ranks' stderr files, in the order the ranks were started."""
+
+    def __init__(self) -> None:
+        self.files: list[IO[str]] = []
+
+    def new(self) -> IO[str]:
+        self.files.append(tempfile.TemporaryFile("w+", prefix="crashcheck-save-"))  # noqa: SIM115
+        return self.files[-1]
+
+    def text(self, index: int) -> str:
+        f = self.files[index]
+        f.seek(0)
+        return f.read()
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
+def _failure(proc: subprocess.Popen[str], errs: _Stderr, rank: int, *,
+             name_rank: bool = True) -> str:
+    code = proc.wait()  # its stderr complete
+    tail = [line for line in errs.text(rank).strip().splitlines() if line.strip()][-1:]
+    who = f"rank {rank}, " if name_rank else ""
+    return f"the saving job failed ({who}exit {code}): {' '.join(tail)}"
 
 
 def run_case(settings: Settings, name: str, *, endpoint_url: str, env: dict[str, str],
