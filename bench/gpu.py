@@ -10,8 +10,8 @@ Measured side by side, medians of ``--reps``:
   page-aligned staging area) of a state of ``--gib`` on the device, as GiB/s and as a share of
   the link (target >= 0.8x); its persist; a load back onto the device, checked bit for bit;
 - the GPT trainer on the device (NCCL; one process, since NCCL wants a device per rank) in
-  paired runs with and without async checkpoints (``bench.trainer``): step-time overhead
-  (target <= 2%).
+  paired runs with and without async checkpoints (``bench.trainer``; which run of a pair
+  goes first alternates): step-time overhead (target <= 2%).
 
 Exit 0 with PASS/MISS lines; exit 3 without a CUDA device (nothing measured).
 """
@@ -125,8 +125,14 @@ def trainer(pairs: int) -> dict[str, Any]:
     runs, overheads = [], []
     with tempfile.TemporaryDirectory(prefix="gpu-trainer-") as tmp:
         for i in range(pairs):
-            base = bench_trainer._run(args, Path(tmp) / f"none-{i}", None)
-            ckpt = bench_trainer._run(args, Path(tmp) / f"ckpt-{i}", args.every)
+            # which run of a pair goes first alternates, as in bench.trainer: a device that
+            # warms up (or slows down) over a pair would otherwise always favour the same side
+            if i % 2:
+                ckpt = bench_trainer._run(args, Path(tmp) / f"ckpt-{i}", args.every)
+                base = bench_trainer._run(args, Path(tmp) / f"none-{i}", None)
+            else:
+                base = bench_trainer._run(args, Path(tmp) / f"none-{i}", None)
+                ckpt = bench_trainer._run(args, Path(tmp) / f"ckpt-{i}", args.every)
             overheads.append(ckpt["mean_step_s"] / base["mean_step_s"] - 1.0)
             runs.append({"none": base, "ckpt": ckpt, "overhead": overheads[-1]})
     return {"runs": runs, "overhead": statistics.median(overheads)}

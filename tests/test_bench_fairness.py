@@ -209,3 +209,21 @@ def test_engine_bench_peers_make_their_own_writes_durable_and_no_one_elses(
         os.path.join(folder, name) for folder, dirs, files in os.walk(out)
         for name in (*dirs, *files)}
     assert written <= synced, sorted(written - synced)
+
+
+def test_gpu_bench_alternates_which_trainer_run_of_a_pair_goes_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in ``bench.trainer``: a device that warms up (or slows down) over a pair favours
+    neither side every time, so the run without checkpoints goes first in one pair in two."""
+    from bench import gpu
+    from bench import trainer as bench_trainer
+
+    order: list[str] = []
+
+    def fake_run(args: object, run_dir: Path, every: int | None) -> dict[str, float]:
+        order.append(run_dir.name.split("-")[0])
+        return {"mean_step_s": 1.0, "timed_saves": 5, "expected_saves": 5}
+
+    monkeypatch.setattr(bench_trainer, "_run", fake_run)
+    gpu.trainer(2)
+    assert order == ["none", "ckpt", "ckpt", "none"], order
