@@ -164,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  each tensor to its pinned buffer {gib / out['per_tensor_s']:7.2f} GiB/s")
     with tempfile.TemporaryDirectory(prefix="gpu-engine-", dir=args.root) as root:
         out["engine"] = e = engine(state, args.reps, root)
-    staging_share = out["link_s"] / e["stall_s"]
+    out["staging_share"] = staging_share = out["link_s"] / e["stall_s"]
+    out["staging_verdict"] = "PASS" if staging_share >= 0.8 else "MISS"
     print(f"  engine staging (save() stall)    {gib / e['stall_s']:7.2f} GiB/s = "
-          f"{staging_share:.2f}x the link (target >= 0.8x) "
-          f"{'PASS' if staging_share >= 0.8 else 'MISS'}")
+          f"{staging_share:.2f}x the link (target >= 0.8x) {out['staging_verdict']}")
     print(f"  engine persist {e['persist_s']:.2f} s ({gib / e['persist_s']:.2f} GiB/s), load "
           f"onto the device {e['load_s']:.2f} s ({gib / e['load_s']:.2f} GiB/s), bit for bit: "
           f"{e['bitwise_equal']}")

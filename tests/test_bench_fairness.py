@@ -227,3 +227,26 @@ def test_gpu_bench_alternates_which_trainer_run_of_a_pair_goes_first(
     monkeypatch.setattr(bench_trainer, "_run", fake_run)
     gpu.trainer(2)
     assert order == ["none", "ckpt", "ckpt", "none"], order
+
+
+def test_gpu_bench_json_carries_the_staging_share_and_verdict_it_prints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The staging share of the link and its PASS/MISS are in the JSON as in the text (here
+    a stall of 0.5 s against a link of 0.2 s: 0.4x, a MISS), with the measurements faked."""
+    from bench import gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake device")
+    monkeypatch.setattr(gpu, "_state", lambda gib: {"model": {"w": torch.ones(4), "norms": []}})
+    monkeypatch.setattr(gpu, "link", lambda nbytes, reps: 0.2)
+    monkeypatch.setattr(gpu, "per_tensor", lambda tensors, reps: 0.3)
+    monkeypatch.setattr(gpu, "engine", lambda state, reps, root: {
+        "stall_s": 0.5, "persist_s": 1.0, "load_s": 1.0, "loaded_step": 3,
+        "bitwise_equal": True})
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--trainer-pairs", "0", "--json", str(out)]) == 0
+    assert "0.40x the link (target >= 0.8x) MISS" in capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    assert figures["staging_share"] == pytest.approx(0.4)
+    assert figures["staging_verdict"] == "MISS"
