@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"layout": layout, "pairs": pairs,
                                                "overhead": overhead, "verdict": verdict,
-                                               "gpu": gpu}, indent=2))
+                                               "stall_share": stall_share, "gpu": gpu},
+                                              indent=2))
     return 0
 
 

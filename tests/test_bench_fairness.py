@@ -250,3 +250,23 @@ def test_gpu_bench_json_carries_the_staging_share_and_verdict_it_prints(
     figures = json.loads(out.read_text())
     assert figures["staging_share"] == pytest.approx(0.4)
     assert figures["staging_verdict"] == "MISS"
+
+
+def test_trainer_bench_json_carries_the_stall_share_it_prints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """What the loop waits for (mean stall / (every x mean step)) is in the JSON as in the text:
+    a stall of 0.05 s per 10 steps of 1 s is 0.50%."""
+    from bench import trainer as bench_trainer
+
+    def fake_run(args: object, run_dir: Path, every: int | None) -> dict[str, float]:
+        return {"mean_step_s": 1.0, "median_step_s": 1.0, "checkpoints": 5,
+                "expected_saves": 4, "timed_saves": 4, "mean_stall_s": 0.05 if every else 0.0,
+                "mean_persist_s": 0.1 if every else 0.0}
+
+    monkeypatch.setattr(bench_trainer, "_run", fake_run)
+    monkeypatch.setattr(bench_trainer, "gpu_stall", lambda: None)
+    out = tmp_path / "trainer.json"
+    assert bench_trainer.main(["--pairs", "1", "--json", str(out)]) == 0
+    assert "= 0.50% (the rest" in capsys.readouterr().out
+    assert json.loads(out.read_text())["stall_share"] == pytest.approx(0.005)
