@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -88,13 +89,17 @@ def per_tensor(tensors: list[Any], reps: int) -> float:
 
 def engine(state: dict[str, Any], reps: int, root: str) -> dict[str, Any]:
     """Stall and persist of blocking-staging saves (after one untimed save: plan, staging
-    area), and a load back onto the device, bit for bit."""
+    area), and a load back onto the device, bit for bit. The step before each save's is
+    deleted after it, untimed (as in ``bench.engine``: retention's deletes, which ``wait()``
+    waits for, are no part of a persist)."""
     import torch
 
     from antifragile.engine import CheckpointEngine
+    from antifragile.engine._paths import step_dir
+    from bench._machine import remove
 
     stalls, persists = [], []
-    with CheckpointEngine(root, keep_last=2) as ckpt:
+    with CheckpointEngine(root, keep_last=None) as ckpt:
         ckpt.save(0, state, blocking=True)
         for i in range(1, reps + 1):
             torch.cuda.synchronize()
@@ -103,6 +108,7 @@ def engine(state: dict[str, Any], reps: int, root: str) -> dict[str, Any]:
             handle.wait()
             persists.append(time.perf_counter() - t0)
             stalls.append(handle.stall_s)
+            remove(os.path.join(ckpt.url, step_dir(i - 1)))
         target = {"model": {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else
                             [torch.zeros_like(x) for x in v] for k, v in state["model"].items()}}
         torch.cuda.synchronize()

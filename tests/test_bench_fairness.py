@@ -270,3 +270,31 @@ def test_trainer_bench_json_carries_the_stall_share_it_prints(
     assert bench_trainer.main(["--pairs", "1", "--json", str(out)]) == 0
     assert "= 0.50% (the rest" in capsys.readouterr().out
     assert json.loads(out.read_text())["stall_share"] == pytest.approx(0.005)
+
+
+def test_gpu_bench_engine_persist_excludes_deleting_older_checkpoints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's persist is its save until committed, as in ``bench.engine``: no deletion of
+    an older checkpoint (retention, which ``wait()`` also waits for) is timed. On a clock that
+    moves only while a checkpoint folder is deleted (100 s each), the persist is 0 s; the
+    device's synchronize is a no-op and the state on the CPU."""
+    import types
+
+    from antifragile.engine.storage._local import LocalStorage
+    from bench import gpu
+
+    clock = [0.0]
+    real_delete_tree = LocalStorage.delete_tree
+
+    def slow_delete_tree(self: LocalStorage, prefix: str) -> bool:
+        clock[0] += 100.0
+        return real_delete_tree(self, prefix)
+
+    monkeypatch.setattr(LocalStorage, "delete_tree", slow_delete_tree)
+    monkeypatch.setattr(gpu, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    state = {"model": {"w": torch.randn(64, 64), "norms": [torch.ones(8)],
+                       "step": torch.tensor(7)}}
+    e = gpu.engine(state, 3, str(tmp_path / "ckpt"))
+    assert e["persist_s"] == 0.0, e
+    assert e["loaded_step"] == 3 and e["bitwise_equal"] is False  # CPU, not on the device
