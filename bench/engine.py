@@ -16,7 +16,8 @@ shapes) on local disk:
 
 Methods run round-robin within each repetition (so slow drift of the disk hits all alike), the
 page cache is dropped before every timed run when the process may write
-``/proc/sys/vm/drop_caches``, and medians are reported with their spread. The stall target uses
+``/proc/sys/vm/drop_caches``, and medians are reported with their spread; a target gets its
+PASS/MISS only from at least 3 samples a side (``n/a`` with ``--quick``). The stall target uses
 per-repetition pairs (each save right after its memcpy): memory bandwidth on a shared VM drifts.
 The CPU other processes used during the run is reported, so a number taken on a busy machine
 says so. Every file is deleted at the end.
@@ -101,11 +102,15 @@ class Row:
         return self.nbytes / GIB / self.seconds
 
 
+MIN_SAMPLES = 3  # a target's verdict rests on a median of at least this many samples a side
+
+
 @dataclass(frozen=True, slots=True)
 class Ratio:
     """Row ``ours`` against row ``theirs``: throughput over throughput, or for stalls seconds
     over seconds. ``paired``: the median of per-repetition ratios (the rows' samples were taken
-    side by side), else the ratio of the medians. ``at_most`` / ``at_least`` make it a target."""
+    side by side), else the ratio of the medians. ``at_most`` / ``at_least`` make it a target,
+    which gets a verdict only from at least ``MIN_SAMPLES`` samples a side (``n``: the fewer)."""
 
     what: str
     ours: str
@@ -114,6 +119,7 @@ class Ratio:
     at_least: float | None = None
     paired: bool = False
     value: float = math.nan
+    n: int = 0
 
     @property
     def target(self) -> str:
@@ -123,6 +129,8 @@ class Ratio:
 
     @property
     def verdict(self) -> str:
+        if (self.at_most is not None or self.at_least is not None) and self.n < MIN_SAMPLES:
+            return "n/a"  # a median of one or two samples: no spread to judge it by
         if self.at_most is not None:
             return "PASS" if self.value <= self.at_most else "MISS"
         if self.at_least is not None:
@@ -361,8 +369,10 @@ def ratio_value(ours: Row, theirs: Row, *, paired: bool) -> float:
 
 def add_ratios(report: Report) -> None:
     for spec in RATIOS:
-        value = ratio_value(report.row(spec.ours), report.row(spec.theirs), paired=spec.paired)
-        report.ratios.append(replace(spec, value=value))
+        ours, theirs = report.row(spec.ours), report.row(spec.theirs)
+        value = ratio_value(ours, theirs, paired=spec.paired)
+        n = min(len(ours.samples), len(theirs.samples))
+        report.ratios.append(replace(spec, value=value, n=n))
 
 
 def render(report: Report) -> str:
@@ -388,6 +398,8 @@ def render(report: Report) -> str:
     lines.append("\n[ratios]")
     for r in report.ratios:
         how = "median of per-rep ratios" if r.paired else "ratio of medians"
+        if r.verdict == "n/a":
+            how += f"; n={r.n}: at least {MIN_SAMPLES} samples a side for a verdict"
         lines.append(
             f"  ratio {r.what:<44} {r.value:6.3f}x  {r.target:<16} {r.verdict:<4}  ({how})"
         )
@@ -461,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     add = parser.add_argument
     add("--size-gib", type=float, help="state size in GiB (default 2.0; 0.25 with --quick)")
     add("--dir", help="parent of the scratch folder (default /var/tmp: a real disk, not tmpfs)")
-    add("--quick", action="store_true", help="smoke run: 0.25 GiB, 1 repetition")
+    add("--quick", action="store_true",
+        help="smoke run: 0.25 GiB, 1 repetition (too few for a verdict: n/a)")
     add("--reps", type=int, help="timed repetitions per method (default 3; 1 with --quick)")
     add(
         "--peer-budget-s",

@@ -298,3 +298,23 @@ def test_gpu_bench_engine_persist_excludes_deleting_older_checkpoints(
     e = gpu.engine(state, 3, str(tmp_path / "ckpt"))
     assert e["persist_s"] == 0.0, e
     assert e["loaded_step"] == 3 and e["bitwise_equal"] is False  # CPU, not on the device
+
+
+@pytest.mark.parametrize(("reps", "verdicts"), [(1, {"n/a"}), (2, {"n/a"}),
+                                                (3, {"PASS", "MISS"})])
+def test_engine_bench_gives_a_target_no_verdict_on_fewer_than_three_samples(
+        reps: int, verdicts: set[str]) -> None:
+    """A median of one or two samples (``--quick``: one repetition; a slow peer cut short by
+    its budget) has no spread to judge by: a target checked on it is neither PASS nor MISS,
+    and the ratio says how many samples it rests on."""
+    from bench import engine as bench_engine
+
+    report = bench_engine.Report(config={})
+    for key, (section, what, throughput) in bench_engine.ROWS.items():
+        report.rows.append(bench_engine.Row(key=key, section=section, what=what,
+                                            samples=[1.0] * reps, nbytes=2**30 * throughput))
+    bench_engine.add_ratios(report)
+    targeted = [r for r in report.ratios if r.target]
+    assert targeted and {r.verdict for r in targeted} <= verdicts, [
+        (r.what, r.verdict) for r in targeted]
+    assert all(r.n == reps for r in report.ratios)
