@@ -60,7 +60,7 @@ from bench._peers import (
     torchsnapshot_take_sync,
 )
 from bench._state import gpt_like_state, map_tensors, model_dim, state_nbytes, tensors_of
-from bench.scale import ScalePoint, render_scale, scale_point
+from bench.scale import render_scale, scale_json, scale_point
 
 GIB = 2**30
 
@@ -492,8 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render_scale(points))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump([asdict(p) if isinstance(p, ScalePoint) else p for p in points], f,
-                          indent=1)
+                json.dump(scale_json(points), f, indent=1)
         return 0
     size = args.size_gib if args.size_gib is not None else (0.25 if args.quick else 2.0)
     reps = args.reps if args.reps is not None else (1 if args.quick else 3)

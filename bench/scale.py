@@ -8,8 +8,9 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
+from typing import Any
 
 from antifragile.engine import CheckpointEngine
 from antifragile.engine._paths import step_dir
@@ -57,6 +58,32 @@ class ScalePoint:
         staging area, as a fraction of state + staging."""
         held = self.nbytes + self.staging_nbytes
         return (self.peak_rss - self.base_rss - held) / held
+
+    @property
+    def rss_verdict(self) -> str:
+        return "PASS" if self.rss_extra <= 0.10 else "MISS"
+
+
+def growth(points: list[ScalePoint | str]) -> tuple[float, str] | None:
+    """s/GiB at the slowest size over the fastest, and its verdict (target <= 1.5x: linear,
+    no cliff); None with fewer than two sizes measured."""
+    per_gib = [p.s_per_gib for p in points if isinstance(p, ScalePoint)]
+    if len(per_gib) < 2:
+        return None
+    ratio = max(per_gib) / min(per_gib)
+    return ratio, "PASS" if ratio <= 1.5 else "MISS"
+
+
+def scale_json(points: list[ScalePoint | str]) -> dict[str, Any]:
+    """The sweep as JSON: each size's samples and the figures and verdicts ``render_scale``
+    prints (a size skipped: why), and the s/GiB growth with its verdict."""
+    grown = growth(points)
+    return {"points": [p if isinstance(p, str) else asdict(p) | {
+        "persist_gib_s": p.persist_gib_s, "direct_ratio": p.direct_ratio,
+        "s_per_gib": p.s_per_gib, "rss_extra": p.rss_extra, "rss_verdict": p.rss_verdict}
+        for p in points],
+        "s_per_gib_growth": grown[0] if grown else None,
+        "growth_verdict": grown[1] if grown else None}
 
 
 def scale_point(size_gib: float, parent: str, reps: int) -> ScalePoint | str:
@@ -107,22 +134,18 @@ def render_scale(points: list[ScalePoint | str]) -> str:
              "sequential write of the same bytes from the staging arena; medians)",
              f"  {'size':>8} {'stall':>8} {'persist':>9} {'GiB/s':>7} {'O_DIRECT':>9} "
              f"{'ratio':>6} {'s/GiB':>7}  peak RSS during saves (over process + state + staging)"]
-    done = [p for p in points if isinstance(p, ScalePoint)]
     for p in points:
         if isinstance(p, str):
             lines.append(f"  {p}")
             continue
-        rss_verdict = "PASS" if p.rss_extra <= 0.10 else "MISS"
         lines.append(
             f"  {p.nbytes / GIB:6.2f}Gi {statistics.median(p.stall_s):7.3f}s "
             f"{statistics.median(p.persist_s):8.3f}s {p.persist_gib_s:7.3f} "
             f"{statistics.median(p.direct_s):8.3f}s {p.direct_ratio:5.2f}x {p.s_per_gib:6.3f}s"
             f"  {p.peak_rss / GIB:6.2f} GiB ({100 * p.rss_extra:+.1f}%, target <= 10% "
-            f"{rss_verdict})")
-    if len(done) > 1:
-        per_gib = [p.s_per_gib for p in done]
-        growth = max(per_gib) / min(per_gib)
-        verdict = "PASS" if growth <= 1.5 else "MISS"
-        lines.append(f"  ratio s/GiB largest / smallest {growth:6.3f}x  target <= 1.5x (linear, "
-                     f"no cliff) {verdict}")
+            f"{p.rss_verdict})")
+    grown = growth(points)
+    if grown is not None:
+        lines.append(f"  ratio s/GiB largest / smallest {grown[0]:6.3f}x  target <= 1.5x "
+                     f"(linear, no cliff) {grown[1]}")
     return "\n".join(lines)

@@ -318,3 +318,36 @@ def test_engine_bench_gives_a_target_no_verdict_on_fewer_than_three_samples(
     assert targeted and {r.verdict for r in targeted} <= verdicts, [
         (r.what, r.verdict) for r in targeted]
     assert all(r.n == reps for r in report.ratios)
+
+
+def test_engine_bench_sweep_json_carries_the_ratios_and_verdicts_it_prints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--sweep``: each size's ratio to O_DIRECT, s/GiB and peak RSS over state + staging
+    with its PASS/MISS, and the s/GiB growth with its verdict, are in the JSON as in the text
+    (the points faked: 1 GiB at 1 s, 2 GiB at 4 s: 2x s/GiB, a MISS)."""
+    from bench import engine as bench_engine
+    from bench.scale import ScalePoint
+
+    gib = 2**30
+
+    def fake_point(size_gib: float, parent: str, reps: int) -> ScalePoint | str:
+        if size_gib > 2:
+            return "4 GiB skipped: no memory"
+        n = int(size_gib * gib)
+        return ScalePoint(size_gib=size_gib, nbytes=n, staging_nbytes=n,
+                          stall_s=[0.1], persist_s=[size_gib**2], direct_s=[size_gib],
+                          base_rss=gib, peak_rss=gib + int(2.5 * n))
+
+    monkeypatch.setattr(bench_engine, "scale_point", fake_point)
+    out = tmp_path / "sweep.json"
+    assert bench_engine.main(["--sweep", "1,2,4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "+25.0%, target <= 10% MISS" in text and "2.000x  target <= 1.5x" in text
+    doc = json.loads(out.read_text())
+    one, two, skipped = doc["points"]
+    assert one["direct_ratio"] == pytest.approx(1.0) and two["direct_ratio"] == pytest.approx(0.5)
+    assert two["s_per_gib"] == pytest.approx(2.0) and two["persist_gib_s"] == pytest.approx(0.5)
+    assert one["rss_extra"] == pytest.approx(0.25) and one["rss_verdict"] == "MISS"
+    assert skipped == "4 GiB skipped: no memory"
+    assert doc["s_per_gib_growth"] == pytest.approx(2.0) and doc["growth_verdict"] == "MISS"
