@@ -23,7 +23,8 @@ transfers with obstore (``put`` / ``get_range``), the client the engine itself u
 costs far less CPU per request than s3fs: against it the ratio is the engine's own overhead
 (protocol, checksums, staging). Every method runs once in each repetition, in turn (slow drift
 of the machine hits all alike); medians are printed
-with the ratios (issue 12's targets: persist and load <= 1.5x raw s3fs).
+with the ratios (issue 12's targets: persist and load <= 1.5x raw s3fs; a verdict from at
+least 3 repetitions, else n/a).
 
 ``--ranks N`` (N > 1) adds ``quickstart xN``: N gloo processes on this machine save the
 quickstart state as data-parallel replicas (each rank writes its share of the objects; rank 0
@@ -66,6 +67,7 @@ STATES = {
 }
 RAW = ("raw_put", "raw_put_obstore", "raw_get", "raw_get_obstore")
 TARGET = 1.5  # issue 12: persist and load within 1.5x the raw concurrent transfer
+MIN_SAMPLES = 3  # a verdict rests on a median of at least this many samples a side
 
 
 def gpt_state(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
@@ -112,7 +114,10 @@ class Figures:
         return self.median(engine) / self.median(raw)
 
     def verdict(self, engine: str, raw: str) -> str:
-        """PASS when the engine took at most ``TARGET`` times the raw transfer (a NaN: MISS)."""
+        """PASS when the engine took at most ``TARGET`` times the raw transfer (a NaN: MISS);
+        n/a from fewer than ``MIN_SAMPLES`` samples a side (no spread to judge by)."""
+        if min(len(self.samples[engine]), len(self.samples[raw])) < MIN_SAMPLES:
+            return "n/a"
         return "PASS" if self.ratio(engine, raw) <= TARGET else "MISS"
 
 
@@ -365,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--io-threads", type=int, default=8,
                         help="the engine's io_threads and the raw baseline's pool (default 8)")
     parser.add_argument("--volumes", type=int, default=2, help="volume servers (default 2)")
-    parser.add_argument("--quick", action="store_true", help="2 repetitions, quickstart only")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 repetitions, quickstart only (too few for a verdict: n/a)")
     parser.add_argument("--ranks", type=int, default=1,
                         help="also measure the quickstart state saved by N gloo ranks")
     parser.add_argument("--only-ranks", action="store_true",

@@ -79,7 +79,7 @@ def test_s3_benchmark_prints_ratios_and_request_counts(tmp_path: Path) -> None:
     assert state["persist_ratio"] > 0 and state["load_ratio"] > 0
     assert state["persist_ratio_obstore"] > 0 and state["load_ratio_obstore"] > 0
     for what in ("persist", "load"):  # the verdicts the table prints, in the JSON too
-        verdict = "PASS" if state[f"{what}_ratio"] <= state["target"] else "MISS"
+        verdict = "n/a"  # --quick: 2 repetitions, too few for a verdict
         assert state[f"{what}_verdict"] == verdict
         assert f"{state[f'{what}_ratio']:5.2f}x  (target <= 1.5x: {verdict})" in out
 

@@ -351,3 +351,15 @@ def test_engine_bench_sweep_json_carries_the_ratios_and_verdicts_it_prints(
     assert one["rss_extra"] == pytest.approx(0.25) and one["rss_verdict"] == "MISS"
     assert skipped == "4 GiB skipped: no memory"
     assert doc["s_per_gib_growth"] == pytest.approx(2.0) and doc["growth_verdict"] == "MISS"
+
+
+@pytest.mark.parametrize(("reps", "verdict"), [(1, "n/a"), (2, "n/a"), (3, "PASS")])
+def test_s3_bench_gives_a_target_no_verdict_on_fewer_than_three_samples(
+        reps: int, verdict: str) -> None:
+    """As ``bench.engine``'s: a median of one or two samples (``--quick``: 2 repetitions) is
+    neither PASS nor MISS of the 1.5x target."""
+    from bench.s3 import Figures
+
+    fig = Figures("quickstart", 1, 4, samples={"persist": [1.0] * reps, "raw_put": [1.0] * reps})
+    assert fig.ratio("persist", "raw_put") == 1.0
+    assert fig.verdict("persist", "raw_put") == verdict
