@@ -510,6 +510,37 @@ def test_a_resume_with_another_seed_is_refused(tmp_path: Path) -> None:
     assert train(4, seed=7).returncode == 0
 
 
+def test_a_resume_with_another_model_shape_is_refused(tmp_path: Path) -> None:
+    """A model with fewer --layers loads a subset of the checkpoint's tensors, and one with
+    other --heads over the same --d-model tensors of the same shapes: both resumed without a
+    word, dropping trained blocks or computing another function of the same weights. Now they
+    are refused like another --seed, naming the setting and both values."""
+    import subprocess
+
+    from _trainer import SMALL_MODEL, env
+
+    from antifragile.trainer.supervisor import NO_RESUME_EXIT_CODE
+
+    run_env = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")}
+
+    def train(steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", str(steps),
+             "--ckpt-every", "2", "--ckpt-url", str(tmp_path / "ckpt"), "--run-dir",
+             str(tmp_path), *extra],
+            env=run_env, capture_output=True, text=True, timeout=120)
+
+    assert train(2).returncode == 0  # SMALL_MODEL: 2 layers, 4 heads
+    for extra, message in [(("--layers", "1"), "--layers 2, this run has --layers 1"),
+                           (("--heads", "2"), "--heads 4, this run has --heads 2")]:
+        proc = train(4, *extra)
+        assert proc.returncode == NO_RESUME_EXIT_CODE, (extra, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert f"step 2 was trained with {message}" in proc.stderr, proc.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_000000002"]
+    assert train(4).returncode == 0
+
+
 _REFUSING_LAST_STEP = """
 import sys
 from antifragile.engine.storage._local import LocalStorage

@@ -2,8 +2,10 @@
 
 A checkpoint holds ``model/<fqn>`` and ``optim/state.<fqn>.<exp_avg|...>`` (FQN-keyed through
 torch's distributed state-dict helpers, so every pipeline stage and layout names a parameter
-the same way) plus ``train``: the step, the data cursor and the seed (the data stream is a
-function of it, so a resume with another one is refused). The engine that stores it is a
+the same way) plus ``train``: the step, the data cursor, the seed (the data stream is a
+function of it, so a resume with another one is refused) and the model's settings
+(``--layers``, ``--heads`` ...: fewer layers load a subset of the tensors, other heads the same
+tensors into another function; a resume with others is refused too). The engine is a
 ``trainer.ckpt_backends`` backend (ours, DCP or torchsnapshot); the events are the same for all.
 """
 
@@ -44,9 +46,11 @@ class ResumeError(Exception):
 
 class TrainCheckpointer:
     def __init__(self, backend: Backend, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, events: EventLog, *, seed: int = 0) -> None:
+                 optimizer: torch.optim.Optimizer, events: EventLog, *, seed: int = 0,
+                 shape: dict[str, int] | None = None) -> None:
         self.backend = backend
         self.seed = seed
+        self.shape = dict(shape or {})  # the model's settings by option name: {"layers": 4}
         self.model = model
         self.optimizer = optimizer
         self.events = events
@@ -59,7 +63,8 @@ class TrainCheckpointer:
     def _state(self, step: int, cursor: int) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
         return {"model": model_sd, "optim": optim_sd,
-                "train": {"step": step, "data_cursor": cursor, "seed": self.seed}}
+                "train": {"step": step, "data_cursor": cursor, "seed": self.seed,
+                          **({"model": dict(self.shape)} if self.shape else {})}}
 
     def restore(self, memory: Any = None) -> tuple[int, int] | None:
         """Load the newest intact checkpoint: (step, data cursor), or None to start fresh.
@@ -90,6 +95,15 @@ class TrainCheckpointer:
                               f"this run has --seed {self.seed}: its batches would differ from "
                               "the checkpoint's run (resume with that seed, or start a run "
                               "with a fresh --ckpt-url)")
+        # saved before the model's settings were stored: not known, so not checked
+        saved_shape = state["train"].get("model") or {}
+        for name, value in self.shape.items():
+            if name in saved_shape and int(saved_shape[name]) != value:
+                option = "--" + name.replace("_", "-")
+                raise ResumeError(f"step {step} was trained with {option} {saved_shape[name]}, "
+                                  f"this run has {option} {value}: the checkpoint is of another "
+                                  "model (resume with that setting, or start a run with a "
+                                  "fresh --ckpt-url)")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=_OPTIONS)
         t3 = time.perf_counter()

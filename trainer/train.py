@@ -331,8 +331,12 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
                                timeout_s=cfg.ckpt_timeout_s, async_=cfg.async_ckpt,
                                keep_in_memory=cfg.recovery == "in_process",
                                on_phase=pauses.save_phase)
+        m = cfg.model
         ckpt = TrainCheckpointer(backend, trainer.model, trainer.optimizer, events,
-                                seed=cfg.seed)
+                                seed=cfg.seed,
+                                shape={"layers": m.layers, "d_model": m.d_model,
+                                       "heads": m.heads, "vocab": m.vocab,
+                                       "seq_len": m.seq_len})
         checkpointer.append(ckpt)
     ctx.sockets.end()  # every process group of this generation exists now
     if ckpt is not None:
