@@ -42,3 +42,35 @@ def test_example_survives_a_kill_bitwise(scenario: str, killed_after: int,
     committed = [c for c in report["checkpoints"] if c["committed"]]
     assert committed and all(c["bytes"] and c["persist_s"] is not None for c in committed
                              if "restored_by" not in c)  # known only by its restore
+
+
+def test_fsdp2_dcp_whose_every_checkpoint_fails_to_load_starts_from_its_initial_model(
+        tmp_path: Path) -> None:
+    """DCP loads into the model's own tensors: a step that failed to load part way had
+    already overwritten some of them, and where no older step loaded either the script
+    trained "from step 0" on a mixture of its initial weights and the damaged checkpoint's,
+    which a run without those checkpoints (its reference) never sees."""
+    import subprocess
+    import sys
+
+    from antifragile.trainer.ckpt_backends.dcp import read
+    from tests._trainer import assert_bitwise_equal, env
+
+    def train(ckpt: Path, every: int) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node=1", f"--log-dir={ckpt.parent / 'torchelastic'}",
+             str(Path(__file__).resolve().parent.parent / "examples" / "fsdp2_dcp" / "train.py"),
+             "--steps", "2", "--ckpt-every", str(every), "--ckpt-url", str(ckpt)],
+            env=env(), capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    fresh, damaged = tmp_path / "fresh" / "ckpt", tmp_path / "damaged" / "ckpt"
+    train(fresh, 2)
+    train(damaged, 1)
+    for data in damaged.glob("step_*/*.distcp"):  # the tail of every step's tensors is gone
+        data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
+    out = train(damaged, 2)
+    assert "step 2 does not load" in out and "step 1 does not load" in out, out
+    assert_bitwise_equal(read(str(fresh), 2), read(str(damaged), 2))

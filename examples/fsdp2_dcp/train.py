@@ -55,6 +55,16 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def build() -> tuple[Net, torch.optim.Optimizer]:
+    """The model, sharded, and its optimizer: initialised alike on every call."""
+    torch.manual_seed(0)
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
 def batch(step: int, rank: int, world: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of the global batch of ``step`` (seeded by the step: resumable)."""
     g = torch.Generator().manual_seed(10_000 + step)
@@ -93,13 +103,8 @@ def main() -> None:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
-    model = Net()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer = build()
     root = Path(args.ckpt_url)
 
     step = 0
@@ -113,6 +118,9 @@ def main() -> None:
                 raise
             if rank == 0:
                 print(f"step {candidate} does not load ({type(exc).__name__}); trying older")
+            # DCP loads into the model's own tensors: a load that failed part way may have
+            # overwritten some of them (where none loads, training starts from a fresh model)
+            model, optimizer = build()
             continue
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
