@@ -541,6 +541,41 @@ def test_a_resume_with_another_model_shape_is_refused(tmp_path: Path) -> None:
     assert train(4).returncode == 0
 
 
+def test_a_resume_that_drops_or_adds_the_token_file_is_refused(tmp_path: Path) -> None:
+    """The batches come from --data-path, or are synthetic without it: a restart whose
+    command line lost the flag (or gained one) trained on other data than the checkpoint's run
+    from then on, without a word, as another --seed did. Both are refused now."""
+    import subprocess
+
+    from _trainer import SMALL_MODEL, env
+
+    from antifragile.trainer.supervisor import NO_RESUME_EXIT_CODE
+
+    run_env = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")}
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.arange(1000, dtype=np.int32) % 64)
+
+    def train(ckpt: str, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", str(steps),
+             "--ckpt-every", "2", "--ckpt-url", str(tmp_path / ckpt), "--run-dir",
+             str(tmp_path), *extra],
+            env=run_env, capture_output=True, text=True, timeout=120)
+
+    assert train("file", 2, "--data-path", str(tokens)).returncode == 0
+    assert train("synthetic", 2).returncode == 0
+    for ckpt, extra, message in [
+            ("file", (), "step 2 was trained on a --data-path token file, this run on "
+             "synthetic data"),
+            ("synthetic", ("--data-path", str(tokens)), "step 2 was trained on synthetic data, "
+             "this run on a --data-path token file")]:
+        proc = train(ckpt, 4, *extra)
+        assert proc.returncode == NO_RESUME_EXIT_CODE, (ckpt, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert message in proc.stderr, proc.stderr[-2000:]
+    assert train("file", 4, "--data-path", str(tokens)).returncode == 0
+
+
 _REFUSING_LAST_STEP = """
 import sys
 from antifragile.engine.storage._local import LocalStorage

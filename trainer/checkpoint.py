@@ -5,7 +5,9 @@ torch's distributed state-dict helpers, so every pipeline stage and layout names
 the same way) plus ``train``: the step, the data cursor, the seed (the data stream is a
 function of it, so a resume with another one is refused) and the model's settings
 (``--layers``, ``--heads`` ...: fewer layers load a subset of the tensors, other heads the same
-tensors into another function; a resume with others is refused too). The engine is a
+tensors into another function; a resume with others is refused too) and where the data comes
+from (synthetic, or a ``--data-path`` file: a restart that lost or gained the flag is refused;
+the file itself may move or change). The engine is a
 ``trainer.ckpt_backends`` backend (ours, DCP or torchsnapshot); the events are the same for all.
 """
 
@@ -27,6 +29,7 @@ from antifragile.trainer.events import EventLog
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 FINAL_SAVE_MAX_DELAY_S = 15.0  # the longest backoff between the last step's retries
+_DATA = {"synthetic": "synthetic data", "file": "a --data-path token file"}  # train["data"]
 
 
 def _any_rank(device: torch.device, *flags: bool) -> list[bool]:
@@ -47,9 +50,10 @@ class ResumeError(Exception):
 class TrainCheckpointer:
     def __init__(self, backend: Backend, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, events: EventLog, *, seed: int = 0,
-                 shape: dict[str, int] | None = None) -> None:
+                 shape: dict[str, int] | None = None, data: str | None = None) -> None:
         self.backend = backend
         self.seed = seed
+        self.data = data  # "synthetic" or "file" (None: not recorded)
         self.shape = dict(shape or {})  # the model's settings by option name: {"layers": 4}
         self.model = model
         self.optimizer = optimizer
@@ -64,7 +68,8 @@ class TrainCheckpointer:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
         return {"model": model_sd, "optim": optim_sd,
                 "train": {"step": step, "data_cursor": cursor, "seed": self.seed,
-                          **({"model": dict(self.shape)} if self.shape else {})}}
+                          **({"model": dict(self.shape)} if self.shape else {}),
+                          **({"data": self.data} if self.data is not None else {})}}
 
     def restore(self, memory: Any = None) -> tuple[int, int] | None:
         """Load the newest intact checkpoint: (step, data cursor), or None to start fresh.
@@ -104,6 +109,12 @@ class TrainCheckpointer:
                                   f"this run has {option} {value}: the checkpoint is of another "
                                   "model (resume with that setting, or start a run with a "
                                   "fresh --ckpt-url)")
+        saved_data = state["train"].get("data", self.data)  # not stored before: not checked
+        if self.data is not None and saved_data != self.data:
+            raise ResumeError(f"step {step} was trained on {_DATA.get(saved_data, saved_data)}, "
+                              f"this run on {_DATA[self.data]}: its batches would differ from the "
+                              "checkpoint's run (resume with the same data, or start a run "
+                              "with a fresh --ckpt-url)")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=_OPTIONS)
         t3 = time.perf_counter()

@@ -336,7 +336,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
                                 seed=cfg.seed,
                                 shape={"layers": m.layers, "d_model": m.d_model,
                                        "heads": m.heads, "vocab": m.vocab,
-                                       "seq_len": m.seq_len})
+                                       "seq_len": m.seq_len},
+                                data="synthetic" if cfg.data_path is None else "file")
         checkpointer.append(ckpt)
     ctx.sockets.end()  # every process group of this generation exists now
     if ckpt is not None:
