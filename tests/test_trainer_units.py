@@ -576,6 +576,37 @@ def test_a_resume_that_drops_or_adds_the_token_file_is_refused(tmp_path: Path) -
     assert train("file", 4, "--data-path", str(tokens)).returncode == 0
 
 
+def test_a_resume_with_another_checkpoint_engine_is_refused(tmp_path: Path) -> None:
+    """A restart with another --ckpt-engine at the same --ckpt-url found none of its own
+    checkpoints there: it trained from step 0 without a word, and its saves and retention
+    removed or overwrote the checkpoints the run had (same step folder names). It now refuses,
+    naming the engine that saved them, and leaves them alone."""
+    import subprocess
+
+    from _trainer import SMALL_MODEL, env
+
+    from antifragile.trainer.supervisor import NO_RESUME_EXIT_CODE
+
+    run_env = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")}
+    ckpt = tmp_path / "ckpt"
+
+    def train(steps: int, engine: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", str(steps),
+             "--ckpt-every", "2", "--ckpt-url", str(ckpt), "--run-dir", str(tmp_path),
+             "--ckpt-engine", engine],
+            env=run_env, capture_output=True, text=True, timeout=120)
+
+    assert train(4, "dcp").returncode == 0
+    saved = sorted(p.relative_to(ckpt) for p in ckpt.rglob("*"))
+    proc = train(6, "antifragile")
+    assert proc.returncode == NO_RESUME_EXIT_CODE, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "checkpoints of --ckpt-engine dcp (steps [2, 4])" in proc.stderr, proc.stderr[-2000:]
+    assert sorted(p.relative_to(ckpt) for p in ckpt.rglob("*")) == saved
+    assert train(6, "dcp").returncode == 0
+
+
 _REFUSING_LAST_STEP = """
 import sys
 from antifragile.engine.storage._local import LocalStorage

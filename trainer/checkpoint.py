@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,8 +51,11 @@ class ResumeError(Exception):
 class TrainCheckpointer:
     def __init__(self, backend: Backend, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, events: EventLog, *, seed: int = 0,
-                 shape: dict[str, int] | None = None, data: str | None = None) -> None:
+                 shape: dict[str, int] | None = None, data: str | None = None,
+                 foreign: Callable[[], dict[str, list[int]]] | None = None) -> None:
         self.backend = backend
+        # where there is nothing to restore: the other engines' committed steps at the URL
+        self.foreign = foreign
         self.seed = seed
         self.data = data  # "synthetic" or "file" (None: not recorded)
         self.shape = dict(shape or {})  # the model's settings by option name: {"layers": 4}
@@ -79,6 +83,15 @@ class TrainCheckpointer:
         StorageError (a restart may find it back)."""
         try:
             if not self.backend.candidates():
+                found = self.foreign() if self.foreign is not None else {}
+                device = next(self.model.parameters()).device
+                if _any_rank(device, bool(found))[0]:  # every rank refuses, or none
+                    saved = "; ".join(f"checkpoints of --ckpt-engine {engine} (steps {steps})"
+                                      for engine, steps in found.items())
+                    raise ResumeError(f"no checkpoint of --ckpt-engine {self.backend.name} "
+                                      f"but {saved or 'those of another engine'}: "
+                                      "starting over would remove them (resume with that "
+                                      "engine, or start a run with a fresh --ckpt-url)")
                 return None
             self.events.emit("restore_begin")
             t0 = time.perf_counter()

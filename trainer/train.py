@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from antifragile.trainer.abort import FailureWatch, GlooSockets
 from antifragile.trainer.checkpoint import ResumeError, TrainCheckpointer
-from antifragile.trainer.ckpt_backends import open_backend
+from antifragile.trainer.ckpt_backends import foreign_steps, open_backend
 from antifragile.trainer.config import TrainConfig
 from antifragile.trainer.data import TokenData
 from antifragile.trainer.distributed import (
@@ -327,6 +327,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
     ckpt: TrainCheckpointer | None = None
     step, cursor = 0, 0
     if cfg.ckpt_url:
+        url = cfg.ckpt_url
         backend = open_backend(cfg.ckpt_engine, cfg.ckpt_url, keep_last=cfg.keep_last,
                                timeout_s=cfg.ckpt_timeout_s, async_=cfg.async_ckpt,
                                keep_in_memory=cfg.recovery == "in_process",
@@ -337,7 +338,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
                                 shape={"layers": m.layers, "d_model": m.d_model,
                                        "heads": m.heads, "vocab": m.vocab,
                                        "seq_len": m.seq_len},
-                                data="synthetic" if cfg.data_path is None else "file")
+                                data="synthetic" if cfg.data_path is None else "file",
+                                foreign=lambda: foreign_steps(cfg.ckpt_engine, url))
         checkpointer.append(ckpt)
     ctx.sockets.end()  # every process group of this generation exists now
     if ckpt is not None:

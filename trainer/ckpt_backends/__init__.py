@@ -16,9 +16,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from antifragile.trainer.ckpt_backends.base import Backend, PendingSave
+from antifragile.trainer.ckpt_backends.base import Backend, PendingSave, committed
 
 ENGINES = ("antifragile", "dcp", "torchsnapshot")
+# the file each engine writes last into a step folder of local storage (its commit)
+_MARKERS = {"antifragile": "COMMIT", "dcp": ".metadata", "torchsnapshot": ".snapshot_metadata"}
 
 
 def _module(engine: str) -> ModuleType:
@@ -50,6 +52,19 @@ def open_backend(engine: str, url: str, *, keep_last: int, timeout_s: float,
     return backend
 
 
+def foreign_steps(engine: str, url: str) -> dict[str, list[int]]:
+    """The committed steps of the engines other than ``engine`` under a local ``url`` (the
+    peers run on local storage only: none under a remote one). All engines name their step
+    folders alike: a run started with another engine than the one that saved would see none
+    of them, train from step 0 and remove them with its own saves and retention."""
+    if "://" in url and not url.startswith("file://"):
+        return {}
+    root = Path(url.removeprefix("file://"))
+    found = {other: committed(root, marker) for other, marker in _MARKERS.items()
+             if other != engine}
+    return {other: steps for other, steps in found.items() if steps}
+
+
 def committed_steps(engine: str, url: str) -> list[int]:
     return list(_module(engine).steps(url))
 
@@ -66,4 +81,4 @@ def data_files(engine: str, url: str, step: int) -> list[Path]:
 
 
 __all__ = ["ENGINES", "Backend", "PendingSave", "committed_steps", "data_files",
-           "open_backend", "read_checkpoint"]
+           "foreign_steps", "open_backend", "read_checkpoint"]
