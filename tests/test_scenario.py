@@ -190,6 +190,20 @@ def test_the_reference_cache_key_is_what_decides_the_final_state() -> None:
         _paths.FORMAT_VERSION = real
 
 
+def test_a_reference_of_an_older_trainer_state_is_not_reused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The built-in trainer's checkpoints gained entries (``train``: the seed, the model's
+    settings, the data): a reference cached before that ends in another ``train`` than the
+    chaos run's, and its verdict failed on ``train`` until the cache was cleared."""
+    from antifragile.chaos.run import pipeline
+    from antifragile.trainer import checkpoint
+
+    base = parse_scenario(BASE)
+    key = pipeline._reference_key(base)
+    monkeypatch.setattr(checkpoint, "TRAIN_STATE_VERSION", checkpoint.TRAIN_STATE_VERSION + 1)
+    assert pipeline._reference_key(base) != key
+
+
 def test_two_runs_that_need_one_reference_make_it_once(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Two chaos runs of one scenario at once (two terminals, a suite beside a run, two test

@@ -30,6 +30,9 @@ from antifragile.trainer.events import EventLog
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 FINAL_SAVE_MAX_DELAY_S = 15.0  # the longest backoff between the last step's retries
+# what ``train`` holds, one more with each entry it gains (2: the model's settings and the
+# data): part of the chaos reference's cache key, since an older reference ends in another one
+TRAIN_STATE_VERSION = 2
 _DATA = {"synthetic": "synthetic data", "file": "a --data-path token file"}  # train["data"]
 
 

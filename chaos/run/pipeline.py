@@ -46,7 +46,8 @@ def _reference_key(s: Scenario) -> str:
     """Only what determines the final state (faults, expectations, recovery and detection
     settings do not), and the checkpoint format it is stored in (a cached reference of an
     older format could not be read). A command trainer's key also holds the content of every
-    file its command names (an edited script is a new reference)."""
+    file its command names (an edited script is a new reference); the built-in trainer's, what
+    its ``train`` entry holds (a reference saved with fewer entries differs in it)."""
     from antifragile.engine._paths import FORMAT_VERSION
 
     trainer = s.trainer.model_dump(exclude={"recovery", "spares", "hang_timeout_s",
@@ -57,6 +58,10 @@ def _reference_key(s: Scenario) -> str:
     if isinstance(s.trainer, CommandSpec):
         config["files"] = {arg: hashlib.sha256(Path(arg).read_bytes()).hexdigest()
                            for arg in s.trainer.command if os.path.isfile(arg)}
+    else:
+        from antifragile.trainer.checkpoint import TRAIN_STATE_VERSION
+
+        config["train_state"] = TRAIN_STATE_VERSION
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
