@@ -481,70 +481,15 @@ def test_a_run_whose_every_checkpoint_is_damaged_does_not_start_over(tmp_path: P
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000000002", "step_000000004"]
 
 
-def test_a_resume_with_another_seed_is_refused(tmp_path: Path) -> None:
-    """The data stream is a function of --seed: a run resumed with another --seed (a typo, a
-    launcher default) trained on other batches than the checkpoint's run from then on, and no
-    longer matched a run without the restart, without a word. It now refuses to resume,
-    naming both seeds, with the exit code that stops restarts."""
-    import subprocess
-
-    from _trainer import SMALL_MODEL, env
-
-    from antifragile.trainer.supervisor import NO_RESUME_EXIT_CODE
-
-    run_env = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")}
-
-    def train(steps: int, seed: int) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", str(steps),
-             "--ckpt-every", "2", "--ckpt-url", str(tmp_path / "ckpt"), "--run-dir",
-             str(tmp_path), "--seed", str(seed)],
-            env=run_env, capture_output=True, text=True, timeout=120)
-
-    assert train(2, seed=7).returncode == 0
-    proc = train(4, seed=8)
-    assert proc.returncode == NO_RESUME_EXIT_CODE, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "step 2 was trained with --seed 7, this run has --seed 8" in proc.stderr, \
-        proc.stderr[-2000:]
-    assert train(4, seed=7).returncode == 0
-
-
-def test_a_resume_with_another_model_shape_is_refused(tmp_path: Path) -> None:
-    """A model with fewer --layers loads a subset of the checkpoint's tensors, and one with
-    other --heads over the same --d-model tensors of the same shapes: both resumed without a
-    word, dropping trained blocks or computing another function of the same weights. Now they
-    are refused like another --seed, naming the setting and both values."""
-    import subprocess
-
-    from _trainer import SMALL_MODEL, env
-
-    from antifragile.trainer.supervisor import NO_RESUME_EXIT_CODE
-
-    run_env = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")}
-
-    def train(steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", str(steps),
-             "--ckpt-every", "2", "--ckpt-url", str(tmp_path / "ckpt"), "--run-dir",
-             str(tmp_path), *extra],
-            env=run_env, capture_output=True, text=True, timeout=120)
-
-    assert train(2).returncode == 0  # SMALL_MODEL: 2 layers, 4 heads
-    for extra, message in [(("--layers", "1"), "--layers 2, this run has --layers 1"),
-                           (("--heads", "2"), "--heads 4, this run has --heads 2")]:
-        proc = train(4, *extra)
-        assert proc.returncode == NO_RESUME_EXIT_CODE, (extra, proc.stderr[-2000:])
-        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-        assert f"step 2 was trained with {message}" in proc.stderr, proc.stderr[-2000:]
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_000000002"]
-    assert train(4).returncode == 0
-
-
-def test_a_resume_that_drops_or_adds_the_token_file_is_refused(tmp_path: Path) -> None:
-    """The batches come from --data-path, or are synthetic without it: a restart whose
-    command line lost the flag (or gained one) trained on other data than the checkpoint's run
-    from then on, without a word, as another --seed did. Both are refused now."""
+def test_a_resume_of_another_run_is_refused_naming_what_differs(tmp_path: Path) -> None:
+    """A resume with settings that change what the checkpoint means went on without a word:
+    another --seed or a lost/gained --data-path trained on other batches than the
+    checkpoint's run; fewer --layers loaded a subset of its tensors, other --heads the same
+    tensors into another function; another --ckpt-engine at the same URL found none of its
+    own checkpoints, trained from step 0 and overwrote or pruned the run's (same step folder
+    names). Each is now refused, naming both values, with the exit code that stops restarts,
+    and leaves the checkpoints alone. One saved run serves every mismatch (a launch costs
+    seconds)."""
     import subprocess
 
     from _trainer import SMALL_MODEL, env
@@ -555,56 +500,37 @@ def test_a_resume_that_drops_or_adds_the_token_file_is_refused(tmp_path: Path) -
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.arange(1000, dtype=np.int32) % 64)
 
-    def train(ckpt: str, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", str(steps),
-             "--ckpt-every", "2", "--ckpt-url", str(tmp_path / ckpt), "--run-dir",
-             str(tmp_path), *extra],
-            env=run_env, capture_output=True, text=True, timeout=120)
-
-    assert train("file", 2, "--data-path", str(tokens)).returncode == 0
-    assert train("synthetic", 2).returncode == 0
-    for ckpt, extra, message in [
-            ("file", (), "step 2 was trained on a --data-path token file, this run on "
-             "synthetic data"),
-            ("synthetic", ("--data-path", str(tokens)), "step 2 was trained on synthetic data, "
-             "this run on a --data-path token file")]:
-        proc = train(ckpt, 4, *extra)
-        assert proc.returncode == NO_RESUME_EXIT_CODE, (ckpt, proc.stderr[-2000:])
-        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-        assert message in proc.stderr, proc.stderr[-2000:]
-    assert train("file", 4, "--data-path", str(tokens)).returncode == 0
-
-
-def test_a_resume_with_another_checkpoint_engine_is_refused(tmp_path: Path) -> None:
-    """A restart with another --ckpt-engine at the same --ckpt-url found none of its own
-    checkpoints there: it trained from step 0 without a word, and its saves and retention
-    removed or overwrote the checkpoints the run had (same step folder names). It now refuses,
-    naming the engine that saved them, and leaves them alone."""
-    import subprocess
-
-    from _trainer import SMALL_MODEL, env
-
-    from antifragile.trainer.supervisor import NO_RESUME_EXIT_CODE
-
-    run_env = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")}
-    ckpt = tmp_path / "ckpt"
-
-    def train(steps: int, engine: str) -> subprocess.CompletedProcess[str]:
+    def train(ckpt: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", str(steps),
              "--ckpt-every", "2", "--ckpt-url", str(ckpt), "--run-dir", str(tmp_path),
-             "--ckpt-engine", engine],
+             *extra],
             env=run_env, capture_output=True, text=True, timeout=120)
 
-    assert train(4, "dcp").returncode == 0
-    saved = sorted(p.relative_to(ckpt) for p in ckpt.rglob("*"))
-    proc = train(6, "antifragile")
-    assert proc.returncode == NO_RESUME_EXIT_CODE, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "checkpoints of --ckpt-engine dcp (steps [2, 4])" in proc.stderr, proc.stderr[-2000:]
-    assert sorted(p.relative_to(ckpt) for p in ckpt.rglob("*")) == saved
-    assert train(6, "dcp").returncode == 0
+    def refused(ckpt: Path, extra: tuple[str, ...], message: str) -> None:
+        saved = sorted(p.relative_to(ckpt) for p in ckpt.rglob("*"))
+        proc = train(ckpt, 4, *extra)
+        assert proc.returncode == NO_RESUME_EXIT_CODE, (extra, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert message in proc.stderr, (extra, proc.stderr[-2000:])
+        assert sorted(p.relative_to(ckpt) for p in ckpt.rglob("*")) == saved
+
+    ours = tmp_path / "ours"
+    assert train(ours, 2, "--seed", "7").returncode == 0  # SMALL_MODEL: 2 layers, 4 heads
+    for extra, message in [
+            (("--seed", "8"), "step 2 was trained with --seed 7, this run has --seed 8"),
+            (("--seed", "7", "--layers", "1"), "with --layers 2, this run has --layers 1"),
+            (("--seed", "7", "--heads", "2"), "with --heads 4, this run has --heads 2"),
+            (("--seed", "7", "--data-path", str(tokens)),
+             "step 2 was trained on synthetic data, this run on a --data-path token file")]:
+        refused(ours, extra, message)
+    assert train(ours, 4, "--seed", "7").returncode == 0
+    dcp = tmp_path / "dcp"
+    assert train(dcp, 2, "--ckpt-engine", "dcp", "--data-path", str(tokens)).returncode == 0
+    refused(dcp, ("--ckpt-engine", "antifragile", "--data-path", str(tokens)),
+            "checkpoints of --ckpt-engine dcp (steps [2])")
+    refused(dcp, ("--ckpt-engine", "dcp"),
+            "step 2 was trained on a --data-path token file, this run on synthetic data")
 
 
 _REFUSING_LAST_STEP = """
