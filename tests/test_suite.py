@@ -552,6 +552,16 @@ def test_an_interrupted_suite_writes_a_summary_of_what_ran_that_is_not_ok(
     assert "1 passed, 2 failed" in result.output
 
 
+def _suite_of_a_and_b(tmp_path: Path, out: Path) -> list[dict[str, Any]]:
+    """The entries of a suite of two fault-free scenarios, ``a`` and ``b``."""
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    for name in ("a", "b"):
+        _write(scenarios, name, [])
+    return suite.run_suite(suite.plan(suite.discover(scenarios), out), out,
+                           progress=lambda _: None)
+
+
 def test_a_runner_crash_whose_traceback_cannot_be_written_is_still_one_failed_entry(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A runner that failed on the file system (a full disk) often cannot have its traceback
@@ -567,13 +577,8 @@ def test_a_runner_crash_whose_traceback_cannot_be_written_is_still_one_failed_en
         return type("Outcome", (), {"report": _report([1.0])})()
 
     monkeypatch.setattr(pipeline, "run", fake_run)
-    scenarios = tmp_path / "scenarios"
-    scenarios.mkdir()
-    for name in ("a", "b"):
-        _write(scenarios, name, [])
     out = tmp_path / "out"
-    entries = suite.run_suite(suite.plan(suite.discover(scenarios), out), out,
-                              progress=lambda _: None)
+    entries = _suite_of_a_and_b(tmp_path, out)
     assert [(e["name"], e["verdict"]) for e in entries] == [("a", "fail"), ("b", "pass")]
     assert entries[0]["error"] is None
     assert entries[0]["reasons"][0].startswith(
@@ -598,13 +603,8 @@ def test_a_run_that_could_not_be_made_is_a_failed_entry_with_its_reason_not_a_cr
         return type("Outcome", (), {"report": _report([1.0])})()
 
     monkeypatch.setattr(pipeline, "run", fake_run)
-    scenarios = tmp_path / "scenarios"
-    scenarios.mkdir()
-    for name in ("a", "b"):
-        _write(scenarios, name, [])
     out = tmp_path / "out"
-    entries = suite.run_suite(suite.plan(suite.discover(scenarios), out), out,
-                              progress=lambda _: None)
+    entries = _suite_of_a_and_b(tmp_path, out)
     assert [(e["name"], e["verdict"]) for e in entries] == [("a", "fail"), ("b", "pass")]
     assert entries[0]["reasons"] == [why]
     assert entries[0]["error"] is None

@@ -132,7 +132,7 @@ class CheckerPool:
         self._stderr[proc.pid] = err
         lines: queue.Queue[str] = queue.Queue()
         self._lines[proc.pid] = lines
-        threading.Thread(target=_read_lines, args=(proc, lines), daemon=True).start()
+        threading.Thread(target=read_lines, args=(proc, lines), daemon=True).start()
         return proc
 
     def _expect(self, proc: subprocess.Popen[str], field: str,
@@ -244,7 +244,7 @@ class CheckerPool:
         self.close()
 
 
-def _read_lines(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
+def read_lines(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
     """Every line ``proc`` prints, then ``""`` at its end."""
     assert proc.stdout is not None
     with contextlib.suppress(OSError, ValueError):

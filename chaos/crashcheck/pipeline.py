@@ -17,7 +17,6 @@ Cases (step k committed before the recorded save of step k+1):
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -41,6 +40,7 @@ from antifragile.chaos.crashcheck.check import (
     Expected,
     classify,
     holds_intact,
+    read_lines,
 )
 from antifragile.chaos.crashcheck.enumerate import CrashState, Enumeration, enumerate_states
 from antifragile.chaos.crashcheck.record import Mutation, Recording, RecordingProxy
@@ -179,7 +179,7 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
                 except OSError as exc:  # no processes, no file handles left
                     raise SaveError(f"the saving job failed: rank {rank} could not be "
                                     f"started: {exc}") from exc
-            threading.Thread(target=_read_lines, args=(procs[0], lines), daemon=True).start()
+            threading.Thread(target=read_lines, args=(procs[0], lines), daemon=True).start()
             first = _line(procs, lines, "base", errs)
             base: dict[str, str] = {}
             for key in _list(client, bucket, root):
@@ -220,15 +220,6 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
 
 class SaveError(RuntimeError):
     """The saving job failed (a rank exited non-zero, or before saying what it saved)."""
-
-
-def _read_lines(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
-    """Every line ``proc`` prints, then ``""`` at its end."""
-    assert proc.stdout is not None
-    with contextlib.suppress(OSError, ValueError):
-        for line in proc.stdout:
-            lines.put(line)
-    lines.put("")
 
 
 #: what rank 0's line with each field says (worker.py ``_save_main``)
