@@ -257,32 +257,8 @@ def test_server_answers_become_the_errors_the_retry_layer_sorts(
 def conflict_endpoint() -> Iterator[str]:
     """An S3 endpoint that answers every request 409 OperationAborted ("a conflicting
     operation is in progress against this resource: try again")."""
-    import http.server
-    import threading
-
-    class Conflict(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def answer(self) -> None:
-            self.rfile.read(int(self.headers.get("content-length") or 0))
-            body = b"<Error><Code>OperationAborted</Code><Message>try again</Message></Error>"
-            self.send_response(409)
-            self.send_header("content-length", str(0 if self.command == "HEAD" else len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-        do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = answer
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Conflict)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-    server.server_close()
+    with _answering(409, "OperationAborted") as (endpoint, _):
+        yield endpoint
 
 
 def test_a_conflict_answer_is_retried_not_taken_for_permanent(conflict_endpoint: str) -> None:
