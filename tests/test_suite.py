@@ -43,6 +43,15 @@ def _entry(name: str, recoveries: list[float], **kw: Any) -> dict[str, Any]:
                            f"{name}/report.json")
 
 
+def _passed(folder: Path, *, report_file: bool = False) -> Any:
+    """What ``pipeline.run`` returns for a scenario that passed, its folder made (and its
+    report.json written, with ``report_file``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if report_file:
+        (folder / "report.json").write_text(json.dumps(_report([1.0])))
+    return type("Outcome", (), {"report": _report([1.0])})()
+
+
 def _write(folder: Path, name: str, faults: list[dict[str, Any]], **expect: Any) -> Path:
     doc = {"name": name, "seed": 3, "trainer": TRAINER,
            "checkpoint": {"every_steps": 4, "keep_last": 3}, "faults": faults,
@@ -420,9 +429,7 @@ def test_a_scenario_named_dot_or_dot_dot_is_invalid_not_run_into_out_or_its_pare
     from antifragile.chaos.run import pipeline
 
     def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "report.json").write_text(json.dumps(_report([1.0])))
-        return type("Outcome", (), {"report": _report([1.0])})()
+        return _passed(folder, report_file=True)
 
     monkeypatch.setattr(pipeline, "run", fake_run)
     scenarios = tmp_path / "scenarios"
@@ -526,9 +533,7 @@ def test_an_interrupted_suite_writes_a_summary_of_what_ran_that_is_not_ok(
     def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
         if s.name == "b":
             raise stop
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "report.json").write_text(json.dumps(_report([1.0])))
-        return type("Outcome", (), {"report": _report([1.0])})()
+        return _passed(folder, report_file=True)
 
     monkeypatch.setattr(pipeline, "run", fake_run)
     scenarios = tmp_path / "scenarios"
@@ -573,8 +578,7 @@ def test_a_runner_crash_whose_traceback_cannot_be_written_is_still_one_failed_en
         if s.name == "a":
             (folder / "error.txt").mkdir(parents=True)  # error.txt cannot be written
             raise OSError(28, "No space left on device")
-        folder.mkdir(parents=True, exist_ok=True)
-        return type("Outcome", (), {"report": _report([1.0])})()
+        return _passed(folder)
 
     monkeypatch.setattr(pipeline, "run", fake_run)
     out = tmp_path / "out"
@@ -600,7 +604,7 @@ def test_a_run_that_could_not_be_made_is_a_failed_entry_with_its_reason_not_a_cr
         folder.mkdir(parents=True, exist_ok=True)
         if s.name == "a":
             raise RunTimeout(why)
-        return type("Outcome", (), {"report": _report([1.0])})()
+        return _passed(folder)
 
     monkeypatch.setattr(pipeline, "run", fake_run)
     out = tmp_path / "out"
@@ -622,8 +626,7 @@ def test_a_summary_that_cannot_be_written_is_one_line_and_exit_2(
     from antifragile.chaos.run import pipeline
 
     def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
-        folder.mkdir(parents=True, exist_ok=True)
-        return type("Outcome", (), {"report": _report([1.0])})()
+        return _passed(folder)
 
     writer = {"summary.json": "write_json", "summary.html": "write_html"}[unwritable]
     real = getattr(suite, writer)
