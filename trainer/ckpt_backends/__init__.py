@@ -16,11 +16,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from antifragile.trainer.ckpt_backends.base import Backend, PendingSave, committed
+from antifragile.trainer.ckpt_backends.base import MARKERS, Backend, PendingSave, committed
 
 ENGINES = ("antifragile", "dcp", "torchsnapshot")
-# the file each engine writes last into a step folder of local storage (its commit)
-_MARKERS = {"antifragile": "COMMIT", "dcp": ".metadata", "torchsnapshot": ".snapshot_metadata"}
 
 
 def _module(engine: str) -> ModuleType:
@@ -60,7 +58,7 @@ def foreign_steps(engine: str, url: str) -> dict[str, list[int]]:
     if "://" in url and not url.startswith("file://"):
         return {}
     root = Path(url.removeprefix("file://"))
-    found = {other: committed(root, marker) for other, marker in _MARKERS.items()
+    found = {other: committed(root, marker) for other, marker in MARKERS.items()
              if other != engine}
     return {other: steps for other, steps in found.items() if steps}
 

@@ -23,8 +23,11 @@ import torch
 import torch.distributed as dist
 
 from antifragile.engine import CheckpointError
+from antifragile.engine._paths import COMMIT
 
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
+#: the file each engine writes last into a step folder of local storage: its commit
+MARKERS = {"antifragile": COMMIT, "dcp": ".metadata", "torchsnapshot": ".snapshot_metadata"}
 
 
 class PendingSave(Protocol):

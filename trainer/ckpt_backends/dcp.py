@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from antifragile.engine import CheckpointError
 from antifragile.trainer.ckpt_backends.base import (
+    MARKERS,
     PeerBackend,
     PeerHandle,
     committed,
@@ -37,7 +38,7 @@ from antifragile.trainer.ckpt_backends.base import (
     step_name,
 )
 
-MARKER = ".metadata"
+MARKER = MARKERS["dcp"]
 
 
 class DcpBackend(PeerBackend):

@@ -34,6 +34,7 @@ with warnings.catch_warnings():  # torchsnapshot 0.1.0 calls torch.jit.script at
 
 from antifragile.engine import CheckpointError
 from antifragile.trainer.ckpt_backends.base import (
+    MARKERS,
     CheckpointGroup,
     PeerBackend,
     PeerHandle,
@@ -47,7 +48,7 @@ from antifragile.trainer.ckpt_backends.base import (
     step_name,
 )
 
-MARKER = ".snapshot_metadata"
+MARKER = MARKERS["torchsnapshot"]
 _CONTAINERS = {"dict", "list", "OrderedDict"}
 
 
