@@ -230,3 +230,44 @@ def test_the_runner_ends_the_faults_of_a_run_that_stops(tmp_path: Path,
     with pytest.raises(OSError, match="no torchrun"):
         runner.run_scenario(load_scenario(scenario), tmp_path, str(tmp_path / "ckpt"))
     assert ended == [True]
+
+
+@pytest.mark.parametrize("then", ["commits", "aborts"])
+def test_latest_waits_for_a_save_in_flight_and_not_for_an_aborted_one(
+        tmp_path: Path, then: str) -> None:
+    """``corrupt_shard`` with ``checkpoint: latest`` damages the checkpoint the job has once
+    a save still persisting at the pause point has committed (damaging the one before it is a
+    fault no restore reads); a newer folder that was aborted is not waited for."""
+    import shutil
+    import threading
+
+    import torch
+
+    from antifragile.engine import CheckpointEngine
+    from antifragile.engine._paths import ABORT, COMMIT, step_dir
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url, keep_last=None) as engine:
+        for step in (5, 10):
+            engine.save(step, {"w": torch.arange(64.0).reshape(8, 8)}).wait()
+    commit = tmp_path / "ckpt" / step_dir(10) / COMMIT
+    aside = tmp_path / "COMMIT.aside"
+    shutil.move(commit, aside)  # step 10 still persisting, as far as a reader can tell
+    if then == "commits":
+        later = threading.Timer(0.5, lambda: shutil.move(aside, commit))
+    else:
+        (tmp_path / "ckpt" / step_dir(10) / ABORT).write_text("{}")
+        later = threading.Timer(0.0, lambda: None)
+    later.start()
+    began = time.monotonic()
+    try:
+        target = Target(pids={}, coordinates={}, ckpt_url=url, rng=random.Random(0))
+        fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=12,
+                                               mode="truncate")
+        injection = fault.inject(target, 12)
+    finally:
+        later.join()
+    assert injection.missed is None, injection
+    assert injection.detail["checkpoint_step"] == (10 if then == "commits" else 5)
+    if then == "aborts":
+        assert time.monotonic() - began < 10  # not SETTLE_S (30 s)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -160,32 +161,37 @@ def _settled(storage: Any) -> list[int]:
     from antifragile.engine._paths import ABORT, QUARANTINE, step_dir
     from antifragile.engine.commit import step_dirs
 
-    deadline = time.monotonic() + SETTLE_S
-    while True:
+    def look() -> tuple[list[int], list[int]]:
         every, committed = step_dirs(storage)
         newest = committed[-1] if committed else 0
-        if time.monotonic() > deadline or not any(
-                step > newest and not any(storage.exists(f"{step_dir(step)}/{marker}")
-                                          for marker in (ABORT, QUARANTINE))
-                for step in every):
-            return committed
-        time.sleep(0.05)
+        return committed, [step for step in every  # markers looked up for the newer alone
+                           if step > newest and not any(
+                               storage.exists(f"{step_dir(step)}/{marker}")
+                               for marker in (ABORT, QUARANTINE))]
+
+    return _wait_settled(look)
 
 
 def _settled_peer(engine: str, url: str) -> list[int]:
     """``_settled`` for a peer engine: its committed steps once no step folder is newer than
-    the newest commit marker, at most ``SETTLE_S``. Its async save of the step before the
-    pause point commits a moment after the fault is due; without the wait, ``latest`` damaged
-    the checkpoint before it, which no restore then reads. A peer leaves no abort marker, so
-    a killed save's folder is waited for the whole ``SETTLE_S`` (a restart removes it)."""
+    the newest commit marker. A peer leaves no abort marker, so a killed save's folder is
+    waited for the whole ``SETTLE_S`` (a restart removes it)."""
     from antifragile.trainer.ckpt_backends import committed_steps as committed_steps_of
     from antifragile.trainer.ckpt_backends.base import local_root, step_folders
 
+    def look() -> tuple[list[int], list[int]]:
+        return committed_steps_of(engine, url), list(step_folders(local_root(url)))
+
+    return _wait_settled(look)
+
+
+def _wait_settled(look: Callable[[], tuple[list[int], list[int]]]) -> list[int]:
+    """The committed steps ``look`` gives, once none of the steps it gives as possibly in
+    flight is newer than the newest of them, or ``SETTLE_S`` passed."""
     deadline = time.monotonic() + SETTLE_S
     while True:
-        committed = committed_steps_of(engine, url)
+        committed, pending = look()
         newest = committed[-1] if committed else 0
-        if time.monotonic() > deadline or not any(
-                step > newest for step in step_folders(local_root(url))):
+        if time.monotonic() > deadline or not any(step > newest for step in pending):
             return committed
         time.sleep(0.05)
