@@ -113,7 +113,7 @@ class CheckerPool:
                 self._expect(proc, "ready", START_TIMEOUT_S)
         except BaseException as exc:  # no pool: none of them may outlive this
             for proc in self.procs:
-                _kill(proc)
+                kill_process(proc)
             for err in self._stderr.values():
                 err.close()
             if isinstance(exc, OSError):  # a Popen that failed (no processes, no handles)
@@ -167,7 +167,7 @@ class CheckerPool:
 
     def _replace(self, proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
         """Kill ``proc`` (dead or hung) and start a checker in its place."""
-        _kill(proc)
+        kill_process(proc)
         self._stderr.pop(proc.pid).close()
         self._lines.pop(proc.pid, None)
         new = self._start()
@@ -254,7 +254,8 @@ def read_lines(proc: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
     proc.stdout.close()
 
 
-def _kill(proc: subprocess.Popen[str]) -> None:
+def kill_process(proc: subprocess.Popen[str]) -> None:
+    """``proc`` killed if it runs, reaped, its stdin closed."""
     if proc.poll() is None:
         proc.kill()
     proc.wait()

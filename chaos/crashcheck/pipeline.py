@@ -40,6 +40,7 @@ from antifragile.chaos.crashcheck.check import (
     Expected,
     classify,
     holds_intact,
+    kill_process,
     read_lines,
 )
 from antifragile.chaos.crashcheck.enumerate import CrashState, Enumeration, enumerate_states
@@ -202,9 +203,7 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
             recording = proxy.stop()
         finally:
             for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+                kill_process(proc)
             errs.close()
     for data in recording.bodies.values():
         _keep_body(bodies, data)
@@ -264,8 +263,7 @@ def _line(procs: list[subprocess.Popen[str]], lines: queue.Queue[str],
 
 def _kill_all(procs: list[subprocess.Popen[str]]) -> None:
     for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
+        kill_process(proc)
 
 
 class _Stderr:
