@@ -28,7 +28,12 @@ from pydantic import (
 
 from antifragile.chaos.faults import FAULT_CONFIGS, FaultConfig
 from antifragile.chaos.faults.base import Seconds, memory_mib
-from antifragile.trainer.progress import HANG_FLOOR_S, MIN_LEASE_S, STALL_ESCALATION
+from antifragile.trainer.progress import (
+    HANG_FLOOR_S,
+    MIN_LEASE_S,
+    STALL_ESCALATION,
+    too_short_for_a_lease,
+)
 
 #: emulated hosts a run can have: ``chaos.infra.netns.MAX_HOSTS``
 MAX_NODES = 90
@@ -91,8 +96,8 @@ class TrainerSpec(_Strict):
     #: with a warm spare (falling back to a restart when no spare is left)
     recovery: Literal["restart", "in_process"] = "restart"
     #: in_process: a worker slot whose supervisor renews no lease for this long is lost,
-    #: with its host (default: 5 s, or 1.5 x hang_timeout_s where that is shorter; at least
-    #: 1 s, as the trainer checks)
+    #: with its host (default: 5 s, or 1.5 x hang_timeout_s where that is shorter, at least
+    #: 1 s; at least 1 s given, as the trainer checks)
     lease_s: Annotated[Seconds, Field(ge=MIN_LEASE_S)] | None = None
     #: warm spare workers for in_process recovery (default one per node there, 0 otherwise)
     spares: Annotated[StrictInt, Field(ge=0)] | None = None
@@ -143,6 +148,11 @@ class TrainerSpec(_Strict):
                              f"{STALL_ESCALATION * self.hang_timeout_s:g} s: "
                              "survivors waiting for a lost host would be killed by their own "
                              "watchdogs before it is declared lost")
+        if self.lease_s is None and self.recovery == "in_process" \
+                and self.hang_timeout_s is not None \
+                and (why := too_short_for_a_lease(self.hang_timeout_s)):
+            raise ValueError(f"hang_timeout_s: {why}; set hang_timeout_s above "
+                             f"{MIN_LEASE_S / STALL_ESCALATION:.2f}")
         if self.lease_s is not None and self.hang_timeout_s is None \
                 and self.lease_s >= STALL_ESCALATION * HANG_FLOOR_S:
             raise ValueError(f"lease_s: {self.lease_s:g} s is not below the watchdog's stall "

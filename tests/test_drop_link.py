@@ -189,6 +189,9 @@ def test_host_down_is_validated_against_the_job(trainer: dict, node: int, messag
      r"hang timeout, 3 x its floor of 10 s = 30 s"),
     ({"recovery": "in_process", "lease_s": 0.5}, "trainer.lease_s: Input should be greater than "
                                                  "or equal to 1"),
+    ({"recovery": "in_process", "hang_timeout_s": 0.3},
+     r"trainer: hang_timeout_s: 0.3 is too short under recovery in_process: the lease that "
+     r"finds a lost host \(at least 1 s\) must be below 3 x it; set hang_timeout_s above 0.33"),
 ])
 def test_a_lease_that_cannot_work_is_refused(trainer: dict, message: str) -> None:
     doc = {"name": "x", "trainer": {"parallel": {"dp": 2}, **trainer}}

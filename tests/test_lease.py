@@ -16,6 +16,7 @@ from antifragile.trainer.lease import (
     declare_lost,
     renewal_interval_s,
 )
+from antifragile.trainer.progress import MIN_LEASE_S, default_lease_s
 from antifragile.trainer.recovery import (
     Formation,
     JobStore,
@@ -39,6 +40,12 @@ def test_renewals_slow_down_in_large_jobs_but_stay_several_per_lease() -> None:
     assert renewal_interval_s(8, 5.0) == 0.25
     assert renewal_interval_s(4000, 5.0) == 1.0  # 4,000 renewals a second
     assert renewal_interval_s(100_000, 5.0) == 1.25  # a quarter of the lease
+
+
+def test_the_default_lease_is_never_shorter_than_a_lease_one_may_give() -> None:
+    assert default_lease_s(None) == 5.0
+    assert default_lease_s(2.0) == 3.0
+    assert default_lease_s(0.4) == MIN_LEASE_S  # not 0.6 s: renewed every 0.15 s
 
 
 def test_a_silent_slot_is_lost_once_after_its_lease_by_the_monitors_clock() -> None:

@@ -167,6 +167,11 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
      "--lease-s"),
     (["--recovery", "in_process", "--hang-timeout-s", "2", "--lease-s", "6"],
      "lease_s 6 must be below 3 x hang_timeout_s (6 s, the watchdog's stall escalation)"),
+    # the default lease (1.5 x a short hang timeout) fell below the 1 s refused when given:
+    # a 0.05 s timeout leased for 75 ms, renewed every 19 ms (a busy loop on the store)
+    (["--recovery", "in_process", "--hang-timeout-s", "0.3"],
+     "hang_timeout_s 0.3 is too short under recovery in_process: the lease that finds a lost "
+     "host (at least 1 s) must be below 3 x it; use --hang-timeout-s above 0.33"),
     # a tp rank left no row of the vocabulary: every rank died in the embedding's forward
     # (index_select(): self indexing axis dim should be positive), exit 1
     (["--tp", "4", "--vocab", "9"], "vocab 9 leaves tp rank 3 of 4 no rows"),

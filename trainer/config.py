@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 from antifragile.trainer.ckpt_backends import ENGINES
 from antifragile.trainer.model import ModelConfig
 from antifragile.trainer.parallel.dims import ParallelDims
-from antifragile.trainer.progress import HANG_FLOOR_S, MIN_LEASE_S, STALL_ESCALATION
+from antifragile.trainer.progress import (
+    HANG_FLOOR_S,
+    MIN_LEASE_S,
+    STALL_ESCALATION,
+    too_short_for_a_lease,
+)
 
 FINAL_SAVE_PATIENCE_S = 120.0  # how long the last step's checkpoint is retried while it fails
 
@@ -105,6 +110,11 @@ class TrainConfig:
             raise ValueError(f"lease_s {self.lease_s:g} must be below {STALL_ESCALATION:g} x "
                              f"hang_timeout_s ({STALL_ESCALATION * self.hang_timeout_s:g} s, the "
                              "watchdog's stall escalation)")
+        if self.lease_s is None and self.recovery == "in_process" \
+                and self.hang_timeout_s is not None \
+                and (why := too_short_for_a_lease(self.hang_timeout_s)):
+            raise ValueError(f"hang_timeout_s {why}; use --hang-timeout-s above "
+                             f"{MIN_LEASE_S / STALL_ESCALATION:.2f}")
         if self.lease_s is not None and self.hang_timeout_s is None \
                 and self.lease_s >= STALL_ESCALATION * HANG_FLOOR_S:
             # the adaptive timeout may stay at its floor (steps of a second or less): a lease

@@ -36,17 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from antifragile.trainer.progress import LEASE_S
 from antifragile.trainer.recovery import JobStore, declare_dead, job_done
 
 INTERVAL_S = 0.25  # how often a lease is renewed, and the monitor looks (small jobs)
-LEASE_S = 5.0  # the default silence after which a slot is lost (see ``default_lease_s``)
 RENEWALS_PER_S = 4000  # what the leases may cost the store, at most (requests per second)
-
-
-def default_lease_s(hang_timeout_s: float | None) -> float:
-    """5 s, or 1.5 x the hang timeout where that is shorter: a survivor waiting in a collective
-    for a lost peer is killed by its own watchdog after 3 x the hang timeout."""
-    return LEASE_S if hang_timeout_s is None else min(LEASE_S, 1.5 * hang_timeout_s)
 
 
 def renewal_interval_s(slots: int, lease_s: float) -> float:

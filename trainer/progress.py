@@ -23,6 +23,24 @@ STALL_ESCALATION = 3.0  # a counter still while training: a hang after this x th
 # shorter one is renewed faster (every lease / 4), and a renewal late by a store round trip or
 # a busy host's scheduling takes a healthy slot for lost
 MIN_LEASE_S = 1.0
+LEASE_S = 5.0  # the default silence after which a slot is lost (see ``default_lease_s``)
+
+
+def default_lease_s(hang_timeout_s: float | None) -> float:
+    """5 s, or 1.5 x the hang timeout where that is shorter (a survivor waiting in a collective
+    for a lost peer is killed by its own watchdog after 3 x the hang timeout), never below
+    ``MIN_LEASE_S``: so a hang timeout of 1/3 s or less leaves no lease that works."""
+    return LEASE_S if hang_timeout_s is None else max(MIN_LEASE_S, min(LEASE_S,
+                                                                      1.5 * hang_timeout_s))
+
+
+def too_short_for_a_lease(hang_timeout_s: float) -> str | None:
+    """Why ``hang_timeout_s`` cannot go with the default lease under in-process recovery
+    (the lease would outlast the survivors' stall escalation), or None."""
+    if default_lease_s(hang_timeout_s) < STALL_ESCALATION * hang_timeout_s:
+        return None
+    return (f"{hang_timeout_s:g} is too short under recovery in_process: the lease that finds "
+            f"a lost host (at least {MIN_LEASE_S:g} s) must be below {STALL_ESCALATION:g} x it")
 
 _LAYOUT = struct.Struct("<QQqqqd")  # counter, phase, generation, rank, step, bumped_at
 

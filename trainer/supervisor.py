@@ -46,10 +46,15 @@ from antifragile.trainer.lease import (
     Holder,
     LeaseMonitor,
     Lost,
-    default_lease_s,
     renewal_interval_s,
 )
-from antifragile.trainer.progress import HANG_FLOOR_S, STALL_ESCALATION, Phase, SharedProgress
+from antifragile.trainer.progress import (
+    HANG_FLOOR_S,
+    STALL_ESCALATION,
+    Phase,
+    SharedProgress,
+    default_lease_s,
+)
 from antifragile.trainer.recovery import (
     first_generation_of,
     job_done,
