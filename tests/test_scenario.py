@@ -204,6 +204,33 @@ def test_a_reference_of_an_older_trainer_state_is_not_reused(
     assert pipeline._reference_key(base) != key
 
 
+def test_a_reference_made_by_other_code_is_not_reused(monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    """A reference is a fault-free run of the code under test: one cached under another torch
+    (other kernels, other bits) or before the trainer's code was edited ends elsewhere, and
+    every verdict failed on it until the cache was cleared by hand."""
+    import torch
+
+    from antifragile.chaos.run import pipeline
+
+    base = parse_scenario(BASE)
+    key = pipeline._reference_key(base)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__version__", "0.0.1")
+        assert pipeline._reference_key(base) != key
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "_trainer_code", lambda: "edited")
+        assert pipeline._reference_key(base) != key
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "model.py").write_text("a = 1\n")
+    (tmp_path / "notes.txt").write_text("not code")
+    before = pipeline.code_digest(tmp_path)
+    (tmp_path / "notes.txt").write_text("still not code")
+    assert pipeline.code_digest(tmp_path) == before
+    (tmp_path / "sub" / "model.py").write_text("a = 2\n")
+    assert pipeline.code_digest(tmp_path) != before
+
+
 def test_two_runs_that_need_one_reference_make_it_once(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Two chaos runs of one scenario at once (two terminals, a suite beside a run, two test

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -44,15 +45,19 @@ class Outcome:
 
 def _reference_key(s: Scenario) -> str:
     """Only what determines the final state (faults, expectations, recovery and detection
-    settings do not), and the checkpoint format it is stored in (a cached reference of an
-    older format could not be read). A command trainer's key also holds the content of every
-    file its command names (an edited script is a new reference); the built-in trainer's, what
-    its ``train`` entry holds (a reference saved with fewer entries differs in it)."""
+    settings do not): the settings, the torch that computes it (other kernels, other bits)
+    and the checkpoint format it is stored in (a cached reference of an older format could not
+    be read). A command trainer's key also holds the content of every file its command names
+    (an edited script is a new reference); the built-in trainer's, its code and what its
+    ``train`` entry holds (a reference saved with fewer entries differs in it)."""
+    import torch
+
     from antifragile.engine._paths import FORMAT_VERSION
 
     trainer = s.trainer.model_dump(exclude={"recovery", "spares", "hang_timeout_s",
                                             "collective_timeout_s"})
     config: dict[str, Any] = {"trainer": trainer, "seed": s.seed, "format": FORMAT_VERSION,
+                              "torch": torch.__version__,
                               "checkpoint": {"every_steps": s.checkpoint.every_steps,
                                              "engine": s.checkpoint.engine}}
     if isinstance(s.trainer, CommandSpec):
@@ -62,7 +67,25 @@ def _reference_key(s: Scenario) -> str:
         from antifragile.trainer.checkpoint import TRAIN_STATE_VERSION
 
         config["train_state"] = TRAIN_STATE_VERSION
+        config["code"] = _trainer_code()
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def code_digest(folder: Path) -> str:
+    """A digest of every ``*.py`` under ``folder``: names and contents."""
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*.py")):
+        h.update(f"{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@functools.cache
+def _trainer_code() -> str:
+    """The built-in trainer's code, as this process imported it (a suite asks once)."""
+    import antifragile.trainer
+
+    return code_digest(Path(antifragile.trainer.__file__).parent)
 
 
 def _run_failed(what: str, code: int, folder: Path) -> str:
