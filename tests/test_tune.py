@@ -224,6 +224,13 @@ def test_cli_table_projection_and_out_folder(tmp_path: Path) -> None:
     (["--ckpt-cost-s", "10", "--mtbf-s", "1e200"], "MTBF must be between"),
     (["--ckpt-cost-s", "1e-300", "--mtbf-s", "1e8"], "checkpoint cost must be between"),
     (["--ckpt-cost-s", "5", "--mtbf-s", "1e8", "--restart-s", "1e300"], "restart cost must be"),
+    # a finite --gpu-mtbf-h whose job MTBF at a projected scale overflows (x 3600 s) or rounds
+    # to 0: NaN intervals and goodputs in tune.json (a traceback with --step-s), and a
+    # ZeroDivisionError traceback
+    (["--ckpt-cost-s", "10", "--mtbf-s", "100", "--step-s", "1", "--gpu-mtbf-h", "1e306"],
+     "--gpu-mtbf-h 1e+306: the job MTBF at 1,024 GPUs"),
+    (["--ckpt-cost-s", "10", "--mtbf-s", "100", "--gpu-mtbf-h", "5e-324"],
+     "--gpu-mtbf-h 4.94066e-324: the job MTBF at 1,024 GPUs"),
 ])
 def test_cli_bad_input_exits_2_with_a_message(args: list[str], message: str) -> None:
     result = _invoke(args)

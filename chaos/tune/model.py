@@ -139,17 +139,32 @@ def candidate_intervals(costs: Costs, n: int = 32) -> list[float]:
     return sorted({every_steps(g, costs.step_s) * costs.step_s for g in grid})
 
 
-def project(costs: Costs, gpu_mtbf_h: float, gpus: int | None = None,
-            scales: tuple[int, ...] = PROJECTION_GPUS) -> list[dict[str, Any]]:
-    """Goodput and interval at other scales: job MTBF = per-GPU MTBF / GPUs (independent
-    failures in series). Uses the analytic optimum, exact for exponential failures."""
+def scale_mtbfs(gpu_mtbf_h: float, gpus: int | None = None,
+                scales: tuple[int, ...] = PROJECTION_GPUS) -> dict[int, float]:
+    """The job MTBF in seconds at each scale of the projection, or TuneError: each must lie
+    in the bounds ``Costs`` holds M to (past them a finite ``--gpu-mtbf-h`` gave an infinite
+    M, so NaN intervals and goodputs, or one that rounds to 0, a division by zero). Checked
+    before a scenario is run to measure the costs, not after."""
     if not (math.isfinite(gpu_mtbf_h) and gpu_mtbf_h > 0):
         raise TuneError(f"--gpu-mtbf-h must be > 0 hours, got {gpu_mtbf_h}")
     if gpus is not None and gpus < 1:
         raise TuneError(f"--gpus must be >= 1, got {gpus}")
-    rows = []
+    out = {}
     for n in sorted({*scales, *([gpus] if gpus else [])}):
-        mtbf_s = gpu_mtbf_h * 3600 / n
+        out[n] = gpu_mtbf_h * 3600 / n
+        if not MIN_SECONDS <= out[n] <= MAX_SECONDS:
+            raise TuneError(f"--gpu-mtbf-h {gpu_mtbf_h:g}: the job MTBF at {n:,} GPUs "
+                            f"({out[n]:g} s) must be between {MIN_SECONDS:g} and "
+                            f"{MAX_SECONDS:g} seconds")
+    return out
+
+
+def project(costs: Costs, gpu_mtbf_h: float, gpus: int | None = None,
+            scales: tuple[int, ...] = PROJECTION_GPUS) -> list[dict[str, Any]]:
+    """Goodput and interval at other scales: job MTBF = per-GPU MTBF / GPUs (independent
+    failures in series). Uses the analytic optimum, exact for exponential failures."""
+    rows = []
+    for n, mtbf_s in scale_mtbfs(gpu_mtbf_h, gpus, scales).items():
         tau = optimal_interval(costs.ckpt_s, mtbf_s)
         rows.append({"gpus": n, "mtbf_s": mtbf_s, "mtbf_h": mtbf_s / 3600,
                      "young_interval_s": young_interval(costs.ckpt_s, mtbf_s),

@@ -21,7 +21,13 @@ from antifragile.chaos.tune.measure import (
     sweep,
     sweep_every,
 )
-from antifragile.chaos.tune.model import Costs, Distribution, TuneError, project
+from antifragile.chaos.tune.model import (
+    Costs,
+    Distribution,
+    TuneError,
+    project,
+    scale_mtbfs,
+)
 from antifragile.chaos.tune.simulate import check_simulation, plot, tune
 
 
@@ -38,6 +44,8 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
         raise TuneError(f"--gpu-mtbf-h must be a finite number > 0 hours, got {gpu_mtbf_h}")
     if gpus is not None and gpus < 1:
         raise TuneError(f"--gpus must be >= 1, got {gpus}")
+    if gpu_mtbf_h is not None:
+        scale_mtbfs(gpu_mtbf_h, gpus)
     if mtbf_s is not None and not (math.isfinite(mtbf_s) and mtbf_s > 0):
         raise TuneError(f"--mtbf-s must be a finite number > 0 seconds, got {mtbf_s}")
     if sweep_steps is not None and sweep_steps < 2:
