@@ -491,6 +491,42 @@ def test_a_run_whose_only_checkpoint_is_its_final_one_has_no_checkpoint_cost_to_
         tune.costs_from_record(_killed_run(events, t + 2.0))
 
 
+def test_a_run_that_checkpoints_every_step_has_no_step_without_a_checkpoint_to_compare(
+        ) -> None:
+    """With ``every_steps: 1`` every step follows a checkpoint: none shows the step time
+    without one, so the checkpoint's slowdown of the next step cannot be told apart. The run
+    ended in "too few steps to time one (need > 1 per attempt)" after 13 steps."""
+    events, t = _killed_run_events()
+    events = [e for e in events if e["event"] != "ckpt_staged"]
+    events += [_event(e["t"] + 0.1, e["attempt"], e["rank"], "ckpt_staged", step=e["step"],
+                      stall_s=0.1) for e in events if e["event"] == "step_end"]
+    events.sort(key=lambda e: e["t"])
+    with pytest.raises(tune.MeasureError, match="every step followed a checkpoint"):
+        tune.costs_from_record(_killed_run(events, t))
+
+
+def test_a_scenario_that_checkpoints_every_step_is_refused_before_measuring(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its run could never measure C (see above): refused before it runs (minutes), as bad
+    input (exit 2), not after it as a failed run (exit 1)."""
+    from antifragile.chaos.run import runner
+
+    def must_not_run(*_: object, **__: object) -> None:
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(runner, "run_scenario", must_not_run)
+    path = _tiny(tmp_path, [])
+    doc = yaml.safe_load(path.read_text())
+    doc["checkpoint"]["every_steps"] = 1
+    path.write_text(yaml.safe_dump(doc))
+    result = _invoke([str(path), "--mtbf-s", "60"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        "error: scenario tune-tiny: with checkpoint.every_steps 1 every step follows a "
+        "checkpoint, so no step shows the step time without one and the checkpoint's cost "
+        "cannot be measured; give it checkpoint.every_steps 2 or more")
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_measured_mode_on_a_tiny_scenario(tmp_path: Path) -> None:

@@ -122,6 +122,9 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
             (after if is_after else other).append(sec)
             if step - 1 in steps:
                 (cycle_after if is_after else cycle_other).append(t - steps[step - 1][0])
+    if not other and after:  # ``every_steps: 1``: no step shows the step time without one
+        raise MeasureError("every step followed a checkpoint, so no step shows the step time "
+                           "without one and the checkpoint's cost cannot be measured")
     if not other:
         raise MeasureError("the run has too few steps to time one (need > 1 per attempt)")
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
@@ -181,6 +184,11 @@ def measure_costs(s: Scenario, folder: Path, progress: Callable[[str], None] = p
     unless a failure is certain (a step- or checkpoint-triggered one), a kill is added."""
     from antifragile.chaos.observe.measure import detection_window_s
 
+    if s.checkpoint.every_steps == 1:  # known before the run: it could not measure C
+        raise TuneError(f"scenario {s.name}: with checkpoint.every_steps 1 every step follows "
+                        "a checkpoint, so no step shows the step time without one and the "
+                        "checkpoint's cost cannot be measured; give it checkpoint.every_steps "
+                        "2 or more")
     injected = not any(f.kind in STOPPING_KINDS
                        and f.trigger_step(s.checkpoint.every_steps) is not None
                        for f in s.faults)
