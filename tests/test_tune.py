@@ -344,6 +344,11 @@ def test_cli_scenario_without_mtbf_or_with_model_options_exits_2(tmp_path: Path)
     # infinite passed "> 0": refused only by the model or the projection, after measuring
     (["--mtbf-s", "inf"], "--mtbf-s must be a finite number > 0 seconds, got inf"),
     (["--gpu-mtbf-h", "inf"], "--gpu-mtbf-h must be a finite number > 0 hours, got inf"),
+    # finite, but past the model's range: refused by the model, after measuring
+    (["--mtbf-s", "1e200"],
+     "--mtbf-s: the MTBF must be between 1e-06 and 1e+120 seconds, got 1e+200"),
+    (["--mtbf-s", "1e-9"],
+     "--mtbf-s: the MTBF must be between 1e-06 and 1e+120 seconds, got 1e-09"),
 ])
 def test_cli_bad_simulation_options_are_refused_before_measuring(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], says: str) -> None:

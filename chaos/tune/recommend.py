@@ -22,6 +22,8 @@ from antifragile.chaos.tune.measure import (
     sweep_every,
 )
 from antifragile.chaos.tune.model import (
+    MAX_SECONDS,
+    MIN_SECONDS,
     Costs,
     Distribution,
     TuneError,
@@ -48,6 +50,10 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
         scale_mtbfs(gpu_mtbf_h, gpus)
     if mtbf_s is not None and not (math.isfinite(mtbf_s) and mtbf_s > 0):
         raise TuneError(f"--mtbf-s must be a finite number > 0 seconds, got {mtbf_s}")
+    # Costs' bounds, but checked before a scenario is run to measure the costs (minutes)
+    if mtbf_s is not None and not MIN_SECONDS <= mtbf_s <= MAX_SECONDS:
+        raise TuneError(f"--mtbf-s: the MTBF must be between {MIN_SECONDS:g} and "
+                        f"{MAX_SECONDS:g} seconds, got {mtbf_s:g}")
     if sweep_steps is not None and sweep_steps < 2:
         raise TuneError(f"--sweep-steps must be >= 2, got {sweep_steps}")
     for option, value in (("--sweep-every", every), ("--sweep-steps", sweep_steps)):
