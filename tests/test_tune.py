@@ -344,6 +344,8 @@ def test_cli_scenario_without_mtbf_or_with_model_options_exits_2(tmp_path: Path)
     # infinite passed "> 0": refused only by the model or the projection, after measuring
     (["--mtbf-s", "inf"], "--mtbf-s must be a finite number > 0 seconds, got inf"),
     (["--gpu-mtbf-h", "inf"], "--gpu-mtbf-h must be a finite number > 0 hours, got inf"),
+    # finite, but its job MTBF at a projected scale is infinite: NaN rows, after measuring
+    (["--gpu-mtbf-h", "1e306"], "--gpu-mtbf-h 1e+306: the job MTBF at 1,024 GPUs (inf s)"),
     # finite, but past the model's range: refused by the model, after measuring
     (["--mtbf-s", "1e200"],
      "--mtbf-s: the MTBF must be between 1e-06 and 1e+120 seconds, got 1e+200"),
