@@ -582,6 +582,20 @@ def test_an_outage_that_stops_training_is_reported() -> None:
     assert not o["training_continued"] and o["steps_during_outage"] == 0
 
 
+def test_an_outage_shorter_than_a_step_is_judged_over_two_steps() -> None:
+    """0.3 s of outage between two steps a second apart: no step could end inside it, and the
+    verdict said training did not go on (a false failure, for any outage shorter than a
+    step). Two steps' time from its start: one ended, at the usual pace."""
+    events = [_ev(0.0, "start", pid=1)]
+    events += [_ev(float(t), "step_end", step=t, seconds=0.5, loss=1.0) for t in range(1, 20)]
+    record = RunRecord(0, 0.0, 20.0, events, [])
+    injection = Injection("storage_outage", 10.2, step=10, detail={
+        "mode": "error", "duration_s": 0.3, "ended_t": 10.5})
+    o = outage_effects(record, injection)
+    assert o["training_continued"] and o["steps_during_outage"] == 2
+    assert o["extra_stall_s"] == pytest.approx(0.0)
+
+
 # -- whole scenarios on S3 ---------------------------------------------------------------------
 
 

@@ -168,9 +168,12 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
     (delayed if they committed, else failed or skipped), the extra time the training loop lost,
     whether training kept going, and the first save that committed after it (recovery). The
     loop's pace is the gap between rank 0's consecutive steps; the extra stall is
-    what the gaps overlapping the outage took beyond the median gap outside it. A script that
-    reports no step: ``steps_during_outage`` None, and training went on unless the fault
-    ended its attempt."""
+    what the gaps overlapping the outage took beyond the median gap outside it. Training went on
+    if rank 0 ended a step during the outage (``steps_during_outage``), or, for an outage
+    shorter than two steps at that pace, within two steps' time from its start (no step may
+    end inside a shorter one), and the fault did not end its attempt. A script that reports
+    no step: ``steps_during_outage`` None, and training went on unless the fault ended its
+    attempt."""
     d = injection.detail
     t0 = injection.t
     t1 = d.get("ended_t") or t0 + d["duration_s"]
@@ -216,7 +219,8 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
         i.kind not in STORAGE_FAULTS and not i.skipped and not i.missed and t0 <= i.t <= next_t
         for i in record.injections)
     # a script that reports no step (no probe): only a restart says training did not go on
-    steps_during = sum(1 for t, a in steps if t0 <= t <= t1 and a == attempt) \
+    judged_to = max(t1, t0 + 2 * pace_s) if pace_s else t1
+    steps_during = sum(1 for t, a in steps if t0 <= t <= judged_to and a == attempt) \
         if any(e["event"] == "step_end" for e in record.events) else None
     later = [c["step"] for c in saves if c["committed"] and c["staged_t"] is not None
              and c["staged_t"] > t1]
