@@ -614,6 +614,34 @@ def test_a_local_tree_delete_that_fails_is_reported_not_taken_for_done(
         assert engine.steps() == [3]
 
 
+def test_a_local_marker_that_cannot_be_looked_up_is_not_taken_for_missing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeps: list[float]) -> None:
+    """``exists`` answers "is it there?"; a look-up that failed (EIO, an NFS server's ESTALE)
+    is not "no". It was (``os.path.isfile`` says False for any error): one failed stat of a
+    kept step's COMMIT made retention take that committed step for uncommitted debris and
+    delete it, and keep the step it should have deleted."""
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url, keep_last=2) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+    marker = str(tmp_path / "ckpt" / "step_000000002" / "COMMIT")
+    real_stat = os.stat
+    failed: list[str] = []
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if os.fspath(path) == marker and not failed:
+            failed.append(marker)
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    with CheckpointEngine(url, keep_last=2) as engine:
+        engine.save(3, state_of(3), blocking=True)
+        assert failed and engine.steps() == [2, 3]
+        assert_loads(engine, 3)
+    assert len(sleeps) == 1  # the failed look-up was retried
+
+
 @pytest.mark.parametrize("error", [
     lambda: OSError(errno.EINVAL, "InvalidBucketName: The specified bucket is not valid."),
     lambda: OSError(errno.EINVAL, "InvalidRequest"),

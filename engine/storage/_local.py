@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import sys
 import threading
 from collections.abc import Sequence
@@ -270,7 +271,14 @@ class LocalStorage:
         return os.stat(self._path(key)).st_size
 
     def exists(self, key: str) -> bool:
-        return os.path.isfile(self._path(key))
+        """Whether ``key`` is an object. Only "no such file" is "no": ``os.path.isfile`` also
+        says False when the look-up fails (EIO, NFS's ESTALE), and retention then took a
+        committed step whose COMMIT it could not stat for uncommitted debris and deleted it.
+        Any other error is raised (and retried, like an object store's failed HEAD)."""
+        try:
+            return stat.S_ISREG(os.stat(self._path(key)).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
     def list_dir(self, prefix: str) -> list[str]:
         try:
