@@ -614,6 +614,25 @@ def test_a_local_tree_delete_that_fails_is_reported_not_taken_for_done(
         assert engine.steps() == [3]
 
 
+def test_a_link_under_a_step_name_is_left_as_it_is_not_retried(
+        tmp_path: Path, sleeps: list[float]) -> None:
+    """A step folder that is a symbolic link (an operator moved the step to another disk) is
+    not a tree to delete: it is left as it is, like a stray file, and neither it nor what it
+    points to is touched. It was taken for a folder (``os.path.isdir`` follows the link),
+    ``shutil.rmtree`` refused it with an OSError without an errno, and that was retried as
+    transient 6 times and then failed retention at every save."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "data").write_bytes(b"kept")
+    (tmp_path / "ckpt").mkdir()
+    os.symlink(elsewhere, tmp_path / "ckpt" / "step_000000001")
+    storage = open_storage(str(tmp_path / "ckpt"))
+    assert storage.delete_tree("step_000000001")
+    assert sleeps == []
+    assert (tmp_path / "ckpt" / "step_000000001").is_symlink()
+    assert (elsewhere / "data").read_bytes() == b"kept"
+
+
 def test_a_local_marker_that_cannot_be_looked_up_is_not_taken_for_missing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeps: list[float]) -> None:
     """``exists`` answers "is it there?"; a look-up that failed (EIO, an NFS server's ESTALE)

@@ -296,8 +296,10 @@ class LocalStorage:
         path = self._path(prefix)
         existed = os.path.lexists(path)
         self._forget_folders(path)
-        if existed and not os.path.isdir(path):
-            return True  # not a tree (a stray file or link under a step's name): left as it is
+        if existed and (os.path.islink(path) or not os.path.isdir(path)):
+            # not a tree (a stray file or link under a step's name): left as it is. A link to
+            # a folder too: rmtree refuses it with an errno-less OSError, retried as transient
+            return True
         try:  # what is gone already is fine (another deleter); any other failure is raised
             if sys.version_info >= (3, 12):
                 shutil.rmtree(path, onexc=_raise_unless_gone)
