@@ -661,6 +661,38 @@ def test_a_local_marker_that_cannot_be_looked_up_is_not_taken_for_missing(
     assert len(sleeps) == 1  # the failed look-up was retried
 
 
+def test_an_fsspec_marker_that_cannot_be_looked_up_is_not_taken_for_missing(
+        monkeypatch: pytest.MonkeyPatch, sleeps: list[float]) -> None:
+    """The same through fsspec: a synchronous file system's ``exists`` (memory, sftp, hdfs,
+    webdav...) answers False for any error, so one failed look-up of a kept step's COMMIT made
+    retention delete that committed step. Only "no such file" is "no" (and a folder is not an
+    object, as on the other backends)."""
+    import uuid
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    url = f"memory://exists-{uuid.uuid4().hex[:8]}"
+    with CheckpointEngine(url, keep_last=2) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+    real_info = MemoryFileSystem.info
+    failed: list[str] = []
+
+    def info(self: MemoryFileSystem, path: str, **kwargs: Any) -> dict[str, Any]:
+        if path.endswith("step_000000002/COMMIT") and not failed:
+            failed.append(path)
+            raise OSError(errno.EIO, "Input/output error", path)
+        return dict(real_info(self, path, **kwargs))
+
+    monkeypatch.setattr(MemoryFileSystem, "info", info)
+    with CheckpointEngine(url, keep_last=2) as engine:
+        engine.save(3, state_of(3), blocking=True)
+        assert failed and engine.steps() == [2, 3]
+        assert_loads(engine, 3)
+        assert not engine.storage.exists("step_000000003")  # a folder
+    assert len(sleeps) == 1  # the failed look-up was retried
+
+
 @pytest.mark.parametrize("error", [
     lambda: OSError(errno.EINVAL, "InvalidBucketName: The specified bucket is not valid."),
     lambda: OSError(errno.EINVAL, "InvalidRequest"),

@@ -42,9 +42,16 @@ class FsspecStorage:
         return int(self.fs.info(self._path(key))["size"])
 
     def exists(self, key: str) -> bool:
+        """Whether ``key`` is an object: ``info``, not ``fs.exists``, which on a synchronous
+        file system answers False for any error (retention then took a committed step whose
+        COMMIT it could not look up for debris and deleted it). Only FileNotFoundError is "no";
+        a folder is not an object."""
         path = self._path(key)
         self.fs.invalidate_cache(path)
-        return bool(self.fs.exists(path))
+        try:
+            return self.fs.info(path).get("type") != "directory"
+        except FileNotFoundError:
+            return False
 
     def list_dir(self, prefix: str) -> list[str]:
         path = self._path(prefix).rstrip("/")
