@@ -271,3 +271,43 @@ def test_latest_waits_for_a_save_in_flight_and_not_for_an_aborted_one(
     assert injection.detail["checkpoint_step"] == (10 if then == "commits" else 5)
     if then == "aborts":
         assert time.monotonic() - began < 10  # not SETTLE_S (30 s)
+
+
+_REUSED_PID_AGENT = """\
+import json, sys, time
+from pathlib import Path
+
+events = Path(sys.argv[1])
+events.mkdir(parents=True, exist_ok=True)
+# rank 0 of attempt 0 started a minute ago as pid P and has died since; P is now another
+# process's (pids are recycled: pid_max is 32768 on many machines)
+with open(events / "rank0.jsonl", "a") as f:
+    f.write(json.dumps({"t": time.time() - 60, "rank": 0, "attempt": 0, "event": "start",
+                        "pid": int(sys.argv[2])}) + "\\n")
+time.sleep(3)
+"""
+
+
+def test_a_time_based_fault_never_signals_a_process_that_took_a_dead_ranks_pid(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        sleeper: subprocess.Popen[bytes]) -> None:
+    """A rank's pid, once it has died, may belong to another process (a rank of the next
+    attempt, a thread, anything on the machine). The runner took a live pid for a live rank
+    and its at_s kill SIGKILLed that process, which was not the job's."""
+    from antifragile.chaos.run import runner
+    from antifragile.chaos.scenario import parse_scenario
+
+    agent_script = tmp_path / "agent.py"
+    agent_script.write_text(_REUSED_PID_AGENT)
+
+    def agent(s: object, run_dir: Path, *_: object, **__: object) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, str(agent_script), str(run_dir / "events"),
+                                 str(sleeper.pid)], start_new_session=True, text=True)
+
+    monkeypatch.setattr(runner, "launch", agent)
+    s = parse_scenario({"name": "reused", "trainer": {"steps": 20},
+                        "checkpoint": {"every_steps": 5},
+                        "faults": [{"kind": "kill_rank", "rank": 0, "at_s": 0.2}]})
+    record = runner.run_scenario(s, tmp_path / "run", str(tmp_path / "ckpt"), timeout_s=60)
+    assert sleeper.poll() is None, "the runner killed a process that was not the job's"
+    assert record.injections == []

@@ -33,7 +33,7 @@ from antifragile.chaos.run.pauses import (
     release,
     write_plan,
 )
-from antifragile.chaos.run.workers import WorkerWatch, children
+from antifragile.chaos.run.workers import WorkerWatch, children, started_at
 from antifragile.chaos.scenario import Scenario
 
 
@@ -147,7 +147,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                     pids = job.current_pids()
                     up = (len(pids) == s.trainer.world_size
                           and (s.is_command or job.step < s.trainer.steps)
-                          and all(alive(pid) for pid in pids.values()))
+                          and all(job.runs(max(job.generations), r) for r in pids))
                     if up:
                         injection = _inject(p.fault, _target(s, pids, ckpt_url, rng, storage,
                                                              hosts, endings),
@@ -203,6 +203,11 @@ def _read(tail: EventTail) -> list[dict[str, Any]]:
                             f"judged (an event the verdict needs may be lost): {exc}") from None
 
 
+#: how much later than the event that named it a process may seem to have started (its start
+#: is read in clock ticks on the boot clock, the event's time on the wall clock)
+START_SLACK_S = 1.0
+
+
 class _Job:
     """What the runner knows of the job: every generation's ranks and pids (from ``start``
     events), where it is, and when each generation ended (all its ranks dead, or past it)."""
@@ -210,6 +215,7 @@ class _Job:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.generations: dict[int, dict[int, int]] = {}  # generation -> rank -> pid
+        self.named_t: dict[tuple[int, int], float] = {}  # (generation, rank) -> when its pid was
         self.left: dict[int, set[int]] = {}  # generation -> ranks that tore it down
         self.clean: dict[int, set[int]] = {}  # generation -> ranks that exited with code 0
         self.ends: dict[int, float] = {}
@@ -218,10 +224,10 @@ class _Job:
 
     def see(self, e: dict[str, Any]) -> None:
         g = e["attempt"]
-        if e["event"] == "start":
+        if e["event"] == "start" or (e["event"] == "worker_started"  # a command's, in /proc
+                                     and e["rank"] not in self.generations.get(g, {})):
             self.generations.setdefault(g, {})[e["rank"]] = e["pid"]
-        elif e["event"] == "worker_started":  # a command's rank, found in /proc
-            self.generations.setdefault(g, {}).setdefault(e["rank"], e["pid"])
+            self.named_t[(g, e["rank"])] = e["t"]
         elif e["event"] in ("generation_end", "exit", "rank_died"):
             self.left.setdefault(g, set()).add(e["rank"])
             if e["event"] == "exit" and e.get("code") == 0:
@@ -249,10 +255,20 @@ class _Job:
     def current_pids(self) -> dict[int, int]:
         return dict(self.generations[max(self.generations)]) if self.generations else {}
 
+    def runs(self, g: int, rank: int) -> bool:
+        """Whether ``rank``'s process of generation ``g`` still runs: its pid is alive and is
+        still that process, started by the time an event named it. Pids are recycled (32768
+        of them on many machines, threads included): once the rank has died, its pid may be
+        another process's, even one that is not the job's, which a fault must never hit."""
+        pid = self.generations[g][rank]
+        started = started_at(pid)
+        return (alive(pid) and started is not None
+                and started <= self.named_t[(g, rank)] + START_SLACK_S)
+
     def ended(self, g: int) -> bool:
         ranks = self.generations.get(g, {})
-        return len(ranks) > 0 and all(r in self.left.get(g, set()) or not alive(pid)
-                                      for r, pid in ranks.items())
+        return len(ranks) > 0 and all(r in self.left.get(g, set()) or not self.runs(g, r)
+                                      for r in ranks)
 
     def check_ends(self, now: float) -> None:
         for g in self.generations:

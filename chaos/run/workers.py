@@ -48,6 +48,13 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
+def started_at(pid: int) -> float | None:
+    """When ``pid`` started (unix seconds: now less its age), None if there is no such
+    process. With the pid it tells one process from a later one given the same pid."""
+    stat = _stat(pid)
+    return None if stat is None else time.time() - (_uptime() - stat[1])
+
+
 def children(pid: int) -> dict[int, float]:
     """``pid``'s live child processes and their start times (unix seconds): now less each
     process's age."""
