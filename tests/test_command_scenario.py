@@ -248,6 +248,30 @@ def test_a_process_start_time_is_on_the_wall_clock_of_the_events() -> None:
         assert before - 2 * tick <= started <= after + 2 * tick, (before, started, after)
 
 
+def test_a_later_attempts_rank_given_a_pid_an_earlier_one_had_is_found(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pids are recycled: a rank of a later attempt may get the pid a rank of an earlier
+    attempt had. The watch took it for the process it had already reported and never reported
+    it, so the runner never knew that rank of the attempt (and time-based faults found the job
+    never up)."""
+    from antifragile.chaos.run import workers
+
+    proc: dict[int, float] = {}  # the agent's children: pid -> start time
+    environ: dict[int, dict[str, str]] = {}
+    monkeypatch.setattr(workers, "children", lambda pid: dict(proc))
+    monkeypatch.setattr(workers, "_environ", lambda pid: environ[pid])
+    watch = WorkerWatch(1)
+    proc[500] = T0
+    environ[500] = {"RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert [(e["attempt"], e["pid"]) for e in watch.poll(force=True)] == [(0, 500)]
+    assert watch.poll(force=True) == []
+    proc[500] = T0 + 60  # attempt 0's rank died; attempt 1's rank 0 got its pid
+    environ[500] = {"RANK": "0", "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert [(e["attempt"], e["pid"], e["t"]) for e in watch.poll(force=True)] == [
+        (1, 500, T0 + 60)]
+    assert watch.poll(force=True) == []
+
+
 # --- measurements and verdict when the script reports little --------------------------------
 
 T0 = 1_000.0

@@ -17,6 +17,10 @@ import time
 from typing import Any
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: two start times of one pid this close are one process's: each read is now less its age,
+#: and ``/proc/uptime`` has 10 ms steps (a pid recycled this soon would need a rank to die and
+#: every other pid to be taken in that time)
+SAME_START_S = 0.5
 
 
 def _uptime() -> float:
@@ -70,12 +74,13 @@ def children(pid: int) -> dict[int, float]:
 
 class WorkerWatch:
     """Polls one torchrun agent's children; :meth:`poll` returns a ``worker_started`` event
-    for each rank process seen for the first time."""
+    for each rank process seen for the first time. A process is its pid and its start time:
+    pids are recycled, and a later attempt's rank may get the pid an earlier one had."""
 
     def __init__(self, agent_pid: int, *, every_s: float = 0.25) -> None:
         self.agent_pid = agent_pid
         self.every_s = every_s
-        self._seen: set[int] = set()
+        self._seen: dict[int, float] = {}  # pid -> start time of the process reported
         self._next_t = 0.0
 
     def poll(self, *, force: bool = False) -> list[dict[str, Any]]:
@@ -85,12 +90,12 @@ class WorkerWatch:
         self._next_t = now + self.every_s
         found = []
         for pid, started_t in sorted(children(self.agent_pid).items()):
-            if pid in self._seen:
+            if pid in self._seen and abs(self._seen[pid] - started_t) < SAME_START_S:
                 continue
             env = _environ(pid)  # before its exec, a child still shows the agent's
             if "RANK" not in env or "TORCHELASTIC_RESTART_COUNT" not in env:
                 continue
-            self._seen.add(pid)
+            self._seen[pid] = started_t
             found.append({"t": started_t, "rank": int(env["RANK"]),
                           "attempt": int(env["TORCHELASTIC_RESTART_COUNT"]),
                           "event": "worker_started", "pid": pid, "by": "chaos"})
