@@ -304,3 +304,26 @@ def test_a_launched_job_leaves_no_temporary_folder(tmp_path: Path) -> None:
                  env={"TMPDIR": str(temp)})
     assert job.wait(120) == 0, (tmp_path / "run" / "torchrun.log").read_text()
     assert [p.name for p in temp.iterdir() if p.name.startswith("torchelastic_")] == []
+
+
+def test_torchruns_options_in_the_callers_environment_do_not_change_the_launch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun reads each option its command line does not give from ``PET_<OPTION>``. A
+    shell with ``PET_NNODES=2`` (a Kubeflow PyTorchJob pod sets it) made chaos's one-host job
+    wait for a second host, until the run's time limit."""
+    from antifragile.chaos.infra.launch import launch
+
+    monkeypatch.setenv("PET_NNODES", "2")
+    s = parse_scenario({"name": "tiny", "trainer": {"command": ["python", "-c", "pass"],
+                                                    "probe": False},
+                        "expect": {"bitwise_equal_to_reference": False}})
+    job = launch(s, tmp_path / "run", str(tmp_path / "ckpt"), max_restarts=0)
+    try:
+        assert job.wait(60) == 0, (tmp_path / "run" / "torchrun.log").read_text()
+    except subprocess.TimeoutExpired:
+        pytest.fail("the job waited for a second host: "
+                    + (tmp_path / "run" / "torchrun.log").read_text()[-500:])
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()

@@ -84,10 +84,18 @@ def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
     else:
         own["PYTHONWARNINGS"] = "ignore"
         cmd += ["-m", "antifragile.trainer", *trainer_args(s, run_dir, ckpt_url)]
-    env = {**os.environ, **own, **(env or {})}
+    env = {**_inherited(), **own, **(env or {})}
     log = open(run_dir / "torchrun.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=_ends_with_chaos())
+
+
+def _inherited() -> dict[str, str]:
+    """This process's environment less torchrun's options: torchrun reads each option its
+    command line does not give from ``PET_<OPTION>``, so one in the caller's shell changed the
+    launch chaos means (``PET_NNODES=2``, as a Kubeflow PyTorchJob pod has it, made the
+    one-host job wait for a second host until the run's time limit)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
 
 
 def _log_dir(run_dir: Path) -> str:
@@ -131,7 +139,7 @@ def launch_hosts(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int
             f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
             "--shutdown-timeout=3", _log_dir(run_dir),
             "-m", "antifragile.trainer", *trainer_args(s, run_dir, ckpt_url)])
-        host_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+        host_env = {**_inherited(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                     "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": IFNAME,
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                     "ANTIFRAGILE_ATTEMPT_STORE": endpoint, **(env or {})}
