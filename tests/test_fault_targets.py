@@ -311,3 +311,19 @@ def test_a_time_based_fault_never_signals_a_process_that_took_a_dead_ranks_pid(
     record = runner.run_scenario(s, tmp_path / "run", str(tmp_path / "ckpt"), timeout_s=60)
     assert sleeper.poll() is None, "the runner killed a process that was not the job's"
     assert record.injections == []
+
+
+def test_a_thread_hang_that_outlasts_its_run_is_ended_with_the_run(
+        sleeper: subprocess.Popen[bytes]) -> None:
+    """``mode: thread`` too: its training thread is let go when the run ends, not
+    ``duration_s`` later (its ptrace hold was a deadline that ``Endings`` never saw, so the
+    rank stayed stopped into the next scenario of ``chaos suite``)."""
+    if os.geteuid() != 0:
+        pytest.skip("ptrace of a non-child needs root here")
+    target = _target(sleeper.pid)
+    hang = FAULT_CONFIGS["hang_rank"](kind="hang_rank", rank=0, at_step=1, duration_s=300.0,
+                                      mode="thread").inject(target, 1)
+    assert hang.missed is None and hang.skipped is None, hang
+    assert _state(sleeper.pid) == "t"
+    target.endings.end_now()
+    assert _state(sleeper.pid) not in ("t", "T")

@@ -4,8 +4,9 @@
 ``duration_s`` if it is still alive. ``mode: thread`` stops only its training (main) thread
 with ptrace (``PTRACE_SEIZE`` + ``PTRACE_INTERRUPT``), its other threads (checkpoint persist,
 watchers) running on, and detaches after ``duration_s``: the hang a heartbeat thread cannot
-see. ptrace needs CAP_SYS_PTRACE (root here) or a permissive Yama scope; where it is refused
-the fault is reported skipped with the reason.
+see. Either mode ends with the run at the latest (``Endings``). ptrace needs CAP_SYS_PTRACE
+(root here) or a permissive Yama scope; where it is refused the fault is reported skipped with
+the reason.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class HangRank(FaultBase):
                              missed=f"rank {rank} (pid {pid}) was stopped already (another "
                                     "fault's hang) when this fault was due")
         if self.mode == "thread":
-            hold = _ThreadHold(pid, self.duration_s)
+            hold = _ThreadHold(pid)
             sent_t = time.time()
             error = hold.start()
             if error and (error == _EXITED or not alive(pid)):  # nothing to stop: no fault
@@ -67,8 +68,10 @@ class HangRank(FaultBase):
                 return Injection(self.kind, time.time(), step=step, rank=rank,
                                  skipped=f"ptrace of pid {pid} refused: {error}", detail=detail)
             target.hit.add(rank)
+            done_t = time.time()
+            target.endings.after(self.duration_s, lambda on_time: hold.release())
             return Injection(self.kind, sent_t, step=step, rank=rank,
-                             detail={**detail, "tid": pid, "done_t": time.time()})
+                             detail={**detail, "tid": pid, "done_t": done_t})
         sent_t = time.time()
         missed = target.signal(rank, signal.SIGSTOP)
         if missed:
@@ -95,20 +98,32 @@ class HangRank(FaultBase):
 
 
 class _ThreadHold:
-    """Stops one thread with ptrace and lets it go after ``duration_s``. Every ptrace request
-    must come from the tracing thread, so attach, hold and detach run in one thread here."""
+    """Stops one thread with ptrace and lets it go at :meth:`release`. Every ptrace request
+    must come from the tracing thread, so attach, hold and detach run in one thread here. The
+    release is the fault's end in ``Endings`` (its time, or the run's end, whichever comes
+    first): a hold that kept its own deadline outlived a run that ended sooner, its rank
+    still stopped while ``chaos suite`` went on to the next scenario."""
 
-    def __init__(self, tid: int, duration_s: float) -> None:
+    def __init__(self, tid: int) -> None:
         self.tid = tid
-        self.duration_s = duration_s
         self._stopped = threading.Event()
+        self._release = threading.Event()
         self._error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"ptrace-hold-{tid}",
+                                        daemon=True)
 
     def start(self) -> str | None:
         """Returns once the thread is stopped (None) or the attach failed (the reason)."""
-        threading.Thread(target=self._run, name=f"ptrace-hold-{self.tid}", daemon=True).start()
-        self._stopped.wait(10.0)
-        return self._error if self._error or self._stopped.is_set() else "no stop within 10 s"
+        self._thread.start()
+        if self._stopped.wait(10.0):
+            return self._error
+        self._release.set()  # given up (skipped): a stop that comes later is let go at once
+        return "no stop within 10 s"
+
+    def release(self) -> None:
+        """Let the thread go; returns once the tracer has detached (or the tracee died)."""
+        self._release.set()
+        self._thread.join(timeout=5.0)
 
     def _run(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -127,13 +142,11 @@ class _ThreadHold:
             self._stopped.set()
             return
         self._stopped.set()
-        deadline = time.monotonic() + self.duration_s
-        while time.monotonic() < deadline:
+        while not self._release.wait(0.05):
             try:  # the process may be killed meanwhile (its supervisor found the hang)
                 done, _ = os.waitpid(self.tid, _WALL | os.WNOHANG)
             except ChildProcessError:
                 return
             if done:
                 return
-            time.sleep(0.05)
         libc.ptrace(_PTRACE_DETACH, self.tid, None, None)  # ESRCH: it died meanwhile
