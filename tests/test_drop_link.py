@@ -629,3 +629,35 @@ def test_a_link_never_restored_fails_the_verdict_naming_why() -> None:
     timings = measure.fault_timings(record, cut)
     assert not timings.effect_observed
     assert "never restored" in timings.effect and "timed out" in timings.effect
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_a_cut_that_fails_half_made_is_undone(nodes: int,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cut is two ``ip`` commands (one port or route per side); the second failing (an
+    ``ip`` refused or timing out) raised out of ``link_down`` with the first already made:
+    the fault was recorded missed, no end was due, and one side stayed cut for the rest of
+    the run, a fault the report said did not happen. The half made is undone."""
+    from antifragile.chaos.run.runner import _inject
+
+    made: list[tuple[str, ...]] = []
+
+    def second_fails(*args: str) -> str:
+        cuts = args[-1] == "down" or "add" in args
+        if cuts and made:
+            raise NetnsError(f"ip {' '.join(args)}: no answer in 30 s")
+        made.append(args)
+        return ""
+
+    monkeypatch.setattr(netns, "_ip", second_fails)
+    net = Network(nodes)
+    target = Target(pids={}, coordinates={}, ckpt_url="", rng=random.Random(0), network=net)
+    injection = _inject(DropLink(kind="drop_link", at_step=3, between=(0, 1), duration_s=60),
+                        target, 3)
+    assert injection.missed is not None and "no answer" in injection.missed
+    cut, undone = made[0], made[1:]
+    if nodes == 2:
+        assert cut[-1] == "down" and undone == [(*cut[:-1], "up")]
+    else:
+        assert "add" in cut and undone == [tuple("del" if a == "add" else a for a in cut)]
+    assert not net.is_down(0, 1)

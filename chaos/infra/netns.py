@@ -241,16 +241,31 @@ class Network:
         return self.hosts[a], self.hosts[b]
 
     def link_down(self, a: int, b: int) -> str:
-        """Cut the a<->b path; returns how, for the report."""
+        """Cut the a<->b path; returns how, for the report. A cut that fails half made (its
+        second ``ip`` command refused or timing out) is undone before the error is raised:
+        the fault is then missed, with no end due, so a side left cut would stay cut for the
+        rest of the run, a fault the report says did not happen."""
         ha, hb = self._pair(a, b)
+        cuts: list[tuple[tuple[str, ...], tuple[str, ...]]]  # (cut, its undo)
         if len(self.hosts) == 2:
-            for h in (ha, hb):
-                _ip("-n", self.switch, "link", "set", f"h{h.index}", "down")
+            cuts = [(("-n", self.switch, "link", "set", f"h{h.index}", "down"),
+                     ("-n", self.switch, "link", "set", f"h{h.index}", "up")) for h in (ha, hb)]
             how = f"switch ports h{a} and h{b} down"
         else:
-            for src, dst in ((ha, hb), (hb, ha)):
-                _ip("-n", src.namespace, "route", "add", "blackhole", f"{dst.address}/32")
+            cuts = [(("-n", src.namespace, "route", "add", "blackhole", f"{dst.address}/32"),
+                     ("-n", src.namespace, "route", "del", "blackhole", f"{dst.address}/32"))
+                    for src, dst in ((ha, hb), (hb, ha))]
             how = f"blackhole routes {ha.address} <-> {hb.address}"
+        made: list[tuple[str, ...]] = []
+        try:
+            for cut, undo in cuts:
+                _ip(*cut)
+                made.append(undo)
+        except BaseException:
+            for undo in reversed(made):
+                with contextlib.suppress(NetnsError, NetnsUnavailable):
+                    _ip(*undo)
+            raise
         self._down.add((min(a, b), max(a, b)))
         return how
 
