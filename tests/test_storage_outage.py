@@ -689,3 +689,46 @@ def test_an_outage_before_the_first_save_faults_nothing_and_fails(
     assert report["verdict"]["reasons"] == [
         f"storage_outage at step {f['injected_step']}: no observable effect: no request "
         "reached the proxy during the 0.3 s outage"]
+
+
+def test_latency_holds_an_upload_that_waits_for_100_continue_back_once() -> None:
+    """A PUT with ``Expect: 100-continue`` (botocore's uploads of a file object) crosses the
+    proxy in two parts: its head, then, after the upstream's ``100 Continue``, its body.
+    ``latency`` took the body for a new request and held it back again: each upload was
+    delayed twice ``latency_s`` and counted twice in ``requests_delayed``."""
+    upstream = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = upstream.accept()
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(1024)
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            body = head.partition(b"\r\n\r\n")[2]
+            while len(body) < 4:
+                body += conn.recv(1024)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    with FaultProxy(upstream.getsockname()[:2]) as fault_proxy:
+        fault_proxy.fault("latency", latency_s=1.0)
+        url = urlparse(fault_proxy.endpoint_url)
+        start = time.monotonic()
+        with socket.create_connection((url.hostname, url.port), timeout=10) as client:
+            client.sendall(b"PUT /b/k HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+                           b"Expect: 100-continue\r\n\r\n")
+            answer = client.recv(1024)
+            assert answer.startswith(b"HTTP/1.1 100 Continue"), answer
+            client.sendall(b"data")
+            while b"200 OK" not in answer:
+                chunk = client.recv(1024)
+                assert chunk, answer
+                answer += chunk
+        took = time.monotonic() - start
+        stats = fault_proxy.snapshot()
+    server.join(5)
+    upstream.close()
+    assert stats.requests == 1 and stats.delayed == 1, stats
+    assert 1.0 <= took < 1.9, took

@@ -248,10 +248,14 @@ class FaultProxy:
             _hard_close(client)
             upstream.close()
             return
-        answered = threading.Event()  # the upstream spoke since the client's last request
+        answered = threading.Event()  # the upstream answered (finally) the last request
         answered.set()
-        back = threading.Thread(target=_pump, args=(upstream, client, lambda _: answered.set()),
-                                daemon=True)
+
+        def on_answer(chunk: bytes) -> None:
+            if not _interim(chunk):
+                answered.set()
+
+        back = threading.Thread(target=_pump, args=(upstream, client, on_answer), daemon=True)
         back.start()
         _pump(client, upstream, lambda chunk: self._before_request(answered, chunk))
         back.join()
@@ -263,7 +267,8 @@ class FaultProxy:
     def _before_request(self, answered: threading.Event, chunk: bytes) -> None:
         """Called with each chunk from the client: the first one after an answer (or the first
         on the connection) begins a new request (HTTP/1.1 clients do not pipeline), which
-        ``latency`` holds back. (A body sent after ``100 Continue`` is not counted again.)"""
+        ``latency`` holds back. (A body sent after ``100 Continue`` is not counted again, nor
+        held back again: an interim answer is no answer, see ``_interim``.)"""
         if not answered.is_set():
             return
         answered.clear()
@@ -298,6 +303,17 @@ def accept(listener: socket.socket, closed: threading.Event, name: str
             closed.wait(delay)
             delay = min(delay * 2, 1.0)
     return None
+
+
+def _interim(chunk: bytes) -> bool:
+    """Whether ``chunk`` from the upstream is interim answers only (``100 Continue``, which
+    asks for the body of the request still in flight): the body that follows is the same
+    request, not a new one that ``latency`` would hold back a second time."""
+    while chunk.startswith((b"HTTP/1.1 1", b"HTTP/1.0 1")):
+        _, found, chunk = chunk.partition(b"\r\n\r\n")
+        if not found:
+            return True  # the rest of its head comes in the next chunk
+    return not chunk
 
 
 def _pump(src: socket.socket, dst: socket.socket, on_chunk: Callable[[bytes], None]) -> None:
