@@ -3,6 +3,7 @@ on is ``missed`` (the verdict fails), never recorded as made."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -327,3 +328,32 @@ def test_a_thread_hang_that_outlasts_its_run_is_ended_with_the_run(
     assert _state(sleeper.pid) == "t"
     target.endings.end_now()
     assert _state(sleeper.pid) not in ("t", "T")
+
+
+def test_a_hang_continues_the_group_it_stopped_after_its_leader_is_gone() -> None:
+    """A rank that leads its process group is stopped with everything it started (a
+    wrapper script and its training process, a data loader's workers). The hung leader is
+    then SIGKILLed (its supervisor found the hang) and reaped: the resume looked its group up
+    by the leader's pid, found no process and gave up, so the rest of the group stayed
+    stopped for good, orphans that never exit."""
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; "
+         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+         "print(p.pid, flush=True); time.sleep(120)"],
+        start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert leader.stdout is not None
+    child = int(leader.stdout.readline())
+    try:
+        target = _target(leader.pid)
+        hang = FAULT_CONFIGS["hang_rank"](kind="hang_rank", rank=0, at_step=1,
+                                          duration_s=300.0, mode="process").inject(target, 1)
+        assert hang.missed is None and _state(child) == "T"
+        leader.kill()
+        leader.wait()
+        target.endings.end_now()
+        assert _state(child) not in ("T", "t")
+    finally:
+        leader.kill()
+        leader.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)

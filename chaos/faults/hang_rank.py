@@ -28,7 +28,6 @@ from antifragile.chaos.faults.base import (
     Seconds,
     Target,
     alive,
-    send,
 )
 from antifragile.chaos.infra.weed import process_state, wait_stopped
 
@@ -72,6 +71,22 @@ class HangRank(FaultBase):
             target.endings.after(self.duration_s, lambda on_time: hold.release())
             return Injection(self.kind, sent_t, step=step, rank=rank,
                              detail={**detail, "tid": pid, "done_t": done_t})
+        # continued as it is stopped: with its group, if it leads one. Told now, while it is
+        # there: once the hung leader is killed and reaped its pid names no process, but the
+        # rest of its group (a wrapper's training process, data loader workers) is still
+        # stopped, and a resume that looked the group up by the leader's pid left it so
+        try:
+            group = os.getpgid(pid) == pid
+        except ProcessLookupError:
+            group = False  # gone: the signal finds it so
+
+        def resume() -> None:
+            with contextlib.suppress(ProcessLookupError):
+                if group:
+                    os.killpg(pid, signal.SIGCONT)
+                else:
+                    os.kill(pid, signal.SIGCONT)
+
         sent_t = time.time()
         missed = target.signal(rank, signal.SIGSTOP)
         if missed:
@@ -80,19 +95,13 @@ class HangRank(FaultBase):
         if not wait_stopped(pid):  # shows as stopped a moment after the signal, if ever
             # dying as it was stopped (a kill of the same moment): nothing is held, and the
             # attempt it ends is the kill's, not this fault's
-            with contextlib.suppress(ProcessLookupError):
-                send(pid, signal.SIGCONT)
+            resume()
             why = ("had already exited" if not alive(pid)
                    else "was sent SIGSTOP but did not stop")
             return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail,
                              missed=f"rank {rank} (pid {pid}) {why}")
         done_t = time.time()
-
-        def resume(on_time: bool) -> None:
-            with contextlib.suppress(ProcessLookupError):
-                send(pid, signal.SIGCONT)  # as it was stopped: with its group, if it leads one
-
-        target.endings.after(self.duration_s, resume)
+        target.endings.after(self.duration_s, lambda on_time: resume())
         return Injection(self.kind, sent_t, step=step, rank=rank,
                          detail={**detail, "done_t": done_t})
 
