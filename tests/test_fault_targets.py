@@ -357,3 +357,43 @@ def test_a_hang_continues_the_group_it_stopped_after_its_leader_is_gone() -> Non
         leader.wait()
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("modes", [["delete", "delete"], ["delete", "bitflip"],
+                                   ["delete", "truncate"], ["truncate"] * 12])
+def test_a_corruption_that_finds_nothing_left_to_damage_is_missed(tmp_path: Path,
+                                                                  modes: list[str]) -> None:
+    """Faults that damage the same checkpoint again (two entries, ``mtbf_s`` arrivals with
+    no save between them): a delete of the object an earlier fault deleted, or a truncate
+    of one already cut to nothing, changed nothing and was recorded as made; a bitflip of a
+    deleted object failed with a bare FileNotFoundError. With one shard, the last fault has
+    nothing left to act on: it is missed, saying so. With two, it damages the other one."""
+    import torch
+
+    from antifragile.chaos.run.runner import _inject
+    from antifragile.engine import CheckpointEngine
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url) as engine:
+        engine.save(5, {"w": torch.arange(64.0).reshape(8, 8)}, blocking=True)
+        engine.save(10, {"w": torch.arange(64.0).reshape(8, 8),
+                         "v": torch.arange(64.0).reshape(8, 8)}, blocking=True)
+    injections = []
+    for mode in modes:  # step 5: one shard, damaged until nothing is left
+        fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=11, checkpoint=5,
+                                               mode=mode)
+        injections.append(_inject(fault, Target(pids={}, coordinates={}, ckpt_url=url,
+                                                rng=random.Random(0)), 11))
+    made = [i.missed is None for i in injections]  # made until nothing is left, then missed
+    assert made[0] and made == sorted(made, reverse=True), injections
+    assert injections[-1].missed is not None and "FileNotFoundError" not in injections[-1].missed
+    assert "no shard" in injections[-1].missed, injections[-1].missed
+    objects = []
+    for mode in modes[:2]:  # step 10: the same pick first (same seed), then the other shard
+        fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=11, checkpoint=10,
+                                               mode=mode)
+        injection = _inject(fault, Target(pids={}, coordinates={}, ckpt_url=url,
+                                          rng=random.Random(0)), 11)
+        assert injection.missed is None, injection
+        objects.append(injection.detail["object"])
+    assert len(set(objects)) == (1 if modes[0] == "truncate" else 2), objects

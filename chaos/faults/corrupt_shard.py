@@ -80,21 +80,39 @@ class CorruptShard(FaultBase):
         if not shards:  # a state of 0-d tensors and JSON values
             return Injection(self.kind, time.time(), step=step,
                              missed=f"checkpoint {chosen} has no array shard to corrupt")
-        key = target.rng.choice(shards)
-        path = f"{step_dir(chosen)}/{key}"
-        if self.mode == "delete":
-            storage.delete(path)
-        else:
-            data = bytearray(storage.read(path))
-            if self.mode == "bitflip":
-                bit = target.rng.randrange(len(data) * 8)
-                data[bit // 8] ^= 1 << (bit % 8)
-            else:
-                del data[len(data) // 2:]
-            storage.write(path, [bytes(data)])
-        storage.sync()
+        picked = target.rng.choice(shards)
+        for key in [picked, *(k for k in shards if k != picked)]:
+            if self._damage(storage, f"{step_dir(chosen)}/{key}", target):
+                storage.sync()
+                return Injection(self.kind, time.time(), step=step, detail={
+                    "checkpoint_step": chosen, "object": key, "mode": self.mode})
         return Injection(self.kind, time.time(), step=step,
-                         detail={"checkpoint_step": chosen, "object": key, "mode": self.mode})
+                         missed=f"checkpoint {chosen} has no shard left that {self.mode} can "
+                                "damage (earlier faults deleted or emptied them)")
+
+    def _damage(self, storage: Any, path: str, target: Target) -> bool:
+        """Damage the object at ``path``; False if it is gone or empty (an earlier fault's
+        work), where this mode changes nothing: a delete of what is deleted, a truncate of
+        nothing, were recorded as made, and a bitflip of a deleted object failed. The seeded
+        pick comes first; another shard of the step is damaged in its place."""
+        if self.mode == "delete":
+            if not storage.exists(path):
+                return False
+            storage.delete(path)
+            return True
+        try:
+            data = bytearray(storage.read(path))
+        except FileNotFoundError:
+            return False
+        if not data:
+            return False
+        if self.mode == "bitflip":
+            bit = target.rng.randrange(len(data) * 8)
+            data[bit // 8] ^= 1 << (bit % 8)
+        else:
+            del data[len(data) // 2:]
+        storage.write(path, [bytes(data)])
+        return True
 
     def _inject_peer(self, engine: str, target: Target, step: int | None) -> Injection:
         from antifragile.trainer.ckpt_backends import committed_steps as committed_steps_of
