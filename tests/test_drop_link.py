@@ -324,8 +324,9 @@ def test_more_nodes_than_the_emulated_network_can_address_are_refused(
     then chaos run ended in a ValueError traceback from ``Network(91)``: the hosts' addresses
     run out at 90."""
     from antifragile.chaos import scenario
+    from antifragile.chaos.scenario import trainer
 
-    monkeypatch.setattr(scenario, "max_workers", lambda: 1000)
+    monkeypatch.setattr(trainer, "max_workers", lambda: 1000)
     doc: dict[str, Any] = {"name": "x", "trainer": {"nodes": 91, "parallel": {"dp": 91},
                                                     "batch_size": 91}}
     with pytest.raises(ScenarioError, match=r"^x.yaml: trainer.nodes: 91 nodes: .* at most "

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     StrictInt,
@@ -27,308 +25,32 @@ from pydantic import (
 )
 
 from antifragile.chaos.faults import FAULT_CONFIGS, FaultConfig
-from antifragile.chaos.faults.base import Seconds, memory_mib
-from antifragile.trainer.progress import (
-    HANG_FLOOR_S,
-    MIN_LEASE_S,
-    STALL_ESCALATION,
-    too_short_for_a_lease,
+from antifragile.chaos.faults.base import Seconds
+from antifragile.chaos.scenario.trainer import (
+    MAX_NODES,
+    MAX_STEP,
+    WORKER_LIMIT_REASON,
+    CommandSpec,
+    ModelSpec,
+    Parallel,
+    TrainerSpec,
+    _Strict,
+    is_python,
+    max_workers,
 )
 
-#: emulated hosts a run can have: ``chaos.infra.netns.MAX_HOSTS``
-MAX_NODES = 90
+__all__ = [  # the trainer block's models and limits are a scenario's too
+    "MAX_NODES", "MAX_STEP", "SCENARIOS", "WORKER_LIMIT_REASON", "CheckpointSpec",
+    "CommandSpec", "Expect", "ModelSpec", "Parallel", "Scenario", "ScenarioError",
+    "TrainerSpec", "is_python", "load_scenario", "max_workers", "parse_scenario",
+]
+
 #: The shipped scenarios (``chaos list``): the repository's ``scenarios/`` folder.
-SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
-
-
-#: the engine's bound on a step (``engine._paths.MAX_STEP``), here without importing the engine
-#: (and torch): ``chaos validate`` and ``chaos list`` answer at once
-MAX_STEP = 2**62
-
-_WORKER_MIB = 400  # resident memory of one CPU trainer worker (torch + a small model), measured
-WORKER_LIMIT_REASON = f"one worker needs ~{_WORKER_MIB} MiB; at most 16 per CPU core"
-
-
-def max_workers() -> int:
-    """How many trainer worker processes this machine can hold."""
-    return max(1, min(memory_mib() // _WORKER_MIB, 16 * (os.cpu_count() or 1)))
+SCENARIOS = Path(__file__).resolve().parent.parent.parent / "scenarios"
 
 
 class ScenarioError(Exception):
     """Bad scenario input; the message is meant for the user as is (no traceback)."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Parallel(_Strict):
-    dp: Annotated[StrictInt, Field(ge=1)] = 1
-    tp: Annotated[StrictInt, Field(ge=1)] = 1
-    pp: Annotated[StrictInt, Field(ge=1)] = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-
-class ModelSpec(_Strict):
-    layers: Annotated[StrictInt, Field(ge=1)] = 4
-    d_model: Annotated[StrictInt, Field(ge=1)] = 64
-    heads: Annotated[StrictInt, Field(ge=1)] = 4
-    vocab: Annotated[StrictInt, Field(ge=2)] = 256
-    seq_len: Annotated[StrictInt, Field(ge=1)] = 32
-
-
-class TrainerSpec(_Strict):
-    parallel: Parallel = Parallel()
-    nodes: Annotated[StrictInt, Field(ge=1)] = 1
-    model: ModelSpec = ModelSpec()
-    steps: Annotated[StrictInt, Field(ge=1)] = 60
-    batch_size: Annotated[StrictInt, Field(ge=1)] = 8
-    micro_batches: Annotated[StrictInt, Field(ge=1)] = 4
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    collective_timeout_s: Annotated[Seconds, Field(gt=0)] = 60.0
-    #: no training progress for this long is a hang; None: adaptive (max(10 s, 20 x p99 of
-    #: the intervals between progress bumps))
-    hang_timeout_s: Annotated[Seconds, Field(gt=0)] | None = None
-    #: after a rank fails: torchrun restarts the group, or the survivors re-form it in process
-    #: with a warm spare (falling back to a restart when no spare is left)
-    recovery: Literal["restart", "in_process"] = "restart"
-    #: in_process: a worker slot whose supervisor renews no lease for this long is lost,
-    #: with its host (default: 5 s, or 1.5 x hang_timeout_s where that is shorter, at least
-    #: 1 s; at least 1 s given, as the trainer checks)
-    lease_s: Annotated[Seconds, Field(ge=MIN_LEASE_S)] | None = None
-    #: warm spare workers for in_process recovery (default one per node there, 0 otherwise)
-    spares: Annotated[StrictInt, Field(ge=0)] | None = None
-
-    @property
-    def world_size(self) -> int:
-        return self.parallel.world_size
-
-    @field_validator("steps")
-    @classmethod
-    def _checkpointable(cls, steps: int) -> int:
-        """The run ends with a checkpoint of its last step, and the engine refuses a step of
-        2**62 or more (steps travel in the ranks' int64 all-reduces): such a run was "ok",
-        then trained until chaos run's time limit and ended with no verdict."""
-        if steps >= MAX_STEP:
-            raise ValueError(f"{steps} steps: the engine saves steps below 2**62 (the run's "
-                             "final checkpoint is of its last step)")
-        return steps
-
-    @field_validator("nodes")
-    @classmethod
-    def _addressable(cls, nodes: int) -> int:
-        """Each node is an emulated host with an address of its own (``chaos/infra/netns.py``;
-        chaos.infra imports this module, so its ``MAX_HOSTS`` is repeated here)."""
-        if nodes > MAX_NODES:
-            raise ValueError(f"{nodes} nodes: chaos runs at most {MAX_NODES} emulated hosts (one "
-                             "address each on its emulated network)")
-        return nodes
-
-    @property
-    def spare_workers(self) -> int:
-        if self.spares is not None:
-            return self.spares
-        return self.nodes if self.recovery == "in_process" else 0
-
-    @model_validator(mode="after")
-    def _recovery(self) -> TrainerSpec:
-        if self.spares and self.recovery != "in_process":
-            raise ValueError(f"spares: {self.spares} spare(s) are used only by recovery "
-                             "in_process (restart mode starts new processes instead)")
-        if self.lease_s is not None and self.recovery != "in_process":
-            raise ValueError("lease_s: leases are held only under recovery in_process (in "
-                             "restart mode torchrun's agents watch the workers)")
-        if self.lease_s is not None and self.hang_timeout_s is not None \
-                and self.lease_s >= STALL_ESCALATION * self.hang_timeout_s:
-            raise ValueError(f"lease_s: {self.lease_s:g} s is not below the watchdog's stall "
-                             f"escalation, {STALL_ESCALATION:g} x hang_timeout_s = "
-                             f"{STALL_ESCALATION * self.hang_timeout_s:g} s: "
-                             "survivors waiting for a lost host would be killed by their own "
-                             "watchdogs before it is declared lost")
-        if self.lease_s is None and self.recovery == "in_process" \
-                and self.hang_timeout_s is not None \
-                and (why := too_short_for_a_lease(self.hang_timeout_s)):
-            raise ValueError(f"hang_timeout_s: {why}; set hang_timeout_s above "
-                             f"{MIN_LEASE_S / STALL_ESCALATION:.2f}")
-        if self.lease_s is not None and self.hang_timeout_s is None \
-                and self.lease_s >= STALL_ESCALATION * HANG_FLOOR_S:
-            raise ValueError(f"lease_s: {self.lease_s:g} s is not below the watchdog's stall "
-                             "escalation under the adaptive hang timeout, "
-                             f"{STALL_ESCALATION:g} x its floor of {HANG_FLOOR_S:g} s = "
-                             f"{STALL_ESCALATION * HANG_FLOOR_S:g} s: set hang_timeout_s, or a "
-                             "shorter lease_s")
-        total = self.parallel.world_size + self.spare_workers
-        if self.nodes > 1 and total % self.nodes:
-            key = "spares" if self.spare_workers else "nodes"  # what the user may change
-            raise ValueError(f"{key}: {self.parallel.world_size} ranks + {self.spare_workers} "
-                             f"spare(s) = {total} workers cannot be split evenly over "
-                             f"{self.nodes} nodes (torchrun starts as many on each)")
-        limit = max_workers()
-        if total > limit:
-            key = "spares" if self.spare_workers else "parallel"
-            raise ValueError(f"{key}: {self.parallel.world_size} ranks + "
-                             f"{self.spare_workers} spare(s) = {total} worker processes; "
-                             f"this machine holds at most {limit} ({WORKER_LIMIT_REASON})")
-        return self
-
-    @model_validator(mode="after")
-    def _consistent(self) -> TrainerSpec:
-        p = self.parallel
-        if self.batch_size % p.dp:
-            raise ValueError(f"batch_size {self.batch_size} is not divisible by dp {p.dp}")
-        if self.model.heads % p.tp:
-            raise ValueError(f"model.heads {self.model.heads} is not divisible by tp {p.tp}")
-        if self.model.d_model % self.model.heads:
-            raise ValueError(f"model.d_model {self.model.d_model} is not divisible by heads")
-        rows = -(-self.model.vocab // p.tp)  # the embedding's rows per tp rank (torch.chunk)
-        if rows * (p.tp - 1) >= self.model.vocab:  # as the trainer refuses (trainer.config)
-            raise ValueError(f"model.vocab {self.model.vocab} leaves tp rank "
-                             f"{-(-self.model.vocab // rows)} of {p.tp} no rows of the embedding "
-                             f"(split in chunks of {rows}): use a vocab that leaves every tp "
-                             "rank some (a multiple of tp does) or a smaller tp")
-        if self.model.layers < p.pp:
-            raise ValueError(f"{self.model.layers} layers cannot fill {p.pp} pipeline stages")
-        if p.pp > 1 and ((self.batch_size // p.dp) % self.micro_batches
-                         or self.micro_batches < p.pp):
-            raise ValueError(f"micro_batches {self.micro_batches} must divide the per-replica "
-                             f"batch {self.batch_size // p.dp} and be >= pp {p.pp}")
-        if self.nodes > 1 and p.world_size % self.nodes:
-            raise ValueError(f"{p.world_size} ranks cannot be split over {self.nodes} nodes")
-        return self
-
-
-_PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
-
-
-def is_python(arg: str) -> bool:
-    """``trainer.command[0]`` values that mean "the Python interpreter chaos runs in"."""
-    return _PYTHON.match(arg) is not None
-
-
-class CommandSpec(_Strict):
-    """``trainer: {command: [...]}``: the user's own training script, run by chaos under
-    torchrun (``--nproc-per-node``, ``--max-restarts``) with ``ANTIFRAGILE_RUN_DIR``,
-    ``ANTIFRAGILE_CKPT_URL`` and ``ANTIFRAGILE_CHAOS=1`` in its environment (README, "Chaos-test
-    your own trainer"). The script decides its parallelism, steps and checkpoint interval."""
-
-    #: argv of one rank; ``python``/``python3`` is the interpreter chaos runs in, and a script
-    #: path is resolved relative to the scenario file, then the working directory
-    command: Annotated[list[str], Field(min_length=1)]
-    nproc_per_node: Annotated[StrictInt, Field(ge=1)] = 1
-    #: one host: emulated hosts (network namespaces) run only the built-in trainer for now
-    nodes: Annotated[StrictInt, Field(ge=1)] = 1
-    #: added to every rank's environment
-    env: dict[str, str | int | float] = {}
-    #: the script reports steps through ``antifragile.probe``: needed by ``at_step`` faults
-    #: and by the step, recovery and lost-step measurements (false: time-based faults only)
-    probe: bool = True
-    #: the longest the job takes to notice a dead or hung peer (the script's own process-group
-    #: timeout or watchdog): a fault counts as the cause of a restart within this (+ teardown)
-    detect_timeout_s: Annotated[Seconds, Field(gt=0)] = 60.0
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nodes
-
-    @property
-    def spare_workers(self) -> int:
-        return 0
-
-    @field_validator("nproc_per_node")
-    @classmethod
-    def _fits(cls, nproc: int) -> int:
-        """As many rank processes as this machine can hold, at the least a trainer's worker
-        needs (a typo such as 100000 had torchrun start them all)."""
-        limit = max_workers()
-        if nproc > limit:
-            raise ValueError(f"{nproc} processes; this machine holds at most {limit} "
-                             f"({WORKER_LIMIT_REASON})")
-        return nproc
-
-    @field_validator("nodes")
-    @classmethod
-    def _one_host(cls, nodes: int) -> int:
-        if nodes != 1:
-            raise ValueError(f"{nodes} nodes: a command trainer runs on one host for now "
-                             "(emulated hosts run only the built-in trainer); use nodes: 1")
-        return nodes
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env_values(cls, env: Any) -> Any:
-        """Texts and numbers; YAML's booleans would become "1"/"0" (not what was written)."""
-        for k, v in env.items() if isinstance(env, dict) else ():
-            if isinstance(v, bool):
-                raise ValueError(f"{k}: {v} is a YAML boolean (true/false/yes/no/on/off); quote "
-                                 f"the text the variable should hold, e.g. '{str(v).lower()}'")
-            if v is None:
-                raise ValueError(f"{k}: no value (null); give a text or a number, '' for empty")
-            if not isinstance(v, (str, int, float)):
-                raise ValueError(f"{k}: a {type(v).__name__} is not a text or a number")
-        return env
-
-    @field_validator("env")
-    @classmethod
-    def _env_text(cls, env: dict[str, Any]) -> dict[str, str]:
-        """What a process's environment can hold (the OS refuses the rest when the job starts)."""
-        for k, v in env.items():
-            if not k or "=" in k or "\0" in k:
-                raise ValueError(f"{k!r} is not an environment variable name (empty, or it "
-                                 "holds '=' or a NUL byte)")
-            if "\0" in str(v):
-                raise ValueError(f"{k}: a value cannot hold a NUL byte")
-        return {k: str(v) for k, v in env.items()}
-
-    @field_validator("command")
-    @classmethod
-    def _resolve(cls, command: list[str], info: ValidationInfo) -> list[str]:
-        """Absolute paths for the executable and the script, or why they cannot be found."""
-        for i, arg in enumerate(command):  # no process takes one
-            if "\0" in arg:
-                raise ValueError(f"command[{i}]: {arg!r} holds a NUL byte")
-        bases = [*((info.context or {}).get("base_dirs") or []), Path.cwd()]
-        where = " or ".join(dict.fromkeys(str(b) for b in bases))
-        out = list(command)
-        first = command[0]
-        if is_python(first):
-            script = 1
-            while script < len(out) and out[script].startswith("-"):
-                if out[script] in ("-c", "-m"):  # code or a module, not a script file
-                    return out
-                script += 2 if out[script] in ("-W", "-X") else 1  # interpreter options
-            if script < len(out):
-                found = _find_file(out[script], bases)
-                if found is None:
-                    raise ValueError(f"command[{script}]: script {out[script]!r} not found "
-                                     f"(looked relative to {where})")
-                out[script] = found
-            return out
-        if os.sep in first or first.endswith(".py"):
-            found = _find_file(first, bases)
-            if found is None:
-                raise ValueError(f"command[0]: {first!r} not found (looked relative to "
-                                 f"{where})")
-            if not found.endswith(".py") and not os.access(found, os.X_OK):
-                raise ValueError(f"command[0]: {found} is not executable")
-            out[0] = found
-            return out
-        if shutil.which(first) is None:
-            raise ValueError(f"command[0]: {first!r} is not an executable on PATH")
-        return out
-
-
-def _find_file(name: str, bases: list[Path]) -> str | None:
-    for base in bases:
-        path = (base / os.path.expanduser(name))
-        try:
-            if path.is_file():
-                return str(path.resolve())
-        except OSError:  # a name too long, a folder it may not look into: not there either
-            continue
-    return None
 
 
 #: settings of the built-in trainer, refused beside ``trainer.command``
