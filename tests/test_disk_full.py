@@ -247,6 +247,25 @@ def test_a_fill_that_lost_a_race_to_a_writer_still_fills(volume: Volume,
         fill.stop()
 
 
+def test_two_fills_of_one_volume_keep_files_of_their_own(volume: Volume) -> None:
+    """Two disk_full faults whose times overlap: the second truncated the first's file (one
+    name for both) and the first one's end unlinked the second's, so the first reported
+    nothing filled and the disk came back while the second was meant to hold it."""
+    first = Fill(volume)
+    second = Fill(volume)
+    try:
+        assert first.file != second.file and first.filled_bytes > 0
+        first.stop()
+        deadline = time.monotonic() + 5
+        while volume.free_bytes() != 0:  # what the first gave back, the second takes
+            assert time.monotonic() < deadline, "the second fill let the disk go"
+            time.sleep(0.02)
+        assert second.file.stat().st_size == second.filled_bytes > 0
+    finally:
+        second.stop()
+    assert not list(volume.path.glob("*.fill"))
+
+
 def test_a_file_in_the_volumes_place_makes_the_fault_skipped_with_the_reason(
         tmp_path: Path) -> None:
     if os.geteuid() != 0:

@@ -23,6 +23,7 @@ import contextlib
 import os
 import re
 import subprocess
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,11 +105,12 @@ class Fill:
 
     def __init__(self, volume: Volume) -> None:
         self.volume = volume
-        self.file = volume.path / "disk_full.fill"
+        # a file of its own: two fills at once (overlapping faults) must not share one
+        self._fd, name = tempfile.mkstemp(prefix="disk_full.", suffix=".fill", dir=volume.path)
+        self.file = Path(name)
         self.filled_bytes = 0
         self.error: str | None = None
         self._stop = threading.Event()
-        self._fd = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         self._take()
         self._thread = threading.Thread(target=self._keep, name="disk-full", daemon=True)
         self._thread.start()
