@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from antifragile.chaos.observe.record import EventLogError, EventTail
+from antifragile.chaos.observe.record import EventLogError, EventTail, RunRecord
 from antifragile.chaos.run.runner import ChaosRunError, _read
 
 
@@ -94,3 +94,14 @@ def test_a_line_torn_by_a_killed_writer_is_not_glued_to_the_next_attempts(
         (0, "start"), (1, "start")]
     assert len(read_events(tmp_path)) == 2
     assert path.read_text().count("\n") == 2
+
+
+def test_an_attempt_begins_at_its_first_start_whatever_order_the_events_came_in() -> None:
+    """Events are read file by file, a poll at a time: rank 1's start of attempt 1 (t=9) may
+    come after rank 0's (t=10). The attempt was taken to begin at whichever came first in
+    the list, so a fault at t=9.5 was put on attempt 0, which had ended."""
+    events = [{"t": 0.0, "rank": r, "attempt": 0, "event": "start"} for r in (0, 1)]
+    events += [{"t": 10.0, "rank": 0, "attempt": 1, "event": "start"},
+               {"t": 9.0, "rank": 1, "attempt": 1, "event": "start"}]
+    record = RunRecord(0, 0.0, 20.0, events, [])
+    assert record.attempt_at(9.5) == 1 and record.attempt_at(8.0) == 0

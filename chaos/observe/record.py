@@ -34,9 +34,13 @@ class RunRecord:
         return self.ended_t - self.started_t
 
     def attempt_at(self, t: float) -> int:
-        """The attempt that was running at time ``t``."""
-        starts = sorted({e["attempt"]: e["t"] for e in reversed(self.events)
-                         if e["event"] in STARTS}.items())
+        """The attempt that was running at time ``t`` (one begins at its first start, in time:
+        events come file by file, not in time order)."""
+        first: dict[int, float] = {}
+        for e in self.events:
+            if e["event"] in STARTS:
+                first[e["attempt"]] = min(e["t"], first.get(e["attempt"], e["t"]))
+        starts = sorted(first.items())
         current = 0
         for attempt, start_t in starts:
             if start_t <= t:

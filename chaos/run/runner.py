@@ -173,7 +173,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     ended = time.time()
     for generation in job.generations:
         job.ends.setdefault(generation, ended)
-    events = sorted(tail.events + observed, key=lambda e: e["t"]) if observed else tail.events
+    events = sorted(tail.events + observed, key=lambda e: e["t"])  # polls read file by file
     return RunRecord(agents.returncode, started, ended, events, injections, job.ends,
                      paused_s=job.paused_s)
 
