@@ -75,6 +75,13 @@ def test_every_window_of_a_token_file_is_sampled(tmp_path: Path) -> None:
         TokenData(seq_len=16, vocab=50, seed=0, path=str(path))
 
 
+def _npy(header: str) -> bytes:
+    """A version 1.0 .npy file of ``header`` (padded as numpy pads it) and 400 zero bytes."""
+    text = header.encode()
+    text += b" " * (-(10 + len(text) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + bytes(400)
+
+
 @pytest.mark.parametrize(("make", "message"), [
     (None, "No such file"),
     (lambda p: np.save(p, np.arange(100, dtype=np.int32)), "token ids outside [0, 50)"),
@@ -83,6 +90,12 @@ def test_every_window_of_a_token_file_is_sampled(tmp_path: Path) -> None:
     (lambda p: p.write_text("not tokens\n"), "allow_pickle"),
     (lambda p: np.savez(open(p, "wb"), np.arange(100)), "not a .npy"),  # noqa: SIM115
     (lambda p: p.write_bytes(b""), "empty"),
+    # a header cut short inside its dict (numpy's tokenizer raised TokenError) or with a shape
+    # beyond any array (OverflowError): tracebacks, not usage errors
+    (lambda p: p.write_bytes(_npy("{'descr': '<i4', 'fortran_order': False, 'shape': (10,), ")),
+     "malformed .npy header"),
+    (lambda p: p.write_bytes(_npy("{'descr': '<i4', 'fortran_order': False, "
+                                  f"'shape': ({10**22},), }}")), "malformed .npy header"),
 ])
 def test_an_unusable_token_file_is_refused_before_training(
         tmp_path: Path, make: Any, message: str, capsys: pytest.CaptureFixture[str]) -> None:

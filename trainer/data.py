@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tokenize
 import zlib
 from dataclasses import dataclass
 
@@ -40,6 +41,10 @@ def _checked_tokens(path: str, _ino: int, _size: int, _mtime_ns: int, seq_len: i
         raise ValueError(f"{path}: {exc}") from None
     except EOFError:  # numpy's answer for a file of no bytes
         raise ValueError(f"{path}: empty file, not a .npy of token ids") from None
+    except (tokenize.TokenError, OverflowError) as exc:
+        # a damaged header numpy does not wrap in ValueError: one cut short inside its dict
+        # (its tokenizer's TokenError), a shape beyond any array (the map's size overflows)
+        raise ValueError(f"{path}: malformed .npy header ({exc})") from None
     if not isinstance(tokens, np.ndarray):
         raise ValueError(f"{path}: not a .npy file (a 1-D integer token array)")
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
