@@ -47,7 +47,8 @@ def _checked_tokens(path: str, _ino: int, _size: int, _mtime_ns: int, seq_len: i
         raise ValueError(f"{path}: malformed .npy header ({exc})") from None
     if not isinstance(tokens, np.ndarray):
         raise ValueError(f"{path}: not a .npy file (a 1-D integer token array)")
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+    # kind i/u, not np.integer: numpy counts timedelta64 (kind m) among its integer types
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise ValueError(f"{path}: expected a 1-D integer token array")
     if len(tokens) < seq_len + 1:
         raise ValueError(f"{path}: {len(tokens)} tokens, need at least {seq_len + 1} "
