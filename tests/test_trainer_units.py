@@ -216,6 +216,27 @@ def test_a_run_dir_that_cannot_be_made_is_a_usage_error(
     assert parse_args(["--run-dir", str(tmp_path / "run")]).run_dir == str(tmp_path / "run")
 
 
+@pytest.mark.parametrize("where", ["file", "file/ckpt"])
+def test_a_local_ckpt_url_that_cannot_be_a_folder_is_a_usage_error(
+        tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--ckpt-url a plain file: every rank died opening the engine (CheckpointError traceback,
+    exit 1, which torchrun restarts into the same); under a plain file: every save failed, the
+    run trained to the end without a checkpoint, retried the last save for its patience and
+    exited 46 for a restart that trains it all again. Now one line naming the option, exit 2;
+    a folder not made yet is accepted, and not made by the check."""
+    (tmp_path / "file").write_text("")
+    for url in (str(tmp_path / where), f"file://{tmp_path / where}"):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--ckpt-url", url])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"python -m antifragile.trainer: error: --ckpt-url {url}: "), err
+        assert f"{tmp_path / 'file'} is a file" in err, err
+    fresh = tmp_path / "new" / "ckpt"
+    assert parse_args(["--ckpt-url", str(fresh)]).ckpt_url == str(fresh)
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize(("tp", "vocab"), [(4, 7), (4, 10), (2, 63), (4, 4)])
 def test_a_vocabulary_every_tp_rank_holds_rows_of_is_accepted(tp: int, vocab: int) -> None:
     """Uneven vocabulary shards train (tp 4, vocab 7: rows 2, 2, 2, 1); only a shard left

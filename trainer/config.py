@@ -190,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             os.makedirs(os.path.join(cfg.run_dir, "events"), exist_ok=True)
         except OSError as exc:
             p.error(f"--run-dir {cfg.run_dir}: {exc.strerror or exc}")
+    if cfg.ckpt_url and (why := _not_a_local_folder(cfg.ckpt_url)):
+        p.error(f"--ckpt-url {cfg.ckpt_url}: {why}")
     if cfg.data_path is not None:  # a usage error here, not a traceback in every training
         # process (which are forked from this one and reuse the checked map: ``open_tokens``)
         from antifragile.trainer.data import open_tokens
@@ -201,3 +203,20 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         except ValueError as exc:
             p.error(f"--data-path {exc}")
     return cfg
+
+
+def _not_a_local_folder(url: str) -> str | None:
+    """Why a local checkpoint URL can never be a folder (it, or the nearest of its parents
+    that exists, is a file), else None. Caught here, not by the training processes: at a file
+    every rank died opening the engine (exit 1, restarted into the same), under one every save
+    failed, so the run trained to its end unsaved and exited 46 for a restart that trained it
+    all again. Nothing is made: the engines make the folder at their first save."""
+    from antifragile.engine.storage import local_root
+
+    root = local_root(url)
+    if root is None:
+        return None
+    path = os.path.abspath(root)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return f"{path} is a file, not a folder" if not os.path.isdir(path) else None
