@@ -216,6 +216,21 @@ def test_a_run_dir_that_cannot_be_made_is_a_usage_error(
     assert parse_args(["--run-dir", str(tmp_path / "run")]).run_dir == str(tmp_path / "run")
 
 
+@pytest.mark.parametrize("option", ["--ckpt-url", "--run-dir"])
+def test_an_empty_path_option_is_a_usage_error(
+        tmp_path: Path, option: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ckpt-url ""`` (an unset variable, ``--ckpt-url "$CKPT"``) was taken for no
+    --ckpt-url: the run trained without a checkpoint and exited 0; ``--run-dir ""`` made an
+    ``events`` folder in the working directory and then wrote no event at all."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        parse_args([option, ""])
+    assert exc.value.code == 2
+    assert f"{option[2:].replace('-', '_')} must not be empty" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("where", ["file", "file/ckpt"])
 def test_a_local_ckpt_url_that_cannot_be_a_folder_is_a_usage_error(
         tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -69,6 +69,10 @@ class TrainConfig:
         if self.parallel.pp > 1 and self.micro_batches < self.parallel.pp:
             raise ValueError(f"{self.micro_batches} micro-batches cannot fill "
                              f"{self.parallel.pp} pipeline stages")
+        for name in ("ckpt_url", "run_dir"):  # None is the option left out; "" is not that
+            if getattr(self, name) == "":  # (an unset variable: --ckpt-url "$CKPT")
+                raise ValueError(f"{name} must not be empty: leave the option out for none "
+                                 "(no checkpoints, no events)")
         if self.ckpt_engine not in ENGINES:
             raise ValueError(f"ckpt_engine must be one of {', '.join(ENGINES)}, "
                              f"not {self.ckpt_engine!r}")
