@@ -436,3 +436,50 @@ def test_an_aborted_run_leaves_no_worker_behind(tmp_path: Path,
     while runner.alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not runner.alive(worker), f"worker {worker} outlived the run"
+
+
+def test_a_report_that_cannot_be_written_is_a_clear_error_and_leaves_none_in_part(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills up while the report is written (here: a file size limit, the kernel's
+    EFBIG): ``chaos run`` ended with an OSError traceback, exit 1 (the code of a failed
+    verdict), report.json cut short, and the report.md and report.html of the run before it
+    in the reused ``--out`` left beside it as if they were this run's. Now: one line naming
+    the file, exit 2, and no report file at all (run/ and ckpt/ are this run's now)."""
+    import resource
+    import signal
+
+    from antifragile.chaos.observe.record import RunRecord
+    from antifragile.chaos.run import pipeline
+
+    def faulty_run(s: object, run_dir: Path, ckpt_url: str, **_: object) -> RunRecord:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "torchrun.log").write_text("")
+        events = [{"t": 1.0 + step, "rank": rank, "attempt": 0, "event": "step_end",
+                   "step": step, "loss": 1.0, "seconds": 0.5}
+                  for step in (1, 2) for rank in (0, 1)]
+        return RunRecord(0, 0.0, 4.0, events, [])
+
+    monkeypatch.setattr(pipeline, "run_scenario", faulty_run)
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\ntrainer: {parallel: {dp: 2}, steps: 2}\n"
+                    "checkpoint: {every_steps: 1}\nexpect: {bitwise_equal_to_reference: false}\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("report.json", "report.md", "report.html"):  # an earlier run's report
+        (out / name).write_text("PASS")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not death, past the limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limit[1]))
+    try:
+        result = CliRunner().invoke(main, ["run", str(path), "--no-reference", "--out",
+                                           str(out)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, xfsz)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {out / 'report.json'}: cannot "
+                                                     "be written: File too large"), result.output
+    left = sorted(p.name for p in out.iterdir())
+    assert left == ["run"], left  # no report, no part of one, no staged file

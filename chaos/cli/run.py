@@ -57,10 +57,10 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
             check_determinism: bool) -> None:
     """Run a scenario: inject its faults, measure recovery, check nothing was lost.
 
-    Exit 0 pass, 1 fail, 2 bad input, 3 skipped (a fault could not be made here),
-    4 nondeterministic (--check-determinism: two fault-free runs differ), 5 no verdict: the
-    run could not be made (the fault-free reference run failed or left no checkpoint, or a
-    run went past its time limit)."""
+    Exit 0 pass, 1 fail, 2 bad input (or a report that cannot be written: then none is),
+    3 skipped (a fault could not be made here), 4 nondeterministic (--check-determinism: two
+    fault-free runs differ), 5 no verdict: the run could not be made (the fault-free
+    reference run failed or left no checkpoint, or a run went past its time limit)."""
     s = load(file, seed)
     if no_reference and s.expect.bitwise_equal_to_reference:
         fail(needs_reference(file))
@@ -69,6 +69,7 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
              "which --no-reference skips")
     from antifragile.chaos.cli.progress import Progress
     from antifragile.chaos.infra.s3 import StorageSetupError
+    from antifragile.chaos.report.document import ReportError
     from antifragile.chaos.run.pipeline import run
     from antifragile.chaos.run.runner import ChaosRunError
 
@@ -86,6 +87,8 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
             fail(f"{file}: {exc}")
         except ChaosRunError as exc:
             fail(f"{file}: {exc}", code=RUN_ERROR_EXIT)
+        except ReportError as exc:  # a full disk: no report, none in part (as chaos suite)
+            fail(str(exc))
     v = outcome.report["verdict"]
     click.echo(f"{s.name}: {v['verdict'].upper()}  report: {folder / 'report.md'}")
     for reason in v["reasons"]:

@@ -9,6 +9,7 @@ are public for other pages (the suite summary) to reuse.
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import json
 import os
@@ -150,6 +151,59 @@ def _without_secrets(report: dict[str, Any]) -> dict[str, Any]:
     s = {**s, "checkpoint": {**checkpoint, "storage_options": hidden_options}} if options else s
     s = {**s, "trainer": {**trainer, "env": hidden_env}} if env else s
     return {**report, "scenario": s}
+
+
+class ReportError(Exception):
+    """A report file that could not be written (a full disk, a folder made read-only); the
+    message names it and says why."""
+
+
+#: the report's files besides its plots (``write_report`` writes them all, or none)
+REPORT_FILES = ("report.json", "report.md", "report.html")
+
+
+def write_report(out: Path, doc: dict[str, Any]) -> list[Plot]:
+    """Every file of ``doc``'s report into ``out``: json, the plots that drew, markdown, html.
+    Each is written into ``out/.report.tmp/`` first and renamed into ``out`` once all are
+    written, so a failure to write (ReportError: a full disk) leaves no file cut short and no
+    report at all: not even an earlier run's in a reused ``out`` (its run/ and ckpt/ are this
+    run's now: its report would pass for this one's). A plot that did not draw leaves no
+    earlier PNG of its name either."""
+    import shutil
+
+    from antifragile.chaos.report.plots import render_all
+
+    rendered = render_all(doc)  # never raises: a failed plot carries its error
+    staging = out / ".report.tmp"
+    names = [*REPORT_FILES, *(p.name for p in rendered)]
+    current = "report.json"
+    try:
+        shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier write's
+        staging.mkdir()
+        write_json(staging, doc)
+        for plot in rendered:
+            if plot.png is not None:
+                current = plot.name
+                (staging / plot.name).write_bytes(plot.png)
+        current = "report.md"
+        write_markdown(staging, doc, rendered)
+        current = "report.html"
+        write_html(staging, doc, rendered)
+        for name in names:
+            current = name
+            if (staging / name).exists():
+                os.replace(staging / name, out / name)
+            else:
+                (out / name).unlink(missing_ok=True)
+    except OSError as exc:
+        for name in names:
+            with contextlib.suppress(OSError):
+                (out / name).unlink(missing_ok=True)
+        raise ReportError(f"{out / current}: cannot be written: {exc.strerror or exc}"
+                          ) from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return rendered
 
 
 def write_json(out: Path, report: dict[str, Any]) -> Path:

@@ -21,7 +21,6 @@ from antifragile.chaos.infra.s3 import RunStorage, run_storage
 from antifragile.chaos.observe import checker, figures, measure
 from antifragile.chaos.observe.effects import STORAGE_FAULTS
 from antifragile.chaos.report import document as report
-from antifragile.chaos.report import plots
 from antifragile.chaos.run.runner import ChaosRunError, run_scenario
 from antifragile.chaos.run.status import RunStatus
 from antifragile.chaos.scenario import CommandSpec, Scenario
@@ -310,8 +309,5 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
         "reference_losses": report.reference_losses(Path(reference_url).parent)
         if reference_url else [],
     }
-    report.write_json(out, doc)
-    rendered = plots.render_all(doc, out)  # never raises: a failed plot carries its error
-    report.write_markdown(out, doc, rendered)
-    report.write_html(out, doc, rendered)
+    report.write_report(out, doc)  # all or none; a failed plot carries its error
     return Outcome(out, doc)
