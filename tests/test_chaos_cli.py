@@ -98,6 +98,18 @@ def test_terminal_progress_updates_in_place() -> None:
     assert "a note" in out and "49/1000" in out and "ETA 0:12" in out
 
 
+def test_terminal_progress_shows_notes_as_they_are() -> None:
+    """A note is text, not rich markup: a scenario file in ``scenarios/[wip]/`` lost its
+    folder's name on a terminal (``[wip]`` taken for a style), and a ``[/`` in a path or an
+    error ended the run with a MarkupError traceback."""
+    stream = _Terminal()
+    with Progress(stream=stream) as progress:
+        progress("[1/2] s (scenarios/[wip]/s.yaml)")
+        progress("reference: cached (/data/v2[/old]/reference/abc)")
+    out = stream.getvalue()
+    assert "scenarios/[wip]/s.yaml" in out and "/data/v2[/old]/reference/abc" in out, out
+
+
 def test_no_reference_with_a_bitwise_expectation_is_bad_input(tmp_path: Path) -> None:
     """Bitwise equality to a reference that is not run cannot be claimed: refused before
     anything runs, naming the option and the expect key."""

@@ -51,7 +51,9 @@ class Progress:
 
     def __call__(self, line: str) -> None:
         if self._live is not None:
-            self._live.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {line}",
+            from rich.markup import escape  # a note is text: a path's "[wip]" is no style
+
+            self._live.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {escape(line)}",
                                      markup=True, highlight=False)
         else:
             self._plain(line)
