@@ -88,6 +88,20 @@ def test_plain_progress_never_prints_a_line_per_step() -> None:
     assert "attempt 1" in lines[2] and "step 1000/1000" in lines[3]
 
 
+def test_plain_progress_of_a_run_of_unknown_length_is_not_a_line_per_step() -> None:
+    """A command trainer run without a reference run has no known last step: its status
+    says the total is the step reached, so every step looked like the last one and printed a
+    line (a CI log flooded). It prints like any other, and its final state when it ends."""
+    stream = _Pipe()
+    with Progress(stream=stream, plain_interval_s=3600) as progress:
+        for step in range(1, 501):
+            progress.status(RunStatus(name="s", step=step, total_steps=step, attempt=0,
+                                      faults_injected=0, recoveries=0, eta_s=None))
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2, lines[:5]  # the first status, and where it ended
+    assert "step 1/1" in lines[0] and "step 500/500" in lines[1]
+
+
 def test_terminal_progress_updates_in_place() -> None:
     stream = _Terminal()
     with Progress(stream=stream) as progress:

@@ -3,8 +3,8 @@
 On a terminal: a ``rich`` bar that updates in place (step, attempt, faults injected, recoveries,
 ETA), with notes (restores, hangs, injections) printed above it. Otherwise (CI logs, pipes):
 plain timestamped lines, notes as they come and a status line at most every
-``plain_interval_s`` seconds, or when the attempt or the count of faults or recoveries changes;
-never one line per step.
+``plain_interval_s`` seconds, or when the attempt or the count of faults or recoveries changes,
+and the newest one when the display closes; never one line per step.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class Progress:
         self._task: Any = None
         self._last_plain_t = 0.0
         self._last_key: tuple[int, int, int] | None = None
+        self._last_total: int | None = None
+        self._unprinted: str | None = None  # the newest status line not printed (plain)
         if self.stream.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
@@ -70,16 +72,27 @@ class Progress:
             return
         key = (s.attempt, s.faults_injected, s.recoveries)
         now = time.monotonic()
-        if key != self._last_key or now - self._last_plain_t >= self.plain_interval_s \
-                or s.step == s.total_steps:
-            self._last_key, self._last_plain_t = key, now
-            self._plain(f"{s.name}: step {s.step}/{s.total_steps}  {info}")
+        # the last step, of a total known before it: a total that grows with the step (a
+        # command trainer without a reference run, its end unknown) made every step the last
+        last = s.step == s.total_steps == self._last_total
+        self._last_total = s.total_steps
+        line = f"{s.name}: step {s.step}/{s.total_steps}  {info}"
+        if key != self._last_key or now - self._last_plain_t >= self.plain_interval_s or last:
+            self._last_key, self._last_plain_t, self._unprinted = key, now, None
+            self._plain(line)
+        else:
+            self._unprinted = line
 
     def _plain(self, line: str) -> None:
         self.stream.write(f"{time.strftime('%H:%M:%S')} {line}\n")
         self.stream.flush()
 
     def close(self) -> None:
+        """Stop the bar; in plain mode, print the newest status if it was not (where the run
+        ended: a log must not stop at the last interval's step)."""
         if self._live is not None and self._task is not None:
             self._live.stop()
             self._task = None
+        if self._unprinted is not None:
+            self._plain(self._unprinted)
+            self._unprinted = None
