@@ -332,6 +332,20 @@ def test_the_markdown_shows_a_stall_of_milliseconds_as_what_it_is(
     assert "cost the training loop 0.0042 s of stall and 0.031 s of slower steps" in md
 
 
+def test_the_html_shows_a_small_measured_figure_as_what_it_is(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """Three decimals wrote a checkpoint written at 65 KiB/s (S3 with a volume server down:
+    6.3e-05 GiB/s) and a sub-millisecond stall as 0.000 in report.html's checkpoints table,
+    while report.json held what was measured."""
+    first = {**doc["checkpoints"][0], "stall_s": 0.00042, "throughput_gib_s": 6.3e-05}
+    report.write_html(tmp_path, {**doc, "checkpoints": [first, *doc["checkpoints"][1:]]}, [])
+    page = (tmp_path / "report.html").read_text()
+    table = page.split("<h2>Checkpoints</h2>", 1)[1].split("</table>", 1)[0]
+    row = table.split("<tbody><tr>", 1)[1].split("</tr>", 1)[0]
+    cells = re.findall(r"<td>(.*?)</td>", row)
+    assert cells[2] == "0.00042" and cells[6] == "6.3e-05", cells
+
+
 def test_the_timeline_of_a_command_trainer_has_a_row_for_every_rank() -> None:
     """A command trainer's scenario has ``nproc_per_node``, no ``parallel``: its timeline was
     drawn for one rank, so ranks 1.. and a fault on them fell outside the plot."""

@@ -342,12 +342,14 @@ _CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 
 
 def _cell(x: Any) -> str:
+    """Three decimals, or two significant digits below 0.1 (as ``_fmt``: a write at 65 KiB/s
+    is 6.3e-05 GiB/s, not 0.000)."""
     if x is None:
         return "-"
     if isinstance(x, bool):
         return "yes" if x else "no"
     if isinstance(x, float):
-        return f"{x:.3f}"
+        return f"{x:.3f}" if x == 0 or abs(x) >= 0.1 else f"{x:.2g}"
     return str(x)
 
 
