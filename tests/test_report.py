@@ -911,3 +911,24 @@ def test_a_synchronous_save_after_the_last_step_is_final() -> None:
     assert cost is not None and cost["stall_s"] == pytest.approx(0.5)
     entry = summary.summarize("s", "s.yaml", {"checkpoints": rows}, None)
     assert entry["stall_mean_s"] == pytest.approx(0.5)
+
+
+def test_a_run_in_a_reused_out_leaves_no_earlier_report_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``chaos run --out`` again: the run replaced run/ and ckpt/ and then ended without a
+    verdict (the reference failed, Ctrl-C); the earlier run's report stayed beside them and
+    read as this run's."""
+    from antifragile.chaos.run import pipeline
+    from antifragile.chaos.scenario import parse_scenario
+
+    for name in ("report.json", "report.md", "report.html", "loss.png", "timeline.png"):
+        (tmp_path / name).write_text("the earlier run's")
+    (tmp_path / "notes.txt").write_text("the user's")
+
+    def no_verdict(*_: object, **__: object) -> None:
+        raise pipeline.ChaosRunError("the fault-free reference run failed")
+
+    monkeypatch.setattr(pipeline, "_run", no_verdict)
+    with pytest.raises(pipeline.ChaosRunError):
+        pipeline.run(parse_scenario({"name": "x"}), tmp_path, progress=lambda _: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -14,6 +14,7 @@ import html
 import json
 import os
 import platform
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -162,6 +163,15 @@ class ReportError(Exception):
 REPORT_FILES = ("report.json", "report.md", "report.html")
 
 
+def remove_report(out: Path) -> None:
+    """An earlier run's report in ``out``: gone before a run there replaces its run/ and ckpt/
+    (a run that then ends without a verdict must not leave it to read as its own)."""
+    from antifragile.chaos.report.plots import NAMES
+
+    for name in (*REPORT_FILES, *NAMES):
+        (out / name).unlink(missing_ok=True)
+
+
 def write_report(out: Path, doc: dict[str, Any]) -> list[Plot]:
     """Every file of ``doc``'s report into ``out``: json, the plots that drew, markdown, html.
     Each is written into ``out/.report.tmp/`` first and renamed into ``out`` once all are
@@ -169,8 +179,6 @@ def write_report(out: Path, doc: dict[str, Any]) -> list[Plot]:
     report at all: not even an earlier run's in a reused ``out`` (its run/ and ckpt/ are this
     run's now: its report would pass for this one's). A plot that did not draw leaves no
     earlier PNG of its name either."""
-    import shutil
-
     from antifragile.chaos.report.plots import render_all
 
     rendered = render_all(doc)  # never raises: a failed plot carries its error

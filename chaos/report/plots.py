@@ -23,6 +23,7 @@ from typing import Any
 
 DPI = 100
 WIDTH_IN = 11.0
+NAMES = ("loss.png", "timeline.png", "checkpoints.png")  # every plot a report may have
 # Attempts in blues and purples: green means a checkpoint save or a recovery, red a fault.
 ATTEMPT_COLORS = ["#1f77b4", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#7f7f7f"]
 FAULT_COLOR = "#d62728"

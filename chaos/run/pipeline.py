@@ -195,6 +195,7 @@ def run(s: Scenario, out: Path, *, reference: bool = True, check_determinism: bo
     for previous in (out / "run", out / "ckpt", out / "determinism"):  # not resumed
         if previous.exists():
             shutil.rmtree(previous)
+    report.remove_report(out)
     with run_storage(s, out, progress) as storage:  # S3 (and its fault proxy) for the whole run
         return _run(s, out, storage, reference=reference, check_determinism=check_determinism,
                     progress=progress, status=status)
