@@ -26,6 +26,7 @@ environment is read; importing this module imports no torch.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -52,10 +53,11 @@ _off = False
 
 
 def _active() -> _Probe | None:
-    """The probe under chaos, built on first use; None (and nothing done) otherwise."""
+    """The probe under chaos, built on first use; None (and nothing done) otherwise. Every
+    probe call comes from the script's training loop: its thread is the loop's."""
     global _probe, _off
     if _probe is not None:
-        return _probe
+        return _loop(_probe)
     if _off:
         return None
     if not os.environ.get(RUN_DIR_ENV):
@@ -68,7 +70,15 @@ def _active() -> _Probe | None:
     if ch is None:
         return None
     _probe = _Probe(ch, PausePoints(ch.run_dir, ch.rank, ch.emit))
-    return _probe
+    return _loop(_probe)
+
+
+def _loop(p: _Probe) -> _Probe:
+    """``p``, its channel told that the caller is the training thread: the script calls the
+    probe from its loop, which need not be the main thread (then only the main thread's
+    reports would start the next step's time, and each step would count from the first)."""
+    p.channel.loop_thread = threading.current_thread()
+    return p
 
 
 def step_end(step: int, loss: Any = None) -> None:

@@ -66,8 +66,10 @@ def open_event_file(path: str) -> TextIO:
 class Channel:
     """One process's event file under chaos. Thread-safe (background saves emit too).
 
-    ``loop_t`` is when the training (main) thread last emitted: ``probe.step_end`` measures a
-    step from there, so a checkpoint stall or a pause is not counted as step time."""
+    ``loop_t`` is when the training thread last emitted: ``probe.step_end`` measures a step
+    from there, so a checkpoint stall or a pause is not counted as step time. The training
+    thread is the main thread until a ``probe`` call names another (``loop_thread``): a loop
+    run in a thread of its own; the engine's background saves never move ``loop_t``."""
 
     def __init__(self, run_dir: str, *, rank: int, world_size: int, attempt: int) -> None:
         self.run_dir = run_dir
@@ -75,6 +77,7 @@ class Channel:
         self.world_size = world_size
         self.attempt = attempt
         self.restored_step: int | None = None  # a restore_end this process reported
+        self.loop_thread = threading.main_thread()
         self._lock = threading.Lock()
         folder = os.path.join(run_dir, "events")
         os.makedirs(folder, exist_ok=True)
@@ -95,7 +98,7 @@ class Channel:
                 return
             if event == "restore_end":
                 self.restored_step = fields.get("step")
-            if threading.current_thread() is threading.main_thread():
+            if threading.current_thread() is self.loop_thread:
                 self.loop_t = now
 
 

@@ -261,3 +261,23 @@ def test_a_later_pass_of_a_step_holds_only_the_next_time_the_job_gets_there(
     probe.step_end(3)  # a third pass: nothing left to hold
     assert [e.get("point") for e in _events_of(tmp_path) if e["event"] == "paused"] == [
         "p0", "p1"]
+
+
+def test_a_training_loop_in_another_thread_gets_its_own_step_times(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script whose training loop runs in a thread of its own (a launcher's worker thread,
+    a main thread left to a watchdog): each step is timed from the previous one, as on the
+    main thread. Only the main thread's reports moved the start of the next step, so every
+    step_end's ``seconds`` counted from the process's first report and kept growing."""
+    _under_chaos(monkeypatch, tmp_path)
+
+    def loop() -> None:
+        for step in range(1, 5):
+            time.sleep(0.2)
+            probe.step_end(step, 0.5)
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    worker.join(30)
+    seconds = [e["seconds"] for e in _events_of(tmp_path) if e["event"] == "step_end"]
+    assert len(seconds) == 4 and all(s < 0.35 for s in seconds[1:]), seconds
