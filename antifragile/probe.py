@@ -67,7 +67,8 @@ def _active() -> _Probe | None:
     from antifragile.trainer.pause import PausePoints
 
     ch = channel()
-    if ch is None:
+    if ch is None:  # its event file cannot be opened: nor will it later
+        _off = True
         return None
     _probe = _Probe(ch, PausePoints(ch.run_dir, ch.rank, ch.emit))
     return _loop(_probe)

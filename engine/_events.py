@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -104,22 +105,35 @@ class Channel:
 
 _channel: Channel | None = None
 _lock = threading.Lock()
+#: the event file could not be opened: events are off for the life of the process
+_unusable = False
 
 
 def channel() -> Channel | None:
-    """This process's channel, opened on first use; None when not under chaos."""
-    global _channel
+    """This process's channel, opened on first use; None when not under chaos, or when its
+    event file cannot be opened (no folder can be made at ``ANTIFRAGILE_RUN_DIR``): events
+    are best effort, and the error raised into the caller failed a training step, or a
+    save's thread that was reporting its commit. Said once, then not tried again."""
+    global _channel, _unusable
     if _channel is not None:
         return _channel
+    if _unusable:
+        return None
     run_dir = os.environ.get(RUN_DIR_ENV)
     if not run_dir:
         return None
     with _lock:
-        if _channel is None:
+        if _channel is None and not _unusable:
             env = os.environ
-            _channel = Channel(run_dir, rank=int(env.get("RANK", "0")),
-                               world_size=int(env.get("WORLD_SIZE", "1")),
-                               attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+            try:
+                _channel = Channel(run_dir, rank=int(env.get("RANK", "0")),
+                                   world_size=int(env.get("WORLD_SIZE", "1")),
+                                   attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+            except OSError as exc:
+                _unusable = True
+                logging.getLogger("antifragile.engine").warning(
+                    "chaos events off: cannot write them under %s=%s (%s)", RUN_DIR_ENV,
+                    run_dir, exc)
     return _channel
 
 

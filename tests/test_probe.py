@@ -32,6 +32,7 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_events, "_channel", None)
     monkeypatch.setattr(probe, "_probe", None)
     monkeypatch.setattr(probe, "_off", False, raising=False)
+    monkeypatch.setattr(_events, "_unusable", False, raising=False)
 
 
 def _under_chaos(monkeypatch: pytest.MonkeyPatch, run_dir: Path, *, rank: int = 0,
@@ -281,3 +282,23 @@ def test_a_training_loop_in_another_thread_gets_its_own_step_times(
     worker.join(30)
     seconds = [e["seconds"] for e in _events_of(tmp_path) if e["event"] == "step_end"]
     assert len(seconds) == 4 and all(s < 0.35 for s in seconds[1:]), seconds
+
+
+def test_an_event_folder_that_cannot_be_made_fails_neither_the_loop_nor_a_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ANTIFRAGILE_RUN_DIR`` where no folder can be made (under a file, read-only, gone
+    with its disk): events are best effort, so the script trains and saves on without them.
+    The first probe call raised NotADirectoryError into the training loop, and the engine's
+    save thread raised it reporting the commit and again reporting that as a failure: the
+    save was said to have failed though committed, and its handle never resolved (close()
+    hung for good)."""
+    (tmp_path / "file").write_text("")
+    _under_chaos(monkeypatch, tmp_path / "file" / "run")
+    probe.step_end(1, 0.5)
+    probe.restored(1)
+    ckpt = CheckpointEngine(str(tmp_path / "ckpt"))
+    handle = ckpt.save(2, {"w": torch.ones(4)})
+    handle.wait(timeout=30)
+    ckpt.close()
+    with CheckpointEngine(str(tmp_path / "ckpt")) as again:
+        assert again.agreed_steps() == [2]
