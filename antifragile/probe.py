@@ -43,6 +43,9 @@ class _Probe:
     def __init__(self, channel: Channel, pauses: PausePoints) -> None:
         self.channel = channel
         self.pauses = pauses
+        #: when the restore that ``dcp_load`` began and has not ended began: a script tries
+        #: its steps newest first, and the tries are one restore, as the engine's
+        self.restore_t: float | None = None
 
 
 _probe: _Probe | None = None
@@ -138,15 +141,18 @@ def dcp_load(state: dict[str, Any], checkpoint_id: str | os.PathLike[str], step:
              **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load(state, checkpoint_id=..., **kwargs)``, reported
     to chaos as the restore of ``step``. A failure is reported as that step skipped
-    (``restore_skipped``) and raised: the script then tries an older step, as DCP users do."""
+    (``restore_skipped``) and raised: the script then tries an older step, as DCP users do.
+    The tries up to the one that loads are one restore (one ``restore_begin``; the
+    ``restore_end``'s seconds count from it), as the engine reports a fallback."""
     import torch.distributed.checkpoint as dcp
 
     p = _active()
     if p is None:
         dcp.load(state, checkpoint_id=checkpoint_id, **kwargs)
         return
-    p.channel.emit("restore_begin")
-    t0 = time.perf_counter()
+    if p.restore_t is None:
+        p.channel.emit("restore_begin")
+        p.restore_t = time.perf_counter()
     try:
         dcp.load(state, checkpoint_id=checkpoint_id, **kwargs)
     except BaseException as exc:
@@ -154,4 +160,5 @@ def dcp_load(state: dict[str, Any], checkpoint_id: str | os.PathLike[str], step:
                        reason=f"checkpoint step {step} skipped: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}")
         raise
-    p.channel.emit("restore_end", step=int(step), seconds=time.perf_counter() - t0)
+    p.channel.emit("restore_end", step=int(step), seconds=time.perf_counter() - p.restore_t)
+    p.restore_t = None

@@ -224,6 +224,32 @@ def test_dcp_helpers_report_a_save_a_restore_and_a_failed_load(
 
 
 @_SINGLE_PROCESS_DCP
+def test_a_dcp_restore_past_a_damaged_step_is_one_restore_as_the_engines_is(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script falling back from a step that does not load to an older one (as the FSDP2
+    example does) reports one restore: a restore_begin, the skipped step, and a restore_end
+    whose seconds count the whole restore, as the engine and the trainer report theirs. Each
+    dcp_load began a restore of its own, so the report's restore span started at the last
+    try and the time lost on the damaged step went unseen."""
+    _under_chaos(monkeypatch, tmp_path)
+    saved = {"model": {"w": torch.arange(32.0)}, "train": {"step": 5}}
+    probe.dcp_save(saved, checkpoint_id=tmp_path / "step_000000005", step=5)
+    (tmp_path / "step_000000009").mkdir()
+    (tmp_path / "step_000000009" / ".metadata").write_bytes(b"\x80")  # a truncated pickle
+    target = {"model": {"w": torch.zeros(32)}, "train": {"step": 0}}
+    started = time.perf_counter()
+    with pytest.raises(BaseException):  # noqa: B017 - DCP raises its own BaseException types
+        probe.dcp_load(target, checkpoint_id=tmp_path / "step_000000009", step=9)
+    time.sleep(0.3)  # the script's own work between its tries
+    probe.dcp_load(target, checkpoint_id=tmp_path / "step_000000005", step=5)
+    took = time.perf_counter() - started
+    events = [e for e in _events_of(tmp_path) if e["event"].startswith("restore_")]
+    assert [(e["event"], e.get("step")) for e in events] == [
+        ("restore_begin", None), ("restore_skipped", 9), ("restore_end", 5)]
+    assert 0.3 <= events[-1]["seconds"] <= took
+
+
+@_SINGLE_PROCESS_DCP
 def test_dcp_helpers_just_save_and_load_outside_chaos(tmp_path: Path) -> None:
     probe.dcp_save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "s", step=1)
     target = {"w": torch.zeros(4)}
