@@ -387,3 +387,37 @@ def test_latest_waits_for_a_peer_save_in_flight(tmp_path: Path, engine: str) -> 
         committing.join()
     assert injection.missed is None and injection.detail["engine"] == engine
     assert injection.detail["checkpoint_step"] == 10
+
+
+def test_torchsnapshot_falls_back_past_a_truncated_data_file(tmp_path: Path) -> None:
+    """corrupt_shard's truncate of a torchsnapshot step: every tensor of a rank sits in one
+    batched file, and torchsnapshot 0.1.0 reads a batch's tensors in tasks whose errors it
+    never collects (``BatchedBufferConsumer``: asyncio.wait, results unread). The load of
+    the damaged step "succeeded" with its tensors left as they were (the fresh model's, in
+    the trainer) under the step's own ``train`` entry, and nothing was skipped; the checker's
+    ``read`` returned uninitialised memory for them. Now the step is skipped for the one
+    before it, and ``read`` refuses it."""
+    import torch
+
+    from antifragile.trainer.ckpt_backends.snapshot import SnapshotBackend, data_files, read
+
+    def state(v: float) -> dict[str, Any]:
+        return {"model": {"w": torch.full((64,), v), "b": torch.full((8,), v)},
+                "train": {"step": int(v), "data_cursor": 10 * int(v)}}
+
+    backend = SnapshotBackend(str(tmp_path), keep_last=3, timeout_s=30, async_=False)
+    for step in (1, 2):
+        backend.save(step, state(step)).wait(30)
+    (data,) = data_files(str(tmp_path), 2)
+    data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
+    target = state(0)
+    step, skipped = backend.load(target)
+    assert (step, target["train"]["step"]) == (1, 1), skipped
+    assert torch.equal(target["model"]["w"], torch.full((64,), 1.0))
+    assert torch.equal(target["model"]["b"], torch.full((8,), 1.0))
+    assert len(skipped) == 1 and "checkpoint step 2 skipped, trying step 1" in skipped[0]
+    backend.save(2, state(2)).wait(30)
+    (data,) = data_files(str(tmp_path), 2)
+    data.write_bytes(b"")
+    with pytest.raises(Exception):  # noqa: B017 - torchsnapshot's own error, whatever it is
+        read(str(tmp_path), 2)

@@ -10,15 +10,19 @@ into another one is refused with that reason.
 ``<url>/step_<n>/`` holds the per-rank tensor files and ``.snapshot_metadata``, which rank 0
 writes only after every rank's writes are done (a barrier in ``take``; a store barrier in
 ``async_take``'s background thread): ``.snapshot_metadata`` present means committed.
-torchsnapshot keeps no checksums: a flip inside tensor bytes loads silently.
+torchsnapshot keeps no checksums: a flip inside tensor bytes loads silently. Its reads run
+unbatched (:func:`_unbatched_reads`): a batched read drops its tensors' errors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -50,6 +54,26 @@ from antifragile.trainer.ckpt_backends.base import (
 
 MARKER = MARKERS["torchsnapshot"]
 _CONTAINERS = {"dict", "list", "OrderedDict"}
+_NO_BATCHING = "TORCHSNAPSHOT_DISABLE_BATCHING"  # torchsnapshot.knobs
+
+
+@contextlib.contextmanager
+def _unbatched_reads() -> Iterator[None]:
+    """torchsnapshot's reads, one request at a time, while inside. A rank's tensors all sit
+    in one batched file, and torchsnapshot 0.1.0 reads a batch through tasks whose errors it
+    never collects (``BatchedBufferConsumer.consume_buffer``: ``asyncio.wait``, results
+    unread): a truncated file "loaded" with its tensors left as they were (or uninitialised,
+    read without ``obj_out``). Unbatched, the error ends the read. Its own
+    ``knobs.override_is_batching_disabled`` leaves the setting behind when the read raises."""
+    before = os.environ.get(_NO_BATCHING)
+    os.environ[_NO_BATCHING] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_NO_BATCHING, None)
+        else:
+            os.environ[_NO_BATCHING] = before
 
 
 def _local(state: Any) -> Any:
@@ -158,7 +182,8 @@ class SnapshotBackend(PeerBackend):
                 raise CheckpointError(
                     f"saved by {saved_world} ranks, this job has {self.group.world_size}; "
                     "torchsnapshot cannot reshard")
-            _restore_local(snapshot, self.group.rank, state, "state")
+            with _unbatched_reads():
+                _restore_local(snapshot, self.group.rank, state, "state")
 
         return load_newest("torchsnapshot", self.root, self.candidates(), self.group, load_one)
 
@@ -223,13 +248,14 @@ def read(url: str, step: int) -> dict[str, Any]:
     logging.getLogger("torchsnapshot").setLevel(logging.ERROR)  # "obj_out ..." notes per read
     snapshot = torchsnapshot.Snapshot(str(path))
     out: dict[str, Any] = {}
-    for key, entry in snapshot.get_manifest().items():
-        if isinstance(entry, PrimitiveEntry):  # inline; read_object would leak an event loop
-            out[key] = entry.get_value()
-        elif entry.type in _CONTAINERS:
-            out[key] = (entry.type, list(getattr(entry, "keys", [])))
-        else:
-            out[key] = snapshot.read_object(key)
+    with _unbatched_reads():
+        for key, entry in snapshot.get_manifest().items():
+            if isinstance(entry, PrimitiveEntry):  # inline; read_object would leak a loop
+                out[key] = entry.get_value()
+            elif entry.type in _CONTAINERS:
+                out[key] = (entry.type, list(getattr(entry, "keys", [])))
+            else:
+                out[key] = snapshot.read_object(key)
     return out
 
 
