@@ -145,9 +145,17 @@ class EngineEvents:
         self._enabled = enabled
 
     def _emit(self, event: str, **fields: Any) -> None:
-        ch = channel() if self._enabled else None
-        if ch is not None:
-            ch.emit(event, **fields)
+        """Best effort: whatever reporting raises, the save or load it reports goes on (raised
+        on a save's thread, it failed a committed save and left its handle unresolved)."""
+        if not self._enabled:
+            return
+        try:
+            ch = channel()  # opened on first use: it writes the process's start event
+            if ch is not None:
+                ch.emit(event, **fields)
+        except Exception as exc:
+            logging.getLogger("antifragile.engine").warning(
+                "chaos event %s not written: %s: %s", event, type(exc).__name__, exc)
 
     def staged(self, step: int, stall_s: float) -> None:
         self._emit("ckpt_staged", step=step, stall_s=stall_s)

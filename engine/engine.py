@@ -450,6 +450,9 @@ class CheckpointEngine:
             self._events.failed(step, error)
             handle._future.set_exception(error)
         finally:
+            if not handle._future.done():  # whatever failed above: wait() must not hang
+                handle._future.set_exception(CheckpointError(
+                    f"step {step}, rank {self.rank}: the save's thread failed"))
             handle.staged.set()
             handle._retained.set()
 

@@ -328,3 +328,43 @@ def test_an_event_folder_that_cannot_be_made_fails_neither_the_loop_nor_a_save(
     ckpt.close()
     with CheckpointEngine(str(tmp_path / "ckpt")) as again:
         assert again.agreed_steps() == [2]
+
+
+def test_a_report_that_fails_never_fails_a_save_or_leaves_its_handle_open(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever reporting an event raises (here: the channel's write, with an error it does
+    not expect), the save goes on: reporting is best effort. Raised on the save's thread, it
+    failed a committed save, then again while reporting that failure, and the handle never
+    resolved: wait() and close() waited for good."""
+    _under_chaos(monkeypatch, tmp_path / "run")
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("the report is broken")
+
+    monkeypatch.setattr(_events.Channel, "emit", broken)
+    with CheckpointEngine(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(2, {"w": torch.ones(4)}, blocking=True).wait(timeout=30)
+        assert ckpt.agreed_steps() == [2]
+        state = {"w": torch.zeros(4)}
+        assert ckpt.load(state) == 2 and torch.equal(state["w"], torch.ones(4))
+
+
+def test_a_save_whose_failure_cannot_be_handled_still_resolves_its_handle(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last guard of a save's thread: whatever fails while it handles a failure, the
+    handle resolves (with a CheckpointError) instead of leaving wait() and close() waiting."""
+    from antifragile.engine import CheckpointError
+    from antifragile.engine import engine as engine_module
+
+    def refused(*_: object, **__: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("the failure's handling is broken")
+
+    monkeypatch.setattr(engine_module, "write_objects", refused)
+    monkeypatch.setattr(_events.EngineEvents, "failed", broken)
+    with CheckpointEngine(str(tmp_path / "ckpt")) as ckpt:
+        handle = ckpt.save(2, {"w": torch.ones(4)})
+        with pytest.raises(CheckpointError, match="step 2, rank 0: the save's thread failed"):
+            handle.wait(timeout=30)
