@@ -20,6 +20,7 @@ from .errors import (
                            CheckpointMismatchError,
                            CheckpointNotFoundError,
                            CommitTimeoutError,
+                           StepSkippedWarning,
                            StorageError,
 )
 from .plan import PlanOptions
@@ -37,6 +38,7 @@ __all__ = [
     "PlanOptions",
     "Problem",
     "SaveHandle",
+    "StepSkippedWarning",
     "StorageError",
     "VerifyReport",
 ]

@@ -20,7 +20,12 @@ from ._events import EngineEvents
 from ._fill import fill_step
 from ._memory import MemoryCopy
 from ._state import FlatState, finish_load
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    StepSkippedWarning,
+)
 from .load import StepReader
 from .quarantine import quarantine as quarantine_step
 from .quarantine import quarantined_steps
@@ -92,7 +97,7 @@ class Loader:
                 candidates = [*candidates, *pending]
             if pending:
                 warnings.warn(f"checkpoint step {candidate} skipped, trying step "
-                              f"{pending[0]}: {error}{note}", RuntimeWarning, stacklevel=3)
+                              f"{pending[0]}: {error}{note}", StepSkippedWarning, stacklevel=3)
         assert newest_error is not None
         raise type(newest_error)(f"{newest_error} (no older step loads either; tried "
                                  f"{candidates})")

@@ -11,6 +11,12 @@ class CheckpointError(Exception):
     """Base class of every error the engine raises."""
 
 
+class StepSkippedWarning(RuntimeWarning):
+    """A load passed over a step that does not load for an older one; the message names both
+    steps and the reason (``checkpoint step N skipped, trying step M: ...``). Its own class, so
+    that a caller can tell a skipped step from the engine's other warnings."""
+
+
 class CheckpointNotFoundError(CheckpointError):
     """No committed checkpoint exists (at all, or at the requested step)."""
 

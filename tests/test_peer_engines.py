@@ -421,3 +421,39 @@ def test_torchsnapshot_falls_back_past_a_truncated_data_file(tmp_path: Path) -> 
     data.write_bytes(b"")
     with pytest.raises(Exception):  # noqa: B017 - torchsnapshot's own error, whatever it is
         read(str(tmp_path), 2)
+
+
+def test_only_a_skipped_step_is_reported_skipped_by_our_backend(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer reports what its backend's load calls skipped as ``restore_skipped``, and
+    chaos reads the step from its reason. Every RuntimeWarning of a load was taken for a skip:
+    "step 3: rank 1 saved no copy ... it loads another rank's copy", of a step that loaded,
+    read as step 3 skipped (a corrupt_shard there would count as noticed). Other warnings go
+    on as warnings."""
+    import warnings
+
+    import torch
+
+    from antifragile.engine import CheckpointEngine
+    from antifragile.trainer.ckpt_backends.antifragile import AntifragileBackend
+
+    backend = AntifragileBackend(str(tmp_path), keep_last=3, timeout_s=60, async_=False)
+    try:
+        for step in (3, 6):
+            backend.save(step, {"w": torch.full((4,), float(step))}).wait()
+        (tmp_path / "step_000000006" / "w" / "c.0").unlink()  # damage the newest
+        original = CheckpointEngine.load
+
+        def load_that_warns(self: CheckpointEngine, *a: Any, **k: Any) -> int:
+            warnings.warn("step 3: rank 1 saved no copy of values that were saved per rank; "
+                          "it loads another rank's copy", RuntimeWarning, stacklevel=2)
+            return original(self, *a, **k)
+
+        monkeypatch.setattr(CheckpointEngine, "load", load_that_warns)
+        state = {"w": torch.zeros(4)}
+        with pytest.warns(RuntimeWarning, match="loads another rank's copy"):
+            step, skipped = backend.load(state)
+    finally:
+        backend.close()
+    assert step == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
+    assert len(skipped) == 1 and skipped[0].startswith("checkpoint step 6 skipped"), skipped

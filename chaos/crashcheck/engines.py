@@ -160,17 +160,22 @@ def load(engine: str, rule: str, url: str) -> tuple[int, str, list[str]]:
     if engine == "antifragile" and rule == "engine":
         import warnings
 
-        from antifragile.engine import CheckpointEngine, CheckpointNotFoundError
+        from antifragile.engine import (
+            CheckpointEngine,
+            CheckpointNotFoundError,
+            StepSkippedWarning,
+        )
 
         state = empty_state()
         with warnings.catch_warnings(record=True) as noted:
-            warnings.simplefilter("always")
+            warnings.simplefilter("always", StepSkippedWarning)
             with CheckpointEngine(url, keep_last=None, chaos_events=False) as ckpt:
                 try:
                     step = ckpt.load(state)
                 except CheckpointNotFoundError as exc:
                     raise NothingToLoad(str(exc)) from None
-        return step, digest(state), [str(w.message)[:200] for w in noted]
+        return step, digest(state), [str(w.message)[:200] for w in noted
+                                     if issubclass(w.category, StepSkippedWarning)]
     from torch.distributed.checkpoint.api import CheckpointException
 
     fs, root = _fs(url)

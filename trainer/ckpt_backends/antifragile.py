@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from antifragile.engine import CheckpointEngine, SaveHandle
+from antifragile.engine import CheckpointEngine, SaveHandle, StepSkippedWarning
 from antifragile.engine._memory import MemoryCopy
 from antifragile.engine.commit import committed_steps
 from antifragile.engine.storage import open_storage
@@ -32,11 +32,16 @@ class AntifragileBackend:
 
     def load(self, state: dict[str, Any], memory: MemoryCopy | None = None
              ) -> tuple[int, list[str]]:
-        """The engine falls back past damaged steps itself and says so in warnings."""
-        with warnings.catch_warnings(record=True) as skipped:
-            warnings.simplefilter("always", RuntimeWarning)
+        """The engine falls back past damaged steps itself and says so in warnings
+        (``StepSkippedWarning``); its other warnings (a copy of per-rank values loaded from
+        another rank: no step skipped) are passed on as they came."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", StepSkippedWarning)
             step = self.engine.load(state, memory=memory)
-        return step, [str(w.message) for w in skipped]
+        for w in caught:
+            if not issubclass(w.category, StepSkippedWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return step, [str(w.message) for w in caught if issubclass(w.category, StepSkippedWarning)]
 
     def load_sources(self) -> dict[str, int]:
         return dict(self.engine.last_load_sources)
