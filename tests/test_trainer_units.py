@@ -29,7 +29,7 @@ from antifragile.trainer.config import TrainConfig, parse_args
 from antifragile.trainer.data import TokenData
 from antifragile.trainer.model import GPT, ModelConfig, init_weights, keep_stage, split_layers
 from antifragile.trainer.parallel.dims import ParallelDims
-from antifragile.trainer.pause import PausePoints
+from antifragile.trainer.pause import HoldInterrupted, PausePoints
 from antifragile.trainer.progress import Phase, SharedProgress
 from antifragile.trainer.recovery import JobStore, signal_failure
 
@@ -996,6 +996,30 @@ def test_a_save_phase_point_of_a_later_pass_waits_for_the_earlier_pass_of_anothe
     rank0, held0 = _passing_rank(tmp_path, release, 0)  # the next generation, back at step 10
     rank0.save_phase(10, "persisting")
     assert held0 == ["p1"]
+
+
+def test_a_hold_ends_when_its_generation_fails_and_holds_again_in_the_next(
+        tmp_path: Path) -> None:
+    """In-process recovery: a rank died before it reached the pause point where the others
+    were held. The survivors stayed held (a hold waits only for chaos's release) and could not
+    re-form with a spare until chaos gave the point up as never reached, its faults missed.
+    The hold ends with the generation; the point is not released, so the next generation,
+    back at that step, is held there and the fault lands then."""
+    release = _pause_plan(tmp_path, [{"id": "f0", "step": 12}])
+    events: list[tuple[str, dict[str, Any]]] = []
+    failed = threading.Event()
+    survivor = PausePoints(str(tmp_path), 0, lambda e, **f: events.append((e, f)),
+                           interrupted=failed.is_set)
+    threading.Timer(0.2, failed.set).start()
+    began = time.monotonic()
+    with pytest.raises(HoldInterrupted, match="f0"):
+        survivor.step_end(12)
+    assert time.monotonic() - began < 5
+    assert [e for e, _ in events] == ["paused", "resumed"] and events[1][1]["interrupted"]
+    assert not (release / "f0").exists()
+    rank0, held = _passing_rank(tmp_path, release, 0)  # the next generation
+    rank0.step_end(12)
+    assert held == ["f0"]
 
 
 def test_a_save_that_commits_while_the_next_one_captures_its_state_is_reported(

@@ -179,7 +179,8 @@ class FailureWatch:
     connection fails, ``tcp::Pair::signalException`` wakes the unbound buffers still waiting for
     the peer's handshake but not those whose bytes sit in the transmit queue, which wait out the
     group's timeout; nothing outside gloo can wake them (README, "Known limits"). A thread that
-    saves, restores, is held at a pause point or still makes progress is waited for."""
+    saves, restores, is held at a pause point (it leaves the hold itself:
+    ``pause.HoldInterrupted``) or still makes progress is waited for."""
 
     def __init__(self, make_store: Callable[[], JobStore], generation: int,
                  on_failure: Callable[[], None], *, progress: SharedProgress | None = None,

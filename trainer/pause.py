@@ -13,7 +13,9 @@ until ``control/release/<id>`` exists. A point is passed once: after its release
 later attempt that reaches the same step again) it no longer holds. A point with ``"pass": n``
 holds the n-th time the job gets there: each time, only the points of the lowest pass not yet
 released hold, so a later pass waits for the job to come back (after a recovery that resumed
-from an earlier step).
+from an earlier step). A hold also ends, unreleased, when its generation fails
+(``interrupted``: in-process recovery): held survivors must re-form with a spare, and the
+next generation, back at that step, is held there again.
 """
 
 from __future__ import annotations
@@ -27,13 +29,18 @@ from typing import Any
 POLL_S = 0.002
 
 
+class HoldInterrupted(Exception):
+    """A hold ended by the failure of its generation, not by chaos's release."""
+
+
 class PausePoints:
     def __init__(self, run_dir: str | None, rank: int,
-                 emit: Callable[..., None], on_hold: Callable[[bool], None] | None = None
-                 ) -> None:
+                 emit: Callable[..., None], on_hold: Callable[[bool], None] | None = None,
+                 interrupted: Callable[[], bool] | None = None) -> None:
         self.rank = rank
         self._emit = emit
         self._on_hold = on_hold
+        self._interrupted = interrupted  # the generation failed: a hold ends (HoldInterrupted)
         self._control = os.path.join(run_dir, "control") if run_dir else None
         self.points: list[dict[str, Any]] = []
         plan = os.path.join(self._control, "plan.json") if self._control else None
@@ -56,11 +63,19 @@ class PausePoints:
         if self._on_hold:
             self._on_hold(True)
         started = time.monotonic()
+        interrupted = False
         while not self._released(point["id"]):
+            if self._interrupted is not None and self._interrupted():
+                interrupted = True
+                break
             time.sleep(POLL_S)
         if self._on_hold:
             self._on_hold(False)
-        self._emit("resumed", point=point["id"], held_s=time.monotonic() - started)
+        self._emit("resumed", point=point["id"], held_s=time.monotonic() - started,
+                   **({"interrupted": True} if interrupted else {}))
+        if interrupted:
+            raise HoldInterrupted(f"held at pause point {point['id']} when the generation "
+                                  "failed")
 
     def _due(self, here: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Of this rank's points at one place, those to hold this time: those of the lowest

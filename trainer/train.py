@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -268,7 +269,8 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         events.emit("start", pid=os.getpid(), world_size=ctx.world_size, worker=me,
                     dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cause=cause,
                     recovery=cfg.recovery)
-        code = _train(cfg, ctx, events, progress, model, memory, checkpointer)
+        code = _train(cfg, ctx, events, progress, model, memory, checkpointer,
+                      interrupted=watch.fired.is_set if watch is not None else None)
         progress.set(Phase.DONE)
         events.emit("exit", code=code)
         leave()
@@ -321,9 +323,13 @@ def _stuck(seconds: float) -> None:
 
 
 def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: SharedProgress,
-           model: GPT | None, memory: list[Any], checkpointer: list[TrainCheckpointer]) -> int:
+           model: GPT | None, memory: list[Any], checkpointer: list[TrainCheckpointer], *,
+           interrupted: Callable[[], bool] | None = None) -> int:
+    """Train this generation to the end. ``interrupted``: whether the generation failed
+    (in-process recovery), which ends a hold at a pause point."""
     trainer = Trainer(cfg, ctx, progress, model)
-    pauses = PausePoints(cfg.run_dir, ctx.rank, events.emit, on_hold=progress.hold)
+    pauses = PausePoints(cfg.run_dir, ctx.rank, events.emit, on_hold=progress.hold,
+                         interrupted=interrupted)
     ckpt: TrainCheckpointer | None = None
     step, cursor = 0, 0
     if cfg.ckpt_url:
