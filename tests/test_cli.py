@@ -358,6 +358,33 @@ def test_ls_of_a_step_deleted_after_the_listing_does_not_call_it_damaged(
     assert [line.split()[0] for line in result.output.splitlines()[1:]] == ["10", "20"]
 
 
+@pytest.mark.parametrize("command", ["ls", "verify"])
+@pytest.mark.parametrize("when", ["between the listings", "after them"])
+def test_a_step_quarantined_after_the_listing_is_listed_once_as_quarantined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, when: str
+) -> None:
+    """A load beside a running job can quarantine a listed step before ls or verify reads it
+    (its COMMIT listed, then moved aside): verify reported it DAMAGED with exit 1, though a
+    quarantined step does not make the exit code 1, and both listed it twice."""
+    from antifragile.engine import commit
+    from antifragile.engine import quarantine as hiding
+    from antifragile.engine.storage import open_storage
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20])
+    hiding.quarantine(open_storage(url), 20, "flipped bit", reports={0: "flipped bit"},
+                      confirmed_by=0)
+    monkeypatch.setattr(commit, "committed_steps", lambda storage: [10, 20])  # the listing
+    if when == "after them":
+        monkeypatch.setattr(hiding, "quarantined_steps", lambda storage: [])
+    result = CliRunner().invoke(main, ["ckpt", command, url])
+    assert result.exit_code == 0, result.output
+    assert "DAMAGED" not in result.output and "Traceback" not in result.output
+    rows = [line for line in result.output.splitlines() if "20" in line.split()[:2]
+            or "step 20:" in line]
+    assert len(rows) == 1 and "quarantined" in rows[0].lower(), result.output
+
+
 def test_ls_ignores_a_temporary_file_left_in_the_quarantine_log(tmp_path: Path) -> None:
     """A local write goes to ``<key>.<pid>-<tid>.tmp`` and is renamed: a process killed in
     between (or a quarantine being written while ls runs) leaves such a file in

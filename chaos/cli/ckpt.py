@@ -99,7 +99,8 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
             click.echo(f"{'step':>12}  {'bytes':>12}  {'objects':>8}  world")
         else:
             click.echo(f"no committed checkpoint under {url}")
-        for step in sorted([*steps, *hidden]):
+        # a step quarantined between the two listings (a load beside this) is in both
+        for step in sorted({*steps, *hidden}):
             if step in hidden:
                 try:
                     found = read_quarantine(storage, step)
@@ -164,7 +165,9 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
         if step is not None and step not in committed and step not in hidden:
             _fail(f"step {step} is not a committed checkpoint under {url} "
                   f"(committed: {committed or 'none'})")
-        steps = [step] if step is not None else committed
+        # a step quarantined between the two listings (a load beside this) is in both: it is
+        # listed with the quarantined ones, not verified as a committed one
+        steps = [step] if step is not None else [s for s in committed if s not in hidden]
         if not steps and not hidden:
             _fail(f"no committed checkpoint under {url}")
         damaged = unread = False
@@ -177,6 +180,9 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
                         raise
                     click.echo(str(exc))
                     unread = True
+                    continue
+                if step is None and report.quarantined is not None:
+                    hidden.append(s)  # quarantined since the listings: listed below with them
                     continue
                 click.echo(report.summary())
                 damaged |= not report.ok
