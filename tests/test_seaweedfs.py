@@ -249,6 +249,17 @@ def test_a_taken_port_is_retried_then_named(monkeypatch: pytest.MonkeyPatch,
         taken.close()
 
 
+@needs_weed
+def test_a_cluster_starts_in_a_deep_folder(tmp_path: Path, state: Path) -> None:
+    """A unix socket's path holds at most 107 bytes: the filer's and the gateway's local
+    sockets, named by absolute path in the cluster's folder, made every cluster under a long
+    $TMPDIR (or ``parent``) fail to start ('filer exited ... bind: invalid argument')."""
+    parent = tmp_path / ("deep" * 15)
+    parent.mkdir()
+    with SeaweedCluster(volumes=1, parent=parent) as cluster:
+        assert cluster.client().list_buckets()["Buckets"] is not None
+
+
 # -- volume servers: the mechanism of storage_node_down ----------------------------------------
 
 

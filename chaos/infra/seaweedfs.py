@@ -335,6 +335,9 @@ class SeaweedCluster:
         return f"{self.host}:{s.port}.{s.grpc_port}"
 
     def _argv(self, weed: str, s: WeedServer) -> list[str]:
+        """The server's command line; it runs in ``s.folder``. The filer's and the gateway's
+        local sockets are named relative to it: a unix socket's path holds at most 107 bytes,
+        which an absolute path under a deep ``$TMPDIR`` or ``parent`` exceeds."""
         h = self.host
         common = [f"-ip.bind={h}", f"-port={s.port}", f"-port.grpc={s.grpc_port}"]
         if s.role == "master":
@@ -348,7 +351,7 @@ class SeaweedCluster:
         if s.role == "filer":
             return [weed, "-logtostderr", "filer", f"-ip={h}", *common,
                     f"-master={self._address('master')}", "-defaultStoreDir=.",
-                    f"-localSocket={s.folder / 'filer.sock'}"]
+                    "-localSocket=filer.sock"]
         config = s.folder / "identities.json"
         config.write_text(json.dumps({"identities": [{
             "name": "antifragile",
@@ -356,7 +359,7 @@ class SeaweedCluster:
             "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
         return [weed, "-logtostderr", "s3", f"-ip={h}", *common,
                 f"-filer={self._address('filer')}", f"-config={config}",
-                f"-localSocket={s.folder / 's3.sock'}", "-port.iceberg=0", "-port.lance=0",
+                "-localSocket=s3.sock", "-port.iceberg=0", "-port.lance=0",
                 # S3 answers NoSuchBucket to a PUT into a missing bucket; SeaweedFS would
                 # create the bucket instead (for admin identities) unless told not to.
                 "-autoCreateBucket=false"]
