@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from antifragile.chaos.infra import seaweedfs, weed
+from antifragile.chaos.infra import seaweedfs as seaweedfs_module
 from antifragile.chaos.infra.seaweedfs import SeaweedCluster, SeaweedError, start_time
 
 try:
@@ -258,6 +259,28 @@ def test_a_cluster_starts_in_a_deep_folder(tmp_path: Path, state: Path) -> None:
     parent.mkdir()
     with SeaweedCluster(volumes=1, parent=parent) as cluster:
         assert cluster.client().list_buckets()["Buckets"] is not None
+
+
+@needs_weed
+def test_a_port_another_gateway_holds_is_not_taken_for_ours(
+        seaweedfs: Any, monkeypatch: pytest.MonkeyPatch, state: Path) -> None:
+    """The gateway's port taken before it binds, by another cluster's gateway (two runs
+    starting at once): the health probe reached that one and start() returned, with our own
+    gateway exiting ('address already in use') and the endpoint another cluster's."""
+    real, calls = seaweedfs_module.free_ports, []
+
+    def first_with_the_other_gateways_port(host: str, n: int) -> list[int]:
+        calls.append(n)
+        ports = real(host, n)
+        if len(calls) == 1:
+            ports[6] = seaweedfs.servers["s3"].port  # volumes=1: the s3 gateway's port
+        return ports
+
+    monkeypatch.setattr(seaweedfs_module, "free_ports", first_with_the_other_gateways_port)
+    with SeaweedCluster(volumes=1, access_key="testing", secret_key="testing") as cluster:
+        assert len(calls) == 2, "retried with fresh ports"
+        assert cluster.servers["s3"].port != seaweedfs.servers["s3"].port
+        assert cluster.servers["s3"].alive()
 
 
 # -- volume servers: the mechanism of storage_node_down ----------------------------------------

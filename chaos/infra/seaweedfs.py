@@ -55,6 +55,7 @@ from antifragile.chaos.infra.weed import (
     answers,
     find_weed,
     free_ports,
+    listens,
     reap_orphans,
     remove_tree,
     start_time,
@@ -417,10 +418,12 @@ class SeaweedCluster:
             time.sleep(0.2)
 
     def _probe(self) -> None:
-        """Every server listens, the master counts every volume server (a round trip alone
-        can pass with one of them still starting); then create a bucket, put, get and
+        """Every server listens on its ports itself (not another process that took one
+        first: see :func:`listens`), the master counts every volume server (a round trip
+        alone can pass with one of them still starting); then create a bucket, put, get and
         delete an object, delete the bucket."""
-        silent = [s.role for s in self.servers.values() if not answers(self.host, s.port)]
+        silent = [s.role for s in self.servers.values()
+                  if s.pid is None or not all(listens(s.pid, p) for p in (s.port, s.grpc_port))]
         if silent:
             raise SeaweedError(f"not listening yet: {', '.join(silent)}")
         master = f"http://{self.host}:{self.servers['master'].port}/dir/status"

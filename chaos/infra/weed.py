@@ -193,6 +193,29 @@ class Spawner:
 
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself listens on TCP ``port`` (a socket of its own in the
+    kernel's table of listening sockets). A server's port can be taken between choosing it and
+    binding it, by another cluster starting at the same moment: a connection to the port then
+    reaches that cluster's server (which answers a health probe alike) while ours exits."""
+    held = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()  # sl local rem st ... inode (the 10th)
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    held.add(f"socket:[{fields[9]}]")
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in held:
+                return True
+    return False
+
+
 def answers(host: str, port: int) -> bool:
     try:
         socket.create_connection((host, port), timeout=0.5).close()
