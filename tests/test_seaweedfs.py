@@ -362,6 +362,22 @@ def test_a_volume_server_down_then_back_keeps_its_objects(own_cluster: SeaweedCl
         assert body == bytes([i]) * 50_000
 
 
+@needs_weed
+def test_a_volume_servers_port_taken_while_it_is_down(own_cluster: SeaweedCluster) -> None:
+    """Another process took the port of a killed volume server: restart_volume answered with
+    the new pid once the port answered (the other process), while the server exited."""
+    server = own_cluster.volume_servers[0]
+    own_cluster.kill_volume(0)
+    try:
+        with socket.create_server((own_cluster.host, server.port)), \
+                pytest.raises(SeaweedError, match=r"(?s)volume server 0 did not come back.*"
+                                                  r"address already in use"):
+            own_cluster.restart_volume(0, timeout_s=10)
+    finally:
+        if not server.alive():
+            own_cluster.restart_volume(0)
+
+
 def test_volume_faults_say_what_is_wrong() -> None:
     cluster = SeaweedCluster(volumes=1)
     with pytest.raises(ValueError, match="at least one volume server"):

@@ -52,7 +52,6 @@ from antifragile.chaos.infra.weed import (
     STOP_TIMEOUT_S,
     SeaweedError,
     Spawner,
-    answers,
     find_weed,
     free_ports,
     listens,
@@ -269,7 +268,8 @@ class SeaweedCluster:
 
     def restart_volume(self, index: int, timeout_s: float = 30.0) -> int:
         """Start volume server ``index`` again (same port and folder: its data come back);
-        returns once it answers HTTP. Returns the new pid."""
+        returns once it listens on its ports (itself: another process may have taken one
+        while it was down, see :func:`listens`). Returns the new pid."""
         server = self._volume(index)
         with self._lock:
             if server.alive():
@@ -277,7 +277,8 @@ class SeaweedCluster:
             self._spawn(server)
             self._record()
         deadline = time.monotonic() + timeout_s
-        while not answers(self.host, server.port):
+        while not (server.pid is not None and listens(server.pid, server.port)
+                   and listens(server.pid, server.grpc_port)):
             if not server.alive() or time.monotonic() > deadline:
                 raise SeaweedError(f"volume server {index} did not come back within "
                                    f"{timeout_s:.0f} s; log {server.log}:\n    "

@@ -214,11 +214,3 @@ def listens(pid: int, port: int) -> bool:
             if os.readlink(f"/proc/{pid}/fd/{fd}") in held:
                 return True
     return False
-
-
-def answers(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=0.5).close()
-    except OSError:
-        return False
-    return True
