@@ -178,6 +178,28 @@ def test_a_live_owners_cluster_is_never_reaped(state: Path) -> None:
     assert weed.reap_orphans() == [] and record.exists()
 
 
+def test_a_cluster_of_another_pid_namespace_is_never_reaped(state: Path, tmp_path: Path) -> None:
+    """A state folder shared with a container (its own pid namespace, the same /tmp and uid):
+    the reaping there saw no process with the owner's pid and deleted a live cluster's
+    folder and record (and would kill whatever there has the pids of its servers)."""
+    if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot make a pid namespace here (unshare)")
+    root = tmp_path / "cluster"
+    root.mkdir()
+    (root / weed.MARKER).write_text("")
+    cluster = SeaweedCluster(volumes=1)
+    cluster.root, cluster._state = root, state / f"{os.getpid()}-0-x.json"
+    cluster.servers = {"s3": seaweedfs.WeedServer("s3", 1, 2, root, root / "s3.log", [])}
+    state.mkdir()
+    cluster._record()
+    reap = "from antifragile.chaos.infra import weed; print(weed.reap_orphans())"
+    done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                           reap], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+    assert root.exists() and cluster._state.exists()
+
+
 def test_a_missing_weed_binary_names_what_was_tried(monkeypatch: pytest.MonkeyPatch,
                                                     tmp_path: Path) -> None:
     monkeypatch.delenv(weed.WEED_ENV, raising=False)

@@ -55,6 +55,7 @@ from antifragile.chaos.infra.weed import (
     find_weed,
     free_ports,
     listens,
+    pid_namespace,
     reap_orphans,
     remove_tree,
     start_time,
@@ -385,7 +386,8 @@ class SeaweedCluster:
         if self._state is None or self.root is None:
             return
         me = os.getpid()
-        state = {"owner": {"pid": me, "start": start_time(me)}, "root": str(self.root),
+        state = {"owner": {"pid": me, "start": start_time(me), "pidns": pid_namespace()},
+                 "root": str(self.root),
                  "endpoint_url": self.endpoint_url,
                  "processes": [{"role": s.role, "pid": s.pid, "start": s.started}
                                for s in self.servers.values() if s.proc is not None]}

@@ -106,14 +106,26 @@ def wait_stopped(pid: int, timeout_s: float = STOP_TIMEOUT_S) -> bool:
     return fields is not None
 
 
+def pid_namespace() -> str | None:
+    """This process's pid namespace (``pid:[<inode>]``), or None where there is no such link:
+    pids, and their start times, name processes only within their namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def _same_process(pid: int, started: int | None) -> bool:
     return started is not None and start_time(pid) == started
 
 
 def reap_orphans() -> list[str]:
     """Kill and delete the clusters whose owner process is gone; returns what was reaped.
-    Only processes whose pid *and* start time match the record are killed."""
+    Only processes whose pid *and* start time match the record are killed, and only records
+    of this pid namespace are judged: a container sharing the state folder (same /tmp, same
+    uid) cannot see the owner of a live cluster outside it, nor the other way round."""
     folder = state_dir()
+    here = pid_namespace()
     reaped = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
@@ -121,7 +133,7 @@ def reap_orphans() -> list[str]:
             owner, processes, root = state["owner"], state["processes"], Path(state["root"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # written by replace(), so never half written: not ours to judge
-        if _same_process(owner["pid"], owner["start"]):
+        if owner.get("pidns", here) != here or _same_process(owner["pid"], owner["start"]):
             continue
         for p in processes:
             if _same_process(p["pid"], p["start"]):
