@@ -166,11 +166,7 @@ def doc() -> dict[str, Any]:
 def rendered(doc: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
              ) -> tuple[Path, list[plots.Plot]]:
     out = tmp_path_factory.mktemp("report")
-    report.write_json(out, doc)
-    figures = plots.render_all(doc, out)
-    report.write_markdown(out, doc, figures)
-    report.write_html(out, doc, figures)
-    return out, figures
+    return out, report.write_report(out, doc)
 
 
 def _worker(doc: dict[str, Any], attempt: int, rank: int) -> dict[str, Any]:
@@ -262,10 +258,7 @@ def test_plots_mark_faults_recoveries_and_failed_checkpoints(
 
 def test_a_plot_that_fails_costs_only_itself(doc: dict[str, Any], tmp_path: Path) -> None:
     broken = {**doc, "timeline": {"workers": [{"attempt": 0}]}}  # no rank: cannot be drawn
-    report.write_json(tmp_path, broken)
-    figures = plots.render_all(broken, tmp_path)
-    report.write_markdown(tmp_path, broken, figures)
-    report.write_html(tmp_path, broken, figures)
+    figures = report.write_report(tmp_path, broken)
     errors = {p.name: p.error for p in figures}
     assert errors["loss.png"] is None and errors["checkpoints.png"] is None
     assert errors["timeline.png"] and errors["timeline.png"].startswith("KeyError: 'rank'")

@@ -18,7 +18,6 @@ import io
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 DPI = 100
@@ -49,9 +48,9 @@ def figure_size_px(name: str, doc: dict[str, Any]) -> tuple[int, int]:
     return round(inches[0] * DPI), round(inches[1] * DPI)
 
 
-def render_all(doc: dict[str, Any], out: Path | None = None) -> list[Plot]:
-    """Draw every plot of ``doc``; write each as ``out/<name>`` when ``out`` is given. Never raises
-    for a plot that fails: its ``error`` says why."""
+def render_all(doc: dict[str, Any]) -> list[Plot]:
+    """Draw every plot of ``doc`` (``document.write_report`` writes them). Never raises for a
+    plot that fails: its ``error`` says why."""
     plots = [Plot("loss.png", "Loss per step for each attempt, with the fault-free reference, "
                   "fault injections and recovery points marked"),
              Plot("timeline.png", "Per-rank timeline over wall time: start-up, restore, training, "
@@ -64,8 +63,6 @@ def render_all(doc: dict[str, Any], out: Path | None = None) -> list[Plot]:
     for plot in plots:
         try:
             plot.png = _render(draw[plot.name], doc, figure_size_px(plot.name, doc))
-            if out is not None:
-                (out / plot.name).write_bytes(plot.png)
         except Exception as exc:  # a plot must never cost the report
             plot.png = None
             plot.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
