@@ -102,6 +102,10 @@ def test_close_kills_everything_and_deletes_the_folder(state: Path) -> None:
     assert _wait_gone(pids, 0) == []
     assert not root.exists() and not list(state.glob("*.json"))
     cluster.close()  # idempotent
+    for fault in (cluster.restart_volume, cluster.kill_volume, cluster.pause_volume,
+                  cluster.resume_volume):
+        with pytest.raises(SeaweedError, match=r"no volume server 0 \(the cluster has 1, closed"):
+            fault(0)
 
 
 _OWNER = """

@@ -237,9 +237,11 @@ class SeaweedCluster:
     # -- faults on volume servers ---------------------------------------------------------
 
     def _volume(self, index: int) -> WeedServer:
-        server = self.servers.get(f"volume{index}") if 0 <= index < self.volumes else None
+        running = self._spawner is not None
+        server = self.servers.get(f"volume{index}") if running and 0 <= index < self.volumes \
+            else None
         if server is None:
-            state = "running" if self.servers else "not started"
+            state = "running" if running else "closed" if self.servers else "not started"
             raise SeaweedError(f"no volume server {index} (the cluster has {self.volumes}, "
                                f"{state})")
         return server
