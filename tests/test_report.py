@@ -443,6 +443,19 @@ def test_a_fault_that_was_not_made_is_not_said_to_have_caused_no_restart(
     assert "caused no restart" not in html_row, html_row
 
 
+def test_report_json_is_strict_json_when_a_figure_is_not_finite(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """A diverged loss (NaN) was written bare into report.json, which jq, browsers and
+    other strict readers refuse: a non-finite number is written as null."""
+    report.write_json(tmp_path, {**doc, "loss": float("nan"), "ratio": [float("-inf"), 2.0]})
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    written = json.loads((tmp_path / "report.json").read_text(), parse_constant=refuse)
+    assert written["loss"] is None and written["ratio"] == [None, 2.0]
+
+
 def test_storage_credentials_of_the_scenario_are_not_written_into_the_report(
         doc: dict[str, Any], tmp_path: Path) -> None:
     """``checkpoint.storage_options`` secret and token were copied as given into report.json

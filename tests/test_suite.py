@@ -557,6 +557,24 @@ def test_an_interrupted_suite_writes_a_summary_of_what_ran_that_is_not_ok(
     assert "1 passed, 2 failed" in result.output
 
 
+def _strict(text: str) -> Any:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_figure_that_is_not_finite_is_written_as_null_and_the_summary_stays_a_baseline(
+        tmp_path: Path) -> None:
+    """json.dumps wrote NaN and Infinity bare: jq and browsers refuse such a summary.json, and
+    the next night's ``--baseline`` refused it as garbled."""
+    entry = {**_entry("a", [1.0]), "goodput": float("nan"), "stall_mean_s": float("inf")}
+    suite.write_json(tmp_path, suite.build([entry], suite="s", wall_s=1.0))
+    (written,) = _strict((tmp_path / "summary.json").read_text())["scenarios"]
+    assert written["goodput"] is None and written["stall_mean_s"] is None
+    assert written["recovery_max_s"] == 1.0
+    suite.load_baseline(tmp_path / "summary.json")
+
+
 def _suite_of_a_and_b(tmp_path: Path, out: Path) -> list[dict[str, Any]]:
     """The entries of a suite of two fault-free scenarios, ``a`` and ``b``."""
     scenarios = tmp_path / "scenarios"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -12,6 +11,7 @@ from typing import Any
 import click
 
 from antifragile.chaos.cli.common import fail as _fail
+from antifragile.chaos.report import strict_json
 
 
 def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
@@ -246,8 +246,8 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
             len(t.arrays) for t in reader.tensors.values() if t.layouts is None),
     }
     if as_json:
-        click.echo(json.dumps({"step": step, "layout": layout, "values": values,
-                               "requests": requests, "arrays": rows}, indent=2))
+        click.echo(strict_json({"step": step, "layout": layout, "values": values,
+                                "requests": requests, "arrays": rows}, indent=2))
         return
     click.echo(f"step {step}  world_size {layout.get('world_size')}  "
                f"meshes {layout.get('meshes')}  {_human(int(reader.commit.get('nbytes', 0)))}")

@@ -6,7 +6,6 @@ Two modes: on a scenario (C, R and the step time measured by running it once) or
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import Any
@@ -16,6 +15,7 @@ import click
 from antifragile.chaos import tune as model
 from antifragile.chaos.cli.common import drop_if_empty, out_folder
 from antifragile.chaos.cli.common import fail as _fail
+from antifragile.chaos.report import strict_json
 from antifragile.chaos.scenario import ScenarioError
 from antifragile.chaos.tune.recommend import recommend
 
@@ -167,4 +167,4 @@ def tune(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | None,
         _fail(str(exc))
     except model.MeasureError as exc:
         _fail(str(exc), code=1)
-    click.echo(json.dumps(doc) if as_json else _table(doc))
+    click.echo(strict_json(doc) if as_json else _table(doc))

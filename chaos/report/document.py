@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from antifragile.chaos.report import strict_json
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -216,8 +218,7 @@ def write_report(out: Path, doc: dict[str, Any]) -> list[Plot]:
 
 def write_json(out: Path, report: dict[str, Any]) -> Path:
     path = out / "report.json"
-    path.write_text(json.dumps(_without_secrets(report), indent=2, sort_keys=False,
-                               allow_nan=True))
+    path.write_text(strict_json(_without_secrets(report), indent=2))
     return path
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import quote
 
 from antifragile.chaos.report import document as report
+from antifragile.chaos.report import strict_json
 
 FORMAT = 3  # 2: verdict ``skipped``, counts.skipped and the skipped names; 3: see below
 # the format since which each compared figure means what it means now: the checkpoint stall is
@@ -267,7 +268,7 @@ def compare(entries: list[dict[str, Any]], baseline: dict[str, Any], *, file: st
 
 def write_json(out: Path, summary: dict[str, Any]) -> Path:
     path = out / "summary.json"
-    path.write_text(json.dumps(summary, indent=2))
+    path.write_text(strict_json(summary, indent=2))
     return path
 
 

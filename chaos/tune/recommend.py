@@ -4,7 +4,6 @@ recommendation, the projection to other scales and the confirming sweep, as one 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import shutil
 import tempfile
@@ -13,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from antifragile.chaos.report import strict_json
 from antifragile.chaos.scenario import load_scenario
 from antifragile.chaos.tune.measure import (
     Measured,
@@ -126,7 +126,7 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         doc["out"] = str(out)
-        (out / "tune.json").write_text(json.dumps(doc, indent=2))
+        (out / "tune.json").write_text(strict_json(doc, indent=2))
         plot(tuning, out / "goodput.png", doc["sweep"])
     return doc
 
