@@ -411,11 +411,17 @@ def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = No
         newest_debris = min(newest_debris, saved)
     deleted = []
     failure: CheckpointError | None = None
+    # a local step folder that is a link (moved to another disk): the link goes, its COMMIT
+    # and data stay whole where they are (they are not this root's to delete)
+    unlink = getattr(storage, "delete_link", None)
     for step in every:
         if step in keep or step > newest_debris:
             continue
         try:  # a step that cannot be deleted now does not hold back the others
             if step > min(keep) and storage.exists(f"{step_dir(step)}/{QUARANTINE}"):
+                continue
+            if unlink is not None and unlink(step_dir(step)):
+                deleted.append(step)
                 continue
             if step in committed:
                 storage.delete(f"{step_dir(step)}/{COMMIT}")  # invisible first, then the data

@@ -633,6 +633,34 @@ def test_a_link_under_a_step_name_is_left_as_it_is_not_retried(
     assert (elsewhere / "data").read_bytes() == b"kept"
 
 
+def test_retention_of_a_step_moved_elsewhere_removes_the_link_not_what_it_points_to(
+        tmp_path: Path) -> None:
+    """An operator moved a committed step to another disk and left a link under its name.
+    Retention deleted the step's COMMIT through the link (on the other disk: that copy no
+    longer loads) and then left the link, so the root went on listing a step that was gone.
+    The link is the step's entry in this root: retention removes it, and leaves the copy it
+    points to whole, COMMIT and all."""
+    url = str(tmp_path / "ckpt")
+    elsewhere = tmp_path / "other-disk" / "step_000000001"
+    with CheckpointEngine(url, keep_last=1) as engine:
+        engine.save(1, state_of(1), blocking=True)
+        elsewhere.parent.mkdir()
+        os.rename(tmp_path / "ckpt" / "step_000000001", elsewhere)
+        os.symlink(elsewhere, tmp_path / "ckpt" / "step_000000001")
+        assert engine.steps() == [1]
+        handle = engine.save(2, state_of(2), blocking=True)
+        assert handle.retention_error is None
+        assert engine.steps() == [2]
+    assert not os.path.lexists(tmp_path / "ckpt" / "step_000000001")
+    assert (elsewhere / "COMMIT").is_file()
+    os.symlink(elsewhere, tmp_path / "ckpt" / "step_000000001")  # linked again: it loads
+    with CheckpointEngine(url, keep_last=None) as engine:
+        assert engine.steps() == [1, 2]
+        target = state_of(-1)
+        assert engine.load(target, step=1) == 1
+        assert torch.equal(target["model"]["w"], state_of(1)["model"]["w"])
+
+
 def test_a_local_marker_that_cannot_be_looked_up_is_not_taken_for_missing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeps: list[float]) -> None:
     """``exists`` answers "is it there?"; a look-up that failed (EIO, an NFS server's ESTALE)

@@ -170,6 +170,10 @@ class RetryingStorage:
     def delete_tree(self, prefix: str) -> bool:
         return self._call("delete", prefix, lambda: self.inner.delete_tree(prefix))
 
+    def delete_link(self, prefix: str) -> bool:
+        inner = getattr(self.inner, "delete_link", None)
+        return inner is not None and self._call("delete", prefix, lambda: inner(prefix))
+
     def sync(self) -> None:
         self._call("sync", "", self.inner.sync)
 
@@ -233,6 +237,10 @@ class CountingStorage:
     def delete_tree(self, prefix: str) -> bool:
         self._count("delete")
         return self.inner.delete_tree(prefix)
+
+    def delete_link(self, prefix: str) -> bool:  # a local look-up: not a request
+        inner = getattr(self.inner, "delete_link", None)
+        return inner is not None and bool(inner(prefix))
 
     def sync(self) -> None:
         self.inner.sync()

@@ -292,6 +292,20 @@ class LocalStorage:
         with self._lock:
             self._dirty_dirs.add(os.path.dirname(self._path(key)))
 
+    def delete_link(self, prefix: str) -> bool:
+        """Remove ``prefix`` if it is a symbolic link (a step an operator moved to another
+        disk): the link is the step's entry in this root, what it points to is not this
+        root's and is left whole. Whether it was a link (retention's ``retain`` asks)."""
+        path = self._path(prefix)
+        if not os.path.islink(path):
+            return False
+        self._forget_folders(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        with self._lock:
+            self._dirty_dirs.add(os.path.dirname(path))
+        return True
+
     def delete_tree(self, prefix: str) -> bool:
         path = self._path(prefix)
         existed = os.path.lexists(path)
