@@ -959,3 +959,29 @@ def test_a_sigterm_just_after_the_child_is_reaped_signals_nobody(how: str) -> No
     assert "SIGTERM after the reap" in out.stdout, out.stdout + out.stderr
     assert "signalled the reaped pid" not in out.stdout, out.stdout + out.stderr
     assert out.returncode == 128 + 15, out.stdout + out.stderr  # the handler's exit
+
+
+def test_a_survivor_of_a_generation_that_failed_before_it_met_says_why_it_restarts(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member whose generation failed before its members met re-forms from ``gather``; when
+    that re-formation is a restart (no spare left) it exited with the restart code and
+    nothing of the reason: no event, no line on stderr (the other path emits it)."""
+    from datetime import timedelta
+
+    from antifragile.trainer.config import TrainConfig
+    from antifragile.trainer.distributed import Launch
+    from antifragile.trainer.train import _generation
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # the launcher's store is ``base``
+    store = _store()
+    launch = Launch(0, 2, 0, 2, store, "a0", None, timedelta(seconds=8))
+    js = JobStore(store, "a0")
+    js.set("g7/members", ["0.0", "3.0"])
+    declare_dead(js, me="3.0", generation=7, how="signal 9", member=True)
+    cfg = TrainConfig(recovery="in_process", collective_timeout_s=8.0)
+    out = _generation(cfg, launch, "0.0", Formation(7, ("0.0", "3.0")), SharedProgress(),
+                      None, "in_process", [None])
+    assert out == supervisor.RESTART_EXIT_CODE
+    err = capsys.readouterr().err
+    assert "1 rank(s) lost and 0 spare(s) left" in err, err
+    assert "generation 7" in err.splitlines()[-1], err

@@ -251,7 +251,9 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
             progress.set(Phase.RECOVERING)
             nxt = recover(js, me, formation, timeout_s=cfg.collective_timeout_s,
                           reached=progress.read()[4])
-            return RESTART_EXIT_CODE if isinstance(nxt, str) else (nxt, memory[0])
+            if isinstance(nxt, str):
+                return _not_re_formed(formation.generation, nxt)
+            return nxt, memory[0]
     rank, generation = formation.members.index(me), formation.generation
     events = EventLog(cfg.run_dir, rank, generation)
     if launch.link_cut:  # the last generation's abort cut its rendezvous connection
@@ -301,12 +303,21 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
                       reached=progress.read()[4])
         if isinstance(nxt, str):
             events.emit("exit", code=RESTART_EXIT_CODE, error=nxt)
-            return RESTART_EXIT_CODE
+            return _not_re_formed(generation, nxt)
         return nxt, kept
     finally:
         if watch is not None:
             watch.stop()
         events.close()
+
+
+def _not_re_formed(generation: int, why: str) -> int:
+    """A survivor of ``generation`` that the re-formation sends to the torchrun restart: say
+    why on stderr (its supervisor only passes the exit code on), and return that code."""
+    print(f"in-process recovery: generation {generation} is not re-formed in process: {why}; "
+          f"exiting (code {RESTART_EXIT_CODE}) for torchrun to restart the group",
+          file=sys.stderr, flush=True)
+    return RESTART_EXIT_CODE
 
 
 def _stuck(seconds: float) -> None:
