@@ -985,3 +985,25 @@ def test_a_survivor_of_a_generation_that_failed_before_it_met_says_why_it_restar
     err = capsys.readouterr().err
     assert "1 rank(s) lost and 0 spare(s) left" in err, err
     assert "generation 7" in err.splitlines()[-1], err
+
+
+def test_a_spare_that_died_registering_does_not_stall_the_pool() -> None:
+    """``register_spare`` reserves an index, then names it: two requests. A registrant killed
+    between them (a supervisor registering its slot's successor as its host goes down) left
+    an index without a name, and every later look at the pool (each re-formation, ``finish``
+    at the end of a successful run) waited the store's timeout for it and raised."""
+    from datetime import timedelta
+
+    store = _store()
+    store.set_timeout(timedelta(seconds=3))
+    js = JobStore(store, "a0")
+    first = first_formation(js, 0, range(2))
+    js.add("spares/count", 1)  # index 0 reserved, never named
+    _spares_ready(js, "2.0")
+    js.set("dead/1.0", {})
+    t0 = time.monotonic()
+    assert recover(js, "0.0", first, timeout_s=5.0) == Formation(1, ("0.0", "2.0"))
+    register_spare(js, "1.1")
+    finish(js)  # rank 0, the run done: releases the idle spare, raises nothing
+    assert wait_for_assignment(js, "1.1") is None
+    assert time.monotonic() - t0 < 2.0

@@ -219,8 +219,12 @@ def gather(js: JobStore, formation: Formation, me: str, *, timeout_s: float) -> 
 
 
 def _spares(js: JobStore) -> list[str]:
-    """Every spare that ever registered (``register_spare``), oldest first."""
-    return [js.get(f"spares/{i}") for i in range(js.add("spares/count", 0))]
+    """Every spare that ever registered (``register_spare``), oldest first. An index not
+    named (yet, or ever: its registrant died between the two requests) is left out: a
+    ``get`` of it would wait out the store's timeout and raise, in every re-formation and in
+    ``finish`` after that."""
+    keys = [f"spares/{i}" for i in range(js.add("spares/count", 0))]
+    return [js.get(key) for key in keys if js.has(key)]
 
 
 def _coordinate(js: JobStore, failed: Formation, dead: list[str],
