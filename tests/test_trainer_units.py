@@ -194,6 +194,11 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     (["--tp", "2", "--vocab", "1"], "vocab 1 leaves tp rank 1 of 2 no rows"),
     # chunks of 2, 2, 1: rank 2 holds a row, rank 3 none (the message named rank 2)
     (["--tp", "4", "--vocab", "5"], "vocab 5 leaves tp rank 3 of 4 no rows"),
+    # in-process recovery gets survivors out of their collectives by shutting down gloo's
+    # connections, which does not interrupt an NCCL collective: on CUDA it was accepted and
+    # never run (survivors would wait in NCCL until judged stuck and killed)
+    (["--device", "cuda", "--recovery", "in_process"],
+     "recovery in_process is built for --device cpu (gloo)"),
 ])
 def test_bad_configuration_is_rejected_with_a_reason(argv: list[str], message: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:

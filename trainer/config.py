@@ -98,6 +98,11 @@ class TrainConfig:
             raise ValueError(f"{self.model.layers} layers cannot fill {self.parallel.pp} stages")
         if self.recovery not in ("restart", "in_process"):
             raise ValueError(f"recovery must be restart or in_process, not {self.recovery!r}")
+        if self.recovery == "in_process" and self.device != "cpu":
+            raise ValueError("recovery in_process is built for --device cpu (gloo): it gets "
+                             "survivors out of their collectives by shutting down gloo's "
+                             "connections, which does not interrupt an NCCL collective (an "
+                             "NCCL communicator abort is not built); use --recovery restart")
         if not self.final_save_patience_s >= 0:  # NaN too: it would retry forever
             raise ValueError(f"final_save_patience_s must be >= 0, got "
                              f"{self.final_save_patience_s}")
