@@ -23,6 +23,7 @@ RECORDS_DIR = ".ranks"
 
 _STEP_RE = re.compile(rf"^step_([0-9]{{{STEP_DIGITS},}})$")  # \d: any script's digits
 _BAD_COMPONENT = re.compile(r"[/\\\x00-\x1f]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")  # str.encode() refuses them: no name on storage
 _RESERVED = {"", ".", "..", "zarr.json", COMMIT, ABORT, QUARANTINE, RECORDS_DIR}
 
 
@@ -78,6 +79,8 @@ def check_component(component: str, *, where: str) -> str:
     elif found := _BAD_COMPONENT.search(component):
         why = (f"it holds {found.group()!r}" if found.group() in "/\\"
                else "it holds a control character")
+    elif _SURROGATE.search(component):
+        why = "it holds a lone surrogate (not valid Unicode, so no file or object name)"
     elif len(component.encode()) > 255:
         why = "it is longer than 255 bytes (a file system's limit on a name)"
     if why is not None:
