@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ._dtypes import as_bytes
 from ._memory import MemoryCopy
 from ._paths import is_index
 from ._ranks import rank_array
@@ -52,6 +53,12 @@ def _whole(stored: StoredTensor) -> tuple[torch.Tensor, HeldBox]:
     return tensor, box
 
 
+def _memory_of(local: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors one memory (tied weights: two state paths, one tensor)."""
+    return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(),
+            tuple(local.shape), tuple(local.stride()), local.dtype)
+
+
 def fill_step(storage: Storage, step: int, flat: FlatState, rank: int, pool: Executor,
               memory: MemoryCopy | None = None) -> Filled:
     """Check the step against the target, read every array's metadata (concurrently), plan
@@ -80,17 +87,29 @@ def fill_step(storage: Storage, step: int, flat: FlatState, rank: int, pool: Exe
                        + [reader.tensors[name] for name in sorted(sources.whole)], pool)
     reads = []
     whole: dict[str, torch.Tensor] = {}
+    first_of: dict[tuple[Any, ...], str] = {}  # a target's memory -> the first path it is at
+    tied: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
     with torch.no_grad():
         for path, tensor, stored in targets:
-            local = iter_local(tensor)
+            local = into = iter_local(tensor)
+            first = first_of.setdefault(_memory_of(local), path) if local.numel() else path
+            if first != path:  # read apart: two reads into one memory fail each other's crc32c
+                into = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+                tied.append((first, path, local, into))
             for box in local_boxes(tensor, path=path):
-                region = local[tuple(slice(o, o + n)
-                                     for o, n in zip(box.local_offset, box.shape))]
+                region = into[tuple(slice(o, o + n)
+                                    for o, n in zip(box.local_offset, box.shape))]
                 reads += reader.read_box(stored, box, region)
         for name in sorted(sources.whole):
             whole[name], box = _whole(reader.tensors[name])
             reads += reader.read_box(reader.tensors[name], box, whole[name])
     _raise_first([pool.submit(read) for read in reads])
+    for first, path, local, read in tied:
+        if not torch.equal(as_bytes(read), as_bytes(local.contiguous())):
+            raise CheckpointMismatchError(
+                f"step {step}: target tensors {first!r} and {path!r} are one memory (tied), "
+                "and the step holds different data for them (saved untied); load into "
+                "separate tensors")
     storage_bytes = sum(math.prod(iter_local(t).shape) * t.element_size()
                         for _, t, _ in targets)
     memory_bytes = 0

@@ -1381,6 +1381,21 @@ def test_a_load_target_whose_elements_overlap_in_memory_is_refused(
     assert ckpt.load({"w": interleaved}) == 1 and torch.equal(interleaved, saved)
 
 
+def test_tied_target_tensors_load_only_data_they_can_both_hold(ckpt: CheckpointEngine) -> None:
+    """Two target entries that are one tensor (tied embedding and head) take a step that holds
+    the same data for both; a step that holds different data (saved untied) is a mismatch
+    naming both paths. It loaded one of the two silently, or, the reads of both landing in the
+    one memory at once, failed its crc32c check as if the step were damaged."""
+    tied = torch.randn(64, 32)
+    ckpt.save(1, {"emb": tied, "head": tied}, blocking=True)
+    ckpt.save(2, {"emb": torch.randn(64, 32), "head": torch.randn(64, 32)}, blocking=True)
+    shared = torch.zeros(64, 32)
+    assert ckpt.load({"emb": shared, "head": shared}, step=1) == 1
+    assert torch.equal(shared, tied)
+    with pytest.raises(CheckpointMismatchError, match=r"step 2.*'emb' and 'head'.*memory"):
+        ckpt.load({"emb": shared, "head": shared}, step=2)
+
+
 def test_load_of_a_subset_of_the_checkpoint(ckpt: CheckpointEngine) -> None:
     state = {"model": {"w": torch.randn(3), "b": torch.randn(2)}, "step": 4}
     ckpt.save(4, state, blocking=True)
