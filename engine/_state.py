@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeGuard, runtime_checkable
@@ -217,6 +218,7 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
     flat = FlatState(tensors={}, values={})
     models = _objects.find_models(state)
     inside: dict[int, str] = {}  # id -> path of each container being walked
+    walking = [""]  # the path walked last: where a state nested too deeply ran out of stack
 
     def enter(obj: object, path: str) -> None:
         """Refuse a container inside itself: walked on, it would recurse until Python's
@@ -231,6 +233,7 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
              ) -> None:
         """``entries``: walk a container entry by entry even if it holds no tensor."""
         entries = entries or not path
+        walking[0] = path
         if type(obj) in _SCALARS and path:  # most leaves: nothing else to check
             flat.values[path] = ValueSlot(obj, assign)
         elif isinstance(obj, torch.Tensor):
@@ -306,7 +309,12 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
 
     if not isinstance(state, (dict, list, tuple, Stateful)):
         raise CheckpointError(f"the state must be a dict, list or Stateful, not {type(state)}")
-    walk(state, "", lambda _: None)
+    try:
+        walk(state, "", lambda _: None)
+    except RecursionError:
+        raise CheckpointError(
+            f"state path {walking[0]!r}: the state is nested too deeply to walk (Python's "
+            f"recursion limit, {sys.getrecursionlimit()} frames, ran out at or under it)") from None
     flat.types["containers"].pop("", None)
     flat.values[TYPES_PATH] = ValueSlot(flat.types, lambda _: None)
     return flat

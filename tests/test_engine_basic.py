@@ -1407,6 +1407,12 @@ def test_load_of_a_subset_of_the_checkpoint(ckpt: CheckpointEngine) -> None:
 # -- user errors -----------------------------------------------------------------------------
 
 
+def _nested(leaf: Any, depth: int) -> Any:
+    for _ in range(depth):
+        leaf = {"k": leaf}
+    return leaf
+
+
 @pytest.mark.parametrize(
     ("state", "named"),
     [
@@ -1421,9 +1427,12 @@ def test_load_of_a_subset_of_the_checkpoint(ckpt: CheckpointEngine) -> None:
         ({"model": {"w": torch.nested.as_nested_tensor([torch.ones(2), torch.ones(3)],
                                                        layout=torch.jagged)}},
          "'model/w'.*nested"),
+        ({"model": {"w": torch.ones(2)}, "deep": _nested({"w": torch.ones(1)}, 600)},
+         r"'deep'.*nested too deeply"),
+        ({"model": {"w": torch.ones(2)}, "deep": _nested(1, 600)}, r"'deep'.*nested too deeply"),
     ],
     ids=["set", "lambda", "slash-key", "dotdot-key", "hidden-key", "tuple-key", "meta",
-         "sparse", "nested"],
+         "sparse", "nested", "deep-tensors", "deep-json"],
 )
 def test_invalid_state_is_refused_naming_the_path(
     tmp_path: Any, state: dict[str, Any], named: str
