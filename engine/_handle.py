@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
+from .errors import CheckpointError
+
 
 class SaveHandle:
     """One save in flight. ``staged`` is set once the state may be mutated again.
@@ -42,9 +44,16 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> None:
         """Block until committed, and on the coordinator until the retention that follows the
         commit is over (``retention_error`` is final then; ``done()`` is True from the commit
-        on); raise the save's CheckpointError if it failed."""
+        on); raise the save's CheckpointError if it failed. A ``TimeoutError`` (or an
+        interrupt) leaves a failure that comes later to be raised by the next save."""
+        try:
+            self._future.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"step {self.step}: not done within {timeout} s") from None
+        except CheckpointError:  # the save's own failure: raised here, so observed
+            self._observed = True
+            raise
         self._observed = True
-        self._future.result(timeout)
         if not self._retained.wait(timeout):
             raise TimeoutError(f"step {self.step}: committed; retention still running")
 

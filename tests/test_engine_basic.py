@@ -731,6 +731,24 @@ def test_a_save_that_fails_while_the_next_save_begins_is_still_raised(
         ckpt.save(3, state)
 
 
+def test_a_wait_that_timed_out_leaves_a_later_failure_to_be_raised(
+        ckpt: CheckpointEngine) -> None:
+    """``handle.wait(timeout=...)`` that ran out before the save ended counted the save as
+    observed: when it failed afterwards, the next ``save()`` went ahead and nobody was told."""
+    state = {"w": torch.randn(4, 4)}
+    gated = _GatedFailure(ckpt.storage, 1)
+    ckpt.storage = gated  # type: ignore[assignment]
+    first = ckpt.save(1, state)
+    assert gated.entered.wait(30)
+    with pytest.raises(TimeoutError, match="step 1"):
+        first.wait(timeout=0.01)
+    gated.release.set()
+    until(first.done)
+    ckpt.storage = gated.inner
+    with pytest.raises(CheckpointError, match=r"step 2 not saved.*step 1 failed"):
+        ckpt.save(2, state)
+
+
 def test_committed_step_is_never_overwritten(ckpt: CheckpointEngine) -> None:
     original = torch.randn(5, 5)
     ckpt.save(4, {"w": original.clone()}, blocking=True)
