@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 
 from .errors import CheckpointError
@@ -42,10 +43,12 @@ class SaveHandle:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until committed, and on the coordinator until the retention that follows the
-        commit is over (``retention_error`` is final then; ``done()`` is True from the commit
-        on); raise the save's CheckpointError if it failed. A ``TimeoutError`` (or an
-        interrupt) leaves a failure that comes later to be raised by the next save."""
+        """Block (at most ``timeout`` s in all) until committed, and on the coordinator until
+        the retention that follows the commit is over (``retention_error`` is final then;
+        ``done()`` is True from the commit on); raise the save's CheckpointError if it failed.
+        A ``TimeoutError`` (or an interrupt) leaves a failure that comes later to be raised by
+        the next save."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self._future.result(timeout)
         except TimeoutError:
@@ -54,7 +57,8 @@ class SaveHandle:
             self._observed = True
             raise
         self._observed = True
-        if not self._retained.wait(timeout):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._retained.wait(left):
             raise TimeoutError(f"step {self.step}: committed; retention still running")
 
     def retention_done(self) -> bool:

@@ -749,6 +749,39 @@ def test_a_wait_that_timed_out_leaves_a_later_failure_to_be_raised(
         ckpt.save(2, state)
 
 
+class _SlowRetention(GatedStorage):
+    """Writes wait for ``release``; retention's deletes wait for ``deletes``."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.deletes = threading.Event()
+
+    def delete_tree(self, key: str) -> bool:
+        self.deletes.wait(60)
+        return bool(self.inner.delete_tree(key))
+
+
+def test_a_wait_with_a_timeout_returns_within_it_when_the_commit_lands_meanwhile(
+        tmp_path: Path) -> None:
+    """``wait(timeout)`` gave the commit ``timeout`` s and then the retention after it another
+    ``timeout`` s: a save committed 1 s into a 2 s wait whose retention was slow took 3 s."""
+    with CheckpointEngine(str(tmp_path), keep_last=1) as engine:
+        engine.save(1, {"w": torch.ones(4)}, blocking=True)
+        slow = _SlowRetention(engine.storage)
+        engine.storage = slow  # type: ignore[assignment]
+        try:
+            handle = engine.save(2, {"w": torch.ones(4)})
+            threading.Timer(1.0, slow.release.set).start()
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match="step 2"):
+                handle.wait(timeout=2.0)
+            assert time.monotonic() - start < 2.7
+            assert handle.done()  # committed; only its retention still ran
+        finally:
+            slow.release.set()
+            slow.deletes.set()
+
+
 def test_committed_step_is_never_overwritten(ckpt: CheckpointEngine) -> None:
     original = torch.randn(5, 5)
     ckpt.save(4, {"w": original.clone()}, blocking=True)
