@@ -511,6 +511,7 @@ class CheckpointEngine:
     def verify(self, step: int) -> VerifyReport:
         """Read every object of ``step`` back; check crc32c, sizes and coverage. A step neither
         committed nor quarantined raises CheckpointNotFoundError."""
+        self._check_open()
         return verify_step(self.storage, step, self._pool)
 
     # -- load ----------------------------------------------------------------------------------

@@ -1671,3 +1671,23 @@ def test_a_local_url_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder"):
         CheckpointEngine(str(tmp_path / "notes.txt"))
+
+
+def test_a_closed_engine_refuses_every_call_that_needs_its_threads(tmp_path: Path) -> None:
+    """After ``close()`` its I/O pool is shut down: ``verify`` raised the pool's
+    ``RuntimeError: cannot schedule new futures after shutdown``, not a CheckpointError."""
+    engine = CheckpointEngine(str(tmp_path))
+    engine.save(1, {"w": torch.ones(4)}, blocking=True)
+    engine.close()
+    engine.close()  # twice: nothing more to do
+    calls: dict[str, Callable[[], object]] = {
+        "save": lambda: engine.save(2, {"w": torch.ones(4)}),
+        "load": lambda: engine.load({"w": torch.zeros(4)}),
+        "read": lambda: engine.read(1),
+        "verify": lambda: engine.verify(1),
+    }
+    for name, call in calls.items():
+        with pytest.raises(CheckpointError, match="the engine is closed"):
+            call()
+            pytest.fail(f"{name} after close")
+    assert engine.steps() == [1]  # a listing needs no thread
