@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any
 
 from . import commit as _commit
@@ -39,7 +39,7 @@ class Loader:
     not copied): step folders listed but empty, and folders without a COMMIT that rank 0
     clears before the step is saved again (a quarantined step becomes one)."""
 
-    def __init__(self, ranks: Ranks, url: str, pool: ThreadPoolExecutor, events: EngineEvents,
+    def __init__(self, ranks: Ranks, url: str, pool: Executor, events: EngineEvents,
                  ghosts: set[int], unfinished: set[int]) -> None:
         self._ranks = ranks
         self._url = url

@@ -1,21 +1,25 @@
-"""Daemon threads kept for reuse by the save path.
+"""Daemon threads kept for reuse: the save path's workers and the engine's I/O pool.
 
 Starting a thread waits until the new thread runs: a hand-over of the GIL that costs
 milliseconds on a busy machine, paid by the training loop on every save. An idle worker takes
-the next job at once instead. Workers are daemon threads (unlike a ``ThreadPoolExecutor``'s),
-so a save stuck on storage never holds up the interpreter's exit, as before.
+the next job at once instead. Every thread here is a daemon thread (unlike a
+``ThreadPoolExecutor``'s, which the interpreter joins at exit before any atexit hook), so a
+write stuck on storage never holds up the interpreter's exit, nor ``close()`` for more than
+``CLOSE_WAIT_S``.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from typing import Any
 
 log = logging.getLogger("antifragile.engine")
@@ -26,8 +30,10 @@ _Job = tuple[str, Callable[..., None], tuple[Any, ...]]
 # daemon thread still running then is ended inside ``take_gil`` by ``pthread_exit``, and if it
 # is freeing a tensor at that moment the unwind crosses a noexcept C++ destructor and the
 # process aborts ("terminate called without an active exception") after a successful run.
-_LIVE: weakref.WeakSet[DaemonWorkers] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[DaemonWorkers | DaemonPool] = weakref.WeakSet()
 EXIT_WAIT_S = 5.0
+#: how long ``close()`` waits for busy threads before it leaves them running (stuck)
+CLOSE_WAIT_S = 30.0
 
 
 class DaemonWorkers:
@@ -56,21 +62,17 @@ class DaemonWorkers:
                 thread.start()
         inbox.put((name, target, args))
 
-    def close(self, timeout: float = 30.0) -> list[str]:
-        """End the idle workers and wait up to ``timeout`` s for the busy ones to finish their
-        jobs; return the names of those still running then (stuck, e.g. on storage: left as
-        daemon threads, so they never hold up the interpreter's exit)."""
+    def close(self, timeout: float | None = None) -> list[str]:
+        """End the idle workers and wait up to ``timeout`` s (``CLOSE_WAIT_S``) for the busy
+        ones to finish their jobs; return the names of those still running then (stuck, e.g.
+        on storage: left as daemon threads, so they never hold up the interpreter's exit)."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
             threads = list(self._threads) if self._pid == os.getpid() else []
         for inbox in idle:
             inbox.put(None)
-        deadline = time.monotonic() + timeout
-        for thread in threads:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
-        return [t.name for t in threads if t.is_alive()]
+        return _join(threads, timeout)
 
     def _serve(self, inbox: queue.SimpleQueue[_Job | None]) -> None:
         me = threading.current_thread()
@@ -93,9 +95,87 @@ class DaemonWorkers:
             log.exception("%s failed", name)
 
 
+class DaemonPool(Executor):
+    """A pool of up to ``threads`` daemon threads (the engine's reads and writes), started as
+    jobs queue up. A ``ThreadPoolExecutor``'s threads are joined at interpreter exit before
+    any atexit hook: one write stuck on storage held the exit of a script that never closed
+    its engine forever, and ``close()`` with it."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._max = threads
+        self._name = name
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...],
+                                            dict[str, Any]] | None] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._shut = False
+        _LIVE.add(self)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._jobs.put((future, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and len(self._threads) < self._max:
+                thread = threading.Thread(target=self._serve, daemon=True,
+                                          name=f"{self._name}_{len(self._threads)}")
+                thread.start()
+                self._threads.append(thread)
+        return future
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args, kwargs = job
+            del job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:
+                    future.set_exception(exc)
+            del future, fn, args, kwargs  # an idle thread holds nothing of its last job
+            self._idle.release()
+        self._jobs.put(None)  # the next thread ends too
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if cancel_futures:
+                while True:
+                    try:
+                        job = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is not None:
+                        job[0].cancel()
+            if not self._shut:
+                self._shut = True
+                self._jobs.put(None)
+        if wait:
+            _join(self._threads, math.inf)
+
+    def close(self, timeout: float | None = None) -> list[str]:
+        """Shut down, waiting up to ``timeout`` s (``CLOSE_WAIT_S``) for the jobs queued and
+        running; the names of the threads still running then (stuck on storage: left, as
+        daemon threads)."""
+        self.shutdown(wait=False)
+        return _join(self._threads, timeout)
+
+
+def _join(threads: list[threading.Thread], timeout: float | None) -> list[str]:
+    """Wait up to ``timeout`` s (``CLOSE_WAIT_S``) for ``threads``; those still running."""
+    deadline = time.monotonic() + (CLOSE_WAIT_S if timeout is None else timeout)
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(None if deadline == math.inf
+                        else max(0.0, deadline - time.monotonic()))
+    return [t.name for t in threads if t.is_alive()]
+
+
 @atexit.register
 def _close_at_exit() -> None:
-    for workers in list(_LIVE):
-        stuck = workers.close(EXIT_WAIT_S)
+    deadline = time.monotonic() + EXIT_WAIT_S  # for all of them together
+    for threads in list(_LIVE):
+        stuck = threads.close(max(0.0, deadline - time.monotonic()))
         if stuck:
             log.warning("exiting with checkpoint threads still running: %s", ", ".join(stuck))

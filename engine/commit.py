@@ -29,7 +29,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +48,7 @@ from ._paths import (
     step_dir,
 )
 from ._state import same_value
+from ._threads import DaemonPool
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -129,7 +129,7 @@ def _exist_all(storage: Storage, keys: list[str]) -> list[bool]:
     """``storage.exists`` of every key, concurrently (at most 16 at a time)."""
     if len(keys) < 2:
         return [storage.exists(k) for k in keys]
-    with ThreadPoolExecutor(min(16, len(keys)), thread_name_prefix="ckpt-exists") as pool:
+    with DaemonPool(min(16, len(keys)), "ckpt-exists") as pool:
         return list(pool.map(storage.exists, keys))
 
 

@@ -27,7 +27,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from typing import Any
 
 from . import commit as _commit
@@ -42,9 +42,10 @@ from ._ranks import PerRank
 from ._ranks import inventory as rank_inventory
 from ._resave import same_as_committed
 from ._state import FlatState, flatten, state_signature
-from ._threads import DaemonWorkers
+from ._threads import DaemonPool, DaemonWorkers
 from .errors import CheckpointBusyError, CheckpointError
 from .persist import (
+    WriteTimeoutError,
     group_layout,
     metadata_copy,
     metadata_objects,
@@ -114,7 +115,7 @@ class CheckpointEngine:
         self._plan_options = plan_options or PlanOptions()
         self._ranks = Ranks(process_group)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-io")
+        self._pool = DaemonPool(io_threads, "ckpt-io")
         self._workers = DaemonWorkers()  # the save and deferred-staging threads
         self._fingerprint = ""
         self._inventory_cache: tuple[tuple[Any, ...], dict[str, Any], str] | None = None
@@ -392,7 +393,8 @@ class CheckpointEngine:
                     storage, step, self.rank, plan, staging, docs, values, self._pool)
             else:
                 self._phase(step, "persisting")
-                manifest = write_objects(storage, step, nonce, staging, docs, self._pool)
+                manifest = write_objects(storage, step, nonce, staging, docs, self._pool,
+                                         deadline=deadline, budget_s=self.commit_timeout_s)
                 handle.nbytes = manifest.nbytes
                 self._phase(step, "written")
                 write_record(storage, step, self.rank, rank_record(
@@ -432,15 +434,19 @@ class CheckpointEngine:
             else:
                 error = exc
             # abandoned (``abandon``): the next generation may be saving this step now, and
-            # its record of this rank would be overwritten (an ABORT names its save's nonce)
-            if not recorded and not self._cancel.is_set():
+            # its record of this rank would be overwritten (an ABORT names its save's nonce).
+            # A write that never returned: the storage does not answer, and these would hang
+            # too (the others time out naming this rank)
+            hung = isinstance(exc, WriteTimeoutError)
+            if not recorded and not self._cancel.is_set() and not hung:
                 # best effort: if storage is down, the coordinator times out naming this rank
                 with contextlib.suppress(Exception):
                     write_record(storage, step, self.rank, rank_record(
                         step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce,
                         manifest=None, values={}, error=str(error)))
             if self.rank == 0:
-                _commit.abort(storage, step, nonce, str(error))
+                if not hung:
+                    _commit.abort(storage, step, nonce, str(error))
                 self._unfinished.add(step)
             with contextlib.suppress(Exception):
                 staging.wait_staged()  # no save may stage into the buffers while this one does
@@ -599,8 +605,7 @@ class CheckpointEngine:
                     handle.wait()
                 except CheckpointError as exc:
                     log.warning("save in flight at close failed: %s", exc)
-        self._pool.shutdown(wait=True)
-        stuck = self._workers.close()
+        stuck = self._pool.close() + self._workers.close()
         if stuck:
             log.warning("closed with checkpoint threads still running: %s", ", ".join(stuck))
 

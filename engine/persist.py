@@ -10,9 +10,11 @@ it is written only after all of them are durable, so a record never refers to a 
 from __future__ import annotations
 
 import json
+import math
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Executor
+from concurrent.futures import CancelledError, Executor, wait
 from typing import Any
 
 from torch.distributed.tensor import DTensor
@@ -21,7 +23,7 @@ from . import _format
 from ._format import Manifest
 from ._paths import record_key, step_dir
 from ._state import FlatState
-from .errors import CheckpointCorruptError, CheckpointError
+from .errors import CheckpointCorruptError, CheckpointError, CommitTimeoutError
 from .plan import ArraySpec, GlobalPlan
 from .stage import StagingArea
 from .storage import Storage
@@ -92,9 +94,18 @@ def _layout(spec: ArraySpec) -> dict[str, Any]:
             "chunk_shape": list(spec.shard_shape), "inner_rows": spec.inner_rows}
 
 
+class WriteTimeoutError(CommitTimeoutError):
+    """A write of this rank's did not return before the save's deadline: the storage does
+    not answer (a hung NFS server, an endpoint that never replies). Nothing more is written
+    for that save (it would hang too); the write is left to its (daemon) thread."""
+
+
 def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
-                  extra: dict[str, bytes], pool: Executor) -> Manifest:
-    """Write the staged cells and ``extra`` objects; return what was written.
+                  extra: dict[str, bytes], pool: Executor, *, deadline: float = math.inf,
+                  budget_s: float = math.inf) -> Manifest:
+    """Write the staged cells and ``extra`` objects; return what was written. A write not
+    done by ``deadline`` (monotonic; ``budget_s`` after the save began) raises
+    WriteTimeoutError naming it.
 
     May be called while ``staging`` is still being filled (after ``staging.begin()``): each
     object is written as soon as its cell is staged, and this returns only after staging
@@ -143,11 +154,17 @@ def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
             failed.set()
             raise
 
-    futures = [pool.submit(unless_failed, put_cell, i) for i in range(len(staging.cells))]
-    futures += [pool.submit(unless_failed, put_doc, k, v) for k, v in extra.items()]
+    futures = [(w.key, pool.submit(unless_failed, put_cell, i))
+               for i, w in enumerate(staging.writes)]
+    futures += [(k, pool.submit(unless_failed, put_doc, k, v)) for k, v in extra.items()]
     manifest = Manifest(nonce)
     errors = []
-    for fut in futures:
+    for key, fut in futures:
+        if not wait([fut], max(0.0, deadline - time.monotonic())).done:
+            failed.set()
+            raise WriteTimeoutError(f"{base}/{key} not written within the save's "
+                                    f"{budget_s:g} s (commit_timeout_s): the storage does not "
+                                    "answer")
         try:
             manifest.add(*fut.result())
         except CancelledError:

@@ -1097,6 +1097,53 @@ def test_a_coordinator_past_its_deadline_does_not_commit_what_the_other_ranks_ga
     assert steps0 == steps1 == [3]
 
 
+class _HungWrites:
+    """Storage whose writes into ``prefix`` never return until ``release`` is set (a hung NFS
+    server, an endpoint that accepts the connection and never answers)."""
+
+    def __init__(self, inner: Any, prefix: str) -> None:
+        self.inner, self.prefix = inner, prefix
+        self.release = threading.Event()
+
+    def write(self, key: str, parts: Any, **kw: Any) -> None:
+        if key.startswith(self.prefix):
+            self.release.wait()
+        self.inner.write(key, parts, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_write_that_never_returns_fails_its_save_at_the_deadline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write stuck on storage held its save forever: the handle never resolved (wait()
+    hung, every later save was skipped as busy: no checkpoint for the rest of the run) and
+    close() never returned. The save fails at its deadline (commit_timeout_s) naming the
+    write, nothing more is written into the hung step, the next save commits, and close()
+    gives up on the stuck thread after CLOSE_WAIT_S."""
+    from antifragile.engine import CommitTimeoutError, _threads
+
+    monkeypatch.setattr(_threads, "CLOSE_WAIT_S", 0.5)
+    engine = CheckpointEngine(str(tmp_path / "ckpt"), commit_timeout_s=1.0)
+    hung = _HungWrites(engine.storage, "step_000000001/")
+    engine.storage = hung
+    try:
+        handle = engine.save(1, {"w": torch.ones(8)})
+        began = time.monotonic()
+        with pytest.raises(CommitTimeoutError, match=r"step 1, rank 0: .*step_000000001/.* "
+                                                     r"not written within the save's 1 s"):
+            handle.wait()
+        assert time.monotonic() - began < 10
+        engine.save(2, {"w": torch.full((8,), 2.0)}, blocking=True)
+        assert engine.steps() == [2]
+        began = time.monotonic()
+        engine.close()
+        assert time.monotonic() - began < 10
+    finally:
+        hung.release.set()
+        engine.close()
+
+
 class _StepFolderOut:
     """Rank 1's storage: listing ``prefix`` fails (as RetryingStorage raises once its retries
     are spent) for ``outage_s`` from the first listing on."""

@@ -91,3 +91,30 @@ def test_a_script_that_exits_right_after_saves_exits_cleanly(tmp_path: Path) -> 
         proc = subprocess.run([sys.executable, str(script), str(tmp_path / f"ck{i}")],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+_STUCK = """
+import sys, threading
+import torch
+from antifragile.engine import CheckpointEngine
+ckpt = CheckpointEngine(sys.argv[1], keep_last=2)
+writing = threading.Event()
+def stuck(self, key, parts, **kw):  # a storage that never answers (a hung NFS server)
+    writing.set()
+    threading.Event().wait()
+type(ckpt.storage).write = stuck
+ckpt.save(1, {"w": torch.ones(1000)})
+assert writing.wait(30)
+print("saved", flush=True)
+"""
+
+
+def test_a_script_whose_save_is_stuck_on_storage_still_exits(tmp_path: Path) -> None:
+    """The save's writes ran on a ``ThreadPoolExecutor``, whose threads the interpreter joins
+    at exit before any atexit hook: a script that ended with a write stuck on storage (never
+    closing its engine) never exited. It exits after ``EXIT_WAIT_S``, saying what was left."""
+    proc = subprocess.run([sys.executable, "-c", _STUCK, str(tmp_path / "ck")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == "saved\n"
+    assert "exiting with checkpoint threads still running" in proc.stderr, proc.stderr
