@@ -10,7 +10,6 @@ it is written only after all of them are durable, so a record never refers to a 
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -101,8 +100,8 @@ class WriteTimeoutError(CommitTimeoutError):
 
 
 def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
-                  extra: dict[str, bytes], pool: Executor, *, deadline: float = math.inf,
-                  budget_s: float = math.inf) -> Manifest:
+                  extra: dict[str, bytes], pool: Executor, *, deadline: float,
+                  budget_s: float) -> Manifest:
     """Write the staged cells and ``extra`` objects; return what was written. A write not
     done by ``deadline`` (monotonic; ``budget_s`` after the save began) raises
     WriteTimeoutError naming it.
