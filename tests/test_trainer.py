@@ -174,3 +174,47 @@ def test_activation_checkpointing_keeps_the_blocks_tensor_parallel() -> None:
         checkpointed = ranks.run(_shards, True)
     assert plain[0]["layers.0.attn.wq.weight"] == ("DTensor", "16", "32")
     assert checkpointed == plain
+
+
+LR = 3e-3  # the trainer's default --lr, which these runs train at
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("one_process")
+    run_trainer(run, steps=2, ckpt_every=1)
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dp", "tp", "pp"), [(2, 1, 1), (1, 2, 1), (1, 1, 2)],
+                         ids=["dp2", "tp2", "pp2"])
+def test_every_layout_takes_the_one_process_gradient_steps(
+        tmp_path: Path, one_process_run: Path, dp: int, tp: int, pp: int) -> None:
+    """The same global batch and seed on dp, tp or pp 2 leaves the one-process run's AdamW
+    moments and weights after steps 1 and 2 (float tolerance: reduction order changes).
+
+    The losses alone cannot show a gradient of the wrong scale (summed over dp instead of
+    averaged, micro-batches summed instead of averaged): AdamW divides the scale away, so the
+    weights and the losses hardly move. Its moments keep it: after step 1 exp_avg is
+    (1 - beta1) * grad and exp_avg_sq (1 - beta2) * grad**2, so a factor 2 puts them off by
+    at least half their norm; the reduction order, by about 1e-6 after step 1 and 4e-5 after
+    step 2 (dp x tp x pp 2 x 2 x 2: step 1's weights differ). The weights catch an update
+    lost or doubled (AdamW moves every weight by about lr at step 1); their tolerance is a
+    tenth of lr, as a weight whose gradient is near eps flips with the reduction order."""
+    run_trainer(tmp_path, dp=dp, tp=tp, pp=pp, steps=2, ckpt_every=1)
+    for step in (1, 2):
+        expected = checkpoint_arrays(str(one_process_run / "ckpt"), step)
+        got = checkpoint_arrays(str(tmp_path / "ckpt"), step)
+        moments = [k for k in expected if k.endswith((".exp_avg", ".exp_avg_sq"))]
+        weights = [k for k in expected if k.startswith("model/")]
+        assert len(moments) == 2 * len(weights) > 0
+        for key in moments:
+            want, have = expected[key], got[key]
+            off = (have - want).norm().item() / max(want.norm().item(), 1e-30)
+            assert off <= 1e-3, f"step {step} {key}: off by {off:.3g} of its norm"
+        for key in weights:
+            off = (got[key] - expected[key]).abs().max().item()
+            assert off <= LR / 10, f"step {step} {key}: off by {off:.3g} (lr {LR})"
+        steps = {k: v for k, v in expected.items() if k.endswith(".step")}
+        assert steps and all(got[k] == v for k, v in steps.items())
