@@ -148,9 +148,10 @@ class DaemonPool(Executor):
                         break
                     if job is not None:
                         job[0].cancel()
-            if not self._shut:
-                self._shut = True
-                self._jobs.put(None)
+            # at every shutdown, as ``ThreadPoolExecutor`` does: the drain above may have taken
+            # the marker an earlier shutdown queued, and a busy thread would then never end
+            self._shut = True
+            self._jobs.put(None)
         if wait:
             _join(self._threads, math.inf)
 

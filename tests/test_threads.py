@@ -118,3 +118,26 @@ def test_a_script_whose_save_is_stuck_on_storage_still_exits(tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == "saved\n"
     assert "exiting with checkpoint threads still running" in proc.stderr, proc.stderr
+
+
+def test_a_second_shutdown_that_cancels_still_ends_the_pool() -> None:
+    """``abandon()`` shuts the I/O pool down with ``cancel_futures`` after ``close()`` (or the
+    exit hook) may already have: the cancelling drain also took the end-of-jobs marker the first
+    shutdown queued, and no new one was queued, so a thread busy then waited for another job
+    forever once its write returned (``shutdown(wait=True)`` hung). ``ThreadPoolExecutor``
+    queues the marker at every shutdown."""
+    from antifragile.engine._threads import DaemonPool
+
+    pool = DaemonPool(1, "ckpt-test-pool")
+    release = threading.Event()
+    busy = pool.submit(release.wait)
+    queued = pool.submit(lambda: None)
+    pool.shutdown(wait=False)
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert queued.cancelled()
+    release.set()
+    assert busy.result(timeout=10)
+    ender = threading.Thread(target=pool.shutdown, daemon=True)
+    ender.start()
+    ender.join(10)
+    assert not ender.is_alive(), "shutdown(wait=True) never returned"
