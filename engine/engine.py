@@ -394,7 +394,7 @@ class CheckpointEngine:
             else:
                 self._phase(step, "persisting")
                 manifest = write_objects(storage, step, nonce, staging, docs, self._pool,
-                                         deadline=deadline, budget_s=self.commit_timeout_s)
+                                         stall_s=self.commit_timeout_s)
                 handle.nbytes = manifest.nbytes
                 self._phase(step, "written")
                 write_record(storage, step, self.rank, rank_record(

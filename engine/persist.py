@@ -10,6 +10,7 @@ it is written only after all of them are durable, so a record never refers to a 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -100,11 +101,13 @@ class WriteTimeoutError(CommitTimeoutError):
 
 
 def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
-                  extra: dict[str, bytes], pool: Executor, *, deadline: float,
-                  budget_s: float) -> Manifest:
-    """Write the staged cells and ``extra`` objects; return what was written. A write not
-    done by ``deadline`` (monotonic; ``budget_s`` after the save began) raises
-    WriteTimeoutError naming it.
+                  extra: dict[str, bytes], pool: Executor, *, stall_s: float) -> Manifest:
+    """Write the staged cells and ``extra`` objects; return what was written. When no write
+    has returned for ``stall_s`` once staging is over (counted from the last write that
+    returned, or from the end of staging, known within ``stall_s``), the storage does not
+    answer: WriteTimeoutError names a write still waited for. A slow storage that answers
+    fails no save here, however long the writes take (one rank commits late; with more, the
+    coordinator's deadline decides).
 
     May be called while ``staging`` is still being filled (after ``staging.begin()``): each
     object is written as soon as its cell is staged, and this returns only after staging
@@ -142,16 +145,19 @@ def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
         return key, len(data), [_format.crc(data)]
 
     failed = threading.Event()  # after a failure the writes not yet begun are not made
+    returned = [time.monotonic()]  # when a write last returned (or staging was seen going on)
 
     def unless_failed(put: Callable[..., tuple[str, int, list[int]]], *args: Any
                       ) -> tuple[str, int, list[int]]:
         if failed.is_set():
             raise CancelledError
         try:
-            return put(*args)
+            result = put(*args)
         except BaseException:
             failed.set()
             raise
+        returned[0] = time.monotonic()
+        return result
 
     futures = [(w.key, pool.submit(unless_failed, put_cell, i))
                for i, w in enumerate(staging.writes)]
@@ -159,11 +165,14 @@ def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
     manifest = Manifest(nonce)
     errors = []
     for key, fut in futures:
-        if not wait([fut], max(0.0, deadline - time.monotonic())).done:
-            failed.set()
-            raise WriteTimeoutError(f"{base}/{key} not written within the save's "
-                                    f"{budget_s:g} s (commit_timeout_s): the storage does not "
-                                    "answer")
+        while not wait([fut], max(0.0, returned[0] + stall_s - time.monotonic())).done:
+            if not staging.copied:  # the writes may be waiting for the copy, not the storage
+                returned[0] = max(returned[0], time.monotonic())
+            elif time.monotonic() - returned[0] >= stall_s:
+                failed.set()
+                raise WriteTimeoutError(f"{base}/{key} not written: no write returned for "
+                                        f"{stall_s:g} s (commit_timeout_s), the storage does "
+                                        "not answer")
         try:
             manifest.add(*fut.result())
         except CancelledError:
