@@ -448,6 +448,11 @@ class CheckpointEngine:
                 if not hung:
                     _commit.abort(storage, step, nonce, str(error))
                 self._unfinished.add(step)
+            if hung:
+                # the hung write still holds a view of these buffers and may send it when the
+                # storage answers: the next save plans again (every rank agrees on it) and
+                # stages into new ones, not into what would land torn in this step's folder
+                self._plan = None
             with contextlib.suppress(Exception):
                 staging.wait_staged()  # no save may stage into the buffers while this one does
             handle.persist_s = time.monotonic() - start

@@ -1104,9 +1104,11 @@ class _HungWrites:
     def __init__(self, inner: Any, prefix: str) -> None:
         self.inner, self.prefix = inner, prefix
         self.release = threading.Event()
+        self.held: list[Any] = []
 
     def write(self, key: str, parts: Any, **kw: Any) -> None:
         if key.startswith(self.prefix):
+            self.held.extend(parts)  # what the stuck write would send once it returns
             self.release.wait()
         self.inner.write(key, parts, **kw)
 
@@ -1139,6 +1141,30 @@ def test_a_write_that_never_returns_fails_its_save_at_the_deadline(
         began = time.monotonic()
         engine.close()
         assert time.monotonic() - began < 10
+    finally:
+        hung.release.set()
+        engine.close()
+
+
+def test_a_hung_write_keeps_its_save_s_bytes_while_the_next_save_stages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write hung on storage still holds the staging buffer it was given (a view into the
+    save's buffers) and may send it when the storage answers again. The next save staged its
+    own state into those same buffers: the hung write of step 1 then stored step 2's bytes
+    (torn, if it was sending) into step 1's folder. The next save stages into new buffers."""
+    from antifragile.engine import CommitTimeoutError, _threads
+
+    monkeypatch.setattr(_threads, "CLOSE_WAIT_S", 0.5)
+    engine = CheckpointEngine(str(tmp_path / "ckpt"), commit_timeout_s=1.0)
+    hung = _HungWrites(engine.storage, "step_000000001/w/c")
+    engine.storage = hung
+    try:
+        with pytest.raises(CommitTimeoutError):
+            engine.save(1, {"w": torch.ones(64)}).wait()
+        engine.save(2, {"w": torch.full((64,), 2.0)}, blocking=True)
+        assert engine.steps() == [2]
+        held = [bytes(part) for part in hung.held]
+        assert held and all(torch.ones(64).numpy().tobytes() in data for data in held)
     finally:
         hung.release.set()
         engine.close()
