@@ -263,24 +263,51 @@ class CheckpointEngine:
         # staged. A small state is staged first: its copy takes milliseconds, and a writer
         # thread running Python beside it would make the loop wait for the GIL instead.
         overlap = defer_staging or staging.nbytes >= OVERLAP_MIN_BYTES
-        if overlap:
-            self._workers.run(*persist)
-        if defer_staging:
-            self._workers.run(f"ckpt-stage-{step}", self._stage, handle, staging, flat, True)
-        else:
+        persisting = False  # the save thread runs: it fails the save with any error here
+
+        def start(name: str, *job: Any) -> None:
             try:
-                self._stage(handle, staging, flat)
-            except BaseException:
-                handle._observed = True  # raised here; the save it started fails with it
-                raise
-            finally:
-                if not overlap:  # after a staging error it fails the save with that error
-                    self._workers.run(*persist)
+                self._workers.run(name, *job)
+            except BaseException as exc:  # "can't start new thread": at the thread limit
+                raise CheckpointError(f"step {step} not saved, rank {self.rank}: its thread "
+                                      f"{name} did not start: {type(exc).__name__}: {exc}"
+                                      ) from exc
+
+        try:
+            if overlap:
+                start(*persist)
+                persisting = True
+            if defer_staging:
+                start(f"ckpt-stage-{step}", self._stage, handle, staging, flat, True)
+            else:
+                try:
+                    self._stage(handle, staging, flat)
+                finally:
+                    if not overlap:  # after a staging error it fails the save with that error
+                        start(*persist)
+                        persisting = True
+        except BaseException as exc:
+            handle._observed = True  # raised here; the save it started fails with it
+            if not staging.copied:  # the save's writers wait for the copy no more
+                staging.fail(exc)
+            if not persisting:  # nothing else will end the handle: every later save would
+                self._not_started(handle, exc)  # be skipped as busy, close() wait forever
+            raise
         if blocking:
             waited = time.perf_counter()
             handle.wait()
             self._events.blocked(step, waited)
         return handle
+
+    def _not_started(self, handle: SaveHandle, exc: BaseException) -> None:
+        """The save's thread did not start: its handle fails here, naming the step."""
+        error = exc if isinstance(exc, CheckpointError) else CheckpointError(
+            f"step {handle.step} not saved, rank {self.rank}: {type(exc).__name__}: {exc}")
+        handle._future.set_exception(error)
+        handle.staged.set()
+        handle._retained.set()
+        with contextlib.suppress(Exception):  # the handle is over whatever the hook does
+            self._events.failed(handle.step, error)
 
     def _clear_unfinished(self, step: int) -> None:
         """Rank 0, once every rank agreed to save ``step`` and before any rank writes into

@@ -1170,6 +1170,52 @@ def test_a_hung_write_keeps_its_save_s_bytes_while_the_next_save_stages(
         engine.close()
 
 
+@pytest.mark.parametrize(("refused", "nbytes", "defer"), [
+    ("ckpt-save-", 32, False),  # staged on the caller's thread, then the save thread
+    ("ckpt-save-", 64 * 2**20, False),  # overlapped: the save thread first
+    ("ckpt-save-", 32, True),  # deferred: the save thread, then the staging thread
+    ("ckpt-stage-", 32, True),  # deferred: the save thread runs, waiting for staging
+])
+def test_a_save_whose_thread_does_not_start_fails_and_the_next_one_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: str, nbytes: int,
+        defer: bool) -> None:
+    """``threading.Thread.start`` raising ("can't start new thread": a process at its thread
+    limit) made ``save()`` raise with its handle never done: every later save was skipped as
+    busy and ``close()`` waited for it forever. The save fails naming its step, the handle
+    too, and the next save commits."""
+    from antifragile.engine import _threads
+
+    real_run = _threads.DaemonWorkers.run
+
+    def run(self: Any, name: str, *args: Any) -> None:
+        if name.startswith(refused) and name.endswith("-1"):
+            raise RuntimeError("can't start new thread")
+        real_run(self, name, *args)
+
+    monkeypatch.setattr(_threads.DaemonWorkers, "run", run)
+    engine = CheckpointEngine(str(tmp_path / "ckpt"), commit_timeout_s=5.0)
+    try:
+        state = {"w": torch.ones(nbytes // 4)}
+        handle = None
+        try:
+            handle = engine.save(1, state, defer_staging=defer)
+        except CheckpointError as exc:
+            assert "step 1" in str(exc) and "can't start new thread" in str(exc)
+        if handle is not None:  # the save thread runs: it fails the save itself
+            with pytest.raises(CheckpointError, match=r"step 1.*can't start new thread"):
+                handle.wait(timeout=30)
+        assert engine._last is not None
+        with pytest.raises(CheckpointError, match=r"step 1.*can't start new thread"):
+            engine._last.wait(timeout=30)  # done: not a TimeoutError
+        engine.save(2, state, blocking=True, defer_staging=defer)
+        assert engine.steps() == [2]
+    finally:
+        closer = threading.Thread(target=engine.close, daemon=True)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive(), "close() hung"
+
+
 class _SlowWrites:
     """Storage whose every write into ``prefix`` takes ``delay_s`` (slow, but it answers)."""
 
