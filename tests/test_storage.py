@@ -752,3 +752,41 @@ def test_a_transient_answer_with_an_errno_is_still_retried(sleeps: list[float]) 
         inner = FlakyStorage(error, failures=2)
         RetryingStorage(inner, attempts=6).write("a/c", [b"x"])
         assert inner.calls["write"] == 3
+
+
+@pytest.mark.s3
+def test_a_save_whose_writes_hang_on_s3_fails_at_its_deadline_and_the_next_one_commits(
+    proxy: FaultProxy, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    """An endpoint that takes the request and never answers (the client's read timeout is
+    longer than the save's budget) held the save's handle, so every later save was skipped as
+    busy. The save fails once no write has returned for commit_timeout_s; once the endpoint
+    answers again, the next save commits and close() does not wait for the hung request."""
+    from antifragile.engine import CommitTimeoutError
+
+    url, options = through(proxy, s3_bucket)
+    options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 120}
+    faults: list[object] = []
+
+    def on_phase(step: int, phase: str) -> None:
+        if step == 1 and phase == "persisting":  # past the save's first request (exists)
+            faults.append(proxy.fault("blackhole"))
+
+    engine = CheckpointEngine(url, storage_options=options, commit_timeout_s=3.0,
+                              on_phase=on_phase)
+    try:
+        began = time.monotonic()
+        handle = engine.save(1, state_of(1))
+        with pytest.raises(CommitTimeoutError, match=r"step 1, rank 0: .*not written: no write "
+                                                     r"returned for 3 s"):
+            handle.wait(timeout=60)
+        assert time.monotonic() - began < 30
+        assert proxy.snapshot().faulted >= 1  # the writes were black-holed, not refused
+        proxy.heal(faults[0])
+        engine.save(2, state_of(2), blocking=True)
+        assert engine.steps() == [2] and engine.verify(2).ok
+        assert_loads(engine, 2)
+    finally:
+        began = time.monotonic()
+        engine.close()
+        assert time.monotonic() - began < 40
