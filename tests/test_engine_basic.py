@@ -1146,6 +1146,43 @@ def test_a_write_that_never_returns_fails_its_save_at_the_deadline(
         engine.close()
 
 
+def _save_with_rank_1_hung(url: str) -> tuple[list[str], list[int], int]:
+    """On each of 2 ranks: step 2, whose writes hang on rank 1 (until the end), then step 3.
+    Returns each save's outcome, the committed steps and the objects rank 1's hung writes
+    held."""
+    outcomes = []
+    with CheckpointEngine(url, commit_timeout_s=2.0) as engine:
+        hung = _HungWrites(engine.storage, "step_000000002/" if engine.rank == 1 else "-")
+        engine.storage = hung
+        state = {name: torch.full((64,), float(i)) for i, name in enumerate("abcdef")}
+        for step in (2, 3):
+            try:
+                engine.save(step, state, blocking=True)
+                outcomes.append("committed")
+            except CheckpointError as exc:
+                outcomes.append(f"failed: {exc}")
+        hung.release.set()  # close() need not wait CLOSE_WAIT_S for it
+        return outcomes, engine.steps(), len(hung.held)
+
+
+@pytest.mark.multiproc
+def test_a_rank_whose_write_hangs_fails_the_save_on_every_rank_and_the_next_commits(
+        tmp_path: Path) -> None:
+    """Rank 1's write hangs: it fails its save once no write returns for commit_timeout_s
+    (writing nothing more), rank 0 times out naming it, and the next save (planned again on
+    every rank, as rank 1 stages into new buffers) commits on both."""
+    from _dist import run_ranks
+
+    url = str(tmp_path / "ckpt")
+    (rank0, steps0, _), (rank1, steps1, held) = run_ranks(2, _save_with_rank_1_hung, url,
+                                                          timeout_s=90)
+    assert held, "rank 1 wrote nothing of step 2: no write hung"
+    assert rank1[0].startswith("failed") and "no write returned" in rank1[0], rank1
+    assert rank0[0].startswith("failed") and "rank(s) [1]" in rank0[0], rank0
+    assert rank0[1] == rank1[1] == "committed", (rank0, rank1)
+    assert steps0 == steps1 == [3]
+
+
 def test_a_hung_write_keeps_its_save_s_bytes_while_the_next_save_stages(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write hung on storage still holds the staging buffer it was given (a view into the
