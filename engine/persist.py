@@ -182,7 +182,16 @@ def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
     if errors:
         raise errors[0]
     staging.wait_staged()  # the shadows too: the memory copy is taken after the commit
-    storage.sync()
+    # on a hung NFS server the writes return (into the page cache) and their fsync does not
+    try:
+        synced = pool.submit(storage.sync)
+    except RuntimeError:  # the pool is shut down (abandoned): the save stops at its next phase
+        storage.sync()
+        return manifest
+    if not wait([synced], stall_s).done:
+        raise WriteTimeoutError(f"{base}: the sync of its writes did not return for "
+                                f"{stall_s:g} s (commit_timeout_s), the storage does not answer")
+    synced.result()
     return manifest
 
 

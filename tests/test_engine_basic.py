@@ -1253,6 +1253,47 @@ def test_a_save_whose_thread_does_not_start_fails_and_the_next_one_runs(
         assert not closer.is_alive(), "close() hung"
 
 
+class _HungSync:
+    """Local storage whose first ``sync`` after ``armed`` is set never returns until
+    ``release`` is (a hung NFS server: buffered writes return, their fsync does not)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.armed, self.release = threading.Event(), threading.Event()
+
+    def sync(self) -> None:
+        if self.armed.is_set():
+            self.armed.clear()
+            self.release.wait()
+        self.inner.sync()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_sync_that_never_returns_fails_its_save_like_a_hung_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a hung NFS server the writes (into the page cache) return and the fsync of the
+    save's files does not: the save thread waited in it forever, its handle never resolved
+    and every later save was skipped as busy, though a hung write fails its save. The sync is
+    held to the same commit_timeout_s."""
+    from antifragile.engine import CommitTimeoutError, _threads
+
+    monkeypatch.setattr(_threads, "CLOSE_WAIT_S", 0.5)
+    engine = CheckpointEngine(str(tmp_path / "ckpt"), commit_timeout_s=1.0)
+    hung = _HungSync(engine.storage)
+    engine.storage = hung
+    try:
+        hung.armed.set()
+        with pytest.raises(CommitTimeoutError, match=r"step 1, rank 0: .*sync"):
+            engine.save(1, {"w": torch.ones(8)}).wait(timeout=30)
+        engine.save(2, {"w": torch.full((8,), 2.0)}, blocking=True)
+        assert engine.steps() == [2]
+    finally:
+        hung.release.set()
+        engine.close()
+
+
 class _SlowWrites:
     """Storage whose every write into ``prefix`` takes ``delay_s`` (slow, but it answers)."""
 
