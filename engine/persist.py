@@ -10,7 +10,6 @@ it is written only after all of them are durable, so a record never refers to a 
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections.abc import Callable
