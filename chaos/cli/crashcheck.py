@@ -51,8 +51,8 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
     """Record a save on S3, build every state a crash could leave, load each one in a process
     that never saw the save, and count old / new / refused / torn / lost.
 
-    Exit 0 when the documented load rule never gave refused, torn or lost; 1 otherwise;
-    2 bad input."""
+    Exit 0 when the documented load rule gave no refused, torn, lost or unchecked state
+    and loaded step k+1 from the state the save left uncrashed; 1 otherwise; 2 bad input."""
     if engine not in ENGINES:
         fail(f"--engine {engine!r}: unknown engine (known: {', '.join(ENGINES)})")
     # optional extras: the saving job imports them only once the endpoint and checkers run
