@@ -311,6 +311,24 @@ def _answering(status: int, code: str) -> Iterator[tuple[str, list[str]]]:
         server.server_close()
 
 
+def test_an_endpoint_without_credentials_says_none_were_found() -> None:
+    """With an endpoint and no key, secret or AWS_* variables (the README's snippet as a new
+    user copies it), the client asks the instance metadata service for credentials, and the
+    error named only a PUT to 169.254.169.254 refused 403: nothing said none were given."""
+    from obstore.exceptions import GenericError
+
+    storage = S3Storage("s3://bucket/run", {"endpoint_url": "http://127.0.0.1:9"})
+
+    def metadata_refused() -> None:
+        raise GenericError("Generic S3 error: Error performing PUT http://169.254.169.254/"
+                           "latest/api/token in 2ms - Server returned non-2xx status code: "
+                           "403 Forbidden")
+
+    with pytest.raises(PermissionError, match=r"169\.254\.169\.254.*no S3 credentials were "
+                                              r"found: pass storage_options key and secret"):
+        storage._call("exists", "k", metadata_refused)
+
+
 @pytest.mark.parametrize(("status", "code"), [
     (400, "InvalidBucketName"), (400, "InvalidRequest"), (400, "InvalidArgument"),
     (405, "MethodNotAllowed"), (411, "MissingContentLength"), (413, "EntityTooLarge"),

@@ -221,6 +221,10 @@ class S3Storage:
             result = fn()
         except (FileNotFoundError, GenericError) as exc:
             text = _brief(exc)
+            if "169.254.169.254" in text:  # asked the instance metadata service: none given
+                text += (" (no S3 credentials were found: pass storage_options key and secret, "
+                         "or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; without them the "
+                         "client asks this host's instance metadata service)")
             if "NoSuchBucket" in text:
                 raise StorageError(f"{op} {self.url}/{key}: bucket {self.bucket!r} does not "
                                    f"exist at {self.endpoint} (NoSuchBucket)") from exc
