@@ -42,6 +42,13 @@ class SaveHandle:
     def done(self) -> bool:
         return self._future.done()
 
+    def _fail(self, error: CheckpointError) -> None:
+        """End a save that never ran (skipped, or its thread did not start) with ``error``:
+        nothing is staged or retained that anybody need wait for."""
+        self._future.set_exception(error)
+        self.staged.set()
+        self._retained.set()
+
     def wait(self, timeout: float | None = None) -> None:
         """Block (at most ``timeout`` s in all) until committed, and on the coordinator until
         the retention that follows the commit is over (``retention_error`` is final then;

@@ -218,13 +218,12 @@ class CheckpointEngine:
         if any_busy:
             busy_step = last.step if last else "?"
             handle._observed = True
-            handle._future.set_exception(CheckpointBusyError(
-                f"step {step} skipped: the save of step {busy_step} is still persisting"))
-            handle.staged.set()
-            handle._retained.set()  # over: it has no retention to wait for
+            skipped = CheckpointBusyError(
+                f"step {step} skipped: the save of step {busy_step} is still persisting")
+            handle._fail(skipped)
             warnings.warn(f"checkpoint of step {step} skipped: step {busy_step} still persisting",
                           RuntimeWarning, stacklevel=2)
-            self._events.failed(step, handle._future.exception() or "")
+            self._events.failed(step, skipped)
             return handle
         if clear:
             # no rank is busy, so none still waits for the earlier attempt's COMMIT or ABORT
@@ -303,11 +302,8 @@ class CheckpointEngine:
         """The save's thread did not start: its handle fails here, naming the step."""
         error = exc if isinstance(exc, CheckpointError) else CheckpointError(
             f"step {handle.step} not saved, rank {self.rank}: {type(exc).__name__}: {exc}")
-        handle._future.set_exception(error)
-        handle.staged.set()
-        handle._retained.set()
-        with contextlib.suppress(Exception):  # the handle is over whatever the hook does
-            self._events.failed(handle.step, error)
+        handle._fail(error)
+        self._events.failed(handle.step, error)  # best effort: it raises nothing
 
     def _clear_unfinished(self, step: int) -> None:
         """Rank 0, once every rank agreed to save ``step`` and before any rank writes into
