@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -12,7 +13,7 @@ from click.testing import CliRunner
 from antifragile.chaos import scenario as scenario_module
 from antifragile.chaos.cli import main
 from antifragile.chaos.cli.progress import Progress
-from antifragile.chaos.run.status import RunStatus
+from antifragile.chaos.run.status import RunStatus, StatusTracker
 
 
 def _one_line_error(args: list[str], expected: str) -> None:
@@ -71,6 +72,28 @@ class _Pipe(io.StringIO):
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
+
+
+def test_live_status_counts_a_restart_that_started_over_as_a_recovery() -> None:
+    """A kill before the first commit: the restarted attempt finds no checkpoint and trains
+    from step 1. It came back from the failure, but only restores were counted, so the live
+    line said "attempt 1 · recoveries 0" for the rest of the run."""
+    tracker = StatusTracker("s", expected_step=20)
+
+    def event(attempt: int, kind: str, rank: int = 0, **kw: Any) -> RunStatus | None:
+        return tracker.status({"t": 100.0 * attempt + kw.get("step", 0), "rank": rank,
+                               "attempt": attempt, "event": kind, **kw}, 1)
+
+    assert event(0, "start") is None
+    first = event(0, "step_end", step=3)
+    assert first is not None and first.recoveries == 0 and first.attempt == 0
+    assert event(0, "step_end", rank=1, step=4) is None  # only rank 0's steps are reported
+    event(1, "start")
+    again = event(1, "step_end", step=1)  # nothing restored: started over
+    assert again is not None and again.attempt == 1 and again.recoveries == 1
+    event(2, "restore_end", step=10)  # a later generation that restored
+    last = event(2, "step_end", step=11)
+    assert last is not None and last.recoveries == 2 and last.total_steps == 20
 
 
 def test_plain_progress_never_prints_a_line_per_step() -> None:

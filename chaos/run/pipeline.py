@@ -22,7 +22,7 @@ from antifragile.chaos.observe import checker, figures, measure
 from antifragile.chaos.observe.effects import STORAGE_FAULTS
 from antifragile.chaos.report import document as report
 from antifragile.chaos.run.runner import ChaosRunError, run_scenario
-from antifragile.chaos.run.status import RunStatus
+from antifragile.chaos.run.status import RunStatus, StatusTracker
 from antifragile.chaos.scenario import CommandSpec, Scenario
 from antifragile.trainer.events import read_events
 
@@ -233,21 +233,14 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
     expected_step = (s.trainer.steps if not isinstance(s.trainer, CommandSpec) else
                      checker.newest_committed(engine, reference_url) if reference_url else None)
 
-    recovered: set[int] = set()  # attempts that restored a checkpoint after a failure
-    first_step: dict[int, tuple[float, int]] = {}  # attempt -> (time, step) of its first step
+    tracker = StatusTracker(s.name, expected_step)
 
     def on_event(e: dict[str, Any], injections: list[Injection]) -> None:
-        if e["event"] == "step_end" and e["rank"] == 0:
-            t0, step0 = first_step.setdefault(e["attempt"], (e["t"], e["step"]))
-            rate = (e["step"] - step0) / (e["t"] - t0) if e["t"] > t0 else 0.0
-            total = max(expected_step or 0, e["step"])
+        now = tracker.status(e, len(injections))
+        if now is not None:
             if status is not None:
-                status(RunStatus(name=s.name, step=e["step"], total_steps=total,
-                                 attempt=e["attempt"], faults_injected=len(injections),
-                                 recoveries=len(recovered),
-                                 eta_s=(total - e["step"]) / rate if rate else None))
+                status(now)
         elif e["event"] == "restore_end" and e["rank"] == 0:
-            recovered.add(e["attempt"])
             progress(f"attempt {e['attempt']}: restored step {e['step']} in "
                      f"{e['seconds']:.2f} s")
         elif e["event"] == "hang_detected":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,5 +13,34 @@ class RunStatus:
     total_steps: int
     attempt: int
     faults_injected: int
-    recoveries: int  # attempts that restored a checkpoint after a failure
+    recoveries: int  # attempts that trained again after a failure (restored, or started over)
     eta_s: float | None  # from the current attempt's step rate; None until it has one
+
+
+class StatusTracker:
+    """Follows a run's events and says where it stands at each of rank 0's steps.
+
+    An attempt (a torchrun restart or an in-process generation) counts as a recovery once it
+    trains: one that restored a checkpoint, and one that found none committed yet and started
+    over (counting restores only showed "recoveries 0" beside a restarted attempt)."""
+
+    def __init__(self, name: str, expected_step: int | None) -> None:
+        self.name = name
+        self.expected_step = expected_step  # the step the run ends at; None: not known
+        self.first_attempt: int | None = None  # the run's first attempt: not a recovery
+        self.first_step: dict[int, tuple[float, int]] = {}  # attempt -> (t, step) it began at
+
+    def status(self, e: dict[str, Any], faults_injected: int) -> RunStatus | None:
+        """The status after event ``e``: None unless it is a step rank 0 finished."""
+        attempt = int(e["attempt"])
+        if self.first_attempt is None or attempt < self.first_attempt:
+            self.first_attempt = attempt
+        if e["event"] != "step_end" or e["rank"] != 0:
+            return None
+        t0, step0 = self.first_step.setdefault(attempt, (e["t"], e["step"]))
+        rate = (e["step"] - step0) / (e["t"] - t0) if e["t"] > t0 else 0.0
+        total = max(self.expected_step or 0, e["step"])
+        return RunStatus(name=self.name, step=e["step"], total_steps=total, attempt=attempt,
+                         faults_injected=faults_injected,
+                         recoveries=sum(a > self.first_attempt for a in self.first_step),
+                         eta_s=(total - e["step"]) / rate if rate else None)
