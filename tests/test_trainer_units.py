@@ -545,13 +545,13 @@ def test_a_run_whose_every_checkpoint_is_damaged_does_not_start_over(tmp_path: P
 
 def test_a_resume_of_another_run_is_refused_naming_what_differs(tmp_path: Path) -> None:
     """A resume with settings that change what the checkpoint means went on without a word:
-    another --seed or a lost/gained --data-path trained on other batches than the
-    checkpoint's run; fewer --layers loaded a subset of its tensors, other --heads the same
-    tensors into another function; another --ckpt-engine at the same URL found none of its
-    own checkpoints, trained from step 0 and overwrote or pruned the run's (same step folder
-    names). Each is now refused, naming both values, with the exit code that stops restarts,
-    and leaves the checkpoints alone. One saved run serves every mismatch (a launch costs
-    seconds)."""
+    another --seed, a lost/gained --data-path or a token file of other content trained on
+    other batches than the checkpoint's run; fewer --layers loaded a subset of its tensors,
+    other --heads the same tensors into another function; another --ckpt-engine at the same
+    URL found none of its own checkpoints, trained from step 0 and overwrote or pruned the
+    run's (same step folder names). Each is now refused, naming both values, with the exit
+    code that stops restarts, and leaves the checkpoints alone. One saved run serves every
+    mismatch (a launch costs seconds)."""
     import subprocess
 
     from _trainer import SMALL_MODEL, env
@@ -593,6 +593,14 @@ def test_a_resume_of_another_run_is_refused_naming_what_differs(tmp_path: Path) 
             "checkpoints of --ckpt-engine dcp (steps [2])")
     refused(dcp, ("--ckpt-engine", "dcp"),
             "step 2 was trained on a --data-path token file, this run on synthetic data")
+    # a token file of other ids at the same path trains on other batches: refused too
+    original = tokens.read_bytes()
+    np.save(tokens, (np.arange(1000, dtype=np.int32) * 3) % 64)
+    refused(dcp, ("--ckpt-engine", "dcp", "--data-path", str(tokens)),
+            "step 2 was trained on a --data-path token file of other content (crc32 0x")
+    moved = tmp_path / "moved.npy"  # the same ids elsewhere: the same batches, resumed
+    moved.write_bytes(original)
+    assert train(dcp, 4, "--ckpt-engine", "dcp", "--data-path", str(moved)).returncode == 0
 
 
 _REFUSING_LAST_STEP = """

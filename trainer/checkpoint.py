@@ -7,7 +7,7 @@ function of it, so a resume with another one is refused) and the model's setting
 (``--layers``, ``--heads`` ...: fewer layers load a subset of the tensors, other heads the same
 tensors into another function; a resume with others is refused too) and where the data comes
 from (synthetic, or a ``--data-path`` file: a restart that lost or gained the flag is refused;
-the file itself may move or change). The engine is a
+one whose ids changed is refused too; the file may move). The engine is a
 ``trainer.ckpt_backends`` backend (ours, DCP or torchsnapshot); the events are the same for all.
 """
 
@@ -30,9 +30,10 @@ from antifragile.trainer.events import EventLog
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 FINAL_SAVE_MAX_DELAY_S = 15.0  # the longest backoff between the last step's retries
-# what ``train`` holds, one more with each entry it gains (2: the model's settings and the
-# data): part of the chaos reference's cache key, since an older reference ends in another one
-TRAIN_STATE_VERSION = 2
+# what ``train`` holds, one more with each change (2: the model's settings and the data; 3: a
+# token file's digest in the data): part of the chaos reference's cache key, since an older
+# reference ends in another one
+TRAIN_STATE_VERSION = 3
 _DATA = {"synthetic": "synthetic data", "file": "a --data-path token file"}  # train["data"]
 
 
@@ -125,12 +126,18 @@ class TrainCheckpointer:
                                   f"this run has {option} {value}: the checkpoint is of another "
                                   "model (resume with that setting, or start a run with a "
                                   "fresh --ckpt-url)")
-        saved_data = state["train"].get("data", self.data)  # not stored before: not checked
-        if self.data is not None and saved_data != self.data:
-            raise ResumeError(f"step {step} was trained on {_DATA.get(saved_data, saved_data)}, "
-                              f"this run on {_DATA[self.data]}: its batches would differ from the "
-                              "checkpoint's run (resume with the same data, or start a run "
-                              "with a fresh --ckpt-url)")
+        # "synthetic", or "file:<digest of its ids>" ("file" alone before digests were
+        # stored: its content not checked); not stored at all before: not checked
+        saved, _, saved_digest = str(state["train"].get("data", self.data)).partition(":")
+        data, _, digest = (self.data or "").partition(":")
+        differs = (f"{_DATA.get(saved, saved)}, this run on {_DATA[data]}" if saved != data else
+                   f"a --data-path token file of other content ({saved_digest}; this run's "
+                   f"file: {digest})" if saved_digest and digest and saved_digest != digest
+                   else None)
+        if self.data is not None and differs is not None:
+            raise ResumeError(f"step {step} was trained on {differs}: its batches would differ "
+                              "from the checkpoint's run (resume with the same data, or start "
+                              "a run with a fresh --ckpt-url)")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=_OPTIONS)
         t3 = time.perf_counter()

@@ -58,6 +58,23 @@ def _checked_tokens(path: str, _ino: int, _size: int, _mtime_ns: int, seq_len: i
     return tokens
 
 
+def tokens_digest(path: str, seq_len: int, vocab: int) -> str:
+    """What the token file at ``path`` holds, in a few words: the crc32 of its ids as stored
+    and their dtype (a resume on a file of other ids would train on other batches). Computed
+    once per version of the file and process, like the check of ``open_tokens``."""
+    st = os.stat(path)
+    return _digest(path, st.st_ino, st.st_size, st.st_mtime_ns, seq_len, vocab)
+
+
+@functools.lru_cache(maxsize=4)
+def _digest(path: str, ino: int, size: int, mtime_ns: int, seq_len: int, vocab: int) -> str:
+    tokens = _checked_tokens(path, ino, size, mtime_ns, seq_len, vocab)
+    crc, step = 0, 1 << 24  # ids per crc32 call: a bounded buffer of a large map
+    for start in range(0, len(tokens), step):
+        crc = zlib.crc32(np.ascontiguousarray(tokens[start:start + step]).data, crc)
+    return f"crc32 0x{crc:08x} of {len(tokens)} {tokens.dtype} ids"
+
+
 @dataclass(slots=True)
 class TokenData:
     seq_len: int

@@ -27,7 +27,7 @@ from antifragile.trainer.abort import FailureWatch, GlooSockets
 from antifragile.trainer.checkpoint import ResumeError, TrainCheckpointer
 from antifragile.trainer.ckpt_backends import foreign_steps, open_backend
 from antifragile.trainer.config import TrainConfig
-from antifragile.trainer.data import TokenData
+from antifragile.trainer.data import TokenData, tokens_digest
 from antifragile.trainer.distributed import (
     DistContext,
     Launch,
@@ -355,7 +355,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
                                 shape={"layers": m.layers, "d_model": m.d_model,
                                        "heads": m.heads, "vocab": m.vocab,
                                        "seq_len": m.seq_len},
-                                data="synthetic" if cfg.data_path is None else "file",
+                                data="synthetic" if cfg.data_path is None else
+                                f"file:{tokens_digest(cfg.data_path, m.seq_len, m.vocab)}",
                                 foreign=lambda: foreign_steps(cfg.ckpt_engine, url))
         checkpointer.append(ckpt)
     ctx.sockets.end()  # every process group of this generation exists now
