@@ -166,7 +166,7 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     (["--final-save-patience-s", "nan"], "final_save_patience_s must be >= 0, got nan"),
     (["--hang-timeout-s", "nan"], "hang_timeout_s must be > 0, got nan"),
     (["--lease-s", "nan"], "lease_s must be a finite number >= 1 s"),
-    (["--lease-s", "5"], "lease_s: leases are held only under recovery in_process"),
+    (["--lease-s", "5"], "--lease-s: leases are held only under recovery in_process"),
     # accepted under the adaptive hang timeout: an infinite lease never judged a host lost, a
     # tiny one was renewed every lease_s / 4 (a busy loop on the store) and took a renewal late
     # by a store round trip for a lost host, and one of 30 s or more outlasted the survivors'
@@ -178,16 +178,15 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     (["--recovery", "in_process", "--lease-s", "-3"], "lease_s must be a finite number >= 1 s"),
     (["--recovery", "in_process", "--lease-s", "0.01"], "lease_s must be a finite number >= 1 s"),
     (["--recovery", "in_process", "--lease-s", "30"],
-     "lease_s 30 must be below 3 x the adaptive hang timeout's floor of 10 s (30 s, the "
-     "watchdog's stall escalation at its shortest): pass --hang-timeout-s or a shorter "
-     "--lease-s"),
+     "--lease-s: 30 s is not below the watchdog's stall escalation under the adaptive hang "
+     "timeout, 3 x its floor of 10 s = 30 s: set --hang-timeout-s, or a shorter --lease-s"),
     (["--recovery", "in_process", "--hang-timeout-s", "2", "--lease-s", "6"],
-     "lease_s 6 must be below 3 x hang_timeout_s (6 s, the watchdog's stall escalation)"),
+     "--lease-s: 6 s is not below the watchdog's stall escalation, 3 x --hang-timeout-s = 6 s"),
     # the default lease (1.5 x a short hang timeout) fell below the 1 s refused when given:
     # a 0.05 s timeout leased for 75 ms, renewed every 19 ms (a busy loop on the store)
     (["--recovery", "in_process", "--hang-timeout-s", "0.3"],
-     "hang_timeout_s 0.3 is too short under recovery in_process: the lease that finds a lost "
-     "host (at least 1 s) must be below 3 x it; use --hang-timeout-s above 0.33"),
+     "--hang-timeout-s: 0.3 is too short under recovery in_process: the lease that finds a "
+     "lost host (at least 1 s) must be below 3 x it; set --hang-timeout-s above 0.33"),
     # a tp rank left no row of the vocabulary: every rank died in the embedding's forward
     # (index_select(): self indexing axis dim should be positive), exit 1
     (["--tp", "4", "--vocab", "9"], "vocab 9 leaves tp rank 3 of 4 no rows"),

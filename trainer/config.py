@@ -10,12 +10,7 @@ from dataclasses import dataclass, field
 from antifragile.trainer.ckpt_backends import ENGINES
 from antifragile.trainer.model import ModelConfig
 from antifragile.trainer.parallel.dims import ParallelDims
-from antifragile.trainer.progress import (
-    HANG_FLOOR_S,
-    MIN_LEASE_S,
-    STALL_ESCALATION,
-    too_short_for_a_lease,
-)
+from antifragile.trainer.progress import MIN_LEASE_S, lease_conflict
 
 FINAL_SAVE_PATIENCE_S = 120.0  # how long the last step's checkpoint is retried while it fails
 
@@ -111,28 +106,9 @@ class TrainConfig:
         if self.lease_s is not None and not MIN_LEASE_S <= self.lease_s < math.inf:  # NaN too
             raise ValueError(f"lease_s must be a finite number >= {MIN_LEASE_S:g} s (four "
                              f"renewals at the heartbeat's 0.25 s), got {self.lease_s}")
-        if self.lease_s is not None and self.recovery != "in_process":
-            raise ValueError("lease_s: leases are held only under recovery in_process (in "
-                             "restart mode torchrun's agents watch the workers)")
-        if self.lease_s is not None and self.hang_timeout_s is not None \
-                and self.lease_s >= STALL_ESCALATION * self.hang_timeout_s:
-            raise ValueError(f"lease_s {self.lease_s:g} must be below {STALL_ESCALATION:g} x "
-                             f"hang_timeout_s ({STALL_ESCALATION * self.hang_timeout_s:g} s, the "
-                             "watchdog's stall escalation)")
-        if self.lease_s is None and self.recovery == "in_process" \
-                and self.hang_timeout_s is not None \
-                and (why := too_short_for_a_lease(self.hang_timeout_s)):
-            raise ValueError(f"hang_timeout_s {why}; use --hang-timeout-s above "
-                             f"{MIN_LEASE_S / STALL_ESCALATION:.2f}")
-        if self.lease_s is not None and self.hang_timeout_s is None \
-                and self.lease_s >= STALL_ESCALATION * HANG_FLOOR_S:
-            # the adaptive timeout may stay at its floor (steps of a second or less): a lease
-            # as long as that escalation lets the survivors' watchdogs kill them first
-            raise ValueError(f"lease_s {self.lease_s:g} must be below {STALL_ESCALATION:g} x "
-                             f"the adaptive hang timeout's floor of {HANG_FLOOR_S:g} s "
-                             f"({STALL_ESCALATION * HANG_FLOOR_S:g} s, the watchdog's stall "
-                             "escalation at its shortest): pass --hang-timeout-s or a shorter "
-                             "--lease-s")
+        if why := lease_conflict(self.recovery, self.lease_s, self.hang_timeout_s,
+                                 option=lambda key: "--" + key.replace("_", "-")):
+            raise ValueError(why)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

@@ -14,6 +14,7 @@ import mmap
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 
 # How the supervisor's watchdog judges a silent counter (``trainer.supervisor.Watchdog``);
 # here, torch-free, for chaos's validation and measurements too:
@@ -34,13 +35,42 @@ def default_lease_s(hang_timeout_s: float | None) -> float:
                                                                       1.5 * hang_timeout_s))
 
 
-def too_short_for_a_lease(hang_timeout_s: float) -> str | None:
-    """Why ``hang_timeout_s`` cannot go with the default lease under in-process recovery
-    (the lease would outlast the survivors' stall escalation), or None."""
-    if default_lease_s(hang_timeout_s) < STALL_ESCALATION * hang_timeout_s:
+def lease_conflict(recovery: str, lease_s: float | None, hang_timeout_s: float | None, *,
+                   option: Callable[[str], str] = str) -> str | None:
+    """Why a lease (given, or the default one) cannot work beside this hang timeout, or None.
+    A survivor waiting in a collective for a lost host is killed by its own watchdog after
+    ``STALL_ESCALATION`` x the hang timeout (x its floor when adaptive), so the lease that
+    declares the host lost must end first. ``option`` names a setting as the caller's user
+    writes it (a scenario's key, or the trainer's flag); the message starts with the one to
+    change. Checked by the trainer and, before a launch, by ``chaos validate``."""
+    lease, hang = option("lease_s"), option("hang_timeout_s")
+    if lease_s is not None and recovery != "in_process":
+        return (f"{lease}: leases are held only under recovery in_process (in restart mode "
+                "torchrun's agents watch the workers)")
+    if recovery != "in_process":
         return None
-    return (f"{hang_timeout_s:g} is too short under recovery in_process: the lease that finds "
-            f"a lost host (at least {MIN_LEASE_S:g} s) must be below {STALL_ESCALATION:g} x it")
+    if lease_s is None:
+        if hang_timeout_s is None or default_lease_s(hang_timeout_s) < (
+                STALL_ESCALATION * hang_timeout_s):
+            return None
+        return (f"{hang}: {hang_timeout_s:g} is too short under recovery in_process: the lease "
+                f"that finds a lost host (at least {MIN_LEASE_S:g} s) must be below "
+                f"{STALL_ESCALATION:g} x it; set {hang} above "
+                f"{MIN_LEASE_S / STALL_ESCALATION:.2f}")
+    if hang_timeout_s is not None:
+        if lease_s < STALL_ESCALATION * hang_timeout_s:
+            return None
+        return (f"{lease}: {lease_s:g} s is not below the watchdog's stall escalation, "
+                f"{STALL_ESCALATION:g} x {hang} = {STALL_ESCALATION * hang_timeout_s:g} s: "
+                "survivors waiting for a lost host would be killed by their own watchdogs "
+                "before it is declared lost")
+    if lease_s < STALL_ESCALATION * HANG_FLOOR_S:
+        return None
+    # the adaptive timeout may stay at its floor (steps of a second or less)
+    return (f"{lease}: {lease_s:g} s is not below the watchdog's stall escalation under the "
+            f"adaptive hang timeout, {STALL_ESCALATION:g} x its floor of {HANG_FLOOR_S:g} s = "
+            f"{STALL_ESCALATION * HANG_FLOOR_S:g} s: set {hang}, or a shorter {lease}")
+
 
 _LAYOUT = struct.Struct("<QQqqqd")  # counter, phase, generation, rank, step, bumped_at
 

@@ -20,12 +20,7 @@ from pydantic import (
 )
 
 from antifragile.chaos.faults.base import Seconds, memory_mib
-from antifragile.trainer.progress import (
-    HANG_FLOOR_S,
-    MIN_LEASE_S,
-    STALL_ESCALATION,
-    too_short_for_a_lease,
-)
+from antifragile.trainer.progress import MIN_LEASE_S, lease_conflict
 
 #: emulated hosts a run can have: ``chaos.infra.netns.MAX_HOSTS``
 MAX_NODES = 90
@@ -125,28 +120,8 @@ class TrainerSpec(_Strict):
         if self.spares and self.recovery != "in_process":
             raise ValueError(f"spares: {self.spares} spare(s) are used only by recovery "
                              "in_process (restart mode starts new processes instead)")
-        if self.lease_s is not None and self.recovery != "in_process":
-            raise ValueError("lease_s: leases are held only under recovery in_process (in "
-                             "restart mode torchrun's agents watch the workers)")
-        if self.lease_s is not None and self.hang_timeout_s is not None \
-                and self.lease_s >= STALL_ESCALATION * self.hang_timeout_s:
-            raise ValueError(f"lease_s: {self.lease_s:g} s is not below the watchdog's stall "
-                             f"escalation, {STALL_ESCALATION:g} x hang_timeout_s = "
-                             f"{STALL_ESCALATION * self.hang_timeout_s:g} s: "
-                             "survivors waiting for a lost host would be killed by their own "
-                             "watchdogs before it is declared lost")
-        if self.lease_s is None and self.recovery == "in_process" \
-                and self.hang_timeout_s is not None \
-                and (why := too_short_for_a_lease(self.hang_timeout_s)):
-            raise ValueError(f"hang_timeout_s: {why}; set hang_timeout_s above "
-                             f"{MIN_LEASE_S / STALL_ESCALATION:.2f}")
-        if self.lease_s is not None and self.hang_timeout_s is None \
-                and self.lease_s >= STALL_ESCALATION * HANG_FLOOR_S:
-            raise ValueError(f"lease_s: {self.lease_s:g} s is not below the watchdog's stall "
-                             "escalation under the adaptive hang timeout, "
-                             f"{STALL_ESCALATION:g} x its floor of {HANG_FLOOR_S:g} s = "
-                             f"{STALL_ESCALATION * HANG_FLOOR_S:g} s: set hang_timeout_s, or a "
-                             "shorter lease_s")
+        if why := lease_conflict(self.recovery, self.lease_s, self.hang_timeout_s):
+            raise ValueError(why)
         total = self.parallel.world_size + self.spare_workers
         if self.nodes > 1 and total % self.nodes:
             key = "spares" if self.spare_workers else "nodes"  # what the user may change
