@@ -107,6 +107,33 @@ def test_shared_progress_round_trips() -> None:
     assert (phase, generation, rank, step) == (Phase.TRAINING, 3, 2, 7) and counter == 2
 
 
+def test_shared_progress_is_never_read_half_written() -> None:
+    """The supervisor reads the page while the training process writes it. ``pack_into``
+    zeroes the whole record before it packs the fields, and ``unpack_from`` reads a field a
+    byte at a time: a read in between saw the counter go back (to 0), phase STARTING, rank 0,
+    and a last write at time 0. A write and a read now copy the record at once."""
+    import os
+
+    progress = SharedProgress()
+    progress.set(Phase.TRAINING, generation=2, rank=3, step=5)
+    pid = os.fork()
+    if pid == 0:  # the training process: bump as fast as it can
+        try:
+            for _ in range(300_000):
+                progress.bump()
+        finally:
+            os._exit(0)
+    seen: list[tuple[int, Phase, int, int, int, float]] = []
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        seen.append(progress.read())
+    seen.append(progress.read())
+    counters = [s[0] for s in seen]
+    assert counters[-1] == 300_001
+    assert counters == sorted(counters)
+    assert {s[1:5] for s in seen} == {(Phase.TRAINING, 2, 3, 5)}
+    assert min(s[5] for s in seen) > 0
+
+
 def test_a_hold_ends_in_the_phase_it_began_in() -> None:
     """A save's pause point holds the save's own thread while the training thread may wait in
     a blocking save (CHECKPOINT). The release set TRAINING, so the watchdog took the rest of

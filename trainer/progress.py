@@ -113,9 +113,11 @@ class SharedProgress:
         return now
 
     def _write(self, now: float) -> None:
+        # one copy of the packed record: ``pack_into`` zeroes the record before it packs each
+        # field, which a read meanwhile would see (a counter gone back to 0, a write at time 0)
         self._written = now
-        _LAYOUT.pack_into(self._buf, 0, self._counter, int(self._phase), self._generation,
-                          self._rank, self._step, now)
+        self._buf[:_LAYOUT.size] = _LAYOUT.pack(self._counter, int(self._phase),
+                                                self._generation, self._rank, self._step, now)
 
     def bump(self) -> None:
         """A unit of training progress (a block's forward, a step)."""
@@ -151,5 +153,6 @@ class SharedProgress:
     def read(self) -> tuple[int, Phase, int, int, int, float]:
         """(counter, phase, generation, rank, step, ``time.monotonic()`` of the last write:
         the same clock in every process of the host)."""
-        counter, phase, generation, rank, step, at = _LAYOUT.unpack_from(self._buf, 0)
+        # a copy first: ``unpack_from`` reads each field a byte at a time, across a write
+        counter, phase, generation, rank, step, at = _LAYOUT.unpack(self._buf[:_LAYOUT.size])
         return counter, Phase(phase), generation, rank, step, at
