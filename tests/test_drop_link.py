@@ -4,6 +4,7 @@ two-host job survives a cut link, a killed rank and a lost host bit-exactly."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -251,6 +252,28 @@ def test_processes_inside_are_killed_and_leftovers_of_dead_runs_are_reaped() -> 
         assert name not in _ours()
     finally:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+@needs_netns
+def test_a_leftover_of_an_earlier_process_with_this_pid_neither_blocks_nor_stays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """pids are recycled: a chaos SIGKILLed with its network up, and a later chaos given the
+    same pid. Named by the pid alone, the leftover was never reaped (its pid is alive: ours)
+    and the new network's first name already existed, so it could not be made at all."""
+    monkeypatch.setattr(netns, "_counter", itertools.count())  # a fresh process's first network
+    monkeypatch.setattr(netns, "start_time", lambda pid: 1, raising=False)  # an earlier start
+    earlier = Network(2)
+    earlier.open()  # and never closed: its process was SIGKILLed
+    left = [earlier.switch, *(h.namespace for h in earlier.hosts)]
+    monkeypatch.undo()
+    monkeypatch.setattr(netns, "_counter", itertools.count())
+    try:
+        with Network(2) as net:
+            assert net.switch not in left
+            assert not set(left) & set(_ours())
+    finally:
+        for name in left:
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
 @needs_netns

@@ -28,10 +28,12 @@ link, so cutting a host's link cuts its storage too, as on a real network.
 Addresses are ordered so that host 0 sorts first (``10.213.0.10`` < ``.11`` < ... ``.99``):
 torch's c10d rendezvous ranks agents by address, so host ``i`` runs agent group rank ``i``.
 
-Cleanup: namespace names carry the creating process id (``afnet-<pid>-<n>``); closing the
+Cleanup: namespace names carry the creating process's id and start time
+(``afnet-<pid>-<start>-<n>``: pids are recycled, start times are not); closing the
 :class:`Network` kills what still runs inside its hosts and deletes the namespaces (veths go
 with them). :func:`reap_leftovers` deletes namespaces left by a process that no longer
-exists (a run killed with SIGKILL); every new network calls it first.
+exists (a run killed with SIGKILL), also one whose pid a later process was given; every new
+network calls it first.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ import threading
 from dataclasses import dataclass
 from types import TracebackType
 
+from antifragile.chaos.infra.weed import start_time
+
 IFNAME = "eth0"
 SUBNET = "10.213.0"
 BRIDGE_ADDRESS = f"{SUBNET}.1"  # the switch's own address: services of the run listen there
@@ -56,7 +60,8 @@ MAX_HOSTS = 90  # host i has SUBNET.<10 + i>: two digits each, so that host 0 so
 _CLONE_NEWNET = 0x40000000
 IP_TIMEOUT_S = 30
 _PREFIX = "afnet"
-_NAME = re.compile(rf"^{_PREFIX}-(\d+)-\d+-(?:sw|h\d+)$")
+# owner pid, its start time (absent from names made before it was part of them)
+_NAME = re.compile(rf"^{_PREFIX}-(\d+)-(?:(\d+)-)?\d+-(?:sw|h\d+)$")
 _counter = itertools.count()
 
 
@@ -130,7 +135,11 @@ def reap_leftovers() -> list[str]:
     reaped = []
     for name in _namespaces():
         m = _NAME.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m is None:
+            continue
+        pid, started = int(m.group(1)), m.group(2)
+        gone = not _pid_alive(pid) if started is None else start_time(pid) != int(started)
+        if gone:
             _delete(name)
             reaped.append(name)
     return reaped
@@ -153,7 +162,8 @@ class Network:
     def __init__(self, n_hosts: int) -> None:
         if not 2 <= n_hosts <= MAX_HOSTS:
             raise ValueError(f"an emulated network has 2..{MAX_HOSTS} hosts, not {n_hosts}")
-        self.prefix = f"{_PREFIX}-{os.getpid()}-{next(_counter)}"
+        me = os.getpid()
+        self.prefix = f"{_PREFIX}-{me}-{start_time(me)}-{next(_counter)}"
         self.switch = f"{self.prefix}-sw"
         self.hosts = [EmulatedHost(i, f"{self.prefix}-h{i}", f"{SUBNET}.{10 + i}")
                       for i in range(n_hosts)]
