@@ -155,6 +155,26 @@ def test_a_hold_ends_in_the_phase_it_began_in() -> None:
     assert progress.read()[1] == Phase.TRAINING
 
 
+def test_a_hold_ended_while_another_holds_on_stays_paused() -> None:
+    """Two holds at once: a save's thread held at a phase of its save while the training
+    thread, gone on, is held at the end of a later step. The save's release set the phase
+    back to TRAINING under the step's hold, whose still counter the watchdog then took for a
+    stall. The phase goes back only when the last hold ends."""
+    progress = SharedProgress()
+    progress.set(Phase.TRAINING, step=20)
+    progress.hold(True)  # the save of step 20, held while persisting
+    progress.set(Phase.TRAINING, step=21)  # the training thread went on
+    progress.hold(True)  # and is held at the end of step 21
+    progress.hold(False)  # the save's hold ends
+    counter, phase, *_ = progress.read()
+    assert phase == Phase.PAUSED
+    watchdog = Watchdog(hang_timeout_s=1.0)
+    assert watchdog.observe(0.0, counter, phase, stopped=False) is None
+    assert watchdog.observe(10.0, counter, phase, stopped=False) is None  # held: no hang
+    progress.hold(False)
+    assert progress.read()[1] == Phase.TRAINING
+
+
 def _store() -> dist.Store:
     return dist.HashStore()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import mmap
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -101,6 +102,8 @@ class SharedProgress:
         self.gaps_s: deque[float] = deque(maxlen=512)
         self._written = 0.0  # monotonic time of the last write (set by _write)
         self._before_hold = Phase.TRAINING  # the phase a pause point's hold returns to
+        self._holds = 0  # pause points holding a thread of this process now
+        self._hold_lock = threading.Lock()
         self._write(time.monotonic())
 
     def _gap(self, *, counts: bool = True) -> float:
@@ -140,15 +143,21 @@ class SharedProgress:
         self._write(now)
 
     def hold(self, held: bool) -> None:
-        """Held at a chaos pause point (``PAUSED``), and released: back to the phase it was in
-        when held, unless that moved meanwhile. A save's pause point holds the save's own
-        thread while the training thread may wait in a blocking save (``CHECKPOINT``), whose
-        rest ``TRAINING`` would have the watchdog take for a stall."""
-        if held:
-            self._before_hold = self._phase
-            self.set(Phase.PAUSED)
-        elif self._phase == Phase.PAUSED:
-            self.set(self._before_hold)
+        """Held at a chaos pause point (``PAUSED``), and released: once no hold is left, back
+        to the phase it was in when held, unless that moved meanwhile. A save's pause point
+        holds the save's own thread while the training thread may wait in a blocking save
+        (``CHECKPOINT``), whose rest ``TRAINING`` would have the watchdog take for a stall, or
+        go on to be held at a later step's point, which the save's release does not end."""
+        with self._hold_lock:  # the two holds are on two threads
+            if held:
+                if self._phase != Phase.PAUSED:
+                    self._before_hold = self._phase
+                self._holds += 1
+                self.set(Phase.PAUSED)
+            else:
+                self._holds -= 1
+                if self._holds == 0 and self._phase == Phase.PAUSED:
+                    self.set(self._before_hold)
 
     def read(self) -> tuple[int, Phase, int, int, int, float]:
         """(counter, phase, generation, rank, step, ``time.monotonic()`` of the last write:
