@@ -54,6 +54,17 @@ def _timeout(pg: Any) -> timedelta | None:
     return None
 
 
+def _side_group(pg: Any) -> Any:
+    """A gloo group over the ranks of ``pg`` (a group of another backend). Made by its members
+    alone when ``pg`` is part of the job: the processes outside it open no engine on it. Made
+    by every process when it is the whole job, as ``new_group`` asks: a group its members
+    make alone is named by how many groups each holds, which differs where some ranks are in
+    groups that others are not (a pipeline's first and last stages, for tied embeddings)."""
+    members = dist.get_process_group_ranks(pg)
+    return dist.new_group(members, backend="gloo", timeout=_timeout(pg),
+                          use_local_synchronization=len(members) < dist.get_world_size())
+
+
 class Ranks:
     """The ranks of ``process_group`` (None: the default group if one is initialized, else
     this process alone), with the two collectives the engine uses."""
@@ -69,8 +80,7 @@ class Ranks:
         self.world_size = dist.get_world_size(pg) if pg is not None else 1
         self._gloo: Any = None
         if pg is not None and self.world_size > 1:
-            self._gloo = pg if "gloo" in str(dist.get_backend(pg)) else dist.new_group(
-                dist.get_process_group_ranks(pg), backend="gloo", timeout=_timeout(pg))
+            self._gloo = pg if "gloo" in str(dist.get_backend(pg)) else _side_group(pg)
 
     @property
     def alone(self) -> bool:

@@ -472,6 +472,59 @@ def test_the_engines_own_gloo_group_takes_the_callers_timeout(
     assert ranks.run(side_group_timeout, str(tmp_path / "ckpt")) == [77.0, 77.0]
 
 
+def engines_on_an_nccl_group_of_two_of_four(url: str) -> float:
+    """Ranks 0 and 1 open engines on their group of another backend (here a gloo group that
+    says it is NCCL); ranks 2 and 3, not in it, make none. Then every rank makes a group of
+    all four and reduces over it."""
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        real = dist.get_backend
+        dist.get_backend = lambda pg=None: "nccl"  # type: ignore[assignment]
+        try:
+            for step in (1, 2):  # a second engine on the same group makes its own side group
+                with CheckpointEngine(url, process_group=pair) as engine:
+                    engine.save(step, {"w": torch.full((4,), float(rank))}, blocking=True)
+        finally:
+            dist.get_backend = real  # type: ignore[assignment]
+    everyone = dist.new_group([0, 1, 2, 3])
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=everyone)
+    return float(total)
+
+
+def an_engine_on_the_nccl_world_beside_a_group_of_some_ranks(url: str) -> float:
+    """Ranks 0 and 2 are in a group that 1 and 3 are not (a pipeline's first and last stages,
+    for tied embeddings): the processes hold different numbers of groups. Then every rank
+    opens an engine on the whole job's group of another backend."""
+    rank = dist.get_rank()
+    dist.new_group([0, 2])
+    real = dist.get_backend
+    dist.get_backend = lambda pg=None: "nccl"  # type: ignore[assignment]
+    try:
+        with CheckpointEngine(url) as engine:
+            engine.save(1, {"w": torch.full((4,), float(rank))}, blocking=True)
+    finally:
+        dist.get_backend = real  # type: ignore[assignment]
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return float(total)
+
+
+def test_an_engine_on_a_subgroup_needs_nothing_of_the_ranks_outside_it(tmp_path: Path) -> None:
+    """The engine's own gloo group beside a caller's NCCL group was made with ``new_group``,
+    which every process of the job must enter, members or not: ranks outside the group
+    (which open no engine on it) did not, so their next group of their own paired with the
+    wrong one and every rank hung. Now only its members make it; beside the whole job's
+    group every rank still makes it (its members' names for a group made by members alone
+    differ where they hold different numbers of groups)."""
+    with RankGroup(4, timeout_s=60) as four:
+        assert four.run(engines_on_an_nccl_group_of_two_of_four, str(tmp_path / "pair")) == [
+            6.0] * 4
+        assert four.run(an_engine_on_the_nccl_world_beside_a_group_of_some_ranks,
+                        str(tmp_path / "world")) == [6.0] * 4
+
+
 def engine_on_a_group_without_this_rank(url: str) -> str:
     """Rank 1 opens an engine on a group of rank 0 alone (every rank makes the group)."""
     group = dist.new_group([0])
