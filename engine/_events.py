@@ -105,15 +105,16 @@ class Channel:
 
 _channel: Channel | None = None
 _lock = threading.Lock()
-#: the event file could not be opened: events are off for the life of the process
+#: the event file could not be opened or named: events are off for the life of the process
 _unusable = False
 
 
 def channel() -> Channel | None:
     """This process's channel, opened on first use; None when not under chaos, or when its
-    event file cannot be opened (no folder can be made at ``ANTIFRAGILE_RUN_DIR``): events
-    are best effort, and the error raised into the caller failed a training step, or a
-    save's thread that was reporting its commit. Said once, then not tried again."""
+    event file cannot be opened (no folder can be made at ``ANTIFRAGILE_RUN_DIR``) or named
+    (``RANK`` is no number): events are best effort, and the error raised into the caller
+    failed a training step, or a save's thread that was reporting its commit. Said once, then
+    not tried again."""
     global _channel, _unusable
     if _channel is not None:
         return _channel
@@ -134,6 +135,11 @@ def channel() -> Channel | None:
                 logging.getLogger("antifragile.engine").warning(
                     "chaos events off: cannot write them under %s=%s (%s)", RUN_DIR_ENV,
                     run_dir, exc)
+            except ValueError as exc:
+                _unusable = True
+                logging.getLogger("antifragile.engine").warning(
+                    "chaos events off: RANK, WORLD_SIZE or TORCHELASTIC_RESTART_COUNT is no "
+                    "number (%s)", exc)
     return _channel
 
 

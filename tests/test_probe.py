@@ -330,6 +330,25 @@ def test_an_event_folder_that_cannot_be_made_fails_neither_the_loop_nor_a_save(
         assert again.agreed_steps() == [2]
 
 
+@pytest.mark.parametrize("variable", ["RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"])
+def test_a_launcher_variable_that_is_no_number_fails_neither_the_loop_nor_a_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    """A launcher that exports ``RANK=`` (a wrapper's ``RANK=$SLURM_PROCID`` with the
+    variable unset; the script passes its rank to ``init_process_group`` itself): the event
+    file cannot be named, so events are off, as when it cannot be opened. The ValueError from
+    ``int("")`` was raised into the training loop by every probe call, and the engine logged it
+    at every event."""
+    _under_chaos(monkeypatch, tmp_path / "run")
+    monkeypatch.setenv(variable, "")
+    probe.step_end(1, 0.5)
+    probe.restored(1)
+    with CheckpointEngine(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(2, {"w": torch.ones(4)}, blocking=True)
+    probe.step_end(3, 0.5)
+    assert not (tmp_path / "run" / "events").exists()
+    assert probe._probe is None and _events._channel is None and _events._unusable
+
+
 def test_a_report_that_fails_never_fails_a_save_or_leaves_its_handle_open(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever reporting an event raises (here: the channel's write, with an error it does
