@@ -87,17 +87,26 @@ def _loop(p: _Probe) -> _Probe:
 
 def step_end(step: int, loss: Any = None) -> None:
     """Step ``step`` is done (its optimizer step taken). ``loss``: a float or a one-element
-    tensor (read with ``float()``), or None. The step's time is measured from the previous
-    thing the training thread reported (the last step, a checkpoint's staging, a restore),
-    so checkpoint stalls and pauses are not counted as step time. Holds here if the scenario
-    pauses this rank at this step."""
+    tensor (read with ``float()``), or None (also reported for what is not one number). The
+    step's time is measured from the previous thing the training thread reported (the last
+    step, a checkpoint's staging, a restore), so checkpoint stalls and pauses are not counted
+    as step time. Holds here if the scenario pauses this rank at this step."""
     p = _active()
     if p is None:
         return
     now = time.time()
-    p.channel.emit("step_end", step=int(step), loss=None if loss is None else float(loss),
+    p.channel.emit("step_end", step=int(step), loss=_number(loss),
                    seconds=now - p.channel.loop_t)
     p.pauses.step_end(int(step))
+
+
+def _number(loss: Any) -> float | None:
+    """``loss`` as a float; None when it is none, or not one number (a batch's losses): the
+    probe reports the loss, and fails no step that would not fail outside chaos."""
+    try:
+        return None if loss is None else float(loss)
+    except (TypeError, ValueError):
+        return None
 
 
 def restored(step: int) -> None:

@@ -112,6 +112,21 @@ def test_under_chaos_start_comes_first_then_steps_and_restore(
     assert events[3]["loss"] is None and events[3]["seconds"] >= 0
 
 
+def test_a_loss_that_is_no_single_number_is_reported_as_none_not_raised(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside chaos ``step_end(step, per_sample_losses)`` does nothing; under chaos it raised
+    from ``float()`` into the training loop: the job failed at its first step only because it
+    was under chaos, and the step's pause point (where an ``at_step`` fault lands) never
+    held. The step is reported, its loss as None."""
+    _under_chaos(monkeypatch, tmp_path)
+    probe.step_end(1, torch.ones(3))
+    probe.step_end(2, [0.5, 0.25])
+    probe.step_end(3, "n/a")
+    probe.step_end(4, torch.tensor([0.125]))
+    steps = [(e["step"], e["loss"]) for e in _events_of(tmp_path) if e["event"] == "step_end"]
+    assert steps == [(1, None), (2, None), (3, None), (4, 0.125)]
+
+
 def test_restored_adds_nothing_after_the_engine_reported_the_restore(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _under_chaos(monkeypatch, tmp_path)
