@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -119,7 +120,9 @@ def classify(step: int, exc: Exception) -> tuple[int, CheckpointError]:
     if isinstance(exc, CheckpointCorruptError):
         return CORRUPT, exc
     if isinstance(exc, (StorageError, CheckpointNotFoundError)):
-        named = exc if f"step {step}" in str(exc) else type(exc)(f"step {step}: {exc}")
+        # named already: "step 12", not "step 123" for step 12
+        named = exc if re.search(rf"\bstep {step}\b", str(exc)) else type(exc)(
+            f"step {step}: {exc}")
         return UNREADABLE, named
     if isinstance(exc, CheckpointError):
         return FATAL, exc

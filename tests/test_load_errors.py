@@ -437,3 +437,16 @@ def test_a_stateful_that_raises_on_one_rank_is_a_checkpoint_error_on_every_rank(
     assert loaded_0.startswith("CheckpointError: step 2 loaded, but another rank's"), loaded_0
     assert loaded_1.startswith("CheckpointError: step 2 loaded, but not taken: obj: _Refusing."
                                "load_state_dict() refused the loaded state: KeyError"), loaded_1
+
+
+def test_a_storage_error_of_a_load_names_its_own_step_not_one_it_prefixes() -> None:
+    """An unreadable step's error is prefixed with ``step N:`` unless it names the step
+    already; "step 12" was taken for naming step 1 (a substring), so step 1's failure was
+    reported under another step's name alone."""
+    from antifragile.engine._agree import classify
+
+    for message, named in [("step 12: connection reset", False),
+                           ("step 1: connection reset", True),
+                           ("reading step 1's COMMIT: connection reset", True)]:
+        _, exc = classify(1, StorageError(message))
+        assert str(exc) == (message if named else f"step 1: {message}"), (message, exc)
