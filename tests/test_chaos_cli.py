@@ -363,6 +363,29 @@ def test_a_refused_checkpoint_url_leaves_no_report_folder(
     assert not list((tmp_path / "reports").glob("s-*"))
 
 
+def test_a_refused_checkpoint_url_keeps_an_earlier_runs_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--out`` an earlier run's folder, and storage refused before anything runs: bad input
+    (exit 2) must leave that run's report, run/ and ckpt/ as they were. They were deleted
+    first, then the checkpoint.url refused: the earlier run lost, and nothing in its place."""
+    _nothing_may_run(monkeypatch)
+    out = tmp_path / "out"
+    for name, text in (("report.json", "{}"), ("report.md", "earlier"),
+                       ("run/torchrun.log", "log"), ("ckpt/COMMIT", "c")):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    url_file = tmp_path / "a-file"
+    url_file.write_text("not a folder")
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: s\ntrainer: {{parallel: {{dp: 2}}, steps: 20}}\n"
+                    f"checkpoint: {{every_steps: 5, url: {url_file}}}\n"
+                    "expect: {bitwise_equal_to_reference: false}\n")
+    _one_line_error(["run", str(path), "--out", str(out)],
+                    f"{path}: checkpoint.url {url_file}: ")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "ckpt", "ckpt/COMMIT", "report.json", "report.md", "run", "run/torchrun.log"]
+
+
 def test_a_fresh_local_url_is_used_as_given(tmp_path: Path) -> None:
     from antifragile.chaos.infra.s3 import run_storage
     from antifragile.chaos.scenario import parse_scenario

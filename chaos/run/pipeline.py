@@ -192,11 +192,12 @@ def run(s: Scenario, out: Path, *, reference: bool = True, check_determinism: bo
         raise ValueError("check_determinism compares a second fault-free run with the "
                          "reference run: it needs reference=True")
     out.mkdir(parents=True, exist_ok=True)
-    for previous in (out / "run", out / "ckpt", out / "determinism"):  # not resumed
-        if previous.exists():
-            shutil.rmtree(previous)
-    report.remove_report(out)
     with run_storage(s, out, progress) as storage:  # S3 (and its fault proxy) for the whole run
+        # an earlier run's, cleared once the storage is accepted: a refused one keeps it
+        for previous in (out / "run", out / "ckpt", out / "determinism"):  # not resumed
+            if previous.exists():
+                shutil.rmtree(previous)
+        report.remove_report(out)
         return _run(s, out, storage, reference=reference, check_determinism=check_determinism,
                     progress=progress, status=status)
 
