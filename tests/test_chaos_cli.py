@@ -200,6 +200,29 @@ def test_an_out_folder_holding_a_ckpt_folder_of_its_own_is_not_cleared(
     assert (project / "ckpt" / "step_000000100.pt").read_text() == "weeks of training"
 
 
+def test_a_name_too_long_for_its_report_folder_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The name names the report folder (``reports/<name>-<UTC time>``, ``chaos suite``'s
+    ``OUT/<name>``): a name past a folder name's 255 bytes was valid, and ``chaos run`` and
+    ``chaos suite`` ended in an OSError traceback (File name too long). Refused: exit 2, and
+    in a suite an invalid scenario's failed entry."""
+    _nothing_may_run(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "suite").mkdir()
+    path = tmp_path / "suite" / "s.yaml"
+    path.write_text(f"name: {'a' * 300}\nexpect: {{bitwise_equal_to_reference: false}}\n")
+    expected = f"{path}: name: 300 characters; a name is at most 200"
+    for args in (["validate", str(path)], ["run", str(path)]):
+        _one_line_error(args, expected)
+    assert not (tmp_path / "reports").exists()
+    suite = CliRunner().invoke(main, ["suite", str(tmp_path / "suite"), "--out",
+                                      str(tmp_path / "out")])  # an invalid scenario: failed
+    assert suite.exit_code == 1 and expected in suite.output, suite.output
+    assert "Traceback" not in suite.output
+    path.write_text(f"name: {'a' * 200}\n")
+    assert CliRunner().invoke(main, ["validate", str(path)]).exit_code == 0
+
+
 def test_a_seed_option_out_of_range_names_the_option(tmp_path: Path) -> None:
     """``--seed -1`` was reported as the file's ``seed:`` key, which the user never wrote."""
     path = tmp_path / "s.yaml"

@@ -40,7 +40,7 @@ from antifragile.chaos.scenario.trainer import (
 )
 
 __all__ = [  # the trainer block's models and limits are a scenario's too
-    "MAX_NODES", "MAX_STEP", "SCENARIOS", "WORKER_LIMIT_REASON", "CheckpointSpec",
+    "MAX_NAME", "MAX_NODES", "MAX_STEP", "SCENARIOS", "WORKER_LIMIT_REASON", "CheckpointSpec",
     "CommandSpec", "Expect", "ModelSpec", "Parallel", "Scenario", "ScenarioError",
     "TrainerSpec", "is_python", "load_scenario", "max_workers", "parse_scenario",
 ]
@@ -142,6 +142,10 @@ class Expect(_Strict):
     max_lost_steps: Annotated[StrictInt, Field(ge=0)] | None = None
 
 
+#: the longest scenario name: ``reports/<name>-<UTC time>`` stays within a folder name's 255 bytes
+MAX_NAME = 200
+
+
 class Scenario(_Strict):
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")]
     description: str = ""
@@ -160,6 +164,10 @@ class Scenario(_Strict):
         if name in (".", ".."):
             raise ValueError(f"{name!r} names no folder of its own (reports go to a folder "
                              "named after the scenario): use letters or digits")
+        if len(name) > MAX_NAME:  # ASCII, by its pattern: a character is a byte
+            raise ValueError(f"{len(name)} characters; a name is at most {MAX_NAME} (it names "
+                             "the report folder, reports/<name>-<UTC time>, and a folder name "
+                             "is at most 255 bytes)")
         return name
 
     @property
