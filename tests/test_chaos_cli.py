@@ -183,6 +183,29 @@ def test_an_out_folder_that_cannot_be_made_is_bad_input(tmp_path: Path,
                     f"--out {blocker / 'out'}: cannot create the folder: Not a directory")
 
 
+@pytest.mark.parametrize("command", [
+    ["run", "{scenario}", "--out", "{long}"],
+    ["suite", "{suite}", "--out", "{long}"],
+    ["suite", "{long}"],
+    ["tune", "--ckpt-cost-s", "1", "--mtbf-s", "100", "--out", "{long}"],
+    ["crashcheck", "--engine", "antifragile", "--out", "{long}"],
+])
+def test_a_path_the_file_system_refuses_is_bad_input(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]) -> None:
+    """A folder name past 255 bytes (a name the file system refuses to look up): one line
+    naming the option or folder and the reason, exit 2; it was an OSError traceback, exit 1
+    (``Path.exists`` raises for it)."""
+    _nothing_may_run(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "suite").mkdir()
+    scenario = tmp_path / "suite" / "s.yaml"
+    scenario.write_text("name: s\nexpect: {bitwise_equal_to_reference: false}\n")
+    long = str(tmp_path / ("o" * 300))
+    args = [a.format(scenario=scenario, suite=tmp_path / "suite", long=long) for a in command]
+    _one_line_error(args, f"{long}: File name too long")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["suite"]
+
+
 def test_an_out_folder_holding_a_ckpt_folder_of_its_own_is_not_cleared(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run deletes run/, ckpt/ and determinism/ in its --out first: ``--out .`` in a project

@@ -34,13 +34,24 @@ def needs_reference(file: str) -> str:
             f"reference run it is checked against (set it to false, or drop --no-reference)")
 
 
+def out_path(path: str, option: str = "--out") -> Path:
+    """``path``, checked as an output folder without making it: a file there, or a name the
+    file system refuses to look up (too long: ``Path.exists`` raises for it), is bad input."""
+    folder = Path(path)
+    try:
+        is_file = folder.exists() and not folder.is_dir()
+    except OSError as exc:
+        fail(f"{option} {path}: {exc.strerror or exc}")
+    if is_file:
+        fail(f"{option} {path}: is a file, not a folder")
+    return folder
+
+
 def out_folder(path: str, option: str = "--out") -> Path:
     """The output folder, made now: one that cannot be made (a file on its way, a read-only
     or virtual file system) is bad input, reported before any work instead of a traceback
     after it."""
-    folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        fail(f"{option} {path}: is a file, not a folder")
+    folder = out_path(path, option)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

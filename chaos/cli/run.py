@@ -14,6 +14,7 @@ from antifragile.chaos.cli.common import (
     load,
     needs_reference,
     out_folder,
+    out_path,
 )
 from antifragile.chaos.scenario import SCENARIOS, CommandSpec, ScenarioError, load_scenario
 
@@ -74,7 +75,7 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
     from antifragile.chaos.run.runner import ChaosRunError
 
     if out is not None:
-        _check_not_foreign(Path(out))
+        _check_not_foreign(out_path(out))
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     folder = out_folder(out or str(Path("reports") / f"{s.name}-{stamp}"))
     with Progress() as progress:

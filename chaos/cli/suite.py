@@ -23,6 +23,7 @@ from antifragile.chaos.cli.common import (
     fail,
     needs_reference,
     out_folder,
+    out_path,
     seconds_at_least_zero,
 )
 
@@ -51,7 +52,7 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
 
     if out is None:
         out = str(Path("reports") / f"suite-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    out_dir = Path(out)
+    out_dir = out_path(out)
     seconds_at_least_zero("--recovery-floor-s", recovery_floor_s)
     seconds_at_least_zero("--stall-floor-s", stall_floor_s)
     try:

@@ -47,10 +47,14 @@ class Planned:
 def discover(folder: Path, patterns: Sequence[str] = ("*",)) -> list[Path]:
     """Every ``*.yaml``/``*.yml`` under ``folder`` (recursively) whose name or stem matches
     one of ``patterns`` (globs)."""
-    if folder.exists() and not folder.is_dir():
+    try:
+        is_dir, exists = folder.is_dir(), folder.exists()
+    except OSError as exc:  # a name too long to look up
+        raise SuiteError(f"{folder}: {exc.strerror or exc}") from None
+    if exists and not is_dir:
         raise SuiteError(f"{folder} is a file, not a folder of scenarios (chaos run takes one "
                          "scenario)")
-    if not folder.is_dir():
+    if not is_dir:
         raise SuiteError(f"{folder}: no such folder")
     patterns = list(patterns) or ["*"]
     files = sorted(p for p in folder.rglob("*")
