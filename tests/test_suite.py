@@ -195,6 +195,10 @@ def test_baseline_that_is_not_a_summary_is_bad_input(tmp_path: Path) -> None:
     (tmp_path / "report.json").write_text(json.dumps(_report([1.0])))
     with pytest.raises(suite.SuiteError, match="not a chaos suite summary"):
         suite.load_baseline(tmp_path / "report.json")
+    # nested past the JSON decoder's recursion limit: a RecursionError traceback, exit 1
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(suite.SuiteError, match=r"deep\.json: the baseline is nested too deeply"):
+        suite.load_baseline(tmp_path / "deep.json")
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -138,6 +138,8 @@ def load_baseline(path: Path) -> dict[str, Any]:
         raise SuiteError(f"{path}: cannot read the baseline: {exc.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SuiteError(f"{path}: the baseline is not JSON: {exc}") from None
+    except RecursionError:  # the decoder recurses once per level of nesting
+        raise SuiteError(f"{path}: the baseline is nested too deeply to be a summary") from None
     scenarios = doc.get("scenarios") if isinstance(doc, dict) else None
     if not isinstance(scenarios, list) or not all(
             isinstance(e, dict) and isinstance(e.get("name"), str) for e in scenarios):
