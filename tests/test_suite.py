@@ -524,6 +524,31 @@ def test_invalid_files_and_a_crashing_runner_are_failed_entries(
     assert "Traceback" not in result.output
 
 
+def test_a_refused_checkpoint_storage_is_a_failed_entry_not_a_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Storage refused before the run (``chaos run`` says so in one line, exit 2) fails the
+    scenario with that reason: it read "the runner crashed: StorageSetupError: ..." and left a
+    traceback in error.txt, as for a bug."""
+    from antifragile.chaos.run import pipeline
+
+    def must_not_run(*_: object, **__: object) -> None:
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(pipeline, "run_scenario", must_not_run)
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    url = tmp_path / "a-file"
+    url.write_text("not a folder")
+    (scenarios / "s.yaml").write_text(f"name: s\ncheckpoint: {{url: {url}}}\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    (entry,) = json.loads((out / "summary.json").read_text())["scenarios"]
+    assert entry["reasons"] == [f"checkpoint.url {url}: {url} is a file, not a checkpoint "
+                                "folder"], entry["reasons"]
+    assert entry.get("error") is None and not (out / "s" / "error.txt").exists()
+
+
 @pytest.mark.parametrize(("stop", "code"), [(KeyboardInterrupt, 130), (SystemExit(143), 143)],
                          ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_suite_writes_a_summary_of_what_ran_that_is_not_ok(

@@ -117,6 +117,7 @@ def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
               status: Callable[[RunStatus], None] | None = None) -> list[dict[str, Any]]:
     """Run every planned scenario into ``out/<name>/``, in order; one entry each. Raises
     SuiteInterrupted, with every entry, when Ctrl-C or SIGTERM stops it."""
+    from antifragile.chaos.infra.s3 import StorageSetupError
     from antifragile.chaos.run.pipeline import run  # torch: only once a suite runs
     from antifragile.chaos.run.runner import ChaosRunError
 
@@ -135,7 +136,7 @@ def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
         try:
             outcome = run(p.scenario, folder, reference=reference, progress=progress,
                           status=status)
-        except ChaosRunError as exc:  # no verdict (``chaos run`` exits 5): not a crash
+        except (ChaosRunError, StorageSetupError) as exc:  # no verdict, refused storage
             entry = failed_entry(p.name, str(p.file), str(exc))  # meant for the user as is
             entry["wall_s"] = time.monotonic() - started
         except Exception as exc:  # a crashed runner fails this scenario, not the suite
