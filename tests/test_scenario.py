@@ -68,6 +68,14 @@ def _with(**changes: Any) -> dict[str, Any]:
      "lines), got int 2"),
     (_with(checkpoint={"url": "s3:///p"}),
      "s.yaml: checkpoint.url: s3:///p names no bucket (give s3://bucket/prefix)"),
+    # typos of s3:// were a local folder "s3:" in the working directory, or (S3://) an fsspec
+    # URL that chaos set no S3 endpoint up for
+    (_with(checkpoint={"url": "s3:/b/p"}),
+     "s.yaml: checkpoint.url: s3:/b/p is not an S3 URL (give s3://bucket/prefix)"),
+    (_with(checkpoint={"url": "S3://b/p"}),
+     "s.yaml: checkpoint.url: S3://b/p is not an S3 URL (give s3://bucket/prefix)"),
+    (_with(checkpoint={"url": "s3:b/p"}),
+     "s.yaml: checkpoint.url: s3:b/p is not an S3 URL (give s3://bucket/prefix)"),
     (_with(checkpoint={"storage_options": {"endpoint_url": "http://h:1"}}),
      "s.yaml: checkpoint: storage_options: only for an s3:// url, not the run's local folder"),
     (_with(checkpoint={"url": "s3://b/p", "storage_options": {"endpoint": "http://h:1"}}),
