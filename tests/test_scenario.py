@@ -449,3 +449,26 @@ def test_more_steps_than_the_engine_can_checkpoint_are_refused(tmp_path: Path,
     from antifragile.engine import _paths
 
     assert scenario.MAX_STEP == _paths.MAX_STEP
+
+
+@pytest.mark.parametrize("source", ["oversized", "/dev/zero"])
+def test_a_file_too_large_to_be_a_scenario_is_refused_unread(tmp_path: Path,
+                                                             source: str) -> None:
+    """The whole file was read, then parsed: ``chaos validate /dev/zero`` read until memory
+    ran out (a MemoryError traceback, or the OOM killer), and 200 MB of YAML took minutes."""
+    from antifragile.chaos.scenario import MAX_FILE_BYTES
+
+    if source == "oversized":
+        path = tmp_path / "big.yaml"
+        path.write_text("name: x\n#" + "x" * MAX_FILE_BYTES + "\n")
+    else:
+        path = Path(source)
+        if not path.exists():
+            pytest.skip("no /dev/zero here")
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.strip() == (f"error: {path}: larger than {MAX_FILE_BYTES >> 20} MiB: "
+                                     "not a scenario file"), result.output
+    if source == "oversized":  # and one a little smaller is read
+        path.write_text("name: x\n#" + "x" * (MAX_FILE_BYTES - 20) + "\n")
+        assert CliRunner().invoke(main, ["validate", str(path)]).exit_code == 0

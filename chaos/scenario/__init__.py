@@ -40,13 +40,16 @@ from antifragile.chaos.scenario.trainer import (
 )
 
 __all__ = [  # the trainer block's models and limits are a scenario's too
-    "MAX_NAME", "MAX_NODES", "MAX_STEP", "SCENARIOS", "WORKER_LIMIT_REASON", "CheckpointSpec",
-    "CommandSpec", "Expect", "ModelSpec", "Parallel", "Scenario", "ScenarioError",
-    "TrainerSpec", "is_python", "load_scenario", "max_workers", "parse_scenario",
+    "MAX_FILE_BYTES", "MAX_NAME", "MAX_NODES", "MAX_STEP", "SCENARIOS", "WORKER_LIMIT_REASON",
+    "CheckpointSpec", "CommandSpec", "Expect", "ModelSpec", "Parallel", "Scenario",
+    "ScenarioError", "TrainerSpec", "is_python", "load_scenario", "max_workers",
+    "parse_scenario",
 ]
 
 #: The shipped scenarios (``chaos list``): the repository's ``scenarios/`` folder.
 SCENARIOS = Path(__file__).resolve().parent.parent.parent / "scenarios"
+#: the largest scenario file read: the shipped ones are a few KiB (PyYAML takes seconds a MiB)
+MAX_FILE_BYTES = 1 << 20
 
 
 class ScenarioError(Exception):
@@ -352,9 +355,12 @@ def load_scenario(path: str | Path, *, seed: int | None = None) -> Scenario:
     path = str(path)
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_FILE_BYTES + 1)  # /dev/zero would be read until memory ran out
     except OSError as exc:
         raise ScenarioError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ScenarioError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB: not a scenario "
+                            "file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
