@@ -472,3 +472,31 @@ def test_a_file_too_large_to_be_a_scenario_is_refused_unread(tmp_path: Path,
     if source == "oversized":  # and one a little smaller is read
         path.write_text("name: x\n#" + "x" * (MAX_FILE_BYTES - 20) + "\n")
         assert CliRunner().invoke(main, ["validate", str(path)]).exit_code == 0
+
+
+def _alias_bomb(levels: int) -> str:
+    """A few lines of YAML that are a list of 9**levels texts: each level aliases the last."""
+    lines = ["name: x", "x:", "  - &l0 [" + ", ".join(["lol"] * 9) + "]"]
+    lines += [f"  - &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("where", [
+    "faults: [{kind: *l7}]", "faults: [{kind: kill_rank, at_step: 1, rank: *l5}]",
+    "faults: [{kind: storage_node_down, at_step: 1, server: *l5}]",
+    "faults: [{kind: corrupt_shard, at_step: 1, checkpoint: *l5}]",
+])
+def test_a_value_that_aliases_a_huge_list_is_shown_in_short(tmp_path: Path, where: str) -> None:
+    """The error showed the whole value: a YAML alias makes a list of 9**9 texts out of ten
+    lines, whose full repr took minutes and gigabytes (``chaos validate`` hung). Shown in
+    short, as in ``[[[...], ...], ...]``; a kind is checked before pydantic, which wrote it
+    all into its own error (9**8 texts: 10 s)."""
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb(6 if "kind: *" not in where else 8) + where + "\n")
+    with pytest.raises(ScenarioError) as refused:
+        load_scenario(path)
+    message = str(refused.value)
+    assert len(message) < 1000 and "[[" in message and "..." in message, message[:1000]
+    if "kind: *" in where:  # refused before pydantic's lookup
+        assert "faults.0.kind: [[[...], [...], [...], [...], [...], [...], ...], " in message
+        assert "is not a fault kind (known: corrupt_shard, " in message

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import reprlib
 import signal
 import threading
 import time
@@ -30,6 +31,17 @@ log = logging.getLogger(__name__)
 Seconds = Annotated[StrictFloat, Field(allow_inf_nan=False, le=threading.TIMEOUT_MAX)]
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 2, 60, 60
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` in short, for an error about a value from a scenario file: a YAML alias
+    makes a list of 9**9 texts out of ten lines, and its whole repr takes minutes and
+    gigabytes."""
+    return _SHOWN.repr(value)
+
+
 class Coordinates(BaseModel):
     """A rank named by its parallel coordinates."""
 
@@ -43,8 +55,8 @@ def _rank_input(value: Any) -> Any:
     """One clear error for what is no rank at all (a YAML ``true`` is not rank 1)."""
     if isinstance(value, bool) or not (isinstance(value, int | dict | Coordinates)
                                        or value == "random"):
-        raise ValueError(f"{value!r} is not a rank: give a rank number, random, or coordinates "
-                         "{dp, pp, tp}")
+        raise ValueError(f"{shown(value)} is not a rank: give a rank number, random, or "
+                         "coordinates {dp, pp, tp}")
     return value
 
 

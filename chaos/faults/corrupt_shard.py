@@ -21,14 +21,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, StrictInt
 
-from antifragile.chaos.faults.base import FaultBase, Injection, Target
+from antifragile.chaos.faults.base import FaultBase, Injection, Target, shown
 
 
 def _checkpoint_input(value: Any) -> Any:
     if value == "latest" or (isinstance(value, int) and not isinstance(value, bool)
                              and value >= 1):
         return value
-    raise ValueError(f"{value!r} is not a checkpoint: name one by its step (>= 1), or latest")
+    raise ValueError(f"{shown(value)} is not a checkpoint: name one by its step (>= 1), or latest")
 
 
 class CorruptShard(FaultBase):

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, StrictInt
 
-from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target
+from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target, shown
 from antifragile.chaos.infra.weed import SeaweedError
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def _server_input(value: Any) -> Any:
     if value == "busiest" or (isinstance(value, int) and not isinstance(value, bool)
                               and value >= 0):
         return value
-    raise ValueError(f"{value!r} is not a volume server: give its index (>= 0) or busiest")
+    raise ValueError(f"{shown(value)} is not a volume server: give its index (>= 0) or busiest")
 
 
 class StorageNodeDown(FaultBase):

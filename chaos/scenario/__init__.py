@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from antifragile.chaos.faults import FAULT_CONFIGS, FaultConfig
-from antifragile.chaos.faults.base import Seconds
+from antifragile.chaos.faults.base import Seconds, shown
 from antifragile.chaos.scenario.trainer import (
     MAX_NODES,
     MAX_STEP,
@@ -183,6 +183,20 @@ class Scenario(_Strict):
 
     @model_validator(mode="before")
     @classmethod
+    def _fault_kinds(cls, data: Any) -> Any:
+        """A fault's kind that is no text, refused before pydantic looks it up: it writes the
+        whole value into its error, and a YAML alias makes a list of 9**9 texts out of ten
+        lines (minutes and gigabytes)."""
+        faults = data.get("faults") if isinstance(data, dict) else None
+        for i, fault in enumerate(faults if isinstance(faults, list) else ()):
+            kind = fault.get("kind") if isinstance(fault, dict) else None
+            if kind is not None and not isinstance(kind, str):
+                raise ValueError(f"faults.{i}.kind: {shown(kind)} is not a fault kind (known: "
+                                 f"{', '.join(sorted(FAULT_CONFIGS))})")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _command_or_builtin(cls, data: Any) -> Any:
         trainer = data.get("trainer") if isinstance(data, dict) else None
         if isinstance(trainer, dict) and "command" in trainer:
@@ -270,7 +284,7 @@ def _format_error(path: str, exc: ValidationError) -> str:
         elif err["type"] in ("model_type", "dict_type"):  # pydantic's names out of the message
             msg = _not_a_mapping(err["input"])
         elif err["type"] == "union_tag_invalid":
-            msg = (f"unknown fault kind {err['input'].get('kind')!r} "
+            msg = (f"unknown fault kind {shown(err['input'].get('kind'))} "
                    f"(known: {', '.join(sorted(FAULT_CONFIGS))})")
         elif err["type"] in ("int_type", "float_type") and isinstance(err["input"], str) \
                 and _EXPONENT_TEXT.match(err["input"]):
@@ -304,7 +318,7 @@ def _exponent_text(text: str, *, whole: bool) -> str:
 def _not_a_mapping(value: Any) -> str:
     if value is None:
         return "is empty: give its keys (key: value lines), or leave it out"
-    return f"must be a mapping (key: value lines), got {type(value).__name__} {value!r:.40}"
+    return f"must be a mapping (key: value lines), got {type(value).__name__} {shown(value):.40}"
 
 
 def parse_scenario(data: Any, *, path: str = "<scenario>") -> Scenario:
