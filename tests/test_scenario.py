@@ -76,6 +76,13 @@ def _with(**changes: Any) -> dict[str, Any]:
      "s.yaml: checkpoint.url: S3://b/p is not an S3 URL (give s3://bucket/prefix)"),
     (_with(checkpoint={"url": "s3:b/p"}),
      "s.yaml: checkpoint.url: s3:b/p is not an S3 URL (give s3://bucket/prefix)"),
+    # accepted: memory:// is each process's own (the ranks, the checker and chaos would each
+    # see another store), s3a:// S3 to the engine but not to chaos's S3 setup (no endpoint)
+    (_with(checkpoint={"url": "memory://ckpt"}),
+     "s.yaml: checkpoint.url: memory://ckpt is each process's own memory: the ranks and chaos "
+     "would not see one store (give a local folder or s3://bucket/prefix)"),
+    (_with(checkpoint={"url": "s3a://b/p"}),
+     "s.yaml: checkpoint.url: s3a://b/p is not an S3 URL (give s3://bucket/prefix)"),
     (_with(checkpoint={"storage_options": {"endpoint_url": "http://h:1"}}),
      "s.yaml: checkpoint: storage_options: only for an s3:// url, not the run's local folder"),
     (_with(checkpoint={"url": "s3://b/p", "storage_options": {"endpoint": "http://h:1"}}),
