@@ -953,3 +953,23 @@ def test_a_signal_to_a_worker_that_leads_its_session_reaches_what_it_started() -
     while base.alive(trainer) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not base.alive(trainer), "the wrapped training process outlived the kill"
+
+
+def test_after_a_storage_fault_a_peer_engines_committed_steps_are_read_back(
+        tmp_path: Path) -> None:
+    """disk_full on a DCP (or torchsnapshot) run: every committed step left must read back,
+    as for our engine. Our engine's verifier sees no COMMIT in a DCP folder, so it verified
+    nothing and reported every step intact (``{}``): a torn step 4 went unnoticed."""
+    import torch.distributed.checkpoint as dcp
+
+    for step in (4, 8):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model": {"w": torch.full((256,), float(step))}},
+                     checkpoint_id=str(tmp_path / f"step_{step:09d}"))
+    url = str(tmp_path)
+    assert checker.verify_committed(url, engine="dcp") == {4: [], 8: []}
+    data = next((tmp_path / "step_000000004").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])  # a save torn by the full disk
+    found = checker.verify_committed(url, engine="dcp")
+    assert found[8] == [] and found[4] and "could not be read back" in found[4][0]

@@ -191,10 +191,14 @@ def final_committed(engine: str, url: str, step: int) -> bool:
         return False
 
 
-def verify_committed(url: str) -> dict[int, list[str]]:
-    """Every committed step still stored under ``url`` read back in full (sizes, checksums,
-    coverage): step -> its problems (empty: intact). After a storage fault this is the proof
-    that no save committed torn."""
+def verify_committed(url: str, engine: str = "antifragile") -> dict[int, list[str]]:
+    """Every committed step still stored under ``url`` read back in full (ours: sizes,
+    checksums, coverage; a peer engine's: every entry through its own reader): step -> its
+    problems (empty: intact). After a storage fault this is the proof that no save committed
+    torn. Each engine's steps are listed by that engine: ours sees no COMMIT in a DCP folder,
+    and would find nothing to verify."""
+    if engine != "antifragile":
+        return _read_back_committed(url, engine)
     from concurrent.futures import ThreadPoolExecutor
 
     from antifragile.engine.commit import committed_steps
@@ -217,6 +221,32 @@ def verify_committed(url: str) -> dict[int, list[str]]:
 
     with ThreadPoolExecutor(8) as pool:
         return {step: problems(step, pool) for step in steps}
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What a peer engine's reader raises on a damaged or missing file: DCP gathers its
+    failures into a CheckpointException, which derives from BaseException, not Exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return Exception, CheckpointException
+
+
+def _read_back_committed(url: str, engine: str) -> dict[int, list[str]]:
+    """A peer engine's committed steps, each read back whole (it keeps no checksums: a step
+    that reads back is all it can show)."""
+    try:
+        steps = committed_steps(engine, url)
+    except Exception as exc:  # a peer engine's own error on a folder it cannot list
+        return {-1: [f"cannot list the committed steps: {type(exc).__name__}: {exc}"]}
+    found: dict[int, list[str]] = {}
+    for step in steps:
+        try:
+            read_checkpoint(engine, url, step)
+        except _read_errors() as exc:  # torn files raise whatever the peer's reader raises
+            found[step] = [f"could not be read back: {type(exc).__name__}: {exc}"]
+        else:
+            found[step] = []
+    return found
 
 
 def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_step: int | None,

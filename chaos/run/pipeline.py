@@ -256,7 +256,7 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
     timings = [measure.fault_timings(record, i, window_s=window_s) for i in record.injections]
     # After a fault on storage, every committed step left must read back intact (no torn
     # commit); checked now, while the run's S3 (a local cluster) still exists.
-    committed = checker.verify_committed(ckpt_url) if any(
+    committed = checker.verify_committed(ckpt_url, engine) if any(
         i.kind in STORAGE_FAULTS and not i.skipped for i in record.injections) else None
     last_step = reference_last_step = None
     if s.is_command:  # the final state is the newest committed checkpoint
