@@ -26,6 +26,7 @@ from antifragile.chaos.scenario import Scenario
 from antifragile.engine import CheckpointError, CheckpointNotFoundError
 from antifragile.engine._dtypes import as_bytes
 from antifragile.trainer.ckpt_backends import committed_steps, read_checkpoint
+from antifragile.trainer.ckpt_backends.base import first_line
 
 
 @dataclass(slots=True)
@@ -141,9 +142,9 @@ def compare_final(faulty_url: str, reference_url: str, step: int, *,
         want = read_checkpoint(engine, reference_url, step)
     except CheckpointError as exc:
         return Comparison(error=f"cannot read the final checkpoint of step {step}: {exc}")
-    except Exception as exc:  # a peer engine's own error on a damaged or missing file
+    except _read_errors() as exc:  # a peer engine's own error on a damaged or missing file
         return Comparison(error=f"cannot read the final {engine} checkpoint of step {step}: "
-                                f"{type(exc).__name__}: {exc}")
+                                f"{_one_line(exc)}")
     out = Comparison(differs=sorted(set(got) ^ set(want)))
     for key in sorted(set(got) & set(want)):
         x, y = got[key], want[key]
@@ -231,6 +232,16 @@ def _read_errors() -> tuple[type[BaseException], ...]:
     return Exception, CheckpointException
 
 
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line; for DCP's CheckpointException (every rank's traceback
+    in its text), the first failing rank's error."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (error, _) = min(failures.items())
+        return f"rank {rank}: {first_line(error)}"
+    return first_line(exc)
+
+
 def _read_back_committed(url: str, engine: str) -> dict[int, list[str]]:
     """A peer engine's committed steps, each read back whole (it keeps no checksums: a step
     that reads back is all it can show)."""
@@ -243,7 +254,7 @@ def _read_back_committed(url: str, engine: str) -> dict[int, list[str]]:
         try:
             read_checkpoint(engine, url, step)
         except _read_errors() as exc:  # torn files raise whatever the peer's reader raises
-            found[step] = [f"could not be read back: {type(exc).__name__}: {exc}"]
+            found[step] = [f"could not be read back: {_one_line(exc)}"]
         else:
             found[step] = []
     return found
