@@ -432,7 +432,7 @@ def test_a_step_committed_again_after_a_restore_skipped_it_is_restorable_again()
 
 
 def _crash_during_save(*, committed_before_kill: bool, restore: int,
-                       committed_event: bool = False) -> RunRecord:
+                       committed_event: bool = False, skipped: int | None = None) -> RunRecord:
     """Rank 0 is killed once checkpoint 8 is staged (it commits at +0.4 s in ``_Job``)."""
     job = _Job()
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
@@ -449,7 +449,7 @@ def _crash_during_save(*, committed_before_kill: bool, restore: int,
     for r in (1, 2, 3):
         job.emit(t + 0.5, r, 0, "exit", code=1, error="RuntimeError: peer closed")
     job.attempt_ends[0] = t + 0.6
-    t = job.steps(job.start(t + 3.6, 1, restore=restore), 1, restore + 1, 12)
+    t = job.steps(job.start(t + 3.6, 1, restore=restore, skipped=skipped), 1, restore + 1, 12)
     return _finish(job, t, 1)
 
 
@@ -475,6 +475,17 @@ def test_crash_during_save_whose_step_committed_after_the_kill_fails(how: str) -
     v, (crash,) = _verdict(record, CRASH)
     assert crash.effect_observed is False and "committed after" in (crash.effect or "")
     assert v.verdict == "fail"
+
+
+def test_crash_during_save_that_left_a_torn_commit_fails() -> None:
+    """The crashed save's step was committed (no event said so: the coordinator died as it
+    wrote COMMIT) but did not load: the next restore skipped it and loaded step 6. That is the
+    torn checkpoint the fault exists to catch; it passed, as a crash during a save recovered
+    from."""
+    v, (crash,) = _verdict(_crash_during_save(committed_before_kill=False, restore=6,
+                                              skipped=8), CRASH)
+    assert crash.effect_observed is False and "torn" in (crash.effect or ""), crash.effect
+    assert v.verdict == "fail" and any("skipped" in r for r in v.reasons), v.reasons
 
 
 def _outage(requests_faulted: int | None, requests_delayed: int = 0) -> RunRecord:

@@ -122,11 +122,23 @@ def disk_full_effect(outage: dict[str, Any] | None) -> tuple[bool, str]:
 def crash_effect(record: RunRecord, injection: Injection, attempt: int,
                   restored_step: int | None) -> tuple[bool, str] | None:
     """Why a ``crash_during_save`` that ended its attempt did not crash during the save:
-    COMMIT was already there, or the step committed after all. None: it did."""
+    COMMIT was already there, or the step committed after all (whole, or torn: a later restore
+    skipped it, which only a committed step can be). None: it did, and nothing of it
+    committed."""
     step = injection.detail.get("checkpoint_step")
     if injection.detail.get("committed_before_kill"):
         return False, (f"COMMIT of step {step} was already written when rank {injection.rank} "
                        "was killed: the save won the race, no crash during it happened")
+    # until the step is saved again (a restart that resumed before it): a skip after that
+    # is of the new save
+    resaved_t = min((e["t"] for e in record.events if e["event"] == "ckpt_committed"
+                     and e["step"] == step and e["t"] >= injection.t), default=float("inf"))
+    for e in record.events:
+        if e["event"] == "restore_skipped" and injection.t <= e["t"] < resaved_t \
+                and restore_skipped_step(e) == step:
+            return False, (f"step {step} committed torn: rank {injection.rank} was killed "
+                           f"saving it, yet attempt {e['attempt']}'s restore found it committed "
+                           f"and skipped it ({e.get('reason')})")
     committed = any(e["event"] == "ckpt_committed" and e["attempt"] == attempt
                     and e["step"] == step for e in record.events)
     if committed or (restored_step is not None and restored_step == step):
