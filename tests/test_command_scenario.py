@@ -194,6 +194,31 @@ def test_the_reference_is_keyed_by_the_script_content(tmp_path: Path) -> None:
     assert _reference_key(s) != before
 
 
+def test_the_reference_is_keyed_by_the_modules_the_script_can_import_beside_it(
+        tmp_path: Path) -> None:
+    """``train.py`` imports ``model.py`` and the package ``lib/`` from its own folder: an edit
+    to either kept the cached reference of the old code, and the faulty run of the new code
+    was compared with it. What the script cannot import from there (another folder, a
+    folder that is no package) does not change the key."""
+    script = tmp_path / "train.py"
+    script.write_text("import model, lib.data\n")
+    (tmp_path / "model.py").write_text("width = 1\n")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "__init__.py").write_text("")
+    (tmp_path / "lib" / "data.py").write_text("seed = 1\n")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "old.py").write_text("")
+    s = parse_scenario(_doc(trainer={"command": ["python", str(script)]}))
+    key = _reference_key(s)
+    (tmp_path / "notes" / "old.py").write_text("changed = True\n")
+    assert _reference_key(s) == key
+    (tmp_path / "model.py").write_text("width = 2\n")
+    assert _reference_key(s) != key
+    key = _reference_key(s)
+    (tmp_path / "lib" / "data.py").write_text("seed = 2\n")
+    assert _reference_key(s) != key
+
+
 _AGENT = """
 import os, subprocess, sys
 env = dict(os.environ, RANK="1", TORCHELASTIC_RESTART_COUNT="3")

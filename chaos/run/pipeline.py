@@ -60,14 +60,36 @@ def _reference_key(s: Scenario) -> str:
                               "checkpoint": {"every_steps": s.checkpoint.every_steps,
                                              "engine": s.checkpoint.engine}}
     if isinstance(s.trainer, CommandSpec):
-        config["files"] = {arg: hashlib.sha256(Path(arg).read_bytes()).hexdigest()
-                           for arg in s.trainer.command if os.path.isfile(arg)}
+        files = [Path(arg) for arg in s.trainer.command if os.path.isfile(arg)]
+        files += [m for f in files if f.suffix == ".py" for m in _importable_beside(f)]
+        config["files"] = {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
     else:
         from antifragile.trainer.checkpoint import TRAIN_STATE_VERSION
 
         config["train_state"] = TRAIN_STATE_VERSION
         config["code"] = _trainer_code()
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _importable_beside(script: Path) -> list[Path]:
+    """The modules a script can import from its own folder (``sys.path[0]``): the ``*.py``
+    there and every ``*.py`` of its packages (folders with ``__init__.py``, and theirs), the
+    script itself aside. A helper module edited is a new reference, as the script is."""
+    folder = script.resolve().parent
+    seen: set[Path] = set()  # a package that links to a folder above it is listed once
+
+    def package(path: Path) -> list[Path]:
+        seen.add(path.resolve())
+        out = sorted(p for p in path.glob("*.py") if p.is_file())
+        for sub in sorted(p for p in path.iterdir() if p.is_dir()):
+            if (sub / "__init__.py").is_file() and sub.resolve() not in seen:
+                out += package(sub)
+        return out
+
+    try:
+        return [p for p in package(folder) if p != script.resolve()]
+    except OSError:  # a folder that cannot be listed: the script's own content still counts
+        return []
 
 
 def code_digest(folder: Path) -> str:
