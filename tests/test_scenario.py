@@ -246,6 +246,23 @@ def test_a_reference_made_by_other_code_is_not_reused(monkeypatch: pytest.Monkey
     assert pipeline.code_digest(tmp_path) != before
 
 
+def test_a_reference_computed_on_another_processor_is_not_reused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache may be shared (an NFS home, ``ANTIFRAGILE_CACHE`` on shared storage, a CI
+    cache restored on another runner): torch picks its CPU kernels by the instruction set it
+    finds (and MKL by the processor), other kernels, other bits, and every verdict failed on a
+    reference made elsewhere."""
+    import torch
+
+    from antifragile.chaos.run import pipeline
+
+    base = parse_scenario(BASE)
+    key = pipeline._reference_key(base)
+    other = "AVX2" if torch.backends.cpu.get_cpu_capability() != "AVX2" else "AVX512"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
+    assert pipeline._reference_key(base) != key
+
+
 def test_two_runs_that_need_one_reference_make_it_once(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Two chaos runs of one scenario at once (two terminals, a suite beside a run, two test

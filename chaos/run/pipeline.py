@@ -44,10 +44,11 @@ class Outcome:
 
 def _reference_key(s: Scenario) -> str:
     """Only what determines the final state (faults, expectations, recovery and detection
-    settings do not): the settings, the torch that computes it (other kernels, other bits)
-    and the checkpoint format it is stored in (a cached reference of an older format could not
-    be read). A command trainer's key also holds the content of every file its command names
-    (an edited script is a new reference); the built-in trainer's, its code and what its
+    settings do not): the settings, the torch that computes it and the processor it runs on
+    (other kernels, other bits) and the checkpoint format it is stored in (a cached reference
+    of an older format could not be read). A command trainer's key also holds the content of
+    every file its command names and of the modules its script can import beside it (an
+    edited script is a new reference); the built-in trainer's, its code and what its
     ``train`` entry holds (a reference saved with fewer entries differs in it)."""
     import torch
 
@@ -56,7 +57,7 @@ def _reference_key(s: Scenario) -> str:
     trainer = s.trainer.model_dump(exclude={"recovery", "spares", "hang_timeout_s",
                                             "collective_timeout_s"})
     config: dict[str, Any] = {"trainer": trainer, "seed": s.seed, "format": FORMAT_VERSION,
-                              "torch": torch.__version__,
+                              "torch": torch.__version__, "processor": _processor(),
                               "checkpoint": {"every_steps": s.checkpoint.every_steps,
                                              "engine": s.checkpoint.engine}}
     if isinstance(s.trainer, CommandSpec):
@@ -69,6 +70,22 @@ def _reference_key(s: Scenario) -> str:
         config["train_state"] = TRAIN_STATE_VERSION
         config["code"] = _trainer_code()
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _processor() -> list[str]:
+    """What picks the CPU kernels: the architecture, the processor's model (MKL chooses its
+    code path by it) and the instruction set torch dispatches to. A shared cache (an NFS home,
+    a CI cache restored on another runner) must not hand one machine's bits to another."""
+    import platform
+
+    import torch
+
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8",
+                                            errors="replace") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f
+                      if line.split(":", 1)[0].strip() in ("model name", "CPU part")), "")
+    return [platform.machine(), model, str(torch.backends.cpu.get_cpu_capability())]
 
 
 def _importable_beside(script: Path) -> list[Path]:
