@@ -468,3 +468,20 @@ def test_a_nondeterministic_trainer_gets_its_own_verdict() -> None:
     assert checker.judge(_command_scenario(faults=False), returncode=0, timings=[], final_step=20,
                          faulty_url="u", reference_url=None, final_committed=True,
                          determinism=same).verdict == "pass"
+
+
+def test_a_second_fault_free_run_that_fails_is_no_verdict_not_nondeterminism(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--check-determinism``: the second fault-free run crashing (a full disk, an OOM, a
+    flaky host) says nothing about determinism; it was reported as ``nondeterministic``
+    (exit 4), where the reference run failing the same way is a run that could not be made
+    (ChaosRunError, exit 5)."""
+    from antifragile.chaos.run import pipeline
+    from antifragile.chaos.run.runner import ChaosRunError
+
+    def crashed(*_: Any, **__: Any) -> RunRecord:
+        return RunRecord(returncode=1, started_t=0.0, ended_t=1.0, events=[], injections=[])
+
+    monkeypatch.setattr(pipeline, "run_scenario", crashed)
+    with pytest.raises(ChaosRunError, match=r"the second fault-free run failed \(code 1\)"):
+        pipeline._determinism(_command_scenario(faults=False), tmp_path, "ref", print)

@@ -243,13 +243,13 @@ def run(s: Scenario, out: Path, *, reference: bool = True, check_determinism: bo
 
 def _determinism(s: Scenario, out: Path, reference_url: str,
                  progress: Callable[[str], None]) -> checker.Comparison:
-    """A second fault-free run, compared with the reference bit for bit."""
+    """A second fault-free run, compared with the reference bit for bit. One that fails is
+    no evidence either way: ChaosRunError, as for the reference run."""
     progress("determinism: a second fault-free run")
     folder = out / "determinism"
     record = run_scenario(s, folder, str(folder / "ckpt"), faults=False)
     if record.returncode != 0:
-        return checker.Comparison(error=_run_failed("the second fault-free run",
-                                                    record.returncode, folder))
+        raise ChaosRunError(_run_failed("the second fault-free run", record.returncode, folder))
     step = None if s.is_command else s.trainer.steps
     comparison = checker.determinism(s.checkpoint.engine, reference_url, str(folder / "ckpt"),
                                      step)
