@@ -130,11 +130,12 @@ class TrainCheckpointer:
         # stored: its content not checked); not stored at all before: not checked
         saved, _, saved_digest = str(state["train"].get("data", self.data)).partition(":")
         data, _, digest = (self.data or "").partition(":")
-        differs = (f"{_DATA.get(saved, saved)}, this run on {_DATA[data]}" if saved != data else
+        differs = (None if self.data is None else
+                   f"{_DATA.get(saved, saved)}, this run on {_DATA[data]}" if saved != data else
                    f"a --data-path token file of other content ({saved_digest}; this run's "
                    f"file: {digest})" if saved_digest and digest and saved_digest != digest
                    else None)
-        if self.data is not None and differs is not None:
+        if differs is not None:
             raise ResumeError(f"step {step} was trained on {differs}: its batches would differ "
                               "from the checkpoint's run (resume with the same data, or start "
                               "a run with a fresh --ckpt-url)")
