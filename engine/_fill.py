@@ -82,13 +82,14 @@ def fill_step(storage: Storage, step: int, flat: FlatState, rank: int, pool: Exe
                 f"target shape {list(tensor.shape)}")
         targets.append((path, tensor, stored))
     in_memory = _from_memory(memory, reader, targets)
-    targets = [t for t in targets if t[2].path not in in_memory]
-    reader.load_arrays([stored for _, _, stored in targets]
+    reader.load_arrays([stored for _, _, stored in targets if stored.path not in in_memory]
                        + [reader.tensors[name] for name in sorted(sources.whole)], pool)
     reads = []
     whole: dict[str, torch.Tensor] = {}
     first_of: dict[tuple[Any, ...], str] = {}  # a target's memory -> the first path it is at
     tied: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
+    from_memory: list[tuple[str, torch.Tensor]] = []  # (stored path, where its copy goes)
+    from_storage: list[torch.Tensor] = []
     with torch.no_grad():
         for path, tensor, stored in targets:
             local = into = iter_local(tensor)
@@ -96,6 +97,10 @@ def fill_step(storage: Storage, step: int, flat: FlatState, rank: int, pool: Exe
             if first != path:  # read apart: two reads into one memory fail each other's crc32c
                 into = torch.empty(local.shape, dtype=local.dtype, device=local.device)
                 tied.append((first, path, local, into))
+            if stored.path in in_memory:  # filled once the reads are done, tied ones apart too
+                from_memory.append((stored.path, into))
+                continue
+            from_storage.append(local)
             for box in local_boxes(tensor, path=path):
                 region = into[tuple(slice(o, o + n)
                                     for o, n in zip(box.local_offset, box.shape))]
@@ -104,18 +109,17 @@ def fill_step(storage: Storage, step: int, flat: FlatState, rank: int, pool: Exe
             whole[name], box = _whole(reader.tensors[name])
             reads += reader.read_box(reader.tensors[name], box, whole[name])
     _raise_first([pool.submit(read) for read in reads])
+    memory_bytes = 0
+    for stored_path, into in from_memory:
+        assert memory is not None
+        memory_bytes += memory.fill(stored_path, into)
     for first, path, local, read in tied:
         if not torch.equal(as_bytes(read), as_bytes(local.contiguous())):
             raise CheckpointMismatchError(
                 f"step {step}: target tensors {first!r} and {path!r} are one memory (tied), "
                 "and the step holds different data for them (saved untied); load into "
                 "separate tensors")
-    storage_bytes = sum(math.prod(iter_local(t).shape) * t.element_size()
-                        for _, t, _ in targets)
-    memory_bytes = 0
-    for path, tensor in in_memory.items():
-        assert memory is not None
-        memory_bytes += memory.fill(path, tensor)
+    storage_bytes = sum(math.prod(t.shape) * t.element_size() for t in from_storage)
     return Filled(sources.values(whole), int(reader.commit["nonce"]), storage_bytes,
                   memory_bytes)
 

@@ -17,7 +17,7 @@ from _dist import RankGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from antifragile.engine import CheckpointEngine, CheckpointError
+from antifragile.engine import CheckpointEngine, CheckpointError, CheckpointMismatchError
 from antifragile.engine.plan import PlanOptions
 
 
@@ -415,3 +415,24 @@ def test_a_load_that_falls_back_past_the_step_in_memory_reports_storage_only(
                                                str(tmp_path / "ckpt")):
         assert step == 1 and same, f"rank {rank}"
         assert sources == {"memory_bytes": 0, "storage_bytes": 16 * 4}, f"rank {rank}: {sources}"
+
+
+def test_tied_targets_refuse_a_copy_of_untied_tensors_as_storage_does(tmp_path: Path) -> None:
+    """Two target entries that are one tensor (tied embedding and head) take a step that holds
+    the same data for both, from memory as from storage; a step saved untied is a mismatch
+    either way. From memory it loaded the second entry's data into both silently, while the
+    same load from storage refused it."""
+    url = str(tmp_path / "ckpt")
+    tied = torch.randn(64, 32)
+    emb, head = torch.randn(64, 32), torch.randn(64, 32)
+    with CheckpointEngine(url, keep_in_memory=True, keep_last=None) as engine:
+        engine.save(1, {"emb": tied, "head": tied}, blocking=True)
+        shared = torch.zeros(64, 32)
+        with CheckpointEngine(url) as loader:
+            assert loader.load({"emb": shared, "head": shared}, memory=engine.memory_copy()) == 1
+            assert loader.last_load_sources["storage_bytes"] == 0
+        assert torch.equal(shared, tied)
+        engine.save(2, {"emb": emb, "head": head}, blocking=True)
+        with CheckpointEngine(url) as loader, pytest.raises(
+                CheckpointMismatchError, match=r"step 2.*'emb' and 'head'.*memory"):
+            loader.load({"emb": shared, "head": shared}, step=2, memory=engine.memory_copy())
