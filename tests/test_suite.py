@@ -199,6 +199,11 @@ def test_baseline_that_is_not_a_summary_is_bad_input(tmp_path: Path) -> None:
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(suite.SuiteError, match=r"deep\.json: the baseline is nested too deeply"):
         suite.load_baseline(tmp_path / "deep.json")
+    # read whole, however large (--baseline /dev/zero until memory ran out): refused unread
+    with open(tmp_path / "huge.json", "wb") as f:
+        f.truncate(suite.MAX_BASELINE_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(suite.SuiteError, match=r"huge\.json: larger than 64 MiB: not a summary"):
+        suite.load_baseline(tmp_path / "huge.json")
 
 
 @pytest.mark.parametrize(("change", "message"), [

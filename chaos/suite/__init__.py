@@ -7,6 +7,7 @@
 from antifragile.chaos.suite.runner import Planned, SuiteInterrupted, discover, plan, run_suite
 from antifragile.chaos.suite.summary import (
     FORMAT,
+    MAX_BASELINE_BYTES,
     SuiteError,
     Tolerances,
     build,
@@ -21,7 +22,7 @@ from antifragile.chaos.suite.summary import (
 )
 
 __all__ = [
-    "FORMAT", "Planned", "SuiteError", "SuiteInterrupted", "Tolerances", "build", "compare",
-    "discover", "exit_code", "failed_entry", "format_table", "load_baseline", "plan",
-    "run_suite", "summarize", "write_html", "write_json",
+    "FORMAT", "MAX_BASELINE_BYTES", "Planned", "SuiteError", "SuiteInterrupted", "Tolerances",
+    "build", "compare", "discover", "exit_code", "failed_entry", "format_table",
+    "load_baseline", "plan", "run_suite", "summarize", "write_html", "write_json",
 ]

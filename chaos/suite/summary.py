@@ -130,10 +130,18 @@ def exit_code(summary: dict[str, Any]) -> int:
     return 3 if summary.get("skipped") else 0
 
 
+#: the largest baseline read: a summary is some KiB a scenario (26 scenarios: 23 KiB)
+MAX_BASELINE_BYTES = 64 << 20
+
+
 def load_baseline(path: Path) -> dict[str, Any]:
     """A previous ``summary.json``; anything else is bad input, before the suite runs."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BASELINE_BYTES + 1)  # /dev/zero would be read until memory ran out
+        if len(raw) > MAX_BASELINE_BYTES:
+            raise SuiteError(f"{path}: larger than {MAX_BASELINE_BYTES >> 20} MiB: not a summary")
+        doc = json.loads(raw.decode("utf-8"))
     except OSError as exc:
         raise SuiteError(f"{path}: cannot read the baseline: {exc.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
