@@ -182,6 +182,21 @@ def test_a_live_owners_cluster_is_never_reaped(state: Path) -> None:
     assert weed.reap_orphans() == [] and record.exists()
 
 
+def test_a_record_of_another_shape_neither_stops_a_start_nor_is_acted_on(state: Path) -> None:
+    """A state record that is JSON but not of the shape this version writes (another version's,
+    a hand edit: an owner or process without its pid or start time) raised a KeyError out of
+    the reaping that every cluster start runs first: no cluster could start until the file
+    was removed by hand. It is passed over, as an unreadable record is."""
+    state.mkdir()
+    for i, record in enumerate([{"owner": {}, "root": "/nonexistent", "processes": []},
+                                {"owner": {"pid": 1 << 22, "start": 1}, "root": "/nonexistent",
+                                 "processes": [{"role": "master"}]},
+                                {"owner": None, "root": "/nonexistent", "processes": []}]):
+        (state / f"odd-{i}.json").write_text(json.dumps(record))
+    assert weed.reap_orphans() == []
+    assert sorted(p.name for p in state.iterdir()) == ["odd-0.json", "odd-1.json", "odd-2.json"]
+
+
 def test_a_cluster_of_another_pid_namespace_is_never_reaped(state: Path, tmp_path: Path) -> None:
     """A state folder shared with a container (its own pid namespace, the same /tmp and uid):
     the reaping there saw no process with the owner's pid and deleted a live cluster's

@@ -130,18 +130,21 @@ def reap_orphans() -> list[str]:
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
             state = json.loads(path.read_text())
-            owner, processes, root = state["owner"], state["processes"], Path(state["root"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # written by replace(), so never half written: not ours to judge
-        if owner.get("pidns", here) != here or _same_process(owner["pid"], owner["start"]):
+            owner, root = state["owner"], Path(state["root"])
+            pid, start, pidns = int(owner["pid"]), owner["start"], owner.get("pidns", here)
+            processes = [(int(p["pid"]), p["start"]) for p in state["processes"]]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            # written by replace(), so never half written: another shape is not ours to judge
             continue
-        for p in processes:
-            if _same_process(p["pid"], p["start"]):
+        if pidns != here or _same_process(pid, start):
+            continue
+        for process_pid, process_start in processes:
+            if _same_process(process_pid, process_start):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(p["pid"], signal.SIGKILL)
+                    os.kill(process_pid, signal.SIGKILL)
         remove_tree(root)
         path.unlink(missing_ok=True)
-        reaped.append(f"{root} (owner pid {owner['pid']}, {len(processes)} processes)")
+        reaped.append(f"{root} (owner pid {pid}, {len(processes)} processes)")
     return reaped
 
 
