@@ -46,6 +46,23 @@ def _any_rank(device: torch.device, *flags: bool) -> list[bool]:
     return [bool(x) for x in t.cpu()]
 
 
+def _data_differs(saved: object, data: str | None) -> str | None:
+    """What the checkpoint was trained on, against this run's data, where they differ: None
+    when they agree or cannot be compared. Each is "synthetic" or "file:<digest of its ids>"
+    ("file" alone before digests were stored: its content not checked; None: not recorded,
+    not checked)."""
+    if saved is None or data is None:
+        return None
+    saved_kind, _, saved_digest = str(saved).partition(":")
+    kind, _, digest = data.partition(":")
+    if saved_kind != kind:
+        return f"{_DATA.get(saved_kind, saved_kind)}, this run on {_DATA[kind]}"
+    if saved_digest and digest and saved_digest != digest:
+        return (f"a --data-path token file of other content ({saved_digest}; this run's file: "
+                f"{digest})")
+    return None
+
+
 class ResumeError(Exception):
     """The run has checkpoints and none of them loads (every one damaged or quarantined, or
     none fits this state), or the newest was trained with another seed: starting over would
@@ -126,15 +143,7 @@ class TrainCheckpointer:
                                   f"this run has {option} {value}: the checkpoint is of another "
                                   "model (resume with that setting, or start a run with a "
                                   "fresh --ckpt-url)")
-        # "synthetic", or "file:<digest of its ids>" ("file" alone before digests were
-        # stored: its content not checked); not stored at all before: not checked
-        saved, _, saved_digest = str(state["train"].get("data", self.data)).partition(":")
-        data, _, digest = (self.data or "").partition(":")
-        differs = (None if self.data is None else
-                   f"{_DATA.get(saved, saved)}, this run on {_DATA[data]}" if saved != data else
-                   f"a --data-path token file of other content ({saved_digest}; this run's "
-                   f"file: {digest})" if saved_digest and digest and saved_digest != digest
-                   else None)
+        differs = _data_differs(state["train"].get("data"), self.data)
         if differs is not None:
             raise ResumeError(f"step {step} was trained on {differs}: its batches would differ "
                               "from the checkpoint's run (resume with the same data, or start "
