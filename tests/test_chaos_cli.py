@@ -389,6 +389,18 @@ def test_a_local_url_holding_committed_checkpoints_is_refused(
                     f"{path}: checkpoint.url {url_file}: ")
 
 
+def _scenario_with_a_file_url(tmp_path: Path) -> tuple[Path, Path]:
+    """A scenario file whose ``checkpoint.url`` is a file (storage refused before any run),
+    and that file."""
+    url_file = tmp_path / "a-file"
+    url_file.write_text("not a folder")
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: s\ntrainer: {{parallel: {{dp: 2}}, steps: 20}}\n"
+                    f"checkpoint: {{every_steps: 5, url: {url_file}}}\n"
+                    "expect: {bitwise_equal_to_reference: false}\n")
+    return path, url_file
+
+
 def test_a_refused_checkpoint_url_leaves_no_report_folder(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Storage refused before anything runs (here a ``checkpoint.url`` that is a file) is bad
@@ -396,12 +408,7 @@ def test_a_refused_checkpoint_url_leaves_no_report_folder(
     ``reports/<name>-<time>/``, must not stay behind, empty, as if a run had been made."""
     _nothing_may_run(monkeypatch)
     monkeypatch.chdir(tmp_path)
-    url_file = tmp_path / "a-file"
-    url_file.write_text("not a folder")
-    path = tmp_path / "s.yaml"
-    path.write_text(f"name: s\ntrainer: {{parallel: {{dp: 2}}, steps: 20}}\n"
-                    f"checkpoint: {{every_steps: 5, url: {url_file}}}\n"
-                    "expect: {bitwise_equal_to_reference: false}\n")
+    path, url_file = _scenario_with_a_file_url(tmp_path)
     _one_line_error(["run", str(path), "--out", str(tmp_path / "out")],
                     f"{path}: checkpoint.url {url_file}: ")
     assert not (tmp_path / "out").exists()
@@ -420,12 +427,7 @@ def test_a_refused_checkpoint_url_keeps_an_earlier_runs_folder(
                        ("run/torchrun.log", "log"), ("ckpt/COMMIT", "c")):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
-    url_file = tmp_path / "a-file"
-    url_file.write_text("not a folder")
-    path = tmp_path / "s.yaml"
-    path.write_text(f"name: s\ntrainer: {{parallel: {{dp: 2}}, steps: 20}}\n"
-                    f"checkpoint: {{every_steps: 5, url: {url_file}}}\n"
-                    "expect: {bitwise_equal_to_reference: false}\n")
+    path, url_file = _scenario_with_a_file_url(tmp_path)
     _one_line_error(["run", str(path), "--out", str(out)],
                     f"{path}: checkpoint.url {url_file}: ")
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
