@@ -721,6 +721,32 @@ def test_a_kill_during_the_recovery_of_the_previous_one_interrupts_it_without_fa
     assert v.verdict == "pass", v.reasons
 
 
+def _interrupted_after(gap_s: float) -> RunRecord:
+    """Rank 1 dies at step 7; attempt 1 starts and is still not back at step 7 when rank 0
+    dies ``gap_s`` after the first kill; attempt 2 restores step 6 and finishes."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    first = t + 0.05
+    t = _kill(job, first, 0, 1, 7)
+    job.start(t + 1.0, 1)
+    t = _kill(job, first + gap_s, 1, 0, 7, fault_index=1)
+    return _finish(job, job.steps(job.start(t + 1.0, 2, restore=6), 2, 7, 12), 2)
+
+
+def test_a_recovery_cut_short_after_it_overran_max_recovery_s_fails() -> None:
+    """The first recovery was cut short 20 s after its fault, with max_recovery_s 10: it had
+    already taken longer than allowed, whatever the second recovery measures. The verdict
+    passed, because only measured recoveries were held to the bound."""
+    faults = [KILL, {**KILL, "rank": 0}]
+    v, (first, _) = _verdict(_interrupted_after(20.0), faults, max_recovery_s=10)
+    assert first.recovery_s is None and first.interrupted_by_t is not None
+    assert v.verdict == "fail"
+    assert any("kill_rank at step 7: recovery had taken 20.0 s > max_recovery_s 10" in r
+               and "when the next fault cut it short" in r for r in v.reasons), v.reasons
+    v, _ = _verdict(_interrupted_after(3.0), faults, max_recovery_s=10)
+    assert v.verdict == "pass", v.reasons
+
+
 def test_a_kill_after_a_restore_and_before_any_step_charges_no_step_twice() -> None:
     """Rank 1 dies at step 9; attempt 1 restores step 8 and a random kill hits it before its
     first step (the runner's step is still 9, the highest it saw). Step 9 is trained twice in

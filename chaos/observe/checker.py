@@ -360,6 +360,13 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
                 and t.recovery_s > s.expect.max_recovery_s:
             v.fail(f"{t.kind} at step {t.injected_step}: recovery took {t.recovery_s:.1f} s "
                    f"> max_recovery_s {s.expect.max_recovery_s}")
+        # cut short: how long it took is unknown, but at least until the next fault hit
+        cut_after = None if t.interrupted_by_t is None else t.interrupted_by_t - t.injected_t
+        if s.expect.max_recovery_s is not None and cut_after is not None \
+                and cut_after > s.expect.max_recovery_s:
+            v.fail(f"{t.kind} at step {t.injected_step}: recovery had taken {cut_after:.1f} s "
+                   f"> max_recovery_s {s.expect.max_recovery_s} when the next fault cut it "
+                   "short")
         if t.restored_step is not None and t.restorable_step is not None \
                 and t.restored_step < t.restorable_step:
             v.fail(f"{t.kind} at step {t.injected_step}: restored step {t.restored_step}, "
