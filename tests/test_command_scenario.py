@@ -219,6 +219,58 @@ def test_the_reference_is_keyed_by_the_modules_the_script_can_import_beside_it(
     assert _reference_key(s) != key
 
 
+def test_the_reference_is_keyed_by_a_file_given_as_an_option_value(tmp_path: Path) -> None:
+    """``--config=conf.yaml`` names a file as ``--config conf.yaml`` does; only the second
+    was in the key, so an edited config kept the old reference."""
+    script, conf = tmp_path / "train.py", tmp_path / "conf.yaml"
+    script.write_text("x = 1\n")
+    conf.write_text("lr: 1\n")
+    s = parse_scenario(_doc(trainer={"command": ["python", str(script), f"--config={conf}"]}))
+    key = _reference_key(s)
+    conf.write_text("lr: 2\n")
+    assert _reference_key(s) != key
+
+
+def test_the_reference_of_a_module_run_with_python_m_is_keyed_by_its_code(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m mine.train`` runs ``mine/train.py`` from the working directory (its
+    ``sys.path[0]``); no file of the command was in the key, so an edit to the module or to
+    one it imports beside it kept the old reference."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "__init__.py").write_text("")
+    (tmp_path / "mine" / "train.py").write_text("x = 1\n")
+    (tmp_path / "helpers.py").write_text("y = 1\n")
+    monkeypatch.chdir(tmp_path)
+    s = parse_scenario(_doc(trainer={"command": ["python", "-m", "mine.train"]}))
+    key = _reference_key(s)
+    (tmp_path / "mine" / "train.py").write_text("x = 2\n")
+    assert _reference_key(s) != key
+    key = _reference_key(s)
+    (tmp_path / "helpers.py").write_text("y = 2\n")
+    assert _reference_key(s) != key
+
+
+def test_a_file_the_key_cannot_read_is_keyed_by_that_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module beside the script that this user may not read (another user's file in a
+    shared folder) raised PermissionError out of the reference key: chaos run ended in a
+    traceback before the run began."""
+    script, other = tmp_path / "train.py", tmp_path / "theirs.py"
+    script.write_text("x = 1\n")
+    other.write_text("secret = 1\n")
+    s = parse_scenario(_doc(trainer={"command": ["python", str(script)]}))
+    key = _reference_key(s)
+    real = Path.read_bytes
+
+    def refused(path: Path) -> bytes:
+        if path.name == "theirs.py":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(Path, "read_bytes", refused)
+    assert _reference_key(s) != key
+
+
 _AGENT = """
 import os, subprocess, sys
 env = dict(os.environ, RANK="1", TORCHELASTIC_RESTART_COUNT="3")

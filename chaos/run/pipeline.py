@@ -23,7 +23,7 @@ from antifragile.chaos.observe.effects import STORAGE_FAULTS
 from antifragile.chaos.report import document as report
 from antifragile.chaos.run.runner import ChaosRunError, run_scenario
 from antifragile.chaos.run.status import RunStatus, StatusTracker
-from antifragile.chaos.scenario import CommandSpec, Scenario
+from antifragile.chaos.scenario import CommandSpec, Scenario, python_runs
 from antifragile.trainer.events import read_events
 
 
@@ -61,9 +61,7 @@ def _reference_key(s: Scenario) -> str:
                               "checkpoint": {"every_steps": s.checkpoint.every_steps,
                                              "engine": s.checkpoint.engine}}
     if isinstance(s.trainer, CommandSpec):
-        files = [Path(arg) for arg in s.trainer.command if os.path.isfile(arg)]
-        files += [m for f in files if f.suffix == ".py" for m in _importable_beside(f)]
-        config["files"] = {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+        config["files"] = {str(f): _file_digest(f) for f in _command_files(s.trainer.command)}
     else:
         from antifragile.trainer.checkpoint import TRAIN_STATE_VERSION
 
@@ -86,6 +84,26 @@ def _processor() -> list[str]:
         model = next((line.split(":", 1)[1].strip() for line in f
                       if line.split(":", 1)[0].strip() in ("model name", "CPU part")), "")
     return [platform.machine(), model, str(torch.backends.cpu.get_cpu_capability())]
+
+
+def _command_files(command: list[str]) -> list[Path]:
+    """The files a command names (``conf.yaml``, ``--config=conf.yaml``), the module that
+    ``python -m a.b`` runs, and the modules each script or module can import beside it."""
+    named = [Path(value) for arg in command
+             for value in dict.fromkeys([arg, arg.partition("=")[2]]) if os.path.isfile(value)]
+    files = named + [m for f in named if f.suffix == ".py" for m in _importable_beside(f)]
+    runs = python_runs(command)
+    if runs is not None and runs[0] == "-m":  # sys.path[0] is the working directory
+        files += _importable_beside(Path.cwd() / "__main__")
+    return files
+
+
+def _file_digest(path: Path) -> str:
+    """The file's sha256, or why it cannot be read (a file this user may not read)."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as e:
+        return f"unreadable: {e.strerror}"
 
 
 def _importable_beside(script: Path) -> list[Path]:

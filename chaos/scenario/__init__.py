@@ -37,13 +37,14 @@ from antifragile.chaos.scenario.trainer import (
     _Strict,
     is_python,
     max_workers,
+    python_runs,
 )
 
 __all__ = [  # the trainer block's models and limits are a scenario's too
     "MAX_FILE_BYTES", "MAX_NAME", "MAX_NODES", "MAX_STEP", "SCENARIOS", "WORKER_LIMIT_REASON",
     "CheckpointSpec", "CommandSpec", "Expect", "ModelSpec", "Parallel", "Scenario",
     "ScenarioError", "TrainerSpec", "is_python", "load_scenario", "max_workers",
-    "parse_scenario",
+    "parse_scenario", "python_runs",
 ]
 
 #: The shipped scenarios (``chaos list``): the repository's ``scenarios/`` folder.

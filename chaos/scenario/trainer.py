@@ -170,6 +170,20 @@ def is_python(arg: str) -> bool:
     return _PYTHON.match(arg) is not None
 
 
+def python_runs(command: list[str]) -> tuple[str, int] | None:
+    """What a ``python ...`` command runs: ``("script", i)``, ``("-m", i)`` or ``("-c", i)``
+    with the index of the option (``-m``/``-c``) or of the script, past the interpreter's
+    options; None for another program or a bare ``python``."""
+    if not is_python(command[0]):
+        return None
+    i = 1
+    while i < len(command) and command[i].startswith("-"):
+        if command[i] in ("-c", "-m"):
+            return command[i], i
+        i += 2 if command[i] in ("-W", "-X") else 1  # interpreter options
+    return ("script", i) if i < len(command) else None
+
+
 class CommandSpec(_Strict):
     """``trainer: {command: [...]}``: the user's own training script, run by chaos under
     torchrun (``--nproc-per-node``, ``--max-restarts``) with ``ANTIFRAGILE_RUN_DIR``,
@@ -256,12 +270,9 @@ class CommandSpec(_Strict):
         out = list(command)
         first = command[0]
         if is_python(first):
-            script = 1
-            while script < len(out) and out[script].startswith("-"):
-                if out[script] in ("-c", "-m"):  # code or a module, not a script file
-                    return out
-                script += 2 if out[script] in ("-W", "-X") else 1  # interpreter options
-            if script < len(out):
+            runs = python_runs(out)
+            if runs is not None and runs[0] == "script":  # not code or a module (-c, -m)
+                script = runs[1]
                 found = _find_file(out[script], bases)
                 if found is None:
                     raise ValueError(f"command[{script}]: script {out[script]!r} not found "
