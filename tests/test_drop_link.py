@@ -316,6 +316,21 @@ def test_an_interrupted_open_leaves_no_namespace(monkeypatch: pytest.MonkeyPatch
     assert _ours() == []
 
 
+def test_an_ip_that_cannot_list_namespaces_makes_them_unavailable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Root with ``ip`` installed, in a container that forbids namespaces: ``ip netns list``
+    itself fails. Its NetnsError escaped open() (it came from reaping leftovers, before the
+    try that turns a failing ``ip`` into NetnsUnavailable), so the run ended in a traceback
+    instead of skipping the fault with the reason."""
+    def refused(*args: str) -> str:
+        raise NetnsError(f"ip {' '.join(args)}: mkdir /run/netns failed: Permission denied")
+
+    monkeypatch.setattr(netns, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(netns, "_ip", refused)
+    with pytest.raises(NetnsUnavailable, match="ip netns list: mkdir /run/netns failed"):
+        Network(2).open()
+
+
 def test_without_namespaces_the_fault_is_skipped_with_the_reason(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(netns.shutil, "which", lambda _: None)

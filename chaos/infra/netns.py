@@ -185,8 +185,8 @@ class Network:
         reason = unavailable_reason()
         if reason:
             raise NetnsUnavailable(reason)
-        reap_leftovers()
         try:
+            reap_leftovers()
             for name in [self.switch, *(h.namespace for h in self.hosts)]:
                 _ip("netns", "add", name)
                 self._created.append(name)
