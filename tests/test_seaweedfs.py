@@ -225,6 +225,7 @@ def test_a_missing_weed_binary_names_what_was_tried(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(weed.sysconfig, "get_path", lambda _: str(tmp_path))
     monkeypatch.setattr(weed.sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
+    (tmp_path / "weed").mkdir()  # a folder of that name is no binary (it was taken for one)
     start = time.monotonic()
     with pytest.raises(SeaweedError) as info:
         SeaweedCluster().start()

@@ -47,7 +47,7 @@ def find_weed() -> str:
     for folder in dict.fromkeys([sysconfig.get_path("scripts"),
                                  os.path.dirname(sys.executable)]):
         candidate = os.path.join(folder, "weed")
-        if os.access(candidate, os.X_OK):
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
         tried.append(candidate)
     on_path = shutil.which("weed")
