@@ -83,6 +83,13 @@ def _with(**changes: Any) -> dict[str, Any]:
      "would not see one store (give a local folder or s3://bucket/prefix)"),
     (_with(checkpoint={"url": "s3a://b/p"}),
      "s.yaml: checkpoint.url: s3a://b/p is not an S3 URL (give s3://bucket/prefix)"),
+    # validate said ok; the reference run failed on them (fsspec: "Protocol not known",
+    # "Please install gcsfs")
+    (_with(checkpoint={"url": "foo://b/p"}),
+     "s.yaml: checkpoint.url: foo://b/p: no storage for foo:// (Protocol not known: foo)"),
+    (_with(checkpoint={"url": "gs://b/p"}),
+     "s.yaml: checkpoint.url: gs://b/p: no storage for gs:// (Please install gcsfs to access "
+     "Google Storage)"),
     (_with(checkpoint={"storage_options": {"endpoint_url": "http://h:1"}}),
      "s.yaml: checkpoint: storage_options: only for an s3:// url, not the run's local folder"),
     (_with(checkpoint={"url": "s3://b/p", "storage_options": {"endpoint": "http://h:1"}}),

@@ -101,18 +101,27 @@ class CheckpointSpec(_Strict):
     @field_validator("url")
     @classmethod
     def _bucket(cls, url: str | None) -> str | None:
-        if url is not None and "\0" in url:  # it goes into the trainer's argv and environment
+        if url is None:
+            return url
+        if "\0" in url:  # it goes into the trainer's argv and environment
             raise ValueError(f"{url!r} holds a NUL byte")
-        if url is not None and (url[:3].lower() == "s3:" or url[:6].lower() == "s3a://") \
-                and not url.startswith("s3://"):
+        if (url[:3].lower() == "s3:" or url[:6].lower() == "s3a://") and not url.startswith("s3://"):
             # s3:/b, s3:b: a local folder "s3:" to the engine; S3://b, s3a://b: S3 to the
             # engine, but not to chaos's S3 setup (no endpoint, no proxy)
             raise ValueError(f"{url} is not an S3 URL (give s3://bucket/prefix)")
-        if url is not None and url.lower().startswith("memory://"):
+        if url.lower().startswith("memory://"):
             raise ValueError(f"{url} is each process's own memory: the ranks and chaos would "
                              "not see one store (give a local folder or s3://bucket/prefix)")
-        if url is not None and url.startswith("s3://") and not url[5:].split("/", 1)[0]:
+        if url.startswith("s3://") and not url[5:].split("/", 1)[0]:
             raise ValueError(f"{url} names no bucket (give s3://bucket/prefix)")
+        protocol = url.partition("://")[0] if "://" in url else "file"
+        if protocol not in ("file", "s3"):  # another fsspec URL: known, its package installed
+            import fsspec
+
+            try:
+                fsspec.get_filesystem_class(protocol)
+            except (ImportError, ValueError) as e:
+                raise ValueError(f"{url}: no storage for {protocol}:// ({e})") from None
         return url
 
     @field_validator("engine")
