@@ -254,6 +254,19 @@ def test_cli_out_folder_that_cannot_be_made_and_a_negative_seed_exit_2(tmp_path:
     assert "'--seed'" in result.output
 
 
+@pytest.mark.parametrize("name", ["tune.json", "goodput.png"])
+def test_cli_an_out_file_that_cannot_be_written_exits_2_naming_it(tmp_path: Path,
+                                                                  name: str) -> None:
+    """A folder in --out where tune.json or goodput.png goes was an IsADirectoryError
+    traceback, after the simulation (and, on a scenario, after its measuring runs)."""
+    out = tmp_path / "tune"
+    (out / name).mkdir(parents=True)
+    result = _invoke(["--ckpt-cost-s", "5", "--mtbf-s", "100", "--schedules", "50",
+                      "--out", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert f"error: {out / name}: cannot be written: Is a directory" in result.stderr
+
+
 def test_cli_a_job_that_can_never_finish_a_checkpoint_interval_is_refused() -> None:
     """C = 5000 s against M = 10 s: the simulation waited for a failure-free stretch of
     5000 s (e^500 failures) and never ended, its failure table growing without bound; past

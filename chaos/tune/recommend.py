@@ -126,8 +126,13 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         doc["out"] = str(out)
-        (out / "tune.json").write_text(strict_json(doc, indent=2))
-        plot(tuning, out / "goodput.png", doc["sweep"])
+        path = out / "tune.json"
+        try:
+            path.write_text(strict_json(doc, indent=2))
+            path = out / "goodput.png"
+            plot(tuning, path, doc["sweep"])
+        except OSError as exc:  # a full disk, a folder where the file goes
+            raise TuneError(f"{path}: cannot be written: {exc.strerror or exc}") from None
     return doc
 
 
