@@ -339,6 +339,17 @@ def test_the_html_shows_a_small_measured_figure_as_what_it_is(
     assert cells[2] == "0.00042" and cells[6] == "6.3e-05", cells
 
 
+def test_the_html_run_table_shows_a_checkpoint_stall_of_milliseconds_as_what_it_is(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """The run table's checkpoint cost kept two decimals after report.md stopped doing so:
+    a 4.2 ms stall read "0.00 s" in report.html while report.md and report.json held 0.0042."""
+    cost = {"stall_s": 0.0042, "slowdown_s": 0.031, "share_of_step_time": 0.002}
+    report.write_html(tmp_path, {**doc, "run": {**doc["run"], "checkpoint_cost": cost}}, [])
+    page = (tmp_path / "report.html").read_text()
+    row = page.split("<td>checkpoints&#x27; cost to the loop", 1)[1].split("</tr>", 1)[0]
+    assert "<td>0.0042 s + 0.031 s = 0.2% of the steps&#x27; time</td>" in row, row
+
+
 def test_the_timeline_of_a_command_trainer_has_a_row_for_every_rank() -> None:
     """A command trainer's scenario has ``nproc_per_node``, no ``parallel``: its timeline was
     drawn for one rank, so ranks 1.. and a fault on them fell outside the plot."""

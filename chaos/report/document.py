@@ -441,8 +441,9 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
          else f"{run['goodput_vs_reference']:.1%}"],
         ["checkpoints' cost to the loop (stall + slower steps while persisting)",
          None if not run.get("checkpoint_cost") else
-         f"{run['checkpoint_cost']['stall_s']:.2f} s + {run['checkpoint_cost']['slowdown_s']:.2f}"
-         f" s = {run['checkpoint_cost']['share_of_step_time']:.1%} of the steps' time"],
+         f"{_fmt(run['checkpoint_cost']['stall_s'], ' s')} + "
+         f"{_fmt(run['checkpoint_cost']['slowdown_s'], ' s')}"
+         f" = {run['checkpoint_cost']['share_of_step_time']:.1%} of the steps' time"],
         ["attempts", run.get("attempts")],
         ["final step", f"{run.get('final_step')} of "
                        f"{s['trainer'].get('steps', run.get('expected_step'))}"],
