@@ -310,6 +310,25 @@ def test_a_fault_note_of_several_lines_stays_one_row_of_the_markdown_table(
                              "F1205 bind: in use |")
 
 
+def test_the_markdown_escapes_html_in_the_description_reasons_and_fault_notes(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """report.md carried the scenario's description, the verdict's reasons and a fault's note
+    (error messages, log lines) as they are: a Markdown viewer rendered the description's
+    <script> as HTML and dropped a "<tmp>" from an error as an unknown tag, while report.html
+    showed both as text."""
+    effect = "commit timed out: missing ranks [3] <tmp> & more"
+    faults = [{**doc["faults"][0], "skipped": None, "effect": effect}, *doc["faults"][1:]]
+    verdict = {**doc["verdict"], "reasons": ["storage did not come back: <Response [503]>"]}
+    failed = plots.Plot("loss.png", "loss", error="TypeError: <lambda>() missing 1 argument\n")
+    report.write_markdown(tmp_path, {**doc, "faults": faults, "verdict": verdict}, [failed])
+    md = (tmp_path / "report.md").read_text()
+    assert "<script>" not in md and "<tmp>" not in md and "<Response" not in md, md
+    assert "loss.png could not be drawn: TypeError: &lt;lambda&gt;() missing 1 argument" in md
+    assert "A &lt;script&gt;alert('x')&lt;/script&gt; &amp; friends" in md
+    assert "- storage did not come back: &lt;Response [503]&gt;\n" in md
+    assert "missing ranks [3] &lt;tmp&gt; &amp; more |" in md
+
+
 def test_the_markdown_shows_a_stall_of_milliseconds_as_what_it_is(
         doc: dict[str, Any], tmp_path: Path) -> None:
     """A staging stall is a few milliseconds on a small state; two decimals wrote every one

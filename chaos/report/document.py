@@ -257,19 +257,25 @@ def _recovery_cell(f: dict[str, Any]) -> str:
     return "-"
 
 
+def _md(text: str) -> str:
+    """Free text (a description, an error message, a log line) as Markdown text: ``<`` and
+    ``&`` escaped, so a viewer shows them as report.html does instead of rendering a tag."""
+    return html.escape(text, quote=False)
+
+
 def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None = None) -> Path:
     """``plots``: link the PNGs that were drawn (and say which were not, and why)."""
     s, v, run = report["scenario"], report["verdict"], report["run"]
     lines = [f"# {s['name']}: {v['verdict'].upper()}", ""]
     if s.get("description"):
-        lines += [s["description"], ""]
+        lines += [_md(s["description"]), ""]
     vs_ref = run.get("goodput_vs_reference")
     lines += [f"- wall time {_fmt(run['wall_s'], ' s')}, goodput {_fmt(run['goodput'])}"
               + (f" ({vs_ref:.1%} of the fault-free run's {run['reference_goodput']:.3f})"
                  if vs_ref is not None else "")
               + f", attempts {run['attempts']}, final step {run['final_step']}",
               f"- bitwise equal to the fault-free reference: {_fmt(v['bitwise_equal'])}"]
-    lines += [f"- {reason}" for reason in v["reasons"]]
+    lines += [f"- {_md(str(reason))}" for reason in v["reasons"]]
     cost = run.get("checkpoint_cost")
     if cost:
         lines.append(f"- checkpoints cost the training loop {_fmt(cost['stall_s'], ' s')} of "
@@ -306,7 +312,7 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
             f"{_fmt(f['restart_s'])} | "
             f"{_fmt(f['restore_s'])} | {_fmt(f['recompute_s'])} | {_recovery_cell(f)} | "
             f"{_fmt(f['restored_step'])} | {_fmt(f['lost_steps'])} | "
-            f"{' '.join(note.replace('|', '/').split())} |")  # a row is one line
+            f"{_md(' '.join(note.replace('|', '/').split()))} |")  # a row is one line
     lines += ["", "## Checkpoints", "",
               "| attempt | step | stall s | persist s | slower steps s | MiB | committed |",
               "|---|---|---|---|---|---|---|"]
@@ -319,7 +325,8 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
         lines += ["", "## Plots", "", "All of it in one page: [report.html](report.html)", ""]
         for plot in plots:
             lines += [f"![{plot.alt}]({plot.name})" if plot.png is not None else
-                      f"{plot.name} could not be drawn: {(plot.error or '').splitlines()[0]}",
+                      f"{plot.name} could not be drawn: "
+                      f"{_md((plot.error or '').splitlines()[0])}",
                       ""]
     path = out / "report.md"
     path.write_text("\n".join(lines).rstrip("\n") + "\n")
