@@ -409,6 +409,23 @@ def test_the_checkpoint_plot_shows_no_stall_for_a_save_that_was_never_staged() -
     assert [t.get_text() for t in stall_ax.texts] == ["4 ms", "-"]
 
 
+def test_the_checkpoint_plot_labels_a_sub_millisecond_save_with_what_was_measured() -> None:
+    """A save of a small state stalls the loop for a fraction of a millisecond and persists in
+    a few: checkpoints.png labelled them "0 ms" and "0.00 s", the labels of a save that cost
+    nothing, while report.md and report.html show 0.00042 and 0.0031."""
+    from matplotlib.figure import Figure
+
+    cks = [{"attempt": 0, "step": 5, "stall_s": 0.00042, "persist_s": 0.0031, "bytes": 10,
+            "committed": True},
+           {"attempt": 0, "step": 10, "stall_s": 0.012, "persist_s": 0.25, "bytes": 10,
+            "committed": True}]
+    fig = Figure()
+    plots._draw_checkpoints(fig, {"scenario": {"name": "small"}, "checkpoints": cks})
+    stall_ax, persist_ax = fig.axes[:2]
+    assert [t.get_text() for t in stall_ax.texts] == ["0.42 ms", "12 ms"]
+    assert [t.get_text() for t in persist_ax.texts] == ["0.0031 s", "0.25 s"]
+
+
 def test_a_host_down_is_drawn_on_every_rank_it_took() -> None:
     """``host_down`` kills every rank of its host; the timeline's injection carried only the
     first (the injection's ``rank``), so the plot drew the host's other ranks training on, as

@@ -282,6 +282,12 @@ def _draw_timeline(fig: Any, doc: dict[str, Any]) -> None:
                ncol=min(len(legend), 5), fontsize=8)
 
 
+def _short(x: float, unit: str, decimals: int, exact_from: float) -> str:
+    """A bar's label: ``decimals`` places from ``exact_from``, two significant digits below
+    (a sub-millisecond stall is not "0 ms", the label of a save that cost nothing)."""
+    return f"{x:.{decimals}f}{unit}" if x == 0 or x >= exact_from else f"{x:.2g}{unit}"
+
+
 def _draw_checkpoints(fig: Any, doc: dict[str, Any]) -> None:
     from matplotlib.patches import Patch
 
@@ -299,11 +305,11 @@ def _draw_checkpoints(fig: Any, doc: dict[str, Any]) -> None:
     persist_ax.bar(xs, persist, color=["#2ca02c" if c.get("committed") else FAULT_COLOR
                                        for c in cks])
     for x, c in enumerate(cks):
-        stall_ax.annotate("-" if c.get("stall_s") is None else f"{stall[x] * 1e3:.0f} ms",
-                          (x, stall[x]), xytext=(0, 2),
+        stall_ax.annotate("-" if c.get("stall_s") is None
+                          else _short(stall[x] * 1e3, " ms", 0, 1.0), (x, stall[x]), xytext=(0, 2),
                           textcoords="offset points", ha="center", fontsize=7)
-        text = (("restored later" if c.get("persist_s") is None else f"{persist[x]:.2f} s")
-                if c.get("committed") else "failed")
+        text = (("restored later" if c.get("persist_s") is None
+                 else _short(persist[x], " s", 2, 0.1)) if c.get("committed") else "failed")
         persist_ax.annotate(text, (x, persist[x]), xytext=(0, 2), textcoords="offset points",
                             ha="center", fontsize=7,
                             color="black" if c.get("committed") else FAULT_COLOR)
