@@ -369,6 +369,19 @@ def test_the_html_run_table_shows_a_checkpoint_stall_of_milliseconds_as_what_it_
     assert "<td>0.0042 s + 0.031 s = 0.2% of the steps&#x27; time</td>" in row, row
 
 
+def test_a_checkpoint_cost_share_below_a_tenth_of_a_percent_is_not_zero(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """A 2 ms stall a save on second-long steps is 0.03% of the steps' time: one decimal of a
+    percent wrote it as 0.0% in report.md and report.html (as if checkpoints were free),
+    while report.json held 0.0003."""
+    cost = {"stall_s": 0.002, "slowdown_s": 0.0, "share_of_step_time": 0.0003}
+    changed = {**doc, "run": {**doc["run"], "checkpoint_cost": cost}}
+    report.write_markdown(tmp_path, changed)
+    report.write_html(tmp_path, changed, [])
+    assert "(0.03% of the steps' time)" in (tmp_path / "report.md").read_text()
+    assert "= 0.03% of the steps&#x27; time</td>" in (tmp_path / "report.html").read_text()
+
+
 def test_the_timeline_of_a_command_trainer_has_a_row_for_every_rank() -> None:
     """A command trainer's scenario has ``nproc_per_node``, no ``parallel``: its timeline was
     drawn for one rank, so ranks 1.. and a fault on them fell outside the plot."""

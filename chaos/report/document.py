@@ -238,6 +238,11 @@ def _fmt(x: Any, unit: str = "") -> str:
     return f"{x}{unit}"
 
 
+def _share(x: float) -> str:
+    """A percentage to one decimal, or two significant digits below 0.1% (not 0.0%)."""
+    return f"{x:.1%}" if x == 0 or abs(x) >= 0.001 else f"{x * 100:.2g}%"
+
+
 def _effect_cell(f: dict[str, Any]) -> str:
     """Whether the fault had the effect it exists for (see reports/README.md)."""
     if f.get("skipped"):
@@ -280,7 +285,7 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
     if cost:
         lines.append(f"- checkpoints cost the training loop {_fmt(cost['stall_s'], ' s')} of "
                      f"stall and {_fmt(cost['slowdown_s'], ' s')} of slower steps while they "
-                     f"persisted ({cost['share_of_step_time']:.1%} of the steps' time)")
+                     f"persisted ({_share(cost['share_of_step_time'])} of the steps' time)")
     spares = run.get("spares") or {}
     if spares.get("ready") or spares.get("lost_while_idle") or spares.get("given_up"):
         lines.append(f"- warm spares: {spares.get('ready', 0)} ready, "
@@ -450,7 +455,7 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
          None if not run.get("checkpoint_cost") else
          f"{_fmt(run['checkpoint_cost']['stall_s'], ' s')} + "
          f"{_fmt(run['checkpoint_cost']['slowdown_s'], ' s')}"
-         f" = {run['checkpoint_cost']['share_of_step_time']:.1%} of the steps' time"],
+         f" = {_share(run['checkpoint_cost']['share_of_step_time'])} of the steps' time"],
         ["attempts", run.get("attempts")],
         ["final step", f"{run.get('final_step')} of "
                        f"{s['trainer'].get('steps', run.get('expected_step'))}"],
