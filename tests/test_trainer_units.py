@@ -163,6 +163,12 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     (["--collective-timeout-s", "0"], "collective_timeout_s must be a finite number > 0"),
     (["--collective-timeout-s", "-5"], "collective_timeout_s must be a finite number > 0"),
     (["--ckpt-timeout-s", "0"], "ckpt_timeout_s must be a finite number > 0"),
+    # accepted, then every save failed waiting on its writes (OverflowError: a lock's timeout
+    # past threading.TIMEOUT_MAX, 9.2e9 s): the run trained to its end unsaved and exited 46;
+    # a collective timeout past timedelta's range was a traceback in every training process
+    (["--ckpt-timeout-s", "1e10"], "ckpt_timeout_s must be a finite number > 0 and at most"),
+    (["--collective-timeout-s", "1e14"],
+     "collective_timeout_s must be a finite number > 0 and at most"),
     (["--final-save-patience-s", "nan"], "final_save_patience_s must be >= 0, got nan"),
     (["--hang-timeout-s", "nan"], "hang_timeout_s must be > 0, got nan"),
     (["--lease-s", "nan"], "lease_s must be a finite number >= 1 s"),

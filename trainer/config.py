@@ -13,6 +13,10 @@ from antifragile.trainer.parallel.dims import ParallelDims
 from antifragile.trainer.progress import MIN_LEASE_S, lease_conflict
 
 FINAL_SAVE_PATIENCE_S = 120.0  # how long the last step's checkpoint is retried while it fails
+# the longest collective or checkpoint timeout (about 31 years): a save waits on its writes with
+# it (a lock's timeout, at most threading.TIMEOUT_MAX, 9.2e9 s: beyond, every save failed), the
+# store and process groups take it (twice it for a re-formation) as a timedelta
+MAX_TIMEOUT_S = 1e9
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -51,9 +55,9 @@ class TrainConfig:
             raise ValueError(f"seed must be in [-2**63, 2**64) (what torch.manual_seed takes), "
                              f"got {self.seed}")
         for name in ("collective_timeout_s", "ckpt_timeout_s"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"{name} must be a finite number > 0, got "
-                                 f"{getattr(self, name)}")
+            if not 0 < getattr(self, name) <= MAX_TIMEOUT_S:
+                raise ValueError(f"{name} must be a finite number > 0 and at most "
+                                 f"{MAX_TIMEOUT_S:g} s, got {getattr(self, name)}")
         per_dp, rem = divmod(self.batch_size, self.parallel.dp)
         if rem:
             raise ValueError(f"batch size {self.batch_size} is not divisible by dp "
