@@ -1141,3 +1141,20 @@ def test_a_checkpoint_saved_before_seeds_were_stored_resumes(tmp_path: Path) -> 
     assert ckpt.restore() == (2, 16)
     ckpt.close()
     events.close()
+
+
+def test_the_trainer_fixes_cublas_workspace_for_deterministic_gemms() -> None:
+    """On CUDA, deterministic algorithms need ``CUBLAS_WORKSPACE_CONFIG`` set before cuBLAS
+    starts; under ``warn_only`` its absence was a warning, and a GPU run's bits could differ
+    from its reference. The trainer sets it (a value the user gave wins)."""
+    import subprocess
+
+    probe = ("import os, antifragile.trainer.__main__; "
+             "print(os.environ['CUBLAS_WORKSPACE_CONFIG'])")
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.strip() == ":4096:8", done.stderr
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60, env={**env, "CUBLAS_WORKSPACE_CONFIG": ":16:8"})
+    assert done.stdout.strip() == ":16:8", done.stderr
