@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import secrets
 import threading
 import time
@@ -62,6 +61,9 @@ log = logging.getLogger("antifragile.engine")
 
 # staging areas at least this large overlap their copy with the writes (see save)
 OVERLAP_MIN_BYTES = 64 * 2**20
+# the longest commit_timeout_s (about 31 years): a save waits on locks with it, which refuse a
+# timeout past threading.TIMEOUT_MAX (9.2e9 s)
+MAX_COMMIT_TIMEOUT_S = 1e9
 
 
 class CheckpointEngine:
@@ -105,9 +107,9 @@ class CheckpointEngine:
                                       or isinstance(keep_last, bool) or keep_last < 1):
             raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
         if (not isinstance(commit_timeout_s, (int, float)) or isinstance(commit_timeout_s, bool)
-                or not 0 < commit_timeout_s < math.inf):
-            raise CheckpointError("commit_timeout_s must be a positive finite number of seconds, "
-                                  f"got {commit_timeout_s!r}")
+                or not 0 < commit_timeout_s <= MAX_COMMIT_TIMEOUT_S):
+            raise CheckpointError("commit_timeout_s must be a positive number of seconds, at "
+                                  f"most {MAX_COMMIT_TIMEOUT_S:g}, got {commit_timeout_s!r}")
         self.url = url
         self.keep_last = keep_last
         self.commit_timeout_s = commit_timeout_s

@@ -1887,12 +1887,13 @@ def test_a_step_that_is_not_a_non_negative_int_is_refused_by_the_call(
 @pytest.mark.parametrize("options", [
     {"keep_last": 2.5}, {"keep_last": "3"}, {"keep_last": True}, {"keep_last": 0},
     {"commit_timeout_s": float("nan")}, {"commit_timeout_s": -1.0}, {"commit_timeout_s": 0},
-    {"commit_timeout_s": "600"}], ids=str)
+    {"commit_timeout_s": "600"}, {"commit_timeout_s": 1e10}], ids=str)
 def test_a_keep_last_or_commit_timeout_that_cannot_be_one_is_refused(
         tmp_path: Path, options: dict[str, Any]) -> None:
     """keep_last=2.5 was taken, and every retention after it failed (slicing by a float),
     so no step was ever deleted; keep_last='3' raised TypeError; a commit_timeout_s of nan
-    made a save that cannot commit wait forever, a negative one fail at its first poll."""
+    made a save that cannot commit wait forever, a negative one fail at its first poll, and
+    one past threading.TIMEOUT_MAX (9.2e9 s) fail every save (OverflowError in a lock wait)."""
     name = next(iter(options))
     with pytest.raises(CheckpointError, match=name):
         CheckpointEngine(str(tmp_path / "ckpt"), **options)
