@@ -206,8 +206,8 @@ def test_cli_table_projection_and_out_folder(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--ckpt-cost-s", "-5", "--mtbf-s", "100"], "checkpoint cost must be"),
-    (["--ckpt-cost-s", "5", "--mtbf-s", "100", "--restart-s", "-1"], "restart cost must be"),
+    (["--ckpt-cost-s", "-5", "--mtbf-s", "100"], "--ckpt-cost-s must be"),
+    (["--ckpt-cost-s", "5", "--mtbf-s", "100", "--restart-s", "-1"], "--restart-s must be"),
     (["--ckpt-cost-s", "5", "--mtbf-s", "-100"], "--mtbf-s must be a finite number > 0"),
     (["--ckpt-cost-s", "5"], "needs --mtbf-s"),
     (["--mtbf-s", "100"], "--ckpt-cost-s"),
@@ -222,8 +222,10 @@ def test_cli_table_projection_and_out_folder(tmp_path: Path) -> None:
     # the model's floats overflowed: numpy's RuntimeWarning, then a 'no interval completes'
     # about intervals of 1e152 s; C/M rounding to 0 was a ZeroDivisionError traceback
     (["--ckpt-cost-s", "10", "--mtbf-s", "1e200"], "MTBF must be between"),
-    (["--ckpt-cost-s", "1e-300", "--mtbf-s", "1e8"], "checkpoint cost must be between"),
-    (["--ckpt-cost-s", "5", "--mtbf-s", "1e8", "--restart-s", "1e300"], "restart cost must be"),
+    (["--ckpt-cost-s", "1e-300", "--mtbf-s", "1e8"],
+     "--ckpt-cost-s: the checkpoint cost must be between"),
+    (["--ckpt-cost-s", "5", "--mtbf-s", "1e8", "--restart-s", "1e300"],
+     "--restart-s: the restart cost must be"),
     # a finite --gpu-mtbf-h whose job MTBF at a projected scale overflows (x 3600 s) or rounds
     # to 0: NaN intervals and goodputs in tune.json (a traceback with --step-s), and a
     # ZeroDivisionError traceback
@@ -308,7 +310,7 @@ def test_cli_a_weibull_shape_that_makes_intervals_infeasible_ends(shape: str) ->
 def test_cli_an_infinite_weibull_shape_is_bad_input() -> None:
     result = _invoke(["--ckpt-cost-s", "5", "--mtbf-s", "100", "--weibull-shape", "inf"])
     assert result.exit_code == 2, result.output
-    assert result.stderr.strip() == "error: the Weibull shape must be a finite number > 0, got inf"
+    assert result.stderr.strip() == "error: --weibull-shape must be a finite number > 0, got inf"
 
 
 def test_cli_projection_to_a_scale_where_nothing_gets_done_is_goodput_zero() -> None:
@@ -345,14 +347,14 @@ def test_cli_scenario_without_mtbf_or_with_model_options_exits_2(tmp_path: Path)
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["--schedules", "0"], "schedules must be >= 2, got 0"),
+    (["--schedules", "0"], "--schedules must be >= 2, got 0"),
     # numpy's _ArrayMemoryError traceback (95.4 GiB at 10^8), after measuring
-    (["--schedules", str(10**12)], "schedules 1000000000000: a block of failure times is "
+    (["--schedules", str(10**12)], "--schedules 1000000000000: a block of failure times is "
      "1000000000000 x 128 floats (953674 GiB, twice while it grows); this machine has "),
-    (["--weibull-shape", "nan"], "the Weibull shape must be a finite number > 0, got nan"),
+    (["--weibull-shape", "nan"], "--weibull-shape must be a finite number > 0, got nan"),
     # every tuning simulates the Weibull law: k < 0.00586 was an OverflowError traceback in
     # math.gamma, after measuring
-    (["--weibull-shape", "0.005"], "the Weibull shape 0.005 is too small to simulate (the "
+    (["--weibull-shape", "0.005"], "--weibull-shape 0.005 is too small to simulate (the "
      "scale that gives its gaps a mean of M overflows a float); give k >= 0.006"),
     # infinite passed "> 0": refused only by the model or the projection, after measuring
     (["--mtbf-s", "inf"], "--mtbf-s must be a finite number > 0 seconds, got inf"),
@@ -787,3 +789,54 @@ def test_a_sweep_whose_runs_would_pass_the_run_time_limit_is_refused_before_they
     assert "time limit" in result.output and "--sweep-steps" in result.output
     assert "Traceback" not in result.output
     assert len(runs) == 1  # the measuring run only
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--ckpt-cost-s", "-5"], "--ckpt-cost-s must be a finite number > 0 seconds, got -5"),
+    (["--ckpt-cost-s", "1e-300"], "--ckpt-cost-s: the checkpoint cost must be between 1e-06 "
+     "and 1e+120 seconds, got 1e-300"),
+    (["--ckpt-cost-s", "5", "--restart-s", "-1"],
+     "--restart-s must be a finite number >= 0 seconds, got -1"),
+    (["--ckpt-cost-s", "5", "--restart-s", "1e300"],
+     "--restart-s: the restart cost must be between"),
+    (["--ckpt-cost-s", "5", "--step-s", "0"],
+     "--step-s must be a finite number > 0 seconds, got 0"),
+    (["--ckpt-cost-s", "5", "--step-s", "nan"],
+     "--step-s must be a finite number > 0 seconds, got nan"),
+    (["--ckpt-cost-s", "5", "--schedules", "1"], "--schedules must be >= 2, got 1"),
+    (["--ckpt-cost-s", "5", "--weibull-shape", "0"],
+     "--weibull-shape must be a finite number > 0, got 0"),
+    (["--ckpt-cost-s", "5", "--weibull-shape", "0.005"], "--weibull-shape 0.005 is too small"),
+])
+def test_cli_a_bad_option_value_is_refused_naming_the_option(args: list[str],
+                                                             says: str) -> None:
+    """The model's own checks said "checkpoint cost must be ...", "step time must be ...",
+    "schedules must be >= 2", "the Weibull shape must be ...": which option to change was
+    left to the user to guess."""
+    result = _invoke(["--mtbf-s", "100", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().startswith(f"error: {says}"), result.stderr
+
+
+def _measured(**changes: Any) -> Any:
+    values: dict[str, Any] = dict(
+        ckpt_s=0.1, stall_s=0.1, step_effect_s=0.0, ckpt_cycle_s=None, restart_s=1.0,
+        step_s=0.05, startup_s=1.0, tail_s=0.1, failures=1, checkpoints=2,
+        injected_kill=False, wall_s=2.0, goodput=0.5, run_dir="/runs/measure")
+    values.update(changes)
+    return tune.Measured(**values)
+
+
+def test_a_measured_value_the_model_cannot_take_is_not_called_bad_input(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A measured step time out of the model's range was refused as "step time must be
+    between ..." with exit 2 (bad input), though the user gave no step time: it was measured."""
+    from antifragile.chaos.tune import recommend
+
+    monkeypatch.setattr(recommend, "measure_costs",
+                        lambda *_: _measured(step_s=1e-9))
+    result = _invoke([str(_tiny(tmp_path, [])), "--mtbf-s", "60", "--schedules", "50"])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert "measured" in result.stderr and "/runs/measure" in result.stderr, result.stderr
+    assert "step time" in result.stderr and "--step-s" not in result.stderr

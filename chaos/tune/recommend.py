@@ -26,6 +26,7 @@ from antifragile.chaos.tune.model import (
     MIN_SECONDS,
     Costs,
     Distribution,
+    MeasureError,
     TuneError,
     project,
     scale_mtbfs,
@@ -74,6 +75,11 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
             mtbf_s, source = gpu_mtbf_h * 3600 / gpus, f"{gpu_mtbf_h:g} h / {gpus} GPUs"
         if mtbf_s is None:
             raise TuneError("model-only mode needs --mtbf-s (or --gpus and --gpu-mtbf-h)")
+        for flag, what, seconds, strict in (
+                ("--ckpt-cost-s", "checkpoint cost", ckpt_cost_s, True),
+                ("--restart-s", "restart cost", restart_s, False),
+                ("--step-s", "step time", step_s, True)):
+            _check_seconds(flag, what, seconds, strict=strict)
         costs = Costs(ckpt_s=ckpt_cost_s, restart_s=restart_s or 0.0, mtbf_s=mtbf_s,
                             step_s=step_s)
         doc["mode"] = "model only"
@@ -99,8 +105,12 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
                                   "there is no failure rate to tune for; give --mtbf-s")
         with _folder(out, "measure") as folder:
             measured = measure_costs(s, folder, progress)
-        costs = Costs(ckpt_s=measured.ckpt_s, restart_s=measured.restart_s,
-                            mtbf_s=mtbf_s, step_s=measured.step_s)
+        try:
+            costs = Costs(ckpt_s=measured.ckpt_s, restart_s=measured.restart_s,
+                          mtbf_s=mtbf_s, step_s=measured.step_s)
+        except TuneError as exc:  # nothing the user gave: the run measured it
+            raise MeasureError(f"{measured.run_dir}: the run measured a value the model "
+                               f"cannot take: {exc}") from None
         doc["mode"] = f"measured on {scenario}"
     progress(f"simulating {schedules} failure schedules per interval (seed {seed})")
     tuning = tune(costs, dist=dist, shape=shape, schedules=schedules, seed=seed)
@@ -134,6 +144,19 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
         except OSError as exc:  # a full disk, a folder where the file goes
             raise TuneError(f"{path}: cannot be written: {exc.strerror or exc}") from None
     return doc
+
+
+def _check_seconds(option: str, what: str, value: float | None, *, strict: bool) -> None:
+    """``Costs``' checks for a value given on the command line, naming its option (``Costs``
+    also takes measured values, so its own messages cannot)."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (strict and value == 0):
+        raise TuneError(f"{option} must be a finite number {'> 0' if strict else '>= 0'} "
+                        f"seconds, got {value:g}")
+    if value > MAX_SECONDS or (strict and value < MIN_SECONDS):
+        raise TuneError(f"{option}: the {what} must be between {MIN_SECONDS:g} and "
+                        f"{MAX_SECONDS:g} seconds, got {value:g}")
 
 
 def _check_sweep_length(steps: int, step_s: float, measured: Measured, *,

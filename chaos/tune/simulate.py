@@ -127,20 +127,21 @@ class Curve:
 
 def check_simulation(schedules: int, shape: float) -> None:
     """Raise TuneError for settings the simulation cannot take (every tuning simulates the
-    Weibull law too, so its shape is always used)."""
+    Weibull law too, so its shape is always used). Both only ever come from ``chaos tune``'s
+    ``--schedules`` and ``--weibull-shape``, so the messages name those."""
     if schedules < 2:
-        raise TuneError(f"schedules must be >= 2, got {schedules}")
+        raise TuneError(f"--schedules must be >= 2, got {schedules}")
     block_gib = schedules * _FailureTimes.BLOCK * 8 / 2**30
     if 2 * block_gib > memory_mib() / 1024:
-        raise TuneError(f"schedules {schedules}: a block of failure times is {schedules} x "
+        raise TuneError(f"--schedules {schedules}: a block of failure times is {schedules} x "
                         f"{_FailureTimes.BLOCK} floats ({block_gib:.0f} GiB, twice while it "
                         f"grows); this machine has {memory_mib() / 1024:.0f} GiB")
     if not (math.isfinite(shape) and shape > 0):
-        raise TuneError(f"the Weibull shape must be a finite number > 0, got {shape}")
+        raise TuneError(f"--weibull-shape must be a finite number > 0, got {shape:g}")
     try:
         math.gamma(1 + 1 / shape)  # the gaps' scale for a mean of M (``_FailureTimes``)
     except OverflowError:
-        raise TuneError(f"the Weibull shape {shape:g} is too small to simulate (the scale "
+        raise TuneError(f"--weibull-shape {shape:g} is too small to simulate (the scale "
                         "that gives its gaps a mean of M overflows a float); give k >= 0.006"
                         ) from None
 
