@@ -840,3 +840,23 @@ def test_a_measured_value_the_model_cannot_take_is_not_called_bad_input(
     assert "Traceback" not in result.output
     assert "measured" in result.stderr and "/runs/measure" in result.stderr, result.stderr
     assert "step time" in result.stderr and "--step-s" not in result.stderr
+
+
+@pytest.mark.parametrize("ckpt_s", [2e-7, 0.0])
+def test_a_measured_checkpoint_cost_below_the_models_bound_is_tuned_at_the_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ckpt_s: float) -> None:
+    """A checkpoint measured cheaper than a microsecond (a stall that rounds to nothing) was
+    "checkpoint cost must be between 1e-06 and ..." with exit 2, bad input, after a real run
+    and though the user gave no cost. Tuned with the bound instead, saying so."""
+    from antifragile.chaos.tune import recommend
+    from antifragile.chaos.tune.model import MIN_SECONDS
+
+    monkeypatch.setattr(recommend, "measure_costs",
+                        lambda *_: _measured(ckpt_s=ckpt_s, stall_s=ckpt_s))
+    result = _invoke([str(_tiny(tmp_path, [])), "--mtbf-s", "60", "--schedules", "50",
+                      "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["ckpt_cost_s"] == MIN_SECONDS
+    assert doc["measurement"]["ckpt_s"] == ckpt_s  # what was measured, as measured
+    assert any(f"measured checkpoint cost {ckpt_s:g} s" in n for n in doc["notes"]), doc["notes"]

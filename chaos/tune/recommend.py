@@ -64,6 +64,7 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
     doc: dict[str, Any] = {}
     measured = s = None
     from_scenario = False
+    clamped = ""
     if scenario is None:
         if do_sweep:
             raise TuneError("--sweep runs a scenario: give SCENARIO.yaml")
@@ -105,8 +106,14 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
                                   "there is no failure rate to tune for; give --mtbf-s")
         with _folder(out, "measure") as folder:
             measured = measure_costs(s, folder, progress)
+        ckpt_s = measured.ckpt_s
+        if 0 <= ckpt_s < MIN_SECONDS:  # a stall that rounds to nothing: tune at the bound
+            ckpt_s = MIN_SECONDS
+            clamped = (f"the measured checkpoint cost {measured.ckpt_s:g} s is below the "
+                       f"model's smallest, {MIN_SECONDS:g} s, and was tuned as that: "
+                       "checkpoints cost next to nothing here")
         try:
-            costs = Costs(ckpt_s=measured.ckpt_s, restart_s=measured.restart_s,
+            costs = Costs(ckpt_s=ckpt_s, restart_s=measured.restart_s,
                           mtbf_s=mtbf_s, step_s=measured.step_s)
         except TuneError as exc:  # nothing the user gave: the run measured it
             raise MeasureError(f"{measured.run_dir}: the run measured a value the model "
@@ -116,6 +123,8 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
     tuning = tune(costs, dist=dist, shape=shape, schedules=schedules, seed=seed)
     doc.update(tuning.as_dict())
     doc["mtbf_source"] = source
+    if clamped:
+        doc["notes"].append(clamped)
     rec = doc["recommended_every_steps"]
     if s is not None and rec is not None and rec >= s.trainer.steps:
         doc["notes"].append(f"every_steps {rec} is not shorter than the scenario's "
