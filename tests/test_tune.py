@@ -860,3 +860,32 @@ def test_a_measured_checkpoint_cost_below_the_models_bound_is_tuned_at_the_bound
     assert doc["ckpt_cost_s"] == MIN_SECONDS
     assert doc["measurement"]["ckpt_s"] == ckpt_s  # what was measured, as measured
     assert any(f"measured checkpoint cost {ckpt_s:g} s" in n for n in doc["notes"]), doc["notes"]
+
+
+@pytest.mark.parametrize(("startup_s", "tail_s"), [(3500.0, 150.0), (3590.0, 9.5)])
+def test_a_sweep_no_run_of_which_fits_the_time_limit_does_not_advise_one_that_does_not(
+        startup_s: float, tail_s: float) -> None:
+    """With start-up plus tail near or past the run time limit the refusal said "give
+    --sweep-steps 2 or fewer" (the advice floored at 2), which would not fit either."""
+    from antifragile.chaos.run.runner import RUN_TIME_LIMIT_S
+    from antifragile.chaos.tune.recommend import _check_sweep_length
+
+    measured = _measured(startup_s=startup_s, tail_s=tail_s, step_s=1.0)
+    assert startup_s + 2 * 1.0 + tail_s > RUN_TIME_LIMIT_S
+    with pytest.raises(tune.TuneError) as refused:
+        _check_sweep_length(100, 1.0, measured, explicit=True)
+    message = str(refused.value)
+    assert "--sweep-steps 2 or fewer" not in message, message
+    assert "no sweep run fits" in message and "start-up" in message, message
+
+
+def test_the_sweep_length_advised_when_one_is_too_long_fits_the_time_limit() -> None:
+    from antifragile.chaos.run.runner import RUN_TIME_LIMIT_S
+    from antifragile.chaos.tune.recommend import _check_sweep_length
+
+    measured = _measured(startup_s=10.0, tail_s=5.0, step_s=0.7)
+    with pytest.raises(tune.TuneError, match=r"give --sweep-steps (\d+) or fewer") as refused:
+        _check_sweep_length(100_000, 0.7, measured, explicit=True)
+    advised = int(str(refused.value).split("give --sweep-steps ")[1].split()[0])
+    _check_sweep_length(advised, 0.7, measured, explicit=True)  # fits: no error
+    assert 10.0 + (advised + 1) * 0.7 + 5.0 > RUN_TIME_LIMIT_S  # and is the most that does

@@ -178,13 +178,18 @@ def _check_sweep_length(steps: int, step_s: float, measured: Measured, *,
     run_s = measured.startup_s + steps * step_s + measured.tail_s
     if run_s <= RUN_TIME_LIMIT_S:
         return
-    fitting = max(2, int((RUN_TIME_LIMIT_S - measured.startup_s - measured.tail_s) / step_s))
+    fixed_s = measured.startup_s + measured.tail_s
+    fitting = int((RUN_TIME_LIMIT_S - fixed_s) / step_s)
     given = (f"--sweep-steps {steps}" if explicit else
              f"{steps} steps (about three MTBFs, the default)")
-    raise TuneError(f"--sweep: each run of {given} at the measured {step_s:.3g} s a step would "
-                    f"last at least {run_s:.0f} s, past a run's time limit of "
-                    f"{RUN_TIME_LIMIT_S:.0f} s; give --sweep-steps {fitting} or fewer (or a "
-                    "shorter --mtbf-s)")
+    said = (f"--sweep: each run of {given} at the measured {step_s:.3g} s a step would last at "
+            f"least {run_s:.0f} s, past a run's time limit of {RUN_TIME_LIMIT_S:.0f} s")
+    if fitting < 2:  # --sweep-steps takes 2 at least
+        raise TuneError(f"{said}; no sweep run fits: the measured start-up "
+                        f"({measured.startup_s:.0f} s) and tail ({measured.tail_s:.0f} s) with "
+                        f"2 steps already take {fixed_s + 2 * step_s:.0f} s; tune without "
+                        "--sweep, or make the scenario start and finish faster")
+    raise TuneError(f"{said}; give --sweep-steps {fitting} or fewer (or a shorter --mtbf-s)")
 
 
 class _folder:
