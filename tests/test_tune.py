@@ -889,3 +889,15 @@ def test_the_sweep_length_advised_when_one_is_too_long_fits_the_time_limit() -> 
     advised = int(str(refused.value).split("give --sweep-steps ")[1].split()[0])
     _check_sweep_length(advised, 0.7, measured, explicit=True)  # fits: no error
     assert 10.0 + (advised + 1) * 0.7 + 5.0 > RUN_TIME_LIMIT_S  # and is the most that does
+
+
+@pytest.mark.parametrize(("seconds", "shown"), [(999.4, "999 s"), (999.5, "1,000 s (0.28 h)"),
+                                                (999.9, "1,000 s (0.28 h)"),
+                                                (1000.0, "1,000 s (0.28 h)"), (0.25, "0.25 s")])
+def test_the_table_shows_seconds_near_a_thousand_without_an_exponent(seconds: float,
+                                                                     shown: str) -> None:
+    """999.5 s up to 1000 s rounded to 3 significant digits printed as "1e+03 s"."""
+    from antifragile.chaos.cli.tune import _fmt_s
+
+    assert _fmt_s(seconds) == shown
+

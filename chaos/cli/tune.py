@@ -40,7 +40,8 @@ def _every_list(text: str | None) -> list[int] | None:
 def _fmt_s(x: float | None) -> str:
     if x is None:
         return "-"
-    return f"{x:.3g} s" if x < 1000 else f"{x:,.0f} s ({x / 3600:.2f} h)"
+    # 999.5 s and up round to 1000: "1e+03" at 3 significant digits
+    return f"{x:.3g} s" if x < 999.5 else f"{x:,.0f} s ({x / 3600:.2f} h)"
 
 
 def _table(doc: dict[str, Any]) -> str:
