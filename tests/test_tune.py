@@ -901,3 +901,12 @@ def test_the_table_shows_seconds_near_a_thousand_without_an_exponent(seconds: fl
 
     assert _fmt_s(seconds) == shown
 
+
+def test_the_table_states_the_projections_mtbf_in_hours_per_gpu() -> None:
+    """--gpu-mtbf-h is one GPU's MTBF in hours; the table called it "GPU-hours" (a product of
+    GPUs and hours, the wrong unit)."""
+    result = _invoke(["--ckpt-cost-s", "60", "--mtbf-s", "3600", "--gpu-mtbf-h", "50000",
+                      "--schedules", "50"])
+    assert result.exit_code == 0, result.output
+    assert "GPU-hours" not in result.stdout
+    assert "job MTBF = one GPU's MTBF (50000 h) / GPUs" in result.stdout, result.stdout
