@@ -349,8 +349,9 @@ def test_cli_scenario_without_mtbf_or_with_model_options_exits_2(tmp_path: Path)
 @pytest.mark.parametrize(("args", "says"), [
     (["--schedules", "0"], "--schedules must be >= 2, got 0"),
     # numpy's _ArrayMemoryError traceback (95.4 GiB at 10^8), after measuring
-    (["--schedules", str(10**12)], "--schedules 1000000000000: a block of failure times is "
-     "1000000000000 x 128 floats (953674 GiB, twice while it grows); this machine has "),
+    (["--schedules", str(10**12)], "--schedules 1000000000000: the failure times can grow "
+     "to 1000000000000 x 10112 floats (7.53e+07 GiB, twice while they grow); this machine "
+     "has "),
     (["--weibull-shape", "nan"], "--weibull-shape must be a finite number > 0, got nan"),
     # every tuning simulates the Weibull law: k < 0.00586 was an OverflowError traceback in
     # math.gamma, after measuring
@@ -910,3 +911,16 @@ def test_the_table_states_the_projections_mtbf_in_hours_per_gpu() -> None:
     assert result.exit_code == 0, result.output
     assert "GPU-hours" not in result.stdout
     assert "job MTBF = one GPU's MTBF (50000 h) / GPUs" in result.stdout, result.stdout
+
+
+def test_schedules_whose_failure_table_could_outgrow_memory_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check sized one block of failure times (schedules x 128 floats), but a schedule
+    that meets many failures grows the table to schedules x MAX_FAILURES floats: on a 1 GiB
+    machine 100,000 schedules passed (195 MiB a block) though the table can reach 7.5 GiB,
+    a MemoryError traceback mid-simulation."""
+    simulate = importlib.import_module("antifragile.chaos.tune.simulate")
+    monkeypatch.setattr(simulate, "memory_mib", lambda: 1024)
+    with pytest.raises(tune.TuneError, match=r"^--schedules 100000: .*this machine has 1 GiB"):
+        simulate.check_simulation(100_000, 0.7)
+    simulate.check_simulation(5_000, 0.7)  # 386 MiB at most: taken

@@ -131,11 +131,13 @@ def check_simulation(schedules: int, shape: float) -> None:
     ``--schedules`` and ``--weibull-shape``, so the messages name those."""
     if schedules < 2:
         raise TuneError(f"--schedules must be >= 2, got {schedules}")
-    block_gib = schedules * _FailureTimes.BLOCK * 8 / 2**30
-    if 2 * block_gib > memory_mib() / 1024:
-        raise TuneError(f"--schedules {schedules}: a block of failure times is {schedules} x "
-                        f"{_FailureTimes.BLOCK} floats ({block_gib:.0f} GiB, twice while it "
-                        f"grows); this machine has {memory_mib() / 1024:.0f} GiB")
+    # a schedule may meet MAX_FAILURES failures: the table grows to that many columns
+    columns = -(-MAX_FAILURES // _FailureTimes.BLOCK) * _FailureTimes.BLOCK
+    table_gib = schedules * columns * 8 / 2**30
+    if 2 * table_gib > memory_mib() / 1024:
+        raise TuneError(f"--schedules {schedules}: the failure times can grow to {schedules} x "
+                        f"{columns} floats ({table_gib:.3g} GiB, twice while they grow); this "
+                        f"machine has {memory_mib() / 1024:.0f} GiB")
     if not (math.isfinite(shape) and shape > 0):
         raise TuneError(f"--weibull-shape must be a finite number > 0, got {shape:g}")
     try:
