@@ -91,7 +91,13 @@ def _run(args: argparse.Namespace, run_dir: Path, every: int | None) -> dict[str
     failed = {e["step"] for e in log if e["event"] == "ckpt_failed"}
     saves = [s for s in range(timed.start - 1, timed.stop - 1) if every and s % every == 0]
     made = [s for s in saves if staged.get(s, set()) >= ranks and s not in failed]
-    stalls = [e["stall_s"] for e in log if e["event"] == "ckpt_staged"]
+    # the stall of the saves the timed steps pay, the slowest rank's (as the steps are): not
+    # the first save's (untimed warm-up: it plans and allocates) nor the last step's
+    stall_by_save: dict[int, float] = {}
+    for e in log:
+        if e["event"] == "ckpt_staged" and e["step"] in made:
+            stall_by_save[e["step"]] = max(stall_by_save.get(e["step"], 0.0), e["stall_s"])
+    stalls = list(stall_by_save.values())
     persist = [e["persist_s"] for e in log if e["event"] == "ckpt_committed"]
     return {"mean_step_s": statistics.fmean(per_step.values()),
             "median_step_s": statistics.median(per_step.values()),

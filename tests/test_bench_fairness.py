@@ -363,3 +363,30 @@ def test_s3_bench_gives_a_target_no_verdict_on_fewer_than_three_samples(
     fig = Figures("quickstart", 1, 4, samples={"persist": [1.0] * reps, "raw_put": [1.0] * reps})
     assert fig.ratio("persist", "raw_put") == 1.0
     assert fig.verdict("persist", "raw_put") == verdict
+
+
+def test_trainer_bench_stall_is_that_of_the_saves_its_timed_steps_pay(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stall share divides the mean stall by the timed steps' time, but the mean took
+    every save of the run: the first (untimed: it plans and allocates the staging area, 5 s
+    here against 0.1 s) and the last step's. Only the saves the timed steps pay count."""
+    import argparse
+    import subprocess
+
+    from bench import trainer as bench_trainer
+
+    def fake_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(cmd, 0)
+
+    def events(run_dir: Path) -> list[dict[str, object]]:
+        out = _trainer_events(60, 10, 0.1)
+        return [{**e, "stall_s": 5.0} if e["event"] == "ckpt_staged" and e["step"] == 10
+                else e for e in out]
+
+    monkeypatch.setattr(bench_trainer.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench_trainer, "read_events", events)
+    args = argparse.Namespace(dp=1, tp=1, pp=1, steps=60, every=10, warmup=11, layers=1,
+                              d_model=64, device="cpu")
+    ckpt = bench_trainer._run(args, tmp_path / "ckpt-0", args.every)
+    assert ckpt["timed_saves"] == 4
+    assert ckpt["mean_stall_s"] == pytest.approx(0.1)
