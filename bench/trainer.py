@@ -41,16 +41,21 @@ def timed_steps(args: argparse.Namespace) -> range:
 
 
 OVERHEAD_TARGET = 0.02  # issue 14: async checkpoints cost at most 2% of the mean step
+MIN_PAIRS = 3  # as bench.engine's MIN_SAMPLES: a median of fewer has no spread to judge by
 
 
 def overhead_verdict(overhead: float, ckpt_runs: list[dict[str, float]]) -> str:
-    """PASS when ``overhead`` is within the target and every checkpointed run made every save
-    of its timed steps; a run that made fewer measured less checkpointing than was asked."""
+    """PASS when ``overhead`` (the median over the pairs of ``ckpt_runs``) is within the
+    target and every checkpointed run made every save of its timed steps; a run that made
+    fewer measured less checkpointing than was asked. ``n/a`` from fewer than
+    :data:`MIN_PAIRS` pairs."""
     short = [f"{r['timed_saves']:.0f} of {r['expected_saves']:.0f}" for r in ckpt_runs
              if r["timed_saves"] < r["expected_saves"]]
     if short:
         return (f"MISS ({', '.join(short)} saves in the timed steps made: the others were "
                 "refused or failed, see ckpt_failed)")
+    if len(ckpt_runs) < MIN_PAIRS:
+        return f"n/a ({len(ckpt_runs)} pair(s): at least {MIN_PAIRS} for a verdict)"
     return "PASS" if overhead <= OVERHEAD_TARGET else "MISS"
 
 
