@@ -27,6 +27,7 @@ from bench._peers import DirectWriter
 from bench._state import gpt_like_state, model_dim, state_nbytes
 
 GIB = 2**30
+MIN_SAMPLES = 3  # as bench.engine's: a median of fewer has no spread to judge by
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,11 +67,16 @@ class ScalePoint:
 
 def growth(points: list[ScalePoint | str]) -> tuple[float, str] | None:
     """s/GiB at the slowest size over the fastest, and its verdict (target <= 1.5x: linear,
-    no cliff); None with fewer than two sizes measured."""
-    per_gib = [p.s_per_gib for p in points if isinstance(p, ScalePoint)]
-    if len(per_gib) < 2:
+    no cliff; ``n/a`` where a size has fewer than ``MIN_SAMPLES`` saves, as ``bench.engine``
+    judges its targets); None with fewer than two sizes measured."""
+    measured = [p for p in points if isinstance(p, ScalePoint)]
+    if len(measured) < 2:
         return None
+    per_gib = [p.s_per_gib for p in measured]
     ratio = max(per_gib) / min(per_gib)
+    n = min(len(p.persist_s) for p in measured)
+    if n < MIN_SAMPLES:
+        return ratio, f"n/a (n={n}: at least {MIN_SAMPLES} saves a size for a verdict, --reps)"
     return ratio, "PASS" if ratio <= 1.5 else "MISS"
 
 

@@ -338,7 +338,8 @@ def test_engine_bench_sweep_json_carries_the_ratios_and_verdicts_it_prints(
             return "4 GiB skipped: no memory"
         n = int(size_gib * gib)
         return ScalePoint(size_gib=size_gib, nbytes=n, staging_nbytes=n,
-                          stall_s=[0.1], persist_s=[size_gib**2], direct_s=[size_gib],
+                          stall_s=[0.1] * 3, persist_s=[size_gib**2] * 3,
+                          direct_s=[size_gib] * 3,
                           base_rss=gib, peak_rss=gib + int(2.5 * n))
 
     monkeypatch.setattr(bench_engine, "scale_point", fake_point)
@@ -404,3 +405,20 @@ def test_trainer_bench_gives_the_overhead_target_no_verdict_on_fewer_than_three_
 
     run = {"timed_saves": 4.0, "expected_saves": 4.0}
     assert bench_trainer.overhead_verdict(0.01, [run] * pairs).startswith(verdict)
+
+
+@pytest.mark.parametrize(("reps", "verdict"), [(1, "n/a"), (2, "n/a"), (3, "MISS")])
+def test_engine_bench_sweep_gives_growth_no_verdict_on_fewer_than_three_samples(
+        reps: int, verdict: str) -> None:
+    """``--sweep`` times one save per size unless ``--reps`` says otherwise: the s/GiB growth
+    (a ratio of medians) was PASS or MISS on one sample a size."""
+    from bench.scale import ScalePoint, growth
+
+    gib = 2**30
+    points: list[ScalePoint | str] = [
+        ScalePoint(size_gib=s, nbytes=s * gib, staging_nbytes=s * gib, stall_s=[0.1] * reps,
+                   persist_s=[float(s * s)] * reps, direct_s=[float(s)] * reps,
+                   base_rss=gib, peak_rss=gib + 2 * s * gib) for s in (1, 2)]
+    grown = growth(points)
+    assert grown is not None and grown[0] == pytest.approx(2.0)
+    assert grown[1].startswith(verdict), grown
