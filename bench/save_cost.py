@@ -13,8 +13,9 @@ per save and in the same run:
 - DCP ``async_save`` return on the same state dict (its loop wait);
 - a plain ``copy_`` of every local tensor into preallocated buffers (the bytes' floor);
 - the persist of each (``save()`` to committed, ``async_save`` to its future's result): for
-  a small state on a local disk, file-system metadata (a file per shard, a folder per array,
-  retention's deletes), not bytes.
+  a small state on a local disk, file-system metadata (a file per shard, a folder per array),
+  not bytes. Neither deletes an older checkpoint inside the timing (DCP never does; the
+  engine's previous step is deleted after, untimed, as in ``bench.engine``).
 
 Saves are spaced so each persists before the next (nothing is skipped as busy); the first
 two saves of each method (plans, allocations) are not timed. Medians over the timed saves of
@@ -49,8 +50,10 @@ def _worker(rank: int, world: int, port: int, root: str, saves: int, out: str) -
     from torch.distributed.device_mesh import init_device_mesh
 
     from antifragile.engine import CheckpointEngine
+    from antifragile.engine._paths import step_dir
     from antifragile.trainer.model import GPT, ModelConfig
     from antifragile.trainer.parallel import apply_fsdp
+    from bench._machine import remove
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -67,7 +70,8 @@ def _worker(rank: int, world: int, port: int, root: str, saves: int, out: str) -
                                      "dcp_async_return": [], "memcpy": [],
                                      "engine_persist": [], "dcp_persist": []}
     entries = 0
-    with CheckpointEngine(os.path.join(root, "engine"), keep_last=2) as engine:
+    # no retention: wait() would wait for its deletes, which DCP's persist has no part of
+    with CheckpointEngine(os.path.join(root, "engine"), keep_last=None) as engine:
         for i in range(saves + 2):
             state = _state(model, optimizer, i)
             flat = [t for part in (state["model"], state["optim"]) for t in part.values()
@@ -93,6 +97,8 @@ def _worker(rank: int, world: int, port: int, root: str, saves: int, out: str) -
             future.result()
             dist.barrier()
             t5 = time.perf_counter()
+            if rank == 0 and i:  # untimed; the next save waits at the barrier above
+                remove(os.path.join(engine.url, step_dir(i - 1)))
             if i >= 2:
                 times["memcpy"].append(t1 - t0)
                 times["engine_return"].append(t2 - t_save)

@@ -422,3 +422,36 @@ def test_engine_bench_sweep_gives_growth_no_verdict_on_fewer_than_three_samples(
     grown = growth(points)
     assert grown is not None and grown[0] == pytest.approx(2.0)
     assert grown[1].startswith(verdict), grown
+
+
+def test_save_cost_engine_persist_excludes_deleting_older_checkpoints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's persist was its save plus retention's delete of an older checkpoint
+    (``keep_last=2``: ``wait()`` waits for it), compared with DCP's persist, which deletes
+    nothing. With a delete that takes 0.3 s the engine's persist stays below it, as in
+    bench.engine and bench.gpu."""
+    from antifragile.engine.storage._local import LocalStorage
+    from bench import save_cost
+
+    delete_s = 0.3
+    real_delete_tree = LocalStorage.delete_tree
+
+    def slow_delete_tree(self: LocalStorage, prefix: str) -> bool:
+        time.sleep(delete_s)
+        return real_delete_tree(self, prefix)
+
+    monkeypatch.setattr(LocalStorage, "delete_tree", slow_delete_tree)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = torch.get_num_threads()
+    try:
+        save_cost._worker(0, 1, port, str(tmp_path), 2, str(tmp_path))
+    finally:
+        torch.set_num_threads(threads)
+    times = json.loads((tmp_path / "rank0.json").read_text())["times"]
+    assert len(times["engine_persist"]) == 2
+    assert max(times["engine_persist"]) < delete_s, times
+    engine_steps = sorted(p.name for p in (tmp_path / "engine").iterdir()
+                          if p.name.startswith("step_"))
+    assert len(engine_steps) <= 2, engine_steps  # older ones still go, untimed
