@@ -101,13 +101,14 @@ def scale_point(size_gib: float, parent: str, reps: int) -> ScalePoint | str:
         return (f"{size_gib:g} GiB skipped: {mem_available_bytes() / GIB:.1f} GiB available, "
                 f"needs ~{need / GIB:.1f} (state + staging)")
     root = tempfile.mkdtemp(prefix="antifragile-scale-", dir=parent)
-    base = rss_bytes()
-    state = gpt_like_state(model_dim(size_gib * GIB))
-    nbytes = state_nbytes(state)
-    ckpt = CheckpointEngine(os.path.join(root, "engine"), keep_last=None)
+    ckpt: CheckpointEngine | None = None
     direct: DirectWriter | None = None
     stall, persist, direct_s = [], [], []
     try:
+        base = rss_bytes()
+        state = gpt_like_state(model_dim(size_gib * GIB))
+        nbytes = state_nbytes(state)
+        ckpt = CheckpointEngine(os.path.join(root, "engine"), keep_last=None)
         drop_page_cache()
         ckpt.save(0, state).wait()  # plans and allocates the staging area
         direct = DirectWriter.of(ckpt)
@@ -129,7 +130,8 @@ def scale_point(size_gib: float, parent: str, reps: int) -> ScalePoint | str:
     finally:
         if direct is not None:
             direct.close()
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
         shutil.rmtree(root, ignore_errors=True)
     return ScalePoint(size_gib=size_gib, nbytes=nbytes, staging_nbytes=staging, stall_s=stall,
                       persist_s=persist, direct_s=direct_s, base_rss=base, peak_rss=peak)

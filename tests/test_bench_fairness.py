@@ -455,3 +455,18 @@ def test_save_cost_engine_persist_excludes_deleting_older_checkpoints(
     engine_steps = sorted(p.name for p in (tmp_path / "engine").iterdir()
                           if p.name.startswith("step_"))
     assert len(engine_steps) <= 2, engine_steps  # older ones still go, untimed
+
+
+def test_engine_bench_sweep_leaves_no_folder_when_a_size_fails_before_its_saves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep's folder was made before the state and the engine, outside the cleanup: a
+    state that could not be built (MemoryError) left an antifragile-scale-* folder behind."""
+    from bench import scale
+
+    def no_memory(d: int) -> dict[str, object]:
+        raise MemoryError
+
+    monkeypatch.setattr(scale, "gpt_like_state", no_memory)
+    with pytest.raises(MemoryError):
+        scale.scale_point(0.001, str(tmp_path), 1)
+    assert list(tmp_path.iterdir()) == []
