@@ -1,6 +1,6 @@
 """The engine and the trainer on one CUDA device, in one run.
 
-    python -m bench.gpu [--gib 3] [--reps 3] [--trainer-pairs 2] [--json PATH]
+    python -m bench.gpu [--gib 3] [--reps 3] [--trainer-pairs 3] [--json PATH]
 
 Measured side by side, medians of ``--reps``:
 
@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=3.0, help="size of the state on the device")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--trainer-pairs", type=int, default=2, help="0: no trainer runs")
+    p.add_argument("--trainer-pairs", type=int, default=3,
+                   help="0: no trainer runs; a verdict needs at least 3")
     p.add_argument("--root", help="checkpoint folder (default: a temporary one)")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
