@@ -44,6 +44,7 @@ from ._state import FlatState, flatten, state_signature
 from ._threads import DaemonPool, DaemonWorkers
 from .errors import CheckpointBusyError, CheckpointError
 from .persist import (
+    BoundedRequests,
     WriteTimeoutError,
     group_layout,
     metadata_copy,
@@ -408,34 +409,37 @@ class CheckpointEngine:
         deadline = start + self.commit_timeout_s
         self._ghosts.discard(step)  # saved again (after a restart from an older step)
         storage = CountingStorage(self.storage)  # this save's requests: handle.requests
+        # each request beside the object writes fails the save once it hangs for
+        # commit_timeout_s (write_objects bounds the writes itself)
+        bounded = BoundedRequests(storage, self.commit_timeout_s)
         recorded = False
         try:
             all_docs = self._metadata_docs(plan)
             docs = _commit.metadata_share(plan, all_docs, self.rank)  # the ones this rank writes
-            if storage.exists(f"{step_dir(step)}/{COMMIT}"):
+            if bounded.exists(f"{step_dir(step)}/{COMMIT}"):
                 recorded = True  # write nothing into a committed step, not even an error record
                 nonce, handle.committed_nbytes, handle.nbytes = same_as_committed(
-                    storage, step, self.rank, plan, staging, docs, values, self._pool)
+                    bounded, step, self.rank, plan, staging, docs, values, self._pool)
             else:
                 self._phase(step, "persisting")
                 manifest = write_objects(storage, step, nonce, staging, docs, self._pool,
                                          stall_s=self.commit_timeout_s)
                 handle.nbytes = manifest.nbytes
                 self._phase(step, "written")
-                write_record(storage, step, self.rank, rank_record(
+                write_record(bounded, step, self.rank, rank_record(
                     step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce,
                     manifest=manifest, values=values, requests=storage.requests["total"] + 1))
                 recorded = True
                 self._phase(step, "recorded")
                 if self.rank == 0:
                     result = _commit.coordinate(
-                        storage, plan=plan, step=step, nonce=nonce, deadline=deadline,
+                        bounded, plan=plan, step=step, nonce=nonce, deadline=deadline,
                         group_attrs=attrs, metadata_keys=set(all_docs), cancel=self._cancel,
                         before_commit=lambda: self._phase(step, "committing"))
                     handle.committed_nbytes = result.nbytes
                 else:
                     handle.committed_nbytes = _commit.wait_for_commit(
-                        storage, step=step, nonce=nonce, world_size=plan.world_size,
+                        bounded, step=step, nonce=nonce, world_size=plan.world_size,
                         deadline=deadline + min(30.0, self.commit_timeout_s / 2),
                         cancel=self._cancel)
             self._unfinished.discard(step)
@@ -448,7 +452,7 @@ class CheckpointEngine:
             # coordinator's retention runs here; wait() also waits for that retention
             handle._future.set_result(None)
             if self.rank == 0:
-                self._retain(handle, storage)
+                self._retain(handle, bounded)
                 handle.requests = storage.requests
         except BaseException as exc:
             if not isinstance(exc, CheckpointError):
@@ -466,12 +470,12 @@ class CheckpointEngine:
             if not recorded and not self._cancel.is_set() and not hung:
                 # best effort: if storage is down, the coordinator times out naming this rank
                 with contextlib.suppress(Exception):
-                    write_record(storage, step, self.rank, rank_record(
+                    write_record(bounded, step, self.rank, rank_record(
                         step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce,
                         manifest=None, values={}, error=str(error)))
             if self.rank == 0:
                 if not hung:
-                    _commit.abort(storage, step, nonce, str(error))
+                    _commit.abort(bounded, step, nonce, str(error))
                 self._unfinished.add(step)
             if hung:
                 # the hung write still holds a view of these buffers and may send it when the

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Executor, wait
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from torch.distributed.tensor import DTensor
 
@@ -26,6 +26,9 @@ from .errors import CheckpointCorruptError, CheckpointError, CommitTimeoutError
 from .plan import ArraySpec, GlobalPlan
 from .stage import StagingArea
 from .storage import Storage
+from .storage._base import read_into
+
+_T = TypeVar("_T")
 
 
 def metadata_objects(plan: GlobalPlan) -> dict[str, bytes]:
@@ -97,6 +100,68 @@ class WriteTimeoutError(CommitTimeoutError):
     """A write of this rank's did not return before the save's deadline: the storage does
     not answer (a hung NFS server, an endpoint that never replies). Nothing more is written
     for that save (it would hang too); the write is left to its (daemon) thread."""
+
+
+class BoundedRequests:
+    """``inner`` (a Storage) with every request bounded: one that has not returned after
+    ``stall_s`` (commit_timeout_s) raises WriteTimeoutError naming it and is left to its
+    daemon thread. For a save's requests beside its object writes (its look-ups, record,
+    listings, group documents, COMMIT, retention), which hung with it on storage that has no
+    timeouts of its own (a hard NFS mount whose server is gone); ``write_objects`` bounds
+    the object writes itself, by the last one that returned. A thread a request: one that
+    hangs takes no later request with it once the storage answers again."""
+
+    def __init__(self, inner: Storage, stall_s: float) -> None:
+        self.inner, self.url, self.stall_s = inner, inner.url, stall_s
+
+    def _bounded(self, request: str, call: Callable[[], _T]) -> _T:
+        done = threading.Event()
+        outcome: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                outcome.append((True, call()))
+            except BaseException as exc:  # raised on the caller's thread below
+                outcome.append((False, exc))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="ckpt-request", daemon=True).start()
+        if not done.wait(self.stall_s):
+            raise WriteTimeoutError(f"{self.url}: {request} did not return for {self.stall_s:g} "
+                                    "s (commit_timeout_s), the storage does not answer")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return cast(_T, value)
+
+    def write(self, key: str, parts: Any, *, durable: bool = False, late: Any = None) -> None:
+        self._bounded(f"write {key}",
+                      lambda: self.inner.write(key, parts, durable=durable, late=late))
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
+        return self._bounded(f"read {key}", lambda: self.inner.read(key, start, end))
+
+    def read_into(self, key: str, start: int, buffers: Any) -> int:
+        return self._bounded(f"read {key}", lambda: read_into(self.inner, key, start, buffers))
+
+    def size(self, key: str) -> int:
+        return self._bounded(f"size {key}", lambda: self.inner.size(key))
+
+    def exists(self, key: str) -> bool:
+        return self._bounded(f"exists {key}", lambda: self.inner.exists(key))
+
+    def list_dir(self, prefix: str) -> list[str]:
+        return self._bounded(f"list_dir {prefix}", lambda: self.inner.list_dir(prefix))
+
+    def delete(self, key: str) -> None:
+        self._bounded(f"delete {key}", lambda: self.inner.delete(key))
+
+    def delete_tree(self, prefix: str) -> bool:
+        return self._bounded(f"delete_tree {prefix}", lambda: self.inner.delete_tree(prefix))
+
+    def sync(self) -> None:
+        self._bounded("sync", self.inner.sync)
 
 
 def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,

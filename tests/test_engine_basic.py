@@ -1146,6 +1146,58 @@ def test_a_write_that_never_returns_fails_its_save_at_the_deadline(
         engine.close()
 
 
+class _HungRequest:
+    """Storage whose ``method`` never returns for a key starting with ``prefix`` until
+    ``release`` is set (a hard NFS mount whose server went away)."""
+
+    def __init__(self, inner: Any, method: str, prefix: str) -> None:
+        self.inner, self.method, self.prefix = inner, method, prefix
+        self.release, self.reached = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self.inner, name)
+        if name != self.method:
+            return real
+
+        def hung(*args: Any, **kw: Any) -> Any:
+            if args[0].startswith(self.prefix):
+                self.reached.set()
+                self.release.wait()
+            return real(*args, **kw)
+        return hung
+
+
+@pytest.mark.parametrize(("method", "prefix"), [
+    ("exists", "step_000000001/COMMIT"),  # the save's first look-up
+    ("write", "step_000000001/.ranks/"),  # its record
+    ("list_dir", "step_000000001/.ranks"),  # the coordinator's listing of the records
+    ("write", "step_000000001/COMMIT")])  # the commit itself
+def test_a_request_of_a_save_beside_its_writes_that_never_returns_fails_it_in_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, prefix: str) -> None:
+    """Only the object writes and their sync were bounded by commit_timeout_s: a save whose
+    first look-up, record, listing or COMMIT hung on storage never resolved (wait() hung,
+    every later save was skipped as busy). Each such request now fails the save as its
+    writes do, and the next save commits."""
+    from antifragile.engine import CommitTimeoutError, _threads
+
+    monkeypatch.setattr(_threads, "CLOSE_WAIT_S", 0.5)
+    engine = CheckpointEngine(str(tmp_path / "ckpt"), commit_timeout_s=1.0)
+    hung = _HungRequest(engine.storage, method, prefix)
+    engine.storage = hung
+    try:
+        handle = engine.save(1, {"w": torch.ones(8)})
+        began = time.monotonic()
+        with pytest.raises(CommitTimeoutError, match=rf"step 1, rank 0: .*{method}"):
+            handle.wait(timeout=30)
+        assert hung.reached.is_set() and time.monotonic() - began < 10
+        hung.prefix = "-"  # the storage answers again (the hung request stays hung)
+        engine.save(2, {"w": torch.full((8,), 2.0)}, blocking=True)
+        assert engine.steps() == [2]
+    finally:
+        hung.release.set()
+        engine.close()
+
+
 def _save_with_rank_1_hung(url: str) -> tuple[list[str], list[int], int]:
     """On each of 2 ranks: step 2, whose writes hang on rank 1 (until the end), then step 3.
     Returns each save's outcome, the committed steps and the objects rank 1's hung writes
