@@ -59,6 +59,16 @@ class Stateful(Protocol):
 # runtime Protocol check costs tens of microseconds (hundreds of them per save add up)
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _PLAIN = _SCALARS | {dict, list, tuple}
+# an int this wide has fewer decimal digits than any ``sys.get_int_max_str_digits()`` (at
+# least 640); a wider one may have no JSON text, so it is checked like any other value
+_SHORT_INT_BITS = 2000
+
+
+def _plain_scalar(value: object) -> bool:
+    """A JSON leaf that needs no check (an int short enough that JSON can write it)."""
+    if type(value) is int:
+        return value.bit_length() <= _SHORT_INT_BITS
+    return type(value) in _SCALARS
 
 
 def is_stateful(obj: object) -> TypeGuard[Stateful]:
@@ -171,7 +181,7 @@ def describe(value: object, path: str) -> JSON:
 
 
 def _check_json(value: object, path: str) -> JSON:
-    if type(value) in _SCALARS:
+    if _plain_scalar(value):
         return value
     try:
         json.dumps(value, allow_nan=True)
@@ -234,7 +244,7 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
         """``entries``: walk a container entry by entry even if it holds no tensor."""
         entries = entries or not path
         walking[0] = path
-        if type(obj) in _SCALARS and path:  # most leaves: nothing else to check
+        if path and _plain_scalar(obj):  # most leaves: nothing else to check
             flat.values[path] = ValueSlot(obj, assign)
         elif isinstance(obj, torch.Tensor):
             if path in flat.tensors:
