@@ -378,10 +378,13 @@ def state_signature(flat: FlatState) -> tuple[Any, ...]:
     """What a rank's inventory is made of, cheap to build and compare: each tensor's path,
     dtype, shape, layout and whether it is a meta tensor (both refused by the inventory's
     check), a DTensor's mesh, placements and local shape; the value paths. Equal signatures
-    give equal inventories (the meshes compare by content, by identity first)."""
+    give equal inventories (the meshes compare by content, by identity first). A nested
+    tensor, whose ``shape`` raises, has none: the inventory's check refuses it by path."""
     tensors: list[tuple[Any, ...]] = []
     for path, t in flat.tensors.items():
-        if isinstance(t, DTensor):
+        if t.is_nested:
+            tensors.append((path, t.dtype, None, t.layout, t.is_meta))
+        elif isinstance(t, DTensor):
             local = iter_local(t)
             tensors.append((path, t.dtype, tuple(t.shape), t.device_mesh, tuple(t.placements),
                             tuple(local.shape), local.layout, local.is_meta))

@@ -1851,6 +1851,23 @@ def test_a_tensor_that_becomes_unsupported_between_saves_is_refused(tmp_path: An
         assert engine.steps() == [1]
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_a_nested_tensor_of_the_default_layout_is_refused_naming_its_path(tmp_path: Any) -> None:
+    """``torch.nested.nested_tensor()`` makes a strided-layout nested tensor by default, whose
+    ``shape`` raises: the save failed with 'RuntimeError: Internal error: NestedTensorImpl
+    doesn't support sizes', naming no key (the jagged layout was refused by path)."""
+    def nested() -> torch.Tensor:
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        with pytest.raises(CheckpointError, match=r"'model/w'.*nested"):
+            engine.save(1, {"model": {"w": nested()}}, blocking=True)
+        engine.save(1, {"model": {"w": torch.ones(2)}}, blocking=True)
+        with pytest.raises(CheckpointError, match=r"'model/w'.*nested"):
+            engine.save(2, {"model": {"w": nested()}}, blocking=True)
+        assert engine.steps() == [1]
+
+
 @pytest.mark.parametrize(
     ("metadata", "named"),
     [
