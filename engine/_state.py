@@ -22,7 +22,8 @@ What comes back, exactly (the engine's load semantics):
   counterparts), so they are keyed by parameter name (FQN) whatever the wrapping (DDP, FSDP2,
   DTensor) and an optimizer that never stepped resumes; see ``_objects``.
 - ``bytes`` / ``bytearray`` are stored as raw uint8 arrays, checksummed like any tensor, and
-  come back as the type that was saved. Nothing is ever unpickled.
+  come back as the type that was saved (a subclass such as ``numpy.bytes_`` as ``bytes``, or
+  as the target's own type where it holds one). Nothing is ever unpickled.
 - JSON values keep their types: tuples and int dict keys are recorded in a per-rank type
   record (the value at ``.types``, a name no state key can take) and restored on load. A key
   that JSON cannot round-trip (float, None, bool, an int beside the same key as a str) is
@@ -251,8 +252,10 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
                 raise CheckpointError(f"state path {path!r} appears twice")
             flat.tensors[path] = obj
         elif isinstance(obj, (bytes, bytearray)):
-            flat.binary[path] = ValueSlot(type(obj).__name__, assign)
-            flat.types["bytes"][path] = type(obj).__name__
+            # the kind a load gives back (a subclass, numpy.bytes_, is recorded as its base:
+            # a load refuses other names); the slot keeps the target's own value for its type
+            flat.binary[path] = ValueSlot(obj, assign)
+            flat.types["bytes"][path] = "bytearray" if isinstance(obj, bytearray) else "bytes"
             flat.tensors[path] = torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj \
                 else torch.empty(0, dtype=torch.uint8)
         elif _objects.is_object(obj):
@@ -336,7 +339,8 @@ def finish_load(flat: FlatState, values: dict[str, Any]) -> None:
     for path, value in values.items():
         slot = flat.values.get(path)
         if slot is None:
-            flat.binary[path].assign(value)
+            binary = flat.binary[path]
+            binary.assign(_like(binary.value, value))
         else:
             slot.assign(_like(slot.value, value))
     for finish in flat.finishers:

@@ -353,6 +353,25 @@ def test_bytes_round_trip_as_raw_bytes(ckpt: CheckpointEngine, tmp_path: Path) -
     assert ckpt.verify(1).ok
 
 
+class _Blob(bytes):
+    """A subclass of bytes, as ``numpy.bytes_`` is."""
+
+
+def test_a_subclass_of_bytes_loads_as_bytes_or_as_the_targets_own_type(
+        ckpt: CheckpointEngine) -> None:
+    """Its type's name was recorded as the kind of bytes: the save committed and every load
+    of the step refused it ("'loader/blob' was not saved as bytes")."""
+    ckpt.save(1, {"w": torch.ones(2), "loader": {"blob": _Blob(b"\x00ab"),
+                                                 "np": np.bytes_(b"cd")}}, blocking=True)
+    target: dict[str, Any] = {"w": torch.empty(2), "loader": {"blob": None, "np": None}}
+    ckpt.load(target)
+    assert_bitwise(target["loader"], {"blob": b"\x00ab", "np": b"cd"})
+    target = {"w": torch.empty(2), "loader": {"blob": _Blob(), "np": np.bytes_(b"")}}
+    ckpt.load(target)
+    assert type(target["loader"]["blob"]) is _Blob and target["loader"]["blob"] == b"\x00ab"
+    assert type(target["loader"]["np"]) is np.bytes_ and target["loader"]["np"] == b"cd"
+
+
 class _Sampler:
     """A fresh one holds None where a used one holds its generator state and a cursor."""
 
