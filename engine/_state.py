@@ -154,10 +154,15 @@ def _check_keys(obj: dict[Any, Any], path: str) -> list[str]:
             raise CheckpointError(f"state path {path!r}: key {key!r} ({type(key).__name__}) "
                                   "cannot round-trip; keys must be str or int")
         if isinstance(key, int):
-            if str(key) in obj:
-                raise CheckpointError(f"state path {path!r}: keys {key!r} and {str(key)!r} "
+            try:
+                name = str(key)
+            except ValueError as exc:  # more digits than sys.get_int_max_str_digits()
+                raise CheckpointError(f"state path {path!r}: an int key of {key.bit_length()} "
+                                      f"bits has no decimal name ({exc})") from None
+            if name in obj:
+                raise CheckpointError(f"state path {path!r}: keys {key!r} and {name!r} "
                                       "would be the same name on storage")
-            ints.append(str(key))
+            ints.append(name)
     return ints
 
 

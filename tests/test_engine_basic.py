@@ -1767,9 +1767,12 @@ def _nested(leaf: Any, depth: int) -> Any:
         ({"model": {"w": torch.ones(2)}, "seed": 10**5000}, r"'seed'.*int.*4300 digits"),
         ({"model": {"w": torch.ones(2), "seeds": (torch.ones(1), -(10**5000))}},
          r"'model/seeds/1'.*int.*4300 digits"),
+        ({"model": {10**5000: torch.ones(2)}},
+         r"state path 'model': an int key of 16610 bits.*4300 digits"),
     ],
     ids=["set", "lambda", "slash-key", "dotdot-key", "hidden-key", "tuple-key", "meta",
-         "sparse", "nested", "deep-tensors", "deep-json", "huge-int", "huge-int-in-tuple"],
+         "sparse", "nested", "deep-tensors", "deep-json", "huge-int", "huge-int-in-tuple",
+         "huge-int-key"],
 )
 def test_invalid_state_is_refused_naming_the_path(
     tmp_path: Any, state: dict[str, Any], named: str
