@@ -146,8 +146,16 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}/{key}" if prefix else key
 
 
-def _check_keys(obj: dict[Any, Any], path: str) -> list[str]:
-    """The int keys of a dict (as strings), after checking that every key round-trips."""
+def _json_key(key: str | int) -> str:
+    """A key as JSON writes it: a subclass (an Enum with a str or int mixin) by its value, not
+    by its ``str()`` (``Split.TRAIN`` is written ``"train"``)."""
+    return str.__str__(key) if isinstance(key, str) else int.__repr__(key)
+
+
+def _check_keys(obj: dict[Any, Any], path: str, name_of: Callable[[Any], str] = str
+                ) -> list[str]:
+    """The int keys of a dict (as ``name_of`` names them: ``str`` on storage, ``_json_key`` in
+    a JSON value), after checking that every key round-trips."""
     ints = []
     for key in obj:
         if isinstance(key, bool) or not isinstance(key, (str, int)):
@@ -155,7 +163,7 @@ def _check_keys(obj: dict[Any, Any], path: str) -> list[str]:
                                   "cannot round-trip; keys must be str or int")
         if isinstance(key, int):
             try:
-                name = str(key)
+                name = name_of(key)
             except ValueError as exc:  # more digits than sys.get_int_max_str_digits()
                 raise CheckpointError(f"state path {path!r}: an int key of {key.bit_length()} "
                                       f"bits has no decimal name ({exc})") from None
@@ -173,9 +181,9 @@ def describe(value: object, path: str) -> JSON:
     list only the children that need a description.
     """
     if isinstance(value, dict):
-        ints = _check_keys(value, path)
-        children = {str(k): d for k, v in value.items()
-                    if (d := describe(v, _join(path, str(k)))) is not None}
+        ints = _check_keys(value, path, _json_key)
+        children = {_json_key(k): d for k, v in value.items()
+                    if (d := describe(v, _join(path, _json_key(k)))) is not None}
         return ["d", ints, children] if ints or children else None
     if isinstance(value, (list, tuple)):
         children = {str(i): d for i, v in enumerate(value)

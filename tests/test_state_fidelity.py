@@ -275,6 +275,30 @@ def test_json_values_keep_tuples_and_int_keys(ckpt: CheckpointEngine) -> None:
     assert_bitwise(target, expected)
 
 
+class Split(str, enum.Enum):  # noqa: UP042 (what older code has: str() differs from JSON)
+    """A str mixin Enum: ``str()`` gives ``Split.TRAIN``, JSON writes ``train``."""
+
+    TRAIN = "train"
+
+
+class Rank(enum.IntEnum):
+    LEAD = 7
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def test_json_values_keep_tuples_and_int_keys_under_keys_of_str_and_int_subclasses(
+        ckpt: CheckpointEngine) -> None:
+    """The type record named a child by ``str(key)``, JSON by its text: a tuple under a
+    ``(str, Enum)`` key came back a list, an int key whose ``str()`` is its name a str."""
+    ckpt.save(1, {"w": torch.ones(1), "cfg": {Split.TRAIN: (1, 2), Rank.LEAD: {Rank.LEAD: 0}}},
+              blocking=True)
+    target: dict[str, Any] = {"w": torch.empty(1), "cfg": None}
+    ckpt.load(target)
+    assert_bitwise(target["cfg"], {"train": (1, 2), 7: {7: 0}})
+
+
 def test_json_values_keep_their_dict_order(ckpt: CheckpointEngine) -> None:
     # a loader resuming by iterating a dict of shard -> rows left; it came back sorted
     remaining = {"shard_c": 3, "shard_a": 5, "shard_b": 1, 10: 0, 2: 1}
