@@ -596,6 +596,26 @@ def test_an_outage_shorter_than_a_step_is_judged_over_two_steps() -> None:
     assert o["extra_stall_s"] == pytest.approx(0.0)
 
 
+
+def test_the_hold_at_the_outages_pause_point_is_not_extra_stall() -> None:
+    """An ``at_step`` outage is made while chaos holds the ranks at its pause point (here 2 s:
+    the step after it ends 3 s after the one before, at a 1 s pace). That hold is chaos's, not
+    the loop's (goodput leaves it out too), yet it was counted as the outage's extra stall."""
+    events = [_ev(0.0, "start", pid=1)]
+    events += [_ev(float(t), "step_end", step=t, seconds=0.5, loss=1.0) for t in range(1, 11)]
+    events += [_ev(10.01, "paused", point="p0", step=10),
+               _ev(12.0, "resumed", point="p0", held_s=1.99)]
+    events += [_ev(float(t + 2), "step_end", step=t, seconds=0.5, loss=1.0)
+               for t in range(11, 21)]
+    events.sort(key=lambda e: e["t"])
+    record = RunRecord(0, 0.0, 23.0, events, [], paused_s=2.0)
+    injection = Injection("storage_outage", 10.5, step=10, detail={
+        "mode": "error", "duration_s": 5.0, "ended_t": 15.5, "requests_faulted": 3,
+        "paused_s": 0.5})
+    o = outage_effects(record, injection)
+    assert o["step_pace_s"] == 1.0
+    assert o["extra_stall_s"] == pytest.approx(0.01)
+
 # -- whole scenarios on S3 ---------------------------------------------------------------------
 
 

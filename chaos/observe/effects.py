@@ -175,12 +175,27 @@ def _median(xs: list[float]) -> float | None:
     return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
 
 
+def _holds(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """The times some rank was held at a pause point (``resumed``'s ``held_s`` back from it),
+    overlapping holds merged."""
+    spans = sorted((e["t"] - (e.get("held_s") or 0.0), e["t"]) for e in events
+                   if e["event"] == "resumed")
+    merged: list[tuple[float, float]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
     """What a storage outage (or a storage node down) did: the saves in flight during it
     (delayed if they committed, else failed or skipped), the extra time the training loop lost,
     whether training kept going, and the first save that committed after it (recovery). The
     loop's pace is the gap between rank 0's consecutive steps; the extra stall is
-    what the gaps overlapping the outage took beyond the median gap outside it. Training went on
+    what the gaps overlapping the outage took beyond the median gap outside it (chaos's holds
+    at pause points left out of both). Training went on
     if rank 0 ended a step during the outage (``steps_during_outage``), or, for an outage
     shorter than two steps at that pace, within two steps' time from its start (no step may
     end inside a shorter one), and the fault did not end its attempt. A script that reports
@@ -212,11 +227,15 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
                      "persist_s": c["persist_s"], "delay_s": delay, "error": c["error"]})
     steps = sorted((e["t"], e["attempt"]) for e in record.events
                    if e["event"] == "step_end" and e["rank"] == 0)
+    holds = _holds(record.events)
     during: list[float] = []
     outside: list[float] = []
     for (prev_t, prev_a), (t, a) in itertools.pairwise(steps):
         if a == prev_a:
-            (during if prev_t <= t1 and t >= t0 else outside).append(t - prev_t)
+            # chaos's holds at pause points (the outage's own, made while held) are not the
+            # loop's: left out of the gaps, as goodput leaves them out of the wall time
+            held = sum(max(min(t, end) - max(prev_t, start), 0.0) for start, end in holds)
+            (during if prev_t <= t1 and t >= t0 else outside).append(t - prev_t - held)
     pace_s = _median(outside)
     attempt = record.attempt_at(t0)
     # The attempt the fault struck went on if it committed a save after the fault or ran to
