@@ -379,6 +379,28 @@ def test_a_damaged_step_restored_without_noticing_fails() -> None:
     assert corrupt.effect_observed and v.verdict == "pass", v.reasons
 
 
+
+def test_a_damaged_step_restored_without_noticing_is_not_redeemed_by_a_later_skip() -> None:
+    """The first restore that read the damaged step decides. Attempt 1 loaded the damaged
+    step 6 without noticing (no effect); a second corrupt_shard then damaged step 6 again and
+    attempt 2's restore skipped it. That skip is the second fault's effect; it was credited to
+    the first as well, whose damage the job never noticed."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    job.injections.append(Injection("corrupt_shard", t + 0.05, step=7, fault_index=0, detail={
+        "checkpoint_step": 6, "object": "model/w/c.0", "mode": "bitflip"}))
+    t = _kill(job, t + 0.1, 0, 1, 7, fault_index=1)
+    t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 7)
+    job.injections.append(Injection("corrupt_shard", t + 0.05, step=7, fault_index=2, detail={
+        "checkpoint_step": 6, "object": "model/w/c.1", "mode": "bitflip"}))
+    t = _kill(job, t + 0.1, 1, 1, 7, fault_index=3)
+    t = job.steps(job.start(t + 3.0, 2, restore=4, skipped=6), 2, 5, 12)
+    record = _finish(job, t, 2)
+    first, second = (measure.fault_timings(record, i) for i in record.injections
+                     if i.kind == "corrupt_shard")
+    assert second.effect_observed, second.effect
+    assert first.effect_observed is False and "without noticing" in (first.effect or "")
+
 def _kill_then_restore(restore: int, skipped: int | None = None) -> RunRecord:
     """Checkpoints 2, 4 and 6 commit (each 0.4 s after its step), rank 1 is killed at step 7,
     attempt 1 restores ``restore`` (reporting ``skipped`` as passed over) and finishes."""

@@ -47,16 +47,15 @@ def restore_skipped_step(event: dict[str, Any]) -> int | None:
 
 
 def corrupt_effect(record: RunRecord, injection: Injection) -> tuple[bool, str]:
-    """The engine noticed the damage: a restore after it skipped the damaged step. A restore
-    that loaded it (no complaint) or none that read it means the damage had no observable
-    effect: the run proves nothing about it."""
+    """The engine noticed the damage: the first restore after it that read the damaged step
+    skipped it. A restore that loaded it (no complaint; a later skip of that step is another
+    fault's or reason's) or none that read it means the damage had no observable effect: the
+    run proves nothing about it."""
     damaged = injection.detail.get("checkpoint_step")
-    later = [e for e in record.events if e["t"] >= injection.t]
-    for e in later:
+    for e in sorted((e for e in record.events if e["t"] >= injection.t), key=lambda e: e["t"]):
         if e["event"] == "restore_skipped" and restore_skipped_step(e) == damaged:
             return True, (f"attempt {e['attempt']}'s restore skipped the damaged step "
                           f"{damaged}: {e.get('reason')}")
-    for e in later:
         if e["event"] == "restore_end" and e.get("step") == damaged:
             return False, (f"attempt {e['attempt']} restored the damaged step {damaged} "
                            "without noticing the damage")
