@@ -30,8 +30,9 @@ def _fault(kind: str = "kill_rank", **kw: Any) -> dict[str, Any]:
 
 
 def _report(recoveries: list[float], *, verdict: str = "pass", goodput: float = 0.5,
-            stalls: tuple[float, ...] = (0.01, 0.03), wall_s: float = 40.0) -> dict[str, Any]:
-    return {"run": {"wall_s": wall_s, "goodput": goodput},
+            stalls: tuple[float, ...] = (0.01, 0.03), wall_s: float = 40.0,
+            paused_s: float = 0.0) -> dict[str, Any]:
+    return {"run": {"wall_s": wall_s, "goodput": goodput, "paused_s": paused_s},
             "faults": [_fault(recovery_s=r, lost_steps=2) for r in recoveries],
             "checkpoints": [{"step": 4 * (i + 1), "stall_s": s} for i, s in enumerate(stalls)],
             "verdict": {"verdict": verdict, "reasons": [] if verdict == "pass" else ["bad"],
@@ -99,6 +100,19 @@ def test_entry_without_figures_and_failed_entry() -> None:
 
 def _baseline(*entries: dict[str, Any]) -> dict[str, Any]:
     return {"format": suite.FORMAT, "scenarios": list(entries)}
+
+
+def test_the_lost_time_floor_leaves_out_the_time_chaos_held_the_trainer() -> None:
+    """Goodput is the steps' time over the wall time less chaos's holds at pause points;
+    the lost time its floor is checked by took the whole wall time, holds included: 6
+    points of a 40 s run held 25 s is 0.9 s more lost (under the 1 s floor), read as 2.4 s
+    and a regression."""
+    base = _baseline(_entry("held", [10.0], goodput=0.60, paused_s=25.0))
+    now = [_entry("held", [10.0], goodput=0.54, paused_s=25.0)]
+    assert suite.compare(now, base, file="prev/summary.json")["regressions"] == []
+    now = [_entry("held", [10.0], goodput=0.52, paused_s=25.0)]  # 1.2 s more lost
+    assert [r["metric"] for r in suite.compare(now, base, file="prev/summary.json")[
+        "regressions"]] == ["goodput"]
 
 
 def test_regressions_follow_the_thresholds_and_floors() -> None:

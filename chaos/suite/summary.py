@@ -93,7 +93,7 @@ def summarize(name: str, file: str, doc: dict[str, Any], report: str | None) -> 
         "goodput": run.get("goodput"), "goodput_vs_reference": run.get("goodput_vs_reference"),
         "stall_mean_s": mean(stalls) if stalls else None,
         "stall_max_s": max(stalls) if stalls else None,
-        "wall_s": run.get("wall_s"), "report": report,
+        "wall_s": run.get("wall_s"), "paused_s": run.get("paused_s"), "report": report,
     }
 
 
@@ -161,7 +161,7 @@ def load_baseline(path: Path) -> dict[str, Any]:
 
 
 #: the figures of a baseline entry that ``compare`` computes with (None: not measured)
-_COMPARED_SECONDS = ("recovery_max_s", "stall_mean_s", "goodput", "wall_s")
+_COMPARED_SECONDS = ("recovery_max_s", "stall_mean_s", "goodput", "wall_s", "paused_s")
 
 
 def _garbled(doc: dict[str, Any]) -> str | None:
@@ -196,9 +196,12 @@ def _worse(metric: str, base: float | None, cur: float | None, rel: float, floor
 
 
 def _lost(entry: dict[str, Any]) -> float | None:
-    """Wall time not spent on steps that count."""
+    """Wall time not spent on steps that count, chaos's holds at pause points left out (as
+    goodput leaves them out; a baseline without ``paused_s`` held none)."""
     goodput, wall = entry.get("goodput"), entry.get("wall_s")
-    return None if goodput is None or wall is None else float(wall * (1 - goodput))
+    if goodput is None or wall is None:
+        return None
+    return float((wall - (entry.get("paused_s") or 0.0)) * (1 - goodput))
 
 
 def _lost_per_fault(entry: dict[str, Any]) -> float | None:
