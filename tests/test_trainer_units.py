@@ -516,36 +516,40 @@ def test_a_run_whose_every_checkpoint_is_damaged_does_not_start_over(tmp_path: P
     """Every committed step of the run is damaged: the first restart's load quarantined them
     all and died with a traceback, and torchrun's next attempt found nothing committed and
     trained from step 0, the run's checkpoints set aside without a word. Every attempt now
-    refuses to resume: one line naming the steps, its own exit code, nothing trained."""
+    refuses to resume: one line naming the steps, its own exit code, nothing trained. Its 3
+    launches are forked from one interpreter that imported torch and the trainer once."""
     import subprocess
 
-    from _trainer import SMALL_MODEL, env
+    from _trainer import SMALL_MODEL, PreloadedTrainer, env
 
     from antifragile.trainer.supervisor import NO_RESUME_EXIT_CODE
 
     ckpt = tmp_path / "ckpt"
     run_env = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")}
+    logs = tmp_path / "launches"
+    logs.mkdir()
+    launcher = PreloadedTrainer(run_env, logs)
 
     def train(steps: int) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", str(steps),
-             "--ckpt-every", "2", "--ckpt-url", str(ckpt), "--run-dir", str(tmp_path)],
-            env=run_env, capture_output=True, text=True, timeout=120)
+        return launcher.run([*SMALL_MODEL, "--steps", str(steps), "--ckpt-every", "2",
+                             "--ckpt-url", str(ckpt), "--run-dir", str(tmp_path)],
+                            timeout_s=120)
 
-    assert train(4).returncode == 0
-    for step in (2, 4):  # one bit of one chunk object of each step
-        chunk = next(p for p in sorted((ckpt / f"step_{step:09d}" / "model").rglob("c*"))
-                     if p.is_file() and p.stat().st_size > 16)
-        data = bytearray(chunk.read_bytes())
-        data[8] ^= 1
-        chunk.write_bytes(bytes(data))
-    for attempt in range(2):  # the load that quarantines them, then a restart of the job
-        proc = train(8)
-        assert proc.returncode == NO_RESUME_EXIT_CODE, (attempt, proc.stderr[-2000:])
-        assert "Traceback" not in proc.stderr, (attempt, proc.stderr[-2000:])
-        named = "tried [4, 2]" if attempt == 0 else "steps [2, 4] were quarantined"
-        assert "cannot resume" in proc.stderr and named in proc.stderr, proc.stderr[-2000:]
-    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000000002", "step_000000004"]
+    with launcher:
+        assert train(4).returncode == 0
+        for step in (2, 4):  # one bit of one chunk object of each step
+            chunk = next(p for p in sorted((ckpt / f"step_{step:09d}" / "model").rglob("c*"))
+                         if p.is_file() and p.stat().st_size > 16)
+            data = bytearray(chunk.read_bytes())
+            data[8] ^= 1
+            chunk.write_bytes(bytes(data))
+        for attempt in range(2):  # the load that quarantines them, then a restart of the job
+            proc = train(8)
+            assert proc.returncode == NO_RESUME_EXIT_CODE, (attempt, proc.stderr[-2000:])
+            assert "Traceback" not in proc.stderr, (attempt, proc.stderr[-2000:])
+            named = "tried [4, 2]" if attempt == 0 else "steps [2, 4] were quarantined"
+            assert "cannot resume" in proc.stderr and named in proc.stderr, proc.stderr[-2000:]
+        assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000000002", "step_000000004"]
 
 
 def test_a_resume_of_another_run_is_refused_naming_what_differs(tmp_path: Path) -> None:
@@ -556,10 +560,11 @@ def test_a_resume_of_another_run_is_refused_naming_what_differs(tmp_path: Path) 
     URL found none of its own checkpoints, trained from step 0 and overwrote or pruned the
     run's (same step folder names). Each is now refused, naming both values, with the exit
     code that stops restarts, and leaves the checkpoints alone. One saved run serves every
-    mismatch (a launch costs seconds)."""
+    mismatch; every launch is forked from one interpreter that imported torch and the trainer
+    once (PreloadedTrainer: an import costs 4 s of a 4.5 s launch, and there are 11)."""
     import subprocess
 
-    from _trainer import SMALL_MODEL, env
+    from _trainer import SMALL_MODEL, PreloadedTrainer, env
 
     from antifragile.trainer.supervisor import NO_RESUME_EXIT_CODE
 
@@ -567,12 +572,14 @@ def test_a_resume_of_another_run_is_refused_naming_what_differs(tmp_path: Path) 
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.arange(1000, dtype=np.int32) % 64)
 
+    logs = tmp_path / "launches"
+    logs.mkdir()
+    launcher = PreloadedTrainer(run_env, logs)
+
     def train(ckpt: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", str(steps),
-             "--ckpt-every", "2", "--ckpt-url", str(ckpt), "--run-dir", str(tmp_path),
-             *extra],
-            env=run_env, capture_output=True, text=True, timeout=120)
+        return launcher.run([*SMALL_MODEL, "--steps", str(steps), "--ckpt-every", "2",
+                             "--ckpt-url", str(ckpt), "--run-dir", str(tmp_path), *extra],
+                            timeout_s=120)
 
     def refused(ckpt: Path, extra: tuple[str, ...], message: str) -> None:
         saved = sorted(p.relative_to(ckpt) for p in ckpt.rglob("*"))
@@ -582,30 +589,31 @@ def test_a_resume_of_another_run_is_refused_naming_what_differs(tmp_path: Path) 
         assert message in proc.stderr, (extra, proc.stderr[-2000:])
         assert sorted(p.relative_to(ckpt) for p in ckpt.rglob("*")) == saved
 
-    ours = tmp_path / "ours"
-    assert train(ours, 2, "--seed", "7").returncode == 0  # SMALL_MODEL: 2 layers, 4 heads
-    for extra, message in [
-            (("--seed", "8"), "step 2 was trained with --seed 7, this run has --seed 8"),
-            (("--seed", "7", "--layers", "1"), "with --layers 2, this run has --layers 1"),
-            (("--seed", "7", "--heads", "2"), "with --heads 4, this run has --heads 2"),
-            (("--seed", "7", "--data-path", str(tokens)),
-             "step 2 was trained on synthetic data, this run on a --data-path token file")]:
-        refused(ours, extra, message)
-    assert train(ours, 4, "--seed", "7").returncode == 0
-    dcp = tmp_path / "dcp"
-    assert train(dcp, 2, "--ckpt-engine", "dcp", "--data-path", str(tokens)).returncode == 0
-    refused(dcp, ("--ckpt-engine", "antifragile", "--data-path", str(tokens)),
-            "checkpoints of --ckpt-engine dcp (steps [2])")
-    refused(dcp, ("--ckpt-engine", "dcp"),
-            "step 2 was trained on a --data-path token file, this run on synthetic data")
-    # a token file of other ids at the same path trains on other batches: refused too
-    original = tokens.read_bytes()
-    np.save(tokens, (np.arange(1000, dtype=np.int32) * 3) % 64)
-    refused(dcp, ("--ckpt-engine", "dcp", "--data-path", str(tokens)),
-            "step 2 was trained on a --data-path token file of other content (crc32 0x")
-    moved = tmp_path / "moved.npy"  # the same ids elsewhere: the same batches, resumed
-    moved.write_bytes(original)
-    assert train(dcp, 4, "--ckpt-engine", "dcp", "--data-path", str(moved)).returncode == 0
+    with launcher:
+        ours = tmp_path / "ours"
+        assert train(ours, 2, "--seed", "7").returncode == 0  # SMALL_MODEL: 2 layers, 4 heads
+        for extra, message in [
+                (("--seed", "8"), "step 2 was trained with --seed 7, this run has --seed 8"),
+                (("--seed", "7", "--layers", "1"), "with --layers 2, this run has --layers 1"),
+                (("--seed", "7", "--heads", "2"), "with --heads 4, this run has --heads 2"),
+                (("--seed", "7", "--data-path", str(tokens)),
+                 "step 2 was trained on synthetic data, this run on a --data-path token file")]:
+            refused(ours, extra, message)
+        assert train(ours, 4, "--seed", "7").returncode == 0
+        dcp = tmp_path / "dcp"
+        assert train(dcp, 2, "--ckpt-engine", "dcp", "--data-path", str(tokens)).returncode == 0
+        refused(dcp, ("--ckpt-engine", "antifragile", "--data-path", str(tokens)),
+                "checkpoints of --ckpt-engine dcp (steps [2])")
+        refused(dcp, ("--ckpt-engine", "dcp"),
+                "step 2 was trained on a --data-path token file, this run on synthetic data")
+        # a token file of other ids at the same path trains on other batches: refused too
+        original = tokens.read_bytes()
+        np.save(tokens, (np.arange(1000, dtype=np.int32) * 3) % 64)
+        refused(dcp, ("--ckpt-engine", "dcp", "--data-path", str(tokens)),
+                "step 2 was trained on a --data-path token file of other content (crc32 0x")
+        moved = tmp_path / "moved.npy"  # the same ids elsewhere: the same batches, resumed
+        moved.write_bytes(original)
+        assert train(dcp, 4, "--ckpt-engine", "dcp", "--data-path", str(moved)).returncode == 0
 
 
 _REFUSING_LAST_STEP = """
