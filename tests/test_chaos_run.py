@@ -31,6 +31,14 @@ TRAINER = {"parallel": {"dp": 2, "tp": 1, "pp": 1}, "steps": 20, "batch_size": 8
 
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fault-free references of this run, made once: under xdist one folder for every
+    worker (its entries are made under a lock, for caches that chaos runs share), so a test
+    does not run again the reference another worker's test already made."""
+    base = tmp_path_factory.getbasetemp()  # under xdist: the run's folder / popen-<worker>
+    if base.name == f"popen-{os.environ.get('PYTEST_XDIST_WORKER')}":
+        folder = base.parent / "reference-cache"
+        folder.mkdir(exist_ok=True)
+        return folder
     return tmp_path_factory.mktemp("reference-cache")
 
 
@@ -73,19 +81,19 @@ def test_corrupt_latest_checkpoint_falls_back_and_still_ends_equal(
         tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ANTIFRAGILE_CACHE", str(cache))
     # Both land at the pause point at the end of step 13, corrupt first, then the kill. The
-    # damaged checkpoint is the newest committed one then (12, or 6 if 12 was still
-    # persisting); restore must skip it for the one before.
+    # damaged checkpoint is the newest committed one then (12, or 8 if 12 was still
+    # persisting); restore must skip it for the one before. The pause point holds the trainer
+    # at step 13, so the 20 steps and saves of the other tests' scenario do (and share their
+    # cached fault-free reference where they run in the same session).
     doc = _scenario("corrupt", [
         {"kind": "corrupt_shard", "at_step": 13, "checkpoint": "latest", "mode": "bitflip"},
         {"kind": "kill_rank", "rank": 0, "at_step": 13},
     ])
-    doc["checkpoint"]["every_steps"] = 6
-    doc["trainer"] = {**TRAINER, "steps": 40}
     outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
     corrupt, kill = outcome.report["faults"]
     damaged = corrupt["checkpoint_step"]
-    assert corrupt["kind"] == "corrupt_shard" and damaged % 6 == 0 and damaged >= 6
-    assert kill["restored_step"] == damaged - 6, f"the damaged step {damaged} must be skipped"
+    assert corrupt["kind"] == "corrupt_shard" and damaged % 4 == 0 and damaged >= 8
+    assert kill["restored_step"] == damaged - 4, f"the damaged step {damaged} must be skipped"
     assert outcome.report["verdict"]["bitwise_equal"] is True
     assert outcome.passed, outcome.report["verdict"]
     events = [json.loads(line) for line in
