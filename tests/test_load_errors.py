@@ -311,7 +311,13 @@ def test_an_error_on_one_rank_is_agreed_by_all(tmp_path: Path) -> None:
 
 
 class _HeldReads:
-    """Holds reads of step 2's ``a`` objects until ``release`` (after load has returned)."""
+    """Holds reads of step 2's ``a`` objects until ``release`` (after load has returned), or
+    for ``HOLD_S``: a correct load waits for them that long (it may not fall back while they
+    run); a load that does not wait falls back to step 1 and returns well within it (a
+    fraction of a second: two 4-element tensors from a local disk), and the held reads then
+    land after it, which the test sees."""
+
+    HOLD_S = 5.0
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -319,7 +325,7 @@ class _HeldReads:
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
         if "step_000000002/a/c." in key:
-            self.release.wait(30)
+            self.release.wait(self.HOLD_S)
         return self.inner.read(key, start, end)
 
     def __getattr__(self, name: str) -> Any:
