@@ -62,7 +62,8 @@ _storage_flags = [
     click.argument("url"),
     click.option("--endpoint-url", help="S3 endpoint (else the standard AWS env vars apply)."),
     click.option("--storage-option", "pairs", multiple=True, metavar="KEY=VALUE",
-                 help="Passed to fsspec (repeatable)."),
+                 help="A storage option (s3fs's names for s3://, fsspec's for other URLs; "
+                      "repeatable)."),
 ]
 
 
