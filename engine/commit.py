@@ -133,6 +133,23 @@ def _exist_all(storage: Storage, keys: list[str]) -> list[bool]:
         return list(pool.map(storage.exists, keys))
 
 
+_RECORD_READERS = 32  # the coordinator's concurrent record reads
+
+
+def _read_all(storage: Storage, keys: list[str]) -> Iterator[bytes | bytearray]:
+    """``storage.read`` of every key, in order, concurrently (at most ``_RECORD_READERS`` at a
+    time): the coordinator reads one record per rank, and one at a time 16,384 GETs of ~20 ms
+    on S3 took over 5 minutes."""
+    if len(keys) < 2:
+        yield from map(storage.read, keys)
+        return
+    pool = DaemonPool(min(_RECORD_READERS, len(keys)), "ckpt-records")
+    try:
+        yield from pool.map(storage.read, keys)
+    finally:  # a record that fails the save: the reads not yet begun are not made
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
 def all_step_dirs(storage: Storage) -> list[int]:
     return sorted(s for s in map(parse_step_dir, storage.list_dir("")) if s is not None)
 
@@ -241,13 +258,11 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
 
     delays = _poll_delays(plan.world_size)
     while len(records) < plan.world_size:
-        for name in storage.list_dir(f"{base}/{RECORDS_DIR}"):
-            rank_str = name.removesuffix(".json")
-            if not is_index(rank_str) or int(rank_str) in records:
-                continue
-            rank = int(rank_str)
+        listed = (name.removesuffix(".json")
+                  for name in storage.list_dir(f"{base}/{RECORDS_DIR}"))
+        new = [int(r) for r in listed if is_index(r) and int(r) not in records]
+        for rank, data in zip(new, _read_all(storage, [record_key(step, r) for r in new])):
             where = f"step {step}: rank {rank}'s record"
-            data = storage.read(record_key(step, rank))
             try:
                 record = parse_record(data, where=where)
             except CheckpointCorruptError as exc:
