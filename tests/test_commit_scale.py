@@ -8,10 +8,13 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 from antifragile.engine import _format
 from antifragile.engine._format import Manifest
 from antifragile.engine._paths import record_key, step_dir
-from antifragile.engine.commit import coordinate, metadata_owners
+from antifragile.engine.commit import coordinate, metadata_owners, read_commit, wait_for_commit
+from antifragile.engine.errors import CommitTimeoutError
 from antifragile.engine.persist import rank_record
 from antifragile.engine.plan import GlobalPlan, build_plan
 
@@ -106,3 +109,50 @@ def test_the_coordinator_reads_the_records_concurrently() -> None:
     assert storage.record_reads == 64, storage.record_reads  # each record read once
     assert not storage.serial, "the coordinator read the ranks' records one at a time"
     assert f"{step_dir(1)}/COMMIT" in storage.objects
+
+
+class ReadCounter(MemoryStorage):
+    """Counts the bytes read of each key."""
+
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        super().__init__()
+        self.objects = dict(objects)
+        self.bytes_read: dict[str, int] = {}
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        data = super().read(key, start, end)
+        self.bytes_read[key] = self.bytes_read.get(key, 0) + len(data)
+        return data
+
+
+def committed(world: int, tensors: int) -> tuple[MemoryStorage, GlobalPlan]:
+    plan = sharded_plan(world, tensors)
+    storage = MemoryStorage()
+    write_records(storage, plan, 1, 7, set())
+    coordinate(storage, plan=plan, step=1, nonce=7, deadline=time.monotonic() + 60,
+               group_attrs={}, metadata_keys=set())
+    return storage, plan
+
+
+def test_a_waiting_rank_reads_a_bounded_head_of_a_large_commit_marker() -> None:
+    """The marker lists every object of the step: at 16,384 ranks ~100 MB, which every other
+    rank read whole (and checked every entry of) at every save just to see its nonce."""
+    storage, _ = committed(64, 80)  # 5,120 objects
+    marker_key = f"{step_dir(1)}/COMMIT"
+    size = len(storage.objects[marker_key])
+    assert size > 4 * 2**16, size  # ~330 KB
+    counter = ReadCounter(storage.objects)
+    nbytes = wait_for_commit(counter, step=1, nonce=7, deadline=time.monotonic() + 60,
+                             world_size=64)
+    assert nbytes == read_commit(storage, 1)["nbytes"] > 0
+    assert counter.bytes_read[marker_key] <= 2**16, (counter.bytes_read, size)
+
+
+def test_a_waiting_rank_takes_no_large_marker_of_another_save() -> None:
+    storage, _ = committed(64, 40)
+    with pytest.raises(CommitTimeoutError):
+        wait_for_commit(storage, step=1, nonce=8, deadline=time.monotonic() + 0.2,
+                        world_size=64)
+    with pytest.raises(CommitTimeoutError):  # nor one that says it is another step's
+        wait_for_commit(storage, step=2, nonce=7, deadline=time.monotonic() + 0.2,
+                        world_size=64)
