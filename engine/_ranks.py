@@ -21,7 +21,6 @@ RuntimeWarning naming the paths (``_restore``).
 
 from __future__ import annotations
 
-import copy
 import struct
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -168,12 +167,13 @@ class PerRank:
 
     def plan_inventories(self) -> list[dict[str, Any]]:
         """Every rank's inventory with per-rank paths renamed, for ``build_plan``."""
-        out = copy.deepcopy(self.inventories)
-        for r, inv in enumerate(out):
-            for path in self.paths:
-                if path in inv["tensors"]:
-                    inv["tensors"][rank_array(path, r)] = inv["tensors"].pop(path)
-        return out
+        if not self.paths:
+            return self.inventories
+        # the entries are shared, not copied: a deep copy of 1,024 ranks' inventories took
+        # longer than the plan built from them (4.8 s), on every rank
+        return [{**inv, "tensors": {(rank_array(p, r) if p in self.paths else p): entry
+                                    for p, entry in inv["tensors"].items()}}
+                for r, inv in enumerate(self.inventories)]
 
     def index(self) -> dict[str, list[int]]:
         """What the step's attributes record: per-rank path -> the ranks that saved a copy."""

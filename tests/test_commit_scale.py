@@ -1,6 +1,6 @@
-"""The coordinator's and the waiting ranks' work at many ranks, driven with synthetic plans
-and records on an in-memory storage (no processes): what rank 0 reads to commit, and what
-every other rank reads and how often it asks while it waits."""
+"""The engine's per-save work at many ranks, driven with synthetic inventories, plans and
+records on an in-memory storage (no processes): what rank 0 reads to commit, what every other
+rank reads and how often it asks while it waits, what every rank computes to plan."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from antifragile.engine import _format
 from antifragile.engine._format import Manifest
 from antifragile.engine._paths import record_key, step_dir
+from antifragile.engine._ranks import PerRank
 from antifragile.engine.commit import coordinate, metadata_owners, read_commit, wait_for_commit
 from antifragile.engine.errors import CommitTimeoutError
 from antifragile.engine.persist import rank_record
@@ -156,3 +157,24 @@ def test_a_waiting_rank_takes_no_large_marker_of_another_save() -> None:
     with pytest.raises(CommitTimeoutError):  # nor one that says it is another step's
         wait_for_commit(storage, step=2, nonce=7, deadline=time.monotonic() + 0.2,
                         world_size=64)
+
+
+def test_renaming_the_per_rank_paths_copies_no_other_entry() -> None:
+    """``PerRank.plan_inventories`` deep-copied every rank's inventory to rename a few paths:
+    4.8 s at 1,024 ranks of 63 tensors, more than the plan built from them, on every rank."""
+    world = 16
+    inventories = [{"tensors": {
+        "model/w": {"dtype": "float32", "shape": [world, 4],
+                    "boxes": [[[r, 0], [1, 4], [0, 0]]]},
+        "rng": {"dtype": "uint8", "shape": [8], "boxes": [[[0], [8], [0]]]}},
+        "values": ["step"], "plain": ["rng"]} for r in range(world)]
+    per_rank = PerRank(inventories, 0, sticky=["rng"])
+    renamed = per_rank.plan_inventories()
+    for r, (inv, out) in enumerate(zip(inventories, renamed)):
+        assert set(out["tensors"]) == {"model/w", f"rng/rank_{r}"}
+        assert out["tensors"]["model/w"] is inv["tensors"]["model/w"]  # shared, not copied
+        assert out["tensors"][f"rng/rank_{r}"] is inv["tensors"]["rng"]
+        assert set(inv["tensors"]) == {"model/w", "rng"}  # the gathered ones stay as they were
+    plan = build_plan(renamed)
+    assert sorted(k for ws in plan.writes.values() for k in (w.array.name for w in ws)
+                  if k.startswith("rng")) == sorted(f"rng/rank_{r}" for r in range(world))
