@@ -83,18 +83,27 @@ def metadata_share(plan: GlobalPlan, docs: dict[str, bytes], rank: int) -> dict[
     return {key: data for key, data in docs.items() if owners[key] == rank}
 
 
+_POLL_START_RATE = 2000  # the whole job's polls of one prefix per second, at their first
+_POLL_RATE = 500  # the same once backed off
+
+
 def _poll_delays(world_size: int) -> Iterator[float]:
-    """Seconds between polls: from 10 ms up by 1.5x to a cap that grows with the number of
-    ranks polling one prefix (``world_size / 500`` s: ~500 requests/s for the whole job; at
-    least 50 ms, at most 5 s), each jittered by +-10% so that ranks spread out. The cap is
-    how late a rank may see a COMMIT: a save counts as in flight until every rank has seen
-    it, and the next save is skipped as busy (a 0.5 s cap made a 2-rank save that committed
-    in 0.2 s look busy 5 steps later)."""
-    cap = min(5.0, max(0.05, world_size / 500))
-    delay = 0.01
+    """Seconds between polls: up by 1.5x from ``world_size / 2000`` s (at least 10 ms) to a
+    cap of ``world_size / 500`` s (at least 50 ms, at most 30 s), each jittered by +-10% (the
+    first by +-50%) so that ranks spread out. So the whole job polls one prefix at most
+    ~2,000 times a second when its ranks begin waiting together and ~500 once backed off,
+    under S3's 5,500 GET/s per prefix with room for the coordinator's own requests there
+    (every rank starting at 10 ms made 16,384 ranks send ~160,000 requests in their first
+    second, and a cap of 5 s left them at ~3,300 a second). The cap is how late a rank may see
+    a COMMIT: a save counts as in flight until every rank has seen it, and the next save is
+    skipped as busy (a 0.5 s cap made a 2-rank save that committed in 0.2 s look busy 5
+    steps later)."""
+    cap = min(30.0, max(0.05, world_size / _POLL_RATE))
+    delay = min(cap, max(0.01, world_size / _POLL_START_RATE))
+    yield delay * random.uniform(0.5, 1.5)  # the first spread wider: ranks begin together
     while True:
-        yield delay * random.uniform(0.9, 1.1)
         delay = min(delay * 1.5, cap)
+        yield delay * random.uniform(0.9, 1.1)
 
 
 def committed_steps(storage: Storage, ghosts: set[int] | None = None) -> list[int]:
@@ -364,6 +373,9 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
     delays = _poll_delays(world_size)
     trouble = ""
     while True:
+        # a pause first: the COMMIT needs this rank's record, just written, so a look at once
+        # never found it (and every rank made it together, as their writes ended together)
+        _pause(min(next(delays), max(0.01, deadline - time.monotonic())), cancel, step)
         try:
             names, trouble = set(storage.list_dir(base)), ""
         except StorageError as exc:  # retries spent: look again next round
@@ -382,7 +394,6 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
         if time.monotonic() > deadline:
             raise CommitTimeoutError(f"step {step}: no COMMIT from the coordinator (rank 0) "
                                      f"before the deadline{trouble}")
-        _pause(next(delays), cancel, step)
 
 
 _MARKER_HEAD = 1 << 16  # what a waiting rank reads of a COMMIT marker

@@ -7,10 +7,12 @@ from __future__ import annotations
 import threading
 import time
 from typing import Any
+from unittest import mock
 
 import pytest
 
 from antifragile.engine import _format
+from antifragile.engine import commit as commit_module
 from antifragile.engine._format import Manifest
 from antifragile.engine._paths import record_key, step_dir
 from antifragile.engine._ranks import PerRank
@@ -178,3 +180,31 @@ def test_renaming_the_per_rank_paths_copies_no_other_entry() -> None:
     plan = build_plan(renamed)
     assert sorted(k for ws in plan.writes.values() for k in (w.array.name for w in ws)
                   if k.startswith("rng")) == sorted(f"rng/rank_{r}" for r in range(world))
+
+
+def polls_per_second(world: int, seconds: int = 120) -> list[int]:
+    """The whole job's polls of the step folder in each second, every rank beginning to wait
+    at once (their writes ended together), their jitter spread evenly over the ranks."""
+    counts = [0] * seconds
+    step = max(1, world // 256)  # a sample of the ranks, each counted for ``step``
+    for rank in range(0, world, step):
+        quantile = (rank + 0.5) / world
+        with mock.patch.object(commit_module.random, "uniform",
+                               lambda a, b, q=quantile: a + (b - a) * q):
+            delays = commit_module._poll_delays(world)
+            t = next(delays)  # wait_for_commit pauses before its first look
+            while t < seconds:
+                counts[int(t)] += step
+                t += next(delays)
+    return counts
+
+
+def test_the_waiting_ranks_poll_under_the_request_rate_of_one_s3_prefix() -> None:
+    """S3 serves ~5,500 GET/s per prefix (and the coordinator's requests go to the same one):
+    every rank starting at 10 ms sent 16,384 ranks' ~160,000 polls in their first second, and a
+    5 s cap left them at ~3,300 a second for as long as they waited."""
+    for world in (64, 1024, 4096, 16384):
+        counts = polls_per_second(world)
+        assert max(counts) <= 2200, (world, max(counts))
+        assert sum(counts[-60:]) / 60 <= 600, (world, sum(counts[-60:]) / 60)
+    assert polls_per_second(2)[0] >= 40, "a small job still polls every few tens of ms"
