@@ -7,8 +7,13 @@ Its S3 endpoint is the recording proxy.
 
 ``check``: a checker that never saw the save. It reads one crash state per line on stdin,
 rebuilds it under a fresh prefix of the bucket (one PUT per object, bodies from the recording's
-folder), loads it with a brand-new engine instance per rule and prints one JSON line per state.
-Its S3 endpoint is the server itself.
+folder, each object byte for byte its recorded body), loads it with a brand-new engine instance
+per rule and prints one JSON line per state. Its S3 endpoint is the server itself.
+
+The rebuild goes through the engine's own S3 storage (obstore, with the engine's retries), not
+botocore: measured on loopback SeaweedFS (2 cores), 36 small PUTs from 8 threads cost botocore
+~0.11 s of CPU (~3 ms a PUT, under the GIL) and 0.14-0.17 s wall, obstore ~0.01 s and 0.05 s;
+a default-tier state's rebuild went from ~0.27 s to ~0.12 s.
 """
 
 from __future__ import annotations
@@ -87,18 +92,16 @@ def _check_main(args: argparse.Namespace) -> None:
     import warnings
     from concurrent.futures import ThreadPoolExecutor
 
-    import botocore.session
     import torch
-    from botocore.config import Config
 
     from antifragile.chaos.crashcheck import engines
+    from antifragile.engine.storage import open_storage
 
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)
     _share_botocore_data()
-    client = botocore.session.get_session().create_client(
-        "s3", config=Config(max_pool_connections=REBUILD_THREADS))
+    storage = open_storage(f"s3://{args.bucket}")
     pool = ThreadPoolExecutor(REBUILD_THREADS)
     bodies = Path(args.bodies)
     _say({"ready": True})
@@ -106,8 +109,7 @@ def _check_main(args: argparse.Namespace) -> None:
         task = json.loads(line)
         prefix = task["prefix"]
         t0 = time.monotonic()
-        puts = [pool.submit(client.put_object, Bucket=args.bucket, Key=f"{prefix}/{key}",
-                            Body=(bodies / body).read_bytes())
+        puts = [pool.submit(storage.write, f"{prefix}/{key}", [(bodies / body).read_bytes()])
                 for key, body in sorted(task["objects"].items())]
         for put in puts:
             put.result()
