@@ -1105,6 +1105,40 @@ def test_a_checker_rebuilds_each_object_as_recorded(
         assert got == bodies[label], key
 
 
+@pytest.mark.s3
+def test_the_newest_folder_rule_reads_the_newest_folder_and_fails_as_a_serial_reader(
+        s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """antifragile's ``newest-folder`` rule (its arrays read concurrently) loads the newest
+    step folder whatever it holds (COMMIT ignored), a missing chunk as zeros, and fails on the
+    first array, in name order, whose metadata is missing: what a serial zarr reader does."""
+    import boto3
+
+    from antifragile.chaos.crashcheck import engines
+
+    url, options = s3_bucket
+    bucket, root = url.removeprefix("s3://").split("/", 1)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    engines.save("antifragile", url, 1)
+    engines.save("antifragile", url, 2)
+    client = boto3.client("s3", endpoint_url=options["endpoint_url"], region_name="us-east-1",
+                          aws_access_key_id=options["key"],
+                          aws_secret_access_key=options["secret"])
+    step2 = f"{root}/{engines.step_name(2)}"
+    client.delete_object(Bucket=bucket, Key=f"{step2}/COMMIT")
+    assert engines.load("antifragile", "newest-folder", url) == (
+        2, engines.digest(engines.make_state(2)), [])
+    client.delete_object(Bucket=bucket, Key=f"{step2}/model/w05/c.0")
+    torn = engines.make_state(2)
+    torn["model"]["w05"].zero_()
+    assert engines.load("antifragile", "newest-folder", url)[1] == engines.digest(torn)
+    for name in ("w07", "w03"):
+        client.delete_object(Bucket=bucket, Key=f"{step2}/model/{name}/zarr.json")
+    with pytest.raises(KeyError, match="model/w03"):
+        engines.load("antifragile", "newest-folder", url)
+    assert engines.load("antifragile", "engine", url)[:2] == (
+        1, engines.digest(engines.make_state(1)))
+
+
 def _peer_saves(engine: str, url: str, endpoint_url: str, key: str, secret: str,
                 steps: list[int]) -> None:
     """One rank of a peer's saving job, as ``worker save`` runs it (no process group given:
