@@ -108,7 +108,7 @@ def test_the_coordinator_reads_the_records_concurrently() -> None:
     storage = RecordBarrier(8)
     write_records(storage, plan, 1, 7, set())
     coordinate(storage, plan=plan, step=1, nonce=7, deadline=time.monotonic() + 60,
-               group_attrs={}, metadata_keys=set())
+               group_attrs={}, owners={})
     assert storage.record_reads == 64, storage.record_reads  # each record read once
     assert not storage.serial, "the coordinator read the ranks' records one at a time"
     assert f"{step_dir(1)}/COMMIT" in storage.objects
@@ -133,7 +133,7 @@ def committed(world: int, tensors: int) -> tuple[MemoryStorage, GlobalPlan]:
     storage = MemoryStorage()
     write_records(storage, plan, 1, 7, set())
     coordinate(storage, plan=plan, step=1, nonce=7, deadline=time.monotonic() + 60,
-               group_attrs={}, metadata_keys=set())
+               group_attrs={}, owners={})
     return storage, plan
 
 
