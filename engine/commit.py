@@ -257,14 +257,18 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
     shares: dict[int, set[str]] = {}
     for key, owner in owners.items():
         shares.setdefault(owner, set()).add(key)
+    # of each checked record, only what the commit needs: its manifest merged into the step's,
+    # its values and requests (every record and every rank's manifest, kept until the COMMIT
+    # beside the merged manifest, were 28 MB of the 139 MB held at 4,096 ranks)
+    manifest = Manifest(nonce)
     records: dict[int, dict[str, Any]] = {}
-    manifests: dict[int, Manifest] = {}
     damaged: dict[int, str] = {}
 
     def accept(rank: int, record: dict[str, Any], where: str) -> None:
-        manifests[rank] = record_manifest(record, where=where)
-        _check_record(plan, step, rank, record, manifests[rank], shares.get(rank, set()))
-        records[rank] = record
+        rank_manifest = record_manifest(record, where=where)
+        _check_record(plan, step, rank, record, rank_manifest, shares.get(rank, set()))
+        manifest.update(rank_manifest)
+        records[rank] = {k: record[k] for k in ("values", "requests") if k in record}
         damaged.pop(rank, None)
 
     delays = _poll_delays(plan.world_size)
@@ -296,9 +300,6 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
                     f"the previous checkpoint stays the newest{notes}")
             _pause(next(delays), cancel, step)
 
-    manifest = Manifest(nonce)
-    for rank_manifest in manifests.values():
-        manifest.update(rank_manifest)
     attrs = {**group_attrs, **_merge_values(plan, records)}
     group_doc = _format.dumps(_format.group_metadata(attrs))
     storage.write(f"{base}/zarr.json", [group_doc])
