@@ -151,14 +151,22 @@ class PerRank:
         return bool(differing)
 
     def _check_names(self) -> None:
-        for path in self.paths:
-            for inv in self.inventories:
-                clash = next((p for p in (*inv["tensors"], *inv["values"])
-                              if p.startswith(f"{path}/")), None)
-                if clash is not None:
+        """No rank holds a name under a per-rank path (``<path>/rank_<r>`` is how it is
+        stored). One pass over the names every rank holds, each looked up at each of its
+        ``/``: going over them once per per-rank path took 0.17 s at 4,096 ranks with one."""
+        if not self.paths:
+            return
+        names: set[str] = set()
+        for inv in self.inventories:
+            names.update(inv["tensors"], inv["values"])
+        for name in sorted(names):
+            cut = name.find("/")
+            while cut != -1:
+                if name[:cut] in self.paths:
                     raise CheckpointError(
-                        f"state path {path!r} differs between ranks and is saved per rank, "
-                        f"but another rank holds {clash!r} under it")
+                        f"state path {name[:cut]!r} differs between ranks and is saved per "
+                        f"rank, but another rank holds {name!r} under it")
+                cut = name.find("/", cut + 1)
 
     def rename(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's tensors under their stored names."""

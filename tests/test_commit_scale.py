@@ -20,7 +20,7 @@ from antifragile.engine._format import Manifest
 from antifragile.engine._paths import record_key, step_dir
 from antifragile.engine._ranks import PerRank
 from antifragile.engine.commit import coordinate, metadata_owners, read_commit, wait_for_commit
-from antifragile.engine.errors import CommitTimeoutError
+from antifragile.engine.errors import CheckpointError, CommitTimeoutError
 from antifragile.engine.persist import rank_record
 from antifragile.engine.plan import GlobalPlan, build_plan
 
@@ -223,6 +223,37 @@ def test_renaming_the_per_rank_paths_copies_no_other_entry() -> None:
     plan = build_plan(renamed)
     assert sorted(k for ws in plan.writes.values() for k in (w.array.name for w in ws)
                   if k.startswith("rng")) == sorted(f"rng/rank_{r}" for r in range(world))
+
+
+class CountedNames(dict[str, Any]):
+    """A rank's tensors, counting the passes over their names."""
+
+    passes = 0
+
+    def __iter__(self) -> Any:
+        self.passes += 1
+        return super().__iter__()
+
+
+def test_the_per_rank_paths_are_checked_in_one_pass_over_each_ranks_names() -> None:
+    """``PerRank._check_names`` went over every rank's names once per per-rank path (0.17 s
+    at 4,096 ranks with a single one, on every rank at each replan)."""
+    world, sticky = 8, [f"rng{i}" for i in range(6)]
+    inventories = [{"tensors": CountedNames(
+        {"model/w": {"dtype": "float32", "shape": [world, 4], "boxes": [[[r, 0], [1, 4], [0, 0]]]}}
+        | {p: {"dtype": "uint8", "shape": [8], "boxes": [[[0], [8], [0]]]} for p in sticky}),
+        "values": ["step", "loader/offset"], "plain": sticky} for r in range(world)]
+    per_rank = PerRank(inventories, 0, sticky=sticky)
+    assert per_rank.paths == set(sticky)
+    for inv in inventories:
+        inv["tensors"].passes = 0
+    per_rank._check_names()
+    assert [inv["tensors"].passes for inv in inventories] == [1] * world
+    inventories[3]["values"].append("rng4/seed")  # a name under a per-rank path still clashes
+    with pytest.raises(CheckpointError, match="'rng4/seed'"):
+        per_rank._check_names()
+    inventories[3]["values"][-1] = "rng4.seed"  # and one that only begins the same does not
+    per_rank._check_names()
 
 
 def polls_per_second(world: int, seconds: int = 120) -> list[int]:
