@@ -160,6 +160,11 @@ class BoundedRequests:
     def delete_tree(self, prefix: str) -> bool:
         return self._bounded(f"delete_tree {prefix}", lambda: self.inner.delete_tree(prefix))
 
+    def delete_link(self, prefix: str) -> bool:  # retention's, of a step moved elsewhere
+        inner = getattr(self.inner, "delete_link", None)
+        return inner is not None and self._bounded(f"delete_link {prefix}",
+                                                   lambda: bool(inner(prefix)))
+
     def sync(self) -> None:
         self._bounded("sync", self.inner.sync)
 
