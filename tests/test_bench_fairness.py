@@ -14,11 +14,26 @@ import torch
 import torch.distributed as dist
 
 
+def _save_cost_times(tmp_path: Path, *, saves: int) -> dict[str, list[float]]:
+    """``bench.save_cost``'s one rank, in this process, ``saves`` timed saves: its times."""
+    from bench import save_cost
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = torch.get_num_threads()
+    try:
+        save_cost._worker(0, 1, port, str(tmp_path), saves, str(tmp_path))
+    finally:
+        torch.set_num_threads(threads)
+    times: dict[str, list[float]] = json.loads((tmp_path / "rank0.json").read_text())["times"]
+    return times
+
+
 def test_save_cost_times_the_engine_save_without_the_barrier_before_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A barrier that takes 0.2 s is no part of the engine's save() return, as none is of DCP's
     async_save return: each figure starts after the ranks met (so do both persists)."""
-    from bench import save_cost
 
     barrier_s = 0.2
     real_barrier = dist.barrier
@@ -28,15 +43,7 @@ def test_save_cost_times_the_engine_save_without_the_barrier_before_it(
         return real_barrier(*args, **kwargs)
 
     monkeypatch.setattr(dist, "barrier", slow_barrier)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    threads = torch.get_num_threads()
-    try:
-        save_cost._worker(0, 1, port, str(tmp_path), 1, str(tmp_path))
-    finally:
-        torch.set_num_threads(threads)
-    times = json.loads((tmp_path / "rank0.json").read_text())["times"]
+    times = _save_cost_times(tmp_path, saves=1)
     assert max(times["engine_return"]) < barrier_s, times
     assert max(times["dcp_async_return"]) < barrier_s, times
 
@@ -431,7 +438,6 @@ def test_save_cost_engine_persist_excludes_deleting_older_checkpoints(
     nothing. With a delete that takes 0.3 s the engine's persist stays below it, as in
     bench.engine and bench.gpu."""
     from antifragile.engine.storage._local import LocalStorage
-    from bench import save_cost
 
     delete_s = 0.3
     real_delete_tree = LocalStorage.delete_tree
@@ -441,15 +447,7 @@ def test_save_cost_engine_persist_excludes_deleting_older_checkpoints(
         return real_delete_tree(self, prefix)
 
     monkeypatch.setattr(LocalStorage, "delete_tree", slow_delete_tree)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    threads = torch.get_num_threads()
-    try:
-        save_cost._worker(0, 1, port, str(tmp_path), 2, str(tmp_path))
-    finally:
-        torch.set_num_threads(threads)
-    times = json.loads((tmp_path / "rank0.json").read_text())["times"]
+    times = _save_cost_times(tmp_path, saves=2)
     assert len(times["engine_persist"]) == 2
     assert max(times["engine_persist"]) < delete_s, times
     engine_steps = sorted(p.name for p in (tmp_path / "engine").iterdir()
