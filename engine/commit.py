@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from . import _format
 from ._format import Manifest
@@ -61,6 +61,8 @@ from .errors import (
 from .persist import parse_record, record_manifest
 from .plan import GlobalPlan
 from .storage import Storage
+
+_T = TypeVar("_T")
 
 
 def metadata_owners(plan: GlobalPlan, keys: Iterable[str]) -> dict[str, int]:
@@ -136,29 +138,29 @@ def step_dirs(storage: Storage, ghosts: set[int] | None = None, known: set[int] 
     return every, [step for step in every if step in known or found[step]]
 
 
+def _concurrently(request: Callable[[str], _T], keys: list[str], at_most: int, name: str
+                  ) -> Iterator[_T]:
+    """``request`` of every key, results in order, at most ``at_most`` at a time (one key: on
+    this thread). A caller that stops early (a record that fails the save) cancels the
+    requests not yet begun."""
+    if len(keys) < 2:
+        yield from map(request, keys)
+        return
+    pool = DaemonPool(min(at_most, len(keys)), name)
+    try:
+        yield from pool.map(request, keys)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _exist_all(storage: Storage, keys: list[str]) -> list[bool]:
     """``storage.exists`` of every key, concurrently (at most 16 at a time)."""
-    if len(keys) < 2:
-        return [storage.exists(k) for k in keys]
-    with DaemonPool(min(16, len(keys)), "ckpt-exists") as pool:
-        return list(pool.map(storage.exists, keys))
+    return list(_concurrently(storage.exists, keys, 16, "ckpt-exists"))
 
 
-_RECORD_READERS = 32  # the coordinator's concurrent record reads
-
-
-def _read_all(storage: Storage, keys: list[str]) -> Iterator[bytes | bytearray]:
-    """``storage.read`` of every key, in order, concurrently (at most ``_RECORD_READERS`` at a
-    time): the coordinator reads one record per rank, and one at a time 16,384 GETs of ~20 ms
-    on S3 took over 5 minutes."""
-    if len(keys) < 2:
-        yield from map(storage.read, keys)
-        return
-    pool = DaemonPool(min(_RECORD_READERS, len(keys)), "ckpt-records")
-    try:
-        yield from pool.map(storage.read, keys)
-    finally:  # a record that fails the save: the reads not yet begun are not made
-        pool.shutdown(wait=False, cancel_futures=True)
+# the coordinator's concurrent record reads: one at a time, 16,384 GETs of ~20 ms on S3 took
+# over 5 minutes
+_RECORD_READERS = 32
 
 
 def all_step_dirs(storage: Storage) -> list[int]:
@@ -276,7 +278,9 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
         listed = (name.removesuffix(".json")
                   for name in storage.list_dir(f"{base}/{RECORDS_DIR}"))
         new = [int(r) for r in listed if is_index(r) and int(r) not in records]
-        for rank, data in zip(new, _read_all(storage, [record_key(step, r) for r in new])):
+        reads = _concurrently(storage.read, [record_key(step, r) for r in new],
+                              _RECORD_READERS, "ckpt-records")
+        for rank, data in zip(new, reads):
             where = f"step {step}: rank {rank}'s record"
             try:
                 record = parse_record(data, where=where)
