@@ -56,18 +56,24 @@ class Costs:
     step_s: float | None = None
 
     def __post_init__(self) -> None:
-        checks = [("checkpoint cost", self.ckpt_s, True), ("restart cost", self.restart_s, False),
-                  ("MTBF", self.mtbf_s, True)]
+        check_seconds("checkpoint cost", self.ckpt_s, strict=True)
+        check_seconds("restart cost", self.restart_s, strict=False)
+        check_seconds("MTBF", self.mtbf_s, strict=True)
         if self.step_s is not None:
-            checks.append(("step time", self.step_s, True))
-        for what, value, strict in checks:
-            if not math.isfinite(value) or value < 0 or (strict and value == 0):
-                need = "> 0" if strict else ">= 0"
-                raise TuneError(f"{what} must be a finite number {need} seconds, got {value}")
-            # beyond these the model's floats overflow or underflow (C/M rounds to 0)
-            if value > MAX_SECONDS or (strict and value < MIN_SECONDS):
-                raise TuneError(f"{what} must be between {MIN_SECONDS:g} and {MAX_SECONDS:g} "
-                                f"seconds, got {value:g}")
+            check_seconds("step time", self.step_s, strict=True)
+
+
+def check_seconds(what: str, value: float, *, strict: bool, option: str | None = None) -> None:
+    """Raise TuneError when the model cannot take ``value`` seconds of ``what`` (``strict``:
+    0 neither). ``option``: the command-line option it was given as, which the message names
+    (``Costs`` also takes measured values, so its own messages name what they are)."""
+    if not math.isfinite(value) or value < 0 or (strict and value == 0):
+        raise TuneError(f"{option or what} must be a finite number {'> 0' if strict else '>= 0'} "
+                        f"seconds, got {value:g}")
+    # beyond these the model's floats overflow or underflow (C/M rounds to 0)
+    if value > MAX_SECONDS or (strict and value < MIN_SECONDS):
+        raise TuneError(f"{f'{option}: the ' if option else ''}{what} must be between "
+                        f"{MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, got {value:g}")
 
 
 def young_interval(ckpt_s: float, mtbf_s: float) -> float:

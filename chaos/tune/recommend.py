@@ -22,12 +22,12 @@ from antifragile.chaos.tune.measure import (
     sweep_every,
 )
 from antifragile.chaos.tune.model import (
-    MAX_SECONDS,
     MIN_SECONDS,
     Costs,
     Distribution,
     MeasureError,
     TuneError,
+    check_seconds,
     project,
     scale_mtbfs,
 )
@@ -49,12 +49,8 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
         raise TuneError(f"--gpus must be >= 1, got {gpus}")
     if gpu_mtbf_h is not None:
         scale_mtbfs(gpu_mtbf_h, gpus)
-    if mtbf_s is not None and not (math.isfinite(mtbf_s) and mtbf_s > 0):
-        raise TuneError(f"--mtbf-s must be a finite number > 0 seconds, got {mtbf_s}")
-    # Costs' bounds, but checked before a scenario is run to measure the costs (minutes)
-    if mtbf_s is not None and not MIN_SECONDS <= mtbf_s <= MAX_SECONDS:
-        raise TuneError(f"--mtbf-s: the MTBF must be between {MIN_SECONDS:g} and "
-                        f"{MAX_SECONDS:g} seconds, got {mtbf_s:g}")
+    if mtbf_s is not None:  # checked before a scenario is run to measure the costs (minutes)
+        check_seconds("MTBF", mtbf_s, strict=True, option="--mtbf-s")
     if sweep_steps is not None and sweep_steps < 2:
         raise TuneError(f"--sweep-steps must be >= 2, got {sweep_steps}")
     for option, value in (("--sweep-every", every), ("--sweep-steps", sweep_steps)):
@@ -80,7 +76,8 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
                 ("--ckpt-cost-s", "checkpoint cost", ckpt_cost_s, True),
                 ("--restart-s", "restart cost", restart_s, False),
                 ("--step-s", "step time", step_s, True)):
-            _check_seconds(flag, what, seconds, strict=strict)
+            if seconds is not None:
+                check_seconds(what, seconds, strict=strict, option=flag)
         costs = Costs(ckpt_s=ckpt_cost_s, restart_s=restart_s or 0.0, mtbf_s=mtbf_s,
                             step_s=step_s)
         doc["mode"] = "model only"
@@ -153,19 +150,6 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
         except OSError as exc:  # a full disk, a folder where the file goes
             raise TuneError(f"{path}: cannot be written: {exc.strerror or exc}") from None
     return doc
-
-
-def _check_seconds(option: str, what: str, value: float | None, *, strict: bool) -> None:
-    """``Costs``' checks for a value given on the command line, naming its option (``Costs``
-    also takes measured values, so its own messages cannot)."""
-    if value is None:
-        return
-    if not math.isfinite(value) or value < 0 or (strict and value == 0):
-        raise TuneError(f"{option} must be a finite number {'> 0' if strict else '>= 0'} "
-                        f"seconds, got {value:g}")
-    if value > MAX_SECONDS or (strict and value < MIN_SECONDS):
-        raise TuneError(f"{option}: the {what} must be between {MIN_SECONDS:g} and "
-                        f"{MAX_SECONDS:g} seconds, got {value:g}")
 
 
 def _check_sweep_length(steps: int, step_s: float, measured: Measured, *,
