@@ -393,6 +393,8 @@ def _fault(**fault: Any) -> dict[str, Any]:
      "s.yaml: checkpoint.every_steps: Input should be a valid integer"),
     (_with(expect={"max_recovery_s": float("nan")}),
      "s.yaml: expect.max_recovery_s: Input should be a finite number"),
+    (_with(trainer={"hang_timeout_s": 0.01}),
+     "s.yaml: trainer.hang_timeout_s: Input should be greater than or equal to 0.1"),
     (_with(trainer={"collective_timeout_s": float("inf")}),
      "s.yaml: trainer.collective_timeout_s: Input should be a finite number"),
 ], ids=lambda v: "" if isinstance(v, dict) else v[:50])

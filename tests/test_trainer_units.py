@@ -171,6 +171,9 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
      "collective_timeout_s must be a finite number > 0 and at most"),
     (["--final-save-patience-s", "nan"], "final_save_patience_s must be >= 0, got nan"),
     (["--hang-timeout-s", "nan"], "hang_timeout_s must be > 0, got nan"),
+    # accepted, and any pause between two blocks' forwards longer than it was a "hang" that
+    # killed the process; the supervisor looks at the counter only every 0.05 s
+    (["--hang-timeout-s", "0.01"], "hang_timeout_s must be at least 0.1 s"),
     (["--lease-s", "nan"], "lease_s must be a finite number >= 1 s"),
     (["--lease-s", "5"], "--lease-s: leases are held only under recovery in_process"),
     # accepted under the adaptive hang timeout: an infinite lease never judged a host lost, a

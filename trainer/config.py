@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 from antifragile.trainer.ckpt_backends import ENGINES
 from antifragile.trainer.model import ModelConfig
 from antifragile.trainer.parallel.dims import ParallelDims
-from antifragile.trainer.progress import MIN_LEASE_S, lease_conflict
+from antifragile.trainer.progress import (
+    MIN_HANG_TIMEOUT_S,
+    MIN_LEASE_S,
+    WATCH_POLL_S,
+    lease_conflict,
+)
 
 FINAL_SAVE_PATIENCE_S = 120.0  # how long the last step's checkpoint is retried while it fails
 # the longest collective or checkpoint timeout (about 31 years): a save waits on its writes with
@@ -107,6 +112,11 @@ class TrainConfig:
                              f"{self.final_save_patience_s}")
         if self.hang_timeout_s is not None and not self.hang_timeout_s > 0:  # NaN: never a hang
             raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
+        if self.hang_timeout_s is not None and self.hang_timeout_s < MIN_HANG_TIMEOUT_S:
+            raise ValueError(f"hang_timeout_s must be at least {MIN_HANG_TIMEOUT_S:g} s (the "
+                             f"supervisor looks at training progress every {WATCH_POLL_S:g} s), "
+                             "got "
+                             f"{self.hang_timeout_s}")
         if self.lease_s is not None and not MIN_LEASE_S <= self.lease_s < math.inf:  # NaN too
             raise ValueError(f"lease_s must be a finite number >= {MIN_LEASE_S:g} s (four "
                              f"renewals at the heartbeat's 0.25 s), got {self.lease_s}")
@@ -128,8 +138,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    p.add_argument("--micro-batches", type=int, default=2,
+                   help="micro-batches per step through the pipeline (--pp > 1; at --pp 1 "
+                   "each replica runs its batch in one pass)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
+                   help="the pipeline schedule (--pp > 1)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--data-path", help="a 1-D .npy of token ids (default: synthetic data)")
     p.add_argument("--run-dir", help="events go to RUN_DIR/events/rank<r>.jsonl")

@@ -25,6 +25,9 @@ STALL_ESCALATION = 3.0  # a counter still while training: a hang after this x th
 # shorter one is renewed faster (every lease / 4), and a renewal late by a store round trip or
 # a busy host's scheduling takes a healthy slot for lost
 MIN_LEASE_S = 1.0
+WATCH_POLL_S = 0.05  # how often the supervisor looks at the counter
+# the shortest hang timeout: two looks; a shorter one cannot tell a block's forward from a hang
+MIN_HANG_TIMEOUT_S = 2 * WATCH_POLL_S
 LEASE_S = 5.0  # the default silence after which a slot is lost (see ``default_lease_s``)
 
 

@@ -51,6 +51,7 @@ from antifragile.trainer.lease import (
 from antifragile.trainer.progress import (
     HANG_FLOOR_S,
     STALL_ESCALATION,
+    WATCH_POLL_S,
     Phase,
     SharedProgress,
     default_lease_s,
@@ -252,7 +253,7 @@ def _watch(current: dict[str, Any], progress: SharedProgress, watchdog: Watchdog
 
 def supervise(child_main: Callable[[SharedProgress, int], int], *, slot: int, recovery: str,
               hang_timeout_s: float | None, run_dir: str | None,
-              store_factory: Callable[[], Any] | None = None, poll_s: float = 0.05,
+              store_factory: Callable[[], Any] | None = None, poll_s: float = WATCH_POLL_S,
               reform_timeout_s: float = 120.0, spares: int = 0, slots: int = 1,
               lease_s: float | None = None) -> int:
     """Run ``child_main(progress, incarnation)`` in a forked child and watch it; returns this

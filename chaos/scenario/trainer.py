@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from antifragile.chaos.faults.base import Seconds, memory_mib
-from antifragile.trainer.progress import MIN_LEASE_S, lease_conflict
+from antifragile.trainer.progress import MIN_HANG_TIMEOUT_S, MIN_LEASE_S, lease_conflict
 
 #: emulated hosts a run can have: ``chaos.infra.netns.MAX_HOSTS``
 MAX_NODES = 90
@@ -68,12 +68,14 @@ class TrainerSpec(_Strict):
     model: ModelSpec = ModelSpec()
     steps: Annotated[StrictInt, Field(ge=1)] = 60
     batch_size: Annotated[StrictInt, Field(ge=1)] = 8
+    #: micro-batches per step through the pipeline, and its schedule (parallel.pp > 1; at
+    #: pp 1 each replica runs its batch in one pass)
     micro_batches: Annotated[StrictInt, Field(ge=1)] = 4
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     collective_timeout_s: Annotated[Seconds, Field(gt=0)] = 60.0
     #: no training progress for this long is a hang; None: adaptive (max(10 s, 20 x p99 of
     #: the intervals between progress bumps))
-    hang_timeout_s: Annotated[Seconds, Field(gt=0)] | None = None
+    hang_timeout_s: Annotated[Seconds, Field(ge=MIN_HANG_TIMEOUT_S)] | None = None
     #: after a rank fails: torchrun restarts the group, or the survivors re-form it in process
     #: with a warm spare (falling back to a restart when no spare is left)
     recovery: Literal["restart", "in_process"] = "restart"
