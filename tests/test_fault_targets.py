@@ -397,3 +397,37 @@ def test_a_corruption_that_finds_nothing_left_to_damage_is_missed(tmp_path: Path
         assert injection.missed is None, injection
         objects.append(injection.detail["object"])
     assert len(set(objects)) == (1 if modes[0] == "truncate" else 2), objects
+
+
+def test_a_checkpoint_named_by_its_step_is_waited_for_while_it_is_saved(tmp_path: Path) -> None:
+    """``checkpoint: 10`` at the end of step 10 (``at_step: 10``, or ``at_checkpoint: 2`` with
+    ``every_steps: 5``), which validation accepts: the save of step 10 is still persisting at
+    that pause point, and the fault looked only at the commits already there, so it was
+    missed on a run where the checkpoint committed a moment later. It waits for the save, as
+    ``latest`` does."""
+    import shutil
+    import threading
+
+    import torch
+
+    from antifragile.engine import CheckpointEngine
+    from antifragile.engine._paths import COMMIT, step_dir
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url, keep_last=None) as engine:
+        for step in (5, 10):
+            engine.save(step, {"w": torch.arange(64.0).reshape(8, 8)}).wait()
+    commit = tmp_path / "ckpt" / step_dir(10) / COMMIT
+    aside = tmp_path / "COMMIT.aside"
+    shutil.move(commit, aside)  # step 10 still persisting, as far as a reader can tell
+    later = threading.Timer(0.5, lambda: shutil.move(aside, commit))
+    later.start()
+    fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=10, checkpoint=10)
+    assert fault.check_checkpoints(5, 20) is None  # a scenario chaos validate accepts
+    try:
+        target = Target(pids={}, coordinates={}, ckpt_url=url, rng=random.Random(0))
+        injection = fault.inject(target, 10)
+    finally:
+        later.join()
+    assert injection.missed is None, injection
+    assert injection.detail["checkpoint_step"] == 10

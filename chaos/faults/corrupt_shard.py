@@ -66,7 +66,9 @@ class CorruptShard(FaultBase):
         if peer is not None:
             return self._inject_peer(peer, target, step)
         storage = open_storage(target.ckpt_url)
-        steps = _settled(storage) if self.checkpoint == "latest" else committed_steps(storage)
+        steps = committed_steps(storage)
+        if self.checkpoint == "latest" or self.checkpoint not in steps:
+            steps = _settled(storage)  # the step named may be the save still in flight
         chosen = steps[-1] if steps and self.checkpoint == "latest" else self.checkpoint
         if not steps or chosen not in steps:
             return Injection(self.kind, time.time(), step=step,
@@ -118,8 +120,9 @@ class CorruptShard(FaultBase):
         from antifragile.trainer.ckpt_backends import committed_steps as committed_steps_of
         from antifragile.trainer.ckpt_backends import data_files
 
-        steps = (_settled_peer(engine, target.ckpt_url) if self.checkpoint == "latest"
-                 else committed_steps_of(engine, target.ckpt_url))
+        steps = committed_steps_of(engine, target.ckpt_url)
+        if self.checkpoint == "latest" or self.checkpoint not in steps:
+            steps = _settled_peer(engine, target.ckpt_url)
         chosen = steps[-1] if steps and self.checkpoint == "latest" else self.checkpoint
         if not steps or chosen not in steps:
             return Injection(self.kind, time.time(), step=step,
@@ -166,7 +169,7 @@ def _peer_engine(url: str) -> str | None:
     return None
 
 
-SETTLE_S = 30.0  # how long ``latest`` waits for a save in flight to commit or fail
+SETTLE_S = 30.0  # how long a save in flight is waited for, to commit or fail
 
 
 def _settled(storage: Any) -> list[int]:
