@@ -521,8 +521,16 @@ def test_storage_outage_fields_are_validated() -> None:
         parse_scenario(_scenario("x", "s3://b/p", [{**OUTAGE, "mode": "flaky"}]))
     with pytest.raises(ScenarioError, match=r"faults\.0\.duration_s"):
         parse_scenario(_scenario("x", "s3://b/p", [{**OUTAGE, "duration_s": 0}]))
+    for mode in ("error", "blackhole"):  # accepted and ignored, the outage not as written
+        with pytest.raises(ScenarioError, match=r"x\.yaml: faults\.0\.latency_s: only mode "
+                           f"latency holds requests back; mode {mode} ignores it"):
+            parse_scenario(_scenario("x", "s3://b/p", [{**OUTAGE, "mode": mode,
+                                                         "latency_s": 5.0}]), path="x.yaml")
     s = parse_scenario(_scenario("x", "s3://b/p", [OUTAGE]))
     assert isinstance(s.faults[0], StorageOutage) and s.faults[0].latency_s == 2.0
+    s = parse_scenario(_scenario("x", "s3://b/p", [{**OUTAGE, "mode": "latency",
+                                                     "latency_s": 5.0}]))
+    assert isinstance(s.faults[0], StorageOutage) and s.faults[0].latency_s == 5.0
 
 
 def test_without_a_proxy_the_outage_is_reported_skipped() -> None:

@@ -27,6 +27,13 @@ class StorageOutage(FaultBase):
     mode: Literal["error", "latency", "blackhole"] = "error"
     latency_s: Annotated[Seconds, Field(gt=0)] = 2.0
 
+    def check(self, dims: tuple[int, int, int], steps: int, checkpoints: int
+              ) -> tuple[str, str] | None:
+        if self.mode != "latency" and "latency_s" in self.model_fields_set:
+            return "latency_s", (f"only mode latency holds requests back; mode {self.mode} "
+                                 "ignores it")
+        return super().check(dims, steps, checkpoints)
+
     def check_storage(self, url: str | None) -> tuple[str, str] | None:
         if not (url or "").startswith("s3://"):
             where = (f"checkpoint.url is the local folder {url!r}" if url
