@@ -364,6 +364,8 @@ def _fault(**fault: Any) -> dict[str, Any]:
      "faults.0.checkpoint: step 15 is not saved yet when the fault fires (at step 12)"),
     (_fault(kind="corrupt_shard", checkpoint=15, at_checkpoint=2),
      "faults.0.checkpoint: step 15 is not saved yet when the fault fires (at step 10)"),
+    (_fault(kind="crash_during_save", rank={"dp": 1}, at_checkpoint=1, phase="committing"),
+     "faults.0.phase: only the coordinator (rank 0) commits: phase committing needs rank: 0"),
     (_fault(kind="kill_rank", rank=True, at_step=3),
      "faults.0.rank: True is not a rank: give a rank number, random, or coordinates"),
     (_fault(kind="kill_rank", rank=1.5, at_step=3), "faults.0.rank: 1.5 is not a rank"),
@@ -415,7 +417,10 @@ def test_checkpoints_and_ranks_that_exist_are_accepted() -> None:
                   {"kind": "corrupt_shard", "checkpoint": "latest", "at_step": 3},
                   {"kind": "kill_rank", "rank": "random", "at_s": 2},
                   {"kind": "kill_rank", "rank": {"dp": 1}, "mtbf_s": 30},
-                  {"kind": "hang_rank", "rank": 1, "at_step": 3, "duration_s": 2}):
+                  {"kind": "hang_rank", "rank": 1, "at_step": 3, "duration_s": 2},
+                  # rank 0 named by its coordinates is the coordinator too
+                  {"kind": "crash_during_save", "rank": {"dp": 0}, "at_checkpoint": 1,
+                   "phase": "committing"}):
         parse_scenario(_fault(**fault))
     assert parse_scenario(_with(seed=2**63 - 1)).seed == 2**63 - 1
 

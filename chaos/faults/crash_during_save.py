@@ -18,7 +18,13 @@ import signal
 import time
 from typing import Literal
 
-from antifragile.chaos.faults.base import FaultBase, Injection, RankTarget, Target
+from antifragile.chaos.faults.base import (
+    Coordinates,
+    FaultBase,
+    Injection,
+    RankTarget,
+    Target,
+)
 
 
 class CrashDuringSave(FaultBase):
@@ -30,7 +36,7 @@ class CrashDuringSave(FaultBase):
               ) -> tuple[str, str] | None:
         if self.at_checkpoint is None:
             return "at_checkpoint", "crash_during_save needs at_checkpoint"
-        if self.phase == "committing" and self.rank != 0:
+        if self.phase == "committing" and self.rank not in (0, Coordinates()):
             return "phase", ("only the coordinator (rank 0) commits: phase committing needs "
                              "rank: 0")
         return super().check(dims, steps, checkpoints)
