@@ -457,3 +457,29 @@ def test_only_a_skipped_step_is_reported_skipped_by_our_backend(
         backend.close()
     assert step == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
     assert len(skipped) == 1 and skipped[0].startswith("checkpoint step 6 skipped"), skipped
+
+
+@pytest.mark.parametrize("engine", ["dcp", "torchsnapshot"])
+def test_latest_waits_for_a_peers_first_save_in_flight(tmp_path: Path, engine: str) -> None:
+    """The run's first checkpoint still persisting when the fault is due: no commit marker of
+    the peer is there yet, so the checkpoints were taken for ours, none of which ever commits,
+    and the fault was missed after ``SETTLE_S``. The scenario's engine says whose they are."""
+    import threading
+    import time
+
+    folder = tmp_path / step_name(5)
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"x" * 64)
+    committing = threading.Timer(0.5, lambda: (folder / MARKERS[engine]).write_text("{}"))
+    committing.start()
+    began = time.monotonic()
+    try:
+        target = Target(pids={}, coordinates={}, ckpt_url=str(tmp_path), rng=random.Random(0),
+                        ckpt_engine=engine)
+        fault = CorruptShard(kind="corrupt_shard", at_step=6, mode="truncate")
+        injection = fault.inject(target, 6)
+    finally:
+        committing.join()
+    assert injection.missed is None, injection
+    assert injection.detail["engine"] == engine and injection.detail["checkpoint_step"] == 5
+    assert time.monotonic() - began < 10  # not SETTLE_S (30 s)

@@ -4,7 +4,7 @@
 removes it. The object is picked with the scenario's seeded generator. Done directly to the
 storage, as a failing disk or an operator would; the engine finds out when it reads.
 
-With a peer engine under test (``checkpoint.engine: dcp | torchsnapshot``, recognised by its
+With a peer engine under test (``checkpoint.engine: dcp | torchsnapshot``, or recognised by its
 commit marker in the checkpoint folder) the damaged object is one of that engine's data files
 (DCP ``__<rank>_<i>.distcp``, torchsnapshot's tensor files). Neither keeps checksums, so a
 flipped bit inside tensor bytes may load silently; the injection says so, and the checker's
@@ -62,7 +62,7 @@ class CorruptShard(FaultBase):
         from antifragile.engine.load import split_cell_key
         from antifragile.engine.storage import open_storage
 
-        peer = _peer_engine(target.ckpt_url)
+        peer = _peer_engine(target.ckpt_url, target.ckpt_engine)
         if peer is not None:
             return self._inject_peer(peer, target, step)
         storage = open_storage(target.ckpt_url)
@@ -156,13 +156,17 @@ class CorruptShard(FaultBase):
         return Injection(self.kind, time.time(), step=step, detail=detail)
 
 
-def _peer_engine(url: str) -> str | None:
-    """``dcp`` or ``torchsnapshot`` when the checkpoints at ``url`` carry that engine's commit
-    marker; None for ours (or remote storage, where the peers are not run)."""
+def _peer_engine(url: str, engine: str) -> str | None:
+    """``dcp`` or ``torchsnapshot`` when the scenario's ``engine`` is one, or when the
+    checkpoints at ``url`` carry that engine's commit marker; None for ours (or remote
+    storage, where the peers are not run). The scenario says so first: before the run's first
+    commit there is no marker to tell the peer's folders from ours."""
     from antifragile.trainer.ckpt_backends import committed_steps as committed_steps_of
 
     if "://" in url and not url.startswith("file://"):
         return None
+    if engine != "antifragile":
+        return engine
     for engine in ("dcp", "torchsnapshot"):
         if committed_steps_of(engine, url):
             return engine
