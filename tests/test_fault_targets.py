@@ -62,6 +62,25 @@ def test_a_hang_of_a_rank_that_exited_is_missed(sleeper: subprocess.Popen[bytes]
     assert hang.missed is not None and "exited" in hang.missed
 
 
+def test_a_thread_that_never_stops_is_a_missed_hang_not_a_refused_ptrace(
+        sleeper: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training thread that ptrace seized but that never stopped (asleep in uninterruptible
+    I/O) was reported skipped, "ptrace of pid N refused: no stop within 10 s": a fault that
+    did not happen, told as one this machine cannot make, and ptrace refused nothing."""
+    from antifragile.chaos.faults import hang_rank
+
+    def never_stops(hold: hang_rank._ThreadHold) -> None:
+        hold._release.wait()  # seized, but no stop ever shows
+
+    monkeypatch.setattr(hang_rank._ThreadHold, "_run", never_stops)
+    monkeypatch.setattr(hang_rank, "STOP_WAIT_S", 0.2)
+    hang = FAULT_CONFIGS["hang_rank"](kind="hang_rank", rank=0, at_step=1, duration_s=1.0,
+                                      mode="thread").inject(_target(sleeper.pid), 1)
+    assert hang.skipped is None, hang
+    assert hang.missed == (f"rank 0 (pid {sleeper.pid}): its thread did not stop within "
+                           "0.2 s of the ptrace interrupt"), hang
+
+
 @pytest.mark.parametrize("second", ["kill_rank", "crash_during_save"])
 def test_a_second_kill_of_the_same_rank_at_the_same_moment_is_missed(
         sleeper: subprocess.Popen[bytes], second: str) -> None:

@@ -40,6 +40,8 @@ _WALL = 0x40000000
 #: and which never shows the ``T`` a SIGSTOP waits for)
 _HELD = ("T", "t")
 _EXITED = "the thread exited before it stopped"  # a rank dying as it was seized (a kill)
+_NO_STOP = "no stop"  # seized, but the thread did not stop (asleep in uninterruptible I/O)
+STOP_WAIT_S = 10.0  # how long a seized thread is given to stop
 
 
 class HangRank(FaultBase):
@@ -63,6 +65,10 @@ class HangRank(FaultBase):
             if error and (error == _EXITED or not alive(pid)):  # nothing to stop: no fault
                 return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail,
                                  missed=f"rank {rank} (pid {pid}) had already exited")
+            if error == _NO_STOP:  # ptrace worked, the fault did not happen
+                return Injection(self.kind, time.time(), step=step, rank=rank, detail=detail,
+                                 missed=f"rank {rank} (pid {pid}): its thread did not stop "
+                                        f"within {STOP_WAIT_S:g} s of the ptrace interrupt")
             if error:
                 return Injection(self.kind, time.time(), step=step, rank=rank,
                                  skipped=f"ptrace of pid {pid} refused: {error}", detail=detail)
@@ -122,12 +128,13 @@ class _ThreadHold:
                                         daemon=True)
 
     def start(self) -> str | None:
-        """Returns once the thread is stopped (None) or the attach failed (the reason)."""
+        """Returns once the thread is stopped (None), or why it is not: the attach failed
+        (the reason), the thread exited, or it did not stop within ``STOP_WAIT_S``."""
         self._thread.start()
-        if self._stopped.wait(10.0):
+        if self._stopped.wait(STOP_WAIT_S):
             return self._error
-        self._release.set()  # given up (skipped): a stop that comes later is let go at once
-        return "no stop within 10 s"
+        self._release.set()  # given up (missed): a stop that comes later is let go at once
+        return _NO_STOP
 
     def release(self) -> None:
         """Let the thread go; returns once the tracer has detached (or the tracee died)."""
