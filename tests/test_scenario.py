@@ -395,6 +395,11 @@ def _fault(**fault: Any) -> dict[str, Any]:
      "s.yaml: checkpoint.every_steps: Input should be a valid integer"),
     (_with(expect={"max_recovery_s": float("nan")}),
      "s.yaml: expect.max_recovery_s: Input should be a finite number"),
+    # the run's checkpoints go to one tmpfs: the largest size was mounted, the others ignored
+    (_with(faults=[{"kind": "disk_full", "at_step": 3, "volume_mib": 64},
+                   {"kind": "disk_full", "at_step": 9}]),
+     "s.yaml: faults.1.volume_mib: 256 MiB, but faults.0 (disk_full) asks for 64 MiB: the "
+     "run's checkpoints go to one volume; give every disk_full the same volume_mib"),
     (_with(trainer={"hang_timeout_s": 0.01}),
      "s.yaml: trainer.hang_timeout_s: Input should be greater than or equal to 0.1"),
     (_with(trainer={"collective_timeout_s": float("inf")}),

@@ -288,7 +288,7 @@ def run_storage(s: Scenario, out: Path, progress: Callable[[str], None] = print
         if url or not sizes:
             yield RunStorage(url or str(out / "ckpt"))
             return
-        with checkpoint_volume(out / "volume", max(sizes)) as volume:
+        with checkpoint_volume(out / "volume", sizes[0]) as volume:  # one size (validation)
             if isinstance(volume, Volume):
                 yield RunStorage(str(volume.path / "ckpt"), volume=volume)
             else:

@@ -279,6 +279,13 @@ class Scenario(_Strict):
             if problem:
                 key, reason = problem
                 raise ValueError(f"faults.{i}{'.' + key if key else ''}: {reason}")
+        volumes = [(i, f.volume_mib) for i, f in enumerate(self.faults) if f.kind == "disk_full"]
+        for i, mib in volumes[1:]:
+            if mib != volumes[0][1]:
+                raise ValueError(f"faults.{i}.volume_mib: {mib} MiB, but faults.{volumes[0][0]} "
+                                 f"(disk_full) asks for {volumes[0][1]} MiB: the run's "
+                                 "checkpoints go to one volume; give every disk_full the same "
+                                 "volume_mib")
         return self
 
 
