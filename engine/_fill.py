@@ -59,6 +59,64 @@ def _memory_of(local: torch.Tensor) -> tuple[Any, ...]:
             tuple(local.shape), tuple(local.stride()), local.dtype)
 
 
+def _shared(locals_: list[torch.Tensor]) -> list[list[int]]:
+    """For each tensor, the earlier ones whose span of memory meets its own (so they may share
+    elements: tied weights, a slice of another target, a transpose), by index. One sort and a
+    sweep: a state of thousands of tensors in one flat buffer, side by side, shares none."""
+    spans = []
+    for i, local in enumerate(locals_):
+        if local.numel():
+            start = local.data_ptr()
+            end = start + local.element_size() * (1 + sum(
+                (n - 1) * s for n, s in zip(local.shape, local.stride())))
+            spans.append(((local.device, local.untyped_storage().data_ptr()), start, end, i))
+    spans.sort(key=lambda span: (str(span[0][0]), span[0][1], span[1]))
+    earlier: list[list[int]] = [[] for _ in locals_]
+    active: list[tuple[Any, int, int, int]] = []  # spans met so far that reach past the start
+    for span in spans:
+        active = [a for a in active if a[0] == span[0] and a[2] > span[1]]
+        for other in active:
+            first, later = sorted((other[3], span[3]))
+            earlier[later].append(first)
+        active.append(span)
+    return [sorted(found) for found in earlier]
+
+
+def _check_tied(step: int, paths: list[str], locals_: list[torch.Tensor],
+                tied: list[tuple[int, torch.Tensor, list[int]]]) -> None:
+    """Fill the targets that were read apart (``tied``: a target's index, what was read for
+    it, the earlier targets whose memory it shares) and check that every one of them holds
+    what the step holds for it: targets that share memory must agree on the elements they
+    share. One tensor at two paths is compared as it is (no write); a target that shares
+    part of another's memory (a slice, a transpose) is written, and then every target
+    involved must still hold what was read for it."""
+    def mismatch(first: int, later: int) -> CheckpointMismatchError:
+        return CheckpointMismatchError(
+            f"step {step}: target tensors {paths[first]!r} and {paths[later]!r} share memory "
+            "(tied), and the step holds different data for them (saved untied); load into "
+            "separate tensors")
+
+    apart = {index for index, _, _ in tied}
+    written = []
+    for index, read, shares in tied:
+        if len(shares) == 1 and _memory_of(locals_[shares[0]]) == _memory_of(locals_[index]):
+            if not torch.equal(as_bytes(read), as_bytes(locals_[index].contiguous())):
+                raise mismatch(shares[0], index)
+        else:
+            written.append((index, read, shares))
+    # the targets read in place that the written ones share memory with, as they were read
+    kept = {other: as_bytes(locals_[other].clone(memory_format=torch.contiguous_format))
+            for _, _, shares in written for other in shares if other not in apart}
+    for index, read, _ in written:
+        locals_[index].copy_(read)
+    for index, read, shares in written:  # one written later over it
+        if not torch.equal(as_bytes(locals_[index].contiguous()), as_bytes(read)):
+            raise mismatch(index, next((i for i, _, s in written if index in s), shares[0]))
+    for other, was in kept.items():
+        if not torch.equal(as_bytes(locals_[other].contiguous()), was):
+            raise mismatch(other, next(i for i, _, s in written if other in s))
+
+
 def fill_step(storage: Storage, step: int, flat: FlatState, rank: int, pool: Executor,
               memory: MemoryCopy | None = None) -> Filled:
     """Check the step against the target, read every array's metadata (concurrently), plan
@@ -86,17 +144,17 @@ def fill_step(storage: Storage, step: int, flat: FlatState, rank: int, pool: Exe
                        + [reader.tensors[name] for name in sorted(sources.whole)], pool)
     reads = []
     whole: dict[str, torch.Tensor] = {}
-    first_of: dict[tuple[Any, ...], str] = {}  # a target's memory -> the first path it is at
-    tied: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
+    locals_ = [iter_local(tensor) for _, tensor, _ in targets]
+    tied: list[tuple[int, torch.Tensor, list[int]]] = []  # see _check_tied
     from_memory: list[tuple[str, torch.Tensor]] = []  # (stored path, where its copy goes)
     from_storage: list[torch.Tensor] = []
     with torch.no_grad():
-        for path, tensor, stored in targets:
-            local = into = iter_local(tensor)
-            first = first_of.setdefault(_memory_of(local), path) if local.numel() else path
-            if first != path:  # read apart: two reads into one memory fail each other's crc32c
+        for index, ((path, tensor, stored), local, shares) in enumerate(
+                zip(targets, locals_, _shared(locals_))):
+            into = local
+            if shares:  # read apart: two reads into one memory fail each other's crc32c
                 into = torch.empty(local.shape, dtype=local.dtype, device=local.device)
-                tied.append((first, path, local, into))
+                tied.append((index, into, shares))
             if stored.path in in_memory:  # filled once the reads are done, tied ones apart too
                 from_memory.append((stored.path, into))
                 continue
@@ -113,12 +171,8 @@ def fill_step(storage: Storage, step: int, flat: FlatState, rank: int, pool: Exe
     for stored_path, into in from_memory:
         assert memory is not None
         memory_bytes += memory.fill(stored_path, into)
-    for first, path, local, read in tied:
-        if not torch.equal(as_bytes(read), as_bytes(local.contiguous())):
-            raise CheckpointMismatchError(
-                f"step {step}: target tensors {first!r} and {path!r} are one memory (tied), "
-                "and the step holds different data for them (saved untied); load into "
-                "separate tensors")
+    with torch.no_grad():
+        _check_tied(step, [path for path, _, _ in targets], locals_, tied)
     storage_bytes = sum(math.prod(t.shape) * t.element_size() for t in from_storage)
     return Filled(sources.values(whole), int(reader.commit["nonce"]), storage_bytes,
                   memory_bytes)
