@@ -209,8 +209,9 @@ def local_boxes(tensor: torch.Tensor, *, path: str) -> list[HeldBox]:
 def check_tensor(tensor: torch.Tensor, *, path: str, target: bool = False) -> None:
     """Refuse, at the call, a tensor whose bytes the engine cannot copy out (or, a load
     ``target``, in): no data (the meta device), not one strided block of memory (sparse,
-    nested), a dtype zarr cannot hold, or a target whose elements share memory (a broadcast
-    view: the load is a CheckpointMismatchError, whatever the step)."""
+    nested), a dtype zarr cannot hold, an inference tensor outside inference mode (torch
+    refuses to update it), or a target whose elements share memory (a broadcast view: the
+    load is a CheckpointMismatchError, whatever the step)."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     why = None
     if local.is_nested:
@@ -230,6 +231,11 @@ def check_tensor(tensor: torch.Tensor, *, path: str, target: bool = False) -> No
             f"state path {path!r}: dim {shared[0]} has stride 0 (a broadcast view such as "
             "expand(): its elements share memory), so it cannot be loaded into; load into a "
             "tensor that owns its elements (clone() it)")
+    if target and local.is_inference() and not torch.is_inference_mode_enabled():
+        raise CheckpointError(
+            f"state path {path!r} is an inference tensor (made under torch.inference_mode()), "
+            "which torch updates in place only inside inference mode: call load() inside "
+            "torch.inference_mode(), or load into a normal tensor")
     if target and _overlaps_itself(local):
         raise CheckpointMismatchError(
             f"state path {path!r}: strides {list(local.stride())} for shape "

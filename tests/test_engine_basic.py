@@ -278,6 +278,25 @@ def test_a_load_inside_inference_mode_fills_inference_tensors(ckpt: CheckpointEn
     assert all(torch.equal(target[k], v) for k, v in state.items())
 
 
+def test_inference_tensors_loaded_into_outside_inference_mode_are_refused_by_the_call(
+        ckpt: CheckpointEngine) -> None:
+    """Torch updates an inference tensor in place only inside inference mode. Such a target
+    loaded outside it failed every step's read with a RuntimeError (logged with its
+    traceback per step; "no older step loads either", as if the checkpoint were at fault),
+    or, laid out so that its bytes were read straight into it, loaded: which one was down
+    to its strides. Refused at the call, naming the path and the way out."""
+    ckpt.save(1, {"w": torch.arange(12.0).reshape(3, 4)}, blocking=True)
+    ckpt.save(2, {"w": torch.arange(12.0).reshape(3, 4)}, blocking=True)
+    for make in (lambda: torch.zeros(4, 3).t(), lambda: torch.zeros(3, 4)):
+        with torch.inference_mode():
+            target = {"w": make()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no step is tried, so none is skipped
+            with pytest.raises(CheckpointError, match=r"'w'.*inference_mode"):
+                ckpt.load(target)
+        assert torch.equal(target["w"], torch.zeros(3, 4))
+
+
 def small_model(seed: int) -> tuple[nn.Module, torch.optim.Adam]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
