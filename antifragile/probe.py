@@ -120,11 +120,12 @@ def restored(step: int) -> None:
     p.channel.emit("restore_end", step=int(step), seconds=time.time() - p.channel.started_t)
 
 
-def dcp_save(state: dict[str, Any], checkpoint_id: str | os.PathLike[str], step: int,
-             **kwargs: Any) -> Any:
-    """``torch.distributed.checkpoint.save(state, checkpoint_id=..., **kwargs)``, reported
-    to chaos as the save of ``step`` (a synchronous save: its whole time is stall). Returns
-    what ``dcp.save`` returns; its errors are reported (``ckpt_failed``) and raised."""
+def dcp_save(state: dict[str, Any], checkpoint_id: str | os.PathLike[str] | None = None, *,
+             step: int, **kwargs: Any) -> Any:
+    """``torch.distributed.checkpoint.save(state, checkpoint_id=..., **kwargs)`` (or with a
+    ``storage_writer=`` instead, as ``dcp.save`` takes either), reported to chaos as the save of
+    ``step`` (a synchronous save: its whole time is stall). Returns what ``dcp.save`` returns;
+    its errors are reported (``ckpt_failed``) and raised."""
     import torch.distributed.checkpoint as dcp
 
     p = _active()
@@ -146,10 +147,10 @@ def dcp_save(state: dict[str, Any], checkpoint_id: str | os.PathLike[str], step:
     return metadata
 
 
-def dcp_load(state: dict[str, Any], checkpoint_id: str | os.PathLike[str], step: int,
-             **kwargs: Any) -> None:
-    """``torch.distributed.checkpoint.load(state, checkpoint_id=..., **kwargs)``, reported
-    to chaos as the restore of ``step``. A failure is reported as that step skipped
+def dcp_load(state: dict[str, Any], checkpoint_id: str | os.PathLike[str] | None = None, *,
+             step: int, **kwargs: Any) -> None:
+    """``torch.distributed.checkpoint.load(state, checkpoint_id=..., **kwargs)`` (or with a
+    ``storage_reader=``), reported to chaos as the restore of ``step``. A failure is reported as that step skipped
     (``restore_skipped``) and raised: the script then tries an older step, as DCP users do.
     The tries up to the one that loads are one restore (one ``restore_begin``; the
     ``restore_end``'s seconds count from it), as the engine reports a fallback."""

@@ -280,6 +280,28 @@ def test_a_dcp_restore_past_a_damaged_step_is_one_restore_as_the_engines_is(
 
 
 @_SINGLE_PROCESS_DCP
+@pytest.mark.parametrize("chaos", [True, False])
+def test_dcp_helpers_take_a_storage_writer_and_reader_as_dcp_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chaos: bool) -> None:
+    """README: "same arguments plus the step". ``dcp.save(state, storage_writer=...)`` is the
+    other way DCP users name where a checkpoint goes; the helpers required a checkpoint_id,
+    so that call, with the step added, raised a TypeError."""
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    if chaos:
+        _under_chaos(monkeypatch, tmp_path / "run")
+    folder = str(tmp_path / "step_000000003")
+    probe.dcp_save({"w": torch.arange(4.0)}, storage_writer=FileSystemWriter(folder), step=3)
+    target = {"w": torch.zeros(4)}
+    probe.dcp_load(target, storage_reader=FileSystemReader(folder), step=3)
+    assert torch.equal(target["w"], torch.arange(4.0))
+    if chaos:
+        events = _events_of(tmp_path / "run")
+        assert [e["step"] for e in events if e["event"] in ("ckpt_committed", "restore_end")] \
+            == [3, 3]
+
+
+@_SINGLE_PROCESS_DCP
 def test_dcp_helpers_just_save_and_load_outside_chaos(tmp_path: Path) -> None:
     probe.dcp_save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "s", step=1)
     target = {"w": torch.zeros(4)}
