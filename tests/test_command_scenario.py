@@ -160,6 +160,22 @@ def test_the_script_gets_this_python_and_the_probe_contract(tmp_path: Path) -> N
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
 
 
+def test_the_script_is_given_absolute_paths_whatever_its_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``chaos run`` puts its run under ``reports/<name>-<time>`` (or a relative ``--out``),
+    and a local ``checkpoint.url`` may be relative: the script was given those relative paths,
+    so one that changes its working directory (to its own folder, as Hydra does by default)
+    wrote its events and checkpoints where chaos never looked, and the run failed with "left
+    no committed checkpoint"."""
+    monkeypatch.chdir(tmp_path)
+    s = parse_scenario(_doc())
+    env = command_env(s.trainer, Path("reports/x/run"), "reports/x/ckpt")  # type: ignore[arg-type]
+    assert env["ANTIFRAGILE_RUN_DIR"] == str(tmp_path / "reports/x/run")
+    assert env["ANTIFRAGILE_CKPT_URL"] == str(tmp_path / "reports/x/ckpt")
+    for url in ("s3://bucket/run", "file:///abs/ckpt"):
+        assert command_env(s.trainer, tmp_path, url)["ANTIFRAGILE_CKPT_URL"] == url  # type: ignore[arg-type]
+
+
 def test_the_readme_names_every_variable_chaos_sets_for_a_script(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """README's "What chaos gives the script" is the whole list: the variables the script's

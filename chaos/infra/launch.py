@@ -39,9 +39,14 @@ def command_env(spec: CommandSpec, run_dir: Path, ckpt_url: str) -> dict[str, st
     a fresh c10d store for every torchrun attempt. With the agent's shared store, a plain
     ``init_process_group("gloo")`` after an in-place restart reads the previous attempt's keys
     and fails ("Gloo connectFullMesh failed ... Connection refused"); our trainer works around
-    it with a store prefix per attempt, a user's script should not have to."""
-    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **spec.env, RUN_DIR_ENV: str(run_dir),
-            CKPT_URL_ENV: ckpt_url, CHAOS_ENV: "1"}
+    it with a store prefix per attempt, a user's script should not have to.
+
+    The run folder and a local checkpoint URL are given absolute (chaos's own are relative to
+    its working directory, ``reports/...``): a script that changes its working directory (to
+    its own folder, as Hydra does) would write its events and checkpoints elsewhere."""
+    url = ckpt_url if "://" in ckpt_url else os.path.abspath(ckpt_url)
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **spec.env,
+            RUN_DIR_ENV: os.path.abspath(run_dir), CKPT_URL_ENV: url, CHAOS_ENV: "1"}
 
 
 def trainer_args(s: Scenario, run_dir: Path, ckpt_url: str) -> list[str]:
