@@ -291,6 +291,32 @@ def test_a_failed_reference_run_is_a_clear_error_not_a_traceback(
     assert why in errors[0]
 
 
+def test_a_reference_script_that_checkpointed_with_another_engine_is_told_which(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DCP script whose scenario leaves ``checkpoint.engine`` at its default (antifragile)
+    did checkpoint to $ANTIFRAGILE_CKPT_URL: the error said it must, which it had, instead of
+    naming the engine that wrote the folders there and the setting to change."""
+    from antifragile.chaos.observe.record import RunRecord
+    from antifragile.chaos.run import pipeline
+
+    def reference_run(s: object, run_dir: Path, ckpt_url: str, **_: object) -> RunRecord:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "torchrun.log").write_text("done\n")
+        step = Path(ckpt_url) / "step_000000010"
+        step.mkdir(parents=True)
+        (step / ".metadata").write_bytes(b"dcp")
+        return RunRecord(0, 0.0, 1.0, [], [])
+
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pipeline, "run_scenario", reference_run)
+    path = _command_scenario_file(tmp_path)
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 5, result.output
+    assert "left no committed antifragile checkpoint" in result.output
+    assert "it holds committed dcp checkpoints (step 10): set checkpoint.engine: dcp" \
+        in result.output, result.output
+
+
 def test_a_reference_run_without_its_final_checkpoint_is_no_verdict(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The built-in trainer's reference run exits 0 (its final save's failure is not an exit

@@ -196,8 +196,8 @@ def _make_reference(s: Scenario, folder: Path, progress: Callable[[str], None]) 
     if s.is_command and checker.newest_committed(s.checkpoint.engine, str(folder / "ckpt")) \
             is None:
         raise ChaosRunError(f"the fault-free reference run left no committed "
-                           f"{s.checkpoint.engine} checkpoint at {folder / 'ckpt'} (the script "
-                           f"must checkpoint to $ANTIFRAGILE_CKPT_URL); see "
+                           f"{s.checkpoint.engine} checkpoint at {folder / 'ckpt'} ("
+                           f"{_other_engines(s.checkpoint.engine, folder / 'ckpt')}); see "
                            f"{folder / 'torchrun.log'}")
     # exit 0 with the final step's checkpoint missing: say so rather than compare with less
     if not isinstance(s.trainer, CommandSpec) and not checker.final_committed(
@@ -209,6 +209,18 @@ def _make_reference(s: Scenario, folder: Path, progress: Callable[[str], None]) 
     done.write_text(json.dumps({"scenario": s.name, "finished": time.time(),
                                 "wall_s": record.wall_s, "goodput": figures.goodput(record)}))
     return str(folder / "ckpt")
+
+
+def _other_engines(engine: str, url: Path) -> str:
+    """Why a script's reference run left no ``engine`` checkpoint: another engine's steps
+    there (a DCP script whose scenario leaves ``checkpoint.engine`` at its default), or none."""
+    from antifragile.trainer.ckpt_backends import foreign_steps
+
+    for other, steps in foreign_steps(engine, str(url)).items():
+        shown = ", ".join(str(step) for step in steps[-3:])
+        return (f"it holds committed {other} checkpoints (step{'s' if len(steps) > 1 else ''} "
+                f"{shown}): set checkpoint.engine: {other}")
+    return "the script must checkpoint to $ANTIFRAGILE_CKPT_URL"
 
 
 def _reference_goodput(reference_url: str | None) -> float | None:
