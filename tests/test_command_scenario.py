@@ -69,6 +69,14 @@ def _doc(**changes: Any) -> dict[str, Any]:
      "s.yaml: trainer.command: command[3]: 'a\\x00b' holds a NUL byte"),
     (_doc(trainer={"command": ["no-such-launcher", "x"]}),
      "s.yaml: trainer.command: command[0]: 'no-such-launcher' is not an executable on PATH"),
+    # accepted: each rank's interpreter then read its program from chaos's standard input
+    # (a terminal: the run waited there until its time limit)
+    (_doc(trainer={"command": ["python"]}),
+     "s.yaml: trainer.command: command: python runs nothing (give a script, -m module or -c"),
+    (_doc(trainer={"command": ["python3", "-u"]}),
+     "s.yaml: trainer.command: command: python3 -u runs nothing (give a script, -m module"),
+    (_doc(trainer={"command": ["python", "-m"]}),
+     "s.yaml: trainer.command: command[1]: -m needs its module after it"),
     (_doc(trainer={"command": []}), "s.yaml: trainer.command: List should have at least 1 item"),
     (_doc(trainer={"nproc_per_node": 0}),
      "s.yaml: trainer.nproc_per_node: Input should be greater than or equal to 1"),
@@ -104,6 +112,13 @@ def test_bad_command_scenarios_name_file_key_and_reason(doc: Any, message: str) 
     with pytest.raises(ScenarioError) as exc:
         parse_scenario(doc, path="s.yaml")
     assert message in str(exc.value)
+
+
+@pytest.mark.parametrize("command", [["python", "-mjson.tool"], ["python", "-c", "pass"],
+                                     ["python", "-cpass"], ["python", "-u", "-m", "json.tool"]])
+def test_python_running_a_module_or_code_is_accepted(command: list[str]) -> None:
+    s = parse_scenario(_doc(trainer={"command": command}))
+    assert s.trainer.command == command  # type: ignore[union-attr]
 
 
 def test_a_command_scenario_resolves_its_script_next_to_the_file(

@@ -174,14 +174,15 @@ def is_python(arg: str) -> bool:
 
 def python_runs(command: list[str]) -> tuple[str, int] | None:
     """What a ``python ...`` command runs: ``("script", i)``, ``("-m", i)`` or ``("-c", i)``
-    with the index of the option (``-m``/``-c``) or of the script, past the interpreter's
-    options; None for another program or a bare ``python``."""
+    with the index of the option (``-m``/``-c``, or ``-m<module>``/``-c<code>``) or of the
+    script, past the interpreter's options; None for another program or a ``python`` that
+    runs nothing (it would read its program from standard input)."""
     if not is_python(command[0]):
         return None
     i = 1
     while i < len(command) and command[i].startswith("-"):
-        if command[i] in ("-c", "-m"):
-            return command[i], i
+        if command[i][:2] in ("-c", "-m"):
+            return command[i][:2], i
         i += 2 if command[i] in ("-W", "-X") else 1  # interpreter options
     return ("script", i) if i < len(command) else None
 
@@ -273,7 +274,13 @@ class CommandSpec(_Strict):
         first = command[0]
         if is_python(first):
             runs = python_runs(out)
-            if runs is not None and runs[0] == "script":  # not code or a module (-c, -m)
+            if runs is None:  # ranks would read chaos's standard input (a terminal: forever)
+                raise ValueError(f"command: {' '.join(command)} runs nothing (give a script, "
+                                 "-m module or -c code)")
+            if runs[0] != "script" and runs[1] + 1 == len(out) and len(out[runs[1]]) == 2:
+                raise ValueError(f"command[{runs[1]}]: {runs[0]} needs its "
+                                 f"{'module' if runs[0] == '-m' else 'code'} after it")
+            if runs[0] == "script":  # not code or a module (-c, -m)
                 script = runs[1]
                 found = _find_file(out[script], bases)
                 if found is None:
