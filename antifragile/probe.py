@@ -113,11 +113,16 @@ def restored(step: int) -> None:
     """The script resumed from its checkpoint of ``step``. Needed only when it does not load
     through :class:`~antifragile.engine.CheckpointEngine` or :func:`dcp_load` (which report
     the restore themselves; then this call adds nothing). Its time is counted from the
-    process's first report."""
+    process's first report; when this call is that report (the usual case: a script restores
+    before its first step) it is unknown, and reported as None rather than as the 0 s between
+    the two lines this call writes."""
+    called_t = time.time()
     p = _active()
     if p is None or p.channel.restored_step is not None:
         return
-    p.channel.emit("restore_end", step=int(step), seconds=time.time() - p.channel.started_t)
+    first = p.channel.started_t >= called_t  # this call opened the event file
+    p.channel.emit("restore_end", step=int(step),
+                   seconds=None if first else called_t - p.channel.started_t)
 
 
 def dcp_save(state: dict[str, Any], checkpoint_id: str | os.PathLike[str] | None = None, *,

@@ -424,6 +424,26 @@ def test_without_the_probe_detect_and_restart_are_measured_the_rest_is_said() ->
     assert v.verdict == "pass", v.reasons
 
 
+def test_a_restore_of_unknown_duration_is_not_given_one() -> None:
+    """``probe.restored`` as the process's first report (a script restoring its own way)
+    reports no restore time: recovery is measured end to end (restore and recompute not apart),
+    not with a restore of 0 s made up from the two events written in one call."""
+    record, kill = _no_probe_record(engine_events=True)
+    for e in record.events:
+        if e["event"] == "restore_end":
+            e["seconds"] = None
+    record.events += [{"t": T0 + 26 + i, "rank": r, "attempt": 1, "event": "step_end",
+                       "step": 9 + i, "loss": None, "seconds": 1.0}
+                      for i in range(4) for r in (0, 1)]
+    record.events.sort(key=lambda e: e["t"])
+    kill.step = 11
+    t = measure.fault_timings(record, kill)
+    assert t.restored_step == 8 and t.lost_steps == 3
+    assert t.restore_s is None and t.recompute_s is None
+    assert t.recovery_s == pytest.approx(T0 + 28 - kill.t)  # to step 11 again
+    assert t.unmeasured and "probe.restored" in t.unmeasured
+
+
 def test_a_hang_the_job_never_noticed_is_no_effect_not_a_missing_recovery() -> None:
     """A script without the probe writes no event of its own, and no script writes ``exit``:
     a stop that the job rode out (it resumed and the run finished, exit 0, no restart) left

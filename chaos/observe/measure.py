@@ -314,12 +314,17 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
     if any("storage_bytes" in e for e in restores):
         timings.restore_memory_bytes = sum(e.get("memory_bytes", 0) for e in restores)
         timings.restore_storage_bytes = sum(e.get("storage_bytes", 0) for e in restores)
+    # probe.restored as the process's first report: when the restore began is not known
+    untimed = bool(restores) and all(e.get("seconds", 0.0) is None for e in restores)
     if not any(e["event"] == "step_end" for e in record.events):  # the engine's events only
         if restores:
-            timings.restore_s = max(max(e["t"] for e in restores) - started, 0.0)
             timings.restored_step = min(e["step"] for e in restores)
+        if restores and not untimed:
+            timings.restore_s = max(max(e["t"] for e in restores) - started, 0.0)
         timings.unmeasured = ("recompute, recovery and lost steps: the script reported no "
-                              "step (it does not call antifragile.probe.step_end)")
+                              "step (it does not call antifragile.probe.step_end)"
+                              + ("; restore: probe.restored was its first report, so when its "
+                                 "restore began is unknown" if untimed else ""))
         return
     stepped = _by_attempt(record.events, nxt, "step_end")
     restored: float | None = max((e["t"] for e in restores), default=started)
@@ -331,6 +336,11 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
             timings.unmeasured = ("restore and recompute apart: the script reported no "
                                   "restore (load through CheckpointEngine or probe.dcp_load, or "
                                   "call probe.restored); recovery is measured end to end")
+    elif untimed:
+        restored = None
+        timings.unmeasured = ("restore and recompute apart: probe.restored was the script's "
+                              "first report, so when its restore began is unknown; recovery "
+                              "is measured end to end")
     injected = max((e["step"] for e in done), default=timings.injected_step or 0)
     caught_up = [e["t"] for e in stepped if e["step"] >= injected]
     if not caught_up and later:  # a later fault cut this recovery short

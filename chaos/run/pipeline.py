@@ -311,8 +311,8 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
             if status is not None:
                 status(now)
         elif e["event"] == "restore_end" and e["rank"] == 0:
-            progress(f"attempt {e['attempt']}: restored step {e['step']} in "
-                     f"{e['seconds']:.2f} s")
+            took = "" if e.get("seconds") is None else f" in {e['seconds']:.2f} s"
+            progress(f"attempt {e['attempt']}: restored step {e['step']}{took}")
         elif e["event"] == "hang_detected":
             progress(f"rank {e['rank']}: hung ({e['how']}, no progress for "
                      f"{e['stall_s']:.1f} s): killed by its supervisor")
