@@ -155,8 +155,9 @@ def dcp_save(state: dict[str, Any], checkpoint_id: str | os.PathLike[str] | None
 def dcp_load(state: dict[str, Any], checkpoint_id: str | os.PathLike[str] | None = None, *,
              step: int, **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load(state, checkpoint_id=..., **kwargs)`` (or with a
-    ``storage_reader=``), reported to chaos as the restore of ``step``. A failure is reported as that step skipped
-    (``restore_skipped``) and raised: the script then tries an older step, as DCP users do.
+    ``storage_reader=``), reported to chaos as the restore of ``step``. A failure is reported
+    as that step skipped (``restore_skipped``) and raised: the script then tries an older
+    step, as DCP users do.
     The tries up to the one that loads are one restore (one ``restore_begin``; the
     ``restore_end``'s seconds count from it), as the engine reports a fallback."""
     import torch.distributed.checkpoint as dcp
