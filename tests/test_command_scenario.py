@@ -552,6 +552,20 @@ def test_a_job_that_never_came_back_fails_even_without_the_probe() -> None:
     assert any("left no committed antifragile checkpoint" in r for r in v.reasons)
 
 
+def test_a_script_that_checkpointed_with_another_engine_is_told_which(tmp_path: Path) -> None:
+    """Without a reference run (--no-reference) the verdict is where a DCP script left at the
+    default engine learns why none of its checkpoints counted: it was told it must checkpoint
+    to $ANTIFRAGILE_CKPT_URL, which it had."""
+    step = tmp_path / "ckpt" / "step_000000010"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"dcp")
+    v = checker.judge(_command_scenario(faults=False), returncode=0, timings=[],
+                      final_step=None, faulty_url=str(tmp_path / "ckpt"), reference_url=None,
+                      final_committed=False)
+    assert any("it holds committed dcp checkpoints (step 10): set checkpoint.engine: dcp" in r
+               for r in v.reasons), v.reasons
+
+
 def test_the_newest_committed_steps_must_match_the_reference() -> None:
     v = checker.judge(_command_scenario(faults=False), returncode=0, timings=[], final_step=35,
                       faulty_url="u", reference_url=None, final_committed=True,

@@ -25,7 +25,7 @@ from antifragile.chaos.observe.measure import FaultTimings
 from antifragile.chaos.scenario import Scenario
 from antifragile.engine import CheckpointError, CheckpointNotFoundError
 from antifragile.engine._dtypes import as_bytes
-from antifragile.trainer.ckpt_backends import committed_steps, read_checkpoint
+from antifragile.trainer.ckpt_backends import committed_steps, foreign_steps, read_checkpoint
 from antifragile.trainer.ckpt_backends.base import first_line
 
 
@@ -260,6 +260,16 @@ def _read_back_committed(url: str, engine: str) -> dict[int, list[str]]:
     return found
 
 
+def why_no_checkpoint(engine: str, url: str) -> str:
+    """Why a script left no ``engine`` checkpoint at ``url``: another engine's steps there (a
+    DCP script whose scenario leaves ``checkpoint.engine`` at its default), or none."""
+    for other, steps in foreign_steps(engine, url).items():
+        shown = ", ".join(str(step) for step in steps[-3:])
+        return (f"it holds committed {other} checkpoints (step{'s' if len(steps) > 1 else ''} "
+                f"{shown}): set checkpoint.engine: {other}")
+    return "the script must checkpoint to $ANTIFRAGILE_CKPT_URL"
+
+
 def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_step: int | None,
           faulty_url: str, reference_url: str | None, final_committed: bool,
           committed: dict[int, list[str]] | None = None, expected_step: int | None = None,
@@ -291,8 +301,8 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
         v.fail(f"the trainer exited with code {returncode}")
     if s.is_command:
         if final_step is None:
-            v.fail(f"the script left no committed {engine} checkpoint at {faulty_url} (it must "
-                   "checkpoint to $ANTIFRAGILE_CKPT_URL)")
+            v.fail(f"the script left no committed {engine} checkpoint at {faulty_url} "
+                   f"({why_no_checkpoint(engine, faulty_url)})")
         elif expected_step is not None and final_step != expected_step:
             v.fail(f"the newest committed checkpoint is step {final_step}, the reference "
                    f"run's is step {expected_step}")

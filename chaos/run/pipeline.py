@@ -189,38 +189,25 @@ def _make_reference(s: Scenario, folder: Path, progress: Callable[[str], None]) 
         return str(folder / "ckpt")
     shutil.rmtree(folder, ignore_errors=True)
     progress("reference: running the fault-free run")
-    record = run_scenario(s, folder, str(folder / "ckpt"), faults=False)
+    ckpt = str(folder / "ckpt")
+    record = run_scenario(s, folder, ckpt, faults=False)
     if record.returncode != 0:
         raise ChaosRunError(_run_failed("the fault-free reference run", record.returncode,
                                         folder))
-    if s.is_command and checker.newest_committed(s.checkpoint.engine, str(folder / "ckpt")) \
-            is None:
+    if s.is_command and checker.newest_committed(s.checkpoint.engine, ckpt) is None:
         raise ChaosRunError(f"the fault-free reference run left no committed "
-                           f"{s.checkpoint.engine} checkpoint at {folder / 'ckpt'} ("
-                           f"{_other_engines(s.checkpoint.engine, folder / 'ckpt')}); see "
+                           f"{s.checkpoint.engine} checkpoint at {ckpt} ("
+                           f"{checker.why_no_checkpoint(s.checkpoint.engine, ckpt)}); see "
                            f"{folder / 'torchrun.log'}")
     # exit 0 with the final step's checkpoint missing: say so rather than compare with less
     if not isinstance(s.trainer, CommandSpec) and not checker.final_committed(
-            s.checkpoint.engine, str(folder / "ckpt"), s.trainer.steps):
+            s.checkpoint.engine, ckpt, s.trainer.steps):
         raise ChaosRunError(f"the fault-free reference run left no committed "
                            f"{s.checkpoint.engine} checkpoint of its final step "
-                           f"{s.trainer.steps} at {folder / 'ckpt'}; see "
-                           f"{folder / 'torchrun.log'}")
+                           f"{s.trainer.steps} at {ckpt}; see {folder / 'torchrun.log'}")
     done.write_text(json.dumps({"scenario": s.name, "finished": time.time(),
                                 "wall_s": record.wall_s, "goodput": figures.goodput(record)}))
-    return str(folder / "ckpt")
-
-
-def _other_engines(engine: str, url: Path) -> str:
-    """Why a script's reference run left no ``engine`` checkpoint: another engine's steps
-    there (a DCP script whose scenario leaves ``checkpoint.engine`` at its default), or none."""
-    from antifragile.trainer.ckpt_backends import foreign_steps
-
-    for other, steps in foreign_steps(engine, str(url)).items():
-        shown = ", ".join(str(step) for step in steps[-3:])
-        return (f"it holds committed {other} checkpoints (step{'s' if len(steps) > 1 else ''} "
-                f"{shown}): set checkpoint.engine: {other}")
-    return "the script must checkpoint to $ANTIFRAGILE_CKPT_URL"
+    return ckpt
 
 
 def _reference_goodput(reference_url: str | None) -> float | None:
