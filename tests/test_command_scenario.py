@@ -61,6 +61,13 @@ def _doc(**changes: Any) -> dict[str, Any]:
     (_doc(trainer={"env": {"TOKENIZERS_PARALLELISM": False}}),
      "s.yaml: trainer.env: TOKENIZERS_PARALLELISM: False is a YAML boolean (true/false/yes/no/"
      "on/off); quote the text the variable should hold, e.g. 'false'"),
+    # set for every rank by torchrun or chaos, over the scenario's: the value was dropped
+    (_doc(trainer={"env": {"WORLD_SIZE": 4}}),
+     "s.yaml: trainer.env: WORLD_SIZE: torchrun sets it for every rank (from nproc_per_node "
+     "and nodes); a value here would be replaced"),
+    (_doc(trainer={"env": {"ANTIFRAGILE_CKPT_URL": "/data/ckpt"}}),
+     "s.yaml: trainer.env: ANTIFRAGILE_CKPT_URL: chaos sets it for every rank (from "
+     "checkpoint.url); a value here would be replaced"),
     (_doc(trainer={"env": {"X": None}}),
      "s.yaml: trainer.env: X: no value (null); give a text or a number, '' for empty"),
     (_doc(trainer={"env": {"Y": [1]}}),

@@ -187,6 +187,21 @@ def python_runs(command: list[str]) -> tuple[str, int] | None:
     return ("script", i) if i < len(command) else None
 
 
+# what every rank of a command trainer gets from torchrun (its agent's worker environment)
+# and from chaos (``chaos.infra.launch.command_env``), whatever the scenario's ``env`` says
+_TORCHRUN = ("torchrun", "from nproc_per_node and nodes")
+_SET_FOR_EVERY_RANK = {
+    **dict.fromkeys(("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
+                     "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+                     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+                     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+                     "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"), _TORCHRUN),
+    "ANTIFRAGILE_RUN_DIR": ("chaos", "the run's folder"),
+    "ANTIFRAGILE_CKPT_URL": ("chaos", "from checkpoint.url"),
+    "ANTIFRAGILE_CHAOS": ("chaos", "1 under chaos"),
+}
+
+
 class CommandSpec(_Strict):
     """``trainer: {command: [...]}``: the user's own training script, run by chaos under
     torchrun (``--nproc-per-node``, ``--max-restarts``) with ``ANTIFRAGILE_RUN_DIR``,
@@ -252,11 +267,16 @@ class CommandSpec(_Strict):
     @field_validator("env")
     @classmethod
     def _env_text(cls, env: dict[str, Any]) -> dict[str, str]:
-        """What a process's environment can hold (the OS refuses the rest when the job starts)."""
+        """What a process's environment can hold (the OS refuses the rest when the job starts),
+        and none of the variables that torchrun or chaos set for every rank over it."""
         for k, v in env.items():
             if not k or "=" in k or "\0" in k:
                 raise ValueError(f"{k!r} is not an environment variable name (empty, or it "
                                  "holds '=' or a NUL byte)")
+            if k in _SET_FOR_EVERY_RANK:
+                who, source = _SET_FOR_EVERY_RANK[k]
+                raise ValueError(f"{k}: {who} sets it for every rank ({source}); a value here "
+                                 "would be replaced")
             if "\0" in str(v):
                 raise ValueError(f"{k}: a value cannot hold a NUL byte")
         return {k: str(v) for k, v in env.items()}
