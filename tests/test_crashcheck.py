@@ -310,6 +310,41 @@ def test_a_save_that_never_lands_fails_the_verdict() -> None:
                        "overwrite-committed"))[0]
 
 
+def _summarized(outcomes: dict[int, str], *, name: str = "save",
+                save_error: str | None = None) -> dict[str, Any]:
+    """The report document of one case whose states (before, in the middle of and after a
+    save of step 2) the documented rule classified as ``outcomes`` (state id -> outcome)."""
+    from antifragile.chaos.crashcheck.pipeline import CaseResult, Settings, summarize
+    from antifragile.chaos.crashcheck.record import Recording
+
+    muts = [_put(0, "step_2/a", 0, 1), _put(1, "step_2/COMMIT", 2, 3)]
+    e = enumerate_states({"step_1/COMMIT": "c"}, muts)
+    exp = Expected(old_step=1, old_digest="o", new_step=2, new_digest="n")
+    settings = Settings(engine="antifragile", ranks=1, cases=(name,))
+    result = CaseResult(name, Recording(mutations=muts), {"step_1/COMMIT": "c"}, exp, e,
+                        save_error=save_error)
+    result.answers = {s.id: ({"id": s.id, "unchecked": "the checker process exited (9)"}
+                             if outcomes[s.id] == "unchecked" else {"id": s.id})
+                      for s in e.states}
+    result.outcomes["engine"] = outcomes
+    return {"engine": "antifragile", "settings": {"cases": [name]},
+            "cases": [summarize(settings, result)]}
+
+
+def test_the_report_does_not_say_every_state_loaded_when_one_was_unchecked() -> None:
+    """A state whose checker died has no witness (it has no outcome), so the markdown said
+    "None: every state loaded step k or step k+1, bitwise" under a FAIL verdict for it."""
+    from antifragile.chaos.crashcheck.report import markdown
+
+    doc = _summarized({0: "old", 1: "unchecked", 2: "new"})
+    assert not verdict(doc)[0]
+    text = markdown(doc, has_plot=False)
+    assert "every state loaded step k or step k+1" not in text, text
+    assert "1 state(s) unchecked" in text.split("## Witnesses")[1], text
+    clean = markdown(_summarized({0: "old", 1: "old", 2: "new"}), has_plot=False)
+    assert "None: every state checked loaded step k or step k+1, bitwise." in clean
+
+
 
 def test_the_marker_rule_falls_back_past_a_dcp_step_that_does_not_load(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

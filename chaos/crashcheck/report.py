@@ -178,8 +178,13 @@ def markdown(doc: dict[str, Any], has_plot: bool) -> str:
                 lines.append(f"- **{outcome}**: {c['engine']}, {c['ranks']} rank(s), "
                              f"{c['case']}, rule {rule} (state {w['state']})")
                 lines += _witness_lines(w)
-    if not any_witness:
-        lines.append("None: every state loaded step k or step k+1, bitwise.")
+    unchecked = sum(len(c.get("unchecked", [])) for c in doc["cases"])
+    if unchecked:  # no outcome, so no witness: not "every state loaded"
+        lines.append(f"{unchecked} state(s) unchecked (no outcome; the reasons are in "
+                     "crashcheck.json)" + ("" if any_witness else
+                                           ", every other state loaded step k or step k+1"))
+    elif not any_witness:
+        lines.append("None: every state checked loaded step k or step k+1, bitwise.")
     lines += ["", "## Method", "", METHOD, ""]
     if has_plot:
         lines += ["![outcome of every crash state against its cut time](outcomes.png)", ""]
