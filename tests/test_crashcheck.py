@@ -345,6 +345,22 @@ def test_the_report_does_not_say_every_state_loaded_when_one_was_unchecked() -> 
     assert "None: every state checked loaded step k or step k+1, bitwise." in clean
 
 
+def test_the_report_says_the_engine_refused_the_save() -> None:
+    """overwrite-committed passes when the engine refused the save (the states are then the
+    bucket before it): the table showed "new 0" beside an OK verdict, and neither the markdown
+    nor the HTML said that the save was refused, nor why (only crashcheck.json did)."""
+    from antifragile.chaos.crashcheck.report import markdown, page
+
+    why = "rank 0: CheckpointError: step 2 is committed"
+    doc = _summarized({0: "old", 1: "old", 2: "old"}, name="overwrite-committed",
+                      save_error=why)
+    assert verdict(doc) == (True, [])
+    assert f"the save was refused ({why})" in markdown(doc, has_plot=False)
+    assert f"the save was refused ({why})" in page(doc, None)
+    assert "refused (" not in markdown(_summarized({0: "old", 1: "old", 2: "new"}),
+                                       has_plot=False)
+
+
 
 def test_the_marker_rule_falls_back_past_a_dcp_step_that_does_not_load(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
