@@ -400,6 +400,9 @@ def test_the_marker_rule_falls_back_past_a_dcp_step_that_does_not_load(
     (["--engine", "dcp", "--endpoint-url", "https://s3.example"], "plain http://"),
     (["--engine", "dcp", "--latency-ms", "-5"], "--latency-ms -5.0: must be a finite number >= 0"),
     (["--engine", "dcp", "--latency-ms", "nan"], "--latency-ms nan: must be a finite number >= 0"),
+    # each of the save's requests is held this long: 1e308 overflowed time.sleep in the proxy
+    (["--engine", "dcp", "--latency-ms", "1e308"],
+     "--latency-ms 1e+308: must be a finite number >= 0 and at most 1000"),
     (["--engine", "dcp", "--ranks", "100000"],
      "--ranks 100000 + --checkers 2: 100002 worker processes at once; this machine holds"),
     (["--engine", "dcp", "--max-inflight", "-1"], "--max-inflight -1: must be at least 0"),
@@ -471,6 +474,18 @@ def test_the_saving_ranks_and_the_checkers_fit_the_machine_together(
     assert r.exit_code == 2, r.output
     assert r.output.strip().startswith("error: --ranks 3 + --checkers 2: 5 worker processes "
                                        "at once; this machine holds at most 4 ("), r.output
+
+
+@pytest.mark.parametrize("command", [["crashcheck", "--engine", "dcp"], ["suite", "scenarios"],
+                                     ["run", "scenarios/quickstart.yaml"]])
+def test_an_empty_out_is_refused(command: list[str]) -> None:
+    """``--out ""`` (an unset variable: ``--out "$OUT"``) wrote the suite's reports into the
+    current folder, and a run's or a crashcheck's into the default folder, as if it were
+    left out."""
+    r = CliRunner().invoke(main, [*command, "--out", ""])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == "error: --out: empty; leave the option out for the default " \
+        "folder", r.output
 
 
 def test_out_that_is_a_file_is_refused(tmp_path: Path) -> None:

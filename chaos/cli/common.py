@@ -36,7 +36,10 @@ def needs_reference(file: str) -> str:
 
 def out_path(path: str, option: str = "--out") -> Path:
     """``path``, checked as an output folder without making it: a file there, or a name the
-    file system refuses to look up (too long: ``Path.exists`` raises for it), is bad input."""
+    file system refuses to look up (too long: ``Path.exists`` raises for it), is bad input;
+    so is an empty one (an unset variable, ``--out "$OUT"``: the current folder)."""
+    if not path:
+        fail(f"{option}: empty; leave the option out for the default folder")
     folder = Path(path)
     try:
         is_file = folder.exists() and not folder.is_dir()

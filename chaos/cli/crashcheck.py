@@ -16,6 +16,7 @@ CASES = ("save", "retention", "overwrite", "overwrite-committed")
 # 2^20 subsets of one cut's in-flight set take ~30 s to enumerate and may hold as many distinct
 # states in memory, each to be loaded by a checker; 2^30 takes hours. Larger sets are sampled.
 MAX_INFLIGHT = 20
+MAX_LATENCY_MS = 1000  # each of the recorded save's requests is held this long
 
 
 @click.command("crashcheck")
@@ -92,11 +93,15 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
              f"at once; this machine holds at most {max_workers()} ({WORKER_LIMIT_REASON})")
     if not (math.isfinite(latency_ms) and latency_ms >= 0):
         fail(f"--latency-ms {latency_ms}: must be a finite number >= 0")
+    if latency_ms > MAX_LATENCY_MS:
+        fail(f"--latency-ms {latency_ms:g}: must be a finite number >= 0 and at most "
+             f"{MAX_LATENCY_MS} (each of the save's hundreds of requests is held this long)")
     if endpoint_url is not None and not endpoint_url.startswith("http://"):
         fail(f"--endpoint-url {endpoint_url}: the recording proxy needs a plain http:// "
              "endpoint")
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    folder = out_folder(out or str(Path("reports") / f"crashcheck-{engine}-{stamp}"))
+    folder = out_folder(out if out is not None
+                        else str(Path("reports") / f"crashcheck-{engine}-{stamp}"))
     chosen = cases or (("retention",) if retention else
                        ("save", "overwrite", "overwrite-committed"))
     if retention and cases and "retention" not in cases:
