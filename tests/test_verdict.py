@@ -1052,3 +1052,32 @@ def test_a_damaged_dcp_final_checkpoint_is_a_failed_comparison_not_a_crash(
                                        engine="dcp")
     assert not comparison.equal and "cannot read the final dcp checkpoint" in (
         comparison.error or "")
+
+
+def _held_while_recomputing(held_s: float) -> RunRecord:
+    """Rank 1 dies at step 9 (its save of step 8 failed); attempt 1 restores step 6 and,
+    recomputing, is held ``held_s`` at a pause point at the end of step 7 (a later pass's
+    fault due there, or an earlier pass of one, released at once); it catches up at step 9
+    and finishes."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 9, failing=frozenset({8}))
+    t = _kill(job, t + 0.05, 0, 1, 9)
+    t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 7)
+    if held_s:
+        for r in range(WORLD):
+            job.emit(t + 0.01, r, 1, "paused", point="p1", step=7)
+            job.emit(t + 0.01 + held_s, r, 1, "resumed", point="p1", held_s=held_s)
+    t = job.steps(t + held_s, 1, 8, 12)
+    return _finish(job, t, 1)
+
+
+def test_a_hold_at_a_pause_point_during_a_recovery_is_not_recovery_time() -> None:
+    """Time chaos held the trainer at a pause point is the test's, not the job's (goodput
+    leaves it out of the wall time): a hold while the next attempt recomputes was counted in
+    the fault's recompute and recovery."""
+    (plain,) = _verdict(_held_while_recomputing(0.0), [KILL])[1]
+    v, (held,) = _verdict(_held_while_recomputing(20.0), [KILL], max_recovery_s=10)
+    assert (held.restored_step, held.lost_steps) == (6, 3)
+    assert held.recompute_s == pytest.approx(plain.recompute_s)
+    assert held.recovery_s == pytest.approx(plain.recovery_s)
+    assert v.verdict == "pass", v.reasons

@@ -174,7 +174,7 @@ def _median(xs: list[float]) -> float | None:
     return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
 
 
-def _holds(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
+def holds(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
     """The times some rank was held at a pause point (``resumed``'s ``held_s`` back from it),
     overlapping holds merged."""
     spans = sorted((e["t"] - (e.get("held_s") or 0.0), e["t"]) for e in events
@@ -226,14 +226,14 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
                      "persist_s": c["persist_s"], "delay_s": delay, "error": c["error"]})
     steps = sorted((e["t"], e["attempt"]) for e in record.events
                    if e["event"] == "step_end" and e["rank"] == 0)
-    holds = _holds(record.events)
+    spans = holds(record.events)
     during: list[float] = []
     outside: list[float] = []
     for (prev_t, prev_a), (t, a) in itertools.pairwise(steps):
         if a == prev_a:
             # chaos's holds at pause points (the outage's own, made while held) are not the
             # loop's: left out of the gaps, as goodput leaves them out of the wall time
-            held = sum(max(min(t, end) - max(prev_t, start), 0.0) for start, end in holds)
+            held = sum(max(min(t, end) - max(prev_t, start), 0.0) for start, end in spans)
             (during if prev_t <= t1 and t >= t0 else outside).append(t - prev_t - held)
     pace_s = _median(outside)
     attempt = record.attempt_at(t0)

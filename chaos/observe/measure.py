@@ -11,6 +11,7 @@ from antifragile.chaos.observe.effects import (
     corrupt_effect,
     crash_effect,
     disk_full_effect,
+    holds,
     link_noticed,
     node_down_effect,
     outage_effect,
@@ -353,13 +354,22 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
     timings.lost_steps = max(injected - restored_step, 0)
     if restored_step >= injected:  # restored at or past the fault's step: nothing to redo
         caught_up = [restored if restored is not None else started]
+    # chaos's holds at pause points on the way back (a later pass's fault due there) are the
+    # test's time, not the job's: left out, as goodput leaves them out of the wall time
+    spans = holds([e for e in record.events if e["attempt"] == nxt])
+
+    def held(start: float, end: float) -> float:
+        return sum(max(min(end, b) - max(start, a), 0.0) for a, b in spans)
+
     if restored is None:
         if caught_up:
-            timings.recovery_s = max(min(caught_up) - injection.t, 0.0)
+            back = min(caught_up)
+            timings.recovery_s = max(back - injection.t - held(injection.t, back), 0.0)
         return
     timings.restore_s = max(restored - started, 0.0)
     if caught_up:
-        timings.recompute_s = max(min(caught_up) - restored, 0.0)
+        back = min(caught_up)
+        timings.recompute_s = max(back - restored - held(restored, back), 0.0)
         timings.recovery_s = (timings.detect_s + timings.restart_s + timings.restore_s
                               + timings.recompute_s)
 
