@@ -317,11 +317,17 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
         timings.restore_storage_bytes = sum(e.get("storage_bytes", 0) for e in restores)
     # probe.restored as the process's first report: when the restore began is not known
     untimed = bool(restores) and all(e.get("seconds", 0.0) is None for e in restores)
+    # the restore begins when the last rank begins it: what comes before (building the model,
+    # opening storage) is the attempt getting back up, as the timeline draws it, not restore
+    begun = [e["t"] for e in _by_attempt(record.events, nxt, "restore_begin")]
+    ready = (min(max([started, *begun]), max(e["t"] for e in restores))
+             if restores and begun and not untimed else started)
+    timings.restart_s = max(ready - torn_down, 0.0)
     if not any(e["event"] == "step_end" for e in record.events):  # the engine's events only
         if restores:
             timings.restored_step = min(e["step"] for e in restores)
         if restores and not untimed:
-            timings.restore_s = max(max(e["t"] for e in restores) - started, 0.0)
+            timings.restore_s = max(max(e["t"] for e in restores) - ready, 0.0)
         timings.unmeasured = ("recompute, recovery and lost steps: the script reported no "
                               "step (it does not call antifragile.probe.step_end)"
                               + ("; restore: probe.restored was its first report, so when its "
@@ -366,7 +372,7 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
             back = min(caught_up)
             timings.recovery_s = max(back - injection.t - held(injection.t, back), 0.0)
         return
-    timings.restore_s = max(restored - started, 0.0)
+    timings.restore_s = max(restored - ready, 0.0)
     if caught_up:
         back = min(caught_up)
         timings.recompute_s = max(back - restored - held(restored, back), 0.0)
