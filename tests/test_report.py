@@ -998,3 +998,24 @@ def test_a_run_in_a_reused_out_leaves_no_earlier_report_behind(
     with pytest.raises(pipeline.ChaosRunError):
         pipeline.run(parse_scenario({"name": "x"}), tmp_path, progress=lambda _: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_the_final_save_is_marked_in_the_markdown_and_html_tables(tmp_path: Path) -> None:
+    """report.json marks the save after the last step ``final`` (its stall is the job's
+    shutdown, left out of the checkpoints' cost to the loop); report.md and report.html showed
+    its stall like any other, so their rows did not add up to the cost line above them."""
+    checkpoints = [{"step": 5, "attempt": 0, "stall_s": 0.03, "persist_s": 0.09,
+                    "bytes": 2**20, "committed": True},
+                   {"step": 10, "attempt": 0, "stall_s": 0.4, "persist_s": 0.39,
+                    "bytes": 2**20, "committed": True, "final": True}]
+    d = {**build_doc(synthetic_record()), "checkpoints": checkpoints}
+    report.write_markdown(tmp_path, d)
+    report.write_html(tmp_path, d, [])
+    md = (tmp_path / "report.md").read_text()
+    rows = md.split("## Checkpoints\n\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    steps = [[c.strip() for c in row.split("|")[1:-1]][1] for row in rows]
+    assert steps == ["5", "10 (final)"], rows
+    page = (tmp_path / "report.html").read_text()
+    table = page.split("<h2>Checkpoints</h2>", 1)[1].split("</table>", 1)[0]
+    cells = [re.findall(r"<td>(.*?)</td>", row)[1] for row in table.split("<tr>")[2:]]
+    assert cells == ["5", "10 (final)"], cells

@@ -229,6 +229,12 @@ def committed_cell(c: dict[str, Any]) -> str:
     return str(c["committed"])
 
 
+def _step_cell(c: dict[str, Any]) -> str:
+    """A checkpoint's step, marked when it is the save after the run's last step (its stall
+    is the job's shutdown: not in the checkpoints' cost to the loop)."""
+    return f"{c['step']} (final)" if c.get("final") else str(c["step"])
+
+
 def _fmt(x: Any, unit: str = "") -> str:
     """Two decimals, or two significant digits below 0.1 (a stall of milliseconds is not 0)."""
     if x is None:
@@ -323,7 +329,7 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
               "|---|---|---|---|---|---|---|"]
     for c in report["checkpoints"]:
         mib = c["bytes"] / 2**20 if c["bytes"] else None
-        lines.append(f"| {c['attempt']} | {c['step']} | {_fmt(c['stall_s'])} | "
+        lines.append(f"| {c['attempt']} | {_step_cell(c)} | {_fmt(c['stall_s'])} | "
                      f"{_fmt(c['persist_s'])} | {_fmt(c.get('slowdown_s'))} | {_fmt(mib)} | "
                      f"{committed_cell(c)} |")
     if plots:
@@ -486,7 +492,7 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
     parts.append(html_table(
         ["attempt", "step", "stall s", "persist s", "slower steps s", "MiB", "GiB/s",
          "committed", "error"],
-        [[c["attempt"], c["step"], c["stall_s"], c["persist_s"], c.get("slowdown_s"),
+        [[c["attempt"], _step_cell(c), c["stall_s"], c["persist_s"], c.get("slowdown_s"),
           c["bytes"] / 2**20 if c.get("bytes") else None, c.get("throughput_gib_s"),
           committed_cell(c), c.get("error")] for c in cks],
         ["" if c["committed"] else "bad" for c in cks])
