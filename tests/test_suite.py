@@ -605,6 +605,46 @@ def test_an_interrupted_suite_writes_a_summary_of_what_ran_that_is_not_ok(
     assert "1 passed, 2 failed" in result.output
 
 
+@pytest.mark.parametrize(("stop", "code"), [(KeyboardInterrupt, 130), (SystemExit(143), 143)],
+                         ids=["ctrl-c", "sigterm"])
+def test_a_suite_interrupted_between_runs_still_writes_its_summary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: BaseException, code: int) -> None:
+    """Only the run itself was guarded: Ctrl-C or SIGTERM while the previous run's folder of
+    the next scenario was being deleted (its checkpoints: the longest wait outside a run)
+    ended the suite with no summary, and an earlier suite's summary.json in the reused --out
+    stayed, saying ok."""
+    from antifragile.chaos.run import pipeline
+    from antifragile.chaos.suite import runner
+
+    def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
+        return _passed(folder, report_file=True)
+
+    real_fresh = runner._fresh
+
+    def fresh(folder: Path) -> None:
+        if folder.name == "b":
+            raise stop
+        real_fresh(folder)
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    monkeypatch.setattr(runner, "_fresh", fresh)
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    for name in ("a", "b", "c"):
+        _write(scenarios, name, [])
+    out = tmp_path / "out"
+    out.mkdir()
+    suite.write_json(out, suite.build([_entry(n, [1.0]) for n in ("a", "b", "c")], suite="s",
+                                      wall_s=1.0))
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out)])
+    assert result.exit_code == code, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is False and summary["counts"] == {"pass": 1, "fail": 2, "skipped": 0}
+    assert [e["reasons"] for e in summary["scenarios"]] == [
+        [], ["interrupted: the suite was stopped while it ran"],
+        ["not run: the suite was stopped before it"]]
+
+
 def _strict(text: str) -> Any:
     def refuse(constant: str) -> None:
         raise AssertionError(f"{constant} is not JSON")

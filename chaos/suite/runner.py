@@ -131,9 +131,9 @@ def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
             continue
         progress(head)
         folder = out / p.name
-        _fresh(folder)
         started = time.monotonic()
-        try:
+        try:  # the old folder's deletion too: a stop while it waits is a stop of this scenario
+            _fresh(folder)
             outcome = run(p.scenario, folder, reference=reference, progress=progress,
                           status=status)
         except (ChaosRunError, StorageSetupError) as exc:  # no verdict, refused storage
