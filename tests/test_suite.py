@@ -803,6 +803,34 @@ def test_nightly_workflow_runs_the_suite_against_the_last_summary() -> None:
     assert upload["if"] == "always()" and "reports/" in upload["with"]["path"]
 
 
+@pytest.mark.timeout(30)
+def test_nightly_shows_the_suite_table_in_the_job_summary_when_the_suite_fails(
+        tmp_path: Path) -> None:
+    """The step runs under ``bash -eo pipefail``: a failing ``chaos suite | tee`` ended it
+    before the table was appended to the job summary, so the table was shown only on the
+    nights that passed; the step must still fail with the suite's exit code."""
+    import os
+    import subprocess
+
+    wf = yaml.safe_load((ROOT / ".github" / "workflows" / "nightly.yml").read_text())
+    (job,) = wf["jobs"].values()
+    step = next(s for s in job["steps"] if "chaos suite scenarios/nightly" in s.get("run", ""))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sudo").write_text('#!/bin/sh\nshift\nexec "$@"\n')  # sudo -E CMD...
+    (bin_dir / "chaos").write_text("#!/bin/sh\necho 'FAIL kill-rank-dp2: bad'\nexit 1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    job_summary = tmp_path / "step-summary.md"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "BASELINE": "",
+           "GITHUB_STEP_SUMMARY": str(job_summary)}
+    done = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c",
+                           step["run"]], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=20)
+    assert done.returncode == 1, done
+    assert "FAIL kill-rank-dp2: bad" in job_summary.read_text()
+
+
 # --- a real suite --------------------------------------------------------------------------------
 
 @pytest.mark.slow
