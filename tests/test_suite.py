@@ -331,6 +331,21 @@ def test_skipped_scenarios_are_counted_apart_and_never_ok(tmp_path: Path) -> Non
     assert compared["not_compared"] == [{"scenario": "netns", "reason": "skipped in this run"}]
 
 
+def test_the_summary_page_says_what_was_not_compared_as_the_table_does(tmp_path: Path) -> None:
+    """summary.html listed the regressions ("none"), new and missing scenarios, but not what
+    was left out of the comparison: against an older format's baseline the page said no
+    regression with the stall never compared, where summary.json and the table say so."""
+    old = {"format": 2, "scenarios": [_entry("s", [10.0]), _entry("netns", [5.0])]}
+    skipped = _entry("netns", [5.0], verdict="skipped")
+    entries = [_entry("s", [10.0]), skipped]
+    summary = suite.build(entries, suite="d", wall_s=1.0,
+                          baseline=suite.compare(entries, old, file="old.json"))
+    assert "not compared netns: skipped in this run" in suite.format_table(summary)
+    page = suite.write_html(tmp_path, summary).read_text()
+    assert "stall (mean): measured otherwise in the baseline" in page
+    assert "<b>netns</b>: skipped in this run" in page
+
+
 def test_the_summary_page_links_no_report_an_earlier_suite_left(tmp_path: Path) -> None:
     """``--out`` is reused (run folders are replaced when their scenario runs). A scenario
     whose file is now invalid, or that an interrupted suite never ran, has no report of this

@@ -383,6 +383,10 @@ def write_html(out: Path, summary: dict[str, Any]) -> Path:
         items = [f"<li><b>{esc(r['scenario'])}</b>: {esc(r['reason'])}</li>"
                  for r in b["regressions"]] or ["<li>none</li>"]
         parts.append(f"<h2>Regressions against {esc(b['file'])}</h2><ul>{''.join(items)}</ul>")
+        if b["not_compared"]:
+            parts.append("<p>not compared:</p><ul>" + "".join(
+                f"<li><b>{esc(n['scenario'])}</b>: {esc(n['reason'])}</li>"
+                for n in b["not_compared"]) + "</ul>")
         for label, names in (("new", b["new"]), ("missing", b["missing"])):
             if names:
                 parts.append(f"<p>{label} since the baseline: {esc(', '.join(names))}</p>")
