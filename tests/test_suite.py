@@ -660,6 +660,29 @@ def test_a_suite_interrupted_between_runs_still_writes_its_summary(
         ["not run: the suite was stopped before it"]]
 
 
+def test_no_earlier_summary_stands_in_out_while_the_suite_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--out is reused; an earlier suite's summary.json (ok) stayed there until this suite's
+    replaced it at the end, so a suite killed outright (SIGKILL, a CI runner lost) left it
+    beside this suite's run folders, passing for this suite's."""
+    from antifragile.chaos.run import pipeline
+
+    out = tmp_path / "out"
+    seen: list[bool] = []
+
+    def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
+        seen.append(any((out / f).exists() for f in ("summary.json", "summary.html")))
+        return _passed(folder, report_file=True)
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    out.mkdir()
+    earlier = suite.build([_entry("a", [1.0])], suite="s", wall_s=1.0)
+    suite.write_json(out, earlier)
+    suite.write_html(out, earlier)
+    _suite_of_a_and_b(tmp_path, out)
+    assert seen == [False, False]
+
+
 def _strict(text: str) -> Any:
     def refuse(constant: str) -> None:
         raise AssertionError(f"{constant} is not JSON")

@@ -9,6 +9,7 @@ per scenario, ``OUT/<scenario name>/``.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 import traceback
@@ -122,6 +123,9 @@ def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
     from antifragile.chaos.run.runner import ChaosRunError
 
     out.mkdir(parents=True, exist_ok=True)
+    for name in _SUITE_FILES:  # an earlier suite's, saying ok, must not outlive a killed one
+        with contextlib.suppress(OSError):  # one that cannot go fails to be written, exit 2
+            (out / name).unlink()
     entries = []
     for i, p in enumerate(planned, 1):
         head = f"[{i}/{len(planned)}] {p.name} ({p.file})"
