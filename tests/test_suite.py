@@ -869,6 +869,40 @@ def test_nightly_shows_the_suite_table_in_the_job_summary_when_the_suite_fails(
     assert "FAIL kill-rank-dp2: bad" in job_summary.read_text()
 
 
+def test_nightly_crashcheck_runs_every_engine_and_shows_every_table_when_one_fails(
+        tmp_path: Path) -> None:
+    """Under ``bash -eo pipefail`` antifragile's failing crashcheck at 1 rank ended the step:
+    the 2-rank check and the peers' never ran, and no table reached the job summary. Every
+    check runs, every table is shown, and the step fails."""
+    import os
+    import subprocess
+
+    wf = yaml.safe_load((ROOT / ".github" / "workflows" / "nightly.yml").read_text())
+    (job,) = wf["jobs"].values()
+    step = next(s for s in job["steps"] if "chaos crashcheck" in s.get("run", ""))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    chaos = bin_dir / "chaos"  # writes its table; antifragile at 1 rank fails (exit 1)
+    chaos.write_text('#!/bin/sh\nout=""; engine=""; ranks=""\n'
+                     'while [ $# -gt 0 ]; do case "$1" in --out) out=$2;; --engine) engine=$2;;'
+                     ' --ranks) ranks=$2;; esac; shift; done\n'
+                     'mkdir -p "$out"; echo "table $engine $ranks" > "$out/crashcheck.md"\n'
+                     '[ "$engine-$ranks" = antifragile-1 ] && exit 1\n'
+                     '[ "$engine" = dcp ] && exit 1\nexit 0\n')
+    chaos.chmod(0o755)
+    job_summary = tmp_path / "step-summary.md"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "GITHUB_STEP_SUMMARY": str(job_summary)}
+    done = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c",
+                           step["run"]], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=20)
+    assert done.returncode == 1, done
+    shown = job_summary.read_text()
+    for engine in ("antifragile", "dcp", "torchsnapshot"):
+        for ranks in (1, 2):
+            assert f"table {engine} {ranks}" in shown, shown
+
+
 # --- a real suite --------------------------------------------------------------------------------
 
 @pytest.mark.slow
