@@ -252,6 +252,26 @@ def test_the_runner_ends_the_faults_of_a_run_that_stops(tmp_path: Path,
     assert ended == [True]
 
 
+def _step_10_still_persisting(tmp_path: Path) -> tuple[str, Path, Path]:
+    """Steps 5 and 10 committed under ``tmp_path/ckpt``, then step 10's COMMIT moved aside:
+    step 10 is still persisting, as far as a reader can tell. (url, COMMIT, where it is)."""
+    import shutil
+
+    import torch
+
+    from antifragile.engine import CheckpointEngine
+    from antifragile.engine._paths import COMMIT, step_dir
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url, keep_last=None) as engine:
+        for step in (5, 10):
+            engine.save(step, {"w": torch.arange(64.0).reshape(8, 8)}).wait()
+    commit = tmp_path / "ckpt" / step_dir(10) / COMMIT
+    aside = tmp_path / "COMMIT.aside"
+    shutil.move(commit, aside)
+    return url, commit, aside
+
+
 @pytest.mark.parametrize("then", ["commits", "aborts"])
 def test_latest_waits_for_a_save_in_flight_and_not_for_an_aborted_one(
         tmp_path: Path, then: str) -> None:
@@ -261,18 +281,9 @@ def test_latest_waits_for_a_save_in_flight_and_not_for_an_aborted_one(
     import shutil
     import threading
 
-    import torch
+    from antifragile.engine._paths import ABORT, step_dir
 
-    from antifragile.engine import CheckpointEngine
-    from antifragile.engine._paths import ABORT, COMMIT, step_dir
-
-    url = str(tmp_path / "ckpt")
-    with CheckpointEngine(url, keep_last=None) as engine:
-        for step in (5, 10):
-            engine.save(step, {"w": torch.arange(64.0).reshape(8, 8)}).wait()
-    commit = tmp_path / "ckpt" / step_dir(10) / COMMIT
-    aside = tmp_path / "COMMIT.aside"
-    shutil.move(commit, aside)  # step 10 still persisting, as far as a reader can tell
+    url, commit, aside = _step_10_still_persisting(tmp_path)
     if then == "commits":
         later = threading.Timer(0.5, lambda: shutil.move(aside, commit))
     else:
@@ -427,18 +438,7 @@ def test_a_checkpoint_named_by_its_step_is_waited_for_while_it_is_saved(tmp_path
     import shutil
     import threading
 
-    import torch
-
-    from antifragile.engine import CheckpointEngine
-    from antifragile.engine._paths import COMMIT, step_dir
-
-    url = str(tmp_path / "ckpt")
-    with CheckpointEngine(url, keep_last=None) as engine:
-        for step in (5, 10):
-            engine.save(step, {"w": torch.arange(64.0).reshape(8, 8)}).wait()
-    commit = tmp_path / "ckpt" / step_dir(10) / COMMIT
-    aside = tmp_path / "COMMIT.aside"
-    shutil.move(commit, aside)  # step 10 still persisting, as far as a reader can tell
+    url, commit, aside = _step_10_still_persisting(tmp_path)
     later = threading.Timer(0.5, lambda: shutil.move(aside, commit))
     later.start()
     fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=10, checkpoint=10)

@@ -583,6 +583,20 @@ def test_a_refused_checkpoint_storage_is_a_failed_entry_not_a_crash(
     assert entry.get("error") is None and not (out / "s" / "error.txt").exists()
 
 
+def _three_scenarios_and_an_ok_summary(tmp_path: Path) -> tuple[Path, Path]:
+    """Scenarios a, b and c, and an --out that an earlier suite of them left an ok
+    summary.json in: (the scenarios' folder, --out)."""
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    for name in ("a", "b", "c"):
+        _write(scenarios, name, [])
+    out = tmp_path / "out"
+    out.mkdir()
+    suite.write_json(out, suite.build([_entry(n, [1.0]) for n in ("a", "b", "c")], suite="s",
+                                      wall_s=1.0))
+    return scenarios, out
+
+
 @pytest.mark.parametrize(("stop", "code"), [(KeyboardInterrupt, 130), (SystemExit(143), 143)],
                          ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_suite_writes_a_summary_of_what_ran_that_is_not_ok(
@@ -599,14 +613,7 @@ def test_an_interrupted_suite_writes_a_summary_of_what_ran_that_is_not_ok(
         return _passed(folder, report_file=True)
 
     monkeypatch.setattr(pipeline, "run", fake_run)
-    scenarios = tmp_path / "scenarios"
-    scenarios.mkdir()
-    for name in ("a", "b", "c"):
-        _write(scenarios, name, [])
-    out = tmp_path / "out"
-    out.mkdir()
-    earlier = suite.build([_entry(n, [1.0]) for n in ("a", "b", "c")], suite="s", wall_s=1.0)
-    suite.write_json(out, earlier)
+    scenarios, out = _three_scenarios_and_an_ok_summary(tmp_path)
     result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out)])
     assert result.exit_code == code, result.output
     summary = json.loads((out / "summary.json").read_text())
@@ -643,14 +650,7 @@ def test_a_suite_interrupted_between_runs_still_writes_its_summary(
 
     monkeypatch.setattr(pipeline, "run", fake_run)
     monkeypatch.setattr(runner, "_fresh", fresh)
-    scenarios = tmp_path / "scenarios"
-    scenarios.mkdir()
-    for name in ("a", "b", "c"):
-        _write(scenarios, name, [])
-    out = tmp_path / "out"
-    out.mkdir()
-    suite.write_json(out, suite.build([_entry(n, [1.0]) for n in ("a", "b", "c")], suite="s",
-                                      wall_s=1.0))
+    scenarios, out = _three_scenarios_and_an_ok_summary(tmp_path)
     result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out)])
     assert result.exit_code == code, result.output
     summary = json.loads((out / "summary.json").read_text())
