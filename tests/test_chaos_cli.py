@@ -291,6 +291,34 @@ def test_a_failed_reference_run_is_a_clear_error_not_a_traceback(
     assert why in errors[0]
 
 
+def test_the_end_of_a_long_log_is_read_from_its_end_not_whole(tmp_path: Path) -> None:
+    """A failed run's message shows the end of its torchrun.log, which a chatty script fills
+    for the run's hour: the log was read whole into memory to show its last lines."""
+    import tracemalloc
+
+    from antifragile.chaos.infra.logs import tail
+
+    log = tmp_path / "torchrun.log"
+    with open(log, "wb") as f:
+        f.truncate(256 << 20)  # a long run's output (sparse: it takes no disk)
+        f.seek(0, 2)
+        f.write(b"\n" + "".join(f"line {i}\n" for i in range(20)).encode())
+    tracemalloc.start()
+    try:
+        shown = tail(log, 3)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert shown == "line 17\n    line 18\n    line 19"
+    assert peak < 4 << 20, f"{peak >> 20} MiB held to show 3 lines"
+    short = tmp_path / "short.log"
+    short.write_text("only\n")
+    assert tail(short) == "only"
+    short.write_text("  \n")
+    assert tail(short) == "(empty log)"
+    assert tail(tmp_path / "missing.log") == "(no log)"
+
+
 def test_a_reference_script_that_checkpointed_with_another_engine_is_told_which(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A DCP script whose scenario leaves ``checkpoint.engine`` at its default (antifragile)
