@@ -296,6 +296,38 @@ def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(tmp_path: Path) -> None:
     assert "still stopping what it started" in err, err
 
 
+def test_an_interrupt_while_the_faults_end_still_stops_the_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's cleanup undoes the faults first (a killed volume server restarted: up to
+    30 s), then stops the job, then takes the emulated hosts down. A Ctrl-C or SIGTERM that
+    lands in the first step (here raised from it, as ``lifetime.stop_once`` raises it) ended
+    the cleanup there: the job ran on, its hosts stayed up."""
+    from antifragile.chaos.faults.base import Endings
+    from antifragile.chaos.infra import launch as launching
+    from antifragile.chaos.run import runner
+
+    jobs: list[subprocess.Popen[str]] = []
+
+    def launch(*args: Any, **kwargs: Any) -> subprocess.Popen[str]:
+        jobs.append(launching.launch(*args, **kwargs))
+        return jobs[-1]
+
+    def interrupted(self: Endings) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "launch", launch)
+    monkeypatch.setattr(Endings, "end_now", interrupted)
+    s = parse_scenario({"name": "tiny", "trainer": {
+        "command": ["python", "-c", "import time; time.sleep(60)"], "probe": False},
+        "expect": {"bitwise_equal_to_reference": False}})
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.run_scenario(s, tmp_path / "run", str(tmp_path / "ckpt"), timeout_s=2)
+        assert len(jobs) == 1 and jobs[0].poll() is not None, "the job still runs"
+    finally:
+        runner._Agents(jobs).kill()
+
+
 def test_a_launched_job_leaves_no_temporary_folder(tmp_path: Path) -> None:
     """torchrun keeps its per-worker folders (error files, log redirects) under a
     ``torchelastic_*`` folder it makes in the temporary folder and never deletes: every run

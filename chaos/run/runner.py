@@ -162,12 +162,9 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             job.check_ends(time.time())
             time.sleep(0.02)
     finally:
-        endings.end_now()  # a link restored before its network goes, a fill stopped
-        agents.kill()
-        if relay is not None:
-            relay.close()
-        if hosts.network is not None:
-            hosts.network.close()
+        _every(endings.end_now,  # a link restored before its network goes, a fill stopped
+               agents.kill, relay.close if relay is not None else None,
+               hosts.network.close if hosts.network is not None else None)
     for e in _read(tail):
         job.see(e)
     ended = time.time()
@@ -176,6 +173,16 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     events = sorted(tail.events + observed, key=lambda e: e["t"])  # polls read file by file
     return RunRecord(agents.returncode, started, ended, events, injections, job.ends,
                      paused_s=job.paused_s)
+
+
+def _every(*steps: Callable[[], None] | None) -> None:
+    """Run each cleanup step in order, the later ones also after one raised: a Ctrl-C or
+    SIGTERM during one (``lifetime.stop_once`` raises it once, then lets cleanup run) must
+    not leave the job running or the emulated hosts up. What was raised is raised after."""
+    with contextlib.ExitStack() as stack:
+        for step in reversed(steps):
+            if step is not None:
+                stack.callback(step)
 
 
 def _inject(fault: Any, target: Target, step: int | None) -> Injection:
