@@ -244,6 +244,25 @@ def test_an_empty_path_option_is_a_usage_error(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("url", ["file://", "s3://", "s3:///"])
+def test_a_ckpt_url_that_names_no_place_is_a_usage_error(
+        tmp_path: Path, url: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A URL scheme and nothing else (an unset variable, ``--ckpt-url "s3://$BUCKET"``) was
+    accepted: ``file://`` wrote the checkpoints into the working directory (and retention
+    removed its ``step_*`` folders), ``s3://`` made every rank die opening the engine
+    (CheckpointError traceback, exit 1, which torchrun restarts into the same). Now one line
+    naming the option, exit 2, as ``--ckpt-url ""`` is."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--ckpt-url", url])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"python -m antifragile.trainer: error: --ckpt-url {url}: "), err
+    assert "names no folder" in err or "names no bucket" in err, err
+    assert parse_args(["--ckpt-url", "s3://bucket"]).ckpt_url == "s3://bucket"
+
+
 @pytest.mark.parametrize("where", ["file", "file/ckpt"])
 def test_a_local_ckpt_url_that_cannot_be_a_folder_is_a_usage_error(
         tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]) -> None:

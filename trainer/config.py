@@ -192,7 +192,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             os.makedirs(os.path.join(cfg.run_dir, "events"), exist_ok=True)
         except OSError as exc:
             p.error(f"--run-dir {cfg.run_dir}: {exc.strerror or exc}")
-    if cfg.ckpt_url and (why := _not_a_local_folder(cfg.ckpt_url)):
+    if cfg.ckpt_url and (why := _names_no_place(cfg.ckpt_url)
+                         or _not_a_local_folder(cfg.ckpt_url)):
         p.error(f"--ckpt-url {cfg.ckpt_url}: {why}")
     if cfg.data_path is not None:  # a usage error here, not a traceback in every training
         # process (which are forked from this one and reuse the checked map: ``open_tokens``)
@@ -205,6 +206,21 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         except ValueError as exc:
             p.error(f"--data-path {exc}")
     return cfg
+
+
+def _names_no_place(url: str) -> str | None:
+    """Why a URL that is a scheme and nothing else (``file://``, ``s3://``: an unset variable
+    after it) is no checkpoint root, else None. ``file://`` is the working directory to the
+    engines, ``s3://`` fails every rank's engine as it opens (a traceback, restarted into the
+    same)."""
+    scheme, sep, where = url.partition("://")
+    if not sep:
+        return None
+    if scheme == "file":
+        return None if where else "names no folder"
+    if scheme in ("s3", "s3a"):
+        return None if where.strip("/") else "names no bucket"
+    return None
 
 
 def _not_a_local_folder(url: str) -> str | None:
