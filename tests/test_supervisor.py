@@ -43,6 +43,16 @@ def test_a_stopped_thread_is_a_hang_in_any_phase_after_the_timeout() -> None:
         assert out == [None, None, None, "stopped"], phase
 
 
+def test_a_thread_stopped_at_the_first_look_is_a_hang_after_the_timeout() -> None:
+    """The stop is timed from the first look that saw it, also when that is the watchdog's
+    first (its clock reads 0 there): a start of 0.0 was taken for "not stopped yet" and
+    restarted at the next look, so the hang was found one look late."""
+    dog = Watchdog(hang_timeout_s=2.0)
+    out = _feed(dog, [(0.0, 1, Phase.TRAINING, True), (1.0, 1, Phase.TRAINING, True),
+                      (2.0, 1, Phase.TRAINING, True)])
+    assert out == [None, None, "stopped"]
+
+
 def test_a_resumed_thread_is_not_a_hang() -> None:
     dog = Watchdog(hang_timeout_s=2.0)
     out = _feed(dog, [(0.0, 1, Phase.TRAINING, True), (1.5, 1, Phase.TRAINING, False),

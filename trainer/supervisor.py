@@ -127,7 +127,10 @@ class Watchdog:
             if phase == Phase.TRAINING and self._last_phase == Phase.TRAINING:
                 self._intervals.append(now - self._last_change)
             self._last_counter, self._last_change, self._last_phase = counter, now, phase
-        self._stopped_since = (self._stopped_since or now) if stopped else None
+        if not stopped:
+            self._stopped_since = None
+        elif self._stopped_since is None:  # not ``or``: the first look's clock reads 0.0
+            self._stopped_since = now
         if phase in (Phase.DONE, Phase.SPARE) and not stopped:
             return None
         timeout = self.timeout_s()
