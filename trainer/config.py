@@ -192,7 +192,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             os.makedirs(os.path.join(cfg.run_dir, "events"), exist_ok=True)
         except OSError as exc:
             p.error(f"--run-dir {cfg.run_dir}: {exc.strerror or exc}")
-    if cfg.ckpt_url and (why := _names_no_place(cfg.ckpt_url)
+    if cfg.ckpt_url and (why := _no_shared_place(cfg.ckpt_url)
                          or _not_a_local_folder(cfg.ckpt_url)):
         p.error(f"--ckpt-url {cfg.ckpt_url}: {why}")
     if cfg.data_path is not None:  # a usage error here, not a traceback in every training
@@ -208,14 +208,18 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     return cfg
 
 
-def _names_no_place(url: str) -> str | None:
-    """Why a URL that is a scheme and nothing else (``file://``, ``s3://``: an unset variable
-    after it) is no checkpoint root, else None. ``file://`` is the working directory to the
-    engines, ``s3://`` fails every rank's engine as it opens (a traceback, restarted into the
-    same)."""
+def _no_shared_place(url: str) -> str | None:
+    """Why a URL is no checkpoint root the ranks share, else None: a scheme and nothing else
+    (``file://``, ``s3://``: an unset variable after it; ``file://`` is the working directory
+    to the engines, ``s3://`` fails every rank's engine as it opens, a traceback restarted
+    into the same), or ``memory://`` (each process's own)."""
     scheme, sep, where = url.partition("://")
     if not sep:
         return None
+    if scheme.lower() == "memory":  # as chaos refuses it in a scenario's checkpoint.url
+        return ("each process's own memory: the ranks would not see one store (every save "
+                "fails at its commit deadline) and it is gone when the run ends (give a local "
+                "folder or s3://bucket/prefix)")
     if scheme == "file":
         return None if where else "names no folder"
     if scheme in ("s3", "s3a"):
