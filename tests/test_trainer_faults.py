@@ -7,6 +7,7 @@ the trainer reports in its ``start`` events.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
@@ -135,6 +136,56 @@ def test_in_process_recovery_replaces_a_killed_rank_with_the_spare(tmp_path: Pat
     assert losses(faulty) == losses(reference)
     assert_bitwise_equal(checkpoint_arrays(str(reference / "ckpt"), 12),
                          checkpoint_arrays(str(faulty / "ckpt"), 12))
+
+
+def test_in_process_recovery_is_not_held_up_by_a_torchsnapshot_save_of_the_failed_generation(
+        tmp_path: Path) -> None:
+    """torchsnapshot's async save commits through a barrier in the default store: rank 0's
+    save thread waits there for the other ranks. Rank 1 dies before it arrives (its write of
+    step 8 is held here by a file lease) while rank 0 waits for that save (the last step's
+    save first waits for the one in flight). The abort cuts gloo connections, not that wait:
+    the survivor never left it, and the job fell back to a torchrun restart after twice the
+    collective timeout (exit 1 here, no restarts allowed). Let out, it still rendezvoused
+    through the client its save thread waited on (a TCPStore client serves one request at a
+    time) for the collective timeout, the spare's rendezvous timed out meanwhile, and the
+    new generation failed before it met: a second re-formation. Now the wait ends when the
+    generation fails, and the survivor rendezvouses through a fresh client."""
+    timeout_s = 30
+    ckpt = tmp_path / "ckpt"
+    # one of rank 1's files of step 8 (a small object: written on its own, not batched)
+    held = ckpt / "step_000000008" / "1" / "state" / "optim" / "param_groups.norm.bias.betas"
+    held.parent.mkdir(parents=True)
+    held.touch()
+    sigio = signal.signal(signal.SIGIO, signal.SIG_IGN)  # the lease break's notice to us
+    fd = os.open(held, os.O_RDONLY)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # an open to write it waits (45 s)
+        args = [*SMALL_MODEL, "--dp", "2", "--steps", "12", "--ckpt-every", "4",
+                "--ckpt-engine", "torchsnapshot", "--ckpt-url", str(ckpt),
+                "--run-dir", str(tmp_path), "--recovery", "in_process",
+                "--collective-timeout-s", str(timeout_s)]
+        proc = subprocess.Popen(torchrun_cmd(3, args, max_restarts=0), env=env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            victim = _pid(tmp_path, rank=1)
+            _wait_for(tmp_path, lambda e: e["event"] == "spare_ready")
+            _wait_for(tmp_path, lambda e: e["event"] == "ckpt_staged" and e["rank"] == 0
+                      and e["step"] == 8)
+            time.sleep(1.0)  # rank 0's save thread waits in the commit barrier
+            os.kill(victim, signal.SIGKILL)
+            killed = time.time()
+            out, _ = proc.communicate(timeout=6 * timeout_s)
+        finally:
+            proc.kill()
+    finally:
+        os.close(fd)
+        signal.signal(signal.SIGIO, sigio)
+    assert proc.returncode == 0, out[-3000:]
+    log = events(tmp_path)
+    assert not [e for e in log if e["event"] == "start" and e["attempt"] >= 2], out[-3000:]
+    second = {e["rank"]: e for e in log if e["event"] == "start" and e["attempt"] == 1}
+    assert second[1]["worker"] == "2.0"
+    assert second[0]["t"] - killed < timeout_s / 3
 
 
 def _gloo_device_loops(pid: int) -> int:

@@ -34,6 +34,7 @@ FINAL_SAVE_MAX_DELAY_S = 15.0  # the longest backoff between the last step's ret
 # token file's digest in the data): part of the chaos reference's cache key, since an older
 # reference ends in another one
 TRAIN_STATE_VERSION = 3
+_INTERRUPT_POLL_S = 0.005  # how often a wait for a save looks whether its generation failed
 _DATA = {"synthetic": "synthetic data", "file": "a --data-path token file"}  # train["data"]
 
 
@@ -63,6 +64,12 @@ def _data_differs(saved: object, data: str | None) -> str | None:
     return None
 
 
+class SaveInterrupted(Exception):
+    """A wait for a save in flight ended by the failure of its generation (in-process
+    recovery): the save cannot commit, and a peer engine's wait for it may not end on its own
+    (torchsnapshot's commit barrier waits in the store, which the abort does not cut)."""
+
+
 class ResumeError(Exception):
     """The run has checkpoints and none of them loads (every one damaged or quarantined, or
     none fits this state), or the newest was trained with another seed: starting over would
@@ -73,8 +80,11 @@ class TrainCheckpointer:
     def __init__(self, backend: Backend, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, events: EventLog, *, seed: int = 0,
                  shape: dict[str, int] | None = None, data: str | None = None,
-                 foreign: Callable[[], dict[str, list[int]]] | None = None) -> None:
+                 foreign: Callable[[], dict[str, list[int]]] | None = None,
+                 interrupted: Callable[[], bool] | None = None) -> None:
         self.backend = backend
+        # whether the generation failed (in-process recovery): ends a wait for a save
+        self.interrupted = interrupted
         # where there is nothing to restore: the other engines' committed steps at the URL
         self.foreign = foreign
         self.seed = seed
@@ -239,9 +249,15 @@ class TrainCheckpointer:
                                  error=done.retention_error)
 
     def finish(self) -> None:
-        """Wait for the save in flight (and the retentions that follow commits) and report."""
+        """Wait for the save in flight (and the retentions that follow commits) and report.
+        SaveInterrupted once ``interrupted()`` says the generation failed meanwhile."""
         for handle in [*self._retaining, self._pending]:
             if handle is not None:
+                while self.interrupted is not None and not handle.done():
+                    if self.interrupted():
+                        raise SaveInterrupted(f"step {handle.step}: the generation failed "
+                                              "while this rank waited for its save")
+                    time.sleep(_INTERRUPT_POLL_S)
                 with contextlib.suppress(CheckpointError):
                     handle.wait()
         self.poll()

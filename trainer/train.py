@@ -297,6 +297,11 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         if checkpointer:  # the save in flight cannot commit (a rank is gone): give it up
             kept = checkpointer[0].backend.memory_copy() or kept
             checkpointer[0].backend.abandon()
+            # a thread of its save may still wait on the default store, whose client the
+            # groups rendezvous through, and a client serves one request at a time: the next
+            # generation connects again rather than wait behind it
+            if checkpointer[0].backend.saves_wait_on_default_store:
+                launch.link_cut = True
         leave()
         events.emit("generation_end", memory_step=kept.step if kept is not None else None)
         nxt = recover(js, me, formation, timeout_s=cfg.collective_timeout_s,
@@ -357,7 +362,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
                                        "seq_len": m.seq_len},
                                 data="synthetic" if cfg.data_path is None else
                                 f"file:{tokens_digest(cfg.data_path, m.seq_len, m.vocab)}",
-                                foreign=lambda: foreign_steps(cfg.ckpt_engine, url))
+                                foreign=lambda: foreign_steps(cfg.ckpt_engine, url),
+                                interrupted=interrupted)
         checkpointer.append(ckpt)
     ctx.sockets.end()  # every process group of this generation exists now
     if ckpt is not None:

@@ -15,6 +15,7 @@ from antifragile.engine.storage import open_storage
 class AntifragileBackend:
     name = "antifragile"
     overlaps_saves = True  # the engine refuses (fails) a save while the previous one persists
+    saves_wait_on_default_store = False  # its collectives run on a gloo group of its own
 
     def __init__(self, url: str, *, keep_last: int, timeout_s: float, async_: bool,
                  keep_in_memory: bool = False,

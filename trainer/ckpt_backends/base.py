@@ -52,6 +52,9 @@ class Backend(Protocol):
     name: str
     #: False: a new save must wait for the previous one (the wait is loop stall)
     overlaps_saves: bool
+    #: a save waits on the default process group's store from a thread of its own (which
+    #: the abort of a failed generation does not interrupt)
+    saves_wait_on_default_store: bool
 
     def candidates(self) -> list[int]:
         """Committed steps, newest first, as every rank agrees on them (collective)."""
@@ -229,6 +232,7 @@ class PeerBackend:
 
     marker = ""  # set by each peer: the file its engine writes last
     overlaps_saves = False
+    saves_wait_on_default_store = False
 
     def __init__(self, url: str, *, keep_last: int, timeout_s: float, async_: bool) -> None:
         self.root = local_root(url)

@@ -140,6 +140,9 @@ def _local_nbytes(state: Any) -> int:
 class SnapshotBackend(PeerBackend):
     name = "torchsnapshot"
     marker = MARKER
+    # ``async_take``'s commit barrier waits for every rank in the default store
+    # (``get_or_create_store``), in torchsnapshot's own thread
+    saves_wait_on_default_store = True
 
     def save(self, step: int, state: dict[str, Any]) -> PeerHandle:
         path = self.root / step_name(step)
