@@ -438,7 +438,8 @@ def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = No
            saved: int | None = None, kept: set[int] | None = None) -> list[int]:
     """Delete committed steps beyond the newest ``keep_last`` and uncommitted debris older than
     the newest committed step. A quarantined step is evidence: it stays as long as a committed
-    step of its age would (it is newer than the oldest step kept). Never deletes the newest
+    step of its age would (it is newer than the oldest step kept, or ``keep_last`` is None:
+    every committed step is kept, however old). Never deletes the newest
     committed step. Returns deleted steps. One listing of the root (its step folders and,
     concurrently, their markers: ``committed_steps``), then only the deletions.
 
@@ -480,7 +481,8 @@ def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = No
         if step in keep or step > newest_debris:
             continue
         try:  # a step that cannot be deleted now does not hold back the others
-            if step > min(keep) and storage.exists(f"{step_dir(step)}/{QUARANTINE}"):
+            if (keep_last is None or step > min(keep)) and storage.exists(
+                    f"{step_dir(step)}/{QUARANTINE}"):
                 continue
             if unlink is not None and unlink(step_dir(step)):
                 deleted.append(step)

@@ -525,6 +525,29 @@ def test_a_quarantined_step_saved_again_keeps_the_evidence_of_its_damage(
         listing.output
 
 
+def test_retention_that_keeps_every_step_keeps_every_quarantined_one(storage: Storage) -> None:
+    """With ``keep_last=None`` no committed step is ever deleted, and a quarantined step stays
+    as long as a committed step of its age would. A fresh engine (the job restarted after a
+    load found steps 1 and 2 damaged) deleted both as debris older than its first save."""
+    url, options = storage
+    kwargs: dict[str, Any] = {"storage_options": options, "keep_last": None, "plan_options": PLAN}
+    with CheckpointEngine(url, **kwargs) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+        raw = Raw.open(storage)
+        for step in (1, 2):
+            raw.flip_bit(step, SHARD, 100)
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"), \
+                pytest.raises(CheckpointCorruptError):
+            engine.load(blank())
+    with CheckpointEngine(url, **kwargs) as engine:
+        engine.save(3, state_of(3), blocking=True)
+        assert engine.steps() == [3]
+        for step in (1, 2):
+            report = engine.verify(step)
+            assert report.quarantined is not None and [p.key for p in report.problems] == [SHARD]
+
+
 RANK_1_SHARD = "model/w/c.3.0"  # rows 48-63: read by rank 1 only when 2 ranks hold Shard(0)
 
 
