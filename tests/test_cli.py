@@ -385,6 +385,26 @@ def test_a_step_quarantined_after_the_listing_is_listed_once_as_quarantined(
     assert len(rows) == 1 and "quarantined" in rows[0].lower(), result.output
 
 
+def test_verify_of_a_root_whose_every_step_is_quarantined_is_damage(tmp_path: Path) -> None:
+    """Nothing under it loads (``load`` raises CheckpointCorruptError: no intact checkpoint),
+    yet verify listed the quarantined steps and exited 0: a script that verifies before it
+    resumes went on to a load that fails."""
+    from antifragile.engine.quarantine import quarantine
+    from antifragile.engine.storage import open_storage
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20])
+    runner = CliRunner()
+    quarantine(open_storage(url), 20, "flipped bit", reports={0: "flipped bit"}, confirmed_by=0)
+    assert runner.invoke(main, ["ckpt", "verify", url]).exit_code == 0  # step 10 loads
+    quarantine(open_storage(url), 10, "torn write", reports={0: "torn write"}, confirmed_by=0)
+    result = runner.invoke(main, ["ckpt", "verify", url])
+    assert result.exit_code == 1, result.output
+    assert "step 10: QUARANTINED: torn write" in result.output
+    assert "step 20: QUARANTINED: flipped bit" in result.output
+    assert "no intact step" in result.output and "Traceback" not in result.output
+
+
 def test_ls_ignores_a_temporary_file_left_in_the_quarantine_log(tmp_path: Path) -> None:
     """A local write goes to ``<key>.<pid>-<tid>.tmp`` and is renamed: a process killed in
     between (or a quarantine being written while ls runs) leaves such a file in

@@ -149,8 +149,9 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
     damage found) a step of a format this engine does not read (the others are verified).
 
     Quarantined steps are listed with the reason (they are hidden from loading, so they do not
-    make the exit code 1); ``--step N`` of a quarantined step reads it against the manifest its
-    quarantine kept and says what is damaged.
+    make the exit code 1, unless every step is: then nothing loads); ``--step N`` of a
+    quarantined step reads it against the manifest its quarantine kept and says what is
+    damaged.
     """
     from antifragile.engine import CheckpointError
     from antifragile.engine.commit import committed_steps
@@ -172,6 +173,7 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
         if not steps and not hidden:
             _fail(f"no committed checkpoint under {url}")
         damaged = unread = False
+        verified = 0  # steps a load can see, read and reported
         with ThreadPoolExecutor(8) as pool:
             for s in steps:
                 try:
@@ -187,6 +189,7 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
                     continue
                 click.echo(report.summary())
                 damaged |= not report.ok
+                verified += 1
         if step is None:
             for s in hidden:
                 try:
@@ -198,6 +201,9 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
                     click.echo(f"step {s}: QUARANTINED, and DAMAGED: {exc}")
                     continue
                 click.echo(f"step {s}: QUARANTINED: {found[0].get('reason') if found else '?'}")
+            if not verified and not unread:  # what a load raises too: nothing it can load
+                damaged = True
+                click.echo(f"no intact step under {url}: every step is quarantined")
     except CheckpointError as exc:
         _fail(str(exc))
     if damaged or unread:
