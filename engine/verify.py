@@ -54,8 +54,9 @@ class VerifyReport:
 
     def summary(self) -> str:
         head = [f"step {self.step}: QUARANTINED: {self.quarantined}"] if self.quarantined else []
-        if not self.problems:
-            return "\n".join([*head, f"step {self.step}: ok ({self.objects} objects, "
+        if not self.problems:  # a quarantined step is never "ok": it does not load
+            state = "every object reads intact now" if self.quarantined else "ok"
+            return "\n".join([*head, f"step {self.step}: {state} ({self.objects} objects, "
                                       f"{self.nbytes} bytes)"])
         lines = [*head, f"step {self.step}: DAMAGED ({len(self.problems)} problem(s))"]
         lines += [f"  {p.array or '-'}  {p.key}: {p.reason}" for p in self.problems[:50]]
