@@ -176,7 +176,9 @@ def _join(threads: list[threading.Thread], timeout: float | None) -> list[str]:
 @atexit.register
 def _close_at_exit() -> None:
     deadline = time.monotonic() + EXIT_WAIT_S  # for all of them together
-    for threads in list(_LIVE):
+    # the save threads first: a save in flight still submits its writes to its engine's pool,
+    # and would fail ("cannot schedule new futures after shutdown") where the pool closed first
+    for threads in sorted(_LIVE, key=lambda live: isinstance(live, DaemonPool)):
         stuck = threads.close(max(0.0, deadline - time.monotonic()))
         if stuck:
             log.warning("exiting with checkpoint threads still running: %s", ", ".join(stuck))
