@@ -24,10 +24,14 @@ if TYPE_CHECKING:
         CheckpointCorruptError,
         CheckpointEngine,
         CheckpointError,
+        CheckpointFormatError,
         CheckpointMismatchError,
         CheckpointNotFoundError,
         CommitTimeoutError,
+        PlanOptions,
+        Problem,
         SaveHandle,
+        StepSkippedWarning,
         StorageError,
         VerifyReport,
     )
@@ -36,7 +40,8 @@ __version__ = "0.2.0"
 
 __all__ = [
     "CheckpointBusyError", "CheckpointCorruptError", "CheckpointEngine", "CheckpointError",
-    "CheckpointMismatchError", "CheckpointNotFoundError", "CommitTimeoutError", "SaveHandle",
+    "CheckpointFormatError", "CheckpointMismatchError", "CheckpointNotFoundError",
+    "CommitTimeoutError", "PlanOptions", "Problem", "SaveHandle", "StepSkippedWarning",
     "StorageError", "VerifyReport",
 ]
 _ENGINE_EXPORTS = frozenset(__all__)

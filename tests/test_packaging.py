@@ -159,3 +159,16 @@ def test_wheel_installs_only_antifragile(tmp_path: Path) -> None:
     where, stray = result.stdout.splitlines()
     assert where.startswith(str(site_dir)), where
     assert stray == "[]", f"importable top-level from the wheel: {stray}"
+
+
+def test_the_top_level_namespace_re_exports_every_public_name_of_the_engine() -> None:
+    """``antifragile`` says it re-exports the engine's public names; a user filtering the
+    ``StepSkippedWarning`` that README documents (or catching ``CheckpointFormatError``) got
+    an ImportError from ``from antifragile import ...``."""
+    import antifragile
+    import antifragile.engine
+
+    missing = sorted(set(antifragile.engine.__all__) - set(antifragile.__all__))
+    assert missing == []
+    for name in antifragile.engine.__all__:
+        assert getattr(antifragile, name) is getattr(antifragile.engine, name)
