@@ -107,6 +107,9 @@ class CheckpointEngine:
         if keep_last is not None and (not isinstance(keep_last, int)
                                       or isinstance(keep_last, bool) or keep_last < 1):
             raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        # io_threads=0 started no I/O thread: a load waited forever, every save timed out
+        if not isinstance(io_threads, int) or isinstance(io_threads, bool) or io_threads < 1:
+            raise CheckpointError(f"io_threads must be an int >= 1, got {io_threads!r}")
         if (not isinstance(commit_timeout_s, (int, float)) or isinstance(commit_timeout_s, bool)
                 or not 0 < commit_timeout_s <= MAX_COMMIT_TIMEOUT_S):
             raise CheckpointError("commit_timeout_s must be a positive number of seconds, at "

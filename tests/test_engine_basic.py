@@ -2017,6 +2017,24 @@ def test_a_keep_last_or_commit_timeout_that_cannot_be_one_is_refused(
         CheckpointEngine(str(tmp_path / "ckpt"), **options)
 
 
+@pytest.mark.parametrize("io_threads", [0, -1, 2.5, "4", True], ids=repr)
+def test_an_io_threads_that_cannot_be_a_thread_count_is_refused(
+        tmp_path: Path, io_threads: Any) -> None:
+    """io_threads=0 was taken: the I/O pool never started a thread, so a load waited forever
+    and every save failed after commit_timeout_s (600 s) saying "the storage does not
+    answer"; io_threads='4' failed every save with a TypeError from the pool."""
+    with pytest.raises(CheckpointError, match="io_threads"):
+        CheckpointEngine(str(tmp_path / "ckpt"), io_threads=io_threads)
+
+
+def test_one_io_thread_saves_and_loads(tmp_path: Path) -> None:
+    with CheckpointEngine(str(tmp_path / "ckpt"), io_threads=1) as ckpt:
+        ckpt.save(1, {"w": torch.arange(4.0), "v": torch.ones(3)}).wait()
+        target = {"w": torch.zeros(4), "v": torch.zeros(3)}
+        assert ckpt.load(target) == 1
+    assert torch.equal(target["w"], torch.arange(4.0)) and torch.equal(target["v"], torch.ones(3))
+
+
 def test_a_local_url_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder"):
