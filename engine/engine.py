@@ -72,7 +72,16 @@ class CheckpointEngine:
 
     ``url`` is a local path, ``s3://bucket/prefix`` or another fsspec URL. ``keep_last`` committed
     steps are retained (``None`` keeps all). ``commit_timeout_s`` bounds how long a save may take
-    to commit before its handle fails naming the missing ranks.
+    to commit before its handle fails naming the missing ranks. ``storage_options``: for
+    ``s3://``, s3fs's option names (an option the S3 client cannot honour is refused by name;
+    see ``storage._s3``); for another fsspec URL, that filesystem's; a local path ignores them.
+    ``io_threads``: the threads that read and write this rank's objects.
+
+    ``process_group``: the ranks that save and load together (None: the default group when
+    one is initialized, else this process alone). The engine's few collectives run on gloo:
+    for a group of another backend (NCCL) it makes a gloo group over the same ranks here, so
+    constructing the engine is then collective too (every process of the job when the group
+    is the whole job, as ``new_group`` asks).
 
     ``keep_in_memory``: the staging buffers also hold the replicas this rank does not write, so
     the last committed save is this rank's whole state in host memory (``memory_copy()``), for
