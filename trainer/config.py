@@ -114,9 +114,8 @@ class TrainConfig:
             raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
         if self.hang_timeout_s is not None and self.hang_timeout_s < MIN_HANG_TIMEOUT_S:
             raise ValueError(f"hang_timeout_s must be at least {MIN_HANG_TIMEOUT_S:g} s (the "
-                             f"supervisor looks at training progress every {WATCH_POLL_S:g} s), "
-                             "got "
-                             f"{self.hang_timeout_s}")
+                             f"supervisor looks at training progress every {WATCH_POLL_S:g} "
+                             f"s), got {self.hang_timeout_s}")
         if self.lease_s is not None and not MIN_LEASE_S <= self.lease_s < math.inf:  # NaN too
             raise ValueError(f"lease_s must be a finite number >= {MIN_LEASE_S:g} s (four "
                              f"renewals at the heartbeat's 0.25 s), got {self.lease_s}")
