@@ -1379,3 +1379,28 @@ def _big(engine_case: str, ranks: int, tmp_path: Path, s3: dict[str, Any]) -> No
 def test_antifragile_thousand_states_per_configuration(
         engine_case: str, ranks: int, tmp_path: Path, s3_server: dict[str, Any]) -> None:
     _big(engine_case, ranks, tmp_path, s3_server)
+
+
+def test_a_repeated_case_or_rule_is_taken_once(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--case save --case save`` checked the save case twice, and a repeated ``--rule
+    engine`` loaded every state twice with the second answer replacing the first in the
+    report: a repeated value is taken once, in the order first given."""
+    from antifragile.chaos.crashcheck import run
+    from antifragile.chaos.infra.s3 import S3SetupError
+
+    seen: list[Any] = []
+
+    def ran(settings: Any, **_: object) -> None:
+        seen.append(settings)
+        raise S3SetupError("stop here")
+
+    monkeypatch.setattr(run, "crashcheck", ran)
+    r = CliRunner().invoke(main, ["crashcheck", "--engine", "antifragile",
+                                  "--case", "save", "--case", "overwrite", "--case", "save",
+                                  "--rule", "engine", "--rule", "newest-folder",
+                                  "--rule", "engine", "--endpoint-url", "http://127.0.0.1:9",
+                                  "--out", str(tmp_path / "r")])
+    assert r.exit_code == 2 and "stop here" in r.output, r.output
+    assert seen[0].cases == ("save", "overwrite")
+    assert seen[0].rules == ("engine", "newest-folder")

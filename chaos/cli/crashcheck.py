@@ -54,6 +54,7 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
 
     Exit 0 when the documented load rule gave no refused, torn, lost or unchecked state
     and loaded step k+1 from the state the save left uncrashed; 1 otherwise; 2 bad input."""
+    cases, rules = tuple(dict.fromkeys(cases)), tuple(dict.fromkeys(rules))  # repeats once
     if engine not in ENGINES:
         fail(f"--engine {engine!r}: unknown engine (known: {', '.join(ENGINES)})")
     # optional extras: the saving job imports them only once the endpoint and checkers run
