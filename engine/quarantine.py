@@ -72,19 +72,23 @@ def read_quarantine(storage: Storage, step: int) -> tuple[dict[str, Any], bytes]
     return note, marker
 
 
-def quarantine_log(storage: Storage) -> list[tuple[int, dict[str, Any]]]:
+def quarantine_log(storage: Storage
+                   ) -> tuple[list[tuple[int, dict[str, Any]]], list[CheckpointCorruptError]]:
     """Every quarantine note ever written under this root, (step, note) oldest first: also
-    those of steps saved again or retired since. A damaged note raises
-    CheckpointCorruptError naming it."""
-    notes = []
+    those of steps saved again or retired since; and, apart, a CheckpointCorruptError naming
+    each damaged note (one damaged note hides none of the others)."""
+    notes, damaged = [], []
     for name in storage.list_dir(QUARANTINE_LOG):
         match = _LOG_NAME.match(name)
         step = parse_step_dir(match[1]) if match else None
         if step is not None:
             data = storage.read(f"{QUARANTINE_LOG}/{name}")
             where = f"{QUARANTINE_LOG}/{name}"
-            notes.append((step, _checked(_format.unseal(data, where=where), where=where)))
-    return sorted(notes, key=lambda found: found[1]["time"])
+            try:
+                notes.append((step, _checked(_format.unseal(data, where=where), where=where)))
+            except CheckpointCorruptError as exc:
+                damaged.append(exc)
+    return sorted(notes, key=lambda found: found[1]["time"]), damaged
 
 
 def _checked(note: dict[str, Any], *, where: str) -> dict[str, Any]:

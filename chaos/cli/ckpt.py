@@ -82,8 +82,9 @@ def ckpt() -> None:
 @storage_args
 def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
     """List committed steps with their size, and quarantined steps with the reason. A step
-    whose COMMIT is damaged is listed so and the exit code is 1; storage that fails (refused,
-    unreachable) ends the listing with exit 2: that says nothing about the data."""
+    whose COMMIT (or a quarantine note) is damaged is listed so and the exit code is 1;
+    storage that fails (refused, unreachable) ends the listing with exit 2: that says nothing
+    about the data."""
     from antifragile.engine import CheckpointError, CheckpointNotFoundError
     from antifragile.engine.commit import committed_steps, read_commit
     from antifragile.engine.errors import CheckpointFormatError, StorageError
@@ -129,10 +130,14 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
                 continue
             click.echo(f"{step:>12}  {_human(int(marker.get('nbytes', 0))):>12}  "
                        f"{len(marker['objects']):>8}  {marker.get('world_size', '?')}")
-        for step, note in quarantine_log(storage):  # steps saved again or retired since
+        notes, damaged_notes = quarantine_log(storage)
+        for step, note in notes:  # steps saved again or retired since
             if current.get(step, object()) != note.get("time"):
                 when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(note.get("time", 0)))
                 click.echo(f"{step:>12}  quarantined earlier ({when}): {note.get('reason')}")
+        for note_error in damaged_notes:  # the others are still listed
+            damaged = True
+            click.echo(f"{'':>12}  DAMAGED: {note_error}")
     except CheckpointError as exc:
         _fail(str(exc))
     if damaged:
@@ -216,8 +221,9 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int,
             as_json: bool) -> None:
-    """Arrays, shapes, dtypes, bytes and layout of one committed step."""
-    from antifragile.engine import CheckpointError
+    """Arrays, shapes, dtypes, bytes and layout of one committed step. Exit 1 when the step
+    is damaged; exit 2 for a step that is not committed or storage that fails."""
+    from antifragile.engine import CheckpointCorruptError, CheckpointError
     from antifragile.engine.load import StepReader, split_cell_key
     from antifragile.engine.storage import open_storage
 
@@ -236,6 +242,8 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
                              "shape": list(spec.shape), "offset": list(spec.offset),
                              "shard_shape": list(spec.shard_shape), "shards": shards,
                              "bytes": nbytes})
+    except CheckpointCorruptError as exc:  # damage, as ls and verify say: not bad input
+        _fail(str(exc), 1)
     except CheckpointError as exc:
         _fail(str(exc))
     layout = reader.attrs.get("layout")  # shown only, never loaded: not checked by the reader
