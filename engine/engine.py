@@ -74,7 +74,7 @@ class CheckpointEngine:
     steps are retained (``None`` keeps all). ``commit_timeout_s`` bounds how long a save may take
     to commit before its handle fails naming the missing ranks. ``storage_options``: for
     ``s3://``, s3fs's option names (an option the S3 client cannot honour is refused by name;
-    see ``storage._s3``); for another fsspec URL, that filesystem's; a local path ignores them.
+    see ``storage._s3``); for another fsspec URL, that filesystem's; a local path refuses them.
     ``io_threads``: the threads that read and write this rank's objects.
 
     ``process_group``: the ranks that save and load together (None: the default group when

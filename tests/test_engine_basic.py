@@ -2041,6 +2041,20 @@ def test_a_local_url_that_is_a_file_is_refused(tmp_path: Path) -> None:
         CheckpointEngine(str(tmp_path / "notes.txt"))
 
 
+@pytest.mark.parametrize("prefix", ["", "file://"])
+def test_storage_options_for_a_local_url_are_refused(tmp_path: Path, prefix: str) -> None:
+    """A local folder takes no storage options: they were ignored without a word (an
+    ``endpoint_url`` meant for S3, with the ``s3://`` forgotten, saved to a local folder). The
+    CLI refuses ``--storage-option`` for a local path; the engine refuses them too."""
+    url = f"{prefix}{tmp_path / 'ckpt'}"
+    with pytest.raises(CheckpointError, match="endpoint_url") as refused:
+        CheckpointEngine(url, storage_options={"endpoint_url": "http://127.0.0.1:9"})
+    assert url in str(refused.value)
+    assert not (tmp_path / "ckpt").exists()
+    with CheckpointEngine(url, storage_options={}) as ckpt:  # no options: nothing ignored
+        assert ckpt.steps() == []
+
+
 def test_a_closed_engine_refuses_every_call_that_needs_its_threads(tmp_path: Path) -> None:
     """After ``close()`` its I/O pool is shut down: ``verify`` raised the pool's
     ``RuntimeError: cannot schedule new futures after shutdown``, not a CheckpointError."""

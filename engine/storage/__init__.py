@@ -21,11 +21,15 @@ def local_root(url: str) -> str | None:
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> RetryingStorage:
     """Open a checkpoint root: a plain path or ``file://`` is local, ``s3://`` is S3, anything
-else goes through fsspec."""
+else goes through fsspec. A local root takes no ``storage_options`` (refused, not ignored)."""
     if not isinstance(url, str) or not url:
         raise CheckpointError(f"checkpoint url must be a non-empty string, got {url!r}")
     root = local_root(url)
     if root is not None:
+        if storage_options:
+            names = ", ".join(map(str, storage_options))
+            raise CheckpointError(f"{url} is a local folder: storage_options ({names}) are "
+                                  "for s3:// (or another fsspec) URLs")
         if os.path.exists(root) and not os.path.isdir(root):
             raise CheckpointError(f"{url} is a file, not a checkpoint folder")
         return RetryingStorage(LocalStorage(root))
