@@ -331,6 +331,21 @@ def test_an_ip_that_cannot_list_namespaces_makes_them_unavailable(
         Network(2).open()
 
 
+def test_an_ip_that_is_not_executable_makes_namespaces_unavailable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing ``ip`` made namespaces unavailable (the fault skipped with the reason); an
+    ``ip`` found on PATH that cannot be run (no execute permission: PermissionError) was a
+    traceback instead."""
+    (tmp_path / "ip").write_text("#!/bin/sh\n")
+    (tmp_path / "ip").chmod(0o644)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(NetnsUnavailable, match=r"'ip' command .*cannot be run"):
+        netns._ip("netns", "list")
+    monkeypatch.setattr(netns, "unavailable_reason", lambda: None)
+    with pytest.raises(NetnsUnavailable, match=r"'ip' command .*cannot be run"):
+        Network(2).open()
+
+
 def test_without_namespaces_the_fault_is_skipped_with_the_reason(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(netns.shutil, "which", lambda _: None)

@@ -79,6 +79,8 @@ def _ip(*args: str) -> str:
                               timeout=IP_TIMEOUT_S)
     except FileNotFoundError:
         raise NetnsUnavailable("the 'ip' command (iproute2) is not installed") from None
+    except PermissionError as exc:  # found on PATH, not executable: as good as missing
+        raise NetnsUnavailable(f"the 'ip' command (iproute2) cannot be run: {exc}") from None
     except subprocess.TimeoutExpired:
         raise NetnsError(f"ip {' '.join(args)}: no answer in {IP_TIMEOUT_S} s") from None
     if done.returncode:
