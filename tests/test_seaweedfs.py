@@ -475,3 +475,52 @@ def test_pids_are_identified_by_start_time() -> None:
         child.send_signal(signal.SIGKILL)
         child.wait()
     assert start_time(child.pid) is None
+
+
+@pytest.mark.parametrize("silent", ["master", "s3"])
+def test_the_health_probe_keeps_to_the_start_timeout(
+        monkeypatch: pytest.MonkeyPatch, silent: str) -> None:
+    """``start`` fails within ``start_timeout_s``, its docstring says. One probe waited up to
+    2 s on the master and up to 5 s on each S3 read whatever time was left, so a server that
+    accepts and never answers made ``_wait_healthy`` overrun the timeout by that much."""
+    import http.server
+    import threading
+
+    class Master(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"Topology": {"DataCenters": [
+                {"Racks": [{"DataNodes": [{"Url": "v0"}]}]}]}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    class Running:  # a server process that is alive (``listens`` is faked too)
+        pid = os.getpid()
+
+        def poll(self) -> None:
+            return None
+
+    with contextlib.ExitStack() as stack:
+        mute = stack.enter_context(socket.socket())  # accepts (backlog), never answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        master = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Master)
+        stack.callback(master.server_close)
+        stack.callback(master.shutdown)
+        threading.Thread(target=master.serve_forever, daemon=True).start()
+        ports = {"master": master.server_address[1], "s3": mute.getsockname()[1]}
+        if silent == "master":
+            ports["master"] = mute.getsockname()[1]
+        cluster = SeaweedCluster(volumes=1, start_timeout_s=0.3)
+        cluster.servers = {role: seaweedfs.WeedServer(
+            role=role, port=port, grpc_port=port, folder=Path("."), log=Path("log"), argv=[],
+            proc=Running()) for role, port in ports.items()}  # type: ignore[arg-type]
+        monkeypatch.setattr(seaweedfs, "listens", lambda pid, port: True)
+        began = time.monotonic()
+        with pytest.raises(SeaweedError, match="did not answer an S3 round trip"):
+            cluster._wait_healthy()
+        assert time.monotonic() - began < 1.5

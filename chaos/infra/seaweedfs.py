@@ -411,7 +411,7 @@ class SeaweedCluster:
                         raise _PortTaken(message)
                     raise SeaweedError(message)
             try:
-                self._probe()
+                self._probe(deadline)
                 return
             except Exception as exc:  # not ready yet: volumes registering, filer starting
                 last = exc
@@ -422,23 +422,27 @@ class SeaweedCluster:
                     f"{last}); logs: {', '.join(str(s.log) for s in self.servers.values())}")
             time.sleep(0.2)
 
-    def _probe(self) -> None:
+    def _probe(self, deadline: float) -> None:
         """Every server listens on its ports itself (not another process that took one
         first: see :func:`listens`), the master counts every volume server (a round trip
         alone can pass with one of them still starting); then create a bucket, put, get and
-        delete an object, delete the bucket."""
+        delete an object, delete the bucket. Each wait is capped by the time left before
+        ``deadline`` (``time.monotonic()``), so that ``start`` keeps to its timeout."""
+        def left(cap_s: float) -> float:
+            return max(min(cap_s, deadline - time.monotonic()), 0.05)
+
         silent = [s.role for s in self.servers.values()
                   if s.pid is None or not all(listens(s.pid, p) for p in (s.port, s.grpc_port))]
         if silent:
             raise SeaweedError(f"not listening yet: {', '.join(silent)}")
         master = f"http://{self.host}:{self.servers['master'].port}/dir/status"
-        with urllib.request.urlopen(master, timeout=2) as answer:
+        with urllib.request.urlopen(master, timeout=left(2)) as answer:
             topology = json.load(answer)["Topology"]
         nodes = sum(len(rack.get("DataNodes") or []) for dc in topology.get("DataCenters") or []
                     for rack in dc.get("Racks") or [])
         if nodes < self.volumes:
             raise SeaweedError(f"the master knows {nodes} of {self.volumes} volume servers")
-        client = self.client(connect_timeout=1, read_timeout=5,
+        client = self.client(connect_timeout=left(1), read_timeout=left(5),
                              retries={"total_max_attempts": 1})
         bucket = "antifragile-health"
         with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
