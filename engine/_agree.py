@@ -140,8 +140,9 @@ def refuse_together(outcome: str, call: str, mistake: CheckpointError | None,
             f"{outcome}: another rank's call of {call}() was refused (its error names the step "
             "or state path)")
     if high != -negated_low:
+        newest = "; None is -1" if call == "load" else ""  # load's step=None: save has none
         raise CheckpointError(f"{outcome}: the ranks called {call}() with different steps "
-                              f"({-negated_low} to {high}; None is -1)")
+                              f"({-negated_low} to {high}{newest})")
 
 
 def refusal(outcome: str, exc: Exception) -> CheckpointError:

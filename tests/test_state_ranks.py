@@ -321,9 +321,25 @@ def test_ranks_that_pass_different_steps_are_refused_not_hung(
     other's record of its own step); load(step=1) beside load(step=None) compared nonces."""
     for rank, (saved, loaded, steps) in enumerate(ranks.run(save_and_load_own_step,
                                                              str(tmp_path / "ckpt"))):
-        assert "the ranks called save() with different steps (10 to 11;" in saved, rank
+        assert "the ranks called save() with different steps (10 to 11)" in saved, rank
         assert "the ranks called load() with different steps" in loaded, rank
         assert steps == [1], rank
+
+
+def test_different_steps_are_named_in_the_words_of_the_call() -> None:
+    """save() takes no None step, so its refusal said "None is -1" of nothing: only load's
+    (``step=None``, the newest, reduced as -1) says it."""
+    from antifragile.engine._agree import refuse_together
+
+    with pytest.raises(CheckpointError) as saved:
+        refuse_together("step 10 not saved", "save", None, 0, 11, -10)
+    assert str(saved.value) == ("step 10 not saved: the ranks called save() with different "
+                                "steps (10 to 11)")
+    with pytest.raises(CheckpointError) as loaded:
+        refuse_together("nothing loaded", "load", None, 0, 1, 1)
+    assert str(loaded.value) == ("nothing loaded: the ranks called load() with different "
+                                 "steps (-1 to 1; None is -1)")
+    refuse_together("step 10 not saved", "save", None, 0, 10, -10)  # the same step: no error
 
 
 def one_rank_passes_what_cannot_be_stored(url: str) -> list[str]:
