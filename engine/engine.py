@@ -36,7 +36,7 @@ from ._fill import read_whole
 from ._handle import SaveHandle
 from ._loader import Loader
 from ._memory import MemoryCopy
-from ._paths import COMMIT, step_dir
+from ._paths import COMMIT, parse_step_dir, step_dir
 from ._ranks import PerRank
 from ._ranks import inventory as rank_inventory
 from ._resave import same_as_committed
@@ -145,6 +145,7 @@ class CheckpointEngine:
         # rank 0: folders without a COMMIT that a save failed to commit, a load quarantined or
         # a listing found (a crashed save's): cleared before the step is saved again
         self._unfinished: set[int] = set()
+        self._listed = False  # rank 0: whether the root's step folders were ever listed
         self._per_rank = PerRank([], 0)
         self._staging: StagingArea | None = None
         # keep_in_memory: a second set of buffers, so that a save stages beside the last
@@ -206,6 +207,8 @@ class CheckpointEngine:
         # nobody raises (it is raised at the next save)
         busy = last is not None and not last.done()
         failure = last._unobserved_failure() if last else None
+        if self.rank == 0 and mistake is None and not self._listed:
+            self._note_step_folders()
         unfinished = self.rank == 0 and mistake is None and step in self._unfinished
         # one all-reduce: the flags, the nonce, the step, and the digests of the replicated
         # plain tensors under the current plan (``PerRank.agree``). A rank that already knows
@@ -320,6 +323,21 @@ class CheckpointEngine:
             f"step {handle.step} not saved, rank {self.rank}: {type(exc).__name__}: {exc}")
         handle._fail(error)
         self._events.failed(handle.step, error)  # best effort: it raises nothing
+
+    def _note_step_folders(self) -> None:
+        """Rank 0, at this engine's first save: every step folder already there is taken for
+        one an earlier attempt may have left (a process that crashed mid-save, then restarted
+        and saved without loading first), so that a save of that step clears it
+        (``_clear_unfinished`` leaves a committed one alone). One listing in the engine's
+        life."""
+        self._listed = True
+        try:
+            names = self.storage.list_dir("")
+        except CheckpointError as exc:
+            log.warning("listing the step folders failed (a save of a step an earlier attempt "
+                        "left writes over what it left): %s", exc)
+            return
+        self._unfinished.update(s for s in map(parse_step_dir, names) if s is not None)
 
     def _clear_unfinished(self, step: int) -> None:
         """Rank 0, once every rank agreed to save ``step`` and before any rank writes into
