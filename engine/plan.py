@@ -13,6 +13,7 @@ saves and loads correctly, it is just not one zarr array.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -310,6 +311,7 @@ def _fit(n: int, step: int, limit: int) -> int:
     return min(step, limit) if step >= n else _largest_divisor_at_most(step, limit)
 
 
+@functools.lru_cache(maxsize=1024)  # the boxes of a tensor have a few shapes, often one
 def _refine(shape: tuple[int, ...], grid: tuple[int, ...], itemsize: int, replicas: int,
             box_bytes: int, options: PlanOptions) -> tuple[tuple[int, ...], int]:
     """Split cells to at most ``max_object_bytes`` (along dim 0 first, then along the next dims
@@ -411,6 +413,10 @@ def _overlap(shape: tuple[int, ...], boxes: dict) -> bool:
     return bool((count > 1).any())
 
 
+def _cells(shape: Sequence[int], cell: Sequence[int]) -> int:
+    return math.prod(math.ceil(n / c) for n, c in zip(shape, cell))
+
+
 def _arrays_for(path: str, dtype: str, shape: tuple[int, ...], itemsize: int, boxes: dict,
                 options: PlanOptions) -> list[tuple[ArraySpec, dict]]:
     name = path
@@ -419,11 +425,28 @@ def _arrays_for(path: str, dtype: str, shape: tuple[int, ...], itemsize: int, bo
         spec = ArraySpec(name, path, (), (), dtype, (), 1)
         return [(spec, boxes)]
     grid = _regular_grid(shape, boxes)
-    cells = math.prod(math.ceil(n / c) for n, c in zip(shape, grid))
-    if cells <= options.max_cells_per_box * max(len(boxes), 1):
+    limit = options.max_cells_per_box * max(len(boxes), 1)
+    if _cells(shape, grid) <= limit:
         box_bytes = max((math.prod(s) for _, s in boxes), default=0) * itemsize
-        grid, inner = _refine(shape, grid, itemsize, replicas, box_bytes, options)
-        return [(ArraySpec(name, path, (0,) * len(shape), shape, dtype, grid, inner), boxes)]
+        cell, inner = _refine(shape, grid, itemsize, replicas, box_bytes, options)
+        regular = [(ArraySpec(name, path, (0,) * len(shape), shape, dtype, cell, inner), boxes)]
+        if _cells(shape, cell) <= limit:
+            return regular
+        # split to the object cap (or among replicas), a box edge with no divisor near the
+        # cell size (a prime number of rows per shard) leaves cells of one row: one array per
+        # box is then split to that size instead (its last cell short)
+        pieces = _pieces(path, dtype, itemsize, boxes, options)
+        if _cells(shape, cell) <= options.max_cells_per_box * sum(
+                _cells(spec.shape, spec.shard_shape) for spec, _ in pieces):
+            return regular
+        return pieces
+    return _pieces(path, dtype, itemsize, boxes, options)
+
+
+def _pieces(path: str, dtype: str, itemsize: int, boxes: dict, options: PlanOptions
+            ) -> list[tuple[ArraySpec, dict]]:
+    """One array per box (``<path>/piece_<i>``), each split on its own."""
+    name = path
     out = []
     for i, ((offset, box_shape), holders) in enumerate(sorted(boxes.items())):
         grid, inner = _refine(box_shape, tuple(max(s, 1) for s in box_shape), itemsize,

@@ -293,6 +293,29 @@ def test_prime_row_count_keeps_objects_few(world: int) -> None:
     assert all(len(ws) == 1 for ws in plan.writes.values()) or world == 1
 
 
+@pytest.mark.parametrize(
+    ("layout", "options", "most"),
+    [  # int64: 32 bytes a row, 3,232 a shard
+        (Layout((2 * 101, 4), (2,), (Shard(0),)), PlanOptions(max_object_bytes=512), 2 * 7),
+        (Layout((2 * 101, 4), (2, 2), (Replicate(), Shard(0))), PlanOptions(min_split_bytes=64),
+         2 * 2),
+    ],
+    ids=["object-cap", "replicas"],
+)
+def test_prime_row_count_per_shard_keeps_objects_few(layout: Layout, options: PlanOptions,
+                                                    most: int) -> None:
+    """Shards of 101 rows (prime) split to the object cap, or among their replicas: 101 has no
+    divisor near the cell size wanted, and a regular grid then had one object per row (202,
+    as 80,018 rows of 1024 float32 over two ranks became 80,018 objects of 4 KiB)."""
+    state = {"w": layout}
+    plan = plan_for(state, options)
+    writes = [w for ws in plan.writes.values() for w in ws]
+    assert len(writes) <= most, len(writes)
+    assert all(w.nbytes <= options.max_object_bytes for w in writes)
+    per_rank = replay_writes(plan, state)
+    assert min(per_rank.values()) > 0, per_rank  # the replicas still share the writes
+
+
 def test_uneven_shard_maps_to_a_regular_grid_with_a_short_last_chunk() -> None:
     state = {
         "w": Layout((7, 5), (4,), (Shard(0),), torch.float32),
