@@ -391,10 +391,23 @@ def iter_local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def storage_short(tensor: torch.Tensor) -> bool:
+    """Whether a strided tensor's shape and strides reach past the end of its storage: its
+    memory was freed or shrunk under it (``untyped_storage().resize_(0)``, as FSDP does to the
+    parameters it reshards). Reading or filling it would crash the process (torch's own
+    ``clone()`` does)."""
+    if tensor.layout != torch.strided or tensor.is_nested or tensor.is_meta or not tensor.numel():
+        return False
+    reach = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape,
+                                                                     tensor.stride()))
+    return (reach + 1) * tensor.element_size() > tensor.untyped_storage().nbytes()
+
+
 def state_signature(flat: FlatState) -> tuple[Any, ...]:
     """What a rank's inventory is made of, cheap to build and compare: each tensor's path,
-    dtype, shape, layout and whether it is a meta tensor (both refused by the inventory's
-    check), a DTensor's mesh, placements and local shape; the value paths. Equal signatures
+    dtype, shape, layout and whether it is a meta tensor or one whose storage is too short
+    (all refused by the inventory's check), a DTensor's mesh, placements and local shape; the
+    value paths. Equal signatures
     give equal inventories (the meshes compare by content, by identity first). A nested
     tensor, whose ``shape`` raises, has none: the inventory's check refuses it by path."""
     tensors: list[tuple[Any, ...]] = []
@@ -404,9 +417,11 @@ def state_signature(flat: FlatState) -> tuple[Any, ...]:
         elif isinstance(t, DTensor):
             local = iter_local(t)
             tensors.append((path, t.dtype, tuple(t.shape), t.device_mesh, tuple(t.placements),
-                            tuple(local.shape), local.layout, local.is_meta))
+                            tuple(local.shape), local.layout, local.is_meta,
+                            storage_short(local)))
         else:
-            tensors.append((path, t.dtype, tuple(t.shape), t.layout, t.is_meta))
+            tensors.append((path, t.dtype, tuple(t.shape), t.layout, t.is_meta,
+                            storage_short(t)))
     return tuple(tensors), tuple(sorted(flat.values))
 
 

@@ -25,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ._dtypes import check_dtype, dtype_name
+from ._state import storage_short
 from .errors import CheckpointError, CheckpointMismatchError
 
 try:  # private in torch; FSDP2 + TP produce it
@@ -221,6 +222,10 @@ def check_tensor(tensor: torch.Tensor, *, path: str, target: bool = False) -> No
         why = f"a {str(local.layout).removeprefix('torch.')} tensor (convert it: to_dense())"
     elif local.is_meta:
         why = "a tensor on the meta device holds no data (materialize it first)"
+    elif storage_short(local):
+        why = (f"its shape and strides reach past the end of its storage "
+               f"({local.untyped_storage().nbytes()} bytes: freed or shrunk under it, as FSDP "
+               "frees a resharded parameter's)")
     if why is not None:
         raise CheckpointError(f"state path {path!r}: {why}; only strided tensors holding data "
                               f"can be {'loaded into' if target else 'saved'}")

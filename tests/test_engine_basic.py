@@ -1900,6 +1900,26 @@ def test_a_tensor_that_becomes_unsupported_between_saves_is_refused(tmp_path: An
         assert engine.steps() == [1]
 
 
+def _freed(tensor: torch.Tensor) -> torch.Tensor:
+    tensor.untyped_storage().resize_(0)  # as FSDP frees the storage of a resharded parameter
+    return tensor
+
+
+def test_a_tensor_whose_storage_was_freed_is_refused_naming_its_path(tmp_path: Any) -> None:
+    """A tensor whose memory was freed under it (its storage resized to 0) still has its shape:
+    the save (at the first save, or at a later one reusing the inventory) and a load into it
+    read or wrote memory that was not there, and the process died of a segmentation fault."""
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        with pytest.raises(CheckpointError, match=r"'model/w'.*storage"):
+            engine.save(1, {"model": {"w": _freed(torch.ones(64, 64))}}, blocking=True)
+        engine.save(1, {"model": {"w": torch.ones(64, 64)}}, blocking=True)
+        with pytest.raises(CheckpointError, match=r"'model/w'.*storage"):
+            engine.save(2, {"model": {"w": _freed(torch.ones(64, 64))}}, blocking=True)
+        with pytest.raises(CheckpointError, match=r"'model/w'.*storage"):
+            engine.load({"model": {"w": _freed(torch.ones(64, 64))}})
+        assert engine.steps() == [1]
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
 def test_a_nested_tensor_of_the_default_layout_is_refused_naming_its_path(tmp_path: Any) -> None:
     """``torch.nested.nested_tensor()`` makes a strided-layout nested tensor by default, whose
