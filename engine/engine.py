@@ -62,6 +62,8 @@ log = logging.getLogger("antifragile.engine")
 
 # staging areas at least this large overlap their copy with the writes (see save)
 OVERLAP_MIN_BYTES = 64 * 2**20
+# the longest a first save waits for the listing of the step folders begun at the engine's start
+LISTING_WAIT_S = 1.0
 # the longest commit_timeout_s (about 31 years): a save waits on locks with it, which refuse a
 # timeout past threading.TIMEOUT_MAX (9.2e9 s)
 MAX_COMMIT_TIMEOUT_S = 1e9
@@ -145,7 +147,6 @@ class CheckpointEngine:
         # rank 0: folders without a COMMIT that a save failed to commit, a load quarantined or
         # a listing found (a crashed save's): cleared before the step is saved again
         self._unfinished: set[int] = set()
-        self._listed = False  # rank 0: whether the root's step folders were ever listed
         self._per_rank = PerRank([], 0)
         self._staging: StagingArea | None = None
         # keep_in_memory: a second set of buffers, so that a save stages beside the last
@@ -165,6 +166,13 @@ class CheckpointEngine:
         self._events = EngineEvents(chaos_events)
         self._loader = Loader(self._ranks, url, self._pool, self._events, self._ghosts,
                               self._unfinished)
+        # rank 0: the step folders an earlier process left, listed beside the caller (a save
+        # makes no storage request on the training thread); the first save waits for it briefly
+        self._lister: threading.Thread | None = None
+        if self.rank == 0:
+            self._lister = threading.Thread(target=self._note_step_folders, daemon=True,
+                                            name="ckpt-list-steps")
+            self._lister.start()
 
     # -- save ----------------------------------------------------------------------------------
 
@@ -207,8 +215,9 @@ class CheckpointEngine:
         # nobody raises (it is raised at the next save)
         busy = last is not None and not last.done()
         failure = last._unobserved_failure() if last else None
-        if self.rank == 0 and mistake is None and not self._listed:
-            self._note_step_folders()
+        if self._lister is not None:  # done long before, unless storage is slow from the start
+            self._lister.join(LISTING_WAIT_S)
+            self._lister = None
         unfinished = self.rank == 0 and mistake is None and step in self._unfinished
         # one all-reduce: the flags, the nonce, the step, and the digests of the replicated
         # plain tensors under the current plan (``PerRank.agree``). A rank that already knows
@@ -325,12 +334,12 @@ class CheckpointEngine:
         self._events.failed(handle.step, error)  # best effort: it raises nothing
 
     def _note_step_folders(self) -> None:
-        """Rank 0, at this engine's first save: every step folder already there is taken for
-        one an earlier attempt may have left (a process that crashed mid-save, then restarted
-        and saved without loading first), so that a save of that step clears it
-        (``_clear_unfinished`` leaves a committed one alone). One listing in the engine's
-        life."""
-        self._listed = True
+        """Rank 0, on a thread of its own from the engine's start: every step folder already
+        there is taken for one an earlier attempt may have left (a process that crashed
+        mid-save, then restarted and saved without loading first), so that a save of that step
+        clears it (``_clear_unfinished`` leaves a committed one alone). One listing in the
+        engine's life; a first save that comes before it is done writes over what it did not
+        find (as a save did before it)."""
         try:
             names = self.storage.list_dir("")
         except CheckpointError as exc:

@@ -897,6 +897,28 @@ def test_a_step_saved_again_after_a_failed_attempt_holds_only_the_new_save(
         assert engine.verify(2).ok
 
 
+def test_no_save_lists_the_root_on_the_training_thread(tmp_path: Path) -> None:
+    """A fresh engine learns which step folders an earlier process left (see above) from one
+    listing, made beside the caller: at its first save, on the training thread, it stalled
+    training for as long as storage took to answer (1.3 s in a nightly run's S3 outage,
+    0.02 s before)."""
+    engine = CheckpointEngine(str(tmp_path), keep_last=None)
+    inner = engine.storage.inner
+    listed_by: list[str] = []
+    real_list = inner.list_dir
+
+    def list_dir(prefix: str) -> list[str]:
+        listed_by.append(threading.current_thread().name)
+        return real_list(prefix)
+
+    inner.list_dir = list_dir
+    with engine:
+        caller = threading.current_thread().name
+        engine.save(1, {"w": torch.ones(4)}).wait()
+        engine.save(2, {"w": torch.ones(4)}).wait()
+    assert caller not in listed_by, listed_by
+
+
 class _CommitAnswerLost:
     """Storage applies the COMMIT of ``step`` but its answer never arrives (the connection
     drops once the request is through): the first time only."""
