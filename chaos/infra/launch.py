@@ -13,12 +13,7 @@ from pathlib import Path
 from antifragile.chaos.infra.lifetime import die_with_parent
 from antifragile.chaos.infra.netns import IFNAME, Network
 from antifragile.chaos.scenario import CommandSpec, Scenario, is_python
-
-#: What chaos tells a command trainer (README, "Chaos-test your own trainer"): where to write
-#: events and find pause points, where to checkpoint (and resume from), and that it runs under
-#: chaos.
-RUN_DIR_ENV, CKPT_URL_ENV, CHAOS_ENV = "ANTIFRAGILE_RUN_DIR", "ANTIFRAGILE_CKPT_URL", \
-    "ANTIFRAGILE_CHAOS"
+from antifragile.chaos.scenario.trainer import CHAOS_ENV, CKPT_URL_ENV, RUN_DIR_ENV
 
 
 def command_args(spec: CommandSpec) -> list[str]:

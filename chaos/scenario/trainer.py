@@ -187,8 +187,13 @@ def python_runs(command: list[str]) -> tuple[str, int] | None:
     return ("script", i) if i < len(command) else None
 
 
+#: What chaos tells a command trainer (README, "Chaos-test your own trainer"): where to write
+#: events and find pause points, where to checkpoint (and resume from), and that it runs under
+#: chaos (``chaos.infra.launch.command_env``).
+RUN_DIR_ENV, CKPT_URL_ENV, CHAOS_ENV = "ANTIFRAGILE_RUN_DIR", "ANTIFRAGILE_CKPT_URL", \
+    "ANTIFRAGILE_CHAOS"
 # what every rank of a command trainer gets from torchrun (its agent's worker environment)
-# and from chaos (``chaos.infra.launch.command_env``), whatever the scenario's ``env`` says
+# and from chaos, whatever the scenario's ``env`` says
 _TORCHRUN = ("torchrun", "from nproc_per_node and nodes")
 _SET_FOR_EVERY_RANK = {
     **dict.fromkeys(("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
@@ -196,9 +201,9 @@ _SET_FOR_EVERY_RANK = {
                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
                      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"), _TORCHRUN),
-    "ANTIFRAGILE_RUN_DIR": ("chaos", "the run's folder"),
-    "ANTIFRAGILE_CKPT_URL": ("chaos", "from checkpoint.url"),
-    "ANTIFRAGILE_CHAOS": ("chaos", "1 under chaos"),
+    RUN_DIR_ENV: ("chaos", "the run's folder"),
+    CKPT_URL_ENV: ("chaos", "from checkpoint.url"),
+    CHAOS_ENV: ("chaos", "1 under chaos"),
 }
 
 
