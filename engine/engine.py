@@ -36,7 +36,7 @@ from ._fill import read_whole
 from ._handle import SaveHandle
 from ._loader import Loader
 from ._memory import MemoryCopy
-from ._paths import COMMIT, parse_step_dir, step_dir
+from ._paths import COMMIT, step_dir
 from ._ranks import PerRank
 from ._ranks import inventory as rank_inventory
 from ._resave import same_as_committed
@@ -334,19 +334,19 @@ class CheckpointEngine:
         self._events.failed(handle.step, error)  # best effort: it raises nothing
 
     def _note_step_folders(self) -> None:
-        """Rank 0, on a thread of its own from the engine's start: every step folder already
-        there is taken for one an earlier attempt may have left (a process that crashed
-        mid-save, then restarted and saved without loading first), so that a save of that step
-        clears it (``_clear_unfinished`` leaves a committed one alone). One listing in the
-        engine's life; a first save that comes before it is done writes over what it did not
-        find (as a save did before it)."""
+        """Rank 0, on a thread of its own from the engine's start: the step folders without a
+        COMMIT (``commit.step_dirs``, as a load lists them) are what an earlier attempt may
+        have left (a process that crashed mid-save, then restarted and saved without loading
+        first), so that a save of such a step clears it. Once in the engine's life; a first
+        save that comes before it is done writes over what it did not find (as a save did
+        before it)."""
         try:
-            names = self.storage.list_dir("")
+            every, committed = _commit.step_dirs(self.storage)
         except CheckpointError as exc:
             log.warning("listing the step folders failed (a save of a step an earlier attempt "
                         "left writes over what it left): %s", exc)
             return
-        self._unfinished.update(s for s in map(parse_step_dir, names) if s is not None)
+        self._unfinished.update(set(every) - set(committed))
 
     def _clear_unfinished(self, step: int) -> None:
         """Rank 0, once every rank agreed to save ``step`` and before any rank writes into
