@@ -136,9 +136,10 @@ def _case_line(c: dict[str, Any]) -> str:
                if c["sampled_cuts"] else "; every subset of every in-flight set enumerated")
     capped = (f"; {c['distinct_states']} distinct states found, a seeded sample of "
               f"{c['states']} checked" if c["capped_at"] else "")
-    error = c.get("save_error")
-    saved = ("" if error is None else f"; the save was refused ({error})"
-             if c["case"] in MAY_REFUSE else f"; the save failed ({error})")
+    error, saved = c.get("save_error"), ""
+    if error is not None:
+        how = "was refused" if c["case"] in MAY_REFUSE else "failed"
+        saved = f"; the save {how} ({error})"
     return (f"{c['engine']}, {c['ranks']} rank(s), {c['case']}{saved}: {len(c['mutations'])} "
             f"mutations ({c['requests']} requests in all), {c['cut_points']} cut points, "
             f"{c['crash_points']} crash points, widest in-flight set {c['max_in_flight']}"
