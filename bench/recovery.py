@@ -83,11 +83,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="reuse fault-free reference runs cached by earlier runs (else they run "
                         "here, on the machine as it is now)")
     a = p.parse_args(argv)
+    cases = a.only.split(",")
+    for case in cases:  # all of them before the first case's runs (minutes each)
+        if case not in CASES:
+            p.error(f"--only: unknown case {case!r}; the cases are {', '.join(CASES)}")
     out = a.out or Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     if not a.cached_reference:
         os.environ["ANTIFRAGILE_CACHE"] = str(out / "cache")
     rows: dict[str, dict[str, Any]] = {}
-    for case in a.only.split(","):
+    for case in cases:
         for name in CASES[case]:
             print(f"{case}: {name}", file=sys.stderr)
             rows[name] = _run(name, out)

@@ -16,3 +16,33 @@ def test_bench_help_names_the_module_command(name: str, capsys: pytest.CaptureFi
         module.main(["--help"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith(f"usage: python -m bench.{name} ")
+
+
+def _refuses(module_name: str, argv: list[str], says: str, monkeypatch: pytest.MonkeyPatch,
+             capsys: pytest.CaptureFixture[str], *, heavy: tuple[str, ...]) -> None:
+    """``python -m bench.<module_name> argv`` exits 2 with an argparse error that says
+    ``says``, before any of ``heavy`` (what would start measuring) is called."""
+    module = importlib.import_module(f"bench.{module_name}")
+
+    def measuring(*_: object, **__: object) -> None:
+        raise AssertionError(f"bench.{module_name} {argv} started measuring")
+
+    for name in heavy:
+        monkeypatch.setattr(module, name, measuring)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"error: {says}" in err, err
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--only", "bogus"], "--only: unknown case 'bogus'"),
+    # an unknown name after a known one: refused before the known one's runs (minutes)
+    (["--only", "quickstart,bogus"], "--only: unknown case 'bogus'"),
+    (["--only", ""], "--only: unknown case ''"),
+])
+def test_recovery_bench_refuses_an_unknown_case(argv: list[str], says: str,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    _refuses("recovery", argv, says, monkeypatch, capsys, heavy=("_run",))
