@@ -464,6 +464,15 @@ def to_json(report: Report) -> dict[str, Any]:
     return {"config": report.config, "notes": report.notes, "rows": rows, "ratios": ratios}
 
 
+def _sweep_sizes(text: str) -> list[float]:
+    """``--sweep``'s sizes in GiB; empty when one is not a finite number > 0."""
+    try:
+        sizes = [float(x) for x in text.split(",")]
+    except ValueError:
+        return []
+    return sizes if all(math.isfinite(x) and x > 0 for x in sizes) else []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.engine",
@@ -486,9 +495,19 @@ def main(argv: list[str] | None = None) -> int:
     add("--sweep", help="instead: engine save vs O_DIRECT at these sizes in GiB (1,2,4,8), "
         "with peak RSS; no other peers (they would not fit in memory at 8 GiB)")
     args = parser.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        parser.error(f"--reps must be >= 1, got {args.reps}")
+    if args.size_gib is not None and not (math.isfinite(args.size_gib) and args.size_gib > 0):
+        parser.error(f"--size-gib must be a finite number > 0, got {args.size_gib:g}")
+    if not (math.isfinite(args.peer_budget_s) and args.peer_budget_s >= 0):
+        parser.error(f"--peer-budget-s must be a finite number >= 0, got {args.peer_budget_s:g}")
     if args.sweep:
+        sizes = _sweep_sizes(args.sweep)
+        if not sizes:
+            parser.error("--sweep: give sizes in GiB > 0 separated by commas, "
+                         f"got {args.sweep!r}")
         parent = args.dir or default_parent()
-        points = [scale_point(float(x), parent, args.reps or 1) for x in args.sweep.split(",")]
+        points = [scale_point(size, parent, args.reps or 1) for size in sizes]
         print(render_scale(points))
         if args.json:
             with open(args.json, "w") as f:

@@ -46,3 +46,20 @@ def test_recovery_bench_refuses_an_unknown_case(argv: list[str], says: str,
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     _refuses("recovery", argv, says, monkeypatch, capsys, heavy=("_run",))
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--reps", "0"], "--reps must be >= 1, got 0"),
+    (["--size-gib", "0"], "--size-gib must be a finite number > 0, got 0"),
+    (["--size-gib", "-1"], "--size-gib must be a finite number > 0, got -1"),
+    (["--size-gib", "nan"], "--size-gib must be a finite number > 0, got nan"),
+    # every peer skipped for its budget: rows without a sample
+    (["--peer-budget-s", "-1"], "--peer-budget-s must be a finite number >= 0, got -1"),
+    (["--sweep", "1,a"], "--sweep: give sizes in GiB > 0 separated by commas, got '1,a'"),
+    (["--sweep", "0"], "--sweep: give sizes in GiB > 0 separated by commas, got '0'"),
+    (["--sweep", "1", "--reps", "0"], "--reps must be >= 1, got 0"),
+])
+def test_engine_bench_refuses_nonsense_arguments(argv: list[str], says: str,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    _refuses("engine", argv, says, monkeypatch, capsys, heavy=("run", "scale_point"))
