@@ -378,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --ranks: skip the one-process states")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
+    for option, value in (("--reps", args.reps), ("--io-threads", args.io_threads),
+                          ("--volumes", args.volumes), ("--ranks", args.ranks)):
+        if value < 1:
+            parser.error(f"{option} must be >= 1, got {value}")
+    if args.only_ranks and args.ranks < 2:  # no state left to measure
+        parser.error("--only-ranks: give --ranks N with N > 1 (the states it keeps)")
     reps = 2 if args.quick else args.reps
     states = {"quickstart": STATES["quickstart"]} if args.quick else STATES
     torch.set_num_threads(1)

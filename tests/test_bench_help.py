@@ -63,3 +63,17 @@ def test_engine_bench_refuses_nonsense_arguments(argv: list[str], says: str,
                                                  monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     _refuses("engine", argv, says, monkeypatch, capsys, heavy=("run", "scale_point"))
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--reps", "0"], "--reps must be >= 1, got 0"),
+    (["--io-threads", "0"], "--io-threads must be >= 1, got 0"),
+    (["--volumes", "0"], "--volumes must be >= 1, got 0"),
+    (["--ranks", "0"], "--ranks must be >= 1, got 0"),
+    # nothing left to measure, after a cluster start, and exit 0
+    (["--only-ranks"], "--only-ranks: give --ranks N with N > 1"),
+])
+def test_s3_bench_refuses_nonsense_arguments(argv: list[str], says: str,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    _refuses("s3", argv, says, monkeypatch, capsys, heavy=("SeaweedCluster",))
