@@ -150,6 +150,18 @@ def test_recommendation_is_the_best_simulated_interval_in_whole_steps() -> None:
     assert doc["simulation"]["max_gap_vs_model"] <= tune.SIM_TOLERANCE
 
 
+def test_an_optimum_shorter_than_one_step_is_said_to_be_so() -> None:
+    """Young, Daly and the optimum (1.4 s here) are shorter than a step (10 s): the table
+    printed every_steps 1 beside their goodput at 1.4 s (0.986), above the recommended row's
+    every_steps 1 at 0.950, with nothing saying a checkpoint every step is the shortest
+    interval there is, nor that the goodput shown for those rows cannot be had."""
+    costs = tune.Costs(ckpt_s=0.01, restart_s=0.0, mtbf_s=100.0, step_s=10.0)
+    doc = tune.tune(costs, schedules=50).as_dict()
+    assert doc["recommended_every_steps"] == 1
+    (note,) = [n for n in doc["notes"] if "one step" in n]
+    assert "1.41 s" in note and "10 s" in note and "every step" in note
+
+
 def test_scale_projection_against_metas_cluster_figures() -> None:
     """Meta (Kokolis et al. 2024): job MTTF ~7.9 h at 1,024 GPUs, ~1.8 h at 16,384.
 

@@ -269,13 +269,17 @@ def tune(costs: Costs, *, dist: Distribution = "exponential", shape: float = 0.7
         notes.append(f"some intervals never completed in the {' and '.join(gave_up)} "
                      f"simulation (a schedule met {MAX_FAILURES} failures first): goodput 0 "
                      "there")
+    if costs.step_s is not None and best < costs.step_s:
+        notes.append(f"the model's optimum interval, {best:.3g} s, is shorter than one step "
+                     f"({costs.step_s:.3g} s): a checkpoint every step is the most often there "
+                     "is, and the goodput of the analytic intervals cannot be had")
     if gap > SIM_TOLERANCE:
         notes.append(f"the exponential simulation sits {gap:.3f} from the analytic model "
                      f"(tolerance {SIM_TOLERANCE}); use more schedules")
     return Tuning(costs=costs, distribution=dist,
                   young_interval_s=young_interval(costs.ckpt_s, costs.mtbf_s),
                   daly_interval_s=daly_interval(costs.ckpt_s, costs.mtbf_s),
-                  model_optimum_s=optimal_interval(costs.ckpt_s, costs.mtbf_s),
+                  model_optimum_s=best,
                   recommended_interval_s=tau, expected_goodput=chosen.goodput[i],
                   expected_goodput_ci=(chosen.ci_low[i], chosen.ci_high[i]),
                   model_goodput=expected_goodput(tau, costs.ckpt_s, costs.restart_s,
