@@ -14,6 +14,7 @@ rank's copy, and one RuntimeWarning per load names the rank and every such path.
 
 from __future__ import annotations
 
+import struct
 import warnings
 from typing import Any
 
@@ -282,4 +283,10 @@ def restore(value: Any, desc: Any) -> Any:
             raise TypeError(f"expected an array, got {type(value).__name__}")
         items = [restore(v, children.get(str(i))) for i, v in enumerate(value)]
         return tuple(items) if tag == "t" else items
+    if tag == "f":
+        bits = bytes.fromhex(desc[1])
+        nan = struct.unpack("<d", bits)[0] if len(bits) == 8 else 0.0
+        if not isinstance(value, float) or value == value or nan == nan:
+            raise ValueError(f"{desc[1]!r} does not describe the NaN saved ({value!r})")
+        return nan
     raise ValueError(f"unknown type tag {tag!r}")

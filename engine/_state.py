@@ -24,8 +24,9 @@ What comes back, exactly (the engine's load semantics):
 - ``bytes`` / ``bytearray`` are stored as raw uint8 arrays, checksummed like any tensor, and
   come back as the type that was saved (a subclass such as ``numpy.bytes_`` as ``bytes``, or
   as the target's own type where it holds one). Nothing is ever unpickled.
-- JSON values keep their types: tuples and int dict keys are recorded in a per-rank type
-  record (the value at ``.types``, a name no state key can take) and restored on load. A key
+- JSON values keep their types: tuples, int dict keys and the bits of a NaN other than the one
+  JSON gives back (its sign, its payload) are recorded in a per-rank type record (the value at
+  ``.types``, a name no state key can take) and restored on load. A key
   that JSON cannot round-trip (float, None, bool, an int beside the same key as a str) is
   refused at save, naming the path.
 """
@@ -63,12 +64,16 @@ _PLAIN = _SCALARS | {dict, list, tuple}
 # an int this wide has fewer decimal digits than any ``sys.get_int_max_str_digits()`` (at
 # least 640); a wider one may have no JSON text, so it is checked like any other value
 _SHORT_INT_BITS = 2000
+_JSON_NAN = struct.pack("<d", json.loads("NaN"))  # the one NaN that JSON gives back
 
 
 def _plain_scalar(value: object) -> bool:
-    """A JSON leaf that needs no check (an int short enough that JSON can write it)."""
+    """A JSON leaf that needs no check nor description (an int short enough that JSON can
+    write it; not a NaN, whose bits JSON may lose)."""
     if type(value) is int:
         return value.bit_length() <= _SHORT_INT_BITS
+    if type(value) is float:
+        return value == value
     return type(value) in _SCALARS
 
 
@@ -175,11 +180,16 @@ def _check_keys(obj: dict[Any, Any], path: str, name_of: Callable[[Any], str] = 
 
 
 def describe(value: object, path: str) -> JSON:
-    """What JSON loses of ``value`` (tuples, int keys), or None when it round-trips as is.
+    """What JSON loses of ``value`` (tuples, int keys, a NaN's bits), or None when it
+    round-trips as is.
 
     ``["d", int_keys, {key: child}]``, ``["t", {index: child}]``, ``["l", {index: child}]``
-    list only the children that need a description.
+    list only the children that need a description; ``["f", hex]`` is a NaN's 8 bytes
+    (little-endian), where they are not those of the NaN that JSON gives back.
     """
+    if isinstance(value, float):
+        bits = struct.pack("<d", value)
+        return ["f", bits.hex()] if value != value and bits != _JSON_NAN else None
     if isinstance(value, dict):
         ints = _check_keys(value, path, _json_key)
         children = {_json_key(k): d for k, v in value.items()

@@ -275,6 +275,22 @@ def test_json_values_keep_tuples_and_int_keys(ckpt: CheckpointEngine) -> None:
     assert_bitwise(target, expected)
 
 
+def test_json_floats_keep_their_bits(ckpt: CheckpointEngine) -> None:
+    """JSON writes every NaN as ``NaN``: a loss of ``inf - inf`` (a NaN with its sign bit set,
+    as x86 makes it) or a NaN with a payload came back as the positive quiet NaN."""
+    def float_of(bits: int) -> float:
+        return float(np.array(bits, dtype=np.uint64).view(np.float64))
+
+    negative_nan, payload_nan = float_of(0xFFF8000000000000), float_of(0x7FF8000000000123)
+    saved = {"w": torch.ones(1), "loss": negative_nan, "metrics": {
+        "nans": [payload_nan, float("nan"), -0.0, float("inf")], "pair": (1, negative_nan)}}
+    expected = copy.deepcopy(saved)
+    ckpt.save(1, saved, blocking=True)
+    target: dict[str, Any] = {"w": torch.empty(1), "loss": 0.0, "metrics": None}
+    ckpt.load(target)
+    assert_bitwise(target, expected)
+
+
 class Split(str, enum.Enum):  # noqa: UP042 (what older code has: str() differs from JSON)
     """A str mixin Enum: ``str()`` gives ``Split.TRAIN``, JSON writes ``train``."""
 
@@ -446,9 +462,12 @@ def test_bytes_inside_a_stateful_are_restored_into_it(ckpt: CheckpointEngine) ->
     ("types", {"containers": {"opt": ["l"]}, "values": {}, "bytes": {}}),
     ("types", {"containers": {}, "values": {"cfg": ["t", 5]}, "bytes": {}}),
     ("types", {"containers": {}, "values": {"cfg": ["z", {}]}, "bytes": {}}),
+    ("types", {"containers": {}, "values": {"cfg": ["f", "00"]}, "bytes": {}}),
+    ("types", {"containers": {}, "values": {"cfg": ["f", "000000000000f8ff"]}, "bytes": {}}),
     ("per_rank", {"w": "rank 0"}),
     ("per_rank", {"w": [7]}),
 ], ids=["not-a-dict", "list-without-indices", "children-not-a-dict", "unknown-tag",
+        "nan-bits-not-8-bytes", "nan-bits-for-a-value-not-nan",
         "ranks-not-a-list", "no-such-rank-array"])
 def test_hostile_type_records_raise_corrupt(tmp_path: Path, where: str, value: Any) -> None:
     from test_hostile import Hostile
