@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeGuard, runtime_checkable
@@ -372,9 +373,10 @@ def finish_load(flat: FlatState, values: dict[str, Any]) -> None:
 
 def _like(target: Any, value: Any) -> Any:
     """``value`` as JSON gives it back, in the type of the target's own value where that is a
-    subclass of it (a numpy float, an IntEnum, an OrderedDict, a named tuple), inside
-    containers too: a load keeps the caller's types as it keeps its tensors. Otherwise (no
-    such value, another type, a constructor that refuses it) as saved."""
+    subclass of it (a numpy float, an IntEnum, an OrderedDict, a defaultdict with its
+    factory, a named tuple), inside containers too: a load keeps the caller's types as it
+    keeps its tensors. Otherwise (no such value, another type, a constructor that refuses it)
+    as saved."""
     kind = type(target)
     if kind is bool or not isinstance(target, type(value)):  # bool(5) would lose the 5
         return value
@@ -383,6 +385,8 @@ def _like(target: Any, value: Any) -> Any:
     try:
         if isinstance(value, dict):
             entries = {k: _like(target.get(k), v) for k, v in value.items()}
+            if isinstance(target, defaultdict):  # its constructor takes the factory first
+                return kind(target.default_factory, entries)
             return entries if kind is dict else kind(entries)
         if isinstance(value, (list, tuple)):
             items = [_like(t, v) for t, v in zip(target, value)] + list(value[len(target):])

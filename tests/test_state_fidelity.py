@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -361,6 +361,19 @@ def test_json_values_come_back_in_the_targets_own_types(ckpt: CheckpointEngine) 
     assert type(target["betas"]) is Betas and target["betas"] == (0.9, 0.95)
     assert type(target["n"]) is int and target["n"] == 7  # the target's str is no int
     assert type(target["count"]) is int and target["count"] == 5  # not bool(5)
+
+
+def test_a_defaultdict_target_stays_a_defaultdict_with_its_factory(
+        ckpt: CheckpointEngine) -> None:
+    """A defaultdict's constructor takes its factory first: building one from the loaded
+    entries failed, and the target's counters came back a plain dict (``counts[new] += 1``
+    then raised KeyError)."""
+    ckpt.save(1, {"w": torch.ones(1), "counts": defaultdict(int, {"web": 3, "code": 1})},
+              blocking=True)
+    target: dict[str, Any] = {"w": torch.empty(1), "counts": defaultdict(int)}
+    ckpt.load(target)
+    assert type(target["counts"]) is defaultdict and target["counts"] == {"web": 3, "code": 1}
+    assert target["counts"].default_factory is int
 
 
 @pytest.mark.parametrize(("value", "named"), [({1.5: "x"}, "1.5"), ({0: "a", "0": "b"}, "'0'"),
