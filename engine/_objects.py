@@ -40,16 +40,16 @@ def find_models(state: object) -> list[nn.Module]:
     """The modules in ``state``'s containers (not inside other Stateful objects)."""
     found: list[nn.Module] = []
     seen: set[int] = set()  # a container inside itself is looked into once (flatten refuses it)
-
-    def walk(obj: object) -> None:
+    # depth first, in order, without recursion: a state nested past Python's recursion limit
+    # is refused by flatten's walk, which names where
+    stack = [state]
+    while stack:
+        obj = stack.pop()
         if isinstance(obj, nn.Module):
             found.append(obj)
         elif isinstance(obj, (dict, list, tuple)) and id(obj) not in seen:
             seen.add(id(obj))
-            for value in obj.values() if isinstance(obj, dict) else obj:
-                walk(value)
-
-    walk(state)
+            stack.extend(reversed(list(obj.values() if isinstance(obj, dict) else obj)))
     return found
 
 

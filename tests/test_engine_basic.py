@@ -1832,6 +1832,9 @@ def _nested(leaf: Any, depth: int) -> Any:
         ({"model": {"w": torch.ones(2)}, "deep": _nested({"w": torch.ones(1)}, 600)},
          r"'deep'.*nested too deeply"),
         ({"model": {"w": torch.ones(2)}, "deep": _nested(1, 600)}, r"'deep'.*nested too deeply"),
+        # past the recursion limit: the look for modules ran out of stack first, naming no key
+        ({"model": {"w": torch.ones(2)}, "deep": _nested(1, 1500)},
+         r"'deep.*nested too deeply"),
         ({"model": {"w": torch.ones(2)}, "seed": 10**5000}, r"'seed'.*int.*4300 digits"),
         ({"model": {"w": torch.ones(2), "seeds": (torch.ones(1), -(10**5000))}},
          r"'model/seeds/1'.*int.*4300 digits"),
@@ -1839,7 +1842,8 @@ def _nested(leaf: Any, depth: int) -> Any:
          r"state path 'model': an int key of 16610 bits.*4300 digits"),
     ],
     ids=["set", "lambda", "slash-key", "dotdot-key", "hidden-key", "tuple-key", "meta",
-         "sparse", "nested", "deep-tensors", "deep-json", "huge-int", "huge-int-in-tuple",
+         "sparse", "nested", "deep-tensors", "deep-json", "deeper-than-the-recursion-limit",
+         "huge-int", "huge-int-in-tuple",
          "huge-int-key"],
 )
 def test_invalid_state_is_refused_naming_the_path(
