@@ -280,6 +280,21 @@ def test_a_ckpt_url_in_each_processs_own_memory_is_a_usage_error(
     assert "each process's own memory" in err, err
 
 
+@pytest.mark.parametrize("url", ["nonsense://bucket/ckpt", "S3://bucket/ckpt", "File:///tmp/ckpt"])
+def test_a_ckpt_url_of_a_scheme_no_storage_serves_is_a_usage_error(
+        url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A URL whose scheme no storage knows (a typo, another case: the engine reads ``S3://``
+    and ``File://`` as fsspec protocols, which have none of that name) was accepted, then
+    every rank died opening the engine (CheckpointError "Protocol not known" traceback, exit
+    1, which torchrun restarts into the same). Now one line naming the option, exit 2."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--ckpt-url", url])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"python -m antifragile.trainer: error: --ckpt-url {url}: "), err
+    assert f"no storage for the scheme {url.partition(':')[0]}://" in err, err
+
+
 @pytest.mark.parametrize("where", ["file", "file/ckpt"])
 def test_a_local_ckpt_url_that_cannot_be_a_folder_is_a_usage_error(
         tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]) -> None:
