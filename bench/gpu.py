@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -153,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", help="checkpoint folder (default: a temporary one)")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
+    if not (math.isfinite(args.gib) and args.gib > 0):
+        p.error(f"--gib must be a finite number > 0, got {args.gib:g}")
+    if args.reps < 1:
+        p.error(f"--reps must be >= 1, got {args.reps}")
+    if args.trainer_pairs < 0:
+        p.error(f"--trainer-pairs must be >= 0, got {args.trainer_pairs}")
     import torch
 
     if not torch.cuda.is_available():

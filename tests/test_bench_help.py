@@ -77,3 +77,16 @@ def test_s3_bench_refuses_nonsense_arguments(argv: list[str], says: str,
                                              monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     _refuses("s3", argv, says, monkeypatch, capsys, heavy=("SeaweedCluster",))
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--gib", "0"], "--gib must be a finite number > 0, got 0"),
+    (["--gib", "nan"], "--gib must be a finite number > 0, got nan"),
+    (["--reps", "0"], "--reps must be >= 1, got 0"),
+    (["--trainer-pairs", "-1"], "--trainer-pairs must be >= 0, got -1"),
+])
+def test_gpu_bench_refuses_nonsense_arguments(argv: list[str], says: str,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    _refuses("gpu", argv, says, monkeypatch, capsys, heavy=("_state", "trainer"))
+
