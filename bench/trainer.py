@@ -59,6 +59,22 @@ def overhead_verdict(overhead: float, ckpt_runs: list[dict[str, float]]) -> str:
     return "PASS" if overhead <= OVERHEAD_TARGET else "MISS"
 
 
+HEADS, SEQ_LEN, BATCH_SIZE, MICRO_BATCHES = 4, 64, 16, 4  # the trainer's settings here
+
+
+def _trainer_config(args: argparse.Namespace) -> None:
+    """``ValueError`` where the trainer refuses the settings ``_run`` gives it."""
+    from antifragile.trainer.config import TrainConfig
+    from antifragile.trainer.model import ModelConfig
+    from antifragile.trainer.parallel.dims import ParallelDims
+
+    TrainConfig(parallel=ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp),
+                model=ModelConfig(layers=args.layers, d_model=args.d_model, heads=HEADS,
+                                  seq_len=SEQ_LEN),
+                steps=args.steps, batch_size=BATCH_SIZE, micro_batches=MICRO_BATCHES,
+                device=args.device)
+
+
 def _run(args: argparse.Namespace, run_dir: Path, every: int | None) -> dict[str, float]:
     world = args.dp * args.tp * args.pp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -66,8 +82,8 @@ def _run(args: argparse.Namespace, run_dir: Path, every: int | None) -> dict[str
            "-m", "antifragile.trainer", "--dp", str(args.dp), "--tp", str(args.tp),
            "--pp", str(args.pp), "--steps", str(args.steps), "--run-dir", str(run_dir),
            "--layers", str(args.layers), "--d-model", str(args.d_model),
-           "--heads", "4", "--seq-len", "64", "--batch-size", "16", "--micro-batches", "4",
-           "--device", args.device]
+           "--heads", str(HEADS), "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH_SIZE),
+           "--micro-batches", str(MICRO_BATCHES), "--device", args.device]
     if every:
         cmd += ["--ckpt-url", str(run_dir / "ckpt"), "--ckpt-every", str(every)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -160,8 +176,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--pairs", type=int, default=3, help="paired runs (median reported)")
     args = p.parse_args(argv)
+    for name in ("dp", "tp", "pp", "steps", "every", "layers", "d_model", "pairs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup is None:
         args.warmup = args.every + 1
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    try:  # the trainer's own refusal, here rather than as a traceback of the first run
+        _trainer_config(args)
+    except ValueError as exc:
+        p.error(f"the trainer refuses these settings: {exc}")
+    if not timed_steps(args):
+        p.error(f"--steps {args.steps} leaves no timed steps after --warmup {args.warmup}: "
+                f"give --steps > {args.warmup + args.every}")
     pairs = []
     with tempfile.TemporaryDirectory(prefix="trainer-bench-") as tmp:
         for i in range(args.pairs):

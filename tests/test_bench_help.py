@@ -90,3 +90,24 @@ def test_gpu_bench_refuses_nonsense_arguments(argv: list[str], says: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     _refuses("gpu", argv, says, monkeypatch, capsys, heavy=("_state", "trainer"))
 
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--dp", "0"], "--dp must be >= 1, got 0"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--every", "0"], "--every must be >= 1, got 0"),
+    (["--pairs", "0"], "--pairs must be >= 1, got 0"),
+    (["--layers", "-1"], "--layers must be >= 1, got -1"),
+    (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    # no step left to time: a statistics traceback after every run had been made
+    (["--steps", "20", "--every", "10"],
+     "--steps 20 leaves no timed steps after --warmup 11: give --steps > 21"),
+    # the trainer refused them in its first run: a CalledProcessError traceback
+    (["--tp", "3"], "the trainer refuses these settings: heads 4 not divisible by tp 3"),
+    (["--dp", "3"], "the trainer refuses these settings: batch size 16 is not divisible by dp 3"),
+    (["--pp", "5"], "the trainer refuses these settings: 4 micro-batches cannot fill 5"),
+])
+def test_trainer_bench_refuses_nonsense_arguments(argv: list[str], says: str,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    _refuses("trainer", argv, says, monkeypatch, capsys, heavy=("_run", "gpu_stall"))
+
