@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saves", type=int, default=20)
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
+    for name in ("ranks", "saves"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     result = run(args.ranks, args.saves)
     m = result["median_s"]

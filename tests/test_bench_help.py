@@ -111,3 +111,12 @@ def test_trainer_bench_refuses_nonsense_arguments(argv: list[str], says: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     _refuses("trainer", argv, says, monkeypatch, capsys, heavy=("_run", "gpu_stall"))
 
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--ranks", "0"], "--ranks must be >= 1, got 0"),
+    (["--saves", "0"], "--saves must be >= 1, got 0"),
+])
+def test_save_cost_bench_refuses_nonsense_arguments(argv: list[str], says: str,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    _refuses("save_cost", argv, says, monkeypatch, capsys, heavy=("run",))
