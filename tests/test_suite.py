@@ -951,3 +951,17 @@ def test_real_suite_one_pass_one_fail_then_a_regression(tmp_path: Path) -> None:
     assert second["failed"] == [] and second["baseline"]["missing"] == ["too-strict"]
     assert [r["metric"] for r in second["baseline"]["regressions"]] == ["recovery (max)"]
     assert "REGRESSION kill: recovery (max)" in again.output
+
+
+def test_a_figure_the_baseline_measured_and_this_run_did_not_is_noted() -> None:
+    """A passing run whose recovery, stall or goodput went unmeasured had nothing to compare
+    with the baseline's figure: the comparison said neither regression nor anything else, so
+    a figure that stopped being measured read as one that held."""
+    base = _baseline(_entry("s", [10.0]))
+    now = [_entry("s", [])]
+    now[0]["stall_mean_s"] = None
+    got = suite.compare(now, base, file="b.json")
+    assert got["regressions"] == []
+    assert [n["reason"] for n in got["not_compared"]] == [
+        "recovery (max): measured in the baseline (10.00 s), not in this run",
+        "stall (mean): measured in the baseline (0.02 s), not in this run"]

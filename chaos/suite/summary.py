@@ -236,6 +236,11 @@ def _goodput_worse(base: dict[str, Any], cur: dict[str, Any], tol: Tolerances
                       f"limit -{tol.goodput_points * 100:g})"}
 
 
+#: the figures ``compare`` compares: name, summary key, unit
+_FIGURES = (("recovery (max)", "recovery_max_s", " s"), ("stall (mean)", "stall_mean_s", " s"),
+            ("goodput", "goodput", ""))
+
+
 def compare(entries: list[dict[str, Any]], baseline: dict[str, Any], *, file: str,
             tol: Tolerances = Tolerances()) -> dict[str, Any]:
     """Regressions of each scenario present in both summaries and passing in both.
@@ -265,6 +270,10 @@ def compare(entries: list[dict[str, Any]], baseline: dict[str, Any], *, file: st
                                  "reason": f"{'skipped' if was == 'skipped' else 'failed'} "
                                            f"in {which}"})
             continue
+        not_compared += [{"scenario": name, "reason": f"{metric}: measured in the baseline "
+                                                      f"({_fmt(base[key])}{unit}), not in this run"}
+                         for metric, key, unit in _FIGURES
+                         if base.get(key) is not None and cur.get(key) is None]
         found = [
             _worse("recovery (max)", base.get("recovery_max_s"), cur["recovery_max_s"],
                    tol.recovery_rel, tol.recovery_floor_s),
