@@ -301,6 +301,7 @@ def _verdict(record: RunRecord, faults: list[dict[str, Any]], **expect: Any
 
 
 KILL = {"kind": "kill_rank", "rank": 1, "at_step": 7}
+KILL_AT_9 = {**KILL, "at_step": 9}
 
 
 def _hang_then_kill() -> RunRecord:
@@ -642,6 +643,19 @@ def test_every_fault_must_fire_not_every_kind() -> None:
                          "reached)"]
 
 
+def test_a_fault_that_hit_another_step_than_its_own_fails() -> None:
+    """A kill due at step 7 that hit the job at step 11 (the job was not held where the fault
+    was due) ended an attempt and was recovered from, but not where the scenario says."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 11)
+    t = _kill(job, t + 0.05, 0, 1, 7)
+    t = job.steps(job.start(t + 3.0, 1, restore=10), 1, 11, 12)
+    v, (kill,) = _verdict(_finish(job, t, 1), [KILL])
+    assert kill.effect_observed and kill.injected_step == 11
+    assert v.verdict == "fail"
+    assert v.reasons == ["faults.0 (kill_rank): due at step 7, but it hit the job at step 11"]
+
+
 def test_the_runner_tags_each_injection_with_its_fault() -> None:
     """Step- and checkpoint-triggered faults sharing a pause point keep their scenario index,
     which the checker counts by (a copy of the fault made for a save phase too)."""
@@ -779,7 +793,7 @@ def test_a_kill_after_a_restore_and_before_any_step_charges_no_step_twice() -> N
     t = _kill(job, job.start(t + 1.0, 1, restore=8) + 0.05, 1, 0, 9, fault_index=1)
     t = job.steps(job.start(t + 1.0, 2, restore=8), 2, 9, 12)
     v, (first, second) = _verdict(_finish(job, t, 2), [
-        KILL, {"kind": "kill_rank", "rank": "random", "mtbf_s": 30}])
+        KILL_AT_9, {"kind": "kill_rank", "rank": "random", "mtbf_s": 30}])
     assert (first.restored_step, first.lost_steps) == (8, 1)
     assert (second.injected_step, second.restored_step, second.lost_steps) == (8, 8, 0)
     assert second.recompute_s == 0.0 and second.recovery_s is not None
@@ -802,7 +816,7 @@ def test_a_kill_during_a_restore_charges_the_steps_of_the_attempt_before_it() ->
     t = _kill(job, t + 0.2, 2, 1, 9, fault_index=1)
     t = job.steps(job.start(t + 1.0, 3, restore=6), 3, 7, 12)
     v, timings = _verdict(_finish(job, t, 3), [
-        KILL, {"kind": "kill_rank", "rank": "random", "mtbf_s": 30}])
+        KILL_AT_9, {"kind": "kill_rank", "rank": "random", "mtbf_s": 30}])
     assert [k.injected_step for k in timings] == [9, 7, 7]
     assert [k.lost_steps for k in timings] == [3, None, 1]
     assert v.verdict == "pass", v.reasons
@@ -1076,8 +1090,8 @@ def test_a_hold_at_a_pause_point_during_a_recovery_is_not_recovery_time() -> Non
     """Time chaos held the trainer at a pause point is the test's, not the job's (goodput
     leaves it out of the wall time): a hold while the next attempt recomputes was counted in
     the fault's recompute and recovery."""
-    (plain,) = _verdict(_held_while_recomputing(0.0), [KILL])[1]
-    v, (held,) = _verdict(_held_while_recomputing(20.0), [KILL], max_recovery_s=10)
+    (plain,) = _verdict(_held_while_recomputing(0.0), [KILL_AT_9])[1]
+    v, (held,) = _verdict(_held_while_recomputing(20.0), [KILL_AT_9], max_recovery_s=10)
     assert (held.restored_step, held.lost_steps) == (6, 3)
     assert held.recompute_s == pytest.approx(plain.recompute_s)
     assert held.recovery_s == pytest.approx(plain.recovery_s)

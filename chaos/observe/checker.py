@@ -270,6 +270,18 @@ def why_no_checkpoint(engine: str, url: str) -> str:
     return "the script must checkpoint to $ANTIFRAGILE_CKPT_URL"
 
 
+def _due_step(s: Scenario, t: FaultTimings) -> int | None:
+    """The step the job must have ended last when fault ``t`` hit it: a step- or
+    checkpoint-triggered fault's, held at the end of that step. None: no such step to check
+    (a time-triggered fault; one held in a save phase, whose training loop may go on)."""
+    if t.fault_index is None or not 0 <= t.fault_index < len(s.faults):
+        return None
+    fault = s.faults[t.fault_index]
+    if getattr(fault, "phase", None) is not None:
+        return None
+    return fault.trigger_step(s.checkpoint.every_steps)
+
+
 def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_step: int | None,
           faulty_url: str, reference_url: str | None, final_committed: bool,
           committed: dict[int, list[str]] | None = None, expected_step: int | None = None,
@@ -289,8 +301,9 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
     to the reference's: only the steps it reported show the run ended elsewhere.
 
     Every fault of the scenario must have been injected (each ``mtbf_s`` fault at least once)
-    and have had its effect (``FaultTimings.effect_observed``); a fault that caused a restart
-    must have been recovered from. ``determinism``: a second fault-free run compared with the
+    and have had its effect (``FaultTimings.effect_observed``), a step- or checkpoint-triggered
+    one at its step (held at the end of it); a fault that caused a restart must have been
+    recovered from. ``determinism``: a second fault-free run compared with the
     reference (``--check-determinism``)."""
     v = Verdict()
     for step, problems in sorted((committed or {}).items()):
@@ -345,6 +358,10 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
         if t.skipped:
             skipped.append(f"{t.kind} at step {t.injected_step}: skipped: {t.skipped}")
             continue
+        due = _due_step(s, t)
+        if due is not None and not t.missed and t.injected_step != due:
+            v.fail(f"faults.{t.fault_index} ({t.kind}): due at step {due}, but it hit the "
+                   f"job at step {t.injected_step}")
         if not t.effect_observed:
             v.fail(f"{t.kind} at step {t.injected_step}: no observable effect: {t.effect}")
             continue
