@@ -581,6 +581,22 @@ def test_the_newest_committed_steps_must_match_the_reference() -> None:
         "the newest committed checkpoint is step 35, the reference run's is step 40")
 
 
+def test_a_reference_whose_reported_steps_are_gone_fails_a_run_that_reported_some() -> None:
+    """The run reported steps up to 13; the reference's event files (in the cache) are gone or
+    unreadable, so nothing says where the reference ended: where the run ended cannot be
+    checked (a script that exits 0 early after its newest checkpoint), which passed."""
+    judged: dict[str, Any] = dict(returncode=0, timings=[], final_step=12, faulty_url="u",
+                                  reference_url="ref", final_committed=True, expected_step=12)
+    v = checker.judge(_command_scenario(faults=False), **judged, last_step=13,
+                      reference_last_step=None)
+    assert v.verdict == "fail"
+    assert v.reasons == ["the last step reported was 13, but the reference run's reported "
+                         "steps are missing (its event files gone or unreadable): where the run "
+                         "ended cannot be checked"]
+    assert checker.judge(_command_scenario(faults=False), **judged, last_step=None,
+                         reference_last_step=None).verdict == "pass"  # neither reports steps
+
+
 def test_a_nondeterministic_trainer_gets_its_own_verdict() -> None:
     differs = checker.Comparison(differs=["model/w"], compared_bytes=64)
     v = checker.judge(_command_scenario(faults=False), returncode=0, timings=[], final_step=20,

@@ -296,9 +296,11 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
     ``expected_step`` the reference run's (None without a reference); they must match.
     ``last_step`` and ``reference_last_step``: the newest step each run reported through the
     probe (``reference_last_step`` None: the reference reported none, or there is none); they
-    must match too. A script that exits 0 before its last step, or trains past it, after its
-    newest checkpoint (one that does not checkpoint its last step) leaves that checkpoint equal
-    to the reference's: only the steps it reported show the run ended elsewhere.
+    must match too, and a run that reported steps needs a reference that did (the same
+    script: its event files were lost). A script that exits 0 before its last step, or trains
+    past it, after its newest checkpoint (one that does not checkpoint its last step) leaves
+    that checkpoint equal to the reference's: only the steps it reported show the run ended
+    elsewhere.
 
     Every fault of the scenario must have been injected (each ``mtbf_s`` fault at least once)
     and have had its effect (``FaultTimings.effect_observed``), a step- or checkpoint-triggered
@@ -319,7 +321,11 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
         elif expected_step is not None and final_step != expected_step:
             v.fail(f"the newest committed checkpoint is step {final_step}, the reference "
                    f"run's is step {expected_step}")
-        if reference_last_step is not None and last_step != reference_last_step:
+        if reference_url is not None and reference_last_step is None and last_step is not None:
+            v.fail(f"the last step reported was {last_step}, but the reference run's reported "
+                   "steps are missing (its event files gone or unreadable): where the run "
+                   "ended cannot be checked")
+        elif reference_last_step is not None and last_step != reference_last_step:
             v.fail(f"the last step reported was {last_step}, the reference run's "
                    f"{reference_last_step}: the run ended elsewhere (a script that exits 0 "
                    "early, or trains on, after its newest checkpoint)")
