@@ -783,6 +783,24 @@ def test_a_recovery_cut_short_after_it_overran_max_recovery_s_fails() -> None:
     assert v.verdict == "pass", v.reasons
 
 
+def test_a_recovery_that_trained_no_step_after_its_restore_fails() -> None:
+    """A kill at the last checkpoint (the end of the last step, its save committed): the job
+    restarts, restores that step and has nothing left to train. The final checkpoint compared
+    with the reference is the one saved before the kill; what the restore loaded was never
+    saved again, so the run proves nothing about the recovery. It passed."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 12)
+    t = _kill(job, t + 0.5, 0, 1, 12)
+    t = job.start(t + 3.0, 1, restore=12)
+    v, (kill,) = _verdict(_finish(job, t, 1), [{"kind": "kill_rank", "rank": 1,
+                                                 "at_checkpoint": 6}])
+    assert kill.effect_observed and kill.restored_step == 12 and kill.recovery_s is not None
+    assert v.verdict == "fail"
+    assert v.reasons == ["kill_rank at step 12: the job restored step 12 and trained no step "
+                         "after it: the final state is the checkpoint saved before the fault, "
+                         "which proves nothing about the recovery"]
+
+
 def test_a_kill_after_a_restore_and_before_any_step_charges_no_step_twice() -> None:
     """Rank 1 dies at step 9; attempt 1 restores step 8 and a random kill hits it before its
     first step (the runner's step is still 9, the highest it saw). Step 9 is trained twice in

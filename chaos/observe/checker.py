@@ -305,7 +305,8 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
     Every fault of the scenario must have been injected (each ``mtbf_s`` fault at least once)
     and have had its effect (``FaultTimings.effect_observed``), a step- or checkpoint-triggered
     one at its step (held at the end of it); a fault that caused a restart must have been
-    recovered from. ``determinism``: a second fault-free run compared with the
+    recovered from, and a step trained after that restore (else the final state compared is
+    the one saved before the fault). ``determinism``: a second fault-free run compared with the
     reference (``--check-determinism``)."""
     v = Verdict()
     for step, problems in sorted((committed or {}).items()):
@@ -389,6 +390,11 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
                 if getattr(s.expect, bound) is not None and (
                         bound == "max_recovery_s" or t.lost_steps is None):
                     v.fail(f"{t.kind}: expect.{bound} cannot be checked: {t.unmeasured}")
+        if t.ended_attempt is not None and t.restored_step is not None \
+                and expected_step is not None and t.restored_step >= expected_step:
+            v.fail(f"{t.kind} at step {t.injected_step}: the job restored step "
+                   f"{t.restored_step} and trained no step after it: the final state is the "
+                   "checkpoint saved before the fault, which proves nothing about the recovery")
         if s.expect.max_recovery_s is not None and t.recovery_s is not None \
                 and t.recovery_s > s.expect.max_recovery_s:
             v.fail(f"{t.kind} at step {t.injected_step}: recovery took {t.recovery_s:.1f} s "
