@@ -8,6 +8,7 @@ runner did to the job (:class:`~antifragile.chaos.faults.Injection`).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,9 @@ class RunRecord:
 
 class EventLogError(ValueError):
     """A complete line of an event file that is not an event (garbled, or not an object with
-    ``t``, ``rank``, ``attempt`` and ``event``); the message names the file and the line.
-    Never skipped: the lost event could be the ``ckpt_committed`` or ``restore_skipped`` a
-    verdict rests on, so a run that has one has no verdict."""
+    ``t`` (a finite time), ``rank``, ``attempt`` and ``event``); the message names the file
+    and the line. Never skipped: the lost event could be the ``ckpt_committed`` or
+    ``restore_skipped`` a verdict rests on, so a run that has one has no verdict."""
 
 
 _FIELDS = {"t": (int, float), "rank": (int,), "attempt": (int,), "event": (str,)}
@@ -67,7 +68,8 @@ def _event(path: Path, number: int, line: bytes) -> dict[str, Any]:
                             f"{line[:120]!r}") from None
     wrong = list(_FIELDS) if not isinstance(e, dict) else [
         k for k, types in _FIELDS.items()
-        if not isinstance(e.get(k), types) or isinstance(e.get(k), bool)]
+        if not isinstance(e.get(k), types) or isinstance(e.get(k), bool)
+        or (k == "t" and not math.isfinite(e[k]))]  # JSON's NaN: compares false with all
     if wrong:
         raise EventLogError(f"{path}:{number}: not an event (missing or wrong "
                             f"{', '.join(wrong)}): {line[:120]!r}")
