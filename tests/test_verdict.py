@@ -656,6 +656,29 @@ def test_a_fault_that_hit_another_step_than_its_own_fails() -> None:
     assert v.reasons == ["faults.0 (kill_rank): due at step 7, but it hit the job at step 11"]
 
 
+def test_a_fault_due_on_a_later_pass_that_hit_an_earlier_one_fails() -> None:
+    """A kill due the second time the job gets to step 7 (``on_pass: 2``) hit it the first
+    time, in attempt 0: the crash loop the scenario asks for was not made."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    t = _kill(job, t + 0.05, 0, 1, 7)
+    t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 12)
+    v, (kill,) = _verdict(_finish(job, t, 1), [{**KILL, "on_pass": 2}])
+    assert kill.effect_observed and kill.injected_step == 7 and kill.times_at_step == 1
+    assert v.verdict == "fail"
+    assert v.reasons == ["faults.0 (kill_rank): due on pass 2 of step 7, but the job had got "
+                         "there 1 time(s) when it hit"]
+    # made on its pass: attempt 1 restored step 6 and got to step 7 again
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    t = _kill(job, t + 0.05, 0, 1, 7)
+    t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 7)
+    t = _kill(job, t + 0.05, 1, 1, 7, fault_index=1)
+    t = job.steps(job.start(t + 3.0, 2, restore=6), 2, 7, 12)
+    v, (_, second) = _verdict(_finish(job, t, 2), [KILL, {**KILL, "on_pass": 2}])
+    assert second.times_at_step == 2 and v.verdict == "pass", v.reasons
+
+
 def test_the_runner_tags_each_injection_with_its_fault() -> None:
     """Step- and checkpoint-triggered faults sharing a pause point keep their scenario index,
     which the checker counts by (a copy of the fault made for a save phase too)."""

@@ -270,16 +270,18 @@ def why_no_checkpoint(engine: str, url: str) -> str:
     return "the script must checkpoint to $ANTIFRAGILE_CKPT_URL"
 
 
-def _due_step(s: Scenario, t: FaultTimings) -> int | None:
-    """The step the job must have ended last when fault ``t`` hit it: a step- or
-    checkpoint-triggered fault's, held at the end of that step. None: no such step to check
-    (a time-triggered fault; one held in a save phase, whose training loop may go on)."""
+def _due(s: Scenario, t: FaultTimings) -> tuple[int, int] | None:
+    """(step, pass): the step the job must have ended last when fault ``t`` hit it, and the
+    n-th time it got there: a step- or checkpoint-triggered fault's, held at the end of that
+    step. None: no such step to check (a time-triggered fault; one held in a save phase,
+    whose training loop may go on)."""
     if t.fault_index is None or not 0 <= t.fault_index < len(s.faults):
         return None
     fault = s.faults[t.fault_index]
-    if getattr(fault, "phase", None) is not None:
+    step = fault.trigger_step(s.checkpoint.every_steps)
+    if step is None or getattr(fault, "phase", None) is not None:
         return None
-    return fault.trigger_step(s.checkpoint.every_steps)
+    return step, fault.on_pass
 
 
 def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_step: int | None,
@@ -304,10 +306,10 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
 
     Every fault of the scenario must have been injected (each ``mtbf_s`` fault at least once)
     and have had its effect (``FaultTimings.effect_observed``), a step- or checkpoint-triggered
-    one at its step (held at the end of it); a fault that caused a restart must have been
-    recovered from, and a step trained after that restore (else the final state compared is
-    the one saved before the fault). ``determinism``: a second fault-free run compared with the
-    reference (``--check-determinism``)."""
+    one at its step (held at the end of it), no earlier than its pass there; a fault that
+    caused a restart must have been recovered from, and a step trained after that restore
+    (else the final state compared is the one saved before the fault). ``determinism``: a
+    second fault-free run compared with the reference (``--check-determinism``)."""
     v = Verdict()
     for step, problems in sorted((committed or {}).items()):
         if problems:
@@ -365,10 +367,13 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
         if t.skipped:
             skipped.append(f"{t.kind} at step {t.injected_step}: skipped: {t.skipped}")
             continue
-        due = _due_step(s, t)
-        if due is not None and not t.missed and t.injected_step != due:
-            v.fail(f"faults.{t.fault_index} ({t.kind}): due at step {due}, but it hit the "
+        due = None if t.missed else _due(s, t)
+        if due is not None and t.injected_step != due[0]:
+            v.fail(f"faults.{t.fault_index} ({t.kind}): due at step {due[0]}, but it hit the "
                    f"job at step {t.injected_step}")
+        elif due is not None and t.times_at_step is not None and t.times_at_step < due[1]:
+            v.fail(f"faults.{t.fault_index} ({t.kind}): due on pass {due[1]} of step "
+                   f"{due[0]}, but the job had got there {t.times_at_step} time(s) when it hit")
         if not t.effect_observed:
             v.fail(f"{t.kind} at step {t.injected_step}: no observable effect: {t.effect}")
             continue

@@ -51,6 +51,9 @@ class FaultTimings:
     skipped: str | None = None
     missed: str | None = None
     checkpoint_step: int | None = None
+    # how many attempts had finished ``injected_step`` when the fault hit (its pass there, or
+    # more: an in-process generation that failed while held at a step is held there again)
+    times_at_step: int | None = None
     # what the fault observably did (None: not made here, see ``skipped``); ``effect`` is the
     # evidence, or why none was seen (then the verdict fails)
     effect_observed: bool | None = None
@@ -235,6 +238,10 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
     done = _by_attempt(record.events, attempt, "step_end")
     timings.injected_step = max((e["step"] for e in done if e["t"] <= injection.t),
                                 default=_resumed_at(record, attempt, injection.step))
+    timings.times_at_step = len({e["attempt"] for e in record.events
+                                 if e["event"] == "step_end" and e["attempt"] <= attempt
+                                 and e["step"] == timings.injected_step
+                                 and e["t"] <= injection.t})
     if injection.skipped:
         return timings
     if injection.missed:
