@@ -824,6 +824,24 @@ def test_a_recovery_that_trained_no_step_after_its_restore_fails() -> None:
                          "which proves nothing about the recovery"]
 
 
+def test_a_random_fault_that_also_struck_after_the_last_step_passes_on_its_earlier_recovery(
+        ) -> None:
+    """An ``mtbf_s`` kill fires twice: at step 7 (attempt 1 restores step 6 and trains on to
+    12) and again after the final save, where the job restores 12 and has nothing to train.
+    The fault's recovery was proven by its first firing; where a random arrival lands is not
+    the scenario's to choose, so the late one does not fail a nightly run by chance. A fault
+    with no recovery followed by training still fails (the test above)."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    t = _kill(job, t + 0.1, 0, 1, 7)
+    t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 12)
+    t = _kill(job, t + 0.5, 1, 1, 12)
+    t = job.start(t + 3.0, 2, restore=12)
+    v, timings = _verdict(_finish(job, t, 2), [{"kind": "kill_rank", "rank": 1, "mtbf_s": 20}])
+    assert [k.restored_step for k in timings] == [6, 12]
+    assert v.verdict == "pass", v.reasons
+
+
 def test_a_kill_after_a_restore_and_before_any_step_charges_no_step_twice() -> None:
     """Rank 1 dies at step 9; attempt 1 restores step 8 and a random kill hits it before its
     first step (the runner's step is still 9, the highest it saw). Step 9 is trained twice in
