@@ -135,6 +135,43 @@ def test_an_endpoint_that_is_not_an_http_url_is_refused_naming_it(
         pytest.fail("no error")
 
 
+@pytest.mark.parametrize(("name", "value"), [
+    ("key", "k\n"), ("token", "t\n"), ("client_kwargs['region_name']", "us-east-1\n"),
+    ("AWS_ACCESS_KEY_ID", "k\n"), ("AWS_SESSION_TOKEN", "t\r\n"), ("AWS_REGION", "eu-west-1\n"),
+    ("AWS_DEFAULT_REGION", "eu\tw\x7f"),
+])
+def test_a_credential_or_region_with_a_control_character_is_refused_naming_it(
+        name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user mistake, often a trailing newline (a key read from a file, a mounted secret):
+    these go into request headers, and obstore's signer panicked at the first request (a
+    pyo3 PanicException with a Rust backtrace, a BaseException no retry or caller catches)
+    instead of naming what was wrong. Now the root is refused naming the option or variable,
+    never its value."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_TOKEN",
+                "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    options: dict[str, Any] = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"}
+    if name.startswith("AWS_"):
+        monkeypatch.setenv(name, value)
+        if name == "AWS_ACCESS_KEY_ID":
+            del options["key"]
+    elif name.startswith("client_kwargs"):
+        options["client_kwargs"] = {"region_name": value}
+    else:
+        options[name] = value
+    try:
+        with CheckpointEngine("s3://bucket/run", storage_options=options) as engine:
+            engine.steps()
+    except CheckpointError as exc:
+        assert str(exc).startswith(f"cannot open s3://bucket/run: {name} holds a control "
+                                   "character"), exc
+        assert repr(value) not in str(exc), exc
+    except BaseException as exc:  # the panic (not an Exception) is what this test is about
+        pytest.fail(f"{type(exc).__name__}: {exc}")
+    else:
+        pytest.fail("no error")
+
+
 @pytest.mark.parametrize(("given", "missing"), [
     ({"key": "k"}, "SecretAccessKey"), ({"secret": "s"}, "AccessKeyId"),
     ({"AWS_ACCESS_KEY_ID": "k"}, "SecretAccessKey"),

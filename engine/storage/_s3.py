@@ -69,6 +69,8 @@ _CLIENT_KWARGS = {"endpoint_url", "region_name"}
 _CONFIG_KWARGS = {"connect_timeout", "read_timeout", "timeout", "retries", "s3"}
 
 _used_in_pid: int | None = None  # the process that made this module's first request
+# what a request header cannot hold: the client's signer panicked on it (see _check_headers)
+_NOT_IN_HEADERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def _refuse(where: str, names: set[str], known: set[str]) -> None:
@@ -94,6 +96,25 @@ def _check_endpoint(endpoint: str, source: str) -> None:
     if not valid:
         raise ValueError(f"{source} {endpoint!r} is not an endpoint URL (give http://host:port "
                          "or https://host)")
+
+
+def _check_headers(kwargs: dict[str, Any]) -> None:
+    """A ValueError naming the option or variable (never its value: a secret) whose value
+    goes into every request's headers (the key and region in the signature, the token) and
+    holds a control character, often a trailing newline (a key read from a file, a mounted
+    secret): obstore's signer panicked on it at the first request (a BaseException that no
+    caller catches, with a Rust backtrace)."""
+    fields = [("client_kwargs['region_name']", "region", ("AWS_REGION", "AWS_DEFAULT_REGION"))]
+    if not kwargs.get("skip_signature"):
+        fields += [("key", "access_key_id", ("AWS_ACCESS_KEY_ID",)),
+                   ("token", "session_token", ("AWS_SESSION_TOKEN", "AWS_TOKEN"))]
+    for name, field, variables in fields:
+        given = ([(name, kwargs[field])] if field in kwargs
+                 else [(v, os.environ[v]) for v in variables if v in os.environ])
+        for source, value in given:
+            if _NOT_IN_HEADERS.search(value):
+                raise ValueError(f"{source} holds a control character (a trailing newline?), "
+                                 "which no request header can carry")
 
 
 def store_config(storage_options: dict[str, Any] | None) -> dict[str, Any]:
@@ -126,6 +147,7 @@ def store_config(storage_options: dict[str, Any] | None) -> dict[str, Any]:
         kwargs["region"] = _text(client["region_name"], "client_kwargs['region_name']")
     if style == "virtual":
         kwargs["virtual_hosted_style_request"] = True
+    _check_headers(kwargs)
     endpoint = endpoint or _env_endpoint()
     kwargs["client_options"] = {
         "allow_http": str(endpoint or "").startswith("http://"),
