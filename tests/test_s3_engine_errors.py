@@ -172,6 +172,32 @@ def test_a_credential_or_region_with_a_control_character_is_refused_naming_it(
         pytest.fail("no error")
 
 
+@pytest.mark.parametrize(("url", "endpoint", "named"), [
+    ("s3://my bucket/run", "http://127.0.0.1:9", "'my bucket'"),
+    ("s3://bucket\n/run", "http://127.0.0.1:9", "'bucket\\n'"),
+    ("s3://bucket/run", "http://127.0.0.1:9\n", "'http://127.0.0.1:9\\n'"),
+])
+def test_a_request_the_client_cannot_make_is_a_storage_error_not_a_panic(
+        url: str, endpoint: str, named: str) -> None:
+    """A bucket name no URL can hold (a space, a newline) or an endpoint with a trailing
+    newline (``urlsplit`` drops it, so the endpoint check passed it) made obstore panic at the
+    first request: a pyo3 PanicException, a BaseException that escaped ``steps()`` and killed
+    the engine's listing thread. Now a StorageError naming the operation, the bucket and the
+    endpoint, not retried (the same request fails the same way)."""
+    storage = RetryingStorage(S3Storage(url, {"endpoint_url": endpoint, "key": "k",
+                                              "secret": "s"}), base_delay_s=0.01)
+    for call in (lambda: storage.list_dir(""), lambda: storage.write("k", [b"x"]),
+                 lambda: storage.exists("k")):
+        try:
+            call()
+        except StorageError as exc:
+            assert "failed" not in str(exc) and named in str(exc), exc
+        except BaseException as exc:  # the panic (not an Exception) is what this test is about
+            pytest.fail(f"{type(exc).__name__}: {exc}")
+        else:
+            pytest.fail("no error")
+
+
 @pytest.mark.parametrize(("given", "missing"), [
     ({"key": "k"}, "SecretAccessKey"), ({"secret": "s"}, "AccessKeyId"),
     ({"AWS_ACCESS_KEY_ID": "k"}, "SecretAccessKey"),

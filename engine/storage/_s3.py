@@ -221,8 +221,9 @@ class S3Storage:
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         """Run one obstore call, its errors in the kinds RetryingStorage sorts: FileNotFoundError
         (no such object), PermissionError (403), ValueError (a bad path, a request the server
-        refuses as such: see ``_refused``), StorageError (no such bucket, a forked process),
-        OSError (anything else, a 409 too: retried)."""
+        refuses as such: see ``_refused``; a request the client cannot make, where it panics),
+        StorageError (no such bucket, a forked process), OSError (anything else, a 409 too:
+        retried)."""
         global _used_in_pid
         if _used_in_pid is None:
             _used_in_pid = os.getpid()
@@ -268,6 +269,12 @@ class S3Storage:
             raise OSError(_brief(exc)) from exc  # OperationAborted ("try again"): transient
         except BaseError as exc:  # a bad path, an unsupported operation: retrying cannot help
             raise ValueError(_brief(exc)) from exc
+        except BaseException as exc:  # pyo3's PanicException: the client could not make the
+            if type(exc).__name__ != "PanicException":  # request (an invalid URI); a panic
+                raise  # is a BaseException, which nothing above this layer catches
+            raise ValueError(f"the S3 client could not make the request ({_brief(exc)}): "
+                             f"check the bucket name {self.bucket!r} and the endpoint "
+                             f"{self.endpoint!r}") from None
         self._bucket_seen = True
         return result
 
