@@ -12,6 +12,7 @@ import copy
 import datetime
 import json
 import math
+import re
 import shutil
 import threading
 import time
@@ -2088,6 +2089,23 @@ def test_a_local_url_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder"):
         CheckpointEngine(str(tmp_path / "notes.txt"))
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("notes.txt/ckpt", "notes.txt is a file, not a folder"),
+    ("notes.txt/deeper/ckpt", "notes.txt is a file, not a folder"),
+    ("gone", "gone is a link to nowhere, which does not exist"),
+    ("gone/ckpt", "gone is a link to nowhere, which does not exist"),
+])
+def test_a_local_url_under_a_file_or_a_link_to_nothing_is_refused(
+        tmp_path: Path, url: str, says: str) -> None:
+    """A folder under a file (or a link whose target is missing: a disk not mounted) can never
+    be made: it was accepted, ``steps()`` said [] and ``load`` "no committed checkpoint" (a
+    trainer then started from scratch), and every save failed."""
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "gone").symlink_to("nowhere")
+    with pytest.raises(CheckpointError, match=re.escape(says)):
+        CheckpointEngine(str(tmp_path / url))
 
 
 @pytest.mark.parametrize("prefix", ["", "file://"])

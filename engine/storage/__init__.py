@@ -32,6 +32,9 @@ else goes through fsspec. A local root takes no ``storage_options`` (refused, no
                                   "for s3:// (or another fsspec) URLs")
         if os.path.exists(root) and not os.path.isdir(root):
             raise CheckpointError(f"{url} is a file, not a checkpoint folder")
+        why = _no_folder_at(root)
+        if why:
+            raise CheckpointError(f"{url}: {why}")
         return RetryingStorage(LocalStorage(root))
     protocol = url.split("://", 1)[0]
     try:
@@ -47,3 +50,17 @@ else goes through fsspec. A local root takes no ``storage_options`` (refused, no
         raise CheckpointError(f"cannot open {url}: {exc}{hint}") from None
     except (ValueError, TypeError, OSError) as exc:  # fsspec's, when its options do not fit
         raise CheckpointError(f"cannot open {url}: {exc}") from None
+
+
+def _no_folder_at(root: str) -> str | None:
+    """Why no folder can be made at ``root``: the nearest of it and its parents that is there
+    is a file or a link to nothing (a disk not mounted). Its saves failed, and its listing was
+    empty: a load said "no committed checkpoint", and a trainer started from scratch."""
+    path = os.path.abspath(root)
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    if os.path.isdir(path):
+        return None
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"{path} is a link to {os.readlink(path)}, which does not exist"
+    return f"{path} is a file, not a folder"
