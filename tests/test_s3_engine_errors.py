@@ -172,6 +172,15 @@ def test_a_credential_or_region_with_a_control_character_is_refused_naming_it(
         pytest.fail("no error")
 
 
+def test_a_region_variable_the_client_does_not_use_is_not_checked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """AWS_DEFAULT_REGION is used only where AWS_REGION is not set: a bad one beside a good
+    AWS_REGION harms nothing and refuses nothing."""
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu\n")
+    store_config({"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"})
+
+
 @pytest.mark.parametrize(("url", "endpoint", "named"), [
     ("s3://my bucket/run", "http://127.0.0.1:9", "'my bucket'"),
     ("s3://bucket\n/run", "http://127.0.0.1:9", "'bucket\\n'"),

@@ -104,13 +104,16 @@ def _check_headers(kwargs: dict[str, Any]) -> None:
     holds a control character, often a trailing newline (a key read from a file, a mounted
     secret): obstore's signer panicked on it at the first request (a BaseException that no
     caller catches, with a Rust backtrace)."""
-    fields = [("client_kwargs['region_name']", "region", ("AWS_REGION", "AWS_DEFAULT_REGION"))]
+    env = os.environ
+    # AWS_DEFAULT_REGION only where AWS_REGION is not set (the client does not use it then)
+    regions = [v for v in ("AWS_REGION", "AWS_DEFAULT_REGION") if v in env][:1]
+    fields = [("client_kwargs['region_name']", "region", regions)]
     if not kwargs.get("skip_signature"):
-        fields += [("key", "access_key_id", ("AWS_ACCESS_KEY_ID",)),
-                   ("token", "session_token", ("AWS_SESSION_TOKEN", "AWS_TOKEN"))]
+        fields += [("key", "access_key_id", ["AWS_ACCESS_KEY_ID"]),
+                   ("token", "session_token", ["AWS_SESSION_TOKEN", "AWS_TOKEN"])]
     for name, field, variables in fields:
         given = ([(name, kwargs[field])] if field in kwargs
-                 else [(v, os.environ[v]) for v in variables if v in os.environ])
+                 else [(v, env[v]) for v in variables if v in env])
         for source, value in given:
             if _NOT_IN_HEADERS.search(value):
                 raise ValueError(f"{source} holds a control character (a trailing newline?), "
