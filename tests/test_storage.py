@@ -333,6 +333,27 @@ def test_every_backend_keeps_the_storage_contract(storage: tuple[str, Any]) -> N
 
 
 @pytest.mark.s3
+def test_s3_listings_and_tree_deletes_go_past_one_page(s3_bucket: tuple[str, Any]) -> None:
+    """S3 answers a listing 1,000 keys at a time and deletes at most 1,000 keys a request: a
+    root with more steps, a records folder of more ranks, a step of more objects is listed
+    and deleted whole, not cut at the first page."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore
+
+    from antifragile.engine.storage._s3 import S3Storage
+
+    url, options = s3_bucket
+    s = S3Storage(url, options)
+    names = [f"step_{i:09d}" for i in range(1001)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda name: s.write(f"many/{name}/COMMIT", [b"x"]), names))
+    assert s.list_dir("many") == names
+    assert s.delete_tree("many")
+    assert [o for batch in obstore.list(s.store, "many") for o in batch] == []
+
+
+@pytest.mark.s3
 def test_a_process_forked_after_s3_requests_is_refused_not_hung(
         s3_bucket: tuple[str, dict[str, Any]]) -> None:
     """obstore's runtime does not survive fork: a child that used it would hang on its first
