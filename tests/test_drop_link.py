@@ -316,6 +316,30 @@ def test_an_interrupted_open_leaves_no_namespace(monkeypatch: pytest.MonkeyPatch
     assert _ours() == []
 
 
+@needs_netns
+def test_a_namespace_made_as_open_is_interrupted_is_removed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or SIGTERM) that lands while ``ip netns add`` runs: the namespace is made,
+    but the interrupt comes before open() notes it, and it stayed after the run (a later
+    network of the same chaos process does not reap it: its owner is alive)."""
+    real = netns._ip
+
+    def interrupted(*args: str) -> str:
+        out = real(*args)
+        if args[:2] == ("netns", "add") and args[2].endswith("-h0"):
+            raise KeyboardInterrupt  # the command has run, its caller is interrupted
+        return out
+
+    monkeypatch.setattr(netns, "_ip", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Network(2).open()
+        assert _ours() == []
+    finally:
+        for name in _ours():
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
 def test_an_ip_that_cannot_list_namespaces_makes_them_unavailable(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Root with ``ip`` installed, in a container that forbids namespaces: ``ip netns list``

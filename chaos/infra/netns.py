@@ -190,8 +190,10 @@ class Network:
         try:
             reap_leftovers()
             for name in [self.switch, *(h.namespace for h in self.hosts)]:
-                _ip("netns", "add", name)
+                # noted first: an interrupt during the command may come after it made the
+                # namespace (deleting one that was never made is harmless)
                 self._created.append(name)
+                _ip("netns", "add", name)
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
             _ip("-n", self.switch, "addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", "br0")
             _ip("-n", self.switch, "link", "set", "br0", "up")
