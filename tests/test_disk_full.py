@@ -307,6 +307,32 @@ def test_the_volume_is_unmounted_after_the_run_and_a_leftover_one_too(tmp_path: 
             subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
 
 
+def test_a_volume_mounted_as_chaos_is_interrupted_is_unmounted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or SIGTERM) that lands while mount(8) runs: the tmpfs is made, but the
+    interrupt comes before the block that unmounts it, and it stayed mounted after the run
+    (until a disk_full run of another chaos process)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts need root")
+    real = subprocess.run
+
+    def interrupted(argv: list[str], **kwargs: Any) -> Any:
+        done = real(argv, **kwargs)
+        if argv[0] == "mount":
+            raise KeyboardInterrupt  # the command has run, its caller is interrupted
+        return done
+
+    path = tmp_path / "volume"
+    monkeypatch.setattr(subprocess, "run", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt), checkpoint_volume(path, 16):
+            pass
+        assert not os.path.ismount(path)
+    finally:
+        monkeypatch.undo()
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
 def test_a_mount_chaos_did_not_make_is_left_alone(tmp_path: Path) -> None:
     """``--out`` may be any folder: a file system already mounted at its ``volume`` is
     someone's, never unmounted nor hidden; the fault is then skipped, saying why."""

@@ -82,21 +82,22 @@ def checkpoint_volume(path: Path, size_mib: int) -> Iterator[Volume | str]:
                "--out folder")
         return
     me = os.getpid()
+    source = f"antifragile-disk-full-{me}-{start_time(me)}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m",
-                               f"antifragile-disk-full-{me}-{start_time(me)}", str(path)],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:  # a file in the way, no mount(8)
-        yield f"cannot mount a tmpfs at {path}: {exc}"
-        return
-    if done.returncode != 0:
-        yield f"mount -t tmpfs failed: {(done.stderr or done.stdout).strip()}"
-        return
-    try:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", source,
+                                   str(path)], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:  # a file in the way, no mount(8)
+            yield f"cannot mount a tmpfs at {path}: {exc}"
+            return
+        if done.returncode != 0:
+            yield f"mount -t tmpfs failed: {(done.stderr or done.stdout).strip()}"
+            return
         yield Volume(path, size_mib << 20)
-    finally:
-        _umount(path)
+    finally:  # also when interrupted as mount(8) ran, or after it timed out: if it was made
+        if (os.path.realpath(path), source) in _mounts():
+            _umount(path)
 
 
 class Fill:
