@@ -389,6 +389,50 @@ def test_a_hang_continues_the_group_it_stopped_after_its_leader_is_gone() -> Non
             os.kill(child, signal.SIGKILL)
 
 
+def _process_at(pid: int) -> subprocess.Popen[bytes] | None:
+    """A new process (in a session of its own) given ``pid``, that of a process now gone, as
+    the kernel recycles pids; None if another process on the machine kept taking it first."""
+    for _ in range(200):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # root: the next pid is ours
+            f.write(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+def test_a_hang_never_continues_a_process_that_took_its_ranks_pid(
+        sleeper: subprocess.Popen[bytes]) -> None:
+    """The hung rank is SIGKILLed (its supervisor found the hang) and reaped, and its pid
+    goes to another process, stopped by someone else. The hang's end sent SIGCONT to the
+    pid (to its group: it led one) without checking it was still the rank's, and so
+    continued a process that was not the job's."""
+    if os.geteuid() != 0 or not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
+        pytest.skip("choosing the next pid needs root")
+    target = _target(sleeper.pid)
+    hang = FAULT_CONFIGS["hang_rank"](kind="hang_rank", rank=0, at_step=1, duration_s=300.0,
+                                      mode="process").inject(target, 1)
+    assert hang.missed is None and _state(sleeper.pid) == "T"
+    sleeper.kill()
+    sleeper.wait()
+    other = _process_at(sleeper.pid)
+    if other is None:
+        target.endings.end_now()
+        pytest.skip(f"pid {sleeper.pid} kept being taken by other processes")
+    try:
+        from antifragile.chaos.infra.weed import wait_stopped
+
+        other.send_signal(signal.SIGSTOP)
+        assert wait_stopped(other.pid)
+        target.endings.end_now()
+        assert _state(other.pid) == "T", "the hang's end continued a process not the job's"
+    finally:
+        other.kill()
+        other.wait()
+
+
 @pytest.mark.parametrize("modes", [["delete", "delete"], ["delete", "bitflip"],
                                    ["delete", "truncate"], ["truncate"] * 12])
 def test_a_corruption_that_finds_nothing_left_to_damage_is_missed(tmp_path: Path,

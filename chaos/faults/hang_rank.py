@@ -29,7 +29,7 @@ from antifragile.chaos.faults.base import (
     Target,
     alive,
 )
-from antifragile.chaos.infra.weed import process_state, wait_stopped
+from antifragile.chaos.infra.weed import process_state, start_time, wait_stopped
 
 _PTRACE_DETACH = 17
 _PTRACE_SEIZE = 0x4206
@@ -85,8 +85,13 @@ class HangRank(FaultBase):
             group = os.getpgid(pid) == pid
         except ProcessLookupError:
             group = False  # gone: the signal finds it so
+        started = start_time(pid)
 
         def resume() -> None:
+            # a pid is not given again while its process or a group it led has members: one
+            # that names another process now (the rank killed and reaped) names nothing of ours
+            if start_time(pid) not in (None, started):
+                return
             with contextlib.suppress(ProcessLookupError):
                 if group:
                     os.killpg(pid, signal.SIGCONT)
