@@ -225,6 +225,26 @@ def test_a_fault_ends_once_at_its_time_or_with_the_run() -> None:
     assert ended[2:] == [("after the run", False)]
 
 
+def test_an_end_interrupted_by_ctrl_c_does_not_leave_the_later_ends_unmade() -> None:
+    """Ctrl-C (or SIGTERM, raised once by ``lifetime.stop_once``) that lands in one end as
+    the run ends (a volume server's restart waits up to 30 s): the ends after it were never
+    made, a stopped rank left stopped when its job was killed, their timers still due."""
+    from antifragile.chaos.faults.base import Endings
+
+    ended: list[str] = []
+
+    def interrupted(on_time: bool) -> None:
+        ended.append("interrupted")
+        raise KeyboardInterrupt
+
+    endings = Endings()
+    endings.after(300.0, interrupted)
+    endings.after(300.0, lambda on_time: ended.append("resume"))
+    with pytest.raises(KeyboardInterrupt):
+        endings.end_now()
+    assert ended == ["interrupted", "resume"]
+
+
 def test_the_runner_ends_the_faults_of_a_run_that_stops(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """However the run stops (here its launch fails), the ends of its faults are made."""

@@ -196,13 +196,20 @@ class Endings:
             run_once(False)
 
     def end_now(self) -> None:
-        """The run ended: every end not yet made is made now, in the order they were due."""
+        """The run ended: every end not yet made is made now, in the order they were due;
+        also those after one that a Ctrl-C or SIGTERM interrupted, which is raised after."""
         with self._lock:
             self._closed = True
             due, self._due = self._due, []
+        interrupted: BaseException | None = None
         for timer, run_once in due:
             timer.cancel()
-            run_once(False)
+            try:
+                run_once(False)
+            except BaseException as exc:  # only what run_once lets through: an interrupt
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
 
 
 KILL_WAIT_S = 2.0  # how long ``Target.signal`` waits for a SIGKILLed process to be dead
