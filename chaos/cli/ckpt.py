@@ -221,8 +221,9 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int,
             as_json: bool) -> None:
-    """Arrays, shapes, dtypes, bytes and layout of one committed step. Exit 1 when the step
-    is damaged; exit 2 for a step that is not committed or storage that fails."""
+    """Arrays, shapes, dtypes, bytes and layout of one committed step. Exit 1 when its COMMIT
+    or group document is damaged (it reads no shard object: verify does); exit 2 for a
+    step that is not committed or storage that fails."""
     from antifragile.engine import CheckpointCorruptError, CheckpointError
     from antifragile.engine.load import StepReader, split_cell_key
     from antifragile.engine.storage import open_storage
