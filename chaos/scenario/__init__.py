@@ -238,7 +238,8 @@ class Scenario(_Strict):
             if fault.kind in _COMMAND_REFUSES:
                 raise ValueError(f"{at}.kind: {fault.kind} {_COMMAND_REFUSES[fault.kind]}; a "
                                  "command trainer takes kill_rank, hang_rank (mode process), "
-                                 "corrupt_shard, storage_outage and disk_full")
+                                 "corrupt_shard, storage_outage, storage_node_down and "
+                                 "disk_full")
             if getattr(fault, "mode", None) == "thread" and fault.kind == "hang_rank":
                 raise ValueError(f"{at}.mode: hang_rank mode thread is noticed only by the "
                                  "built-in trainer's supervisor; use mode process")
