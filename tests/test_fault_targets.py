@@ -514,3 +514,64 @@ def test_a_checkpoint_named_by_its_step_is_waited_for_while_it_is_saved(tmp_path
         later.join()
     assert injection.missed is None, injection
     assert injection.detail["checkpoint_step"] == 10
+
+
+@pytest.mark.parametrize(("kind", "mode"), [("kill_rank", None), ("crash_during_save", None),
+                                            ("hang_rank", "process"), ("hang_rank", "thread")])
+def test_a_fault_never_acts_on_a_process_that_took_its_ranks_pid(
+        sleeper: subprocess.Popen[bytes], kind: str, mode: str | None) -> None:
+    """The rank dies and is reaped between the moment the job was seen and the fault (its
+    supervisor killed it, a kill of the same pause point), and its pid goes to another
+    process. The fault checked only that the pid was alive, and so SIGKILLed, SIGSTOPped or
+    ptrace-stopped a process that was not the job's. It is missed: the rank had exited."""
+    if os.geteuid() != 0 or not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
+        pytest.skip("choosing the next pid needs root")
+    target = _target(sleeper.pid)  # made while the rank runs: it is this process
+    sleeper.kill()
+    sleeper.wait()
+    other = _process_at(sleeper.pid)
+    if other is None:
+        pytest.skip(f"pid {sleeper.pid} kept being taken by other processes")
+    try:
+        extra = {"at_checkpoint": 1} if kind == "crash_during_save" else {"at_step": 1}
+        if mode is not None:
+            extra.update(mode=mode, duration_s=300.0)
+        injection = FAULT_CONFIGS[kind](kind=kind, rank=0, **extra).inject(target, 1)
+        target.endings.end_now()
+        assert injection.missed is not None and "exited" in injection.missed, injection
+        assert other.poll() is None, "the fault killed a process not the job's"
+        assert _state(other.pid) not in ("T", "t"), "the fault stopped a process not the job's"
+    finally:
+        target.endings.end_now()
+        other.kill()
+        other.wait()
+
+
+def test_the_runner_names_each_rank_by_the_process_its_start_event_named(
+        sleeper: subprocess.Popen[bytes]) -> None:
+    """A pause point's faults are made on the ranks the job's events named: a rank that died
+    and was reaped before the point's faults were made (another rank paused later) left a
+    pid the target took as the rank's, whoever had it by then."""
+    if os.geteuid() != 0 or not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
+        pytest.skip("choosing the next pid needs root")
+    from antifragile.chaos.run.runner import _Job, _target
+    from antifragile.chaos.scenario import parse_scenario
+
+    s = parse_scenario({"name": "tiny", "trainer": {"command": ["python", "-c", "pass"],
+                                                    "probe": False},
+                        "expect": {"bitwise_equal_to_reference": False}})
+    job = _Job(1)
+    job.see({"event": "start", "attempt": 0, "rank": 0, "pid": sleeper.pid, "t": time.time()})
+    sleeper.kill()
+    sleeper.wait()
+    other = _process_at(sleeper.pid)
+    if other is None:
+        pytest.skip(f"pid {sleeper.pid} kept being taken by other processes")
+    try:
+        target = _target(s, job, "/nonexistent", random.Random(0))
+        kill = FAULT_CONFIGS["kill_rank"](kind="kill_rank", rank=0, at_step=1).inject(target, 1)
+        assert kill.missed is not None and "exited" in kill.missed, kill
+        assert other.poll() is None, "the fault killed a process not the job's"
+    finally:
+        other.kill()
+        other.wait()

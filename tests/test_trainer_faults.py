@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from antifragile.chaos.faults.hang_rank import _ThreadHold
+from antifragile.chaos.infra.weed import start_time
 from tests._trainer import (
     SMALL_MODEL,
     assert_bitwise_equal,
@@ -94,7 +95,7 @@ def test_hung_rank_is_killed_by_its_supervisor_within_the_bound(tmp_path: Path, 
         if mode == "process":
             os.kill(pid, signal.SIGSTOP)
         else:
-            assert _ThreadHold(pid).start() is None
+            assert _ThreadHold(pid, start_time(pid)).start() is None
         stopped_at = time.time()
         detected = _wait_for(tmp_path, lambda e: e["event"] == "hang_detected", timeout_s=60)
         out, _ = proc.communicate(timeout=120)

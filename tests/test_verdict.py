@@ -955,6 +955,7 @@ def test_two_random_kills_at_one_point_hit_two_ranks(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(base.os, "kill", kill)
     monkeypatch.setattr(base.os, "getpgid", lambda pid: 1)  # not group leaders: os.kill
     monkeypatch.setattr(base, "alive", lambda pid: pid not in dead)
+    monkeypatch.setattr(base, "start_time", lambda pid: None if pid in dead else pid)
     for seed in range(20):
         sent.clear()
         dead.clear()

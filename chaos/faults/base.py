@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt
 
-from antifragile.chaos.infra.weed import process_state
+from antifragile.chaos.infra.weed import process_state, start_time
 
 if TYPE_CHECKING:
     from antifragile.chaos.infra.netns import Network
@@ -217,7 +217,11 @@ KILL_WAIT_S = 2.0  # how long ``Target.signal`` waits for a SIGKILLed process to
 
 @dataclass(slots=True)
 class Target:
-    """The running job as the faults see it."""
+    """The running job as the faults see it. A rank is its pid *and* its process's start
+    time (``started``): pids are recycled, and once a rank has died and been reaped its pid
+    may be another process's, even one that is not the job's, which no fault may signal,
+    stop or trace (``runs``). A rank given no start time is the process its pid names when
+    the target is made."""
 
     pids: dict[int, int]  # rank -> worker pid of the current attempt
     coordinates: dict[int, tuple[int, int, int]]  # rank -> (dp, pp, tp)
@@ -234,6 +238,18 @@ class Target:
     volume_unavailable: str | None = None  # why there is none, if one was wanted
     hit: set[int] = field(default_factory=set)  # ranks a fault already signalled (this point)
     endings: Endings = field(default_factory=Endings)  # when faults that last end
+    #: rank -> its process's start time (``start_time``), read when the job named it; None:
+    #: it had exited by then
+    started: dict[int, int | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for rank, pid in self.pids.items():
+            self.started.setdefault(rank, start_time(pid))
+
+    def runs(self, rank: int) -> bool:
+        """Whether ``rank``'s process still runs: its pid is alive and still names it."""
+        pid, started = self.pids[rank], self.started.get(rank)
+        return started is not None and alive(pid) and start_time(pid) == started
 
     def resolve(self, rank: RankTarget) -> int:
         if rank == "random":  # a rank no other fault of the same moment has hit, if any
@@ -250,16 +266,17 @@ class Target:
     def signal(self, rank: int, sig: int) -> str | None:
         """Send ``sig`` to ``rank``'s worker: None once sent, else why it was not (the process
         had exited; a zombie not yet reaped counts, since a signal to one succeeds and does
-        nothing). A worker that leads its process group (torchrun starts each in a session of
-        its own; a user's wrapper script is one) gets it with everything it started: a shell
-        killed alone leaves its training process running, orphaned.
+        nothing; so does a pid that names another process now: see ``runs``). A worker that
+        leads its process group (torchrun starts each in a session of its own; a user's
+        wrapper script is one) gets it with everything it started: a shell killed alone
+        leaves its training process running, orphaned.
 
         A SIGKILL returns once the process is dead (a zombie, or gone; at most
         ``KILL_WAIT_S``): the kernel delivers it a moment after kill(2) returns, and another
         fault of the same moment (a second kill of the rank) must find it dead, not be
         recorded as made and take credit for this one's death."""
         pid = self.pids[rank]
-        if alive(pid):
+        if self.runs(rank):
             try:
                 send(pid, sig)
                 self.hit.add(rank)

@@ -59,7 +59,7 @@ class HangRank(FaultBase):
                              missed=f"rank {rank} (pid {pid}) was stopped already (another "
                                     "fault's hang) when this fault was due")
         if self.mode == "thread":
-            hold = _ThreadHold(pid)
+            hold = _ThreadHold(pid, target.started.get(rank))
             sent_t = time.time()
             error = hold.start()
             if error and (error == _EXITED or not alive(pid)):  # nothing to stop: no fault
@@ -85,7 +85,7 @@ class HangRank(FaultBase):
             group = os.getpgid(pid) == pid
         except ProcessLookupError:
             group = False  # gone: the signal finds it so
-        started = start_time(pid)
+        started = target.started.get(rank)
 
         def resume() -> None:
             # a pid is not given again while its process or a group it led has members: one
@@ -124,8 +124,9 @@ class _ThreadHold:
     first): a hold that kept its own deadline outlived a run that ended sooner, its rank
     still stopped while ``chaos suite`` went on to the next scenario."""
 
-    def __init__(self, tid: int) -> None:
+    def __init__(self, tid: int, started: int | None) -> None:
         self.tid = tid
+        self.started = started  # the start time of the process ``tid`` must still name
         self._stopped = threading.Event()
         self._release = threading.Event()
         self._error: str | None = None
@@ -134,7 +135,8 @@ class _ThreadHold:
 
     def start(self) -> str | None:
         """Returns once the thread is stopped (None), or why it is not: the attach failed
-        (the reason), the thread exited, or it did not stop within ``STOP_WAIT_S``."""
+        (the reason), the thread exited (or its tid names another process now), or it did
+        not stop within ``STOP_WAIT_S``."""
         self._thread.start()
         if self._stopped.wait(STOP_WAIT_S):
             return self._error
@@ -149,6 +151,10 @@ class _ThreadHold:
     def _run(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        if self.started is None or start_time(self.tid) != self.started:  # reaped, pid reused
+            self._error = _EXITED
+            self._stopped.set()
+            return
         if libc.ptrace(_PTRACE_SEIZE, self.tid, None, None) != 0:
             self._error = os.strerror(ctypes.get_errno())
             self._stopped.set()

@@ -23,6 +23,7 @@ from antifragile.chaos.infra.launch import launch, launch_hosts
 from antifragile.chaos.infra.netns import NetnsUnavailable, Network
 from antifragile.chaos.infra.proxy import FaultProxy
 from antifragile.chaos.infra.s3 import ENDPOINT_VARS, RunStorage
+from antifragile.chaos.infra.weed import start_time
 from antifragile.chaos.observe.measure import detection_window_s
 from antifragile.chaos.observe.record import EventLogError, EventTail, RunRecord
 from antifragile.chaos.run.pauses import (
@@ -114,8 +115,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                 if e["event"] == "paused":
                     point = points.get(e["point"])
                     if point is not None and job.all_paused(point, e):
-                        target = _target(s, job.current_pids(), ckpt_url, rng, storage, hosts,
-                                         endings)
+                        target = _target(s, job, ckpt_url, rng, storage, hosts, endings)
                         for index, fault in point.faults:
                             injection = _inject(fault, target, point.step)
                             agents.note(injection)
@@ -149,7 +149,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                           and (s.is_command or job.step < s.trainer.steps)
                           and all(job.runs(max(job.generations), r) for r in pids))
                     if up:
-                        injection = _inject(p.fault, _target(s, pids, ckpt_url, rng, storage,
+                        injection = _inject(p.fault, _target(s, job, ckpt_url, rng, storage,
                                                              hosts, endings),
                                             job.step or (None if s.is_command else 0))
                         agents.note(injection)
@@ -223,6 +223,9 @@ class _Job:
         self.world_size = world_size
         self.generations: dict[int, dict[int, int]] = {}  # generation -> rank -> pid
         self.named_t: dict[tuple[int, int], float] = {}  # (generation, rank) -> when its pid was
+        #: (generation, rank) -> its process's start time (``start_time``), read when an event
+        #: first named it; None: it no longer ran then
+        self.started: dict[tuple[int, int], int | None] = {}
         self.left: dict[int, set[int]] = {}  # generation -> ranks that tore it down
         self.clean: dict[int, set[int]] = {}  # generation -> ranks that exited with code 0
         self.ends: dict[int, float] = {}
@@ -235,6 +238,8 @@ class _Job:
                                      and e["rank"] not in self.generations.get(g, {})):
             self.generations.setdefault(g, {})[e["rank"]] = e["pid"]
             self.named_t[(g, e["rank"])] = e["t"]
+            started = start_time(e["pid"])
+            self.started[(g, e["rank"])] = started if self.runs(g, e["rank"]) else None
         elif e["event"] in ("generation_end", "exit", "rank_died"):
             self.left.setdefault(g, set()).add(e["rank"])
             if e["event"] == "exit" and e.get("code") == 0:
@@ -261,6 +266,11 @@ class _Job:
 
     def current_pids(self) -> dict[int, int]:
         return dict(self.generations[max(self.generations)]) if self.generations else {}
+
+    def current_started(self) -> dict[int, int | None]:
+        """The start time of each rank's process in the newest generation (see ``started``)."""
+        g = max(self.generations, default=None)
+        return {r: self.started[(g, r)] for r in self.generations[g]} if g is not None else {}
 
     def runs(self, g: int, rank: int) -> bool:
         """Whether ``rank``'s process of generation ``g`` still runs: its pid is alive and is
@@ -390,10 +400,13 @@ class _Agents:
         return next((c for c in codes if c), 0)
 
 
-def _target(s: Scenario, pids: dict[int, int], ckpt_url: str, rng: random.Random,
+def _target(s: Scenario, job: _Job, ckpt_url: str, rng: random.Random,
             storage: RunStorage | None = None, hosts: _Hosts | None = None,
             endings: Endings | None = None) -> Target:
-    return Target(pids=dict(pids), coordinates=mesh_coordinates(s), ckpt_url=ckpt_url,
+    """The newest generation's ranks as the faults see them: each its pid and the start time
+    of the process an event named, so that a fault never acts on a later holder of the pid."""
+    return Target(pids=job.current_pids(), started=job.current_started(),
+                  coordinates=mesh_coordinates(s), ckpt_url=ckpt_url,
                   rng=rng, ckpt_engine=s.checkpoint.engine,
                   network=hosts.network if hosts else None,
                   network_error=hosts.error if hosts else None,
