@@ -575,3 +575,51 @@ def test_the_runner_names_each_rank_by_the_process_its_start_event_named(
     finally:
         other.kill()
         other.wait()
+
+
+def test_ending_the_job_never_kills_a_process_that_took_a_workers_pid(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's end lists each agent's workers, kills the agent, then each worker (its
+    group): a worker that died meanwhile (here as its agent is killed) and was reaped left a
+    pid that the kill sent SIGKILL to, whoever had it by then."""
+    if os.geteuid() != 0 or not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
+        pytest.skip("choosing the next pid needs root")
+    from antifragile.chaos.infra.weed import start_time
+    from antifragile.chaos.run import runner
+
+    agent = subprocess.Popen(  # a torchrun agent: each worker in a session of its own
+        [sys.executable, "-c", "import os, subprocess, time; "
+         "p = subprocess.Popen(['sleep', '120'], start_new_session=True); "
+         "print(p.pid, flush=True); os.wait(); time.sleep(120)"],
+        start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert agent.stdout is not None
+    worker = int(agent.stdout.readline())
+    worker_started = start_time(worker)
+    taken: list[subprocess.Popen[bytes]] = []
+    real_killpg = os.killpg
+
+    def worker_dies_as_its_agent_is_killed(pgid: int, sig: int) -> None:
+        if pgid != agent.pid:
+            return real_killpg(pgid, sig)
+        os.kill(worker, signal.SIGKILL)  # the agent reaps it
+        while _state(worker) is not None:
+            time.sleep(0.01)
+        real_killpg(pgid, sig)
+        other = _process_at(worker)
+        if other is not None:
+            taken.append(other)
+
+    monkeypatch.setattr(runner.os, "killpg", worker_dies_as_its_agent_is_killed)
+    try:
+        runner._Agents([agent]).kill()
+        if not taken:
+            pytest.skip(f"pid {worker} kept being taken by other processes")
+        assert taken[0].poll() is None, "the job's end killed a process not the job's"
+    finally:
+        agent.kill()
+        agent.wait()
+        if start_time(worker) == worker_started:  # still ours
+            os.kill(worker, signal.SIGKILL)
+        for other in taken:
+            other.kill()
+            other.wait()

@@ -380,14 +380,16 @@ class _Agents:
     def kill(self) -> None:
         """SIGKILL each agent that still runs, with its workers: torchrun starts each in a
         session of its own, which a signal to the agent's group does not reach (a user's
-        script outlived an aborted run)."""
+        script outlived an aborted run). A worker is killed only while its pid still names
+        it: one that died since it was listed may have been reaped, its pid another's."""
         for p in self.procs:
             if p.poll() is None:
-                workers = children(p.pid)
+                workers = {pid: start_time(pid) for pid in children(p.pid)}
                 os.killpg(p.pid, signal.SIGKILL)
-                for pid in workers:  # each with what it started (its group, if it leads one)
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        send(pid, signal.SIGKILL)
+                for pid, started in workers.items():  # each with what it started (its group)
+                    if started is not None and start_time(pid) == started:
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            send(pid, signal.SIGKILL)
                 p.wait()
 
     @property
