@@ -505,6 +505,41 @@ def test_run_storage_uses_the_configured_endpoint_and_checks_the_prefix(
         pass
 
 
+def test_an_interrupt_as_run_storage_is_set_up_closes_its_fault_proxy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C or SIGTERM landing between the fault proxy's start and the block that closes
+    it (here as the trainer's endpoint is read from it) left the proxy listening, its thread
+    accepting, until chaos exited: a ``chaos suite`` ran every later scenario beside it."""
+    made: list[FaultProxy] = []
+    real_in_front_of = FaultProxy.in_front_of
+
+    def in_front_of(endpoint_url: str, **kwargs: Any) -> FaultProxy:
+        made.append(real_in_front_of(endpoint_url, **kwargs))
+        return made[-1]
+
+    def interrupted(self: FaultProxy) -> str:
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def given(_: str | None = None) -> Iterator[s3.S3Endpoint]:
+        yield s3.S3Endpoint("http://127.0.0.1:9", {})
+
+    monkeypatch.setattr(s3, "endpoint", given)
+    monkeypatch.setattr(s3, "prepare", lambda url, ep: None)
+    monkeypatch.setattr(FaultProxy, "in_front_of", in_front_of)
+    monkeypatch.setattr(FaultProxy, "endpoint_url", property(interrupted))
+    s = parse_scenario(_scenario("outage", _fresh_url(), [OUTAGE]))
+    try:
+        with pytest.raises(KeyboardInterrupt), \
+                s3.run_storage(s, tmp_path, progress=lambda _: None):
+            pass
+        assert len(made) == 1
+        assert made[0]._listener.fileno() == -1, "the fault proxy still listens"
+    finally:
+        for proxy in made:
+            proxy.close()
+
+
 # -- scenario rules and measurements (no processes) --------------------------------------------
 
 

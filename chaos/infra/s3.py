@@ -333,14 +333,14 @@ def _s3_run_storage(s: Scenario, url: str, progress: Callable[[str], None]
                      "servers; a demo: its data go when the run ends)")
         storage = RunStorage(url, trainer_env=dict(ep.env), endpoint=ep.url,
                              cluster=ep.cluster)
-        if any(f.kind == "storage_outage" for f in s.faults):
-            try:
-                storage.proxy = FaultProxy.in_front_of(ep.url)
-            except ValueError as exc:
-                storage.proxy_unavailable = str(exc)
-        trainer_endpoint = storage.proxy.endpoint_url if storage.proxy else ep.url
-        storage.trainer_env.update({var: trainer_endpoint for var in ENDPOINT_VARS})
-        try:
+        try:  # the proxy is closed however the run ends, also as it is being set up
+            if any(f.kind == "storage_outage" for f in s.faults):
+                try:
+                    storage.proxy = FaultProxy.in_front_of(ep.url)
+                except ValueError as exc:
+                    storage.proxy_unavailable = str(exc)
+            trainer_endpoint = storage.proxy.endpoint_url if storage.proxy else ep.url
+            storage.trainer_env.update({var: trainer_endpoint for var in ENDPOINT_VARS})
             yield storage
         finally:
             if storage.proxy is not None:
