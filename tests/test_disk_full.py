@@ -222,6 +222,40 @@ def test_the_fill_takes_the_free_space_and_what_is_freed_until_it_ends(volume: V
     (volume.path / "new").write_bytes(bytes(1 << 20))
 
 
+def test_an_interrupt_as_the_fault_is_recorded_leaves_no_fill_going(
+        volume: Volume, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C or SIGTERM landing after the fill started and before its end was registered
+    (here as the injection is recorded) left it holding the volume full, its thread taking
+    what is freed, until chaos exited: the run's end (``end_now``) knew of no fill to stop."""
+    from antifragile.chaos.faults import disk_full
+    from antifragile.chaos.infra import volume as volumes
+
+    made: list[Fill] = []
+
+    class Recorded(Fill):
+        def __init__(self, v: Volume) -> None:
+            super().__init__(v)
+            made.append(self)
+
+    def interrupted(*args: Any, **kwargs: Any) -> Injection:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(volumes, "Fill", Recorded)
+    monkeypatch.setattr(disk_full, "Injection", interrupted)
+    target = Target(pids={}, coordinates={}, ckpt_url=str(volume.path / "ckpt"),
+                    rng=random.Random(0), volume=volume)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            DiskFull(kind="disk_full", at_step=1, duration_s=300.0).inject(target, 1)
+        target.endings.end_now()  # the run's end
+        assert not any(fill._thread.is_alive() for fill in made), "a fill still runs"
+        assert not list(volume.path.glob("disk_full.*")) and volume.free_bytes() > 0
+    finally:
+        for fill in made:
+            if fill._thread.is_alive():
+                fill.stop()
+
+
 def test_a_fill_that_lost_a_race_to_a_writer_still_fills(volume: Volume,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A save in flight takes space between the fill's look at the free space and its

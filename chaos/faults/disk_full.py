@@ -42,11 +42,9 @@ class DiskFull(FaultBase):
         if target.volume is None:
             reason = target.volume_unavailable or "no checkpoint volume mounted by chaos"
             return Injection(self.kind, time.time(), step=step, skipped=reason)
-        fill = Fill(target.volume)
         injection = Injection(self.kind, time.time(), step=step, detail={
             "duration_s": self.duration_s, "volume_mib": target.volume.size_bytes >> 20,
-            "ended_t": None,
-            "filled_bytes": fill.filled_bytes, "error": fill.error})
+            "ended_t": None})
 
         def end(on_time: bool) -> None:
             fill.stop()
@@ -54,5 +52,8 @@ class DiskFull(FaultBase):
                 injection.detail.update(ended_t=time.time(), filled_bytes=fill.filled_bytes,
                                         error=fill.error)
 
+        fill = Fill(target.volume)  # its thread runs from here: its end is registered at once
         target.endings.after(self.duration_s, end)
+        injection.detail.setdefault("filled_bytes", fill.filled_bytes)  # unless its end
+        injection.detail.setdefault("error", fill.error)  # came first (a short duration_s)
         return injection
