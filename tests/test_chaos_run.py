@@ -328,6 +328,41 @@ def test_an_interrupt_while_the_faults_end_still_stops_the_job(
         runner._Agents(jobs).kill()
 
 
+def test_a_relay_that_cannot_be_made_leaves_no_socket_listening(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Emulated hosts reach S3 through a relay on their network's bridge: the socket
+    ``Network.listen`` opened for it stayed open (listening, until chaos exited) when the
+    relay could not be made on it (an endpoint the relay cannot carry)."""
+    import socket
+
+    from antifragile.chaos.infra.s3 import RunStorage
+    from antifragile.chaos.run import runner
+
+    opened: list[socket.socket] = []
+
+    class Bridge:
+        def listen(self) -> socket.socket:
+            opened.append(socket.create_server(("127.0.0.1", 0)))
+            return opened[-1]
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(runner._Hosts, "open", classmethod(lambda cls, nodes: cls(Bridge())))
+    s = parse_scenario({"name": "tiny", "trainer": {
+        "command": ["python", "-c", "pass"], "probe": False},
+        "expect": {"bitwise_equal_to_reference": False}})
+    storage = RunStorage("s3://b/p", trainer_env={"AWS_ENDPOINT_URL": "https://s3.example"},
+                         endpoint="https://s3.example")
+    try:
+        with pytest.raises(ValueError, match="plain http"):
+            runner.run_scenario(s, tmp_path / "run", "s3://b/p", storage=storage)
+        assert len(opened) == 1 and opened[0].fileno() == -1, "the relay's socket is open"
+    finally:
+        for sock in opened:
+            sock.close()
+
+
 def test_a_launched_job_leaves_no_temporary_folder(tmp_path: Path) -> None:
     """torchrun keeps its per-worker folders (error files, log redirects) under a
     ``torchelastic_*`` folder it makes in the temporary folder and never deletes: every run

@@ -92,8 +92,12 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
         env = storage.trainer_env if storage else None
         if hosts.network is not None and env and storage and storage.endpoint:
             # emulated hosts reach only the emulated network: S3 is relayed from the bridge
-            relay = FaultProxy.in_front_of(env["AWS_ENDPOINT_URL"],
-                                           listener=hosts.network.listen())
+            listener = hosts.network.listen()
+            try:
+                relay = FaultProxy.in_front_of(env["AWS_ENDPOINT_URL"], listener=listener)
+            except BaseException:  # once made, the relay closes it
+                listener.close()
+                raise
             env = {**env, **{var: relay.endpoint_url for var in ENDPOINT_VARS}}
         agents.procs = (launch_hosts(s, run_dir, ckpt_url, max_restarts=max_restarts,
                                      network=hosts.network, env=env) if hosts.network
