@@ -748,6 +748,24 @@ def test_a_connection_opened_at_a_reused_descriptor_is_shut_down() -> None:
         peer.close()
 
 
+def test_a_generation_that_failed_while_it_formed_shuts_its_connections_once_formed() -> None:
+    """The failure watch fired while the training thread still built the generation's groups
+    (before ``end``): only the store link was cut, and the gloo connections formed before
+    that were never shut down, so the survivors went on into the restore's collectives of a
+    failed generation (waiting out the collective timeout for a lost host). ``end`` now shuts
+    them down at once."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sockets = GlooSockets(keep_ports=set())
+        sockets.begin()
+        gloo, gloo_peer = _connected(server)  # formed before the failure
+        assert sockets.shutdown() == 0  # the watch fires: forming, no store link to cut
+        sockets.end()  # the training thread finishes the formation after that
+        gloo_peer.settimeout(5)
+        assert gloo_peer.recv(1) == b""  # the connection was shut down
+        gloo.close()
+        gloo_peer.close()
+
+
 def test_a_captured_descriptor_reused_after_the_formation_is_left_alone() -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         sockets = GlooSockets(keep_ports=set())

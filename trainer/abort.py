@@ -92,6 +92,7 @@ class GlooSockets:
         self.links = dict(links or {})  # the group's store connection (see ``store_link``)
         self.cut = False  # the store connection was shut down: the next group needs another
         self._ended = False
+        self._aborted = False  # ``shutdown`` was called (the generation failed)
 
     @staticmethod
     def _sockets() -> dict[int, int]:
@@ -107,14 +108,21 @@ class GlooSockets:
         self._before = set(self._sockets().values())
 
     def end(self) -> None:
+        """The formation is over: capture its connections. Where the generation failed while
+        it formed (``shutdown`` cut only the store link, and gloo's connections formed before
+        that are not woken by it), they are shut down here, at once: else the training thread
+        would go on into the next collectives of a failed generation."""
         self.fds = {fd: inode for fd, inode in self._sockets().items()
                     if inode not in self._before}
         self._ended = True
+        if self._aborted:  # set before ``shutdown`` reads ``_ended``: one of the two shuts
+            self.shutdown()
 
     def shutdown(self) -> int:
         """While forming, the generation's store link; once formed, every captured connection
         (not listeners, not store connections). Returns how many were shut down. Thread-safe
-        with respect to the collectives and store waits it interrupts."""
+        with respect to the collectives and store waits it interrupts, and to :meth:`end`."""
+        self._aborted = True
         if not self._ended:  # forming: a rendezvous may wait in the store for a dead member
             cut = sum(_shut(fd, inode, keep_ports=set()) for fd, inode in self.links.items())
             self.cut = self.cut or cut > 0
