@@ -682,6 +682,34 @@ def test_a_coordinator_that_dies_before_publishing_is_taken_over_by_its_supervis
     assert time.monotonic() - t0 < 5.0
 
 
+def test_a_take_over_publishes_before_the_survivors_give_up() -> None:
+    """The coordinator dies while it waits for a member that is neither alive nor reported
+    dead (stuck): its supervisor takes over, counting that member lost at a deadline of its
+    own. The supervisor waits ``reform_timeout_s`` = 2 x the collective timeout, as long as a
+    survivor waits for the next generation, and gave the take-over that whole time too: it
+    published after the survivors had given up, and the job restarted. The take-over now
+    decides within one collective timeout, the "one more" a survivor waits for."""
+    timeout_s = 1.0  # the collective timeout: a survivor waits 2 x for the next generation
+    store = _store()
+    first = first_formation(JobStore(store, "a0"), 0, range(3))
+    _spares_ready(JobStore(store, "a0"), "3.0", "4.0")
+    js = JobStore(store, "a0")
+    js.set("g0/fail", {"reason": "rank 2 stuck"})
+    js.set("g0/alive/0.0", 1.0)  # rank 0's part of recover(), up to its claim
+    js.add("g0/arrived_alive", 1)
+    assert js.add("g0/coordinator", 1) == 1
+    js.set("g0/coordinator/by", "0.0")
+    survivor: list[Formation | str] = []
+    thread = threading.Thread(target=lambda: survivor.append(
+        recover(JobStore(store, "a0"), "1.0", first, timeout_s=timeout_s)))
+    thread.start()
+    time.sleep(0.3)  # rank 0 dies a while after the others arrived; rank 2 never shows
+    assert report_death(JobStore(store, "a0"), me="0.0", successor=None, generation=0,
+                        how="signal 9", member=True, reform_timeout_s=2 * timeout_s)
+    thread.join(10.0)
+    assert survivor == [Formation(1, ("3.0", "1.0", "4.0"))]
+
+
 class _Died(Exception):
     """The coordinator's process died here."""
 

@@ -351,7 +351,9 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
     if not member:
         return True
     if js.has(f"g{generation}/coordinator/by") and js.get(f"g{generation}/coordinator/by") == me:
-        _take_over(js, generation, reform_timeout_s)
+        # within half of it, the "one more" timeout of ``recover``: the survivors wait
+        # ``reform_timeout_s`` (2 x the collective timeout) from their arrival, before this
+        _take_over(js, generation, reform_timeout_s / 2)
     # published before the generation could start (None for one formed by hand, in tests)
     size = len(js.get(f"g{generation}/members")) if js.has(f"g{generation}/members") else None
     deadline = time.monotonic() + reform_timeout_s
