@@ -338,6 +338,21 @@ def test_a_spare_registered_as_the_job_finished_is_released() -> None:
     assert wait_for_assignment(js, "4.1") is None
 
 
+def test_a_member_that_dies_after_the_job_finished_is_not_waited_for() -> None:
+    """Rank 1 dies after rank 0 finished the run (its last checkpoint committed on every rank:
+    ``finish``), in its own teardown: nobody is left to re-form the generation, and its
+    supervisor waited the whole re-formation timeout (2 x the collective timeout), then exited
+    non-zero, for torchrun to restart a finished job. The job is done: nothing to wait for."""
+    store = _store()
+    js = JobStore(store, "a0")
+    first_formation(js, 0, range(2))
+    finish(js)
+    t0 = time.monotonic()
+    assert report_death(JobStore(store, "a0"), me="1.0", successor=None, generation=0,
+                        how="signal 9", member=True, reform_timeout_s=30.0)
+    assert time.monotonic() - t0 < 5.0
+
+
 def test_finish_releases_idle_spares() -> None:
     store = _store()
     js = JobStore(store, "a0")

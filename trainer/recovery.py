@@ -336,9 +336,9 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
                  member: bool, reform_timeout_s: float) -> bool:
     """The supervisor of a dead training process (in-process mode): register the fresh process
     it will fork (``successor``, if any) as a spare, then say ``me`` is dead; for a member of a
-    generation, wait until the survivors have re-formed. False: they could not (no spare, no
-    survivor at all, or nothing happened within ``reform_timeout_s``), and the job must
-    restart.
+    generation, wait until the survivors have re-formed, or the job is done (``finish``).
+    False: they could not (no spare, no survivor at all, or nothing happened within
+    ``reform_timeout_s``), and the job must restart.
 
     The successor is registered before the death is reported, so a coordinator that sees the
     death also sees the spare: a second loss while the survivors re-form (a survivor stuck in
@@ -363,6 +363,8 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
         if size is not None and js.add(f"g{generation}/deaths", 0) >= size \
                 and js.add(f"g{generation}/coordinator", 1) == 1:
             _nobody_left(js, generation)
+        elif job_done(js):  # a death in the teardown of a finished run: nobody re-forms it,
+            return True  # and its last checkpoint committed on every rank (``finish``)
         elif time.monotonic() > deadline:
             return False
         else:
