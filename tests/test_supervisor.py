@@ -79,6 +79,33 @@ def test_the_adaptive_timeout_follows_slow_steps() -> None:
     assert dog.timeout_s() == 40.0  # 20 x p99, above the floor
 
 
+def test_the_watchdogs_memory_does_not_grow_with_the_length_of_the_run() -> None:
+    """The supervisor lives as long as its slot (every generation of an in-process job), and
+    its watchdog kept every interval it saw (up to 20 a second: 1.7 million a day), of which
+    the timeout reads the latest 1,000."""
+    import tracemalloc
+
+    dog = Watchdog(floor_s=0.1, k=20.0)
+    t = 0.0
+
+    def look(n: int) -> None:
+        nonlocal t
+        for _ in range(n):
+            t += 0.05
+            assert dog.observe(t, int(t * 20), Phase.TRAINING, False) is None
+
+    look(2_000)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        look(50_000)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 100_000, grown
+    assert dog.timeout_s() == pytest.approx(1.0)  # 20 x p99 of the latest (0.05 s)
+
+
 def test_saves_restores_and_pauses_are_not_taken_for_training_intervals() -> None:
     # a 30 s blocking save between fast steps: the counter moves into CHECKPOINT and back
     # into TRAINING; the 30 s between those two changes is not an interval between bumps of

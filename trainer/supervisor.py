@@ -36,6 +36,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,9 @@ SPARE_RETRIES = 3  # fresh processes of a slot that die in a row before they tra
 # bump meanwhile (see ``Watchdog.observe``)
 LATE_LOOK_S = 1.0
 _PR_SET_PDEATHSIG = 1
+# the latest intervals the adaptive timeout is judged from: a window, not the whole run (the
+# supervisor lives as long as its slot, and sees up to 1 / WATCH_POLL_S intervals a second)
+INTERVAL_WINDOW = 1000
 
 
 @dataclass(slots=True)
@@ -92,7 +96,7 @@ class Watchdog:
     k: float = 20.0
     escalate: float = STALL_ESCALATION
     max_round_s: float | None = None  # a later look counts as this long (None: as it came)
-    _intervals: list[float] = field(default_factory=list)
+    _intervals: deque[float] = field(default_factory=lambda: deque(maxlen=INTERVAL_WINDOW))
     _last_counter: int = -1
     _last_change: float = 0.0
     _last_phase: Phase | None = None  # the phase seen at the last change of the counter
@@ -105,7 +109,7 @@ class Watchdog:
             return self.hang_timeout_s
         if len(self._intervals) < 10:
             return self.floor_s
-        ordered = sorted(self._intervals[-1000:])
+        ordered = sorted(self._intervals)
         p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
         return max(self.floor_s, self.k * p99)
 
