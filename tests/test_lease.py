@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch.distributed as dist
 
 from antifragile.trainer.lease import (
@@ -258,3 +259,67 @@ def test_an_idle_spare_declared_lost_that_was_only_slow_learns_it_and_leaves() -
         assert got and isinstance(got[0], str) and "lost" in got[0], got
     finally:
         finish(js)  # releases the waiter should it still wait
+
+
+class _RefusesOnce:
+    """The attempt's store with the first write of ``key`` refused (a TCPStore request that
+    hit a connection reset or a timeout): raised before it takes effect."""
+
+    def __init__(self, attempt: object, key: str) -> None:
+        self._attempt, self._key, self.refused = attempt, key, False
+
+    def _write(self, name: str, key: str, *args: object) -> object:
+        if key == self._key and not self.refused:
+            self.refused = True
+            raise RuntimeError("Connection reset by peer")
+        return getattr(self._attempt, name)(key, *args)
+
+    def set(self, key: str, value: object) -> object:
+        return self._write("set", key, value)
+
+    def compare_set(self, key: str, expected: object, desired: object) -> object:
+        return self._write("compare_set", key, expected, desired)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._attempt, name)
+
+
+def test_a_death_declared_in_part_is_completed_by_the_next_declaration() -> None:
+    """A store error between the steps of a declaration (the death counted as said, the
+    generation not yet failed) left it half made for good: every later declaration found it
+    said and did nothing, so no survivor learnt of the death before the coordinator's deadline
+    (a whole collective timeout, not the lease). A declaration is now safe to repeat: the next
+    one completes it, and one more changes nothing."""
+    js = _js(dist.HashStore())
+    first_formation(js, 0, range(2))
+    refusing = _RefusesOnce(js.attempt, "g0/fail")
+    js.attempt = refusing  # type: ignore[assignment]
+    how = "lost: no lease renewal from slot 1's supervisor for 6.0 s"
+    with pytest.raises(RuntimeError, match="reset"):
+        declare_dead(js, me="1.0", generation=0, how=how, member=True)
+    assert refusing.refused and not js.has("g0/fail")
+    assert declare_dead(js, me="1.0", generation=0, how=how, member=True)  # the same word
+    assert js.has("g0/fail") and js.get("dead/1.0")["how"] == how
+    assert not declare_dead(js, me="1.0", generation=0, how="signal 9", member=True)
+    assert js.get("dead/1.0")["how"] == how and js.add("g0/deaths", 0) == 1
+
+
+def test_a_monitor_declares_again_a_loss_the_store_refused() -> None:
+    """The monitor marked a worker declared before it declared it: a store error in between
+    (the write of ``dead/<id>`` refused) and the loss was never declared: the generation was
+    not failed, and the survivors waited the coordinator's deadline instead of the lease."""
+    js = _js(dist.HashStore())
+    first_formation(js, 0, range(2))
+    js.set("lease/1", {"worker": "1.0", "generation": 0, "member": True, "n": 1})  # silent
+    refusing = _RefusesOnce(js.attempt, "dead/1.0")
+    js.attempt = refusing  # type: ignore[assignment]
+    told: list[Lost] = []
+    LeaseMonitor(2, lease_s=0.1, interval_s=0.02).start(js, told.append)
+    deadline = time.monotonic() + 5.0
+    while not told and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    js.set("done", 1.0)  # the monitor stops
+    assert refusing.refused
+    assert [lost.worker for lost in told] == ["1.0"] and js.has("g0/fail")
+    assert js.add("g0/deaths", 0) == 1

@@ -350,8 +350,8 @@ def test_too_few_spares_falls_back_to_a_restart() -> None:
     js = JobStore(store, "a0")
     first = first_formation(js, 0, range(3))
     register_spare(js, "3.0")
-    js.set("dead/1.0", {})
-    js.set("dead/2.0", {})
+    for dead in ("1.0", "2.0"):  # as ``declare_dead`` says it (``report_death`` reads it)
+        js.set(f"dead/{dead}", {"how": "signal 9", "generation": 0, "member": True})
     reason = recover(js, "0.0", first, timeout_s=5.0)
     assert isinstance(reason, str) and "2 rank(s) lost and 1 spare(s) left" in reason
     assert not report_death(js, me="1.0", successor=None, generation=0, how="signal 9",
@@ -663,6 +663,10 @@ class _CountingStore(dist.Store):
     def check(self, keys):  # type: ignore[no-untyped-def]
         self._count()
         return self.inner.check(keys)
+
+    def compare_set(self, key, expected, desired):  # type: ignore[no-untyped-def]
+        self._count()
+        return self.inner.compare_set(key, expected, desired)
 
     def wait(self, keys, timeout=None):  # type: ignore[no-untyped-def]
         self._count()

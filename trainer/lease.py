@@ -118,6 +118,7 @@ class LeaseMonitor:
     _seen: dict[int, tuple[int, float]] = field(default_factory=dict)  # slot -> (n, changed at)
     _lost: set[str] = field(default_factory=set)  # workers already declared
     _known: set[str] = field(default_factory=set)  # lease keys that exist
+    _due: list[tuple[int, Holder, float]] = field(default_factory=list)  # found, not declared
     _looked: float | None = None  # ``now`` of the previous round
     _clock: float = 0.0  # seconds the monitor looked for (see ``observe``)
 
@@ -170,8 +171,12 @@ class LeaseMonitor:
                 values = js.attempt.multi_get(present) if present else []
                 leases = {int(k.rpartition("/")[2]): json.loads(v)
                           for k, v in zip(present, values)}
-                for slot, holder, silent in self.observe(time.monotonic(), leases):
-                    lost = declare_lost(js, slot, holder, silent)
+                # found lost once (``observe``), declared until a declaration got through:
+                # one a store error cut short is made again, whole, on the next round
+                self._due.extend(self.observe(time.monotonic(), leases))
+                while self._due:
+                    lost = declare_lost(js, *self._due[0])
+                    self._due.pop(0)
                     if lost is not None:
                         on_lost(lost)
             except Exception:  # the store is gone (the job is over or restarting: this

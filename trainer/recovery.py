@@ -313,11 +313,17 @@ def declare_dead(js: JobStore, *, me: str, generation: int, how: str, member: bo
     """Say worker ``me`` is dead: a member fails ``generation``; an idle spare is only left
     out of re-formations, unless it was just given a place (see ``_coordinate``), whose
     generation then fails. Said by its supervisor (``report_death``) or, for a slot that died
-    whole, by the lease monitor (``trainer.lease``); a death said twice counts once. False:
-    it had been said before."""
-    if js.add(f"dead/{me}/said", 1) > 1:  # the first word on it stands
-        return False
-    js.set(f"dead/{me}", {"how": how, "generation": generation, "t": time.time()})
+    whole, by the lease monitor (``trainer.lease``). False: it had been said before, in other
+    words (``how``).
+
+    Safe to repeat, and to repeat after a store error part way: the first word on a death
+    stands (``dead/<id>``, written once) and every declaration completes what it says, so the
+    next one finishes a declaration cut short. The death is counted in ``g<g>/deaths`` at
+    most once (twice would read as two ranks gone); a count a store error lost is found by the
+    coordinator's scan of the members (``_dead_members``)."""
+    said = {"how": how, "generation": generation, "member": member, "t": time.time()}
+    first = json.loads(js.attempt.compare_set(f"dead/{me}", "", json.dumps(said)))
+    generation, member, how = int(first["generation"]), bool(first["member"]), first["how"]
     if not member:
         # no place for it from now on, and it learns so (``wait_for_assignment``): one only
         # slow (its slot judged lost by the leases) leaves, and its supervisor refills the slot
@@ -326,10 +332,11 @@ def declare_dead(js: JobStore, *, me: str, generation: int, how: str, member: bo
         if not doc.get("done") and not doc.get("lost"):  # it was just given a place
             signal_failure(js, int(doc["generation"]), f"spare {me} died ({how}) before "
                                                        "it joined")
-        return True
-    js.add(f"g{generation}/deaths", 1)
-    signal_failure(js, generation, f"worker {me} died ({how})")
-    return True
+    else:
+        if js.add(f"dead/{me}/counted", 1) == 1:
+            js.add(f"g{generation}/deaths", 1)
+        signal_failure(js, generation, f"worker {me} died ({how})")
+    return how == said["how"]
 
 
 def report_death(js: JobStore, *, me: str, successor: str | None, generation: int, how: str,
