@@ -1238,3 +1238,110 @@ def test_the_trainer_fixes_cublas_workspace_for_deterministic_gemms() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=60, env={**env, "CUBLAS_WORKSPACE_CONFIG": ":16:8"})
     assert done.stdout.strip() == ":16:8", done.stderr
+
+
+class _ResetStore:
+    """A store client whose connection was reset: every request raises."""
+
+    def __getattr__(self, name: str) -> Any:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("Connection reset by peer")
+        return refused
+
+
+def _reset_client() -> JobStore:
+    import torch.distributed as dist
+
+    js = JobStore(dist.HashStore(), "a0")
+    js.attempt = _ResetStore()  # type: ignore[assignment]
+    return js
+
+
+def _watch_over(clients: list[Any], **kwargs: Any
+                ) -> tuple[FailureWatch, threading.Event, list[threading.ExceptHookArgs]]:
+    """A watch whose store clients are ``clients`` in turn (the first made at once), and the
+    errors its thread died of (``threading.excepthook`` is the caller's to restore)."""
+    aborted, died = threading.Event(), []
+    threading.excepthook = died.append
+    made = iter(clients)
+
+    def make_store() -> JobStore:
+        client = next(made)
+        if isinstance(client, Exception):
+            raise client
+        return client if isinstance(client, JobStore) else JobStore(client, "a0")
+
+    watch = FailureWatch(make_store, 3, aborted.set, **kwargs)
+    watch.start()
+    return watch, aborted, died
+
+
+def test_a_failure_watch_survives_a_reset_of_its_store_connection() -> None:
+    """Its client's connection reset: the wait raised, its fallback ``has`` raised too, and
+    the thread died (a traceback, nothing retried): a failure of the generation was then found
+    only by a collective error or timeout, and a rank held at a pause point waited for chaos's
+    release. Now it connects again and goes on watching."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    hook = threading.excepthook
+    watch, aborted, died = _watch_over([_reset_client(), store])
+    try:
+        time.sleep(0.3)  # the reset, then the retry
+        assert not aborted.is_set(), "a store error alone is not a failure of the generation"
+        signal_failure(JobStore(store, "a0"), 3, "worker 1.0 died")
+        assert aborted.wait(5), "the failure was not seen after the store connection reset"
+        assert watch.fired.is_set() and not died
+    finally:
+        threading.excepthook = hook
+        watch.stop()
+
+
+def test_a_failure_watch_whose_store_is_gone_acts_as_on_a_failure() -> None:
+    """The store is gone for good (no client connects again): the job can no longer
+    coordinate, a failure of the generation; the watch aborts it rather than die silently."""
+    hook = threading.excepthook
+    gone = RuntimeError("Connection refused")
+    watch, aborted, died = _watch_over([_reset_client()] + [gone] * 100, store_gone_s=0.5)
+    try:
+        assert aborted.wait(5), "the watch did not act on a store that is gone"
+        assert watch.fired.is_set() and not died
+    finally:
+        threading.excepthook = hook
+        watch.stop()
+
+
+def test_a_failure_watch_counts_the_store_gone_from_its_latest_error_not_its_first() -> None:
+    """Two resets a while apart are two short outages, not one long one."""
+    import torch.distributed as dist
+
+    store, cut = dist.HashStore(), threading.Event()
+
+    class ResetLater:  # a client that works until ``cut``
+        def __init__(self, attempt: Any) -> None:
+            self._attempt = attempt
+
+        def wait(self, keys: list[str], timeout: Any) -> None:
+            if not cut.wait(timeout.total_seconds()):
+                raise RuntimeError("Socket Timeout")
+            raise RuntimeError("Connection reset by peer")
+
+        def check(self, keys: list[str]) -> bool:
+            if cut.is_set():
+                raise RuntimeError("Connection reset by peer")
+            return bool(self._attempt.check(keys))
+
+    later = JobStore(store, "a0")
+    later.attempt = ResetLater(later.attempt)  # type: ignore[assignment]
+    hook = threading.excepthook
+    watch, aborted, died = _watch_over([_reset_client(), later, JobStore(store, "a0")],
+                                       store_gone_s=0.5)
+    try:
+        time.sleep(1.0)  # reconnected after the first reset; the second comes later
+        cut.set()
+        assert not aborted.wait(1.0), "a second short outage was taken for the store gone"
+        signal_failure(JobStore(store, "a0"), 3, "worker 1.0 died")
+        assert aborted.wait(5) and not died
+    finally:
+        threading.excepthook = hook
+        watch.stop()

@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from antifragile.trainer.progress import Phase, SharedProgress
+from antifragile.trainer.progress import LEASE_S, Phase, SharedProgress
 
 if TYPE_CHECKING:
     from antifragile.trainer.recovery import JobStore
@@ -43,6 +44,12 @@ STUCK_GAPS = 20
 # the group's timeout (see ``FailureWatch``). 0.25 s: five samples of the watch; with 0.5 s
 # the 2x2x2 recoveries with a parked survivor took 2.0-2.1 s (1.1-1.6 s without one).
 PARKED_S = 0.25
+
+# A watch whose store client fails (a connection reset, a request timed out) connects again,
+# first after 50 ms, backing off to 1 s; a store it has not reached for ``store_gone_s`` (the
+# lease: by then slot 0's monitor judges this slot lost, or the store itself is gone) counts
+# as a failure of the generation, which can no longer be coordinated.
+STORE_RETRY_S = (0.05, 1.0)
 
 
 def thread_wait(tid: int) -> tuple[str, int, int] | None:
@@ -188,13 +195,17 @@ class FailureWatch:
     the peer's handshake but not those whose bytes sit in the transmit queue, which wait out the
     group's timeout; nothing outside gloo can wake them (README, "Known limits"). A thread that
     saves, restores, is held at a pause point (it leaves the hold itself:
-    ``pause.HoldInterrupted``) or still makes progress is waited for."""
+    ``pause.HoldInterrupted``) or still makes progress is waited for.
+
+    A store error does not end the watch: it connects again (``make_store``) and goes on
+    watching, and a store out of reach for ``store_gone_s`` is a failure of the generation
+    (``STORE_RETRY_S``)."""
 
     def __init__(self, make_store: Callable[[], JobStore], generation: int,
                  on_failure: Callable[[], None], *, progress: SharedProgress | None = None,
                  stuck_after_s: float | None = None,
                  on_stuck: Callable[[float], None] | None = None,
-                 thread_id: int | None = None) -> None:
+                 thread_id: int | None = None, store_gone_s: float = LEASE_S) -> None:
         self.generation = generation
         self._thread_id = thread_id  # the training thread's native id: parked there is stuck
         self.fired = threading.Event()
@@ -203,6 +214,8 @@ class FailureWatch:
         # connected here, on the caller's thread, before the rendezvous: a connection opened
         # while ``store_link`` looks for a new store client's would be taken for it
         self._js = make_store()
+        self._make_store = make_store
+        self._store_gone_s = store_gone_s
         self._on_failure = on_failure
         self._progress = progress
         self._stuck_after_s = stuck_after_s
@@ -223,11 +236,7 @@ class FailureWatch:
         self._left.set()
 
     def _run(self) -> None:
-        js = self._js
-        key = f"g{self.generation}/fail"
-        while not js.wait(key, 24 * 3600.0):
-            pass
-        if self._stop.is_set():
+        if not self._failed() or self._stop.is_set():
             return
         self.fired.set()
         self._on_failure()
@@ -252,6 +261,38 @@ class FailureWatch:
             if parked_s >= PARKED_S and still_s >= PARKED_S:
                 self._on_stuck(still_s)
                 return
+
+
+    def _failed(self) -> bool:
+        """Wait until the generation fails (True), or the store is out of reach for
+        ``store_gone_s`` (True: the job's coordination failed), or the watch is stopped."""
+        key = f"g{self.generation}/fail"
+        pause, unreached = STORE_RETRY_S[0], None
+        while not self._stop.is_set():
+            try:
+                if self._js.wait(key, 24 * 3600.0):
+                    return True
+                continue
+            except Exception as exc:  # this client is broken (a reset, a timed-out request)
+                error = f"{type(exc).__name__}: {exc}"
+            now = time.monotonic()
+            unreached = now if unreached is None else unreached
+            if now - unreached >= self._store_gone_s:
+                print(f"in-process recovery: the job's store has been out of reach for "
+                      f"{now - unreached:.1f} s ({error[:200]}): generation {self.generation} "
+                      "can no longer be coordinated; aborting it", file=sys.stderr, flush=True)
+                return True
+            if self._stop.wait(pause):
+                break
+            pause = min(STORE_RETRY_S[1], 2 * pause)
+            try:  # a fresh client: a store connection, which ``GlooSockets`` never shuts
+                self._js = self._make_store()
+                if self._js.has(key):
+                    return True
+                pause, unreached = STORE_RETRY_S[0], None  # reached again
+            except Exception as exc:  # the store refused it, or it timed out connecting
+                error = f"{type(exc).__name__}: {exc}"
+        return False
 
 
 class _Parked:

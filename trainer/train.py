@@ -41,7 +41,7 @@ from antifragile.trainer.model import GPT, init_weights, keep_stage
 from antifragile.trainer.parallel import apply_fsdp, apply_tp, build_schedule
 from antifragile.trainer.pause import PausePoints
 from antifragile.trainer.placement import first_slots
-from antifragile.trainer.progress import Phase, SharedProgress
+from antifragile.trainer.progress import Phase, SharedProgress, default_lease_s
 from antifragile.trainer.recovery import (
     Formation,
     finish,
@@ -263,7 +263,9 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
     if cfg.recovery == "in_process":  # armed before the rendezvous: a member may die during it
         watch = FailureWatch(launch.job_store, generation, sockets.shutdown,
                              progress=progress, on_stuck=_stuck,
-                             thread_id=threading.get_native_id())
+                             thread_id=threading.get_native_id(),
+                             store_gone_s=cfg.lease_s if cfg.lease_s is not None
+                             else default_lease_s(cfg.hang_timeout_s))
         watch.start()
     checkpointer: list[TrainCheckpointer] = []  # set by _train: its memory outlives a failure
     try:
