@@ -146,8 +146,10 @@ class DaemonPool(Executor):
                         job = self._jobs.get_nowait()
                     except queue.Empty:
                         break
-                    if job is not None:
+                    if job is not None:  # and notified, as a worker would: a future only
+                        # cancelled is not done for ``concurrent.futures.wait``
                         job[0].cancel()
+                        job[0].set_running_or_notify_cancel()
             # at every shutdown, as ``ThreadPoolExecutor`` does: the drain above may have taken
             # the marker an earlier shutdown queued, and a busy thread would then never end
             self._shut = True

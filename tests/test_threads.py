@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import weakref
+from concurrent.futures import wait
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,26 @@ def test_a_second_shutdown_that_cancels_still_ends_the_pool() -> None:
     ender.start()
     ender.join(10)
     assert not ender.is_alive(), "shutdown(wait=True) never returned"
+
+
+def test_a_write_cancelled_by_shutdown_is_done_for_its_waiter() -> None:
+    """``abandon()`` cancels the writes still queued; ``write_objects`` waits for each with
+    ``concurrent.futures.wait``, which counts a future that was only ``cancel()``ed as not
+    done: the abandoned save's thread (and the staging buffers it holds) waited
+    commit_timeout_s (600 s by default) for a write that would never run."""
+    from antifragile.engine._threads import DaemonPool
+
+    pool = DaemonPool(1, "ckpt-test-pool")
+    release = threading.Event()
+    busy = pool.submit(release.wait, 10)
+    queued = pool.submit(lambda: None)
+    pool.shutdown(wait=False, cancel_futures=True)
+    try:
+        assert queued.cancelled()
+        assert wait([queued], timeout=5).done == {queued}
+    finally:
+        release.set()
+    assert busy.result(timeout=10)
 
 
 def test_the_exit_hook_lets_a_save_in_flight_finish_its_writes(
