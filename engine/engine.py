@@ -33,6 +33,7 @@ from . import commit as _commit
 from ._agree import Ranks, refusal, refuse_together
 from ._events import EngineEvents
 from ._fill import read_whole
+from ._gate import GatedStorage, WriteGate
 from ._handle import SaveHandle
 from ._loader import Loader
 from ._memory import MemoryCopy
@@ -67,6 +68,8 @@ LISTING_WAIT_S = 1.0
 # the longest commit_timeout_s (about 31 years): a save waits on locks with it, which refuse a
 # timeout past threading.TIMEOUT_MAX (9.2e9 s)
 MAX_COMMIT_TIMEOUT_S = 1e9
+# the longest ``abandon`` waits for the writes its engine already has in storage
+ABANDON_WAIT_S = 10.0
 
 
 class CheckpointEngine:
@@ -159,6 +162,7 @@ class CheckpointEngine:
         self._on_phase = on_phase
         self._memory: MemoryCopy | None = None
         self._cancel = threading.Event()
+        self._gate = WriteGate()  # every write and deletion of a save: closed by ``abandon``
         # where the last load() on this rank got its tensors' bytes
         self.last_load_sources: dict[str, int] = {}
         # storage requests of the last load() on this rank, by kind, and their "total"
@@ -450,7 +454,8 @@ class CheckpointEngine:
         step, start = handle.step, time.monotonic()
         deadline = start + self.commit_timeout_s
         self._ghosts.discard(step)  # saved again (after a restart from an older step)
-        storage = CountingStorage(self.storage)  # this save's requests: handle.requests
+        counted = CountingStorage(self.storage)  # this save's requests: handle.requests
+        storage = GatedStorage(counted, self._gate)  # no write begins after ``abandon``
         # each request beside the object writes fails the save once it hangs for
         # commit_timeout_s (write_objects bounds the writes itself)
         bounded = BoundedRequests(storage, self.commit_timeout_s)
@@ -470,7 +475,7 @@ class CheckpointEngine:
                 self._phase(step, "written")
                 write_record(bounded, step, self.rank, rank_record(
                     step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce,
-                    manifest=manifest, values=values, requests=storage.requests["total"] + 1))
+                    manifest=manifest, values=values, requests=counted.requests["total"] + 1))
                 recorded = True
                 self._phase(step, "recorded")
                 if self.rank == 0:
@@ -488,14 +493,14 @@ class CheckpointEngine:
             if self.keep_in_memory:
                 self._memory = MemoryCopy.of(step, nonce, staging)
             handle.persist_s = time.monotonic() - start
-            handle.requests = storage.requests
+            handle.requests = counted.requests
             self._events.committed(step, handle.committed_nbytes, handle.nbytes, handle.persist_s)
             # committed: done, so the next save may start (it is not "busy") while the
             # coordinator's retention runs here; wait() also waits for that retention
             handle._future.set_result(None)
             if self.rank == 0:
                 self._retain(handle, bounded)
-                handle.requests = storage.requests
+                handle.requests = counted.requests
         except BaseException as exc:
             if not isinstance(exc, CheckpointError):
                 error = CheckpointError(
@@ -516,8 +521,10 @@ class CheckpointEngine:
                         step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce,
                         manifest=None, values={}, error=str(error)))
             if self.rank == 0:
-                if not hung:
-                    _commit.abort(bounded, step, nonce, str(error))
+                if not hung:  # written after ``abandon`` too: it tells this generation's
+                    # other ranks, and any other save ignores it (it names this save's nonce)
+                    _commit.abort(BoundedRequests(counted, self.commit_timeout_s), step, nonce,
+                                  str(error))
                 self._unfinished.add(step)
             if hung:
                 # the hung write still holds a view of these buffers and may send it when the
@@ -527,7 +534,7 @@ class CheckpointEngine:
             with contextlib.suppress(Exception):
                 staging.wait_staged()  # no save may stage into the buffers while this one does
             handle.persist_s = time.monotonic() - start
-            handle.requests = storage.requests
+            handle.requests = counted.requests
             log.warning("checkpoint of step %s failed: %s", step, error)
             self._events.failed(step, error)
             handle._future.set_exception(error)
@@ -553,7 +560,12 @@ class CheckpointEngine:
 
     def _retain(self, handle: SaveHandle, storage: Storage) -> None:
         """Retention after a commit. The save is committed whatever happens here: a failure is
-        a warning and ``handle.retention_error``, and the next save's retention retries it."""
+        a warning and ``handle.retention_error``, and the next save's retention retries it.
+        An abandoned engine's commit (its COMMIT was in storage at ``abandon``) retains
+        nothing: the next generation's saves are in flight, and one of an older step would be
+        deleted as debris (``GatedStorage`` refuses the deletions anyway)."""
+        if self._cancel.is_set():
+            return
         try:
             deleted = _commit.retain(storage, self.keep_last, self._ghosts, saved=handle.step,
                                      kept=self._kept)
@@ -645,14 +657,23 @@ class CheckpointEngine:
         return self._memory
 
     def abandon(self) -> None:
-        """Give this engine up without waiting, after its process group failed: a save in
-        flight fails its handle at its next poll or phase (it cannot commit: a rank is gone),
-        nothing more is started, and the engine's threads end once idle. ``memory_copy()``
-        stays readable."""
+        """Give this engine up after its process group failed: a save in flight fails its
+        handle at its next poll or phase (it cannot commit: a rank is gone), nothing more is
+        started or written, and the engine's threads end once idle. ``memory_copy()`` stays
+        readable. Returns once the writes and deletions already in storage have returned
+        (at most ``ABANDON_WAIT_S``; one still running then is logged): the next generation
+        saves the same steps again, and one landing later went over its objects (a shard
+        object), or made a step of this engine's visible whose retention deleted the next
+        generation's save in flight (a COMMIT)."""
         self._closed = True
         self._cancel.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._workers.close(timeout=0.0)
+        running = self._gate.close(min(ABANDON_WAIT_S, self.commit_timeout_s))
+        if running:
+            log.warning("abandoned with requests still in storage after %g s (they may land "
+                        "in a step the next generation saves): %s",
+                        min(ABANDON_WAIT_S, self.commit_timeout_s), ", ".join(running))
 
     def read(self, step: int) -> dict[str, Any]:
         """Every tensor of ``step`` as a whole plain CPU tensor, and every JSON value, keyed by

@@ -323,11 +323,13 @@ def test_an_abandoned_save_released_later_leaves_the_next_generations_record_alo
         assert engine.steps() == [3] and engine.verify(3).ok
 
 
-def test_an_abandoned_save_reaches_no_further_phase_hook(tmp_path: Path) -> None:
+def test_an_abandoned_save_reaches_no_further_phase_hook(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A save abandoned while it writes (its process group failed) calls no phase hook after
     that: the trainer's hook holds a save at a chaos pause point of that step and phase, and
     the abandoned save held there took (and passed) the point meant for the next generation's
     save of the step, setting the shared progress to PAUSED and then TRAINING meanwhile."""
+    monkeypatch.setattr("antifragile.engine.engine.ABANDON_WAIT_S", 0.5)  # the write hangs
     url = str(tmp_path / "ckpt")
     phases: list[str] = []
     engine = CheckpointEngine(url, on_phase=lambda step, phase: phases.append(phase))
@@ -436,3 +438,102 @@ def test_tied_targets_refuse_a_copy_of_untied_tensors_as_storage_does(tmp_path: 
         with CheckpointEngine(url) as loader, pytest.raises(
                 CheckpointMismatchError, match=r"step 2.*'emb' and 'head'.*memory"):
             loader.load({"emb": shared, "head": shared}, step=2, memory=engine.memory_copy())
+
+
+class _SlowWrites:
+    """``inner`` (an engine's storage) whose writes of keys containing ``part`` take up to
+    ``slow_s`` (until ``release``): a write already in storage when the engine is abandoned."""
+
+    def __init__(self, inner: Any, part: str, slow_s: float) -> None:
+        self.inner, self.url, self.part, self.slow_s = inner, inner.url, part, slow_s
+        self.writing, self.release = threading.Event(), threading.Event()
+
+    def write(self, key: str, parts: Any, **kwargs: Any) -> None:
+        if self.part in key:
+            self.writing.set()
+            self.release.wait(self.slow_s)
+        self.inner.write(key, parts, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_write_in_flight_at_abandon_does_not_land_in_the_next_generations_step(
+        tmp_path: Path) -> None:
+    """A shard object the abandoned engine was writing (its pool thread was already in
+    storage: ``abandon`` cancels only queued writes) landed after the next generation had
+    saved and committed the same step, over its object: the committed step no longer
+    verified (the manifest's CRCs are of the new object) and a load fell back to an older
+    step. ``abandon`` now waits (bounded) for the writes already in storage, and no write
+    of the engine begins after it."""
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url) as first:
+        first.save(3, _state(3), blocking=True)
+    stale = CheckpointEngine(url)
+    slow = _SlowWrites(stale.storage, "/model/w/", slow_s=2.0)
+    stale.storage = slow  # type: ignore[assignment]
+    stale_handle = stale.save(5, _state(5))
+    assert slow.writing.wait(30)
+    stale.abandon()
+    with CheckpointEngine(url) as engine:  # the next generation saves step 5 again
+        engine.save(5, _state(50), blocking=True)
+        slow.release.set()  # a write still in storage lands now
+        with pytest.raises(CheckpointError):
+            stale_handle.wait(30)
+        assert engine.steps() == [3, 5]
+        report = engine.verify(5)
+        assert report.ok, report
+        target = _state(99)
+        assert engine.load(target) == 5
+    assert torch.equal(_bits(target["model"]["w"]), _bits(_state(50)["model"]["w"]))
+
+
+def test_an_abandoned_saves_late_commit_runs_no_retention_over_the_next_generation(
+        tmp_path: Path) -> None:
+    """The abandoned engine's coordinator was already writing the COMMIT of step 6 (every
+    record was in, the check for abandon passed) when its engine was abandoned; the next
+    generation restored step 2 and saved step 4. The COMMIT landed then, and the abandoned
+    save's retention deleted step 4's folder as debris older than step 6 while step 4 was
+    committing: step 4 was committed with nothing in it. ``abandon`` now waits for the
+    COMMIT in storage, and the abandoned engine deletes nothing after it."""
+    url = str(tmp_path / "ckpt")
+    stale = CheckpointEngine(url, keep_last=2)
+    stale.save(2, _state(2), blocking=True)
+    slow = _SlowWrites(stale.storage, "step_000000006/COMMIT", slow_s=2.0)
+    stale.storage = slow  # type: ignore[assignment]
+    stale_handle = stale.save(6, _state(6))
+    assert slow.writing.wait(30)
+    stale.abandon()
+
+    def committing(step: int, phase: str) -> None:
+        if phase == "committing":  # step 4's records are in: the stale COMMIT lands now
+            slow.release.set()
+            stale_handle.wait(30)  # with its retention
+
+    with CheckpointEngine(url, keep_last=2, on_phase=committing) as engine:
+        engine.save(4, _state(4), blocking=True)
+        for step in engine.steps():
+            report = engine.verify(step)
+            assert report.ok, (step, report)
+        assert 4 in engine.steps()
+
+
+def test_abandon_waits_for_a_write_that_does_not_return_only_so_long(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A write stuck on storage that does not answer holds ``abandon`` (and with it the
+    recovery) for ``ABANDON_WAIT_S`` at most, and is named in a warning."""
+    monkeypatch.setattr("antifragile.engine.engine.ABANDON_WAIT_S", 0.5)
+    stale = CheckpointEngine(str(tmp_path / "ckpt"))
+    slow = _SlowWrites(stale.storage, "/model/w/", slow_s=60.0)
+    stale.storage = slow  # type: ignore[assignment]
+    handle = stale.save(5, _state(5))
+    assert slow.writing.wait(30)
+    t0 = time.monotonic()
+    stale.abandon()
+    waited = time.monotonic() - t0
+    slow.release.set()
+    assert 0.4 < waited < 5.0, waited
+    assert "model/w/" in caplog.text and "still in storage" in caplog.text
+    with pytest.raises(CheckpointError):
+        handle.wait(30)
