@@ -47,6 +47,7 @@ import torch
 
 from antifragile.engine import CheckpointEngine
 from antifragile.engine._paths import step_dir
+from bench._args import at_least, finite
 from bench._machine import CpuTimes, default_parent, drop_page_cache, filesystem_type, remove, timed
 from bench._peers import (
     DirectWriter,
@@ -480,14 +481,15 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    add("--size-gib", type=float, help="state size in GiB (default 2.0; 0.25 with --quick)")
+    add("--size-gib", type=finite(above=0),
+        help="state size in GiB (default 2.0; 0.25 with --quick)")
     add("--dir", help="parent of the scratch folder (default /var/tmp: a real disk, not tmpfs)")
     add("--quick", action="store_true",
         help="smoke run: 0.25 GiB, 1 repetition (too few for a verdict: n/a)")
-    add("--reps", type=int, help="timed repetitions per method (default 3; 1 with --quick)")
+    add("--reps", type=at_least(1), help="timed repetitions per method (default 3; 1 with --quick)")
     add(
         "--peer-budget-s",
-        type=float,
+        type=finite(at_least=0),
         default=60.0,
         help="seconds after which a slow baseline stops repeating",
     )
@@ -495,12 +497,6 @@ def main(argv: list[str] | None = None) -> int:
     add("--sweep", help="instead: engine save vs O_DIRECT at these sizes in GiB (1,2,4,8), "
         "with peak RSS; no other peers (they would not fit in memory at 8 GiB)")
     args = parser.parse_args(argv)
-    if args.reps is not None and args.reps < 1:
-        parser.error(f"--reps must be >= 1, got {args.reps}")
-    if args.size_gib is not None and not (math.isfinite(args.size_gib) and args.size_gib > 0):
-        parser.error(f"--size-gib must be a finite number > 0, got {args.size_gib:g}")
-    if not (math.isfinite(args.peer_budget_s) and args.peer_budget_s >= 0):
-        parser.error(f"--peer-budget-s must be a finite number >= 0, got {args.peer_budget_s:g}")
     if args.sweep:
         sizes = _sweep_sizes(args.sweep)
         if not sizes:

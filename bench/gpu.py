@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -28,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench._args import at_least, finite
 
 GIB = 2**30
 
@@ -147,19 +148,14 @@ def trainer(pairs: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
-    p.add_argument("--gib", type=float, default=3.0, help="size of the state on the device")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--trainer-pairs", type=int, default=3,
+    p.add_argument("--gib", type=finite(above=0), default=3.0,
+                   help="size of the state on the device")
+    p.add_argument("--reps", type=at_least(1), default=3)
+    p.add_argument("--trainer-pairs", type=at_least(0), default=3,
                    help="0: no trainer runs; a verdict needs at least 3")
     p.add_argument("--root", help="checkpoint folder (default: a temporary one)")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
-    if not (math.isfinite(args.gib) and args.gib > 0):
-        p.error(f"--gib must be a finite number > 0, got {args.gib:g}")
-    if args.reps < 1:
-        p.error(f"--reps must be >= 1, got {args.reps}")
-    if args.trainer_pairs < 0:
-        p.error(f"--trainer-pairs must be >= 0, got {args.trainer_pairs}")
     import torch
 
     if not torch.cuda.is_available():

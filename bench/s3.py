@@ -60,6 +60,7 @@ from antifragile.chaos.infra.seaweedfs import SeaweedCluster
 from antifragile.engine import CheckpointEngine
 from antifragile.engine.storage._s3 import store_config
 from antifragile.trainer.model import GPT, ModelConfig
+from bench._args import at_least
 
 STATES = {
     "quickstart": ModelConfig(layers=2, d_model=64, heads=4, vocab=256, seq_len=32),
@@ -366,22 +367,18 @@ def _print(fig: Figures) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.s3", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (default 5)")
-    parser.add_argument("--io-threads", type=int, default=8,
+    parser.add_argument("--reps", type=at_least(1), default=5, help="timed repetitions (default 5)")
+    parser.add_argument("--io-threads", type=at_least(1), default=8,
                         help="the engine's io_threads and the raw baseline's pool (default 8)")
-    parser.add_argument("--volumes", type=int, default=2, help="volume servers (default 2)")
+    parser.add_argument("--volumes", type=at_least(1), default=2, help="volume servers (default 2)")
     parser.add_argument("--quick", action="store_true",
                         help="2 repetitions, quickstart only (too few for a verdict: n/a)")
-    parser.add_argument("--ranks", type=int, default=1,
+    parser.add_argument("--ranks", type=at_least(1), default=1,
                         help="also measure the quickstart state saved by N gloo ranks")
     parser.add_argument("--only-ranks", action="store_true",
                         help="with --ranks: skip the one-process states")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
-    for option, value in (("--reps", args.reps), ("--io-threads", args.io_threads),
-                          ("--volumes", args.volumes), ("--ranks", args.ranks)):
-        if value < 1:
-            parser.error(f"{option} must be >= 1, got {value}")
     if args.only_ranks and args.ranks < 2:  # no state left to measure
         parser.error("--only-ranks: give --ranks N with N > 1 (the states it keeps)")
     reps = 2 if args.quick else args.reps

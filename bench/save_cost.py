@@ -34,6 +34,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, cast
 
+from bench._args import at_least
+
 
 def _state(model: Any, optimizer: Any, step: int) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -140,13 +142,10 @@ def run(ranks: int, saves: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.save_cost",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--saves", type=int, default=20)
+    parser.add_argument("--ranks", type=at_least(1), default=2)
+    parser.add_argument("--saves", type=at_least(1), default=20)
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
-    for name in ("ranks", "saves"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     result = run(args.ranks, args.saves)
     m = result["median_s"]

@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 from antifragile.trainer.events import read_events
+from bench._args import at_least
 
 
 def timed_steps(args: argparse.Namespace) -> range:
@@ -163,26 +164,21 @@ def gpu_stall(repeats: int = 5) -> dict[str, float] | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.trainer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--every", type=int, default=10)
-    p.add_argument("--warmup", type=int, help="untimed first steps (default: every + 1, so "
+    p.add_argument("--dp", type=at_least(1), default=2)
+    p.add_argument("--tp", type=at_least(1), default=2)
+    p.add_argument("--pp", type=at_least(1), default=2)
+    p.add_argument("--steps", type=at_least(1), default=60)
+    p.add_argument("--every", type=at_least(1), default=10)
+    p.add_argument("--warmup", type=at_least(0), help="untimed first steps (default: every + 1, so "
                    "the first save, which plans and allocates its staging area, is untimed)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=at_least(1), default=4)
+    p.add_argument("--d-model", type=at_least(1), default=128)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", help="also write the figures here")
-    p.add_argument("--pairs", type=int, default=3, help="paired runs (median reported)")
+    p.add_argument("--pairs", type=at_least(1), default=3, help="paired runs (median reported)")
     args = p.parse_args(argv)
-    for name in ("dp", "tp", "pp", "steps", "every", "layers", "d_model", "pairs"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup is None:
         args.warmup = args.every + 1
-    if args.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {args.warmup}")
     try:  # the trainer's own refusal, here rather than as a traceback of the first run
         _trainer_config(args)
     except ValueError as exc:

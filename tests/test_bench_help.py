@@ -49,15 +49,15 @@ def test_recovery_bench_refuses_an_unknown_case(argv: list[str], says: str,
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--reps", "0"], "--reps must be >= 1, got 0"),
-    (["--size-gib", "0"], "--size-gib must be a finite number > 0, got 0"),
-    (["--size-gib", "-1"], "--size-gib must be a finite number > 0, got -1"),
-    (["--size-gib", "nan"], "--size-gib must be a finite number > 0, got nan"),
+    (["--reps", "0"], "argument --reps: must be >= 1, got 0"),
+    (["--size-gib", "0"], "argument --size-gib: must be a finite number > 0, got 0"),
+    (["--size-gib", "-1"], "argument --size-gib: must be a finite number > 0, got -1"),
+    (["--size-gib", "nan"], "argument --size-gib: must be a finite number > 0, got nan"),
     # every peer skipped for its budget: rows without a sample
-    (["--peer-budget-s", "-1"], "--peer-budget-s must be a finite number >= 0, got -1"),
+    (["--peer-budget-s", "-1"], "argument --peer-budget-s: must be a finite number >= 0, got -1"),
     (["--sweep", "1,a"], "--sweep: give sizes in GiB > 0 separated by commas, got '1,a'"),
     (["--sweep", "0"], "--sweep: give sizes in GiB > 0 separated by commas, got '0'"),
-    (["--sweep", "1", "--reps", "0"], "--reps must be >= 1, got 0"),
+    (["--sweep", "1", "--reps", "0"], "argument --reps: must be >= 1, got 0"),
 ])
 def test_engine_bench_refuses_nonsense_arguments(argv: list[str], says: str,
                                                  monkeypatch: pytest.MonkeyPatch,
@@ -66,10 +66,10 @@ def test_engine_bench_refuses_nonsense_arguments(argv: list[str], says: str,
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--reps", "0"], "--reps must be >= 1, got 0"),
-    (["--io-threads", "0"], "--io-threads must be >= 1, got 0"),
-    (["--volumes", "0"], "--volumes must be >= 1, got 0"),
-    (["--ranks", "0"], "--ranks must be >= 1, got 0"),
+    (["--reps", "0"], "argument --reps: must be >= 1, got 0"),
+    (["--io-threads", "0"], "argument --io-threads: must be >= 1, got 0"),
+    (["--volumes", "0"], "argument --volumes: must be >= 1, got 0"),
+    (["--ranks", "0"], "argument --ranks: must be >= 1, got 0"),
     # nothing left to measure, after a cluster start, and exit 0
     (["--only-ranks"], "--only-ranks: give --ranks N with N > 1"),
 ])
@@ -80,10 +80,10 @@ def test_s3_bench_refuses_nonsense_arguments(argv: list[str], says: str,
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--gib", "0"], "--gib must be a finite number > 0, got 0"),
-    (["--gib", "nan"], "--gib must be a finite number > 0, got nan"),
-    (["--reps", "0"], "--reps must be >= 1, got 0"),
-    (["--trainer-pairs", "-1"], "--trainer-pairs must be >= 0, got -1"),
+    (["--gib", "0"], "argument --gib: must be a finite number > 0, got 0"),
+    (["--gib", "nan"], "argument --gib: must be a finite number > 0, got nan"),
+    (["--reps", "0"], "argument --reps: must be >= 1, got 0"),
+    (["--trainer-pairs", "-1"], "argument --trainer-pairs: must be >= 0, got -1"),
 ])
 def test_gpu_bench_refuses_nonsense_arguments(argv: list[str], says: str,
                                               monkeypatch: pytest.MonkeyPatch,
@@ -92,12 +92,12 @@ def test_gpu_bench_refuses_nonsense_arguments(argv: list[str], says: str,
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--dp", "0"], "--dp must be >= 1, got 0"),
-    (["--steps", "0"], "--steps must be >= 1, got 0"),
-    (["--every", "0"], "--every must be >= 1, got 0"),
-    (["--pairs", "0"], "--pairs must be >= 1, got 0"),
-    (["--layers", "-1"], "--layers must be >= 1, got -1"),
-    (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["--dp", "0"], "argument --dp: must be >= 1, got 0"),
+    (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["--every", "0"], "argument --every: must be >= 1, got 0"),
+    (["--pairs", "0"], "argument --pairs: must be >= 1, got 0"),
+    (["--layers", "-1"], "argument --layers: must be >= 1, got -1"),
+    (["--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
     # no step left to time: a statistics traceback after every run had been made
     (["--steps", "20", "--every", "10"],
      "--steps 20 leaves no timed steps after --warmup 11: give --steps > 21"),
@@ -113,8 +113,8 @@ def test_trainer_bench_refuses_nonsense_arguments(argv: list[str], says: str,
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--ranks", "0"], "--ranks must be >= 1, got 0"),
-    (["--saves", "0"], "--saves must be >= 1, got 0"),
+    (["--ranks", "0"], "argument --ranks: must be >= 1, got 0"),
+    (["--saves", "0"], "argument --saves: must be >= 1, got 0"),
 ])
 def test_save_cost_bench_refuses_nonsense_arguments(argv: list[str], says: str,
                                                     monkeypatch: pytest.MonkeyPatch,
