@@ -316,6 +316,21 @@ def test_a_local_ckpt_url_that_cannot_be_a_folder_is_a_usage_error(
     assert not (tmp_path / "new").exists()
 
 
+def test_a_local_ckpt_url_under_a_link_to_nothing_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--ckpt-url under a link whose target is missing (a disk not mounted): the check walked
+    past the link to its folder and accepted it; every rank then died opening the engine,
+    which refuses it (exit 1, restarted into the same)."""
+    (tmp_path / "disk").symlink_to(tmp_path / "unmounted")
+    url = str(tmp_path / "disk" / "ckpt")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--ckpt-url", url])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"--ckpt-url {url}: {tmp_path / 'disk'} is a link to "
+                        f"{tmp_path / 'unmounted'}, which does not exist"), err
+
+
 @pytest.mark.parametrize(("tp", "vocab"), [(4, 7), (4, 10), (2, 63), (4, 4)])
 def test_a_vocabulary_every_tp_rank_holds_rows_of_is_accepted(tp: int, vocab: int) -> None:
     """Uneven vocabulary shards train (tp 4, vocab 7: rows 2, 2, 2, 1); only a shard left

@@ -247,16 +247,12 @@ def _no_storage_for(url: str) -> str | None:
 
 def _not_a_local_folder(url: str) -> str | None:
     """Why a local checkpoint URL can never be a folder (it, or the nearest of its parents
-    that exists, is a file), else None. Caught here, not by the training processes: at a file
-    every rank died opening the engine (exit 1, restarted into the same), under one every save
-    failed, so the run trained to its end unsaved and exited 46 for a restart that trained it
-    all again. Nothing is made: the engines make the folder at their first save."""
-    from antifragile.engine.storage import local_root
+    that exists, is a file or a link to nothing), else None. Caught here, not by the training
+    processes: at a file every rank died opening the engine (exit 1, restarted into the
+    same), under one every save failed, so the run trained to its end unsaved and exited 46
+    for a restart that trained it all again. Nothing is made: the engines make the folder at
+    their first save."""
+    from antifragile.engine.storage import local_root, no_folder_at
 
     root = local_root(url)
-    if root is None:
-        return None
-    path = os.path.abspath(root)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return f"{path} is a file, not a folder" if not os.path.isdir(path) else None
+    return None if root is None else no_folder_at(root)

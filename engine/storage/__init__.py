@@ -11,7 +11,7 @@ from ._base import PERMANENT, CountingStorage, RetryingStorage, Storage
 from ._local import LocalStorage
 
 __all__ = ["PERMANENT", "CountingStorage", "LocalStorage", "RetryingStorage", "Storage",
-           "local_root", "open_storage"]
+           "local_root", "no_folder_at", "open_storage"]
 
 
 def local_root(url: str) -> str | None:
@@ -32,7 +32,7 @@ else goes through fsspec. A local root takes no ``storage_options`` (refused, no
                                   "for s3:// (or another fsspec) URLs")
         if os.path.exists(root) and not os.path.isdir(root):
             raise CheckpointError(f"{url} is a file, not a checkpoint folder")
-        why = _no_folder_at(root)
+        why = no_folder_at(root)
         if why:
             raise CheckpointError(f"{url}: {why}")
         return RetryingStorage(LocalStorage(root))
@@ -52,7 +52,7 @@ else goes through fsspec. A local root takes no ``storage_options`` (refused, no
         raise CheckpointError(f"cannot open {url}: {exc}") from None
 
 
-def _no_folder_at(root: str) -> str | None:
+def no_folder_at(root: str) -> str | None:
     """Why no folder can be made at ``root``: the nearest of it and its parents that is there
     is a file or a link to nothing (a disk not mounted). Its saves failed, and its listing was
     empty: a load said "no committed checkpoint", and a trainer started from scratch."""
