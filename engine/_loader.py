@@ -183,13 +183,18 @@ class Loader:
         if not self._ranks.all_max([seen])[0]:
             return (f"; rank {confirmer} re-read {key} intact, so the damage is not confirmed "
                     "and the step is not quarantined")
+        failed = 0
         if self._ranks.rank == 0:
             try:
                 quarantine_step(storage, step, str(error), confirmed_by=confirmer,
                                 reports={r: m for r, (o, _, m, _) in enumerate(reports) if o})
                 self._unfinished.add(step)  # saved again, it holds only the new save
             except CheckpointError as exc:
+                failed = 1
                 log.warning("step %d: quarantine failed (it stays visible): %s", step, exc)
+        if self._ranks.all_max([failed])[0]:  # every rank's warning says what rank 0 did
+            return (f"; rank {confirmer} confirmed the damage, but quarantining it failed (it "
+                    "stays visible; rank 0's log says why)")
         return f" (quarantined; confirmed by rank {confirmer})"
 
     def _load_step(self, step: int, flat: FlatState, storage: Storage,

@@ -548,6 +548,51 @@ def test_retention_that_keeps_every_step_keeps_every_quarantined_one(storage: St
             assert report.quarantined is not None and [p.key for p in report.problems] == [SHARD]
 
 
+class _FailingQuarantine:
+    """Storage that refuses to delete step 2's COMMIT (a 403 on DELETE, an outage): the
+    quarantine fails after its note was written."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def delete(self, key: str) -> None:
+        if key.endswith("step_000000002/COMMIT"):
+            from antifragile.engine.errors import StorageError
+
+            raise StorageError(f"{key}: access denied")
+        self.inner.delete(key)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _two_steps_on(url: str) -> CheckpointEngine:
+    engine = CheckpointEngine(url, keep_last=None, plan_options=PLAN)
+    for step in (1, 2):
+        engine.save(step, state_of(step), blocking=True)
+    return engine
+
+
+def test_the_skip_warning_does_not_say_quarantined_of_a_step_whose_quarantine_failed(
+    tmp_path: Any,
+) -> None:
+    """The warning said "(quarantined; confirmed by rank 0)" of a step whose quarantine failed
+    (its COMMIT could not be deleted): it stays visible and is tried again at the next load."""
+    from antifragile.engine.quarantine import quarantine_log
+
+    url = str(tmp_path / "ckpt")
+    with _two_steps_on(url) as engine:
+        Raw.open((url, None)).flip_bit(2, SHARD, 100)
+        engine.storage.inner = _FailingQuarantine(engine.storage.inner)
+        with pytest.warns(RuntimeWarning, match="step 2 skipped") as caught:
+            assert engine.load(blank()) == 1
+        message = str(caught[0].message)
+        assert "(quarantined" not in message, message
+        assert "quarantining it failed (it stays visible" in message, message
+        assert engine.steps() == [1, 2]
+        assert [step for step, _ in quarantine_log(engine.storage)[0]] == [2]
+
+
 RANK_1_SHARD = "model/w/c.3.0"  # rows 48-63: read by rank 1 only when 2 ranks hold Shard(0)
 
 
