@@ -34,6 +34,11 @@ from .storage import Storage
 log = logging.getLogger("antifragile.engine")
 
 
+# what the confirming rank's re-read of a damaged object found (``Loader.quarantine``); the
+# other ranks hold _INTACT, so an all-reduced max is the confirmer's
+_INTACT, _UNREAD, _CONFIRMED = 0, 1, 2
+
+
 class Loader:
     """Loads for one engine. ``ghosts`` and ``unfinished`` are the engine's own sets (shared,
     not copied): step folders listed but empty, and folders without a COMMIT that rank 0
@@ -168,19 +173,24 @@ class Loader:
         the warning."""
         reporter, key = next((r, k) for r, (o, _, _, k) in enumerate(reports) if o == CORRUPT)
         confirmer = (reporter + 1) % self._ranks.world_size
-        seen = 0
+        seen = _INTACT
         if self._ranks.rank == confirmer:
             if key is None:  # inconsistent metadata: every reader of it sees the same documents
-                seen = 1
+                seen = _CONFIRMED
             else:
                 try:
                     StepReader(storage, step).recheck(key)
                 except CheckpointCorruptError:
-                    seen = 1
+                    seen = _CONFIRMED
                 except Exception as exc:  # cannot tell: do not act on one rank's view
+                    seen = _UNREAD
                     log.warning("step %d: re-reading %s to confirm damage failed: %s",
                                 step, key, exc)
-        if not self._ranks.all_max([seen])[0]:
+        (seen,) = self._ranks.all_max([seen])  # the confirmer's: the others hold _INTACT
+        if seen == _UNREAD:
+            return (f"; rank {confirmer} could not re-read {key} (its log says why), so the "
+                    "damage is not confirmed and the step is not quarantined")
+        if seen == _INTACT:
             return (f"; rank {confirmer} re-read {key} intact, so the damage is not confirmed "
                     "and the step is not quarantined")
         failed = 0

@@ -566,6 +566,23 @@ class _FailingQuarantine:
         return getattr(self.inner, name)
 
 
+class _RetiredWhileRead:
+    """Storage on which retention (another save's, beside this load) deletes step 2 while the
+    load reads it: its COMMIT first, then its objects."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
+        if key.endswith(f"step_000000002/{SHARD}"):
+            self.inner.delete("step_000000002/COMMIT")
+            self.inner.delete(f"step_000000002/{SHARD}")
+        return self.inner.read(key, start, end)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 def _two_steps_on(url: str) -> CheckpointEngine:
     engine = CheckpointEngine(url, keep_last=None, plan_options=PLAN)
     for step in (1, 2):
@@ -591,6 +608,23 @@ def test_the_skip_warning_does_not_say_quarantined_of_a_step_whose_quarantine_fa
         assert "quarantining it failed (it stays visible" in message, message
         assert engine.steps() == [1, 2]
         assert [step for step, _ in quarantine_log(engine.storage)[0]] == [2]
+
+
+def test_the_skip_warning_does_not_say_intact_of_an_object_it_could_not_re_read(
+    tmp_path: Any,
+) -> None:
+    """Retention beside the load deleted step 2 while it was read: the confirming re-read
+    could not be made (the COMMIT was gone), and the warning said the object was "re-read
+    intact"."""
+    url = str(tmp_path / "ckpt")
+    with _two_steps_on(url) as engine:
+        engine.storage.inner = _RetiredWhileRead(engine.storage.inner)
+        with pytest.warns(RuntimeWarning, match="step 2 skipped") as caught:
+            assert engine.load(blank()) == 1
+        message = str(caught[0].message)
+        assert "intact" not in message, message
+        assert f"could not re-read {SHARD}" in message and "not quarantined" in message, message
+        assert engine.steps() == [1]
 
 
 RANK_1_SHARD = "model/w/c.3.0"  # rows 48-63: read by rank 1 only when 2 ranks hold Shard(0)
