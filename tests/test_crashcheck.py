@@ -996,6 +996,53 @@ def test_a_completion_sent_right_after_its_last_part_has_every_part(
     assert (done.kind, rec.bodies[done.digest or ""]) == ("multipart_complete", b"part")
 
 
+def test_a_request_still_unanswered_when_the_recording_stops_is_not_dropped_silently(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stop()`` waits a while for the requests the proxy still serves; past that wait it
+    returned the recording without them and said nothing, so a write the storage may yet
+    apply (its client gave up on it) was in no crash state. It now refuses the recording."""
+    import socket
+    import threading
+
+    from antifragile.chaos.crashcheck import record
+    from antifragile.chaos.crashcheck.record import RecordingProxy
+
+    monkeypatch.setattr(record, "NOTE_WAIT_S", 0.5, raising=False)
+    release = threading.Event()
+
+    def answer(method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        release.wait(15)  # a storage that answers this write late
+        return 200, b""
+
+    with _Scripted(answer) as server, RecordingProxy(server.url, bucket="b", root="r") as proxy:
+        try:
+            proxy.start()
+            with pytest.raises(socket.timeout):  # the client gives up on it
+                _send_timeout(proxy, "PUT", "/b/r/a", b"x", timeout_s=0.3)
+            try:
+                rec = proxy.stop()
+            except RuntimeError as exc:  # RecordingIncomplete
+                assert "1 request(s) still unanswered" in str(exc), exc
+            else:
+                pytest.fail("stop() returned a recording without the write still unanswered: "
+                            f"{rec.mutations}")
+        finally:
+            release.set()
+
+
+def _send_timeout(proxy: Any, method: str, target: str, body: bytes, *,
+                  timeout_s: float) -> int:
+    import http.client
+
+    host, port = proxy.endpoint_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        conn.request(method, target, body=body)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
 # -- the recording proxy on a real S3 server ---------------------------------------------------
 
 @pytest.mark.s3

@@ -44,7 +44,12 @@ from antifragile.chaos.crashcheck.check import (
     read_lines,
 )
 from antifragile.chaos.crashcheck.enumerate import CrashState, Enumeration, enumerate_states
-from antifragile.chaos.crashcheck.record import Mutation, Recording, RecordingProxy
+from antifragile.chaos.crashcheck.record import (
+    Mutation,
+    Recording,
+    RecordingIncomplete,
+    RecordingProxy,
+)
 from antifragile.chaos.infra.lifetime import die_with_parent
 
 ENGINES = ("antifragile", "dcp", "torchsnapshot")
@@ -200,7 +205,10 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
                                     ) from None
                 if code != 0:
                     raise SaveError(_failure(proc, errs, rank, name_rank=False))
-            recording = proxy.stop()
+            try:
+                recording = proxy.stop()
+            except RecordingIncomplete as exc:
+                raise SaveError(f"the recording is incomplete: {exc}") from exc
         finally:
             for proc in procs:
                 kill_process(proc)

@@ -43,6 +43,8 @@ from antifragile.chaos.infra.proxy import accept
 MUTATING_KINDS = ("put", "copy", "delete", "multipart_create", "multipart_part",
                   "multipart_complete")
 _HEAD_LIMIT = 64 * 1024
+#: how long ``start`` and ``stop`` wait for the threads still serving requests
+NOTE_WAIT_S = 10.0
 #: an answer whose body is an ``<Error>`` document: S3 answers a multipart completion and a copy
 #: 200 before it has done them (keeping the connection alive with spaces), so one that failed
 #: says so only in its body, and changed nothing
@@ -84,6 +86,10 @@ class Recording:
     requests: int = 0  # every request the proxy saw (reads and listings included)
 
 
+class RecordingIncomplete(RuntimeError):
+    """``stop()`` found requests still unanswered: what they change is not in the recording."""
+
+
 class RecordingProxy:
     """Listens on 127.0.0.1 (a free port), forwards to ``upstream``; records the mutations of
     keys under ``bucket/root`` between ``start()`` and ``stop()``. Thread-safe."""
@@ -118,18 +124,25 @@ class RecordingProxy:
         """Record from now on; requests answered before this call are not in the recording
         (waits, up to 10 s, for the threads still noting them)."""
         with self._lock:
-            self._noted.wait_for(lambda: self._serving == 0, timeout=10.0)
+            self._noted.wait_for(lambda: self._serving == 0, timeout=NOTE_WAIT_S)
             self._recording = Recording()
             self._t0 = time.monotonic()
 
     def stop(self) -> Recording:
         """The recording; every request answered before this call is in it (waits, up to
-        10 s, for the threads still noting requests they have answered)."""
+        ``NOTE_WAIT_S``, for the threads still serving requests). Raises RecordingIncomplete
+        when some are still unanswered then: the storage may yet apply them (a client that
+        gave up on one), and no crash state would hold what they change."""
         with self._lock:
-            self._noted.wait_for(lambda: self._serving == 0, timeout=10.0)
+            settled = self._noted.wait_for(lambda: self._serving == 0, timeout=NOTE_WAIT_S)
             recording, self._recording = self._recording, None
+            unanswered = self._serving
         if recording is None:
             raise RuntimeError("stop() without start()")
+        if not settled:
+            raise RecordingIncomplete(
+                f"{unanswered} request(s) still unanswered by the storage {NOTE_WAIT_S:g} s "
+                "after the save ended: the recording would miss what they change")
         recording.mutations.sort(key=lambda m: (m.issued_s, m.acked_s, m.key))
         for i, m in enumerate(recording.mutations):
             m.index = i
