@@ -113,6 +113,20 @@ def test_deletes_copies_and_same_key_overlaps() -> None:
     assert any("old/COMMIT" in s.objects and "old/a" not in s.objects for s in e.states)
 
 
+def test_a_copy_whose_source_is_written_while_it_runs_is_an_overlap() -> None:
+    """A COPY reads its source: one in flight beside a write of that source may have copied
+    the old or the new bytes, and the model (issue order) builds only one of the two states.
+    Such a pair was not counted in ``same_key_overlaps`` (the keys differ), so the report
+    said 0 overlaps, the model exact, while it had left a crash state out."""
+    muts = [_put(0, "src", 0, 3, "v2"), Mutation(1, "copy", "dst", 1, 2, source="src")]
+    e = enumerate_states({"src": "v1"}, muts)
+    copied_old = {"src": "v2", "dst": "v1"}  # the copy read src before the PUT landed
+    assert copied_old not in [s.objects for s in e.states]
+    assert e.same_key_overlaps == 1
+    # a copy issued once the write of its source was acknowledged reads it: no overlap
+    after = [_put(0, "src", 0, 1, "v2"), Mutation(1, "copy", "dst", 2, 3, source="src")]
+    assert enumerate_states({"src": "v1"}, after).same_key_overlaps == 0
+
 def test_classification() -> None:
     exp = Expected(old_step=2, old_digest="o", new_step=3, new_digest="n", older={1: "p"})
     for intact in (True, False):

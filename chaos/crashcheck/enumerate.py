@@ -10,8 +10,9 @@ visited once), and the result says so (``sampled_cuts``).
 
 A state is the bucket's final content, ``{key: body digest}`` (absent: no such object);
 states are deduplicated on it. Applied mutations take effect in issue order; two in-flight
-writes of one key may have landed in either order, which this model does not branch on: such
-overlaps are counted (``same_key_overlaps``) so a report can say whether it mattered.
+writes of one key may have landed in either order (and a COPY in flight beside a write of its
+source may have read either), which this model does not branch on: such overlaps are counted
+(``same_key_overlaps``) so a report can say whether it mattered.
 """
 
 from __future__ import annotations
@@ -145,8 +146,12 @@ def enumerate_states(base: dict[str, str], mutations: list[Mutation], *,
 
 
 def _same_key_overlaps(visible: list[Mutation]) -> int:
+    """Pairs in flight together that touch one key: both write it, or one is a COPY that
+    reads it (the copy may have read it before or after the other landed)."""
     count = 0
     for a, b in itertools.combinations(visible, 2):
-        if a.key == b.key and a.issued_s < b.acked_s and b.issued_s < a.acked_s:
+        shared = (a.key == b.key or (a.kind == "copy" and a.source == b.key)
+                  or (b.kind == "copy" and b.source == a.key))
+        if shared and a.issued_s < b.acked_s and b.issued_s < a.acked_s:
             count += 1
     return count
