@@ -259,6 +259,40 @@ def test_a_checker_that_dies_or_hangs_leaves_its_state_unchecked_and_the_rest_go
         assert reason == "the checker process answered nothing in 1 s (hung): killed"
 
 
+# a checker a library of which prints a bare number on stdout while it checks state 1
+_CHATTY_CHECKER = """
+import json, sys
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    task = json.loads(line)
+    if task["id"] == 1:
+        print(42, flush=True)
+    results = {r: {"step": 1, "digest": "o", "skipped": []} for r in task["rules"]}
+    print(json.dumps({"id": task["id"], "results": results}), flush=True)
+"""
+
+
+def test_a_checker_line_that_is_json_but_no_answer_leaves_its_state_unchecked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line that parses as JSON but is no object (``42``) raised TypeError in the thread
+    that drove the checker (``"results" not in 42``): the thread died, its state got no
+    answer at all and vanished from the counts, and the states after it went unchecked
+    although the checker still ran. It is a checker that said something unexpected: its
+    state is unchecked with the reason, the checker replaced, the rest checked."""
+    from antifragile.chaos.crashcheck import check
+    from antifragile.chaos.crashcheck.check import CheckerPool
+
+    popen = subprocess.Popen
+    monkeypatch.setattr(check.subprocess, "Popen", lambda args, **kwargs: popen(
+        [sys.executable, "-c", _CHATTY_CHECKER], **kwargs))
+    tasks = [{"id": i, "prefix": f"p/s{i}", "objects": {}, "rules": ["marker"]}
+             for i in range(4)]
+    with CheckerPool(engine="dcp", bucket="b", bodies=tmp_path, env={}, workers=1) as pool:
+        answers = pool.check(tasks)
+    assert sorted(answers) == [0, 1, 2, 3]
+    assert answers[1]["unchecked"] == "a checker said 42"
+    assert all("unchecked" not in answers[i] for i in (0, 2, 3)), answers
+
 def test_a_checker_that_cannot_be_started_leaves_no_checker_behind(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The second checker's Popen raised (out of processes, of file handles): the OSError

@@ -151,10 +151,10 @@ class CheckerPool:
                                + (" while checking it" if field == "results" else "")
                                + "".join(f": {x[:300]}" for x in last))
         try:
-            doc: dict[str, Any] = json.loads(line)
+            doc = json.loads(line)
         except ValueError:
-            doc = {}
-        if field not in doc:
+            doc = None
+        if not isinstance(doc, dict) or field not in doc:  # JSON, but no answer: "42"
             raise CheckerError(f"a checker said {line.strip()[:200]}")
         return doc
 
