@@ -165,7 +165,21 @@ def test_verdict_fails_on_the_documented_rule_only() -> None:
     assert verdict(doc("marker", True, 0)) == (True, [])
     ok, reasons = verdict(doc("marker", True, 2))
     assert not ok and "2 torn" in reasons[0]
-    assert verdict(doc("newest-folder", False, 2))[0]  # reported, not targeted
+    both = doc("marker", True, 0)
+    both["cases"][0]["rules"].update(doc("newest-folder", False, 2)["cases"][0]["rules"])
+    assert verdict(both) == (True, [])  # reported, not targeted
+
+
+def test_a_case_without_its_documented_rule_does_not_pass() -> None:
+    """The verdict is judged on the documented rule only; a case checked under other rules
+    alone (``Settings(rules=("newest-folder",))`` through the Python API: the command line
+    refuses it) passed with nothing judged, whatever its states loaded."""
+    counts = {"old": 1, "new": 1, "refused": 0, "torn": 0, "lost": 0}
+    doc = {"cases": [{"engine": "dcp", "ranks": 1, "case": "save", "rules": {
+        "newest-folder": {"documented": False, "counts": counts, "witnesses": {},
+                          "final": "new"}}}]}
+    assert verdict(doc) == (False, ["dcp (1 ranks, save): the documented load rule was not "
+                                    "checked (only newest-folder)"])
 
 
 

@@ -57,7 +57,7 @@ def verdict(doc: dict[str, Any]) -> tuple[bool, list[str]]:
     save that never landed loads step k and passes); only ``MAY_REFUSE`` cases may instead
     report the save refused. A state left unchecked (its checker died or hung) is not ok
     either: nothing is known of it. Nor is a case asked for but missing (the report of a run
-    that stopped before it)."""
+    that stopped before it), nor one whose documented rule was not checked."""
     reasons = []
     checked = {c["case"] for c in doc["cases"]}
     for name in doc.get("settings", {}).get("cases", []):
@@ -67,6 +67,9 @@ def verdict(doc: dict[str, Any]) -> tuple[bool, list[str]]:
     if not doc["cases"] and not reasons:
         reasons.append("no case was checked")
     for c in doc["cases"]:
+        if not any(r["documented"] for r in c["rules"].values()):  # else nothing is judged
+            reasons.append(f"{c['engine']} ({c['ranks']} ranks, {c['case']}): the documented "
+                           f"load rule was not checked (only {', '.join(c['rules'])})")
         for rule, r in c["rules"].items():
             if not r["documented"]:
                 continue
