@@ -409,6 +409,12 @@ def test_a_hang_continues_the_group_it_stopped_after_its_leader_is_gone() -> Non
             os.kill(child, signal.SIGKILL)
 
 
+#: the tests that hand a dead rank's pid to another process choose the next pid
+needs_pid_choice = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK),
+    reason="choosing the next pid needs root")
+
+
 def _process_at(pid: int) -> subprocess.Popen[bytes] | None:
     """A new process (in a session of its own) given ``pid``, that of a process now gone, as
     the kernel recycles pids; None if another process on the machine kept taking it first."""
@@ -423,14 +429,13 @@ def _process_at(pid: int) -> subprocess.Popen[bytes] | None:
     return None
 
 
+@needs_pid_choice
 def test_a_hang_never_continues_a_process_that_took_its_ranks_pid(
         sleeper: subprocess.Popen[bytes]) -> None:
     """The hung rank is SIGKILLed (its supervisor found the hang) and reaped, and its pid
     goes to another process, stopped by someone else. The hang's end sent SIGCONT to the
     pid (to its group: it led one) without checking it was still the rank's, and so
     continued a process that was not the job's."""
-    if os.geteuid() != 0 or not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
-        pytest.skip("choosing the next pid needs root")
     target = _target(sleeper.pid)
     hang = FAULT_CONFIGS["hang_rank"](kind="hang_rank", rank=0, at_step=1, duration_s=300.0,
                                       mode="process").inject(target, 1)
@@ -516,6 +521,7 @@ def test_a_checkpoint_named_by_its_step_is_waited_for_while_it_is_saved(tmp_path
     assert injection.detail["checkpoint_step"] == 10
 
 
+@needs_pid_choice
 @pytest.mark.parametrize(("kind", "mode"), [("kill_rank", None), ("crash_during_save", None),
                                             ("hang_rank", "process"), ("hang_rank", "thread")])
 def test_a_fault_never_acts_on_a_process_that_took_its_ranks_pid(
@@ -524,8 +530,6 @@ def test_a_fault_never_acts_on_a_process_that_took_its_ranks_pid(
     supervisor killed it, a kill of the same pause point), and its pid goes to another
     process. The fault checked only that the pid was alive, and so SIGKILLed, SIGSTOPped or
     ptrace-stopped a process that was not the job's. It is missed: the rank had exited."""
-    if os.geteuid() != 0 or not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
-        pytest.skip("choosing the next pid needs root")
     target = _target(sleeper.pid)  # made while the rank runs: it is this process
     sleeper.kill()
     sleeper.wait()
@@ -547,13 +551,12 @@ def test_a_fault_never_acts_on_a_process_that_took_its_ranks_pid(
         other.wait()
 
 
+@needs_pid_choice
 def test_the_runner_names_each_rank_by_the_process_its_start_event_named(
         sleeper: subprocess.Popen[bytes]) -> None:
     """A pause point's faults are made on the ranks the job's events named: a rank that died
     and was reaped before the point's faults were made (another rank paused later) left a
     pid the target took as the rank's, whoever had it by then."""
-    if os.geteuid() != 0 or not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
-        pytest.skip("choosing the next pid needs root")
     from antifragile.chaos.run.runner import _Job, _target
     from antifragile.chaos.scenario import parse_scenario
 
@@ -577,13 +580,12 @@ def test_the_runner_names_each_rank_by_the_process_its_start_event_named(
         other.wait()
 
 
+@needs_pid_choice
 def test_ending_the_job_never_kills_a_process_that_took_a_workers_pid(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The run's end lists each agent's workers, kills the agent, then each worker (its
     group): a worker that died meanwhile (here as its agent is killed) and was reaped left a
     pid that the kill sent SIGKILL to, whoever had it by then."""
-    if os.geteuid() != 0 or not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
-        pytest.skip("choosing the next pid needs root")
     from antifragile.chaos.infra.weed import start_time
     from antifragile.chaos.run import runner
 

@@ -32,6 +32,21 @@ def _js(store: dist.Store) -> JobStore:
     return JobStore(store, "fresh")
 
 
+def _monitor(js: JobStore, slots: int, *, lease_s: float, within_s: float, then_s: float = 0.0
+             ) -> list[Lost]:
+    """A lease monitor of ``slots`` on ``js`` until it tells of a loss (at most ``within_s``),
+    then ``then_s`` more (a second word on it would come there); the job then ends, which
+    stops it. What it told."""
+    told: list[Lost] = []
+    LeaseMonitor(slots, lease_s=lease_s, interval_s=0.02).start(js, told.append)
+    deadline = time.monotonic() + within_s
+    while not told and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(then_s)
+    js.set("done", 1.0)
+    return told
+
+
 def _lease(slot: int, worker: str, n: int, *, generation: int = 0, member: bool = True
            ) -> tuple[int, dict[str, object]]:
     return slot, {"worker": worker, "generation": generation, "member": member, "n": n}
@@ -152,12 +167,7 @@ def test_a_monitor_goes_on_judging_after_the_store_failed_it_once() -> None:
             return getattr(attempt, name)
 
     js.attempt = FlakyOnce()  # type: ignore[assignment]
-    lost: list[Lost] = []
-    LeaseMonitor(4, lease_s=0.3, interval_s=0.02).start(js, lost.append)
-    deadline = time.monotonic() + 5
-    while not lost and time.monotonic() < deadline:
-        time.sleep(0.02)
-    js.set("done", 1)  # the job ends: the monitor stops
+    lost = _monitor(js, 4, lease_s=0.3, within_s=5)
     assert failed and [x.worker for x in lost] == ["1.0"]
 
 
@@ -224,13 +234,7 @@ def test_the_monitor_tells_of_a_death_its_supervisor_reported_first_not_again() 
     declare_dead(js, me="1.0", generation=0, how="signal 9", member=True)
     js.set("lease/1", {"worker": "1.0", "generation": 0, "member": True, "n": 7})
     js.set("lease/2", {"worker": "2.0", "generation": 0, "member": True, "n": 7})
-    told: list[Lost] = []
-    LeaseMonitor(3, lease_s=0.2, interval_s=0.02).start(js, told.append)
-    deadline = time.monotonic() + 10.0
-    while not told and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.3)
-    js.set("done", 1.0)
+    told = _monitor(js, 3, lease_s=0.2, within_s=10.0, then_s=0.3)
     assert [lost.worker for lost in told] == ["2.0"]
 
 
@@ -313,13 +317,7 @@ def test_a_monitor_declares_again_a_loss_the_store_refused() -> None:
     js.set("lease/1", {"worker": "1.0", "generation": 0, "member": True, "n": 1})  # silent
     refusing = _RefusesOnce(js.attempt, "dead/1.0")
     js.attempt = refusing  # type: ignore[assignment]
-    told: list[Lost] = []
-    LeaseMonitor(2, lease_s=0.1, interval_s=0.02).start(js, told.append)
-    deadline = time.monotonic() + 5.0
-    while not told and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.1)
-    js.set("done", 1.0)  # the monitor stops
+    told = _monitor(js, 2, lease_s=0.1, within_s=5.0, then_s=0.1)
     assert refusing.refused
     assert [lost.worker for lost in told] == ["1.0"] and js.has("g0/fail")
     assert js.add("g0/deaths", 0) == 1

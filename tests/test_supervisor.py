@@ -702,19 +702,27 @@ def test_a_re_formation_costs_the_store_requests_linear_in_the_ranks() -> None:
     assert store.requests - before < 40 * n, store.requests - before
 
 
+def _coordinator_claimed(store: dist.Store, reason: str) -> tuple[Formation, JobStore]:
+    """Generation 0 of ranks 0-2 with spares 3.0 and 4.0 ready, failed for ``reason``; rank
+    0 has arrived in ``recover`` and claimed the coordination (and dies there, in the
+    tests). The first formation and a store client."""
+    first = first_formation(JobStore(store, "a0"), 0, range(3))
+    _spares_ready(JobStore(store, "a0"), "3.0", "4.0")
+    js = JobStore(store, "a0")
+    js.set("g0/fail", {"reason": reason})
+    js.set("g0/alive/0.0", 1.0)  # rank 0's part of recover(), up to its claim
+    js.add("g0/arrived_alive", 1)
+    assert js.add("g0/coordinator", 1) == 1
+    js.set("g0/coordinator/by", "0.0")
+    return first, js
+
+
 def test_a_coordinator_that_dies_before_publishing_is_taken_over_by_its_supervisor() -> None:
     """Rank 0 arrives first and claims the coordination, and dies while it waits for the
     others (an 8-rank job waits up to seconds for a stuck survivor): rank 1 waited for a
     generation nobody would publish, until its deadline, then the job restarted."""
     store = _store()
-    first = first_formation(JobStore(store, "a0"), 0, range(3))
-    _spares_ready(JobStore(store, "a0"), "3.0", "4.0")
-    js = JobStore(store, "a0")
-    js.set("g0/fail", {"reason": "rank 2 died"})
-    js.set("g0/alive/0.0", 1.0)  # rank 0's part of recover(), up to its claim
-    js.add("g0/arrived_alive", 1)
-    assert js.add("g0/coordinator", 1) == 1
-    js.set("g0/coordinator/by", "0.0")
+    first, js = _coordinator_claimed(store, "rank 2 died")
     declare_dead(js, me="2.0", generation=0, how="signal 9", member=True)
     survivor: list[Formation | str] = []
     thread = threading.Thread(target=lambda: survivor.append(
@@ -737,14 +745,7 @@ def test_a_take_over_publishes_before_the_survivors_give_up() -> None:
     decides within one collective timeout, the "one more" a survivor waits for."""
     timeout_s = 1.0  # the collective timeout: a survivor waits 2 x for the next generation
     store = _store()
-    first = first_formation(JobStore(store, "a0"), 0, range(3))
-    _spares_ready(JobStore(store, "a0"), "3.0", "4.0")
-    js = JobStore(store, "a0")
-    js.set("g0/fail", {"reason": "rank 2 stuck"})
-    js.set("g0/alive/0.0", 1.0)  # rank 0's part of recover(), up to its claim
-    js.add("g0/arrived_alive", 1)
-    assert js.add("g0/coordinator", 1) == 1
-    js.set("g0/coordinator/by", "0.0")
+    first, _ = _coordinator_claimed(store, "rank 2 stuck")
     survivor: list[Formation | str] = []
     thread = threading.Thread(target=lambda: survivor.append(
         recover(JobStore(store, "a0"), "1.0", first, timeout_s=timeout_s)))

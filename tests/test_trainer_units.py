@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1272,12 +1274,14 @@ def _reset_client() -> JobStore:
     return js
 
 
-def _watch_over(clients: list[Any], **kwargs: Any
-                ) -> tuple[FailureWatch, threading.Event, list[threading.ExceptHookArgs]]:
-    """A watch whose store clients are ``clients`` in turn (the first made at once), and the
-    errors its thread died of (``threading.excepthook`` is the caller's to restore)."""
+@contextlib.contextmanager
+def _watch_over(clients: list[Any], **kwargs: Any) -> Iterator[
+        tuple[FailureWatch, threading.Event, list[threading.ExceptHookArgs]]]:
+    """A watch whose store clients are ``clients`` in turn (the first made at once), the
+    event its failure sets, and the errors its thread died of; stopped, and
+    ``threading.excepthook`` restored, on the way out."""
     aborted, died = threading.Event(), []
-    threading.excepthook = died.append
+    hook, threading.excepthook = threading.excepthook, died.append
     made = iter(clients)
 
     def make_store() -> JobStore:
@@ -1288,7 +1292,11 @@ def _watch_over(clients: list[Any], **kwargs: Any
 
     watch = FailureWatch(make_store, 3, aborted.set, **kwargs)
     watch.start()
-    return watch, aborted, died
+    try:
+        yield watch, aborted, died
+    finally:
+        threading.excepthook = hook
+        watch.stop()
 
 
 def test_a_failure_watch_survives_a_reset_of_its_store_connection() -> None:
@@ -1299,31 +1307,22 @@ def test_a_failure_watch_survives_a_reset_of_its_store_connection() -> None:
     import torch.distributed as dist
 
     store = dist.HashStore()
-    hook = threading.excepthook
-    watch, aborted, died = _watch_over([_reset_client(), store])
-    try:
+    with _watch_over([_reset_client(), store]) as (watch, aborted, died):
         time.sleep(0.3)  # the reset, then the retry
         assert not aborted.is_set(), "a store error alone is not a failure of the generation"
         signal_failure(JobStore(store, "a0"), 3, "worker 1.0 died")
         assert aborted.wait(5), "the failure was not seen after the store connection reset"
         assert watch.fired.is_set() and not died
-    finally:
-        threading.excepthook = hook
-        watch.stop()
 
 
 def test_a_failure_watch_whose_store_is_gone_acts_as_on_a_failure() -> None:
     """The store is gone for good (no client connects again): the job can no longer
     coordinate, a failure of the generation; the watch aborts it rather than die silently."""
-    hook = threading.excepthook
     gone = RuntimeError("Connection refused")
-    watch, aborted, died = _watch_over([_reset_client()] + [gone] * 100, store_gone_s=0.5)
-    try:
+    with _watch_over([_reset_client()] + [gone] * 100, store_gone_s=0.5) as (
+            watch, aborted, died):
         assert aborted.wait(5), "the watch did not act on a store that is gone"
         assert watch.fired.is_set() and not died
-    finally:
-        threading.excepthook = hook
-        watch.stop()
 
 
 def test_a_failure_watch_counts_the_store_gone_from_its_latest_error_not_its_first() -> None:
@@ -1348,15 +1347,10 @@ def test_a_failure_watch_counts_the_store_gone_from_its_latest_error_not_its_fir
 
     later = JobStore(store, "a0")
     later.attempt = ResetLater(later.attempt)  # type: ignore[assignment]
-    hook = threading.excepthook
-    watch, aborted, died = _watch_over([_reset_client(), later, JobStore(store, "a0")],
-                                       store_gone_s=0.5)
-    try:
+    with _watch_over([_reset_client(), later, JobStore(store, "a0")], store_gone_s=0.5) as (
+            _, aborted, died):
         time.sleep(1.0)  # reconnected after the first reset; the second comes later
         cut.set()
         assert not aborted.wait(1.0), "a second short outage was taken for the store gone"
         signal_failure(JobStore(store, "a0"), 3, "worker 1.0 died")
         assert aborted.wait(5) and not died
-    finally:
-        threading.excepthook = hook
-        watch.stop()

@@ -122,7 +122,7 @@ class RecordingProxy:
 
     def start(self) -> None:
         """Record from now on; requests answered before this call are not in the recording
-        (waits, up to 10 s, for the threads still noting them)."""
+        (waits, up to ``NOTE_WAIT_S``, for the threads still noting them)."""
         with self._lock:
             self._noted.wait_for(lambda: self._serving == 0, timeout=NOTE_WAIT_S)
             self._recording = Recording()
