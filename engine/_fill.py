@@ -159,7 +159,7 @@ def fill_step(storage: Storage, step: int, flat: FlatState, rank: int, pool: Exe
                 from_memory.append((stored.path, into))
                 continue
             from_storage.append(local)
-            for box in local_boxes(tensor, path=path):
+            for box in local_boxes(tensor, path=path, target=True):
                 region = into[tuple(slice(o, o + n)
                                     for o, n in zip(box.local_offset, box.shape))]
                 reads += reader.read_box(stored, box, region)

@@ -179,8 +179,9 @@ def placement_boxes(
     return boxes
 
 
-def local_boxes(tensor: torch.Tensor, *, path: str) -> list[HeldBox]:
-    """The boxes this process holds of ``tensor`` (a plain tensor holds all of itself)."""
+def local_boxes(tensor: torch.Tensor, *, path: str, target: bool = False) -> list[HeldBox]:
+    """The boxes this process holds of ``tensor`` (a plain tensor holds all of itself);
+    ``target``: it is a load's (an error then says so)."""
     if not isinstance(tensor, DTensor):
         shape = tuple(tensor.shape)
         return [HeldBox((0,) * len(shape), shape, (0,) * len(shape))]
@@ -200,7 +201,8 @@ def local_boxes(tensor: torch.Tensor, *, path: str) -> list[HeldBox]:
     if (boxes and expected != local_shape) or (not boxes and math.prod(local_shape) != 0):
         raise CheckpointError(
             f"state path {path!r}: placements {tensor.placements} give local shape {expected}, "
-            f"the DTensor holds {local_shape}; refusing to save a layout the engine cannot map"
+            f"the DTensor holds {local_shape}; refusing to "
+            f"{'load into' if target else 'save'} a layout the engine cannot map"
         )
     return boxes
 

@@ -556,3 +556,27 @@ def test_any_layout_reshards_bit_exactly_many(
     ranks: RankGroup, tmp_path_factory: pytest.TempPathFactory, case: Case
 ) -> None:
     check_case(ranks, tmp_path_factory.mktemp("prop"), case)
+
+
+def _load_into_a_mismatched_local(url: str) -> str:
+    """Load ``t/w`` (4 x 4, Shard(0) on 4 ranks) into DTensors whose local tensors do not hold
+    what their placements give (rank 0 holds 2 rows where the placements give 1)."""
+    mesh = mesh_of(0, (4,))
+    rows = 2 if dist.get_rank() == 0 else 1
+    target = DTensor.from_local(torch.zeros(rows, 4), mesh, [Shard(0)], run_check=False,
+                                shape=(4, 4), stride=(4, 1))
+    with CheckpointEngine(url) as engine:
+        try:
+            engine.load({"t": {"w": target}})
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_a_target_whose_local_shape_disagrees_with_its_placements_is_refused_as_a_target(
+        ranks: RankGroup, tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    ranks.run(save_case, url, (0, (4,)), [("w", (4, 4), "float32", 1, ("S0",), ("S0",))])
+    for message in ranks.run(_load_into_a_mismatched_local, url):
+        assert "'t/w'" in message and "load into" in message, message
+        assert "save" not in message, message
