@@ -220,8 +220,9 @@ class StagingArea:
             # would drop: resolved into a copy (a no-op for every other tensor)
             sources = [iter_local(tensors[c.write.array.tensor]).detach().resolve_conj()
                        .resolve_neg() for c in self.cells]
-            on_device = any(s.device.type != "cpu" for s in sources) or any(
-                iter_local(tensors[p]).device.type != "cpu" for p in self.shadows)
+            devices = {t.device for t in sources} | {
+                iter_local(tensors[p]).device for p in self.shadows}
+            on_device = any(d.type != "cpu" for d in devices)
             if on_device:
                 for cell, src in zip(self.cells, sources):
                     _copy_cell(cell, src, self.arena.data_ptr(), on_device=True)
@@ -229,8 +230,9 @@ class StagingArea:
                 self._stage_on_host(sources)
             for path, shadow in self.shadows.items():
                 shadow.copy_(iter_local(tensors[path]).detach(), non_blocking=True)
-            if on_device:
-                torch.cuda.synchronize()
+            for device in devices:  # each device's copies: ``torch.cuda.synchronize()``
+                if device.type != "cpu":  # waits for the current device's alone
+                    torch.get_device_module(device.type).synchronize(device)
         except BaseException as exc:
             self.fail(exc)
             raise

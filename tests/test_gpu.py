@@ -29,6 +29,19 @@ def test_engine_round_trip_of_cuda_tensors(tmp_path: Path) -> None:
     assert all(torch.equal(target[k], state[k]) for k in state)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_staging_waits_for_the_copies_of_every_device_not_the_current_one(
+        tmp_path: Path) -> None:
+    """Staging once waited for the current device's copies alone: a tensor on another
+    device could be persisted before its non-blocking copy landed."""
+    state = {f"w{d}": torch.randn(4096, 1024, device=f"cuda:{d}") for d in (0, 1)}
+    with torch.cuda.device(0), CheckpointEngine(str(tmp_path)) as ckpt:
+        ckpt.save(1, state).wait()
+        target = {k: torch.zeros_like(v, device="cpu") for k, v in state.items()}
+        assert ckpt.load(target) == 1
+    assert all(torch.equal(target[k], state[k].cpu()) for k in state)
+
+
 def test_trainer_runs_on_cuda_with_async_checkpoints(tmp_path: Path) -> None:
     run_trainer(tmp_path, steps=6, ckpt_every=3, extra=["--device", "cuda"])
     assert {e["step"] for e in events(tmp_path) if e["event"] == "ckpt_committed"} == {3, 6}
