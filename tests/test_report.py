@@ -9,6 +9,7 @@ import os
 import re
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -1019,3 +1020,26 @@ def test_the_final_save_is_marked_in_the_markdown_and_html_tables(tmp_path: Path
     table = page.split("<h2>Checkpoints</h2>", 1)[1].split("</table>", 1)[0]
     cells = [re.findall(r"<td>(.*?)</td>", row)[1] for row in table.split("<tr>")[2:]]
     assert cells == ["5", "10 (final)"], cells
+
+
+#: a locale whose encoding is ASCII (Python's UTF-8 mode and C-locale coercion turned off), as
+#: a machine set to a Latin-1 or plain C locale has it
+ASCII_LOCALE = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+
+
+def test_the_markdown_is_utf_8_whatever_the_locale(doc: dict[str, Any], tmp_path: Path) -> None:
+    """A scenario file is read as UTF-8 whatever the locale, but report.md was written in the
+    locale's encoding: under an ASCII or Latin-1 locale a description with an em dash raised
+    UnicodeEncodeError after the whole run (a traceback, and no report at all)."""
+    scenario = {**doc["scenario"], "description": "Ein Rang fällt aus — der Job läuft weiter."}
+    (tmp_path / "doc.json").write_text(json.dumps({**doc, "scenario": scenario}),
+                                       encoding="utf-8")
+    code = ("import json, sys; from pathlib import Path; "
+            "from antifragile.chaos.report import document as report; "
+            "out = Path(sys.argv[1]); "
+            "report.write_markdown(out, json.loads((out / 'doc.json').read_text('utf-8')))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, env={**os.environ, **ASCII_LOCALE}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    md = (tmp_path / "report.md").read_bytes().decode("utf-8")
+    assert "Ein Rang fällt aus — der Job läuft weiter." in md

@@ -340,7 +340,7 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
                       f"{_md((plot.error or '').splitlines()[0])}",
                       ""]
     path = out / "report.md"
-    path.write_text("\n".join(lines).rstrip("\n") + "\n")
+    path.write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
     return path
 
 
