@@ -7,6 +7,9 @@ test runs a real two-scenario suite, one scenario passing and one failing honest
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -965,3 +968,27 @@ def test_a_figure_the_baseline_measured_and_this_run_did_not_is_noted() -> None:
     assert [n["reason"] for n in got["not_compared"]] == [
         "recovery (max): measured in the baseline (10.00 s), not in this run",
         "stall (mean): measured in the baseline (0.02 s), not in this run"]
+
+
+#: a locale whose encoding is ASCII (Python's UTF-8 mode and C-locale coercion turned off), as
+#: a machine set to a Latin-1 or plain C locale has it
+ASCII_LOCALE = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+
+
+def test_the_summary_page_is_utf_8_whatever_the_locale(tmp_path: Path) -> None:
+    """Scenario files are read as UTF-8 whatever the locale, and summary.html says it is
+    UTF-8, but it was written in the locale's encoding: under an ASCII locale an invalid
+    scenario's reason naming a key "tränier" raised UnicodeEncodeError once the suite was
+    over, a traceback and an empty summary.html left behind."""
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    (scenarios / "a.yaml").write_text("name: a\ntränier: {}\n", encoding="utf-8")
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-c", "from antifragile.chaos.cli import main; main()", "suite",
+         str(scenarios), "--out", str(out)],
+        capture_output=True, env={**os.environ, **ASCII_LOCALE}, timeout=120)
+    stderr = done.stderr.decode("utf-8", "replace")
+    assert done.returncode == 1 and "Traceback" not in stderr, stderr
+    page = (out / "summary.html").read_bytes().decode("utf-8")
+    assert "tränier: unknown key" in page

@@ -400,5 +400,6 @@ def write_html(out: Path, summary: dict[str, Any]) -> Path:
             if names:
                 parts.append(f"<p>{label} since the baseline: {esc(', '.join(names))}</p>")
     path = out / "summary.html"
-    path.write_text(report.html_page(f"chaos suite: {status}", "\n".join(parts), _CSS))
+    path.write_text(report.html_page(f"chaos suite: {status}", "\n".join(parts), _CSS),
+                    encoding="utf-8")
     return path
