@@ -992,3 +992,35 @@ def test_the_summary_page_is_utf_8_whatever_the_locale(tmp_path: Path) -> None:
     assert done.returncode == 1 and "Traceback" not in stderr, stderr
     page = (out / "summary.html").read_bytes().decode("utf-8")
     assert "tränier: unknown key" in page
+
+
+def test_a_runner_crash_with_a_non_ascii_message_is_one_failed_entry_whatever_the_locale(
+        tmp_path: Path) -> None:
+    """error.txt was written in the locale's encoding: under an ASCII locale a runner crash
+    whose message held a non-ASCII character (a path, a library's message) raised
+    UnicodeEncodeError out of run_suite, so the suite stopped with a traceback and no
+    summary."""
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    _write(scenarios, "a", [])
+    code = """if True:
+        import sys
+        from pathlib import Path
+        from antifragile.chaos import suite
+        from antifragile.chaos.run import pipeline
+
+        def crash(s, folder, **kw):
+            raise RuntimeError("no such file: /data/caf\\u00e9/x")  # ASCII argv
+
+        pipeline.run = crash
+        out = Path(sys.argv[2])
+        planned = suite.plan(suite.discover(Path(sys.argv[1])), out)
+        entries = suite.run_suite(planned, out, progress=lambda _: None)
+        print(entries[0]["verdict"], entries[0]["error"])
+    """
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-c", code, str(scenarios), str(out)],
+                          capture_output=True, env={**os.environ, **ASCII_LOCALE}, timeout=120)
+    assert done.returncode == 0, done.stderr.decode("utf-8", "replace")
+    assert done.stdout.decode().split() == ["fail", "a/error.txt"]
+    assert "no such file: /data/café/x" in (out / "a" / "error.txt").read_bytes().decode("utf-8")

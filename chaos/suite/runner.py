@@ -148,7 +148,7 @@ def run_suite(planned: list[Planned], out: Path, *, reference: bool = True,
             error: str | None = f"{p.name}/error.txt"
             try:  # a runner that failed on the file system (a full disk) may leave no room
                 folder.mkdir(parents=True, exist_ok=True)
-                (folder / "error.txt").write_text(traceback.format_exc())
+                (folder / "error.txt").write_text(traceback.format_exc(), encoding="utf-8")
             except OSError as unwritten:
                 reason += f" (its traceback could not be written: {unwritten})"
                 error = None
