@@ -281,6 +281,18 @@ def test_cli_an_out_file_that_cannot_be_written_exits_2_naming_it(tmp_path: Path
     assert f"error: {out / name}: cannot be written: Is a directory" in result.stderr
 
 
+def test_cli_an_out_that_cannot_be_written_whole_keeps_none_of_it(tmp_path: Path) -> None:
+    """goodput.png that could not be written (a full disk; here a folder in its place) was
+    exit 2, but tune.json, written just before it, stayed: a document saying it wrote
+    goodput.png to that folder, beside an earlier tune's files or none, read as this tune's."""
+    out = tmp_path / "tune"
+    (out / "goodput.png").mkdir(parents=True)
+    result = _invoke(["--ckpt-cost-s", "5", "--mtbf-s", "100", "--schedules", "50",
+                      "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert not (out / "tune.json").exists(), "a tune.json without its plot was left behind"
+
+
 def test_cli_a_job_that_can_never_finish_a_checkpoint_interval_is_refused() -> None:
     """C = 5000 s against M = 10 s: the simulation waited for a failure-free stretch of
     5000 s (e^500 failures) and never ended, its failure table growing without bound; past

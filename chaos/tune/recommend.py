@@ -148,6 +148,9 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
             path = out / "goodput.png"
             plot(tuning, path, doc["sweep"])
         except OSError as exc:  # a full disk, a folder where the file goes
+            for name in ("tune.json", "goodput.png"):  # none cut short, none without the other
+                with contextlib.suppress(OSError):
+                    (out / name).unlink(missing_ok=True)
             raise TuneError(f"{path}: cannot be written: {exc.strerror or exc}") from None
     return doc
 
