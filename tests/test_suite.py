@@ -402,6 +402,25 @@ def test_discover_and_plan_reject_bad_suites(tmp_path: Path) -> None:
         suite.plan([b], tmp_path / "out")
 
 
+def test_a_file_where_a_scenarios_folder_goes_is_bad_input_not_a_traceback(
+        tmp_path: Path) -> None:
+    """A file in OUT named like a scenario (``OUT/a``, where its report folder goes) was
+    listed as a folder to see whether it was a run's: NotADirectoryError, a traceback before
+    anything ran."""
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    a = _write(scenarios, "a", [])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a").write_text("mine")
+    with pytest.raises(suite.SuiteError, match=r"out/a: exists and is not a chaos run folder"):
+        suite.plan([a], out)
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out)])
+    assert result.exit_code == 2 and "not a chaos run folder" in result.output, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert (out / "a").read_text() == "mine"
+
+
 @pytest.mark.parametrize("own", ["run", "ckpt"])
 def test_a_folder_with_a_run_or_ckpt_of_its_own_is_not_replaced(tmp_path: Path,
                                                                  own: str) -> None:

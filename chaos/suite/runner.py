@@ -90,8 +90,12 @@ def plan(files: list[Path], out: Path) -> list[Planned]:
         if p.scenario is None:
             continue
         folder = out / p.name
-        if folder.exists() and any(folder.iterdir()) and \
-                not any((folder / m).is_file() for m in _RUN_MARKERS):
+        try:  # a file there is no run folder either
+            foreign = folder.exists() and (not folder.is_dir() or (
+                any(folder.iterdir()) and not any((folder / m).is_file() for m in _RUN_MARKERS)))
+        except OSError as exc:  # a folder it may not look into
+            raise SuiteError(f"{folder}: {exc.strerror or exc}") from None
+        if foreign:
             raise SuiteError(f"{folder}: exists and is not a chaos run folder; "
                              f"not replacing it (choose another --out)")
     return planned
