@@ -120,7 +120,7 @@ def write_all(out: Path, doc: dict[str, Any]) -> list[Path]:
             if isinstance(data, bytes):
                 temp.write_bytes(data)
             else:
-                temp.write_text(data)
+                temp.write_text(data, encoding="utf-8")
         for name in files:
             current = name
             os.replace(out / f"{name}.tmp", out / name)
