@@ -543,3 +543,75 @@ def test_a_value_that_aliases_a_huge_list_is_shown_in_short(tmp_path: Path, wher
     if "kind: *" in where:  # refused before pydantic's lookup
         assert "faults.0.kind: [[[...], [...], [...], [...], [...], [...], ...], " in message
         assert "is not a fault kind (known: corrupt_shard, " in message
+
+
+@pytest.mark.parametrize(("text", "line", "message"), [
+    ("name: x\nseed: 017\n", 2,
+     "seed: 017 is octal 15 to YAML 1.1 but 17 to YAML 1.2: write 15 or 17 without the "
+     "leading zero"),
+    ("name: x\nseed: -017\n", 2,
+     "seed: -017 is octal -15 to YAML 1.1 but -17 to YAML 1.2: write -15 or -17 without the "
+     "leading zero"),
+    ("name: x\ntrainer: {parallel: {dp: 2}, steps: 30}\n"
+     "faults:\n  - kind: kill_rank\n    rank: 1\n    at_s: 1:30\n", 6,
+     "faults.0.at_s: 1:30 is 90 (base 60) to YAML 1.1 but text to YAML 1.2: write 90, or "
+     "quote it for text"),
+    ("name: x\ntrainer: {parallel: {dp: 2}, steps: 30}\n"
+     "faults:\n  - {kind: kill_rank, rank: 1, at_s: 1:30.5}\n", 4,
+     "faults.0.at_s: 1:30.5 is 90.5 (base 60) to YAML 1.1 but text to YAML 1.2: write 90.5, "
+     "or quote it for text"),
+    ("name: x\nseed: 0b101\n", 2,
+     "seed: 0b101 is binary 5 to YAML 1.1 but text to YAML 1.2: write 5, or quote it for "
+     "text"),
+    ("name: x\nseed: 1_000\n", 2,
+     "seed: 1_000 is 1000 to YAML 1.1 but text to YAML 1.2: write 1000, or quote it for "
+     "text"),
+    ("name: x\nexpect: {max_recovery_s: 1_0.5}\n", 2,
+     "expect.max_recovery_s: 1_0.5 is 10.5 to YAML 1.1 but text to YAML 1.2: write 10.5, or "
+     "quote it for text"),
+    ("name: x\nseed: -0x1F\n", 2,
+     "seed: -0x1F is -31 to YAML 1.1 but text to YAML 1.2: write -31, or quote it for text"),
+    ("name: x\ncheckpoint: {async: off}\n", 2,
+     "checkpoint.async: off is false to YAML 1.1 but text to YAML 1.2: write false, or quote "
+     "it for text"),
+    ("name: no\n", 1,
+     "name: no is false to YAML 1.1 but text to YAML 1.2: write false, or quote it for text"),
+    ("name: x\nexpect:\n  On: 3\n", 3,
+     "expect: the key On is true to YAML 1.1 but text to YAML 1.2: write true, or quote it "
+     "for text"),
+    ("name: x\nfaults:\n  - &f {kind: kill_rank, rank: 1, at_step: 010}\n  - *f\n", 3,
+     "faults.0.at_step: 010 is octal 8 to YAML 1.1 but 10 to YAML 1.2: write 8 or 10 without "
+     "the leading zero"),
+], ids=["octal", "negative-octal", "base-60", "base-60-float", "binary", "underscore",
+        "underscore-float", "signed-hex", "bool-off", "bool-no-as-text", "bool-key",
+        "through-an-alias"])
+def test_numbers_and_booleans_yaml_1_1_and_1_2_read_apart_are_refused(
+        tmp_path: Path, text: str, line: int, message: str) -> None:
+    """PyYAML reads YAML 1.1: ``seed: 017`` was seed 15 and ``at_s: 1:30`` 90 seconds,
+    silently, where a YAML 1.2 reader (and most users) sees 17 and the text "1:30". A plain
+    scalar the two read apart is refused, naming the line, the key and both readings."""
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario(path)
+    assert str(exc.value) == f"{path}: line {line}: {message}"
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.output.strip() == f"error: {path}: line {line}: {message}"
+
+
+def test_numbers_and_booleans_yaml_1_1_and_1_2_read_alike_are_kept(tmp_path: Path) -> None:
+    """What both YAML versions read alike stays as it was: plain decimals, 0x hex, 0, true,
+    false, a dotted float; and anything quoted is text."""
+    path = tmp_path / "s.yaml"
+    path.write_text("name: x\nseed: 0x1F\ndescription: 'on 017 1:30'\n"
+                    "trainer: {parallel: {dp: 2}, steps: 30, collective_timeout_s: 0.5e+2}\n"
+                    "checkpoint: {async: false, every_steps: 10}\n"
+                    "faults:\n  - {kind: kill_rank, rank: 0, at_s: 0}\n"
+                    "  - {kind: kill_rank, rank: 1, at_s: 10.0}\n")
+    s = load_scenario(path)
+    assert s.seed == 31 and s.description == "on 017 1:30"
+    assert s.trainer.collective_timeout_s == 50.0 and s.checkpoint.async_ is False
+    assert [f.at_s for f in s.faults] == [0.0, 10.0]
+    path.write_text("name: '017'\nseed: 17\n")
+    assert load_scenario(path).name == "017"

@@ -365,10 +365,84 @@ class _DuplicateKey(yaml.YAMLError):
         self.key, self.line = key, line
 
 
+class _TwoReadings(yaml.YAMLError):
+    def __init__(self, line: int, where: str, reading: str) -> None:
+        super().__init__(f"line {line}: {where}{reading}")
+
+
+_INT, _FLOAT, _BOOL = (f"tag:yaml.org,2002:{t}" for t in ("int", "float", "bool"))
+
+
+def _two_readings(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str | None:
+    """How YAML 1.1 (PyYAML) and YAML 1.2 (the core schema: most other readers, and most
+    users' expectation) read a plain scalar apart, or None where they agree."""
+    text = node.value
+    if node.tag == _BOOL:
+        if text.lower() in ("true", "false"):
+            return None
+        value = "true" if loader.construct_yaml_bool(node) else "false"
+        return (f"{text} is {value} to YAML 1.1 but text to YAML 1.2: write {value}, or quote "
+                "it for text")
+    if node.tag not in (_INT, _FLOAT):
+        return None
+    number = loader.construct_yaml_int(node) if node.tag == _INT else \
+        loader.construct_yaml_float(node)
+    body = text.lstrip("+-")
+    if node.tag == _INT and "_" not in text and ":" not in text and re.fullmatch("0[0-7]+", body):
+        decimal = int(text, 10)
+        if decimal == number:  # 00 to 07
+            return None
+        return (f"{text} is octal {number} to YAML 1.1 but {decimal} to YAML 1.2: write "
+                f"{number} or {decimal} without the leading zero")
+    if ":" in text:
+        read = f"{number!r} (base 60)"
+    elif body[:2] in ("0b", "0B") and "_" not in text:
+        read = f"binary {number!r}"
+    elif "_" in text or (body[:2] in ("0x", "0X") and body != text):  # 1.2: hex has no sign
+        read = repr(number)
+    else:
+        return None
+    return (f"{text} is {read} to YAML 1.1 but text to YAML 1.2: write {number!r}, or quote "
+            "it for text")
+
+
+def _refuse_two_readings(loader: yaml.SafeLoader, root: yaml.Node) -> None:
+    """Refuse a plain number or boolean that YAML 1.1 and 1.2 read apart (``017``: 15 or 17;
+    ``1:30``: 90 or text; ``no``: false or text), naming its line and key path."""
+    seen: set[int] = set()
+    todo: list[tuple[yaml.Node, str, bool]] = [(root, "", False)]
+    while todo:
+        node, path, is_key = todo.pop()
+        if id(node) in seen:  # an alias: checked where its anchor is
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            if node.style is None and (reading := _two_readings(loader, node)):
+                where = (f"{path}: " if path else "") + ("the key " if is_key else "")
+                raise _TwoReadings(node.start_mark.line + 1, where, reading)
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend((item, f"{path}.{i}" if path else str(i), False)
+                        for i, item in reversed(list(enumerate(node.value))))
+        elif isinstance(node, yaml.MappingNode):
+            for key_node, value_node in reversed(node.value):
+                if key_node.tag == "tag:yaml.org,2002:merge":  # its keys are this mapping's
+                    merged = value_node.value if isinstance(value_node, yaml.SequenceNode) \
+                        else [value_node]
+                    todo.extend((m, path, False) for m in reversed(merged))
+                    continue
+                name = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+                todo.append((value_node, f"{path}.{name}" if path else str(name), False))
+                todo.append((key_node, path, True))
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a key given twice in one mapping: plain YAML keeps the
     last, so a second ``faults:`` would silently drop the first's faults. Keys merged in with
     ``<<`` may still be overridden (that is what a merge is for)."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _refuse_two_readings(self, node)
+        return super().construct_document(node)
 
     def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
         if isinstance(node, yaml.MappingNode):
@@ -407,7 +481,7 @@ def load_scenario(path: str | Path, *, seed: int | None = None) -> Scenario:
         raise ScenarioError(f"{path}: the file is empty (a scenario needs at least a name)")
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
-    except _DuplicateKey as exc:
+    except (_DuplicateKey, _TwoReadings) as exc:
         raise ScenarioError(f"{path}: {exc}") from None
     except RecursionError:  # the YAML composer recurses once per level of nesting
         raise ScenarioError(f"{path}: nested too deeply to be a scenario") from None
