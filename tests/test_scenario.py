@@ -615,3 +615,26 @@ def test_numbers_and_booleans_yaml_1_1_and_1_2_read_alike_are_kept(tmp_path: Pat
     assert [f.at_s for f in s.faults] == [0.0, 10.0]
     path.write_text("name: '017'\nseed: 17\n")
     assert load_scenario(path).name == "017"
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ({"kind": "kill_rank", "at_step": 3, "rank": {"dp": 1, "xx": 0}},
+     "faults.0.rank.xx: unknown key"),
+    ({"kind": "kill_rank", "at_step": 3, "rank": {"dp": -1}},
+     "faults.0.rank.dp: Input should be greater than or equal to 0"),
+    ({"kind": "hang_rank", "at_step": 3, "rank": {"tp": "x"}},
+     "faults.0.rank.tp: Input should be a valid integer"),
+    ({"kind": "kill_rank", "at_step": 3, "rank": 1.5},
+     "faults.0.rank: 1.5 is not a rank: give a rank number, random, or coordinates {dp, pp, tp}"),
+    ({"kind": "corrupt_shard", "at_step": 3, "checkpoint": "newest"},
+     "faults.0.checkpoint: 'newest' is not a checkpoint: name one by its step (>= 1), or latest"),
+], ids=["coordinates-unknown-key", "coordinates-negative", "coordinates-text", "float",
+        "checkpoint"])
+def test_a_bad_value_of_a_union_field_is_one_line_without_pydantic_branch_names(
+        fault: dict[str, Any], message: str) -> None:
+    """``rank: {dp: 1, xx: 0}`` gave three lines, two of them about the union branches the
+    value was never meant for (``rank.int``, ``rank.literal['random']``) and the useful one
+    under ``rank.Coordinates.xx``."""
+    with pytest.raises(ScenarioError) as exc:
+        parse_scenario(_fault(**fault), path="s.yaml")
+    assert str(exc.value) == f"s.yaml: {message}"

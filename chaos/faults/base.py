@@ -13,7 +13,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictFloat,
+    StrictInt,
+    Tag,
+)
 
 from antifragile.chaos.infra.weed import process_state, start_time
 
@@ -60,7 +69,22 @@ def _rank_input(value: Any) -> Any:
     return value
 
 
-RankTarget = Annotated[StrictInt | Literal["random"] | Coordinates, BeforeValidator(_rank_input)]
+def _rank_kind(value: Any) -> str:
+    return "rank-coordinates" if isinstance(value, dict | Coordinates) else (
+        "rank-random" if value == "random" else "rank-number")
+
+
+#: the union's branch tags: a bad value is checked against its own branch only (coordinates
+#: with an unknown key were three errors, two of them naming pydantic's int and 'random'
+#: branches); the scenario's errors leave the tags out of the key path
+RANK_TAGS = frozenset({"rank-number", "rank-random", "rank-coordinates"})
+
+RankTarget = Annotated[
+    Annotated[
+        Annotated[StrictInt, Tag("rank-number")] | Annotated[Literal["random"], Tag("rank-random")]
+        | Annotated[Coordinates, Tag("rank-coordinates")],
+        Discriminator(_rank_kind)],
+    BeforeValidator(_rank_input)]
 
 
 class FaultBase(BaseModel):

@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from antifragile.chaos.faults import FAULT_CONFIGS, FaultConfig
-from antifragile.chaos.faults.base import Seconds, shown
+from antifragile.chaos.faults.base import RANK_TAGS, Seconds, shown
 from antifragile.chaos.scenario.trainer import (
     MAX_NODES,
     MAX_STEP,
@@ -290,7 +290,7 @@ class Scenario(_Strict):
         return self
 
 
-_TAGS = frozenset(FAULT_CONFIGS) | {"builtin-trainer", "command-trainer"}
+_TAGS = frozenset(FAULT_CONFIGS) | {"builtin-trainer", "command-trainer"} | RANK_TAGS
 
 
 def _format_error(path: str, exc: ValidationError) -> str:
