@@ -638,3 +638,17 @@ def test_a_bad_value_of_a_union_field_is_one_line_without_pydantic_branch_names(
     with pytest.raises(ScenarioError) as exc:
         parse_scenario(_fault(**fault), path="s.yaml")
     assert str(exc.value) == f"s.yaml: {message}"
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1.5E999"])
+def test_an_exponent_number_too_large_to_be_finite_is_said_so(tmp_path: Path,
+                                                              number: str) -> None:
+    """``at_s: 1e400`` said to write ``1.0e+400``, which was then refused as not finite."""
+    path = tmp_path / "big.yaml"
+    path.write_text("name: x\ntrainer: {parallel: {dp: 2}, steps: 30}\n"
+                    f"faults:\n  - {{kind: kill_rank, rank: 1, at_s: {number}}}\n")
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.output.strip() == (
+        f"error: {path}: faults.0.at_s: {number!r} is text to YAML, not a number; as a number "
+        "it would be too large: not finite (a finite number is due here)")

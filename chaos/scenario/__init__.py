@@ -6,6 +6,7 @@ Every error names the file, the key path and the reason, e.g.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -334,6 +335,9 @@ def _exponent_text(text: str, *, whole: bool) -> str:
     unsigned = unsigned if "." in unsigned else f"{unsigned}.0"
     unsigned = f"0{unsigned}" if unsigned.startswith(".") else unsigned  # YAML needs a digit
     number = f"{mantissa[0] if signed else ''}{unsigned}{e}{sign or '+'}{digits}"
+    if not math.isfinite(float(number)):  # the number suggested would be refused in turn
+        return (f"{text!r} is text to YAML, not a number; as a number it would be too large: "
+                "not finite (a finite number is due here)")
     return (f"{text!r} is text to YAML, not a number: it reads an exponent only after a dot "
             f"and with a sign (write {number})")
 
