@@ -652,3 +652,21 @@ def test_an_exponent_number_too_large_to_be_finite_is_said_so(tmp_path: Path,
     assert result.output.strip() == (
         f"error: {path}: faults.0.at_s: {number!r} is text to YAML, not a number; as a number "
         "it would be too large: not finite (a finite number is due here)")
+
+
+@pytest.mark.parametrize(("url", "reason"), [
+    ("http://example.com/ckpt", "http:// storage only reads, and checkpoints are written "
+                                "(give a local folder or s3://bucket/prefix)"),
+    ("HTTPS://example.com/ckpt", "HTTPS:// storage only reads, and checkpoints are written "
+                                 "(give a local folder or s3://bucket/prefix)"),
+    ("http://[::1", "not a valid URL (Invalid IPv6 URL)"),
+    ("s3://[::1/ckpt", "not a valid URL (Invalid IPv6 URL)"),
+], ids=["http", "https", "malformed-http", "malformed-s3"])
+def test_checkpoint_storage_that_cannot_be_written_is_refused_at_validation(
+        url: str, reason: str) -> None:
+    """``http://...`` (fsspec reads it, but cannot write, list or delete checkpoints there),
+    even a malformed ``http://[::1``, passed validation and failed only once the run was
+    under way."""
+    with pytest.raises(ScenarioError) as exc:
+        parse_scenario(_with(checkpoint={"url": url}), path="s.yaml")
+    assert str(exc.value) == f"s.yaml: checkpoint.url: {url}: {reason}"

@@ -294,7 +294,23 @@ def test_a_ckpt_url_of_a_scheme_no_storage_serves_is_a_usage_error(
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"python -m antifragile.trainer: error: --ckpt-url {url}: "), err
-    assert f"no storage for the scheme {url.partition(':')[0]}://" in err, err
+    assert f"no storage for {url.partition(':')[0]}://" in err, err
+
+
+@pytest.mark.parametrize(("url", "reason"), [
+    ("https://example.com/ckpt", "https:// storage only reads, and checkpoints are written"),
+    ("http://[::1", "not a valid URL (Invalid IPv6 URL)"),
+])
+def test_a_ckpt_url_no_checkpoint_can_be_written_to_is_a_usage_error(
+        url: str, reason: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A read-only scheme (http, https) or a malformed URL was accepted; every rank then
+    failed its first save (or its first listing). Now one line naming the option, exit 2:
+    the same check as a scenario's checkpoint.url (``engine.storage.no_storage_for``)."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--ckpt-url", url])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"python -m antifragile.trainer: error: --ckpt-url {url}: {reason}"), err
 
 
 @pytest.mark.parametrize("where", ["file", "file/ckpt"])

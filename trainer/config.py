@@ -191,8 +191,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             os.makedirs(os.path.join(cfg.run_dir, "events"), exist_ok=True)
         except OSError as exc:
             p.error(f"--run-dir {cfg.run_dir}: {exc.strerror or exc}")
+    # a scheme no storage serves (a typo, ``S3://``), one that only reads (http) or a
+    # malformed URL: every rank died opening the engine (exit 1, restarted into the same) or
+    # failed its first save; the check chaos makes of a scenario's checkpoint.url
+    from antifragile.engine.storage import no_storage_for
+
     if cfg.ckpt_url and (why := _no_shared_place(cfg.ckpt_url)
-                         or _no_storage_for(cfg.ckpt_url)
+                         or no_storage_for(cfg.ckpt_url)
                          or _not_a_local_folder(cfg.ckpt_url)):
         p.error(f"--ckpt-url {cfg.ckpt_url}: {why}")
     if cfg.data_path is not None:  # a usage error here, not a traceback in every training
@@ -224,24 +229,6 @@ def _no_shared_place(url: str) -> str | None:
         return None if where else "names no folder"
     if scheme in ("s3", "s3a"):
         return None if where.strip("/") else "names no bucket"
-    return None
-
-
-def _no_storage_for(url: str) -> str | None:
-    """Why no storage opens a URL's scheme, else None: one neither local, S3 nor an fsspec
-    protocol that is installed (a typo, or ``S3://``: the engine reads schemes as given, and
-    fsspec has none of that name). Caught here, not by the training processes: every rank
-    died opening the engine (exit 1, restarted into the same)."""
-    scheme, sep, _ = url.partition("://")
-    if not sep or scheme in ("file", "s3", "s3a"):
-        return None
-    import fsspec
-
-    try:
-        fsspec.get_filesystem_class(scheme)
-    except (ValueError, ImportError) as exc:
-        return (f"no storage for the scheme {scheme}:// ({exc}): give a local folder or "
-                "s3://bucket/prefix")
     return None
 
 

@@ -115,14 +115,12 @@ class CheckpointSpec(_Strict):
                              "not see one store (give a local folder or s3://bucket/prefix)")
         if url.startswith("s3://") and not url[5:].split("/", 1)[0]:
             raise ValueError(f"{url} names no bucket (give s3://bucket/prefix)")
-        protocol = url.partition("://")[0] if "://" in url else "file"
-        if protocol not in ("file", "s3"):  # another fsspec URL: known, its package installed
-            import fsspec
+        if "://" in url:  # well formed, writable, known and its package installed
+            from antifragile.engine.storage import no_storage_for
 
-            try:
-                fsspec.get_filesystem_class(protocol)
-            except (ImportError, ValueError) as e:
-                raise ValueError(f"{url}: no storage for {protocol}:// ({e})") from None
+            why = no_storage_for(url)
+            if why:
+                raise ValueError(f"{url}: {why}")
         return url
 
     @field_validator("engine")

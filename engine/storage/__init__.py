@@ -4,19 +4,53 @@ interface."""
 from __future__ import annotations
 
 import os
+import urllib.parse
 from typing import Any
 
 from ..errors import CheckpointError
 from ._base import PERMANENT, CountingStorage, RetryingStorage, Storage
 from ._local import LocalStorage
 
-__all__ = ["PERMANENT", "CountingStorage", "LocalStorage", "RetryingStorage", "Storage",
-           "local_root", "no_folder_at", "open_storage"]
+__all__ = ["PERMANENT", "READ_ONLY_SCHEMES", "CountingStorage", "LocalStorage", "RetryingStorage",
+           "Storage", "local_root", "no_folder_at", "no_storage_for", "open_storage"]
 
 
 def local_root(url: str) -> str | None:
     """The folder of a local checkpoint URL (a plain path or ``file://``); None for fsspec."""
     return url.removeprefix("file://") if "://" not in url or url.startswith("file://") else None
+
+
+#: fsspec protocols that read but cannot hold checkpoints: a checkpoint root is written (its
+#: objects, a COMMIT), listed and pruned (keep_last)
+READ_ONLY_SCHEMES = frozenset({"http", "https"})
+
+
+def no_storage_for(url: str) -> str | None:
+    """Why no checkpoint can be written under ``url``, by its form and scheme, else None: a
+    malformed URL, a scheme that only reads (http, https), or one that no installed fsspec
+    implementation serves (a typo, or ``S3://``: schemes are read as given). A local path and
+    ``s3://`` are served. The one check of a checkpoint root that chaos (a scenario's
+    ``checkpoint.url``) and the trainer (``--ckpt-url``) make before anything runs; not made by
+    :func:`open_storage`, which also opens checkpoints to read (``chaos ckpt``)."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme == "file":
+        return None
+    try:
+        urllib.parse.urlsplit(url)  # what fsspec and the S3 clients parse it with
+    except ValueError as exc:
+        return f"not a valid URL ({exc})"
+    if scheme in ("s3", "s3a"):
+        return None
+    if scheme.lower() in READ_ONLY_SCHEMES:
+        return (f"{scheme}:// storage only reads, and checkpoints are written (give a local "
+                "folder or s3://bucket/prefix)")
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ValueError, ImportError) as exc:
+        return f"no storage for {scheme}:// ({exc})"
+    return None
 
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> RetryingStorage:
