@@ -123,3 +123,48 @@ def test_an_upload_gone_under_a_write_is_retried(s3_bucket: tuple[str, dict[str,
         storage.write("step_000000001/w/c", [data])
         assert proxy.failed, "no part was refused: nothing is tested"
         assert storage.read("step_000000001/w/c") == data
+
+
+class _Unanswered:
+    """A client connection that gets a ``100 Continue`` but never the answer."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def sendall(self, data: bytes) -> None:
+        if data.startswith(b"HTTP/1.1 100 "):
+            self.client.sendall(data)
+
+
+class LosingProxy(FailingProxy):
+    """Forwards the requests ``fails`` picks, so that the storage carries them out, but drops
+    their answers and closes the connection (an answer lost on the way back)."""
+
+    def _forward(self, client: Any, reader: _Reader, head: bytes, issued: float,
+                 upstream: list[Any]) -> bool:
+        request_line, _ = _parse_head(head)
+        if not self.fails(request_line):
+            return RecordingProxy._forward(self, client, reader, head, issued, upstream)
+        self.failed.append(request_line)
+        RecordingProxy._forward(self, _Unanswered(client), reader, head, issued, upstream)
+        return False
+
+
+def test_an_upload_begun_whose_answer_was_lost_is_aborted(
+        s3_bucket: tuple[str, dict[str, Any]], admin: Any) -> None:
+    """The answer to the request that begins a multipart upload is lost: the storage began
+    the upload, but the client never learned its id, so the upload it retries with is a new
+    one. The first stayed in progress (and billed) after a successful write, for as long as
+    its step was kept: with ``keep_last=None``, for ever."""
+    url, options = s3_bucket
+    bucket = url.removeprefix("s3://").split("/", 1)[0]
+    data = bytes(range(256)) * (MULTIPART_MIN_BYTES // 256 + 3)
+    with LosingProxy(options["endpoint_url"]) as proxy:
+        proxy.fails = lambda line: "?uploads" in line and not proxy.failed
+        storage = open_storage(url, {**options, "endpoint_url": proxy.endpoint_url})
+        assert isinstance(storage, RetryingStorage)
+        storage.base_delay_s = 0.01
+        storage.write("step_000000001/w/c", [data])
+        assert proxy.failed, "no upload was begun unanswered: nothing is tested"
+        assert storage.read("step_000000001/w/c") == data
+    assert uploads(admin, bucket) == []

@@ -27,7 +27,8 @@ region than the one configured: obstore does not follow it) an error that says t
 region; neither is retried.
 
 Objects of at least ``MULTIPART_MIN_BYTES`` go up as a multipart upload of ``PART_BYTES`` parts,
-sent concurrently (``PART_CONCURRENCY``). obstore aborts one whose part failed; one whose abort
+sent concurrently (``PART_CONCURRENCY``). obstore aborts one whose part failed; one begun by a
+request whose answer was lost is aborted once a retry of its write succeeds; one whose abort
 failed too (an outage) or whose process was killed is aborted when ``delete_tree`` deletes its
 folder (a step's, by retention).
 
@@ -216,6 +217,8 @@ class S3Storage:
         self._bucket_seen = False  # a request answered: a HEAD's 404 is then a missing object
         self._admin: Any = None
         self._admin_lock = threading.Lock()
+        self._unanswered_uploads: set[str] = set()  # keys: see ``write``
+        self._unanswered_lock = threading.Lock()
         try:
             self.store = S3Store(self.bucket, prefix=prefix or None, **kwargs)
         except BaseError as exc:  # options obstore refuses (half a credential): user input
@@ -288,9 +291,23 @@ class S3Storage:
         if late is not None:  # an object is written once, whole
             late()
         data = b"".join(memoryview(p).cast("B") for p in parts)
-        self._call("write", key, lambda: obstore.put(
-            self.store, key, data, use_multipart=len(data) >= MULTIPART_MIN_BYTES,
-            chunk_size=PART_BYTES, max_concurrency=PART_CONCURRENCY))
+        multipart = len(data) >= MULTIPART_MIN_BYTES
+        try:
+            self._call("write", key, lambda: obstore.put(
+                self.store, key, data, use_multipart=multipart, chunk_size=PART_BYTES,
+                max_concurrency=PART_CONCURRENCY))
+        except Exception as exc:
+            # the request that begins an upload failed: the storage may have begun one whose
+            # id never came back (its answer lost); the retry begins another
+            if multipart and any("?uploads" in str(e) for e in (exc, exc.__cause__)):
+                with self._unanswered_lock:
+                    self._unanswered_uploads.add(key)
+            raise
+        with self._unanswered_lock:
+            unanswered = key in self._unanswered_uploads
+            self._unanswered_uploads.discard(key)
+        if unanswered:  # aborted once the endpoint answers again
+            self._abort_uploads(key, exact=True)
 
     def _get(self, key: str, start: int, end: int | None) -> memoryview:
         """The bytes of ``key`` from ``start`` to ``end`` (or its end): one GET; empty past the
@@ -365,29 +382,40 @@ class S3Storage:
             o["path"] for batch in obstore.list(self.store, prefix) for o in batch])
         if paths:
             self._call("delete", prefix, lambda: obstore.delete(self.store, paths))
-        return self._abort_uploads(prefix) > 0 or bool(paths)
+        aborted = self._abort_uploads(prefix)
+        with self._unanswered_lock:  # a failed save's keys: their uploads went with it
+            self._unanswered_uploads = {k for k in self._unanswered_uploads
+                                        if not k.startswith(f"{prefix}/")}
+        return aborted > 0 or bool(paths)
 
-    def _abort_uploads(self, prefix: str) -> int:
-        """Abort the multipart uploads in progress under the folder ``prefix``; how many.
+    def _abort_uploads(self, prefix: str, *, exact: bool = False) -> int:
+        """Abort the multipart uploads in progress under the folder ``prefix`` (``exact``: of
+        the object ``prefix``); how many.
 
         Listings and reads never show such an upload, but S3 keeps (and bills) its parts
         until it is completed or aborted. obstore aborts an upload whose part failed, but in
         an outage that abort fails too, and a process killed mid-upload aborts nothing: such
         uploads go when their step's folder is deleted. Best effort (a failure is logged):
         obstore cannot make these requests, so they go through botocore (s3fs's client, in
-        the same ``s3`` extra), which a store's IAM policy may also deny."""
-        folder = "/".join(p for p in (self.prefix, prefix) if p) + "/"
+        the same ``s3`` extra), which a store's IAM policy may also deny.
+
+        A multipart write whose request to begin the upload failed aborts its object's uploads
+        (``exact``) once it succeeds: obstore aborts an upload whose part failed, but cannot
+        abort one whose id it never received (the answer to the request that began it lost)."""
+        folder = "/".join(p for p in (self.prefix, prefix) if p) + ("" if exact else "/")
         try:
             client = self._admin_client()
             found = [(u["Key"], u["UploadId"])
                      for page in client.get_paginator("list_multipart_uploads").paginate(
                          Bucket=self.bucket, Prefix=folder)
-                     for u in page.get("Uploads", [])]
+                     for u in page.get("Uploads", []) if not exact or u["Key"] == folder]
             for key, upload_id in found:
                 client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-        except Exception as exc:  # best effort: it never fails the delete
-            log.warning("delete %s/%s: could not abort the multipart uploads under it: %s: %s",
-                        self.url, prefix, type(exc).__name__, exc)
+        except Exception as exc:  # best effort: it never fails the delete or the write
+            what = "of it" if exact else "under it"
+            log.warning("%s %s/%s: could not abort the multipart uploads %s: %s: %s",
+                        "write" if exact else "delete", self.url, prefix, what,
+                        type(exc).__name__, exc)
             return 0
         return len(found)
 
