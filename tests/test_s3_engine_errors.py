@@ -435,3 +435,60 @@ def test_a_timeout_throttling_or_server_error_answer_is_retried(status: int, cod
         with pytest.raises(StorageError, match=rf"failed 2 times: OSError: .*{status}"):
             storage.write("k", [b"x"])
         assert len(requests) == 2
+
+
+@contextlib.contextmanager
+def _tls_endpoint(tmp_path: Any) -> Iterator[str]:
+    """An https endpoint whose certificate is self-signed (no CA this host trusts signed it);
+    its connections end after the handshake."""
+    import shutil
+    import ssl
+    import subprocess
+    import threading
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "basicConstraints=critical,CA:FALSE"],
+                   check=True, capture_output=True)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            with contextlib.suppress(OSError), client:
+                context.wrap_socket(client, server_side=True).close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"https://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("endpoint", ["untrusted", "plain"])
+def test_a_tls_failure_names_its_cause_and_is_not_retried(endpoint: str, tmp_path: Any) -> None:
+    """An https endpoint whose certificate this host does not trust (a private CA, a
+    self-signed one), or a plain-http endpoint given as https://: the error said only "error
+    sending request", the cause cut away with the client's debug dump, after 6 tries of what
+    no retry can change."""
+    with contextlib.ExitStack() as stack:
+        if endpoint == "untrusted":
+            url = stack.enter_context(_tls_endpoint(tmp_path))
+            says = "TLS certificate was not accepted: UnknownIssuer"
+        else:
+            plain, _ = stack.enter_context(_answering(400, "BadRequest"))
+            url = plain.replace("http://", "https://")
+            says = "did not answer in TLS"
+        storage = RetryingStorage(S3Storage("s3://bucket/run", {
+            "endpoint_url": url, "key": "k", "secret": "s"}), attempts=6, base_delay_s=0.05)
+        with pytest.raises(StorageError, match=says) as caught:
+            storage.read("k")
+        assert "failed" not in str(caught.value) and "s3://bucket/run/k" in str(caught.value)

@@ -24,7 +24,8 @@ A missing bucket is not a missing object: every operation that meets ``NoSuchBuc
 StorageError saying which bucket does not exist at which endpoint, so that a listing is not
 mistaken for "nothing committed". A 403 is a PermissionError, a 301 (a bucket in another
 region than the one configured: obstore does not follow it) an error that says to set the
-region; neither is retried.
+region, a failed TLS handshake (a certificate this host does not trust, a plain-http endpoint
+given as https://) an error that says which; none is retried.
 
 Objects of at least ``MULTIPART_MIN_BYTES`` go up as a multipart upload of ``PART_BYTES`` parts,
 sent concurrently (``PART_CONCURRENCY``). obstore aborts one whose part failed; one begun by a
@@ -196,9 +197,24 @@ def _brief(exc: BaseException) -> str:
     text = re.sub(r"\s+", " ", full.split("Debug source", 1)[0]).strip()[:400]
     if "TimedOut" in full or "kind: Timeout" in full:
         return f"{text} (timed out)"
+    tls = _tls_failure(full)
+    if tls:
+        return f"{text} ({tls})"
     if "ConnectionRefused" in full:
         return f"{text} (connection refused)"
     return text
+
+
+def _tls_failure(text: str) -> str | None:
+    """What failed in a TLS handshake that no retry can change, from obstore's debug dump
+    (rustls's error names), or None."""
+    cert = re.search(r"InvalidCertificate\(\s*(?:\w+\(\s*)*(\w+)", text)
+    if cert:
+        return (f"the endpoint's TLS certificate was not accepted: {cert.group(1)}; is it "
+                "signed by a CA this host trusts, for this host name?")
+    if "InvalidContentType" in text:
+        return "the endpoint did not answer in TLS: is it http://, not https://?"
+    return None
 
 
 class S3Storage:
@@ -266,8 +282,8 @@ class S3Storage:
                                  "client_kwargs['region_name'] or AWS_REGION)") from exc
             if " 416 " in text:
                 raise _RangeNotSatisfiable(text) from exc
-            if _refused(str(exc)):  # whole: the brief text may be cut before the code
-                raise ValueError(text) from exc
+            if _refused(str(exc)) or _tls_failure(str(exc)):  # whole: the brief text may be
+                raise ValueError(text) from exc  # cut before the code
             raise OSError(text) from exc
         except (PermissionDeniedError, UnauthenticatedError) as exc:
             raise PermissionError(_brief(exc)) from exc
