@@ -492,3 +492,14 @@ def test_a_tls_failure_names_its_cause_and_is_not_retried(endpoint: str, tmp_pat
         with pytest.raises(StorageError, match=says) as caught:
             storage.read("k")
         assert "failed" not in str(caught.value) and "s3://bucket/run/k" in str(caught.value)
+
+
+def test_an_endpoint_whose_host_name_does_not_resolve_says_so() -> None:
+    """A typo in the endpoint's host name: the error said only "error sending request" (the
+    lookup's failure was in the debug dump cut away), as if the endpoint were down."""
+    storage = RetryingStorage(S3Storage("s3://bucket/run", {
+        "endpoint_url": "http://no-such-host.invalid:9000", "key": "k", "secret": "s"}),
+        attempts=2, base_delay_s=0.01)
+    with pytest.raises(StorageError, match=r"failed 2 times: .*error sending request "
+                                           r"\(the endpoint's host name did not resolve: "):
+        storage.read("k")

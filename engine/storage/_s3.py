@@ -192,7 +192,8 @@ def _seconds(value: Any, default: float, name: str) -> datetime.timedelta:
 
 def _brief(exc: BaseException) -> str:
     """obstore's message on one line, without its multi-line debug dump but with the cause
-    found in it (a timeout or a refused connection reads as "error sending request")."""
+    found in it (a timeout, a refused connection, a host name that does not resolve, a failed
+    TLS handshake: each reads as "error sending request")."""
     full = str(exc)
     text = re.sub(r"\s+", " ", full.split("Debug source", 1)[0]).strip()[:400]
     if "TimedOut" in full or "kind: Timeout" in full:
@@ -202,6 +203,9 @@ def _brief(exc: BaseException) -> str:
         return f"{text} ({tls})"
     if "ConnectionRefused" in full:
         return f"{text} (connection refused)"
+    dns = re.search(r'ConnectError\(\s*"dns error",.*?error: "([^"]*)"', full, re.DOTALL)
+    if dns:
+        return f"{text} (the endpoint's host name did not resolve: {dns.group(1)})"
     return text
 
 
