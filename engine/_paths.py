@@ -67,8 +67,10 @@ def chunk_separator(version: int) -> str:
     return "/" if version == 2 else "."
 
 
-def check_component(component: str, *, where: str) -> str:
-    """Return ``component`` if it is a safe single path component, else raise saying why."""
+def check_component(component: str, *, where: str, saving: bool = False) -> str:
+    """Return ``component`` if it is a safe single path component, else raise saying why.
+    ``saving``: a state's key, refused with a DEL too (S3 cannot hold it; an array name read
+    from storage is not, so a local checkpoint written before this check still verifies)."""
     why = None
     if not isinstance(component, str):
         why = "it is not a str"
@@ -79,6 +81,8 @@ def check_component(component: str, *, where: str) -> str:
     elif found := _BAD_COMPONENT.search(component):
         why = (f"it holds {found.group()!r}" if found.group() in "/\\"
                else "it holds a control character")
+    elif saving and "\x7f" in component:
+        why = "it holds a control character (DEL, which S3 refuses in a name)"
     elif _SURROGATE.search(component):
         why = "it holds a lone surrogate (not valid Unicode, so no file or object name)"
     elif len(component.encode()) > 255:

@@ -142,7 +142,7 @@ def _key(key: object, path: str) -> str:
     if isinstance(key, bool) or not isinstance(key, (str, int)):
         raise CheckpointError(f"state path {path!r}: key {key!r} must be a str or an int")
     name = check_component(str(key), where=f"a key under state path {path!r}" if path
-                           else "a key at the state's top level")
+                           else "a key at the state's top level", saving=True)
     if type(key) is str and len(_VALID_NAMES) < _VALID_NAMES_MAX:
         _VALID_NAMES.add(name)
     return name

@@ -401,6 +401,7 @@ def test_a_name_too_long_for_the_file_system_is_refused_at_the_call(tmp_path: Pa
 
 @pytest.mark.parametrize(("key", "why"), [("a/b", "holds '/'"), (".hidden", "starts with '.'"),
                                          ("COMMIT", "reserved"), ("tab\there", "control"),
+                                         ("del\x7fhere", "control"),
                                          ("lone\ud800", "lone surrogate")])
 def test_a_key_that_cannot_be_a_name_is_named_with_the_reason(tmp_path: Path, key: str,
                                                                why: str) -> None:
