@@ -625,3 +625,22 @@ def test_a_second_fault_free_run_that_fails_is_no_verdict_not_nondeterminism(
     monkeypatch.setattr(pipeline, "run_scenario", crashed)
     with pytest.raises(ChaosRunError, match=r"the second fault-free run failed \(code 1\)"):
         pipeline._determinism(_command_scenario(faults=False), tmp_path, "ref", print)
+
+
+@pytest.mark.parametrize(("written", "reaches"), [("3.10", "3.1"), (".5", "0.5"),
+                                                  ("0x10", "16"), ("1.0e+3", "1000.0")])
+def test_an_env_number_the_script_would_get_as_other_text_is_refused(
+        tmp_path: Path, written: str, reaches: str) -> None:
+    """``PYTHON_VERSION: 3.10`` reached the script as "3.1": YAML reads a number, and its text
+    as written is gone. Refused with the line and key, as a boolean is; ``1`` and ``0.5`` are
+    the text they were written as and stay accepted."""
+    path = tmp_path / "s.yaml"
+    path.write_text("name: mine\ntrainer:\n  command: [python, -c, pass]\n"
+                    f"  env:\n    OK: 1\n    HALF: 0.5\n    V: {written}\n")
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario(path)
+    assert str(exc.value) == (f"{path}: line 7: trainer.env.V: {written} would reach the "
+                              f"script as {reaches!r}: quote it ('{written}') for that text")
+    path.write_text(path.read_text().replace(f"V: {written}", f"V: '{written}'"))
+    assert load_scenario(path).trainer.env == {  # type: ignore[union-attr]
+        "OK": "1", "HALF": "0.5", "V": written}

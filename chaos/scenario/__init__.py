@@ -408,6 +408,16 @@ def _two_readings(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str | None:
             "it for text")
 
 
+def _env_text(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str | None:
+    """The text a plain number under ``trainer.env`` reaches the script as, where it is not the
+    text written (``3.10``: "3.1", ``0x10``: "16"); None where it is."""
+    if node.tag not in (_INT, _FLOAT):
+        return None
+    number = loader.construct_yaml_int(node) if node.tag == _INT else \
+        loader.construct_yaml_float(node)
+    return None if str(number) == node.value else str(number)
+
+
 def _refuse_two_readings(loader: yaml.SafeLoader, root: yaml.Node) -> None:
     """Refuse a plain number or boolean that YAML 1.1 and 1.2 read apart (``017``: 15 or 17;
     ``1:30``: 90 or text; ``no``: false or text), naming its line and key path."""
@@ -422,6 +432,11 @@ def _refuse_two_readings(loader: yaml.SafeLoader, root: yaml.Node) -> None:
             if node.style is None and (reading := _two_readings(loader, node)):
                 where = (f"{path}: " if path else "") + ("the key " if is_key else "")
                 raise _TwoReadings(node.start_mark.line + 1, where, reading)
+            if node.style is None and not is_key and path.startswith("trainer.env.") \
+                    and (text := _env_text(loader, node)) is not None:
+                raise _TwoReadings(node.start_mark.line + 1, f"{path}: ",
+                                   f"{node.value} would reach the script as {text!r}: quote "
+                                   f"it ('{node.value}') for that text")
         elif isinstance(node, yaml.SequenceNode):
             todo.extend((item, f"{path}.{i}" if path else str(i), False)
                         for i, item in reversed(list(enumerate(node.value))))

@@ -219,7 +219,8 @@ class CommandSpec(_Strict):
     nproc_per_node: Annotated[StrictInt, Field(ge=1)] = 1
     #: one host: emulated hosts (network namespaces) run only the built-in trainer for now
     nodes: Annotated[StrictInt, Field(ge=1)] = 1
-    #: added to every rank's environment
+    #: added to every rank's environment (a number as its text: the loader refuses one that
+    #: would not reach the script as written, ``3.10`` as "3.1")
     env: dict[str, str | int | float] = {}
     #: the script reports steps through ``antifragile.probe``: needed by ``at_step`` faults
     #: and by the step, recovery and lost-step measurements (false: time-based faults only)
