@@ -644,3 +644,22 @@ def test_an_env_number_the_script_would_get_as_other_text_is_refused(
     path.write_text(path.read_text().replace(f"V: {written}", f"V: '{written}'"))
     assert load_scenario(path).trainer.env == {  # type: ignore[union-attr]
         "OK": "1", "HALF": "0.5", "V": written}
+
+
+def test_files_of_the_script_beside_the_event_files_do_not_hide_the_reference_steps(
+        tmp_path: Path) -> None:
+    """The run's folder is the script's too: a file of its own in ``events/`` (notes, a
+    folder) made the reference's reported steps "missing" and failed every faulty run, while
+    the runner itself reads only ``events/*.jsonl``."""
+    from antifragile.chaos.report.document import reference_losses
+    from antifragile.chaos.run.pipeline import _reference_last_step
+
+    events = tmp_path / "ref" / "events"
+    events.mkdir(parents=True)
+    (events / "rank0.jsonl").write_text(
+        '{"t": 1.0, "rank": 0, "attempt": 0, "event": "step_end", "step": 7, "loss": 0.5}\n')
+    (events / "notes.txt").write_text("my own log, not JSON\n")
+    (events / "tb").mkdir()
+    ckpt = str(tmp_path / "ref" / "ckpt")
+    assert _reference_last_step(ckpt) == 7
+    assert reference_losses(tmp_path / "ref") == [{"step": 7, "loss": 0.5}]

@@ -13,10 +13,14 @@ from typing import Any, TextIO
 
 
 def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every rank's events of a run, in time order (a torn last line is skipped)."""
+    """Every rank's events of a run, in time order (a torn last line is skipped): the
+    ``events/*.jsonl`` files, as chaos's runner reads them (a file of a user's script beside
+    them is not an event file)."""
     out = []
     folder = os.path.join(run_dir, "events")
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not name.endswith(".jsonl") or not os.path.isfile(os.path.join(folder, name)):
+            continue
         with open(os.path.join(folder, name), encoding="utf-8") as f:
             for line in f:
                 if line.endswith("\n"):
