@@ -4,7 +4,9 @@ committed checkpoints, and the verdicts a misbehaving script earns."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +130,39 @@ def test_check_determinism_calls_a_nondeterministic_script_so(tmp_path: Path,
     assert report["determinism"]["deterministic"] is False
     # the noise differs between ranks too: the engine kept each rank's bias (model/bias/rank_r)
     assert any(k.startswith("model/bias") for k in report["determinism"]["differing_entries"])
+
+
+_LEAVES_CHILDREN = """
+import os, subprocess, sys
+run = os.environ["ANTIFRAGILE_RUN_DIR"]
+kept = subprocess.Popen(["sleep", "120"])                       # in the rank's group
+away = subprocess.Popen(["sleep", "120"], start_new_session=True)  # in a session of its own
+with open(os.path.join(run, "left pids"), "w") as f:
+    f.write(f"{kept.pid} {away.pid}")
+sys.exit(int(os.environ.get("EXIT", "0")))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_what_a_script_started_does_not_outlive_the_run(tmp_path: Path, code: int) -> None:
+    """torchrun ends a rank's process group only while the rank runs: what a script left
+    behind when it exited (a helper, an uploader, a child of a rank that crashed) ran on after
+    chaos had ended ("nothing chaos starts outlives it")."""
+    from antifragile.chaos.faults.base import alive
+    from antifragile.chaos.run.runner import run_scenario
+
+    script = tmp_path / "leaves.py"
+    script.write_text(_LEAVES_CHILDREN)
+    s = parse_scenario({"name": "leaves", "trainer": {
+        "command": ["python", str(script)], "probe": False, "env": {"EXIT": code}},
+        "faults": [], "expect": {"bitwise_equal_to_reference": False}})
+    run_dir = tmp_path / "run"
+    record = run_scenario(s, run_dir, str(tmp_path / "ckpt"), faults=False, timeout_s=60)
+    assert (record.returncode == 0) == (code == 0)
+    pids = [int(p) for p in (run_dir / "left pids").read_text().split()]
+    try:
+        assert not [p for p in pids if alive(p)]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)

@@ -7,6 +7,7 @@ signals and storage operations done to the job, never code inside it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -34,7 +35,7 @@ from antifragile.chaos.run.pauses import (
     release,
     write_plan,
 )
-from antifragile.chaos.run.workers import WorkerWatch, children, started_at
+from antifragile.chaos.run.workers import WorkerWatch, children, left_behind, started_at
 from antifragile.chaos.scenario import Scenario
 
 
@@ -167,7 +168,8 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             time.sleep(0.02)
     finally:
         _every(endings.end_now,  # a link restored before its network goes, a fill stopped
-               agents.kill, relay.close if relay is not None else None,
+               agents.kill, functools.partial(_kill_left_behind, run_dir) if s.is_command
+               else None, relay.close if relay is not None else None,
                hosts.network.close if hosts.network is not None else None)
     for e in _read(tail):
         job.see(e)
@@ -187,6 +189,19 @@ def _every(*steps: Callable[[], None] | None) -> None:
         for step in reversed(steps):
             if step is not None:
                 stack.callback(step)
+
+
+def _kill_left_behind(run_dir: Path, *, wait_s: float = 2.0) -> None:
+    """SIGKILL what the script's ranks started and left running (``workers.left_behind``),
+    until none is left (one may fork as it is killed), and wait for them to be gone."""
+    folder = os.path.abspath(run_dir)  # as the script was given it (``launch.command_env``)
+    deadline = time.monotonic() + wait_s
+    while (pids := [p for p in left_behind(folder) if alive(p)]) \
+            and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
 
 
 def _inject(fault: Any, target: Target, step: int | None) -> Injection:

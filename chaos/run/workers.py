@@ -16,6 +16,8 @@ import os
 import time
 from typing import Any
 
+from antifragile.chaos.scenario.trainer import RUN_DIR_ENV
+
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 #: two start times of one pid this close are one process's: each read is now less its age,
 #: and ``/proc/uptime`` has 10 ms steps (a pid recycled this soon would need a rank to die and
@@ -70,6 +72,16 @@ def children(pid: int) -> dict[int, float]:
             if stat is not None and stat[0] == pid:
                 out[int(name)] = now - (uptime - stat[1])
     return out
+
+
+def left_behind(run_dir: str) -> list[int]:
+    """Processes (this user's) whose environment names ``run_dir`` as ``ANTIFRAGILE_RUN_DIR``:
+    what a command trainer's ranks started, wherever they are now. torchrun ends a rank's
+    process group only while the rank runs, so a child of a rank that exited (a helper, an
+    uploader, a crashed rank's worker) is orphaned and would outlive the run."""
+    me = os.getpid()
+    return [int(name) for name in os.listdir("/proc") if name.isdigit() and int(name) != me
+            and _environ(int(name)).get(RUN_DIR_ENV) == run_dir]
 
 
 class WorkerWatch:
