@@ -5,7 +5,7 @@ step, checkpoints through ``CheckpointEngine`` at ``$ANTIFRAGILE_CKPT_URL``, res
 Flags make it misbehave on purpose: ``--no-probe`` (never imports the probe), ``--noise``
 (not deterministic), ``--forget-optimizer`` (resumes without the optimizer state),
 ``--stop-short`` (checkpoints every ``--every`` steps only, not its last step, and a resumed
-run exits 0 one step before ``--steps``).
+run exits 0 one step before ``--steps``), ``--crash-on-resume`` (a resumed run raises).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--noise", action="store_true")
     parser.add_argument("--forget-optimizer", action="store_true")
     parser.add_argument("--stop-short", action="store_true")
+    parser.add_argument("--crash-on-resume", action="store_true")
     args = parser.parse_args()
     probe = None
     if not args.no_probe:
@@ -45,6 +46,8 @@ def main() -> None:
     if ckpt.latest_step() is not None:
         state = {"model": model} if args.forget_optimizer else {"model": model, "optim": optimizer}
         step = ckpt.load(state)
+        if args.crash_on_resume:
+            raise RuntimeError(f"my resume code is broken (step {step})")
         if args.stop_short:
             last -= 1
     while step < last:

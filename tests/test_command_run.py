@@ -166,3 +166,19 @@ def test_what_a_script_started_does_not_outlive_the_run(tmp_path: Path, code: in
         for pid in pids:
             with contextlib.suppress(OSError):
                 os.kill(pid, 9)
+
+
+def test_a_script_that_fails_in_the_faulty_run_is_shown_with_its_log(
+        tmp_path: Path, cache: Path) -> None:
+    """The reference run's failure came with the end of its log; the faulty run's (a resume
+    that raises: the bug chaos is for) said only "the trainer exited with code 1"."""
+    doc = _scenario("mine-crashes", ["--steps", "8", "--every", "4", "--crash-on-resume"],
+                    [{"kind": "kill_rank", "rank": 1, "at_step": 5}])
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    log = out / "run" / "torchrun.log"
+    assert f"the trainer exited with code 1 (its log: {log})" in result.output
+    assert "RuntimeError: my resume code is broken (step 4)" in result.output

@@ -94,6 +94,11 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
     click.echo(f"{s.name}: {v['verdict'].upper()}  report: {folder / 'report.md'}")
     for reason in v["reasons"]:
         click.echo(f"  - {reason}")
+    if outcome.report["run"]["returncode"] != 0:  # what the script said as it failed
+        from antifragile.chaos.infra.logs import job_tail
+
+        log = folder / "run" / "torchrun.log"
+        click.echo(f"  the end of {log}:\n    {job_tail(log)}")
     for f in outcome.report["faults"]:
         click.echo(f"  {_fault_line(f)}")
     for what in outcome.report.get("not_measured") or []:

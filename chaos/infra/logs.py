@@ -20,3 +20,26 @@ def tail(path: Path, lines: int = 8) -> str:
     except OSError:
         return "(no log)"
     return "\n    ".join(text[-lines:]) or "(empty log)"
+
+
+#: the last line of torchrun's own report of a failed job (its traceback, then a table)
+_JOB_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+
+
+def job_tail(path: Path, lines: int = 12) -> str:
+    """The end of a torchrun log before torchrun's own report of the failed job (its
+    traceback and table: ~40 lines that name exit codes, not the error), where the ranks'
+    own output ends: what the script said as it failed."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - TAIL_BYTES, 0))
+            text = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    failed = max((i for i, line in enumerate(text) if line.startswith(_JOB_FAILED)),
+                 default=None)
+    if failed is not None:
+        report = max((i for i, line in enumerate(text[:failed])
+                      if line.startswith("Traceback (most recent call last):")), default=None)
+        text = text[:report] if report else text
+    return "\n    ".join(text[-lines:]) or "(empty log)"

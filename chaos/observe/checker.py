@@ -288,7 +288,7 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
           faulty_url: str, reference_url: str | None, final_committed: bool,
           committed: dict[int, list[str]] | None = None, expected_step: int | None = None,
           determinism: Comparison | None = None, last_step: int | None = None,
-          reference_last_step: int | None = None) -> Verdict:
+          reference_last_step: int | None = None, run_log: str | None = None) -> Verdict:
     """``final_committed``: the faulty run's checkpoint of the last step is committed (what a
     resumed job would load); without it nothing proves the run's end state survived.
     ``committed``: :func:`verify_committed`'s findings, when they were taken (after a fault on
@@ -310,14 +310,16 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
     caused a restart must have been recovered from, and a step trained after that restore
     by at least one of its firings (else the final state compared is the one saved before
     the fault). ``determinism``: a second fault-free run compared with the reference
-    (``--check-determinism``)."""
+    (``--check-determinism``). ``run_log``: the faulty run's torchrun log, named with a
+    failed exit."""
     v = Verdict()
     for step, problems in sorted((committed or {}).items()):
         if problems:
             v.fail(f"committed step {step} does not verify: {'; '.join(problems[:3])}")
     engine = s.checkpoint.engine
     if returncode != 0:
-        v.fail(f"the trainer exited with code {returncode}")
+        v.fail(f"the trainer exited with code {returncode}"
+               + (f" (its log: {run_log})" if run_log else ""))
     if s.is_command:
         if final_step is None:
             v.fail(f"the script left no committed {engine} checkpoint at {faulty_url} "

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from antifragile.chaos.faults import Injection
-from antifragile.chaos.infra.logs import tail
+from antifragile.chaos.infra.logs import job_tail
 from antifragile.chaos.infra.s3 import RunStorage, run_storage
 from antifragile.chaos.observe import checker, figures, measure
 from antifragile.chaos.observe.effects import STORAGE_FAULTS
@@ -147,7 +147,7 @@ def _trainer_code() -> str:
 def _run_failed(what: str, code: int, folder: Path) -> str:
     """Why a run failed: its exit code and the end of its torchrun log (all a CI log shows)."""
     log = folder / "torchrun.log"
-    return f"{what} failed (code {code}); the end of {log}:\n    {tail(log, 12)}"
+    return f"{what} failed (code {code}); the end of {log}:\n    {job_tail(log)}"
 
 
 def reference_cache() -> Path:
@@ -328,7 +328,8 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
                             reference_url=reference_url, final_committed=final_committed,
                             committed=committed, expected_step=expected_step,
                             determinism=determinism, last_step=last_step,
-                            reference_last_step=reference_last_step)
+                            reference_last_step=reference_last_step,
+                            run_log=str(out / "run" / "torchrun.log"))
     goodput, reference_goodput = figures.goodput(record), _reference_goodput(reference_url)
     checkpoints = figures.checkpoints(record)
     doc = {
