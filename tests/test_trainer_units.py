@@ -1370,3 +1370,46 @@ def test_a_failure_watch_counts_the_store_gone_from_its_latest_error_not_its_fir
         assert not aborted.wait(1.0), "a second short outage was taken for the store gone"
         signal_failure(JobStore(store, "a0"), 3, "worker 1.0 died")
         assert aborted.wait(5) and not died
+
+
+def test_a_resume_with_other_tensor_shapes_is_refused_naming_the_option(tmp_path: Path) -> None:
+    """Model settings that change a tensor's shape (--d-model, --vocab, --seq-len) or add one
+    (more --layers) failed the engine's load before the trainer compared its settings: the
+    refusal (exit 47, as documented) named a tensor and two shapes ("stored shape [64, 32],
+    target shape [64, 64]"), not the option that differs. It now names the option and both
+    values, as for --heads, with each engine; the checkpoints are left alone."""
+    import subprocess
+
+    from _trainer import PreloadedTrainer, env
+
+    from antifragile.trainer.supervisor import NO_RESUME_EXIT_CODE
+
+    run_env = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")}
+    logs = tmp_path / "launches"
+    logs.mkdir()
+    model = {"--layers": "2", "--d-model": "32", "--heads": "4", "--vocab": "64",
+             "--seq-len": "16"}
+
+    def train(ckpt: Path, engine: str, **changed: str) -> subprocess.CompletedProcess[str]:
+        options = {**model, **{"--" + k.replace("_", "-"): v for k, v in changed.items()}}
+        return launcher.run([*(x for kv in options.items() for x in kv), "--batch-size", "4",
+                             "--steps", "2", "--ckpt-every", "2", "--ckpt-url", str(ckpt),
+                             "--ckpt-engine", engine, "--run-dir", str(tmp_path)],
+                            timeout_s=120)
+
+    with PreloadedTrainer(run_env, logs) as launcher:
+        for engine, changes in [("antifragile", [{"d_model": "64"}, {"vocab": "128"},
+                                                 {"seq_len": "8"}, {"layers": "3"}]),
+                                ("dcp", [{"d_model": "16"}])]:
+            ckpt = tmp_path / engine
+            assert train(ckpt, engine).returncode == 0
+            saved = sorted(p.relative_to(ckpt) for p in ckpt.rglob("*"))
+            for change in changes:
+                proc = train(ckpt, engine, **change)
+                (key, value), = change.items()
+                option = "--" + key.replace("_", "-")
+                assert proc.returncode == NO_RESUME_EXIT_CODE, (change, proc.stderr[-2000:])
+                assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+                assert (f"step 2 was trained with {option} {model[option]}, this run has "
+                        f"{option} {value}") in proc.stderr, (change, proc.stderr[-2000:])
+            assert sorted(p.relative_to(ckpt) for p in ckpt.rglob("*")) == saved

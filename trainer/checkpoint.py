@@ -101,10 +101,12 @@ class TrainCheckpointer:
 
     def _state(self, step: int, cursor: int) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
-        return {"model": model_sd, "optim": optim_sd,
-                "train": {"step": step, "data_cursor": cursor, "seed": self.seed,
-                          **({"model": dict(self.shape)} if self.shape else {}),
-                          **({"data": self.data} if self.data is not None else {})}}
+        return {"model": model_sd, "optim": optim_sd, "train": self._train(step, cursor)}
+
+    def _train(self, step: int, cursor: int) -> dict[str, Any]:
+        return {"step": step, "data_cursor": cursor, "seed": self.seed,
+                **({"model": dict(self.shape)} if self.shape else {}),
+                **({"data": self.data} if self.data is not None else {})}
 
     def restore(self, memory: Any = None) -> tuple[int, int] | None:
         """Load the newest intact checkpoint: (step, data cursor), or None to start fresh.
@@ -128,7 +130,11 @@ class TrainCheckpointer:
             t0 = time.perf_counter()
             state = self._state(0, 0)
             t1 = time.perf_counter()
-            step, skipped = self.backend.load(state, memory)
+            try:
+                step, skipped = self.backend.load(state, memory)
+            except CheckpointError:
+                self._refuse_another_run_if_it_is(*self._saved_train())
+                raise
             t2 = time.perf_counter()
         except StorageError:
             raise
@@ -136,28 +142,7 @@ class TrainCheckpointer:
             raise ResumeError(str(exc)) from exc
         for reason in skipped:
             self.events.emit("restore_skipped", reason=reason)
-        # our engine loads ``train`` whole: a checkpoint saved before seeds were stored
-        # comes back without one (its seed is not known, so not checked)
-        saved_seed = state["train"].get("seed", self.seed)
-        if int(saved_seed) != self.seed:
-            raise ResumeError(f"step {step} was trained with --seed {saved_seed}, "
-                              f"this run has --seed {self.seed}: its batches would differ from "
-                              "the checkpoint's run (resume with that seed, or start a run "
-                              "with a fresh --ckpt-url)")
-        # saved before the model's settings were stored: not known, so not checked
-        saved_shape = state["train"].get("model") or {}
-        for name, value in self.shape.items():
-            if name in saved_shape and int(saved_shape[name]) != value:
-                option = "--" + name.replace("_", "-")
-                raise ResumeError(f"step {step} was trained with {option} {saved_shape[name]}, "
-                                  f"this run has {option} {value}: the checkpoint is of another "
-                                  "model (resume with that setting, or start a run with a "
-                                  "fresh --ckpt-url)")
-        differs = _data_differs(state["train"].get("data"), self.data)
-        if differs is not None:
-            raise ResumeError(f"step {step} was trained on {differs}: its batches would differ "
-                              "from the checkpoint's run (resume with the same data, or start "
-                              "a run with a fresh --ckpt-url)")
+        self._refuse_another_run_if_it_is(step, state["train"])
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=_OPTIONS)
         t3 = time.perf_counter()
@@ -165,6 +150,47 @@ class TrainCheckpointer:
                          load_s=t2 - t1, set_state_dict_s=t3 - t2,
                          **self.backend.load_sources())
         return int(state["train"]["step"]), int(state["train"]["data_cursor"])
+
+    def _saved_train(self) -> tuple[int, dict[str, Any] | None]:
+        """The newest loadable step's ``train`` entry alone (its step and settings), where the
+        whole state does not load: a model setting that changes a tensor's shape (--d-model,
+        --vocab, --seq-len) or adds one (more --layers) fails the load itself, and the
+        refusal should name the option rather than a tensor. (-1, None) where not even that
+        loads (damaged); a collective, as the load that failed was on every rank."""
+        probe = {"train": self._train(0, 0)}
+        try:
+            step, _ = self.backend.load(probe)
+        except (CheckpointError, StorageError):
+            return -1, None
+        return step, probe["train"]
+
+    def _refuse_another_run_if_it_is(self, step: int, train: dict[str, Any] | None) -> None:
+        """ResumeError naming what differs where step ``step``'s ``train`` entry was saved by
+        a run of another seed, model or data (None: nothing known, nothing refused)."""
+        if train is None:
+            return
+        # our engine loads ``train`` whole: a checkpoint saved before seeds were stored
+        # comes back without one (its seed is not known, so not checked)
+        saved_seed = train.get("seed", self.seed)
+        if int(saved_seed) != self.seed:
+            raise ResumeError(f"step {step} was trained with --seed {saved_seed}, "
+                              f"this run has --seed {self.seed}: its batches would differ from "
+                              "the checkpoint's run (resume with that seed, or start a run "
+                              "with a fresh --ckpt-url)")
+        # saved before the model's settings were stored: not known, so not checked
+        saved_shape = train.get("model") or {}
+        for name, value in self.shape.items():
+            if name in saved_shape and int(saved_shape[name]) != value:
+                option = "--" + name.replace("_", "-")
+                raise ResumeError(f"step {step} was trained with {option} {saved_shape[name]}, "
+                                  f"this run has {option} {value}: the checkpoint is of another "
+                                  "model (resume with that setting, or start a run with a "
+                                  "fresh --ckpt-url)")
+        differs = _data_differs(train.get("data"), self.data)
+        if differs is not None:
+            raise ResumeError(f"step {step} was trained on {differs}: its batches would differ "
+                              "from the checkpoint's run (resume with the same data, or start "
+                              "a run with a fresh --ckpt-url)")
 
     def save(self, step: int, cursor: int, *, blocking: bool) -> bool:
         """Checkpoint; ``blocking`` (the final step) first waits for the save in flight.
