@@ -521,3 +521,45 @@ def test_ls_lists_every_note_of_the_quarantine_log_past_a_damaged_one(tmp_path: 
     assert len(damaged) == 1 and f"quarantined/{log[0].name}" in damaged[0], listing.output
     assert any("quarantined earlier" in row and "torn shard" in row for row in rows), rows
     assert "error:" not in listing.output
+
+
+def test_a_step_two_processes_quarantine_at_once_is_listed_once(tmp_path: Path) -> None:
+    """Two loads (a job and a reader beside it) that find one step damaged both read its
+    COMMIT before either deletes it: each writes its note to the quarantine log. ls listed
+    the step as quarantined and also as "quarantined earlier" (the other process's note,
+    whose time differs): one quarantine of one COMMIT read as two, as if the step had been
+    saved again and damaged again."""
+    import threading
+
+    from antifragile.engine.quarantine import quarantine
+    from antifragile.engine.storage import open_storage
+
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20])
+    both_read = threading.Barrier(2, timeout=10)
+
+    class Racing:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def read(self, key: str, *args: Any) -> Any:
+            data = self.inner.read(key, *args)
+            if key.endswith("/COMMIT"):
+                both_read.wait()  # each has the COMMIT before either deletes it
+            return data
+
+    threads = [threading.Thread(target=quarantine, args=(Racing(open_storage(url)), 20,
+                                                          "flipped bit"),
+                                kwargs={"reports": {0: "flipped bit"}, "confirmed_by": rank})
+               for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    result = CliRunner().invoke(main, ["ckpt", "ls", url])
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines()[1:] if line.split()[0] == "20"]
+    assert len(rows) == 1 and "quarantined: flipped bit" in rows[0], result.output

@@ -96,7 +96,10 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
         storage = open_storage(url, _options(endpoint_url, pairs, url))
         steps = committed_steps(storage)
         hidden = quarantined_steps(storage)
-        current = {}  # the notes of the steps quarantined now (listed with the steps)
+        # the COMMITs the steps quarantined now moved aside (listed with the steps): a note of
+        # the log is one of those when it holds the same COMMIT (two processes that quarantine
+        # one step at once each write a note, with its own time: one quarantine, not two)
+        shown: set[tuple[int, str]] = set()
         if steps or hidden:
             click.echo(f"{'step':>12}  {'bytes':>12}  {'objects':>8}  world")
         else:
@@ -112,7 +115,8 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
                     damaged = True
                     click.echo(f"{step:>12}  DAMAGED: {exc} (chaos ckpt verify --step {step})")
                     continue
-                current[step] = found[0].get("time") if found else None
+                if found:
+                    shown.add((step, str(found[0].get("commit_b64"))))
                 click.echo(f"{step:>12}  quarantined: {found[0].get('reason') if found else '?'}")
                 continue
             try:
@@ -132,7 +136,8 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
                        f"{len(marker['objects']):>8}  {marker.get('world_size', '?')}")
         notes, damaged_notes = quarantine_log(storage)
         for step, note in notes:  # steps saved again or retired since
-            if current.get(step, object()) != note.get("time"):
+            if (step, str(note.get("commit_b64"))) not in shown:
+                shown.add((step, str(note.get("commit_b64"))))  # each earlier one once
                 when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(note.get("time", 0)))
                 click.echo(f"{step:>12}  quarantined earlier ({when}): {note.get('reason')}")
         for note_error in damaged_notes:  # the others are still listed
