@@ -33,7 +33,8 @@ def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, s
     can be saved again, which clears its folder: the note is also kept in the quarantine log
     (``QUARANTINE_LOG``, outside the step folders; ``quarantine_log``), which neither a new
     save nor retention touches. The note is written (durably) before COMMIT is deleted: a
-    crash in between leaves the step committed, and the next load finds the damage again."""
+    crash in between leaves the step committed, and the next load finds the damage again. A
+    COMMIT that is no longer the one read (the step saved again meanwhile) is not deleted."""
     base = step_dir(step)
     try:
         marker = storage.read(f"{base}/{COMMIT}")
@@ -46,6 +47,11 @@ def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, s
     storage.write(f"{QUARANTINE_LOG}/{base}.{time.time_ns()}", [sealed], durable=True)
     storage.write(f"{base}/{QUARANTINE}", [sealed], durable=True)
     storage.sync()
+    try:  # a save of the step that committed meanwhile is not the damaged one: left visible
+        if storage.read(f"{base}/{COMMIT}") != marker:
+            return
+    except FileNotFoundError:
+        return
     storage.delete(f"{base}/{COMMIT}")
     storage.sync()
 

@@ -688,3 +688,38 @@ def test_damage_seen_by_one_rank_is_confirmed_before_quarantine(tmp_path: Any) -
         assert [step for step, _ in outcomes] == [1, 1], outcomes
     with CheckpointEngine(url) as engine:
         assert engine.steps() == [1]
+
+
+def test_a_quarantine_overtaken_by_a_new_save_of_its_step_leaves_the_new_commit(
+        tmp_path: Any) -> None:
+    """A quarantine reads the damaged COMMIT, writes its notes, then deletes COMMIT: it
+    deleted whatever COMMIT was there by then, so a save of the step that committed in
+    between (another generation's, after the step was hidden once already) was hidden too,
+    its data left as an uncommitted folder that retention deletes."""
+    from antifragile.engine.quarantine import quarantine
+    from antifragile.engine.storage import open_storage
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url, plan_options=PLAN) as engine:
+        engine.save(2, state_of(2), blocking=True)
+    storage, raw = open_storage(url), Raw.open((url, None))
+    stale = raw.read(2, "COMMIT")
+    with CheckpointEngine(url, plan_options=PLAN) as engine:
+        engine.save(3, state_of(3), blocking=True)
+    new = raw.read(3, "COMMIT")  # what a new save of step 2 commits: other bytes
+
+    class Overtaken:  # the new save commits between the quarantine's notes and its delete
+        def __getattr__(self, name: str) -> Any:
+            return getattr(storage, name)
+
+        committed = False
+
+        def sync(self) -> None:
+            storage.sync()
+            if not self.committed:
+                self.committed = True
+                raw.write(2, "COMMIT", new)
+
+    assert stale != new
+    quarantine(Overtaken(), 2, "damaged", reports={0: "damaged"}, confirmed_by=0)  # type: ignore[arg-type]
+    assert raw.read(2, "COMMIT") == new
