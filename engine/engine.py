@@ -347,8 +347,9 @@ class CheckpointEngine:
         try:
             every, committed = _commit.step_dirs(self.storage)
         except CheckpointError as exc:
-            log.warning("listing the step folders failed (a save of a step an earlier attempt "
-                        "left writes over what it left): %s", exc)
+            log.warning("listing the step folders failed: a save of a step an earlier process "
+                        "left unfinished writes over its leftovers instead of clearing them "
+                        "first: %s", exc)
             return
         self._unfinished.update(set(every) - set(committed))
 

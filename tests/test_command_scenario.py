@@ -663,3 +663,17 @@ def test_files_of_the_script_beside_the_event_files_do_not_hide_the_reference_st
     ckpt = str(tmp_path / "ref" / "ckpt")
     assert _reference_last_step(ckpt) == 7
     assert reference_losses(tmp_path / "ref") == [{"step": 7, "loss": 0.5}]
+
+
+@pytest.mark.parametrize("written", ["yes", "Off", "true"])
+def test_an_env_boolean_is_refused_with_the_quoting_it_needs(tmp_path: Path,
+                                                              written: str) -> None:
+    """``DEBUG: yes`` was refused saying "write true, or quote it for text", and ``true`` was
+    then refused as a boolean: an environment variable is text, so the hint is the quotes."""
+    path = tmp_path / "s.yaml"
+    path.write_text("name: mine\ntrainer:\n  command: [python, -c, pass]\n"
+                    f"  env:\n    DEBUG: {written}\n")
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario(path)
+    assert str(exc.value) == (f"{path}: line 5: trainer.env.DEBUG: {written} is a boolean to "
+                              f"YAML, not text: quote it ('{written}') for that text")

@@ -408,14 +408,19 @@ def _two_readings(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str | None:
             "it for text")
 
 
-def _env_text(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str | None:
-    """The text a plain number under ``trainer.env`` reaches the script as, where it is not the
-    text written (``3.10``: "3.1", ``0x10``: "16"); None where it is."""
+def _env_reading(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str | None:
+    """Why a plain value under ``trainer.env`` (text, for the environment) needs quotes: a
+    boolean, or a number that reaches the script as other text than written (``3.10``: "3.1",
+    ``0x10``: "16"); None where it does not."""
+    quote = f"quote it ('{node.value}') for that text"
+    if node.tag == _BOOL:
+        return f"{node.value} is a boolean to YAML, not text: {quote}"
     if node.tag not in (_INT, _FLOAT):
         return None
     number = loader.construct_yaml_int(node) if node.tag == _INT else \
         loader.construct_yaml_float(node)
-    return None if str(number) == node.value else str(number)
+    return None if str(number) == node.value else \
+        f"{node.value} would reach the script as {str(number)!r}: {quote}"
 
 
 def _refuse_two_readings(loader: yaml.SafeLoader, root: yaml.Node) -> None:
@@ -429,14 +434,11 @@ def _refuse_two_readings(loader: yaml.SafeLoader, root: yaml.Node) -> None:
             continue
         seen.add(id(node))
         if isinstance(node, yaml.ScalarNode):
-            if node.style is None and (reading := _two_readings(loader, node)):
+            if node.style is None and (reading := (
+                    _env_reading(loader, node) if not is_key and path.startswith("trainer.env.")
+                    else _two_readings(loader, node))):
                 where = (f"{path}: " if path else "") + ("the key " if is_key else "")
                 raise _TwoReadings(node.start_mark.line + 1, where, reading)
-            if node.style is None and not is_key and path.startswith("trainer.env.") \
-                    and (text := _env_text(loader, node)) is not None:
-                raise _TwoReadings(node.start_mark.line + 1, f"{path}: ",
-                                   f"{node.value} would reach the script as {text!r}: quote "
-                                   f"it ('{node.value}') for that text")
         elif isinstance(node, yaml.SequenceNode):
             todo.extend((item, f"{path}.{i}" if path else str(i), False)
                         for i, item in reversed(list(enumerate(node.value))))
