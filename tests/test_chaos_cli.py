@@ -657,3 +657,18 @@ def test_a_report_that_cannot_be_written_is_a_clear_error_and_leaves_none_in_par
                                                      "be written: File too large"), result.output
     left = sorted(p.name for p in out.iterdir())
     assert left == ["run"], left  # no report, no part of one, no staged file
+
+
+def test_live_status_does_not_take_an_idle_spare_for_the_first_attempt() -> None:
+    """A warm spare writes ``spare_ready`` as rank -1, attempt -1 (it plays in no generation
+    yet). The tracker took that for the run's first attempt, so the first attempt's own steps
+    counted as a recovery: "recoveries 1" on a run no fault had struck."""
+    tracker = StatusTracker("s", expected_step=20)
+    assert tracker.status({"t": 1.0, "rank": -1, "attempt": -1, "event": "spare_ready",
+                           "worker": "s2.0"}, 0) is None
+    first = tracker.status({"t": 2.0, "rank": 0, "attempt": 0, "event": "step_end",
+                            "step": 1}, 0)
+    assert first is not None and first.attempt == 0 and first.recoveries == 0
+    again = tracker.status({"t": 9.0, "rank": 0, "attempt": 1, "event": "step_end",
+                            "step": 3}, 1)
+    assert again is not None and again.recoveries == 1

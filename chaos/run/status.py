@@ -31,8 +31,11 @@ class StatusTracker:
         self.first_step: dict[int, tuple[float, int]] = {}  # attempt -> (t, step) it began at
 
     def status(self, e: dict[str, Any], faults_injected: int) -> RunStatus | None:
-        """The status after event ``e``: None unless it is a step rank 0 finished."""
+        """The status after event ``e``: None unless it is a step rank 0 finished. An idle
+        spare's events (rank -1, attempt -1) are of no attempt."""
         attempt = int(e["attempt"])
+        if e["rank"] < 0 or attempt < 0:
+            return None
         if self.first_attempt is None or attempt < self.first_attempt:
             self.first_attempt = attempt
         if e["event"] != "step_end" or e["rank"] != 0:
