@@ -1177,3 +1177,28 @@ def test_restore_time_is_the_restore_not_the_start_up_before_it() -> None:
     assert kill.detect_s + kill.restart_s == pytest.approx(started + 2.0 - job.injections[0].t)
     assert kill.recovery_s == pytest.approx(kill.detect_s + kill.restart_s + kill.restore_s
                                             + kill.recompute_s)
+
+
+def test_a_recovery_is_cut_short_only_by_a_fault_that_ended_the_next_attempt() -> None:
+    """Rank 1 dies at step 7; attempt 1 restores step 6, a ``corrupt_shard`` damages step 6 on
+    storage, and attempt 1 dies on its own before it is back at step 7 (no fault ended it);
+    attempt 2 skips the damaged step, restores 4 and finishes. The damage ended nothing, yet
+    the kill's recovery was reported "interrupted by the next fault" and the verdict passed
+    a restart that no fault caused, with no recovery from the kill ever seen."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    t = _kill(job, t + 0.05, 0, 1, 7)
+    t = job.start(t + 3.0, 1, restore=6)
+    job.injections.append(Injection("corrupt_shard", t + 0.1, step=6, fault_index=1, detail={
+        "checkpoint_step": 6, "object": "model/w/c.0", "mode": "bitflip"}))
+    for r in range(WORLD):
+        job.emit(t + 0.3, r, 1, "exit", code=1, error="RuntimeError: CUDA error")
+    job.attempt_ends[1] = t + 0.4
+    t = job.steps(job.start(t + 3.0, 2, restore=4, skipped=6), 2, 5, 12)
+    v, (kill, corrupt) = _verdict(_finish(job, t, 2), [
+        KILL, {"kind": "corrupt_shard", "at_s": 5}])
+    assert corrupt.effect_observed
+    assert kill.ended_attempt == 0 and kill.recovery_s is None
+    assert kill.interrupted_by_t is None
+    assert v.verdict == "fail"
+    assert any(r.startswith("kill_rank at step 7: no recovery was observed") for r in v.reasons)

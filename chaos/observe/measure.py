@@ -272,7 +272,7 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
                                                                     timings.effect)
         return timings
     timings.ended_attempt = attempt
-    _recovery(record, injection, attempt, done, timings)
+    _recovery(record, injection, attempt, done, timings, window_s)
     if injection.kind == "crash_during_save":
         missed = crash_effect(record, injection, attempt, timings.restored_step)
         if missed is not None:
@@ -281,7 +281,7 @@ def fault_timings(record: RunRecord, injection: Injection, *, window_s: float = 
 
 
 def _recovery(record: RunRecord, injection: Injection, attempt: int,
-              done: list[dict[str, Any]], timings: FaultTimings) -> None:
+              done: list[dict[str, Any]], timings: FaultTimings, window_s: float) -> None:
     """Detect, restart, restore and recompute of the attempt that started after ``attempt``,
     which the fault ended; left None when the job never came back (a failed verdict).
 
@@ -317,8 +317,13 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
                               "is measured to when its processes started")
         return
     restores = _by_attempt(record.events, nxt, "restore_end")
+    # what can cut this recovery short: a later fault made during the next attempt that
+    # ended it (a fault on the job; one on storage ends it through the saves it fails, and
+    # fails the verdict when it does), not one that was missed or damaged a checkpoint
     later = [i.t for i in record.injections if i.t > injection.t and not i.skipped
-             and started - 0.5 <= i.t <= record.attempt_ends.get(nxt, record.ended_t)]
+             and not i.missed and i.kind != "corrupt_shard"
+             and started - 0.5 <= i.t <= record.attempt_ends.get(nxt, record.ended_t)
+             and (i.kind in STORAGE_FAULTS or _ended_attempt(record, i, nxt, window_s)[0])]
     if any("storage_bytes" in e for e in restores):
         timings.restore_memory_bytes = sum(e.get("memory_bytes", 0) for e in restores)
         timings.restore_storage_bytes = sum(e.get("storage_bytes", 0) for e in restores)
