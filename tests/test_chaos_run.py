@@ -402,3 +402,35 @@ def test_torchruns_options_in_the_callers_environment_do_not_change_the_launch(
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
+
+
+def test_wall_time_is_the_jobs_not_the_emulated_hosts_set_up_and_taken_down(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``wall_s`` (goodput's denominator) is launch to the end of the last worker: making the
+    emulated hosts' network before the launch and taking it down after the job (or undoing
+    a fault that lasts, e.g. restarting a volume server) is chaos's time, not the job's. Both
+    were counted, which lowered goodput by however long they took."""
+    from antifragile.chaos.run import runner
+
+    class Network:
+        def close(self) -> None:
+            time.sleep(0.8)
+
+    def hosts(cls: Any, nodes: int) -> Any:
+        time.sleep(0.8)
+        return cls(Network())
+
+    def launch_hosts(*_: Any, **__: Any) -> list[subprocess.Popen[str]]:
+        return [subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True,
+                                 text=True)]
+
+    monkeypatch.setattr(runner._Hosts, "open", classmethod(hosts))
+    monkeypatch.setattr(runner, "launch_hosts", launch_hosts)
+    s = parse_scenario({"name": "tiny", "trainer": {
+        "command": ["python", "-c", "pass"], "probe": False},
+        "expect": {"bitwise_equal_to_reference": False}})
+    began = time.time()
+    record = runner.run_scenario(s, tmp_path / "run", str(tmp_path / "ckpt"), timeout_s=30)
+    assert record.started_t >= began + 0.8
+    assert record.wall_s < 0.8, record.wall_s
+    assert time.time() - record.ended_t >= 0.8

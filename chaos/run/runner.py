@@ -74,12 +74,6 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     max_restarts = 2 * len(pending) + (50 if any(p.fault.mtbf_s for p in pending) else 0)
     points = pause_plan(s, pending, rng)
     write_plan(run_dir, points)
-    started = time.time()
-    for p in pending:
-        if p.fault.mtbf_s:
-            p.next_t = started + rng.expovariate(1 / p.fault.mtbf_s)
-        elif p.fault.at_s is not None:
-            p.next_t = started + p.fault.at_s
     hosts = _Hosts.open(s.trainer.nodes)
     relay: FaultProxy | None = None
     agents = _Agents([])
@@ -100,6 +94,13 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                 listener.close()
                 raise
             env = {**env, **{var: relay.endpoint_url for var in ENDPOINT_VARS}}
+        # the run's wall time is the job's: from its launch (not from making its hosts)
+        started = time.time()
+        for p in pending:
+            if p.fault.mtbf_s:
+                p.next_t = started + rng.expovariate(1 / p.fault.mtbf_s)
+            elif p.fault.at_s is not None:
+                p.next_t = started + p.fault.at_s
         agents.procs = (launch_hosts(s, run_dir, ckpt_url, max_restarts=max_restarts,
                                      network=hosts.network, env=env) if hosts.network
                         else [launch(s, run_dir, ckpt_url, max_restarts=max_restarts, env=env)])
@@ -166,6 +167,9 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                         p.next_t = None
             job.check_ends(time.time())
             time.sleep(0.02)
+        # ... to the end of its last worker: undoing the faults that last, stopping leftover
+        # agents and taking the hosts down below are chaos's time
+        ended = time.time()
     finally:
         _every(endings.end_now,  # a link restored before its network goes, a fill stopped
                agents.kill, functools.partial(_kill_left_behind, run_dir) if s.is_command
@@ -173,7 +177,6 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                hosts.network.close if hosts.network is not None else None)
     for e in _read(tail):
         job.see(e)
-    ended = time.time()
     for generation in job.generations:
         job.ends.setdefault(generation, ended)
     events = sorted(tail.events + observed, key=lambda e: e["t"])  # polls read file by file
