@@ -3,6 +3,7 @@ and torchsnapshot, and a checkpoint saved by two gloo processes (for the reshard
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -31,6 +32,15 @@ def single_rank_group(root: str) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+class DirectIORefused(OSError):
+    """The O_DIRECT baseline could not write with O_DIRECT where it was asked to."""
+
+    @staticmethod
+    def of(path: str, exc: OSError) -> DirectIORefused:
+        return DirectIORefused(exc.errno, f"the file system refused O_DIRECT ({exc.strerror}); "
+                               "no buffered write is timed in its place", path)
+
+
 class DirectWriter:
     """Sequential O_DIRECT writes of ``nbytes`` from a page-aligned buffer in 64 MiB requests.
 
@@ -53,11 +63,23 @@ class DirectWriter:
         return DirectWriter(buffer, len(buffer))
 
     def write(self, path: str) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        """Raises :class:`DirectIORefused` where the file system refuses O_DIRECT (EINVAL at
+        the open or the first write, as tmpfs did): no buffered write is timed in its place."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise DirectIORefused.of(path, exc) from exc
+            raise
         try:
             done = 0
             while done < self.nbytes:
-                done += os.write(fd, self.buffer[done : done + DIRECT_BLOCK_BYTES])
+                try:
+                    done += os.write(fd, self.buffer[done : done + DIRECT_BLOCK_BYTES])
+                except OSError as exc:
+                    if exc.errno == errno.EINVAL:
+                        raise DirectIORefused.of(path, exc) from exc
+                    raise
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -20,7 +20,9 @@ page cache is dropped before every timed run when the process may write
 PASS/MISS only from at least 3 samples a side (``n/a`` with ``--quick``). The stall target uses
 per-repetition pairs (each save right after its memcpy): memory bandwidth on a shared VM drifts.
 The CPU other processes used during the run is reported, so a number taken on a busy machine
-says so. Every file is deleted at the end.
+says so. A peer that fails (torchsnapshot not importable; O_DIRECT refused by the file system,
+as on tmpfs) is reported as skipped with the reason: no figure, and no verdict against it.
+Every file is deleted at the end.
 
 Beside this module: ``_state`` (the state), ``_peers`` (the baselines), ``_machine`` (page cache,
 CPU and memory readings), ``scale`` (``--sweep``: how a save grows with the state).
@@ -121,6 +123,7 @@ class Ratio:
     paired: bool = False
     value: float = math.nan
     n: int = 0
+    skipped: str = ""  # why a side was not measured: then no figure and no verdict
 
     @property
     def target(self) -> str:
@@ -130,6 +133,8 @@ class Ratio:
 
     @property
     def verdict(self) -> str:
+        if self.skipped:
+            return "skipped"
         if (self.at_most is not None or self.at_least is not None) and self.n < MIN_SAMPLES:
             return "n/a"  # a median of one or two samples: no spread to judge it by
         if self.at_most is not None:
@@ -167,6 +172,7 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     ratios: list[Ratio] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # row key -> why it was not measured
 
     def row(self, key: str) -> Row:
         return next(r for r in self.rows if r.key == key)
@@ -219,7 +225,14 @@ class Bench:
         try:
             self.cold()
             warm_dcp = self._dcp_async("warm-up")
-            warm_peers = {name: self._warm_up(name, write) for name, write in peers.items()}
+            warm_peers: dict[str, float] = {}
+            for name, write in list(peers.items()):
+                try:
+                    warm_peers[name] = self._warm_up(name, write)
+                except Exception as exc:  # a peer that cannot run is skipped, with the reason
+                    self.skip(name, "its first (warm-up) call failed: "
+                              f"{type(exc).__name__}: {exc}")
+                    del peers[name]
             for rep in range(self.reps):
                 self.cold()
                 samples["memcpy"].append(timed(memcpy))
@@ -230,12 +243,19 @@ class Bench:
                 self.cold()
                 for key, value in zip(("dcp_stall", "dcp_async_total"), self._dcp_async(str(rep))):
                     samples[key].append(value)
-                for name, write in peers.items():
+                for name, write in list(peers.items()):
                     if sum(samples[name]) > self.peer_budget_s:
                         continue  # a slow peer gets fewer repetitions, never invented ones
                     out = self.path(f"{name}-{rep}")
                     self.cold()
-                    samples[name].append(timed(partial(write, out)))
+                    try:
+                        samples[name].append(timed(partial(write, out)))
+                    except Exception as exc:  # no figure from the calls that did not fail
+                        self.skip(name, f"repetition {rep + 1} failed: "
+                                  f"{type(exc).__name__}: {exc}")
+                        del peers[name], samples[name]
+                        remove(out)
+                        continue
                     if name == "dcp_save":
                         self._keep_dcp(out)
                     else:
@@ -254,14 +274,20 @@ class Bench:
             | {name: f"warm-up call excluded: {s:.3f} s" for name, s in warm_peers.items()},
         )
 
+    def skip(self, key: str, reason: str) -> None:
+        """Row ``key`` is not measured: said in the notes, and its ratios get no verdict."""
+        self.report.skipped[key] = reason
+        self.report.notes.append(f"{key} SKIPPED: {reason}")
+
     def _warm_up(self, name: str, write: Callable[[str], None]) -> float:
         """One untimed call of a peer, as the engine's first save and DCP's first async_save
         are: its first call pays imports, planners and thread pools; its seconds."""
         out = self.path(f"{name}-warm-up")
         self.cold()
-        seconds = timed(partial(write, out))
-        remove(out)
-        return seconds
+        try:
+            return timed(partial(write, out))
+        finally:
+            remove(out)
 
     def _keep_dcp(self, path: str) -> None:
         """Keep the newest DCP checkpoint (the load phase reads it), delete the one before."""
@@ -326,9 +352,12 @@ class Bench:
             "dcp_load": partial(dcp.load, self.target, checkpoint_id=self.dcp_ckpt),
             "resharded": partial(engine_load, resharded_url, self.target),
         }
+        if not self.dcp_ckpt:
+            del loaders["dcp_load"]
+            self.skip("dcp_load", "no DCP checkpoint to read: DCP save was skipped")
         samples: dict[str, list[float]] = {k: [] for k in loaders}
         for rep in range(self.reps):
-            for name in LOAD_ORDERS[rep % len(LOAD_ORDERS)]:
+            for name in (k for k in LOAD_ORDERS[rep % len(LOAD_ORDERS)] if k in loaders):
                 for t in tensors_of(self.target):
                     t.zero_()
                 self.cold()
@@ -369,7 +398,13 @@ def ratio_value(ours: Row, theirs: Row, *, paired: bool) -> float:
 
 
 def add_ratios(report: Report) -> None:
+    measured = {r.key for r in report.rows}
     for spec in RATIOS:
+        missing = [k for k in (spec.ours, spec.theirs) if k not in measured]
+        if missing:
+            report.ratios.append(replace(spec, skipped="; ".join(
+                f"{k}: {report.skipped.get(k, 'not measured')}" for k in missing)))
+            continue
         ours, theirs = report.row(spec.ours), report.row(spec.theirs)
         value = ratio_value(ours, theirs, paired=spec.paired)
         n = min(len(ours.samples), len(theirs.samples))
@@ -401,6 +436,9 @@ def render(report: Report) -> str:
         how = "median of per-rep ratios" if r.paired else "ratio of medians"
         if r.verdict == "n/a":
             how += f"; n={r.n}: at least {MIN_SAMPLES} samples a side for a verdict"
+        if r.skipped:
+            lines.append(f"  ratio {r.what:<44}    -     {r.target:<16} skipped  ({r.skipped})")
+            continue
         lines.append(
             f"  ratio {r.what:<44} {r.value:6.3f}x  {r.target:<16} {r.verdict:<4}  ({how})"
         )
@@ -461,8 +499,10 @@ def to_json(report: Report) -> dict[str, Any]:
         asdict(r) | {"seconds": r.seconds, "gib_s": r.gib_s if r.nbytes else None}
         for r in report.rows
     ]
-    ratios = [asdict(r) | {"verdict": r.verdict} for r in report.ratios]
-    return {"config": report.config, "notes": report.notes, "rows": rows, "ratios": ratios}
+    ratios = [asdict(r) | {"verdict": r.verdict} | ({"value": None} if r.skipped else {})
+              for r in report.ratios]
+    return {"config": report.config, "notes": report.notes, "rows": rows, "ratios": ratios,
+            "skipped": report.skipped}
 
 
 def _sweep_sizes(text: str) -> list[float]:

@@ -468,3 +468,57 @@ def test_engine_bench_sweep_leaves_no_folder_when_a_size_fails_before_its_saves(
     with pytest.raises(MemoryError):
         scale.scale_point(0.001, str(tmp_path), 1)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_engine_bench_reports_a_failed_peer_as_skipped_with_its_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that cannot run (torchsnapshot not importable; a file system that refuses
+    O_DIRECT, as tmpfs did) is reported as skipped, with the reason, in the text and the JSON:
+    the run goes on for the others, and no ratio against it gets a figure or a verdict. The
+    O_DIRECT baseline is not replaced by a buffered write under its name."""
+    import errno
+    import os
+
+    from bench import engine as bench_engine
+    from bench._peers import single_rank_group
+    from bench._state import gpt_like_state, map_tensors, state_nbytes
+
+    real_open = os.open
+
+    def no_direct_open(path: object, flags: int, *args: object, **kwargs: object) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    def no_torchsnapshot(state: object, path: str) -> None:
+        raise ModuleNotFoundError("No module named 'torchsnapshot'")
+
+    monkeypatch.setattr(os, "open", no_direct_open)
+    monkeypatch.setattr(bench_engine, "torchsnapshot_take_sync", no_torchsnapshot)
+    with single_rank_group(str(tmp_path)):
+        state = gpt_like_state(64)
+        report = bench_engine.Report(config={"payload_gib": 0.0, "tensors": 30, "d": 64,
+                                             "reps": 3, "dir": str(tmp_path), "fstype": "x"})
+        bench = bench_engine.Bench(root=str(tmp_path), reps=3, peer_budget_s=60.0,
+                                   report=report, state=state,
+                                   target=map_tensors(state, torch.empty_like),
+                                   nbytes=state_nbytes(state))
+        bench.write_phase()
+    for key in ("memcpy", "stall", "persist", "dcp_save", "torch_save"):
+        assert len(report.row(key).samples) == 3, key
+    assert {r.key for r in report.rows}.isdisjoint({"direct", "torchsnapshot"})
+    for key in ("load", "dcp_load", "resharded"):  # no load phase here
+        report.rows.append(bench_engine.Row(key=key, section="load", what=key,
+                                            samples=[1.0] * 3, nbytes=1))
+    bench_engine.add_ratios(report)
+    by_peer = {r.theirs: r for r in report.ratios}
+    assert by_peer["direct"].verdict == "skipped", by_peer["direct"]
+    assert "O_DIRECT" in by_peer["direct"].skipped
+    assert by_peer["torchsnapshot"].verdict == "skipped"
+    assert "No module named 'torchsnapshot'" in by_peer["torchsnapshot"].skipped
+    assert by_peer["dcp_save"].verdict in ("PASS", "MISS")
+    text = bench_engine.render(report)
+    assert "No module named 'torchsnapshot'" in text
+    doc = json.loads(json.dumps(bench_engine.to_json(report)))
+    assert set(doc["skipped"]) == {"direct", "torchsnapshot"}
+    assert {r["theirs"]: r["verdict"] for r in doc["ratios"]}["direct"] == "skipped"
