@@ -15,6 +15,8 @@ shapes) on local disk:
    load.
 
 Methods run round-robin within each repetition (so slow drift of the disk hits all alike), the
+writers in an order that rotates each repetition and the loads in one that cycles (none always
+first, or always right after the same other method), the
 page cache is dropped before every timed run when the process may write
 ``/proc/sys/vm/drop_caches``, and medians are reported with their spread; a target gets its
 PASS/MISS only from at least 3 samples a side (``n/a`` with ``--quick``). The stall target uses
@@ -234,33 +236,29 @@ class Bench:
                               f"{type(exc).__name__}: {exc}")
                     del peers[name]
             for rep in range(self.reps):
-                self.cold()
-                samples["memcpy"].append(timed(memcpy))
-                for key, value in zip(
-                    ("stall", "persist", "staging"), self._engine_save(ckpt, rep + 1)
-                ):
-                    samples[key].append(value)
-                self.cold()
-                for key, value in zip(("dcp_stall", "dcp_async_total"), self._dcp_async(str(rep))):
-                    samples[key].append(value)
-                for name, write in list(peers.items()):
-                    if sum(samples[name]) > self.peer_budget_s:
-                        continue  # a slow peer gets fewer repetitions, never invented ones
-                    out = self.path(f"{name}-{rep}")
-                    self.cold()
-                    try:
-                        samples[name].append(timed(partial(write, out)))
-                    except Exception as exc:  # no figure from the calls that did not fail
-                        self.skip(name, f"repetition {rep + 1} failed: "
-                                  f"{type(exc).__name__}: {exc}")
-                        del peers[name], samples[name]
-                        remove(out)
-                        continue
-                    if name == "dcp_save":
-                        self._keep_dcp(out)
+                # the writers' order rotates each repetition, as the loads' cycles: none
+                # always first or always right after the same other writer
+                writers = ["engine", "dcp_async", *peers]
+                shift = rep % len(writers)
+                for name in writers[shift:] + writers[:shift]:
+                    if name == "engine":  # its memcpy right before it: a paired ratio
+                        self.cold()
+                        samples["memcpy"].append(timed(memcpy))
+                        for key, value in zip(
+                            ("stall", "persist", "staging"), self._engine_save(ckpt, rep + 1)
+                        ):
+                            samples[key].append(value)
+                    elif name == "dcp_async":
+                        self.cold()
+                        for key, value in zip(("dcp_stall", "dcp_async_total"),
+                                              self._dcp_async(str(rep))):
+                            samples[key].append(value)
                     else:
-                        remove(out)
+                        self._time_peer(name, peers, samples, rep)
             self.report.notes.append(direct_io_note(ckpt))
+            self.report.notes.append(
+                "write order per repetition rotates through engine (its memcpy right before "
+                "it) -> dcp_async -> " + " -> ".join(peers) + ", starting one later each time")
         finally:
             direct.close()
             ckpt.close()
@@ -273,6 +271,26 @@ class Bench:
             }
             | {name: f"warm-up call excluded: {s:.3f} s" for name, s in warm_peers.items()},
         )
+
+    def _time_peer(self, name: str, peers: dict[str, Callable[[str], None]],
+                   samples: dict[str, list[float]], rep: int) -> None:
+        """One timed call of peer ``name``; a failure drops it (and its samples) from ``peers``
+        and says why."""
+        if sum(samples[name]) > self.peer_budget_s:
+            return  # a slow peer gets fewer repetitions, never invented ones
+        out = self.path(f"{name}-{rep}")
+        self.cold()
+        try:
+            samples[name].append(timed(partial(peers[name], out)))
+        except Exception as exc:  # no figure from the calls that did not fail
+            self.skip(name, f"repetition {rep + 1} failed: {type(exc).__name__}: {exc}")
+            del peers[name], samples[name]
+            remove(out)
+            return
+        if name == "dcp_save":
+            self._keep_dcp(out)
+        else:
+            remove(out)
 
     def skip(self, key: str, reason: str) -> None:
         """Row ``key`` is not measured: said in the notes, and its ratios get no verdict."""

@@ -522,3 +522,60 @@ def test_engine_bench_reports_a_failed_peer_as_skipped_with_its_reason(
     doc = json.loads(json.dumps(bench_engine.to_json(report)))
     assert set(doc["skipped"]) == {"direct", "torchsnapshot"}
     assert {r["theirs"]: r["verdict"] for r in doc["ratios"]}["direct"] == "skipped"
+
+
+def test_engine_bench_rotates_the_order_of_the_writers_across_repetitions(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the loads' order cycles (a load right after a DCP load ran 20-27% slower on this
+    VM), no writer runs in the same slot of every repetition: the engine was always first
+    after its memcpy, the O_DIRECT baseline always right after DCP's async_save and
+    torchsnapshot always last. The memcpy stays right before the engine save it is paired
+    with."""
+    from bench import engine as bench_engine
+    from bench._peers import DirectWriter, single_rank_group
+    from bench._state import gpt_like_state, map_tensors, state_nbytes
+
+    calls: list[str] = []
+
+    def peer(name: str) -> object:
+        def write(*args: object) -> None:
+            path = str(args[-1])
+            if "warm-up" not in path:
+                calls.append(name)
+            Path(path).write_bytes(b"x")
+        return write
+
+    for name in ("torch_save_fsync", "dcp_save_sync", "torchsnapshot_take_sync"):
+        monkeypatch.setattr(bench_engine, name, peer(name))
+    direct = peer("direct")
+    monkeypatch.setattr(DirectWriter, "write", lambda self, path: direct(path))
+    real_engine_save = bench_engine.Bench._engine_save
+    real_dcp_async = bench_engine.Bench._dcp_async
+
+    def engine_save(self: object, ckpt: object, step: int) -> object:
+        if step:
+            calls.append("engine")
+        return real_engine_save(self, ckpt, step)  # type: ignore[arg-type]
+
+    def dcp_async(self: object, tag: str) -> object:
+        if tag != "warm-up":
+            calls.append("dcp_async")
+        return real_dcp_async(self, tag)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bench_engine.Bench, "_engine_save", engine_save)
+    monkeypatch.setattr(bench_engine.Bench, "_dcp_async", dcp_async)
+    reps = 3
+    with single_rank_group(str(tmp_path)):
+        state = gpt_like_state(64)
+        bench = bench_engine.Bench(root=str(tmp_path), reps=reps, peer_budget_s=60.0,
+                                   report=bench_engine.Report(config={}), state=state,
+                                   target=map_tensors(state, torch.empty_like),
+                                   nbytes=state_nbytes(state))
+        bench.write_phase()
+    per_rep = len(calls) // reps
+    assert per_rep == 6 and len(calls) == 6 * reps, calls
+    slots: dict[str, set[int]] = {}
+    for i, name in enumerate(calls):
+        slots.setdefault(name, set()).add(i % per_rep)
+    assert all(len(s) == reps for s in slots.values()), calls
+    assert len(bench.report.row("memcpy").samples) == reps
