@@ -16,7 +16,7 @@ measures
 - engine load: ``load()`` of that step into a fresh state of the same shapes,
 
 against a raw baseline measured in the same run: the objects the engine's save left on S3
-(same count and sizes: shards, metadata, rank records, COMMIT) uploaded with ``s3fs``
+(their bytes, read back untimed: shards, metadata, rank records, COMMIT) uploaded with ``s3fs``
 ``pipe_file`` from a pool of ``--io-threads`` threads (the engine's ``io_threads``), then
 downloaded the same way with one ranged ``cat_file`` (one GET) per object; and the same
 transfers with obstore (``put`` / ``get_range``), the client the engine itself uses, which
@@ -165,10 +165,16 @@ class Bench:
         root = f"{self.bucket}/{prefix}/step_{step:09d}"
         return {k: int(v["size"]) for k, v in self.fs.find(root, detail=True).items()}
 
-    def raw_put(self, prefix: str, sizes: list[int], blobs: dict[int, bytes]) -> float:
+    def contents(self, objects: dict[str, int]) -> list[bytes]:
+        """The bytes of ``objects`` (key -> size, see :meth:`objects`), smallest first: what
+        the raw baselines upload, so that both sides move the same bytes (zero-filled buffers
+        of the same sizes compress, the engine's fp32 shards do not)."""
+        return [bytes(self.fs.cat_file(key)) for key in sorted(objects, key=objects.__getitem__)]
+
+    def raw_put(self, prefix: str, blobs: list[bytes]) -> float:
         start = time.perf_counter()
         list(self.pool.map(lambda item: self.fs.pipe_file(
-            f"{self.bucket}/{prefix}/{item[0]}", blobs[item[1]]), enumerate(sizes)))
+            f"{self.bucket}/{prefix}/{item[0]}", item[1]), enumerate(blobs)))
         return time.perf_counter() - start
 
     def raw_get(self, prefix: str, sizes: list[int], fs: Any = None, times: int = 1) -> float:
@@ -181,12 +187,12 @@ class Bench:
                            list(enumerate(sizes)) * times))
         return time.perf_counter() - start
 
-    def raw_put_obstore(self, prefix: str, sizes: list[int], blobs: dict[int, bytes]) -> float:
+    def raw_put_obstore(self, prefix: str, blobs: list[bytes]) -> float:
         import obstore
 
         start = time.perf_counter()
         list(self.pool.map(lambda item: obstore.put(
-            self.store, f"{prefix}/{item[0]}", blobs[item[1]]), enumerate(sizes)))
+            self.store, f"{prefix}/{item[0]}", item[1]), enumerate(blobs)))
         return time.perf_counter() - start
 
     def raw_get_obstore(self, prefix: str, sizes: list[int], times: int = 1) -> float:
@@ -222,17 +228,17 @@ def measure(bench: Bench, name: str, cfg: ModelConfig, reps: int) -> Figures:
     prefix = f"{name}/engine"
     engine = bench.engine(prefix)
     _, _, warm = bench.save(engine, state)  # plans, allocates staging: not what is measured
-    sizes = sorted(bench.objects(prefix, warm).values())
+    blobs = bench.contents(bench.objects(prefix, warm))  # the engine's own bytes
+    sizes = [len(b) for b in blobs]
     fig.objects, fig.object_bytes = len(sizes), sum(sizes)
-    blobs = {n: bytes(bytearray(n)) for n in set(sizes)}
     raw = f"{name}/raw"
     for key in RAW + ("persist", "load"):
         fig.samples[key] = []
     for _ in range(reps):
         seconds, _, step = bench.save(engine, state)
         fig.samples["persist"].append(seconds)
-        fig.samples["raw_put"].append(bench.raw_put(raw, sizes, blobs))
-        fig.samples["raw_put_obstore"].append(bench.raw_put_obstore(raw, sizes, blobs))
+        fig.samples["raw_put"].append(bench.raw_put(raw, blobs))
+        fig.samples["raw_put_obstore"].append(bench.raw_put_obstore(raw, blobs))
         with bench.engine(prefix) as fresh:  # a new engine per load: nothing cached
             fig.samples["load"].append(bench.load(fresh, state, step))
         fig.samples["raw_get"].append(bench.raw_get(raw, sizes))
@@ -252,8 +258,8 @@ def measure(bench: Bench, name: str, cfg: ModelConfig, reps: int) -> Figures:
             fig.requests["load"] = proxy.snapshot().since(before).requests
             fig.requests["load_engine_reported"] = e.last_load_requests.get("total")
         before = proxy.snapshot()
-        for i, n in enumerate(sizes):
-            fs.pipe_file(f"{bench.bucket}/{raw}/{i}", blobs[n])
+        for i, blob in enumerate(blobs):
+            fs.pipe_file(f"{bench.bucket}/{raw}/{i}", blob)
         fig.requests["raw_put"] = proxy.snapshot().since(before).requests
         before = proxy.snapshot()
         bench.raw_get(raw, sizes, fs)
@@ -315,9 +321,9 @@ def measure_ranks(bench: Bench, ranks: int, reps: int) -> Figures:
     fig.samples["persist"] = [max(r[1][i] for r in rows) for i in range(reps)]
     fig.samples["load"] = [max(r[2][i] for r in rows) for i in range(reps)]
     fig.requests = {f"rank{r}_{k}": v for r, _, _, q in rows for k, v in q.items()}
-    sizes = sorted(bench.objects(prefix, reps + 1).values())
+    blobs = bench.contents(bench.objects(prefix, reps + 1))  # the engine's own bytes
+    sizes = [len(b) for b in blobs]
     fig.objects, fig.object_bytes = len(sizes), sum(sizes)
-    blobs = {n: bytes(bytearray(n)) for n in set(sizes)}
     wide = Bench.__new__(Bench)
     wide.fs, wide.store, wide.bucket = bench.fs, bench.store, bench.bucket
     wide.pool = ThreadPoolExecutor(ranks * bench.io_threads)
@@ -325,8 +331,8 @@ def measure_ranks(bench: Bench, ranks: int, reps: int) -> Figures:
         fig.samples[key] = []
     raw = f"ranks{ranks}/raw"
     for _ in range(reps):
-        fig.samples["raw_put"].append(wide.raw_put(raw, sizes, blobs))
-        fig.samples["raw_put_obstore"].append(wide.raw_put_obstore(raw, sizes, blobs))
+        fig.samples["raw_put"].append(wide.raw_put(raw, blobs))
+        fig.samples["raw_put_obstore"].append(wide.raw_put_obstore(raw, blobs))
         fig.samples["raw_get"].append(wide.raw_get(raw, sizes, times=ranks))
         fig.samples["raw_get_obstore"].append(wide.raw_get_obstore(raw, sizes, times=ranks))
     wide.pool.shutdown()

@@ -579,3 +579,35 @@ def test_engine_bench_rotates_the_order_of_the_writers_across_repetitions(
         slots.setdefault(name, set()).add(i % per_rep)
     assert all(len(s) == reps for s in slots.values()), calls
     assert len(bench.report.row("memcpy").samples) == reps
+
+
+def test_s3_bench_raw_baseline_uploads_the_bytes_the_engine_saved(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The raw PUT moves the objects the engine's save left, not zero-filled buffers of their
+    sizes: zeros compress to nothing where fp32 shards do not (a store that compresses, as
+    SeaweedFS's filer gzips an upload whose first bytes compress, would do other work), so
+    the two sides would not move the same bytes. The cluster is faked: no S3 here."""
+    import zlib
+    from unittest.mock import MagicMock
+
+    from bench import s3
+
+    rng = torch.Generator().manual_seed(0)
+    stored = {f"b/quickstart/engine/step_000000001/a/c.{i}":
+              torch.randn(8192, generator=rng).numpy().tobytes() for i in range(3)}
+    stored["b/quickstart/engine/step_000000001/zarr.json"] = b'{"zarr_format": 3}' * 2
+    bench = MagicMock()
+    bench.bucket = "b"
+    bench.save.return_value = (0.1, MagicMock(), 1)
+    bench.objects.return_value = {k: len(v) for k, v in stored.items()}
+    bench.contents.side_effect = lambda objects: s3.Bench.contents(bench, objects)
+    bench.fs.cat_file.side_effect = lambda path, *a, **k: stored[path]
+    bench.raw_put.return_value = bench.raw_put_obstore.return_value = 0.1
+    proxy_fs = MagicMock()
+    bench.through_proxy.return_value.__enter__.return_value = ({}, proxy_fs, MagicMock())
+    s3.measure(bench, "quickstart", s3.STATES["quickstart"], 1)
+    (_, uploaded), _ = bench.raw_put.call_args
+    assert sorted(uploaded) == sorted(stored.values())
+    assert all(len(zlib.compress(b)) > 0.8 * len(b) for b in uploaded if len(b) > 16384)
+    put = sorted(c.args[1] for c in proxy_fs.pipe_file.call_args_list)
+    assert put == sorted(stored.values())
