@@ -4,6 +4,7 @@ and torchsnapshot, and a checkpoint saved by two gloo processes (for the reshard
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -106,10 +107,21 @@ def torch_save_fsync(state: dict[str, Any], path: str) -> None:
     fsync_tree(path)
 
 
+#: DCP's writer threads: as many as the engine's default ``io_threads``. DCP's own default
+#: (1) would hold it to one file at a time while the engine writes several
+DCP_THREADS = int(inspect.signature(CheckpointEngine).parameters["io_threads"].default)
+
+
+def _dcp_writer(path: str) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.FileSystemWriter(path, thread_count=DCP_THREADS)  # fsyncs each file
+
+
 def dcp_save_sync(state: dict[str, Any], path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=path)  # FileSystemWriter fsyncs each file (sync_files=True)
+    dcp.save(state, storage_writer=_dcp_writer(path))
     fsync_tree(path)  # and the folders (its files again: nothing left to flush)
 
 
@@ -128,7 +140,7 @@ def engine_load(url: str, target: dict[str, Any]) -> None:
 def dcp_async_save(state: dict[str, Any], path: str) -> Future[Any]:
     import torch.distributed.checkpoint as dcp
 
-    response = dcp.async_save(state, checkpoint_id=path)
+    response = dcp.async_save(state, storage_writer=_dcp_writer(path))
     return response if isinstance(response, Future) else response.upload_completion
 
 

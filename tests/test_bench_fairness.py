@@ -611,3 +611,18 @@ def test_s3_bench_raw_baseline_uploads_the_bytes_the_engine_saved(
     assert all(len(zlib.compress(b)) > 0.8 * len(b) for b in uploaded if len(b) > 16384)
     put = sorted(c.args[1] for c in proxy_fs.pipe_file.call_args_list)
     assert put == sorted(stored.values())
+
+
+def test_dcp_writes_on_as_many_threads_as_the_engine(tmp_path: Path) -> None:
+    """DCP's FileSystemWriter writes one file per thread, on 1 thread by default: the bench
+    compared the engine's 8 I/O threads with DCP on one, which a DCP user sets otherwise."""
+    import inspect
+
+    from antifragile.engine import CheckpointEngine
+    from bench._peers import dcp_save_sync, single_rank_group
+
+    threads = inspect.signature(CheckpointEngine).parameters["io_threads"].default
+    state = {"model": {f"w{i}": torch.ones(64, 64) for i in range(2 * threads)}}
+    with single_rank_group(str(tmp_path)):
+        dcp_save_sync(state, str(tmp_path / "dcp"))
+    assert len(list((tmp_path / "dcp").glob("*.distcp"))) == threads
