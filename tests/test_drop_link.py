@@ -676,6 +676,9 @@ def test_a_link_that_cannot_be_restored_says_so() -> None:
         def is_down(self, a: int, b: int) -> bool:
             return False
 
+        def is_host_down(self, index: int) -> bool:
+            return False
+
         def link_down(self, a: int, b: int) -> str:
             return "blackhole routes"
 
@@ -739,3 +742,41 @@ def test_a_cut_that_fails_half_made_is_undone(nodes: int,
     else:
         assert "add" in cut and undone == [tuple("del" if a == "add" else a for a in cut)]
     assert not net.is_down(0, 1)
+
+
+@needs_netns
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_a_cut_of_a_link_to_a_host_down_for_good_is_missed(nodes: int) -> None:
+    """After ``host_down`` of node 1, its link is dead for the rest of the run: a
+    ``drop_link`` of it acts on nothing the job still has and is missed, saying why. Before,
+    it was reported made (with two hosts its end then set the dead host's switch port up
+    again)."""
+    with Network(nodes) as net:
+        target = Target(pids={}, coordinates={}, ckpt_url="", rng=random.Random(0),
+                        network=net)
+        HostDown(kind="host_down", at_step=3, node=1).inject(target, 3)
+        injection = DropLink(kind="drop_link", at_step=4, between=(0, 1),
+                             duration_s=5).inject(target, 4)
+        assert injection.missed is not None and "node 1" in injection.missed
+        assert "down for good" in injection.missed
+        assert not net.is_down(0, 1)
+
+
+@needs_netns
+def test_a_cut_that_ends_after_its_host_went_down_leaves_the_host_silent() -> None:
+    """A cut of the only link (two hosts: both switch ports down) that ends after
+    ``host_down`` of one of its hosts: its end must not set the dead host's port up again,
+    or the dead host's kernel answers its peers with resets instead of silence."""
+    with Network(2) as net:
+        target = Target(pids={}, coordinates={}, ckpt_url="", rng=random.Random(0),
+                        network=net)
+        cut = DropLink(kind="drop_link", at_step=3, between=(0, 1), duration_s=0.3)
+        assert cut.inject(target, 3).missed is None
+        HostDown(kind="host_down", at_step=4, node=1).inject(target, 4)
+        deadline = time.monotonic() + 10
+        while net.is_down(0, 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "timed out" in _connect(net, 0, 1), "the dead host must stay silent"
+        assert _connect(net, 0, "10.213.0.1", port=1).startswith("fail [Errno 111]"), \
+            "host 0's own port must be up again"

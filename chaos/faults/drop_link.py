@@ -46,6 +46,11 @@ class DropLink(FaultBase):
             reason = target.network_error or "the run has no emulated network"
             return Injection(self.kind, time.time(), step=step, skipped=reason,
                              detail={"between": [a, b]})
+        if dead := [n for n in (a, b) if network.is_host_down(n)]:
+            return Injection(self.kind, time.time(), step=step, detail={"between": [a, b]},
+                             missed=f"node {dead[0]} was down for good (host_down) when this "
+                                    f"fault was due: the link between nodes {a} and {b} "
+                                    "carried nothing left to cut")
         if network.is_down(a, b):  # another fault's cut, not ended yet
             return Injection(self.kind, time.time(), step=step, detail={"between": [a, b]},
                              missed=f"the link between nodes {a} and {b} was already down "

@@ -171,6 +171,7 @@ class Network:
                       for i in range(n_hosts)]
         self._created: list[str] = []
         self._down: set[tuple[int, int]] = set()
+        self._dead: set[int] = set()  # hosts down for good (host_down)
 
     def __enter__(self) -> Network:
         self.open()
@@ -284,10 +285,13 @@ class Network:
         return how
 
     def link_up(self, a: int, b: int) -> None:
+        """End a cut. A host that went down for good meanwhile keeps its switch port down:
+        set up, its kernel would answer its peers with resets, no longer silent."""
         ha, hb = self._pair(a, b)
         if len(self.hosts) == 2:
             for h in (ha, hb):
-                _ip("-n", self.switch, "link", "set", f"h{h.index}", "up")
+                if h.index not in self._dead:
+                    _ip("-n", self.switch, "link", "set", f"h{h.index}", "up")
         else:
             for src, dst in ((ha, hb), (hb, ha)):
                 _ip("-n", src.namespace, "route", "del", "blackhole", f"{dst.address}/32")
@@ -300,9 +304,14 @@ class Network:
         if not 0 <= index < len(self.hosts):
             raise ValueError(f"no host {index} in a network of {len(self.hosts)}")
         _ip("-n", self.switch, "link", "set", f"h{index}", "down")
+        self._dead.add(index)
         return (f"switch port h{index} down, then every process in "
                 f"{self.hosts[index].namespace} SIGKILLed"), _kill_inside(
                     self.hosts[index].namespace)
 
     def is_down(self, a: int, b: int) -> bool:
         return (min(a, b), max(a, b)) in self._down
+
+    def is_host_down(self, index: int) -> bool:
+        """Whether host ``index`` went down for good (``host_down``)."""
+        return index in self._dead
