@@ -434,3 +434,26 @@ def test_wall_time_is_the_jobs_not_the_emulated_hosts_set_up_and_taken_down(
     assert record.started_t >= began + 0.8
     assert record.wall_s < 0.8, record.wall_s
     assert time.time() - record.ended_t >= 0.8
+
+
+def test_a_command_trainers_env_does_not_route_its_ranks_around_the_runs_s3_endpoint(
+        tmp_path: Path) -> None:
+    """With S3 checkpoints the run tells the ranks its endpoint (the fault proxy's, when a
+    ``storage_outage`` is due, or a relay's); a scenario's ``trainer.env`` naming another
+    endpoint won over it, so the script went around the proxy (an outage that reached no
+    request) and wrote where chaos neither looked nor faulted."""
+    from antifragile.chaos.infra.launch import launch
+
+    seen = tmp_path / "seen"
+    script = ("import os; open(os.environ['SEEN'], 'w').write("
+              "os.environ['AWS_ENDPOINT_URL'] + ' ' + os.environ['AWS_ENDPOINT_URL_S3'])")
+    s = parse_scenario({"name": "tiny", "trainer": {
+        "command": ["python", "-c", script], "probe": False,
+        "env": {"SEEN": str(seen), "AWS_ENDPOINT_URL": "http://elsewhere:9000",
+                "AWS_ENDPOINT_URL_S3": "http://elsewhere:9000"}},
+        "expect": {"bitwise_equal_to_reference": False}})
+    proxy = "http://127.0.0.1:45678"
+    job = launch(s, tmp_path / "run", "s3://bucket/run", max_restarts=0,
+                 env={"AWS_ENDPOINT_URL": proxy, "AWS_ENDPOINT_URL_S3": proxy})
+    assert job.wait(120) == 0, (tmp_path / "run" / "torchrun.log").read_text()
+    assert seen.read_text() == f"{proxy} {proxy}"

@@ -67,8 +67,9 @@ def trainer_args(s: Scenario, run_dir: Path, ckpt_url: str) -> list[str]:
 def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
            env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """Start torchrun (one agent; CPU + gloo) with in-place restarts. ``env`` is added to the
-    environment of torchrun and so of every rank (e.g. the S3 endpoint to use). A command
-    trainer's environment is what README's "What chaos gives the script" lists."""
+    environment of torchrun and so of every rank (e.g. the S3 endpoint to use), over a
+    command trainer's ``env``. A command trainer's environment is what README's "What chaos
+    gives the script" lists."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={s.trainer.world_size + s.trainer.spare_workers}",
@@ -80,7 +81,9 @@ def launch(s: Scenario, run_dir: Path, ckpt_url: str, *, max_restarts: int,
     if isinstance(s.trainer, CommandSpec):  # the user's script, as its ranks
         # its warnings (the engine's skipped saves, quarantined steps) stay in its log
         cmd += ["--no-python", *command_args(s.trainer)]
-        env = {**(env or {}), **command_env(s.trainer, run_dir, ckpt_url)}
+        # the run's own (the S3 endpoint chaos checks and faults: its proxy, a relay) over the
+        # scenario's env: an endpoint named there took the ranks around the fault proxy
+        env = {**command_env(s.trainer, run_dir, ckpt_url), **(env or {})}
     else:
         own["PYTHONWARNINGS"] = "ignore"
         cmd += ["-m", "antifragile.trainer", *trainer_args(s, run_dir, ckpt_url)]
