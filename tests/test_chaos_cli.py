@@ -672,3 +672,38 @@ def test_live_status_does_not_take_an_idle_spare_for_the_first_attempt() -> None
     again = tracker.status({"t": 9.0, "rank": 0, "attempt": 1, "event": "step_end",
                             "step": 3}, 1)
     assert again is not None and again.recoveries == 1
+
+
+def test_two_runs_of_one_scenario_started_in_the_same_second_get_folders_of_their_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ``chaos run`` of one scenario side by side (a CI matrix over seeds on one machine)
+    started within the same second were given the same ``reports/<name>-<UTC time>``: each
+    cleared the other's ``run/`` and ``ckpt/`` and trained into the same checkpoints, and a
+    ``disk_full``'s tmpfs mount point was the other's (skipped as "not made by this run")."""
+    import datetime as real
+
+    from antifragile.chaos.cli import run as run_cli
+    from antifragile.chaos.run import pipeline
+    from antifragile.chaos.run.runner import ChaosRunError
+
+    class Frozen(real.datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Frozen:
+            return cls(2026, 12, 6, 12, 0, 0, tzinfo=tz)
+
+    folders: list[Path] = []
+
+    def record(s: Any, folder: Path, **_: object) -> None:
+        folders.append(folder)
+        raise ChaosRunError("stopped by the test")
+
+    monkeypatch.setattr(run_cli, "datetime", Frozen)
+    monkeypatch.setattr(pipeline, "run", record)
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nexpect: {bitwise_equal_to_reference: false}\n")
+    for _ in range(2):
+        assert CliRunner().invoke(main, ["run", str(path)]).exit_code == 5
+    assert len(folders) == 2 and folders[0] != folders[1], folders
+    assert all(f.parent == Path("reports") and f.name.startswith("s-20261206T120000Z")
+               for f in folders), folders

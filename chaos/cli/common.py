@@ -62,6 +62,26 @@ def out_folder(path: str, option: str = "--out") -> Path:
     return folder
 
 
+def fresh_folder(path: str, option: str = "--out") -> Path:
+    """A default output folder of its own (``reports/<name>-<UTC time>``), made now: ``path``,
+    or ``path-2``, ``path-3``, ... where another command made it first. Two runs started
+    within one second (side by side in a CI matrix) were given the same folder and cleared
+    each other's run and checkpoints."""
+    base = out_path(path, option)
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            folder = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                continue
+            return folder
+    except OSError as exc:
+        fail(f"{option} {path}: cannot create the folder: {exc.strerror or exc}")
+    fail(f"{option} {path}: the folder and 998 numbered ones exist; give --out")
+
+
 def drop_if_empty(folder: Path) -> None:
     """Remove an output folder made for a command that then refused its input, if nothing was
     written to it."""

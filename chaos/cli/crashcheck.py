@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from antifragile.chaos.cli.common import drop_if_empty, fail, out_folder
+from antifragile.chaos.cli.common import drop_if_empty, fail, fresh_folder, out_folder
 
 ENGINES = ("antifragile", "dcp", "torchsnapshot")  # chaos/crashcheck/pipeline.py's, unimported
 CASES = ("save", "retention", "overwrite", "overwrite-committed")
@@ -101,8 +101,8 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
         fail(f"--endpoint-url {endpoint_url}: the recording proxy needs a plain http:// "
              "endpoint")
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    folder = out_folder(out if out is not None
-                        else str(Path("reports") / f"crashcheck-{engine}-{stamp}"))
+    folder = (out_folder(out) if out is not None
+              else fresh_folder(str(Path("reports") / f"crashcheck-{engine}-{stamp}")))
     chosen = cases or (("retention",) if retention else
                        ("save", "overwrite", "overwrite-committed"))
     if retention and cases and "retention" not in cases:

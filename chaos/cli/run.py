@@ -11,6 +11,7 @@ import click
 from antifragile.chaos.cli.common import (
     drop_if_empty,
     fail,
+    fresh_folder,
     load,
     needs_reference,
     out_folder,
@@ -77,7 +78,8 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
     if out is not None:
         _check_not_foreign(out_path(out))
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    folder = out_folder(out if out is not None else str(Path("reports") / f"{s.name}-{stamp}"))
+    folder = (out_folder(out) if out is not None
+              else fresh_folder(str(Path("reports") / f"{s.name}-{stamp}")))
     with Progress() as progress:
         try:
             outcome = run(s, folder, reference=not no_reference,
