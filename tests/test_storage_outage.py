@@ -795,3 +795,29 @@ def test_latency_holds_an_upload_that_waits_for_100_continue_back_once() -> None
     upstream.close()
     assert stats.requests == 1 and stats.delayed == 1, stats
     assert 1.0 <= took < 1.9, took
+
+
+def test_an_outage_due_while_another_is_on_is_missed_and_cuts_the_other_nothing_short(
+        ) -> None:
+    """Two outages that overlap (two entries, or ``mtbf_s`` arrivals closer than
+    ``duration_s``): the second replaced the first's fault in the proxy, and its end healed
+    the proxy while the first was meant to last on: S3 came back early and the first was
+    reported as lasting its whole ``duration_s``. The second did not happen (S3 was out
+    already): missed, saying why, and the first lasts its time."""
+    import random
+
+    upstream = socket.create_server(("127.0.0.1", 0))
+    with FaultProxy(upstream.getsockname()[:2]) as proxy:
+        target = Target(pids={}, coordinates={}, ckpt_url="s3://b/p", rng=random.Random(0),
+                        storage_proxy=proxy)
+        first = StorageOutage(kind="storage_outage", at_step=3, duration_s=30.0)
+        assert first.inject(target, 3).missed is None
+        second = StorageOutage(kind="storage_outage", at_step=4, duration_s=0.05,
+                               mode="latency", latency_s=1.0)
+        injection = second.inject(target, 4)
+        assert injection.missed is not None and "already" in injection.missed
+        time.sleep(0.3)
+        assert proxy._fault is not None and proxy._fault.kind == "http503", \
+            "the first outage must last its duration_s"
+        target.endings.end_now()
+    upstream.close()

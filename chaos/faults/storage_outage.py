@@ -47,6 +47,10 @@ class StorageOutage(FaultBase):
         if proxy is None:
             reason = target.storage_proxy_unavailable or "no fault proxy in front of S3"
             return Injection(self.kind, time.time(), step=step, skipped=reason)
+        if proxy.faulting:  # another outage, not ended yet: this one would cut it short
+            return Injection(self.kind, time.time(), step=step, detail={"mode": self.mode},
+                             missed="S3 was out already (another storage_outage, not ended "
+                                    "yet) when this fault was due")
         before = proxy.snapshot()
         token = proxy.fault(_PROXY_KIND[self.mode], latency_s=self.latency_s)
         injection = Injection(self.kind, time.time(), step=step, detail={

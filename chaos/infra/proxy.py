@@ -122,6 +122,12 @@ class FaultProxy:
         with self._lock:
             return dataclasses.replace(self.stats)
 
+    @property
+    def faulting(self) -> bool:
+        """Whether a fault is on (started, not healed, its count not used up)."""
+        with self._lock:
+            return self._fault is not None
+
     def fault(self, kind: str, count: int | None = None, *, latency_s: float = 2.0) -> object:
         """Start faulting with ``kind``; sever the connections open now. Returns a token for
         ``heal`` (a fault started later is not ended by an earlier one's heal)."""
