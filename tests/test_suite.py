@@ -1043,3 +1043,35 @@ def test_a_runner_crash_with_a_non_ascii_message_is_one_failed_entry_whatever_th
     assert done.returncode == 0, done.stderr.decode("utf-8", "replace")
     assert done.stdout.decode().split() == ["fail", "a/error.txt"]
     assert "no such file: /data/café/x" in (out / "a" / "error.txt").read_bytes().decode("utf-8")
+
+
+def test_two_suites_started_in_the_same_second_get_folders_of_their_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ``chaos suite`` side by side started within one second were given the same
+    default ``reports/suite-<UTC time>``, and each cleared the other's run folders."""
+    import importlib
+    import time as real_time
+
+    from antifragile.chaos.run import pipeline
+
+    suite_cli = importlib.import_module("antifragile.chaos.cli.suite")  # the module, not the
+    # command the package exports under that name
+
+    folders: list[Path] = []
+
+    def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
+        folders.append(folder.parent)
+        return _passed(folder, report_file=True)
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    frozen = real_time.gmtime(1_765_000_000)
+    monkeypatch.setattr(suite_cli.time, "gmtime", lambda *_: frozen)
+    monkeypatch.chdir(tmp_path)
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    _write(scenarios, "a", [])
+    for _ in range(2):
+        r = CliRunner().invoke(main, ["suite", str(scenarios)])
+        assert r.exit_code == 0, r.output
+    assert len(folders) == 2 and folders[0] != folders[1], folders
+    assert all(f.name.startswith("suite-20251206T") for f in folders), folders

@@ -20,7 +20,9 @@ import click
 
 from antifragile.chaos import suite as suite_lib
 from antifragile.chaos.cli.common import (
+    drop_if_empty,
     fail,
+    fresh_folder,
     needs_reference,
     out_folder,
     out_path,
@@ -50,21 +52,30 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
     scenario (and no failure)."""
     from antifragile.chaos.cli.progress import Progress
 
-    if out is None:
-        out = str(Path("reports") / f"suite-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    out_dir = out_path(out)
     seconds_at_least_zero("--recovery-floor-s", recovery_floor_s)
     seconds_at_least_zero("--stall-floor-s", stall_floor_s)
     try:
         previous = suite_lib.load_baseline(Path(baseline)) if baseline else None
-        planned = suite_lib.plan(suite_lib.discover(Path(folder), patterns), out_dir)
+        files = suite_lib.discover(Path(folder), patterns)
     except suite_lib.SuiteError as exc:
         fail(str(exc))
-    if no_reference:
-        for p in planned:
-            if p.scenario is not None and p.scenario.expect.bitwise_equal_to_reference:
-                fail(needs_reference(str(p.file)))
-    out_folder(out)
+    # the default folder is made now, of its own (two suites started in one second)
+    out_dir = out_path(out) if out is not None else fresh_folder(
+        str(Path("reports") / f"suite-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"))
+    try:
+        try:
+            planned = suite_lib.plan(files, out_dir)
+        except suite_lib.SuiteError as exc:
+            fail(str(exc))
+        if no_reference:
+            for p in planned:
+                if p.scenario is not None and p.scenario.expect.bitwise_equal_to_reference:
+                    fail(needs_reference(str(p.file)))
+    except SystemExit:
+        if out is None:
+            drop_if_empty(out_dir)  # refused before the suite ran: no folder claiming one
+        raise
+    out_folder(str(out_dir))
     started = time.monotonic()
     stopped: BaseException | None = None  # Ctrl-C, SIGTERM: raised once the summary is written
     try:
