@@ -58,8 +58,17 @@ class DaemonWorkers:
                 inbox = queue.SimpleQueue()
                 thread = threading.Thread(target=self._serve, args=(inbox,), name=name,
                                           daemon=True)
-                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-                thread.start()
+                try:
+                    thread.start()
+                except BaseException:
+                    # not started (at the thread limit): never joined, which would raise. Or
+                    # started, and interrupted while ``start()`` waited for it to run: it
+                    # gets no job, so it ends instead of waiting for one forever
+                    inbox.put(None)
+                    raise
+                finally:
+                    self._threads = [t for t in self._threads if t.is_alive()]
+                self._threads.append(thread)
         inbox.put((name, target, args))
 
     def close(self, timeout: float | None = None) -> list[str]:

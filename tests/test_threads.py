@@ -191,3 +191,43 @@ def test_the_exit_hook_lets_a_save_in_flight_finish_its_writes(
     monkeypatch.setattr(_threads, "_LIVE", [pool, workers])  # the order that lost the save
     _threads._close_at_exit()
     assert results == ["written"]
+
+
+def _refuse_start(monkeypatch: pytest.MonkeyPatch, name: str,
+                  error: type[BaseException], *, after_start: bool) -> None:
+    """``Thread.start`` of the thread ``name`` raises ``error``: before the thread runs (a
+    process at its thread limit: "can't start new thread"), or once it runs (an interrupt
+    while ``start()`` waits for the new thread to begin: milliseconds on a busy machine)."""
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name != name:
+            real_start(thread)
+            return
+        if after_start:
+            real_start(thread)
+        raise error("can't start new thread" if error is RuntimeError else "")
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+def test_a_worker_that_did_not_start_does_not_fail_close(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker thread whose ``start()`` raised stayed in the workers' list while the next
+    saves reused an idle worker: ``close()`` joined it and raised "cannot join thread before
+    it is started" instead of closing the engine."""
+    from antifragile.engine import CheckpointError
+
+    engine = CheckpointEngine(str(tmp_path / "ck"))
+    state = {"w": torch.ones(8)}
+    engine.save(1, state, blocking=True)  # one worker, idle after
+    _refuse_start(monkeypatch, "ckpt-stage-2", RuntimeError, after_start=False)
+    with pytest.raises(CheckpointError, match="can't start new thread"):
+        engine.save(2, state, defer_staging=True)  # the idle worker, and a new one
+    assert engine._last is not None
+    with pytest.raises(CheckpointError, match="can't start new thread"):
+        engine._last.wait(timeout=10)
+    engine.save(3, state, blocking=True)  # the idle worker again
+    engine.close()
+    assert _alive(engine._workers) == []
+
