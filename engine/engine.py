@@ -299,7 +299,9 @@ class CheckpointEngine:
         def start(name: str, *job: Any) -> None:
             try:
                 self._workers.run(name, *job)
-            except BaseException as exc:  # "can't start new thread": at the thread limit
+            except Exception as exc:  # "can't start new thread": at the thread limit. An
+                # interrupt is raised as it is (the save fails below): as a CheckpointError a
+                # loop that trains on through failed saves swallowed the user's Ctrl-C
                 raise CheckpointError(f"step {step} not saved, rank {self.rank}: its thread "
                                       f"{name} did not start: {type(exc).__name__}: {exc}"
                                       ) from exc

@@ -231,3 +231,28 @@ def test_a_worker_that_did_not_start_does_not_fail_close(
     engine.close()
     assert _alive(engine._workers) == []
 
+
+def test_an_interrupt_while_a_save_thread_starts_is_raised_as_is(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while ``save()`` waited for its new thread to begin came out of ``save()`` as a
+    CheckpointError ("its thread did not start"), which the loop the README suggests (catch
+    CheckpointError around ``save()`` and train on) swallowed; and the thread, started but
+    never handed its job, waited for one forever: ``close()`` waited ``CLOSE_WAIT_S`` for it
+    and reported it stuck. The interrupt is raised as it is, the save fails, the thread ends,
+    and the next save commits."""
+    from antifragile.engine import CheckpointError, _threads
+
+    monkeypatch.setattr(_threads, "CLOSE_WAIT_S", 2.0)
+    engine = CheckpointEngine(str(tmp_path / "ck"))
+    state = {"w": torch.ones(8)}
+    _refuse_start(monkeypatch, "ckpt-save-1", KeyboardInterrupt, after_start=True)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save(1, state)
+    assert engine._last is not None
+    with pytest.raises(CheckpointError, match="step 1"):
+        engine._last.wait(timeout=10)
+    engine.save(2, state, blocking=True)
+    assert engine.steps() == [2]
+    stuck = engine._workers.close()
+    engine.close()
+    assert stuck == []
