@@ -190,6 +190,11 @@ def _close_at_exit() -> None:
     # the save threads first: a save in flight still submits its writes to its engine's pool,
     # and would fail ("cannot schedule new futures after shutdown") where the pool closed first
     for threads in sorted(_LIVE, key=lambda live: isinstance(live, DaemonPool)):
-        stuck = threads.close(max(0.0, deadline - time.monotonic()))
+        try:
+            stuck = threads.close(max(0.0, deadline - time.monotonic()))
+        except Exception as exc:  # logged; the others are closed all the same
+            log.warning("closing checkpoint threads at exit failed: %s: %s",
+                        type(exc).__name__, exc)
+            continue
         if stuck:
             log.warning("exiting with checkpoint threads still running: %s", ", ".join(stuck))

@@ -256,3 +256,21 @@ def test_an_interrupt_while_a_save_thread_starts_is_raised_as_is(
     stuck = engine._workers.close()
     engine.close()
     assert stuck == []
+
+
+def test_the_exit_hook_closes_every_pool_past_one_whose_close_raises(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exit hook stopped at the first close that raised: every engine after it in the
+    set was left unclosed (its writes cut off by the interpreter's exit)."""
+    from antifragile.engine import _threads
+
+    class Broken:
+        def close(self, timeout: float | None = None) -> list[str]:
+            raise RuntimeError("cannot join thread before it is started")
+
+    pool = _threads.DaemonPool(1, "exit-hook-test")
+    done = pool.submit(lambda: 1)
+    broken = Broken()
+    monkeypatch.setattr(_threads, "_LIVE", [broken, pool])
+    _threads._close_at_exit()
+    assert done.result() == 1 and pool._shut
