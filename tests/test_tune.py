@@ -948,3 +948,45 @@ def test_schedules_whose_failure_table_could_outgrow_memory_are_refused(
     with pytest.raises(tune.TuneError, match=r"^--schedules 100000: .*this machine has 1 GiB"):
         simulate.check_simulation(100_000, 0.7)
     simulate.check_simulation(5_000, 0.7)  # 386 MiB at most: taken
+
+
+def test_the_time_a_save_takes_to_commit_is_measured_without_the_final_one() -> None:
+    """An asynchronous save's stall is its cost C, but a failure before it commits rolls back
+    one checkpoint further, and a save asked for while one persists is refused: the commit
+    time is measured (committed periodic saves, slowest rank; the final blocking one is the
+    job's shutdown). It was not measured at all."""
+    events, t = _killed_run_events()
+    committed = {(0, 2): 0.4, (0, 4): 0.6, (1, 6): 0.8, (1, 8): 0.6}
+    for (attempt, step), persist_s in committed.items():
+        at = next(e["t"] for e in events if e["event"] == "ckpt_staged" and e["step"] == step
+                  and e["attempt"] == attempt) + 0.05
+        events += [_event(at, attempt, r, "ckpt_committed", step=step, bytes=10,
+                          persist_s=persist_s - 0.1 * r) for r in (0, 1)]
+    events += [_event(t + 1.0, 1, r, "ckpt_blocked", step=8, seconds=2.0) for r in (0, 1)]
+    events.sort(key=lambda e: e["t"])
+    m = tune.costs_from_record(_killed_run(events, t + 1.0))
+    assert m.persist_s == pytest.approx((0.4 + 0.6 + 0.8) / 3)
+    assert m.ckpt_s == pytest.approx(0.6)  # C stays the stall and its effect
+
+
+@pytest.mark.parametrize(("persist_s", "said"), [(30.0, True), (0.5, False), (None, False)])
+def test_a_recommended_interval_shorter_than_a_saves_commit_time_is_said_to_be_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persist_s: float | None,
+        said: bool) -> None:
+    """C = 0.1 s and M = 60 s recommend ~3.5 s; a save that takes 30 s to commit cannot be
+    taken that often (the engine refuses a save while one persists, so most are skipped, and
+    a failure before the commit loses an interval more): the model's interval was printed as
+    the answer with nothing said."""
+    from antifragile.chaos.tune import recommend
+
+    monkeypatch.setattr(recommend, "measure_costs",
+                        lambda *_: _measured(persist_s=persist_s))
+    result = _invoke([str(_tiny(tmp_path, [])), "--mtbf-s", "60", "--schedules", "50",
+                      "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["measurement"]["persist_s"] == persist_s
+    notes = [n for n in doc["notes"] if "commit" in n]
+    assert bool(notes) == said, doc["notes"]
+    if said:
+        assert "30 s" in notes[0] and "refuse" in notes[0], notes

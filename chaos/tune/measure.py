@@ -47,6 +47,10 @@ class Measured:
     wall_s: float
     goodput: float
     run_dir: str
+    # mean time from a periodic save's stall to its commit (slowest rank; None: none
+    # committed with a known time). Not in the model: a failure before the commit rolls back
+    # one checkpoint further, and a save asked for while one persists is refused
+    persist_s: float | None = None
 
 
 def scenario_mtbf_s(s: Scenario) -> float | None:
@@ -136,6 +140,8 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
                            "taken every interval cannot be measured; give the scenario a "
                            "checkpoint.every_steps below its trainer.steps")
     stall = mean(stalls)
+    persists = [c["persist_s"] for c in ckpts
+                if c["committed"] and c["persist_s"] is not None and not c.get("final")]
     effect = max(mean(after) - mean(other), 0.0) if after else 0.0
     cycle = (max(mean(cycle_after) - mean(cycle_other), 0.0)
              if cycle_after and cycle_other else None)
@@ -154,7 +160,8 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
         step_s=float(np.median(after + other)), startup_s=max(t1 - sec1 - record.started_t, 0.0),
         tail_s=max(record.ended_t - last_attempt[max(last_attempt)][0], 0.0),
         failures=len(timed), checkpoints=len(ckpts), injected_kill=injected_kill,
-        wall_s=record.wall_s, goodput=figures.goodput(record), run_dir=run_dir)
+        wall_s=record.wall_s, goodput=figures.goodput(record), run_dir=run_dir,
+        persist_s=mean(persists) if persists else None)
 
 
 def _run(s: Scenario, folder: Path, progress: Callable[[str], None]) -> RunRecord:

@@ -122,6 +122,15 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
     doc["mtbf_source"] = source
     if clamped:
         doc["notes"].append(clamped)
+    persist_s = measured.persist_s if measured else None
+    if persist_s is not None and persist_s >= doc["recommended_interval_s"]:
+        doc["notes"].append(
+            f"a save took {persist_s:.3g} s on average to commit after its stall, not less "
+            f"than the recommended interval ({doc['recommended_interval_s']:.3g} s): the "
+            "engine would refuse a save while the previous one persists, so checkpoints "
+            "would be taken less often than recommended, and a failure before a commit loses "
+            "one interval more than the model counts (C is the stall alone); take an "
+            "interval longer than the commit time, or make the persist faster")
     rec = doc["recommended_every_steps"]
     if s is not None and rec is not None and rec >= s.trainer.steps:
         doc["notes"].append(f"every_steps {rec} is not shorter than the scenario's "
