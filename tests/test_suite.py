@@ -1075,3 +1075,31 @@ def test_two_suites_started_in_the_same_second_get_folders_of_their_own(
         assert r.exit_code == 0, r.output
     assert len(folders) == 2 and folders[0] != folders[1], folders
     assert all(f.name.startswith("suite-20251206T") for f in folders), folders
+
+
+def test_a_baseline_from_another_machine_is_said_to_be_one(tmp_path: Path) -> None:
+    """Every figure compared is a time on the machine that ran it: a baseline from a runner
+    with other cores, another torch or Python was compared with no word of it, so a slower
+    machine read as a regression (and a faster one hid one). The figures are compared all
+    the same; the table, summary.json and summary.html say what differs."""
+    here = {"python": "3.11.9", "torch": "2.13.0+cpu", "platform": "Linux-6.8-x86_64",
+            "cpus": 2, "cuda": False}
+    base = _baseline(_entry("s", [10.0]))
+    base["environment"] = {**here, "cpus": 4, "torch": "2.12.0+cpu"}
+    got = suite.compare([_entry("s", [10.0])], base, file="prev/summary.json",
+                        environment=here)
+    assert got["environment"] == ["cpus: 4 -> 2", "torch: 2.12.0+cpu -> 2.13.0+cpu"]
+    summary = suite.build([_entry("s", [10.0])], suite="d", wall_s=1.0, baseline=got)
+    table = suite.format_table(summary)
+    assert ("the baseline ran on another machine (cpus: 4 -> 2; torch: 2.12.0+cpu -> "
+            "2.13.0+cpu)") in table, table
+    assert "another machine" in suite.write_html(tmp_path, summary).read_text()
+    # the same machine, or a baseline that did not record one: nothing to say
+    base["environment"] = dict(here)
+    same = suite.compare([_entry("s", [10.0])], base, file="b.json", environment=here)
+    assert same["environment"] == []
+    del base["environment"]
+    unknown = suite.compare([_entry("s", [10.0])], base, file="b.json", environment=here)
+    assert unknown["environment"] == []
+    assert "another machine" not in suite.format_table(
+        suite.build([_entry("s", [10.0])], suite="d", wall_s=1.0, baseline=unknown))

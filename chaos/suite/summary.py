@@ -241,13 +241,31 @@ _FIGURES = (("recovery (max)", "recovery_max_s", " s"), ("stall (mean)", "stall_
             ("goodput", "goodput", ""))
 
 
+#: what of ``environment`` a timing depends on, in the order the differences are listed
+_MACHINE = ("cpus", "python", "torch", "cuda", "platform")
+
+
+def _other_machine(baseline: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    """How the baseline's machine differs from this one (``key: then -> now``); nothing
+    where the baseline recorded none."""
+    then = baseline.get("environment")
+    if not isinstance(then, dict):
+        return []
+    return [f"{key}: {then[key]} -> {here.get(key)}" for key in _MACHINE
+            if key in then and then[key] != here.get(key)]
+
+
 def compare(entries: list[dict[str, Any]], baseline: dict[str, Any], *, file: str,
-            tol: Tolerances = Tolerances()) -> dict[str, Any]:
+            tol: Tolerances = Tolerances(), environment: dict[str, Any] | None = None
+            ) -> dict[str, Any]:
     """Regressions of each scenario present in both summaries and passing in both.
 
     A scenario that fails now is already a failure; one that failed in the baseline has no
-    trustworthy figures. New and missing scenarios are noted, never regressions.
+    trustworthy figures. New and missing scenarios are noted, never regressions. A baseline
+    from another machine (``environment``: this one's, by default measured here) is compared
+    all the same, the differences listed under ``environment``: every figure is a time.
     """
+    here = report.environment() if environment is None else environment
     before = {e["name"]: e for e in baseline["scenarios"]}
     now = {e["name"]: e for e in entries}
     regressions, not_compared = [], []
@@ -285,7 +303,8 @@ def compare(entries: list[dict[str, Any]], baseline: dict[str, Any], *, file: st
         regressions += [{"scenario": name, **r} for r in found if r]
     return {"file": file, "tolerances": asdict(tol),
             "regressions": regressions, "not_compared": not_compared,
-            "new": sorted(set(now) - set(before)), "missing": sorted(set(before) - set(now))}
+            "new": sorted(set(now) - set(before)), "missing": sorted(set(before) - set(now)),
+            "environment": _other_machine(baseline, here)}
 
 
 def write_json(out: Path, summary: dict[str, Any]) -> Path:
@@ -336,6 +355,8 @@ def format_table(summary: dict[str, Any]) -> str:
             lines += [f"skipped {e['name']}: {s['kind']}: {s['reason']}" for s in e["skipped"]]
     b = summary.get("baseline")
     if b:
+        if b.get("environment"):
+            lines.append(_machine_note(b))
         lines += [f"REGRESSION {r['scenario']}: {r['reason']}" for r in b["regressions"]]
         lines += [f"not compared {n['scenario']}: {n['reason']}" for n in b["not_compared"]]
         if b["new"]:
@@ -348,6 +369,11 @@ def format_table(summary: dict[str, Any]) -> str:
                  + (f", {len(b['regressions'])} regression(s)" if b else "")
                  + f" in {summary['wall_s']:.0f} s")
     return "\n".join(lines)
+
+
+def _machine_note(compared: dict[str, Any]) -> str:
+    return (f"the baseline ran on another machine ({'; '.join(compared['environment'])}): "
+            "its times were compared all the same; a regression may be the machine's")
 
 
 _CSS = """td{text-align:left}tr.pass td.verdict{background:#d9f2d9}
@@ -392,6 +418,8 @@ def write_html(out: Path, summary: dict[str, Any]) -> Path:
         items = [f"<li><b>{esc(r['scenario'])}</b>: {esc(r['reason'])}</li>"
                  for r in b["regressions"]] or ["<li>none</li>"]
         parts.append(f"<h2>Regressions against {esc(b['file'])}</h2><ul>{''.join(items)}</ul>")
+        if b.get("environment"):
+            parts.append(f"<p>{esc(_machine_note(b))}</p>")
         if b["not_compared"]:
             parts.append("<p>not compared:</p><ul>" + "".join(
                 f"<li><b>{esc(n['scenario'])}</b>: {esc(n['reason'])}</li>"
