@@ -990,3 +990,52 @@ def test_a_recommended_interval_shorter_than_a_saves_commit_time_is_said_to_be_s
     assert bool(notes) == said, doc["notes"]
     if said:
         assert "30 s" in notes[0] and "refuse" in notes[0], notes
+
+
+def _persisting_run(slow_s: float) -> RunRecord:
+    """Steps of 1 s (the first of an attempt 3 s, warm-up), a save after steps 3, 6 and 9
+    stalling 0.1 s and persisting 1.8 s, the two steps that run while it persists ``slow_s``
+    longer each (its threads take the cores); a kill after step 8, a new attempt restoring
+    step 6 that runs steps 7-10 with no save."""
+    events: list[dict[str, Any]] = []
+
+    def emit(t: float, attempt: int, event: str, **fields: Any) -> None:
+        events.extend(_event(t, attempt, r, event, **fields) for r in (0, 1))
+
+    t = 0.0
+    emit(t, 0, "start", pid=1)
+    persisting_until = -1.0
+    for step in range(1, 9):
+        seconds = 3.0 if step == 1 else 1.0 + (slow_s if t < persisting_until else 0.0)
+        t += seconds
+        emit(t, 0, "step_end", step=step, loss=1.0, seconds=seconds)
+        if step % 3 == 0:
+            t += 0.1
+            emit(t, 0, "ckpt_staged", step=step, stall_s=0.1)
+            emit(t + 1.8, 0, "ckpt_committed", step=step, bytes=10, persist_s=1.8)
+            persisting_until = t + 1.8
+    killed = t + 0.2
+    t += 3.0
+    emit(t, 1, "start", pid=2)
+    t += 1.0
+    emit(t, 1, "restore_end", step=6, seconds=1.0)
+    for step in range(7, 11):
+        seconds = 3.0 if step == 7 else 1.0
+        t += seconds
+        emit(t, 1, "step_end", step=step, loss=1.0, seconds=seconds)
+    events.sort(key=lambda e: e["t"])
+    return RunRecord(returncode=0, started_t=-0.5, ended_t=t + 1.0, events=events,
+                     injections=[Injection("kill_rank", killed, step=8, rank=1)],
+                     attempt_ends={0: killed + 0.5, 1: t + 1.0})
+
+
+def test_the_checkpoint_cost_counts_every_step_its_persist_slowed() -> None:
+    """An asynchronous save's threads slow every step that runs while it persists (on 2 cores
+    the step after a save took 265 ms against 44 ms, and the persist outlasts it), not only
+    the next one: C took the next step's excess over the other steps' mean, those slowed too,
+    so two steps slowed 0.3 s each gave 0.1 + 0.15 s instead of 0.1 + 0.6 s."""
+    m = tune.costs_from_record(_persisting_run(0.3))
+    assert m.stall_s == pytest.approx(0.1)
+    assert m.ckpt_s == pytest.approx(0.1 + 2 * 0.3)
+    # nothing slowed: nothing charged
+    assert tune.costs_from_record(_persisting_run(0.0)).ckpt_s == pytest.approx(0.1)

@@ -35,7 +35,11 @@ class Measured:
 
     ckpt_s: float  # stall_s + step_effect_s: the C the model gets
     stall_s: float  # mean staging stall per checkpoint
-    step_effect_s: float  # mean step time after a checkpoint minus otherwise, clipped at 0
+    # per checkpoint, the extra time of the steps that ran while it persisted (its threads
+    # take the cores and the GIL) over the steps with none persisting, clipped at 0; where
+    # that cannot be told (no commit timed, no step without a save persisting): the step
+    # after a checkpoint against the others
+    step_effect_s: float
     ckpt_cycle_s: float | None  # cross-check: step-to-step wall time after a checkpoint - else
     restart_s: float  # mean detect + restart + restore per failure: the R the model gets
     step_s: float  # median step time
@@ -142,7 +146,9 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
     stall = mean(stalls)
     persists = [c["persist_s"] for c in ckpts
                 if c["committed"] and c["persist_s"] is not None and not c.get("final")]
-    effect = max(mean(after) - mean(other), 0.0) if after else 0.0
+    effect = _persist_slowdown(record, ckpts, by_attempt, staged)
+    if effect is None:
+        effect = max(mean(after) - mean(other), 0.0) if after else 0.0
     cycle = (max(mean(cycle_after) - mean(cycle_other), 0.0)
              if cycle_after and cycle_other else None)
     timed = [t for t in (measure.fault_timings(record, i, window_s=window_s)
@@ -162,6 +168,41 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
         failures=len(timed), checkpoints=len(ckpts), injected_kill=injected_kill,
         wall_s=record.wall_s, goodput=figures.goodput(record), run_dir=run_dir,
         persist_s=mean(persists) if persists else None)
+
+
+def _persist_slowdown(record: RunRecord, ckpts: list[dict[str, Any]],
+                      by_attempt: dict[int, dict[int, tuple[float, float]]],
+                      staged: set[tuple[int, int]]) -> float | None:
+    """What each periodic save's persist cost the steps that ran meanwhile: their time over
+    the mean of the steps during which no save persisted (nor right after one), summed and
+    shared among the saves; None when no commit was timed or every step ran beside a save.
+    The persist runs from the save's staging (the first rank's) for its ``persist_s``."""
+    staged_at: dict[tuple[int, int], float] = {}
+    for e in record.events:
+        if e["event"] == "ckpt_staged":
+            key = (e["attempt"], e["step"])
+            staged_at[key] = min(staged_at.get(key, e["t"]), e["t"])
+    windows: dict[int, list[tuple[float, float]]] = {}
+    for c in ckpts:
+        key = (c["attempt"], c["step"])
+        if c["committed"] and c["persist_s"] is not None and not c.get("final") \
+                and key in staged_at:
+            windows.setdefault(c["attempt"], []).append(
+                (staged_at[key], staged_at[key] + c["persist_s"]))
+    during: list[float] = []
+    clean: list[float] = []
+    for attempt, steps in by_attempt.items():
+        spans = windows.get(attempt, [])
+        for step in sorted(steps)[1:]:  # the first step of an attempt is warm-up
+            t, sec = steps[step]
+            if any(t > start and t - sec < end for start, end in spans):
+                during.append(sec)
+            elif (attempt, step - 1) not in staged:
+                clean.append(sec)
+    saves = sum(len(w) for w in windows.values())
+    if not saves or not clean:
+        return None
+    return max((sum(during) - len(during) * sum(clean) / len(clean)) / saves, 0.0)
 
 
 def _run(s: Scenario, folder: Path, progress: Callable[[str], None]) -> RunRecord:
