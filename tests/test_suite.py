@@ -925,6 +925,32 @@ def test_nightly_crashcheck_runs_every_engine_and_shows_every_table_when_one_fai
             assert f"table {engine} {ranks}" in shown, shown
 
 
+
+def test_nightly_runs_the_suite_without_a_baseline_when_fetching_one_fails(
+        tmp_path: Path) -> None:
+    """``run_id=$(gh run list ...)`` under ``bash -e``: a failing ``gh`` (an API outage, a
+    rate limit) ended the baseline step, and the suite step after it (no ``if:``) was skipped:
+    no nightly ran at all. A baseline that cannot be fetched is a night without one."""
+    import os
+    import subprocess
+
+    wf = yaml.safe_load((ROOT / ".github" / "workflows" / "nightly.yml").read_text())
+    (job,) = wf["jobs"].values()
+    step = next(s for s in job["steps"] if s.get("id") == "baseline")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gh").write_text("#!/bin/sh\necho 'HTTP 502: Bad Gateway' >&2\nexit 1\n")
+    (bin_dir / "gh").chmod(0o755)
+    output = tmp_path / "output"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GITHUB_OUTPUT":
+           str(output), "GITHUB_REPOSITORY": "o/r", "GITHUB_REF_NAME": "main"}
+    done = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c",
+                           step["run"]], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=20)
+    assert done.returncode == 0, done
+    assert not output.exists() or "summary=" not in output.read_text()
+    assert "no previous successful nightly summary" in done.stdout
+
 # --- a real suite --------------------------------------------------------------------------------
 
 @pytest.mark.slow
