@@ -203,9 +203,19 @@ def test_every_layout_takes_the_one_process_gradient_steps(
     lost or doubled (AdamW moves every weight by about lr at step 1); their tolerance is a
     tenth of lr, as a weight whose gradient is near eps flips with the reduction order."""
     run_trainer(tmp_path, dp=dp, tp=tp, pp=pp, steps=2, ckpt_every=1)
+    _assert_same_gradient_steps(one_process_run, tmp_path)
+
+
+def _assert_same_gradient_steps(one_process_run: Path, run: Path) -> None:
+    """``run`` reported the one-process run's losses (1e-5 relative) and left its AdamW
+    moments and weights after steps 1 and 2 (see the test above for the tolerances)."""
+    want_losses, got_losses = losses(one_process_run), losses(run)
+    assert sorted(got_losses) == sorted(want_losses) == [1, 2]
+    for step, want in want_losses.items():
+        assert abs(got_losses[step] - want) <= 1e-5 * abs(want), (step, got_losses, want_losses)
     for step in (1, 2):
         expected = checkpoint_arrays(str(one_process_run / "ckpt"), step)
-        got = checkpoint_arrays(str(tmp_path / "ckpt"), step)
+        got = checkpoint_arrays(str(run / "ckpt"), step)
         moments = [k for k in expected if k.endswith((".exp_avg", ".exp_avg_sq"))]
         weights = [k for k in expected if k.startswith("model/")]
         assert len(moments) == 2 * len(weights) > 0
@@ -218,3 +228,32 @@ def test_every_layout_takes_the_one_process_gradient_steps(
             assert off <= LR / 10, f"step {step} {key}: off by {off:.3g} (lr {LR})"
         steps = {k: v for k, v in expected.items() if k.endswith(".step")}
         assert steps and all(got[k] == v for k, v in steps.items())
+
+
+# a vocabulary tp does not divide (rows 32 and 31 at tp 2), stages of unequal depth (blocks
+# 0-1 and 2 at pp 2), more micro-batches than stages (one row each at dp 2)
+UNEVEN = ["--vocab", "63", "--layers", "3", "--micro-batches", "4"]
+
+
+@pytest.fixture(scope="module")
+def uneven_one_process_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("uneven_one_process")
+    run_trainer(run, steps=2, ckpt_every=1, extra=UNEVEN)
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dp", "tp", "pp", "extra"), [
+    (1, 2, 1, []),
+    (1, 1, 2, ["--schedule", "gpipe"]),
+    (2, 2, 2, ["--activation-checkpointing"]),
+], ids=["tp2", "pp2-gpipe", "dp2-tp2-pp2-recomputed"])
+def test_uneven_shards_take_the_one_process_gradient_steps(
+        tmp_path: Path, uneven_one_process_run: Path, dp: int, tp: int, pp: int,
+        extra: list[str]) -> None:
+    """Shards of unequal size take the one-process run's steps too: the vocabulary's last tp
+    shard one row short (no padding row to take probability mass or a gradient), a pipeline
+    stage of fewer blocks, the GPipe schedule, and all three axes at once with recomputed
+    activations (FSDP over a tp shard of 31 rows)."""
+    run_trainer(tmp_path, dp=dp, tp=tp, pp=pp, steps=2, ckpt_every=1, extra=UNEVEN + extra)
+    _assert_same_gradient_steps(uneven_one_process_run, tmp_path)
