@@ -442,13 +442,25 @@ def state_signature(flat: FlatState) -> tuple[Any, ...]:
 def same_value(a: JSON, b: JSON) -> bool:
     """Exact JSON equality: the same type at every level (``True`` is not ``1``, ``1`` is not
     ``1.0``), floats by their bits (``-0.0`` is not ``0.0``; a NaN equals itself: a restored
-    loss may be NaN), dict keys in the same order (a load restores that order)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same_value(v, b[k]) for k, v in a.items())
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
-    return bool(a == b)
+    loss may be NaN), dict keys in the same order (a load restores that order).
+    Without recursion: a type record nests twice as deep as its value, and a value that
+    ``flatten`` took must not fail the save later, in the coordinator, naming nothing."""
+    pairs = [(a, b)]
+    while pairs:
+        a, b = pairs.pop()
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, float):
+            if struct.pack("<d", a) != struct.pack("<d", b):
+                return False
+        elif isinstance(a, dict):
+            if list(a) != list(b):
+                return False
+            pairs.extend((v, b[k]) for k, v in a.items())
+        elif isinstance(a, (list, tuple)):
+            if len(a) != len(b):
+                return False
+            pairs.extend(zip(a, b))
+        elif a != b:
+            return False
+    return True

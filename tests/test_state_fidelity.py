@@ -546,3 +546,20 @@ def test_a_tuple_state_holding_nested_tuples_of_tensors_loads_in_place(
     ckpt.save(2, (torch.ones(1), (torch.ones(2), "relu")), blocking=True)
     with pytest.raises(CheckpointError, match=r"state path '1': cannot assign into a tuple"):
         ckpt.load((torch.zeros(1), (torch.zeros(2), "gelu")))
+
+
+def test_a_deeply_nested_json_value_that_flatten_takes_is_saved_and_loaded(
+        ckpt: CheckpointEngine) -> None:
+    """Its type record nests twice as deep as the value (``["t", {"0": ...}]`` per tuple),
+    and the coordinator compared it between ranks recursively, two frames a level: a tuple
+    nested 190 deep passed the save's checks, then failed the save in the background with a
+    bare ``RecursionError``, naming no path."""
+    value: Any = -float("nan")
+    for _ in range(190):
+        value = (value,)
+    saved = {"w": torch.ones(1), "deep": value}
+    expected = copy.deepcopy(saved)
+    ckpt.save(1, saved, blocking=True).wait()
+    target = {"w": torch.empty(1), "deep": None}
+    ckpt.load(target)
+    assert_bitwise(target, expected)
