@@ -136,12 +136,18 @@ _VALID_NAMES: set[str] = set()
 _VALID_NAMES_MAX = 1 << 16
 
 
+def _stored_name(key: str | int) -> str:
+    """A key's name on storage: an int by its value (an ``(int, Enum)`` key's ``str()`` is
+    ``Layer.ENCODER``, which a load could not turn back into the int it records)."""
+    return int.__repr__(key) if isinstance(key, int) else str(key)
+
+
 def _key(key: object, path: str) -> str:
     if type(key) is str and key in _VALID_NAMES:
         return key
     if isinstance(key, bool) or not isinstance(key, (str, int)):
         raise CheckpointError(f"state path {path!r}: key {key!r} must be a str or an int")
-    name = check_component(str(key), where=f"a key under state path {path!r}" if path
+    name = check_component(_stored_name(key), where=f"a key under state path {path!r}" if path
                            else "a key at the state's top level", saving=True)
     if type(key) is str and len(_VALID_NAMES) < _VALID_NAMES_MAX:
         _VALID_NAMES.add(name)
@@ -160,8 +166,8 @@ def _json_key(key: str | int) -> str:
 
 def _check_keys(obj: dict[Any, Any], path: str, name_of: Callable[[Any], str] = str
                 ) -> list[str]:
-    """The int keys of a dict (as ``name_of`` names them: ``str`` on storage, ``_json_key`` in
-    a JSON value), after checking that every key round-trips."""
+    """The int keys of a dict (as ``name_of`` names them: ``_stored_name`` on storage,
+    ``_json_key`` in a JSON value), after checking that every key round-trips."""
     ints = []
     for key in obj:
         if isinstance(key, bool) or not isinstance(key, (str, int)):
@@ -290,7 +296,7 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
             walk_stateful(obj, path)
         elif isinstance(obj, dict) and (entries or _has_tensor(obj)):
             enter(obj, path)
-            ints = _check_keys(obj, path)
+            ints = _check_keys(obj, path, _stored_name)
             if ints:
                 flat.types["containers"][path] = ["d", ints]
             for key, value in obj.items():

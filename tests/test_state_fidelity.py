@@ -563,3 +563,22 @@ def test_a_deeply_nested_json_value_that_flatten_takes_is_saved_and_loaded(
     target = {"w": torch.empty(1), "deep": None}
     ckpt.load(target)
     assert_bitwise(target, expected)
+
+
+def test_an_int_enum_key_of_a_dict_holding_tensors_is_stored_by_its_int(
+        ckpt: CheckpointEngine) -> None:
+    """An ``(int, Enum)`` key (not an IntEnum: its ``str()`` is ``Layer.ENCODER``) was stored
+    under that name and recorded as an int key: a load into a target without the dict found
+    a type record naming no int and refused the step as corrupt."""
+
+    class Layer(int, enum.Enum):
+        ENCODER = 3
+
+    saved = {"w": torch.ones(1), "by_layer": {Layer.ENCODER: torch.arange(2.0)}}
+    ckpt.save(1, saved, blocking=True).wait()
+    target: dict[str, Any] = {"w": torch.empty(1), "by_layer": None}
+    ckpt.load(target)
+    assert_bitwise(target, {"w": torch.ones(1), "by_layer": {3: torch.arange(2.0)}})
+    in_place = {"w": torch.empty(1), "by_layer": {Layer.ENCODER: torch.zeros(2)}}
+    ckpt.load(in_place)
+    assert torch.equal(in_place["by_layer"][Layer.ENCODER], torch.arange(2.0))
