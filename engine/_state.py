@@ -217,9 +217,11 @@ def _check_json(value: object, path: str) -> JSON:
     try:
         json.dumps(value, allow_nan=True)
     except (TypeError, ValueError) as exc:
+        kind = type(value)  # numpy.bool, not "bool" (which reads as Python's, JSON-able)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else \
+            f"{kind.__module__}.{kind.__qualname__}"
         raise CheckpointError(
-            f"state path {path!r}: {type(value).__name__} is neither a tensor nor JSON-able ({exc})"
-        ) from None
+            f"state path {path!r}: {name} is neither a tensor nor JSON-able ({exc})") from None
     return value
 
 

@@ -582,3 +582,11 @@ def test_an_int_enum_key_of_a_dict_holding_tensors_is_stored_by_its_int(
     in_place = {"w": torch.empty(1), "by_layer": {Layer.ENCODER: torch.zeros(2)}}
     ckpt.load(in_place)
     assert torch.equal(in_place["by_layer"][Layer.ENCODER], torch.arange(2.0))
+
+
+def test_a_numpy_scalar_refused_is_named_with_its_module(ckpt: CheckpointEngine) -> None:
+    """np.bool_'s refusal said "bool is neither a tensor nor JSON-able": its class is named
+    ``bool``, read as Python's, which is JSON-able."""
+    with pytest.raises(CheckpointError) as raised:
+        ckpt.save(1, {"w": torch.ones(1), "done": np.bool_(True)}, blocking=True)
+    assert "'done': numpy.bool is neither a tensor nor JSON-able" in str(raised.value)
