@@ -16,11 +16,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # transformers before it parses (8 s a case)
 @pytest.mark.parametrize(("example", "flag", "value"), [
     ("fsdp2_dcp", "--ckpt-every", "0"), ("hf_gpt2", "--ckpt-every", "0"),
-    ("fsdp2_dcp", "--batch-size", "0"), ("fsdp2_dcp", "--steps", "-1")])
+    ("fsdp2_dcp", "--batch-size", "0"), ("fsdp2_dcp", "--steps", "-1"),
+    ("fsdp2_dcp", "--ckpt-url", "s3://bucket/ckpt")])  # DCP's FileSystemWriter: local only
 def test_an_example_refuses_a_value_it_cannot_train_with(example: str, flag: str, value: str,
                                                          tmp_path: Path) -> None:
+    url = [] if flag == "--ckpt-url" else ["--ckpt-url", str(tmp_path / "ckpt")]
     done = subprocess.run([sys.executable, str(EXAMPLES / example / "train.py"), flag, value,
-                           "--ckpt-url", str(tmp_path / "ckpt")],
+                           *url],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr
     assert f"argument {flag}" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -74,3 +74,26 @@ def test_fsdp2_dcp_whose_every_checkpoint_fails_to_load_starts_from_its_initial_
     out = train(damaged, 2)
     assert "step 2 does not load" in out and "step 1 does not load" in out, out
     assert_bitwise_equal(read(str(fresh), 2), read(str(damaged), 2))
+
+
+def test_fsdp2_dcp_writes_a_file_url_to_its_folder(tmp_path: Path) -> None:
+    """``checkpoint.url: file:///...`` is a local folder chaos accepts for DCP and hands the
+    script as written; ``Path("file:///x")`` is the relative folder ``file:/x``, so the script
+    checkpointed into its working directory, where chaos's reader never looked."""
+    import subprocess
+    import sys
+
+    from tests._trainer import env
+
+    ckpt, work = tmp_path / "ckpt", tmp_path / "work"
+    work.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+         f"--log-dir={tmp_path / 'torchelastic'}",
+         str(Path(__file__).resolve().parent.parent / "examples" / "fsdp2_dcp" / "train.py"),
+         "--steps", "1"],
+        env={**env(), "ANTIFRAGILE_CKPT_URL": f"file://{ckpt}"}, cwd=work,
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (ckpt / "step_000000001" / ".metadata").is_file()
+    assert list(work.iterdir()) == []

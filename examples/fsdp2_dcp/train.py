@@ -92,12 +92,24 @@ def positive(text: str) -> int:
     return value
 
 
+def local_folder(text: str) -> Path:
+    """An argparse type: a local folder, as a path or a ``file://`` URL (chaos passes
+    ``checkpoint.url`` as written); DCP's ``FileSystemWriter`` writes to local folders only,
+    and ``Path("file:///x")`` or ``Path("s3://b/x")`` would be a relative folder here."""
+    if text.startswith("file://"):
+        return Path(text.removeprefix("file://"))
+    if "://" in text:
+        raise argparse.ArgumentTypeError(f"{text!r}: DCP's file system writer needs a local "
+                                         "folder (a path or a file:// URL)")
+    return Path(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive, default=40)
     parser.add_argument("--ckpt-every", type=positive, default=5)
-    parser.add_argument("--ckpt-url", default=os.environ.get("ANTIFRAGILE_CKPT_URL",
-                                                             "/tmp/fsdp2-dcp-ckpt"))
+    parser.add_argument("--ckpt-url", type=local_folder,
+                        default=os.environ.get("ANTIFRAGILE_CKPT_URL", "/tmp/fsdp2-dcp-ckpt"))
     parser.add_argument("--batch-size", type=positive, default=8)
     args = parser.parse_args()
 
@@ -105,7 +117,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.use_deterministic_algorithms(True)
     model, optimizer = build()
-    root = Path(args.ckpt_url)
+    root: Path = args.ckpt_url
 
     step = 0
     for candidate in complete_steps(root):
