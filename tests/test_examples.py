@@ -97,3 +97,29 @@ def test_fsdp2_dcp_writes_a_file_url_to_its_folder(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert (ckpt / "step_000000001" / ".metadata").is_file()
     assert list(work.iterdir()) == []
+
+
+def test_fsdp2_dcp_saving_a_step_again_hides_its_old_folder_until_the_save_is_done(
+        tmp_path: Path) -> None:
+    """A step saved again (the job fell back past it) went into a folder whose old
+    ``.metadata`` stayed until DCP wrote the new one: a save that failed or was killed part
+    way left a folder that looked complete, mixing old and new shards. Rank 0 now removes the
+    old ``.metadata`` before any rank writes (a barrier between)."""
+    import subprocess
+    import sys
+
+    from tests._trainer import env
+
+    ckpt = tmp_path / "ckpt"
+    folder = ckpt / "step_000000001"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"an earlier run's, which no longer loads")
+    (folder / "__0_0.distcp").mkdir()  # where this save's shard goes: its write fails
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+         f"--log-dir={tmp_path / 'torchelastic'}",
+         str(Path(__file__).resolve().parent.parent / "examples" / "fsdp2_dcp" / "train.py"),
+         "--steps", "1", "--ckpt-url", str(ckpt)],
+        env=env(), capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode != 0, done.stdout  # the save failed, as arranged
+    assert not (folder / ".metadata").exists()  # and left no folder that looks complete

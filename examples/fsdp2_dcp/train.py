@@ -148,9 +148,15 @@ def main() -> None:
         optimizer.step()
         probe.step_end(step, loss.item())
         if step % args.ckpt_every == 0 or step == args.steps:
+            folder = root / f"step_{step:09d}"
+            # a step saved again (the job fell back past it): its old .metadata goes before
+            # any rank writes, or a save cut short would leave a folder that looks complete
+            if rank == 0:
+                (folder / ".metadata").unlink(missing_ok=True)
+            dist.barrier()
             model_sd, optim_sd = get_state_dict(model, optimizer)
             probe.dcp_save({"model": model_sd, "optim": optim_sd, "train": {"step": step}},
-                           checkpoint_id=root / f"step_{step:09d}", step=step)
+                           checkpoint_id=folder, step=step)
     dist.destroy_process_group()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    # a collective a peer never joins (a hung rank) fails after 60 s, not gloo's default 30 min
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
 
