@@ -10,14 +10,21 @@ from pathlib import Path
 TAIL_BYTES = 64 * 1024
 
 
-def tail(path: Path, lines: int = 8) -> str:
-    """The last ``lines`` lines of ``path`` (of its last :data:`TAIL_BYTES`), indented for a
-    message that names the file."""
+def _last_lines(path: Path) -> list[str] | None:
+    """The lines of ``path``'s last :data:`TAIL_BYTES`; None where it cannot be read."""
     try:
         with open(path, "rb") as f:
             f.seek(max(f.seek(0, os.SEEK_END) - TAIL_BYTES, 0))
-            text = f.read().decode(errors="replace").strip().splitlines()
+            return f.read().decode(errors="replace").strip().splitlines()
     except OSError:
+        return None
+
+
+def tail(path: Path, lines: int = 8) -> str:
+    """The last ``lines`` lines of ``path`` (of its last :data:`TAIL_BYTES`), indented for a
+    message that names the file."""
+    text = _last_lines(path)
+    if text is None:
         return "(no log)"
     return "\n    ".join(text[-lines:]) or "(empty log)"
 
@@ -30,11 +37,8 @@ def job_tail(path: Path, lines: int = 12) -> str:
     """The end of a torchrun log before torchrun's own report of the failed job (its
     traceback and table: ~40 lines that name exit codes, not the error), where the ranks'
     own output ends: what the script said as it failed."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(f.seek(0, os.SEEK_END) - TAIL_BYTES, 0))
-            text = f.read().decode(errors="replace").strip().splitlines()
-    except OSError:
+    text = _last_lines(path)
+    if text is None:
         return "(no log)"
     failed = max((i for i, line in enumerate(text) if line.startswith(_JOB_FAILED)),
                  default=None)
