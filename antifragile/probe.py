@@ -102,10 +102,11 @@ def step_end(step: int, loss: Any = None) -> None:
 
 def _number(loss: Any) -> float | None:
     """``loss`` as a float; None when it is none, or not one number (a batch's losses): the
-    probe reports the loss, and fails no step that would not fail outside chaos."""
+    probe reports the loss, and fails no step that would not fail outside chaos (so whatever
+    ``float()`` raises: RuntimeError for a meta tensor, OverflowError for a huge int)."""
     try:
         return None if loss is None else float(loss)
-    except (TypeError, ValueError):
+    except Exception:
         return None
 
 

@@ -463,3 +463,16 @@ def test_a_save_whose_failure_cannot_be_handled_still_resolves_its_handle(
         handle = ckpt.save(2, {"w": torch.ones(4)})
         with pytest.raises(CheckpointError, match="step 2, rank 0: the save's thread failed"):
             handle.wait(timeout=30)
+
+
+def test_a_loss_that_float_cannot_read_for_any_reason_is_reported_as_none_not_raised(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``float()`` raises more than TypeError and ValueError: RuntimeError for a meta tensor
+    (a dry run on the meta device), OverflowError for an int past a float's range. Caught only
+    under chaos's probe, they failed the step there and nowhere else."""
+    _under_chaos(monkeypatch, tmp_path)
+    probe.step_end(1, torch.ones((), device="meta"))
+    probe.step_end(2, 10**400)
+    probe.step_end(3, 0.5)
+    steps = [(e["step"], e["loss"]) for e in _events_of(tmp_path) if e["event"] == "step_end"]
+    assert steps == [(1, None), (2, None), (3, 0.5)]
