@@ -55,6 +55,15 @@ _probe: _Probe | None = None
 _off = False
 
 
+def _forked() -> None:
+    """A child forked from the rank reports nothing (its reports went in as the rank's)."""
+    global _probe, _off
+    _probe, _off = None, True
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _active() -> _Probe | None:
     """The probe under chaos, built on first use; None (and nothing done) otherwise. Every
     probe call comes from the script's training loop: its thread is the loop's."""

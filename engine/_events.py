@@ -35,6 +35,12 @@ import time
 from typing import Any, TextIO
 
 RUN_DIR_ENV = "ANTIFRAGILE_RUN_DIR"
+#: ``<pid>:<run_dir>`` of the process that opened its channel, set in its environment then: a
+#: process it starts (an evaluation subprocess) inherits ``ANTIFRAGILE_RUN_DIR`` and ``RANK``
+#: but is not the rank, and writes no events (its ``start`` had chaos take its pid for the
+#: rank's). Only for this run folder: a marker left in a launcher's environment by a channel
+#: of another run turns nothing off.
+OWNER_ENV = "ANTIFRAGILE_EVENTS_OWNER"
 
 
 def open_event_file(path: str) -> TextIO:
@@ -126,10 +132,15 @@ def channel() -> Channel | None:
     with _lock:
         if _channel is None and not _unusable:
             env = os.environ
+            owner, _, owner_dir = env.get(OWNER_ENV, "").partition(":")
+            if owner_dir == run_dir and owner != str(os.getpid()):
+                _unusable = True  # a process the rank started: its events are not the rank's
+                return None
             try:
                 _channel = Channel(run_dir, rank=int(env.get("RANK", "0")),
                                    world_size=int(env.get("WORLD_SIZE", "1")),
                                    attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                env[OWNER_ENV] = f"{os.getpid()}:{run_dir}"
             except OSError as exc:
                 _unusable = True
                 logging.getLogger("antifragile.engine").warning(
@@ -141,6 +152,16 @@ def channel() -> Channel | None:
                     "chaos events off: RANK, WORLD_SIZE or TORCHELASTIC_RESTART_COUNT is no "
                     "number (%s)", exc)
     return _channel
+
+
+def _forked() -> None:
+    """In a child forked from the rank (a DataLoader worker, a fork-started pool): the rank's
+    open event file is not the child's to write; events are off in it."""
+    global _channel, _unusable
+    _channel, _unusable = None, True
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class EngineEvents:

@@ -29,6 +29,8 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test is a fresh process as far as the probe and the engine's channel know."""
     for name in ("ANTIFRAGILE_RUN_DIR", "RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(_events.OWNER_ENV, "")  # restored (unset) after the test that sets it
+    monkeypatch.delenv(_events.OWNER_ENV)
     monkeypatch.setattr(_events, "_channel", None)
     monkeypatch.setattr(probe, "_probe", None)
     monkeypatch.setattr(probe, "_off", False, raising=False)
@@ -476,3 +478,40 @@ def test_a_loss_that_float_cannot_read_for_any_reason_is_reported_as_none_not_ra
     probe.step_end(3, 0.5)
     steps = [(e["step"], e["loss"]) for e in _events_of(tmp_path) if e["event"] == "step_end"]
     assert steps == [(1, None), (2, None), (3, 0.5)]
+
+
+def test_a_process_the_rank_starts_writes_nothing_under_its_rank(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subprocess of the rank (an evaluation loading the newest checkpoint through the
+    engine) inherits ANTIFRAGILE_RUN_DIR and RANK: it wrote its own ``start`` (its pid) and
+    its steps or restores into the rank's file, and chaos took its pid for the rank's (a
+    ``kill_rank`` then killed the evaluation, not the rank)."""
+    _under_chaos(monkeypatch, tmp_path)
+    probe.step_end(1, 0.5)
+    subprocess.run([sys.executable, "-c", "from antifragile import probe; "
+                    "probe.step_end(7, 0.25); probe.restored(3)"],
+                   env=dict(os.environ), check=True, timeout=60)
+    events = _events_of(tmp_path)
+    assert [e["event"] for e in events] == ["start", "step_end"]
+    assert events[0]["pid"] == os.getpid()
+
+
+def test_a_forked_child_writes_nothing_under_its_parents_rank(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child forked after the channel opened (a DataLoader worker, a fork-started pool) had
+    the rank's open event file: what it reported went in as the rank's own steps."""
+    _under_chaos(monkeypatch, tmp_path)
+    probe.step_end(1, 0.5)
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running pytest's teardown
+        code = 0
+        try:
+            probe.step_end(99, 0.25)
+            _events.EngineEvents(True).staged(99, 0.0)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    probe.step_end(2, 0.5)
+    assert [(e["event"], e.get("step")) for e in _events_of(tmp_path)] == [
+        ("start", None), ("step_end", 1), ("step_end", 2)]
