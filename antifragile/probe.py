@@ -56,9 +56,11 @@ _off = False
 
 
 def _forked() -> None:
-    """A child forked from the rank reports nothing (its reports went in as the rank's)."""
+    """A child forked from the rank once it reported reports nothing (its reports went in as
+    the rank's); forked before that, the child may be the one that reports."""
     global _probe, _off
-    _probe, _off = None, True
+    if _probe is not None:
+        _probe, _off = None, True
 
 
 os.register_at_fork(after_in_child=_forked)

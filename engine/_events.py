@@ -155,10 +155,11 @@ def channel() -> Channel | None:
 
 
 def _forked() -> None:
-    """In a child forked from the rank (a DataLoader worker, a fork-started pool): the rank's
-    open event file is not the child's to write; events are off in it."""
+    """In a child forked from the rank (a DataLoader worker, a fork-started pool) after its
+    event file opened: that file is not the child's to write; events are off in it."""
     global _channel, _unusable
-    _channel, _unusable = None, True
+    if _channel is not None:
+        _channel, _unusable = None, True
 
 
 os.register_at_fork(after_in_child=_forked)

@@ -515,3 +515,22 @@ def test_a_forked_child_writes_nothing_under_its_parents_rank(
     probe.step_end(2, 0.5)
     assert [(e["event"], e.get("step")) for e in _events_of(tmp_path)] == [
         ("start", None), ("step_end", 1), ("step_end", 2)]
+
+
+def test_a_child_forked_before_the_rank_reported_anything_may_be_the_one_that_reports(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that forks its training into a child before any report (a watchdog parent)
+    leaves the reporting to that child: no event file was the parent's."""
+    _under_chaos(monkeypatch, tmp_path)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            probe.step_end(5, 0.5)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    events = _events_of(tmp_path)
+    assert [(e["event"], e.get("step")) for e in events] == [("start", None), ("step_end", 5)]
+    assert events[0]["pid"] == pid
