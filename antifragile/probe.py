@@ -84,7 +84,7 @@ def _active() -> _Probe | None:
     if ch is None:  # its event file cannot be opened: nor will it later
         _off = True
         return None
-    _probe = _Probe(ch, PausePoints(ch.run_dir, ch.rank, ch.emit))
+    _probe = _Probe(ch, PausePoints(ch.run_dir, ch.rank, ch.emit, generation=ch.attempt))
     return _loop(_probe)
 
 

@@ -1413,3 +1413,39 @@ def test_a_resume_with_other_tensor_shapes_is_refused_naming_the_option(tmp_path
                 assert (f"step 2 was trained with {option} {model[option]}, this run has "
                         f"{option} {value}") in proc.stderr, (change, proc.stderr[-2000:])
             assert sorted(p.relative_to(ckpt) for p in ckpt.rglob("*")) == saved
+
+
+def test_a_save_phase_point_of_a_later_pass_does_not_hold_a_rank_that_arrives_after_the_release(
+        tmp_path: Path) -> None:
+    """Crash rank 1 at the save of step 10 the first time, rank 0 the second time. Rank 1 was
+    held, crashed and released before rank 0's save got to the same phase (rank 0 slower):
+    rank 0 then found no earlier pass unreleased there and held its pass-2 point on the first
+    pass, so the second crash landed on the first pass. A point released in this rank's own
+    generation was this generation's pass; chaos's release names the generation it released."""
+    from antifragile.chaos.run.pauses import Point, release
+
+    _pause_plan(tmp_path, [
+        {"id": "p0", "checkpoint_step": 10, "phase": "persisting", "ranks": [1]},
+        {"id": "p1", "checkpoint_step": 10, "phase": "persisting", "ranks": [0], "pass": 2}])
+    points = {"p0": Point("p0", 10, [1], "persisting"),
+              "p1": Point("p1", 10, [0], "persisting", 2)}
+
+    def rank_of(generation: int, rank: int) -> tuple[PausePoints, list[str]]:
+        held: list[str] = []
+
+        def emit(event: str, **fields: Any) -> None:
+            if event == "paused":  # chaos sees it, makes its fault, releases
+                held.append(fields["point"])
+                points[fields["point"]].paused.add((generation, rank))
+                release(tmp_path, points[fields["point"]])
+
+        return PausePoints(str(tmp_path), rank, emit, generation=generation), held
+
+    rank0, held0 = rank_of(0, 0)
+    rank1, held1 = rank_of(0, 1)
+    rank1.save_phase(10, "persisting")  # held, crashed, released: rank 0 is not there yet
+    rank0.save_phase(10, "persisting")
+    assert (held0, held1) == ([], ["p0"])
+    rank0, held0 = rank_of(1, 0)  # the next generation, back at step 10
+    rank0.save_phase(10, "persisting")
+    assert held0 == ["p1"]

@@ -11,11 +11,14 @@ checkpoint (if any) is staged; a ``checkpoint_step`` point holds the save of tha
 phase (see ``antifragile.engine`` phase hooks). Holding emits a ``paused`` event, then waits
 until ``control/release/<id>`` exists. A point is passed once: after its release (also by a
 later attempt that reaches the same step again) it no longer holds. A point with ``"pass": n``
-holds the n-th time the job gets there: each time, only the points of the lowest pass not yet
-released hold, so a later pass waits for the job to come back (after a recovery that resumed
-from an earlier step). A hold also ends, unreleased, when its generation fails
-(``interrupted``: in-process recovery): held survivors must re-form with a spare, and the
-next generation, back at that step, is held there again.
+holds the n-th time the job gets there: each time, only the points of the lowest pass not
+released in an earlier generation hold, so a later pass waits for the job to come back
+(after a recovery that resumed from an earlier step). A generation makes one pass: a rank
+whose save gets to a phase after another rank's point of that pass there was released is on
+that pass still (the release file names the generation it released, ``attempt``). A hold
+also ends, unreleased, when its generation fails (``interrupted``: in-process recovery): held
+survivors must re-form with a spare, and the next generation, back at that step, is held
+there again.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ class HoldInterrupted(Exception):
 class PausePoints:
     def __init__(self, run_dir: str | None, rank: int,
                  emit: Callable[..., None], on_hold: Callable[[bool], None] | None = None,
-                 interrupted: Callable[[], bool] | None = None) -> None:
+                 interrupted: Callable[[], bool] | None = None,
+                 generation: int | None = None) -> None:
         self.rank = rank
+        self.generation = generation  # the ``attempt`` of this rank's events
         self._emit = emit
         self._on_hold = on_hold
         self._interrupted = interrupted  # the generation failed: a hold ends (HoldInterrupted)
@@ -55,6 +60,17 @@ class PausePoints:
     def _released(self, point_id: str) -> bool:
         assert self._control is not None
         return os.path.exists(os.path.join(self._control, "release", point_id))
+
+    def _released_before(self, point_id: str) -> bool:
+        """Released by chaos in an earlier generation than this rank's. The release file
+        names the generation held there (empty: not known, taken as earlier)."""
+        assert self._control is not None
+        try:
+            with open(os.path.join(self._control, "release", point_id), encoding="utf-8") as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            return False
+        return self.generation is None or not text.isdigit() or int(text) != self.generation
 
     def _hold(self, point: dict[str, Any], **where: Any) -> None:
         if self._released(point["id"]):
@@ -79,11 +95,13 @@ class PausePoints:
 
     def _due(self, here: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Of this rank's points at one place, those to hold this time: those of the lowest
-        pass not yet released there, whichever ranks that pass holds (a save phase holds one
-        rank: another rank's point of an earlier pass there means the job is on that pass)."""
-        waiting = [p for p in here if not self._released(p["id"])]
+        pass not released there in an earlier generation, whichever ranks that pass holds (a
+        save phase holds one rank: another rank's point of an earlier pass there, unreleased
+        or released in this generation, means the job is on that pass), and not released yet."""
+        waiting = [p for p in here if not self._released_before(p["id"])]
         first = min((p.get("pass", 1) for p in waiting), default=None)
-        return [p for p in waiting if p.get("pass", 1) == first and self._mine(p)]
+        return [p for p in waiting if p.get("pass", 1) == first and self._mine(p)
+                and not self._released(p["id"])]
 
     def step_end(self, step: int) -> None:
         for point in self._due([p for p in self.points if p.get("step") == step]):

@@ -347,7 +347,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
     (in-process recovery), which ends a hold at a pause point."""
     trainer = Trainer(cfg, ctx, progress, model)
     pauses = PausePoints(cfg.run_dir, ctx.rank, events.emit, on_hold=progress.hold,
-                         interrupted=interrupted)
+                         interrupted=interrupted, generation=events.attempt)
     ckpt: TrainCheckpointer | None = None
     step, cursor = 0, 0
     if cfg.ckpt_url:

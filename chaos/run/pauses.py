@@ -11,6 +11,7 @@ touches ``control/release/<id>``, after it has made the fault. Time-triggered fa
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -128,5 +129,12 @@ def write_plan(run_dir: Path, points: dict[str, Point]) -> None:
 
 
 def release(run_dir: Path, point: Point) -> None:
-    (run_dir / "control" / "release" / point.id).touch()
+    """Let the ranks held at ``point`` go on. The file names the newest generation held there
+    (the trainer tells its own pass from an earlier one's by it), written whole before it
+    appears under its name: a rank reads it as soon as it exists."""
+    generation = max((g for g, _ in point.paused), default=0)
+    folder = run_dir / "control" / "release"
+    partial = folder / f".{point.id}.partial"
+    partial.write_text(f"{generation}\n")
+    os.replace(partial, folder / point.id)
     point.released = True
