@@ -763,6 +763,30 @@ def test_a_pause_point_reached_again_by_a_newer_generation_holds_from_its_first_
     assert point.first_paused_t == T0 + 40.0
 
 
+def test_a_hold_costs_the_job_from_the_last_rank_s_arrival_not_the_first() -> None:
+    """Rank 1 was stopped (a hang fault) for 30 s before it got to step 4's pause point, where
+    rank 0 was held meanwhile. Without the hold rank 0 would have waited for rank 1 in the next
+    step's collectives all the same: chaos's hold cost the job only from rank 1's arrival to
+    the release. Counted from rank 0's arrival, the hang's 30 s were left out of the wall
+    time as chaos's, and goodput came out higher than the run's."""
+    from antifragile.chaos.run import pauses, runner
+
+    point = pauses.Point("p0", 4, None)
+    job = runner._Job(2)
+    for rank in range(2):
+        job.see({"event": "start", "attempt": 0, "rank": rank, "pid": 100 + rank, "t": T0})
+    assert not job.all_paused(point, {"attempt": 0, "rank": 0, "t": T0 + 10.0})
+    assert job.all_paused(point, {"attempt": 0, "rank": 1, "t": T0 + 40.0})
+    job.hold_ended(point, T0 + 40.5, complete=True)
+    assert job.paused_s == pytest.approx(0.5)
+    # a point given up as never reached (a rank that never comes): the held ranks waited for
+    # chaos from the first arrival
+    given_up = pauses.Point("p1", 6, None)
+    assert not job.all_paused(given_up, {"attempt": 0, "rank": 0, "t": T0 + 50.0})
+    job.hold_ended(given_up, T0 + 70.0, complete=False)
+    assert job.paused_s == pytest.approx(20.5)
+
+
 def test_a_kill_during_the_recovery_of_the_previous_one_interrupts_it_without_failing() -> None:
     """Rank 1 dies at step 7; attempt 1 starts, and rank 0 dies before attempt 1 restored:
     the first recovery was cut short by the second fault, whose recovery covers both. Not a

@@ -129,7 +129,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                             injection.detail["paused_s"] = time.time() - point.first_paused_t
                             injections.append(injection)
                         release(run_dir, point)
-                        job.paused_s += time.time() - point.first_paused_t
+                        job.hold_ended(point, time.time(), complete=True)
             now = time.time()
             for point in points.values():
                 if point.paused and not point.released and now - point.last_paused_t > wait_s \
@@ -144,7 +144,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                         injections.append(Injection(fault.kind, now, step=point.step,
                                                     missed=why, fault_index=index))
                     release(run_dir, point)
-                    job.paused_s += now - point.first_paused_t
+                    job.hold_ended(point, now, complete=False)
             for p in pending:
                 if p.next_t is not None and now >= p.next_t and job.generations:
                     # An arrival while the job is down (re-forming, restarting) or after its
@@ -271,6 +271,15 @@ class _Job:
         elif e["event"] in ("step_end", "restore_end") and isinstance(e.get("step"), int):
             self.steps[g] = max(self.steps.get(g, 0), e["step"])
 
+    def hold_ended(self, point: Point, now: float, *, complete: bool) -> None:
+        """Count in ``paused_s`` what the hold at ``point``, released at ``now``, cost the job.
+        ``complete``: every rank got there; the ranks that came first would have waited for
+        the last in the next step's collectives without the hold (a rank slowed by a fault,
+        or held by another point first), so the hold counts from the last arrival. A point
+        given up as never reached held its ranks from the first."""
+        since = point.last_paused_t if complete else point.first_paused_t
+        self.paused_s += max(now - since, 0.0)
+
     @property
     def step(self) -> int:
         """Where the newest generation is: the newest step it finished, else the step it
@@ -316,12 +325,12 @@ class _Job:
 
     def all_paused(self, point: Point, e: dict[str, Any]) -> bool:
         """Record a ``paused`` event; True once every rank the point holds is there (in the
-        current generation), and the point has not been released yet. The hold counts from the
-        first pause of the newest generation there: an older one's ranks held here ended with
+        current generation), and the point has not been released yet. The hold's times are the
+        newest generation's there (``hold_ended``): an older one's ranks held here ended with
         it, and the restart after it is the job's time, not chaos's."""
         if e["attempt"] > max((g for g, _ in point.paused), default=-1):
-            point.first_paused_t = e["t"]
-        point.last_paused_t = e["t"]
+            point.first_paused_t = point.last_paused_t = e["t"]
+        point.last_paused_t = max(point.last_paused_t, e["t"])
         point.paused.add((e["attempt"], e["rank"]))
         if point.released:
             return False
