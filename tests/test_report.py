@@ -1043,3 +1043,17 @@ def test_the_markdown_is_utf_8_whatever_the_locale(doc: dict[str, Any], tmp_path
     assert done.returncode == 0, done.stderr
     md = (tmp_path / "report.md").read_bytes().decode("utf-8")
     assert "Ein Rang fällt aus — der Job läuft weiter." in md
+
+
+def test_time_held_at_pause_points_is_shown_beside_the_wall_time(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """Goodput divides by the wall time less the time chaos held the job at pause points, but
+    the report showed the wall time alone beside it: a reader dividing by hand got another
+    goodput."""
+    from antifragile.chaos.report.document import write_html, write_markdown
+
+    held = {**doc, "run": {**doc["run"], "wall_s": 20.0, "paused_s": 2.5}}
+    md = write_markdown(tmp_path, held).read_text(encoding="utf-8")
+    assert "wall time 20.00 s (2.50 s of it held at pause points, not in goodput)" in md, md
+    page = write_html(tmp_path, held, []).read_text(encoding="utf-8")
+    assert "<td>held at pause points s (not in goodput)</td><td>2.500</td>" in page

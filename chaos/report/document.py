@@ -281,7 +281,9 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
     if s.get("description"):
         lines += [_md(s["description"]), ""]
     vs_ref = run.get("goodput_vs_reference")
-    lines += [f"- wall time {_fmt(run['wall_s'], ' s')}, goodput {_fmt(run['goodput'])}"
+    held = (f" ({_fmt(run['paused_s'], ' s')} of it held at pause points, not in goodput)"
+            if run.get("paused_s") else "")
+    lines += [f"- wall time {_fmt(run['wall_s'], ' s')}{held}, goodput {_fmt(run['goodput'])}"
               + (f" ({vs_ref:.1%} of the fault-free run's {run['reference_goodput']:.3f})"
                  if vs_ref is not None else "")
               + f", attempts {run['attempts']}, final step {run['final_step']}",
@@ -451,7 +453,9 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
                  + (f"<ul>{reasons}</ul>" if reasons else "") + "</div>")
     wall, goodput = run.get("wall_s"), run.get("goodput")
     parts += ["<h2>Run</h2>", html_table(None, [
-        ["wall time s", wall], ["goodput (time of steps that count / wall)",
+        ["wall time s", wall], ["held at pause points s (not in goodput)",
+                                run.get("paused_s")],
+        ["goodput (time of steps that count / (wall - held))",
                                 None if goodput is None else f"{goodput:.1%}"],
         ["goodput of the fault-free reference run", None if run.get("reference_goodput") is None
          else f"{run['reference_goodput']:.1%}"],
