@@ -62,7 +62,7 @@ def zarr_data_type(dtype: torch.dtype) -> str:
     """The zarr v3 ``data_type`` a tensor of ``dtype`` is stored as."""
     if dtype in _NATIVE:
         return _NATIVE[dtype]
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if size not in _UINT_BY_SIZE:
         raise TypeError(f"unsupported dtype {dtype}")
     return _UINT_BY_SIZE[size]

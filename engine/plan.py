@@ -372,7 +372,7 @@ def build_plan(inventories: Sequence[dict], options: PlanOptions = PlanOptions()
     written = [0] * world
     for path in sorted(meta):
         dtype, shape, _ = meta[path]
-        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        itemsize = getattr(torch, dtype).itemsize
         boxes = held.get(path, {})
         _check_coverage(path, shape, boxes)
         arrays = _arrays_for(path, dtype, shape, itemsize, boxes, options)
