@@ -1139,3 +1139,39 @@ def test_a_spare_that_died_registering_does_not_stall_the_pool() -> None:
     finish(js)  # rank 0, the run done: releases the idle spare, raises nothing
     assert wait_for_assignment(js, "1.1") is None
     assert time.monotonic() - t0 < 2.0
+
+
+_SIGTERM_WAITING_FOR_THE_FIRST_FORMATION_SCRIPT = """
+import os, signal, threading, time
+import torch.distributed as dist
+import antifragile.trainer.supervisor as supervisor
+from antifragile.trainer.recovery import JobStore
+
+store = dist.HashStore()  # slot 0 died before it numbered the first generation: no "first"
+
+def train(progress, incarnation):
+    return 1  # died starting (an error building the model): phase STARTING, no generation
+
+def sigterm():  # torchrun tears the group down (slot 0's supervisor exited)
+    print("SIGTERM", time.monotonic(), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Timer(1.0, sigterm).start()
+supervisor.supervise(train, slot=1, recovery="in_process", hang_timeout_s=None, run_dir=None,
+                     poll_s=0.01, reform_timeout_s=15.0,
+                     store_factory=lambda: JobStore(store, "a0"), spares=0, slots=2)
+print("supervise returned", flush=True)
+"""
+
+
+def test_a_supervisor_waiting_for_the_first_formation_acts_on_sigterm_at_once() -> None:
+    """A child that died starting (a rank's error building the model) has the supervisor
+    wait up to ``reform_timeout_s`` for the first formation, in one store ``wait``: a Python
+    signal handler runs only between bytecodes, so torchrun's SIGTERM (the group torn down
+    because slot 0 failed the same way) waited out that wait, and torchrun's 30 s grace
+    ended in a SIGKILL: every restart of a job whose ranks fail at start came 30 s late."""
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _SIGTERM_WAITING_FOR_THE_FIRST_FORMATION_SCRIPT],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 128 + 15, out.stdout + out.stderr
+    assert time.monotonic() - started < 10.0, out.stdout + out.stderr

@@ -41,6 +41,9 @@ import torch.distributed as dist
 
 PREFIX = "antifragile"
 _SCAN_S = 0.25  # how often a coordinator looks every member up (see ``_dead_members``)
+# how often a supervisor whose child died starting looks for the first formation (see
+# ``first_generation_of``): a SIGTERM waits at most this long to be acted on
+FIRST_POLL_S = 0.25
 # Failures in a row that got no further than the job had before them: a crash loop (a bug,
 # bad data, a bad host fails every generation at the same place), which re-forming in process
 # would repeat forever (each failure refills the spare pool). The next one is handed to the
@@ -129,11 +132,18 @@ def first_generation_of(js: JobStore, me: str, timeout_s: float) -> int | None:
     """A worker of a fresh start that died before its progress named a generation: the first
     formation's generation if ``me`` is one of its members (its death fails it), -1 if not (a
     spare), None if no first formation will come (``me`` numbers it, or nobody did within
-    ``timeout_s``): a generation that never formed cannot be re-formed."""
+    ``timeout_s``): a generation that never formed cannot be re-formed.
+
+    Polled, not one store ``wait``: the caller is a supervisor, whose SIGTERM handler (torchrun
+    tearing the group down) runs only between bytecodes, never inside a blocking store call;
+    one long wait held it off until torchrun's grace ended in a SIGKILL, 30 s later."""
     if me == worker_id(0, 0) and not js.has("first"):
         return None
-    if not js.wait("first", timeout_s):
-        return None
+    deadline = time.monotonic() + timeout_s
+    while not js.has("first"):
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(FIRST_POLL_S)
     doc = js.get("first")
     return int(doc["generation"]) if me in doc["members"] else -1
 
