@@ -1175,3 +1175,30 @@ def test_a_supervisor_waiting_for_the_first_formation_acts_on_sigterm_at_once() 
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 128 + 15, out.stdout + out.stderr
     assert time.monotonic() - started < 10.0, out.stdout + out.stderr
+
+
+_SYS_EXIT_SCRIPT = """
+import sys
+import antifragile.trainer.supervisor as supervisor
+
+how = sys.argv[1]
+
+def train(progress, incarnation):
+    sys.exit() if how == "bare" else sys.exit("the data folder is empty")
+
+print("rc", supervisor.supervise(train, slot=0, recovery="restart", hang_timeout_s=None,
+                                 run_dir=None, poll_s=0.01), flush=True)
+"""
+
+
+@pytest.mark.parametrize(("how", "rc", "said"), [("bare", 0, ""),
+                                                  ("message", 1, "the data folder is empty")])
+def test_a_child_ending_with_sys_exit_exits_as_python_would(how: str, rc: int, said: str) -> None:
+    """``sys.exit()`` (code None) is a success in any Python process, and ``sys.exit(msg)``
+    prints ``msg`` and exits 1. The forked child took every non-int code for a failure, so a
+    bare ``sys.exit()`` became exit code 1 (a restart, or a re-formation), and swallowed the
+    message, the only word on why the training process stopped."""
+    out = subprocess.run([sys.executable, "-c", _SYS_EXIT_SCRIPT, how], capture_output=True,
+                         text=True, timeout=60)
+    assert f"rc {rc}" in out.stdout, out.stdout + out.stderr
+    assert said in out.stderr, out.stdout + out.stderr

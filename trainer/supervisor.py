@@ -191,8 +191,11 @@ def _fork_child(child_main: Callable[[SharedProgress, int], int], progress: Shar
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         code = child_main(progress, incarnation)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # as Python's own exit: None is 0, any other object is said, 1
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
     except BaseException:
         import traceback
 
