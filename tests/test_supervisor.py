@@ -1202,3 +1202,33 @@ def test_a_child_ending_with_sys_exit_exits_as_python_would(how: str, rc: int, s
                          text=True, timeout=60)
     assert f"rc {rc}" in out.stdout, out.stdout + out.stderr
     assert said in out.stderr, out.stdout + out.stderr
+
+
+_FULL_EVENT_DISK_SCRIPT = """
+import errno, sys, tempfile, time
+import antifragile.trainer.supervisor as supervisor
+
+class Full:  # the run folder's disk is full: every write of an event line fails
+    def write(self, line):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+supervisor.open_event_file = lambda path: Full()
+supervisor.main_thread_state = lambda pid: "T"  # stopped: judged hung after the timeout
+
+def train(progress, incarnation):
+    time.sleep(30)
+    return 0
+
+print("rc", supervisor.supervise(train, slot=0, recovery="restart", hang_timeout_s=0.1,
+                                 run_dir=tempfile.mkdtemp(), poll_s=0.01), flush=True)
+"""
+
+
+def test_a_supervisor_whose_event_file_cannot_be_written_still_handles_the_death() -> None:
+    """Events are best effort (a rank's chaos channel drops a line the disk has no room
+    for): the supervisor's raised, so a hang found while the run folder's disk was full
+    ended the supervisor in a traceback (exit 1) instead of its hang code, and in process
+    it never reported the death: a restart of the whole group instead of a re-formation."""
+    out = subprocess.run([sys.executable, "-c", _FULL_EVENT_DISK_SCRIPT], capture_output=True,
+                         text=True, timeout=60)
+    assert f"rc {supervisor.HANG_EXIT_CODE}" in out.stdout, out.stdout + out.stderr

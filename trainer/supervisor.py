@@ -169,10 +169,13 @@ class _SupervisorEvents:
         self.slot = slot
 
     def emit(self, event: str, *, rank: int, attempt: int, **fields: Any) -> None:
+        """Best effort: a line the disk has no room for is lost, never the death's handling."""
         if self._file is not None:
-            self._file.write(json.dumps({"t": time.time(), "rank": rank, "attempt": attempt,
-                                         "event": event, "by": "supervisor", "slot": self.slot,
-                                         **fields}) + "\n")
+            with contextlib.suppress(OSError):
+                self._file.write(json.dumps({"t": time.time(), "rank": rank,
+                                             "attempt": attempt, "event": event,
+                                             "by": "supervisor", "slot": self.slot,
+                                             **fields}) + "\n")
 
 
 def _fork_child(child_main: Callable[[SharedProgress, int], int], progress: SharedProgress,
