@@ -299,6 +299,27 @@ def test_every_dtype_reads_back_bit_for_bit_in_zarr_and_tensorstore(tmp_path: Pa
             assert data.tobytes() == expected, (reader, path)
 
 
+_COMPLEX32_SAVE = """
+import sys, torch
+from antifragile.engine import CheckpointEngine
+z = torch.zeros(6, dtype=torch.int16).view(torch.complex32)
+with CheckpointEngine(sys.argv[1]) as engine:
+    engine.save(1, {"z": z}, blocking=True)
+"""
+
+
+def test_the_first_complex32_save_of_a_process_warns_nothing(tmp_path: Path) -> None:
+    """torch warns "ComplexHalf support is experimental" once per process, when a complex32
+    tensor is built: the engine built a 0-d one to learn the dtype's width, so the first save
+    of a complex32 tensor in a process failed under warnings-as-errors. In pytest's own
+    process an earlier test (test_engine_basic's complex32 round trip) has already spent
+    that one warning, so only a fresh interpreter under ``-W error`` shows it."""
+    done = subprocess.run([sys.executable, "-W", "error", "-c", _COMPLEX32_SAVE,
+                           str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ComplexHalf" not in done.stderr, done.stderr[-2000:]
+
+
 # -- an independent reader: TensorStore opens every array of a multi-rank checkpoint ----------
 
 
