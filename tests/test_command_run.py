@@ -168,6 +168,7 @@ def test_what_a_script_started_does_not_outlive_the_run(tmp_path: Path, code: in
                 os.kill(pid, 9)
 
 
+@pytest.mark.slow
 def test_a_script_that_fails_in_the_faulty_run_is_shown_with_its_log(
         tmp_path: Path, cache: Path) -> None:
     """The reference run's failure came with the end of its log; the faulty run's (a resume
