@@ -23,7 +23,7 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
     newest save."""
     out: dict[tuple[int, int], dict[str, Any]] = {}
     stalls: dict[tuple[int, int], dict[int, float]] = {}  # checkpoint -> rank -> seconds
-    windows: dict[tuple[int, int], list[float]] = {}  # first staged, last committed
+    windows = persist_windows(record)
     blocked: set[tuple[int, int]] = set()
 
     def entry(e: dict[str, Any]) -> dict[str, Any]:
@@ -42,11 +42,7 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
             seconds = e["stall_s"] if e["event"] == "ckpt_staged" else e["seconds"]
             per_rank[e["rank"]] = per_rank.get(e["rank"], 0.0) + seconds
             c["stall_s"] = max(per_rank.values())
-            window = windows.setdefault(key, [e["t"], e["t"]])
-            window[0] = min(window[0], e["t"])
         elif e["event"] == "ckpt_committed":
-            window = windows.setdefault(key, [e["t"], e["t"]])
-            window[1] = max(window[1], e["t"])
             c["committed"] = True
             c["persist_s"] = max(c["persist_s"] or 0.0, e["persist_s"])
             c["bytes"] = max(c["bytes"] or 0, e["bytes"])
@@ -86,6 +82,20 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
                                   for t, seconds in steps[attempt]
                                   if t > start and t - seconds < end)
     return sorted(out.values(), key=lambda c: (c["attempt"], c["step"]))
+
+
+def persist_windows(record: RunRecord) -> dict[tuple[int, int], tuple[float, float]]:
+    """Per checkpoint (attempt, step): from its first staging (or blocking wait) to its last
+    commit, across ranks: while it persisted, its threads beside training."""
+    windows: dict[tuple[int, int], list[float]] = {}
+    for e in record.events:
+        if e["event"] in ("ckpt_staged", "ckpt_blocked"):
+            window = windows.setdefault((e["attempt"], e["step"]), [e["t"], e["t"]])
+            window[0] = min(window[0], e["t"])
+        elif e["event"] == "ckpt_committed":
+            window = windows.setdefault((e["attempt"], e["step"]), [e["t"], e["t"]])
+            window[1] = max(window[1], e["t"])
+    return {key: (start, end) for key, (start, end) in windows.items()}
 
 
 def _slowest_steps(record: RunRecord) -> dict[int, list[tuple[float, float]]]:

@@ -146,7 +146,7 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
     stall = mean(stalls)
     persists = [c["persist_s"] for c in ckpts
                 if c["committed"] and c["persist_s"] is not None and not c.get("final")]
-    effect = _persist_slowdown(record, ckpts, by_attempt, staged)
+    effect = _persist_slowdown(figures.persist_windows(record), ckpts, by_attempt, staged)
     if effect is None:
         effect = max(mean(after) - mean(other), 0.0) if after else 0.0
     cycle = (max(mean(cycle_after) - mean(cycle_other), 0.0)
@@ -170,25 +170,21 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
         persist_s=mean(persists) if persists else None)
 
 
-def _persist_slowdown(record: RunRecord, ckpts: list[dict[str, Any]],
+def _persist_slowdown(persisting: dict[tuple[int, int], tuple[float, float]],
+                      ckpts: list[dict[str, Any]],
                       by_attempt: dict[int, dict[int, tuple[float, float]]],
                       staged: set[tuple[int, int]]) -> float | None:
     """What each periodic save's persist cost the steps that ran meanwhile: their time over
     the mean of the steps during which no save persisted (nor right after one), summed and
     shared among the saves; None when no commit was timed or every step ran beside a save.
-    The persist runs from the save's staging (the first rank's) for its ``persist_s``."""
-    staged_at: dict[tuple[int, int], float] = {}
-    for e in record.events:
-        if e["event"] == "ckpt_staged":
-            key = (e["attempt"], e["step"])
-            staged_at[key] = min(staged_at.get(key, e["t"]), e["t"])
+    ``persisting``: each save's window (``figures.persist_windows``, as the report's
+    ``slowdown_s`` takes it)."""
     windows: dict[int, list[tuple[float, float]]] = {}
     for c in ckpts:
         key = (c["attempt"], c["step"])
         if c["committed"] and c["persist_s"] is not None and not c.get("final") \
-                and key in staged_at:
-            windows.setdefault(c["attempt"], []).append(
-                (staged_at[key], staged_at[key] + c["persist_s"]))
+                and key in persisting:
+            windows.setdefault(c["attempt"], []).append(persisting[key])
     during: list[float] = []
     clean: list[float] = []
     for attempt, steps in by_attempt.items():
