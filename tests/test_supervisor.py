@@ -712,8 +712,7 @@ def _coordinator_claimed(store: dist.Store, reason: str) -> tuple[Formation, Job
     js.set("g0/fail", {"reason": reason})
     js.set("g0/alive/0.0", 1.0)  # rank 0's part of recover(), up to its claim
     js.add("g0/arrived_alive", 1)
-    assert js.add("g0/coordinator", 1) == 1
-    js.set("g0/coordinator/by", "0.0")
+    js.set("g0/coordinator/by", "0.0")  # the claim
     return first, js
 
 
@@ -804,6 +803,50 @@ def test_a_coordinator_that_dies_after_taking_a_spare_does_not_lose_it() -> None
     other.start()
     assert recover(js, "1.0", survivor[0], timeout_s=5.0) == Formation(2, ("4.0", "1.0", "3.0"))
     other.join(10.0)
+
+
+class _DiesAfterClaiming:
+    """A coordinator's store: the process dies at its first request after the one that made
+    it the coordinator of generation 0's re-formation."""
+
+    def __init__(self, attempt: object) -> None:
+        self._attempt, self.claimed = attempt, False
+
+    def _request(self, name: str, key: object, *args: object) -> object:
+        if self.claimed:
+            raise _Died
+        result = getattr(self._attempt, name)(key, *args)
+        self.claimed = isinstance(key, str) and key.startswith("g0/coordinator")
+        return result
+
+    def __getattr__(self, name: str) -> object:
+        return lambda key, *args: self._request(name, key, *args)
+
+
+def test_a_coordinator_that_dies_right_after_claiming_is_taken_over_by_its_supervisor() -> None:
+    """Rank 0 claims the coordination and is killed before its next store request. The
+    claim (``g0/coordinator``) and the claimant's name (``g0/coordinator/by``) were two
+    requests: killed between them, nobody was named, so its supervisor did not take over, no
+    one else could claim, and rank 1 waited twice its timeout for a generation nobody would
+    publish; the job restarted. The claim names its claimant in the same request."""
+    store = _store()
+    first = first_formation(JobStore(store, "a0"), 0, range(3))
+    _spares_ready(JobStore(store, "a0"), "3.0", "4.0")
+    declare_dead(JobStore(store, "a0"), me="2.0", generation=0, how="signal 9", member=True)
+    dying = JobStore(store, "a0")
+    dying.attempt = _DiesAfterClaiming(dying.attempt)  # type: ignore[assignment]
+    with pytest.raises(_Died):
+        recover(dying, "0.0", first, timeout_s=1.0)
+    survivor: list[Formation | str] = []
+    thread = threading.Thread(target=lambda: survivor.append(
+        recover(JobStore(store, "a0"), "1.0", first, timeout_s=1.0)))
+    t0 = time.monotonic()
+    thread.start()
+    assert report_death(JobStore(store, "a0"), me="0.0", successor=None, generation=0,
+                        how="signal 9", member=True, reform_timeout_s=2.0)
+    thread.join(10.0)
+    assert survivor == [Formation(1, ("3.0", "1.0", "4.0"))]
+    assert time.monotonic() - t0 < 1.5
 
 
 class _ReadTogether:

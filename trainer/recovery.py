@@ -161,7 +161,7 @@ def recover(js: JobStore, me: str, failed: Formation, *, timeout_s: float,
     this rank completed (a coordinator judges crash loops by it: ``CRASH_LOOP_FAILURES``).
 
     One generation is published per failure, by the first survivor to claim
-    ``g<g>/coordinator``, and none once ``g<g>/next`` exists (a survivor that comes after the
+    ``g<g>/coordinator/by``, and none once ``g<g>/next`` exists (a survivor that comes after the
     others' deadline finds them gone and must not coordinate again). The others only wait for
     it: one blocking request each, so that a recovery of N ranks costs the store O(N)
     requests, not N survivors each looking up every member every few milliseconds (N^2)."""
@@ -170,8 +170,8 @@ def recover(js: JobStore, me: str, failed: Formation, *, timeout_s: float,
     signal_failure(js, g, f"worker {me} saw the failure")
     js.set(f"g{g}/alive/{me}", time.time())
     js.add(f"g{g}/arrived_alive", 1)
-    if not js.has(f"g{g}/next") and js.add(f"g{g}/coordinator", 1) == 1:
-        js.set(f"g{g}/coordinator/by", me)  # should it die now, its supervisor takes over
+    # should the coordinator die before it publishes, its supervisor takes over
+    if not js.has(f"g{g}/next") and _claim(js, g, me):
         _coordinate(js, failed, _dead_members(js, failed, deadline), reached)
     # the coordinator publishes after its own deadline (a member neither alive nor dead by
     # then is counted lost), and a take-over (``report_death``) after one more: a survivor
@@ -182,6 +182,15 @@ def recover(js: JobStore, me: str, failed: Formation, *, timeout_s: float,
     if "restart" in nxt:
         return str(nxt["restart"])
     return Formation(int(nxt["generation"]), tuple(nxt["members"]))
+
+
+def _claim(js: JobStore, g: int, by: str) -> bool:
+    """Claim the coordination of generation ``g``'s re-formation for ``by``: True for the
+    first claim only. One request that names the claimant (``g<g>/coordinator/by``), so a
+    claimant killed right after it is known to its supervisor, which takes over; a claim and
+    its name in two requests left one killed between them unnamed, and nobody coordinated."""
+    mine = json.dumps(by)
+    return js.attempt.compare_set(f"g{g}/coordinator/by", "", mine).decode() == mine
 
 
 def _dead_members(js: JobStore, failed: Formation, deadline: float) -> list[str]:
@@ -378,7 +387,7 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
         # no survivor will ever coordinate: the first to see that decides the restart now
         # (one request a round, however large the job: the members' deaths are counted)
         if size is not None and js.add(f"g{generation}/deaths", 0) >= size \
-                and js.add(f"g{generation}/coordinator", 1) == 1:
+                and _claim(js, generation, f"supervisor of {me}"):
             _nobody_left(js, generation)
         elif job_done(js):  # a death in the teardown of a finished run: nobody re-forms it,
             return True  # and its last checkpoint committed on every rank (``finish``)
