@@ -1092,6 +1092,55 @@ def test_a_request_still_unanswered_when_the_recording_stops_is_not_dropped_sile
             release.set()
 
 
+@pytest.mark.parametrize("method", ["PUT", "DELETE"])
+def test_a_write_whose_answer_never_came_back_is_not_dropped_silently(method: str) -> None:
+    """The storage closed the connection after it had the whole request, without an answer
+    (a crash, a restart, an idle timeout; or no answer in the proxy's 60 s socket timeout):
+    the proxy gave up on the request and noted nothing, so ``stop()`` returned a recording
+    without a write the storage may have applied. It now refuses the recording, as for a
+    request still unanswered; a read that got no answer changes nothing and is no reason."""
+    import http.client
+    import socket
+    import threading
+
+    from antifragile.chaos.crashcheck.record import RecordingIncomplete, RecordingProxy
+
+    upstream = socket.create_server(("127.0.0.1", 0))
+
+    def drop_after_the_request() -> None:  # reads the whole request, then hangs up
+        while True:
+            try:
+                conn = upstream.accept()[0]
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length")), b"0"))
+                while len(body) < length:
+                    body += conn.recv(65536)
+
+    threading.Thread(target=drop_after_the_request, daemon=True).start()
+    port = upstream.getsockname()[1]
+    try:
+        with RecordingProxy(f"http://127.0.0.1:{port}", bucket="b", root="r") as proxy:
+            proxy.start()
+            for request in (("GET", "/b/r/a", b""), (method, "/b/r/a", b"x")):
+                with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+                    _send(proxy, *request)
+            with pytest.raises(RecordingIncomplete, match=f"{method} /b/r/a"):
+                proxy.stop()
+            proxy.start()  # a read alone without an answer leaves the recording complete
+            with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+                _send(proxy, "GET", "/b/r/a")
+            assert proxy.stop().mutations == []
+    finally:
+        upstream.close()
+
+
 def _send_timeout(proxy: Any, method: str, target: str, body: bytes, *,
                   timeout_s: float) -> int:
     import http.client

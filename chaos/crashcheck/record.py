@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import select
 import socket
 import threading
 import time
@@ -111,6 +112,9 @@ class RecordingProxy:
         self._recording: Recording | None = None
         self._t0 = 0.0
         self._uploads: dict[str, dict[int, bytes]] = {}  # upload id -> part number -> body
+        # writes forwarded whole whose answer never came back (the storage hung up, or the
+        # socket timed out): the storage may have applied them, the recording cannot say
+        self._unanswered: list[str] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._closed = threading.Event()
         threading.Thread(target=self._accept_loop, name="recording-proxy", daemon=True).start()
@@ -126,6 +130,7 @@ class RecordingProxy:
         with self._lock:
             self._noted.wait_for(lambda: self._serving == 0, timeout=NOTE_WAIT_S)
             self._recording = Recording()
+            self._unanswered = []
             self._t0 = time.monotonic()
 
     def stop(self) -> Recording:
@@ -137,12 +142,18 @@ class RecordingProxy:
             settled = self._noted.wait_for(lambda: self._serving == 0, timeout=NOTE_WAIT_S)
             recording, self._recording = self._recording, None
             unanswered = self._serving
+            lost = self._unanswered
         if recording is None:
             raise RuntimeError("stop() without start()")
         if not settled:
             raise RecordingIncomplete(
                 f"{unanswered} request(s) still unanswered by the storage {NOTE_WAIT_S:g} s "
                 "after the save ended: the recording would miss what they change")
+        if lost:
+            raise RecordingIncomplete(
+                f"{len(lost)} write(s) got no answer from the storage (it closed the "
+                f"connection or timed out), so they may or may not have been applied: "
+                f"{', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''}")
         recording.mutations.sort(key=lambda m: (m.issued_s, m.acked_s, m.key))
         for i, m in enumerate(recording.mutations):
             m.index = i
@@ -203,25 +214,41 @@ class RecordingProxy:
         body, raw = reader.body(headers)
         if self.latency_s:
             time.sleep(self.latency_s)
+        if upstream and _dropped(upstream[0]):  # closed while idle: it saw no request
+            with contextlib.suppress(OSError):
+                upstream.pop().close()
         if not upstream:
             upstream.append(socket.create_connection(self.upstream, timeout=60))
         upstream[0].sendall(head + raw)
-        answer = _Reader(upstream[0])
-        response_head = answer.head()
-        if response_head is None:
-            raise OSError("the upstream closed the connection")
-        status_line, response_headers = _parse_head(response_head)
-        status = int(status_line.split(" ")[1])
-        if method == "HEAD" or status in (204, 304):
-            response_body, response_raw = b"", b""
-        else:
-            response_body, response_raw = answer.body(response_headers, response=True)
+        try:
+            answer = _Reader(upstream[0])
+            response_head = answer.head()
+            if response_head is None:
+                raise OSError("the upstream closed the connection")
+            status_line, response_headers = _parse_head(response_head)
+            status = int(status_line.split(" ")[1])
+            if method == "HEAD" or status in (204, 304):
+                response_body, response_raw = b"", b""
+            else:
+                response_body, response_raw = answer.body(response_headers, response=True)
+        except (OSError, ValueError, IndexError):
+            self._no_answer(method, target)
+            raise
         acked = time.monotonic()  # before the client has it: see the module docstring
         # noted before the client has the answer: a part's body must be kept before the
         # completion that the answer lets the client send
         self._note(method, target, headers, body, status, response_body, issued, acked)
         client.sendall(response_head + response_raw)
         return response_headers.get("connection", "").lower() != "close"
+
+    def _no_answer(self, method: str, target: str) -> None:
+        """A request the storage had whole but never answered: a write of the recorded
+        bucket may have been applied, so the recording is incomplete (``stop`` says so)."""
+        bucket = unquote(urlparse(target).path).lstrip("/").partition("/")[0]
+        if method in ("PUT", "POST", "DELETE") and bucket == self.bucket:
+            with self._lock:
+                if self._recording is not None:
+                    self._unanswered.append(f"{method} {target}")
 
     # -- what a request changed ---------------------------------------------------------------
 
@@ -307,6 +334,17 @@ def _multi_deleted(request: bytes, response: bytes) -> list[str]:
     except ElementTree.ParseError:
         failed = set()
     return [k for k in keys if k not in failed]
+
+
+def _dropped(sock: socket.socket) -> bool:
+    """Whether a kept-alive connection was closed (or broke) by the peer while idle: readable
+    with nothing to read. A request sent on it would fail unseen by the storage, which is no
+    request without an answer; a new connection is opened instead."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and not sock.recv(1, socket.MSG_PEEK)
+    except OSError:
+        return True
 
 
 def _parse_head(head: bytes) -> tuple[str, dict[str, str]]:
