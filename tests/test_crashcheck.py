@@ -144,6 +144,31 @@ def test_classification() -> None:
         assert classify(result, exp, intact=False) == "lost"
 
 
+def test_a_committed_step_the_rule_skipped_is_not_a_pass(tmp_path: Path) -> None:
+    """A save whose COMMIT lands before its data leaves crash states with a committed, torn
+    step k+1; the engine's load skips it (with a StepSkippedWarning) and loads step k, which
+    was classified ``old``: the check passed an engine that breaks its commit protocol
+    (DESIGN 2.3: never a torn checkpoint among the committed ones). A step the rule took for
+    a checkpoint and skipped makes the state torn."""
+    import shutil
+
+    from antifragile.chaos.crashcheck import engines
+
+    url = str(tmp_path / "ckpt")
+    engines.save("antifragile", url, 2)
+    engines.save("antifragile", url, 3)
+    step3 = tmp_path / "ckpt" / engines.step_name(3)
+    shutil.rmtree(step3 / "model")  # COMMIT landed, the data did not
+    assert (step3 / "COMMIT").exists()
+    step, loaded, skipped = engines.load("antifragile", "engine", url)
+    assert step == 2 and skipped  # the fallback itself works
+    exp = Expected(old_step=2, old_digest=engines.digest(engines.make_state(2)),
+                   new_step=3, new_digest=engines.digest(engines.make_state(3)))
+    result = {"step": step, "digest": loaded, "skipped": skipped}
+    assert classify(result, exp, intact=True) == "torn"
+    assert classify({**result, "skipped": []}, exp, intact=True) == "old"
+
+
 def test_a_step_is_intact_when_its_folder_is_as_its_save_left_it() -> None:
     base = {"step_000000002/COMMIT": "c", "step_000000002/w/c/0": "a", "step_000000001/x": "p"}
     assert holds_intact(base, base, 2) and holds_intact(base, base, 1)

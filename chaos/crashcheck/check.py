@@ -11,7 +11,9 @@ Outcomes, against the digests of what was saved:
 - ``new``: step k+1, bitwise equal to what the recorded save saved;
 - ``refused``: an error or nothing loaded, although step k or step k+1 was intact in the state
   (every object of its folder as its save left it): a liveness failure;
-- ``torn``: something loaded that equals neither (correctness);
+- ``torn``: something loaded that equals neither, or step k loaded after the rule skipped a
+  step it took for a checkpoint (committed, or marked) that did not load: the state holds a
+  torn committed checkpoint, which the fallback hid (correctness);
 - ``lost``: step k, committed before the save began, cannot be loaded any more: the rule
   found no checkpoint, or failed, with neither step intact, or loaded an older step;
 - ``unchecked``: the checker process died or hung (``STATE_TIMEOUT_S``) on the state: nothing
@@ -65,7 +67,8 @@ def classify(result: dict[str, Any], expected: Expected, *, intact: bool) -> str
         return "refused" if intact else "lost"
     step, loaded = result["step"], result["digest"]
     if step == expected.old_step and loaded == expected.old_digest:
-        return "old"
+        # a committed step that did not load was passed over: torn, whatever loaded after it
+        return "torn" if result.get("skipped") else "old"
     if step == expected.new_step and loaded == expected.new_digest:
         return "new"
     if expected.older.get(step) == loaded:

@@ -392,7 +392,8 @@ def _witness(state: CrashState, by_index: dict[int, Mutation], result: CaseResul
     answer = result.answers[state.id]["results"][rule]
     loaded = ({"error": answer["error"]} if "error" in answer
               else {"nothing": answer["nothing"]} if "nothing" in answer
-              else {"step": answer["step"], "data": _label(answer["digest"], result.expected)})
+              else {"step": answer["step"], "data": _label(answer["digest"], result.expected),
+                    **({"skipped": answer["skipped"]} if answer.get("skipped") else {})})
     changed = sorted(set(state.objects) | set(result.base))
     changed = [k for k in changed if state.objects.get(k) != result.base.get(k)]
     return {"state": state.id, "cut_s": round(state.cut_s, 6),

@@ -171,7 +171,8 @@ def markdown(doc: dict[str, Any], has_plot: bool) -> str:
     lines += ["", "`old`: step k loaded, bitwise equal; `new`: step k+1, bitwise equal; "
               "`refused`: an error or nothing, while step k's or k+1's folder was intact; "
               "`torn`: data equal to "
-              "neither; `lost`: step k, committed before the save, no longer loads (nothing "
+              "neither, or step k after a committed step was skipped; "
+              "`lost`: step k, committed before the save, no longer loads (nothing "
               "does, or only an older step); `unchecked`: the checker process died or hung on "
               "the state (the reason is in crashcheck.json).", "",
               "## Cases", ""]
