@@ -663,6 +663,30 @@ def test_a_kill_at_a_time_the_measuring_run_may_not_reach_is_no_certain_failure(
         [("kill_rank", 3600, None), ("kill_rank", None, 6)]
 
 
+def test_a_kill_on_a_later_pass_only_is_no_certain_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``on_pass: 2`` lands only when a recovery has brought the job back over its step, which
+    nothing in a run without another failure does. Counted as a certain failure, tune added no
+    kill of its own, the measuring run had no restart to time, and it ended in "no failure of
+    the run was followed by a restart" after the whole run."""
+    from antifragile.chaos.run import runner
+    from antifragile.chaos.scenario import load_scenario
+
+    ran: list[Any] = []
+
+    def fake(s: Any, run_dir: Path, ckpt_url: str, **_: Any) -> RunRecord:
+        ran.append(s)
+        events, t = _killed_run_events()
+        return _killed_run(events, t)
+
+    monkeypatch.setattr(runner, "run_scenario", fake)
+    s = load_scenario(_tiny(tmp_path, [{"kind": "kill_rank", "rank": 1, "at_step": 8,
+                                        "on_pass": 2}]))
+    m = tune.measure_costs(s, tmp_path / "measure", progress=lambda _: None)
+    assert m.injected_kill is True
+    assert [(f.kind, f.at_step, f.on_pass) for f in ran[0].faults] == \
+        [("kill_rank", 8, 2), ("kill_rank", 6, 1)]
+
 def test_a_failure_found_late_by_a_long_hang_timeout_still_times_the_restart(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``hang_timeout_s: 40`` a stopped rank is found hung up to 120 s later, and

@@ -225,7 +225,8 @@ def _run(s: Scenario, folder: Path, progress: Callable[[str], None]) -> RunRecor
 def measure_costs(s: Scenario, folder: Path, progress: Callable[[str], None] = print
                   ) -> Measured:
     """Run the scenario once and measure. Random arrivals may all miss a short run, so
-    unless a failure is certain (a step- or checkpoint-triggered one), a kill is added."""
+    unless a failure is certain (a step- or checkpoint-triggered one on the first pass: one
+    ``on_pass: 2`` or later lands only after another failure), a kill is added."""
     from antifragile.chaos.observe.measure import detection_window_s
 
     if s.checkpoint.every_steps == 1:  # known before the run: it could not measure C
@@ -235,7 +236,7 @@ def measure_costs(s: Scenario, folder: Path, progress: Callable[[str], None] = p
                         "2 or more")
     injected = not any(f.kind in STOPPING_KINDS
                        and f.trigger_step(s.checkpoint.every_steps) is not None
-                       for f in s.faults)
+                       and f.on_pass == 1 for f in s.faults)
     if injected:
         s = with_kill(s)
         kill = s.faults[-1]
