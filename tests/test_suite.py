@@ -521,6 +521,20 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists(), "bad input must be reported before anything runs"
 
 
+def test_an_empty_baseline_is_bad_input_not_a_suite_without_one(tmp_path: Path) -> None:
+    """``--baseline "$PREV"`` with PREV unset or empty: the empty name was taken for no
+    baseline at all, so the suite ran, compared nothing and exited 0 with no word that the
+    regression check the caller asked for had not been made."""
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    (scenarios / "broken.yaml").write_text("[1]\n")  # an entry of its own: nothing runs
+    out = tmp_path / "o"
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--baseline", "",
+                                       "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().startswith("error: --baseline: empty"), result.output
+    assert not out.exists(), "bad input must be reported before anything runs"
+
 def test_cli_out_folder_that_cannot_be_made_and_bad_floors_are_bad_input(
         tmp_path: Path) -> None:
     """``--out`` below a file was a NotADirectoryError traceback (exit 1); a NaN noise floor

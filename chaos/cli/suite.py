@@ -54,8 +54,11 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
 
     seconds_at_least_zero("--recovery-floor-s", recovery_floor_s)
     seconds_at_least_zero("--stall-floor-s", stall_floor_s)
+    if baseline == "":  # an unset variable, --baseline "$PREV": not a suite without one
+        fail("--baseline: empty; give a previous summary.json, or leave the option out to "
+             "compare with none")
     try:
-        previous = suite_lib.load_baseline(Path(baseline)) if baseline else None
+        previous = suite_lib.load_baseline(Path(baseline)) if baseline is not None else None
         files = suite_lib.discover(Path(folder), patterns)
     except suite_lib.SuiteError as exc:
         fail(str(exc))
