@@ -425,6 +425,34 @@ def test_refused_input_leaves_no_temporary_folder(tmp_path: Path,
     assert list(temp.iterdir()) == []
 
 
+@pytest.mark.parametrize("blocked", ["out", "temp"])
+def test_a_folder_for_the_measuring_run_that_cannot_be_made_is_bad_input(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocked: str) -> None:
+    """The measuring run goes to ``OUT/measure`` (or a temporary folder without --out): a
+    file there (a reused --out), or a temporary folder that cannot be made, was a
+    FileExistsError or FileNotFoundError traceback with exit 1, as if a run had failed."""
+    import tempfile
+
+    from antifragile.chaos.tune import recommend
+
+    def must_not_run(*_: object, **__: object) -> None:
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(recommend, "measure_costs", must_not_run)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "measure").write_text("not a folder")
+    args = ["--out", str(out)]
+    if blocked == "temp":
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-folder"))
+        args = []
+    result = _invoke([str(_tiny(tmp_path, [])), "--mtbf-s", "60", *args])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    named = str(out / "measure") if blocked == "out" else str(tmp_path / "no-such-folder")
+    assert result.stderr.startswith(f"error: {named}"), result.stderr
+    assert "cannot be made" in result.stderr, result.stderr
+
 def test_scenario_mtbf_adds_the_rates_of_faults_that_stop_the_job(tmp_path: Path) -> None:
     from antifragile.chaos.scenario import load_scenario
 

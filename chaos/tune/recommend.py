@@ -195,15 +195,25 @@ class _folder:
 
     def __init__(self, out: Path | None, name: str) -> None:
         self.temporary = out is None
-        self.path = Path(tempfile.mkdtemp(prefix=f"chaos-tune-{name}-")) if out is None \
-            else out / name
+        self.name = name
+        self.path = out / name if out is not None else None
 
     def __enter__(self) -> Path:
-        self.path.mkdir(parents=True, exist_ok=True)
+        """The folder, made now; one that cannot be (a file there in a reused ``--out``, a
+        temporary folder that cannot be made) is bad input naming it, before any run."""
+        try:
+            if self.path is None:
+                self.path = Path(tempfile.mkdtemp(prefix=f"chaos-tune-{self.name}-"))
+            else:
+                self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            where = self.path or exc.filename or "a temporary folder"
+            raise TuneError(f"{where}: the folder for the {self.name} run(s) cannot be made: "
+                            f"{exc.strerror or exc}") from None
         return self.path
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        if not self.temporary:
+        if not self.temporary or self.path is None:
             return
         if kind is None:
             shutil.rmtree(self.path, ignore_errors=True)
