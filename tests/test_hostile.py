@@ -510,3 +510,26 @@ def test_resource_bombs_fail_fast_within_a_memory_limit(tmp_path: Path) -> None:
         assert out["load"].split(":")[0] in REFUSED, (name, out)
         assert out["verify_ok"] is False, (name, out)
         assert out["load_s"] < 10 and out["verify_s"] < 10, (name, out)
+
+
+def test_an_array_document_a_load_refuses_is_confirmed_and_quarantined(
+        hostile_root: Path) -> None:
+    """A checkpoint of an earlier version records no layouts in the group's index: a load
+    reads each array's zarr.json, and one whose intact bytes describe an array the load
+    refuses (here a dtype that disagrees with the tensor index) names that document. The
+    confirming re-read only checked the document's bytes against the manifest, found them
+    intact, and the step was skipped at every load and never quarantined."""
+    hostile = make_checkpoint(hostile_root)
+
+    def earlier_version(group: dict[str, Any]) -> None:
+        for entry in group["attributes"]["antifragile"]["tensors"].values():
+            del entry["array_layout"]
+
+    hostile.edit_json("zarr.json", earlier_version)
+    hostile.edit_json("model/w/zarr.json",
+                      lambda a: a["attributes"]["antifragile"].__setitem__("dtype", "float64"))
+    with CheckpointEngine(str(hostile_root)) as engine:
+        with pytest.raises(CheckpointCorruptError, match="dtype disagrees"):
+            engine.load(target_state())
+        assert engine.steps() == []
+    assert (hostile.dir / "QUARANTINE").exists()
