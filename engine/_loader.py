@@ -173,20 +173,24 @@ class Loader:
         the warning."""
         reporter, key = next((r, k) for r, (o, _, _, k) in enumerate(reports) if o == CORRUPT)
         confirmer = (reporter + 1) % self._ranks.world_size
-        seen = _INTACT
+        seen, nonce = _INTACT, 0  # nonce: of the save whose damage is confirmed (0: unknown)
         if self._ranks.rank == confirmer:
             if key is None:  # inconsistent metadata: every reader of it sees the same documents
                 seen = _CONFIRMED
             else:
                 try:
-                    StepReader(storage, step).recheck(key)
+                    reader = StepReader(storage, step)
+                    read = int(reader.commit["nonce"])
+                    nonce = read if 0 < read < 2**63 else 0  # what all_max can carry
+                    reader.recheck(key)
                 except CheckpointCorruptError:
                     seen = _CONFIRMED
                 except Exception as exc:  # cannot tell: do not act on one rank's view
                     seen = _UNREAD
                     log.warning("step %d: re-reading %s to confirm damage failed: %s",
                                 step, key, exc)
-        (seen,) = self._ranks.all_max([seen])  # the confirmer's: the others hold _INTACT
+        # the confirmer's: the others hold _INTACT and 0
+        seen, nonce = self._ranks.all_max([seen, nonce])
         if seen == _UNREAD:
             return (f"; rank {confirmer} could not re-read {key} (its log says why), so the "
                     "damage is not confirmed and the step is not quarantined")
@@ -197,7 +201,8 @@ class Loader:
         if self._ranks.rank == 0:
             try:
                 quarantine_step(storage, step, str(error), confirmed_by=confirmer,
-                                reports={r: m for r, (o, _, m, _) in enumerate(reports) if o})
+                                reports={r: m for r, (o, _, m, _) in enumerate(reports) if o},
+                                nonce=nonce or None)
                 self._unfinished.add(step)  # saved again, it holds only the new save
             except CheckpointError as exc:
                 failed = 1

@@ -26,7 +26,7 @@ _LOG_NAME = re.compile(r"^(step_\d+)\.\d+$")
 
 
 def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, str],
-               confirmed_by: int) -> None:
+               confirmed_by: int, nonce: int | None = None) -> None:
     """Hide a damaged committed step, keeping the evidence: its COMMIT moves (bytes unchanged)
     into a sealed QUARANTINE note with the reason, what every rank reported, and which rank
     confirmed it, so that ``verify`` can still read the step against its manifest. The step
@@ -34,12 +34,16 @@ def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, s
     (``QUARANTINE_LOG``, outside the step folders; ``quarantine_log``), which neither a new
     save nor retention touches. The note is written (durably) before COMMIT is deleted: a
     crash in between leaves the step committed, and the next load finds the damage again. A
-    COMMIT that is no longer the one read (the step saved again meanwhile) is not deleted."""
+    COMMIT that is no longer the one read (the step saved again meanwhile) is not deleted.
+    ``nonce``: the save whose damage was confirmed, when known: a COMMIT of another save (the
+    step saved again since) is left alone."""
     base = step_dir(step)
     try:
         marker = storage.read(f"{base}/{COMMIT}")
     except FileNotFoundError:
         return  # hidden already (another process quarantined it, or retention ran)
+    if nonce is not None and _nonce_of(marker, step) != nonce:
+        return  # saved again since the damage was confirmed: not the damaged save
     note = {"step": step, "reason": reason, "reports": {str(r): m for r, m in reports.items()},
             "confirmed_by": confirmed_by, "time": time.time(),
             "commit_b64": base64.b64encode(bytes(marker)).decode()}
@@ -54,6 +58,14 @@ def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, s
         return
     storage.delete(f"{base}/{COMMIT}")
     storage.sync()
+
+
+def _nonce_of(marker: bytes | bytearray, step: int) -> object:
+    """The nonce a COMMIT names, None when it does not unseal."""
+    try:
+        return _format.unseal(marker, where=f"step {step}: COMMIT marker").get("nonce")
+    except CheckpointCorruptError:
+        return None
 
 
 def read_quarantine(storage: Storage, step: int) -> tuple[dict[str, Any], bytes] | None:

@@ -723,3 +723,39 @@ def test_a_quarantine_overtaken_by_a_new_save_of_its_step_leaves_the_new_commit(
     assert stale != new
     quarantine(Overtaken(), 2, "damaged", reports={0: "damaged"}, confirmed_by=0)  # type: ignore[arg-type]
     assert raw.read(2, "COMMIT") == new
+
+
+class _SavedAgainBeforeQuarantine:
+    """Storage on which step 2 is saved again (another generation, after another reader had
+    hidden it) between the confirming re-read and the quarantine: the third read of step 2's
+    COMMIT (the load's, the confirmer's, then the quarantine's) finds ``new`` there."""
+
+    def __init__(self, inner: Any, new: bytes) -> None:
+        self.inner, self.new, self.commit_reads = inner, new, 0
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
+        if key.endswith("step_000000002/COMMIT"):
+            self.commit_reads += 1
+            if self.commit_reads == 3:
+                self.inner.write(key, [self.new], durable=True)
+        return self.inner.read(key, start, end)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_quarantine_hides_only_the_save_whose_damage_was_confirmed(tmp_path: Any) -> None:
+    """The quarantine took whatever COMMIT was there when it began for the damaged one: a save
+    of the step that committed after the damage was confirmed was hidden in its place."""
+    other = str(tmp_path / "other")
+    with CheckpointEngine(other, plan_options=PLAN) as engine:
+        engine.save(2, state_of(2), blocking=True)
+    new = Raw.open((other, None)).read(2, "COMMIT")  # another save of step 2: another nonce
+    url = str(tmp_path / "ckpt")
+    with _two_steps_on(url) as engine:
+        raw = Raw.open((url, None))
+        raw.flip_bit(2, SHARD, 100)
+        engine.storage.inner = _SavedAgainBeforeQuarantine(engine.storage.inner, new)
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+            assert engine.load(blank()) == 1
+        assert raw.read(2, "COMMIT") == new, "the new save of step 2 was hidden"
