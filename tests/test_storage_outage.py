@@ -333,6 +333,25 @@ def test_a_counted_blackhole_holds_its_last_connection_too_until_healed(
     assert keep_alive_proxy.stats.faulted == 1
 
 
+def test_a_blackholed_client_that_half_closes_is_held_until_healed(
+        keep_alive_proxy: FaultProxy) -> None:
+    """A blackholed client that ends its request with a half-close (``shutdown(SHUT_WR)``, as
+    ``nc -N`` or an HTTP/1.0 tool does) must get silence, as a partition gives, until the heal
+    severs it. The proxy took the client's FIN for the end of the connection and closed it at
+    once: the client read an immediate end of stream, an answer no partition gives."""
+    url = urlparse(keep_alive_proxy.endpoint_url)
+    keep_alive_proxy.fault("blackhole")
+    with socket.create_connection((url.hostname, url.port), timeout=0.5) as held:
+        held.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        held.shutdown(socket.SHUT_WR)
+        with pytest.raises(TimeoutError):  # held: no answer, no end of stream
+            held.recv(100)
+        keep_alive_proxy.heal()
+        held.settimeout(5.0)
+        with contextlib.suppress(ConnectionResetError):  # severed at the heal
+            assert held.recv(100) == b""
+
+
 @pytest.mark.s3
 def test_blackhole_holds_requests_and_severs_them_when_healed(proxy: FaultProxy,
                                                               bucket: str) -> None:

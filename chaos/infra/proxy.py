@@ -98,7 +98,8 @@ class FaultProxy:
         self._fault: _Fault | None = None
         self._started = 0  # faults started so far: a connection accepted before one is severed
         self._open: set[socket.socket] = set()  # passed-through sockets, both sides
-        self._held: dict[socket.socket, _Fault] = {}  # blackholed client sockets, by fault
+        # blackholed client sockets: their fault, and an event set once heal() severed them
+        self._held: dict[socket.socket, tuple[_Fault, threading.Event]] = {}
         self._listener = listener if listener is not None else socket.create_server((host, 0))
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="fault-proxy", daemon=True)
@@ -156,11 +157,13 @@ class FaultProxy:
                 self._fault = None
             elif isinstance(token, _Fault):  # a later fault is on, or its count was used up
                 token.over.set()
-            held = [sock for sock, fault in self._held.items() if current or fault is token]
-            for sock in held:
+            held = [(sock, severed) for sock, (fault, severed) in self._held.items()
+                    if current or fault is token]
+            for sock, _ in held:
                 del self._held[sock]
-        for sock in held:
+        for sock, severed in held:
             _hard_close(sock)
+            severed.set()
 
     def close(self) -> None:
         self._closed.set()
@@ -217,20 +220,25 @@ class FaultProxy:
             self._blackhole(client, fault)
 
     def _blackhole(self, client: socket.socket, fault: _Fault) -> None:
+        """Swallow what ``client`` sends and answer nothing until ``heal()`` or ``close()``
+        severs it; a client that half-closes (its request sent) is held on in silence too:
+        closing at its FIN would answer it with an end of stream, which no partition gives."""
+        severed = threading.Event()
         with self._lock:
             if fault.over.is_set() or self._closed.is_set():  # healed since accept()
                 held = False
             else:
-                self._held[client] = fault
+                self._held[client] = (fault, severed)
                 held = True
         if not held:
             _hard_close(client)
             return
         try:
-            while client.recv(65536):  # swallow the request; heal() or close() severs it
+            while client.recv(65536):
                 pass
         except OSError:
             pass
+        severed.wait()  # set by heal() (close() heals), right after it severed the client
         with self._lock:
             self._held.pop(client, None)
         client.close()
