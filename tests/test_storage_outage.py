@@ -310,6 +310,54 @@ def test_latency_delays_each_request_of_a_keep_alive_connection(
     assert keep_alive_proxy.stats.delayed == 3
 
 
+@pytest.mark.parametrize("end", ["a-new-fault", "close"])
+def test_a_request_held_by_latency_does_not_reach_storage_when_an_outage_replaces_it(
+        monkeypatch: pytest.MonkeyPatch, end: str) -> None:
+    """A request held back by ``latency`` when an ``http503`` outage replaced the fault (or
+    the proxy closed) was released before its connection was severed: it reached the
+    upstream, a mutation (this DELETE) made in the outage, or after the proxy had gone, while
+    its client saw its connection severed. Severing is slowed here to show the order."""
+    from antifragile.chaos.infra import proxy as proxy_module
+
+    upstream = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+
+    def record() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = upstream.accept()
+            with conn:
+                while chunk := conn.recv(1024):
+                    received.append(chunk)
+
+    threading.Thread(target=record, daemon=True).start()
+    sever = proxy_module._hard_close
+
+    def slow_sever(sock: socket.socket) -> None:
+        time.sleep(0.2)
+        sever(sock)
+
+    monkeypatch.setattr(proxy_module, "_hard_close", slow_sever)
+    fault_proxy = FaultProxy(upstream.getsockname()[:2])
+    try:
+        fault_proxy.fault("latency", latency_s=30)
+        url = urlparse(fault_proxy.endpoint_url)
+        with socket.create_connection((url.hostname, url.port), timeout=5) as client:
+            client.sendall(b"DELETE /b/k HTTP/1.1\r\nHost: x\r\n\r\n")
+            deadline = time.monotonic() + 5
+            while fault_proxy.snapshot().delayed == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert fault_proxy.snapshot().delayed == 1, "the request is held"
+            if end == "close":
+                fault_proxy.close()
+            else:
+                fault_proxy.fault("http503")
+            time.sleep(0.3)
+        assert received == [], "the held request reached the upstream"
+    finally:
+        fault_proxy.close()
+        upstream.close()
+
+
 def test_a_counted_blackhole_holds_its_last_connection_too_until_healed(
         keep_alive_proxy: FaultProxy) -> None:
     """``fault("blackhole", count=1)``: the one connection it faults is held, not reset, and

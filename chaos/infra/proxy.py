@@ -131,19 +131,22 @@ class FaultProxy:
 
     def fault(self, kind: str, count: int | None = None, *, latency_s: float = 2.0) -> object:
         """Start faulting with ``kind``; sever the connections open now. Returns a token for
-        ``heal`` (a fault started later is not ended by an earlier one's heal)."""
+        ``heal`` (a fault started later is not ended by an earlier one's heal). Requests
+        held by an earlier ``latency`` are released only once their connections are severed:
+        released first, they would reach the upstream in the outage."""
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault {kind!r} (known: {', '.join(FAULT_KINDS)})")
         if kind == "latency" and count is not None:
             raise ValueError("latency applies to every request until heal(); give no count")
         with self._lock:
-            if self._fault is not None:
-                self._fault.over.set()
+            earlier = self._fault
             self._fault = token = _Fault(kind, count, latency_s, threading.Event())
             self._started += 1
             victims, self._open = self._open, set()
         for sock in victims:
             _hard_close(sock)
+        if earlier is not None:
+            earlier.over.set()
         return token
 
     def heal(self, token: object | None = None) -> None:
@@ -166,8 +169,9 @@ class FaultProxy:
             severed.set()
 
     def close(self) -> None:
+        """Stop serving and sever every connection, then heal: a request held by
+        ``latency`` is not forwarded by a proxy that is gone."""
         self._closed.set()
-        self.heal()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
         self._listener.close()
@@ -176,6 +180,7 @@ class FaultProxy:
             victims, self._open = self._open, set()
         for sock in victims:
             _hard_close(sock)
+        self.heal()
 
     def __enter__(self) -> FaultProxy:
         return self
