@@ -524,3 +524,62 @@ def test_the_health_probe_keeps_to_the_start_timeout(
         with pytest.raises(SeaweedError, match="did not answer an S3 round trip"):
             cluster._wait_healthy()
         assert time.monotonic() - began < 1.5
+
+
+def test_a_gateway_that_answers_slowly_does_not_stretch_the_start_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's round trip is five requests, and each could wait as long as was left when
+    the probe began (its client's read timeout was fixed then): a gateway answering each just
+    within that (one busy while its volumes grow) kept ``_wait_healthy`` going for about five
+    times ``start_timeout_s``, where it must raise within it."""
+    import http.server
+    import threading
+
+    class Master(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self._answer(json.dumps({"Topology": {"DataCenters": [
+                {"Racks": [{"DataNodes": [{"Url": "v0"}]}]}]}}).encode())
+
+        def _answer(self, body: bytes) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    class SlowGateway(Master):
+        protocol_version = "HTTP/1.1"
+
+        def _slowly(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            time.sleep(0.6)
+            self._answer(b"ok" if self.command == "GET" else b"")
+
+        do_GET = do_PUT = do_DELETE = do_HEAD = _slowly
+
+    class Running:  # a server process that is alive (``listens`` is faked too)
+        pid = os.getpid()
+
+        def poll(self) -> None:
+            return None
+
+    with contextlib.ExitStack() as stack:
+        ports = {}
+        for role, handler in (("master", Master), ("s3", SlowGateway)):
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            server.daemon_threads = True
+            stack.callback(server.server_close)
+            stack.callback(server.shutdown)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            ports[role] = server.server_address[1]
+        cluster = SeaweedCluster(volumes=1, start_timeout_s=1.0)
+        cluster.servers = {role: seaweedfs.WeedServer(
+            role=role, port=port, grpc_port=port, folder=Path("."), log=Path("log"), argv=[],
+            proc=Running()) for role, port in ports.items()}  # type: ignore[arg-type]
+        monkeypatch.setattr(seaweedfs, "listens", lambda pid, port: True)
+        began = time.monotonic()
+        with pytest.raises(SeaweedError, match="did not answer an S3 round trip"):
+            cluster._wait_healthy()
+        assert time.monotonic() - began < 2.0

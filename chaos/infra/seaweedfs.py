@@ -426,8 +426,9 @@ class SeaweedCluster:
         """Every server listens on its ports itself (not another process that took one
         first: see :func:`listens`), the master counts every volume server (a round trip
         alone can pass with one of them still starting); then create a bucket, put, get and
-        delete an object, delete the bucket. Each wait is capped by the time left before
-        ``deadline`` (``time.monotonic()``), so that ``start`` keeps to its timeout."""
+        delete an object, delete the bucket. Each wait, each request's included, is capped by
+        the time left before ``deadline`` (``time.monotonic()``), so that ``start`` keeps to
+        its timeout."""
         def left(cap_s: float) -> float:
             return max(min(cap_s, deadline - time.monotonic()), 0.05)
 
@@ -442,16 +443,22 @@ class SeaweedCluster:
                     for rack in dc.get("Racks") or [])
         if nodes < self.volumes:
             raise SeaweedError(f"the master knows {nodes} of {self.volumes} volume servers")
-        client = self.client(connect_timeout=left(1), read_timeout=left(5),
-                             retries={"total_max_attempts": 1})
+
+        def client() -> Any:  # one per request: a client's timeouts are fixed when it is made
+            if time.monotonic() > deadline:
+                raise SeaweedError("no time left for the rest of the round trip")
+            return self.client(connect_timeout=left(1), read_timeout=left(5),
+                               retries={"total_max_attempts": 1})
+
         bucket = "antifragile-health"
-        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
-            client.create_bucket(Bucket=bucket)
-        client.put_object(Bucket=bucket, Key="probe", Body=b"ok")
-        if client.get_object(Bucket=bucket, Key="probe")["Body"].read() != b"ok":
+        first = client()
+        with contextlib.suppress(first.exceptions.BucketAlreadyOwnedByYou):
+            first.create_bucket(Bucket=bucket)
+        client().put_object(Bucket=bucket, Key="probe", Body=b"ok")
+        if client().get_object(Bucket=bucket, Key="probe")["Body"].read() != b"ok":
             raise SeaweedError("the health probe read back other bytes than it wrote")
-        client.delete_object(Bucket=bucket, Key="probe")
-        client.delete_bucket(Bucket=bucket)
+        client().delete_object(Bucket=bucket, Key="probe")
+        client().delete_bucket(Bucket=bucket)
 
 
 class _PortTaken(SeaweedError):
