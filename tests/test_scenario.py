@@ -415,6 +415,35 @@ def test_values_that_would_fail_only_at_run_time_are_refused(doc: Any, message: 
     assert message in str(exc.value)
 
 
+@pytest.mark.parametrize("fault", [
+    {"kind": "kill_rank", "rank": 1, "at_checkpoint": 4},
+    {"kind": "hang_rank", "rank": 1, "at_checkpoint": 4, "duration_s": 5},
+    {"kind": "corrupt_shard", "at_checkpoint": 4},
+    {"kind": "crash_during_save", "rank": 1, "at_checkpoint": 4, "phase": "staged"},
+], ids=lambda f: f["kind"])
+def test_a_fault_at_the_last_steps_checkpoint_is_refused_like_one_at_the_last_step(
+        fault: dict[str, Any]) -> None:
+    """``at_checkpoint: 4`` of 20 steps saved every 5 is the end of step 20: the last step's
+    save is blocking, so the fault fires after it committed, when nothing is left to train
+    (``at_step: 20`` is refused for that). It was accepted, and the run could only fail: a
+    restart restored step 20 and trained nothing after it ("proves nothing about the
+    recovery"), a corruption no restore read. A ``staged`` crash is held after that save
+    committed too."""
+    with pytest.raises(ScenarioError) as exc:
+        parse_scenario(_fault(**fault), path="s.yaml")
+    assert str(exc.value) == (
+        "s.yaml: faults.0.at_checkpoint: checkpoint 4 is the last step's (step 20), saved "
+        "before the run ends: a fault there fires when nothing is left to train; name an "
+        "earlier checkpoint" + (" (or a save phase before staged)"
+                                if fault["kind"] == "crash_during_save" else "")), exc.value
+
+
+def test_a_crash_during_the_last_steps_save_is_accepted() -> None:
+    """Killed while the last step's save is persisting: the job restores the checkpoint
+    before it and trains the last steps again, a recovery worth testing."""
+    parse_scenario(_fault(kind="crash_during_save", rank=1, at_checkpoint=4, phase="persisting"))
+
+
 def test_checkpoints_and_ranks_that_exist_are_accepted() -> None:
     for fault in ({"kind": "corrupt_shard", "checkpoint": 10, "at_step": 12},
                   {"kind": "corrupt_shard", "checkpoint": 10, "at_step": 10},

@@ -831,16 +831,17 @@ def test_a_recovery_cut_short_after_it_overran_max_recovery_s_fails() -> None:
 
 
 def test_a_recovery_that_trained_no_step_after_its_restore_fails() -> None:
-    """A kill at the last checkpoint (the end of the last step, its save committed): the job
-    restarts, restores that step and has nothing left to train. The final checkpoint compared
-    with the reference is the one saved before the kill; what the restore loaded was never
-    saved again, so the run proves nothing about the recovery. It passed."""
+    """A kill after the last step's save committed (an ``at_s`` fault that came late; one at
+    the last checkpoint is refused at validation): the job restarts, restores that step and
+    has nothing left to train. The final checkpoint compared with the reference is the one
+    saved before the kill; what the restore loaded was never saved again, so the run proves
+    nothing about the recovery. It passed."""
     job = _Job()
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 12)
     t = _kill(job, t + 0.5, 0, 1, 12)
     t = job.start(t + 3.0, 1, restore=12)
     v, (kill,) = _verdict(_finish(job, t, 1), [{"kind": "kill_rank", "rank": 1,
-                                                 "at_checkpoint": 6}])
+                                                 "at_s": 5.0}])
     assert kill.effect_observed and kill.restored_step == 12 and kill.recovery_s is not None
     assert v.verdict == "fail"
     assert v.reasons == ["kill_rank at step 12: the job restored step 12 and trained no step "

@@ -148,7 +148,15 @@ class FaultBase(BaseModel):
 
     def check_checkpoints(self, every_steps: int, steps: int) -> tuple[str, str] | None:
         """(key, reason) if this fault names a checkpoint that the built-in trainer, saving
-        every ``every_steps`` of ``steps`` steps, does not have when the fault fires."""
+        every ``every_steps`` of ``steps`` steps, does not have when the fault fires, or one
+        it cannot fire at to any effect: the last step's, whose save blocks until committed,
+        so a fault held at the end of that step finds nothing left to train (as ``at_step``
+        at the last step, refused by ``check``)."""
+        if self.at_checkpoint is not None and self.at_checkpoint * every_steps >= steps:
+            return "at_checkpoint", (f"checkpoint {self.at_checkpoint} is the last step's "
+                                     f"(step {steps}), saved before the run ends: a fault "
+                                     "there fires when nothing is left to train; name an "
+                                     "earlier checkpoint")
         return None
 
     def trigger_step(self, every_steps: int) -> int | None:

@@ -39,6 +39,9 @@ class CorruptShard(FaultBase):
     mode: Literal["bitflip", "truncate", "delete"] = "bitflip"
 
     def check_checkpoints(self, every_steps: int, steps: int) -> tuple[str, str] | None:
+        problem = super().check_checkpoints(every_steps, steps)
+        if problem is not None:
+            return problem
         step = self.checkpoint
         if not isinstance(step, int):
             return None

@@ -41,6 +41,15 @@ class CrashDuringSave(FaultBase):
                              "rank: 0")
         return super().check(dims, steps, checkpoints)
 
+    def check_checkpoints(self, every_steps: int, steps: int) -> tuple[str, str] | None:
+        """The last step's save may be crashed while it is made (the job restores the
+        checkpoint before it and trains the last steps again), but not at ``staged``: the
+        loop holds there after that blocking save committed."""
+        problem = super().check_checkpoints(every_steps, steps)
+        if problem is not None and self.phase == "staged":
+            return problem[0], f"{problem[1]} (or a save phase before staged)"
+        return None
+
     def check_engine(self, engine: str) -> tuple[str, str] | None:
         if engine != "antifragile" and self.phase != "staged":
             return "phase", (f"{self.phase} is a save phase of engine antifragile (its phase "
