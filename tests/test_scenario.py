@@ -444,6 +444,23 @@ def test_a_crash_during_the_last_steps_save_is_accepted() -> None:
     parse_scenario(_fault(kind="crash_during_save", rank=1, at_checkpoint=4, phase="persisting"))
 
 
+def test_a_volume_server_the_cluster_does_not_have_is_refused_at_validation() -> None:
+    """``server: 5`` of the two volume servers chaos's SeaweedFS cluster has was accepted: the
+    whole run was made, the fault reported skipped (as a mechanism missing here, exit 3), not
+    the scenario's mistake (exit 2 before anything runs)."""
+    from antifragile.chaos.infra.seaweedfs import VOLUME_SERVERS
+
+    doc = _with(checkpoint={"url": "s3://b/p", "every_steps": 5},
+                faults=[{"kind": "storage_node_down", "server": VOLUME_SERVERS, "at_step": 3}])
+    with pytest.raises(ScenarioError) as exc:
+        parse_scenario(doc, path="s.yaml")
+    assert str(exc.value) == (
+        f"s.yaml: faults.0.server: the SeaweedFS cluster chaos starts for S3 has "
+        f"{VOLUME_SERVERS} volume servers (0..{VOLUME_SERVERS - 1}), not {VOLUME_SERVERS}")
+    doc["faults"][0]["server"] = VOLUME_SERVERS - 1
+    parse_scenario(doc)
+
+
 def test_checkpoints_and_ranks_that_exist_are_accepted() -> None:
     for fault in ({"kind": "corrupt_shard", "checkpoint": 10, "at_step": 12},
                   {"kind": "corrupt_shard", "checkpoint": 10, "at_step": 10},

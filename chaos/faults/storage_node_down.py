@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, StrictInt
 
 from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target, shown
+from antifragile.chaos.infra.seaweedfs import VOLUME_SERVERS
 from antifragile.chaos.infra.weed import SeaweedError
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ class StorageNodeDown(FaultBase):
             return "kind", ("storage_node_down stops a volume server of the SeaweedFS cluster "
                             f"chaos starts for S3, but {where}: set checkpoint.url: "
                             "s3://bucket/prefix (and leave AWS_ENDPOINT_URL unset)")
+        if isinstance(self.server, int) and self.server >= VOLUME_SERVERS:
+            return "server", (f"the SeaweedFS cluster chaos starts for S3 has {VOLUME_SERVERS} "
+                              f"volume servers (0..{VOLUME_SERVERS - 1}), not {self.server}")
         return None
 
     def inject(self, target: Target, step: int | None) -> Injection:

@@ -105,6 +105,10 @@ class WeedServer:
         return self.proc is not None and self.proc.poll() is None
 
 
+#: how many volume servers a cluster has unless told (the one ``chaos run`` starts for S3)
+VOLUME_SERVERS = 2
+
+
 class SeaweedCluster:
     """A SeaweedFS cluster on ``host``; a context manager (``start`` on enter, ``close`` on
     exit). ``endpoint_url``, ``env`` and ``storage_options`` tell S3 clients how to reach it.
@@ -114,7 +118,7 @@ class SeaweedCluster:
     the next cluster's reaping removes them: for tests of that reaping).
     """
 
-    def __init__(self, *, volumes: int = 2, host: str = "127.0.0.1",
+    def __init__(self, *, volumes: int = VOLUME_SERVERS, host: str = "127.0.0.1",
                  access_key: str = "antifragile", secret_key: str = "antifragile",
                  start_timeout_s: float = 30.0, volume_size_limit_mb: int = 256,
                  die_with_owner: bool = True, weed: str | None = None,
