@@ -113,6 +113,43 @@ def test_torchsnapshot_saves_a_step_again_after_its_commit_failed(tmp_path: Path
 
 # -- no processes -------------------------------------------------------------------------------
 
+def test_torchsnapshot_async_save_holds_the_step_it_was_given_not_the_next_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchsnapshot 0.1.0 copies a CPU tensor at staging only when it packs it into a batch
+    (below 128 MiB); a larger one is written later from the tensor itself (its own copy is
+    skipped: ``_should_copy_cpu_tensor`` compares the entry's str with the enum). The trainer
+    steps on once ``save`` returns, so step N's checkpoint held parameters or moments of step
+    N+1. Here every tensor is over the threshold (lowered) and the writes run after the step."""
+    import asyncio
+
+    import torch
+
+    from antifragile.trainer.ckpt_backends.snapshot import SnapshotBackend  # torchsnapshot first
+
+    from torchsnapshot.storage_plugins.fs import FSStoragePlugin  # isort: skip
+
+    monkeypatch.setenv("TORCHSNAPSHOT_SLAB_SIZE_THRESHOLD_BYTES_OVERRIDE", "64")
+    stepped = asyncio.Event()  # created here, awaited in torchsnapshot's own loop: polled
+    write = FSStoragePlugin.write
+
+    async def after_the_step(self: FSStoragePlugin, write_io: Any) -> None:
+        while not stepped.is_set():
+            await asyncio.sleep(0.005)
+        await write(self, write_io)
+
+    monkeypatch.setattr(FSStoragePlugin, "write", after_the_step)
+    weights = {f"w{i}": torch.zeros(64) for i in range(4)}
+    backend = SnapshotBackend(str(tmp_path), keep_last=2, timeout_s=30, async_=True)
+    handle = backend.save(1, {"model": weights, "train": {"step": 1}})
+    for w in weights.values():  # the next optimizer step
+        w.add_(1.0)
+    stepped.set()
+    handle.wait(timeout=30)
+    saved = read_checkpoint("torchsnapshot", str(tmp_path), 1)
+    assert {k: float(saved[f"0/state/model/{k}"].abs().sum()) for k in weights} == \
+        dict.fromkeys(weights, 0.0)
+
+
 def test_scenario_takes_a_peer_engine_on_local_storage_only() -> None:
     s = parse_scenario({"name": "x", "checkpoint": {"engine": "dcp"}})
     assert "--ckpt-engine" in (args := trainer_args(s, Path("/r"), "/r/ckpt"))

@@ -11,7 +11,9 @@ into another one is refused with that reason.
 writes only after every rank's writes are done (a barrier in ``take``; a store barrier in
 ``async_take``'s background thread): ``.snapshot_metadata`` present means committed.
 torchsnapshot keeps no checksums: a flip inside tensor bytes loads silently. Its reads run
-unbatched (:func:`_unbatched_reads`): a batched read drops its tensors' errors.
+unbatched (:func:`_unbatched_reads`): a batched read drops its tensors' errors. Its async saves
+get copies of the tensors it would otherwise write from the trainer's own, after the next step
+(:func:`_copies_torchsnapshot_skips`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ with warnings.catch_warnings():  # torchsnapshot 0.1.0 calls torch.jit.script at
     warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated",
                             DeprecationWarning)
     import torchsnapshot
+    from torchsnapshot import knobs
     from torchsnapshot.manifest import PrimitiveEntry
 
 from antifragile.engine import CheckpointError
@@ -114,15 +117,34 @@ def _restore_local(snapshot: Any, rank: int, target: dict[str, Any], where: str)
             target[key] = snapshot.read_object(f"{rank}/{path}")
 
 
+def _copies_torchsnapshot_skips(state: Any) -> Any:
+    """The same nesting with each CPU tensor that ``async_take`` would write from the tensor
+    itself replaced by a copy. torchsnapshot 0.1.0 means to copy every CPU tensor it stages
+    for an async snapshot, but its check compares the entry's serializer (a str) with the enum
+    and never holds: only a tensor packed into a batch (below the slab threshold, batching
+    on) is copied, into the batch. The others were read by its background writes after the
+    loop's next optimizer step had changed them: step N's checkpoint held step N+1's values."""
+    if isinstance(state, dict):
+        return {k: _copies_torchsnapshot_skips(v) for k, v in state.items()}
+    if isinstance(state, torch.Tensor) and state.device.type == "cpu" and (
+            knobs.is_batching_disabled()
+            or state.numel() * state.element_size() >= knobs.get_slab_size_threshold_bytes()):
+        return state.clone()
+    return state
+
+
 class _LocalShards:
     """The ``Stateful`` torchsnapshot takes: this rank's part of the trainer state. Restored
-    by :func:`_restore_local`, not through torchsnapshot's collective ``restore``."""
+    by :func:`_restore_local`, not through torchsnapshot's collective ``restore``.
+    ``async_``: for ``async_take``, which must not write from the trainer's own tensors."""
 
-    def __init__(self, state: dict[str, Any]) -> None:
+    def __init__(self, state: dict[str, Any], *, async_: bool = False) -> None:
         self.state = state
+        self.async_ = async_
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(_local(self.state))
+        local = _local(self.state)
+        return dict(_copies_torchsnapshot_skips(local) if self.async_ else local)
 
     def load_state_dict(self, loaded: dict[str, Any]) -> None:
         raise NotImplementedError("restored by _restore_local")
@@ -146,7 +168,7 @@ class SnapshotBackend(PeerBackend):
 
     def save(self, step: int, state: dict[str, Any]) -> PeerHandle:
         path = self.root / step_name(step)
-        app = {"state": _LocalShards(state)}
+        app = {"state": _LocalShards(state, async_=self.async_)}
         mine = _local_nbytes(state)
 
         def sizes(_: object) -> tuple[int, int]:
