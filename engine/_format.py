@@ -30,7 +30,7 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import crc32c
 import numpy as np
@@ -222,7 +222,8 @@ class Manifest:
 def parse_manifest(doc: dict[str, Any], *, where: str) -> Manifest:
     """The manifest of a sealed record or COMMIT, every entry checked against its digest."""
     nonce, objects, crcs = doc.get("nonce"), doc.get("objects"), doc.get("crcs")
-    if (not isinstance(nonce, int) or not isinstance(objects, dict) or not isinstance(crcs, dict)
+    # a writer's nonce is below 2**62; the ranks of a load agree on it in an int64 all-reduce
+    if (not _is_int(nonce, 2**63) or not isinstance(objects, dict) or not isinstance(crcs, dict)
             or objects.keys() != crcs.keys()):
         raise CheckpointCorruptError(f"{where}: malformed manifest")
     manifest = Manifest(nonce)
@@ -241,7 +242,7 @@ def parse_manifest(doc: dict[str, Any], *, where: str) -> Manifest:
     return manifest
 
 
-def _is_int(x: object, bound: int) -> bool:
+def _is_int(x: object, bound: int) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < bound
 
 

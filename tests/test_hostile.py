@@ -135,6 +135,15 @@ def _set(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return lambda doc: doc.__setitem__(key, value)
 
 
+def _renonce(nonce: int) -> Callable[[dict[str, Any]], None]:
+    """Another nonce, every manifest entry's digest bound to it (a consistent forgery)."""
+    def edit(commit: dict[str, Any]) -> None:
+        commit["nonce"] = nonce
+        for key, (nbytes, _) in list(commit["objects"].items()):
+            set_entry(commit, key, nbytes, commit["crcs"][key])
+    return edit
+
+
 def _sharding(edit: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
     return lambda doc: edit(doc["codecs"][0]["configuration"])
 
@@ -202,6 +211,9 @@ HOSTILE: dict[str, Callable[[Hostile], None]] = {
     "manifest-size-wrong": lambda h: h.edit_commit(
         lambda c: set_entry(c, SHARD, 2**40, c["crcs"][SHARD])
     ),
+    # no writer makes a nonce of 2**62 or more; one of 2**63 overflowed the int64 all-reduce by
+    # which the ranks of a load agree on the save (a torch error, not a CheckpointCorruptError)
+    "manifest-nonce-huge": lambda h: h.edit_commit(_renonce(2**63)),
     "manifest-entry-of-another-key": lambda h: h.edit_commit(
         lambda c: (
             c["objects"].__setitem__(SHARD, c["objects"]["model/w/c.0.0"]),
