@@ -255,6 +255,19 @@ def test_a_baseline_with_garbled_figures_is_bad_input(tmp_path: Path, change: di
     assert message in str(raised.value)
 
 
+def test_a_baseline_that_names_a_scenario_twice_is_bad_input(tmp_path: Path) -> None:
+    """Two entries of one name (baselines merged by hand): ``compare`` kept the last one only
+    and compared every figure with it, whichever run it came from."""
+    doc = {"format": suite.FORMAT, "scenarios": [_entry("a", [5.0]), _entry("b", [1.0]),
+                                                 _entry("a", [50.0])]}
+    path = tmp_path / "prev.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(suite.SuiteError) as raised:
+        suite.load_baseline(path)
+    assert str(raised.value).startswith(f"{path}: scenarios.2 (a): "), raised.value
+    assert "scenarios.0" in str(raised.value)
+
+
 def test_a_baseline_of_the_first_format_without_figures_loads(tmp_path: Path) -> None:
     doc = {"scenarios": [{"name": "a", "verdict": "pass", "recovery_max_s": None}]}
     (tmp_path / "prev.json").write_text(json.dumps(doc))

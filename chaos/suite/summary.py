@@ -167,11 +167,17 @@ _COMPARED_SECONDS = ("recovery_max_s", "stall_mean_s", "goodput", "wall_s", "pau
 def _garbled(doc: dict[str, Any]) -> str | None:
     """What in a baseline ``compare`` could not compute with, or None. Checked when it is
     loaded: ``compare`` runs after every scenario did, and a TypeError there lost the whole
-    suite's summary; a NaN or a negative figure compared as a regression from it."""
+    suite's summary; a NaN or a negative figure compared as a regression from it; a name
+    given twice was compared with its last entry only."""
     fmt = doc.get("format", 1)
     if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt < 1:
         return f"format: {fmt!r} is not a summary format (a whole number >= 1)"
+    first: dict[str, int] = {}
     for i, e in enumerate(doc["scenarios"]):
+        if e["name"] in first:  # compare would keep the last entry of a name only
+            return (f"scenarios.{i} ({e['name']}): the name of scenarios.{first[e['name']]} "
+                    "again")
+        first[e["name"]] = i
         for key in _COMPARED_SECONDS:
             x = e.get(key)
             if x is not None and (isinstance(x, bool) or not isinstance(x, int | float)
