@@ -122,9 +122,11 @@ def test_a_host_that_goes_down_falls_silent_and_everything_on_it_dies() -> None:
         # no reset from a dead host's kernel: the connection attempt times out, as on a
         # powered-off host, instead of being refused
         assert "timed out" in _connect(net, 0, 1)
-        # a host with no rank on it (spares only) has nothing to recover: missed, and why
+        # a host already down has nothing left to fail: missed, and why (it was put down to
+        # "no rank ran on node 1 (only spares)": a reason that sent the reader to the spares)
         again = HostDown(kind="host_down", at_step=3, node=1).inject(target, 3)
-        assert again.missed and "no rank ran on node 1" in again.missed
+        assert again.missed == ("node 1 was already down (an earlier host_down): nothing "
+                                "left on it to fail"), again.missed
 
 
 def _release_when_over(procs: list[subprocess.Popen[str]], *, lost: int | None) -> _Agents:

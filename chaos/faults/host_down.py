@@ -72,6 +72,10 @@ class HostDown(FaultBase):
             reason = target.network_error or "the run has no emulated network"
             return Injection(self.kind, time.time(), step=step, skipped=reason,
                              detail={"node": self.node})
+        if network.is_host_down(self.node):
+            return Injection(self.kind, time.time(), step=step, detail={"node": self.node},
+                             missed=(f"node {self.node} was already down (an earlier "
+                                     "host_down): nothing left on it to fail"))
         down_t = time.time()
         how, killed = network.host_down(self.node)
         ranks = sorted(r for r, pid in target.pids.items() if pid in set(killed))
