@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -677,3 +678,24 @@ def test_an_env_boolean_is_refused_with_the_quoting_it_needs(tmp_path: Path,
         load_scenario(path)
     assert str(exc.value) == (f"{path}: line 5: trainer.env.DEBUG: {written} is a boolean to "
                               f"YAML, not text: quote it ('{written}') for that text")
+
+
+@pytest.mark.parametrize(("command", "index"), [
+    (["torchrun", "--nproc-per-node", "2", SCRIPT], 0),
+    (["python", "-m", "torch.distributed.run", "--nproc-per-node=2", SCRIPT], 2),
+    (["python", "-u", "-mtorch.distributed.run", SCRIPT], 2),
+    (["python3", "-m", "torch.distributed.launch", SCRIPT], 2),
+])
+def test_a_command_that_is_torchrun_itself_is_refused(command: list[str], index: int) -> None:
+    """chaos runs the command under torchrun: a launch line copied in whole (as the examples'
+    docstrings show it, ``torchrun --nproc-per-node 2 train.py``) was accepted, and each rank
+    started a torchrun of its own (nproc_per_node x 2 processes sharing two event files); the
+    run then failed on "no observable effect ... for another reason", naming no mistake."""
+    if command[0] == "torchrun" and not shutil.which("torchrun"):
+        command = [str(Path(sys.executable).with_name("torchrun")), *command[1:]]
+    with pytest.raises(ScenarioError) as exc:
+        parse_scenario(_doc(trainer={"command": command}), path="s.yaml")
+    message = str(exc.value)
+    assert f"s.yaml: trainer.command: command[{index}]:" in message
+    assert "chaos runs the command under torchrun itself" in message
+    assert "\n" not in message.strip()

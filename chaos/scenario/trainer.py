@@ -298,6 +298,10 @@ class CommandSpec(_Strict):
         where = " or ".join(dict.fromkeys(str(b) for b in bases))
         out = list(command)
         first = command[0]
+        if (launcher := _launcher_at(command)) is not None:
+            raise ValueError(f"command[{launcher}]: {command[launcher]!r} is torchrun: chaos "
+                             "runs the command under torchrun itself (nproc_per_node ranks); "
+                             "give one rank's command line, e.g. [python, train.py, ...]")
         if is_python(first):
             runs = python_runs(out)
             if runs is None:  # ranks would read chaos's standard input (a terminal: forever)
@@ -326,6 +330,24 @@ class CommandSpec(_Strict):
         if shutil.which(first) is None:
             raise ValueError(f"command[0]: {first!r} is not an executable on PATH")
         return out
+
+
+#: torchrun's module names (``python -m``): a launcher, not a rank's program
+_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def _launcher_at(command: list[str]) -> int | None:
+    """Where ``command`` starts torchrun (``torchrun ...``, ``python -m torch.distributed.run``
+    or ``.launch``): the index of that argument; None for a rank's own command line. Each rank
+    would start a torchrun of its own, its ranks writing into the outer ranks' event files."""
+    if os.path.basename(command[0]) == "torchrun":
+        return 0
+    runs = python_runs(command)
+    if runs is None or runs[0] != "-m":
+        return None
+    i = runs[1] if len(command[runs[1]]) > 2 else runs[1] + 1  # -m<module> or -m <module>
+    module = command[i].removeprefix("-m") if i < len(command) else ""
+    return i if module in _TORCHRUN_MODULES else None
 
 
 def _find_file(name: str, bases: list[Path]) -> str | None:
