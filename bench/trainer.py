@@ -36,7 +36,8 @@ from bench._args import at_least
 def timed_steps(args: argparse.Namespace) -> range:
     """The steps whose times count: after the ``--warmup`` steps, whole periods of ``--every``
     steps, so that they hold one save's stall and persist per ``--every`` steps (a part period
-    held one save more or less than its share); the last step is never one of them."""
+    held one save more or less than its share); the last step is never one of them, nor
+    step 1 (``--warmup`` >= 1: a step is timed from the step_end before it)."""
     periods = (args.steps - 1 - args.warmup) // args.every
     return range(args.warmup + 1, args.warmup + 1 + periods * args.every)
 
@@ -169,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=at_least(1), default=2)
     p.add_argument("--steps", type=at_least(1), default=60)
     p.add_argument("--every", type=at_least(1), default=10)
-    p.add_argument("--warmup", type=at_least(0), help="untimed first steps (default: every + 1, so "
-                   "the first save, which plans and allocates its staging area, is untimed)")
+    p.add_argument("--warmup", type=at_least(1), help="untimed first steps, at least 1: step 1 "
+                   "has no step_end before it to be timed from (default: every + 1, so the "
+                   "first save, which plans and allocates its staging area, is untimed)")
     p.add_argument("--layers", type=at_least(1), default=4)
     p.add_argument("--d-model", type=at_least(1), default=128)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

@@ -97,7 +97,10 @@ def test_gpu_bench_refuses_nonsense_arguments(argv: list[str], says: str,
     (["--every", "0"], "argument --every: must be >= 1, got 0"),
     (["--pairs", "0"], "argument --pairs: must be >= 1, got 0"),
     (["--layers", "-1"], "argument --layers: must be >= 1, got -1"),
-    (["--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+    (["--warmup", "-1"], "argument --warmup: must be >= 1, got -1"),
+    # step 1 has no step_end before it to be timed from, and a save "after step 0" (never
+    # made) was counted as due in the timed steps: every run a MISS, "4 of 5 saves made"
+    (["--warmup", "0"], "argument --warmup: must be >= 1, got 0"),
     # no step left to time: a statistics traceback after every run had been made
     (["--steps", "20", "--every", "10"],
      "--steps 20 leaves no timed steps after --warmup 11: give --steps > 21"),
