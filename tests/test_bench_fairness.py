@@ -261,6 +261,29 @@ def test_gpu_bench_json_carries_the_staging_share_and_verdict_it_prints(
     assert figures["staging_verdict"] == "MISS"
 
 
+@pytest.mark.parametrize(("reps", "verdict"), [(1, "n/a"), (2, "n/a"), (3, "PASS")])
+def test_gpu_bench_gives_the_staging_target_no_verdict_on_fewer_than_three_samples(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        reps: int, verdict: str) -> None:
+    """The staging share is a median of ``--reps`` stalls over a median of as many link
+    copies: from one or two a side it is neither PASS nor MISS, as in bench.engine, bench.s3
+    and the trainer's overhead (here a stall of 0.2 s on a link of 0.2 s: 1.0x)."""
+    from bench import gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake device")
+    monkeypatch.setattr(gpu, "_state", lambda gib: {"model": {"w": torch.ones(4), "norms": []}})
+    monkeypatch.setattr(gpu, "link", lambda nbytes, reps: 0.2)
+    monkeypatch.setattr(gpu, "per_tensor", lambda tensors, reps: 0.2)
+    monkeypatch.setattr(gpu, "engine", lambda state, reps, root: {
+        "stall_s": 0.2, "persist_s": 1.0, "load_s": 1.0, "loaded_step": reps,
+        "bitwise_equal": True})
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--reps", str(reps), "--trainer-pairs", "0", "--json", str(out)]) == 0
+    assert f"1.00x the link (target >= 0.8x) {verdict}" in capsys.readouterr().out
+    assert json.loads(out.read_text())["staging_verdict"].startswith(verdict)
+
+
 def test_trainer_bench_json_carries_the_stall_share_it_prints(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
