@@ -88,6 +88,17 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     return []
 
 
+def check_loaded(state: Any, target: Any, step: int, loaded: int) -> None:
+    """A timed load is a figure only of the right data: ``target`` holds ``state``'s values
+    and the load returned ``step``. Raises ``RuntimeError`` (not an ``assert``: kept under
+    ``python -O``)."""
+    if loaded != step:
+        raise RuntimeError(f"load returned step {loaded}, not {step}")
+    if not all(torch.equal(a, b) for a, b in zip(_tensors(target), _tensors(state),
+                                                  strict=True)):
+        raise RuntimeError(f"load returned different values from those saved at step {step}")
+
+
 def _empty_like(state: Any) -> Any:
     if isinstance(state, torch.Tensor):
         return torch.empty_like(state)
@@ -155,9 +166,9 @@ class Bench:
     def load(self, engine: CheckpointEngine, state: dict[str, Any], step: int) -> float:
         target = _empty_like(state)
         start = time.perf_counter()
-        assert engine.load(target, step=step) == step
+        loaded = engine.load(target, step=step)
         seconds = time.perf_counter() - start
-        assert all(torch.equal(a, b) for a, b in zip(_tensors(target), _tensors(state)))
+        check_loaded(state, target, step, loaded)
         return seconds
 
     def objects(self, prefix: str, step: int) -> dict[str, int]:
@@ -276,26 +287,29 @@ def _rank_worker(rank: int, ranks: int, port: int, url: str, options: dict[str, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
-    state = gpt_state(STATES["quickstart"])
-    persist, load, requests = [], [], {}
-    with CheckpointEngine(url, keep_last=None, io_threads=io_threads,
-                          storage_options=options) as engine:
-        for step in range(1, reps + 2):
-            dist.barrier()
-            start = time.perf_counter()
-            handle = engine.save(step, state)
-            handle.wait()
-            persist.append(time.perf_counter() - start)
-            requests["save"] = handle.requests.get("total")
-        for _ in range(reps):
-            target = _empty_like(state)
-            dist.barrier()
-            start = time.perf_counter()
-            engine.load(target, step=reps + 1)
-            load.append(time.perf_counter() - start)
-            requests["load"] = engine.last_load_requests.get("total")
-    out.put((rank, persist[1:], load, requests))  # the first save plans: not measured
-    dist.destroy_process_group()
+    try:
+        state = gpt_state(STATES["quickstart"])
+        persist, load, requests = [], [], {}
+        with CheckpointEngine(url, keep_last=None, io_threads=io_threads,
+                              storage_options=options) as engine:
+            for step in range(1, reps + 2):
+                dist.barrier()
+                start = time.perf_counter()
+                handle = engine.save(step, state)
+                handle.wait()
+                persist.append(time.perf_counter() - start)
+                requests["save"] = handle.requests.get("total")
+            for _ in range(reps):
+                target = _empty_like(state)
+                dist.barrier()
+                start = time.perf_counter()
+                loaded = engine.load(target, step=reps + 1)
+                load.append(time.perf_counter() - start)
+                check_loaded(state, target, reps + 1, loaded)
+                requests["load"] = engine.last_load_requests.get("total")
+        out.put((rank, persist[1:], load, requests))  # the first save plans: not measured
+    finally:
+        dist.destroy_process_group()
 
 
 def measure_ranks(bench: Bench, ranks: int, reps: int) -> Figures:

@@ -649,3 +649,45 @@ def test_dcp_writes_on_as_many_threads_as_the_engine(tmp_path: Path) -> None:
     with single_rank_group(str(tmp_path)):
         dcp_save_sync(state, str(tmp_path / "dcp"))
     assert len(list((tmp_path / "dcp").glob("*.distcp"))) == threads
+
+
+def test_s3_bench_ranks_check_what_each_load_returned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--ranks N``: each rank's timed load is checked bit for bit (and for its step), as the
+    one-process loads are: a load that fills the state with zeros is no figure of a load. One
+    rank in this process, on a local folder (the worker does not care where the engine
+    writes); the engine's load is made to return zeros."""
+    import queue
+
+    from antifragile.engine import CheckpointEngine
+    from bench import s3
+
+    real_load = CheckpointEngine.load
+
+    def zeroing_load(self: CheckpointEngine, state: object, *args: object, **kwargs: object
+                     ) -> int:
+        step = real_load(self, state, *args, **kwargs)  # type: ignore[arg-type]
+        for t in s3._tensors(state):
+            t.zero_()
+        return step
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+            return port
+
+    out: queue.Queue[object] = queue.Queue()
+    threads = torch.get_num_threads()
+    try:  # the real load passes the check: a row of figures
+        s3._rank_worker(0, 1, free_port(), str(tmp_path / "ok"), {}, 2, 1, out)
+        assert out.qsize() == 1
+        monkeypatch.setattr(CheckpointEngine, "load", zeroing_load)
+        with pytest.raises(RuntimeError, match="load returned different values"):
+            s3._rank_worker(0, 1, free_port(), str(tmp_path / "zeroed"), {}, 2, 1, out)
+        assert not dist.is_initialized()
+    finally:
+        torch.set_num_threads(threads)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert out.qsize() == 1
