@@ -48,7 +48,8 @@ class DirectWriter:
     The buffer is the engine's staging arena after its first save (the same bytes, laid out as
     the objects it writes), so the baseline needs no memory of its own and no copy inside the
     timing: the figure is what the disk takes for one sequential stream of this size, fsync
-    included.
+    of the file and of its folder (its new entry) included, as the engine's persist includes
+    its own.
     """
 
     def __init__(self, buffer: memoryview, nbytes: int) -> None:
@@ -84,6 +85,7 @@ class DirectWriter:
             os.fsync(fd)
         finally:
             os.close(fd)
+        _fsync(os.path.dirname(os.path.abspath(path)))  # its entry, as the engine's files'
 
     def close(self) -> None:
         self.buffer.release()

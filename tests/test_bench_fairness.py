@@ -184,6 +184,37 @@ def test_recovery_bench_checks_miss_when_the_run_did_not_pass(
     assert all("quickstart-in-process: fail" in line for line in checks), checks
 
 
+def test_engine_bench_o_direct_peer_makes_its_file_durable_in_its_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The O_DIRECT baseline writes a new file each repetition: its persist ends once the file
+    and its entry in the parent folder are fsynced, as the engine's (and every other peer's)
+    ends once its files and folders are; a baseline spared the folder's fsync is timed doing
+    less than the engine it is held against."""
+    import mmap
+    import os
+
+    from bench._peers import DirectWriter
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    region = mmap.mmap(-1, 2 * 4096)  # page-aligned, as the engine's staging arena
+    buffer = memoryview(region)
+    out = tmp_path / "direct-0"
+    monkeypatch.setattr(os, "fsync", fsync)
+    try:
+        DirectWriter(buffer, len(buffer)).write(str(out))
+    finally:
+        buffer.release()
+        region.close()
+    assert out.stat().st_size == 2 * 4096
+    assert {str(out), str(tmp_path)} <= set(synced), synced
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("peer", ["torch_save_fsync", "dcp_save_sync", "torchsnapshot_take_sync"])
 def test_engine_bench_peers_make_their_own_writes_durable_and_no_one_elses(
