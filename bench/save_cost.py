@@ -12,7 +12,9 @@ per save and in the same run:
   staging copy alone);
 - DCP ``async_save`` return on the same state dict (its loop wait);
 - a plain ``copy_`` of every local tensor into preallocated buffers (the bytes' floor);
-- the persist of each (``save()`` to committed, ``async_save`` to its future's result): for
+- the persist of each (``save()`` to committed, ``async_save`` to its future's result and
+  the fsync of what DCP does not fsync itself: its ``.metadata`` and folders; the engine
+  fsyncs its own files and folders inside ``save()``): for
   a small state on a local disk, file-system metadata (a file per shard, a folder per array),
   not bytes. Neither deletes an older checkpoint inside the timing (DCP never does; the
   engine's previous step is deleted after, untimed, as in ``bench.engine``).
@@ -56,6 +58,7 @@ def _worker(rank: int, world: int, port: int, root: str, saves: int, out: str) -
     from antifragile.trainer.model import GPT, ModelConfig
     from antifragile.trainer.parallel import apply_fsdp
     from bench._machine import remove
+    from bench._peers import fsync_tree
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -93,10 +96,11 @@ def _worker(rank: int, world: int, port: int, root: str, saves: int, out: str) -
             handle.wait()
             dist.barrier()
             t3 = time.perf_counter()
-            future = cast("Future[Any]", dcp.async_save(
-                state, checkpoint_id=os.path.join(root, f"dcp-{i}")))
+            dcp_dir = os.path.join(root, f"dcp-{i}")
+            future = cast("Future[Any]", dcp.async_save(state, checkpoint_id=dcp_dir))
             t4 = time.perf_counter()
             future.result()
+            fsync_tree(dcp_dir)  # its .metadata and folders: DCP fsyncs only its data files
             dist.barrier()
             t5 = time.perf_counter()
             if rank == 0 and i:  # untimed; the next save waits at the barrier above

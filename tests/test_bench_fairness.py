@@ -48,6 +48,29 @@ def test_save_cost_times_the_engine_save_without_the_barrier_before_it(
     assert max(times["dcp_async_return"]) < barrier_s, times
 
 
+def test_save_cost_dcp_persist_makes_its_folders_durable_as_the_engine_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a small state a persist is file-system metadata: the engine's ends once its files
+    and the folders holding their entries are fsynced, so DCP's (its future done) ends once
+    its own are too, as bench.engine's DCP peers do; DCP's writer fsyncs only its files."""
+    import os
+
+    synced: set[str] = set()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.add(os.path.realpath(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    _save_cost_times(tmp_path, saves=1)
+    for i in range(3):  # two untimed saves, one timed
+        dcp_dir = tmp_path / f"dcp-{i}"
+        written = {str(dcp_dir)} | {str(p) for p in dcp_dir.rglob("*")}
+        assert written <= synced, sorted(written - synced)
+    assert str(tmp_path) in synced
+
+
 def _trainer_events(steps: int, every: int | None, stall_s: float,
                     refused: frozenset[int] = frozenset()) -> list[dict[str, object]]:
     """One rank's step_end events: steps of 1 s, and with checkpoints every ``every`` steps
