@@ -584,6 +584,43 @@ def test_a_link_cut_nobody_noticed_fails() -> None:
         assert ("found it hung" in (cut.effect or "")) == detected
 
 
+def test_a_cut_is_not_credited_with_the_detection_of_a_rank_a_hang_rank_stopped() -> None:
+    """A cut of the link between nodes 0 and 1 that the job did not notice, and a stop of rank 2
+    in the same attempt: rank 2's supervisor finds it stopped and the attempt ends. That
+    watchdog's finding is the stop's evidence, yet the cut was credited with it (and with the
+    restart), so a cut that did nothing passed."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 6)
+    cut = t + 0.05
+    job.injections.append(Injection("drop_link", cut, step=6, fault_index=0, detail={
+        "between": [0, 1], "duration_s": 3.0, "mechanism": "veth down"}))
+    job.injections.append(Injection("hang_rank", cut + 0.01, step=6, rank=2, fault_index=1,
+                                    detail={"pid": 1002, "duration_s": 20.0,
+                                            "done_t": cut + 0.02}))
+    job.emit(cut + 2.0, 2, 0, "hang_detected", by="supervisor", slot=2, how="stopped",
+             thread_state="T", stall_s=2.0, timeout_s=2.0)
+    job.emit(cut + 2.0, 2, 0, "rank_died", by="supervisor", slot=2, how="signal 9", hung=True)
+    for r in (0, 1, 3):
+        job.emit(cut + 2.1, r, 0, "exit", code=1, error="RuntimeError: connection closed")
+    job.attempt_ends[0] = cut + 2.5
+    record = _finish(job, job.steps(job.start(cut + 4.0, 1, restore=6), 1, 7, 12), 1)
+    s = parse_scenario({**SCENARIO, "trainer": {**SCENARIO["trainer"], "nodes": 2},
+                        "faults": [{"kind": "drop_link", "at_step": 6, "duration_s": 3},
+                                   {"kind": "hang_rank", "rank": 2, "at_step": 6,
+                                    "duration_s": 20}],
+                        "expect": {"bitwise_equal_to_reference": False}})
+    cut_t, hang = [measure.fault_timings(record, i, window_s=measure.detection_window_s(s))
+                   for i in record.injections]
+    assert hang.effect_observed and hang.ended_attempt == 0
+    assert cut_t.effect_observed is False, cut_t.effect
+    assert cut_t.ended_attempt is None and cut_t.recovery_s is None
+    assert "hang_rank" in (cut_t.effect or ""), cut_t.effect
+    v = checker.judge(s, returncode=0, timings=[cut_t, hang], final_step=12,
+                      faulty_url="unused", reference_url=None, final_committed=True)
+    assert v.verdict == "fail"
+    assert any(r.startswith("drop_link at step 6: no observable effect") for r in v.reasons)
+
+
 def test_a_missed_fault_fails_and_a_skipped_one_is_skipped() -> None:
     job = _Job()
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 12)

@@ -25,12 +25,26 @@ STORAGE_FAULTS: dict[str, tuple[str, ...]] = {
 }
 
 
+def stopped_by(record: RunRecord, hang_detected: dict[str, Any]) -> Injection | None:
+    """The ``hang_rank`` that held the rank a watchdog found hung when it found it: that
+    finding is the stop's evidence, not a cut link's."""
+    for i in record.injections:
+        held_s = i.detail.get("duration_s") or float("inf")
+        if i.kind == "hang_rank" and not i.skipped and not i.missed \
+                and i.rank == hang_detected["rank"] \
+                and i.t <= hang_detected["t"] <= i.t + held_s:
+            return i
+    return None
+
+
 def link_noticed(record: RunRecord, injection: Injection, why_not: str) -> tuple[bool, str]:
     """A cut that ended no attempt is still observed if a watchdog found a rank hung while
-    the link was down (the job noticed, and got through)."""
+    the link was down (the job noticed, and got through); a rank that a ``hang_rank`` had
+    stopped is not one the cut hung."""
     up_t = injection.t + (injection.detail.get("duration_s") or 0.0)
     for e in record.events:
-        if e["event"] == "hang_detected" and injection.t <= e["t"] <= up_t:
+        if e["event"] == "hang_detected" and injection.t <= e["t"] <= up_t \
+                and stopped_by(record, e) is None:
             return True, (f"rank {e['rank']}'s supervisor found it hung ({e['how']}) while the "
                           "link was down; the job went on without a restart")
     return False, (f"the cut was not observed: no watchdog found a rank hung while the link "

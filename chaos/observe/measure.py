@@ -17,6 +17,7 @@ from antifragile.chaos.observe.effects import (
     outage_effect,
     outage_effects,
     restore_skipped_step,
+    stopped_by,
 )
 from antifragile.chaos.observe.record import STARTS, RunRecord
 from antifragile.trainer.progress import HANG_FLOOR_S, STALL_ESCALATION
@@ -134,10 +135,11 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
       stop (it was still stopped when the group was torn down). A rank that resumed and
       trained on was not the cause of a later restart.
     - ``drop_link``: the attempt failed in the window (a watchdog that found a rank hung is
-      named as the evidence).
+      named as the evidence; not one that found a rank a ``hang_rank`` held stopped).
 
     A stop or a cut without a watchdog's evidence, in an attempt that a kill of another rank
-    ended, is ``masked``: the kill, not it, ended the attempt.
+    ended (for a cut, also a stop that a watchdog found), is ``masked``: that fault, not it,
+    ended the attempt.
 
     Supervisors write their own events (``rank_died``, ``hang_detected``) about a rank; only
     the rank's own events count as "it wrote".
@@ -166,7 +168,8 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
                        f"{attempt}, {waited:.1f} s after the fault")
     events = [e for e in record.events if e["attempt"] == attempt and e["t"] >= injection.t]
     r = injection.rank
-    hung = [e for e in events if e["event"] == "hang_detected" and (r is None or e["rank"] == r)]
+    hung = [e for e in events if e["event"] == "hang_detected" and (r is None or e["rank"] == r)
+            and (injection.kind != "drop_link" or stopped_by(record, e) is None)]
     # the signal takes effect a moment after it is sent: what the rank wrote before its
     # death (or stop) showed is not a sign that it went on
     took_effect = injection.detail.get("done_t", injection.t)
@@ -206,7 +209,8 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
 def _killed_by_another(record: RunRecord, injection: Injection, attempt: int, end: float
                        ) -> Injection | None:
     """For a stop or a cut: a kill of another rank, made in the same attempt before it
-    ended, which ends it whatever the stop or cut did."""
+    ended, which ends it whatever the stop or cut did; for a cut, also a stop (``hang_rank``)
+    that a watchdog found in that attempt, and had killed."""
     if injection.kind not in ("hang_rank", "drop_link"):
         return None
     for other in record.injections:
@@ -214,6 +218,11 @@ def _killed_by_another(record: RunRecord, injection: Injection, attempt: int, en
                 and not other.missed and not other.skipped and other.rank != injection.rank \
                 and other.t <= end and _struck_attempt(record, other) == attempt:
             return other
+    if injection.kind == "drop_link":
+        for e in _by_attempt(record.events, attempt, "hang_detected"):
+            stop = stopped_by(record, e)
+            if stop is not None and e["t"] <= end:
+                return stop
     return None
 
 
