@@ -1264,3 +1264,39 @@ def test_a_recovery_is_cut_short_only_by_a_fault_that_ended_the_next_attempt() -
     assert kill.interrupted_by_t is None
     assert v.verdict == "fail"
     assert any(r.startswith("kill_rank at step 7: no recovery was observed") for r in v.reasons)
+
+
+def test_a_recovery_is_not_cut_short_by_a_storage_fault_the_next_attempt_rode_out() -> None:
+    """Rank 1 dies at step 11 (the saves of steps 8 and 10 were refused); attempt 1 restores
+    step 6, a storage outage comes and goes while it trains on (its saves commit after it), and
+    attempt 1 then dies on its own before it is back at step 11; attempt 2 restores 10 and
+    finishes. The outage ended nothing, yet it was taken to have cut the kill's recovery short,
+    and the verdict passed a restart that no fault caused, with no recovery from the kill."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 11, failing=frozenset({8, 10}))
+    t = _kill(job, t + 0.05, 0, 1, 11)
+    t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 7)
+    job.injections.append(Injection("storage_outage", t + 0.05, step=7, fault_index=1, detail={
+        "mode": "error", "duration_s": 1.0, "latency_s": None, "ended_t": t + 1.05,
+        "requests_faulted": 3, "connections_passed": 0, "requests_delayed": 0}))
+    t = job.steps(t + 0.5, 1, 8, 10)
+    for r in range(WORLD):
+        job.emit(t + 0.5, r, 1, "exit", code=1, error="RuntimeError: CUDA error")
+    job.attempt_ends[1] = t + 0.6
+    t = job.steps(job.start(t + 3.0, 2, restore=10), 2, 11, 12)
+    record = _finish(job, t, 2)
+    s = parse_scenario({**SCENARIO, "checkpoint": {"url": "s3://b/p", "every_steps": 2},
+                        "faults": [{**KILL, "at_step": 11},
+                                   {"kind": "storage_outage", "at_s": 5, "duration_s": 1}],
+                        "expect": {"bitwise_equal_to_reference": False}})
+    kill, outage = [measure.fault_timings(record, i, window_s=measure.detection_window_s(s))
+                    for i in record.injections]
+    assert outage.effect_observed and outage.outage is not None
+    assert outage.outage["training_continued"], outage.outage
+    assert kill.ended_attempt == 0 and kill.recovery_s is None
+    assert kill.interrupted_by_t is None
+    v = checker.judge(s, returncode=0, timings=[kill, outage], final_step=12,
+                      faulty_url="unused", reference_url=None, final_committed=True)
+    assert v.verdict == "fail"
+    assert any(r.startswith("kill_rank at step 11: no recovery was observed")
+               for r in v.reasons), v.reasons

@@ -328,11 +328,13 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
     restores = _by_attempt(record.events, nxt, "restore_end")
     # what can cut this recovery short: a later fault made during the next attempt that
     # ended it (a fault on the job; one on storage ends it through the saves it fails, and
-    # fails the verdict when it does), not one that was missed or damaged a checkpoint
+    # fails the verdict when it does: one the attempt trained on through did not), not one
+    # that was missed or damaged a checkpoint
     later = [i.t for i in record.injections if i.t > injection.t and not i.skipped
              and not i.missed and i.kind != "corrupt_shard"
              and started - 0.5 <= i.t <= record.attempt_ends.get(nxt, record.ended_t)
-             and (i.kind in STORAGE_FAULTS or _ended_attempt(record, i, nxt, window_s)[0])]
+             and (not outage_effects(record, i)["training_continued"]
+                  if i.kind in STORAGE_FAULTS else _ended_attempt(record, i, nxt, window_s)[0])]
     if any("storage_bytes" in e for e in restores):
         timings.restore_memory_bytes = sum(e.get("memory_bytes", 0) for e in restores)
         timings.restore_storage_bytes = sum(e.get("storage_bytes", 0) for e in restores)
