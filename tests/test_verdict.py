@@ -1300,3 +1300,37 @@ def test_a_recovery_is_not_cut_short_by_a_storage_fault_the_next_attempt_rode_ou
     assert v.verdict == "fail"
     assert any(r.startswith("kill_rank at step 11: no recovery was observed")
                for r in v.reasons), v.reasons
+
+
+def test_an_outage_that_ended_its_attempt_is_not_excused_by_a_corruption_made_meanwhile() -> None:
+    """A storage outage at step 5 fails the save of step 6 and the attempt dies of it (a
+    script whose failed save raises); a ``corrupt_shard`` of step 4 is made while the outage
+    lasts. A fault on the job that ends the attempt excuses the outage; a corruption ends none,
+    yet it was taken for one, and the outage passed as one that training went on through."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 5)
+    t0 = t + 0.05
+    job.injections.append(Injection("storage_outage", t0, step=5, fault_index=0, detail={
+        "mode": "error", "duration_s": 1.0, "latency_s": None, "ended_t": t0 + 1.0,
+        "requests_faulted": 3, "connections_passed": 0, "requests_delayed": 0}))
+    job.injections.append(Injection("corrupt_shard", t0 + 0.3, step=5, fault_index=1, detail={
+        "checkpoint_step": 4, "object": "model/w/c.0", "mode": "bitflip"}))
+    t = job.steps(t, 0, 6, 6, failing=frozenset({6}))
+    for r in range(WORLD):
+        job.emit(t + 0.2, r, 0, "exit", code=1, error="OSError: 503 Service Unavailable")
+    job.attempt_ends[0] = t + 0.3
+    t = job.steps(job.start(t + 3.0, 1, restore=2, skipped=4), 1, 3, 12)
+    record = _finish(job, t, 1)
+    s = parse_scenario({**SCENARIO, "checkpoint": {"url": "s3://b/p", "every_steps": 2},
+                        "faults": [{"kind": "storage_outage", "at_step": 5, "duration_s": 1},
+                                   {"kind": "corrupt_shard", "at_s": 5}],
+                        "expect": {"bitwise_equal_to_reference": False}})
+    outage, corrupt = [measure.fault_timings(record, i, window_s=measure.detection_window_s(s))
+                       for i in record.injections]
+    assert corrupt.effect_observed, corrupt.effect
+    assert outage.outage is not None and outage.outage["steps_during_outage"] == 1
+    assert outage.outage["training_continued"] is False, outage.outage
+    v = checker.judge(s, returncode=0, timings=[outage, corrupt], final_step=12,
+                      faulty_url="unused", reference_url=None, final_committed=True)
+    assert v.verdict == "fail"
+    assert any("training did not go on during the outage" in r for r in v.reasons), v.reasons

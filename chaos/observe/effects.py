@@ -254,14 +254,15 @@ def outage_effects(record: RunRecord, injection: Injection) -> dict[str, Any]:
     # The attempt the fault struck went on if it committed a save after the fault or ran to
     # the end, or a fault on the job (a kill) ended it. Else the storage fault did, even where
     # the restart came after the window (a script whose next save() raised the failed one's
-    # error crashed a few steps later; torchrun took seconds to start it again).
+    # error crashed a few steps later; torchrun took seconds to start it again). A damaged
+    # checkpoint on storage ends no attempt: it excuses nothing.
     next_t = min((e["t"] for e in record.events
                   if e["event"] in STARTS and e["attempt"] > attempt), default=None)
     ended_by_it = next_t is not None and not any(
         c["committed"] and c["attempt"] == attempt and c["staged_t"] is not None
         and c["staged_t"] > t1 for c in saves) and not any(
-        i.kind not in STORAGE_FAULTS and not i.skipped and not i.missed and t0 <= i.t <= next_t
-        for i in record.injections)
+        i.kind not in STORAGE_FAULTS and i.kind != "corrupt_shard" and not i.skipped
+        and not i.missed and t0 <= i.t <= next_t for i in record.injections)
     # a script that reports no step (no probe): only a restart says training did not go on
     judged_to = max(t1, t0 + 2 * pace_s) if pace_s else t1
     steps_during = sum(1 for t, a in steps if t0 <= t <= judged_to and a == attempt) \
