@@ -23,6 +23,7 @@ import torch
 from antifragile.chaos.faults import Injection
 from antifragile.chaos.observe import checker, measure
 from antifragile.chaos.observe.record import RunRecord
+from antifragile.chaos.run.draws import Draws
 from antifragile.chaos.scenario import parse_scenario
 from antifragile.engine import CheckpointEngine
 from tests.test_report import SCENARIO, T0, WORLD, _Job, synthetic_record
@@ -727,10 +728,49 @@ def test_the_runner_tags_each_injection_with_its_fault() -> None:
         {"kind": "hang_rank", "rank": 0, "at_step": 4},
         {"kind": "crash_during_save", "rank": "random", "at_checkpoint": 1}]})
     pending = [pauses.Pending(f, i) for i, f in enumerate(s.faults)]
-    points = pauses.pause_plan(s, pending, random.Random(0))
+    points = pauses.pause_plan(s, pending, Draws(0))
     assert [p.index for p in pending] == [0]
     planned = sorted((i, f.kind) for point in points.values() for i, f in point.faults)
     assert planned == [(1, "kill_rank"), (2, "hang_rank"), (3, "crash_during_save")]
+
+
+def test_a_random_faults_target_picks_do_not_depend_on_how_often_its_arrivals_were_redrawn(
+        ) -> None:
+    """A ``rank: random`` kill with ``mtbf_s``: an arrival that comes while the job is down is
+    drawn again, and how many are depends on how long the restarts take. One generator served
+    the arrivals and the picks, so with the same seed the rank each kill hit depended on that
+    count: the seed did not fix which ranks a run killed. The k-th kill picks the same rank
+    whatever came before it now (its arrival times still differ)."""
+    from antifragile.chaos.faults.base import Target
+    from antifragile.chaos.run import pauses, runner
+
+    s = parse_scenario({**SCENARIO, "seed": 7, "faults": [
+        {"kind": "kill_rank", "rank": "random", "mtbf_s": 5},
+        {"kind": "kill_rank", "rank": "random", "mtbf_s": 3}]})
+
+    def picks(down: int) -> list[list[int]]:
+        """Each fault's first 8 picks, the first ``down`` arrivals coming while the job is
+        down (drawn again: nothing picked)."""
+        pending = [pauses.Pending(f, i, next_t=0.0) for i, f in enumerate(s.faults)]
+        draws = Draws(s.seed)
+        arrivals = 0
+        picked: list[list[int]] = [[], []]
+
+        def up() -> bool:
+            nonlocal arrivals
+            arrivals += 1
+            return arrivals > down
+
+        def make(p: pauses.Pending, rng: random.Random) -> None:
+            target = Target(pids={r: 100 + r for r in range(WORLD)}, coordinates={},
+                            ckpt_url="unused", rng=rng, started=dict.fromkeys(range(WORLD)))
+            picked[p.index].append(target.resolve("random"))
+
+        while min(len(p) for p in picked) < 8:
+            runner._time_faults(pending, min(p.next_t or 0.0 for p in pending), up, draws, make)
+        return [p[:8] for p in picked]
+
+    assert len({str(picks(down)) for down in range(6)}) == 1
 
 
 def test_faults_at_one_step_on_different_passes_get_a_pause_point_each() -> None:
@@ -743,7 +783,7 @@ def test_faults_at_one_step_on_different_passes_get_a_pause_point_each() -> None
         {"kind": "kill_rank", "rank": 0, "at_step": 4},
         {"kind": "kill_rank", "rank": 1, "at_step": 4, "on_pass": 2}]})
     pending = [pauses.Pending(f, i) for i, f in enumerate(s.faults)]
-    points = pauses.pause_plan(s, pending, random.Random(0))
+    points = pauses.pause_plan(s, pending, Draws(0))
     assert [(p.as_json(), [i for i, _ in p.faults]) for p in points.values()] == [
         ({"id": "p0", "step": 4}, [0, 1]), ({"id": "p1", "step": 4, "pass": 2}, [2])]
 
@@ -759,7 +799,7 @@ def test_a_fault_of_a_later_pass_alone_at_its_step_waits_for_that_pass(tmp_path:
     s = parse_scenario({**SCENARIO, "faults": [
         {"kind": "kill_rank", "rank": 1, "at_step": 4, "on_pass": 3}]})
     pending = [pauses.Pending(f, i) for i, f in enumerate(s.faults)]
-    points = pauses.pause_plan(s, pending, random.Random(0))
+    points = pauses.pause_plan(s, pending, Draws(0))
     pauses.write_plan(tmp_path, points)
 
     def faults_held_passing_step_4() -> list[list[int]]:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from antifragile.chaos.faults import FaultBase
+from antifragile.chaos.run.draws import Draws
 from antifragile.chaos.scenario import Scenario
 
 
@@ -74,10 +74,11 @@ class Point:
         return doc
 
 
-def pause_plan(s: Scenario, pending: list[Pending], rng: random.Random) -> dict[str, Point]:
+def pause_plan(s: Scenario, pending: list[Pending], draws: Draws) -> dict[str, Point]:
     """One pause point per moment a step- or checkpoint-triggered fault is due; those faults
     leave ``pending``. A checkpoint's moment is its step (the n-th save is at n x every), and
-    a moment is also its pass (``on_pass``)."""
+    a moment is also its pass (``on_pass``). A save-phase fault's ``rank: random`` is picked
+    here, from the fault's own generator (``Draws.targets``)."""
     points: dict[tuple[int, str | None, tuple[int, ...] | None, int], Point] = {}
     coordinates = mesh_coordinates(s)
     for p in list(pending):
@@ -95,7 +96,7 @@ def pause_plan(s: Scenario, pending: list[Pending], rng: random.Random) -> dict[
         if phase is not None:  # a save phase holds only the rank the fault hits
             rank = getattr(f, "rank", 0)
             if rank == "random":
-                rank = rng.randrange(s.trainer.world_size)
+                rank = draws.targets(p.index).randrange(s.trainer.world_size)
             elif not isinstance(rank, int):
                 rank = next(r for r, c in coordinates.items()
                             if c == (rank.dp, rank.pp, rank.tp))

@@ -27,6 +27,7 @@ from antifragile.chaos.infra.s3 import ENDPOINT_VARS, RunStorage
 from antifragile.chaos.infra.weed import start_time
 from antifragile.chaos.observe.measure import detection_window_s
 from antifragile.chaos.observe.record import EventLogError, EventTail, RunRecord
+from antifragile.chaos.run.draws import Draws
 from antifragile.chaos.run.pauses import (
     Pending,
     Point,
@@ -68,11 +69,11 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
 
     A command trainer's ranks are also found from outside (``workers.WorkerWatch``), so
     time-based faults reach a script that never calls the probe."""
-    rng = random.Random(s.seed)
+    draws = Draws(s.seed)
     wait_s = detection_window_s(s)  # for every rank to reach a pause point
     pending = [Pending(f, i) for i, f in enumerate(s.faults if faults else [])]
     max_restarts = 2 * len(pending) + (50 if any(p.fault.mtbf_s for p in pending) else 0)
-    points = pause_plan(s, pending, rng)
+    points = pause_plan(s, pending, draws)
     write_plan(run_dir, points)
     hosts = _Hosts.open(s.trainer.nodes)
     relay: FaultProxy | None = None
@@ -98,7 +99,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
         started = time.time()
         for p in pending:
             if p.fault.mtbf_s:
-                p.next_t = started + rng.expovariate(1 / p.fault.mtbf_s)
+                p.next_t = started + draws.arrivals(p.index).expovariate(1 / p.fault.mtbf_s)
             elif p.fault.at_s is not None:
                 p.next_t = started + p.fault.at_s
         agents.procs = (launch_hosts(s, run_dir, ckpt_url, max_restarts=max_restarts,
@@ -106,6 +107,15 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                         else [launch(s, run_dir, ckpt_url, max_restarts=max_restarts, env=env)])
         if s.is_command:
             watch = WorkerWatch(agents.procs[0].pid)
+
+        def make_time_fault(p: Pending, picks: random.Random) -> None:
+            injection = _inject(p.fault, _target(s, job, ckpt_url, picks, storage, hosts,
+                                                 endings),
+                                job.step or (None if s.is_command else 0))
+            agents.note(injection)
+            injection.fault_index = p.index
+            injections.append(injection)
+
         while agents.running(job.finished):
             if time.time() - started > timeout_s:
                 raise RunTimeout(f"the {'faulty' if faults else 'fault-free'} run of {s.name} "
@@ -121,8 +131,15 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                 if e["event"] == "paused":
                     point = points.get(e["point"])
                     if point is not None and job.all_paused(point, e):
-                        target = _target(s, job, ckpt_url, rng, storage, hosts, endings)
+                        # one target for the point: a random rank avoids those already hit
+                        # there; each fault picks with its own generator (``Draws``)
+                        target: Target | None = None
                         for index, fault in point.faults:
+                            picks = draws.targets(index)
+                            if target is None:
+                                target = _target(s, job, ckpt_url, picks, storage, hosts,
+                                                 endings)
+                            target.rng = picks
                             injection = _inject(fault, target, point.step)
                             agents.note(injection)
                             injection.fault_index = index
@@ -145,26 +162,8 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                                                     missed=why, fault_index=index))
                     release(run_dir, point)
                     job.hold_ended(point, now, complete=False)
-            for p in pending:
-                if p.next_t is not None and now >= p.next_t and job.generations:
-                    # An arrival while the job is down (re-forming, restarting) or after its
-                    # last step has nothing to hit: it is drawn again rather than fired at
-                    # dead pids.
-                    pids = job.current_pids()
-                    up = (len(pids) == s.trainer.world_size
-                          and (s.is_command or job.step < s.trainer.steps)
-                          and all(job.runs(max(job.generations), r) for r in pids))
-                    if up:
-                        injection = _inject(p.fault, _target(s, job, ckpt_url, rng, storage,
-                                                             hosts, endings),
-                                            job.step or (None if s.is_command else 0))
-                        agents.note(injection)
-                        injection.fault_index = p.index
-                        injections.append(injection)
-                    if p.fault.mtbf_s:
-                        p.next_t = now + rng.expovariate(1 / p.fault.mtbf_s)
-                    elif up:  # at_s: once, at the first moment the job is up after it
-                        p.next_t = None
+            if job.generations:
+                _time_faults(pending, now, lambda: _up(s, job), draws, make_time_fault)
             job.check_ends(time.time())
             time.sleep(0.02)
         # ... to the end of its last worker: undoing the faults that last, stopping leftover
@@ -182,6 +181,37 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     events = sorted(tail.events + observed, key=lambda e: e["t"])  # polls read file by file
     return RunRecord(agents.returncode, started, ended, events, injections, job.ends,
                      paused_s=job.paused_s)
+
+
+def _time_faults(pending: list[Pending], now: float, up: Callable[[], bool], draws: Draws,
+                 make: Callable[[Pending, random.Random], None]) -> None:
+    """Make each time-triggered fault of ``pending`` due at ``now`` (``make``, given the
+    generator its targets are picked from) if the job is ``up``, and draw its next arrival.
+
+    An arrival while the job is down (re-forming, restarting) or after its last step has
+    nothing to hit: it is drawn again rather than fired at dead pids. How many arrivals are
+    drawn again depends on how long the job is down, so the targets are picked from generators
+    of their own (``Draws``): the k-th firing of a fault picks the same ones in every run with
+    the scenario's seed."""
+    for p in pending:
+        if p.next_t is None or now < p.next_t:
+            continue
+        fire = up()
+        if fire:
+            make(p, draws.targets(p.index))
+        if p.fault.mtbf_s:
+            p.next_t = now + draws.arrivals(p.index).expovariate(1 / p.fault.mtbf_s)
+        elif fire:  # at_s: once, at the first moment the job is up after it
+            p.next_t = None
+
+
+def _up(s: Scenario, job: _Job) -> bool:
+    """Every rank of the job's newest generation runs, and (the built-in trainer) it is before
+    its last step: a time-triggered fault has something to hit."""
+    pids = job.current_pids()
+    return (len(pids) == s.trainer.world_size
+            and (s.is_command or job.step < s.trainer.steps)
+            and all(job.runs(max(job.generations), r) for r in pids))
 
 
 def _every(*steps: Callable[[], None] | None) -> None:

@@ -169,7 +169,8 @@ MAX_NAME = 200
 class Scenario(_Strict):
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")]
     description: str = ""
-    #: seeds the trainer's generators (and the faults' choices): a 64-bit signed, non-negative
+    #: seeds the trainer's generators and the faults' choices (``chaos/run/draws.py``: each
+    #: fault's k-th firing picks the same targets): a 64-bit signed, non-negative
     seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] = 0
     trainer: TrainerChoice = TrainerSpec()
     checkpoint: CheckpointSpec = CheckpointSpec.model_validate({})  # by alias: "async"
