@@ -149,8 +149,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                         job.hold_ended(point, time.time(), complete=True)
             now = time.time()
             for point in points.values():
-                if point.paused and not point.released and now - point.last_paused_t > wait_s \
-                        and max(g for g, _ in point.paused) >= max(job.generations, default=0):
+                if job.waits_in_vain(point, now, wait_s):
                     # a rank that never comes (a script that calls the probe on rank 0 only)
                     # would hold the others until the run's time limit: the faults due here
                     # did not happen, and the held ranks go on
@@ -352,6 +351,19 @@ class _Job:
         for g in self.generations:
             if g not in self.ends and self.ended(g):
                 self.ends[g] = now
+
+    def waits_in_vain(self, point: Point, now: float, wait_s: float) -> bool:
+        """The ranks held at ``point`` have waited ``wait_s`` since the last of them arrived
+        for a rank of their generation, the newest, that never comes: the point is to be given
+        up. Not once that generation has ended (another fault killed one of its ranks before
+        it got there): the point was not released, so the next generation, back at that step,
+        is held there again (``trainer.pause``), and the point waits for it however long the
+        restart takes. Should none get there, its faults are never injected (the verdict
+        says so)."""
+        if not point.paused or point.released or now - point.last_paused_t <= wait_s:
+            return False
+        held = max(g for g, _ in point.paused)
+        return held >= max(self.generations, default=0) and not self.ended(held)
 
     def all_paused(self, point: Point, e: dict[str, Any]) -> bool:
         """Record a ``paused`` event; True once every rank the point holds is there (in the
