@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         CheckpointMismatchError,
         CheckpointNotFoundError,
         CommitTimeoutError,
+        ObjectExistsError,
         PlanOptions,
         Problem,
         SaveHandle,
@@ -41,8 +42,8 @@ __version__ = "0.2.0"
 __all__ = [
     "CheckpointBusyError", "CheckpointCorruptError", "CheckpointEngine", "CheckpointError",
     "CheckpointFormatError", "CheckpointMismatchError", "CheckpointNotFoundError",
-    "CommitTimeoutError", "PlanOptions", "Problem", "SaveHandle", "StepSkippedWarning",
-    "StorageError", "VerifyReport",
+    "CommitTimeoutError", "ObjectExistsError", "PlanOptions", "Problem", "SaveHandle",
+    "StepSkippedWarning", "StorageError", "VerifyReport",
 ]
 _ENGINE_EXPORTS = frozenset(__all__)
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         CheckpointMismatchError,
         CheckpointNotFoundError,
         CommitTimeoutError,
+        ObjectExistsError,
         StepSkippedWarning,
         StorageError,
     )
@@ -41,6 +42,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CommitTimeoutError",
+    "ObjectExistsError",
     "PlanOptions",
     "Problem",
     "SaveHandle",

@@ -17,7 +17,7 @@ from typing import Any
 
 from .errors import CheckpointError
 from .storage import Storage
-from .storage._base import Late, read_into
+from .storage._base import Late, create, read_into
 
 
 class WriteGate:
@@ -63,6 +63,13 @@ class GatedStorage:
         self._gate.enter(f"write {key}")
         try:
             self.inner.write(key, parts, durable=durable, late=late)
+        finally:
+            self._gate.leave(f"write {key}")
+
+    def create(self, key: str, parts: Sequence[Any]) -> None:
+        self._gate.enter(f"write {key}")
+        try:
+            create(self.inner, key, parts)
         finally:
             self._gate.leave(f"write {key}")
 

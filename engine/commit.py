@@ -7,7 +7,11 @@ the objects the plan assigns to that rank; the marker carries the merged manifes
 with its size, part CRCs and a digest bound to its key and this save's nonce: see ``_format``),
 so loading and verifying never list storage. Records and the marker are sealed JSON (a crc32c
 of their own bytes), checked before use. No rename is involved, which is what makes the
-protocol correct on S3.
+protocol correct on S3. The marker is written with an atomic create (``storage.create``: a local
+hard link, S3's conditional PUT), so of two saves of one step (two jobs at one URL, a generation
+that did not learn that its predecessor committed) one commits and the other fails: a COMMIT is
+never replaced. Storage without such a write (fsspec, an S3 server refusing conditional PUTs)
+looks first and then writes, which narrows the race but does not close it.
 
 Who writes what: every rank writes the shard objects the plan assigns it, and a share of the
 zarr metadata documents (``metadata_owners``: spread so that no rank writes many more objects
@@ -56,11 +60,13 @@ from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     CommitTimeoutError,
+    ObjectExistsError,
     StorageError,
 )
 from .persist import parse_record, record_manifest
 from .plan import GlobalPlan
 from .storage import Storage
+from .storage._base import create
 
 _T = TypeVar("_T")
 
@@ -324,10 +330,12 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
             f"step {step}: every record was in only after the commit deadline, when the other "
             "ranks stop waiting for the COMMIT; not committed, the previous checkpoint stays "
             "the newest")
-    if storage.exists(f"{base}/{COMMIT}"):  # another save committed this step meanwhile
+    try:  # an atomic create: a look-up then a write let two saves of the step both commit
+        create(storage, f"{base}/{COMMIT}", [_format.seal(marker)])
+    except ObjectExistsError:  # another save committed this step meanwhile
         raise CheckpointError(f"step {step} was committed by another save while this one ran "
-                              "(two jobs writing one URL?); its COMMIT is not overwritten")
-    storage.write(f"{base}/{COMMIT}", [_format.seal(marker)], durable=True)
+                              "(two jobs writing one URL?); its COMMIT is not overwritten"
+                              ) from None
     storage.sync()
     return CommitResult(nbytes=manifest.nbytes, objects=len(manifest.objects))
 

@@ -50,5 +50,10 @@ class CheckpointFormatError(CheckpointError):
     newer engine's): intact, as far as anyone here can tell, and not damage."""
 
 
+class ObjectExistsError(CheckpointError):
+    """``Storage.create`` found its key taken: the object there (another writer's) is left as
+    it is. What a second COMMIT of one step meets."""
+
+
 class StorageError(CheckpointError):
     """Storage failed permanently, or transiently beyond the retry budget."""

@@ -26,7 +26,7 @@ from .errors import CheckpointCorruptError, CheckpointError, CommitTimeoutError
 from .plan import ArraySpec, GlobalPlan
 from .stage import StagingArea
 from .storage import Storage
-from .storage._base import read_into
+from .storage._base import create, read_into
 
 _T = TypeVar("_T")
 
@@ -138,6 +138,9 @@ class BoundedRequests:
     def write(self, key: str, parts: Any, *, durable: bool = False, late: Any = None) -> None:
         self._bounded(f"write {key}",
                       lambda: self.inner.write(key, parts, durable=durable, late=late))
+
+    def create(self, key: str, parts: Any) -> None:
+        self._bounded(f"write {key}", lambda: create(self.inner, key, parts))
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         return self._bounded(f"read {key}", lambda: self.inner.read(key, start, end))

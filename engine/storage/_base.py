@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from ..errors import CheckpointError, StorageError
+from ..errors import CheckpointError, ObjectExistsError, StorageError
 
 log = logging.getLogger("antifragile.engine.storage")
 T = TypeVar("T")
@@ -42,6 +42,12 @@ class Storage(Protocol):
     Implementations are thread-safe. ``write`` is durable when it returns (fsync locally; a
     completed PUT on S3) and atomic enough for the protocol: a torn object is never referenced
     by a record, because records are written only after every object they list.
+
+    Optional, like ``read_into``: ``create(key, parts)`` stores ``parts`` as one new object,
+    durably (as ``write(durable=True)``), only if ``key`` holds none, else raises
+    ObjectExistsError and leaves the object there unchanged; atomic: of two creates of one
+    key, one fails. Call it through :func:`create`, which looks first and then writes where a
+    storage has none.
     """
 
     url: str
@@ -74,6 +80,25 @@ class Storage(Protocol):
     def sync(self) -> None:
         """Make every completed write's directory entry durable (a no-op on object stores)."""
         ...
+
+
+def create(storage: Any, key: str, parts: Sequence[Any]) -> None:
+    """``storage.create(key, parts)`` where its class defines ``create`` (a local hard link, an
+    S3 conditional PUT: atomic). Else, check-then-write: ObjectExistsError if ``key`` exists,
+    then a durable ``write``; two writers that both look before either writes both write, and
+    the later object replaces the earlier. Only a method the class defines counts (as for
+    :func:`read_into`): a wrapper that forwards other attributes but defines ``write`` (a
+    test's fault, a user's instrumentation) sees the write."""
+    if getattr(type(storage), "create", None) is not None:
+        storage.create(key, parts)
+        return
+    if storage.exists(key):
+        raise exists_error(storage, key)
+    storage.write(key, parts, durable=True)
+
+
+def exists_error(storage: Any, key: str) -> ObjectExistsError:
+    return ObjectExistsError(f"{storage.url}/{key} exists already; not overwritten")
 
 
 def read_into(storage: Any, key: str, start: int, buffers: Sequence[Any]) -> int:
@@ -149,6 +174,36 @@ class RetryingStorage:
 
         self._call("write", key, put)
 
+    def create(self, key: str, parts: Sequence[Any]) -> None:
+        """:func:`create`, retried. A try whose request landed but whose answer was lost (a
+        reset connection, a timeout) leaves its object behind, and the next try finds the key
+        taken: once a try has failed, an object holding exactly ``parts`` is this create's
+        own (a COMMIT names its save's nonce: another save's differs) and the create
+        succeeded; any other is another writer's, and ObjectExistsError is raised."""
+        tries = 0
+
+        def put() -> None:
+            nonlocal tries
+            tries += 1
+            try:
+                create(self.inner, key, parts)
+            except FileNotFoundError as exc:  # as in ``write``: not "is it there?"
+                raise OSError(str(exc)) from exc
+
+        try:
+            self._call("write", key, put)
+        except ObjectExistsError:
+            if tries < 2 or not self._holds(key, parts):
+                raise
+
+    def _holds(self, key: str, parts: Sequence[Any]) -> bool:
+        """Whether the object under ``key`` is exactly ``parts``."""
+        data = b"".join(memoryview(p).cast("B") for p in parts)
+        try:
+            return self.size(key) == len(data) and bytes(self.read(key)) == data
+        except FileNotFoundError:  # deleted since: not this create's to claim
+            return False
+
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         return self._call("read", key, lambda: self.inner.read(key, start, end))
 
@@ -209,6 +264,10 @@ class CountingStorage:
               late: Late | None = None) -> None:
         self._count("write")
         self.inner.write(key, parts, durable=durable, late=late)
+
+    def create(self, key: str, parts: Sequence[Any]) -> None:  # one PUT (or a look-up and one)
+        self._count("write")
+        create(self.inner, key, parts)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         self._count("read")

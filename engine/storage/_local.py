@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import StorageError
-from ._base import Late
+from ._base import Late, exists_error
 
 log = logging.getLogger("antifragile.engine.storage")
 
@@ -54,6 +54,7 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _FSYNC_THREADS = 8
 SYNCFS_MAX_DIRTY = 64 << 20  # dirty page cache (whole machine) under which sync() uses syncfs
 WRITEBACK_MIN_BYTES = 1 << 20  # buffered bytes of a file worth starting its writeback early
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS})
 _FOLDERS_MAX = 1 << 16  # folders remembered as made (a save makes one per array)
 
 
@@ -74,6 +75,8 @@ class LocalStorage:
         self.direct_io: bool | None = None if _O_DIRECT else False
         self.direct_bytes = 0  # bytes written with O_DIRECT
         self.buffered_bytes = 0  # bytes written through the page cache
+        # None until the first ``create``; then whether the file system takes hard links
+        self.hard_links: bool | None = None
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key) if key else self.root
@@ -121,6 +124,19 @@ class LocalStorage:
 
     def write(self, key: str, parts: Sequence[Any], *, durable: bool = False,
               late: Late | None = None) -> None:
+        self._put(key, parts, durable=durable, late=late, exclusive=False)
+
+    def create(self, key: str, parts: Sequence[Any]) -> None:
+        """Write ``parts`` as a new object, durably, only if ``key`` holds none (else
+        ObjectExistsError, the file there untouched): the temporary file is written and
+        fsynced as a durable ``write``'s, then published with ``link(2)``, which fails with
+        EEXIST where the name is taken (a rename replaces it), and removed. On a file system
+        without hard links (EPERM, EOPNOTSUPP: some FUSE, SMB, vfat) it looks, then renames,
+        and says so once: two creates racing there may both succeed."""
+        self._put(key, parts, durable=True, late=None, exclusive=True)
+
+    def _put(self, key: str, parts: Sequence[Any], *, durable: bool, late: Late | None,
+             exclusive: bool) -> None:
         path = self._path(key)
         self._makedirs(os.path.dirname(path))
         tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"  # a kill never tears `path`
@@ -159,7 +175,10 @@ class LocalStorage:
                     _start_writeback(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            if exclusive:
+                self._publish_new(key, tmp, path)
+            else:
+                os.replace(tmp, path)
         except BaseException:  # a failed write leaves nothing behind (a full disk's space)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -167,6 +186,31 @@ class LocalStorage:
         with self._lock:
             self._dirty_dirs.add(os.path.dirname(path))
             self._dirty_files.add(path)
+
+    def _publish_new(self, key: str, tmp: str, path: str) -> None:
+        """Give the written ``tmp`` the name ``path`` unless that is taken (``create``)."""
+        if self.hard_links is not False:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise exists_error(self, key) from None
+            except OSError as exc:
+                if exc.errno not in _NO_HARD_LINKS:
+                    raise
+                with self._lock:
+                    if self.hard_links is None:
+                        log.warning("%s: the file system refuses hard links (%s); a COMMIT is "
+                                    "written by looking first, then renaming: two saves of "
+                                    "one step racing may both commit, the later replacing "
+                                    "the earlier", self.root, exc)
+                    self.hard_links = False
+            else:
+                self.hard_links = True
+                os.unlink(tmp)
+                return
+        if self.exists(key):
+            raise exists_error(self, key)
+        os.replace(tmp, path)
 
     def _write_direct(self, fd: int, view: memoryview) -> int:
         """Write the aligned ``view`` with O_DIRECT; returns the bytes written (0 when the file

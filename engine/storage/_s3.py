@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..errors import StorageError
-from ._base import Late, byte_views, scatter
+from ._base import Late, byte_views, exists_error, scatter
 
 T = TypeVar("T")
 log = logging.getLogger("antifragile.engine.storage")
@@ -239,6 +239,8 @@ class S3Storage:
         self._admin_lock = threading.Lock()
         self._unanswered_uploads: set[str] = set()  # keys: see ``write``
         self._unanswered_lock = threading.Lock()
+        # None until the first ``create``; then whether the server takes conditional PUTs
+        self.conditional_puts: bool | None = None
         try:
             self.store = S3Store(self.bucket, prefix=prefix or None, **kwargs)
         except BaseError as exc:  # options obstore refuses (half a credential): user input
@@ -328,6 +330,52 @@ class S3Storage:
             self._unanswered_uploads.discard(key)
         if unanswered:  # aborted once the endpoint answers again
             self._abort_uploads(key, exact=True)
+
+    def create(self, key: str, parts: Sequence[Any]) -> None:
+        """One conditional PUT (``If-None-Match: *``, never multipart): S3 writes the object
+        only if ``key`` holds none and answers 412 otherwise (ObjectExistsError here). A 409
+        (a conditional write of the key in flight beside this one) is retried like other
+        409s: the next try meets the object that won. ``RetryingStorage.create`` tells a
+        first try that landed, answer lost, from another writer's object. A server that does
+        not implement conditional writes (501 NotImplemented) gets a look-up then a plain PUT
+        from then on, said once in a warning: two creates racing there may both succeed. A
+        server that ignores the header (not refusing it) overwrites, and nothing here can
+        tell."""
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, NotSupportedError, PreconditionError
+
+        data = b"".join(memoryview(p).cast("B") for p in parts)
+        if self.conditional_puts is not False:
+
+            def put() -> None:
+                try:
+                    obstore.put(self.store, key, data, mode="create", use_multipart=False)
+                except (AlreadyExistsError, PreconditionError) as exc:
+                    if " 409 " in _brief(exc):
+                        raise  # ``_call``: a transient 409, retried
+                    raise exists_error(self, key) from None
+                except (NotSupportedError, NotImplementedError) as exc:
+                    raise _NoConditionalPut(_brief(exc)) from exc
+                except Exception as exc:
+                    if _NOT_IMPLEMENTED.search(str(exc)):
+                        raise _NoConditionalPut(_brief(exc)) from exc
+                    raise
+
+            try:
+                self._call("write", key, put)
+                self.conditional_puts = True
+                return
+            except _NoConditionalPut as exc:
+                with self._unanswered_lock:
+                    if self.conditional_puts is None:
+                        log.warning("%s: the S3 server refuses conditional PUTs (%s); a COMMIT "
+                                    "is written by looking first, then writing: two saves of "
+                                    "one step racing may both commit, the later replacing "
+                                    "the earlier", self.url, exc)
+                    self.conditional_puts = False
+        if self.exists(key):
+            raise exists_error(self, key)
+        self.write(key, [data])
 
     def _get(self, key: str, start: int, end: int | None) -> memoryview:
         """The bytes of ``key`` from ``start`` to ``end`` (or its end): one GET; empty past the
@@ -480,6 +528,14 @@ _TRANSIENT_400 = ("<Code>RequestTimeout</Code>", "<Code>IncompleteBody</Code>")
 
 def _refused(text: str) -> bool:
     return bool(_REFUSED.search(text)) and not any(code in text for code in _TRANSIENT_400)
+
+
+# a conditional PUT the server does not implement (rather than a malformed request)
+_NOT_IMPLEMENTED = re.compile(r"status code: 501 |<Code>NotImplemented</Code>")
+
+
+class _NoConditionalPut(Exception):
+    """The server answered a conditional PUT "not implemented": ``create`` falls back."""
 
 
 class _RangeNotSatisfiable(OSError):
