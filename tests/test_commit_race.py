@@ -238,3 +238,26 @@ def test_s3_that_refuses_conditional_puts_falls_back_and_says_so_once(
     assert s.read("step_1/COMMIT") == b"one" and s.read("step_2/COMMIT") == b"two"
     warnings = [r for r in caplog.records if "conditional" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_a_local_file_system_without_hard_links_falls_back_and_says_so_once(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """link(2) refused with EPERM (vfat, some FUSE and SMB mounts): creates look, then
+    rename, still refuse a key that exists, leave no temporary file, and warn once."""
+    import errno
+    import os
+
+    def no_link(src: str, dst: str) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_link)
+    s = open_storage(str(tmp_path / "ckpt"))
+    with caplog.at_level(logging.WARNING, logger="antifragile.engine.storage"):
+        s.create("step_1/COMMIT", [b"one"])
+        s.create("step_2/COMMIT", [b"two"])
+        with pytest.raises(ObjectExistsError):
+            s.create("step_1/COMMIT", [b"three"])
+    assert s.read("step_1/COMMIT") == b"one" and s.read("step_2/COMMIT") == b"two"
+    assert s.list_dir("step_1") == ["COMMIT"]
+    assert len([r for r in caplog.records if "hard links" in r.getMessage()]) == 1
