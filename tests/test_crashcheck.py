@@ -1587,3 +1587,20 @@ def test_a_repeated_case_or_rule_is_taken_once(tmp_path: Path,
     assert r.exit_code == 2 and "stop here" in r.output, r.output
     assert seen[0].cases == ("save", "overwrite")
     assert seen[0].rules == ("engine", "newest-folder")
+
+
+def test_the_markdown_escapes_html_in_the_save_error_and_the_reasons() -> None:
+    """An S3 error is XML (``<Error><Code>SlowDown</Code>...``), an exception's text may hold
+    ``<class '...'>``: crashcheck.md wrote them raw, so a Markdown viewer took them for tags
+    and showed neither the code nor the class (crashcheck.html escaped them)."""
+    from antifragile.chaos.crashcheck.report import markdown
+
+    why = ("rank 0: StorageError: PUT step_2/COMMIT: <Error><Code>SlowDown</Code></Error> "
+           "& <class 'OSError'>")
+    doc = _summarized({0: "old", 1: "old", 2: "old"}, save_error=why)
+    assert not verdict(doc)[0]  # not a case that may refuse: its reason names the error too
+    text = markdown(doc, has_plot=False)
+    shown = ("&lt;Error&gt;&lt;Code&gt;SlowDown&lt;/Code&gt;&lt;/Error&gt; &amp; "
+             "&lt;class 'OSError'&gt;")
+    assert "<Error>" not in text and "<class" not in text, text
+    assert text.count(shown) == 2, text  # in the verdict's reason and in the case's line

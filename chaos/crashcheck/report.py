@@ -160,12 +160,18 @@ def _witness_lines(w: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _md(text: str) -> str:
+    """Free text (an S3 error's XML, an exception's ``<class ...>``) as Markdown text: ``<``
+    and ``&`` escaped, so a viewer shows them as crashcheck.html does instead of a tag."""
+    return html.escape(text, quote=False)
+
+
 def markdown(doc: dict[str, Any], has_plot: bool) -> str:
     ok, reasons = verdict(doc)
     lines = [f"# crashcheck: {doc['engine']}", "",
              f"Verdict: **{'OK' if ok else 'FAIL'}** (the documented load rule: 0 refused, "
              "0 torn, 0 lost, 0 unchecked)", ""]
-    lines += [f"- {r}" for r in reasons]
+    lines += [f"- {_md(r)}" for r in reasons]
     lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in table_rows(doc)]
     lines += ["", "`old`: step k loaded, bitwise equal; `new`: step k+1, bitwise equal; "
@@ -176,7 +182,7 @@ def markdown(doc: dict[str, Any], has_plot: bool) -> str:
               "does, or only an older step); `unchecked`: the checker process died or hung on "
               "the state (the reason is in crashcheck.json).", "",
               "## Cases", ""]
-    lines += [f"- {_case_line(c)}" for c in doc["cases"]]
+    lines += [f"- {_md(_case_line(c))}" for c in doc["cases"]]
     lines += ["", "## Witnesses (one minimal state per non-ok outcome)", ""]
     any_witness = False
     for c in doc["cases"]:
@@ -185,7 +191,7 @@ def markdown(doc: dict[str, Any], has_plot: bool) -> str:
                 any_witness = True
                 lines.append(f"- **{outcome}**: {c['engine']}, {c['ranks']} rank(s), "
                              f"{c['case']}, rule {rule} (state {w['state']})")
-                lines += _witness_lines(w)
+                lines += [_md(line) for line in _witness_lines(w)]
     unchecked = sum(len(c.get("unchecked", [])) for c in doc["cases"])
     if unchecked:  # no outcome, so no witness: not "every state loaded"
         lines.append(f"{unchecked} state(s) unchecked (no outcome; the reasons are in "
