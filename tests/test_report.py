@@ -1057,3 +1057,23 @@ def test_time_held_at_pause_points_is_shown_beside_the_wall_time(
     assert "wall time 20.00 s (2.50 s of it held at pause points, not in goodput)" in md, md
     page = write_html(tmp_path, held, []).read_text(encoding="utf-8")
     assert "<td>held at pause points s (not in goodput)</td><td>2.500</td>" in page
+
+
+def test_a_final_step_not_known_is_not_written_as_none(doc: dict[str, Any],
+                                                       tmp_path: Path) -> None:
+    """A command trainer run with --no-reference has no expected step, and one that committed
+    nothing has no final step: report.md said "final step None" and report.html "None of
+    None", where every other figure not measured is "-"."""
+    scenario = {**doc["scenario"], "trainer": {"command": ["python", "train.py"],
+                                               "nproc_per_node": 4}}
+    run = {**doc["run"], "final_step": None, "expected_step": None}
+    changed = {**doc, "scenario": scenario, "run": run}
+    report.write_markdown(tmp_path, changed)
+    report.write_html(tmp_path, changed, [])
+    md = (tmp_path / "report.md").read_text()
+    assert "final step -\n" in md and "None" not in md.split("## Faults")[0], md
+    page = (tmp_path / "report.html").read_text()
+    assert "<td>final step</td><td>-</td>" in page, page
+    known = {**changed, "run": {**run, "final_step": 40, "expected_step": 50}}
+    report.write_html(tmp_path, known, [])
+    assert "<td>final step</td><td>40 of 50</td>" in (tmp_path / "report.html").read_text()

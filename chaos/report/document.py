@@ -286,7 +286,7 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
     lines += [f"- wall time {_fmt(run['wall_s'], ' s')}{held}, goodput {_fmt(run['goodput'])}"
               + (f" ({vs_ref:.1%} of the fault-free run's {run['reference_goodput']:.3f})"
                  if vs_ref is not None else "")
-              + f", attempts {run['attempts']}, final step {run['final_step']}",
+              + f", attempts {run['attempts']}, final step {_fmt(run['final_step'])}",
               f"- bitwise equal to the fault-free reference: {_fmt(v['bitwise_equal'])}"]
     lines += [f"- {_md(str(reason))}" for reason in v["reasons"]]
     cost = run.get("checkpoint_cost")
@@ -452,6 +452,8 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
                  f"equal to the fault-free reference: {html.escape(equal)}"
                  + (f"<ul>{reasons}</ul>" if reasons else "") + "</div>")
     wall, goodput = run.get("wall_s"), run.get("goodput")
+    # a command trainer's steps are its script's: known from the reference run, if any
+    expected = s["trainer"].get("steps", run.get("expected_step"))
     parts += ["<h2>Run</h2>", html_table(None, [
         ["wall time s", wall], ["held at pause points s (not in goodput)",
                                 run.get("paused_s")],
@@ -467,8 +469,8 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
          f"{_fmt(run['checkpoint_cost']['slowdown_s'], ' s')}"
          f" = {_share(run['checkpoint_cost']['share_of_step_time'])} of the steps' time"],
         ["attempts", run.get("attempts")],
-        ["final step", f"{run.get('final_step')} of "
-                       f"{s['trainer'].get('steps', run.get('expected_step'))}"],
+        ["final step", _fmt(run.get("final_step"))
+         + (f" of {expected}" if expected is not None else "")],
         ["trainer exit code", run.get("returncode")],
         ["checkpoint url", run.get("checkpoint_url")],
         ["reference url", run.get("reference_url")]])]
