@@ -136,10 +136,12 @@ _VALID_NAMES: set[str] = set()
 _VALID_NAMES_MAX = 1 << 16
 
 
-def _stored_name(key: str | int) -> str:
-    """A key's name on storage: an int by its value (an ``(int, Enum)`` key's ``str()`` is
-    ``Layer.ENCODER``, which a load could not turn back into the int it records)."""
-    return int.__repr__(key) if isinstance(key, int) else str(key)
+def _key_name(key: str | int) -> str:
+    """A key's name, on storage and as JSON writes it: a subclass (an Enum with a str or int
+    mixin) by its value, not by its ``str()``: ``Layer.ENCODER`` is no int a load could turn
+    back into the key it records, and ``Split.TRAIN`` is no key that ``Split.TRAIN`` (equal
+    to ``"train"``) or ``"train"`` finds."""
+    return str.__str__(key) if isinstance(key, str) else int.__repr__(key)
 
 
 def _key(key: object, path: str) -> str:
@@ -147,7 +149,7 @@ def _key(key: object, path: str) -> str:
         return key
     if isinstance(key, bool) or not isinstance(key, (str, int)):
         raise CheckpointError(f"state path {path!r}: key {key!r} must be a str or an int")
-    name = check_component(_stored_name(key), where=f"a key under state path {path!r}" if path
+    name = check_component(_key_name(key), where=f"a key under state path {path!r}" if path
                            else "a key at the state's top level", saving=True)
     if type(key) is str and len(_VALID_NAMES) < _VALID_NAMES_MAX:
         _VALID_NAMES.add(name)
@@ -158,16 +160,8 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}/{key}" if prefix else key
 
 
-def _json_key(key: str | int) -> str:
-    """A key as JSON writes it: a subclass (an Enum with a str or int mixin) by its value, not
-    by its ``str()`` (``Split.TRAIN`` is written ``"train"``)."""
-    return str.__str__(key) if isinstance(key, str) else int.__repr__(key)
-
-
-def _check_keys(obj: dict[Any, Any], path: str, name_of: Callable[[Any], str] = str
-                ) -> list[str]:
-    """The int keys of a dict (as ``name_of`` names them: ``_stored_name`` on storage,
-    ``_json_key`` in a JSON value), after checking that every key round-trips."""
+def _check_keys(obj: dict[Any, Any], path: str) -> list[str]:
+    """The int keys of a dict, by ``_key_name``, after checking that every key round-trips."""
     ints = []
     for key in obj:
         if isinstance(key, bool) or not isinstance(key, (str, int)):
@@ -175,7 +169,7 @@ def _check_keys(obj: dict[Any, Any], path: str, name_of: Callable[[Any], str] = 
                                   "cannot round-trip; keys must be str or int")
         if isinstance(key, int):
             try:
-                name = name_of(key)
+                name = _key_name(key)
             except ValueError as exc:  # more digits than sys.get_int_max_str_digits()
                 raise CheckpointError(f"state path {path!r}: an int key of {key.bit_length()} "
                                       f"bits has no decimal name ({exc})") from None
@@ -198,9 +192,9 @@ def describe(value: object, path: str) -> JSON:
         bits = struct.pack("<d", value)
         return ["f", bits.hex()] if value != value and bits != _JSON_NAN else None
     if isinstance(value, dict):
-        ints = _check_keys(value, path, _json_key)
-        children = {_json_key(k): d for k, v in value.items()
-                    if (d := describe(v, _join(path, _json_key(k)))) is not None}
+        ints = _check_keys(value, path)
+        children = {_key_name(k): d for k, v in value.items()
+                    if (d := describe(v, _join(path, _key_name(k)))) is not None}
         return ["d", ints, children] if ints or children else None
     if isinstance(value, (list, tuple)):
         children = {str(i): d for i, v in enumerate(value)
@@ -298,7 +292,7 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
             walk_stateful(obj, path)
         elif isinstance(obj, dict) and (entries or _has_tensor(obj)):
             enter(obj, path)
-            ints = _check_keys(obj, path, _stored_name)
+            ints = _check_keys(obj, path)
             if ints:
                 flat.types["containers"][path] = ["d", ints]
             for key, value in obj.items():

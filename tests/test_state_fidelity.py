@@ -590,3 +590,23 @@ def test_a_numpy_scalar_refused_is_named_with_its_module(ckpt: CheckpointEngine)
     with pytest.raises(CheckpointError) as raised:
         ckpt.save(1, {"w": torch.ones(1), "done": np.bool_(True)}, blocking=True)
     assert "'done': numpy.bool is neither a tensor nor JSON-able" in str(raised.value)
+
+
+def test_a_str_enum_key_of_a_dict_holding_tensors_is_stored_by_its_value(
+        ckpt: CheckpointEngine) -> None:
+    """A ``(str, Enum)`` key was stored under its ``str()``, ``Split.TRAIN``, not its value
+    (as an int enum key is, and as JSON writes it in a value): a load into a target keyed by
+    the plain str found no ``by_split/train``, and a rebuilt dict came back keyed
+    ``'Split.TRAIN'``, which ``Split.TRAIN`` does not find."""
+    saved = {"w": torch.ones(1), "by_split": {Split.TRAIN: torch.arange(2.0)}}
+    ckpt.save(1, saved, blocking=True).wait()
+    target: dict[str, Any] = {"w": torch.empty(1), "by_split": None}
+    ckpt.load(target)
+    assert_bitwise(target, {"w": torch.ones(1), "by_split": {"train": torch.arange(2.0)}})
+    assert torch.equal(target["by_split"][Split.TRAIN], torch.arange(2.0))
+    plain = {"w": torch.empty(1), "by_split": {"train": torch.zeros(2)}}
+    ckpt.load(plain)
+    assert torch.equal(plain["by_split"]["train"], torch.arange(2.0))
+    in_place = {"w": torch.empty(1), "by_split": {Split.TRAIN: torch.zeros(2)}}
+    ckpt.load(in_place)
+    assert torch.equal(in_place["by_split"][Split.TRAIN], torch.arange(2.0))
