@@ -42,7 +42,7 @@ from ._ranks import PerRank
 from ._ranks import inventory as rank_inventory
 from ._resave import same_as_committed
 from ._state import FlatState, flatten, state_signature
-from ._threads import DaemonPool, DaemonWorkers
+from ._threads import CLOSE_WAIT_S, DaemonPool, DaemonWorkers
 from .errors import CheckpointBusyError, CheckpointError
 from .persist import (
     BoundedRequests,
@@ -177,6 +177,7 @@ class CheckpointEngine:
             self._lister = threading.Thread(target=self._note_step_folders, daemon=True,
                                             name="ckpt-list-steps")
             self._lister.start()
+        self._listing = self._lister  # kept for close(): the first save forgets ``_lister``
 
     # -- save ----------------------------------------------------------------------------------
 
@@ -695,7 +696,8 @@ class CheckpointEngine:
 
     def close(self) -> None:
         """Wait for the save in flight (its failure is logged, not raised) and for the threads
-        that ran it to end."""
+        that ran it to end, and on rank 0 for the listing of the step folders begun at the
+        engine's start (each up to ``CLOSE_WAIT_S``, then left, saying so)."""
         if self._closed:
             return
         self._closed = True
@@ -706,6 +708,10 @@ class CheckpointEngine:
                 except CheckpointError as exc:
                     log.warning("save in flight at close failed: %s", exc)
         stuck = self._pool.close() + self._workers.close()
+        if self._listing is not None:  # no request of a closed engine's goes on in storage
+            self._listing.join(CLOSE_WAIT_S)
+            if self._listing.is_alive():
+                stuck.append(self._listing.name)
         if stuck:
             log.warning("closed with checkpoint threads still running: %s", ", ".join(stuck))
 

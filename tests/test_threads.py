@@ -73,6 +73,34 @@ def test_an_engine_closed_after_saves_leaves_no_worker(tmp_path: Path) -> None:
     assert ckpt._workers._threads and _alive(ckpt._workers) == []
 
 
+def test_close_waits_for_the_listing_of_step_folders(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 lists the step folders an earlier process left on a thread of its own from the
+    engine's start; close() returned while it still listed (a slow storage, or an engine
+    closed at once), leaving a thread of the closed engine making requests to its storage."""
+    from antifragile.engine import engine as engine_module
+
+    listing, release = threading.Event(), threading.Event()
+    real = engine_module._commit.step_dirs
+
+    def slow_listing(storage: object) -> object:
+        listing.set()
+        release.wait(10)
+        return real(storage)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module._commit, "step_dirs", slow_listing)
+    ckpt = CheckpointEngine(str(tmp_path / "ck"))
+    assert listing.wait(10)
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    try:
+        ckpt.close()
+        assert not [t.name for t in threading.enumerate() if t.name == "ckpt-list-steps"]
+    finally:
+        release.set()
+        timer.cancel()
+
+
 def test_a_script_that_exits_right_after_saves_exits_cleanly(tmp_path: Path) -> None:
     """Saves whose last tensors are views (freeing them takes the GIL in C++), an engine
     dropped without close(): the interpreter exits with 0. A smoke check: the race it guards
