@@ -89,14 +89,18 @@ def test_activation_checkpointing_changes_nothing_numerically(tmp_path: Path) ->
     assert losses(plain) == losses(recomputed)
 
 
-def test_a_pipelined_run_trains_like_an_unpipelined_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [[], ["--schedule", "gpipe", "--micro-batches", "1"]],
+                         ids=["1f1b", "gpipe-one-micro-batch"])
+def test_a_pipelined_run_trains_like_an_unpipelined_one(tmp_path: Path,
+                                                         extra: list[str]) -> None:
     """Stages send activations forward and their gradients back: a stage that computed no
     gradient for what it received would leave the stages before it untrained, which neither a
     resume nor the bitwise verdict (its reference trains the same way) can show; the losses
-    against the same model in one piece do (micro-batches only reorder sums)."""
+    against the same model in one piece do (micro-batches only reorder sums). GPipe also with
+    fewer micro-batches than stages (one: the stages take turns)."""
     whole, piped = tmp_path / "whole", tmp_path / "piped"
     run_trainer(whole, steps=4, ckpt_every=4)
-    run_trainer(piped, pp=2, steps=4, ckpt_every=4)
+    run_trainer(piped, pp=2, steps=4, ckpt_every=4, extra=extra)
     expected, got = losses(whole), losses(piped)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for step in expected:

@@ -357,6 +357,18 @@ def test_a_vocabulary_every_tp_rank_holds_rows_of_is_accepted(tp: int, vocab: in
     assert cfg.model.vocab == vocab
 
 
+def test_gpipe_takes_fewer_micro_batches_than_stages() -> None:
+    """GPipe runs every micro-batch forward, then every one backward: it needs no more of them
+    than stages (torch's ScheduleGPipe takes one micro-batch through two stages, and trains
+    as the whole model does). Only 1F1B, whose steady state keeps one in flight per stage,
+    needs as many as stages (torch's Schedule1F1B refuses fewer); the config refused both."""
+    cfg = parse_args(["--pp", "2", "--schedule", "gpipe", "--micro-batches", "1"])
+    assert (cfg.schedule, cfg.micro_batches, cfg.parallel.pp) == ("gpipe", 1, 2)
+    with pytest.raises(ValueError, match="1 micro-batches cannot fill 2 pipeline stages "
+                                         "under the 1f1b schedule"):
+        TrainConfig(parallel=ParallelDims(pp=2), schedule="1f1b", micro_batches=1)
+
+
 def test_config_defaults_are_consistent() -> None:
     cfg = TrainConfig(parallel=ParallelDims(dp=2, tp=2, pp=2), micro_batches=2)
     assert cfg.parallel.world_size == 8

@@ -70,9 +70,13 @@ class TrainConfig:
         if self.parallel.pp > 1 and per_dp % self.micro_batches:
             raise ValueError(f"the per-replica batch {per_dp} is not divisible by "
                              f"{self.micro_batches} micro-batches")
-        if self.parallel.pp > 1 and self.micro_batches < self.parallel.pp:
+        # 1F1B keeps one micro-batch in flight per stage (torch's Schedule1F1B refuses fewer);
+        # GPipe runs them all forward, then all backward, and takes any number
+        if self.parallel.pp > 1 and self.schedule == "1f1b" \
+                and self.micro_batches < self.parallel.pp:
             raise ValueError(f"{self.micro_batches} micro-batches cannot fill "
-                             f"{self.parallel.pp} pipeline stages")
+                             f"{self.parallel.pp} pipeline stages under the 1f1b schedule: "
+                             f"give --micro-batches >= {self.parallel.pp} or --schedule gpipe")
         for name in ("ckpt_url", "run_dir"):  # None is the option left out; "" is not that
             if getattr(self, name) == "":  # (an unset variable: --ckpt-url "$CKPT")
                 raise ValueError(f"{name} must not be empty: leave the option out for none "
