@@ -716,3 +716,15 @@ def test_checkpoint_storage_that_cannot_be_written_is_refused_at_validation(
     with pytest.raises(ScenarioError) as exc:
         parse_scenario(_with(checkpoint={"url": url}), path="s.yaml")
     assert str(exc.value) == f"s.yaml: checkpoint.url: {url}: {reason}"
+
+
+def test_gpipe_takes_fewer_micro_batches_than_stages_as_the_trainer_does() -> None:
+    """Only 1F1B needs a micro-batch per stage (the trainer's rule since d0d2d74); the scenario
+    check refused ``micro_batches < pp`` for GPipe too, a run the trainer makes."""
+    trainer = {**BASE["trainer"], "parallel": {"dp": 1, "tp": 1, "pp": 2}, "micro_batches": 1,
+               "model": {"layers": 2}}
+    s = parse_scenario(_with(trainer={**trainer, "schedule": "gpipe"}))
+    assert s.trainer.micro_batches == 1
+    with pytest.raises(ScenarioError, match="trainer: micro_batches 1 cannot fill 2 pipeline "
+                                            "stages with schedule 1f1b"):
+        parse_scenario(_with(trainer={**trainer, "schedule": "1f1b"}))

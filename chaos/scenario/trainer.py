@@ -155,10 +155,14 @@ class TrainerSpec(_Strict):
                              "rank some (a multiple of tp does) or a smaller tp")
         if self.model.layers < p.pp:
             raise ValueError(f"{self.model.layers} layers cannot fill {p.pp} pipeline stages")
-        if p.pp > 1 and ((self.batch_size // p.dp) % self.micro_batches
-                         or self.micro_batches < p.pp):
+        if p.pp > 1 and (self.batch_size // p.dp) % self.micro_batches:
             raise ValueError(f"micro_batches {self.micro_batches} must divide the per-replica "
-                             f"batch {self.batch_size // p.dp} and be >= pp {p.pp}")
+                             f"batch {self.batch_size // p.dp}")
+        if p.pp > 1 and self.schedule == "1f1b" and self.micro_batches < p.pp:
+            # as the trainer refuses (trainer.config): GPipe takes any number
+            raise ValueError(f"micro_batches {self.micro_batches} cannot fill {p.pp} pipeline "
+                             "stages with schedule 1f1b: give micro_batches >= pp or schedule "
+                             "gpipe")
         if self.nodes > 1 and p.world_size % self.nodes:
             raise ValueError(f"{p.world_size} ranks cannot be split over {self.nodes} nodes")
         return self
