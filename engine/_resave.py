@@ -4,7 +4,7 @@ without writing; anything else is refused, since a committed step is never overw
 from __future__ import annotations
 
 import json
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 from typing import Any
 
 from ._state import same_value
@@ -67,7 +67,11 @@ def same_as_committed(storage: Storage, step: int, rank: int, plan: GlobalPlan,
         return f"{key} is not what its manifest records"
 
     jobs = [*((w.key, i) for i, w in enumerate(staging.writes)), *docs.items()]
-    problems = [p for p in pool.map(differs, jobs) if p is not None]
+    # every check ends before the save does (its outcome or error): a check still running
+    # would finish its cell in the staging arena after the next save began staging into it
+    checks = [pool.submit(differs, job) for job in jobs]
+    wait(checks)
+    problems = [p for p in (check.result() for check in checks) if p is not None]
     staging.wait_staged()
     if problems:
         raise refuse(problems[0])

@@ -2140,3 +2140,66 @@ def test_a_closed_engine_refuses_every_call_that_needs_its_threads(tmp_path: Pat
             call()
             pytest.fail(f"{name} after close")
     assert engine.steps() == [1]  # a listing needs no thread
+
+
+def test_a_resave_whose_check_raises_waits_for_its_other_checks_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One of a re-save's checks raising (not a CheckpointError) must not end the save while
+    another still runs: that one goes on to finish its cell (CRC slots written into the shared
+    staging arena) after the save has failed and the next save began staging into the arena.
+    The check that raises comes first, so the results read in order reach it first."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from antifragile.engine import _resave
+
+    release, raised = threading.Event(), threading.Event()
+    finished: list[int] = []
+
+    class Staging:
+        writes = [SimpleNamespace(key="w/c/0"), SimpleNamespace(key="w/c/1")]
+
+        def wait_staged(self, index: int | None = None) -> None:
+            if index == 1 and not release.wait(10):
+                raise AssertionError("never released")
+
+        def finish(self, index: int) -> tuple[bytes, list[int]]:
+            finished.append(index)
+            return b"", []
+
+    class Reader:
+        commit = {"plan_id": "p", "nonce": 1}
+        values: dict[str, Any] = {}
+        values_by_rank: dict[str, Any] = {}
+        manifest = SimpleNamespace(crcs={"w/c/0": [], "w/c/1": []})
+
+        def __init__(self, storage: Any, step: int) -> None:
+            pass
+
+        def read_object(self, key: str) -> bytes:
+            if key == "w/c/0":
+                raised.set()
+                raise OSError("connection reset")
+            return b""
+
+    monkeypatch.setattr(_resave, "StepReader", Reader)
+    outcome: list[BaseException] = []
+
+    def resave() -> None:
+        try:
+            _resave.same_as_committed(None, 2, 0, SimpleNamespace(plan_id="p"),  # type: ignore[arg-type]
+                                      Staging(), {}, {}, pool)  # type: ignore[arg-type]
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with ThreadPoolExecutor(2) as pool:
+        thread = threading.Thread(target=resave)
+        thread.start()
+        assert raised.wait(10)
+        thread.join(0.5)
+        still_running = thread.is_alive()
+        release.set()
+        thread.join(10)
+    assert still_running, "the re-save ended while one of its checks still ran"
+    assert sorted(finished) == [0, 1]
+    assert len(outcome) == 1 and isinstance(outcome[0], OSError)
