@@ -112,6 +112,15 @@ def _with(**changes: Any) -> dict[str, Any]:
     (_with(trainer={"parallel": {"dp": 4096}, "batch_size": 4096}),
      "s.yaml: trainer: parallel: 4096 ranks + 0 spare(s) = 4096 worker processes; this "
      "machine holds at most"),
+    # accepted, then a run that failed as "never injected": with no other fault that ends an
+    # attempt (a storage fault or a corrupted shard does not), the job gets to step 10 once
+    (_with(faults=[{"kind": "kill_rank", "rank": 0, "at_step": 10, "on_pass": 2}]),
+     "s.yaml: faults.0.on_pass: pass 2 of step 10 never comes: no other fault ends an "
+     "attempt"),
+    (_with(faults=[{"kind": "corrupt_shard", "at_checkpoint": 1},
+                   {"kind": "hang_rank", "rank": 1, "at_checkpoint": 2, "on_pass": 3}]),
+     "s.yaml: faults.1.on_pass: pass 3 of step 10 never comes: no other fault ends an "
+     "attempt"),
 ])
 def test_bad_scenarios_are_rejected_with_the_key_path(doc: Any, message: str) -> None:
     with pytest.raises(ScenarioError) as exc:

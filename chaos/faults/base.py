@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -98,6 +98,9 @@ class FaultBase(BaseModel):
     on passes 1, 2, 3 is a crash loop."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    #: whether the fault can end the job's attempt (so the job gets to a step again after its
+    #: recovery: another fault's ``on_pass`` beyond 1); False for faults on stored data only
+    ends_attempt: ClassVar[bool] = True
     at_step: Annotated[StrictInt, Field(ge=1)] | None = None
     at_checkpoint: Annotated[StrictInt, Field(ge=1)] | None = None
     mtbf_s: Annotated[Seconds, Field(gt=0)] | None = None

@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, StrictInt
 
@@ -33,6 +33,7 @@ def _checkpoint_input(value: Any) -> Any:
 
 class CorruptShard(FaultBase):
     kind: Literal["corrupt_shard"]
+    ends_attempt: ClassVar[bool] = False  # training goes on; the stored data is hit
     #: the step of the committed checkpoint to damage, or the newest one when the fault fires
     checkpoint: Annotated[Literal["latest"] | StrictInt,
                           BeforeValidator(_checkpoint_input)] = "latest"

@@ -13,7 +13,7 @@ The injection's ``detail`` is completed when the fault ends (``ended_t``, ``fill
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, StrictInt
 
@@ -22,6 +22,7 @@ from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target,
 
 class DiskFull(FaultBase):
     kind: Literal["disk_full"]
+    ends_attempt: ClassVar[bool] = False  # training goes on; the stored data is hit
     duration_s: Annotated[Seconds, Field(gt=0)] = 10.0
     volume_mib: Annotated[StrictInt, Field(ge=16, le=1 << 20)] = 256
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, StrictInt
 
@@ -38,6 +38,7 @@ def _server_input(value: Any) -> Any:
 
 class StorageNodeDown(FaultBase):
     kind: Literal["storage_node_down"]
+    ends_attempt: ClassVar[bool] = False  # training goes on; the stored data is hit
     duration_s: Annotated[Seconds, Field(gt=0)] = 10.0
     mode: Literal["kill", "stop"] = "kill"
     server: Annotated[StrictInt | Literal["busiest"], BeforeValidator(_server_input)] = "busiest"

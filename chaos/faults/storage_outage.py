@@ -12,7 +12,7 @@ The injection's ``detail`` is completed when the outage ends, with the proxy's c
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -23,6 +23,7 @@ _PROXY_KIND = {"error": "http503", "latency": "latency", "blackhole": "blackhole
 
 class StorageOutage(FaultBase):
     kind: Literal["storage_outage"]
+    ends_attempt: ClassVar[bool] = False  # training goes on; the stored data is hit
     duration_s: Annotated[Seconds, Field(gt=0)] = 10.0
     mode: Literal["error", "latency", "blackhole"] = "error"
     latency_s: Annotated[Seconds, Field(gt=0)] = 2.0

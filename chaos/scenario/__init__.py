@@ -280,6 +280,14 @@ class Scenario(_Strict):
             if problem:
                 key, reason = problem
                 raise ValueError(f"faults.{i}{'.' + key if key else ''}: {reason}")
+        for i, fault in enumerate(self.faults):
+            # a pass beyond the first comes only after a recovery rewound the job past the step
+            if fault.on_pass > 1 and not any(other.ends_attempt for j, other
+                                             in enumerate(self.faults) if j != i):
+                step = fault.trigger_step(self.checkpoint.every_steps)
+                raise ValueError(f"faults.{i}.on_pass: pass {fault.on_pass} of step {step} "
+                                 "never comes: no other fault ends an attempt (a fault on "
+                                 "stored data does not), so the job gets to that step once")
         volumes = [(i, f.volume_mib) for i, f in enumerate(self.faults) if f.kind == "disk_full"]
         for i, mib in volumes[1:]:
             if mib != volumes[0][1]:
