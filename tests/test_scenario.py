@@ -728,7 +728,7 @@ def test_checkpoint_storage_that_cannot_be_written_is_refused_at_validation(
 
 
 def test_gpipe_takes_fewer_micro_batches_than_stages_as_the_trainer_does() -> None:
-    """Only 1F1B needs a micro-batch per stage (the trainer's rule since d0d2d74); the scenario
+    """Only 1F1B needs a micro-batch per stage (the trainer's rule since 86a9b04); the scenario
     check refused ``micro_batches < pp`` for GPipe too, a run the trainer makes."""
     trainer = {**BASE["trainer"], "parallel": {"dp": 1, "tp": 1, "pp": 2}, "micro_batches": 1,
                "model": {"layers": 2}}
