@@ -19,6 +19,7 @@ from antifragile.trainer.recovery import (
     Formation,
     JobStore,
     declare_dead,
+    end_of_run,
     finish,
     first_formation,
     gather,
@@ -378,6 +379,52 @@ def test_a_member_that_dies_after_the_job_finished_is_not_waited_for() -> None:
     assert report_death(JobStore(store, "a0"), me="1.0", successor=None, generation=0,
                         how="signal 9", member=True, reform_timeout_s=30.0)
     assert time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_rank_0_killed_after_the_others_finished_ends_the_job(finished: bool) -> None:
+    """Rank 1 trained to the end and exited 0 (the last checkpoint committed on every rank);
+    rank 0 was killed before it said the job was done. Nobody is left to re-form the
+    generation: its supervisor waited the whole re-formation timeout, then exited non-zero,
+    for torchrun to restart a finished job, and the idle spares waited until then. Without
+    the finished member (a death while training) it waits for a re-formation, as before."""
+    store = _store()
+    js = JobStore(store, "a0")
+    first = first_formation(js, 0, range(2))
+    register_spare(js, "2.0")
+    released: list[Formation | str | None] = []
+    spare = threading.Thread(target=lambda: released.append(
+        wait_for_assignment(JobStore(store, "a0"), "2.0")), daemon=True)
+    spare.start()
+    if finished:
+        end_of_run(JobStore(store, "a0"), "1.0", first)
+    t0 = time.monotonic()
+    ended = report_death(JobStore(store, "a0"), me="0.0", successor="0.1", generation=0,
+                         how="signal 9", member=True, reform_timeout_s=3.0)
+    spare.join(1.0)
+    if finished:
+        assert ended and time.monotonic() - t0 < 2.0
+        assert released == [None] and job_done(js)  # the spare exits 0
+        assert wait_for_assignment(js, "0.1") is None  # and so does the dead slot's successor
+    else:  # nobody re-formed the generation within the timeout: torchrun restarts the group
+        assert not ended and time.monotonic() - t0 >= 3.0
+        assert released == [] and not job_done(js)
+        end_of_run(js, "1.0", first)  # ends the spare's thread
+
+
+def test_a_member_that_dies_after_it_finished_fails_nothing() -> None:
+    """Rank 1 trained to the end and its process died on the way out (rank 0 still closing
+    its engine): not a failure of the generation, which would interrupt rank 0's close and
+    send it into a re-formation; the job is done."""
+    store = _store()
+    js = JobStore(store, "a0")
+    first = first_formation(js, 0, range(2))
+    end_of_run(js, "1.0", first)
+    t0 = time.monotonic()
+    assert report_death(JobStore(store, "a0"), me="1.0", successor=None, generation=0,
+                        how="signal 9", member=True, reform_timeout_s=3.0)
+    assert time.monotonic() - t0 < 2.0
+    assert not js.has("g0/fail") and job_done(js)
 
 
 def test_finish_releases_idle_spares() -> None:

@@ -306,7 +306,7 @@ def register_spare(js: JobStore, me: str) -> None:
 
 def wait_for_assignment(js: JobStore, me: str) -> Formation | str | None:
     """A warm spare: the generation it joins, None once the job is done (see
-    :func:`finish`), or why it was declared dead (:func:`declare_dead`: it must leave)."""
+    :func:`end_of_run`), or why it was declared dead (:func:`declare_dead`: it must leave)."""
     js.set(f"spare/{me}/ready", time.time())
     if job_done(js):  # ``finish`` may have missed a spare registered as it ran
         return None
@@ -321,11 +321,26 @@ def wait_for_assignment(js: JobStore, me: str) -> Formation | str | None:
 
 
 def finish(js: JobStore) -> None:
-    """Trainer rank 0 at the end of a successful run: release the idle spares."""
+    """The job is done: say so (``done``) and release the idle spares. Safe to repeat; a
+    spare given a place meanwhile keeps it (one request each: it is never overwritten)."""
     js.set("done", time.time())
+    done = json.dumps({"done": True})
     for spare in _spares(js):
-        if not js.has(f"spare/{spare}/assign"):
-            js.set(f"spare/{spare}/assign", {"done": True})
+        js.attempt.compare_set(f"spare/{spare}/assign", "", done)
+
+
+def end_of_run(js: JobStore, me: str, formation: Formation) -> None:
+    """A member whose generation trained to the end (its last checkpoint committed on every
+    rank: the final save's ranks agree on it), before its process exits 0: the job is done.
+    Every member says so (``done``, one request), and rank 0 also releases the idle spares
+    (``finish``). Rank 0 alone said it before: killed after the others had exited, before it
+    did, it left its supervisor waiting for a re-formation that could not come (nobody was
+    left), then restarting a finished job, and the spares idle until then. Now that
+    supervisor finds the job done and releases the spares itself (``report_death``)."""
+    if formation.members.index(me) == 0:
+        finish(js)
+    else:
+        js.set("done", time.time())
 
 
 def declare_dead(js: JobStore, *, me: str, generation: int, how: str, member: bool) -> bool:
@@ -362,9 +377,10 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
                  member: bool, reform_timeout_s: float) -> bool:
     """The supervisor of a dead training process (in-process mode): register the fresh process
     it will fork (``successor``, if any) as a spare, then say ``me`` is dead; for a member of a
-    generation, wait until the survivors have re-formed, or the job is done (``finish``).
-    False: they could not (no spare, no survivor at all, or nothing happened within
-    ``reform_timeout_s``), and the job must restart.
+    generation, wait until the survivors have re-formed, or the job is done (``end_of_run``:
+    then nothing fails, and the idle spares are released). False: they could not (no spare,
+    no survivor at all, or nothing happened within ``reform_timeout_s``), and the job must
+    restart.
 
     The successor is registered before the death is reported, so a coordinator that sees the
     death also sees the spare: a second loss while the survivors re-form (a survivor stuck in
@@ -373,6 +389,12 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
     its warm-up does not compete with their recovery for the cores."""
     if successor is not None:
         register_spare(js, successor)
+    if member and job_done(js):
+        # trained to the end (``end_of_run``): a death on the way out fails nothing (a
+        # failure would interrupt the members still closing), and rank 0, should it be
+        # this one, may have died before it released the spares
+        finish(js)
+        return True
     declare_dead(js, me=me, generation=generation, how=how, member=member)
     if not member:
         return True
@@ -390,7 +412,8 @@ def report_death(js: JobStore, *, me: str, successor: str | None, generation: in
                 and _claim(js, generation, f"supervisor of {me}"):
             _nobody_left(js, generation)
         elif job_done(js):  # a death in the teardown of a finished run: nobody re-forms it,
-            return True  # and its last checkpoint committed on every rank (``finish``)
+            finish(js)  # and its last checkpoint committed on every rank (``end_of_run``)
+            return True
         elif time.monotonic() > deadline:
             return False
         else:

@@ -44,7 +44,7 @@ from antifragile.trainer.placement import first_slots
 from antifragile.trainer.progress import Phase, SharedProgress, default_lease_s
 from antifragile.trainer.recovery import (
     Formation,
-    finish,
+    end_of_run,
     first_formation,
     gather,
     recover,
@@ -224,8 +224,10 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
             return STUCK_EXIT_CODE
         outcome = _generation(cfg, launch, me, formation, progress, model, cause, memory)
         if isinstance(outcome, int):
-            if outcome == 0 and formation.members.index(me) == 0:
-                finish(js)
+            # in process only: nobody reads it on a restart, where slot 0's training
+            # process may serve the store (gone once it exits: another rank's write would fail)
+            if outcome == 0 and cfg.recovery == "in_process":
+                end_of_run(js, me, formation)
             return outcome
         (formation, memory[0]), model, cause = outcome, None, "in_process"
         del outcome  # memory[0] alone holds the copy: released once restored
