@@ -296,6 +296,57 @@ def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(tmp_path: Path) -> None:
     assert "still stopping what it started" in err, err
 
 
+_HANGUP_SCRIPT = """
+import sys, time
+import antifragile.chaos.cli as cli
+
+def main():  # a command whose cleanup prints as it goes (stopping a job, unmounting a tmpfs)
+    try:
+        print("running", flush=True)
+        time.sleep(60)
+    finally:
+        print("cleaning", flush=True)
+        time.sleep(0.5)
+        print("cleaned", flush=True)
+        with open(sys.argv[1], "w") as f:
+            f.write("cleaned")
+
+cli.main = main
+cli.entry()
+"""
+
+
+def test_a_closed_terminal_still_runs_the_cleanup(tmp_path: Path) -> None:
+    """Closing the terminal (an ssh session dropped, a tmux window killed) sends chaos SIGHUP,
+    whose default ends it at once, without its ``finally`` blocks: a disk_full tmpfs stayed
+    mounted, a SeaweedFS folder and emulated hosts stayed, as after a SIGKILL. The terminal is
+    gone too, so the cleanup's own output (a hung-up tty answers writes with EIO) must not cut
+    it short either."""
+    import fcntl
+    import termios
+
+    master, slave = os.openpty()
+
+    def controlling_tty() -> None:  # the terminal's session leader, as a login shell's job is
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    done = tmp_path / "cleaned"
+    chaos = subprocess.Popen([sys.executable, "-c", _HANGUP_SCRIPT, str(done)], stdin=slave,
+                             stdout=slave, stderr=slave, start_new_session=True,
+                             preexec_fn=controlling_tty)
+    os.close(slave)
+    try:
+        seen = b""
+        deadline = time.monotonic() + 60
+        while b"running" not in seen and time.monotonic() < deadline:
+            seen += os.read(master, 1024)
+        os.close(master)  # the terminal closes: the kernel sends its session leader SIGHUP
+        assert chaos.wait(timeout=30) == 128 + signal.SIGHUP
+    finally:
+        chaos.kill()
+    assert done.exists(), "the cleanup did not run to its end"
+
+
 def test_an_interrupt_while_the_faults_end_still_stops_the_job(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner's cleanup undoes the faults first (a killed volume server restarted: up to

@@ -40,8 +40,8 @@ for command in (run_cmd, validate, list_scenarios, suite, tune, ckpt, crashcheck
 
 
 def entry() -> None:
-    """The ``chaos`` program: SIGTERM stops what it started (``infra.lifetime``), as Ctrl-C
-    does. Tests call ``main`` through click's runner, which must not take over the test
+    """The ``chaos`` program: SIGTERM and SIGHUP stop what it started (``infra.lifetime``),
+    as Ctrl-C does. Tests call ``main`` through click's runner, which must not take over the test
     process's SIGTERM."""
     stop_once()
     main()

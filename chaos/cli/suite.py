@@ -5,8 +5,8 @@ baseline, 1 a scenario failed or a figure regressed, 3 nothing failed but a scen
 (a fault could not be made here; also when every scenario was), 2 bad input (no folder, no
 scenarios, duplicate names, an unreadable baseline, ``--no-reference`` with a scenario that
 expects bitwise equality), reported before anything runs, and a summary that cannot be
-written (a full disk), after the table; 130 Ctrl-C, 143 SIGTERM, once the summary is written
-(the scenario stopped and those never run are failed entries).
+written (a full disk), after the table; 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP, once the summary
+is written (the scenario stopped and those never run are failed entries).
 """
 
 from __future__ import annotations
