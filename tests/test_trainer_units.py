@@ -505,15 +505,15 @@ def test_the_last_checkpoint_whose_commit_answer_was_lost_is_committed_on_its_re
     committed (it used to be refused as already committed until the patience ran out)."""
     ckpt, events, events_dir = _final_save_setup(tmp_path, monkeypatch, refuse_for_s=0)
     storage = ckpt.backend.engine.storage.inner
-    write, lost = storage.write, []
+    create, lost = storage.create, []  # a COMMIT is written by an atomic create
 
     def losing(key: str, *args: Any, **kwargs: Any) -> None:
-        write(key, *args, **kwargs)
+        create(key, *args, **kwargs)
         if key.endswith("/COMMIT") and not lost:
             lost.append(key)
             raise PermissionError(f"the answer to {key} was lost")
 
-    monkeypatch.setattr(storage, "write", losing)
+    monkeypatch.setattr(storage, "create", losing)
     assert ckpt.save_final(7, 56, patience_s=30) is True
     ckpt.close()
     events.close()

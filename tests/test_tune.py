@@ -708,12 +708,15 @@ def test_a_kill_on_a_later_pass_only_is_no_certain_failure(
         return _killed_run(events, t)
 
     monkeypatch.setattr(runner, "run_scenario", fake)
+    # the random kill (no certain failure either) is what makes pass 2 possible at all: a
+    # scenario without another fault that ends an attempt is refused (chaos validate)
     s = load_scenario(_tiny(tmp_path, [{"kind": "kill_rank", "rank": 1, "at_step": 8,
-                                        "on_pass": 2}]))
+                                        "on_pass": 2},
+                                       {"kind": "kill_rank", "rank": 0, "mtbf_s": 1000}]))
     m = tune.measure_costs(s, tmp_path / "measure", progress=lambda _: None)
     assert m.injected_kill is True
     assert [(f.kind, f.at_step, f.on_pass) for f in ran[0].faults] == \
-        [("kill_rank", 8, 2), ("kill_rank", 6, 1)]
+        [("kill_rank", 8, 2), ("kill_rank", None, 1), ("kill_rank", 6, 1)]
 
 def test_a_failure_found_late_by_a_long_hang_timeout_still_times_the_restart(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -698,11 +698,16 @@ def test_a_fault_that_hit_another_step_than_its_own_fails() -> None:
 def test_a_fault_due_on_a_later_pass_that_hit_an_earlier_one_fails() -> None:
     """A kill due the second time the job gets to step 7 (``on_pass: 2``) hit it the first
     time, in attempt 0: the crash loop the scenario asks for was not made."""
+    # the kill of rank 0 at step 11 is what could bring pass 2 (a scenario without another
+    # fault that ends an attempt is refused: chaos validate)
     job = _Job()
     t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
     t = _kill(job, t + 0.05, 0, 1, 7)
-    t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 12)
-    v, (kill,) = _verdict(_finish(job, t, 1), [{**KILL, "on_pass": 2}])
+    t = job.steps(job.start(t + 3.0, 1, restore=6), 1, 7, 11)
+    t = _kill(job, t + 0.05, 1, 0, 11, fault_index=1)
+    t = job.steps(job.start(t + 3.0, 2, restore=10), 2, 11, 12)
+    v, (kill, _) = _verdict(_finish(job, t, 2), [{**KILL, "on_pass": 2},
+                                                 {**KILL, "rank": 0, "at_step": 11}])
     assert kill.effect_observed and kill.injected_step == 7 and kill.times_at_step == 1
     assert v.verdict == "fail"
     assert v.reasons == ["faults.0 (kill_rank): due on pass 2 of step 7, but the job had got "
@@ -797,8 +802,9 @@ def test_a_fault_of_a_later_pass_alone_at_its_step_waits_for_that_pass(tmp_path:
     from antifragile.chaos.run import pauses
     from antifragile.trainer.pause import PausePoints
 
-    s = parse_scenario({**SCENARIO, "faults": [
-        {"kind": "kill_rank", "rank": 1, "at_step": 4, "on_pass": 3}]})
+    s = parse_scenario({**SCENARIO, "faults": [  # the kill at step 2 brings the passes
+        {"kind": "kill_rank", "rank": 1, "at_step": 4, "on_pass": 3},
+        {"kind": "kill_rank", "rank": 0, "at_step": 2}]})
     pending = [pauses.Pending(f, i) for i, f in enumerate(s.faults)]
     points = pauses.pause_plan(s, pending, Draws(0))
     pauses.write_plan(tmp_path, points)
