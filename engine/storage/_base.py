@@ -101,6 +101,14 @@ def exists_error(storage: Any, key: str) -> ObjectExistsError:
     return ObjectExistsError(f"{storage.url}/{key} exists already; not overwritten")
 
 
+def warn_no_atomic_create(where: str, refuses: str, exc: BaseException) -> None:
+    """Said once per storage whose atomic create (a hard link, a conditional PUT) turned out
+    to be refused: from then on it looks first, then writes."""
+    log.warning("%s: %s (%s); a COMMIT is written by looking first, then writing: two saves "
+                "of one step racing may both commit, the later replacing the earlier",
+                where, refuses, exc)
+
+
 def read_into(storage: Any, key: str, start: int, buffers: Sequence[Any]) -> int:
     """Read the object's bytes from ``start`` on into ``buffers`` in order (a scatter read),
     up to their total size or the end of the object; returns the bytes read. Uses the

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import StorageError
-from ._base import Late, exists_error
+from ._base import Late, exists_error, warn_no_atomic_create
 
 log = logging.getLogger("antifragile.engine.storage")
 
@@ -199,10 +199,8 @@ class LocalStorage:
                     raise
                 with self._lock:
                     if self.hard_links is None:
-                        log.warning("%s: the file system refuses hard links (%s); a COMMIT is "
-                                    "written by looking first, then renaming: two saves of "
-                                    "one step racing may both commit, the later replacing "
-                                    "the earlier", self.root, exc)
+                        warn_no_atomic_create(self.root, "the file system refuses hard links",
+                                              exc)
                     self.hard_links = False
             else:
                 self.hard_links = True

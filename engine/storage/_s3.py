@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..errors import StorageError
-from ._base import Late, byte_views, exists_error, scatter
+from ._base import Late, byte_views, exists_error, scatter, warn_no_atomic_create
 
 T = TypeVar("T")
 log = logging.getLogger("antifragile.engine.storage")
@@ -368,10 +368,8 @@ class S3Storage:
             except _NoConditionalPut as exc:
                 with self._unanswered_lock:
                     if self.conditional_puts is None:
-                        log.warning("%s: the S3 server refuses conditional PUTs (%s); a COMMIT "
-                                    "is written by looking first, then writing: two saves of "
-                                    "one step racing may both commit, the later replacing "
-                                    "the earlier", self.url, exc)
+                        warn_no_atomic_create(self.url, "the S3 server refuses conditional "
+                                              "PUTs", exc)
                     self.conditional_puts = False
         if self.exists(key):
             raise exists_error(self, key)
