@@ -5,6 +5,7 @@ binary is missing or fails; volume servers that can be killed, stopped and broug
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -477,53 +479,70 @@ def test_pids_are_identified_by_start_time() -> None:
     assert start_time(child.pid) is None
 
 
+class _Master(http.server.BaseHTTPRequestHandler):
+    """A master whose topology lists one volume server."""
+
+    def do_GET(self) -> None:
+        self._answer(json.dumps({"Topology": {"DataCenters": [
+            {"Racks": [{"DataNodes": [{"Url": "v0"}]}]}]}}).encode())
+
+    def _answer(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+class _Running:  # a server process that is alive (``listens`` is faked too)
+    pid = os.getpid()
+
+    def poll(self) -> None:
+        return None
+
+
+def _serve(stack: contextlib.ExitStack, handler: type[http.server.BaseHTTPRequestHandler]
+           ) -> int:
+    """Serve ``handler`` on a free port until ``stack`` closes; returns the port."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    stack.callback(server.server_close)
+    stack.callback(server.shutdown)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return int(server.server_address[1])
+
+
+def _probe_fails_within(monkeypatch: pytest.MonkeyPatch, ports: dict[str, int], *,
+                        start_timeout_s: float, limit_s: float) -> None:
+    """A cluster of running servers at ``ports`` whose health probe must fail (no S3 round
+    trip) within ``limit_s``."""
+    cluster = SeaweedCluster(volumes=1, start_timeout_s=start_timeout_s)
+    cluster.servers = {role: seaweedfs.WeedServer(
+        role=role, port=port, grpc_port=port, folder=Path("."), log=Path("log"), argv=[],
+        proc=_Running()) for role, port in ports.items()}  # type: ignore[arg-type]
+    monkeypatch.setattr(seaweedfs, "listens", lambda pid, port: True)
+    began = time.monotonic()
+    with pytest.raises(SeaweedError, match="did not answer an S3 round trip"):
+        cluster._wait_healthy()
+    assert time.monotonic() - began < limit_s
+
+
 @pytest.mark.parametrize("silent", ["master", "s3"])
 def test_the_health_probe_keeps_to_the_start_timeout(
         monkeypatch: pytest.MonkeyPatch, silent: str) -> None:
     """``start`` fails within ``start_timeout_s``, its docstring says. One probe waited up to
     2 s on the master and up to 5 s on each S3 read whatever time was left, so a server that
     accepts and never answers made ``_wait_healthy`` overrun the timeout by that much."""
-    import http.server
-    import threading
-
-    class Master(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = json.dumps({"Topology": {"DataCenters": [
-                {"Racks": [{"DataNodes": [{"Url": "v0"}]}]}]}}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_: Any) -> None:
-            pass
-
-    class Running:  # a server process that is alive (``listens`` is faked too)
-        pid = os.getpid()
-
-        def poll(self) -> None:
-            return None
-
     with contextlib.ExitStack() as stack:
         mute = stack.enter_context(socket.socket())  # accepts (backlog), never answers
         mute.bind(("127.0.0.1", 0))
         mute.listen(8)
-        master = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Master)
-        stack.callback(master.server_close)
-        stack.callback(master.shutdown)
-        threading.Thread(target=master.serve_forever, daemon=True).start()
-        ports = {"master": master.server_address[1], "s3": mute.getsockname()[1]}
+        ports = {"master": _serve(stack, _Master), "s3": mute.getsockname()[1]}
         if silent == "master":
             ports["master"] = mute.getsockname()[1]
-        cluster = SeaweedCluster(volumes=1, start_timeout_s=0.3)
-        cluster.servers = {role: seaweedfs.WeedServer(
-            role=role, port=port, grpc_port=port, folder=Path("."), log=Path("log"), argv=[],
-            proc=Running()) for role, port in ports.items()}  # type: ignore[arg-type]
-        monkeypatch.setattr(seaweedfs, "listens", lambda pid, port: True)
-        began = time.monotonic()
-        with pytest.raises(SeaweedError, match="did not answer an S3 round trip"):
-            cluster._wait_healthy()
-        assert time.monotonic() - began < 1.5
+        _probe_fails_within(monkeypatch, ports, start_timeout_s=0.3, limit_s=1.5)
 
 
 def test_a_gateway_that_answers_slowly_does_not_stretch_the_start_timeout(
@@ -532,24 +551,8 @@ def test_a_gateway_that_answers_slowly_does_not_stretch_the_start_timeout(
     the probe began (its client's read timeout was fixed then): a gateway answering each just
     within that (one busy while its volumes grow) kept ``_wait_healthy`` going for about five
     times ``start_timeout_s``, where it must raise within it."""
-    import http.server
-    import threading
 
-    class Master(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self._answer(json.dumps({"Topology": {"DataCenters": [
-                {"Racks": [{"DataNodes": [{"Url": "v0"}]}]}]}}).encode())
-
-        def _answer(self, body: bytes) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_: Any) -> None:
-            pass
-
-    class SlowGateway(Master):
+    class SlowGateway(_Master):
         protocol_version = "HTTP/1.1"
 
         def _slowly(self) -> None:
@@ -559,27 +562,6 @@ def test_a_gateway_that_answers_slowly_does_not_stretch_the_start_timeout(
 
         do_GET = do_PUT = do_DELETE = do_HEAD = _slowly
 
-    class Running:  # a server process that is alive (``listens`` is faked too)
-        pid = os.getpid()
-
-        def poll(self) -> None:
-            return None
-
     with contextlib.ExitStack() as stack:
-        ports = {}
-        for role, handler in (("master", Master), ("s3", SlowGateway)):
-            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-            server.daemon_threads = True
-            stack.callback(server.server_close)
-            stack.callback(server.shutdown)
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-            ports[role] = server.server_address[1]
-        cluster = SeaweedCluster(volumes=1, start_timeout_s=1.0)
-        cluster.servers = {role: seaweedfs.WeedServer(
-            role=role, port=port, grpc_port=port, folder=Path("."), log=Path("log"), argv=[],
-            proc=Running()) for role, port in ports.items()}  # type: ignore[arg-type]
-        monkeypatch.setattr(seaweedfs, "listens", lambda pid, port: True)
-        began = time.monotonic()
-        with pytest.raises(SeaweedError, match="did not answer an S3 round trip"):
-            cluster._wait_healthy()
-        assert time.monotonic() - began < 2.0
+        ports = {"master": _serve(stack, _Master), "s3": _serve(stack, SlowGateway)}
+        _probe_fails_within(monkeypatch, ports, start_timeout_s=1.0, limit_s=2.0)
