@@ -770,16 +770,10 @@ def test_a_coordinator_that_dies_before_publishing_is_taken_over_by_its_supervis
     store = _store()
     first, js = _coordinator_claimed(store, "rank 2 died")
     declare_dead(js, me="2.0", generation=0, how="signal 9", member=True)
-    survivor: list[Formation | str] = []
-    thread = threading.Thread(target=lambda: survivor.append(
-        recover(JobStore(store, "a0"), "1.0", first, timeout_s=30.0)))
-    t0 = time.monotonic()
-    thread.start()
-    assert report_death(JobStore(store, "a0"), me="0.0", successor=None, generation=0,
-                        how="signal 9", member=True, reform_timeout_s=30.0)
-    thread.join(30.0)
+    survivor, took_s = _supervisor_takes_over(store, first, timeout_s=30.0,
+                                              reform_timeout_s=30.0, join_s=30.0)
     assert survivor == [Formation(1, ("3.0", "1.0", "4.0"))]
-    assert time.monotonic() - t0 < 5.0
+    assert took_s < 5.0
 
 
 def test_a_take_over_publishes_before_the_survivors_give_up() -> None:
@@ -792,15 +786,28 @@ def test_a_take_over_publishes_before_the_survivors_give_up() -> None:
     timeout_s = 1.0  # the collective timeout: a survivor waits 2 x for the next generation
     store = _store()
     first, _ = _coordinator_claimed(store, "rank 2 stuck")
+    # rank 0 dies a while after the others arrived; rank 2 never shows
+    survivor, _ = _supervisor_takes_over(store, first, timeout_s=timeout_s,
+                                         reform_timeout_s=2 * timeout_s, delay_s=0.3)
+    assert survivor == [Formation(1, ("3.0", "1.0", "4.0"))]
+
+
+def _supervisor_takes_over(store: dist.Store, first: Formation, *, timeout_s: float,
+                           reform_timeout_s: float, delay_s: float = 0.0, join_s: float = 10.0
+                           ) -> tuple[list[Formation | str], float]:
+    """Rank 1 waits in ``recover`` for generation 0's successor while, ``delay_s`` later, rank
+    0's supervisor reports its death and takes the coordination over (it must say it did):
+    what rank 1 got, and the seconds from its start until it had it."""
     survivor: list[Formation | str] = []
     thread = threading.Thread(target=lambda: survivor.append(
         recover(JobStore(store, "a0"), "1.0", first, timeout_s=timeout_s)))
+    t0 = time.monotonic()
     thread.start()
-    time.sleep(0.3)  # rank 0 dies a while after the others arrived; rank 2 never shows
+    time.sleep(delay_s)
     assert report_death(JobStore(store, "a0"), me="0.0", successor=None, generation=0,
-                        how="signal 9", member=True, reform_timeout_s=2 * timeout_s)
-    thread.join(10.0)
-    assert survivor == [Formation(1, ("3.0", "1.0", "4.0"))]
+                        how="signal 9", member=True, reform_timeout_s=reform_timeout_s)
+    thread.join(join_s)
+    return survivor, time.monotonic() - t0
 
 
 class _Died(Exception):
@@ -834,13 +841,7 @@ def test_a_coordinator_that_dies_after_taking_a_spare_does_not_lose_it() -> None
     with pytest.raises(_Died):
         recover(dying, "0.0", first, timeout_s=5.0)
     assert js.has("spare/3.0/assign") and not js.has("g0/next")  # taken, not published
-    survivor: list[Formation | str] = []
-    thread = threading.Thread(target=lambda: survivor.append(
-        recover(JobStore(store, "a0"), "1.0", first, timeout_s=5.0)))
-    thread.start()
-    assert report_death(JobStore(store, "a0"), me="0.0", successor=None, generation=0,
-                        how="signal 9", member=True, reform_timeout_s=5.0)
-    thread.join(10.0)
+    survivor, _ = _supervisor_takes_over(store, first, timeout_s=5.0, reform_timeout_s=5.0)
     assert survivor == [Formation(1, ("0.0", "1.0", "3.0"))]
     assert wait_for_assignment(JobStore(store, "a0"), "3.0") == survivor[0]
     assert js.has("g1/fail")  # rank 0 died before it joined
@@ -884,16 +885,9 @@ def test_a_coordinator_that_dies_right_after_claiming_is_taken_over_by_its_super
     dying.attempt = _DiesAfterClaiming(dying.attempt)  # type: ignore[assignment]
     with pytest.raises(_Died):
         recover(dying, "0.0", first, timeout_s=1.0)
-    survivor: list[Formation | str] = []
-    thread = threading.Thread(target=lambda: survivor.append(
-        recover(JobStore(store, "a0"), "1.0", first, timeout_s=1.0)))
-    t0 = time.monotonic()
-    thread.start()
-    assert report_death(JobStore(store, "a0"), me="0.0", successor=None, generation=0,
-                        how="signal 9", member=True, reform_timeout_s=2.0)
-    thread.join(10.0)
+    survivor, took_s = _supervisor_takes_over(store, first, timeout_s=1.0, reform_timeout_s=2.0)
     assert survivor == [Formation(1, ("3.0", "1.0", "4.0"))]
-    assert time.monotonic() - t0 < 1.5
+    assert took_s < 1.5
 
 
 class _ReadTogether:
