@@ -668,11 +668,10 @@ def _no_run(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str]]]:
     return seen
 
 
-def test_a_kill_at_a_time_the_measuring_run_may_not_reach_is_no_certain_failure(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``at_s`` fires only if the job is still running then: a 12-step run is long over by
-    3600 s. Counted as a certain failure, tune added no kill of its own, the run had no
-    restart to time, and it ended in "no failure of the run was followed by a restart"."""
+def _measured_faking_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             faults: list[dict[str, Any]]) -> tuple[Any, Any]:
+    """``measure_costs`` of a tiny scenario with ``faults``, its run faked (a kill, a restart):
+    the measurement, and the scenario the measuring run was given."""
     from antifragile.chaos.run import runner
     from antifragile.chaos.scenario import load_scenario
 
@@ -684,10 +683,19 @@ def test_a_kill_at_a_time_the_measuring_run_may_not_reach_is_no_certain_failure(
         return _killed_run(events, t)
 
     monkeypatch.setattr(runner, "run_scenario", fake)
-    s = load_scenario(_tiny(tmp_path, [{"kind": "kill_rank", "rank": 1, "at_s": 3600}]))
-    m = tune.measure_costs(s, tmp_path / "measure", progress=lambda _: None)
+    s = load_scenario(_tiny(tmp_path, faults))
+    return tune.measure_costs(s, tmp_path / "measure", progress=lambda _: None), ran[0]
+
+
+def test_a_kill_at_a_time_the_measuring_run_may_not_reach_is_no_certain_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``at_s`` fires only if the job is still running then: a 12-step run is long over by
+    3600 s. Counted as a certain failure, tune added no kill of its own, the run had no
+    restart to time, and it ended in "no failure of the run was followed by a restart"."""
+    m, ran = _measured_faking_the_run(
+        tmp_path, monkeypatch, [{"kind": "kill_rank", "rank": 1, "at_s": 3600}])
     assert m.injected_kill is True
-    assert [(f.kind, f.at_s, f.at_step) for f in ran[0].faults] == \
+    assert [(f.kind, f.at_s, f.at_step) for f in ran.faults] == \
         [("kill_rank", 3600, None), ("kill_rank", None, 6)]
 
 
@@ -697,26 +705,15 @@ def test_a_kill_on_a_later_pass_only_is_no_certain_failure(
     nothing in a run without another failure does. Counted as a certain failure, tune added no
     kill of its own, the measuring run had no restart to time, and it ended in "no failure of
     the run was followed by a restart" after the whole run."""
-    from antifragile.chaos.run import runner
-    from antifragile.chaos.scenario import load_scenario
-
-    ran: list[Any] = []
-
-    def fake(s: Any, run_dir: Path, ckpt_url: str, **_: Any) -> RunRecord:
-        ran.append(s)
-        events, t = _killed_run_events()
-        return _killed_run(events, t)
-
-    monkeypatch.setattr(runner, "run_scenario", fake)
     # the random kill (no certain failure either) is what makes pass 2 possible at all: a
     # scenario without another fault that ends an attempt is refused (chaos validate)
-    s = load_scenario(_tiny(tmp_path, [{"kind": "kill_rank", "rank": 1, "at_step": 8,
-                                        "on_pass": 2},
-                                       {"kind": "kill_rank", "rank": 0, "mtbf_s": 1000}]))
-    m = tune.measure_costs(s, tmp_path / "measure", progress=lambda _: None)
+    m, ran = _measured_faking_the_run(tmp_path, monkeypatch, [
+        {"kind": "kill_rank", "rank": 1, "at_step": 8, "on_pass": 2},
+        {"kind": "kill_rank", "rank": 0, "mtbf_s": 1000}])
     assert m.injected_kill is True
-    assert [(f.kind, f.at_step, f.on_pass) for f in ran[0].faults] == \
+    assert [(f.kind, f.at_step, f.on_pass) for f in ran.faults] == \
         [("kill_rank", 8, 2), ("kill_rank", None, 1), ("kill_rank", 6, 1)]
+
 
 def test_a_failure_found_late_by_a_long_hang_timeout_still_times_the_restart(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
