@@ -1461,3 +1461,53 @@ def test_a_save_phase_point_of_a_later_pass_does_not_hold_a_rank_that_arrives_af
     rank0, held0 = rank_of(1, 0)  # the next generation, back at step 10
     rank0.save_phase(10, "persisting")
     assert held0 == ["p1"]
+
+
+_RESTORE_STORAGE_ERROR_SCRIPT = """
+import os, sys
+from antifragile.engine import StorageError
+from antifragile.trainer.checkpoint import TrainCheckpointer
+from antifragile.trainer.config import parse_args
+from antifragile.trainer.train import run
+
+def restore(self, memory=None):
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    except ConnectionResetError as exc:
+        raise StorageError(f"read {sys.argv[1]}/step_000000004/COMMIT failed 6 times: "
+                           f"ConnectionResetError: {exc}") from exc
+
+TrainCheckpointer.restore = restore  # storage goes down as the generation restores
+cfg = parse_args([*sys.argv[3:], "--recovery", "in_process", "--steps", "2",
+                  "--ckpt-url", sys.argv[1], "--run-dir", sys.argv[2]])
+try:
+    print("RETURNED", run(cfg), flush=True)
+except BaseException as exc:
+    print("RAISED", type(exc).__name__, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_storage_error_that_speaks_of_a_connection_is_not_taken_for_the_groups(
+        tmp_path: Path) -> None:
+    """A restore whose storage failed with a connection error (ConnectionResetError: an S3 or
+    network file system read) was taken for a failure of the process group, because its text
+    says "Connection": the rank re-formed the generation in process and restored again, four
+    times, until the crash-loop rule handed it to a restart, and the storage error was never
+    reported as such. It is raised as the storage error it is."""
+    import subprocess
+
+    from _trainer import SMALL_MODEL, env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESTORE_STORAGE_ERROR_SCRIPT, str(tmp_path / "ckpt"),
+         str(tmp_path), *SMALL_MODEL],
+        env={k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")},
+        capture_output=True, text=True, timeout=120)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(("RETURNED", "RAISED"))]
+    assert lines == ["RAISED StorageError"], proc.stdout + proc.stderr[-2000:]
+    events = [json.loads(line) for f in sorted((tmp_path / "events").glob("*.jsonl"))
+              for line in f.read_text().splitlines()]
+    assert not [e for e in events if e["event"] == "recovery_begin"], events
+    exits = [e for e in events if e["event"] == "exit"]
+    assert len(exits) == 1 and "StorageError" in exits[0]["error"], exits

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from antifragile.engine import CheckpointError
 from antifragile.trainer.abort import FailureWatch, GlooSockets
 from antifragile.trainer.checkpoint import ResumeError, TrainCheckpointer
 from antifragile.trainer.ckpt_backends import foreign_steps, open_backend
@@ -151,10 +152,15 @@ def _checkpoint_blocks(model: GPT) -> None:
 
 def _is_collective_error(exc: BaseException | None) -> bool:
     """An error raised because a peer or a connection of the process group went away, also
-    when wrapped (the pipeline schedule re-raises a stage's failure as a bare RuntimeError)."""
+    when wrapped (the pipeline schedule re-raises a stage's failure as a bare RuntimeError).
+    Storage's errors (an OSError, or the engine's CheckpointError naming one) are not, whatever
+    their text says: a ConnectionResetError from S3 is no failure of the group."""
     while exc is not None:
+        if isinstance(exc, dist.DistError):
+            return True
         text = str(exc)
-        if isinstance(exc, dist.DistError) or "gloo" in text or "Connection" in text:
+        if not isinstance(exc, OSError | CheckpointError) and ("gloo" in text
+                                                              or "Connection" in text):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
