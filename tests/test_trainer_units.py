@@ -830,6 +830,32 @@ def test_a_captured_descriptor_reused_after_the_formation_is_left_alone() -> Non
         other_peer.close()
 
 
+def test_a_captured_descriptor_reused_by_a_pipe_is_not_held_open_by_the_abort() -> None:
+    """A captured connection's number reused by something that is no socket (a pipe, a file)
+    after the formation: the abort's look at it (a socket made on a duplicate of the number)
+    failed, and the duplicate was never closed: a descriptor leaked per such number, and a
+    pipe's write end held open that way leaves its reader waiting for an end that never
+    comes."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sockets = GlooSockets(keep_ports=set())
+        sockets.begin()
+        gloo, gloo_peer = _connected(server)
+        sockets.end()
+        number = gloo.fileno()
+        read_end, write_end = os.pipe()
+        gloo.close()
+        gloo_peer.close()
+        os.dup2(write_end, number)  # the pipe's write end, at the captured number
+        os.close(write_end)
+        assert sockets.shutdown() == 0
+        os.close(number)  # its last write end: the reader sees the end
+        os.set_blocking(read_end, False)
+        try:
+            assert os.read(read_end, 1) == b""
+        finally:
+            os.close(read_end)
+
+
 def _watch(stuck_after_s: float | None, progress: SharedProgress | None = None,
            thread_id: int | None = None
            ) -> tuple[JobStore, FailureWatch, threading.Event, threading.Event]:

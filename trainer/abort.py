@@ -146,9 +146,27 @@ def store_link(connect: Callable[[], Any], ports: set[int]) -> tuple[Any, dict[i
                     if inode not in before and _peer_port(fd) in ports}
 
 
-def _peer_port(fd: int) -> int | None:
+def _as_socket(fd: int) -> socket.socket | None:
+    """A socket on a duplicate of ``fd`` (the caller closes it), or None where ``fd`` is
+    closed or no socket (a number reused by a file or a pipe): the duplicate is closed
+    then, not left to hold what it refers to open."""
     try:
-        with socket.socket(fileno=os.dup(fd)) as sock:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+
+
+def _peer_port(fd: int) -> int | None:
+    sock = _as_socket(fd)
+    if sock is None:
+        return None
+    try:
+        with sock:
             peer = sock.getpeername()
     except OSError:
         return None
@@ -158,9 +176,8 @@ def _peer_port(fd: int) -> int | None:
 def _shut(fd: int, inode: int, keep_ports: set[int]) -> bool:
     """Shut down the connection at ``fd`` if it is still the socket ``inode`` and its peer's
     port is not in ``keep_ports``."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
+    sock = _as_socket(fd)
+    if sock is None:
         return False
     try:
         if os.fstat(sock.fileno()).st_ino != inode:
