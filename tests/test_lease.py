@@ -321,3 +321,58 @@ def test_a_monitor_declares_again_a_loss_the_store_refused() -> None:
     assert refusing.refused
     assert [lost.worker for lost in told] == ["1.0"] and js.has("g0/fail")
     assert js.add("g0/deaths", 0) == 1
+
+
+class _BrokenAfterReset:
+    """A store client whose connection was reset while the store lives (a proxy reset, a
+    request that timed out mid-reply): torch's TCPStore client then fails every later request
+    ("Broken pipe") and never connects again."""
+
+    def __init__(self, js: JobStore) -> None:
+        self._js, self.broken = js, False
+
+    def reset(self) -> None:
+        self.broken = True
+
+    def __getattr__(self, name: str) -> object:
+        if self.broken:
+            raise RuntimeError("Broken pipe")
+        return getattr(self._js, name)
+
+
+def test_a_heartbeat_whose_store_connection_was_reset_connects_again() -> None:
+    """The heartbeat kept its one store client for good: after a reset every renewal failed,
+    the slot fell silent while its rank trained on, and the monitor declared it lost."""
+    store = dist.HashStore()
+    clients = [_BrokenAfterReset(_js(store)) for _ in range(2)]
+    made = iter(clients)
+    beat = Heartbeat(next(made), 3, lambda: Holder("3.0", 0, True),  # type: ignore[arg-type]
+                     interval_s=0.01, reconnect=lambda: next(made))  # type: ignore[arg-type]
+    beat.start()
+    time.sleep(0.05)
+    clients[0].reset()
+    time.sleep(0.05)
+    before = _js(store).get("lease/3")["n"]
+    time.sleep(0.1)
+    after = _js(store).get("lease/3")["n"]
+    beat.retire()
+    assert after > before, "no renewal after the reset"
+
+
+def test_a_monitor_whose_store_connection_was_reset_connects_again() -> None:
+    store = dist.HashStore()
+    js = _js(store)
+    beat = Heartbeat(js, 1, lambda: Holder("1.0", 0, True), interval_s=0.01)
+    beat.start()
+    time.sleep(0.05)
+    beat._stop.set()  # slot 1 falls silent (its host is gone), without retiring
+    client = _BrokenAfterReset(_js(store))
+    client.reset()
+    told: list[Lost] = []
+    LeaseMonitor(4, lease_s=0.3, interval_s=0.02).start(
+        client, told.append, reconnect=lambda: _js(store))  # type: ignore[arg-type]
+    deadline = time.monotonic() + 5
+    while not told and time.monotonic() < deadline:
+        time.sleep(0.02)
+    js.set("done", 1.0)
+    assert [x.worker for x in told] == ["1.0"]

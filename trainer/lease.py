@@ -72,11 +72,15 @@ class Lost:
 
 class Heartbeat:
     """A supervisor's lease on its slot: a daemon thread renewing ``lease/<slot>`` with what
-    ``holder()`` says (called on that thread; it must only read)."""
+    ``holder()`` says (called on that thread; it must only read). After a failed renewal the
+    next one goes through a fresh client from ``reconnect``, where given: a TCPStore client
+    whose connection was reset fails every later request, the store alive or not."""
 
     def __init__(self, js: JobStore, slot: int, holder: Callable[[], Holder], *,
-                 interval_s: float = INTERVAL_S) -> None:
+                 interval_s: float = INTERVAL_S,
+                 reconnect: Callable[[], JobStore] | None = None) -> None:
         self._js, self._slot, self._holder, self._interval_s = js, slot, holder, interval_s
+        self._reconnect, self._failed = reconnect, False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{slot}", daemon=True)
 
@@ -92,9 +96,13 @@ class Heartbeat:
 
     def _write(self, doc: dict[str, Any]) -> bool:
         try:
+            if self._failed and self._reconnect is not None:
+                self._js = self._reconnect()
             self._js.set(f"lease/{self._slot}", doc)
         except Exception:  # the store is gone (the job is over or restarting), or unreachable
-            return False  # for a while (a cut link): the next renewal tries again
+            self._failed = True  # for a while (a cut link): the next renewal tries again
+            return False
+        self._failed = False
         return True
 
     def _run(self) -> None:
@@ -154,16 +162,24 @@ class LeaseMonitor:
                 lost.append((slot, holder, silent))
         return sorted(lost, key=lambda found: found[1].member)
 
-    def start(self, js: JobStore, on_lost: Callable[[Lost], None]) -> None:
+    def start(self, js: JobStore, on_lost: Callable[[Lost], None], *,
+              reconnect: Callable[[], JobStore] | None = None) -> None:
         """Judge on a daemon thread until the job is done; ``on_lost`` is told of each worker
-        declared dead (not of one whose death its supervisor had reported)."""
-        threading.Thread(target=self._run, args=(js, on_lost), name="lease-monitor",
-                         daemon=True).start()
+        declared dead (not of one whose death its supervisor had reported). After a store
+        error the next round goes through a fresh client from ``reconnect``, where given (as
+        :class:`Heartbeat`)."""
+        threading.Thread(target=self._run, args=(js, on_lost, reconnect),
+                         name="lease-monitor", daemon=True).start()
 
-    def _run(self, js: JobStore, on_lost: Callable[[Lost], None]) -> None:
+    def _run(self, js: JobStore, on_lost: Callable[[Lost], None],
+             reconnect: Callable[[], JobStore] | None) -> None:
         keys = [f"lease/{slot}" for slot in range(self.slots)]
+        failed = False
         while True:
             try:
+                if failed and reconnect is not None:
+                    js = reconnect()
+                failed = False
                 if job_done(js):
                     return
                 self._known.update(k for k in keys if k not in self._known and js.has(k))
@@ -180,8 +196,8 @@ class LeaseMonitor:
                     if lost is not None:
                         on_lost(lost)
             except Exception:  # the store is gone (the job is over or restarting: this
-                pass  # process ends soon), or unreachable for a while: the next round retries
-            time.sleep(self.interval_s)
+                failed = True  # process ends soon), or unreachable for a while: the next
+            time.sleep(self.interval_s)  # round retries, through a fresh client
 
 
 def declare_lost(js: JobStore, slot: int, holder: Holder, silent_s: float) -> Lost | None:

@@ -366,10 +366,12 @@ def _hold_leases(store_factory: Callable[[], Any], slot: int, slots: int,
               f"(worker {found.worker}) {found.how}", file=sys.stderr, flush=True)
 
     every_s = renewal_interval_s(slots, lease_s)
-    heartbeat = Heartbeat(store_factory(), slot, holder, interval_s=every_s)
+    heartbeat = Heartbeat(store_factory(), slot, holder, interval_s=every_s,
+                          reconnect=store_factory)
     heartbeat.start()
     if slot == 0:
-        LeaseMonitor(slots, lease_s, every_s).start(store_factory(), lost)
+        LeaseMonitor(slots, lease_s, every_s).start(store_factory(), lost,
+                                                    reconnect=store_factory)
     return heartbeat
 
 
