@@ -261,3 +261,31 @@ def test_a_local_file_system_without_hard_links_falls_back_and_says_so_once(
     assert s.read("step_1/COMMIT") == b"one" and s.read("step_2/COMMIT") == b"two"
     assert s.list_dir("step_1") == ["COMMIT"]
     assert len([r for r in caplog.records if "hard links" in r.getMessage()]) == 1
+
+
+def test_a_local_link_answered_eexist_after_it_made_the_link_is_this_creates_own(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On NFS link(2) is not idempotent: a LINK whose answer was lost is sent again, and the
+    server answers the resend EEXIST although the first one made the link (open(2) says to
+    check the temporary file's link count then). The name is this create's own file: it was
+    refused as taken, so rank 0 failed its save as "committed by another save" while its
+    own COMMIT was the visible one (the other ranks reported the step committed). A name
+    held by another file is still refused."""
+    import errno
+    import os
+
+    real_link = os.link
+
+    def link_then_eexist(src: str, dst: str) -> None:
+        real_link(src, dst)  # refuses a name that is taken, as link(2) does
+        raise FileExistsError(errno.EEXIST, "File exists", dst)
+
+    monkeypatch.setattr(os, "link", link_then_eexist)
+    s = open_storage(str(tmp_path / "ckpt"))
+    s.create("step_1/COMMIT", [b"this ", b"save"])
+    assert s.read("step_1/COMMIT") == b"this save"
+    assert s.list_dir("step_1") == ["COMMIT"]  # no temporary file left beside it
+    with pytest.raises(ObjectExistsError, match="step_1/COMMIT"):
+        s.create("step_1/COMMIT", [b"another save"])
+    assert s.read("step_1/COMMIT") == b"this save"
+    assert s.list_dir("step_1") == ["COMMIT"]

@@ -192,8 +192,14 @@ class LocalStorage:
         if self.hard_links is not False:
             try:
                 os.link(tmp, path)
+                linked = True
             except FileExistsError:
-                raise exists_error(self, key) from None
+                # NFS: a LINK whose answer was lost is sent again, and the server answers the
+                # resend EEXIST although the first made the link (open(2)): then the name
+                # is this temporary file, and the create succeeded
+                if not _same_file(tmp, path):
+                    raise exists_error(self, key) from None
+                linked = True
             except OSError as exc:
                 if exc.errno not in _NO_HARD_LINKS:
                     raise
@@ -202,7 +208,8 @@ class LocalStorage:
                         warn_no_atomic_create(self.root, "the file system refuses hard links",
                                               exc)
                     self.hard_links = False
-            else:
+                linked = False
+            if linked:
                 self.hard_links = True
                 os.unlink(tmp)
                 return
@@ -407,6 +414,14 @@ def _raise_unless_gone(func: Any, path: str, exc: BaseException) -> None:
     """``shutil.rmtree``'s error handler: a path deleted meanwhile is fine, else raise."""
     if not isinstance(exc, FileNotFoundError):
         raise exc
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (False where either is gone)."""
+    try:
+        return os.path.samefile(a, b)
+    except FileNotFoundError:
+        return False
 
 
 def _address(view: memoryview) -> int:
