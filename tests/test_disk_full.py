@@ -158,6 +158,32 @@ def test_a_disk_that_loses_writes_fails_the_save_at_fsync_and_the_next_commits(
         assert all(torch.equal(loaded[k], state[k]) for k in state)
 
 
+def test_a_lost_write_another_rank_flushed_first_still_fails_this_ranks_sync(
+        thin_disk: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks on one node share the checkpoints' file system. ``syncfs`` flushes every
+    file on it, so rank 0's sync writes out rank 1's files too, and their failed writeback is
+    reported to rank 0's ``syncfs`` only (the file system's error is reported once, to the
+    first look after it). Rank 1's ``syncfs`` then returned 0: its sync passed, its record
+    followed, and a step whose shard never reached the disk could commit. Each file's own
+    error is still there for a wait on it, which rank 1's sync must make."""
+    from antifragile.engine.storage import LocalStorage
+    from antifragile.engine.storage import _local as local_storage
+
+    mounted, backing = thin_disk
+    monkeypatch.setattr(local_storage, "SYNCFS_MAX_DIRTY", 1 << 62)  # syncfs, as on an idle node
+    rank0, rank1 = LocalStorage(str(mounted / "ckpt")), LocalStorage(str(mounted / "ckpt"))
+    for i in range(8):  # buffered, under WRITEBACK_MIN_BYTES: dirty until a sync
+        rank0.write(f"step_000000002/a{i}/c", [os.urandom(256 << 10)])
+        rank1.write(f"step_000000002/b{i}/c", [os.urandom(256 << 10)])
+    with open(backing / "fill", "wb") as f, pytest.raises(OSError, match="No space"):
+        while True:
+            f.write(bytes(1 << 20))
+    with pytest.raises(CheckpointError, match="step_000000002/a"):
+        rank0.sync()
+    with pytest.raises(CheckpointError, match="step_000000002/b"):
+        rank1.sync()
+
+
 # -- scenario rules ----------------------------------------------------------------------------
 
 

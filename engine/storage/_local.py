@@ -8,8 +8,9 @@ files and 450 directories on 8 threads), but it also writes out every other writ
 pages on that file system (a pip install, a data loader's cache, another job): after a 600 MB
 write a quickstart save took seconds to commit. So ``syncfs`` is used only while the whole
 machine holds little dirty data (``SYNCFS_MAX_DIRTY``, from ``/proc/vmstat``) and the kernel
-reports a failed writeback through it (Linux 5.8 on); otherwise each file and directory is
-fsynced, on a few threads at once.
+reports a failed writeback through it (Linux 5.8 on), and each file written is then checked for
+a failed writeback that syncfs told another process of (``_lost_write``); otherwise each file
+and directory is fsynced, on a few threads at once.
 
 An object whose first part is a page-aligned buffer (a staged shard object, see ``stage``) is
 written with O_DIRECT: its aligned prefix goes from that buffer to the device without a copy
@@ -399,7 +400,10 @@ class LocalStorage:
                 if len(paths) <= 2:  # a marker and its folder: fsync them, no journal flush
                     for path in paths:
                         _fsync(path)
-                elif not (_dirty_bytes() <= SYNCFS_MAX_DIRTY and _syncfs(self.root)):
+                elif _dirty_bytes() <= SYNCFS_MAX_DIRTY and _syncfs(self.root):
+                    for path in files:  # syncfs told only the first to look (see _lost_write)
+                        _lost_write(path)
+                else:
                     list(_fsync_pool().map(_fsync, paths))  # raises the first failure
             except BaseException as exc:  # a retry flushes them again, not an empty set
                 with self._lock:
@@ -481,6 +485,30 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def _lost_write(path: str) -> None:
+    """Raise where the writeback of file ``path`` failed and no one has been told yet. A
+    ``syncfs`` that returned 0 does not say that: it reports a failed writeback on its file
+    system once, to the first look after it, and ranks on one node share that file system, so
+    another rank's ``syncfs``, which also wrote out this rank's files, may have taken it. Each
+    file keeps its own error until a wait on it reports it: ``sync_file_range`` waiting on the
+    file, which (unlike an fsync) commits no journal and flushes no device cache, as syncfs
+    left nothing to write."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # deleted since it was written
+        return
+    try:
+        libc = _libc()
+        flags = _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER
+        if libc is not None and libc.sync_file_range(fd, ctypes.c_longlong(0),
+                                                     ctypes.c_longlong(0), ctypes.c_uint(flags)):
+            code = ctypes.get_errno()
+            raise StorageError(f"writeback of {path} failed: {OSError(code, os.strerror(code))}"
+                               "; what was written there may not be on disk")
+    finally:
+        os.close(fd)
+
+
 _pools: dict[int, ThreadPoolExecutor] = {}
 
 
@@ -493,7 +521,7 @@ def _fsync_pool() -> ThreadPoolExecutor:
     return pool
 
 
-_SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 
 
 def _start_writeback(fd: int) -> None:
