@@ -479,6 +479,28 @@ def test_a_failed_fsync_fails_the_sync_and_no_retry_hides_it(
     assert failed and failed[0] in str(raised.value), str(raised.value)
 
 
+
+def test_a_file_system_that_cannot_fsync_a_folder_still_commits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsync(2) of a folder is EINVAL where the file system has no fsync for folders (older
+    SMB clients among them): no call makes its entries durable there, so nothing more is to
+    be had (PostgreSQL ignores it likewise). It was a StorageError "what was written there
+    may not be on disk", and as a COMMIT's sync fsyncs its folder, no save on such a mount
+    ever committed."""
+    import stat
+
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with CheckpointEngine(str(tmp_path / "ckpt"), keep_last=None) as engine:
+        engine.save(1, state_of(1), blocking=True)
+        assert engine.steps() == [1]
+
 def test_a_sync_retried_after_a_transient_error_flushes_what_the_first_try_did_not(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeps: list[float]) -> None:
     """A transient failure before anything was flushed (EMFILE opening a file to fsync it) is

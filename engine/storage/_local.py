@@ -479,6 +479,8 @@ def _fsync(path: str) -> None:
     try:
         os.fsync(fd)
     except OSError as exc:  # the kernel reports a lost write once: a second fsync passes
+        if exc.errno == errno.EINVAL and stat.S_ISDIR(os.fstat(fd).st_mode):
+            return  # a file system without fsync for folders: nothing makes them durable
         raise StorageError(f"fsync {path}: {exc}; what was written there may not be on "
                            "disk") from exc
     finally:
