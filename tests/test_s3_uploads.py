@@ -2,9 +2,10 @@
 tree delete aborts the uploads under it.
 
 An incomplete multipart upload is invisible to listings and reads, but S3 keeps (and bills)
-its parts until it is completed or aborted. obstore aborts one only when its completion fails:
-a failed part returns the error and drops the upload. The faults come from an HTTP proxy in
-front of the session's S3 server that answers 503 to chosen requests and forwards the rest.
+its parts until it is completed or aborted. obstore aborts one whose part failed, but in an
+outage that abort fails too, and a process killed mid-upload aborts nothing. The faults come
+from an HTTP proxy in front of the session's S3 server that answers 503 to chosen requests and
+forwards the rest.
 """
 
 from __future__ import annotations
