@@ -782,3 +782,33 @@ def test_a_cut_that_ends_after_its_host_went_down_leaves_the_host_silent() -> No
         assert "timed out" in _connect(net, 0, 1), "the dead host must stay silent"
         assert _connect(net, 0, "10.213.0.1", port=1).startswith("fail [Errno 111]"), \
             "host 0's own port must be up again"
+
+
+def test_a_process_forked_as_its_host_goes_down_is_killed_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``host_down`` (and ``Network.close``) SIGKILLed the processes ``ip netns pids`` listed
+    once: one forked after the listing (a torchrun agent starting a worker as the host went
+    down) lived on, on a host the report says lost everything, and after ``close`` ran on
+    outside any network. The listing is repeated until nothing is left inside."""
+    parent = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"])
+    child: list[subprocess.Popen[str]] = []
+
+    def fake_ip(*args: str) -> str:
+        if args[:2] != ("netns", "pids"):
+            return ""
+        listed = [p for p in [parent, *child] if p.poll() is None]
+        if not child:  # the parent forks right after this first listing
+            child.append(subprocess.Popen([sys.executable, "-S", "-c",
+                                           "import time; time.sleep(60)"], text=True))
+        return "\n".join(str(p.pid) for p in listed)
+
+    monkeypatch.setattr(netns, "_ip", fake_ip)
+    try:
+        _, killed = Network(2).host_down(1)
+        assert parent.wait(timeout=10) == -9
+        assert child[0].wait(timeout=10) == -9, "the process forked after the listing lived on"
+        assert sorted(killed) == sorted([parent.pid, child[0].pid])
+    finally:
+        for p in [parent, *child]:
+            p.kill()
+            p.wait()

@@ -48,6 +48,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -59,6 +60,7 @@ BRIDGE_ADDRESS = f"{SUBNET}.1"  # the switch's own address: services of the run 
 MAX_HOSTS = 90  # host i has SUBNET.<10 + i>: two digits each, so that host 0 sorts first
 _CLONE_NEWNET = 0x40000000
 IP_TIMEOUT_S = 30
+KILL_INSIDE_S = 5.0  # how long a namespace's processes are killed until none is left
 _PREFIX = "afnet"
 # owner pid, its start time (absent from names made before it was part of them)
 _NAME = re.compile(rf"^{_PREFIX}-(\d+)-(?:(\d+)-)?\d+-(?:sw|h\d+)$")
@@ -112,16 +114,24 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _kill_inside(namespace: str) -> list[int]:
-    """SIGKILL every process still in ``namespace`` (all of them were started by this run);
-    returns their pids."""
-    try:
-        pids = [int(p) for p in _ip("netns", "pids", namespace).split()]
-    except (NetnsError, NetnsUnavailable):
-        return []
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return pids
+    """SIGKILL every process still in ``namespace`` (all of them were started by this run),
+    listing them again until none is left (one may fork as it is killed: a torchrun agent
+    starting a worker), for at most ``KILL_INSIDE_S``; returns their pids."""
+    killed: list[int] = []
+    deadline = time.monotonic() + KILL_INSIDE_S
+    while True:
+        try:
+            pids = [int(p) for p in _ip("netns", "pids", namespace).split()]
+        except (NetnsError, NetnsUnavailable):
+            return killed
+        if not pids or time.monotonic() > deadline:
+            return killed
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            if pid not in killed:
+                killed.append(pid)
+        time.sleep(0.02)
 
 
 def _delete(namespace: str) -> None:
