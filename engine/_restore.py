@@ -56,9 +56,13 @@ class Sources:
                 raise CheckpointMismatchError(f"step {self.step} has no tensor {path!r}")
         for path in flat.binary:
             source = self._tensor_source(path, None)
-            if source is None:
+            # bytes hold no tensor: where none were saved, the entry takes the value or
+            # sub-tree saved at its path, as a JSON value of the target does
+            leaf = (self._bytes_leaf(path, source) if source is not None
+                    else self._value_leaf(path))
+            if leaf is None:
                 raise CheckpointMismatchError(f"step {self.step} has no bytes {path!r}")
-            self._leaves[path] = self._bytes_leaf(path, source)
+            self._leaves[path] = leaf
         for path in flat.values:
             if path == TYPES_PATH:
                 continue

@@ -450,6 +450,37 @@ def test_a_fresh_object_with_none_where_a_tensor_or_bytes_was_saved_takes_them(
     assert fresh.gen is not None and torch.equal(fresh.gen, torch.arange(3, dtype=torch.uint8))
 
 
+class _Cursor:
+    """A loader whose cursor is None until its first batch, bytes after."""
+
+    def __init__(self, cursor: bytes | None) -> None:
+        self.cursor = cursor
+        self.rng = torch.arange(3, dtype=torch.uint8)  # walked entry by entry either way
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng, "cursor": self.cursor, "epoch": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cursor = state["cursor"]
+
+
+def test_a_bytes_entry_of_the_target_takes_a_value_or_sub_tree_saved_at_its_path(
+        ckpt: CheckpointEngine) -> None:
+    """A target's ``bytes`` hold no tensor: like a JSON value they take what was saved at their
+    path, whole. A used loader (cursor bytes) rolled back to a step saved before its first
+    batch (cursor None) raised "step 1 has no bytes 'loader/cursor'", on every step."""
+    ckpt.save(1, {"w": torch.ones(2), "loader": _Cursor(None),
+                  "extra": {"note": "text", "sub": {"a": torch.arange(2.0), "k": (3,)}}},
+              blocking=True)
+    loader = _Cursor(b"abc")
+    target: dict[str, Any] = {"w": torch.zeros(2), "loader": loader,
+                              "extra": {"note": b"xx", "sub": bytearray(b"yy")}}
+    assert ckpt.load(target) == 1
+    assert loader.cursor is None
+    assert target["extra"]["note"] == "text"
+    assert_bitwise(target["extra"]["sub"], {"a": torch.arange(2.0), "k": (3,)})
+
+
 def test_bytes_inside_a_stateful_are_restored_into_it(ckpt: CheckpointEngine) -> None:
     class Loader:
         def __init__(self, blob: bytes) -> None:
