@@ -155,7 +155,31 @@ class Sources:
                 return self._bytes_leaf(path, source)
             self.whole.add(source)
             return ("tensor", source, None)
-        return self._subtree(path)
+        subtree = self._subtree(path)
+        return subtree if subtree is not None else self._inside_value(path)
+
+    def _inside_value(self, path: str) -> _Leaf | None:
+        """The part at ``path`` of a JSON value saved whole at an ancestor of it (a container
+        that held no tensor nor bytes when saved, which the target walks entry by entry as it
+        holds bytes now), with its type description; None if there is none."""
+        parts = path.split("/")
+        for cut in range(len(parts) - 1, 0, -1):
+            ancestor = "/".join(parts[:cut])
+            found, value = self._saved_value(ancestor)
+            if not found:
+                continue
+            desc = self.types["values"].get(ancestor) if self.types else None
+            for name in parts[cut:]:
+                if isinstance(value, dict) and name in value:
+                    value = value[name]
+                elif isinstance(value, list) and is_index(name) and int(name) < len(value):
+                    value = value[int(name)]
+                else:
+                    return None
+                children = desc[-1] if isinstance(desc, list) and desc else None
+                desc = children.get(name) if isinstance(children, dict) else None
+            return ("value", value, desc)
+        return None
 
     def _subtree(self, path: str) -> dict[str, Any] | None:
         """The saved entries under ``path`` as a nested dict of leaves, or None if none."""

@@ -481,6 +481,31 @@ def test_a_bytes_entry_of_the_target_takes_a_value_or_sub_tree_saved_at_its_path
     assert_bitwise(target["extra"]["sub"], {"a": torch.arange(2.0), "k": (3,)})
 
 
+class _Offset:
+    """A loader without tensors: its state is one JSON value until its cursor holds bytes."""
+
+    def __init__(self, cursor: bytes | None) -> None:
+        self.cursor, self.seen = cursor, {3: (1, 2)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor, "seen": self.seen, "epoch": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cursor, self.seen = state["cursor"], state["seen"]
+
+
+def test_a_target_holding_bytes_takes_its_entries_from_a_json_value_saved_whole(
+        ckpt: CheckpointEngine) -> None:
+    """Saved holding no tensor nor bytes, the loader's state is one JSON value at its path; the
+    target's, holding bytes now, is walked entry by entry, and each entry takes its part of
+    that value (types restored). It raised "step 1 has no bytes 'loader/cursor'"."""
+    ckpt.save(1, {"w": torch.ones(2), "loader": _Offset(None)}, blocking=True)
+    loader = _Offset(b"abc")
+    loader.seen = {}
+    assert ckpt.load({"w": torch.zeros(2), "loader": loader}) == 1
+    assert loader.cursor is None and loader.seen == {3: (1, 2)}
+
+
 def test_bytes_inside_a_stateful_are_restored_into_it(ckpt: CheckpointEngine) -> None:
     class Loader:
         def __init__(self, blob: bytes) -> None:
