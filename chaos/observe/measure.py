@@ -151,8 +151,8 @@ def _ended_attempt(record: RunRecord, injection: Injection, attempt: int, window
     if end is None or end < injection.t:
         return False, f"attempt {attempt} did not end after it"
     waited = end - injection.t
-    limit = window_s + (injection.detail.get("duration_s") or 0.0
-                        if injection.kind == "drop_link" else 0.0)
+    cut_s = (injection.detail.get("duration_s") or 0.0) if injection.kind == "drop_link" else 0.0
+    limit = window_s + cut_s
     if waited > limit:
         return False, (f"no restart followed within {limit:.0f} s (attempt {attempt} ended "
                        f"{waited:.1f} s later)")
