@@ -106,6 +106,13 @@ def _with(**changes: Any) -> dict[str, Any]:
     # was pydantic's "Unable to extract tag using discriminator 'kind'"
     (_with(faults=[{"rank": 0, "at_step": 3}]),
      "s.yaml: faults.0.kind: missing (known: corrupt_shard, crash_during_save"),
+    # were pydantic's "Input should be a valid dictionary or object to extract fields from"
+    # (a lone "-", or a fault written as its kind alone)
+    (_with(faults=[None]), "s.yaml: faults.0: is empty: give its keys (key: value lines), or "
+     "leave it out"),
+    (_with(faults=["kill_rank"]), "s.yaml: faults.0: must be a mapping (key: value lines), "
+     "got str 'kill_rank'"),
+    (_with(faults=[[1]]), "s.yaml: faults.0: must be a mapping (key: value lines), got list [1]"),
     # were "trainer: spares: ..." with no spares in the file: the key to change is another
     (_with(trainer={"parallel": {"dp": 2}, "nodes": 4}),
      "s.yaml: trainer: nodes: 2 ranks + 0 spare(s) = 2 workers cannot be split evenly over 4"),

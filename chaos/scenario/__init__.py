@@ -312,7 +312,8 @@ def _format_error(path: str, exc: ValidationError) -> str:
         elif err["type"] == "union_tag_not_found":  # a fault entry without its kind
             loc = f"{loc}.kind" if loc else "kind"
             msg = f"missing (known: {', '.join(sorted(FAULT_CONFIGS))})"
-        elif err["type"] in ("model_type", "dict_type"):  # pydantic's names out of the message
+        elif err["type"] in ("model_type", "dict_type", "model_attributes_type"):
+            # pydantic's names out of the message (model_attributes_type: a fault entry)
             msg = _not_a_mapping(err["input"])
         elif err["type"] == "union_tag_invalid":
             msg = (f"unknown fault kind {shown(err['input'].get('kind'))} "
