@@ -679,6 +679,26 @@ def test_numbers_and_booleans_yaml_1_1_and_1_2_read_alike_are_kept(tmp_path: Pat
     assert load_scenario(path).name == "017"
 
 
+@pytest.mark.parametrize(("text", "key"), [
+    ("checkpoint: {async: 'off'}", "checkpoint.async"),
+    ("checkpoint: {async: 'no'}", "checkpoint.async"),
+    ("checkpoint: {async: 0}", "checkpoint.async"),
+    ("expect: {bitwise_equal_to_reference: 'false'}", "expect.bitwise_equal_to_reference"),
+    ("expect: {bitwise_equal_to_reference: 1}", "expect.bitwise_equal_to_reference"),
+    ("trainer: {command: [python, -c, pass], probe: 'off'}\nexpect: {}", "trainer.probe"),
+])
+def test_a_boolean_is_true_or_false_not_text_or_a_number(tmp_path: Path, text: str,
+                                                          key: str) -> None:
+    """Quoted, ``'off'`` is text (YAML 1.1's reading of a plain ``off`` is refused with "quote
+    it for text"), and ``0`` a number, as a rank is no ``true``: each was read as a boolean
+    (``async: 'off'`` a synchronous run, ``bitwise_equal_to_reference: 'false'`` no check)."""
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: x\n{text}\n")
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario(path)
+    assert str(exc.value) == f"{path}: {key}: Input should be a valid boolean"
+
+
 @pytest.mark.parametrize(("fault", "message"), [
     ({"kind": "kill_rank", "at_step": 3, "rank": {"dp": 1, "xx": 0}},
      "faults.0.rank.xx: unknown key"),

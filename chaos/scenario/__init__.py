@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     Discriminator,
     Field,
+    StrictBool,
     StrictInt,
     Tag,
     ValidationError,
@@ -94,7 +95,7 @@ class CheckpointSpec(_Strict):
     #: for an s3:// url: the endpoint and credentials, over the environment's AWS_* variables
     storage_options: dict[str, str] | None = None
     every_steps: Annotated[StrictInt, Field(ge=1)] = 10
-    async_: bool = Field(True, alias="async")
+    async_: StrictBool = Field(True, alias="async")
     keep_last: Annotated[StrictInt, Field(ge=1)] = 3
     #: the engine under test: ours, torch.distributed.checkpoint, or torchsnapshot
     engine: Literal["antifragile", "dcp", "torchsnapshot"] = "antifragile"
@@ -157,7 +158,7 @@ class CheckpointSpec(_Strict):
 
 
 class Expect(_Strict):
-    bitwise_equal_to_reference: bool = True
+    bitwise_equal_to_reference: StrictBool = True
     max_recovery_s: Annotated[Seconds, Field(gt=0)] | None = None
     max_lost_steps: Annotated[StrictInt, Field(ge=0)] | None = None
 

@@ -13,6 +13,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     ValidationInfo,
     field_validator,
@@ -228,7 +229,7 @@ class CommandSpec(_Strict):
     env: dict[str, str | int | float] = {}
     #: the script reports steps through ``antifragile.probe``: needed by ``at_step`` faults
     #: and by the step, recovery and lost-step measurements (false: time-based faults only)
-    probe: bool = True
+    probe: StrictBool = True
     #: the longest the job takes to notice a dead or hung peer (the script's own process-group
     #: timeout or watchdog): a fault counts as the cause of a restart within this (+ teardown)
     detect_timeout_s: Annotated[Seconds, Field(gt=0)] = 60.0
