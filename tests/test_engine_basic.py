@@ -2085,6 +2085,19 @@ def test_one_io_thread_saves_and_loads(tmp_path: Path) -> None:
     assert torch.equal(target["w"], torch.arange(4.0)) and torch.equal(target["v"], torch.ones(3))
 
 
+@pytest.mark.parametrize("local", [True, False])
+@pytest.mark.parametrize("options", ["endpoint_url", [], 0, [("endpoint_url", "http://h:1")]])
+def test_storage_options_that_are_no_mapping_are_refused(tmp_path: Path, local: bool,
+                                                         options: Any) -> None:
+    """As on S3: a local or fsspec URL took an empty list or 0 as no options without a word,
+    and a text was refused as the options "(e, n, d, ...)" (its letters)."""
+    url = str(tmp_path / "ckpt") if local else "memory://ckpt"
+    with pytest.raises(CheckpointError) as exc:
+        CheckpointEngine(url, storage_options=options)
+    assert str(exc.value) == (f"cannot open {url}: storage_options must be a mapping, not a "
+                              f"{type(options).__name__}")
+
+
 def test_a_local_url_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder"):

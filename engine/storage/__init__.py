@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import urllib.parse
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointError
@@ -58,6 +59,9 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Ret
 else goes through fsspec. A local root takes no ``storage_options`` (refused, not ignored)."""
     if not isinstance(url, str) or not url:
         raise CheckpointError(f"checkpoint url must be a non-empty string, got {url!r}")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise CheckpointError(f"cannot open {url}: storage_options must be a mapping, not a "
+                              f"{type(storage_options).__name__}")
     root = local_root(url)
     if root is not None:
         if storage_options:
