@@ -359,6 +359,55 @@ def test_a_checker_that_cannot_be_started_leaves_no_checker_behind(
         started[0].wait()
 
 
+# a checker that dies on its first state; its replacements start slowly
+_DYING_CHECKER = """
+import json, os, pathlib, sys, time
+folder = pathlib.Path(sys.argv[1])
+replacement = any(folder.glob("started-*"))
+(folder / f"started-{os.getpid()}").touch()
+if replacement:
+    time.sleep(1.0)
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    sys.exit(3)
+"""
+
+
+def test_a_pool_closed_while_it_checks_starts_no_checker_and_raises_in_no_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """chaos crashcheck stopped (SIGTERM, Ctrl-C) while a checker was being replaced: the
+    pool's close went on with its threads still checking, the replacement took the next
+    state and wrote it to the stdin close had shut (a ValueError in that thread), or was
+    started while close listed the checkers ('dictionary changed size during iteration', a
+    traceback for the user) and was never waited for. Once close has begun, no state is
+    handed out and no checker started."""
+    import threading
+
+    from antifragile.chaos.crashcheck import check
+    from antifragile.chaos.crashcheck.check import CheckerPool
+
+    popen = subprocess.Popen
+    monkeypatch.setattr(check.subprocess, "Popen", lambda args, **kwargs: popen(
+        [sys.executable, "-c", _DYING_CHECKER, str(tmp_path)], **kwargs))
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    tasks = [{"id": i, "prefix": f"p/s{i}", "objects": {}, "rules": ["marker"]}
+             for i in range(4)]
+    pool = CheckerPool(engine="dcp", bucket="b", bodies=tmp_path, env={}, workers=1)
+    checking = threading.Thread(target=pool.check, args=(tasks,), daemon=True)
+    checking.start()
+    deadline = time.monotonic() + 20
+    while len(list(tmp_path.glob("started-*"))) < 2:  # the first died: replaced, slowly
+        assert time.monotonic() < deadline, "the dead checker was not replaced"
+        time.sleep(0.01)
+    pool.close()
+    checking.join(20)
+    assert not checking.is_alive()
+    assert raised == []
+    assert len(list(tmp_path.glob("started-*"))) == 2, "a checker started after close"
+    assert all(proc.poll() is not None for proc in pool.procs)
+
+
 def test_unchecked_states_fail_the_verdict_with_their_reason() -> None:
     counts = {"old": 3, "new": 1, "refused": 0, "torn": 0, "lost": 0, "unchecked": 1}
     doc = {"cases": [{"engine": "x", "ranks": 1, "case": "save",

@@ -109,6 +109,10 @@ class CheckerPool:
         self._stderr: dict[int, Any] = {}
         # its stdout lines, read by a thread of its own: a read can then time out (a hang)
         self._lines: dict[int, queue.Queue[str]] = {}
+        # set by close (chaos stopping while states are checked): no checker is started and
+        # no state handed out after it; the lock keeps a replacement and close apart
+        self._closing = False
+        self._lock = threading.Lock()
         try:
             for _ in range(workers):
                 self.procs.append(self._start())
@@ -148,8 +152,12 @@ class CheckerPool:
         if not line:
             code = proc.wait()
             stderr = self._stderr[proc.pid]
-            stderr.seek(0)
-            last = [x.strip() for x in stderr.read().splitlines() if x.strip()][-1:]
+            try:
+                stderr.seek(0)
+                said = stderr.read()
+            except ValueError:  # close closed it (chaos stopping)
+                said = ""
+            last = [x.strip() for x in said.splitlines() if x.strip()][-1:]
             raise CheckerError(f"the checker process exited ({code})"
                                + (" while checking it" if field == "results" else "")
                                + "".join(f": {x[:300]}" for x in last))
@@ -163,18 +171,23 @@ class CheckerPool:
 
     def _ask(self, proc: subprocess.Popen[str], task: dict[str, Any]) -> dict[str, Any]:
         assert proc.stdin is not None
-        with contextlib.suppress(OSError):  # it died (a broken pipe): _expect says how
+        # it died (a broken pipe), or close shut its stdin: _expect says how it ended
+        with contextlib.suppress(OSError, ValueError):
             proc.stdin.write(json.dumps(task) + "\n")
             proc.stdin.flush()
         return self._expect(proc, "results", STATE_TIMEOUT_S)
 
     def _replace(self, proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
-        """Kill ``proc`` (dead or hung) and start a checker in its place."""
+        """Kill ``proc`` (dead or hung) and start a checker in its place (none once the pool
+        is closing: CheckerError)."""
         kill_process(proc)
-        self._stderr.pop(proc.pid).close()
-        self._lines.pop(proc.pid, None)
-        new = self._start()
-        self.procs[self.procs.index(proc)] = new
+        with self._lock:
+            if self._closing:
+                raise CheckerError("chaos is stopping: the checker was not replaced")
+            self._stderr.pop(proc.pid).close()
+            self._lines.pop(proc.pid, None)
+            new = self._start()
+            self.procs[self.procs.index(proc)] = new
         self._expect(new, "ready", START_TIMEOUT_S)
         return new
 
@@ -191,7 +204,7 @@ class CheckerPool:
         lock = threading.Lock()
 
         def drive(proc: subprocess.Popen[str]) -> None:
-            while True:
+            while not self._closing:
                 try:
                     task = todo.get_nowait()
                 except queue.Empty:
@@ -227,17 +240,21 @@ class CheckerPool:
         return answers
 
     def close(self) -> None:
-        for proc in self.procs:
+        """End the checkers; ``check`` may still run in other threads (chaos stopping)."""
+        with self._lock:
+            self._closing = True
+            procs, errs = list(self.procs), list(self._stderr.values())
+        for proc in procs:
             if proc.stdin is not None:
                 with contextlib.suppress(OSError):  # one that died: a broken pipe
                     proc.stdin.close()
-        for proc in self.procs:
+        for proc in procs:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for err in self._stderr.values():
+        for err in errs:
             err.close()
 
     def __enter__(self) -> CheckerPool:
