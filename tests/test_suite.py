@@ -415,6 +415,24 @@ def test_discover_and_plan_reject_bad_suites(tmp_path: Path) -> None:
         suite.plan([b], tmp_path / "out")
 
 
+@pytest.mark.parametrize("link", ["gone", "loop"])
+def test_a_scenario_link_that_leads_nowhere_fails_in_the_suite_not_left_out(
+        tmp_path: Path, link: str) -> None:
+    """A ``*.yaml`` link whose target is gone (a share not mounted) or that loops was left out
+    of the suite without a word, as a folder is: the suite passed without that scenario (or
+    said the folder had no scenario files). It is listed, and fails as unreadable."""
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    a = _write(scenarios, "a", [])
+    b = scenarios / "b.yaml"
+    b.symlink_to("nowhere.yaml" if link == "gone" else "b.yaml")
+    (scenarios / "c.yaml").mkdir()  # a folder named so is no scenario: looked into
+    assert suite.discover(scenarios) == [a, b]
+    planned = suite.plan([b], tmp_path / "out")
+    assert planned[0].scenario is None
+    assert planned[0].error is not None and f"{b}: cannot read: " in planned[0].error
+
+
 def test_a_file_where_a_scenarios_folder_goes_is_bad_input_not_a_traceback(
         tmp_path: Path) -> None:
     """A file in OUT named like a scenario (``OUT/a``, where its report folder goes) was

@@ -47,7 +47,8 @@ class Planned:
 
 def discover(folder: Path, patterns: Sequence[str] = ("*",)) -> list[Path]:
     """Every ``*.yaml``/``*.yml`` under ``folder`` (recursively) whose name or stem matches
-    one of ``patterns`` (globs)."""
+    one of ``patterns`` (globs); a link of that name that leads nowhere (its target gone, or a
+    loop) too: the suite fails it as unreadable rather than leave it out."""
     try:
         is_dir, exists = folder.is_dir(), folder.exists()
     except OSError as exc:  # a name too long to look up
@@ -59,7 +60,8 @@ def discover(folder: Path, patterns: Sequence[str] = ("*",)) -> list[Path]:
         raise SuiteError(f"{folder}: no such folder")
     patterns = list(patterns) or ["*"]
     files = sorted(p for p in folder.rglob("*")
-                   if p.is_file() and p.suffix in (".yaml", ".yml")
+                   if (p.is_file() or (p.is_symlink() and not p.exists()))
+                   and p.suffix in (".yaml", ".yml")
                    and any(fnmatch(p.name, g) or fnmatch(p.stem, g) for g in patterns))
     if not files:
         matching = f" matching {' or '.join(map(repr, patterns))}" if patterns != ["*"] else ""
