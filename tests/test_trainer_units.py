@@ -156,6 +156,10 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     (["--pp", "2", "--micro-batches", "0"], "micro_batches must be >= 1, got 0"),
     (["--micro-batches", "-1"], "micro_batches must be >= 1, got -1"),
     (["--ckpt-every", "0"], "ckpt_every must be >= 1, got 0"),
+    # accepted, then trained (for ever) toward a last step whose final checkpoint the engine
+    # refuses (a step is below 2**62); a scenario's trainer.steps is refused so
+    (["--steps", str(2**62)], "steps must be below 2**62 (the engine's bound on a step: the "
+     "run's final checkpoint is of its last step), got 4611686018427387904"),
     # accepted before, then refused by the training process with a traceback on every rank
     # (exit 1; a restart under torchrun's --max-restarts), or silently harmful
     (["--keep-last", "0"], "keep_last must be >= 1, got 0"),

@@ -7,6 +7,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from antifragile.engine._paths import MAX_STEP
 from antifragile.trainer.ckpt_backends import ENGINES
 from antifragile.trainer.model import ModelConfig
 from antifragile.trainer.parallel.dims import ParallelDims
@@ -54,6 +55,9 @@ class TrainConfig:
         for name in ("steps", "batch_size", "micro_batches", "ckpt_every", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps >= MAX_STEP:
+            raise ValueError(f"steps must be below 2**62 (the engine's bound on a step: the "
+                             f"run's final checkpoint is of its last step), got {self.steps}")
         if not (self.lr >= 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a finite number >= 0, got {self.lr}")
         if not -(2**63) <= self.seed < 2**64:
