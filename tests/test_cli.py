@@ -167,6 +167,23 @@ def test_storage_option_booleans_are_booleans(tmp_path: Path) -> None:
     assert options == {"anon": False, "use_ssl": True, "region_name": "eu-1", "key": "true1"}
 
 
+@pytest.mark.parametrize("flags", [
+    ["--storage-option", "endpoint_url=http://a:1", "--storage-option", "endpoint_url=http://b:2"],
+    ["--endpoint-url", "http://a:1", "--storage-option", "endpoint_url=http://b:2"],
+])
+def test_a_storage_option_given_twice_with_two_values_is_refused(flags: list[str]) -> None:
+    """The last given was used, the other dropped without a word (an S3 error then named the
+    endpoint chaos went to, not the one the user meant). No value is echoed: it may be a
+    secret."""
+    for command in (["ls"], ["verify"], ["inspect", "--step", "1"]):
+        result = CliRunner().invoke(main, ["ckpt", command[0], "s3://b/run", *command[1:],
+                                           *flags])
+        assert result.exit_code == 2, result.output
+        assert "endpoint_url given twice, with two values (one is dropped): give it once" in \
+            result.output, result.output
+        assert "Traceback" not in result.output
+
+
 @pytest.mark.parametrize(("url", "flags"), [
     ("github://a/b", []),  # its file system takes org= and repo=, not the URL: TypeError
     ("tar://run", ["--storage-option", "fo=MISSING"]),  # an archive that is not there: OSError

@@ -39,7 +39,11 @@ def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
         if not sep or not key:
             raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--storage-option")
         # a flag's "false" is a bool (as text it is true: anon=false would sign nothing)
-        options[key] = {"true": True, "false": False}.get(value.lower(), value)
+        given = {"true": True, "false": False}.get(value.lower(), value)
+        if key in options and options[key] != given:  # no value shown: it may be a secret
+            raise click.BadParameter(f"{key} given twice, with two values (one is dropped): "
+                                     "give it once", param_hint="--storage-option")
+        options[key] = given
     if url.startswith("s3://"):
         from antifragile.chaos.infra.s3 import S3SetupError, check_bucket
 
