@@ -128,6 +128,14 @@ class CheckpointEngine:
                 or not 0 < commit_timeout_s <= MAX_COMMIT_TIMEOUT_S):
             raise CheckpointError("commit_timeout_s must be a positive number of seconds, at "
                                   f"most {MAX_COMMIT_TIMEOUT_S:g}, got {commit_timeout_s!r}")
+        # taken before, then every save failed (an AttributeError from the planner, or a
+        # TypeError naming no option)
+        if plan_options is not None and not isinstance(plan_options, PlanOptions):
+            raise CheckpointError("plan_options must be a PlanOptions or None, got "
+                                  f"{type(plan_options).__name__}")
+        if on_phase is not None and not callable(on_phase):
+            raise CheckpointError("on_phase must be a callable (step, phase) or None, got "
+                                  f"{type(on_phase).__name__}")
         self.url = url
         self.keep_last = keep_last
         self.commit_timeout_s = commit_timeout_s

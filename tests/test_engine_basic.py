@@ -2077,6 +2077,22 @@ def test_an_io_threads_that_cannot_be_a_thread_count_is_refused(
         CheckpointEngine(str(tmp_path / "ckpt"), io_threads=io_threads)
 
 
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("plan_options", {"max_object_bytes": 2**20}, "plan_options must be a PlanOptions or None, "
+     "got dict"),
+    ("plan_options", "x", "plan_options must be a PlanOptions or None, got str"),
+    ("on_phase", 5, "on_phase must be a callable (step, phase) or None, got int"),
+])
+def test_a_plan_options_or_on_phase_of_the_wrong_kind_is_refused(
+        tmp_path: Path, option: str, value: Any, says: str) -> None:
+    """Each was taken; then every save failed: plan_options with an AttributeError traceback
+    from the planner ('dict' object has no attribute 'max_cells_per_box'), on_phase with a
+    save error naming no option ("TypeError: 'int' object is not callable")."""
+    with pytest.raises(CheckpointError) as exc:
+        CheckpointEngine(str(tmp_path / "ckpt"), **{option: value})
+    assert str(exc.value) == says
+
+
 def test_one_io_thread_saves_and_loads(tmp_path: Path) -> None:
     with CheckpointEngine(str(tmp_path / "ckpt"), io_threads=1) as ckpt:
         ckpt.save(1, {"w": torch.arange(4.0), "v": torch.ones(3)}).wait()
