@@ -52,6 +52,12 @@ def _doc(**changes: Any) -> dict[str, Any]:
      f"s.yaml: trainer.command: command[1]: script '{'t' * 300}.py' not found"),
     (_doc(trainer={"command": ["./" + "t" * 300]}),
      f"s.yaml: trainer.command: command[0]: './{'t' * 300}' not found"),
+    # a folder there was "not found (looked relative to ...)": the user looks and finds it
+    (_doc(trainer={"command": ["python", str(Path(SCRIPT).parent)]}),
+     f"s.yaml: trainer.command: command[1]: script '{Path(SCRIPT).parent}' is a folder, not a "
+     "file"),
+    (_doc(trainer={"command": [str(Path(SCRIPT).parent)]}),
+     f"s.yaml: trainer.command: command[0]: '{Path(SCRIPT).parent}' is a folder, not a file"),
     # accepted, then a ValueError traceback when chaos run started the reference run
     (_doc(trainer={"env": {"OMP_NUM_THREADS=1": ""}}),
      "s.yaml: trainer.env: 'OMP_NUM_THREADS=1' is not an environment variable name"),

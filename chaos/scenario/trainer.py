@@ -319,15 +319,14 @@ class CommandSpec(_Strict):
                 script = runs[1]
                 found = _find_file(out[script], bases)
                 if found is None:
-                    raise ValueError(f"command[{script}]: script {out[script]!r} not found "
-                                     f"(looked relative to {where})")
+                    raise ValueError(f"command[{script}]: script {out[script]!r} "
+                                     f"{_not_found(out[script], bases, where)}")
                 out[script] = found
             return out
         if os.sep in first or first.endswith(".py"):
             found = _find_file(first, bases)
             if found is None:
-                raise ValueError(f"command[0]: {first!r} not found (looked relative to "
-                                 f"{where})")
+                raise ValueError(f"command[0]: {first!r} {_not_found(first, bases, where)}")
             if not found.endswith(".py") and not os.access(found, os.X_OK):
                 raise ValueError(f"command[0]: {found} is not executable")
             out[0] = found
@@ -353,6 +352,17 @@ def _launcher_at(command: list[str]) -> int | None:
     i = runs[1] if len(command[runs[1]]) > 2 else runs[1] + 1  # -m<module> or -m <module>
     module = command[i].removeprefix("-m") if i < len(command) else ""
     return i if module in _TORCHRUN_MODULES else None
+
+
+def _not_found(name: str, bases: list[Path], where: str) -> str:
+    """Why no file ``name`` was found: a folder of that name, or nothing there."""
+    for base in bases:
+        try:
+            if (base / os.path.expanduser(name)).is_dir():
+                return "is a folder, not a file"
+        except OSError:  # a name too long, a folder it may not look into
+            continue
+    return f"not found (looked relative to {where})"
 
 
 def _find_file(name: str, bases: list[Path]) -> str | None:
