@@ -95,6 +95,12 @@ def _with(**changes: Any) -> dict[str, Any]:
     (_with(checkpoint={"url": "s3://b/p", "storage_options": {"endpoint": "http://h:1"}}),
      "s.yaml: checkpoint: storage_options.endpoint: unknown option (known: endpoint_url, key, "
      "secret, token, region_name)"),
+    # validate said ok; chaos run refused it (exit 2) naming checkpoint.url
+    (_with(checkpoint={"url": "s3://b/p", "storage_options": {"endpoint_url": "h:9000"}}),
+     "s.yaml: checkpoint: storage_options.endpoint_url: 'h:9000' is not an endpoint URL (give "
+     "http://host:port or https://host)"),
+    (_with(checkpoint={"url": "s3://b/p", "storage_options": {"endpoint_url": "http://h:x"}}),
+     "s.yaml: checkpoint: storage_options.endpoint_url: 'http://h:x' is not an endpoint URL"),
     # accepted, then a ValueError traceback when chaos run put it into the environment
     (_with(checkpoint={"url": "s3://b/p", "storage_options": {"secret": "a\0b"}}),
      "s.yaml: checkpoint: storage_options.secret: holds a NUL byte"),

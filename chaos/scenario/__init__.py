@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -146,6 +147,9 @@ class CheckpointSpec(_Strict):
                                  f"{', '.join(S3_OPTION_VARS)})")
             if "\0" in value:  # it goes into the environment, which cannot hold one
                 raise ValueError(f"storage_options.{key}: holds a NUL byte")
+            if key == "endpoint_url" and not _is_endpoint(value):  # as the engine refuses
+                raise ValueError(f"storage_options.{key}: {value!r} is not an endpoint URL "
+                                 "(give http://host:port or https://host)")
         return self
 
     def s3_environment(self) -> dict[str, str]:
@@ -155,6 +159,16 @@ class CheckpointSpec(_Strict):
         if "AWS_ENDPOINT_URL" in env:
             env["AWS_ENDPOINT_URL_S3"] = env["AWS_ENDPOINT_URL"]
         return env
+
+
+def _is_endpoint(url: str) -> bool:
+    """An http(s) URL with a host and a numeric port, if any (``engine/storage/_s3.py``)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 class Expect(_Strict):
