@@ -376,3 +376,28 @@ def test_a_monitor_whose_store_connection_was_reset_connects_again() -> None:
         time.sleep(0.02)
     js.set("done", 1.0)
     assert [x.worker for x in told] == ["1.0"]
+
+
+def test_a_heartbeat_retires_at_once_while_it_connects_to_a_store_out_of_reach() -> None:
+    """A store gone for good (slot 0's supervisor served it and ended first) makes a fresh
+    client wait its whole connect timeout (twice the collective timeout in torch 2.13):
+    retiring must not wait behind that connect, nor connect again itself."""
+    js = _BrokenAfterReset(_js(dist.HashStore()))
+    connecting = []
+
+    def reconnect() -> JobStore:
+        connecting.append(time.monotonic())
+        time.sleep(10)  # a TCPStore client connecting to nothing, until its timeout
+        raise RuntimeError("The client socket has timed out while trying to connect")
+
+    beat = Heartbeat(js, 3, lambda: Holder("3.0", 0, True),  # type: ignore[arg-type]
+                     interval_s=0.01, reconnect=reconnect)
+    beat.start()
+    time.sleep(0.05)
+    js.reset()
+    deadline = time.monotonic() + 5
+    while not connecting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    beat.retire()
+    assert connecting and time.monotonic() - t0 < 2.0

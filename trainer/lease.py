@@ -89,10 +89,14 @@ class Heartbeat:
 
     def retire(self) -> None:
         """The slot's process ended on purpose (the job is done): stop renewing, and say so,
-        so that the silence that follows is not taken for a loss."""
+        so that the silence that follows is not taken for a loss. Not where the store was out
+        of reach at the last renewal (it is gone with the job, or its monitor, which stops
+        judging once the job is done, is out of reach too): a renewal still connecting to it
+        (up to twice the connect timeout) is not waited for."""
         self._stop.set()
-        self._thread.join()
-        self._write({"retired": True})
+        self._thread.join(timeout=self._interval_s + 1.0)
+        if not self._thread.is_alive() and not self._failed:
+            self._write({"retired": True})
 
     def _write(self, doc: dict[str, Any]) -> bool:
         try:
