@@ -75,6 +75,11 @@ def _doc(**changes: Any) -> dict[str, Any]:
     (_doc(trainer={"env": {"ANTIFRAGILE_CKPT_URL": "/data/ckpt"}}),
      "s.yaml: trainer.env: ANTIFRAGILE_CKPT_URL: chaos sets it for every rank (from "
      "checkpoint.url); a value here would be replaced"),
+    # torchrun reads an option its command line does not give from PET_<OPTION>: accepted,
+    # PET_NNODES=2 had the one-host job wait for a second host until the run's time limit
+    (_doc(trainer={"env": {"PET_NNODES": "2"}}),
+     "s.yaml: trainer.env: PET_NNODES: torchrun reads it as its option --nnodes; chaos "
+     "launches torchrun itself"),
     (_doc(trainer={"env": {"X": None}}),
      "s.yaml: trainer.env: X: no value (null); give a text or a number, '' for empty"),
     (_doc(trainer={"env": {"Y": [1]}}),

@@ -279,7 +279,8 @@ class CommandSpec(_Strict):
     @classmethod
     def _env_text(cls, env: dict[str, Any]) -> dict[str, str]:
         """What a process's environment can hold (the OS refuses the rest when the job starts),
-        and none of the variables that torchrun or chaos set for every rank over it."""
+        none of the variables that torchrun or chaos set for every rank over it, and none that
+        torchrun takes for an option its command line does not give (``PET_<OPTION>``)."""
         for k, v in env.items():
             if not k or "=" in k or "\0" in k:
                 raise ValueError(f"{k!r} is not an environment variable name (empty, or it "
@@ -288,6 +289,11 @@ class CommandSpec(_Strict):
                 who, source = _SET_FOR_EVERY_RANK[k]
                 raise ValueError(f"{k}: {who} sets it for every rank ({source}); a value here "
                                  "would be replaced")
+            if k.startswith("PET_"):  # ``env`` is torchrun's environment too
+                option = "--" + k.removeprefix("PET_").lower().replace("_", "-")
+                raise ValueError(f"{k}: torchrun reads it as its option {option}; chaos "
+                                 "launches torchrun itself (nproc_per_node, one host, its "
+                                 "restarts), so a value here would change that launch")
             if "\0" in str(v):
                 raise ValueError(f"{k}: a value cannot hold a NUL byte")
         return {k: str(v) for k, v in env.items()}
