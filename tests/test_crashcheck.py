@@ -1653,3 +1653,40 @@ def test_the_markdown_escapes_html_in_the_save_error_and_the_reasons() -> None:
              "&lt;class 'OSError'&gt;")
     assert "<Error>" not in text and "<class" not in text, text
     assert text.count(shown) == 2, text  # in the verdict's reason and in the case's line
+
+
+def test_step_k_loaded_while_step_k_plus_1_is_committed_and_intact_is_lost(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the save's COMMIT has landed, with every object of step k+1 as the save left it
+    (retention still deleting an older step), a load of step k passes over a committed
+    checkpoint: a reader that never looked at it skips nothing and warns of nothing. Such a
+    load was classified ``old``, so only the uncrashed state could fail that reader."""
+    from antifragile.chaos.crashcheck import pipeline
+    from antifragile.chaos.crashcheck.record import Recording
+
+    s1, s2, s3 = "step_000000001", "step_000000002", "step_000000003"
+    base = {f"{s1}/a": "p", f"{s1}/COMMIT": "c1", f"{s2}/a": "o", f"{s2}/COMMIT": "c2"}
+    muts = [_put(0, f"{s3}/a", 0, 1), _put(1, f"{s3}/COMMIT", 2, 3),
+            Mutation(2, "delete", f"{s1}/COMMIT", 4, 5), Mutation(3, "delete", f"{s1}/a", 6, 7)]
+    exp = Expected(old_step=2, old_digest="o", new_step=3, new_digest="n", older={1: "p"})
+    monkeypatch.setattr(pipeline, "record_case",
+                        lambda *a, **k: (Recording(mutations=muts), base, exp, 0.1, None))
+    final = apply(base, muts)
+
+    class Loads:  # a reader that loads step 2 from every state but the uncrashed one
+        def check(self, tasks: list[dict[str, Any]], progress: Any = None
+                  ) -> dict[int, dict[str, Any]]:
+            return {t["id"]: {"id": t["id"], "results": {"engine": (
+                {"step": 3, "digest": "n", "skipped": []} if t["objects"] == final
+                else {"step": 2, "digest": "o", "skipped": []})}} for t in tasks}
+
+    settings = pipeline.Settings(engine="antifragile", ranks=1, cases=("retention",))
+    result = pipeline.run_case(settings, "retention", endpoint_url="http://127.0.0.1:9",
+                               env={}, bucket="b", bodies=tmp_path,
+                               pool=Loads(),  # type: ignore[arg-type]
+                               progress=lambda _: None)
+    outcome = {len(s.applied): result.outcomes["engine"][s.id]
+               for s in result.enumeration.states}
+    assert outcome == {0: "old", 1: "old",  # step 3 not committed yet: step 2 is right
+                       2: "lost", 3: "lost",  # step 3 committed and whole, not loaded
+                       4: "new"}

@@ -15,7 +15,9 @@ Outcomes, against the digests of what was saved:
   step it took for a checkpoint (committed, or marked) that did not load: the state holds a
   torn committed checkpoint, which the fallback hid (correctness);
 - ``lost``: step k, committed before the save began, cannot be loaded any more: the rule
-  found no checkpoint, or failed, with neither step intact, or loaded an older step;
+  found no checkpoint, or failed, with neither step intact, or loaded an older step; or
+  step k+1, committed and whole in the state (its folder as the save left it), was passed
+  over for step k;
 - ``unchecked``: the checker process died or hung (``STATE_TIMEOUT_S``) on the state: nothing
   is known of it (the reason is in its answer); the checker is replaced and the run goes on.
 """
@@ -57,10 +59,12 @@ class Expected:
     older: dict[int, str] = field(default_factory=dict)  # older committed steps' digests
 
 
-def classify(result: dict[str, Any], expected: Expected, *, intact: bool) -> str:
+def classify(result: dict[str, Any], expected: Expected, *, intact: bool,
+             new_intact: bool = False) -> str:
     """The outcome of one load. ``intact``: the state holds step k's or step k+1's folder
     exactly as its save left it (``holds_intact``); a load that ended with nothing then
-    refused a checkpoint it could have had, else step k was lost."""
+    refused a checkpoint it could have had, else step k was lost. ``new_intact``: it holds
+    step k+1's folder as the save left it, committed: a load of step k loses step k+1."""
     if "unchecked" in result:
         return "unchecked"
     if "nothing" in result or "error" in result:
@@ -68,7 +72,9 @@ def classify(result: dict[str, Any], expected: Expected, *, intact: bool) -> str
     step, loaded = result["step"], result["digest"]
     if step == expected.old_step and loaded == expected.old_digest:
         # a committed step that did not load was passed over: torn, whatever loaded after it
-        return "torn" if result.get("skipped") else "old"
+        if result.get("skipped"):
+            return "torn"
+        return "lost" if new_intact and step < expected.new_step else "old"
     if step == expected.new_step and loaded == expected.new_digest:
         return "new"
     if expected.older.get(step) == loaded:

@@ -334,11 +334,17 @@ def run_case(settings: Settings, name: str, *, endpoint_url: str, env: dict[str,
     result = CaseResult(name, recording, base, expected, enumeration, answers=answers,
                         save_error=save_error)
     final = next(s.objects for s in enumeration.states if s.id == enumeration.final)
-    intact = {s.id: holds_intact(s.objects, base, expected.old_step)
-              or holds_intact(s.objects, final, expected.new_step) for s in enumeration.states}
+    new_intact = {s.id: holds_intact(s.objects, final, expected.new_step)
+                  for s in enumeration.states}
+    intact = {s.id: holds_intact(s.objects, base, expected.old_step) or new_intact[s.id]
+              for s in enumeration.states}
+    # step k+1 as the uncrashed save left it counts as committed only if that save committed
+    committed = save_error is None
     for rule in rules:
-        result.outcomes[rule] = {i: classify(a["results"][rule], expected, intact=intact[i])
-                                 for i, a in answers.items()}
+        result.outcomes[rule] = {
+            i: classify(a["results"][rule], expected, intact=intact[i],
+                        new_intact=committed and new_intact[i])
+            for i, a in answers.items()}
     result.timings = {"record_s": round(record_s, 2), "save_s": round(save_s, 3),
                       "enumerate_s": round(enumerate_s, 2), "check_s": round(check_s, 2)}
     return result
