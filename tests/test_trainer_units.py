@@ -815,15 +815,21 @@ def test_a_generation_that_failed_while_it_formed_shuts_its_connections_once_for
         gloo_peer.close()
 
 
+def _captured_then_closed(server: socket.socket) -> tuple[GlooSockets, int]:
+    """A connection captured by a formation, then closed: its number is free for reuse."""
+    sockets = GlooSockets(keep_ports=set())
+    sockets.begin()
+    gloo, gloo_peer = _connected(server)
+    sockets.end()
+    number = gloo.fileno()
+    gloo.close()
+    gloo_peer.close()
+    return sockets, number
+
+
 def test_a_captured_descriptor_reused_after_the_formation_is_left_alone() -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
-        sockets = GlooSockets(keep_ports=set())
-        sockets.begin()
-        gloo, gloo_peer = _connected(server)
-        sockets.end()
-        number = gloo.fileno()
-        gloo.close()
-        gloo_peer.close()
+        sockets, number = _captured_then_closed(server)
         other, other_peer = _connected(server)  # e.g. a new store client, at the same number
         other = _at_fd(other, number)
         assert sockets.shutdown() == 0
@@ -841,14 +847,8 @@ def test_a_captured_descriptor_reused_by_a_pipe_is_not_held_open_by_the_abort() 
     pipe's write end held open that way leaves its reader waiting for an end that never
     comes."""
     with socket.create_server(("127.0.0.1", 0)) as server:
-        sockets = GlooSockets(keep_ports=set())
-        sockets.begin()
-        gloo, gloo_peer = _connected(server)
-        sockets.end()
-        number = gloo.fileno()
-        read_end, write_end = os.pipe()
-        gloo.close()
-        gloo_peer.close()
+        read_end, write_end = os.pipe()  # made first: it must not take the freed number
+        sockets, number = _captured_then_closed(server)
         os.dup2(write_end, number)  # the pipe's write end, at the captured number
         os.close(write_end)
         assert sockets.shutdown() == 0
