@@ -91,7 +91,13 @@ def create(storage: Any, key: str, parts: Sequence[Any]) -> None:
     test's fault, a user's instrumentation) sees the write."""
     if getattr(type(storage), "create", None) is not None:
         storage.create(key, parts)
-        return
+    else:
+        look_then_write(storage, key, parts)
+
+
+def look_then_write(storage: Any, key: str, parts: Sequence[Any]) -> None:
+    """A create where storage has no atomic one: ObjectExistsError if ``key`` exists, else a
+    durable ``write`` (two writers that both look before either writes both write)."""
     if storage.exists(key):
         raise exists_error(storage, key)
     storage.write(key, parts, durable=True)

@@ -1,9 +1,10 @@
 """Any fsspec URL other than S3 (``memory://``, ``gcs://``...): objects, no rename, no
 directories. S3 has its own backend (``_s3.py``); this one adds no timeouts of its own.
 
-fsspec has no portable write-only-if-absent: ``create`` (a COMMIT) looks, then writes
-(check-then-write). Two saves of one step racing on such storage may both commit, the later
-COMMIT replacing the earlier; a save that looks after the other's COMMIT landed fails."""
+fsspec has no portable write-only-if-absent, so this class defines no ``create``: a COMMIT is
+written by ``_base.create``'s look-then-write. Two saves of one step racing on such storage may
+both commit, the later COMMIT replacing the earlier; a save that looks after the other's COMMIT
+landed fails."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import fsspec
 
-from ._base import Late, exists_error
+from ._base import Late
 
 
 class FsspecStorage:
@@ -33,12 +34,6 @@ class FsspecStorage:
         if late is not None:  # an object is written once, whole
             late()
         self.fs.pipe_file(self._path(key), b"".join(memoryview(p).cast("B") for p in parts))
-
-    def create(self, key: str, parts: Sequence[Any]) -> None:
-        """Check-then-write, not atomic (see the module docstring)."""
-        if self.exists(key):
-            raise exists_error(self, key)
-        self.write(key, parts, durable=True)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         try:

@@ -51,7 +51,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..errors import StorageError
-from ._base import Late, byte_views, exists_error, scatter, warn_no_atomic_create
+from ._base import (
+    Late,
+    byte_views,
+    exists_error,
+    look_then_write,
+    scatter,
+    warn_no_atomic_create,
+)
 
 T = TypeVar("T")
 log = logging.getLogger("antifragile.engine.storage")
@@ -371,9 +378,7 @@ class S3Storage:
                         warn_no_atomic_create(self.url, "the S3 server refuses conditional "
                                               "PUTs", exc)
                     self.conditional_puts = False
-        if self.exists(key):
-            raise exists_error(self, key)
-        self.write(key, [data])
+        look_then_write(self, key, [data])
 
     def _get(self, key: str, start: int, end: int | None) -> memoryview:
         """The bytes of ``key`` from ``start`` to ``end`` (or its end): one GET; empty past the
