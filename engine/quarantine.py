@@ -21,7 +21,7 @@ from .errors import CheckpointCorruptError
 from .storage import Storage
 
 # a note's name in the log: its step folder and the time it was written (``quarantine``); a
-# local write's temporary file beside it (``<name>.<pid>-<thread>.tmp``) is not one
+# local write's temporary file beside it (``<name>.<pid>-<token>-<thread>.tmp``) is not one
 _LOG_NAME = re.compile(r"^(step_\d+)\.\d+$")
 
 

@@ -429,8 +429,8 @@ def test_verify_of_a_root_whose_every_step_is_quarantined_is_damage(tmp_path: Pa
 
 
 def test_ls_ignores_a_temporary_file_left_in_the_quarantine_log(tmp_path: Path) -> None:
-    """A local write goes to ``<key>.<pid>-<tid>.tmp`` and is renamed: a process killed in
-    between (or a quarantine being written while ls runs) leaves such a file in
+    """A local write goes to ``<key>.<pid>-<token>-<tid>.tmp`` and is renamed: a process
+    killed in between (or a quarantine being written while ls runs) leaves such a file in
     ``quarantined/``. It is no quarantine note: ls neither fails on it nor lists it."""
     from antifragile.engine.quarantine import quarantine, quarantine_log
     from antifragile.engine.storage import open_storage
@@ -440,7 +440,8 @@ def test_ls_ignores_a_temporary_file_left_in_the_quarantine_log(tmp_path: Path) 
     storage = open_storage(url)
     quarantine(storage, 10, "flipped bit", reports={0: "flipped bit"}, confirmed_by=0)
     log_dir = tmp_path / "ckpt" / "quarantined"
-    (log_dir / "step_000000020.1700000000000000000.4242-140000.tmp").write_bytes(b'{"step": 2')
+    temporary = "step_000000020.1700000000000000000.4242-9f3a01c2-140000.tmp"
+    (log_dir / temporary).write_bytes(b'{"step": 2')
     assert [step for step, _ in quarantine_log(storage)[0]] == [10]
     result = CliRunner().invoke(main, ["ckpt", "ls", url])
     assert result.exit_code == 0, result.output

@@ -834,3 +834,26 @@ def test_a_save_whose_writes_hang_on_s3_fails_at_its_deadline_and_the_next_one_c
         began = time.monotonic()
         engine.close()
         assert time.monotonic() - began < 40
+
+
+def test_two_hosts_whose_processes_share_pid_and_thread_id_never_share_a_temporary_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two hosts writing one key of a shared folder (NFS: two jobs at one URL, a note both
+    write) may run processes with the same pid and thread id (containers number their
+    processes alike): a temporary file named by those alone was one file for both, the second
+    writer truncated the first's bytes and renamed them away, and the first's rename failed
+    (or its late rewrite went into the second's object)."""
+    from antifragile.engine.storage import LocalStorage
+
+    monkeypatch.setattr(os, "getpid", lambda: 7)
+    monkeypatch.setattr(threading, "get_ident", lambda: 1234)
+    first, second = LocalStorage(str(tmp_path)), LocalStorage(str(tmp_path))  # two hosts
+    key = "step_000000001/w/c.0"
+
+    def meanwhile() -> list[tuple[int, int]]:
+        second.write(key, [b"b" * 4096])
+        return [(0, 4)]  # the first writer writes its head again (a late field)
+
+    first.write(key, [b"a" * 4096], late=meanwhile)
+    assert (tmp_path / key).read_bytes() == b"a" * 4096  # the later rename's, whole
+    assert os.listdir(tmp_path / "step_000000001" / "w") == ["c.0"]

@@ -32,6 +32,7 @@ import functools
 import logging
 import os
 import re
+import secrets
 import shutil
 import stat
 import sys
@@ -78,6 +79,9 @@ class LocalStorage:
         self.buffered_bytes = 0  # bytes written through the page cache
         # None until the first ``create``; then whether the file system takes hard links
         self.hard_links: bool | None = None
+        # in each temporary file's name beside pid and thread: two hosts sharing the folder
+        # may run processes numbered alike (containers), and must never share a temporary
+        self._token = secrets.token_hex(4)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key) if key else self.root
@@ -140,7 +144,8 @@ class LocalStorage:
              exclusive: bool) -> None:
         path = self._path(key)
         self._makedirs(os.path.dirname(path))
-        tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"  # a kill never tears `path`
+        # a kill never tears `path`
+        tmp = f"{path}.{os.getpid()}-{self._token}-{threading.get_ident()}.tmp"
         views = [memoryview(p).cast("B") for p in parts]
         views = [v for v in views if len(v)]
         direct = (self.direct_io is not False and not durable and bool(views)
