@@ -165,7 +165,8 @@ class CheckpointEngine:
         self._other_staging: StagingArea | None = None
         self._last: SaveHandle | None = None
         self._draining: list[SaveHandle] = []  # committed saves whose retention still runs
-        self._closed = False
+        self._closed = False  # no new work
+        self._close_done = False  # close() has returned: its threads ended or were left
         self.keep_in_memory = keep_in_memory
         self._on_phase = on_phase
         self._memory: MemoryCopy | None = None
@@ -677,7 +678,7 @@ class CheckpointEngine:
         saves the same steps again, and one landing later went over its objects (a shard
         object), or made a step of this engine's visible whose retention deleted the next
         generation's save in flight (a COMMIT)."""
-        self._closed = True
+        self._closed = self._close_done = True
         self._cancel.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._workers.close(timeout=0.0)
@@ -705,8 +706,9 @@ class CheckpointEngine:
     def close(self) -> None:
         """Wait for the save in flight (its failure is logged, not raised) and for the threads
         that ran it to end, and on rank 0 for the listing of the step folders begun at the
-        engine's start (each up to ``CLOSE_WAIT_S``, then left, saying so)."""
-        if self._closed:
+        engine's start (each up to ``CLOSE_WAIT_S``, then left, saying so). A close that was
+        interrupted (Ctrl-C in its wait) is finished by the next."""
+        if self._close_done:
             return
         self._closed = True
         for handle in [*self._draining, self._last]:
@@ -722,6 +724,7 @@ class CheckpointEngine:
                 stuck.append(self._listing.name)
         if stuck:
             log.warning("closed with checkpoint threads still running: %s", ", ".join(stuck))
+        self._close_done = True
 
     def __enter__(self) -> CheckpointEngine:
         return self

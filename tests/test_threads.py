@@ -101,6 +101,33 @@ def test_close_waits_for_the_listing_of_step_folders(tmp_path: Path,
         timer.cancel()
 
 
+
+def test_a_close_interrupted_is_finished_by_the_next(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while close() waited for the save in flight left the engine marked closed with
+    its threads running: the next close() (a ``finally``, a context manager's exit) returned
+    at once, and the threads ran on into the interpreter's exit (the abort above)."""
+    from antifragile.engine._handle import SaveHandle
+
+    ckpt = CheckpointEngine(str(tmp_path / "ck"))
+    ckpt.save(1, {"w": torch.randn(16, 8)})
+    real_wait, interrupted = SaveHandle.wait, []
+
+    def wait_interrupted(self: SaveHandle, timeout: float | None = None) -> None:
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        real_wait(self, timeout)
+
+    monkeypatch.setattr(SaveHandle, "wait", wait_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.close()
+    with pytest.raises(Exception, match="closed"):  # closed for new work all the same
+        ckpt.save(2, {"w": torch.randn(16, 8)})
+    ckpt.close()
+    assert _alive(ckpt._workers) == []
+    assert (tmp_path / "ck" / "step_000000001" / "COMMIT").exists()
+
 def test_a_script_that_exits_right_after_saves_exits_cleanly(tmp_path: Path) -> None:
     """Saves whose last tensors are views (freeing them takes the GIL in C++), an engine
     dropped without close(): the interpreter exits with 0. A smoke check: the race it guards
