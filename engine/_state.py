@@ -211,12 +211,35 @@ def _check_json(value: object, path: str) -> JSON:
     try:
         json.dumps(value, allow_nan=True)
     except (TypeError, ValueError) as exc:
+        path, value, reason = _first_refused(value, path, exc)
         kind = type(value)  # numpy.bool, not "bool" (which reads as Python's, JSON-able)
         name = kind.__qualname__ if kind.__module__ == "builtins" else \
             f"{kind.__module__}.{kind.__qualname__}"
         raise CheckpointError(
-            f"state path {path!r}: {name} is neither a tensor nor JSON-able ({exc})") from None
+            f"state path {path!r}: {name} is neither a tensor nor JSON-able ({reason})") from None
     return value
+
+
+def _first_refused(value: object, path: str, exc: Exception
+                   ) -> tuple[str, object, Exception]:
+    """The innermost entry of a value that JSON refused (``exc``), its path and JSON's error
+    for it: a numpy scalar among a train state's metrics is named by its own path, not by
+    the dict's. A key that cannot be a name is refused here, naming its dict."""
+    while isinstance(value, (dict, list, tuple)):
+        if isinstance(value, dict):
+            _check_keys(value, path)
+            entries = [(_key_name(k), v) for k, v in value.items()]
+        else:
+            entries = [(str(i), v) for i, v in enumerate(value)]
+        for name, entry in entries:
+            try:
+                json.dumps(entry, allow_nan=True)
+            except (TypeError, ValueError) as entry_exc:
+                value, path, exc = entry, _join(path, name), entry_exc
+                break
+        else:
+            break
+    return path, value, exc
 
 
 def _setter(container: Any, key: object) -> Callable[[JSON], None]:

@@ -1819,7 +1819,7 @@ def _nested(leaf: Any, depth: int) -> Any:
 @pytest.mark.parametrize(
     ("state", "named"),
     [
-        ({"w": torch.ones(2), "extra": {"tags": {1, 2}}}, "'extra'.*set"),
+        ({"w": torch.ones(2), "extra": {"tags": {1, 2}}}, "'extra/tags'.*set"),
         ({"w": torch.ones(2), "hook": lambda: None}, "hook"),
         ({"model": {"a/b": torch.ones(2)}}, "a/b"),
         ({"model": {"..": torch.ones(2)}}, r"'\.\.'"),
@@ -1841,11 +1841,19 @@ def _nested(leaf: Any, depth: int) -> Any:
          r"'model/seeds/1'.*int.*4300 digits"),
         ({"model": {10**5000: torch.ones(2)}},
          r"state path 'model': an int key of 16610 bits.*4300 digits"),
+        # inside a value that holds no tensor: named by its own path, not the value's
+        ({"w": torch.ones(2), "train": {"step": 3, "metrics": {"loss": np.float32(1.5)}}},
+         r"state path 'train/metrics/loss': numpy.float32 is neither"),
+        ({"w": torch.ones(2), "rng": np.random.get_state()},
+         r"state path 'rng/1': numpy.ndarray is neither"),
+        ({"w": torch.ones(2), "cfg": {"by_seed": {10**5000: 1}}},
+         r"state path 'cfg/by_seed': an int key of 16610 bits.*4300 digits"),
     ],
     ids=["set", "lambda", "slash-key", "dotdot-key", "hidden-key", "tuple-key", "meta",
          "sparse", "nested", "deep-tensors", "deep-json", "deeper-than-the-recursion-limit",
          "huge-int", "huge-int-in-tuple",
-         "huge-int-key"],
+         "huge-int-key", "numpy-scalar-in-a-value", "numpy-array-in-a-value",
+         "huge-int-key-in-a-value"],
 )
 def test_invalid_state_is_refused_naming_the_path(
     tmp_path: Any, state: dict[str, Any], named: str
