@@ -86,6 +86,27 @@ def test_exponential_simulation_agrees_with_the_analytic_model(costs: tune.Costs
         tune.optimal_interval(costs.ckpt_s, costs.mtbf_s), rel=0.35)
 
 
+
+def test_one_runs_spread_brackets_the_expected_wall_and_narrows_as_the_run_grows() -> None:
+    """A sweep run lasts about three MTBFs: its goodput scatters widely around the expected
+    one, and a gap to the model inside that scatter says nothing about the model."""
+    from antifragile.chaos.tune.simulate import run_spread
+
+    costs = tune.Costs(ckpt_s=1.0, restart_s=2.0, mtbf_s=20.0)
+    tau = tune.optimal_interval(costs.ckpt_s, costs.mtbf_s)
+    expected_wall = {}
+    spreads = {}
+    for work in (60.0, 6000.0):
+        expected_wall[work] = work / tune.expected_goodput(tau, costs.ckpt_s, costs.restart_s,
+                                                            costs.mtbf_s)
+        spreads[work] = run_spread(work, tau, costs, seed=3)
+        low, high = spreads[work]
+        assert work < low < expected_wall[work] < high, (work, spreads[work])
+    assert spreads[60.0] == run_spread(60.0, tau, costs, seed=3)  # seeded
+    short, long = (spreads[w][1] / spreads[w][0] for w in (60.0, 6000.0))
+    assert short > 1.3 and long < 1.1, (short, long)  # three MTBFs: wide; 300: narrow
+    assert run_spread(1e6, 1e5, costs, schedules=100) is None  # a segment never completes
+
 def test_weibull_path_is_deterministic_per_seed_and_shape_one_is_exponential() -> None:
     costs = tune.Costs(ckpt_s=5.0, restart_s=10.0, mtbf_s=100.0)
     intervals = [10.0, 30.0, 90.0]
@@ -840,7 +861,17 @@ def test_a_swept_interval_the_model_gives_no_goodput_is_predicted_zero(
     rows = {row["every_steps"]: row for row in json.loads(result.stdout)["sweep"]}
     assert rows[5000]["model_goodput"] == 0.0 and rows[5000]["predicted_goodput"] == 0.0
     assert rows[5000]["gap"] == rows[5000]["measured_goodput"]
+    # the spread is of the run as made: one checkpoint, at its end
+    assert 0 < rows[5000]["spread_goodput"][0] < rows[5000]["spread_goodput"][1]
     assert 0 < rows[2]["predicted_goodput"] < 1
+    low, high = rows[2]["spread_goodput"]
+    assert 0 < low < rows[2]["predicted_goodput"] < high < 1
+    assert rows[2]["within_spread"] == (low <= rows[2]["measured_goodput"] <= high)
+    assert rows[2]["spread_coverage"] == 0.9
+    text = _invoke([str(path), "--sweep", "--sweep-every", "2,5000", "--sweep-steps", "12",
+                    "--schedules", "100"])
+    assert text.exit_code == 0, text.output
+    assert "90% of runs" in text.output and f"{low:.4f}-{high:.4f}" in text.output
 
 
 @pytest.mark.parametrize("extra", [[], ["--sweep-steps", "100000"]])

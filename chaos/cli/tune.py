@@ -109,14 +109,19 @@ def _table(doc: dict[str, Any]) -> str:
         lines.append("  Meta (Kokolis et al. 2024) reports 7.9 h at 1,024 GPUs and 1.8 h at "
                      "16,384: 1/N scaling from one misses the other by ~3.6x.")
     if doc.get("sweep"):
-        lines += ["", "  sweep (real runs; predicted = model with this run's start-up and tail):",
+        coverage = f"{doc['sweep'][0]['spread_coverage']:.0%} of runs"
+        lines += ["", "  sweep (real runs; predicted = model with this run's start-up and tail;",
+                  f"  {coverage}: where one such run's goodput falls, its failures drawn at "
+                  "random):",
                   f"  {'every':>6}{'interval s':>12}{'failures':>10}{'wall s':>9}"
-                  f"{'measured':>10}{'predicted':>11}{'gap':>8}"]
+                  f"{'measured':>10}{'predicted':>11}{'gap':>8}{coverage:>17}"]
         for row in doc["sweep"]:
+            low, high = row["spread_goodput"]
+            outside = "" if row["within_spread"] else "  outside"
             lines.append(f"  {row['every_steps']:>6}{row['interval_s']:>12.4g}"
                          f"{row['failures']:>10}{row['wall_s']:>9.1f}"
                          f"{row['measured_goodput']:>10.4f}{row['predicted_goodput']:>11.4f}"
-                         f"{row['gap']:>+8.4f}")
+                         f"{row['gap']:>+8.4f}{f'{low:.4f}-{high:.4f}':>17}{outside}")
     if doc.get("out"):
         lines += ["", f"  wrote {doc['out']}/tune.json and {doc['out']}/goodput.png"]
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from antifragile.chaos.tune.model import Costs, MeasureError, TuneError, expected_goodput
+from antifragile.chaos.tune.simulate import SPREAD_COVERAGE, run_spread
 
 if TYPE_CHECKING:  # the tuning model stays importable without torch
     from antifragile.chaos.observe.record import RunRecord
@@ -256,10 +257,11 @@ def sweep_every(recommended: int, steps: int) -> list[int]:
 
 
 def sweep(s: Scenario, costs: Costs, measured: Measured, folder: Path, *, every: list[int],
-          steps: int, mtbf_from_scenario: bool,
+          steps: int, mtbf_from_scenario: bool, seed: int = 0,
           progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Short real runs at each ``every_steps``, failures at the MTBF; measured goodput vs the
-    model's prediction for that run (its start-up and tail included: the runs are short)."""
+    model's prediction for that run (its start-up and tail included: the runs are short), and
+    the range that :data:`SPREAD_COVERAGE` of such runs fall in: one run meets few failures."""
     from antifragile.chaos.observe import figures
 
     if mtbf_from_scenario:
@@ -279,13 +281,18 @@ def sweep(s: Scenario, costs: Costs, measured: Measured, folder: Path, *, every:
         work = steps * costs.step_s
         # goodput 0: the model's expected wall time overflowed (an interval far longer than
         # the MTBF, from --sweep-every): so does this run's
-        predicted = (work / (measured.startup_s + measured.tail_s + work / model)
-                     if model > 0 else 0.0)
+        overhead = measured.startup_s + measured.tail_s
+        predicted = work / (overhead + work / model) if model > 0 else 0.0
+        walls = run_spread(work, tau, costs, seed=seed)
+        spread = ([work / (overhead + walls[1]), work / (overhead + walls[0])]
+                  if walls is not None else [0.0, 0.0])
         got = figures.goodput(record)
         rows.append({"every_steps": e, "interval_s": tau, "steps": steps,
                      "wall_s": record.wall_s, "failures": sum(
                          1 for i in record.injections
                          if i.kind in STOPPING_KINDS and not i.skipped and not i.missed),
                      "measured_goodput": got, "predicted_goodput": predicted,
-                     "model_goodput": model, "gap": got - predicted})
+                     "model_goodput": model, "gap": got - predicted,
+                     "spread_goodput": spread, "spread_coverage": SPREAD_COVERAGE,
+                     "within_spread": spread[0] <= got <= spread[1]})
     return rows

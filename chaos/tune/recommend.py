@@ -146,8 +146,7 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
         with _folder(out, "sweep") as folder:
             doc["sweep"] = sweep(
                 s, costs, measured, folder, every=every or sweep_every(rec, steps),
-                steps=steps, mtbf_from_scenario=from_scenario,
-                progress=progress)
+                steps=steps, mtbf_from_scenario=from_scenario, seed=seed, progress=progress)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         doc["out"] = str(out)

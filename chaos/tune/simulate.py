@@ -184,6 +184,27 @@ def simulate(intervals_s: list[float], costs: Costs, *, dist: Distribution = "ex
                  intervals_s=list(intervals_s), goodput=goodput, ci_low=low, ci_high=high)
 
 
+
+#: the share of single runs whose wall time ``run_spread`` brackets
+SPREAD_COVERAGE = 0.9
+
+
+def run_spread(work_s: float, interval_s: float, costs: Costs, *, schedules: int = 2000,
+               seed: int = 0) -> tuple[float, float] | None:
+    """Where the wall time of ONE run of ``work_s`` seconds of work, checkpointed every
+    ``interval_s``, falls under exponential failures at the MTBF: the central
+    :data:`SPREAD_COVERAGE` of it over seeded schedules. A short run meets a few failures, so
+    one run's goodput scatters widely around the expected one: a sweep's gap inside this is
+    noise, not the model's error. None when a schedule was given up (no useful work)."""
+    segments = max(1, math.ceil(work_s / interval_s))  # whole segments, the same work in all
+    failures = _FailureTimes("exponential", 1.0, costs.mtbf_s, schedules, seed)
+    wall = _wall_times(work_s / segments, segments, costs.ckpt_s, costs.restart_s, failures)
+    if wall is None:
+        return None
+    tail = (1 - SPREAD_COVERAGE) / 2
+    low, high = np.quantile(wall, [tail, 1 - tail])
+    return float(low), float(high)
+
 @dataclass(kw_only=True, slots=True)
 class Tuning:
     """The answer: analytic intervals, simulated curves and the recommended interval."""
