@@ -20,6 +20,7 @@ from antifragile.chaos.crashcheck.check import Expected, classify, holds_intact
 from antifragile.chaos.crashcheck.enumerate import apply, enumerate_states
 from antifragile.chaos.crashcheck.record import Mutation
 from antifragile.chaos.crashcheck.report import verdict
+from tests._reports import undocumented
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -462,6 +463,11 @@ def _summarized(outcomes: dict[int, str], *, name: str = "save",
     result.answers = {s.id: ({"id": s.id, "unchecked": "the checker process exited (9)"}
                              if outcomes[s.id] == "unchecked" else {"id": s.id})
                       for s in e.states}
+    for s in e.states:  # what a checker answers for a torn state: another step's data
+        if outcomes[s.id] == "torn":
+            result.answers[s.id]["results"] = {
+                "engine": {"step": 2, "digest": "neither", "skipped": [1]}}
+    result.timings = {"record_s": 1.0, "save_s": 0.5, "enumerate_s": 0.1, "check_s": 2.0}
     result.outcomes["engine"] = outcomes
     return {"engine": "antifragile", "settings": {"cases": [name]},
             "cases": [summarize(settings, result)]}
@@ -495,6 +501,15 @@ def test_the_report_says_the_engine_refused_the_save() -> None:
     assert f"the save was refused ({why})" in page(doc, None)
     assert "refused (" not in markdown(_summarized({0: "old", 1: "old", 2: "new"}),
                                        has_plot=False)
+
+
+def test_every_field_of_a_case_in_crashcheck_json_is_in_reports_readme() -> None:
+    """reports/README.md lists crashcheck.json's fields: a mutation's ``index`` and ``status``,
+    ``expected``'s, ``timings``' and a witness's own fields were written but not listed there."""
+    doc = _summarized({0: "old", 1: "torn", 2: "new"})
+    case = doc["cases"][0]
+    assert case["rules"]["engine"]["witnesses"]["torn"]["loaded"]["skipped"] == [1]
+    assert case["timings"] and undocumented(doc) == []
 
 
 

@@ -28,6 +28,7 @@ from antifragile.chaos.report import document as report
 from antifragile.chaos.report import plots
 from antifragile.chaos.scenario import parse_scenario
 from antifragile.chaos.suite import summary
+from tests._reports import undocumented
 
 T0 = 1_700_000_000.0
 WORLD = 4  # dp=2, pp=2: ranks 2 and 3 are the last stage, the ones that report a loss
@@ -738,7 +739,7 @@ def test_chaos_run_writes_the_whole_report(tmp_path: Path, monkeypatch: pytest.M
     assert {(w["attempt"], w["rank"]) for w in doc["timeline"]["workers"]} == {
         (0, 0), (0, 1), (1, 0), (1, 1)}
     assert [e["step"] for e in doc["reference_losses"]] == list(range(1, 17))
-    assert _undocumented(doc, REPORTS_README.read_text(encoding="utf-8")) == []
+    assert undocumented(doc) == []
     assert _png_size((out / "timeline.png").read_bytes()) == plots.figure_size_px(
         "timeline.png", doc)
 
@@ -1081,29 +1082,6 @@ def test_a_final_step_not_known_is_not_written_as_none(doc: dict[str, Any],
     assert "<td>final step</td><td>40 of 50</td>" in (tmp_path / "report.html").read_text()
 
 
-REPORTS_README = Path(__file__).parents[1] / "reports" / "README.md"
-#: maps whose keys are data, not fields (a step, an outcome), and the validated scenario,
-#: whose fields are the scenario format's: their keys are not looked up in reports/README.md
-_NOT_FIELDS = frozenset({"scenario", "committed_verified"})
-
-
-def _undocumented(value: Any, text: str, path: str = "") -> list[str]:
-    """The paths of the keys in ``value`` (dicts within lists within dicts...) that
-    ``text`` never names as `key`."""
-    found: list[str] = []
-    if isinstance(value, dict):
-        for key, inner in value.items():
-            where = f"{path}.{key}" if path else key
-            if f"`{key}`" not in text:
-                found.append(where)
-            if key not in _NOT_FIELDS:
-                found += _undocumented(inner, text, where)
-    elif isinstance(value, list):
-        for item in value:
-            found += _undocumented(item, text, f"{path}[]")
-    return sorted(set(found))
-
-
 def test_every_field_the_report_and_the_suite_write_is_in_reports_readme(
         doc: dict[str, Any]) -> None:
     """reports/README.md is where a user looks a field of report.json, summary.json or
@@ -1116,12 +1094,11 @@ def test_every_field_the_report_and_the_suite_write_is_in_reports_readme(
 
     from antifragile.chaos.crashcheck.record import Mutation
 
-    text = REPORTS_README.read_text(encoding="utf-8")
-    assert _undocumented(doc, text) == []
+    assert undocumented(doc) == []
     entries = [summary.summarize("synthetic", "synthetic.yaml", doc, "synthetic/report.json")]
     baseline = summary.compare(entries, {"format": summary.FORMAT, "scenarios": entries},
                                file="prev/summary.json")
     built = summary.build(entries, suite="scenarios", wall_s=1.0, baseline=baseline)
-    assert _undocumented(built, text) == []
+    assert undocumented(built) == []
     mutation = {f.name: None for f in dataclasses.fields(Mutation)}
-    assert _undocumented({"mutations": [mutation]}, text) == []
+    assert undocumented({"mutations": [mutation]}) == []
