@@ -244,6 +244,40 @@ def test_the_reference_is_keyed_by_the_script_content(tmp_path: Path) -> None:
     assert _reference_key(s) != before
 
 
+
+def test_the_reference_is_keyed_by_the_engine_and_the_installed_packages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script's final state is also what the libraries it imports compute and store: the
+    engine it checkpoints through (a fix to what it writes), transformers, torchdata,
+    torchsnapshot. A reference cached before an upgrade of any of them was compared with a
+    run of the new ones, and the verdict failed (or passed) on stale bits."""
+    import importlib.metadata
+
+    from antifragile.chaos.run import pipeline
+
+    script = tmp_path / "train.py"
+    script.write_text("x = 1\n")
+    for engine in ("antifragile", "torchsnapshot"):
+        s = parse_scenario(_doc(trainer={"command": ["python", str(script)]},
+                                checkpoint={"engine": engine}))
+        key = _reference_key(s)
+        real = pipeline.code_digest
+        with monkeypatch.context() as m:  # the engine's code edited
+            m.setattr(pipeline, "code_digest", lambda folder: (
+                "edited" if folder.name == "engine" else real(folder)))
+            pipeline._antifragile_code.cache_clear()
+            assert _reference_key(s) != key, engine
+        pipeline._antifragile_code.cache_clear()
+        assert _reference_key(s) == key
+        dists = list(importlib.metadata.distributions())
+        upgraded = [type("D", (), {"metadata": {"Name": "transformers"}, "version": "99.0"})()]
+        with monkeypatch.context() as m:  # another library installed
+            m.setattr(importlib.metadata, "distributions", lambda: dists + upgraded)
+            pipeline._installed.cache_clear()
+            assert _reference_key(s) != key, engine
+        pipeline._installed.cache_clear()
+        assert _reference_key(s) == key
+
 def test_the_reference_is_keyed_by_the_modules_the_script_can_import_beside_it(
         tmp_path: Path) -> None:
     """``train.py`` imports ``model.py`` and the package ``lib/`` from its own folder: an edit

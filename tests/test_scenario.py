@@ -263,7 +263,7 @@ def test_a_reference_made_by_other_code_is_not_reused(monkeypatch: pytest.Monkey
         m.setattr(torch, "__version__", "0.0.1")
         assert pipeline._reference_key(base) != key
     with monkeypatch.context() as m:
-        m.setattr(pipeline, "_trainer_code", lambda: "edited")
+        m.setattr(pipeline, "_antifragile_code", lambda: "edited")
         assert pipeline._reference_key(base) != key
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "model.py").write_text("a = 1\n")

@@ -44,12 +44,13 @@ class Outcome:
 
 def _reference_key(s: Scenario) -> str:
     """Only what determines the final state (faults, expectations, recovery and detection
-    settings do not): the settings, the torch that computes it and the processor it runs on
-    (other kernels, other bits) and the checkpoint format it is stored in (a cached reference
-    of an older format could not be read). A command trainer's key also holds the content of
-    every file its command names and of the modules its script can import beside it (an
-    edited script is a new reference); the built-in trainer's, its code and what its
-    ``train`` entry holds (a reference saved with fewer entries differs in it)."""
+    settings do not): the settings, the torch and the other installed libraries that compute
+    and store it, the trainer's and the engine's code, the processor it runs on (other
+    kernels, other bits) and the checkpoint format it is stored in (a cached reference of an
+    older format could not be read). A command trainer's key also holds the content of every
+    file its command names and of the modules its script can import beside it (an edited
+    script is a new reference); the built-in trainer's, what its ``train`` entry holds (a
+    reference saved with fewer entries differs in it)."""
     import torch
 
     from antifragile.engine._paths import FORMAT_VERSION
@@ -60,13 +61,13 @@ def _reference_key(s: Scenario) -> str:
                               "torch": torch.__version__, "processor": _processor(),
                               "checkpoint": {"every_steps": s.checkpoint.every_steps,
                                              "engine": s.checkpoint.engine}}
+    config["code"], config["installed"] = _antifragile_code(), _installed()
     if isinstance(s.trainer, CommandSpec):
         config["files"] = {str(f): _file_digest(f) for f in _command_files(s.trainer.command)}
     else:
         from antifragile.trainer.checkpoint import TRAIN_STATE_VERSION
 
         config["train_state"] = TRAIN_STATE_VERSION
-        config["code"] = _trainer_code()
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -137,11 +138,25 @@ def code_digest(folder: Path) -> str:
 
 
 @functools.cache
-def _trainer_code() -> str:
-    """The built-in trainer's code, as this process imported it (a suite asks once)."""
+def _antifragile_code() -> str:
+    """The code of the built-in trainer and of the engine (a script's checkpoints are the
+    engine's bytes), as this process imported them (a suite asks once)."""
+    import antifragile.engine
     import antifragile.trainer
 
-    return code_digest(Path(antifragile.trainer.__file__).parent)
+    return "".join(code_digest(Path(package.__file__).parent)
+                   for package in (antifragile.trainer, antifragile.engine))
+
+
+@functools.cache
+def _installed() -> str:
+    """A digest of the installed distributions' names and versions: the libraries a script
+    computes and stores its state with (transformers, torchdata, torchsnapshot, numpy)."""
+    import importlib.metadata
+
+    found = sorted(f"{d.metadata['Name']}=={d.version}"
+                   for d in importlib.metadata.distributions())
+    return hashlib.sha256("\n".join(found).encode()).hexdigest()
 
 
 def _run_failed(what: str, code: int, folder: Path) -> str:
