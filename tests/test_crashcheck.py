@@ -433,7 +433,8 @@ def test_a_save_that_never_lands_fails_the_verdict() -> None:
 
     def doc(final: str, save_error: str | None, name: str = "save") -> dict[str, Any]:
         result = CaseResult(name, Recording(mutations=muts), {"step_1/COMMIT": "c"}, exp, e,
-                            save_error=save_error)
+                            save_error=save_error,
+                            save_refused="already committed" in (save_error or ""))
         after = max(e.states, key=lambda s: len(s.objects)).id
         result.outcomes["engine"] = {s.id: final if s.id == after else "old" for s in e.states}
         return {"cases": [summarize(settings, result)]}
@@ -443,12 +444,13 @@ def test_a_save_that_never_lands_fails_the_verdict() -> None:
     assert not ok and "step 2" in reasons[0], reasons
     assert not verdict(doc("old", "rank 0: OSError: refused"))[0]  # the save itself failed
     # the one case where an engine may refuse the save: a committed step saved again
-    assert verdict(doc("old", "rank 0: CheckpointError: step 2 is committed",
+    assert verdict(doc("old", "rank 0: CheckpointError: step 2 is already committed",
                        "overwrite-committed"))[0]
+    assert not verdict(doc("old", "rank 0: OSError: refused", "overwrite-committed"))[0]
 
 
 def _summarized(outcomes: dict[int, str], *, name: str = "save",
-                save_error: str | None = None) -> dict[str, Any]:
+                save_error: str | None = None, save_refused: bool = False) -> dict[str, Any]:
     """The report document of one case whose states (before, in the middle of and after a
     save of step 2) the documented rule classified as ``outcomes`` (state id -> outcome)."""
     from antifragile.chaos.crashcheck.pipeline import CaseResult, Settings, summarize
@@ -459,7 +461,7 @@ def _summarized(outcomes: dict[int, str], *, name: str = "save",
     exp = Expected(old_step=1, old_digest="o", new_step=2, new_digest="n")
     settings = Settings(engine="antifragile", ranks=1, cases=(name,))
     result = CaseResult(name, Recording(mutations=muts), {"step_1/COMMIT": "c"}, exp, e,
-                        save_error=save_error)
+                        save_error=save_error, save_refused=save_refused)
     result.answers = {s.id: ({"id": s.id, "unchecked": "the checker process exited (9)"}
                              if outcomes[s.id] == "unchecked" else {"id": s.id})
                       for s in e.states}
@@ -495,7 +497,7 @@ def test_the_report_says_the_engine_refused_the_save() -> None:
 
     why = "rank 0: CheckpointError: step 2 is committed"
     doc = _summarized({0: "old", 1: "old", 2: "old"}, name="overwrite-committed",
-                      save_error=why)
+                      save_error=why, save_refused=True)
     assert verdict(doc) == (True, [])
     assert f"the save was refused ({why})" in markdown(doc, has_plot=False)
     assert f"the save was refused ({why})" in page(doc, None)
@@ -511,6 +513,39 @@ def test_every_field_of_a_case_in_crashcheck_json_is_in_reports_readme() -> None
     assert case["rules"]["engine"]["witnesses"]["torn"]["loaded"]["skipped"] == [1]
     assert case["timings"] and undocumented(doc) == []
 
+
+
+def test_only_the_engines_refusal_of_a_committed_step_passes_as_a_refused_save() -> None:
+    """overwrite-committed passed on any error of the save, taken for the engine's refusal: a
+    save that crashed on a bug (a TypeError, a storage error) scored as if it had refused."""
+    from antifragile.chaos.crashcheck.report import markdown
+
+    why = "rank 0: TypeError: unsupported operand"
+    doc = _summarized({0: "old", 1: "old", 2: "old"}, name="overwrite-committed",
+                      save_error=why)
+    ok, reasons = verdict(doc)
+    assert not ok and why in reasons[0], reasons
+    assert doc["cases"][0]["save_refused"] is False
+    assert f"the save failed ({why})" in markdown(doc, has_plot=False)
+
+
+def test_the_refusal_of_a_committed_step_is_recognised_per_engine(tmp_path: Path) -> None:
+    """antifragile's refusal to save over a committed step (the error it documents) is a
+    refusal; any other error, and any error of a peer (DCP and torchsnapshot write into a
+    committed step: they have no such refusal), is not."""
+    from antifragile.chaos.crashcheck import engines
+    from antifragile.engine import CheckpointError, StorageError
+
+    url = str(tmp_path / "ckpt")
+    engines.save("antifragile", url, 2, attempt=1)
+    with pytest.raises(CheckpointError) as refused:
+        engines.save("antifragile", url, 2, attempt=0)
+    assert engines.refuses_committed("antifragile", refused.value)
+    for exc in (TypeError("bad"), StorageError("step 2: PUT failed"),
+                CheckpointError("step 2: the save was abandoned")):
+        assert not engines.refuses_committed("antifragile", exc)
+    for peer in ("dcp", "torchsnapshot"):
+        assert not engines.refuses_committed(peer, refused.value)
 
 
 def test_the_marker_rule_falls_back_past_a_dcp_step_that_does_not_load(

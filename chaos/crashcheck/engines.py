@@ -105,6 +105,22 @@ def save(engine: str, url: str, step: int, *, attempt: int = 0, keep_last: int |
         prune(engine, url, keep_last)
 
 
+def refuses_committed(engine: str, exc: BaseException) -> bool:
+    """Whether ``exc`` is ``engine``'s own refusal to save over a committed step (ours: a
+    CheckpointError, "step N is already committed; it is not overwritten (why)", or "... was
+    committed by another save ...; its COMMIT is not overwritten"): the one error an
+    overwrite-committed save may end in and pass. DCP and torchsnapshot have none (they write
+    into the committed step), so any error of theirs is the save failing."""
+    if engine != "antifragile":
+        return False
+    from antifragile.engine import CheckpointError
+
+    text = str(exc)
+    return type(exc) is CheckpointError and (
+        "is already committed; it is not overwritten" in text
+        or ("was committed by another save" in text and "is not overwritten" in text))
+
+
 def prune(engine: str, url: str, keep_last: int) -> None:
     """A peer trainer's retention after a commit (``trainer/ckpt_backends/base.py``'s rule on
     S3): remove marked folders beyond the newest ``keep_last`` and older unmarked ones."""

@@ -110,7 +110,8 @@ class CaseResult:
     outcomes: dict[str, dict[int, str]] = field(default_factory=dict)  # rule -> state -> ...
     answers: dict[int, dict[str, Any]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    save_error: str | None = None  # the engine refused the recorded save (it may)
+    save_error: str | None = None  # the recorded save raised (on some rank)
+    save_refused: bool = False  # that error is the engine's refusal of a committed step
 
 
 def _free_port() -> int:
@@ -153,9 +154,11 @@ SAVE_LINE_TIMEOUT_S = 600.0
 
 def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: dict[str, str],
                 bucket: str, bodies: Path, root: str
-                ) -> tuple[Recording, dict[str, str], Expected, float, str | None]:
+                ) -> tuple[Recording, dict[str, str], Expected, float, str | None, bool]:
     """Run the base saves and the recorded save (``settings.ranks`` processes, through the
-    recording proxy): (recording, base objects {key: digest}, expected digests, save seconds)."""
+    recording proxy): (recording, base objects {key: digest}, expected digests, save seconds,
+    the save's error or None, whether that error is the engine's refusal of a committed
+    step)."""
     client = _s3_client(endpoint_url, env)
     with RecordingProxy(endpoint_url, bucket=bucket, root=root,
                         latency_s=settings.latency_s) as proxy:
@@ -222,7 +225,9 @@ def record_case(settings: Settings, the_case: Case, *, endpoint_url: str, env: d
                         new_step=step, new_digest=saved["saved"],
                         older={s: first["base"][f"{s}/0"] for s, a, _, drop in the_case.base
                                if s < old_step and a == 0 and not drop})
-    return recording, base, expected, float(saved["save_s"]), saved.get("error")
+    error = saved.get("error")
+    return (recording, base, expected, float(saved["save_s"]), error,
+            error is not None and saved.get("refused") is True)
 
 
 class SaveError(RuntimeError):
@@ -309,7 +314,7 @@ def run_case(settings: Settings, name: str, *, endpoint_url: str, env: dict[str,
     tag = uuid.uuid4().hex[:8]
     root = f"{settings.engine}-r{settings.ranks}-{name}-{tag}/ckpt"
     t0 = time.monotonic()
-    recording, base, expected, save_s, save_error = record_case(
+    recording, base, expected, save_s, save_error, save_refused = record_case(
         settings, the_case, endpoint_url=endpoint_url, env=env, bucket=bucket, bodies=bodies,
         root=root)
     record_s = time.monotonic() - t0
@@ -332,7 +337,7 @@ def run_case(settings: Settings, name: str, *, endpoint_url: str, env: dict[str,
     answers = pool.check(tasks, progress=checked)
     check_s = time.monotonic() - t2
     result = CaseResult(name, recording, base, expected, enumeration, answers=answers,
-                        save_error=save_error)
+                        save_error=save_error, save_refused=save_refused)
     final = next(s.objects for s in enumeration.states if s.id == enumeration.final)
     new_intact = {s.id: holds_intact(s.objects, final, expected.new_step)
                   for s in enumeration.states}
@@ -378,7 +383,7 @@ def summarize(settings: Settings, result: CaseResult) -> dict[str, Any]:
         "requests": result.recording.requests,
         "base_objects": len(result.base),
         "expected": {"old_step": result.expected.old_step, "new_step": result.expected.new_step},
-        "save_error": result.save_error,
+        "save_error": result.save_error, "save_refused": result.save_refused,
         # states a checker died or hung on: no outcome, the reason instead
         "unchecked": [{"state": i, "reason": a["unchecked"]}
                       for i, a in sorted(result.answers.items()) if "unchecked" in a],

@@ -55,9 +55,11 @@ def verdict(doc: dict[str, Any]) -> tuple[bool, list[str]]:
     """ok when the documented rule of every case has no refused, torn or lost state, and loads
     step k+1 from the state the save left when nothing crashed (else every crash state of a
     save that never landed loads step k and passes); only ``MAY_REFUSE`` cases may instead
-    report the save refused. A state left unchecked (its checker died or hung) is not ok
-    either: nothing is known of it. Nor is a case asked for but missing (the report of a run
-    that stopped before it), nor one whose documented rule was not checked."""
+    report the save refused, by the engine's own refusal of a committed step
+    (``save_refused``): any other error of the save is the save failing. A state left
+    unchecked (its checker died or hung) is not ok either: nothing is known of it. Nor is a
+    case asked for but missing (the report of a run that stopped before it), nor one whose
+    documented rule was not checked."""
     reasons = []
     checked = {c["case"] for c in doc["cases"]}
     for name in doc.get("settings", {}).get("cases", []):
@@ -81,7 +83,7 @@ def verdict(doc: dict[str, Any]) -> tuple[bool, list[str]]:
                 why = c.get("unchecked") or [{"reason": "?"}]
                 reasons.append(f"{where}: {r['counts']['unchecked']} state(s) unchecked (the "
                                f"first: {why[0]['reason']})")
-            refused = c.get("save_error") is not None and c["case"] in MAY_REFUSE
+            refused = c.get("save_refused") is True and c["case"] in MAY_REFUSE
             if r["final"] not in ("new", "unchecked") and not refused:
                 reasons.append(f"{where}: the save of step {c['expected']['new_step']}, not "
                                f"interrupted, loads {r['final']}, not new"
@@ -141,7 +143,7 @@ def _case_line(c: dict[str, Any]) -> str:
               f"{c['states']} checked" if c["capped_at"] else "")
     error, saved = c.get("save_error"), ""
     if error is not None:
-        how = "was refused" if c["case"] in MAY_REFUSE else "failed"
+        how = "was refused" if c.get("save_refused") is True else "failed"
         saved = f"; the save {how} ({error})"
     return (f"{c['engine']}, {c['ranks']} rank(s), {c['case']}{saved}: {len(c['mutations'])} "
             f"mutations ({c['requests']} requests in all), {c['cut_points']} cut points, "

@@ -63,16 +63,17 @@ def _save_main(args: argparse.Namespace) -> None:
         dist.barrier()
     step, attempt, keep_last = plan["record"]
     t0 = time.monotonic()
-    error = None
+    error, refused = None, False
     try:
         engines.save(args.engine, args.url, step, attempt=attempt, keep_last=keep_last)
     except Exception as exc:  # an engine may refuse the save (e.g. a committed step)
         error = f"rank {rank}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        refused = engines.refuses_committed(args.engine, exc)
     if world > 1:
         dist.barrier()
     if rank == 0:
         _say({"saved": engines.digest(engines.make_state(step, attempt)),
-              "save_s": time.monotonic() - t0, "error": error})
+              "save_s": time.monotonic() - t0, "error": error, "refused": refused})
     if world > 1:
         dist.destroy_process_group()
 
