@@ -824,6 +824,36 @@ def test_a_saving_rank_that_never_exits_is_one_line_and_exit_2(
     assert time.monotonic() - began < 30
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_every_ranks_save_error_reaches_the_report(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Of a 2-rank saving job only rank 0's error was said: a save that failed on rank 1 alone
+    (here a TypeError) reported no error, and the case was scored as if the save had ended."""
+    from antifragile.chaos.crashcheck import pipeline
+
+    monkeypatch.setattr(pipeline, "_list", lambda client, bucket, prefix: [])
+    script = ("import os, sys\n"
+              "from antifragile.chaos.crashcheck import engines, worker\n"
+              "def save(engine, url, step, *, attempt, **kwargs):\n"
+              "    if (step, attempt) == (2, 0) and os.environ['RANK'] == '1':\n"
+              "        raise TypeError('unsupported operand')\n"
+              "engines.save = save\n"
+              "worker.main(sys.argv[1:])\n")
+    real_popen = subprocess.Popen
+
+    def worker(args: list[str], **kwargs: Any) -> Any:  # the real worker, its save replaced
+        return real_popen([sys.executable, "-c", script, *args[3:]], **kwargs)
+
+    monkeypatch.setattr(pipeline.subprocess, "Popen", worker)
+    settings = pipeline.Settings(engine="dcp", ranks=2, cases=("overwrite-committed",))
+    *_, error, refused = pipeline.record_case(
+        settings, pipeline.case("overwrite-committed"), endpoint_url="http://127.0.0.1:9",
+        env={}, bucket="b", bodies=tmp_path, root="r/ckpt")
+    assert error == "rank 1: TypeError: unsupported operand", error
+    assert refused is False
+
+
 def _run_in_thread(args: list[str], within_s: float) -> Any:
     """``chaos`` with ``args``, in a thread: a run that hangs fails the test, not hangs it."""
     import threading

@@ -63,17 +63,22 @@ def _save_main(args: argparse.Namespace) -> None:
         dist.barrier()
     step, attempt, keep_last = plan["record"]
     t0 = time.monotonic()
-    error, refused = None, False
+    error: tuple[str, bool] | None = None  # (what it raised, whether that is a refusal)
     try:
         engines.save(args.engine, args.url, step, attempt=attempt, keep_last=keep_last)
     except Exception as exc:  # an engine may refuse the save (e.g. a committed step)
-        error = f"rank {rank}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        refused = engines.refuses_committed(args.engine, exc)
-    if world > 1:
-        dist.barrier()
+        error = (f"rank {rank}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+                 engines.refuses_committed(args.engine, exc))
+    errors: list[tuple[str, bool] | None] = [error]
+    if world > 1:  # rank 0 says every rank's error: one on another rank alone is no less
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e is not None]
     if rank == 0:
         _say({"saved": engines.digest(engines.make_state(step, attempt)),
-              "save_s": time.monotonic() - t0, "error": error, "refused": refused})
+              "save_s": time.monotonic() - t0,
+              "error": "; ".join(text for text, _ in failed) or None,
+              "refused": bool(failed) and all(refused for _, refused in failed)})
     if world > 1:
         dist.destroy_process_group()
 
