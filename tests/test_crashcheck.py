@@ -333,6 +333,40 @@ def test_a_checker_line_that_is_json_but_no_answer_leaves_its_state_unchecked(
     assert answers[1]["unchecked"] == "a checker said 42"
     assert all("unchecked" not in answers[i] for i in (0, 2, 3)), answers
 
+# a checker that answers state 1 under another state's id (0), then under none
+_MISNAMING_CHECKER = """
+import json, sys
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    task = json.loads(line)
+    results = {r: {"step": 1, "digest": "o", "skipped": []} for r in task["rules"]}
+    said = {1: {"id": 0}, 2: {}}.get(task["id"], {"id": task["id"]})
+    print(json.dumps({**said, "results": results}), flush=True)
+"""
+
+
+def test_a_checker_answer_for_another_state_leaves_its_state_unchecked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer was filed under the id it named: one naming another state (0 for state 1)
+    replaced that state's answer and left state 1 with none, so it vanished from the counts
+    (the verdict judged the states that had answers); one naming no state raised KeyError in
+    the thread driving the checker. Either is a checker that said something unexpected."""
+    from antifragile.chaos.crashcheck import check
+    from antifragile.chaos.crashcheck.check import CheckerPool
+
+    popen = subprocess.Popen
+    monkeypatch.setattr(check.subprocess, "Popen", lambda args, **kwargs: popen(
+        [sys.executable, "-c", _MISNAMING_CHECKER], **kwargs))
+    tasks = [{"id": i, "prefix": f"p/s{i}", "objects": {}, "rules": ["marker"]}
+             for i in range(4)]
+    with CheckerPool(engine="dcp", bucket="b", bodies=tmp_path, env={}, workers=1) as pool:
+        answers = pool.check(tasks)
+    assert sorted(answers) == [0, 1, 2, 3]
+    assert answers[1]["unchecked"].startswith("a checker answered state 0 for state 1"), answers
+    assert answers[2]["unchecked"].startswith("a checker answered state None for state 2")
+    assert all("unchecked" not in answers[i] for i in (0, 3)), answers
+
+
 def test_a_checker_that_cannot_be_started_leaves_no_checker_behind(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The second checker's Popen raised (out of processes, of file handles): the OSError

@@ -181,7 +181,11 @@ class CheckerPool:
         with contextlib.suppress(OSError, ValueError):
             proc.stdin.write(json.dumps(task) + "\n")
             proc.stdin.flush()
-        return self._expect(proc, "results", STATE_TIMEOUT_S)
+        doc = self._expect(proc, "results", STATE_TIMEOUT_S)
+        if doc.get("id") != task["id"]:  # filed under its own id, it would hide this state
+            raise CheckerError(f"a checker answered state {doc.get('id')} for state "
+                               f"{task['id']}")
+        return doc
 
     def _replace(self, proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
         """Kill ``proc`` (dead or hung) and start a checker in its place (none once the pool
