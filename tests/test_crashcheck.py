@@ -563,6 +563,17 @@ def test_only_the_engines_refusal_of_a_committed_step_passes_as_a_refused_save()
     assert f"the save failed ({why})" in markdown(doc, has_plot=False)
 
 
+def test_a_save_that_raised_fails_the_verdict_even_when_its_step_loads() -> None:
+    """A save that raised (on any rank) passed when the state it left loaded step k+1: the
+    error was in the case's line only, and ``lost`` went unjudged (step k+1 counts as
+    committed only for a save without an error)."""
+    why = "rank 1: TypeError: unsupported operand"
+    for name in ("save", "overwrite-committed"):
+        ok, reasons = verdict(_summarized({0: "old", 1: "old", 2: "new"}, name=name,
+                                          save_error=why))
+        assert not ok and why in reasons[0], reasons
+
+
 def test_the_refusal_of_a_committed_step_is_recognised_per_engine(tmp_path: Path) -> None:
     """antifragile's refusal to save over a committed step (the error it documents) is a
     refusal; any other error, and any error of a peer (DCP and torchsnapshot write into a

@@ -56,10 +56,10 @@ def verdict(doc: dict[str, Any]) -> tuple[bool, list[str]]:
     step k+1 from the state the save left when nothing crashed (else every crash state of a
     save that never landed loads step k and passes); only ``MAY_REFUSE`` cases may instead
     report the save refused, by the engine's own refusal of a committed step
-    (``save_refused``): any other error of the save is the save failing. A state left
-    unchecked (its checker died or hung) is not ok either: nothing is known of it. Nor is a
-    case asked for but missing (the report of a run that stopped before it), nor one whose
-    documented rule was not checked."""
+    (``save_refused``): any other error of the save fails, even when step k+1 loads. A state
+    left unchecked (its checker died or hung) is not ok either: nothing is known of it. Nor
+    is a case asked for but missing (the report of a run that stopped before it), nor one
+    whose documented rule was not checked."""
     reasons = []
     checked = {c["case"] for c in doc["cases"]}
     for name in doc.get("settings", {}).get("cases", []):
@@ -89,6 +89,11 @@ def verdict(doc: dict[str, Any]) -> tuple[bool, list[str]]:
                                f"interrupted, loads {r['final']}, not new"
                                + (f" (the save failed: {c['save_error']})"
                                   if c.get("save_error") else ""))
+            elif c.get("save_error") is not None and not refused:  # its step loads, yet
+                # it raised: a failed save, and no state was judged against it committed
+                reasons.append(f"{where}: the save of step {c['expected']['new_step']} "
+                               f"failed ({c['save_error']}), though its state loads "
+                               f"{r['final']}")
     return not reasons, reasons
 
 
