@@ -263,7 +263,7 @@ def test_the_reference_is_keyed_by_the_engine_and_the_installed_packages(
         key = _reference_key(s)
         real = pipeline.code_digest
         with monkeypatch.context() as m:  # the engine's code edited
-            m.setattr(pipeline, "code_digest", lambda folder: (
+            m.setattr(pipeline, "code_digest", lambda folder, real=real: (
                 "edited" if folder.name == "engine" else real(folder)))
             pipeline._antifragile_code.cache_clear()
             assert _reference_key(s) != key, engine
@@ -272,7 +272,8 @@ def test_the_reference_is_keyed_by_the_engine_and_the_installed_packages(
         dists = list(importlib.metadata.distributions())
         upgraded = [type("D", (), {"metadata": {"Name": "transformers"}, "version": "99.0"})()]
         with monkeypatch.context() as m:  # another library installed
-            m.setattr(importlib.metadata, "distributions", lambda: dists + upgraded)
+            m.setattr(importlib.metadata, "distributions",
+                      lambda dists=dists, upgraded=upgraded: dists + upgraded)
             pipeline._installed.cache_clear()
             assert _reference_key(s) != key, engine
         pipeline._installed.cache_clear()
