@@ -1795,7 +1795,7 @@ def test_step_k_loaded_while_step_k_plus_1_is_committed_and_intact_is_lost(
             Mutation(2, "delete", f"{s1}/COMMIT", 4, 5), Mutation(3, "delete", f"{s1}/a", 6, 7)]
     exp = Expected(old_step=2, old_digest="o", new_step=3, new_digest="n", older={1: "p"})
     monkeypatch.setattr(pipeline, "record_case",
-                        lambda *a, **k: (Recording(mutations=muts), base, exp, 0.1, None))
+                        lambda *a, **k: (Recording(mutations=muts), base, exp, 0.1, None, False))
     final = apply(base, muts)
 
     class Loads:  # a reader that loads step 2 from every state but the uncrashed one
