@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .engine import CheckpointEngine
     from .errors import (
         CheckpointBusyError,
+        CheckpointCommittedError,
         CheckpointCorruptError,
         CheckpointError,
         CheckpointFormatError,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointBusyError",
+    "CheckpointCommittedError",
     "CheckpointCorruptError",
     "CheckpointEngine",
     "CheckpointError",

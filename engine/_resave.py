@@ -8,7 +8,7 @@ from concurrent.futures import Executor, wait
 from typing import Any
 
 from ._state import same_value
-from .errors import CheckpointError
+from .errors import CheckpointCommittedError, CheckpointError
 from .load import StepReader
 from .plan import GlobalPlan
 from .stage import StagingArea
@@ -34,8 +34,8 @@ def same_as_committed(storage: Storage, step: int, rank: int, plan: GlobalPlan,
     step committed succeeds without writing: the retry of a save whose COMMIT landed but whose
     answer was lost (every rank judges its own share). Otherwise the refusal."""
     def refuse(why: str) -> CheckpointError:
-        return CheckpointError(f"step {step} is already committed; it is not overwritten "
-                               f"({why})")
+        return CheckpointCommittedError(f"step {step} is already committed; it is not "
+                                        f"overwritten ({why})")
     try:
         reader = StepReader(storage, step)
     except CheckpointError as exc:

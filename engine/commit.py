@@ -55,6 +55,7 @@ from ._paths import (
 from ._state import same_value
 from ._threads import DaemonPool
 from .errors import (
+    CheckpointCommittedError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
@@ -333,9 +334,9 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
     try:  # an atomic create: a look-up then a write let two saves of the step both commit
         create(storage, f"{base}/{COMMIT}", [_format.seal(marker)])
     except ObjectExistsError:  # another save committed this step meanwhile
-        raise CheckpointError(f"step {step} was committed by another save while this one ran "
-                              "(two jobs writing one URL?); its COMMIT is not overwritten"
-                              ) from None
+        raise CheckpointCommittedError(
+            f"step {step} was committed by another save while this one ran (two jobs writing "
+            "one URL?); its COMMIT is not overwritten") from None
     storage.sync()
     return CommitResult(nbytes=manifest.nbytes, objects=len(manifest.objects))
 

@@ -37,6 +37,11 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint does not cover the target state (missing array, other shape or dtype)."""
 
 
+class CheckpointCommittedError(CheckpointError):
+    """A save of a step that is already committed with other content, or that another save
+    committed while this one ran: the committed step is left as it is (never overwritten)."""
+
+
 class CommitTimeoutError(CheckpointError):
     """A save did not commit before its deadline; the message names the missing ranks."""
 

@@ -14,7 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from antifragile.engine import CheckpointEngine, CheckpointError, ObjectExistsError
+from antifragile.engine import (
+    CheckpointCommittedError,
+    CheckpointEngine,
+    ObjectExistsError,
+)
 from antifragile.engine.storage import RetryingStorage, open_storage
 from antifragile.engine.storage import _base as storage_base
 
@@ -56,7 +60,7 @@ def test_a_commit_racing_another_saves_commit_of_its_step_never_replaces_it(
         foreign = other.storage.read(STEP_COMMIT)
     with CheckpointEngine(url, storage_options=options) as engine:
         engine.storage.inner = _LandsBetween(engine.storage.inner, bytes(foreign))
-        with pytest.raises(CheckpointError, match=r"step 5 was committed by another save.*"
+        with pytest.raises(CheckpointCommittedError, match=r"step 5 was committed by another save.*"
                                                   r"its COMMIT is not overwritten"):
             engine.save(5, {"w": torch.zeros(3)}, blocking=True)
     assert open_storage(url, options).read(STEP_COMMIT) == foreign

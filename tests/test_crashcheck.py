@@ -478,7 +478,7 @@ def test_a_save_that_never_lands_fails_the_verdict() -> None:
     assert not ok and "step 2" in reasons[0], reasons
     assert not verdict(doc("old", "rank 0: OSError: refused"))[0]  # the save itself failed
     # the one case where an engine may refuse the save: a committed step saved again
-    assert verdict(doc("old", "rank 0: CheckpointError: step 2 is already committed",
+    assert verdict(doc("old", "rank 0: CheckpointCommittedError: step 2 is already committed",
                        "overwrite-committed"))[0]
     assert not verdict(doc("old", "rank 0: OSError: refused", "overwrite-committed"))[0]
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from antifragile.engine import (
     CheckpointBusyError,
+    CheckpointCommittedError,
     CheckpointEngine,
     CheckpointError,
     CheckpointMismatchError,
@@ -806,7 +807,7 @@ def test_committed_step_is_never_overwritten(ckpt: CheckpointEngine) -> None:
     original = torch.randn(5, 5)
     ckpt.save(4, {"w": original.clone()}, blocking=True)
     handle = ckpt.save(4, {"w": original + 1})
-    with pytest.raises(CheckpointError, match="step 4 is already committed"):
+    with pytest.raises(CheckpointCommittedError, match="step 4 is already committed"):
         handle.wait()
     target = {"w": torch.empty(5, 5)}
     assert ckpt.load(target) == 4
@@ -828,7 +829,7 @@ def test_a_resave_whose_json_differs_only_in_type_sign_or_order_is_refused(
         engine.save(5, {"w": torch.ones(2), "cfg": saved, "loss": math.nan}, blocking=True)
         engine.save(5, {"w": torch.ones(2), "cfg": copy.deepcopy(saved), "loss": math.nan},
                     blocking=True)
-        with pytest.raises(CheckpointError, match=r"step 5 is already committed.*'cfg'"):
+        with pytest.raises(CheckpointCommittedError, match=r"step 5 is already committed.*'cfg'"):
             engine.save(5, {"w": torch.ones(2), "cfg": again, "loss": math.nan}, blocking=True)
         target = {"w": torch.zeros(2), "cfg": None}
         engine.load(target, step=5)
@@ -852,7 +853,7 @@ def test_a_resave_of_a_step_whose_documents_were_formatted_otherwise_is_a_resave
     assert b'\n "zarr_format"' in (tmp_path / "step_000000005" / "w" / "zarr.json").read_bytes()
     with CheckpointEngine(str(tmp_path)) as engine:
         engine.save(5, state, blocking=True)
-        with pytest.raises(CheckpointError, match="step 5 is already committed"):
+        with pytest.raises(CheckpointCommittedError, match="step 5 is already committed"):
             engine.save(5, {"w": torch.arange(6.0) + 1, "cfg": {"lr": 0.1}}, blocking=True)
 
 
@@ -890,7 +891,7 @@ def test_a_step_saved_again_after_a_failed_attempt_holds_only_the_new_save(
         engine.save(2, {"w": torch.full((4,), 3.0)}, blocking=True)
         assert sorted(p.name for p in (tmp_path / "step_000000002").iterdir()) == [
             ".ranks", "COMMIT", "w", "zarr.json"]
-        with pytest.raises(CheckpointError, match="step 2 is already committed"):
+        with pytest.raises(CheckpointCommittedError, match="step 2 is already committed"):
             engine.save(2, {"w": torch.full((4,), 4.0)}, blocking=True)
         engine.save(2, {"w": torch.full((4,), 3.0)}, blocking=True)
         target = {"w": torch.zeros(4)}
@@ -951,7 +952,7 @@ def test_a_retry_of_a_save_whose_commit_landed_but_whose_answer_was_lost_succeed
     assert handle.exception() is None
     assert handle.committed_nbytes > 0
     for other in ({"w": state["w"] + 1, "step": 2}, {"w": state["w"], "step": 3}):
-        with pytest.raises(CheckpointError, match="step 2 is already committed"):
+        with pytest.raises(CheckpointCommittedError, match="step 2 is already committed"):
             ckpt.save(2, other, blocking=True)
     target = {"w": torch.empty(6, 4), "step": 0}
     assert ckpt.load(target) == 2
@@ -1678,7 +1679,7 @@ def test_a_retention_failure_does_not_fail_a_committed_save(
         assert "PermissionError" in handle.retention_error
         assert engine.steps() == [2]
         assert "step_000000001" in step_folders(storage)
-        with pytest.raises(CheckpointError, match="step 2 is already committed"):
+        with pytest.raises(CheckpointCommittedError, match="step 2 is already committed"):
             engine.save(2, {"w": torch.ones(3)}, blocking=True)
         monkeypatch.undo()
         handle = engine.save(3, {"w": torch.full((3,), 3.0)}, blocking=True)
@@ -2038,7 +2039,7 @@ def test_a_commit_never_overwrites_another_saves_commit(tmp_path: Any) -> None:
     foreign = (tmp_path / "other" / "step_000000005" / "COMMIT").read_bytes()
     with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
         engine.storage.inner = _CommitsFirst(engine.storage.inner, foreign)
-        with pytest.raises(CheckpointError, match=r"step 5.*committed by another save"):
+        with pytest.raises(CheckpointCommittedError, match=r"step 5.*committed by another save"):
             engine.save(5, {"w": torch.zeros(3)}, blocking=True)
     assert (tmp_path / "ckpt" / "step_000000005" / "COMMIT").read_bytes() == foreign
 

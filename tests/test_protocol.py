@@ -49,6 +49,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from antifragile.engine import (
+    CheckpointCommittedError,
     CheckpointCorruptError,
     CheckpointEngine,
     CheckpointError,
@@ -185,7 +186,8 @@ class SaveProtocol(RuleBasedStateMachine):
             refused = not same or step in self.damaged
             state = make_state(step if same else step + 100)
             if refused:
-                with pytest.raises(CheckpointError, match=rf"step {step} is already committed"):
+                with pytest.raises(CheckpointCommittedError,
+                                   match=rf"step {step} is already committed"):
                     self.engine.save(step, state, blocking=True)
             else:
                 self.engine.save(step, state, blocking=True)

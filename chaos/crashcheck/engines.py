@@ -106,19 +106,15 @@ def save(engine: str, url: str, step: int, *, attempt: int = 0, keep_last: int |
 
 
 def refuses_committed(engine: str, exc: BaseException) -> bool:
-    """Whether ``exc`` is ``engine``'s own refusal to save over a committed step (ours: a
-    CheckpointError, "step N is already committed; it is not overwritten (why)", or "... was
-    committed by another save ...; its COMMIT is not overwritten"): the one error an
-    overwrite-committed save may end in and pass. DCP and torchsnapshot have none (they write
-    into the committed step), so any error of theirs is the save failing."""
+    """Whether ``exc`` is ``engine``'s own refusal to save over a committed step (ours:
+    CheckpointCommittedError): the one error an overwrite-committed save may end in and pass.
+    DCP and torchsnapshot have none (they write into the committed step), so any error of
+    theirs is the save failing."""
     if engine != "antifragile":
         return False
-    from antifragile.engine import CheckpointError
+    from antifragile.engine import CheckpointCommittedError
 
-    text = str(exc)
-    return type(exc) is CheckpointError and (
-        "is already committed; it is not overwritten" in text
-        or ("was committed by another save" in text and "is not overwritten" in text))
+    return isinstance(exc, CheckpointCommittedError)
 
 
 def prune(engine: str, url: str, keep_last: int) -> None:
