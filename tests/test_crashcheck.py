@@ -312,6 +312,21 @@ for line in sys.stdin:
 """
 
 
+def _four_states_checked_by(script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                            ) -> dict[int, dict[str, Any]]:
+    """The answers of a one-checker pool whose checker is ``script``, for states 0-3."""
+    from antifragile.chaos.crashcheck import check
+    from antifragile.chaos.crashcheck.check import CheckerPool
+
+    popen = subprocess.Popen
+    monkeypatch.setattr(check.subprocess, "Popen", lambda args, **kwargs: popen(
+        [sys.executable, "-c", script], **kwargs))
+    tasks = [{"id": i, "prefix": f"p/s{i}", "objects": {}, "rules": ["marker"]}
+             for i in range(4)]
+    with CheckerPool(engine="dcp", bucket="b", bodies=tmp_path, env={}, workers=1) as pool:
+        return pool.check(tasks)
+
+
 def test_a_checker_line_that_is_json_but_no_answer_leaves_its_state_unchecked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A line that parses as JSON but is no object (``42``) raised TypeError in the thread
@@ -319,16 +334,7 @@ def test_a_checker_line_that_is_json_but_no_answer_leaves_its_state_unchecked(
     answer at all and vanished from the counts, and the states after it went unchecked
     although the checker still ran. It is a checker that said something unexpected: its
     state is unchecked with the reason, the checker replaced, the rest checked."""
-    from antifragile.chaos.crashcheck import check
-    from antifragile.chaos.crashcheck.check import CheckerPool
-
-    popen = subprocess.Popen
-    monkeypatch.setattr(check.subprocess, "Popen", lambda args, **kwargs: popen(
-        [sys.executable, "-c", _CHATTY_CHECKER], **kwargs))
-    tasks = [{"id": i, "prefix": f"p/s{i}", "objects": {}, "rules": ["marker"]}
-             for i in range(4)]
-    with CheckerPool(engine="dcp", bucket="b", bodies=tmp_path, env={}, workers=1) as pool:
-        answers = pool.check(tasks)
+    answers = _four_states_checked_by(_CHATTY_CHECKER, tmp_path, monkeypatch)
     assert sorted(answers) == [0, 1, 2, 3]
     assert answers[1]["unchecked"] == "a checker said 42"
     assert all("unchecked" not in answers[i] for i in (0, 2, 3)), answers
@@ -351,16 +357,7 @@ def test_a_checker_answer_for_another_state_leaves_its_state_unchecked(
     replaced that state's answer and left state 1 with none, so it vanished from the counts
     (the verdict judged the states that had answers); one naming no state raised KeyError in
     the thread driving the checker. Either is a checker that said something unexpected."""
-    from antifragile.chaos.crashcheck import check
-    from antifragile.chaos.crashcheck.check import CheckerPool
-
-    popen = subprocess.Popen
-    monkeypatch.setattr(check.subprocess, "Popen", lambda args, **kwargs: popen(
-        [sys.executable, "-c", _MISNAMING_CHECKER], **kwargs))
-    tasks = [{"id": i, "prefix": f"p/s{i}", "objects": {}, "rules": ["marker"]}
-             for i in range(4)]
-    with CheckerPool(engine="dcp", bucket="b", bodies=tmp_path, env={}, workers=1) as pool:
-        answers = pool.check(tasks)
+    answers = _four_states_checked_by(_MISNAMING_CHECKER, tmp_path, monkeypatch)
     assert sorted(answers) == [0, 1, 2, 3]
     assert answers[1]["unchecked"].startswith("a checker answered state 0 for state 1"), answers
     assert answers[2]["unchecked"].startswith("a checker answered state None for state 2")
