@@ -1062,6 +1062,27 @@ def test_time_held_at_pause_points_is_shown_beside_the_wall_time(
     assert "<td>held at pause points s (not in goodput)</td><td>2.500</td>" in page
 
 
+def test_goodput_does_not_count_a_hang_the_job_waited_out_as_step_time() -> None:
+    """A script that waits out a SIGSTOPped peer (no process-group timeout) ends the step it
+    was in 30 s late on the other rank: goodput counted those 30 s as time of a step that
+    counts, so a run that stood still for most of its wall time had 16x the fault-free
+    goodput. The time a hang held the job is lost, as a restart's is."""
+    events = []
+    for step in range(1, 5):
+        seconds = 10.5 if step == 3 else 0.5  # step 3 waits out the 10 s hang on rank 0
+        t = T0 + 1.0 + 0.5 * step + (10.0 if step >= 3 else 0.0)
+        events.append({"t": t, "rank": 0, "attempt": 0, "event": "step_end", "step": step,
+                       "loss": 1.0, "seconds": seconds})
+        events.append({"t": t, "rank": 1, "attempt": 0, "event": "step_end", "step": step,
+                       "loss": 1.0, "seconds": 0.5})
+    events.append({"t": T0 + 0.5, "rank": 0, "attempt": 0, "event": "start", "pid": 1})
+    hang = Injection("hang_rank", T0 + 2.0, step=2, rank=1, fault_index=0,
+                     detail={"pid": 2, "duration_s": 10.0, "mode": "process",
+                             "done_t": T0 + 2.0})
+    record = RunRecord(0, T0, T0 + 14.0, events, [hang], {0: T0 + 13.5})
+    assert figures.goodput(record) == pytest.approx(4 * 0.5 / 14.0)
+
+
 def test_a_final_step_not_known_is_not_written_as_none(doc: dict[str, Any],
                                                        tmp_path: Path) -> None:
     """A command trainer run with --no-reference has no expected step, and one that committed

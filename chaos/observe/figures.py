@@ -124,18 +124,38 @@ def checkpoint_cost(record: RunRecord, rows: list[dict[str, Any]]) -> dict[str, 
             "share_of_step_time": (stall + slowdown) / step_time}
 
 
+def hang_windows(record: RunRecord) -> dict[int, list[tuple[float, float]]]:
+    """Per attempt, the spans a ``hang_rank`` held one of its ranks: from the stop to the
+    continue (``duration_s`` after it stopped), the attempt's end or the run's, whichever
+    came first."""
+    out: dict[int, list[tuple[float, float]]] = {}
+    for i in record.injections:
+        if i.kind != "hang_rank" or i.skipped or i.missed or "duration_s" not in i.detail:
+            continue
+        attempt = record.attempt_at(i.t)
+        end = min(i.detail.get("done_t", i.t) + i.detail["duration_s"], record.ended_t,
+                  record.attempt_ends.get(attempt, record.ended_t))
+        out.setdefault(attempt, []).append((i.t, end))
+    return out
+
+
 def goodput(record: RunRecord) -> float | None:
     """Time of the steps that count (each step's final execution, slowest rank) / wall time,
     the time chaos held the trainer at pause points left out (a test artifact, not the job's).
-    None when the trainer reported no step (a script without the probe)."""
+    A step's time while a hang held a rank of its attempt is not counted: a job that waited
+    the hang out stood still (the time is lost, as a restart's). None when the trainer
+    reported no step (a script without the probe)."""
+    hangs = hang_windows(record)
     final: dict[int, tuple[int, float]] = {}
     for e in record.events:
         if e["event"] == "step_end":
+            held = sum(max(min(end, e["t"]) - max(start, e["t"] - e["seconds"]), 0.0)
+                       for start, end in hangs.get(e["attempt"], ()))
             attempt, seconds = final.get(e["step"], (-1, 0.0))
             if e["attempt"] > attempt:
-                final[e["step"]] = (e["attempt"], e["seconds"])
+                final[e["step"]] = (e["attempt"], e["seconds"] - held)
             elif e["attempt"] == attempt:
-                final[e["step"]] = (attempt, max(seconds, e["seconds"]))
+                final[e["step"]] = (attempt, max(seconds, e["seconds"] - held))
     if not final:
         return None
     useful = sum(s for _, s in final.values())
