@@ -1062,25 +1062,48 @@ def test_time_held_at_pause_points_is_shown_beside_the_wall_time(
     assert "<td>held at pause points s (not in goodput)</td><td>2.500</td>" in page
 
 
+def _hang_waited_out() -> RunRecord:
+    """2 ranks, 4 steps of 0.5 s; rank 1 SIGSTOPped for 10 s right after step 2, its
+    checkpoint persisting; the script has no process-group timeout, so rank 0's step 3 waits
+    the hang out and ends 10 s late: no restart."""
+    events: list[dict[str, Any]] = [
+        {"t": T0 + 0.5, "rank": 0, "attempt": 0, "event": "start", "pid": 1}]
+    for step in range(1, 5):
+        seconds = 10.5 if step == 3 else 0.5
+        t = T0 + 1.0 + 0.5 * step + (10.0 if step >= 3 else 0.0)
+        for rank in (0, 1):
+            events.append({"t": t, "rank": rank, "attempt": 0, "event": "step_end",
+                           "step": step, "loss": 1.0, "seconds": seconds if rank == 0 else 0.5})
+    for rank in (0, 1):
+        events.append({"t": T0 + 2.01, "rank": rank, "attempt": 0, "event": "ckpt_staged",
+                       "step": 2, "stall_s": 0.01})
+        events.append({"t": T0 + 2.3, "rank": rank, "attempt": 0, "event": "ckpt_committed",
+                       "step": 2, "bytes": 1000, "rank_bytes": 500, "persist_s": 0.29})
+    events.sort(key=lambda e: e["t"])
+    hang = Injection("hang_rank", T0 + 2.0, step=2, rank=1, fault_index=0,
+                     detail={"pid": 2, "duration_s": 10.0, "mode": "process",
+                             "done_t": T0 + 2.0})
+    return RunRecord(0, T0, T0 + 14.0, events, [hang], {0: T0 + 13.5})
+
+
 def test_goodput_does_not_count_a_hang_the_job_waited_out_as_step_time() -> None:
     """A script that waits out a SIGSTOPped peer (no process-group timeout) ends the step it
     was in 30 s late on the other rank: goodput counted those 30 s as time of a step that
     counts, so a run that stood still for most of its wall time had 16x the fault-free
     goodput. The time a hang held the job is lost, as a restart's is."""
-    events = []
-    for step in range(1, 5):
-        seconds = 10.5 if step == 3 else 0.5  # step 3 waits out the 10 s hang on rank 0
-        t = T0 + 1.0 + 0.5 * step + (10.0 if step >= 3 else 0.0)
-        events.append({"t": t, "rank": 0, "attempt": 0, "event": "step_end", "step": step,
-                       "loss": 1.0, "seconds": seconds})
-        events.append({"t": t, "rank": 1, "attempt": 0, "event": "step_end", "step": step,
-                       "loss": 1.0, "seconds": 0.5})
-    events.append({"t": T0 + 0.5, "rank": 0, "attempt": 0, "event": "start", "pid": 1})
-    hang = Injection("hang_rank", T0 + 2.0, step=2, rank=1, fault_index=0,
-                     detail={"pid": 2, "duration_s": 10.0, "mode": "process",
-                             "done_t": T0 + 2.0})
-    record = RunRecord(0, T0, T0 + 14.0, events, [hang], {0: T0 + 13.5})
-    assert figures.goodput(record) == pytest.approx(4 * 0.5 / 14.0)
+    assert figures.goodput(_hang_waited_out()) == pytest.approx(4 * 0.5 / 14.0)
+
+
+def test_a_hang_during_a_persist_is_not_the_checkpoints_cost() -> None:
+    """The step a hang held overlapped the checkpoint persisting beside it, so its 10 s of
+    standing still were counted as the checkpoint's "slower steps" (and the cost's share of
+    the steps' time counted the 10 s too)."""
+    record = _hang_waited_out()
+    rows = figures.checkpoints(record)
+    assert [r["slowdown_s"] for r in rows] == [pytest.approx(0.0)]
+    cost = figures.checkpoint_cost(record, rows)
+    assert cost is not None
+    assert cost["share_of_step_time"] == pytest.approx(0.01 / 2.0)
 
 
 def test_a_final_step_not_known_is_not_written_as_none(doc: dict[str, Any],

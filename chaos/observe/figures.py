@@ -13,7 +13,8 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
     """Per checkpoint: stall (slowest rank: staging, plus the write itself when the loop waited
     for it), persist (slowest rank), bytes, throughput, and ``slowdown_s``: how much longer
     than the attempt's median the steps were while it persisted (the persist's threads take
-    cores and the GIL from training: a cost the stall does not show). A save refused before
+    cores and the GIL from training: a cost the stall does not show; the time a hang held the
+    job is not the persist's). A save refused before
     staging (the previous one still persisting) is listed too: uncommitted, ``stall_s`` None,
     its error. A save with neither a committed nor a failed event whose step a later attempt
     restored did commit (its processes ended before they saw the COMMIT): committed, with
@@ -100,11 +101,13 @@ def persist_windows(record: RunRecord) -> dict[tuple[int, int], tuple[float, flo
 
 def _slowest_steps(record: RunRecord) -> dict[int, list[tuple[float, float]]]:
     """Per attempt, each step's end and duration on its slowest rank."""
+    hangs = hang_windows(record)
     found: dict[tuple[int, int], tuple[float, float]] = {}
     for e in record.events:
         if e["event"] == "step_end":
             t, seconds = found.get((e["attempt"], e["step"]), (0.0, 0.0))
-            found[(e["attempt"], e["step"])] = (max(t, e["t"]), max(seconds, e["seconds"]))
+            found[(e["attempt"], e["step"])] = (max(t, e["t"]),
+                                                max(seconds, _unheld_s(e, hangs)))
     out: dict[int, list[tuple[float, float]]] = {}
     for (attempt, _), value in sorted(found.items()):
         out.setdefault(attempt, []).append(value)
@@ -139,6 +142,13 @@ def hang_windows(record: RunRecord) -> dict[int, list[tuple[float, float]]]:
     return out
 
 
+def _unheld_s(step_end: dict[str, Any], hangs: dict[int, list[tuple[float, float]]]) -> float:
+    """A step's seconds less the time a hang held a rank of its attempt meanwhile."""
+    t, seconds = step_end["t"], step_end["seconds"]
+    return seconds - sum(max(min(end, t) - max(start, t - seconds), 0.0)
+                         for start, end in hangs.get(step_end["attempt"], ()))
+
+
 def goodput(record: RunRecord) -> float | None:
     """Time of the steps that count (each step's final execution, slowest rank) / wall time,
     the time chaos held the trainer at pause points left out (a test artifact, not the job's).
@@ -149,13 +159,11 @@ def goodput(record: RunRecord) -> float | None:
     final: dict[int, tuple[int, float]] = {}
     for e in record.events:
         if e["event"] == "step_end":
-            held = sum(max(min(end, e["t"]) - max(start, e["t"] - e["seconds"]), 0.0)
-                       for start, end in hangs.get(e["attempt"], ()))
             attempt, seconds = final.get(e["step"], (-1, 0.0))
             if e["attempt"] > attempt:
-                final[e["step"]] = (e["attempt"], e["seconds"] - held)
+                final[e["step"]] = (e["attempt"], _unheld_s(e, hangs))
             elif e["attempt"] == attempt:
-                final[e["step"]] = (attempt, max(seconds, e["seconds"] - held))
+                final[e["step"]] = (attempt, max(seconds, _unheld_s(e, hangs)))
     if not final:
         return None
     useful = sum(s for _, s in final.values())
