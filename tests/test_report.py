@@ -1062,6 +1062,20 @@ def test_time_held_at_pause_points_is_shown_beside_the_wall_time(
     assert "<td>held at pause points s (not in goodput)</td><td>2.500</td>" in page
 
 
+def test_report_md_says_why_a_checkpoint_did_not_commit(doc: dict[str, Any],
+                                                        tmp_path: Path) -> None:
+    """report.md listed a save skipped as busy or failed as "False" and no more (report.html
+    had the error): a reader of a lost-steps bound missed by a skipped save could not tell
+    from it why the step before was not restored."""
+    from antifragile.chaos.report.document import write_markdown
+
+    md = write_markdown(tmp_path, doc).read_text(encoding="utf-8")
+    table = md.split("## Checkpoints", 1)[1].split("##", 1)[0]
+    assert "| 1 | 8 | - | - | - | - | False | step 8 skipped: the save of step 6 is still " \
+           "persisting |" in table, table
+    assert "commit of step 10 timed out: missing ranks [3]" in table, table
+
+
 def _hang_waited_out() -> RunRecord:
     """2 ranks, 4 steps of 0.5 s; rank 1 SIGSTOPped for 10 s right after step 2, its
     checkpoint persisting; the script has no process-group timeout, so rank 0's step 3 waits

@@ -327,13 +327,14 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
             f"{_fmt(f['restored_step'])} | {_fmt(f['lost_steps'])} | "
             f"{_md(' '.join(note.replace('|', '/').split()))} |")  # a row is one line
     lines += ["", "## Checkpoints", "",
-              "| attempt | step | stall s | persist s | slower steps s | MiB | committed |",
-              "|---|---|---|---|---|---|---|"]
+              "| attempt | step | stall s | persist s | slower steps s | MiB | committed | error |",
+              "|---|---|---|---|---|---|---|---|"]
     for c in report["checkpoints"]:
         mib = c["bytes"] / 2**20 if c["bytes"] else None
+        error = " ".join((c.get("error") or "").replace("|", "/").split())  # one line
         lines.append(f"| {c['attempt']} | {_step_cell(c)} | {_fmt(c['stall_s'])} | "
                      f"{_fmt(c['persist_s'])} | {_fmt(c.get('slowdown_s'))} | {_fmt(mib)} | "
-                     f"{committed_cell(c)} |")
+                     f"{committed_cell(c)} | {_md(error)} |")
     if plots:
         lines += ["", "## Plots", "", "All of it in one page: [report.html](report.html)", ""]
         for plot in plots:
