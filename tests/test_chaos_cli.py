@@ -106,9 +106,26 @@ def test_plain_progress_never_prints_a_line_per_step() -> None:
         for step in range(482, 1001):
             progress.status(_status(step, attempt=1, faults=1))
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 4, lines  # first status, the note, the new attempt, the last step
-    assert "step 1/1000" in lines[0] and "restored step 480" in lines[1]
-    assert "attempt 1" in lines[2] and "step 1000/1000" in lines[3]
+    assert len(lines) == 5, lines  # first status, where it stood at the note, the note, the
+    assert "step 1/1000" in lines[0] and "step 499/1000" in lines[1]  # new attempt, the last
+    assert "restored step 480" in lines[2]
+    assert "attempt 1" in lines[3] and "step 1000/1000" in lines[4]
+
+
+def test_plain_progress_never_prints_a_stale_status_after_the_notes_that_followed_it() -> None:
+    """A script that crashed on every resume: the last status (attempt 0, step 25, no fault
+    yet) was held back by the interval and printed when the display closed, after the notes
+    of attempts 1 and 2, so the log ended saying "attempt 0 · faults 0 · recoveries 0". The
+    status a note follows is printed before the note, in time order."""
+    stream = _Pipe()
+    with Progress(stream=stream, plain_interval_s=3600) as progress:
+        for step in range(1, 26):
+            progress.status(_status(step))
+        progress("attempt 1: restored step 20 in 0.01 s")
+        progress("attempt 2: restored step 20 in 0.02 s")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 4, lines
+    assert "step 25/1000" in lines[1] and "attempt 2: restored" in lines[-1]
 
 
 def test_plain_progress_of_a_run_of_unknown_length_is_not_a_line_per_step() -> None:

@@ -4,7 +4,7 @@ On a terminal: a ``rich`` bar that updates in place (step, attempt, faults injec
 ETA), with notes (restores, hangs, injections) printed above it. Otherwise (CI logs, pipes):
 plain timestamped lines, notes as they come and a status line at most every
 ``plain_interval_s`` seconds, or when the attempt or the count of faults or recoveries changes,
-and the newest one when the display closes; never one line per step.
+before a note, and the newest one when the display closes; never one line per step.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ class Progress:
             self._live.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {escape(line)}",
                                      markup=True, highlight=False)
         else:
+            if self._unprinted is not None:  # where the run stood when this happened: in time
+                self._plain(self._unprinted)  # order, not after the notes that followed it
+                self._unprinted = None
             self._plain(line)
 
     def status(self, s: RunStatus) -> None:
