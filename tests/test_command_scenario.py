@@ -644,6 +644,20 @@ def test_a_reference_whose_reported_steps_are_gone_fails_a_run_that_reported_som
                          reference_last_step=None).verdict == "pass"  # neither reports steps
 
 
+def test_a_script_that_crashed_is_not_told_it_exited_0_early() -> None:
+    """A script that crashed on resume (exit 1) was told, besides its exit code, that it
+    ended elsewhere "(a script that exits 0 early, or trains on, after its newest
+    checkpoint)": a cause it did not have. The hint is for a script that exited 0."""
+    judged: dict[str, Any] = dict(timings=[], final_step=20, faulty_url="u",
+                                  reference_url="ref", final_committed=True, expected_step=60,
+                                  last_step=25, reference_last_step=60)
+    crashed = checker.judge(_command_scenario(faults=False), returncode=1, **judged)
+    ended = [r for r in crashed.reasons if r.startswith("the last step reported was 25")]
+    assert ended == ["the last step reported was 25, the reference run's 60"], crashed.reasons
+    early = checker.judge(_command_scenario(faults=False), returncode=0, **judged)
+    assert any("a script that exits 0 early" in r for r in early.reasons), early.reasons
+
+
 def test_a_nondeterministic_trainer_gets_its_own_verdict() -> None:
     differs = checker.Comparison(differs=["model/w"], compared_bytes=64)
     v = checker.judge(_command_scenario(faults=False), returncode=0, timings=[], final_step=20,

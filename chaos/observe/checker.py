@@ -333,8 +333,9 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
                    "ended cannot be checked")
         elif reference_last_step is not None and last_step != reference_last_step:
             v.fail(f"the last step reported was {last_step}, the reference run's "
-                   f"{reference_last_step}: the run ended elsewhere (a script that exits 0 "
-                   "early, or trains on, after its newest checkpoint)")
+                   f"{reference_last_step}" + (": the run ended elsewhere (a script that "
+                   "exits 0 early, or trains on, after its newest checkpoint)"
+                   if returncode == 0 else ""))
         expected_step = final_step if expected_step is None else expected_step
     else:
         expected_step = s.trainer.steps
