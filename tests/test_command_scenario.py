@@ -644,6 +644,21 @@ def test_a_reference_whose_reported_steps_are_gone_fails_a_run_that_reported_som
                          reference_last_step=None).verdict == "pass"  # neither reports steps
 
 
+def test_a_job_that_restarted_and_restored_but_never_trained_is_told_so() -> None:
+    """A script that crashed right after its resume: attempts 1 and 2 started and restored
+    step 20, then raised. The verdict said "the job did not come back after attempt 0",
+    which sent the reader looking for a restart that had not happened."""
+    t = measure.FaultTimings(kind="kill_rank", injected_t=T0, injected_step=25, rank=1,
+                             fault_index=0, effect_observed=True, effect="rank 1 killed",
+                             ended_attempt=0, recovery_mode="restart", detect_s=0.2,
+                             restart_s=2.2, restore_s=0.01, restored_step=20, lost_steps=5)
+    v = checker.judge(_command_scenario(), returncode=1, timings=[t], final_step=20,
+                      faulty_url="u", reference_url=None, final_committed=True)
+    assert v.verdict == "fail"
+    assert ("kill_rank at step 25: no recovery was observed (the job came back after attempt "
+            "0 and restored step 20, but reported no step after it)") in v.reasons, v.reasons
+
+
 def test_a_script_that_crashed_is_not_told_it_exited_0_early() -> None:
     """A script that crashed on resume (exit 1) was told, besides its exit code, that it
     ended elsewhere "(a script that exits 0 early, or trains on, after its newest

@@ -397,8 +397,13 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
         if t.ended_attempt is not None and t.recovery_s is None and t.interrupted_by_t is None:
             came_back = t.unmeasured is not None and t.restart_s is not None
             if not came_back:
+                why = (f"did not come back after attempt {t.ended_attempt}" if t.restart_s is None
+                       else f"came back after attempt {t.ended_attempt}"
+                       + ("" if t.restored_step is None else
+                          f" and restored step {t.restored_step}")
+                       + ", but reported no step after it")
                 v.fail(f"{t.kind} at step {t.injected_step}: no recovery was observed (the job "
-                       f"did not come back after attempt {t.ended_attempt})")
+                       f"{why})")
                 continue
             for bound in ("max_recovery_s", "max_lost_steps"):
                 if getattr(s.expect, bound) is not None and (
