@@ -1120,6 +1120,21 @@ def test_a_hang_during_a_persist_is_not_the_checkpoints_cost() -> None:
     assert cost["share_of_step_time"] == pytest.approx(0.01 / 2.0)
 
 
+def test_two_hangs_at_once_take_their_time_out_of_goodput_once() -> None:
+    """Two hangs held the job over the same seconds (ranks 0 and 1 SIGSTOPped together, as
+    two faults of one scenario may): each step's time was less each hang's overlap with it,
+    so the 10 s both held were taken out twice, the step counted -9.5 s and goodput went
+    negative."""
+    record = _hang_waited_out()
+    for e in record.events:  # each rank's clock ran on while it was stopped: both 10.5 s
+        if e["event"] == "step_end" and e["step"] == 3:
+            e["seconds"] = 10.5
+    first = record.injections[0]
+    record.injections.append(Injection("hang_rank", first.t, step=2, rank=0, fault_index=1,
+                                       detail={**first.detail, "pid": 1}))
+    assert figures.goodput(record) == pytest.approx(4 * 0.5 / 14.0)
+
+
 def test_a_final_step_not_known_is_not_written_as_none(doc: dict[str, Any],
                                                        tmp_path: Path) -> None:
     """A command trainer run with --no-reference has no expected step, and one that committed

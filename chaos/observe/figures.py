@@ -130,15 +130,24 @@ def checkpoint_cost(record: RunRecord, rows: list[dict[str, Any]]) -> dict[str, 
 def hang_windows(record: RunRecord) -> dict[int, list[tuple[float, float]]]:
     """Per attempt, the spans a ``hang_rank`` held one of its ranks: from the stop to the
     continue (``duration_s`` after it stopped), the attempt's end or the run's, whichever
-    came first."""
-    out: dict[int, list[tuple[float, float]]] = {}
+    came first. Hangs that overlap (two ranks held at once) are one span: their common
+    seconds are lost once."""
+    spans: dict[int, list[tuple[float, float]]] = {}
     for i in record.injections:
         if i.kind != "hang_rank" or i.skipped or i.missed or "duration_s" not in i.detail:
             continue
         attempt = record.attempt_at(i.t)
         end = min(i.detail.get("done_t", i.t) + i.detail["duration_s"], record.ended_t,
                   record.attempt_ends.get(attempt, record.ended_t))
-        out.setdefault(attempt, []).append((i.t, end))
+        spans.setdefault(attempt, []).append((i.t, end))
+    out: dict[int, list[tuple[float, float]]] = {}
+    for attempt, found in spans.items():
+        merged = out.setdefault(attempt, [])
+        for start, end in sorted(found):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
     return out
 
 
