@@ -271,13 +271,40 @@ def test_the_reference_is_keyed_by_the_engine_and_the_installed_packages(
         assert _reference_key(s) == key
         dists = list(importlib.metadata.distributions())
         upgraded = [type("D", (), {"metadata": {"Name": "transformers"}, "version": "99.0"})()]
-        with monkeypatch.context() as m:  # another library installed
+        with monkeypatch.context() as m:  # transformers upgraded (found first)
             m.setattr(importlib.metadata, "distributions",
-                      lambda dists=dists, upgraded=upgraded: dists + upgraded)
+                      lambda dists=dists, upgraded=upgraded: upgraded + dists)
             pipeline._installed.cache_clear()
             assert _reference_key(s) != key, engine
         pipeline._installed.cache_clear()
         assert _reference_key(s) == key
+
+def test_the_reference_key_is_the_same_when_a_distribution_is_seen_twice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``chaos run`` started in a checkout holding ``antifragile.egg-info`` (a setuptools
+    build leaves it there) sees that distribution both there (the working folder is on
+    ``sys.path``) and in site-packages: the same libraries, yet the key differed from a run
+    started elsewhere, and its cached reference was missed."""
+    import importlib.metadata
+
+    from antifragile.chaos.run import pipeline
+
+    script = tmp_path / "train.py"
+    script.write_text("x = 1\n")
+    s = parse_scenario(_doc(trainer={"command": ["python", str(script)]}))
+    pipeline._installed.cache_clear()
+    key = _reference_key(s)
+    checkout = tmp_path / "checkout"
+    (checkout / "numpy.egg-info").mkdir(parents=True)
+    (checkout / "numpy.egg-info" / "PKG-INFO").write_text(
+        f"Metadata-Version: 2.1\nName: numpy\nVersion: {importlib.metadata.version('numpy')}\n")
+    monkeypatch.syspath_prepend(str(checkout))
+    pipeline._installed.cache_clear()
+    try:
+        assert _reference_key(s) == key
+    finally:
+        pipeline._installed.cache_clear()
+
 
 def test_the_reference_is_keyed_by_the_modules_the_script_can_import_beside_it(
         tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -151,12 +152,17 @@ def _antifragile_code() -> str:
 @functools.cache
 def _installed() -> str:
     """A digest of the installed distributions' names and versions: the libraries a script
-    computes and stores its state with (transformers, torchdata, torchsnapshot, numpy)."""
+    computes and stores its state with (transformers, torchdata, torchsnapshot, numpy). A
+    distribution found twice on ``sys.path`` (an ``.egg-info`` in the working folder beside
+    the installed one) counts once, at its first: the one ``importlib.metadata.version``
+    answers, and the key does not depend on the folder ``chaos`` was started in."""
     import importlib.metadata
 
-    found = sorted(f"{d.metadata['Name']}=={d.version}"
-                   for d in importlib.metadata.distributions())
-    return hashlib.sha256("\n".join(found).encode()).hexdigest()
+    found: dict[str, str] = {}
+    for d in importlib.metadata.distributions():  # in sys.path's order
+        found.setdefault(re.sub(r"[-_.]+", "-", str(d.metadata["Name"])).lower(), d.version)
+    listed = "\n".join(f"{name}=={version}" for name, version in sorted(found.items()))
+    return hashlib.sha256(listed.encode()).hexdigest()
 
 
 def _run_failed(what: str, code: int, folder: Path) -> str:
