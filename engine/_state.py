@@ -224,8 +224,11 @@ def _first_refused(value: object, path: str, exc: Exception
                    ) -> tuple[str, object, Exception]:
     """The innermost entry of a value that JSON refused (``exc``), its path and JSON's error
     for it: a numpy scalar among a train state's metrics is named by its own path, not by
-    the dict's. A key that cannot be a name is refused here, naming its dict."""
-    while isinstance(value, (dict, list, tuple)):
+    the dict's. A key that cannot be a name is refused here, naming its dict. A container
+    inside itself is named where it holds itself (JSON's "Circular reference")."""
+    seen: set[int] = set()  # the containers on the path: one met again is the cycle
+    while isinstance(value, (dict, list, tuple)) and id(value) not in seen:
+        seen.add(id(value))
         if isinstance(value, dict):
             _check_keys(value, path)
             entries = [(_key_name(k), v) for k, v in value.items()]

@@ -1892,6 +1892,20 @@ def test_a_state_that_holds_itself_is_refused_naming_where(tmp_path: Any, kind: 
         assert engine.steps() == []
 
 
+@pytest.mark.timeout(60)
+def test_a_value_without_tensors_that_holds_itself_is_refused(tmp_path: Any) -> None:
+    """A JSON value inside itself (a config list holding itself) was refused as "Circular
+    reference detected"; looking for the innermost entry JSON refused, save() then followed
+    the cycle for ever (the path growing without end) and never returned."""
+    looped: list[Any] = [1]
+    looped.append(looped)
+    with CheckpointEngine(str(tmp_path / "ckpt")) as engine:
+        with pytest.raises(CheckpointError, match=r"state path 'cfg/layers/1': list .*"
+                                                  "Circular reference"):
+            engine.save(1, {"w": torch.ones(2), "cfg": {"layers": looped}})
+        assert engine.steps() == []
+
+
 class _Holder:
     """A Stateful whose state_dict() is one value, not a dict."""
 
