@@ -244,7 +244,6 @@ def test_the_reference_is_keyed_by_the_script_content(tmp_path: Path) -> None:
     assert _reference_key(s) != before
 
 
-
 def test_the_reference_is_keyed_by_the_engine_and_the_installed_packages(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A script's final state is also what the libraries it imports compute and store: the

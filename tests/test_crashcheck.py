@@ -208,7 +208,6 @@ def test_a_case_without_its_documented_rule_does_not_pass() -> None:
                                     "checked (only newest-folder)"])
 
 
-
 def test_a_report_of_a_run_that_stopped_before_a_case_does_not_pass() -> None:
     """The report is written after each case, so a run stopped by Ctrl-C or a failed saving
     job leaves one holding only the cases before it; its verdict was OK when those were (no
@@ -543,7 +542,6 @@ def test_every_field_of_a_case_in_crashcheck_json_is_in_reports_readme() -> None
     case = doc["cases"][0]
     assert case["rules"]["engine"]["witnesses"]["torn"]["loaded"]["skipped"] == [1]
     assert case["timings"] and undocumented(doc) == []
-
 
 
 def test_only_the_engines_refusal_of_a_committed_step_passes_as_a_refused_save() -> None:

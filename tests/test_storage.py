@@ -479,7 +479,6 @@ def test_a_failed_fsync_fails_the_sync_and_no_retry_hides_it(
     assert failed and failed[0] in str(raised.value), str(raised.value)
 
 
-
 def test_a_file_system_that_cannot_fsync_a_folder_still_commits(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """fsync(2) of a folder is EINVAL where the file system has no fsync for folders (older

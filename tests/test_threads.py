@@ -101,7 +101,6 @@ def test_close_waits_for_the_listing_of_step_folders(tmp_path: Path,
         timer.cancel()
 
 
-
 def test_a_close_interrupted_is_finished_by_the_next(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while close() waited for the save in flight left the engine marked closed with

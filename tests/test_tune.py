@@ -85,7 +85,6 @@ def test_exponential_simulation_agrees_with_the_analytic_model(costs: tune.Costs
         tune.optimal_interval(costs.ckpt_s, costs.mtbf_s), rel=0.35)
 
 
-
 def test_one_runs_spread_brackets_the_expected_wall_and_narrows_as_the_run_grows() -> None:
     """A sweep run lasts about three MTBFs: its goodput scatters widely around the expected
     one, and a gap to the model inside that scatter says nothing about the model."""

@@ -184,7 +184,6 @@ def simulate(intervals_s: list[float], costs: Costs, *, dist: Distribution = "ex
                  intervals_s=list(intervals_s), goodput=goodput, ci_low=low, ci_high=high)
 
 
-
 #: the share of single runs whose wall time ``run_spread`` brackets
 SPREAD_COVERAGE = 0.9
 
