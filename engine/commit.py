@@ -334,9 +334,7 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
     try:  # an atomic create: a look-up then a write let two saves of the step both commit
         create(storage, f"{base}/{COMMIT}", [_format.seal(marker)])
     except ObjectExistsError:  # another save committed this step meanwhile
-        raise CheckpointCommittedError(
-            f"step {step} was committed by another save while this one ran (two jobs writing "
-            "one URL?); its COMMIT is not overwritten") from None
+        raise _committed_by_another(step) from None
     storage.sync()
     return CommitResult(nbytes=manifest.nbytes, objects=len(manifest.objects))
 
@@ -420,7 +418,8 @@ _MARKER_START = re.compile(rb'\{"format": (\d{1,9}), "step": (\d{1,18}), "nonce"
 
 def _committed_nbytes(storage: Storage, step: int, nonce: int) -> int | None:
     """The bytes of the COMMIT of save ``nonce`` of ``step``; None while there is none (it is
-    damaged, gone again, or another save's: keep waiting until the deadline). At most
+    damaged or gone again: keep waiting until the deadline); CheckpointCommittedError when it
+    is another save's (the coordinator's own create then fails the same way). At most
     ``_MARKER_HEAD`` bytes are read: a marker lists every object of the step (~100 bytes
     each: 6 MB at 1,024 ranks, ~100 MB at 16,384), and every waiting rank read and checked it
     all, at every save. One that fits is checked whole, seal and manifest; of a longer one, its
@@ -435,12 +434,22 @@ def _committed_nbytes(storage: Storage, step: int, nonce: int) -> int | None:
             doc = parse_marker(data, step)[0]
         except CheckpointError:
             return None
-        return int(doc.get("nbytes", 0)) if doc.get("nonce") == nonce else None
-    head = _MARKER_START.match(data)
-    if (head is None or int(head.group(1)) not in READABLE_FORMATS
-            or int(head.group(2)) != step or int(head.group(3)) != nonce):
-        return None
-    return int(head.group(4))
+        committed, nbytes = doc.get("nonce"), int(doc.get("nbytes", 0))
+    else:
+        head = _MARKER_START.match(data)
+        if (head is None or int(head.group(1)) not in READABLE_FORMATS
+                or int(head.group(2)) != step):
+            return None
+        committed, nbytes = int(head.group(3)), int(head.group(4))
+    if committed != nonce:  # the coordinator's create is refused: it writes no ABORT here
+        raise _committed_by_another(step)
+    return nbytes
+
+
+def _committed_by_another(step: int) -> CheckpointCommittedError:
+    return CheckpointCommittedError(
+        f"step {step} was committed by another save while this one ran (two jobs writing one "
+        "URL?); its COMMIT is not overwritten")
 
 
 def retain(storage: Storage, keep_last: int | None, ghosts: set[int] | None = None, *,

@@ -20,7 +20,11 @@ from antifragile.engine._format import Manifest
 from antifragile.engine._paths import record_key, step_dir
 from antifragile.engine._ranks import PerRank
 from antifragile.engine.commit import coordinate, metadata_owners, read_commit, wait_for_commit
-from antifragile.engine.errors import CheckpointError, CommitTimeoutError
+from antifragile.engine.errors import (
+    CheckpointCommittedError,
+    CheckpointError,
+    CommitTimeoutError,
+)
 from antifragile.engine.persist import rank_record
 from antifragile.engine.plan import GlobalPlan, build_plan
 
@@ -194,12 +198,21 @@ def test_a_waiting_rank_reads_a_bounded_head_of_a_large_commit_marker() -> None:
     assert counter.bytes_read[marker_key] <= 2**16, (counter.bytes_read, size)
 
 
-def test_a_waiting_rank_takes_no_large_marker_of_another_save() -> None:
-    storage, _ = committed(64, 40)
-    with pytest.raises(CommitTimeoutError):
-        wait_for_commit(storage, step=1, nonce=8, deadline=time.monotonic() + 0.2,
+@pytest.mark.parametrize("tensors", [1, 40], ids=["small-marker", "large-marker"])
+def test_a_waiting_rank_takes_no_marker_of_another_save_and_says_so_at_once(
+        tensors: int) -> None:
+    """Another save's COMMIT of the step (two jobs at one URL) ends this save: the
+    coordinator's create of its own is refused (CheckpointCommittedError) and it writes no
+    ABORT into a committed step, so the waiting ranks waited out the commit deadline (600 s
+    by default) and then blamed the coordinator ("no COMMIT from the coordinator"). They
+    refuse at once now, as the coordinator does; the COMMIT is not taken as theirs."""
+    storage, _ = committed(64, tensors)
+    began = time.monotonic()
+    with pytest.raises(CheckpointCommittedError, match="step 1 was committed by another save"):
+        wait_for_commit(storage, step=1, nonce=8, deadline=time.monotonic() + 30,
                         world_size=64)
-    with pytest.raises(CommitTimeoutError):  # nor one that says it is another step's
+    assert time.monotonic() - began < 15
+    with pytest.raises(CommitTimeoutError):  # one that says it is another step's: damage
         wait_for_commit(storage, step=2, nonce=7, deadline=time.monotonic() + 0.2,
                         world_size=64)
 
