@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["engine", "save_cost", "s3", "trainer", "recovery", "gpu"])
+@pytest.mark.parametrize("name", ["engine", "save_cost", "s3", "trainer", "recovery", "gpu",
+                                  "load_metadata"])
 def test_bench_help_names_the_module_command(name: str, capsys: pytest.CaptureFixture[str]
                                              ) -> None:
     module = importlib.import_module(f"bench.{name}")
@@ -123,3 +124,17 @@ def test_save_cost_bench_refuses_nonsense_arguments(argv: list[str], says: str,
                                                     monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     _refuses("save_cost", argv, says, monkeypatch, capsys, heavy=("run",))
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--worlds", "8,a"],
+     "argument --worlds: give whole numbers >= 1 separated by commas, got '8,a'"),
+    (["--worlds", "10"], "--worlds: 10 ranks are no multiple of tp x pp = 4"),
+    (["--objects", "0"],
+     "argument --objects: give whole numbers >= 1 separated by commas, got '0'"),
+    (["--reps", "0"], "argument --reps: must be >= 1, got 0"),
+])
+def test_load_metadata_bench_refuses_a_world_it_cannot_lay_out(
+        argv: list[str], says: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _refuses("load_metadata", argv, says, monkeypatch, capsys, heavy=("run",))
