@@ -353,6 +353,7 @@ class StepReader:
         with _blame(spec.cell_key(cell)), torch.inference_mode(inference), torch.no_grad():
             read_cell(self, spec, cell, lo, hi, box, out)
 
+
 def _overlapping(specs: Sequence[ArraySpec]) -> tuple[ArraySpec, ArraySpec] | None:
     """Two of ``specs`` (the arrays of one tensor, all of its rank) that share an element, in
     their order in ``specs``, or None. A sweep along the dim where their offsets differ most:
