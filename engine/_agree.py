@@ -94,6 +94,14 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._gloo)
         return [int(x) for x in t]
 
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj``, on every rank."""
+        if self._gloo is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group=self._gloo, group_src=0)
+        return box[0]
+
     def gather(self, obj: Any) -> list[Any]:
         if self._gloo is None:
             return [obj]

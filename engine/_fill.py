@@ -118,12 +118,12 @@ def _check_tied(step: int, paths: list[str], locals_: list[torch.Tensor],
 
 
 def fill_step(storage: Storage, step: int, flat: FlatState, rank: int, pool: Executor,
-              memory: MemoryCopy | None = None) -> Filled:
+              memory: MemoryCopy | None = None, reader: StepReader | None = None) -> Filled:
     """Check the step against the target, read every array's metadata (concurrently), plan
     every read (coverage checked), then run the reads and wait for all of them: no read of a
     step that failed can still be running when the next step is tried. ``memory``: see
-    ``CheckpointEngine.load``."""
-    reader = StepReader(storage, step)
+    ``CheckpointEngine.load``; ``reader``: the step opened already (else opened here)."""
+    reader = reader or StepReader(storage, step)
     sources = Sources(reader, flat, rank)
     targets = []
     for path, tensor in flat.tensors.items():

@@ -181,8 +181,13 @@ def read_commit(storage: Storage, step: int) -> dict[str, Any]:
 
 def read_marker(storage: Storage, step: int) -> tuple[dict[str, Any], Manifest]:
     """The COMMIT marker of ``step`` and its manifest, every entry checked against its digest."""
+    return parse_marker(read_marker_bytes(storage, step), step)
+
+
+def read_marker_bytes(storage: Storage, step: int) -> bytes | bytearray:
+    """The COMMIT marker of ``step`` as stored (CheckpointNotFoundError: there is none)."""
     try:
-        data = storage.read(f"{step_dir(step)}/{COMMIT}")
+        return storage.read(f"{step_dir(step)}/{COMMIT}")
     except FileNotFoundError:
         if storage.exists(f"{step_dir(step)}/{QUARANTINE}"):
             raise CheckpointNotFoundError(
@@ -190,7 +195,6 @@ def read_marker(storage: Storage, step: int) -> tuple[dict[str, Any], Manifest]:
                 "set its COMMIT aside (chaos ckpt verify says what is damaged)") from None
         raise CheckpointNotFoundError(f"step {step} is not committed under {storage.url}"
                                       ) from None
-    return parse_marker(data, step)
 
 
 def parse_marker(data: bytes | bytearray, step: int) -> tuple[dict[str, Any], Manifest]:
@@ -426,24 +430,33 @@ def _committed_nbytes(storage: Storage, step: int, nonce: int) -> int | None:
     head must begin as ``coordinate`` writes it, with this step and nonce (a load checks the
     whole marker before it uses any of it)."""
     try:
-        data = storage.read(f"{step_dir(step)}/{COMMIT}", 0, _MARKER_HEAD)
+        head = marker_head(storage, step)
     except (CheckpointError, FileNotFoundError):
         return None
+    if head is None:
+        return None
+    if head[0] != nonce:  # the coordinator's create is refused: it writes no ABORT here
+        raise _committed_by_another(step)
+    return head[1]
+
+
+def marker_head(storage: Storage, step: int) -> tuple[int, int] | None:
+    """``(nonce, nbytes)`` of the COMMIT marker of ``step`` from at most ``_MARKER_HEAD``
+    bytes of it (a marker that fits is checked whole; a longer one's head must begin as
+    ``coordinate`` writes it); None when it says neither (damaged, another format).
+    FileNotFoundError: there is none."""
+    data = storage.read(f"{step_dir(step)}/{COMMIT}", 0, _MARKER_HEAD)
     if len(data) < _MARKER_HEAD:
         try:
             doc = parse_marker(data, step)[0]
         except CheckpointError:
             return None
-        committed, nbytes = doc.get("nonce"), int(doc.get("nbytes", 0))
-    else:
-        head = _MARKER_START.match(data)
-        if (head is None or int(head.group(1)) not in READABLE_FORMATS
-                or int(head.group(2)) != step):
-            return None
-        committed, nbytes = int(head.group(3)), int(head.group(4))
-    if committed != nonce:  # the coordinator's create is refused: it writes no ABORT here
-        raise _committed_by_another(step)
-    return nbytes
+        nonce = doc.get("nonce")
+        return (nonce, doc["nbytes"]) if isinstance(nonce, int) else None
+    head = _MARKER_START.match(data)
+    if head is None or int(head.group(1)) not in READABLE_FORMATS or int(head.group(2)) != step:
+        return None
+    return int(head.group(3)), int(head.group(4))
 
 
 def _committed_by_another(step: int) -> CheckpointCommittedError:

@@ -26,7 +26,7 @@ from . import _format
 from ._cells import read_cell
 from ._dtypes import dtype_name, torch_dtype, zarr_data_type
 from ._paths import COMMIT, check_array_name, chunk_separator, is_index, step_dir
-from .commit import parse_marker, read_marker
+from .commit import parse_marker, read_marker_bytes
 from .errors import CheckpointCorruptError
 from .plan import ArraySpec, HeldBox
 
@@ -77,17 +77,28 @@ class StepReader:
     """A committed step, opened for reading. Thread-safe after construction.
 
     ``marker``: read the step against these COMMIT bytes instead of its COMMIT object (a
-    quarantined step's manifest, moved aside)."""
+    quarantined step's manifest, moved aside, or another rank's read of it); ``group``: the
+    bytes of the step's group document, read by another rank (checked here as if read).
+    ``keep_documents``: keep the bytes of both, as read, in ``documents`` (for other ranks)."""
 
-    def __init__(self, storage: Any, step: int, marker: bytes | None = None) -> None:
+    def __init__(self, storage: Any, step: int, marker: bytes | bytearray | None = None,
+                 group: bytes | bytearray | None = None, *, keep_documents: bool = False
+                 ) -> None:
         self.storage = storage
         self.step = step
         self.base = step_dir(step)
         with _blame(COMMIT):
-            self.commit, self.manifest = (read_marker(storage, step) if marker is None
-                                          else parse_marker(marker, step))
+            marker = read_marker_bytes(storage, step) if marker is None else marker
+            self.commit, self.manifest = parse_marker(marker, step)
         self.separator = chunk_separator(self.commit["format"])
-        group = self.read_json("zarr.json")
+        with _blame("zarr.json"):
+            if group is None:
+                group = self.read_object("zarr.json")
+            elif len(group) != self.entry("zarr.json")[0]:
+                raise CheckpointCorruptError(f"{self.where('zarr.json')}: {len(group)} bytes, "
+                                             f"the manifest says {self.entry('zarr.json')[0]}")
+        self.documents = (marker, group) if keep_documents else None
+        group = self._parse_document("zarr.json", group)
         group_attrs = group.get("attributes") if isinstance(group, dict) else None
         attrs = group_attrs.get("antifragile") if isinstance(group_attrs, dict) else None
         if not isinstance(attrs, dict) or not isinstance(attrs.get("tensors"), dict):
@@ -133,7 +144,10 @@ class StepReader:
 
     def read_json(self, key: str) -> Any:
         with _blame(key):
-            data = self.read_object(key)
+            return self._parse_document(key, self.read_object(key))
+
+    def _parse_document(self, key: str, data: bytes | bytearray) -> Any:
+        with _blame(key):
             self.check_document(key, data)
             try:
                 return json.loads(data)

@@ -155,6 +155,41 @@ def test_damaged_step_is_reported_refused_and_skipped(
     assert torch.equal(target["model"]["w"], state_of(22)["model"]["w"])
 
 
+
+def _load_latest(url: str) -> tuple[int, str, bool]:
+    """On each rank: the step the newest load got, its warnings, and whether the model is it."""
+    import warnings
+
+    target = blank()
+    with CheckpointEngine(url, keep_last=None, plan_options=PLAN) as engine, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = engine.load(target)
+    return (step, " | ".join(str(w.message) for w in caught),
+            torch.equal(target["model"]["w"], state_of(step)["model"]["w"]))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("damage", ["commit-marker", "group-metadata"])
+def test_a_step_whose_shared_documents_are_damaged_is_skipped_by_every_rank(
+        tmp_path: Any, damage: str) -> None:
+    """Rank 0 reads the COMMIT and the group document for every rank: damage there is rank
+    0's finding, which every rank raises as its own (the step skipped together); another
+    rank's own re-read confirms it before the step is quarantined."""
+    from _dist import run_ranks
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url, keep_last=None, plan_options=PLAN) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+    make, key, _ = DAMAGE[damage]
+    make(Raw.open((url, None)))
+    outcomes = run_ranks(2, _load_latest, url, timeout_s=120)
+    for step, warned, equal in outcomes:
+        assert step == 1 and equal, outcomes
+        assert "step 2 skipped" in warned and key in warned, outcomes
+        assert "quarantined; confirmed by rank 1" in warned, outcomes
+
 def test_verify_of_a_step_that_is_not_committed_raises_not_found_instead_of_damage(
     tmp_path: Any,
 ) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import run_ranks
 
 from antifragile.engine import CheckpointEngine
 from antifragile.engine import commit as commit_module
@@ -243,3 +244,52 @@ def test_a_small_job_sees_a_commit_within_tens_of_milliseconds(tmp_path: Any,
     # the whole job polls one prefix at most ~1,000 times a second: world / cap
     delays = commit_module._poll_delays(200)
     assert 200 / max(next(delays) for _ in range(100)) <= 1000 * 1.1
+
+
+class _KeyReads:
+    """The bytes read of each key, through the engine's storage."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.read_bytes: dict[str, int] = collections.Counter()
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
+        data = self.inner.read(key, start, end)
+        self.read_bytes[key] += len(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _load_counting_documents(url: str) -> dict[str, int]:
+    """Every rank loads the step the test saved; the bytes it read of its COMMIT and of its
+    group document."""
+    target = state_of(0)
+    with CheckpointEngine(url) as engine:
+        reads = _KeyReads(engine.storage.inner)
+        engine.storage.inner = reads
+        assert engine.load(target) == 1
+    assert torch.equal(target["model"]["t3"], state_of(1)["model"]["t3"])
+    return {name: reads.read_bytes[f"step_000000001/{name}"] for name in ("COMMIT", "zarr.json")}
+
+
+@pytest.mark.multiproc
+def test_a_load_reads_the_commit_and_group_document_once_not_on_every_rank(tmp_path: Any
+                                                                          ) -> None:
+    """A COMMIT lists every object of the step (~100 bytes each): ~30 MB at 4,096 ranks of
+    50 objects, ~160 MB of 300, and every rank read it whole, and the group document, at
+    every load: W ranks read W times that from one object (~670 GB at 4,096 x 300;
+    ``python -m bench.load_metadata``). Rank 0 reads them now and the others get their
+    bytes from it; each other rank reads only the COMMIT's head (64 KiB at most), for the
+    nonce of the save its own storage holds."""
+    url = str(tmp_path / "ckpt")
+    big = {"model": {f"t{i}": torch.randn(2, 2) for i in range(TENSORS * 5)}, "step": 0}
+    with CheckpointEngine(url) as engine:
+        engine.save(1, {**state_of(1), "extra": big}, blocking=True)
+        commit_bytes = len(engine.storage.read("step_000000001/COMMIT"))
+    assert commit_bytes > 2**16, commit_bytes  # longer than the head a rank reads
+    reads = run_ranks(3, _load_counting_documents, url, timeout_s=120)
+    assert reads[0]["COMMIT"] == commit_bytes and reads[0]["zarr.json"] > 0, reads
+    for other in reads[1:]:
+        assert other == {"COMMIT": 2**16, "zarr.json": 0}, reads
