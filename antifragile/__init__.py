@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from antifragile.engine import (
         CheckpointBusyError,
+        CheckpointCommittedError,
         CheckpointCorruptError,
         CheckpointEngine,
         CheckpointError,
@@ -40,10 +41,10 @@ if TYPE_CHECKING:
 __version__ = "0.2.0"
 
 __all__ = [
-    "CheckpointBusyError", "CheckpointCorruptError", "CheckpointEngine", "CheckpointError",
-    "CheckpointFormatError", "CheckpointMismatchError", "CheckpointNotFoundError",
-    "CommitTimeoutError", "ObjectExistsError", "PlanOptions", "Problem", "SaveHandle",
-    "StepSkippedWarning", "StorageError", "VerifyReport",
+    "CheckpointBusyError", "CheckpointCommittedError", "CheckpointCorruptError",
+    "CheckpointEngine", "CheckpointError", "CheckpointFormatError", "CheckpointMismatchError",
+    "CheckpointNotFoundError", "CommitTimeoutError", "ObjectExistsError", "PlanOptions",
+    "Problem", "SaveHandle", "StepSkippedWarning", "StorageError", "VerifyReport",
 ]
 _ENGINE_EXPORTS = frozenset(__all__)
 
