@@ -26,7 +26,7 @@ from .errors import (
     CheckpointNotFoundError,
     StepSkippedWarning,
 )
-from .load import StepReader
+from .load import StepReader, read_documents
 from .quarantine import quarantine as quarantine_step
 from .quarantine import quarantined_steps
 from .storage import Storage
@@ -223,23 +223,22 @@ class Loader:
 
     def _open(self, step: int, storage: Storage) -> StepReader:
         """Collective: ``step`` opened on every rank. Rank 0 reads the COMMIT and the group
-        document; the others get their bytes from it and check them as if they had read
-        them: a COMMIT lists every object of the step (~100 bytes each: ~30 MB at 4,096
-        ranks of 50 objects, ~160 MB of 300), and every rank reading it whole read W times
-        that from one object. Each other rank reads only the COMMIT's head from its own
-        storage, for the nonce: a rank whose storage holds another save of the step
-        (node-local storage at one path) refuses before it reads any data of it."""
+        document and hands their bytes to the others; every rank checks and parses them (at
+        once: as if each had read them): a COMMIT lists every object of the step (~100 bytes
+        each: ~30 MB at 4,096 ranks of 50 objects, ~160 MB of 300), and every rank reading it
+        whole read W times that from one object. Each other rank reads only the COMMIT's
+        head from its own storage, for the nonce: a rank whose storage holds another save of
+        the step (node-local storage at one path) refuses before it reads any data of it."""
         if self._ranks.alone:
             return StepReader(storage, step)
         if self._ranks.rank == 0:
             try:
-                reader = StepReader(storage, step, keep_documents=True)
+                documents = read_documents(storage, step)
             except Exception as exc:  # every rank fails with it
                 self._ranks.broadcast((type(exc).__name__, str(exc), getattr(exc, "key", None)))
                 raise
-            self._ranks.broadcast(reader.documents)
-            reader.documents = None
-            return reader
+            self._ranks.broadcast(documents)
+            return StepReader(storage, step, *documents)
         got = self._ranks.broadcast(None)
         if isinstance(got[0], str):  # rank 0's error, as rank 0 raised it
             name, message, key = got
@@ -253,7 +252,7 @@ class Loader:
                 f"step {step} is not committed under {storage.url} as rank "
                 f"{self._ranks.rank} sees it (rank 0 read its COMMIT: node-local storage at "
                 "one path?)") from None
-        reader = StepReader(storage, step, marker=got[0], group=got[1])
+        reader = StepReader(storage, step, *got)
         if head is not None and head[0] != reader.commit["nonce"]:  # before reading its data
             raise _different_saves(step)
         return reader

@@ -73,17 +73,27 @@ def _blame(key: str) -> Iterator[None]:
         raise
 
 
+def read_documents(storage: Any, step: int) -> tuple[bytes | bytearray, bytes | bytearray]:
+    """The COMMIT marker and the group document of ``step`` as stored, unchecked: what a
+    ``StepReader(marker=..., group=...)`` checks and opens the step from."""
+    marker = read_marker_bytes(storage, step)
+    try:
+        return marker, storage.read(f"{step_dir(step)}/zarr.json")
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"step {step}, object zarr.json: object is missing",
+                                     key="zarr.json") from None
+
+
 class StepReader:
     """A committed step, opened for reading. Thread-safe after construction.
 
     ``marker``: read the step against these COMMIT bytes instead of its COMMIT object (a
     quarantined step's manifest, moved aside, or another rank's read of it); ``group``: the
-    bytes of the step's group document, read by another rank (checked here as if read).
-    ``keep_documents``: keep the bytes of both, as read, in ``documents`` (for other ranks)."""
+    bytes of the step's group document, read by another rank (checked here as if read; see
+    ``read_documents``)."""
 
     def __init__(self, storage: Any, step: int, marker: bytes | bytearray | None = None,
-                 group: bytes | bytearray | None = None, *, keep_documents: bool = False
-                 ) -> None:
+                 group: bytes | bytearray | None = None) -> None:
         self.storage = storage
         self.step = step
         self.base = step_dir(step)
@@ -97,7 +107,6 @@ class StepReader:
             elif len(group) != self.entry("zarr.json")[0]:
                 raise CheckpointCorruptError(f"{self.where('zarr.json')}: {len(group)} bytes, "
                                              f"the manifest says {self.entry('zarr.json')[0]}")
-        self.documents = (marker, group) if keep_documents else None
         group = self._parse_document("zarr.json", group)
         group_attrs = group.get("attributes") if isinstance(group, dict) else None
         attrs = group_attrs.get("antifragile") if isinstance(group_attrs, dict) else None
