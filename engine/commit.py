@@ -413,7 +413,7 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
                                      f"before the deadline{trouble}")
 
 
-_MARKER_HEAD = 1 << 16  # what a waiting rank reads of a COMMIT marker
+MARKER_HEAD = 1 << 16  # what a waiting or loading rank (not rank 0) reads of a COMMIT marker
 # how ``coordinate`` begins every marker: its members up to ``nbytes``, in this order
 _MARKER_START = re.compile(rb'\{"format": (\d{1,9}), "step": (\d{1,18}), "nonce": (\d{1,19}), '
                            rb'"plan_id": "[0-9a-f]{0,64}", "world_size": \d{1,9}, '
@@ -424,7 +424,7 @@ def _committed_nbytes(storage: Storage, step: int, nonce: int) -> int | None:
     """The bytes of the COMMIT of save ``nonce`` of ``step``; None while there is none (it is
     damaged or gone again: keep waiting until the deadline); CheckpointCommittedError when it
     is another save's (the coordinator's own create then fails the same way). At most
-    ``_MARKER_HEAD`` bytes are read: a marker lists every object of the step (~100 bytes
+    ``MARKER_HEAD`` bytes are read: a marker lists every object of the step (~100 bytes
     each: 6 MB at 1,024 ranks, ~100 MB at 16,384), and every waiting rank read and checked it
     all, at every save. One that fits is checked whole, seal and manifest; of a longer one, its
     head must begin as ``coordinate`` writes it, with this step and nonce (a load checks the
@@ -441,12 +441,12 @@ def _committed_nbytes(storage: Storage, step: int, nonce: int) -> int | None:
 
 
 def marker_head(storage: Storage, step: int) -> tuple[int, int] | None:
-    """``(nonce, nbytes)`` of the COMMIT marker of ``step`` from at most ``_MARKER_HEAD``
+    """``(nonce, nbytes)`` of the COMMIT marker of ``step`` from at most ``MARKER_HEAD``
     bytes of it (a marker that fits is checked whole; a longer one's head must begin as
     ``coordinate`` writes it); None when it says neither (damaged, another format).
     FileNotFoundError: there is none."""
-    data = storage.read(f"{step_dir(step)}/{COMMIT}", 0, _MARKER_HEAD)
-    if len(data) < _MARKER_HEAD:
+    data = storage.read(f"{step_dir(step)}/{COMMIT}", 0, MARKER_HEAD)
+    if len(data) < MARKER_HEAD:
         try:
             doc = parse_marker(data, step)[0]
         except CheckpointError:
