@@ -102,12 +102,8 @@ class StepReader:
             self.commit, self.manifest = parse_marker(marker, step)
         self.separator = chunk_separator(self.commit["format"])
         with _blame("zarr.json"):
-            if group is None:
-                group = self.read_object("zarr.json")
-            elif len(group) != self.entry("zarr.json")[0]:
-                raise CheckpointCorruptError(f"{self.where('zarr.json')}: {len(group)} bytes, "
-                                             f"the manifest says {self.entry('zarr.json')[0]}")
-        group = self._parse_document("zarr.json", group)
+            group = self._parse_document("zarr.json", self.read_object("zarr.json")
+                                         if group is None else self._sized("zarr.json", group))
         group_attrs = group.get("attributes") if isinstance(group, dict) else None
         attrs = group_attrs.get("antifragile") if isinstance(group_attrs, dict) else None
         if not isinstance(attrs, dict) or not isinstance(attrs.get("tensors"), dict):
@@ -135,11 +131,15 @@ class StepReader:
 
     def read_object(self, key: str) -> bytes | bytearray:
         """Read a whole object (one request) and check its size against the manifest."""
-        nbytes, _ = self.entry(key)
         try:
-            data = self.storage.read(f"{self.base}/{key}", 0, nbytes + 1)
+            data = self.storage.read(f"{self.base}/{key}", 0, self.entry(key)[0] + 1)
         except FileNotFoundError:
             raise CheckpointCorruptError(f"{self.where(key)}: object is missing") from None
+        return self._sized(key, data)
+
+    def _sized(self, key: str, data: bytes | bytearray) -> bytes | bytearray:
+        """``data``, the object ``key``, once its size is the manifest's."""
+        nbytes = self.entry(key)[0]
         if len(data) != nbytes:
             raise CheckpointCorruptError(
                 f"{self.where(key)}: {len(data)} bytes, the manifest says {nbytes}")
