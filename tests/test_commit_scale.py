@@ -33,38 +33,7 @@ from antifragile.engine.errors import (
 from antifragile.engine.load import StepReader
 from antifragile.engine.persist import group_layout, rank_record
 from antifragile.engine.plan import GlobalPlan, HeldBox, build_plan
-
-
-class MemoryStorage:
-    """A dict of objects with the Storage calls ``coordinate`` and ``wait_for_commit`` make."""
-
-    url = "memory://"
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-        self.lock = threading.Lock()
-
-    def write(self, key: str, parts: Any, *, durable: bool = False, late: Any = None) -> None:
-        with self.lock:
-            self.objects[key] = b"".join(bytes(p) for p in parts)
-
-    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
-        with self.lock:
-            if key not in self.objects:
-                raise FileNotFoundError(key)
-            return self.objects[key][start:end]
-
-    def exists(self, key: str) -> bool:
-        return key in self.objects
-
-    def list_dir(self, prefix: str) -> list[str]:
-        head = prefix.rstrip("/") + "/"
-        with self.lock:
-            return sorted({k[len(head):].split("/")[0] for k in self.objects
-                           if k.startswith(head)})
-
-    def sync(self) -> None:
-        pass
+from bench.load_metadata import MemoryStorage  # the benchmark's: a dict of objects
 
 
 def sharded_plan(world: int, tensors: int = 4) -> GlobalPlan:
@@ -167,20 +136,6 @@ def test_the_coordinator_keeps_no_record_once_it_is_checked(
     assert group["attributes"]["antifragile"]["values"] == {"step": 1}
 
 
-class ReadCounter(MemoryStorage):
-    """Counts the bytes read of each key."""
-
-    def __init__(self, objects: dict[str, bytes]) -> None:
-        super().__init__()
-        self.objects = dict(objects)
-        self.bytes_read: dict[str, int] = {}
-
-    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
-        data = super().read(key, start, end)
-        self.bytes_read[key] = self.bytes_read.get(key, 0) + len(data)
-        return data
-
-
 def committed(world: int, tensors: int) -> tuple[MemoryStorage, GlobalPlan]:
     plan = sharded_plan(world, tensors)
     storage = MemoryStorage()
@@ -197,7 +152,8 @@ def test_a_waiting_rank_reads_a_bounded_head_of_a_large_commit_marker() -> None:
     marker_key = f"{step_dir(1)}/COMMIT"
     size = len(storage.objects[marker_key])
     assert size > 4 * 2**16, size  # ~330 KB
-    counter = ReadCounter(storage.objects)
+    counter = MemoryStorage()  # counts the bytes read of each key
+    counter.objects = dict(storage.objects)
     nbytes = wait_for_commit(counter, step=1, nonce=7, deadline=time.monotonic() + 60,
                              world_size=64)
     assert nbytes == read_commit(storage, 1)["nbytes"] > 0
