@@ -15,10 +15,11 @@ generator state and a data cursor are), records written and committed by the eng
 a save writes. ``--objects``: the objects each rank writes, about (3 per parameter of its stage).
 
 For each size, one rank's load metadata is timed as ``_fill.fill_step`` does it before any
-data read: ``StepReader`` (read the COMMIT, check its seal and every manifest entry's digest
-and key; read the group ``zarr.json``, check it against the manifest, parse the tensor index),
-then ``Sources`` (what fills each target entry) and the planning of this rank's reads
-(``read_box``: layouts checked, coverage proved). Median of ``--reps``, of rank 0 and of the
+data read: ``StepReader`` (read the COMMIT, check its seal and every object key; each manifest
+entry's digest is checked where a read uses it, not here; read the group ``zarr.json``, check
+it against the manifest, parse the tensor index), then ``Sources`` (what fills each target
+entry) and the planning of this rank's reads (``read_box``: layouts checked, coverage
+proved). Median of ``--reps``, of rank 0 and of the
 last rank. Bytes read: what the job reads of the two objects (rank 0 both, whole; every other
 rank the COMMIT's head), beside what it read when every rank read both whole. No data is read,
 nothing is written to disk.
@@ -43,7 +44,13 @@ from antifragile.engine._paths import record_key, step_dir
 from antifragile.engine._ranks import PerRank
 from antifragile.engine._restore import Sources
 from antifragile.engine._state import FlatState, ValueSlot
-from antifragile.engine.commit import MARKER_HEAD, coordinate, metadata_owners, read_marker
+from antifragile.engine.commit import (
+    MARKER_HEAD,
+    coordinate,
+    metadata_owners,
+    parse_marker,
+    read_marker_bytes,
+)
 from antifragile.engine.load import StepReader
 from antifragile.engine.persist import group_layout, rank_record
 from antifragile.engine.plan import GlobalPlan, HeldBox, build_plan
@@ -199,7 +206,7 @@ def load_metadata(storage: MemoryStorage, world: int, params: int, rank: int
         paths += _EMBEDDING
         boxes.update((path, _embedding_box(world, d, t)) for path in _EMBEDDING)
     t0 = time.perf_counter()
-    read_marker(storage, 1)
+    parse_marker(read_marker_bytes(storage, 1), 1, lazy=True)  # as StepReader does
     t1 = time.perf_counter()
     storage.bytes_read.clear()
     reader = StepReader(storage, 1)

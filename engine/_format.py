@@ -197,11 +197,14 @@ def object_digest(nonce: int, key: str, nbytes: int, crcs: Sequence[int]) -> int
 @dataclass(slots=True)
 class Manifest:
     """Objects of one save: ``objects[key] = [nbytes, digest]``, ``crcs[key]`` = part CRCs.
-    Kept as two maps so that ``objects`` reads as before: every key with its size."""
+    Kept as two maps so that ``objects`` reads as before: every key with its size.
+    ``unchecked``: the keys whose entries were not checked against their digest yet (a lazy
+    parse, :func:`parse_manifest`); :meth:`entry` checks one as it is used."""
 
     nonce: int
     objects: dict[str, list[int]] = field(default_factory=dict)
     crcs: dict[str, list[int]] = field(default_factory=dict)
+    unchecked: set[str] = field(default_factory=set)
 
     def add(self, key: str, nbytes: int, crcs: list[int]) -> None:
         self.objects[key] = [nbytes, object_digest(self.nonce, key, nbytes, crcs)]
@@ -213,33 +216,55 @@ class Manifest:
     def update(self, other: Manifest) -> None:
         self.objects.update(other.objects)
         self.crcs.update(other.crcs)
+        self.unchecked |= other.unchecked
 
     @property
     def nbytes(self) -> int:
         return sum(n for n, _ in self.objects.values())
 
+    def entry(self, key: str, *, where: str) -> tuple[int, list[int]]:
+        """The size and part CRCs recorded for ``key``, its entry checked against its digest;
+        CheckpointCorruptError when it has none or a bad one."""
+        entry = self.objects.get(key)
+        if entry is None:
+            raise CheckpointCorruptError(f"{where}: not in the COMMIT manifest")
+        if key in self.unchecked:
+            _check_entry(self.nonce, key, entry, self.crcs.get(key), where=where)
+            self.unchecked.discard(key)
+        return entry[0], self.crcs[key]
 
-def parse_manifest(doc: dict[str, Any], *, where: str) -> Manifest:
-    """The manifest of a sealed record or COMMIT, every entry checked against its digest."""
+    def check_all(self, *, where: str) -> None:
+        """Check every entry not checked yet (what a lazy parse left)."""
+        for key in sorted(self.unchecked):
+            _check_entry(self.nonce, key, self.objects[key], self.crcs.get(key), where=where)
+        self.unchecked.clear()
+
+
+def parse_manifest(doc: dict[str, Any], *, where: str, lazy: bool = False) -> Manifest:
+    """The manifest of a sealed record or COMMIT, every entry checked against its digest; with
+    ``lazy``, each entry only when :meth:`Manifest.entry` uses it (a load reads a few of the
+    objects a COMMIT lists, and checking them all was most of its parse at thousands of ranks:
+    the seal already checked the document's bytes)."""
     nonce, objects, crcs = doc.get("nonce"), doc.get("objects"), doc.get("crcs")
     # a writer's nonce is below 2**62; the ranks of a load agree on it in an int64 all-reduce
     if (not _is_int(nonce, 2**63) or not isinstance(objects, dict) or not isinstance(crcs, dict)
             or objects.keys() != crcs.keys()):
         raise CheckpointCorruptError(f"{where}: malformed manifest")
-    manifest = Manifest(nonce)
-    for key, entry in objects.items():
-        parts = crcs[key]
-        if (not isinstance(entry, list) or len(entry) != 2
-                or not all(_is_int(x, 2**63) for x in entry)
-                or not isinstance(parts, list) or not parts or len(parts) > entry[0] // 4 + 1
-                or not all(_is_int(x, 2**32) for x in parts)):
-            raise CheckpointCorruptError(f"{where}: bad manifest entry for {key!r}")
-        if entry[1] != object_digest(nonce, key, entry[0], parts):
-            raise CheckpointCorruptError(f"{where}: the manifest entry of {key!r} does not "
-                                         "match its digest (not this save's entry)")
-        manifest.objects[key] = entry
-        manifest.crcs[key] = parts
+    manifest = Manifest(nonce, objects, crcs, set(objects))
+    if not lazy:
+        manifest.check_all(where=where)
     return manifest
+
+
+def _check_entry(nonce: int, key: str, entry: object, parts: object, *, where: str) -> None:
+    if (not isinstance(entry, list) or len(entry) != 2
+            or not all(_is_int(x, 2**63) for x in entry)
+            or not isinstance(parts, list) or not parts or len(parts) > entry[0] // 4 + 1
+            or not all(_is_int(x, 2**32) for x in parts)):
+        raise CheckpointCorruptError(f"{where}: bad manifest entry for {key!r}")
+    if entry[1] != object_digest(nonce, key, entry[0], parts):
+        raise CheckpointCorruptError(f"{where}: the manifest entry of {key!r} does not "
+                                     "match its digest (not this save's entry)")
 
 
 def _is_int(x: object, bound: int) -> TypeGuard[int]:

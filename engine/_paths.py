@@ -7,6 +7,7 @@ Everything read back from storage that becomes a path is validated here, so host
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 from .errors import CheckpointCorruptError, CheckpointError
 
@@ -103,6 +104,21 @@ def check_array_name(name: str, *, step: int | None = None) -> str:
     except CheckpointError as exc:
         raise CheckpointCorruptError(f"{where}: hostile array name {name!r} ({exc})") from None
     return name
+
+
+_CONTROL = re.compile(r"[\\\x00-\x09\x0b-\x1f]")  # a backslash or control character, not \n
+
+
+def check_object_keys(keys: Collection[str], *, step: int) -> None:
+    """:func:`check_object_key` of each of ``keys``, in a few passes over them all while none is
+    bad (a COMMIT lists every object of the step: a call per key was 0.2 s of every load's
+    parse at 4,096 ranks): every component between newlines, one key's after another's."""
+    joined = "\n".join(keys)
+    parts = "\n" + joined.replace("/", "\n") + "\n"
+    if (joined.count("\n") != max(len(keys) - 1, 0) or _CONTROL.search(joined)
+            or any(bad in parts for bad in ("\n\n", "\n.\n", "\n..\n"))):
+        for key in keys:  # the one to name
+            check_object_key(key, step=step)
 
 
 def check_object_key(key: str, *, step: int) -> str:

@@ -46,7 +46,7 @@ from ._paths import (
     QUARANTINE,
     READABLE_FORMATS,
     RECORDS_DIR,
-    check_object_key,
+    check_object_keys,
     is_index,
     parse_step_dir,
     record_key,
@@ -197,7 +197,10 @@ def read_marker_bytes(storage: Storage, step: int) -> bytes | bytearray:
                                       ) from None
 
 
-def parse_marker(data: bytes | bytearray, step: int) -> tuple[dict[str, Any], Manifest]:
+def parse_marker(data: bytes | bytearray, step: int, *, lazy: bool = False
+                 ) -> tuple[dict[str, Any], Manifest]:
+    """A COMMIT's document and manifest (``lazy``: as :func:`_format.parse_manifest`); its seal,
+    format, step and object keys checked."""
     where = f"step {step}: COMMIT marker"
     try:
         doc = _format.unseal(data, where=where)
@@ -212,9 +215,8 @@ def parse_marker(data: bytes | bytearray, step: int) -> tuple[dict[str, Any], Ma
     nbytes = doc.get("nbytes")  # shown and returned as it is: an int, or damage
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise CheckpointCorruptError(f"{where} is malformed (nbytes {nbytes!r})")
-    manifest = _format.parse_manifest(doc, where=where)
-    for key in manifest.objects:
-        check_object_key(key, step=step)
+    manifest = _format.parse_manifest(doc, where=where, lazy=lazy)
+    check_object_keys(manifest.objects, step=step)
     return doc, manifest
 
 

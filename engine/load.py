@@ -99,7 +99,7 @@ class StepReader:
         self.base = step_dir(step)
         with _blame(COMMIT):
             marker = read_marker_bytes(storage, step) if marker is None else marker
-            self.commit, self.manifest = parse_marker(marker, step)
+            self.commit, self.manifest = parse_marker(marker, step, lazy=True)
         self.separator = chunk_separator(self.commit["format"])
         with _blame("zarr.json"):
             group = self._parse_document("zarr.json", self.read_object("zarr.json")
@@ -123,11 +123,9 @@ class StepReader:
         return f"step {self.step}, object {key}"
 
     def entry(self, key: str) -> tuple[int, list[int]]:
-        """The size and part CRCs the COMMIT manifest records for ``key``."""
-        entry = self.manifest.objects.get(key)
-        if entry is None:
-            raise CheckpointCorruptError(f"{self.where(key)}: not in the COMMIT manifest")
-        return entry[0], self.manifest.crcs[key]
+        """The size and part CRCs the COMMIT manifest records for ``key`` (its entry checked
+        against its digest at its first use)."""
+        return self.manifest.entry(key, where=self.where(key))
 
     def read_object(self, key: str) -> bytes | bytearray:
         """Read a whole object (one request) and check its size against the manifest."""

@@ -86,6 +86,7 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
                 raise
             report.ok, report.quarantined = False, str(found[0].get("reason"))
             reader = StepReader(storage, step, marker=found[1])
+        reader.manifest.check_all(where=f"step {step}: COMMIT marker")  # a load checks its own
     except CheckpointNotFoundError:
         raise  # only the COMMIT's absence raises it: the step is not there to be damaged
     except (StorageError, CheckpointFormatError):  # neither says anything of the data

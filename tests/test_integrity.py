@@ -274,6 +274,47 @@ def test_damage_outside_what_the_target_reads_is_caught_by_verify(
     assert [p.key for p in report.problems] == ["model/b/c.0"]
 
 
+def _forged_entry(raw: Raw, step: int, key: str) -> None:
+    """The COMMIT of ``step``, resealed, with ``key``'s digest off by one: a consistent
+    document whose entry for ``key`` is not this save's."""
+    from _forge import edit_commit
+
+    def edit(commit: dict[str, Any]) -> None:
+        commit["objects"][key][1] ^= 1
+
+    edit_commit(lambda: raw.read(step, "COMMIT"), edit,
+                lambda data: raw.write(step, "COMMIT", data))
+
+
+def test_a_load_checks_the_manifest_entries_of_what_it_reads_and_verify_checks_all(
+    two_steps: tuple[CheckpointEngine, Raw], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A COMMIT lists every object of the step (~100 bytes each: 160 MB at 4,096 ranks of 300
+    objects); checking every entry's digest was half of every rank's load. A load checks the
+    entries it uses; verify and ``chaos ckpt inspect`` check them all."""
+    from antifragile.engine import _format
+
+    engine, raw = two_steps
+    _forged_entry(raw, 2, "model/b/c.0")
+    checked: list[str] = []
+    digest = _format.object_digest
+
+    def counting(nonce: int, key: str, nbytes: int, crcs: Any) -> int:
+        checked.append(key)
+        return digest(nonce, key, nbytes, crcs)
+
+    monkeypatch.setattr(_format, "object_digest", counting)
+    target = {"model": {"w": torch.zeros(64, 16)}}
+    assert engine.load(target, step=2) == 2  # model/b is not read: its entry is not used
+    assert torch.equal(target["model"]["w"], state_of(2)["model"]["w"])
+    assert "model/b/c.0" not in checked and f"{SHARD}" in checked
+    with pytest.raises(CheckpointCorruptError, match=r"step 2.*model/b/c\.0.*digest"):
+        engine.load(blank(), step=2)
+    report = engine.verify(2)
+    assert not report.ok and [p.key for p in report.problems] == ["COMMIT"]
+    assert "model/b/c.0" in report.problems[0].reason
+
+
 def test_every_step_damaged_raises_and_quarantines_all(
     two_steps: tuple[CheckpointEngine, Raw],
 ) -> None:

@@ -239,6 +239,7 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
 
     try:
         reader = StepReader(open_storage(url, _options(endpoint_url, pairs, url)), step)
+        reader.manifest.check_all(where=f"step {step}: COMMIT marker")  # sizes are shown
         with ThreadPoolExecutor(8) as pool:
             reader.load_arrays(list(reader.tensors.values()), pool)
         rows = []
