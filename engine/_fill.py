@@ -15,8 +15,8 @@ from ._dtypes import as_bytes
 from ._memory import MemoryCopy
 from ._paths import is_index
 from ._ranks import rank_array
-from ._restore import Sources
-from ._state import FlatState, iter_local
+from ._restore import Sources, restore_floats
+from ._state import TYPES_PATH, FlatState, iter_local
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .load import StepReader, StoredTensor
 from .plan import HeldBox, local_boxes
@@ -213,9 +213,25 @@ def read_whole(storage: Storage, step: int, pool: Executor) -> dict[str, Any]:
         out[path], box = _whole(stored)
         reads += reader.read_box(stored, box, out[path])
     _raise_first([pool.submit(read) for read in reads])
-    values = {p: v for p, v in reader.values.items() if p not in reader.values_by_rank}
+    types_by_rank = reader.values_by_rank.get(TYPES_PATH, {})
+
+    def floats(path: str, value: Any, rank: str | None = None) -> Any:
+        """The value with its non-finite floats back (stored as str since format 4), by the
+        type record of the rank that saved it."""
+        types = types_by_rank.get(rank) if rank in types_by_rank else \
+            reader.values.get(TYPES_PATH)
+        descs = types.get("values") if isinstance(types, dict) else None
+        desc = descs.get(path) if isinstance(descs, dict) and path != TYPES_PATH else None
+        try:
+            return restore_floats(value, desc)
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            raise CheckpointCorruptError(f"step {step}: the type record of {path!r} does not "
+                                         f"fit its value ({exc})") from None
+
+    values = {p: floats(p, v) for p, v in reader.values.items()
+              if p not in reader.values_by_rank}
     for path, by_rank in reader.values_by_rank.items():
         if not all(is_index(r) for r in by_rank):
             raise CheckpointCorruptError(f"step {step}: malformed per-rank values of {path!r}")
-        values.update((rank_array(path, int(r)), v) for r, v in by_rank.items())
+        values.update((rank_array(path, int(r)), floats(path, v, r)) for r, v in by_rank.items())
     return {**values, **out}

@@ -81,17 +81,20 @@ def array_metadata(spec: ArraySpec) -> dict[str, Any]:
     }
 
 
-def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
+def group_metadata(attributes: dict[str, Any] | None = None, version: int = FORMAT_VERSION
+                   ) -> dict[str, Any]:
     return {"zarr_format": 3, "node_type": "group",
-            "attributes": {"antifragile": {"format": FORMAT_VERSION, **(attributes or {})}}}
+            "attributes": {"antifragile": {"format": version, **(attributes or {})}}}
 
 
 def dumps(doc: Any) -> bytes:
     """A document's bytes: keys in the order the document holds them (a JSON value of the
     state keeps its dict order: a loader that resumes by iterating a dict resumes the same).
     Compact: with an ``indent`` json encodes in Python, 7x slower (a step's group document
-    lists every array's layout; ``chaos ckpt inspect`` shows documents readably)."""
-    return json.dumps(doc, allow_nan=True).encode()
+    lists every array's layout; ``chaos ckpt inspect`` shows documents readably).
+    Strict JSON (RFC 8259), as zarr requires of its metadata: a non-finite float is a bug
+    here (``_state.stored_values`` writes the state's as str; ``metadata`` refuses them)."""
+    return json.dumps(doc, allow_nan=False).encode()
 
 
 def inner_count(spec: ArraySpec) -> int:
@@ -280,6 +283,8 @@ def seal(doc: dict[str, Any]) -> bytes:
     """``doc`` as JSON whose last member is the crc32c of the same JSON without it."""
     if not doc or "crc32c" in doc:
         raise ValueError("seal() takes a non-empty dict without a 'crc32c' key")
+    # not zarr metadata: read only by this engine. A record's values are those of the group
+    # document, with non-finite floats already str (``_state.stored_values``)
     body = json.dumps(doc, allow_nan=True).encode()
     return body[:-1] + b',"crc32c":%d}' % crc(body)
 

@@ -14,6 +14,8 @@ rank's copy, and one RuntimeWarning per load names the rank and every such path.
 
 from __future__ import annotations
 
+import json
+import math
 import struct
 import warnings
 from typing import Any
@@ -313,8 +315,29 @@ def restore(value: Any, desc: Any) -> Any:
         return tuple(items) if tag == "t" else items
     if tag == "f":
         bits = bytes.fromhex(desc[1])
-        nan = struct.unpack("<d", bits)[0] if len(bits) == 8 else 0.0
-        if not isinstance(value, float) or value == value or nan == nan:
-            raise ValueError(f"{desc[1]!r} does not describe the NaN saved ({value!r})")
-        return nan
+        saved = struct.unpack("<d", bits)[0] if len(bits) == 8 else 0.0
+        if isinstance(value, str):  # format 4: the float's JSON token, as a str
+            fits = value == json.dumps(saved)
+        else:  # format 3: a NaN written bare, described where its bits are not JSON's own
+            fits = isinstance(value, float) and value != value and saved != saved
+        if not fits or math.isfinite(saved):
+            raise ValueError(f"{desc[1]!r} does not describe the float saved ({value!r})")
+        return saved
     raise ValueError(f"unknown type tag {tag!r}")
+
+
+def restore_floats(value: Any, desc: Any) -> Any:
+    """``value`` with its non-finite floats given back, and nothing else undone (lists stay
+    lists, int keys str): the JSON value as format 3 stored it, for ``read``."""
+    if not isinstance(desc, list) or not desc:
+        return value
+    if desc[0] == "f":
+        return restore(value, desc)
+    children = desc[-1]
+    if not isinstance(children, dict):
+        raise TypeError(f"children of a {desc[0]!r} description: not an object")
+    if isinstance(value, dict):
+        return {k: restore_floats(v, children.get(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [restore_floats(v, children.get(str(i))) for i, v in enumerate(value)]
+    return value

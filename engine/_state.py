@@ -24,9 +24,12 @@ What comes back, exactly (the engine's load semantics):
 - ``bytes`` / ``bytearray`` are stored as raw uint8 arrays, checksummed like any tensor, and
   come back as the type that was saved (a subclass such as ``numpy.bytes_`` as ``bytes``, or
   as the target's own type where it holds one). Nothing is ever unpickled.
-- JSON values keep their types: tuples, int dict keys and the bits of a NaN other than the one
-  JSON gives back (its sign, its payload) are recorded in a per-rank type record (the value at
-  ``.types``, a name no state key can take) and restored on load. A key
+- JSON values keep their types: tuples, int dict keys and non-finite floats are recorded in a
+  per-rank type record (the value at ``.types``, a name no state key can take) and restored on
+  load. A non-finite float (a loss gone NaN, an ``inf`` best-metric sentinel) is stored as the
+  str of its JSON token (``"NaN"``, ``"Infinity"``, ``"-Infinity"``), since zarr metadata must
+  be JSON (RFC 8259 has no such tokens), and its 8 bytes are recorded (a NaN's sign and
+  payload too); a str that reads the same is not recorded, so it stays a str. A key
   that JSON cannot round-trip (float, None, bool, an int beside the same key as a str) is
   refused at save, naming the path.
 """
@@ -34,6 +37,7 @@ What comes back, exactly (the engine's load semantics):
 from __future__ import annotations
 
 import json
+import math
 import struct
 import sys
 from collections import defaultdict
@@ -65,16 +69,15 @@ _PLAIN = _SCALARS | {dict, list, tuple}
 # an int this wide has fewer decimal digits than any ``sys.get_int_max_str_digits()`` (at
 # least 640); a wider one may have no JSON text, so it is checked like any other value
 _SHORT_INT_BITS = 2000
-_JSON_NAN = struct.pack("<d", json.loads("NaN"))  # the one NaN that JSON gives back
 
 
 def _plain_scalar(value: object) -> bool:
     """A JSON leaf that needs no check nor description (an int short enough that JSON can
-    write it; not a NaN, whose bits JSON may lose)."""
+    write it; a finite float: JSON has no text for the others)."""
     if type(value) is int:
         return value.bit_length() <= _SHORT_INT_BITS
     if type(value) is float:
-        return value == value
+        return math.isfinite(value)
     return type(value) in _SCALARS
 
 
@@ -181,16 +184,17 @@ def _check_keys(obj: dict[Any, Any], path: str) -> list[str]:
 
 
 def describe(value: object, path: str) -> JSON:
-    """What JSON loses of ``value`` (tuples, int keys, a NaN's bits), or None when it
+    """What JSON loses of ``value`` (tuples, int keys, non-finite floats), or None when it
     round-trips as is.
 
     ``["d", int_keys, {key: child}]``, ``["t", {index: child}]``, ``["l", {index: child}]``
-    list only the children that need a description; ``["f", hex]`` is a NaN's 8 bytes
-    (little-endian), where they are not those of the NaN that JSON gives back.
+    list only the children that need a description; ``["f", hex]`` is a non-finite float's 8
+    bytes (little-endian): ``stored_values`` writes it as a str, ``_restore.restore`` gives
+    these bytes back. Format 3 wrote non-finite floats bare (not JSON) and described only a
+    NaN with other bits than JSON's own.
     """
     if isinstance(value, float):
-        bits = struct.pack("<d", value)
-        return ["f", bits.hex()] if value != value and bits != _JSON_NAN else None
+        return None if math.isfinite(value) else ["f", struct.pack("<d", value).hex()]
     if isinstance(value, dict):
         ints = _check_keys(value, path)
         children = {_key_name(k): d for k, v in value.items()
@@ -203,6 +207,30 @@ def describe(value: object, path: str) -> JSON:
             return ["t", children]
         return ["l", children] if children else None
     return None
+
+
+def stored_values(values: dict[str, JSON]) -> dict[str, JSON]:
+    """``values`` as the step's documents store them: a JSON copy (the caller may mutate its
+    state once ``save`` returns) in which each non-finite float is the str of its JSON token.
+    ``flatten`` describes every one of them in the type record, so a load gives the float
+    back and a str that reads the same stays a str."""
+    text = json.dumps(values, allow_nan=True)
+    stored: dict[str, JSON] = json.loads(text, parse_constant=str)
+    return stored
+
+
+def describes_non_finite(types: object) -> bool:
+    """Whether a type record describes a non-finite float (its step stores one as a str)."""
+    found = [*types["values"].values()] if isinstance(types, dict) and isinstance(
+        types.get("values"), dict) else []
+    while found:
+        desc = found.pop()
+        if isinstance(desc, list) and desc:
+            if desc[0] == "f":
+                return True
+            if isinstance(desc[-1], dict):
+                found.extend(desc[-1].values())
+    return False
 
 
 def _check_json(value: object, path: str) -> JSON:

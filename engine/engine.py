@@ -41,7 +41,7 @@ from ._paths import COMMIT, step_dir
 from ._ranks import PerRank
 from ._ranks import inventory as rank_inventory
 from ._resave import same_as_committed
-from ._state import FlatState, flatten, state_signature
+from ._state import FlatState, flatten, state_signature, stored_values
 from ._threads import CLOSE_WAIT_S, DaemonPool, DaemonWorkers
 from .errors import CheckpointBusyError, CheckpointError
 from .persist import (
@@ -286,8 +286,7 @@ class CheckpointEngine:
         if self._plan is None:
             self._replan(flat, step)
         assert self._plan is not None and self._staging is not None
-        values = json.loads(json.dumps({p: s.value for p, s in flat.values.items()},
-                                       allow_nan=True))
+        values = stored_values({p: s.value for p, s in flat.values.items()})
         attrs = self._group_attrs(step, flat, metadata_json)
         if last is not None and not last.retention_done():
             self._draining.append(last)

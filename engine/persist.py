@@ -10,6 +10,7 @@ it is written only after all of them are durable, so a record never refers to a 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -60,13 +61,17 @@ def metadata_copy(metadata: dict[str, Any] | None) -> dict[str, Any]:
         elif value is not None and not isinstance(value, (str, int, float)):
             raise CheckpointError(f"{where}: {type(value).__name__} is not JSON (metadata holds "
                                   "str, int, float, bool, None, lists and str-keyed dicts)")
+        elif isinstance(value, float) and not math.isfinite(value):
+            # no type record says what a str would stand for: a state value keeps it exactly
+            raise CheckpointError(f"{where}: {value!r} is not JSON (zarr metadata is strict "
+                                  "JSON, which has no NaN or infinity); keep it in the state")
 
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
         raise CheckpointError(f"metadata: a dict, not {type(metadata).__name__}")
     check(metadata, "metadata")
-    copied: dict[str, Any] = json.loads(json.dumps(metadata, allow_nan=True))
+    copied: dict[str, Any] = json.loads(json.dumps(metadata, allow_nan=False))
     return copied
 
 

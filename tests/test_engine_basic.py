@@ -1995,8 +1995,10 @@ def test_a_nested_tensor_of_the_default_layout_is_refused_naming_its_path(tmp_pa
         ({"run": {"loss": torch.tensor(1.5)}}, r"metadata\['run'\]\['loss'\].*Tensor"),
         ({1: "a"}, r"metadata: key 1 \(int\)"),
         ({"ranks": [{2: "b"}]}, r"metadata\['ranks'\]\[0\]: key 2 \(int\)"),
+        ({"loss": math.nan}, r"metadata\['loss'\]: nan is not JSON"),
+        ({"best": [1.0, -math.inf]}, r"metadata\['best'\]\[1\]: -inf is not JSON"),
     ],
-    ids=["datetime", "numpy-scalar", "tensor", "int-key", "nested-int-key"],
+    ids=["datetime", "numpy-scalar", "tensor", "int-key", "nested-int-key", "nan", "infinity"],
 )
 def test_metadata_that_json_cannot_store_is_refused_by_the_call(
     tmp_path: Path, metadata: dict[Any, Any], named: str

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
+import math
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -666,3 +668,135 @@ def test_a_str_enum_key_of_a_dict_holding_tensors_is_stored_by_its_value(
     in_place = {"w": torch.empty(1), "by_split": {Split.TRAIN: torch.zeros(2)}}
     ckpt.load(in_place)
     assert torch.equal(in_place["by_split"][Split.TRAIN], torch.arange(2.0))
+
+
+# -- non-finite floats: strict JSON on storage, the exact value on load -----------------------
+
+
+def strict_json(text: str) -> Any:
+    """``text`` parsed as RFC 8259 JSON: no ``NaN`` / ``Infinity`` tokens (Python's json
+    writes and reads them by default; zarr readers such as tensorstore refuse them)."""
+    def refuse(token: str) -> None:
+        raise ValueError(f"{token} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def non_finite_state() -> dict[str, Any]:
+    def float_of(bits: int) -> float:
+        return float(np.array(bits, dtype=np.uint64).view(np.float64))
+
+    return {"w": torch.ones(2), "loss": math.nan, "best": math.inf, "worst": -math.inf,
+            "zero": -0.0, "negative_nan": float_of(0xFFF8000000000000),
+            "np_nan": np.float64("nan"), "np_inf": np.float64("-inf"),
+            "metrics": {"hist": [math.nan, 1.5, math.inf, -0.0], "pair": (-math.inf, math.nan),
+                        "by_epoch": {3: math.inf}},
+            # strings that read like what JSON lacks stay strings
+            "names": ["NaN", "Infinity", "-Infinity", "nan", "inf"], "tag": "NaN"}
+
+
+def test_non_finite_floats_are_written_as_strict_json(tmp_path: Path) -> None:
+    """A loss gone NaN or an ``inf`` best-metric sentinel was written into the group's
+    zarr.json as a bare ``NaN`` / ``Infinity``, which is not JSON: zarr readers refused the
+    step's documents (tensorstore: ``DATA_LOSS: ... zarr.json: Invalid JSON``)."""
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(str(root)) as engine:
+        engine.save(1, non_finite_state(), blocking=True)
+    documents = sorted((root / "step_000000001").rglob("zarr.json"))
+    assert len(documents) == 2  # the step's group and the array w
+    for document in documents:
+        strict_json(document.read_text())
+    ts = pytest.importorskip("tensorstore")
+    step = str(root / "step_000000001")
+    array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{step}/w/"}},
+                    open=True).result()
+    assert array.read().result().tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError) as opened:  # a group is no array; its JSON is read first
+        ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{step}/"}},
+                open=True).result()
+    assert "Invalid JSON" not in str(opened.value)
+
+
+def test_a_step_holding_non_finite_floats_is_written_in_a_format_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that reads format 3 would take the str of a non-finite float for damage (the
+    type record does not fit it) and quarantine the step; told another format, it refuses
+    the step as another engine's. A step without such a float stays format 3."""
+    from antifragile.engine import CheckpointFormatError, commit
+
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(str(root), keep_last=None) as engine:
+        engine.save(1, non_finite_state(), blocking=True)
+        engine.save(2, {**non_finite_state(), **{k: 0.5 for k in ("loss", "best", "worst",
+                        "negative_nan", "np_nan", "np_inf", "metrics")}}, blocking=True)
+    formats = []
+    for step in (1, 2):
+        folder = root / f"step_{step:09d}"
+        group = strict_json((folder / "zarr.json").read_text())
+        marker = (folder / "COMMIT").read_bytes()
+        assert marker.startswith(b'{"format": %d,' % group["attributes"]["antifragile"]["format"])
+        formats.append(group["attributes"]["antifragile"]["format"])
+    assert formats == [4, 3]
+    monkeypatch.setattr(commit, "READABLE_FORMATS", (2, 3))
+    with CheckpointEngine(str(root)) as engine:
+        with pytest.raises(CheckpointFormatError, match="format 4"):
+            engine.load({"w": torch.empty(2)}, step=1)
+        engine.load({"w": torch.empty(2)}, step=2)
+
+
+def test_non_finite_floats_round_trip_exactly(ckpt: CheckpointEngine) -> None:
+    saved = non_finite_state()
+    expected = copy.deepcopy(saved)
+    ckpt.save(1, saved, blocking=True)
+    # a target holding None takes the value as saved (a numpy float as a float) ...
+    target: dict[str, Any] = {"w": torch.empty(2), **{k: None for k in saved if k != "w"}}
+    ckpt.load(target)
+    assert_bitwise(target, {**expected, "np_nan": math.nan, "np_inf": -math.inf})
+    # ... a target holding numpy floats keeps their type
+    typed: dict[str, Any] = {"w": torch.empty(2), "np_nan": np.float64(0), "np_inf": np.float64(0)}
+    ckpt.load(typed)
+    assert_bitwise(typed, {"w": expected["w"], "np_nan": expected["np_nan"],
+                           "np_inf": expected["np_inf"]})
+    stored = ckpt.read(1)  # read() gives the floats back too, as JSON gave them before
+    assert math.isnan(stored["loss"]) and stored["best"] == math.inf
+    assert stored["metrics"]["hist"][2] == math.inf and stored["tag"] == "NaN"
+    assert ckpt.verify(1).ok
+
+
+def test_a_step_written_with_bare_non_finite_floats_still_loads(tmp_path: Path) -> None:
+    """Format 3 wrote ``NaN`` / ``Infinity`` bare, a NaN with other bits than JSON's
+    described by ``["f", hex]``: such steps keep loading."""
+    from test_hostile import Hostile
+
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(str(root)) as engine:
+        engine.save(1, {"w": torch.ones(2), "loss": 0.0, "best": 0.0, "hist": [1.0, 2.0]},
+                    blocking=True)
+    negative_nan = "000000000000f8ff"
+
+    def old_encoding(attrs: dict[str, Any]) -> None:
+        attrs["values"].update({"loss": math.nan, "best": math.inf, "hist": [-math.inf, math.nan]})
+        attrs["values"][".types"]["values"]["hist"] = ["l", {"1": ["f", negative_nan]}]
+
+    Hostile(root).edit_json("zarr.json",
+                            lambda g: old_encoding(g["attributes"]["antifragile"]))
+    assert b"Infinity" in (root / "step_000000001" / "zarr.json").read_bytes()
+    target: dict[str, Any] = {"w": torch.empty(2), "loss": None, "best": None, "hist": None}
+    with CheckpointEngine(str(root)) as engine:
+        engine.load(target, step=1)
+        assert engine.verify(1).ok
+    assert math.isnan(target["loss"]) and target["best"] == math.inf
+    assert target["hist"][0] == -math.inf
+    assert np.float64(target["hist"][1]).tobytes() == bytes.fromhex(negative_nan)
+
+
+def test_a_resave_of_non_finite_floats_is_a_resave(tmp_path: Path) -> None:
+    """The retry of a save whose answer was lost compares the stored values with its own;
+    NaN != NaN in Python must not make it refuse the same state."""
+    from antifragile.engine import CheckpointCommittedError
+
+    with CheckpointEngine(str(tmp_path)) as engine:
+        engine.save(5, non_finite_state(), blocking=True)
+        engine.save(5, non_finite_state(), blocking=True)
+        with pytest.raises(CheckpointCommittedError, match=r"step 5 is already committed.*'best'"):
+            engine.save(5, {**non_finite_state(), "best": -math.inf}, blocking=True)

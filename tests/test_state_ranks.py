@@ -10,6 +10,9 @@ paths: never silently.
 
 from __future__ import annotations
 
+import json
+import math
+import struct
 import threading
 import warnings
 from collections.abc import Iterator
@@ -561,3 +564,36 @@ def test_an_engine_on_a_group_this_process_is_not_in_is_refused(
     with a KeyError from the plan (the engine was never refused)."""
     outcome = ranks.run(engine_on_a_group_without_this_rank, str(tmp_path / "ckpt"))[1]
     assert "not a member of process_group" in outcome, outcome
+
+
+def save_and_load_non_finite(url: str) -> tuple[bytes, bytes, bytes]:
+    """Values that differ between the ranks and are not finite (kept per rank); the bits of
+    what this rank loads back: its ``loss``, ``hist[1]``, ``hist[0]``."""
+    rank = dist.get_rank()
+    loss = math.nan if rank == 0 else -math.inf
+    state = {"w": torch.ones(2), "loss": loss, "hist": [float(rank), (math.inf, -0.0)[rank]]}
+    with CheckpointEngine(url) as engine:
+        engine.save(1, state, blocking=True)
+    target: dict[str, Any] = {"w": torch.empty(2), "loss": None, "hist": None}
+    with CheckpointEngine(url) as engine:
+        engine.load(target, step=1)
+    return tuple(struct.pack("<d", v) for v in (target["loss"], target["hist"][1],  # type: ignore[return-value]
+                                               target["hist"][0]))
+
+
+def test_non_finite_values_saved_per_rank_are_strict_json_and_come_back(
+    ranks: RankGroup, tmp_path: Path
+) -> None:
+    url = str(tmp_path / "ckpt")
+    got = ranks.run(save_and_load_non_finite, url)
+    assert got[0] == (struct.pack("<d", math.nan), struct.pack("<d", math.inf),
+                      struct.pack("<d", 0.0))
+    assert got[1] == (struct.pack("<d", -math.inf), struct.pack("<d", -0.0),
+                      struct.pack("<d", 1.0))
+    group = (tmp_path / "ckpt" / "step_000000001" / "zarr.json").read_text()
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"{token} is not JSON")
+
+    attrs = json.loads(group, parse_constant=refuse)["attributes"]["antifragile"]
+    assert set(attrs["values_by_rank"]) >= {"loss", "hist"}
