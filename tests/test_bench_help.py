@@ -9,7 +9,7 @@ import pytest
 
 
 @pytest.mark.parametrize("name", ["engine", "save_cost", "s3", "trainer", "recovery", "gpu",
-                                  "load_metadata"])
+                                  "load_metadata", "plan"])
 def test_bench_help_names_the_module_command(name: str, capsys: pytest.CaptureFixture[str]
                                              ) -> None:
     module = importlib.import_module(f"bench.{name}")
