@@ -15,7 +15,7 @@ from ._dtypes import as_bytes
 from ._memory import MemoryCopy
 from ._paths import is_index
 from ._ranks import rank_array
-from ._restore import Sources, restore_floats
+from ._restore import Sources, check_attributes, restore_floats
 from ._state import TYPES_PATH, FlatState, iter_local
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .load import StepReader, StoredTensor
@@ -206,6 +206,9 @@ def read_whole(storage: Storage, step: int, pool: Executor) -> dict[str, Any]:
     per rank that saved a copy, for values as for tensors: the lowest rank's copy alone would
     hide the others from a comparison of two checkpoints."""
     reader = StepReader(storage, step)
+    # the type records as a load checks them: a record that does not fit its values (not an
+    # object, a description of another type) must not give the stored str of a float back
+    check_attributes(reader)
     reader.load_arrays(list(reader.tensors.values()), pool)
     out: dict[str, Any] = {}
     reads = []

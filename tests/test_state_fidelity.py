@@ -800,3 +800,31 @@ def test_a_resave_of_non_finite_floats_is_a_resave(tmp_path: Path) -> None:
         engine.save(5, non_finite_state(), blocking=True)
         with pytest.raises(CheckpointCommittedError, match=r"step 5 is already committed.*'best'"):
             engine.save(5, {**non_finite_state(), "best": -math.inf}, blocking=True)
+
+
+@pytest.mark.parametrize("forge", [
+    pytest.param(lambda types: types.__setitem__("values", []), id="values-not-an-object"),
+    pytest.param(lambda types: types["values"].__setitem__("loss", "f"), id="desc-not-a-list"),
+    pytest.param(lambda types: types["values"].__setitem__(
+        "nest", ["l", {"0": ["f", "000000000000f07f"]}]), id="desc-a-list-for-a-dict"),
+])
+def test_read_refuses_a_type_record_that_load_refuses(
+        tmp_path: Path, forge: Any) -> None:
+    """A forged format-4 type record that does not fit its values: load and verify call the
+    step damaged, and read() must not give the stored str (``"NaN"``) back as the value."""
+    from test_hostile import Hostile
+
+    from antifragile.engine import CheckpointCorruptError
+
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(str(root)) as engine:
+        engine.save(1, {"w": torch.ones(2), "loss": math.nan, "nest": {"a": [math.inf]}},
+                    blocking=True)
+    Hostile(root).edit_json(
+        "zarr.json", lambda g: forge(g["attributes"]["antifragile"]["values"][".types"]))
+    with CheckpointEngine(str(root)) as engine:
+        assert not engine.verify(1).ok
+        with pytest.raises(CheckpointCorruptError, match="type record"):
+            engine.load({"w": torch.empty(2), "loss": None, "nest": None}, step=1)
+        with pytest.raises(CheckpointCorruptError, match="type record"):
+            engine.read(1)
