@@ -217,14 +217,17 @@ def read_whole(storage: Storage, step: int, pool: Executor) -> dict[str, Any]:
         reads += reader.read_box(stored, box, out[path])
     _raise_first([pool.submit(read) for read in reads])
     types_by_rank = reader.values_by_rank.get(TYPES_PATH, {})
+    every_record = [reader.values.get(TYPES_PATH),
+                    *(types_by_rank[r] for r in sorted(filter(is_index, types_by_rank), key=int))]
 
     def floats(path: str, value: Any, rank: str | None = None) -> Any:
         """The value with its non-finite floats back (stored as str since format 4), by the
-        type record of the rank that saved it."""
-        types = types_by_rank.get(rank) if rank in types_by_rank else \
-            reader.values.get(TYPES_PATH)
-        descs = types.get("values") if isinstance(types, dict) else None
-        desc = descs.get(path) if isinstance(descs, dict) and path != TYPES_PATH else None
+        type record of the rank that saved it; a value kept once, by the lowest rank's record
+        that describes it (a rank that did not save it has no description of it)."""
+        records = [types_by_rank[rank]] if rank in types_by_rank else every_record
+        descs = (types.get("values") for types in records if isinstance(types, dict))
+        desc = next((d for d in descs if isinstance(d, dict) and d.get(path) is not None
+                     and path != TYPES_PATH), {}).get(path)
         try:
             return restore_floats(value, desc)
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:

@@ -40,6 +40,7 @@ class Sources:
         self.reader, self.rank, self.step = reader, rank, reader.step
         self.per_rank = self._per_rank_index(reader.attrs.get("per_rank"))
         self.borrowed: list[tuple[str, int]] = []  # (path, the rank whose copy it gets)
+        self._described: dict[str, Any] | None = None  # the lowest rank's description, by path
         found, types = self._saved_value(TYPES_PATH, record=False)
         self.types = self._check_types(types) if found else None
         self.fill: dict[str, str] = {}  # target tensor path -> stored tensor path
@@ -115,6 +116,32 @@ class Sources:
             return True, self.reader.values[path]
         return False, None
 
+    def _description(self, path: str) -> Any:
+        """The type description of the value saved at ``path`` (found by ``_saved_value``),
+        from the record of a rank that saved it: a copy borrowed from another rank by that
+        rank's record; a value this rank's record does not describe (saved by other ranks
+        only) by the lowest rank's record that does. The coordinator keeps per rank a value
+        whose descriptions differ, so a shared value has one (format 4 stores a non-finite
+        float as a str: without its description, a rank got the str)."""
+        by_rank = self.reader.values_by_rank.get(path)
+        if by_rank and str(self.rank) not in by_rank:
+            return self._descriptions(min(by_rank, key=int)).get(path)
+        own = self.types["values"].get(path) if self.types else None
+        if own is not None or by_rank:
+            return own
+        if self._described is None:  # once per load: a step may have thousands of records
+            records = self.reader.values_by_rank.get(TYPES_PATH) or {}
+            self._described = {}
+            for rank in sorted((r for r in records if is_index(r)), key=int, reverse=True):
+                self._described.update(self._descriptions(rank))
+        return self._described.get(path)
+
+    def _descriptions(self, rank: str) -> dict[str, Any]:
+        """The value descriptions of ``rank``'s type record ({} in a step without any)."""
+        records = self.reader.values_by_rank.get(TYPES_PATH) or {}
+        types = records[rank] if rank in records else self.reader.values.get(TYPES_PATH)
+        return {} if types is None else self._check_types(types)["values"]
+
     def _tensor_source(self, path: str, target: torch.Tensor | None) -> str | None:
         holders = self.per_rank.get(path)
         if holders is None:
@@ -146,8 +173,7 @@ class Sources:
     def _value_leaf(self, path: str) -> _Leaf | dict[str, Any] | None:
         found, value = self._saved_value(path)
         if found:
-            desc = self.types["values"].get(path) if self.types else None
-            return ("value", value, desc)
+            return ("value", value, self._description(path))
         # a tensor or bytes saved at the path itself (a fresh object holds None where a used
         # one holds its generator state or cursor)
         source = (self._tensor_source(path, None) if path in self.per_rank
@@ -170,7 +196,7 @@ class Sources:
             found, value = self._saved_value(ancestor)
             if not found:
                 continue
-            desc = self.types["values"].get(ancestor) if self.types else None
+            desc = self._description(ancestor)
             for name in parts[cut:]:
                 if isinstance(value, dict) and name in value:
                     value = value[name]

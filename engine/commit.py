@@ -363,7 +363,15 @@ def _check_record(plan: GlobalPlan, step: int, rank: int, record: dict[str, Any]
 
 
 def _merge_values(plan: GlobalPlan, records: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """One JSON value per path; values that differ between ranks are also kept per rank."""
+    """One JSON value per path; values that differ between ranks are also kept per rank, as
+    are values stored alike but described otherwise by the ranks' type records (a NaN on one
+    rank, the str "NaN" on another): a load takes the description of a value that a rank did
+    not save from another rank's record."""
+    def described(rank: int, path: str) -> Any:
+        types = records[rank]["values"].get(TYPES_PATH)
+        descs = types.get("values") if isinstance(types, dict) else None
+        return descs.get(path) if isinstance(descs, dict) else None
+
     values: dict[str, Any] = {}
     by_rank: dict[str, dict[str, Any]] = {}
     for path, holders in sorted(plan.values.items()):
@@ -372,7 +380,8 @@ def _merge_values(plan: GlobalPlan, records: dict[int, dict[str, Any]]) -> dict[
             continue
         first = seen[min(seen)]
         values[path] = first
-        if any(not same_value(v, first) for v in seen.values()):
+        if any(not same_value(v, first) or described(r, path) != described(min(seen), path)
+               for r, v in seen.items()):
             by_rank[path] = {str(r): v for r, v in seen.items()}
     return {"values": values, "values_by_rank": by_rank}
 

@@ -597,3 +597,33 @@ def test_non_finite_values_saved_per_rank_are_strict_json_and_come_back(
 
     attrs = json.loads(group, parse_constant=refuse)["attributes"]["antifragile"]
     assert set(attrs["values_by_rank"]) >= {"loss", "hist"}
+
+
+def load_a_value_only_rank_0_saved(url: str) -> tuple[Any, Any, Any, Any]:
+    """Rank 0 alone holds ``best`` (inf) and ``loss`` (a NaN); every rank loads them. ``tag``
+    is a NaN on rank 0 and the str ``"NaN"`` on rank 1 (stored alike). What this rank gets,
+    and read()'s ``best``."""
+    rank = dist.get_rank()
+    state: dict[str, Any] = {"w": torch.ones(2), "tag": math.nan if rank == 0 else "NaN"}
+    if rank == 0:
+        state.update(best=math.inf, loss=math.nan)
+    with CheckpointEngine(url) as engine:
+        engine.save(1, state, blocking=True)
+    target: dict[str, Any] = {"w": torch.empty(2), "best": None, "loss": None, "tag": None}
+    with CheckpointEngine(url) as engine:
+        engine.load(target, step=1)
+        stored = engine.read(1)
+    return target["best"], target["loss"], stored["best"], target["tag"]
+
+
+def test_a_non_finite_value_saved_by_one_rank_loads_as_a_float_on_every_rank(
+    ranks: RankGroup, tmp_path: Path
+) -> None:
+    """Format 4 stores the float as the str ``"Infinity"`` and describes it in the type record
+    of the rank that saved it; a rank that saved no such value has no description of it and
+    got the str back (format 3 gave it the float)."""
+    got = ranks.run(load_a_value_only_rank_0_saved, str(tmp_path / "ckpt"))
+    for best, loss, stored, _ in got:
+        assert best == math.inf and stored == math.inf, got
+        assert isinstance(loss, float) and math.isnan(loss), got
+    assert math.isnan(got[0][3]) and got[1][3] == "NaN", got  # each rank its own
