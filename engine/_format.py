@@ -294,6 +294,11 @@ def is_sealed(data: bytes | bytearray) -> bool:
     return _SEAL.search(data) is not None
 
 
+# what json.loads raises for bytes it cannot make a document of (not JSON, not UTF-8, nested
+# deeper than it recurses)
+NOT_JSON = (ValueError, RecursionError)
+
+
 def unseal(data: bytes | bytearray, *, where: str) -> dict[str, Any]:
     """The document :func:`seal` wrote; CheckpointCorruptError if its bytes changed."""
     match = _SEAL.search(data)
@@ -305,7 +310,7 @@ def unseal(data: bytes | bytearray, *, where: str) -> dict[str, Any]:
         raise CheckpointCorruptError(f"{where}: fails its checksum (damaged)")
     try:
         doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except NOT_JSON as exc:
         raise CheckpointCorruptError(f"{where}: not JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise CheckpointCorruptError(f"{where}: not a JSON object")

@@ -7,6 +7,7 @@ import json
 from concurrent.futures import Executor, wait
 from typing import Any
 
+from ._format import NOT_JSON
 from ._state import same_value
 from .errors import CheckpointCommittedError, CheckpointError
 from .load import StepReader
@@ -20,7 +21,7 @@ _MISSING = object()
 def _same_document(stored: bytes | bytearray, staged: bytes) -> bool:
     try:
         return bool(json.loads(stored) == json.loads(staged))
-    except ValueError:
+    except NOT_JSON:
         return False
 
 

@@ -225,7 +225,7 @@ def _refuse_other_format(data: bytes | bytearray, step: int) -> None:
     """A marker of another format (older, or a newer engine's) is not damage: say which."""
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except _format.NOT_JSON:
         return
     version = doc.get("format") if isinstance(doc, dict) else None
     if isinstance(version, int) and version not in READABLE_FORMATS:
@@ -239,7 +239,7 @@ def _claims_nonce(data: bytes | bytearray, nonce: int) -> bool:
     """Whether a document that failed its seal still says it belongs to save ``nonce``."""
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except _format.NOT_JSON:
         return False
     return isinstance(doc, dict) and doc.get("nonce") == nonce
 

@@ -158,7 +158,7 @@ class StepReader:
             self.check_document(key, data)
             try:
                 return json.loads(data)
-            except (ValueError, UnicodeDecodeError) as exc:
+            except _format.NOT_JSON as exc:
                 raise CheckpointCorruptError(f"{self.where(key)}: not JSON ({exc})") from None
 
     def recheck(self, key: str) -> None:

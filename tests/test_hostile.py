@@ -190,6 +190,14 @@ def _overlap_and_gap(h: Hostile) -> None:
     h.edit_array(place([4, 0]), name="model/v")
 
 
+def _nested_too_deep(h: Hostile) -> None:
+    """A value nested deeper than json.loads (or any walk of it) recurses."""
+    doc = h.read_json("zarr.json")
+    doc["attributes"]["antifragile"]["values"]["step"] = "DEEP"
+    h.write("zarr.json", json.dumps(doc).encode().replace(
+        b'"DEEP"', b"[" * 100_000 + b"]" * 100_000))
+
+
 HOSTILE: dict[str, Callable[[Hostile], None]] = {
     "array-name-dotdot": _names("../../outside/w"),
     "array-name-absolute": _outside,
@@ -286,6 +294,7 @@ HOSTILE: dict[str, Callable[[Hostile], None]] = {
         "zarr.json",
         lambda g: g["attributes"]["antifragile"]["tensors"].__setitem__("model/w", "model/w"),
     ),
+    "group-value-nested-too-deep": _nested_too_deep,
     "commit-not-json": lambda h: (h.dir / "COMMIT").write_bytes(b"\x80\x04\x95pickle"),
     "commit-for-another-step": lambda h: h.edit_commit(_set("step", 2)),
 }
