@@ -1,7 +1,8 @@
 """S3 benchmark: the engine's persist and load on a SeaweedFS cluster against raw concurrent
 transfers (s3fs, and obstore: the engine's own client).
 
-    python -m bench.s3 [--reps N] [--io-threads N] [--json PATH] [--quick]
+    python -m bench.s3 [--reps N] [--io-threads N] [--json PATH] [--quick] [--ranks N]
+                       [--mesh DP,TP,PP] [--only-ranks]
 
 Starts a SeaweedFS cluster on loopback (``chaos/infra/seaweedfs.py``: master, 2 volume servers,
 filer, S3 gateway) and, for two states in one process,
@@ -33,9 +34,21 @@ visible to every rank), load the slowest rank's ``load()``; the raw baseline mov
 objects from one process with ``N x --io-threads`` threads (for the load, every object N times:
 each replica reads the whole state).
 
+``--mesh DP,TP,PP`` (e.g. ``2,2,2``) adds ``quickstart DPxTPxPP``: DP x TP x PP gloo processes
+build the trainer's own state for that layout, as the trainer does (``trainer.train.Trainer``
+on the quickstart model: pipeline stages, tensor-parallel DTensors, FSDP2 over dp; one
+training step, so that AdamW's moments exist) and save what the trainer checkpoints (its
+``get_state_dict`` model and flattened optimizer state, and its ``train`` record): each rank
+writes its own shards, rank 0 commits. Persist and load are timed as for ``--ranks`` (the load
+into a fresh state of the same layout: ``empty_like`` of every DTensor), and the raw baseline
+moves the objects the save left from one process with ``world x --io-threads`` threads, each
+object once both ways (each rank reads its own shards, and rank 0 the shared documents:
+nothing is a whole replica). The ranks share the machine's cores with the SeaweedFS cluster.
+
 Requests: each operation is repeated once, untimed, through a counting TCP proxy
 (``chaos/infra/proxy.py``), which gives the HTTP requests a save and a load make; the
-engine's own count is printed when it reports one (``handle.requests``; else ``n/a``).
+engine's own count is printed when it reports one (``handle.requests``; else ``n/a``). With
+``--ranks`` or ``--mesh`` the rows give what each rank's engine reports instead (no proxy).
 Everything is deleted with the cluster at the end.
 """
 
@@ -51,7 +64,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,6 +74,9 @@ from antifragile.engine import CheckpointEngine
 from antifragile.engine.storage._s3 import store_config
 from antifragile.trainer.model import GPT, ModelConfig
 from bench._args import at_least
+
+if TYPE_CHECKING:
+    from antifragile.trainer.parallel.dims import ParallelDims
 
 STATES = {
     "quickstart": ModelConfig(layers=2, d_model=64, heads=4, vocab=256, seq_len=32),
@@ -80,7 +96,35 @@ def gpt_state(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
     return {"model": model, "optim": optim, "step": 0}
 
 
+def trainer_state(dims: ParallelDims, cfg: ModelConfig) -> dict[str, Any]:
+    """This rank's share of what the trainer checkpoints at ``dims`` (the default process
+    group already joined): ``trainer.train.Trainer`` builds the model as a training run does,
+    one step on the scenarios' batch (8, 2 micro-batches) fills AdamW's state, and the state
+    dict is the trainer's own (``trainer.checkpoint``'s options; its ``train`` record)."""
+    import types
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from antifragile.trainer.checkpoint import _OPTIONS  # the state dict the trainer saves
+    from antifragile.trainer.config import TrainConfig
+    from antifragile.trainer.train import Trainer
+
+    ctx = types.SimpleNamespace(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                device=torch.device("cpu"))
+    trainer = Trainer(TrainConfig(parallel=dims, model=cfg, batch_size=8, micro_batches=2),
+                      ctx, types.SimpleNamespace(bump=lambda: None))
+    trainer.train_step(0)
+    model, optim = get_state_dict(trainer.model, trainer.optimizer, options=_OPTIONS)
+    return {"model": model, "optim": optim, "train": {"step": 1, "data_cursor": 8, "seed": 0}}
+
+
 def _tensors(state: Any) -> list[torch.Tensor]:
+    """Every tensor in ``state``, a DTensor as this rank's local shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return [state.to_local()]
     if isinstance(state, torch.Tensor):
         return [state]
     if isinstance(state, dict):
@@ -279,7 +323,8 @@ def measure(bench: Bench, name: str, cfg: ModelConfig, reps: int) -> Figures:
 
 
 def _rank_worker(rank: int, ranks: int, port: int, url: str, options: dict[str, Any],
-                 io_threads: int, reps: int, out: Any) -> None:
+                 io_threads: int, reps: int, out: Any,
+                 mesh: tuple[int, int, int] | None = None) -> None:
     import os
 
     import torch.distributed as dist
@@ -288,7 +333,14 @@ def _rank_worker(rank: int, ranks: int, port: int, url: str, options: dict[str, 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     try:
-        state = gpt_state(STATES["quickstart"])
+        if mesh is None:
+            state = gpt_state(STATES["quickstart"])
+        else:
+            from antifragile.trainer.parallel.dims import ParallelDims
+
+            dp, tp, pp = mesh
+            state = trainer_state(ParallelDims(dp=dp, tp=tp, pp=pp), STATES["quickstart"])
+        local = _tensors(state)
         persist, load, requests = [], [], {}
         with CheckpointEngine(url, keep_last=None, io_threads=io_threads,
                               storage_options=options) as engine:
@@ -307,22 +359,26 @@ def _rank_worker(rank: int, ranks: int, port: int, url: str, options: dict[str, 
                 load.append(time.perf_counter() - start)
                 check_loaded(state, target, reps + 1, loaded)
                 requests["load"] = engine.last_load_requests.get("total")
-        out.put((rank, persist[1:], load, requests))  # the first save plans: not measured
+        # the first save plans: not measured
+        out.put((rank, persist[1:], load, requests,
+                 (len(local), sum(t.numel() * t.element_size() for t in local))))
     finally:
         dist.destroy_process_group()
 
 
-def measure_ranks(bench: Bench, ranks: int, reps: int) -> Figures:
-    """``quickstart xN``: see the module docstring."""
+def measure_ranks(bench: Bench, ranks: int, reps: int,
+                  mesh: tuple[int, int, int] | None = None) -> Figures:
+    """``quickstart xN`` (data-parallel replicas), or with ``mesh`` (dp, tp, pp) the trainer's
+    state at that layout on dp x tp x pp ranks: see the module docstring."""
     import socket
 
     import torch.multiprocessing as mp
 
-    state = gpt_state(STATES["quickstart"])
-    tensors = _tensors(state)
-    fig = Figures(f"quickstart x{ranks} ranks", len(tensors),
-                  sum(t.numel() * t.element_size() for t in tensors))
-    prefix = f"ranks{ranks}/engine"
+    if mesh is not None:
+        ranks = mesh[0] * mesh[1] * mesh[2]
+    name = (f"quickstart x{ranks} ranks" if mesh is None else
+            "quickstart {}x{}x{} (dp x tp x pp, {} ranks)".format(*mesh, ranks))
+    prefix = (f"ranks{ranks}" if mesh is None else "mesh{}x{}x{}".format(*mesh)) + "/engine"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -330,11 +386,15 @@ def measure_ranks(bench: Bench, ranks: int, reps: int) -> Figures:
     out = ctx.Queue()
     mp.start_processes(_rank_worker, args=(ranks, port, f"s3://{bench.bucket}/{prefix}",
                                            bench.cluster.storage_options, bench.io_threads,
-                                           reps, out), nprocs=ranks, start_method="spawn")
+                                           reps, out, mesh), nprocs=ranks, start_method="spawn")
     rows = sorted(out.get() for _ in range(ranks))
+    if mesh is None:  # replicas: one rank's state is the payload
+        fig = Figures(name, rows[0][4][0], rows[0][4][1])
+    else:  # every rank's shards (a DTensor's local part; a replicated scalar on each)
+        fig = Figures(name, sum(r[4][0] for r in rows), sum(r[4][1] for r in rows))
     fig.samples["persist"] = [max(r[1][i] for r in rows) for i in range(reps)]
     fig.samples["load"] = [max(r[2][i] for r in rows) for i in range(reps)]
-    fig.requests = {f"rank{r}_{k}": v for r, _, _, q in rows for k, v in q.items()}
+    fig.requests = {f"rank{r}_{k}": v for r, _, _, q, _ in rows for k, v in q.items()}
     blobs = bench.contents(bench.objects(prefix, reps + 1))  # the engine's own bytes
     sizes = [len(b) for b in blobs]
     fig.objects, fig.object_bytes = len(sizes), sum(sizes)
@@ -343,12 +403,13 @@ def measure_ranks(bench: Bench, ranks: int, reps: int) -> Figures:
     wide.pool = ThreadPoolExecutor(ranks * bench.io_threads)
     for key in RAW:
         fig.samples[key] = []
-    raw = f"ranks{ranks}/raw"
+    raw = prefix.replace("/engine", "/raw")
+    reads = ranks if mesh is None else 1  # replicas each read the whole state; shards once
     for _ in range(reps):
         fig.samples["raw_put"].append(wide.raw_put(raw, blobs))
         fig.samples["raw_put_obstore"].append(wide.raw_put_obstore(raw, blobs))
-        fig.samples["raw_get"].append(wide.raw_get(raw, sizes, times=ranks))
-        fig.samples["raw_get_obstore"].append(wide.raw_get_obstore(raw, sizes, times=ranks))
+        fig.samples["raw_get"].append(wide.raw_get(raw, sizes, times=reads))
+        fig.samples["raw_get_obstore"].append(wide.raw_get_obstore(raw, sizes, times=reads))
     wide.pool.shutdown()
     return fig
 
@@ -384,6 +445,15 @@ def _print(fig: Figures) -> None:
           f"{q['raw_put']}, raw GET {q['raw_get']}")
 
 
+def _mesh(text: str) -> tuple[int, int, int]:
+    """``DP,TP,PP``: three whole numbers >= 1."""
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"give DP,TP,PP (e.g. 2,2,2), got {text!r}")
+    dp, tp, pp = (at_least(1)(part) for part in parts)
+    return dp, tp, pp
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.s3", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -395,12 +465,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="2 repetitions, quickstart only (too few for a verdict: n/a)")
     parser.add_argument("--ranks", type=at_least(1), default=1,
                         help="also measure the quickstart state saved by N gloo ranks")
+    parser.add_argument("--mesh", type=_mesh, metavar="DP,TP,PP",
+                        help="also measure the trainer's state at this layout on DP*TP*PP gloo "
+                             "ranks (e.g. 2,2,2)")
     parser.add_argument("--only-ranks", action="store_true",
-                        help="with --ranks: skip the one-process states")
+                        help="with --ranks or --mesh: skip the one-process states")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
-    if args.only_ranks and args.ranks < 2:  # no state left to measure
-        parser.error("--only-ranks: give --ranks N with N > 1 (the states it keeps)")
+    if args.only_ranks and args.ranks < 2 and args.mesh is None:  # no state left to measure
+        parser.error("--only-ranks: give --ranks N with N > 1 or --mesh (the states it keeps)")
     reps = 2 if args.quick else args.reps
     states = {"quickstart": STATES["quickstart"]} if args.quick else STATES
     torch.set_num_threads(1)
@@ -414,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
                                               for name, cfg in states.items()]
         if args.ranks > 1:
             figures.append(measure_ranks(bench, args.ranks, reps))
+        if args.mesh is not None:
+            figures.append(measure_ranks(bench, 0, reps, args.mesh))
         for fig in figures:
             _print(fig)
         start_s = cluster.start_s

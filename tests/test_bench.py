@@ -84,6 +84,26 @@ def test_s3_benchmark_prints_ratios_and_request_counts(tmp_path: Path) -> None:
         assert f"{state[f'{what}_ratio']:5.2f}x  (target <= 1.5x: {verdict})" in out
 
 
+@pytest.mark.s3
+def test_s3_benchmark_measures_the_trainers_2x2x2_state(tmp_path: Path) -> None:
+    """``--mesh 2,2,2``: 8 gloo ranks save and load the trainer's own dp 2 x tp 2 x pp 2 state
+    (each rank its shards), each load checked bit for bit in the rank; the row has both
+    ratios and every rank's request counts. No timing is asserted."""
+    result_json = tmp_path / "s3.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.s3", "--quick", "--only-ranks",
+                           "--mesh", "2,2,2", "--json", str(result_json)],
+                          capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "quickstart 2x2x2 (dp x tp x pp, 8 ranks):" in proc.stdout
+    (state,) = json.loads(result_json.read_text())["states"]
+    assert state["state"] == "quickstart 2x2x2 (dp x tp x pp, 8 ranks)"
+    assert state["objects"] > 0 and state["object_bytes"] > state["payload_bytes"] / 2
+    assert {f"rank{r}_{k}" for r in range(8) for k in ("save", "load")} == set(state["requests"])
+    for key in ("persist", "load", "raw_put", "raw_get", "raw_put_obstore", "raw_get_obstore"):
+        assert len(state["samples"][key]) == 2
+    assert state["persist_verdict"] == state["load_verdict"] == "n/a"
+
+
 def test_save_cost_benchmark_prints_the_engine_against_dcp_and_memcpy(tmp_path: Path) -> None:
     out = tmp_path / "cost.json"
     done = subprocess.run([sys.executable, "-m", "bench.save_cost", "--saves", "2",

@@ -705,12 +705,15 @@ def test_dcp_writes_on_as_many_threads_as_the_engine(tmp_path: Path) -> None:
     assert len(list((tmp_path / "dcp").glob("*.distcp"))) == threads
 
 
+@pytest.mark.parametrize("mesh", [None, (1, 1, 1)], ids=["replicas", "trainer-state"])
 def test_s3_bench_ranks_check_what_each_load_returned(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--ranks N``: each rank's timed load is checked bit for bit (and for its step), as the
-    one-process loads are: a load that fills the state with zeros is no figure of a load. One
-    rank in this process, on a local folder (the worker does not care where the engine
-    writes); the engine's load is made to return zeros."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mesh: tuple[int, int, int] | None
+        ) -> None:
+    """``--ranks N`` and ``--mesh``: each rank's timed load is checked bit for bit (and for its
+    step), as the one-process loads are: a load that fills the state with zeros is no figure
+    of a load. One rank in this process, on a local folder (the worker does not care where
+    the engine writes); the engine's load is made to return zeros. ``mesh``: the trainer's
+    own state (a 1x1x1 layout: one rank)."""
     import queue
 
     from antifragile.engine import CheckpointEngine
@@ -734,11 +737,11 @@ def test_s3_bench_ranks_check_what_each_load_returned(
     out: queue.Queue[object] = queue.Queue()
     threads = torch.get_num_threads()
     try:  # the real load passes the check: a row of figures
-        s3._rank_worker(0, 1, free_port(), str(tmp_path / "ok"), {}, 2, 1, out)
+        s3._rank_worker(0, 1, free_port(), str(tmp_path / "ok"), {}, 2, 1, out, mesh)
         assert out.qsize() == 1
         monkeypatch.setattr(CheckpointEngine, "load", zeroing_load)
         with pytest.raises(RuntimeError, match="load returned different values"):
-            s3._rank_worker(0, 1, free_port(), str(tmp_path / "zeroed"), {}, 2, 1, out)
+            s3._rank_worker(0, 1, free_port(), str(tmp_path / "zeroed"), {}, 2, 1, out, mesh)
         assert not dist.is_initialized()
     finally:
         torch.set_num_threads(threads)

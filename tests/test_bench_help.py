@@ -73,6 +73,9 @@ def test_engine_bench_refuses_nonsense_arguments(argv: list[str], says: str,
     (["--ranks", "0"], "argument --ranks: must be >= 1, got 0"),
     # nothing left to measure, after a cluster start, and exit 0
     (["--only-ranks"], "--only-ranks: give --ranks N with N > 1"),
+    (["--mesh", "2,2"], "argument --mesh: give DP,TP,PP (e.g. 2,2,2), got '2,2'"),
+    (["--mesh", "2,0,2"], "argument --mesh: must be >= 1, got 0"),
+    (["--mesh", "2,x,2"], "argument --mesh: give a whole number >= 1, got 'x'"),
 ])
 def test_s3_bench_refuses_nonsense_arguments(argv: list[str], says: str,
                                              monkeypatch: pytest.MonkeyPatch,
