@@ -250,7 +250,7 @@ def test_an_empty_path_option_is_a_usage_error(
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("url", ["file://", "s3://", "s3:///"])
+@pytest.mark.parametrize("url", ["file://", "s3://", "s3:///", "s3:///prefix", "s3a:///p/q"])
 def test_a_ckpt_url_that_names_no_place_is_a_usage_error(
         tmp_path: Path, url: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -258,7 +258,9 @@ def test_a_ckpt_url_that_names_no_place_is_a_usage_error(
     accepted: ``file://`` wrote the checkpoints into the working directory (and retention
     removed its ``step_*`` folders), ``s3://`` made every rank die opening the engine
     (CheckpointError traceback, exit 1, which torchrun restarts into the same). Now one line
-    naming the option, exit 2, as ``--ckpt-url ""`` is."""
+    naming the option, exit 2, as ``--ckpt-url ""`` is. A prefix without a bucket
+    (``s3:///prefix``: an empty ``$BUCKET`` before a prefix) passed too, and rank 0 died listing
+    the step folders with a StorageError traceback."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exc:
         parse_args(["--ckpt-url", url])

@@ -235,8 +235,8 @@ def _no_shared_place(url: str) -> str | None:
                 "folder or s3://bucket/prefix)")
     if scheme == "file":
         return None if where else "names no folder"
-    if scheme in ("s3", "s3a"):
-        return None if where.strip("/") else "names no bucket"
+    if scheme in ("s3", "s3a"):  # s3:///prefix: a prefix, but no bucket before it
+        return None if where.split("/", 1)[0] else "names no bucket"
     return None
 
 
