@@ -287,6 +287,20 @@ def test_cli_out_folder_that_cannot_be_made_and_a_negative_seed_exit_2(tmp_path:
     assert "'--seed'" in result.output
 
 
+def test_cli_an_empty_out_is_bad_input_not_a_run_that_writes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--out ""`` (an unset variable, ``--out "$OUT"``) was taken as no --out: the
+    simulation ran, exit 0, and neither tune.json nor goodput.png was written anywhere, though
+    the user asked for them. ``chaos run``, ``suite`` and ``crashcheck`` refuse it: so does
+    tune, before the simulation."""
+    monkeypatch.chdir(tmp_path)
+    result = _invoke(["--ckpt-cost-s", "5", "--mtbf-s", "100", "--schedules", "50",
+                      "--out", ""])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "error: --out: empty; leave the option out" in result.stderr
+    assert "simulating" not in result.output and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["tune.json", "goodput.png"])
 def test_cli_an_out_file_that_cannot_be_written_exits_2_naming_it(tmp_path: Path,
                                                                   name: str) -> None:

@@ -162,7 +162,7 @@ def tune(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | None,
     chaos tune --ckpt-cost-s C --mtbf-s M [--restart-s R] [--step-s S] [--json]
     """
     every = _every_list(sweep_every)
-    folder = out_folder(out) if out else None
+    folder = out_folder(out) if out is not None else None  # "" is refused, not no --out
     try:
         doc = recommend(scenario, mtbf_s, ckpt_cost_s, restart_s, step_s, gpus, gpu_mtbf_h,
                         dist, weibull_shape, schedules, seed, do_sweep, every, sweep_steps,
