@@ -724,3 +724,32 @@ def test_two_runs_of_one_scenario_started_in_the_same_second_get_folders_of_thei
     assert len(folders) == 2 and folders[0] != folders[1], folders
     assert all(f.parent == Path("reports") and f.name.startswith("s-20261206T120000Z")
                for f in folders), folders
+
+
+def test_ctrl_c_while_the_command_line_is_imported_exits_130_without_a_traceback(
+        tmp_path: Path) -> None:
+    """Ctrl-C in the first fraction of a second of ``chaos validate FILE`` (while the ``chaos``
+    script imports the command line: yaml, pydantic, the fault modules) came before click's
+    handler: a KeyboardInterrupt traceback ending in an import, and death by SIGINT instead
+    of exit 130. The interrupt is made to arrive at the import of yaml, as the console script
+    runs it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "chaos_script.py"
+    script.write_text(
+        "import sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'yaml':\n"
+        "            raise KeyboardInterrupt\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "from antifragile.chaos.cli import entry\n"
+        "sys.exit(entry())\n")
+    done = subprocess.run([sys.executable, str(script), "validate",
+                           str(scenario_module.SCENARIOS / "quickstart.yaml")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip() == "Aborted!" and done.stdout == "", done.stderr

@@ -8,14 +8,20 @@ once.
 
 from __future__ import annotations
 
-import click
+import sys
 
-from antifragile.chaos.cli.ckpt import ckpt
-from antifragile.chaos.cli.crashcheck import crashcheck_cmd
-from antifragile.chaos.cli.run import list_scenarios, run_cmd, validate
-from antifragile.chaos.cli.suite import suite
-from antifragile.chaos.cli.tune import tune
-from antifragile.chaos.infra.lifetime import stop_once
+try:  # the ``chaos`` script imports this before click can catch Ctrl-C (yaml, pydantic: ~0.2 s)
+    import click
+
+    from antifragile.chaos.cli.ckpt import ckpt
+    from antifragile.chaos.cli.crashcheck import crashcheck_cmd
+    from antifragile.chaos.cli.run import list_scenarios, run_cmd, validate
+    from antifragile.chaos.cli.suite import suite
+    from antifragile.chaos.cli.tune import tune
+    from antifragile.chaos.infra.lifetime import stop_once
+except KeyboardInterrupt:
+    sys.stderr.write("\nAborted!\n")  # as _Chaos says it; nothing was started yet
+    raise SystemExit(130) from None
 
 
 class _Chaos(click.Group):
