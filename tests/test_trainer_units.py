@@ -1543,3 +1543,30 @@ def test_a_storage_error_that_speaks_of_a_connection_is_not_taken_for_the_groups
     assert not [e for e in events if e["event"] == "recovery_begin"], events
     exits = [e for e in events if e["event"] == "exit"]
     assert len(exits) == 1 and "StorageError" in exits[0]["error"], exits
+
+
+def test_ctrl_c_of_the_trainer_outside_torchrun_exits_130_without_a_traceback(
+        tmp_path: Path) -> None:
+    """``python -m antifragile.trainer`` without torchrun (one process, no supervisor, whose
+    SIGINT handler exits 128 + 2) printed a KeyboardInterrupt traceback on Ctrl-C and died
+    by SIGINT: in its first second (importing torch) and while it trained. The interrupt is
+    made to arrive at the import of torch, as ``python -m`` runs the trainer."""
+    import subprocess
+
+    script = tmp_path / "trainer_script.py"
+    script.write_text(
+        "import runpy, sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            raise KeyboardInterrupt\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "sys.argv = ['antifragile.trainer', '--steps', '1']\n"
+        "runpy.run_module('antifragile.trainer', run_name='__main__', alter_sys=True)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, check=False, env=env)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip() == "antifragile.trainer: interrupted", done.stderr

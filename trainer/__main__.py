@@ -65,4 +65,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # outside torchrun: no supervisor to answer Ctrl-C (it exits 130)
+        print("antifragile.trainer: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
