@@ -323,6 +323,26 @@ def test_an_empty_url_is_bad_input_that_says_so() -> None:
         assert result.output.strip() == "error: URL: empty (give a checkpoint folder or URL)"
 
 
+@pytest.mark.parametrize("url", ["local", "s3://bucket/run"])
+def test_an_empty_endpoint_url_is_bad_input(tmp_path: Path, url: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--endpoint-url "$ENDPOINT"`` with the variable unset was taken as no option: a local
+    folder was listed as if it had not been given (exit 0), and an s3:// URL went to the
+    environment's endpoint or AWS itself (here: "cannot use https://s3.amazonaws.com: no
+    credentials"), never naming the empty option."""
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
+                 "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    if url == "local":
+        url = str(tmp_path / "ckpt")
+        _save_steps(url, [10])
+    for command in (["ls"], ["verify"], ["inspect", "--step", "10"]):
+        result = CliRunner().invoke(main, ["ckpt", command[0], url, *command[1:],
+                                           "--endpoint-url", ""])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().startswith("error: --endpoint-url: empty"), result.output
+
+
 @pytest.mark.parametrize("flags", [["--endpoint-url", "http://127.0.0.1:9000"],
                                    ["--storage-option", "anon=true"]])
 def test_storage_flags_on_a_local_url_are_bad_input(tmp_path: Path, flags: list[str]) -> None:

@@ -25,6 +25,9 @@ def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
 
     if not url:  # "$CKPT" unset: ": no such folder" named nothing
         _fail("URL: empty (give a checkpoint folder or URL)")
+    if endpoint_url == "":  # "$ENDPOINT" unset: AWS_ENDPOINT_URL or AWS itself was asked
+        _fail("--endpoint-url: empty; leave the option out for AWS_ENDPOINT_URL (or AWS), or "
+              "give http://host:port")
     root = local_root(url)
     if root is not None and not os.path.exists(root):
         _fail(f"{url}: no such folder")
