@@ -343,6 +343,23 @@ def test_an_empty_endpoint_url_is_bad_input(tmp_path: Path, url: str,
         assert result.output.strip().startswith("error: --endpoint-url: empty"), result.output
 
 
+@pytest.mark.parametrize("endpoint", ["http://[::1", "localhost:9000", "ftp://host",
+                                      "http://host:port", "http://:9000"])
+def test_an_endpoint_url_that_is_no_endpoint_is_refused_naming_the_option(
+        endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error named the checkpoint URL and botocore's words ("s3://b/x: Invalid IPv6
+    URL", "s3://b/x: cannot use ftp://host: EndpointResolutionError: ..."), never the option
+    that was wrong."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    for command in (["ls"], ["verify"], ["inspect", "--step", "10"]):
+        result = CliRunner().invoke(main, ["ckpt", command[0], "s3://bucket/run", *command[1:],
+                                           "--endpoint-url", endpoint])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip() == (f"error: --endpoint-url {endpoint}: not an endpoint "
+                                         "URL (give http://host:port or https://host)")
+
+
 @pytest.mark.parametrize("flags", [["--endpoint-url", "http://127.0.0.1:9000"],
                                    ["--storage-option", "anon=true"]])
 def test_storage_flags_on_a_local_url_are_bad_input(tmp_path: Path, flags: list[str]) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from antifragile.chaos.cli.common import fail as _fail
+from antifragile.chaos.cli.common import is_endpoint
 from antifragile.chaos.report import strict_json
 
 
@@ -34,6 +35,9 @@ def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
     flag = "--endpoint-url" if endpoint_url else "--storage-option" if pairs else None
     if root is not None and flag:  # a local folder takes neither: it would be ignored
         _fail(f"{flag}: {url} is a local folder; {flag} is for s3:// (or another fsspec) URLs")
+    if endpoint_url and not is_endpoint(endpoint_url):
+        _fail(f"--endpoint-url {endpoint_url}: not an endpoint URL (give http://host:port or "
+              "https://host)")
     options: dict[str, Any] = {}
     if endpoint_url:
         options["endpoint_url"] = endpoint_url

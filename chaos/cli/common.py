@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import urllib.parse
 from pathlib import Path
 from typing import NoReturn
 
@@ -95,3 +96,14 @@ def seconds_at_least_zero(option: str, value: float) -> float:
     if not (math.isfinite(value) and value >= 0):
         fail(f"{option} {value}: must be a finite number >= 0 seconds")
     return value
+
+
+def is_endpoint(url: str, schemes: tuple[str, ...] = ("http", "https")) -> bool:
+    """``url`` is an endpoint: one of ``schemes``, a host and a numeric port, if any. Checked
+    before S3 is opened, where botocore's refusal named the bucket, not the option."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:  # "http://[::1": an unclosed IPv6 address
+        return False
+    return parts.scheme in schemes and bool(parts.hostname)

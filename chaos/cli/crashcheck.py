@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import urllib.parse
 from datetime import UTC, datetime
 from pathlib import Path
 
 import click
 
-from antifragile.chaos.cli.common import drop_if_empty, fail, fresh_folder, out_folder
+from antifragile.chaos.cli.common import (
+    drop_if_empty,
+    fail,
+    fresh_folder,
+    is_endpoint,
+    out_folder,
+)
 
 ENGINES = ("antifragile", "dcp", "torchsnapshot")  # chaos/crashcheck/pipeline.py's, unimported
 CASES = ("save", "retention", "overwrite", "overwrite-committed")
@@ -101,7 +106,7 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
     if endpoint_url is not None and not endpoint_url.startswith("http://"):
         fail(f"--endpoint-url {endpoint_url}: the recording proxy needs a plain http:// "
              "endpoint")
-    if endpoint_url is not None and not _is_host_and_port(endpoint_url):
+    if endpoint_url is not None and not is_endpoint(endpoint_url, ("http",)):
         fail(f"--endpoint-url {endpoint_url}: not an endpoint URL (give http://host:port)")
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     folder = (out_folder(out) if out is not None
@@ -151,15 +156,3 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
     for reason in reasons:
         click.echo(f"  - {reason}")
     raise SystemExit(0 if ok else 1)
-
-
-def _is_host_and_port(url: str) -> bool:
-    """``url`` has a host and a numeric port, if any: checked before the report folder is
-    made and S3 is opened, where botocore's refusal named the bucket chaos made, not the
-    option."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
-    except ValueError:  # "http://[::1": an unclosed IPv6 address
-        return False
-    return bool(parts.hostname)
