@@ -112,7 +112,7 @@ class CheckpointSpec(_Strict):
             # s3:/b, s3:b: a local folder "s3:" to the engine; S3://b, s3a://b: S3 to the
             # engine, but not to chaos's S3 setup (no endpoint, no proxy)
             raise ValueError(f"{url} is not an S3 URL (give s3://bucket/prefix)")
-        if url[:5].lower() == "file:" and not url.startswith("file://"):
+        if url[:5].lower() == "file:" and "://" not in url:
             # file:/abs (RFC 8089's short form), file:: a relative folder "file:" to the engine
             raise ValueError(f"{url} is not a file URL (give file:///abs/path or a plain path)")
         if url.lower().startswith("memory://"):
