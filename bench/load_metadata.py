@@ -263,21 +263,27 @@ def _list(text: str) -> list[int]:
     return values
 
 
+def worlds(text: str) -> list[int]:
+    """World sizes (``_list``), each one that ``mesh`` lays out."""
+    values = _list(text)
+    for world in values:
+        try:
+            mesh(world)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.load_metadata",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worlds", type=_list, default=[8, 512, 4096],
+    parser.add_argument("--worlds", type=worlds, default=[8, 512, 4096],
                         help="world sizes (multiples of 8, and of 64 from 64 on)")
     parser.add_argument("--objects", type=_list, default=[50, 300],
                         help="objects each rank writes, about")
     parser.add_argument("--reps", type=at_least(1), default=3)
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
-    for world in args.worlds:
-        try:
-            mesh(world)
-        except ValueError as exc:
-            parser.error(f"--worlds: {exc}")
     print(f"{'ranks':>6} {'obj/rank':>8} {'COMMIT':>10} {'zarr.json':>10} {'rank s':>8} "
           f"{'(reader':>8} {'COMMIT':>7} {'sources':>7} {'plan)':>7} {'job reads':>10} "
           f"{'(all whole)':>11}")

@@ -21,7 +21,7 @@ from antifragile.engine._ranks import PerRank
 from antifragile.engine.commit import metadata_owners
 from antifragile.engine.plan import build_plan
 from bench._args import at_least
-from bench.load_metadata import _list, inventories, mesh
+from bench.load_metadata import _list, inventories, worlds
 
 
 def run(world: int, params: int, reps: int) -> dict[str, float]:
@@ -48,17 +48,12 @@ def run(world: int, params: int, reps: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.plan",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=_list, default=[1024, 4096],
+    parser.add_argument("--ranks", type=worlds, default=[1024, 4096],
                         help="world sizes (multiples of 8, and of 64 from 64 on)")
     parser.add_argument("--params", type=_list, default=[50],
                         help="parameters per pipeline stage")
     parser.add_argument("--reps", type=at_least(1), default=1)
     args = parser.parse_args(argv)
-    for world in args.ranks:
-        try:
-            mesh(world)
-        except ValueError as exc:
-            parser.error(f"--ranks: {exc}")
     print(f"{'ranks':>6} {'params':>6} {'cells':>9} {'build_plan s':>12} {'rank writes s':>13} "
           f"{'owners s':>8} {'all keys s':>10}")
     for params in args.params:

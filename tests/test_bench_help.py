@@ -132,7 +132,7 @@ def test_save_cost_bench_refuses_nonsense_arguments(argv: list[str], says: str,
 @pytest.mark.parametrize(("argv", "says"), [
     (["--worlds", "8,a"],
      "argument --worlds: give whole numbers >= 1 separated by commas, got '8,a'"),
-    (["--worlds", "10"], "--worlds: 10 ranks are no multiple of tp x pp = 4"),
+    (["--worlds", "10"], "argument --worlds: 10 ranks are no multiple of tp x pp = 4"),
     (["--objects", "0"],
      "argument --objects: give whole numbers >= 1 separated by commas, got '0'"),
     (["--reps", "0"], "argument --reps: must be >= 1, got 0"),
