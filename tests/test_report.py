@@ -1173,5 +1173,12 @@ def test_every_field_the_report_and_the_suite_write_is_in_reports_readme(
                                file="prev/summary.json")
     built = summary.build(entries, suite="scenarios", wall_s=1.0, baseline=baseline)
     assert undocumented(built) == []
+    # several baselines, one the scenario regressed against: the band's fields too
+    slower = [{**entries[0], "recovery_max_s": (entries[0]["recovery_max_s"] or 1.0) * 10 + 10}]
+    several = summary.compare_many(slower, [(f"prev{i}/summary.json", {
+        "format": summary.FORMAT, "scenarios": entries}) for i in (1, 2)])
+    assert several["regressions"], several
+    built = summary.build(slower, suite="scenarios", wall_s=1.0, baseline=several)
+    assert undocumented(built) == []
     mutation = {f.name: None for f in dataclasses.fields(Mutation)}
     assert undocumented({"mutations": [mutation]}) == []

@@ -287,6 +287,175 @@ def test_cli_a_garbled_baseline_is_bad_input_before_the_suite_runs(tmp_path: Pat
     assert "prev.json: format: '3' is not a summary format" in result.output
     assert not out.exists(), "bad input must be reported before anything runs"
 
+# --- several baselines ---------------------------------------------------------------------------
+
+#: storage-outage-s3-dp2's goodput over five nightlies; the fifth flagged against the fourth
+TONIGHT = "storage-outage-s3-dp2"
+NIGHTLIES = (0.580, 0.610, 0.535, 0.600)
+
+
+def _nightly(goodput: float) -> dict[str, Any]:
+    return _entry(TONIGHT, [10.0], goodput=goodput, wall_s=40.0)
+
+
+def test_noise_against_the_last_night_is_no_regression_against_the_last_nights() -> None:
+    """A nightly compared with the last summary alone failed whenever the previous night
+    happened to be lucky: goodput 0.600 -> 0.545 (-5.5 points) flagged, yet the five nights
+    read 0.580, 0.610, 0.535, 0.600, 0.545, and the code from before ran 0.554 and 0.566. A
+    figure regresses only when it is worse than every baseline by more than the limits."""
+    now = [_nightly(0.545)]
+    last = suite.compare(now, _baseline(_nightly(0.600)), file="n4.json")
+    assert [r["metric"] for r in last["regressions"]] == ["goodput"]  # tonight, with one
+    bases = [(f"n{i}.json", _baseline(_nightly(g))) for i, g in enumerate(NIGHTLIES)]
+    got = suite.compare_many(now, bases)
+    assert got["regressions"] == [] and got["not_compared"] == []
+    assert got["files"] == ["n0.json", "n1.json", "n2.json", "n3.json"]
+    summary = suite.build(now, suite="nightly", wall_s=1.0, baseline=got)
+    assert suite.exit_code(summary) == 0 and summary["ok"] is True
+
+
+def test_a_run_worse_than_every_baseline_regresses_naming_the_band() -> None:
+    bases = [(f"n{i}.json", _baseline(_nightly(g))) for i, g in enumerate(NIGHTLIES)]
+    got = suite.compare_many([_nightly(0.45)], bases)
+    (r,) = got["regressions"]
+    assert (r["scenario"], r["metric"]) == (TONIGHT, "goodput")
+    # compared with the worst of the baselines: the least the run had to beat
+    assert r["baseline"] == 0.535 and r["against"] == "n2.json" and r["current"] == 0.45
+    assert r["band"] == {"low": 0.535, "high": 0.610, "baselines": 4}
+    assert "goodput 0.450 against 0.535-0.610 of 4 baselines" in r["reason"], r["reason"]
+    summary = suite.build([_nightly(0.45)], suite="nightly", wall_s=1.0, baseline=got)
+    assert suite.exit_code(summary) == 1
+    assert f"REGRESSION {TONIGHT}: goodput 0.535 -> 0.450" in suite.format_table(summary)
+
+
+def test_each_metric_regresses_only_past_its_worst_baseline() -> None:
+    """Recovery and stall: higher is worse, so the highest baseline is the one to beat."""
+    bases = [("a.json", _baseline(_entry("r", [10.0], stalls=(0.1, 0.1)))),
+             ("b.json", _baseline(_entry("r", [12.0], stalls=(0.3, 0.3))))]
+    # +25% over a's recovery, +4% over b's; the stall +100% over a's, +0% over b's
+    assert suite.compare_many([_entry("r", [12.5], stalls=(0.3, 0.3))], bases)[
+        "regressions"] == []
+    got = suite.compare_many([_entry("r", [15.0], stalls=(0.5, 0.5))], bases)
+    assert [(r["metric"], r["baseline"], r["against"]) for r in got["regressions"]] == [
+        ("recovery (max)", 12.0, "b.json"), ("stall (mean)", 0.3, "b.json")]
+    assert "recovery (max) 15.00 s against 10.00-12.00 s of 2 baselines" in got[
+        "regressions"][0]["reason"]
+
+
+def test_the_time_per_fault_counts_against_a_baseline_of_another_fault_count() -> None:
+    """Goodput against a baseline that made as many faults, the time lost per fault against
+    one that made another number: worse than both to regress."""
+    same = _entry("mtbf", [2.5] * 8, goodput=0.50, wall_s=46.8)
+    other = _entry("mtbf", [2.5] * 5, goodput=0.534, wall_s=38.2)  # 3.56 s a fault
+    bases = [("same.json", _baseline(same)), ("other.json", _baseline(other))]
+    # 9 points under the first, but each of its 8 faults cost 3.26 s: not worse than the other
+    assert suite.compare_many([_entry("mtbf", [2.5] * 8, goodput=0.41, wall_s=46.8)],
+                              bases)["regressions"] == []
+    got = suite.compare_many([_entry("mtbf", [2.5] * 8, goodput=0.2, wall_s=46.8)], bases)
+    assert [r["scenario"] for r in got["regressions"]] == ["mtbf"]
+
+
+def test_several_baselines_compare_what_each_one_has() -> None:
+    """A scenario missing from a baseline, or failing in it, is compared with the others; one
+    that no baseline passed is noted, as with one baseline."""
+    bases = [("a.json", _baseline(_entry("s", [10.0]), _entry("gone", [1.0]),
+                                  _entry("never", [1.0], verdict="fail"))),
+             ("b.json", _baseline(_entry("s", [30.0], verdict="fail"),
+                                  _entry("never", [1.0], verdict="fail")))]
+    now = [_entry("s", [20.0]), _entry("never", [1.0]), _entry("added", [1.0])]
+    got = suite.compare_many(now, bases)
+    assert [(r["scenario"], r["band"]) for r in got["regressions"]] == [
+        ("s", {"low": 10.0, "high": 10.0, "baselines": 1})]
+    assert got["not_compared"] == [{"scenario": "never", "reason": "failed in every baseline"}]
+    assert got["new"] == ["added"] and got["missing"] == ["gone"]
+
+
+def test_one_baseline_through_compare_many_is_compare() -> None:
+    base = _baseline(_entry("a", [10.0]), _entry("b", [1.0], goodput=0.6))
+    now = [_entry("a", [20.0]), _entry("b", [1.0], goodput=0.4)]
+    env = {"cpus": 2}
+    assert suite.compare_many(now, [("prev.json", base)], environment=env) == suite.compare(
+        now, base, file="prev.json", environment=env)
+
+
+def _fake_nightly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, goodput: float) -> Path:
+    """A scenarios folder of tonight's scenario, whose run reports ``goodput``."""
+    from antifragile.chaos.run import pipeline
+
+    def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
+        folder.mkdir(parents=True, exist_ok=True)
+        return type("Outcome", (), {"report": _report([10.0], goodput=goodput)})()
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    _write(scenarios, TONIGHT, [])
+    return scenarios
+
+
+def _nightly_summaries(tmp_path: Path) -> list[str]:
+    files = []
+    for i, goodput in enumerate(NIGHTLIES):
+        path = tmp_path / f"run{i}" / "summary.json"
+        path.parent.mkdir()
+        suite.write_json(path.parent, suite.build([_nightly(goodput)], suite="s", wall_s=1.0))
+        files.append(str(path))
+    return files
+
+
+def test_cli_takes_several_baselines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scenarios = _fake_nightly(monkeypatch, tmp_path, 0.545)
+    files = _nightly_summaries(tmp_path)
+    out = tmp_path / "o"
+    args = ["suite", str(scenarios), "--out", str(out)]
+    for f in files:
+        args += ["--baseline", f]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    compared = json.loads((out / "summary.json").read_text())["baseline"]
+    assert compared["files"] == files and compared["regressions"] == []
+    # tonight's run against the last summary alone: flagged, as it was
+    last = CliRunner().invoke(main, [*args[:4], "--baseline", files[3]])
+    assert last.exit_code == 1, last.output
+    assert f"REGRESSION {TONIGHT}: goodput 0.600 -> 0.545 (-5.5 points, limit -5)" in last.output
+    assert json.loads((out / "summary.json").read_text())["baseline"]["file"] == files[3]
+
+
+def test_cli_a_clearly_worse_run_regresses_against_several_baselines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scenarios = _fake_nightly(monkeypatch, tmp_path, 0.45)
+    args = ["suite", str(scenarios), "--out", str(tmp_path / "o")]
+    for f in _nightly_summaries(tmp_path):
+        args += ["--baseline", f]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert "goodput 0.450 against 0.535-0.610 of 4 baselines" in result.output
+    assert "of 4 baselines" in (tmp_path / "o" / "summary.html").read_text()
+
+
+def test_cli_a_bad_one_of_several_baselines_is_bad_input_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scenarios = _fake_nightly(monkeypatch, tmp_path, 0.545)
+    good = _nightly_summaries(tmp_path)[:2]
+    (tmp_path / "damaged.json").write_text('{"scenarios": [')
+    (tmp_path / "report.json").write_text(json.dumps(_report([1.0])))
+    out = tmp_path / "o"
+    for extra, message in ((str(tmp_path / "missing.json"), "missing.json: cannot read"),
+                           (str(tmp_path / "damaged.json"), "damaged.json: the baseline is "
+                                                            "not JSON"),
+                           (str(tmp_path / "report.json"), "report.json: not a chaos suite"),
+                           (good[0], f"--baseline {good[0]}: given twice"),
+                           (str(Path(good[0]).parent / ".." / "run0" / "summary.json"),
+                            "given twice"),
+                           ("", "--baseline: empty")):
+        result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out),
+                                           "--baseline", good[0], "--baseline", extra,
+                                           "--baseline", good[1]])
+        assert result.exit_code == 2, (extra, result.output)
+        assert message in result.output, (message, result.output)
+        assert "Traceback" not in result.output
+        assert not out.exists(), "bad input must be reported before anything runs"
+
 
 # --- outputs -------------------------------------------------------------------------------------
 

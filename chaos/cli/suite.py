@@ -3,10 +3,10 @@
 Exit codes as for ``chaos run``: 0 every scenario passed and nothing regressed against the
 baseline, 1 a scenario failed or a figure regressed, 3 nothing failed but a scenario was skipped
 (a fault could not be made here; also when every scenario was), 2 bad input (no folder, no
-scenarios, duplicate names, an unreadable baseline, ``--no-reference`` with a scenario that
-expects bitwise equality), reported before anything runs, and a summary that cannot be
-written (a full disk), after the table; 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP, once the summary
-is written (the scenario stopped and those never run are failed entries).
+scenarios, duplicate names, an unreadable baseline or one given twice, ``--no-reference``
+with a scenario that expects bitwise equality), reported before anything runs, and a summary
+that cannot be written (a full disk), after the table; 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP, once
+the summary is written (the scenario stopped and those never run are failed entries).
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ from antifragile.chaos.cli.common import (
 @click.option("--out", type=click.Path(file_okay=False), help="Output folder: summary.json, "
               "summary.html and one report folder per scenario (default reports/suite-<UTC "
               "time>).")
-@click.option("--baseline", type=click.Path(dir_okay=False), metavar="PREV_SUMMARY",
+@click.option("--baseline", "baselines", type=click.Path(dir_okay=False), multiple=True,
+              metavar="PREV_SUMMARY",
               help="A previous summary.json: flag recovery or stall worse by more than 20% "
-              "(and 1 s / 0.05 s), goodput lower by more than 5 points.")
+              "(and 1 s / 0.05 s), goodput lower by more than 5 points. Repeatable (the "
+              "last nights' summaries): a figure regresses only when worse than every one.")
 @click.option("--pattern", "patterns", multiple=True, metavar="GLOB",
               help="Only scenario files whose name or stem matches this glob (repeatable).")
 @click.option("--recovery-floor-s", type=float, default=suite_lib.Tolerances().recovery_floor_s,
@@ -46,7 +48,7 @@ from antifragile.chaos.cli.common import (
               show_default=True, help="Stall differences smaller than this are noise.")
 @click.option("--no-reference", is_flag=True, help="Skip the fault-free reference runs "
               "(refused, exit 2, if a scenario expects bitwise equality).")
-def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[str, ...],
+def suite(folder: str, out: str | None, baselines: tuple[str, ...], patterns: tuple[str, ...],
           recovery_floor_s: float, stall_floor_s: float, no_reference: bool) -> None:
     """Run every scenario in DIR; exit 1 on a failure or a regression, 3 on a skipped
     scenario (and no failure)."""
@@ -54,11 +56,11 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
 
     seconds_at_least_zero("--recovery-floor-s", recovery_floor_s)
     seconds_at_least_zero("--stall-floor-s", stall_floor_s)
-    if baseline == "":  # an unset variable, --baseline "$PREV": not a suite without one
+    if "" in baselines:  # an unset variable, --baseline "$PREV": not a suite without one
         fail("--baseline: empty; give a previous summary.json, or leave the option out to "
              "compare with none")
     try:
-        previous = suite_lib.load_baseline(Path(baseline)) if baseline is not None else None
+        previous = suite_lib.load_baselines(baselines)
         files = suite_lib.discover(Path(folder), patterns)
     except suite_lib.SuiteError as exc:
         fail(str(exc))
@@ -88,8 +90,7 @@ def suite(folder: str, out: str | None, baseline: str | None, patterns: tuple[st
     except suite_lib.SuiteInterrupted as exc:
         entries, stopped = exc.entries, exc.__cause__
     tol = suite_lib.Tolerances(recovery_floor_s=recovery_floor_s, stall_floor_s=stall_floor_s)
-    compared = suite_lib.compare(entries, previous, file=str(baseline), tol=tol) \
-        if previous is not None else None
+    compared = suite_lib.compare_many(entries, previous, tol=tol) if previous else None
     summary = suite_lib.build(entries, suite=folder, wall_s=time.monotonic() - started,
                               baseline=compared)
     _write_summary(out_dir, summary)

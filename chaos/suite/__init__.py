@@ -12,10 +12,12 @@ from antifragile.chaos.suite.summary import (
     Tolerances,
     build,
     compare,
+    compare_many,
     exit_code,
     failed_entry,
     format_table,
     load_baseline,
+    load_baselines,
     summarize,
     write_html,
     write_json,
@@ -23,6 +25,7 @@ from antifragile.chaos.suite.summary import (
 
 __all__ = [
     "FORMAT", "MAX_BASELINE_BYTES", "Planned", "SuiteError", "SuiteInterrupted", "Tolerances",
-    "build", "compare", "discover", "exit_code", "failed_entry", "format_table",
-    "load_baseline", "plan", "run_suite", "summarize", "write_html", "write_json",
+    "build", "compare", "compare_many", "discover", "exit_code", "failed_entry",
+    "format_table", "load_baseline", "load_baselines", "plan", "run_suite", "summarize",
+    "write_html", "write_json",
 ]

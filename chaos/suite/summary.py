@@ -10,6 +10,8 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -160,6 +162,19 @@ def load_baseline(path: Path) -> dict[str, Any]:
     return doc
 
 
+def load_baselines(names: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
+    """Each ``--baseline`` as given, with its summary (``load_baseline``); one file named
+    twice (however spelt) is bad input: it would count one night twice."""
+    seen: dict[str, str] = {}
+    for name in names:
+        real = os.path.realpath(name)
+        if real in seen:
+            same = "" if seen[real] == name else f" ({seen[real]} is the same file)"
+            raise SuiteError(f"--baseline {name}: given twice{same}")
+        seen[real] = name
+    return [(name, load_baseline(Path(name))) for name in names]
+
+
 #: the figures of a baseline entry that ``compare`` computes with (None: not measured)
 _COMPARED_SECONDS = ("recovery_max_s", "stall_mean_s", "goodput", "wall_s", "paused_s")
 
@@ -298,19 +313,107 @@ def compare(entries: list[dict[str, Any]], baseline: dict[str, Any], *, file: st
                                                       f"({_fmt(base[key])}{unit}), not in this run"}
                          for metric, key, unit in _FIGURES
                          if base.get(key) is not None and cur.get(key) is None]
-        found = [
-            _worse("recovery (max)", base.get("recovery_max_s"), cur["recovery_max_s"],
-                   tol.recovery_rel, tol.recovery_floor_s),
-            None if "stall (mean)" in other_meaning else
-            _worse("stall (mean)", base.get("stall_mean_s"), cur["stall_mean_s"],
-                   tol.stall_rel, tol.stall_floor_s),
-        ]
-        found.append(_goodput_worse(base, cur, tol))
-        regressions += [{"scenario": name, **r} for r in found if r]
+        found = _checks(base, cur, tol, stall="stall (mean)" not in other_meaning)
+        regressions += [{"scenario": name, **r} for r in found.values() if r]
     return {"file": file, "tolerances": asdict(tol),
             "regressions": regressions, "not_compared": not_compared,
             "new": sorted(set(now) - set(before)), "missing": sorted(set(before) - set(now)),
             "environment": _other_machine(baseline, here)}
+
+
+def _checks(base: dict[str, Any], cur: dict[str, Any], tol: Tolerances, *, stall: bool
+            ) -> dict[str, dict[str, Any] | None]:
+    """Each figure both entries measured (the stall only with ``stall``), keyed as in
+    ``_FIGURES``: its regression, or None."""
+    found: dict[str, dict[str, Any] | None] = {}
+    if base.get("recovery_max_s") is not None and cur.get("recovery_max_s") is not None:
+        found["recovery_max_s"] = _worse("recovery (max)", base["recovery_max_s"],
+                                         cur["recovery_max_s"], tol.recovery_rel,
+                                         tol.recovery_floor_s)
+    if stall and base.get("stall_mean_s") is not None and cur.get("stall_mean_s") is not None:
+        found["stall_mean_s"] = _worse("stall (mean)", base["stall_mean_s"],
+                                       cur["stall_mean_s"], tol.stall_rel, tol.stall_floor_s)
+    if base.get("goodput") is not None and cur.get("goodput") is not None:
+        found["goodput"] = _goodput_worse(base, cur, tol)
+    return found
+
+
+def _band(values: list[float], unit: str, digits: int) -> str:
+    low, high = _fmt(min(values), digits), _fmt(max(values), digits)
+    return f"{low}{unit}" if low == high else f"{low}-{high}{unit}"
+
+
+def compare_many(entries: list[dict[str, Any]], baselines: Sequence[tuple[str, dict[str, Any]]],
+                 *, tol: Tolerances = Tolerances(), environment: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+    """Regressions against several previous summaries (``(file, summary)``, e.g. the last
+    nightlies): a figure regresses only when it is worse than every baseline that passed the
+    scenario and measured it, by more than ``tol`` (``compare``'s rules against each), so one
+    lucky night no longer fails the next. Each regression is the one against the worst of
+    those baselines (``against``) with the band of their figures (``band``). One baseline is
+    ``compare`` exactly.
+
+    A scenario is compared with the baselines that have it and passed it; one that none
+    passed, or that fails now, is noted under ``not_compared``. ``new``: in no baseline;
+    ``missing``: in a baseline, not in this run.
+    """
+    if len(baselines) == 1:
+        ((file, doc),) = baselines
+        return compare(entries, doc, file=file, tol=tol, environment=environment)
+    here = report.environment() if environment is None else environment
+    files = [file for file, _ in baselines]
+    now = {e["name"]: e for e in entries}
+    before = [(file, {e["name"]: e for e in doc["scenarios"]}, doc.get("format", 1))
+              for file, doc in baselines]
+    not_compared = [{"scenario": "*", "reason": f"{m}: measured otherwise in {file} "
+                                                f"(format {was}; now format {FORMAT})"}
+                    for file, _, was in before for m, since in SINCE.items() if was < since]
+    regressions = []
+    for name, cur in now.items():
+        having = [(file, b[name], was) for file, b, was in before if name in b]
+        if not having:
+            continue
+        if cur["verdict"] != "pass":
+            how = "skipped" if cur["verdict"] == "skipped" else "failed"
+            not_compared.append({"scenario": name, "reason": f"{how} in this run"})
+            continue
+        passed = [(file, base, was) for file, base, was in having
+                  if base.get("verdict") == "pass"]
+        if not passed:
+            how = "skipped" if all(base.get("verdict") == "skipped"
+                                   for _, base, _ in having) else "failed"
+            not_compared.append({"scenario": name, "reason": f"{how} in every baseline"})
+            continue
+        found = [(file, base, _checks(base, cur, tol, stall=was >= SINCE["stall (mean)"]))
+                 for file, base, was in passed]
+        for metric, key, unit in _FIGURES:
+            digits = 3 if key == "goodput" else 2
+            measured = [base[key] for _, base, _ in passed if base.get(key) is not None]
+            if measured and cur.get(key) is None:
+                not_compared.append({"scenario": name, "reason": f"{metric}: measured in the "
+                                     f"baselines ({_band(measured, unit, digits)}), not in "
+                                     "this run"})
+            against = [(file, base, checks[key]) for file, base, checks in found if key in checks]
+            if not against or any(r is None for _, _, r in against):
+                continue
+            # goodput: lower is worse; recovery and stall: higher is
+            pick = min if key == "goodput" else max
+            file, _, worst = pick(against, key=lambda a: float(a[1][key]))
+            assert worst is not None
+            values = [float(base[key]) for _, base, _ in against]
+            n = len(values)
+            band = (f"{metric} {_fmt(cur[key], digits)}{unit} against "
+                    f"{_band(values, unit, digits)} of {n} baseline{'s' if n > 1 else ''}")
+            regressions.append({"scenario": name, **worst, "against": file,
+                                "band": {"low": min(values), "high": max(values),
+                                         "baselines": n},
+                                "reason": f"{worst['reason']}; {band}"})
+    names = set().union(*(b for _, b, _ in before))
+    return {"file": ", ".join(files), "files": files, "tolerances": asdict(tol),
+            "regressions": regressions, "not_compared": not_compared,
+            "new": sorted(set(now) - names), "missing": sorted(names - set(now)),
+            "environment": [f"{file}: {d}" for file, doc in baselines
+                            for d in _other_machine(doc, here)]}
 
 
 def write_json(out: Path, summary: dict[str, Any]) -> Path:
@@ -378,7 +481,8 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def _machine_note(compared: dict[str, Any]) -> str:
-    return (f"the baseline ran on another machine ({'; '.join(compared['environment'])}): "
+    who = "a baseline" if compared.get("files") else "the baseline"
+    return (f"{who} ran on another machine ({'; '.join(compared['environment'])}): "
             "its times were compared all the same; a regression may be the machine's")
 
 
