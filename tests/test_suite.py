@@ -1165,6 +1165,52 @@ def test_nightly_runs_the_suite_without_a_baseline_when_fetching_one_fails(
     assert not output.exists() or "summary=" not in output.read_text()
     assert "no previous successful nightly summary" in done.stdout
 
+
+@pytest.mark.timeout(30)
+def test_nightly_compares_with_each_of_the_last_summaries_that_could_be_fetched(
+        tmp_path: Path) -> None:
+    """The last 5 successful runs' summaries, each download on its own: one that fails (an
+    expired artifact) leaves the others, and the suite gets a --baseline for each."""
+    import os
+    import subprocess
+
+    wf = yaml.safe_load((ROOT / ".github" / "workflows" / "nightly.yml").read_text())
+    (job,) = wf["jobs"].values()
+    fetch = next(s for s in job["steps"] if s.get("id") == "baseline")
+    suite_step = next(s for s in job["steps"]
+                      if "chaos suite scenarios/nightly" in s.get("run", ""))
+    assert "--limit 5" in fetch["run"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gh").write_text(  # three runs; 22's artifact is gone
+        '#!/bin/sh\ncase "$1 $2" in\n"run list") printf "33\\n22\\n11\\n";;\n'
+        '"run download") [ "$3" = 22 ] && exit 1\n'
+        '  while [ $# -gt 0 ]; do [ "$1" = --dir ] && d=$2; shift; done\n'
+        '  mkdir -p "$d/nightly" && echo {} > "$d/nightly/summary.json";;\nesac\n')
+    (bin_dir / "sudo").write_text('#!/bin/sh\nshift\nexec "$@"\n')  # sudo -E CMD...
+    (bin_dir / "chaos").write_text('#!/bin/sh\necho "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    output = tmp_path / "output"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GITHUB_OUTPUT":
+           str(output), "GITHUB_REPOSITORY": "o/r", "GITHUB_REF_NAME": "main",
+           "GITHUB_STEP_SUMMARY": str(tmp_path / "step-summary.md")}
+    done = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c",
+                           fetch["run"]], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=20)
+    assert done.returncode == 0, done
+    (line,) = output.read_text().splitlines()
+    assert line == ("summaries=previous/33/nightly/summary.json "
+                    "previous/11/nightly/summary.json"), line
+    assert "run 22: no summary fetched" in done.stdout
+    ran = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c",
+                          suite_step["run"]], cwd=tmp_path,
+                         env={**env, "BASELINES": line.split("=", 1)[1]},
+                         capture_output=True, text=True, timeout=20)
+    assert ran.returncode == 0, ran
+    assert ("--baseline previous/33/nightly/summary.json --baseline "
+            "previous/11/nightly/summary.json") in ran.stdout, ran.stdout
+
 # --- a real suite --------------------------------------------------------------------------------
 
 @pytest.mark.slow
