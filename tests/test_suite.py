@@ -370,6 +370,22 @@ def test_several_baselines_compare_what_each_one_has() -> None:
     assert got["new"] == ["added"] and got["missing"] == ["gone"]
 
 
+def test_the_regression_reported_does_not_depend_on_the_order_of_the_baselines() -> None:
+    """Two baselines as bad as each other: ``min``/``max`` kept the first given, so the same
+    run regressed in 'goodput' against a.json given first and in 'lost time per fault'
+    against b.json (another fault count) given first: the table's column, ``metric`` and
+    ``against`` changed with the order of the --baseline options."""
+    same = _entry("m", [2.5] * 8, goodput=0.50, wall_s=46.8)
+    other = _entry("m", [2.5] * 5, goodput=0.50, wall_s=38.2)
+    now = [_entry("m", [2.5] * 8, goodput=0.05, wall_s=46.8), _entry("r", [20.0])]
+    bases = [("a.json", _baseline(same, _entry("r", [10.0]))),
+             ("b.json", _baseline(other, _entry("r", [10.0])))]
+    got = [suite.compare_many(now, order)["regressions"] for order in (bases, bases[::-1])]
+    assert got[0] == got[1]
+    assert [(r["metric"], r["against"]) for r in got[0]] == [("goodput", "a.json"),
+                                                             ("recovery (max)", "a.json")]
+
+
 def test_one_baseline_through_compare_many_is_compare() -> None:
     base = _baseline(_entry("a", [10.0]), _entry("b", [1.0], goodput=0.6))
     now = [_entry("a", [20.0]), _entry("b", [1.0], goodput=0.4)]

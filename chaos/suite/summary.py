@@ -396,9 +396,11 @@ def compare_many(entries: list[dict[str, Any]], baselines: Sequence[tuple[str, d
             against = [(file, base, checks[key]) for file, base, checks in found if key in checks]
             if not against or any(r is None for _, _, r in against):
                 continue
-            # goodput: lower is worse; recovery and stall: higher is
-            pick = min if key == "goodput" else max
-            file, _, worst = pick(against, key=lambda a: float(a[1][key]))
+            # goodput: lower is worse; recovery and stall: higher is; of baselines as bad as
+            # each other, the first by file name (not the first given: the order of the
+            # --baseline options must not change the regression)
+            sign = 1.0 if key == "goodput" else -1.0
+            file, _, worst = min(against, key=lambda a: (sign * float(a[1][key]), a[0]))
             assert worst is not None
             values = [float(base[key]) for _, base, _ in against]
             n = len(values)
