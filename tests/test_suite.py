@@ -386,6 +386,23 @@ def test_the_regression_reported_does_not_depend_on_the_order_of_the_baselines()
                                                              ("recovery (max)", "a.json")]
 
 
+def test_the_table_and_page_say_new_and_missing_of_several_baselines(tmp_path: Path) -> None:
+    """With several baselines the table and the page said 'missing since the baseline: gone'
+    of a scenario only the oldest of them had, and 'new since the baseline': there is no one
+    baseline; new is in none of them, missing in one or more and not in this run."""
+    bases = [("n0.json", _baseline(_entry("s", [1.0]), _entry("gone", [1.0]))),
+             ("n1.json", _baseline(_entry("s", [1.0])))]
+    now = [_entry("s", [1.0]), _entry("added", [1.0])]
+    summary = suite.build(now, suite="s", wall_s=1.0, baseline=suite.compare_many(now, bases))
+    page = suite.write_html(tmp_path, summary).read_text()
+    for text in (suite.format_table(summary), page):
+        assert "since the baseline" not in text, text
+        assert "new (in no baseline): added" in text, text
+        assert "missing (in a baseline, not in this run): gone" in text, text
+    one = suite.build(now, suite="s", wall_s=1.0, baseline=suite.compare_many(now, bases[:1]))
+    assert "new since the baseline: added" in suite.format_table(one)  # one: as it always was
+
+
 def test_one_baseline_through_compare_many_is_compare() -> None:
     base = _baseline(_entry("a", [10.0]), _entry("b", [1.0], goodput=0.6))
     now = [_entry("a", [20.0]), _entry("b", [1.0], goodput=0.4)]

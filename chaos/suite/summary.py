@@ -470,16 +470,23 @@ def format_table(summary: dict[str, Any]) -> str:
             lines.append(_machine_note(b))
         lines += [f"REGRESSION {r['scenario']}: {r['reason']}" for r in b["regressions"]]
         lines += [f"not compared {n['scenario']}: {n['reason']}" for n in b["not_compared"]]
-        if b["new"]:
-            lines.append(f"new since the baseline: {', '.join(b['new'])}")
-        if b["missing"]:
-            lines.append(f"missing since the baseline: {', '.join(b['missing'])}")
+        lines += [f"{label}: {', '.join(names)}" for label, names in _new_and_missing(b)]
     c = summary["counts"]
     lines.append(f"{c['pass']} passed, {c['fail']} failed"
                  + (f", {c['skipped']} skipped" if c.get("skipped") else "")
                  + (f", {len(b['regressions'])} regression(s)" if b else "")
                  + f" in {summary['wall_s']:.0f} s")
     return "\n".join(lines)
+
+
+def _new_and_missing(compared: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """The new and the missing scenarios, each labelled (left out when there are none);
+    with several baselines there is no one baseline they are new or missing since."""
+    several = bool(compared.get("files"))
+    labels = (("new (in no baseline)", "missing (in a baseline, not in this run)") if several
+              else ("new since the baseline", "missing since the baseline"))
+    return [(label, names) for label, names in zip(labels, (compared["new"],
+                                                             compared["missing"])) if names]
 
 
 def _machine_note(compared: dict[str, Any]) -> str:
@@ -536,9 +543,8 @@ def write_html(out: Path, summary: dict[str, Any]) -> Path:
             parts.append("<p>not compared:</p><ul>" + "".join(
                 f"<li><b>{esc(n['scenario'])}</b>: {esc(n['reason'])}</li>"
                 for n in b["not_compared"]) + "</ul>")
-        for label, names in (("new", b["new"]), ("missing", b["missing"])):
-            if names:
-                parts.append(f"<p>{label} since the baseline: {esc(', '.join(names))}</p>")
+        parts += [f"<p>{esc(label)}: {esc(', '.join(names))}</p>"
+                  for label, names in _new_and_missing(b)]
     path = out / "summary.html"
     path.write_text(report.html_page(f"chaos suite: {status}", "\n".join(parts), _CSS),
                     encoding="utf-8")
