@@ -355,6 +355,20 @@ def test_the_time_per_fault_counts_against_a_baseline_of_another_fault_count() -
     assert [r["scenario"] for r in got["regressions"]] == ["mtbf"]
 
 
+def test_a_baseline_that_cannot_give_the_time_per_fault_does_not_hold_a_regression_back(
+        ) -> None:
+    """Against a baseline of another fault count the time lost per fault is compared; one
+    without ``wall_s`` (null: not measured) cannot give it, so it compared as 'not worse' and
+    kept a run whose goodput fell from 0.500 to 0.050 from regressing against the other
+    baseline, and its goodput widened the band it was never compared in."""
+    same = _entry("mtbf", [2.5] * 8, goodput=0.50, wall_s=46.8)
+    other = {**_entry("mtbf", [2.5] * 5, goodput=0.534), "wall_s": None}
+    bases = [("same.json", _baseline(same)), ("other.json", _baseline(other))]
+    got = suite.compare_many([_entry("mtbf", [2.5] * 8, goodput=0.05, wall_s=46.8)], bases)
+    assert [(r["metric"], r["against"], r["band"]) for r in got["regressions"]] == [
+        ("goodput", "same.json", {"low": 0.5, "high": 0.5, "baselines": 1})]
+
+
 def test_several_baselines_compare_what_each_one_has() -> None:
     """A scenario missing from a baseline, or failing in it, is compared with the others; one
     that no baseline passed is noted, as with one baseline."""

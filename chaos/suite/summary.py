@@ -230,6 +230,12 @@ def _lost_per_fault(entry: dict[str, Any]) -> float | None:
     return None if not made or lost is None else lost / made
 
 
+def _other_fault_count(base: dict[str, Any], cur: dict[str, Any]) -> bool:
+    """Both runs made faults, a different number: their goodputs compare the time per fault."""
+    n_base, n_cur = base.get("faults_made"), cur.get("faults_made")
+    return bool(n_base and n_cur and n_base != n_cur)
+
+
 def _goodput_worse(base: dict[str, Any], cur: dict[str, Any], tol: Tolerances
                    ) -> dict[str, Any] | None:
     """Goodput lower by more than ``goodput_points``, and by at least the recovery's floor in
@@ -241,7 +247,7 @@ def _goodput_worse(base: dict[str, Any], cur: dict[str, Any], tol: Tolerances
     if b is None or c is None:
         return None
     n_base, n_cur = base.get("faults_made"), cur.get("faults_made")
-    if n_base and n_cur and n_base != n_cur:
+    if _other_fault_count(base, cur):
         worse = _worse("lost time per fault", _lost_per_fault(base), _lost_per_fault(cur),
                        tol.recovery_rel, tol.recovery_floor_s)
         if worse is not None:
@@ -323,8 +329,9 @@ def compare(entries: list[dict[str, Any]], baseline: dict[str, Any], *, file: st
 
 def _checks(base: dict[str, Any], cur: dict[str, Any], tol: Tolerances, *, stall: bool
             ) -> dict[str, dict[str, Any] | None]:
-    """Each figure both entries measured (the stall only with ``stall``), keyed as in
-    ``_FIGURES``: its regression, or None."""
+    """Each figure both entries measured (the stall only with ``stall``; the goodput, between
+    runs of different fault counts, only when both give the time lost per fault), keyed as
+    in ``_FIGURES``: its regression, or None."""
     found: dict[str, dict[str, Any] | None] = {}
     if base.get("recovery_max_s") is not None and cur.get("recovery_max_s") is not None:
         found["recovery_max_s"] = _worse("recovery (max)", base["recovery_max_s"],
@@ -333,7 +340,9 @@ def _checks(base: dict[str, Any], cur: dict[str, Any], tol: Tolerances, *, stall
     if stall and base.get("stall_mean_s") is not None and cur.get("stall_mean_s") is not None:
         found["stall_mean_s"] = _worse("stall (mean)", base["stall_mean_s"],
                                        cur["stall_mean_s"], tol.stall_rel, tol.stall_floor_s)
-    if base.get("goodput") is not None and cur.get("goodput") is not None:
+    if base.get("goodput") is not None and cur.get("goodput") is not None and (
+            not _other_fault_count(base, cur)
+            or None not in (_lost_per_fault(base), _lost_per_fault(cur))):
         found["goodput"] = _goodput_worse(base, cur, tol)
     return found
 
