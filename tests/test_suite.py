@@ -417,6 +417,16 @@ def test_the_table_and_page_say_new_and_missing_of_several_baselines(tmp_path: P
     assert "new since the baseline: added" in suite.format_table(one)  # one: as it always was
 
 
+def test_a_scenario_skipped_in_some_baselines_and_failed_in_the_others_is_said_so() -> None:
+    """Skipped in one baseline (no CAP_NET_ADMIN that night), failed in the other: the note
+    said 'failed in every baseline'."""
+    bases = [("a.json", _baseline(_entry("s", [1.0], verdict="skipped"))),
+             ("b.json", _baseline(_entry("s", [1.0], verdict="fail")))]
+    got = suite.compare_many([_entry("s", [1.0])], bases)
+    assert got["not_compared"] == [{"scenario": "s",
+                                    "reason": "failed or skipped in every baseline"}]
+
+
 def test_one_baseline_through_compare_many_is_compare() -> None:
     base = _baseline(_entry("a", [10.0]), _entry("b", [1.0], goodput=0.6))
     now = [_entry("a", [20.0]), _entry("b", [1.0], goodput=0.4)]

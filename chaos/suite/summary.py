@@ -389,8 +389,9 @@ def compare_many(entries: list[dict[str, Any]], baselines: Sequence[tuple[str, d
         passed = [(file, base, was) for file, base, was in having
                   if base.get("verdict") == "pass"]
         if not passed:
-            how = "skipped" if all(base.get("verdict") == "skipped"
-                                   for _, base, _ in having) else "failed"
+            verdicts = {"skipped" if base.get("verdict") == "skipped" else "failed"
+                        for _, base, _ in having}
+            how = " or ".join(sorted(verdicts))
             not_compared.append({"scenario": name, "reason": f"{how} in every baseline"})
             continue
         found = [(file, base, _checks(base, cur, tol, stall=was >= SINCE["stall (mean)"]))
