@@ -917,6 +917,30 @@ def test_a_sweep_whose_runs_would_pass_the_run_time_limit_is_refused_before_they
     assert len(runs) == 1  # the measuring run only
 
 
+def test_a_sweep_length_no_step_time_fits_is_refused_before_the_measuring_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--sweep-steps 99999999999999999999`` was refused (time limit) only after the
+    measuring run, minutes on a real scenario: at the model's shortest step (1e-06 s) no run
+    of 3.6e9 steps or more fits the hour, whatever the step time measured."""
+    from antifragile.chaos.tune import measure
+
+    runs: list[Path] = []
+
+    def run(s: Any, folder: Path, progress: Any) -> RunRecord:
+        runs.append(folder)
+        raise AssertionError("a run was started")
+
+    monkeypatch.setattr(measure, "_run", run)
+    path = _tiny(tmp_path, [{"kind": "kill_rank", "rank": "random", "mtbf_s": 4}])
+    for steps in ("99999999999999999999", "3600000001"):
+        result = _invoke([str(path), "--sweep", "--sweep-steps", steps, "--schedules", "100"])
+        assert result.exit_code == 2, result.output
+        assert f"--sweep-steps {steps}: " in result.stderr
+        assert "give --sweep-steps 3600000000 or fewer" in result.stderr
+        assert "Traceback" not in result.output
+    assert runs == []
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["--ckpt-cost-s", "-5"], "--ckpt-cost-s must be a finite number > 0 seconds, got -5"),
     (["--ckpt-cost-s", "1e-300"], "--ckpt-cost-s: the checkpoint cost must be between 1e-06 "

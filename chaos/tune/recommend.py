@@ -53,6 +53,8 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
         check_seconds("MTBF", mtbf_s, strict=True, option="--mtbf-s")
     if sweep_steps is not None and sweep_steps < 2:
         raise TuneError(f"--sweep-steps must be >= 2, got {sweep_steps}")
+    if sweep_steps is not None:  # before the measuring run (minutes), not after it
+        _check_sweep_steps(sweep_steps)
     for option, value in (("--sweep-every", every), ("--sweep-steps", sweep_steps)):
         if value is not None and not do_sweep:
             raise TuneError(f"{option}: only with --sweep (it chooses the sweep's runs)")
@@ -161,6 +163,20 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
                     (out / name).unlink(missing_ok=True)
             raise TuneError(f"{path}: cannot be written: {exc.strerror or exc}") from None
     return doc
+
+
+def _check_sweep_steps(steps: int) -> None:
+    """Refuse a ``--sweep-steps`` that no step time could fit in a run's time limit: even at
+    the model's shortest step (:data:`MIN_SECONDS`) its training alone would pass it. Known
+    before the measuring run; :func:`_check_sweep_length` checks with the measured step."""
+    from antifragile.chaos.run.runner import RUN_TIME_LIMIT_S
+
+    most = int(RUN_TIME_LIMIT_S / MIN_SECONDS)
+    if steps > most:
+        raise TuneError(f"--sweep-steps {steps}: a sweep run of that many steps would pass "
+                        f"a run's time limit of {RUN_TIME_LIMIT_S:.0f} s even at "
+                        f"{MIN_SECONDS:g} s a step; give --sweep-steps {most} or fewer (the "
+                        "bound for the measured step time is given once it is measured)")
 
 
 def _check_sweep_length(steps: int, step_s: float, measured: Measured, *,
