@@ -640,6 +640,8 @@ def test_the_marker_rule_falls_back_past_a_dcp_step_that_does_not_load(
     (["--engine", "dcp", "--ranks", "100000"],
      "--ranks 100000 + --checkers 2: 100002 worker processes at once; this machine holds"),
     (["--engine", "dcp", "--max-inflight", "-1"], "--max-inflight -1: must be at least 0"),
+    # accepted (chaos tune refuses it), and sampled as --seed 1 while reported as -1
+    (["--engine", "dcp", "--seed", "-1"], "--seed -1: must be at least 0"),
     (["--engine", "dcp", "--checkers", "100000", "--endpoint-url", "http://127.0.0.1:9"],
      "--ranks 1 + --checkers 100000: 100001 worker processes at once; this machine holds"),
 ])

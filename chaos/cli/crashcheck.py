@@ -93,6 +93,8 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
              "are sampled)")
     if checkers < 1:
         fail(f"--checkers {checkers}: must be at least 1")
+    if seed < 0:  # as chaos tune's; random.Random(-n) draws the same sample as random.Random(n)
+        fail(f"--seed {seed}: must be at least 0")
     from antifragile.chaos.scenario import WORKER_LIMIT_REASON, max_workers
 
     if ranks + checkers > max_workers():  # the checkers start before the save, live through it
