@@ -652,6 +652,32 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], says: str) -> None:
     assert len(lines) == 1 and says in lines[0], r.output
 
 
+def test_retention_with_case_runs_both_and_the_help_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--case save --retention`` checks save, then retention, while the help said that
+    ``--retention`` checks retention "instead of the default cases" (and the README, that
+    ``--retention`` means retention alone): the help now says what the command does."""
+    from antifragile.chaos.crashcheck import run
+
+    chosen: list[tuple[str, ...]] = []
+
+    def ran(settings: Any, **kwargs: Any) -> None:
+        chosen.append(settings.cases)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(run, "crashcheck", ran)
+    for args, cases in ((["--retention"], ("retention",)),
+                        (["--case", "save", "--retention"], ("save", "retention"))):
+        r = CliRunner().invoke(main, ["crashcheck", "--engine", "dcp", *args,
+                                      "--endpoint-url", "http://127.0.0.1:9",
+                                      "--out", str(tmp_path / "r")])
+        assert r.exit_code == 0, r.output
+        assert chosen.pop() == cases
+    text = " ".join(CliRunner().invoke(main, ["crashcheck", "--help"]).output.split())
+    assert ("--case retention. Alone it replaces the default cases; with --case it is "
+            "checked after those cases.") in text, text
+
+
 def test_max_inflight_has_an_upper_bound(tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Every subset of an in-flight set up to ``--max-inflight`` is enumerated: 2^N per cut.

@@ -30,7 +30,8 @@ MAX_LATENCY_MS = 1000  # each of the recorded save's requests is held this long
 @click.option("--ranks", type=int, default=1, show_default=True,
               help="Ranks of the saving job (gloo, CPU).")
 @click.option("--retention", is_flag=True, help="Check the save whose commit triggers "
-              "retention (keep_last=2 deleting the oldest step) instead of the default cases.")
+              "retention (keep_last=2 deleting the oldest step): --case retention. Alone it "
+              "replaces the default cases; with --case it is checked after those cases.")
 @click.option("--case", "cases", multiple=True, help="A case to check (repeatable): "
               f"{', '.join(CASES)}. Default: save, overwrite, overwrite-committed.")
 @click.option("--max-states", type=int, help="Check at most this many distinct states "
