@@ -678,6 +678,30 @@ def test_retention_with_case_runs_both_and_the_help_says_so(
             "checked after those cases.") in text, text
 
 
+@pytest.mark.parametrize(("stop", "code"), [(KeyboardInterrupt(), 130), (SystemExit(143), 143)],
+                         ids=["ctrl-c", "sigterm"])
+def test_a_crashcheck_stopped_before_a_case_leaves_no_empty_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: BaseException,
+        code: int) -> None:
+    """``timeout -s TERM 6 chaos crashcheck --engine antifragile --out DIR`` (stopped as the
+    first case ran) left DIR behind, empty: no report, and a folder that claims one. Gone
+    when this command made it; a folder the user made stays."""
+    from antifragile.chaos.crashcheck import run
+
+    def ran(*args: Any, **kwargs: Any) -> None:
+        raise stop  # what infra.lifetime.stop_once raises in chaos for Ctrl-C, SIGTERM
+
+    monkeypatch.setattr(run, "crashcheck", ran)
+    ours, theirs = tmp_path / "made", tmp_path / "given"
+    theirs.mkdir()
+    for folder in (ours, theirs):
+        r = CliRunner().invoke(main, ["crashcheck", "--engine", "dcp", "--endpoint-url",
+                                      "http://127.0.0.1:9", "--out", str(folder)])
+        assert r.exit_code == code, r.output
+    assert not ours.exists()
+    assert theirs.is_dir()
+
+
 def test_max_inflight_has_an_upper_bound(tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Every subset of an in-flight set up to ``--max-inflight`` is enumerated: 2^N per cut.

@@ -15,6 +15,7 @@ from antifragile.chaos.cli.common import (
     fresh_folder,
     is_endpoint,
     out_folder,
+    out_path,
 )
 
 ENGINES = ("antifragile", "dcp", "torchsnapshot")  # chaos/crashcheck/pipeline.py's, unimported
@@ -112,6 +113,7 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
     if endpoint_url is not None and not is_endpoint(endpoint_url, ("http",)):
         fail(f"--endpoint-url {endpoint_url}: not an endpoint URL (give http://host:port)")
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    made = out is None or not out_path(out).is_dir()  # a folder of the user's stays
     folder = (out_folder(out) if out is not None
               else fresh_folder(str(Path("reports") / f"crashcheck-{engine}-{stamp}")))
     chosen = cases or (("retention",) if retention else
@@ -144,6 +146,10 @@ def crashcheck_cmd(engine: str, ranks: int, retention: bool, cases: tuple[str, .
     except ReportError as exc:  # the report of the cases so far (``on_case``)
         drop_if_empty(folder)
         fail(str(exc))
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, SIGHUP (infra.lifetime)
+        if made:  # stopped before a case finished: no empty folder claiming a report
+            drop_if_empty(folder)
+        raise
     try:
         write_all(folder, doc)
     except ReportError as exc:
