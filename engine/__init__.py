@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         CommitTimeoutError,
         ObjectExistsError,
         StepSkippedWarning,
+        StorageAccessError,
         StorageError,
     )
     from .plan import PlanOptions
@@ -49,6 +50,7 @@ __all__ = [
     "Problem",
     "SaveHandle",
     "StepSkippedWarning",
+    "StorageAccessError",
     "StorageError",
     "VerifyReport",
 ]

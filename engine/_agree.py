@@ -27,6 +27,7 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CommitTimeoutError,
+    StorageAccessError,
     StorageError,
 )
 
@@ -39,7 +40,8 @@ OK, MISMATCH, UNREADABLE, CORRUPT, FATAL = 0, 1, 2, 3, 4
 # every class a rank may report: an agreed error keeps its class on every rank
 ERRORS: dict[str, type[CheckpointError]] = {cls.__name__: cls for cls in (
     CheckpointError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError,
-    CheckpointFormatError, CommitTimeoutError, CheckpointBusyError, StorageError)}
+    CheckpointFormatError, CommitTimeoutError, CheckpointBusyError, StorageError,
+    StorageAccessError)}
 
 # one rank's report of a failed load: (outcome, error class name, message, damaged key)
 Report = tuple[int, str, str, "str | None"]

@@ -62,3 +62,9 @@ class ObjectExistsError(CheckpointError):
 
 class StorageError(CheckpointError):
     """Storage failed permanently, or transiently beyond the retry budget."""
+
+
+class StorageAccessError(StorageError):
+    """Storage refused this configuration: a bucket that does not exist, credentials the
+    endpoint refuses (a 403), a folder without permission. No retry or restart changes it;
+    the URL or the credentials must."""

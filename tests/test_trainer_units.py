@@ -571,6 +571,37 @@ def test_the_trainer_runs_as_one_process_without_torchrun(tmp_path: Path) -> Non
     assert (tmp_path / "ckpt" / "step_000000002" / "COMMIT").exists()
 
 
+@pytest.mark.s3
+def test_a_missing_bucket_or_refused_credentials_at_resume_is_one_line_and_exit_2(
+        tmp_path: Path, s3_server: dict[str, Any],
+        s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    """``--ckpt-url`` in a bucket that does not exist, or with credentials the endpoint
+    refuses, printed a StorageError traceback on rank 0 at resume, exit 1: a launcher would
+    restart it into the same refusal. Now one line naming the URL and why, exit 2 (as
+    ``chaos ckpt ls`` answers them); a storage that fails otherwise stays restartable."""
+    import subprocess
+
+    from _trainer import SMALL_MODEL, env
+
+    url, _ = s3_bucket
+    base = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")}
+    base.update(AWS_ENDPOINT_URL=s3_server["endpoint_url"],
+                AWS_ACCESS_KEY_ID=s3_server["key"] or "", AWS_SECRET_ACCESS_KEY="")
+    for ckpt_url, secret, why in (("s3://no-such-bucket-trainer/run", s3_server["secret"],
+                                   "bucket 'no-such-bucket-trainer' does not exist"),
+                                  (url, "wrong", "PermissionError")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", "2",
+             "--ckpt-url", ckpt_url, "--run-dir", str(tmp_path / secret)],
+            env={**base, "AWS_SECRET_ACCESS_KEY": secret or ""},
+            capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"antifragile.trainer: error: --ckpt-url {ckpt_url}: "), last
+        assert why in last, last
+
+
 def test_several_ranks_without_torchrun_are_refused_naming_torchrun(tmp_path: Path) -> None:
     """It said "torchrun started 1 workers", of a run that torchrun did not start."""
     import subprocess

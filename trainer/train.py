@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from antifragile.engine import CheckpointError
+from antifragile.engine import CheckpointError, StorageAccessError
 from antifragile.trainer.abort import FailureWatch, GlooSockets
 from antifragile.trainer.checkpoint import ResumeError, TrainCheckpointer
 from antifragile.trainer.ckpt_backends import foreign_steps, open_backend
@@ -59,6 +59,7 @@ from antifragile.trainer.supervisor import (
     NO_RESUME_EXIT_CODE,
     RESTART_EXIT_CODE,
     STUCK_EXIT_CODE,
+    USAGE_EXIT_CODE,
 )
 
 
@@ -387,6 +388,12 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
                       f"{NO_RESUME_EXIT_CODE} rather than training from step 0",
                       file=sys.stderr, flush=True)
             return NO_RESUME_EXIT_CODE
+        except StorageAccessError as exc:  # a missing bucket, refused credentials: a restart
+            ckpt.close()  # meets the same (a storage that fails otherwise is restarted)
+            if ctx.rank == 0:
+                print(f"antifragile.trainer: error: --ckpt-url {cfg.ckpt_url}: {exc}",
+                      file=sys.stderr, flush=True)
+            return USAGE_EXIT_CODE
         # restored: the previous generation's staging buffers are no longer needed (they
         # held host memory the size of this rank's state beside the new engine's own), and
         # with them goes the last of that generation: a collection now frees what of it is

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from ..errors import CheckpointError, ObjectExistsError, StorageError
+from ..errors import CheckpointError, ObjectExistsError, StorageAccessError, StorageError
 
 log = logging.getLogger("antifragile.engine.storage")
 T = TypeVar("T")
@@ -166,8 +166,9 @@ class RetryingStorage:
                 raise
             except Exception as exc:  # transient by elimination
                 if isinstance(exc, PERMANENT) or getattr(exc, "errno", None) in PERMANENT_ERRNOS:
-                    raise StorageError(f"{op} {self.url}/{key}: {type(exc).__name__}: "
-                                       f"{exc}") from exc
+                    # a 403, a folder without permission: the configuration, not the storage
+                    kind = StorageAccessError if isinstance(exc, PermissionError) else StorageError
+                    raise kind(f"{op} {self.url}/{key}: {type(exc).__name__}: {exc}") from exc
                 if attempt == self.attempts:
                     raise StorageError(
                         f"{op} {self.url}/{key} failed {attempt} times: {type(exc).__name__}: {exc}"

@@ -50,7 +50,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from ..errors import StorageError
+from ..errors import StorageAccessError, StorageError
 from ._base import (
     Late,
     byte_views,
@@ -284,7 +284,7 @@ class S3Storage:
                          "or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; without them the "
                          "client asks this host's instance metadata service)")
             if "NoSuchBucket" in text:
-                raise StorageError(f"{op} {self.url}/{key}: bucket {self.bucket!r} does not "
+                raise StorageAccessError(f"{op} {self.url}/{key}: bucket {self.bucket!r} does not "
                                    f"exist at {self.endpoint} (NoSuchBucket)") from exc
             if isinstance(exc, FileNotFoundError):
                 raise FileNotFoundError(f"{self.url}/{key}: no such object") from exc
