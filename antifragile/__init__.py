@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         Problem,
         SaveHandle,
         StepSkippedWarning,
+        StorageAccessError,
         StorageError,
         VerifyReport,
     )
@@ -44,7 +45,8 @@ __all__ = [
     "CheckpointBusyError", "CheckpointCommittedError", "CheckpointCorruptError",
     "CheckpointEngine", "CheckpointError", "CheckpointFormatError", "CheckpointMismatchError",
     "CheckpointNotFoundError", "CommitTimeoutError", "ObjectExistsError", "PlanOptions",
-    "Problem", "SaveHandle", "StepSkippedWarning", "StorageError", "VerifyReport",
+    "Problem", "SaveHandle", "StepSkippedWarning", "StorageAccessError", "StorageError",
+    "VerifyReport",
 ]
 _ENGINE_EXPORTS = frozenset(__all__)
 
