@@ -284,8 +284,8 @@ class S3Storage:
                          "or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; without them the "
                          "client asks this host's instance metadata service)")
             if "NoSuchBucket" in text:
-                raise StorageAccessError(f"{op} {self.url}/{key}: bucket {self.bucket!r} does not "
-                                   f"exist at {self.endpoint} (NoSuchBucket)") from exc
+                raise StorageAccessError(f"{op} {self.url}/{key}: bucket {self.bucket!r} does "
+                                         f"not exist at {self.endpoint} (NoSuchBucket)") from exc
             if isinstance(exc, FileNotFoundError):
                 raise FileNotFoundError(f"{self.url}/{key}: no such object") from exc
             if " 403 " in text:
