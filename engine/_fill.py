@@ -13,11 +13,9 @@ import torch
 
 from ._dtypes import as_bytes
 from ._memory import MemoryCopy
-from ._paths import is_index
-from ._ranks import rank_array
-from ._restore import Sources, check_attributes, restore_floats
-from ._state import TYPES_PATH, FlatState, iter_local
-from .errors import CheckpointCorruptError, CheckpointMismatchError
+from ._restore import Sources, check_attributes, read_values
+from ._state import FlatState, iter_local
+from .errors import CheckpointMismatchError
 from .load import StepReader, StoredTensor
 from .plan import HeldBox, local_boxes
 from .storage import Storage
@@ -216,28 +214,4 @@ def read_whole(storage: Storage, step: int, pool: Executor) -> dict[str, Any]:
         out[path], box = _whole(stored)
         reads += reader.read_box(stored, box, out[path])
     _raise_first([pool.submit(read) for read in reads])
-    types_by_rank = reader.values_by_rank.get(TYPES_PATH, {})
-    every_record = [reader.values.get(TYPES_PATH),
-                    *(types_by_rank[r] for r in sorted(filter(is_index, types_by_rank), key=int))]
-
-    def floats(path: str, value: Any, rank: str | None = None) -> Any:
-        """The value with its non-finite floats back (stored as str since format 4), by the
-        type record of the rank that saved it; a value kept once, by the lowest rank's record
-        that describes it (a rank that did not save it has no description of it)."""
-        records = [types_by_rank[rank]] if rank in types_by_rank else every_record
-        descs = (types.get("values") for types in records if isinstance(types, dict))
-        desc = next((d for d in descs if isinstance(d, dict) and d.get(path) is not None
-                     and path != TYPES_PATH), {}).get(path)
-        try:
-            return restore_floats(value, desc)
-        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
-            raise CheckpointCorruptError(f"step {step}: the type record of {path!r} does not "
-                                         f"fit its value ({exc})") from None
-
-    values = {p: floats(p, v) for p, v in reader.values.items()
-              if p not in reader.values_by_rank}
-    for path, by_rank in reader.values_by_rank.items():
-        if not all(is_index(r) for r in by_rank):
-            raise CheckpointCorruptError(f"step {step}: malformed per-rank values of {path!r}")
-        values.update((rank_array(path, int(r)), floats(path, v, r)) for r, v in by_rank.items())
-    return {**values, **out}
+    return {**read_values(reader), **out}

@@ -352,6 +352,33 @@ def restore(value: Any, desc: Any) -> Any:
     raise ValueError(f"unknown type tag {tag!r}")
 
 
+def read_values(reader: StepReader) -> dict[str, Any]:
+    """The step's JSON values as ``read`` gives them (``_fill.read_whole``): as JSON holds
+    them, but for their non-finite floats (stored as str since format 4), given back by the
+    description a load of the value takes (``Sources._description``); a value saved per rank
+    once per rank that saved it, keyed ``rank_array(path, rank)``."""
+    sources: dict[int, Sources] = {}
+
+    def value(path: str, stored: Any, rank: int) -> Any:
+        if rank not in sources:
+            sources[rank] = Sources(reader, FlatState({}, {}), rank)
+        try:
+            return restore_floats(stored, sources[rank]._description(path))
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            raise CheckpointCorruptError(f"step {reader.step}: the type record of {path!r} "
+                                         f"does not fit its value ({exc})") from None
+
+    values = {p: value(p, v, 0) for p, v in reader.values.items()
+              if p not in reader.values_by_rank}
+    for path, by_rank in reader.values_by_rank.items():
+        if not all(is_index(r) for r in by_rank):
+            raise CheckpointCorruptError(f"step {reader.step}: malformed per-rank values of "
+                                         f"{path!r}")
+        values.update((rank_array(path, int(r)), value(path, v, int(r)))
+                      for r, v in by_rank.items())
+    return values
+
+
 def restore_floats(value: Any, desc: Any) -> Any:
     """``value`` with its non-finite floats given back, and nothing else undone (lists stay
     lists, int keys str): the JSON value as format 3 stored it, for ``read``."""
