@@ -100,13 +100,12 @@ def trainer_state(dims: ParallelDims, cfg: ModelConfig) -> dict[str, Any]:
     """This rank's share of what the trainer checkpoints at ``dims`` (the default process
     group already joined): ``trainer.train.Trainer`` builds the model as a training run does,
     one step on the scenarios' batch (8, 2 micro-batches) fills AdamW's state, and the state
-    dict is the trainer's own (``trainer.checkpoint``'s options; its ``train`` record)."""
+    dict is the trainer's own (``trainer.checkpoint.checkpoint_state``)."""
     import types
 
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from antifragile.trainer.checkpoint import _OPTIONS  # the state dict the trainer saves
+    from antifragile.trainer.checkpoint import checkpoint_state
     from antifragile.trainer.config import TrainConfig
     from antifragile.trainer.train import Trainer
 
@@ -115,8 +114,8 @@ def trainer_state(dims: ParallelDims, cfg: ModelConfig) -> dict[str, Any]:
     trainer = Trainer(TrainConfig(parallel=dims, model=cfg, batch_size=8, micro_batches=2),
                       ctx, types.SimpleNamespace(bump=lambda: None))
     trainer.train_step(0)
-    model, optim = get_state_dict(trainer.model, trainer.optimizer, options=_OPTIONS)
-    return {"model": model, "optim": optim, "train": {"step": 1, "data_cursor": 8, "seed": 0}}
+    return checkpoint_state(trainer.model, trainer.optimizer,
+                            {"step": 1, "data_cursor": 8, "seed": 0})
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:

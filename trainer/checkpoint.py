@@ -38,6 +38,14 @@ _INTERRUPT_POLL_S = 0.005  # how often a wait for a save looks whether its gener
 _DATA = {"synthetic": "synthetic data", "file": "a --data-path token file"}  # train["data"]
 
 
+def checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     train: dict[str, Any]) -> dict[str, Any]:
+    """What the trainer checkpoints: the model's and the optimizer's state dicts as torch's
+    distributed helpers give them (``_OPTIONS``), and the ``train`` record."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    return {"model": model_sd, "optim": optim_sd, "train": train}
+
+
 def _any_rank(device: torch.device, *flags: bool) -> list[bool]:
     """Each flag OR-ed over the ranks of the job (as is, in a single process)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -100,8 +108,7 @@ class TrainCheckpointer:
         self._retaining: list[Any] = []
 
     def _state(self, step: int, cursor: int) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
-        return {"model": model_sd, "optim": optim_sd, "train": self._train(step, cursor)}
+        return checkpoint_state(self.model, self.optimizer, self._train(step, cursor))
 
     def _train(self, step: int, cursor: int) -> dict[str, Any]:
         return {"step": step, "data_cursor": cursor, "seed": self.seed,
