@@ -602,6 +602,34 @@ def test_a_missing_bucket_or_refused_credentials_at_resume_is_one_line_and_exit_
         assert why in last, last
 
 
+def test_storage_that_cannot_be_reached_at_resume_is_one_line_and_stays_restartable(
+        tmp_path: Path) -> None:
+    """An S3 endpoint that refuses every connection at resume (an outage, or a wrong port)
+    ended rank 0 in a StorageError traceback. A restart may find the storage back, so the
+    exit stays 1 (torchrun restarts it), not the usage error's 2; but what the run says is
+    one line naming the URL, why and that a restart retries, as the other resume errors."""
+    import socket
+    import subprocess
+
+    from _trainer import SMALL_MODEL, env
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in env().items() if k not in ("MASTER_ADDR", "RANK")}
+    base.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="k",
+                AWS_SECRET_ACCESS_KEY="s")
+    proc = subprocess.run(
+        [sys.executable, "-m", "antifragile.trainer", *SMALL_MODEL, "--steps", "2",
+         "--ckpt-url", "s3://unreachable/run", "--run-dir", str(tmp_path)],
+        env=base, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("antifragile.trainer: error: --ckpt-url s3://unreachable/run: "), last
+    assert "connection refused" in last.lower() and "a restart retries" in last, last
+
+
 def test_several_ranks_without_torchrun_are_refused_naming_torchrun(tmp_path: Path) -> None:
     """It said "torchrun started 1 workers", of a run that torchrun did not start."""
     import subprocess

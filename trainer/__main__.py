@@ -21,6 +21,7 @@ def main() -> int:
     cfg = parse_args()
     import torch  # before the fork: the training process starts with it loaded
 
+    from antifragile.engine import StorageError
     from antifragile.trainer.progress import SharedProgress
     from antifragile.trainer.supervisor import USAGE_EXIT_CODE, supervise
     from antifragile.trainer.train import LaunchError, run
@@ -34,6 +35,12 @@ def main() -> int:
         except LaunchError as exc:
             print(f"antifragile.trainer: error: {exc}", file=sys.stderr, flush=True)
             return USAGE_EXIT_CODE
+        except StorageError as exc:  # down, or failing past its retries (at a restore): one
+            # line, not a traceback, and exit 1, which a restart retries (the storage may be
+            # back by then); a missing bucket or refused credentials exit 2 before this
+            print(f"antifragile.trainer: error: --ckpt-url {cfg.ckpt_url}: {exc}; exiting with "
+                  "code 1, a restart retries", file=sys.stderr, flush=True)
+            return 1
 
     if "RANK" not in os.environ:  # not under torchrun: one process, nobody to supervise it
         return train(SharedProgress(), 0)
