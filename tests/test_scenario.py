@@ -79,10 +79,10 @@ def _with(**changes: Any) -> dict[str, Any]:
     # file:/abs (RFC 8089's short form) and file: were a relative folder "file:" in the
     # working directory: the run passed, its checkpoints somewhere the user did not ask
     (_with(checkpoint={"url": "file:/tmp/ckpt"}),
-     "s.yaml: checkpoint.url: file:/tmp/ckpt is not a file URL (give file:///abs/path or a "
+     "s.yaml: checkpoint.url: file:/tmp/ckpt: not a file URL (give file:///abs/path or a "
      "plain path)"),
     (_with(checkpoint={"url": "file:"}),
-     "s.yaml: checkpoint.url: file: is not a file URL (give file:///abs/path or a plain path)"),
+     "s.yaml: checkpoint.url: file:: not a file URL (give file:///abs/path or a plain path)"),
     # accepted: memory:// is each process's own (the ranks, the checker and chaos would each
     # see another store), s3a:// S3 to the engine but not to chaos's S3 setup (no endpoint)
     (_with(checkpoint={"url": "memory://ckpt"}),

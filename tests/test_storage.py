@@ -856,3 +856,32 @@ def test_two_hosts_whose_processes_share_pid_and_thread_id_never_share_a_tempora
     first.write(key, [b"a" * 4096], late=meanwhile)
     assert (tmp_path / key).read_bytes() == b"a" * 4096  # the later rename's, whole
     assert os.listdir(tmp_path / "step_000000001" / "w") == ["c.0"]
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("file:/tmp/ckpt", "not a file URL (give file:///abs/path or a plain path)"),
+    ("file:", "not a file URL (give file:///abs/path or a plain path)"),
+    ("FILE:ckpt", "not a file URL (give file:///abs/path or a plain path)"),
+    ("s3:/bucket/prefix", "not an S3 URL (give s3://bucket/prefix)"),
+    ("s3:bucket", "not an S3 URL (give s3://bucket/prefix)"),
+])
+def test_a_schemes_short_form_is_refused_not_a_folder_in_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, why: str) -> None:
+    """``CheckpointEngine("file:/abs")`` (RFC 8089's short form) or ``"s3:/bucket/p"`` (a
+    typo of s3://) saved into a relative folder ``file:`` or ``s3:`` under the working
+    directory, where nobody looks; chaos and the trainer refused them, each with its own copy
+    of the check. Now the engine refuses them as it opens, naming the URL, and
+    ``no_storage_for`` (the check chaos and the trainer make) gives the same reason."""
+    from antifragile.engine import CheckpointError
+    from antifragile.engine.storage import no_storage_for
+
+    monkeypatch.chdir(tmp_path)
+    assert no_storage_for(url) == why
+    with pytest.raises(CheckpointError) as exc:
+        open_storage(url)
+    assert str(exc.value) == f"cannot open {url}: {why}"
+    with pytest.raises(CheckpointError, match="not a"):
+        CheckpointEngine(url)
+    assert list(tmp_path.iterdir()) == []
+    assert no_storage_for("file:///tmp/ckpt") is None and no_storage_for("s3://b/p") is None
+    assert no_storage_for("ckpt") is None and no_storage_for("files:/x") is None

@@ -271,17 +271,20 @@ def test_a_ckpt_url_that_names_no_place_is_a_usage_error(
     assert parse_args(["--ckpt-url", "s3://bucket"]).ckpt_url == "s3://bucket"
 
 
-@pytest.mark.parametrize("url", ["file:/tmp/ckpt", "file:", "file:ckpt"])
-def test_a_ckpt_url_that_is_no_file_url_is_a_usage_error(
-        url: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("url", "why"), [
+    *((url, "not a file URL (give file:///abs/path or a plain path)")
+      for url in ("file:/tmp/ckpt", "file:", "file:ckpt")),
+    *((url, "not an S3 URL (give s3://bucket/prefix)") for url in ("s3:/b/ckpt", "s3:b"))])
+def test_a_ckpt_url_that_is_no_file_or_s3_url_is_a_usage_error(
+        url: str, why: str, capsys: pytest.CaptureFixture[str]) -> None:
     """``--ckpt-url file:/tmp/ckpt`` (RFC 8089's short form) was taken as the relative folder
-    ``file:/tmp/ckpt`` under the working directory: the checkpoints went where nobody looks."""
+    ``file:/tmp/ckpt`` under the working directory: the checkpoints went where nobody looks;
+    ``s3:/b/ckpt`` (a typo of s3://) still is."""
     with pytest.raises(SystemExit) as exc:
         parse_args(["--ckpt-url", url])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == (f"python -m antifragile.trainer: error: --ckpt-url {url}: not a file URL "
-                   "(give file:///abs/path or a plain path)"), err
+    assert err == f"python -m antifragile.trainer: error: --ckpt-url {url}: {why}", err
 
 
 def test_a_ckpt_url_in_each_processs_own_memory_is_a_usage_error(

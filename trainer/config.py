@@ -226,9 +226,6 @@ def _no_shared_place(url: str) -> str | None:
     (``file://``, ``s3://``: an unset variable after it; ``file://`` is the working directory
     to the engines, ``s3://`` fails every rank's engine as it opens, a traceback restarted
     into the same), or ``memory://`` (each process's own)."""
-    if url[:5].lower() == "file:" and "://" not in url:
-        # file:/abs (RFC 8089's short form), file:: a relative folder "file:" to the engine
-        return "not a file URL (give file:///abs/path or a plain path)"
     scheme, sep, where = url.partition("://")
     if not sep:
         return None

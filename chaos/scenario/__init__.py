@@ -112,20 +112,17 @@ class CheckpointSpec(_Strict):
             # s3:/b, s3:b: a local folder "s3:" to the engine; S3://b, s3a://b: S3 to the
             # engine, but not to chaos's S3 setup (no endpoint, no proxy)
             raise ValueError(f"{url} is not an S3 URL (give s3://bucket/prefix)")
-        if url[:5].lower() == "file:" and "://" not in url:
-            # file:/abs (RFC 8089's short form), file:: a relative folder "file:" to the engine
-            raise ValueError(f"{url} is not a file URL (give file:///abs/path or a plain path)")
         if url.lower().startswith("memory://"):
             raise ValueError(f"{url} is each process's own memory: the ranks and chaos would "
                              "not see one store (give a local folder or s3://bucket/prefix)")
         if url.startswith("s3://") and not url[5:].split("/", 1)[0]:
             raise ValueError(f"{url} names no bucket (give s3://bucket/prefix)")
-        if "://" in url:  # well formed, writable, known and its package installed
-            from antifragile.engine.storage import no_storage_for
+        # well formed, writable, known and its package installed; no short form (file:/abs)
+        from antifragile.engine.storage import no_storage_for
 
-            why = no_storage_for(url)
-            if why:
-                raise ValueError(f"{url}: {why}")
+        why = no_storage_for(url)
+        if why:
+            raise ValueError(f"{url}: {why}")
         return url
 
     @field_validator("engine")

@@ -26,16 +26,32 @@ def local_root(url: str) -> str | None:
 READ_ONLY_SCHEMES = frozenset({"http", "https"})
 
 
+def _short_form(url: str) -> str | None:
+    """Why ``url``, a scheme without its ``//``, is refused, else None: ``file:/abs`` (RFC
+    8089's short form), ``file:``, ``s3:/bucket`` or ``s3:bucket`` (typos of s3://), which a
+    local path would take for a folder named ``file:`` or ``s3:`` in the working directory."""
+    if "://" in url:
+        return None
+    head = url[:5].lower()
+    if head == "file:":
+        return "not a file URL (give file:///abs/path or a plain path)"
+    if head[:3] == "s3:":
+        return "not an S3 URL (give s3://bucket/prefix)"
+    return None
+
+
 def no_storage_for(url: str) -> str | None:
     """Why no checkpoint can be written under ``url``, by its form and scheme, else None: a
     malformed URL, a scheme that only reads (http, https), or one that no installed fsspec
     implementation serves (a typo, or ``S3://``: schemes are read as given). A local path and
-    ``s3://`` are served. The one check of a checkpoint root that chaos (a scenario's
-    ``checkpoint.url``) and the trainer (``--ckpt-url``) make before anything runs; not made by
-    :func:`open_storage`, which also opens checkpoints to read (``chaos ckpt``)."""
+    ``s3://`` are served, but not their short forms (``file:/abs``, ``s3:/bucket``: a folder
+    ``file:`` or ``s3:`` to a local path). The one check of a checkpoint root that chaos (a
+    scenario's ``checkpoint.url``) and the trainer (``--ckpt-url``) make before anything runs;
+    :func:`open_storage`, which also opens checkpoints to read (``chaos ckpt``), makes only the
+    short forms' part of it."""
     scheme, sep, _ = url.partition("://")
     if not sep or scheme == "file":
-        return None
+        return _short_form(url)
     try:
         urllib.parse.urlsplit(url)  # what fsspec and the S3 clients parse it with
     except ValueError as exc:
@@ -62,6 +78,9 @@ else goes through fsspec. A local root takes no ``storage_options`` (refused, no
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise CheckpointError(f"cannot open {url}: storage_options must be a mapping, not a "
                               f"{type(storage_options).__name__}")
+    why = _short_form(url)
+    if why:
+        raise CheckpointError(f"cannot open {url}: {why}")
     root = local_root(url)
     if root is not None:
         if storage_options:
