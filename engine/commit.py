@@ -129,8 +129,12 @@ def step_dirs(storage: Storage, ghosts: set[int] | None = None, known: set[int] 
     """Every step folder and the committed ones, ascending; ``ghosts`` are left out (and no
     longer kept once they are no longer listed). ``known``: steps taken for committed without
     a look-up (``retain``)."""
+    names = storage.list_dir("")
+    misplaced = step_folder_as_root(storage, names)
+    if misplaced:
+        raise CheckpointError(misplaced)
     steps = {}
-    for name in storage.list_dir(""):
+    for name in names:
         step = parse_step_dir(name)
         if step is not None:
             steps[step] = name
@@ -171,6 +175,20 @@ def _exist_all(storage: Storage, keys: list[str]) -> list[bool]:
 _RECORD_READERS = 32
 
 
+def step_folder_as_root(storage: Storage, names: Iterable[str]) -> str | None:
+    """Why ``storage`` is no checkpoint root, where its listing ``names`` holds what only a
+    step's own folder holds: a step folder given as the root (``ckpt/step_000000120``, to
+    resume from that step) listed no step, and was taken for an empty root ("no committed
+    checkpoint": a trainer started over beside the step it was pointed at)."""
+    own = next((name for name in (COMMIT, QUARANTINE, RECORDS_DIR) if name in names), None)
+    if own is None:
+        return None
+    parent, _, name = storage.url.rstrip("/").rpartition("/")
+    step = parse_step_dir(name)
+    return (f"{storage.url} is a step folder (it holds {own}), not a checkpoint root: give "
+            f"{parent or '/'}" + (f" and step={step}" if step is not None else ""))
+
+
 def all_step_dirs(storage: Storage) -> list[int]:
     return sorted(s for s in map(parse_step_dir, storage.list_dir("")) if s is not None)
 
@@ -194,8 +212,9 @@ def read_marker_bytes(storage: Storage, step: int) -> bytes | bytearray:
             raise CheckpointNotFoundError(
                 f"step {step} under {storage.url} is quarantined: a load found it damaged and "
                 "set its COMMIT aside (chaos ckpt verify says what is damaged)") from None
-        raise CheckpointNotFoundError(f"step {step} is not committed under {storage.url}"
-                                      ) from None
+        misplaced = step_folder_as_root(storage, storage.list_dir(""))
+        raise CheckpointNotFoundError(misplaced or f"step {step} is not committed under "
+                                      f"{storage.url}") from None
 
 
 def parse_marker(data: bytes | bytearray, step: int, *, lazy: bool = False

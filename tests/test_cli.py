@@ -618,3 +618,16 @@ def test_a_step_two_processes_quarantine_at_once_is_listed_once(tmp_path: Path) 
     assert result.exit_code == 0, result.output
     rows = [line for line in result.output.splitlines()[1:] if line.split()[0] == "20"]
     assert len(rows) == 1 and "quarantined: flipped bit" in rows[0], result.output
+
+
+@pytest.mark.parametrize("command", [["ls"], ["verify"], ["inspect", "--step", "20"]])
+def test_a_step_folder_given_as_the_url_is_bad_input(tmp_path: Path, command: list[str]
+                                                      ) -> None:
+    """``chaos ckpt ls ckpt/step_000000020`` said "no committed checkpoint" (exit 0), as if
+    the step were not there. It says the URL is a step folder and which root to give."""
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [20])
+    result = CliRunner().invoke(main, ["ckpt", command[0], f"{url}/step_000000020",
+                                       *command[1:]])
+    assert result.exit_code == 2, result.output
+    assert "is a step folder" in result.output and f"give {url}" in result.output

@@ -456,3 +456,18 @@ def test_a_storage_error_of_a_load_names_its_own_step_not_one_it_prefixes() -> N
                            ("reading step 1's COMMIT: connection reset", True)]:
         _, exc = classify(1, StorageError(message))
         assert str(exc) == (message if named else f"step 1: {message}"), (message, exc)
+
+
+def test_a_step_folder_given_as_the_root_is_refused_not_taken_for_an_empty_root(
+        tmp_path: Path) -> None:
+    """An engine opened on a step's own folder (``ckpt/step_000000002``, to resume from that
+    step) listed nothing there: ``agreed_steps()`` was empty and ``load`` said "no committed
+    checkpoint", so a trainer that starts over when nothing is committed did so beside the
+    step it was pointed at. It names the folder as a step folder and the root to give."""
+    save_steps(str(tmp_path), None)
+    step_folder = str(tmp_path / "step_000000002")
+    with CheckpointEngine(step_folder, keep_last=None) as engine:
+        for call in (engine.agreed_steps, engine.steps, lambda: engine.load(blank())):
+            with pytest.raises(CheckpointError, match="is a step folder") as caught:
+                call()
+            assert str(tmp_path) in str(caught.value) and "step=2" in str(caught.value)
