@@ -627,3 +627,33 @@ def test_a_non_finite_value_saved_by_one_rank_loads_as_a_float_on_every_rank(
         assert best == math.inf and stored == math.inf, got
         assert isinstance(loss, float) and math.isnan(loss), got
     assert math.isnan(got[0][3]) and got[1][3] == "NaN", got  # each rank its own
+
+
+def save_a_value_per_rank(url: str) -> None:
+    rank = dist.get_rank()
+    with CheckpointEngine(url) as engine:
+        engine.save(1, {"w": torch.ones(2), "offset": 10 * rank, "epoch": 3}, blocking=True,
+                    metadata={"git": "abc123"})
+
+
+def test_inspect_shows_the_values_saved_per_rank_and_the_metadata(
+    ranks: RankGroup, tmp_path: Path
+) -> None:
+    """``chaos ckpt inspect`` listed only the values every rank shared: a sampler offset that
+    differed between the ranks (saved per rank) was missing from its table and its --json, as
+    was the ``metadata`` the save recorded, so the one tool for looking into a step hid them.
+    Each rank's copy is listed under ``<path>/rank_<r>`` (as ``read()`` keys it)."""
+    from click.testing import CliRunner
+
+    from antifragile.chaos.cli import main
+
+    url = str(tmp_path / "ckpt")
+    ranks.run(save_a_value_per_rank, url)
+    shown = CliRunner().invoke(main, ["ckpt", "inspect", url, "--step", "1", "--json"])
+    assert shown.exit_code == 0, shown.output
+    doc = json.loads(shown.output)
+    assert doc["values"] == {"epoch": 3, "offset/rank_0": 0, "offset/rank_1": 10}
+    assert doc["metadata"] == {"git": "abc123"}
+    table = CliRunner().invoke(main, ["ckpt", "inspect", url, "--step", "1"])
+    assert "values: epoch, offset/rank_0, offset/rank_1" in table.output, table.output
+    assert "metadata: " in table.output and "abc123" in table.output

@@ -241,6 +241,8 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
     or group document is damaged (it reads no shard object: verify does); exit 2 for a
     step that is not committed or storage that fails."""
     from antifragile.engine import CheckpointCorruptError, CheckpointError
+    from antifragile.engine._paths import is_index
+    from antifragile.engine._ranks import rank_array
     from antifragile.engine.load import StepReader, split_cell_key
     from antifragile.engine.storage import open_storage
 
@@ -260,13 +262,25 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
                              "shape": list(spec.shape), "offset": list(spec.offset),
                              "shard_shape": list(spec.shard_shape), "shards": shards,
                              "bytes": nbytes})
+        values = {k: v for k, v in reader.values.items()  # "." paths: the engine's own
+                  if not k.startswith(".") and k not in reader.values_by_rank}
+        # a value that differed between the ranks (a sampler offset): each rank's copy, keyed
+        # as read() keys it; only the shared ones were shown, as if it had not been saved
+        for path, by_rank in sorted(reader.values_by_rank.items()):
+            if path.startswith("."):
+                continue
+            if not all(is_index(rank) for rank in by_rank):
+                raise CheckpointCorruptError(f"step {step}: malformed per-rank values of "
+                                             f"{path!r}")
+            values.update((rank_array(path, int(rank)), by_rank[rank])
+                          for rank in sorted(by_rank, key=int))
+        metadata = reader.attrs.get("metadata") or {}  # save(metadata=...): shown only
     except CheckpointCorruptError as exc:  # damage, as ls and verify say: not bad input
         _fail(str(exc), 1)
     except CheckpointError as exc:
         _fail(str(exc))
     layout = reader.attrs.get("layout")  # shown only, never loaded: not checked by the reader
     layout = layout if isinstance(layout, dict) else {}
-    values = {k: v for k, v in reader.values.items() if not k.startswith(".")}  # not engine's
     by_rank = reader.commit.get("requests")
     by_rank = by_rank if isinstance(by_rank, dict) else {}
     requests = {
@@ -280,7 +294,8 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
     }
     if as_json:
         click.echo(strict_json({"step": step, "layout": layout, "values": values,
-                                "requests": requests, "arrays": rows}, indent=2))
+                                "metadata": metadata, "requests": requests, "arrays": rows},
+                               indent=2))
         return
     click.echo(f"step {step}  world_size {layout.get('world_size')}  "
                f"meshes {layout.get('meshes')}  {_human(int(reader.commit.get('nbytes', 0)))}")
@@ -293,3 +308,5 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
                    f"{r['shard_shape']!s:<18} {_human(r['bytes']):>10}")
     if values:
         click.echo(f"values: {', '.join(sorted(values))}")
+    if metadata:
+        click.echo(f"metadata: {strict_json(metadata)}")
