@@ -885,3 +885,41 @@ def test_a_schemes_short_form_is_refused_not_a_folder_in_the_working_directory(
     assert list(tmp_path.iterdir()) == []
     assert no_storage_for("file:///tmp/ckpt") is None and no_storage_for("s3://b/p") is None
     assert no_storage_for("ckpt") is None and no_storage_for("files:/x") is None
+
+
+def test_an_fsspec_url_gives_its_file_system_the_host_and_options_it_names() -> None:
+    """The URL's protocol alone picked the file system: the host, port and user an
+    ``sftp://``, ``ftp://``, ``smb://`` or ``webhdfs://`` URL names were dropped, so such a
+    root could not be opened at all ("FTPFileSystem.__init__() missing 1 required positional
+    argument: 'host'", for a URL that names one). The file system is made from the whole URL,
+    as fsspec makes it, so a save and a load go to the host named."""
+    import uuid
+
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    made: list[dict[str, Any]] = []
+
+    class HostMemory(MemoryFileSystem):  # type: ignore[misc]
+        protocol = "hostmemory"
+
+        def __init__(self, host: str, **options: Any) -> None:
+            made.append({"host": host, **options})
+            super().__init__()
+
+        @classmethod
+        def _strip_protocol(cls, path: str) -> str:
+            stripped = path.split("://", 1)[-1]
+            return MemoryFileSystem._strip_protocol(stripped.split("/", 1)[-1])
+
+        @staticmethod
+        def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
+            return {"host": urlparse(path).hostname}
+
+    fsspec.register_implementation("hostmemory", HostMemory, clobber=True)
+    url = f"hostmemory://node7/ckpt-{uuid.uuid4().hex[:8]}"
+    with CheckpointEngine(url, storage_options={"timeout": 5}) as engine:
+        engine.save(1, state_of(1), blocking=True)
+        assert engine.steps() == [1]
+        assert_loads(engine, 1)
+    assert made and all(m == {"host": "node7", "timeout": 5} for m in made)

@@ -20,9 +20,10 @@ from ._base import Late
 
 class FsspecStorage:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        protocol, _, root = url.partition("://")
-        self.fs = fsspec.filesystem(protocol, **{"skip_instance_cache": True,
-                                                 **(storage_options or {})})
+        # from the whole URL, as fsspec opens one: the protocol alone dropped the host, port
+        # and user that an sftp://, ftp:// or webhdfs:// URL names (such a root did not open)
+        self.fs, root = fsspec.core.url_to_fs(url, **{"skip_instance_cache": True,
+                                                      **(storage_options or {})})
         self.url = url.rstrip("/")
         self.root = root.rstrip("/")
 
