@@ -631,3 +631,15 @@ def test_a_step_folder_given_as_the_url_is_bad_input(tmp_path: Path, command: li
                                        *command[1:]])
     assert result.exit_code == 2, result.output
     assert "is a step folder" in result.output and f"give {url}" in result.output
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_a_negative_step_is_refused_as_the_option_it_is(tmp_path: Path, command: str) -> None:
+    """``verify --step -1`` said "step -1 is not a committed checkpoint" (as if it could be
+    one) where ``inspect --step -1`` said "step must be a non-negative int": both are now the
+    option's range, named, before the checkpoint is opened; exit 2."""
+    _save_steps(str(tmp_path), [1])
+    result = CliRunner().invoke(main, ["ckpt", command, str(tmp_path), "--step", "-1"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--step': -1 is not in the range x>=0." in result.output, \
+        result.output

@@ -162,7 +162,8 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
 
 @ckpt.command("verify")
 @storage_args
-@click.option("--step", type=int, help="Only this step (default: every committed step).")
+@click.option("--step", type=click.IntRange(min=0),
+              help="Only this step (default: every committed step).")
 def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int | None) -> None:
     """Read every object back and check checksums and coverage. Exit 1 on damage; exit 2 for
     a step that is not committed (mistyped, or deleted by retention since it was listed), or
@@ -233,7 +234,8 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
 
 @ckpt.command("inspect")
 @storage_args
-@click.option("--step", type=int, required=True, help="The step to describe.")
+@click.option("--step", type=click.IntRange(min=0), required=True,
+              help="The step to describe.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int,
             as_json: bool) -> None:
