@@ -181,12 +181,24 @@ def step_folder_as_root(storage: Storage, names: Iterable[str]) -> str | None:
     resume from that step) listed no step, and was taken for an empty root ("no committed
     checkpoint": a trainer started over beside the step it was pointed at)."""
     own = next((name for name in (COMMIT, QUARANTINE, RECORDS_DIR) if name in names), None)
-    if own is None:
-        return None
-    parent, _, name = storage.url.rstrip("/").rpartition("/")
+    return None if own is None else _not_a_root(storage.url, f"it holds {own}")
+
+
+def step_folder_by_name(url: str) -> str | None:
+    """Why ``url`` is no checkpoint root, where its last name is a step folder's
+    (``ckpt/step_000000002``, as a DCP user gives each checkpoint a folder of its own): a
+    save there wrote a checkpoint root inside the committed step. Known from the URL alone,
+    so the same on every rank and before any request."""
+    name = url.rstrip("/").rpartition("/")[2]
+    return None if parse_step_dir(name) is None else _not_a_root(url, "by its name")
+
+
+def _not_a_root(url: str, why: str) -> str:
+    head, slash, name = url.rstrip("/").rpartition("/")
     step = parse_step_dir(name)
-    return (f"{storage.url} is a step folder (it holds {own}), not a checkpoint root: give "
-            f"{parent or '/'}" + (f" and step={step}" if step is not None else ""))
+    root = head or ("/" if slash else ".")
+    return (f"{url} is a step folder ({why}), not a checkpoint root: give {root}"
+            + (f" and step={step}" if step is not None else ""))
 
 
 def all_step_dirs(storage: Storage) -> list[int]:

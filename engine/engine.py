@@ -136,6 +136,9 @@ class CheckpointEngine:
         if on_phase is not None and not callable(on_phase):
             raise CheckpointError("on_phase must be a callable (step, phase) or None, got "
                                   f"{type(on_phase).__name__}")
+        misplaced = isinstance(url, str) and _commit.step_folder_by_name(url)
+        if misplaced:
+            raise CheckpointError(misplaced)
         self.url = url
         self.keep_last = keep_last
         self.commit_timeout_s = commit_timeout_s

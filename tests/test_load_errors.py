@@ -11,6 +11,7 @@ requests a test picks, so the engine's real client stack sees a real 403.
 from __future__ import annotations
 
 import http.client
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -465,9 +466,31 @@ def test_a_step_folder_given_as_the_root_is_refused_not_taken_for_an_empty_root(
     checkpoint", so a trainer that starts over when nothing is committed did so beside the
     step it was pointed at. It names the folder as a step folder and the root to give."""
     save_steps(str(tmp_path), None)
-    step_folder = str(tmp_path / "step_000000002")
+    # a step's folder under a name of its own (a copy kept aside as "best"): known by what
+    # it holds; under its own name it is refused as the engine opens (the next test)
+    shutil.copytree(tmp_path / "step_000000002", tmp_path / "best")
+    step_folder = str(tmp_path / "best")
     with CheckpointEngine(step_folder, keep_last=None) as engine:
         for call in (engine.agreed_steps, engine.steps, lambda: engine.load(blank())):
             with pytest.raises(CheckpointError, match="is a step folder") as caught:
                 call()
-            assert str(tmp_path) in str(caught.value) and "step=2" in str(caught.value)
+            assert str(tmp_path) in str(caught.value), caught.value
+
+
+def test_an_engine_opened_on_a_step_folders_name_is_refused_before_it_saves_into_it(
+        tmp_path: Path) -> None:
+    """``CheckpointEngine("ckpt/step_000000002")`` (a step's folder, as a DCP user gives each
+    checkpoint its own) opened, and its save wrote a checkpoint root inside the committed
+    step (``step_000000002/step_000000005/...``). The name alone says what it is, the same on
+    every rank: refused as the engine opens, naming the root and step to give, nothing
+    written."""
+    save_steps(str(tmp_path), None)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for url in (str(tmp_path / "step_000000002"), f"{tmp_path}/step_000000002/",
+                str(tmp_path / "step_000000009")):  # also one not there yet
+        with pytest.raises(CheckpointError) as caught:
+            CheckpointEngine(url)
+        step = int(url.rstrip("/")[-9:])
+        assert str(caught.value) == (f"{url} is a step folder (by its name), not a "
+                                     f"checkpoint root: give {tmp_path} and step={step}")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
