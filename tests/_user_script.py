@@ -4,8 +4,10 @@ Written as a user would: gloo, a linear model, SGD with momentum, data a pure fu
 step, checkpoints through ``CheckpointEngine`` at ``$ANTIFRAGILE_CKPT_URL``, resume on start.
 Flags make it misbehave on purpose: ``--no-probe`` (never imports the probe), ``--noise``
 (not deterministic), ``--forget-optimizer`` (resumes without the optimizer state),
-``--stop-short`` (checkpoints every ``--every`` steps only, not its last step, and a resumed
-run exits 0 one step before ``--steps``), ``--crash-on-resume`` (a resumed run raises).
+``--epoch-steps N`` (reports the step within an epoch of ``N`` steps, from 1 again each
+epoch, instead of the global step), ``--stop-short`` (checkpoints every ``--every`` steps
+only, not its last step, and a resumed run exits 0 one step before ``--steps``),
+``--crash-on-resume`` (a resumed run raises).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> None:
     parser.add_argument("--forget-optimizer", action="store_true")
     parser.add_argument("--stop-short", action="store_true")
     parser.add_argument("--crash-on-resume", action="store_true")
+    parser.add_argument("--epoch-steps", type=int, default=0)
     args = parser.parse_args()
     probe = None
     if not args.no_probe:
@@ -66,7 +69,8 @@ def main() -> None:
                 model.bias.add_(random.SystemRandom().random() * 1e-6)
         time.sleep(args.step_s)
         if probe is not None:
-            probe.step_end(step, loss)
+            probe.step_end((step - 1) % args.epoch_steps + 1 if args.epoch_steps else step,
+                           loss)
         if step % args.every == 0 or (step == args.steps and not args.stop_short):
             if step == args.steps:  # the last save must not be skipped for a busy one
                 ckpt.wait()

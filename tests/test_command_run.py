@@ -90,6 +90,21 @@ def test_a_script_that_stops_short_after_its_newest_checkpoint_fails(
                for r in v["reasons"]), v
 
 
+def test_a_script_that_reports_the_step_within_its_epoch_fails_saying_so(
+        tmp_path: Path, cache: Path) -> None:
+    """The script reports 1..6 each epoch of 6 steps (its loop's index, not the global step).
+    Its recovery is real and its checkpoints equal the reference's, and its last reported
+    step (6) is the reference's: that was a pass, with the fault's step, its lost steps and
+    where the run ended all taken from numbers that restart each epoch."""
+    doc = _scenario("mine-epoch-steps", ["--steps", "12", "--every", "4", "--epoch-steps", "6"],
+                    [{"kind": "kill_rank", "rank": 1, "at_step": 5}])
+    outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
+    v = outcome.report["verdict"]
+    assert v["verdict"] == "fail" and v["bitwise_equal"] is True, v
+    assert any(" reported step 1 after step 6 (attempt 1): " in r
+               and "probe.step_end takes the global step" in r for r in v["reasons"]), v
+
+
 @pytest.mark.slow
 def test_a_script_without_the_probe_takes_time_based_faults_and_says_what_it_cannot_measure(
         tmp_path: Path, cache: Path) -> None:

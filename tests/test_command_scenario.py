@@ -646,6 +646,21 @@ def test_a_script_that_checkpointed_with_another_engine_is_told_which(tmp_path: 
                for r in v.reasons), v.reasons
 
 
+def test_steps_that_do_not_grow_are_named_unless_a_restore_came_between() -> None:
+    """A rank's steps within one attempt must grow; a new attempt starts afresh, and so does a
+    restore the rank reported (a script that rolls back in process after a loss spike)."""
+    def ev(event: str, step: int, rank: int = 0, attempt: int = 0) -> dict[str, Any]:
+        return {"event": event, "step": step, "rank": rank, "attempt": attempt}
+
+    grew = [ev("step_end", 1), ev("step_end", 1, rank=1), ev("step_end", 2),
+            ev("step_end", 1, attempt=1), ev("step_end", 3), ev("restore_end", 2),
+            ev("step_end", 3)]
+    assert checker.steps_out_of_order(grew) is None
+    again = checker.steps_out_of_order([*grew, ev("step_end", 3)])
+    assert again is not None and again.startswith(
+        "rank 0 reported step 3 after step 3 (attempt 0): probe.step_end takes the global step")
+
+
 def test_the_newest_committed_steps_must_match_the_reference() -> None:
     v = checker.judge(_command_scenario(faults=False), returncode=0, timings=[], final_step=35,
                       faulty_url="u", reference_url=None, final_committed=True,

@@ -260,6 +260,33 @@ def _read_back_committed(url: str, engine: str) -> dict[int, list[str]]:
     return found
 
 
+def steps_out_of_order(events: list[dict[str, Any]]) -> str | None:
+    """Why the steps a command trainer reported cannot be measured from: a rank whose
+    ``step_end`` steps did not grow within one attempt (the step within an epoch, a
+    micro-batch count, a step reported twice); None when each grew. Faults due at a step, lost
+    steps and where the run ended are all read from these numbers, and were taken at face
+    value (a script that reported 1..6 each epoch passed, its fault landing in some epoch).
+    A restore the rank reported (``restore_end``: a script that rolls back in process after a
+    loss spike) sets where its next step must start."""
+    newest: dict[tuple[int, int], int] = {}
+    for e in events:
+        if e["event"] not in ("step_end", "restore_end"):
+            continue
+        key = (e["rank"], e["attempt"])
+        if e["event"] == "restore_end":
+            if isinstance(e.get("step"), int):
+                newest[key] = e["step"]
+            continue
+        before = newest.get(key)
+        if before is not None and e["step"] <= before:
+            return (f"rank {e['rank']} reported step {e['step']} after step {before} (attempt "
+                    f"{e['attempt']}): probe.step_end takes the global step, larger at each "
+                    "call (not the step within an epoch), so the steps faults are due at, "
+                    "the lost steps and the last step reported mean nothing here")
+        newest[key] = e["step"]
+    return None
+
+
 def why_no_checkpoint(engine: str, url: str) -> str:
     """Why a script left no ``engine`` checkpoint at ``url``: another engine's steps there (a
     DCP script whose scenario leaves ``checkpoint.engine`` at its default), or none."""
@@ -288,7 +315,8 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
           faulty_url: str, reference_url: str | None, final_committed: bool,
           committed: dict[int, list[str]] | None = None, expected_step: int | None = None,
           determinism: Comparison | None = None, last_step: int | None = None,
-          reference_last_step: int | None = None, run_log: str | None = None) -> Verdict:
+          reference_last_step: int | None = None, run_log: str | None = None,
+          step_order: str | None = None) -> Verdict:
     """``final_committed``: the faulty run's checkpoint of the last step is committed (what a
     resumed job would load); without it nothing proves the run's end state survived.
     ``committed``: :func:`verify_committed`'s findings, when they were taken (after a fault on
@@ -311,7 +339,8 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
     by at least one of its firings (else the final state compared is the one saved before
     the fault). ``determinism``: a second fault-free run compared with the reference
     (``--check-determinism``). ``run_log``: the faulty run's torchrun log, named with a
-    failed exit."""
+    failed exit. ``step_order``: :func:`steps_out_of_order`'s finding on a command trainer's
+    events (steps that did not grow: every step-based figure is void)."""
     v = Verdict()
     for step, problems in sorted((committed or {}).items()):
         if problems:
@@ -321,6 +350,8 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
         v.fail(f"the trainer exited with code {returncode}"
                + (f" (its log: {run_log})" if run_log else ""))
     if s.is_command:
+        if step_order is not None:
+            v.fail(step_order)
         if final_step is None:
             v.fail(f"the script left no committed {engine} checkpoint at {faulty_url} "
                    f"({why_no_checkpoint(engine, faulty_url)})")

@@ -335,12 +335,13 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
     # commit); checked now, while the run's S3 (a local cluster) still exists.
     committed = checker.verify_committed(ckpt_url, engine) if any(
         i.kind in STORAGE_FAULTS and not i.skipped for i in record.injections) else None
-    last_step = reference_last_step = None
+    last_step = reference_last_step = step_order = None
     if s.is_command:  # the final state is the newest committed checkpoint
         final_step = checker.newest_committed(engine, ckpt_url)
         final_committed = final_step is not None
         last_step, reference_last_step = (_last_step(record.events),
                                           _reference_last_step(reference_url))
+        step_order = checker.steps_out_of_order(record.events)
     else:
         final_step = _last_step(record.events)
         final_committed = checker.final_committed(engine, ckpt_url, s.trainer.steps)
@@ -350,7 +351,7 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
                             committed=committed, expected_step=expected_step,
                             determinism=determinism, last_step=last_step,
                             reference_last_step=reference_last_step,
-                            run_log=str(out / "run" / "torchrun.log"))
+                            run_log=str(out / "run" / "torchrun.log"), step_order=step_order)
     goodput, reference_goodput = figures.goodput(record), _reference_goodput(reference_url)
     checkpoints = figures.checkpoints(record)
     doc = {
