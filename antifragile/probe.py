@@ -25,6 +25,7 @@ environment is read; importing this module imports no torch.
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import time
@@ -96,8 +97,23 @@ def _loop(p: _Probe) -> _Probe:
     return p
 
 
+def _step(step: Any, call: str) -> int:
+    """``step`` as an int, or a TypeError naming ``call`` and the value: an int, a numpy
+    integer or a one-element integer tensor (``operator.index``). ``int()`` took ``1.5`` as
+    step 1 and ``"3"`` as 3, so ``step_end(step / 2)`` reported step 1 twice, and the verdict
+    named steps the script never passed."""
+    try:
+        if isinstance(step, bool):  # an int to Python, never a step
+            raise TypeError
+        return operator.index(step)
+    except TypeError:
+        raise TypeError(f"probe.{call}: step must be an integer (the global step), not "
+                        f"{type(step).__name__} {step!r}") from None
+
+
 def step_end(step: int, loss: Any = None) -> None:
-    """Step ``step`` is done (its optimizer step taken). ``loss``: a float or a one-element
+    """Step ``step`` (the global step: an integer, larger at each call; a TypeError under
+    chaos otherwise) is done (its optimizer step taken). ``loss``: a float or a one-element
     tensor (read with ``float()``), or None (also reported for what is not one number). The
     step's time is measured from the previous thing the training thread reported (the last
     step, a checkpoint's staging, a restore), so checkpoint stalls and pauses are not counted
@@ -105,10 +121,10 @@ def step_end(step: int, loss: Any = None) -> None:
     p = _active()
     if p is None:
         return
+    step = _step(step, "step_end")
     now = time.time()
-    p.channel.emit("step_end", step=int(step), loss=_number(loss),
-                   seconds=now - p.channel.loop_t)
-    p.pauses.step_end(int(step))
+    p.channel.emit("step_end", step=step, loss=_number(loss), seconds=now - p.channel.loop_t)
+    p.pauses.step_end(step)
 
 
 def _number(loss: Any) -> float | None:
@@ -130,10 +146,13 @@ def restored(step: int) -> None:
     the two lines this call writes."""
     called_t = time.time()
     p = _active()
-    if p is None or p.channel.restored_step is not None:
+    if p is None:
+        return
+    step = _step(step, "restored")
+    if p.channel.restored_step is not None:
         return
     first = p.channel.started_t >= called_t  # this call opened the event file
-    p.channel.emit("restore_end", step=int(step),
+    p.channel.emit("restore_end", step=step,
                    seconds=None if first else called_t - p.channel.started_t)
 
 
@@ -148,18 +167,19 @@ def dcp_save(state: dict[str, Any], checkpoint_id: str | os.PathLike[str] | None
     p = _active()
     if p is None:
         return dcp.save(state, checkpoint_id=checkpoint_id, **kwargs)
+    step = _step(step, "dcp_save")  # before the save: a refused step saves nothing
     t0 = time.perf_counter()
     try:
         metadata = dcp.save(state, checkpoint_id=checkpoint_id, **kwargs)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        p.channel.emit("ckpt_failed", step=int(step), error=f"{type(exc).__name__}: {exc}")
+        p.channel.emit("ckpt_failed", step=step, error=f"{type(exc).__name__}: {exc}")
         raise
     seconds = time.perf_counter() - t0
     sizes = [i.length for i in (getattr(metadata, "storage_data", None) or {}).values()]
     mine = [i.length for i in (getattr(metadata, "storage_data", None) or {}).values()
             if i.relative_path.startswith(f"__{p.channel.rank}_")]
-    p.channel.emit("ckpt_staged", step=int(step), stall_s=seconds)
-    p.channel.emit("ckpt_committed", step=int(step), bytes=sum(sizes), rank_bytes=sum(mine),
+    p.channel.emit("ckpt_staged", step=step, stall_s=seconds)
+    p.channel.emit("ckpt_committed", step=step, bytes=sum(sizes), rank_bytes=sum(mine),
                    persist_s=seconds)
     return metadata
 
@@ -178,15 +198,16 @@ def dcp_load(state: dict[str, Any], checkpoint_id: str | os.PathLike[str] | None
     if p is None:
         dcp.load(state, checkpoint_id=checkpoint_id, **kwargs)
         return
+    step = _step(step, "dcp_load")
     if p.restore_t is None:
         p.channel.emit("restore_begin")
         p.restore_t = time.perf_counter()
     try:
         dcp.load(state, checkpoint_id=checkpoint_id, **kwargs)
     except BaseException as exc:
-        p.channel.emit("restore_skipped", step=int(step),
+        p.channel.emit("restore_skipped", step=step,
                        reason=f"checkpoint step {step} skipped: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}")
         raise
-    p.channel.emit("restore_end", step=int(step), seconds=time.perf_counter() - p.restore_t)
+    p.channel.emit("restore_end", step=step, seconds=time.perf_counter() - p.restore_t)
     p.restore_t = None

@@ -129,6 +129,33 @@ def test_under_chaos_start_comes_first_then_steps_and_restore(
     assert events[3]["loss"] is None and events[3]["seconds"] >= 0
 
 
+@pytest.mark.parametrize("step", [1.5, 2.0, "3", True, torch.tensor(4.0)])
+def test_a_step_that_is_no_integer_is_refused_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: Any) -> None:
+    """``step_end(step / 2)`` reported ``int(1.5)``, step 1, twice: the script's mistake
+    surfaced, if at all, as a verdict about steps that did not grow, naming steps it never
+    passed; ``"3"`` went through ``int()`` too. The step is an integer (an int, a numpy
+    integer or a one-element integer tensor); anything else raises a TypeError naming the call
+    and the value, before anything is reported."""
+    _under_chaos(monkeypatch, tmp_path)
+    for call in (probe.step_end, probe.restored):
+        with pytest.raises(TypeError) as exc:
+            call(step)
+        assert str(exc.value).startswith(f"probe.{call.__name__}: step must be an integer (the "
+                                         f"global step), not {type(step).__name__} ")
+    assert not any(e["event"] in ("step_end", "restore_end") for e in _events_of(tmp_path))
+
+
+def test_a_numpy_or_tensor_integer_step_is_reported_as_its_int(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    _under_chaos(monkeypatch, tmp_path)
+    probe.step_end(np.int64(3))
+    probe.step_end(torch.tensor(4))
+    assert [e["step"] for e in _events_of(tmp_path) if e["event"] == "step_end"] == [3, 4]
+
+
 def test_a_restore_reported_first_claims_no_time_it_could_not_measure(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``restored`` times the restore from the process's first report. A script restoring its
