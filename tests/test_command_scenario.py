@@ -278,6 +278,32 @@ def test_the_reference_is_keyed_by_the_engine_and_the_installed_packages(
         pipeline._installed.cache_clear()
         assert _reference_key(s) == key
 
+def test_the_reference_is_keyed_by_the_probe_the_script_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe runs inside the script's process: it holds ranks at pause points, writes the
+    events the reference's last step and losses are read from, and refuses what it refuses
+    (a step that is no integer). The key held the engine's and the trainer's code but not the
+    probe's: after a probe change that made the script fail, the reference cached with the
+    old probe was used, and the faulty run was failed against a reference run that the same
+    script could no longer make."""
+    from antifragile import probe
+    from antifragile.chaos.run import pipeline
+
+    script = tmp_path / "train.py"
+    script.write_text("x = 1\n")
+    s = parse_scenario(_doc(trainer={"command": ["python", str(script)]}))
+    key = _reference_key(s)
+    real = pipeline._file_digest
+    probe_file = Path(probe.__file__).resolve()
+    with monkeypatch.context() as m:  # the probe's code edited
+        m.setattr(pipeline, "_file_digest", lambda path, real=real: (
+            "edited" if path.resolve() == probe_file else real(path)))
+        pipeline._antifragile_code.cache_clear()
+        assert _reference_key(s) != key
+    pipeline._antifragile_code.cache_clear()
+    assert _reference_key(s) == key
+
+
 def test_the_reference_key_is_the_same_when_a_distribution_is_seen_twice(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``chaos run`` started in a checkout holding ``antifragile.egg-info`` (a setuptools

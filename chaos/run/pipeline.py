@@ -46,7 +46,7 @@ class Outcome:
 def _reference_key(s: Scenario) -> str:
     """Only what determines the final state (faults, expectations, recovery and detection
     settings do not): the settings, the torch and the other installed libraries that compute
-    and store it, the trainer's and the engine's code, the processor it runs on (other
+    and store it, the trainer's, the engine's and the probe's code, the processor it runs on (other
     kernels, other bits) and the checkpoint format it is stored in (a cached reference of an
     older format could not be read). A command trainer's key also holds the content of every
     file its command names and of the modules its script can import beside it (an edited
@@ -141,12 +141,16 @@ def code_digest(folder: Path) -> str:
 @functools.cache
 def _antifragile_code() -> str:
     """The code of the built-in trainer and of the engine (a script's checkpoints are the
-    engine's bytes), as this process imported them (a suite asks once)."""
+    engine's bytes) and the probe (it runs in the script's process: its pause points, the
+    events the reference's last step is read from, the steps it refuses), as this process
+    imported them (a suite asks once)."""
     import antifragile.engine
+    import antifragile.probe
     import antifragile.trainer
 
-    return "".join(code_digest(Path(package.__file__).parent)
-                   for package in (antifragile.trainer, antifragile.engine))
+    return "".join([*(code_digest(Path(package.__file__).parent)
+                      for package in (antifragile.trainer, antifragile.engine)),
+                    _file_digest(Path(antifragile.probe.__file__))])
 
 
 @functools.cache
