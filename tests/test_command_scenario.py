@@ -687,6 +687,34 @@ def test_steps_that_do_not_grow_are_named_unless_a_restore_came_between() -> Non
         "rank 0 reported step 3 after step 3 (attempt 0): probe.step_end takes the global step")
 
 
+@pytest.mark.parametrize(("engine", "marker"), [("dcp", ".metadata"),
+                                                ("torchsnapshot", ".snapshot_metadata")])
+def test_a_script_whose_step_folders_are_named_otherwise_is_told_the_name(
+        tmp_path: Path, engine: str, marker: str) -> None:
+    """A DCP script that wrote ``f"{url}/step_{step}"`` (``step_10``, not ``step_000000010``)
+    had checkpointed to $ANTIFRAGILE_CKPT_URL, and was told it "must checkpoint to
+    $ANTIFRAGILE_CKPT_URL": the reason sent it looking at the URL, not at the folder name."""
+    url = tmp_path / "ckpt"
+    for name in ("step_10", "step_20"):
+        (url / name).mkdir(parents=True)
+        (url / name / marker).write_bytes(b"x")
+    assert checker.why_no_checkpoint(engine, str(url)) == (
+        f"it holds step_10, step_20, but no folder step_<9 digits> with {marker} in it: "
+        f"write the checkpoint of step N to f\"{{url}}/step_{{N:09d}}\"")
+    assert checker.why_no_checkpoint(engine, str(tmp_path / "empty")) == (
+        "the script must checkpoint to $ANTIFRAGILE_CKPT_URL")
+
+
+def test_a_folder_that_holds_no_committed_step_of_ours_is_told_what_it_holds(
+        tmp_path: Path) -> None:
+    url = tmp_path / "ckpt"
+    url.mkdir()
+    (url / "model.pt").write_bytes(b"torch.save")
+    assert checker.why_no_checkpoint("antifragile", str(url)) == (
+        "it holds model.pt, but no committed step of antifragile.engine.CheckpointEngine: "
+        "save through CheckpointEngine($ANTIFRAGILE_CKPT_URL)")
+
+
 def test_the_newest_committed_steps_must_match_the_reference() -> None:
     v = checker.judge(_command_scenario(faults=False), returncode=0, timings=[], final_step=35,
                       faulty_url="u", reference_url=None, final_committed=True,

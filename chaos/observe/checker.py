@@ -13,6 +13,7 @@ read back through the engine's own reader (``trainer.ckpt_backends``: ours, DCP,
 
 from __future__ import annotations
 
+import os
 import pickle
 import struct
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from antifragile.chaos.scenario import Scenario
 from antifragile.engine import CheckpointError, CheckpointNotFoundError
 from antifragile.engine._dtypes import as_bytes
 from antifragile.trainer.ckpt_backends import committed_steps, foreign_steps, read_checkpoint
-from antifragile.trainer.ckpt_backends.base import first_line
+from antifragile.trainer.ckpt_backends.base import MARKERS, first_line
 
 
 @dataclass(slots=True)
@@ -289,12 +290,32 @@ def steps_out_of_order(events: list[dict[str, Any]]) -> str | None:
 
 def why_no_checkpoint(engine: str, url: str) -> str:
     """Why a script left no ``engine`` checkpoint at ``url``: another engine's steps there (a
-    DCP script whose scenario leaves ``checkpoint.engine`` at its default), or none."""
+    DCP script whose scenario leaves ``checkpoint.engine`` at its default), what else a local
+    folder holds (a DCP script's ``step_10``, which did checkpoint to the URL: only the folder
+    name was not the one read), or nothing."""
     for other, steps in foreign_steps(engine, url).items():
         shown = ", ".join(str(step) for step in steps[-3:])
         return (f"it holds committed {other} checkpoints (step{'s' if len(steps) > 1 else ''} "
                 f"{shown}): set checkpoint.engine: {other}")
-    return "the script must checkpoint to $ANTIFRAGILE_CKPT_URL"
+    names = _local_entries(url)
+    if not names:
+        return "the script must checkpoint to $ANTIFRAGILE_CKPT_URL"
+    held = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    if engine == "antifragile":
+        return (f"it holds {held}, but no committed step of antifragile.engine."
+                "CheckpointEngine: save through CheckpointEngine($ANTIFRAGILE_CKPT_URL)")
+    return (f"it holds {held}, but no folder step_<9 digits> with {MARKERS[engine]} in it: "
+            'write the checkpoint of step N to f"{url}/step_{N:09d}"')
+
+
+def _local_entries(url: str) -> list[str]:
+    """The names in a local folder ``url``, sorted; none for a remote URL or no folder."""
+    if "://" in url and not url.startswith("file://"):
+        return []
+    try:
+        return sorted(os.listdir(url.removeprefix("file://")))
+    except OSError:
+        return []
 
 
 def _due(s: Scenario, t: FaultTimings) -> tuple[int, int] | None:
