@@ -7,7 +7,8 @@ Flags make it misbehave on purpose: ``--no-probe`` (never imports the probe), ``
 ``--epoch-steps N`` (reports the step within an epoch of ``N`` steps, from 1 again each
 epoch, instead of the global step), ``--stop-short`` (checkpoints every ``--every`` steps
 only, not its last step, and a resumed run exits 0 one step before ``--steps``),
-``--crash-on-resume`` (a resumed run raises).
+``--crash-on-resume`` (a resumed run raises), ``--never-resume`` (starts from step 0 after a
+restart, its checkpoints ignored).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--stop-short", action="store_true")
     parser.add_argument("--crash-on-resume", action="store_true")
     parser.add_argument("--epoch-steps", type=int, default=0)
+    parser.add_argument("--never-resume", action="store_true")
     args = parser.parse_args()
     probe = None
     if not args.no_probe:
@@ -46,7 +48,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ckpt = CheckpointEngine(os.environ["ANTIFRAGILE_CKPT_URL"], keep_last=3)
     step, last = 0, args.steps
-    if ckpt.latest_step() is not None:
+    if ckpt.latest_step() is not None and not args.never_resume:
         state = {"model": model} if args.forget_optimizer else {"model": model, "optim": optimizer}
         step = ckpt.load(state)
         if args.crash_on_resume:

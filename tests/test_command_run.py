@@ -90,6 +90,27 @@ def test_a_script_that_stops_short_after_its_newest_checkpoint_fails(
                for r in v["reasons"]), v
 
 
+def test_a_script_that_starts_over_instead_of_resuming_fails(
+        tmp_path: Path, cache: Path) -> None:
+    """Killed at step 10 with step 8 committed, the script ignored its checkpoints and
+    trained from step 0 again. Deterministic, it ended bit-identical to the reference (its
+    saves of steps already committed wrote nothing), and passed: "recovery 3 s, lost steps
+    10". The check that a restore took the newest committed step ran only when the script
+    reported a restore; one that restored nothing was taken for a job with nothing to
+    restore."""
+    doc = _scenario("mine-never-resumes", ["--steps", "16", "--every", "4", "--never-resume"],
+                    [{"kind": "kill_rank", "rank": 1, "at_step": 10}])
+    outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
+    v = outcome.report["verdict"]
+    assert v["verdict"] == "fail" and v["bitwise_equal"] is True, v
+    (fault,) = outcome.report["faults"]
+    assert fault["restored_step"] == 0 and fault["restorable_step"] in (4, 8), fault
+    assert (f"kill_rank at step 10: resumed from step 0 (it started over), although step "
+            f"{fault['restorable_step']} had committed before the fault and no restore skipped "
+            "it (work lost for no reason: a script must resume from its newest checkpoint on "
+            "start)") in v["reasons"], v
+
+
 def test_a_script_that_reports_the_step_within_its_epoch_fails_saying_so(
         tmp_path: Path, cache: Path) -> None:
     """The script reports 1..6 each epoch of 6 steps (its loop's index, not the global step).

@@ -480,9 +480,12 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
                    "short")
         if t.restored_step is not None and t.restorable_step is not None \
                 and t.restored_step < t.restorable_step:
-            v.fail(f"{t.kind} at step {t.injected_step}: restored step {t.restored_step}, "
-                   f"although step {t.restorable_step} had committed before the fault and no "
-                   "restore skipped it (work lost for no reason)")
+            restored = ("resumed from step 0 (it started over)" if t.restored_step == 0
+                        else f"restored step {t.restored_step}")
+            v.fail(f"{t.kind} at step {t.injected_step}: {restored}, although step "
+                   f"{t.restorable_step} had committed before the fault and no restore skipped "
+                   "it (work lost for no reason" + (": a script must resume from its newest "
+                   "checkpoint on start)" if s.is_command else ")"))
         if s.expect.max_lost_steps is not None and t.lost_steps is not None \
                 and t.lost_steps > s.expect.max_lost_steps:
             v.fail(f"{t.kind} at step {t.injected_step}: {t.lost_steps} steps lost "

@@ -378,8 +378,9 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
     if restored_step is None:
         return  # never restored (the job did not come back, or a later fault hit first)
     timings.restored_step = restored_step
-    if restores:
-        timings.restorable_step = _restorable(record, injection.t, restored)
+    # also where no restore was reported: a script that ignored its checkpoints and started
+    # over (deterministic, it ends bit-identical) resumed before what had committed
+    timings.restorable_step = _restorable(record, injection.t, restored)
     timings.lost_steps = max(injected - restored_step, 0)
     if restored_step >= injected:  # restored at or past the fault's step: nothing to redo
         caught_up = [restored if restored is not None else started]
