@@ -126,6 +126,23 @@ def test_a_script_that_reports_the_step_within_its_epoch_fails_saying_so(
                and "probe.step_end takes the global step" in r for r in v["reasons"]), v
 
 
+def test_a_script_that_stops_short_after_a_kill_at_its_last_step_is_told_where_it_ended(
+        tmp_path: Path, cache: Path) -> None:
+    """Killed at the end of step 14, its last, the script resumed and exited 0 at step 13.
+    The verdict said the job "restored step 12, but reported no step after it", and sent the
+    reader looking for a resume that never trained, where it had trained step 13 and stopped
+    one short of the step the fault hit."""
+    doc = _scenario("mine-stops-short-late", ["--steps", "14", "--every", "4", "--stop-short"],
+                    [{"kind": "kill_rank", "rank": 1, "at_step": 14}])
+    outcome = run(parse_scenario(doc), tmp_path / "out", progress=lambda _: None)
+    v = outcome.report["verdict"]
+    (fault,) = outcome.report["faults"]
+    assert v["verdict"] == "fail" and fault["retrained_to_step"] == 13, (v, fault)
+    assert (f"kill_rank at step 14: no recovery was observed (the job came back after attempt "
+            f"0, restored step {fault['restored_step']} and trained up to step 13, but never "
+            "back to step 14, where the fault hit it)") in v["reasons"], v
+
+
 @pytest.mark.slow
 def test_a_script_without_the_probe_takes_time_based_faults_and_says_what_it_cannot_measure(
         tmp_path: Path, cache: Path) -> None:

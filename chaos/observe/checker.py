@@ -452,8 +452,11 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
                 why = (f"did not come back after attempt {t.ended_attempt}" if t.restart_s is None
                        else f"came back after attempt {t.ended_attempt}"
                        + ("" if t.restored_step is None else
-                          f" and restored step {t.restored_step}")
-                       + ", but reported no step after it")
+                          f"{',' if t.retrained_to_step is not None else ' and'} restored "
+                          f"step {t.restored_step}")
+                       + (", but reported no step after it" if t.retrained_to_step is None
+                          else f" and trained up to step {t.retrained_to_step}, but never "
+                          f"back to step {t.injected_step}, where the fault hit it"))
                 v.fail(f"{t.kind} at step {t.injected_step}: no recovery was observed (the job "
                        f"{why})")
                 continue

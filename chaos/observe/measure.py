@@ -78,6 +78,8 @@ class FaultTimings:
     restore_memory_bytes: int | None = None  # restored from host memory (in-process survivors)
     restore_storage_bytes: int | None = None  # read from storage
     lost_steps: int | None = None
+    # the newest step the attempt after the fault reported (None: it reported none)
+    retrained_to_step: int | None = None
     outage: dict[str, Any] | None = None  # a storage fault: what it did (see outage_effects)
     unmeasured: str | None = None  # what of the recovery could not be measured, and why
 
@@ -357,6 +359,7 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
                                  "restore began is unknown" if untimed else ""))
         return
     stepped = _by_attempt(record.events, nxt, "step_end")
+    timings.retrained_to_step = max((e["step"] for e in stepped), default=None)
     restored: float | None = max((e["t"] for e in restores), default=started)
     restored_step: int | None = min((e["step"] for e in restores), default=None)
     if not restores and stepped:  # no checkpoint to restore (step 0), or one it did not report
