@@ -798,6 +798,24 @@ def test_a_second_fault_free_run_that_fails_is_no_verdict_not_nondeterminism(
         pipeline._determinism(_command_scenario(faults=False), tmp_path, "ref", print)
 
 
+@pytest.mark.parametrize(("written", "kind"), [("60", "a number"), ("0.10", "a number"),
+                                              ("yes", "a boolean"), ("true", "a boolean")])
+def test_an_unquoted_number_in_the_command_is_told_to_quote_it(
+        tmp_path: Path, written: str, kind: str) -> None:
+    """``command: [python, train.py, --steps, 60]`` was refused with pydantic's "Input should
+    be a valid string", which says neither that YAML read a number nor what to write (the
+    README quotes "60"; ``env`` takes numbers and says how to quote them)."""
+    path = tmp_path / "s.yaml"
+    path.write_text("name: mine\ntrainer:\n  command: [python, -c, pass, --n,\n"
+                    f"            {written}]\n")
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario(path)
+    assert str(exc.value) == (f"{path}: line 4: trainer.command.4: {written} is {kind} to "
+                              f"YAML, not text: quote it ('{written}'); a command line is text")
+    path.write_text(path.read_text().replace(f"{written}]", f"'{written}']"))
+    assert load_scenario(path).trainer.command[-1] == written  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(("written", "reaches"), [("3.10", "3.1"), (".5", "0.5"),
                                                   ("0x10", "16"), ("1.0e+3", "1000.0")])
 def test_an_env_number_the_script_would_get_as_other_text_is_refused(

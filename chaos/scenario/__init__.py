@@ -448,6 +448,16 @@ def _env_reading(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str | None:
         f"{node.value} would reach the script as {str(number)!r}: {quote}"
 
 
+def _command_reading(node: yaml.ScalarNode) -> str | None:
+    """Why a plain item of ``trainer.command`` (an argument, text) needs quotes: YAML reads it
+    as a number or a boolean (``--steps, 60``), which no command line holds; None for text."""
+    if node.tag not in (_INT, _FLOAT, _BOOL):
+        return None
+    kind = "a boolean" if node.tag == _BOOL else "a number"
+    return (f"{node.value} is {kind} to YAML, not text: quote it ('{node.value}'); a command "
+            "line is text")
+
+
 def _refuse_two_readings(loader: yaml.SafeLoader, root: yaml.Node) -> None:
     """Refuse a plain number or boolean that YAML 1.1 and 1.2 read apart (``017``: 15 or 17;
     ``1:30``: 90 or text; ``no``: false or text), naming its line and key path."""
@@ -461,6 +471,8 @@ def _refuse_two_readings(loader: yaml.SafeLoader, root: yaml.Node) -> None:
         if isinstance(node, yaml.ScalarNode):
             if node.style is None and (reading := (
                     _env_reading(loader, node) if not is_key and path.startswith("trainer.env.")
+                    else _command_reading(node) if not is_key
+                    and path.startswith("trainer.command.")
                     else _two_readings(loader, node))):
                 where = (f"{path}: " if path else "") + ("the key " if is_key else "")
                 raise _TwoReadings(node.start_mark.line + 1, where, reading)
