@@ -304,6 +304,31 @@ def test_the_reference_is_keyed_by_the_probe_the_script_runs(
     assert _reference_key(s) == key
 
 
+@pytest.mark.parametrize("trainer", ["command", "built-in"])
+def test_the_reference_is_keyed_by_the_launch_that_sets_the_scripts_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trainer: str) -> None:
+    """``chaos.infra.launch`` gives every rank its environment and its torchrun command line
+    (``OMP_NUM_THREADS=1``, a fresh c10d store per attempt): its code decides what a run
+    computes as much as the script's, but an edit to it reused the reference cached before."""
+    from antifragile.chaos.infra import launch
+    from antifragile.chaos.run import pipeline
+
+    script = tmp_path / "train.py"
+    script.write_text("x = 1\n")
+    s = parse_scenario(_doc(trainer={"command": ["python", str(script)]})
+                       if trainer == "command" else {"name": "built-in"})
+    key = _reference_key(s)
+    real = pipeline._file_digest
+    launch_file = Path(launch.__file__).resolve()
+    with monkeypatch.context() as m:  # the launcher's code edited
+        m.setattr(pipeline, "_file_digest", lambda path, real=real: (
+            "edited" if path.resolve() == launch_file else real(path)))
+        pipeline._antifragile_code.cache_clear()
+        assert _reference_key(s) != key
+    pipeline._antifragile_code.cache_clear()
+    assert _reference_key(s) == key
+
+
 def test_the_reference_key_is_the_same_when_a_distribution_is_seen_twice(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``chaos run`` started in a checkout holding ``antifragile.egg-info`` (a setuptools

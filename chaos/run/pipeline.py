@@ -46,12 +46,12 @@ class Outcome:
 def _reference_key(s: Scenario) -> str:
     """Only what determines the final state (faults, expectations, recovery and detection
     settings do not): the settings, the torch and the other installed libraries that compute
-    and store it, the trainer's, the engine's and the probe's code, the processor it runs on (other
-    kernels, other bits) and the checkpoint format it is stored in (a cached reference of an
-    older format could not be read). A command trainer's key also holds the content of every
-    file its command names and of the modules its script can import beside it (an edited
-    script is a new reference); the built-in trainer's, what its ``train`` entry holds (a
-    reference saved with fewer entries differs in it)."""
+    and store it, the trainer's, the engine's, the probe's and the launcher's code, the
+    processor it runs on (other kernels, other bits) and the checkpoint format it is stored
+    in (a cached reference of an older format could not be read). A command trainer's key
+    also holds the content of every file its command names and of the modules its script
+    can import beside it (an edited script is a new reference); the built-in trainer's,
+    what its ``train`` entry holds (a reference saved with fewer entries differs in it)."""
     import torch
 
     from antifragile.engine._paths import FORMAT_VERSION
@@ -141,16 +141,19 @@ def code_digest(folder: Path) -> str:
 @functools.cache
 def _antifragile_code() -> str:
     """The code of the built-in trainer and of the engine (a script's checkpoints are the
-    engine's bytes) and the probe (it runs in the script's process: its pause points, the
-    events the reference's last step is read from, the steps it refuses), as this process
-    imported them (a suite asks once)."""
+    engine's bytes), the probe (it runs in the script's process: its pause points, the
+    events the reference's last step is read from, the steps it refuses) and the launcher
+    (every rank's environment and torchrun command line), as this process imported them (a
+    suite asks once)."""
     import antifragile.engine
     import antifragile.probe
     import antifragile.trainer
+    from antifragile.chaos.infra import launch
 
     return "".join([*(code_digest(Path(package.__file__).parent)
                       for package in (antifragile.trainer, antifragile.engine)),
-                    _file_digest(Path(antifragile.probe.__file__))])
+                    _file_digest(Path(antifragile.probe.__file__)),
+                    _file_digest(Path(launch.__file__))])
 
 
 @functools.cache
