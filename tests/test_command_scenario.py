@@ -912,3 +912,13 @@ def test_a_command_that_is_torchrun_itself_is_refused(command: list[str], index:
     assert f"s.yaml: trainer.command: command[{index}]:" in message
     assert "chaos runs the command under torchrun itself" in message
     assert "\n" not in message.strip()
+
+
+def test_a_pause_point_is_described_in_words() -> None:
+    """A pause point a rank never reached was named as a Python dict ({'id': 'p0', 'step':
+    12}) in the missed fault's reason."""
+    from antifragile.chaos.run.pauses import Point
+
+    assert Point("p0", 12, None).describe() == "the end of step 12"
+    assert Point("p1", 10, [1], phase="staged", on_pass=2).describe() == (
+        "the save of step 10 at its phase 'staged' (pass 2)")

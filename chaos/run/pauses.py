@@ -61,6 +61,12 @@ class Point:
         wanted = self.ranks if self.ranks is not None else range(world_size)
         return [r for r in wanted if (generation, r) not in self.paused]
 
+    def describe(self) -> str:
+        """Where it holds, in words (a reason's part)."""
+        where = (f"the end of step {self.step}" if self.phase is None
+                 else f"the save of step {self.step} at its phase {self.phase!r}")
+        return where + (f" (pass {self.on_pass})" if self.on_pass != 1 else "")
+
     def as_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"id": self.id}
         if self.phase is None:

@@ -153,9 +153,12 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
                     # a rank that never comes (a script that calls the probe on rank 0 only)
                     # would hold the others until the run's time limit: the faults due here
                     # did not happen, and the held ranks go on
-                    why = (f"rank(s) {point.missing(s.trainer.world_size)} never reached the "
-                           f"pause point {point.as_json()} in {wait_s:g} s after the others (a "
-                           "script must call antifragile.probe.step_end on every rank)")
+                    missing = point.missing(s.trainer.world_size)
+                    ranks = ("rank " if len(missing) == 1 else "ranks ") + ", ".join(
+                        map(str, missing))
+                    why = (f"{ranks} never reached {point.describe()} in {wait_s:g} s after "
+                           "the others (a script must call antifragile.probe.step_end on "
+                           "every rank)")
                     for index, fault in point.faults:
                         injections.append(Injection(fault.kind, now, step=point.step,
                                                     missed=why, fault_index=index))
