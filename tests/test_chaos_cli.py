@@ -404,7 +404,8 @@ def test_a_run_past_its_time_limit_is_a_clear_error(tmp_path: Path,
     s = load_scenario(_command_scenario_file(tmp_path))
     with pytest.raises(runner.ChaosRunError, match=r"the faulty run of noop went past its "
                        r"time limit of 0\.3 s"):
-        runner.run_scenario(s, tmp_path / "run", str(tmp_path / "ckpt"), timeout_s=0.3)
+        runner.run_scenario(s.model_copy(update={"time_limit_s": 0.3}),
+                            tmp_path / "run", str(tmp_path / "ckpt"))
 
     def times_out(*_: object, **__: object) -> None:
         raise runner.ChaosRunError("the fault-free run of noop went past its time limit")
@@ -417,6 +418,33 @@ def test_a_run_past_its_time_limit_is_a_clear_error(tmp_path: Path,
     assert "Traceback" not in result.output
     assert f"error: {path}: the fault-free run of noop went past its time limit" in \
         result.output
+
+
+def test_the_scenario_sets_its_runs_time_limit(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script that deadlocks after a fault (gloo's 30-minute default timeout, a peer it
+    never notices) was waited on for the runner's fixed hour, which no scenario key could
+    shorten: a nightly suite lost an hour to it. ``time_limit_s`` bounds each of its runs."""
+    import subprocess
+
+    from antifragile.chaos.run import runner
+    from antifragile.chaos.scenario import ScenarioError, parse_scenario
+
+    def never_ends(*_: object, **__: object) -> subprocess.Popen[str]:
+        return subprocess.Popen(["sleep", "60"], start_new_session=True, text=True)
+
+    monkeypatch.setattr(runner, "launch", never_ends)
+    doc = {"name": "noop", "time_limit_s": 0.3,
+           "trainer": {"command": ["python", "-c", "pass"], "probe": False}}
+    s = parse_scenario(doc)
+    with pytest.raises(runner.ChaosRunError, match=r"the faulty run of noop went past its "
+                       r"time limit of 0\.3 s \(time_limit_s\)"):
+        runner.run_scenario(s, tmp_path / "run", str(tmp_path / "ckpt"))
+    assert parse_scenario({"name": "n"}).time_limit_s == 3600
+    assert parse_scenario({**doc, "time_limit_s": 90}).time_limit_s == 90
+    for bad in (0, -1, "1h", float("inf")):
+        with pytest.raises(ScenarioError, match="time_limit_s"):
+            parse_scenario({**doc, "time_limit_s": bad})
 
 
 @pytest.mark.parametrize("engine", ["antifragile", "dcp"])
@@ -535,8 +563,8 @@ def test_a_pause_point_a_rank_never_reaches_is_given_up(tmp_path: Path,
                     "expect: {bitwise_equal_to_reference: false}\n")
     monkeypatch.setattr(runner, "detection_window_s", lambda s: 2.0)
     monkeypatch.chdir(tmp_path)
-    record = runner.run_scenario(load_scenario(path), tmp_path / "run",
-                                 str(tmp_path / "ckpt"), timeout_s=120)
+    record = runner.run_scenario(load_scenario(path).model_copy(update={"time_limit_s": 120.0}),
+                                 tmp_path / "run", str(tmp_path / "ckpt"))
     (injection,) = record.injections
     assert injection.fault_index == 0 and injection.rank is None
     assert (injection.missed or "").startswith(
@@ -600,7 +628,8 @@ def test_a_time_based_fault_lands_on_an_attempt_that_redoes_the_final_steps(
     s = parse_scenario({"name": "redo", "trainer": {"steps": 20},
                         "checkpoint": {"every_steps": 5},
                         "faults": [{"kind": "kill_rank", "rank": 0, "at_s": 1.0}]})
-    record = runner.run_scenario(s, tmp_path / "run", str(tmp_path / "ckpt"), timeout_s=60)
+    record = runner.run_scenario(s.model_copy(update={"time_limit_s": 60.0}),
+                                 tmp_path / "run", str(tmp_path / "ckpt"))
     assert [(i.fault_index, i.rank, i.step, i.missed) for i in record.injections] == \
         [(0, 0, 16, None)]
 
@@ -622,8 +651,9 @@ def test_an_aborted_run_leaves_no_worker_behind(tmp_path: Path,
 
     monkeypatch.setattr(runner, "launch", agent)
     with pytest.raises(runner.ChaosRunError):
-        runner.run_scenario(load_scenario(_command_scenario_file(tmp_path)), tmp_path / "run",
-                            str(tmp_path / "ckpt"), timeout_s=1.0)
+        s = load_scenario(_command_scenario_file(tmp_path))
+        runner.run_scenario(s.model_copy(update={"time_limit_s": 1.0}), tmp_path / "run",
+                            str(tmp_path / "ckpt"))
     worker = int(pid_file.read_text())
     deadline = time.monotonic() + 5.0  # a SIGKILL takes effect a moment after it is sent
     while runner.alive(worker) and time.monotonic() < deadline:

@@ -373,7 +373,8 @@ def test_an_interrupt_while_the_faults_end_still_stops_the_job(
         "expect": {"bitwise_equal_to_reference": False}})
     try:
         with pytest.raises(KeyboardInterrupt):
-            runner.run_scenario(s, tmp_path / "run", str(tmp_path / "ckpt"), timeout_s=2)
+            runner.run_scenario(s.model_copy(update={"time_limit_s": 2.0}),
+                                tmp_path / "run", str(tmp_path / "ckpt"))
         assert len(jobs) == 1 and jobs[0].poll() is not None, "the job still runs"
     finally:
         runner._Agents(jobs).kill()
@@ -481,7 +482,8 @@ def test_wall_time_is_the_jobs_not_the_emulated_hosts_set_up_and_taken_down(
         "command": ["python", "-c", "pass"], "probe": False},
         "expect": {"bitwise_equal_to_reference": False}})
     began = time.time()
-    record = runner.run_scenario(s, tmp_path / "run", str(tmp_path / "ckpt"), timeout_s=30)
+    record = runner.run_scenario(s.model_copy(update={"time_limit_s": 30.0}),
+                                 tmp_path / "run", str(tmp_path / "ckpt"))
     assert record.started_t >= began + 0.8
     assert record.wall_s < 0.8, record.wall_s
     assert time.time() - record.ended_t >= 0.8

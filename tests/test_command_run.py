@@ -210,7 +210,8 @@ def test_what_a_script_started_does_not_outlive_the_run(tmp_path: Path, code: in
         "command": ["python", str(script)], "probe": False, "env": {"EXIT": code}},
         "faults": [], "expect": {"bitwise_equal_to_reference": False}})
     run_dir = tmp_path / "run"
-    record = run_scenario(s, run_dir, str(tmp_path / "ckpt"), faults=False, timeout_s=60)
+    record = run_scenario(s.model_copy(update={"time_limit_s": 60.0}),
+                          run_dir, str(tmp_path / "ckpt"), faults=False)
     assert (record.returncode == 0) == (code == 0)
     pids = [int(p) for p in (run_dir / "left pids").read_text().split()]
     try:

@@ -359,7 +359,8 @@ def test_a_time_based_fault_never_signals_a_process_that_took_a_dead_ranks_pid(
     s = parse_scenario({"name": "reused", "trainer": {"steps": 20},
                         "checkpoint": {"every_steps": 5},
                         "faults": [{"kind": "kill_rank", "rank": 0, "at_s": 0.2}]})
-    record = runner.run_scenario(s, tmp_path / "run", str(tmp_path / "ckpt"), timeout_s=60)
+    record = runner.run_scenario(s.model_copy(update={"time_limit_s": 60.0}),
+                                 tmp_path / "run", str(tmp_path / "ckpt"))
     assert sleeper.poll() is None, "the runner killed a process that was not the job's"
     assert record.injections == []
 

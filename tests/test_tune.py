@@ -1017,28 +1017,32 @@ def test_a_sweep_no_run_of_which_fits_the_time_limit_does_not_advise_one_that_do
         startup_s: float, tail_s: float) -> None:
     """With start-up plus tail near or past the run time limit the refusal said "give
     --sweep-steps 2 or fewer" (the advice floored at 2), which would not fit either."""
-    from antifragile.chaos.run.runner import RUN_TIME_LIMIT_S
     from antifragile.chaos.tune.recommend import _check_sweep_length
 
+    limit_s = 3600.0  # a scenario's time_limit_s, by default
+
     measured = _measured(startup_s=startup_s, tail_s=tail_s, step_s=1.0)
-    assert startup_s + 2 * 1.0 + tail_s > RUN_TIME_LIMIT_S
+    assert startup_s + 2 * 1.0 + tail_s > limit_s
     with pytest.raises(tune.TuneError) as refused:
-        _check_sweep_length(100, 1.0, measured, explicit=True)
+        _check_sweep_length(100, 1.0, measured, explicit=True, limit_s=limit_s)
     message = str(refused.value)
     assert "--sweep-steps 2 or fewer" not in message, message
     assert "no sweep run fits" in message and "start-up" in message, message
 
 
 def test_the_sweep_length_advised_when_one_is_too_long_fits_the_time_limit() -> None:
-    from antifragile.chaos.run.runner import RUN_TIME_LIMIT_S
     from antifragile.chaos.tune.recommend import _check_sweep_length
+
+    limit_s = 3600.0  # a scenario's time_limit_s, by default
 
     measured = _measured(startup_s=10.0, tail_s=5.0, step_s=0.7)
     with pytest.raises(tune.TuneError, match=r"give --sweep-steps (\d+) or fewer") as refused:
-        _check_sweep_length(100_000, 0.7, measured, explicit=True)
+        _check_sweep_length(100_000, 0.7, measured, explicit=True,
+                            limit_s=limit_s)
     advised = int(str(refused.value).split("give --sweep-steps ")[1].split()[0])
-    _check_sweep_length(advised, 0.7, measured, explicit=True)  # fits: no error
-    assert 10.0 + (advised + 1) * 0.7 + 5.0 > RUN_TIME_LIMIT_S  # and is the most that does
+    _check_sweep_length(advised, 0.7, measured, explicit=True,
+                        limit_s=limit_s)  # fits: no error
+    assert 10.0 + (advised + 1) * 0.7 + 5.0 > limit_s  # and is the most that does
 
 
 @pytest.mark.parametrize(("seconds", "shown"), [(999.4, "999 s"), (999.5, "1,000 s (0.28 h)"),

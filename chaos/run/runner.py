@@ -50,12 +50,8 @@ class RunTimeout(ChaosRunError, TimeoutError):
     """A run went past its time limit; the job was killed."""
 
 
-#: how long one run may last before its job is killed (``RunTimeout``)
-RUN_TIME_LIMIT_S = 3600.0
-
-
 def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = True,
-                 timeout_s: float = RUN_TIME_LIMIT_S, storage: RunStorage | None = None,
+                 storage: RunStorage | None = None,
                  on_event: Callable[[dict[str, Any], list[Injection]], None] | None = None
                  ) -> RunRecord:
     """Run the trainer for ``s`` (with its faults unless ``faults=False``) to the end.
@@ -117,10 +113,11 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             injections.append(injection)
 
         while agents.running(job.finished):
-            if time.time() - started > timeout_s:
+            if time.time() - started > s.time_limit_s:
                 raise RunTimeout(f"the {'faulty' if faults else 'fault-free'} run of {s.name} "
-                                 f"went past its time limit of {timeout_s:g} s and was killed; "
-                                 f"see {run_dir / 'torchrun.log'}")
+                                 f"went past its time limit of {s.time_limit_s:g} s "
+                                 f"(time_limit_s) and was killed; see "
+                                 f"{run_dir / 'torchrun.log'}")
             for e in watch.poll() if watch else []:
                 observed.append(e)
                 job.see(e)

@@ -191,6 +191,9 @@ class Scenario(_Strict):
     checkpoint: CheckpointSpec = CheckpointSpec.model_validate({})  # by alias: "async"
     faults: list[Annotated[FaultConfig, Field(discriminator="kind")]] = []
     expect: Expect = Expect()
+    #: the longest each run (the fault-free reference, the faulty run) may last before its
+    #: job is killed and the run fails (exit 5): a job that deadlocks after a fault
+    time_limit_s: Annotated[Seconds, Field(gt=0)] = 3600.0
 
     @field_validator("name")
     @classmethod

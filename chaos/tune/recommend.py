@@ -53,8 +53,6 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
         check_seconds("MTBF", mtbf_s, strict=True, option="--mtbf-s")
     if sweep_steps is not None and sweep_steps < 2:
         raise TuneError(f"--sweep-steps must be >= 2, got {sweep_steps}")
-    if sweep_steps is not None:  # before the measuring run (minutes), not after it
-        _check_sweep_steps(sweep_steps)
     for option, value in (("--sweep-every", every), ("--sweep-steps", sweep_steps)):
         if value is not None and not do_sweep:
             raise TuneError(f"{option}: only with --sweep (it chooses the sweep's runs)")
@@ -103,6 +101,8 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
         if mtbf_s is None:
             raise TuneError(f"{scenario}: no fault with mtbf_s that stops the job, so "
                                   "there is no failure rate to tune for; give --mtbf-s")
+        if sweep_steps is not None:  # before the measuring run (minutes), not after it
+            _check_sweep_steps(sweep_steps, s.time_limit_s)
         with _folder(out, "measure") as folder:
             measured = measure_costs(s, folder, progress)
         ckpt_s = measured.ckpt_s
@@ -144,7 +144,8 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
     if do_sweep:
         assert s is not None and measured is not None and costs.step_s is not None
         steps = sweep_steps or max(s.trainer.steps, round(3 * costs.mtbf_s / costs.step_s))
-        _check_sweep_length(steps, costs.step_s, measured, explicit=sweep_steps is not None)
+        _check_sweep_length(steps, costs.step_s, measured, explicit=sweep_steps is not None,
+                            limit_s=s.time_limit_s)
         with _folder(out, "sweep") as folder:
             doc["sweep"] = sweep(
                 s, costs, measured, folder, every=every or sweep_every(rec, steps),
@@ -165,36 +166,34 @@ def recommend(scenario: str | None, mtbf_s: float | None, ckpt_cost_s: float | N
     return doc
 
 
-def _check_sweep_steps(steps: int) -> None:
-    """Refuse a ``--sweep-steps`` that no step time could fit in a run's time limit: even at
-    the model's shortest step (:data:`MIN_SECONDS`) its training alone would pass it. Known
-    before the measuring run; :func:`_check_sweep_length` checks with the measured step."""
-    from antifragile.chaos.run.runner import RUN_TIME_LIMIT_S
-
-    most = int(RUN_TIME_LIMIT_S / MIN_SECONDS)
+def _check_sweep_steps(steps: int, limit_s: float) -> None:
+    """Refuse a ``--sweep-steps`` that no step time could fit in a run's time limit (the
+    scenario's ``time_limit_s``): even at the model's shortest step (:data:`MIN_SECONDS`) its
+    training alone would pass it. Known before the measuring run; :func:`_check_sweep_length`
+    checks with the measured step."""
+    most = int(limit_s / MIN_SECONDS)
     if steps > most:
         raise TuneError(f"--sweep-steps {steps}: a sweep run of that many steps would pass "
-                        f"a run's time limit of {RUN_TIME_LIMIT_S:.0f} s even at "
+                        f"a run's time limit of {limit_s:.0f} s (time_limit_s) even at "
                         f"{MIN_SECONDS:g} s a step; give --sweep-steps {most} or fewer (the "
                         "bound for the measured step time is given once it is measured)")
 
 
 def _check_sweep_length(steps: int, step_s: float, measured: Measured, *,
-                        explicit: bool) -> None:
-    """Refuse a sweep whose runs' training alone would pass a run's time limit: each would be
-    killed there, and the first only after the runs before it (the default length is about
-    three MTBFs: a long MTBF asks for hours). Checked once the step time is measured."""
-    from antifragile.chaos.run.runner import RUN_TIME_LIMIT_S
-
+                        explicit: bool, limit_s: float) -> None:
+    """Refuse a sweep whose runs' training alone would pass a run's time limit (the
+    scenario's ``time_limit_s``): each would be killed there, and the first only after the
+    runs before it (the default length is about three MTBFs: a long MTBF asks for hours).
+    Checked once the step time is measured."""
     run_s = measured.startup_s + steps * step_s + measured.tail_s
-    if run_s <= RUN_TIME_LIMIT_S:
+    if run_s <= limit_s:
         return
     fixed_s = measured.startup_s + measured.tail_s
-    fitting = int((RUN_TIME_LIMIT_S - fixed_s) / step_s)
+    fitting = int((limit_s - fixed_s) / step_s)
     given = (f"--sweep-steps {steps}" if explicit else
              f"{steps} steps (about three MTBFs, the default)")
     said = (f"--sweep: each run of {given} at the measured {step_s:.3g} s a step would last at "
-            f"least {run_s:.0f} s, past a run's time limit of {RUN_TIME_LIMIT_S:.0f} s")
+            f"least {run_s:.0f} s, past a run's time limit of {limit_s:.0f} s (time_limit_s)")
     if fitting < 2:  # --sweep-steps takes 2 at least
         raise TuneError(f"{said}; no sweep run fits: the measured start-up "
                         f"({measured.startup_s:.0f} s) and tail ({measured.tail_s:.0f} s) with "
