@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -922,3 +923,31 @@ def test_a_pause_point_is_described_in_words() -> None:
     assert Point("p0", 12, None).describe() == "the end of step 12"
     assert Point("p1", 10, [1], phase="staged", on_pass=2).describe() == (
         "the save of step 10 at its phase 'staged' (pass 2)")
+
+
+def test_python_m_of_a_module_that_is_nowhere_is_refused_at_validation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m notamodule`` passed ``chaos validate``; the run then failed (exit 5) after
+    the reference's start-up, every rank saying "No module named notamodule". The module's
+    top-level name is looked for where a rank looks: the working directory, the scenario's
+    ``PYTHONPATH`` and the interpreter's own path (stdlib, installed packages)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ScenarioError) as exc:
+        parse_scenario(_doc(trainer={"command": ["python", "-m", "notamodule_xyz.train"]}),
+                       path="s.yaml")
+    assert ("s.yaml: trainer: command[2]: module 'notamodule_xyz' not found (looked in "
+            f"{tmp_path}, the working directory, and on the interpreter's path)") in \
+        str(exc.value), exc.value
+    for name in (".train", "mine/train.py", "mine.", "a b"):
+        with pytest.raises(ScenarioError, match=f"command\\[2\\]: {re.escape(repr(name))} is "
+                           "not a module name"):
+            parse_scenario(_doc(trainer={"command": ["python", "-m", name]}), path="s.yaml")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "train.py").write_text("x = 1\n")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "theirs.py").write_text("y = 1\n")
+    for command, env in ((["python", "-m", "mine.train"], {}),  # beside: the working folder
+                         (["python", "-mtheirs"], {"PYTHONPATH": str(tmp_path / "lib")}),
+                         (["python", "-m", "antifragile.trainer"], {}),  # installed
+                         (["python", "-u", "-m", "json.tool"], {})):  # the standard library
+        parse_scenario(_doc(trainer={"command": command, "env": env}))

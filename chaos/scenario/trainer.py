@@ -3,9 +3,12 @@ user's own script (``CommandSpec``), and what this machine can hold."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -297,6 +300,28 @@ class CommandSpec(_Strict):
             if "\0" in str(v):
                 raise ValueError(f"{k}: a value cannot hold a NUL byte")
         return {k: str(v) for k, v in env.items()}
+
+    @model_validator(mode="after")
+    def _module_found(self) -> CommandSpec:
+        """``python -m <module>``: its top-level package is somewhere a rank looks (the
+        working directory, the scenario's ``PYTHONPATH``, the interpreter's own path), found
+        without importing it; a typo failed every rank after the reference's start-up."""
+        runs = python_runs(self.command)
+        if runs is None or runs[0] != "-m":
+            return self
+        i = runs[1] if len(self.command[runs[1]]) > 2 else runs[1] + 1
+        module = self.command[i].removeprefix("-m")
+        top = module.split(".")[0]
+        if not all(part.isidentifier() for part in module.split(".")):
+            raise ValueError(f"command[{i}]: {module!r} is not a module name (give a dotted "
+                             "name such as pkg.train; a file runs as [python, path/to/it.py])")
+        cwd = os.getcwd()
+        paths = [cwd, *filter(None, str(self.env.get("PYTHONPATH", "")).split(os.pathsep))]
+        if (importlib.machinery.PathFinder.find_spec(top, paths) is None
+                and top not in sys.modules and importlib.util.find_spec(top) is None):
+            raise ValueError(f"command[{i}]: module {top!r} not found (looked in {cwd}, the "
+                             "working directory, and on the interpreter's path)")
+        return self
 
     @field_validator("command")
     @classmethod
