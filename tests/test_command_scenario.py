@@ -951,3 +951,16 @@ def test_python_m_of_a_module_that_is_nowhere_is_refused_at_validation(
                          (["python", "-m", "antifragile.trainer"], {}),  # installed
                          (["python", "-u", "-m", "json.tool"], {})):  # the standard library
         parse_scenario(_doc(trainer={"command": command, "env": env}))
+
+
+@pytest.mark.parametrize(("key", "shown"), [(True, "true"), (False, "false"), (3, "3"),
+                                            (1.5, "1.5"), (None, "null")])
+def test_an_env_name_that_yaml_reads_as_no_text_is_told_to_quote_it(key: Any,
+                                                                     shown: str) -> None:
+    """``env: {true: x}`` was refused as "trainer.env.1.[key]: Input should be a valid
+    string": YAML had read the name as a boolean (shown as 1), a number or null."""
+    with pytest.raises(ScenarioError) as exc:
+        parse_scenario(_doc(trainer={"env": {key: "x"}}), path="s.yaml")
+    assert (f"s.yaml: trainer.env: {shown} is a name YAML reads as a "
+            f"{'null' if key is None else type(key).__name__}, not text: quote it "
+            f"('{shown}')") in str(exc.value), exc.value

@@ -267,8 +267,15 @@ class CommandSpec(_Strict):
     @field_validator("env", mode="before")
     @classmethod
     def _env_values(cls, env: Any) -> Any:
-        """Texts and numbers; YAML's booleans would become "1"/"0" (not what was written)."""
+        """Texts and numbers; YAML's booleans would become "1"/"0" (not what was written).
+        Names are text: a boolean, number or null name was refused as "trainer.env.1.[key]"."""
         for k, v in env.items() if isinstance(env, dict) else ():
+            if not isinstance(k, str):
+                shown = ("null" if k is None else str(k).lower() if isinstance(k, bool)
+                         else str(k))
+                kind = "null" if k is None else type(k).__name__
+                raise ValueError(f"{shown} is a name YAML reads as a {kind}, not text: quote "
+                                 f"it ('{shown}')")
             if isinstance(v, bool):
                 raise ValueError(f"{k}: {v} is a YAML boolean (true/false/yes/no/on/off); quote "
                                  f"the text the variable should hold, e.g. '{str(v).lower()}'")
