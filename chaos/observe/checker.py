@@ -26,6 +26,7 @@ from antifragile.chaos.observe.measure import FaultTimings
 from antifragile.chaos.scenario import Scenario
 from antifragile.engine import CheckpointError, CheckpointNotFoundError
 from antifragile.engine._dtypes import as_bytes
+from antifragile.engine.storage import local_root
 from antifragile.trainer.ckpt_backends import committed_steps, foreign_steps, read_checkpoint
 from antifragile.trainer.ckpt_backends.base import MARKERS, first_line
 
@@ -310,10 +311,11 @@ def why_no_checkpoint(engine: str, url: str) -> str:
 
 def _local_entries(url: str) -> list[str]:
     """The names in a local folder ``url``, sorted; none for a remote URL or no folder."""
-    if "://" in url and not url.startswith("file://"):
+    root = local_root(url)
+    if root is None:
         return []
     try:
-        return sorted(os.listdir(url.removeprefix("file://")))
+        return sorted(os.listdir(root))
     except OSError:
         return []
 
