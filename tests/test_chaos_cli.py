@@ -785,3 +785,29 @@ def test_ctrl_c_while_the_command_line_is_imported_exits_130_without_a_traceback
     assert done.returncode == 130, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip() == "Aborted!" and done.stdout == "", done.stderr
+
+
+def _fault(**changes: Any) -> dict[str, Any]:
+    """A made kill_rank that ended attempt 0, with its recovery measured; ``changes`` on top."""
+    fault = {"kind": "kill_rank", "injected_step": 12, "rank": 1, "skipped": None,
+             "missed": None, "effect_observed": True, "effect": "rank 1 killed",
+             "ended_attempt": 0, "outage": None, "unmeasured": None, "interrupted_by_t": None,
+             "detect_s": 0.5, "restart_s": 3.0, "restore_s": 0.2, "recompute_s": 0.3,
+             "recovery_s": 4.0, "lost_steps": 2}
+    return {**fault, **changes}
+
+
+def test_the_fault_line_of_a_recovery_cut_short_by_the_next_fault_says_so() -> None:
+    """A recovery the next fault cut short passes the verdict (it is not a job that never came
+    back), yet ``chaos run`` printed "recovery not observed, lost steps None" under PASS, the
+    words of a job that did not come back; report.md says "interrupted by the next fault"."""
+    from antifragile.chaos.cli.run import _fault_line
+
+    cut = _fault(interrupted_by_t=1e9, recompute_s=None, recovery_s=None, lost_steps=None)
+    line = _fault_line(cut)
+    assert "interrupted by the next fault" in line, line
+    assert "not observed" not in line and "None" not in line, line
+    never = _fault(restart_s=None, restore_s=None, recompute_s=None, recovery_s=None,
+                   lost_steps=None, detect_s=None)
+    assert "recovery not observed" in _fault_line(never)
+    assert _fault_line(_fault()) == "kill_rank at step 12: recovery 4.00 s, lost steps 2"

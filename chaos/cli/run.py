@@ -151,6 +151,11 @@ def _fault_line(f: dict[str, Any]) -> str:
     if f["recovery_s"] is None and f.get("unmeasured"):
         return (f"{f['kind']}: the job restarted in {f['restart_s']:.2f} s after detection "
                 f"in {f['detect_s']:.2f} s; recovery not measured")
-    recovery = "not observed" if f["recovery_s"] is None else f"{f['recovery_s']:.2f} s"
-    return (f"{f['kind']} at step {f['injected_step']}: recovery {recovery}, "
-            f"lost steps {f['lost_steps']}")
+    if f["recovery_s"] is None and f.get("interrupted_by_t") is not None:
+        return (f"{f['kind']} at step {f['injected_step']}: recovery interrupted by the next "
+                "fault")
+    if f["recovery_s"] is None:
+        return f"{f['kind']} at step {f['injected_step']}: recovery not observed"
+    lost = "not measured" if f["lost_steps"] is None else f["lost_steps"]
+    return (f"{f['kind']} at step {f['injected_step']}: recovery {f['recovery_s']:.2f} s, "
+            f"lost steps {lost}")
