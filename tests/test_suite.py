@@ -159,6 +159,23 @@ def test_a_stall_measured_otherwise_in_the_baseline_is_not_compared() -> None:
     assert [r["metric"] for r in same["regressions"]] == ["stall (mean)"]
 
 
+def test_a_regression_of_a_stall_of_milliseconds_names_both_figures() -> None:
+    """Stalls are milliseconds: the reason printed two decimals, "stall (mean) 0.00 s ->
+    0.12 s (+4067%...)" for 0.003 s -> 0.125 s, a figure of 0 grown by 4067%, and the band
+    of several baselines read "0.00-0.01 s"; figures below 0.1 s now keep two significant
+    digits, as report.md shows them."""
+    got = suite.compare([_entry("s", [10.0], stalls=(0.125, 0.125))],
+                        _baseline(_entry("s", [10.0], stalls=(0.003, 0.003))), file="b.json")
+    (reason,) = [r["reason"] for r in got["regressions"]]
+    assert reason.startswith("stall (mean) 0.003 s -> 0.12 s (+4067%"), reason
+    bases = [(f"n{i}.json", _baseline(_entry("s", [10.0], stalls=(x, x))))
+             for i, x in enumerate((0.003, 0.008))]
+    got = suite.compare_many([_entry("s", [10.0], stalls=(0.125, 0.125))], bases)
+    (reason,) = [r["reason"] for r in got["regressions"]]
+    assert reason.startswith("stall (mean) 0.008 s -> 0.12 s"), reason
+    assert reason.endswith("stall (mean) 0.12 s against 0.003-0.008 s of 2 baselines"), reason
+
+
 def test_the_final_blocking_save_is_not_a_stall_of_training() -> None:
     doc = _report([4.0], stalls=(0.02, 0.04))
     doc["checkpoints"].append({"step": 12, "stall_s": 1.7, "final": True})

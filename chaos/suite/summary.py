@@ -212,8 +212,13 @@ def _worse(metric: str, base: float | None, cur: float | None, rel: float, floor
         return None
     change = f"+{(cur / base - 1) * 100:.0f}%" if base > 0 else "from 0"
     return {"metric": metric, "baseline": base, "current": cur,
-            "reason": f"{metric} {base:.2f} s -> {cur:.2f} s ({change}, limit +{rel:.0%} "
-                      f"and +{floor:g} s)"}
+            "reason": f"{metric} {_seconds(base)} s -> {_seconds(cur)} s ({change}, limit "
+                      f"+{rel:.0%} and +{floor:g} s)"}
+
+
+def _seconds(x: float) -> str:
+    """Two decimals, or two significant digits below 0.1 s: a stall of 3 ms is not 0.00."""
+    return f"{x:.2f}" if x == 0 or abs(x) >= 0.1 else f"{x:.2g}"
 
 
 def _lost(entry: dict[str, Any]) -> float | None:
@@ -316,7 +321,8 @@ def compare(entries: list[dict[str, Any]], baseline: dict[str, Any], *, file: st
                                            f"in {which}"})
             continue
         not_compared += [{"scenario": name, "reason": f"{metric}: measured in the baseline "
-                                                      f"({_fmt(base[key])}{unit}), not in this run"}
+                                                      f"({_figure(base[key], unit, 3)}{unit}), not "
+                                                      "in this run"}
                          for metric, key, unit in _FIGURES
                          if base.get(key) is not None and cur.get(key) is None]
         found = _checks(base, cur, tol, stall="stall (mean)" not in other_meaning)
@@ -347,8 +353,14 @@ def _checks(base: dict[str, Any], cur: dict[str, Any], tol: Tolerances, *, stall
     return found
 
 
+def _figure(x: float, unit: str, digits: int) -> str:
+    """A compared figure as the reasons show it: seconds as ``_seconds``, goodput to
+    ``digits`` decimals."""
+    return _seconds(x) if unit == " s" else _fmt(x, digits)
+
+
 def _band(values: list[float], unit: str, digits: int) -> str:
-    low, high = _fmt(min(values), digits), _fmt(max(values), digits)
+    low, high = _figure(min(values), unit, digits), _figure(max(values), unit, digits)
     return f"{low}{unit}" if low == high else f"{low}-{high}{unit}"
 
 
@@ -414,7 +426,7 @@ def compare_many(entries: list[dict[str, Any]], baselines: Sequence[tuple[str, d
             assert worst is not None
             values = [float(base[key]) for _, base, _ in against]
             n = len(values)
-            band = (f"{metric} {_fmt(cur[key], digits)}{unit} against "
+            band = (f"{metric} {_figure(cur[key], unit, digits)}{unit} against "
                     f"{_band(values, unit, digits)} of {n} baseline{'s' if n > 1 else ''}")
             regressions.append({"scenario": name, **worst, "against": file,
                                 "band": {"low": min(values), "high": max(values),
