@@ -562,6 +562,21 @@ def test_table_and_html_show_failures_regressions_and_escape(tmp_path: Path) -> 
     assert "<link" not in page and "src=" not in page  # self-contained
 
 
+def test_the_html_says_which_scenarios_failed_and_which_were_skipped(tmp_path: Path) -> None:
+    """summary.html listed a skipped scenario's reasons and a failed one's side by side under
+    "Failures and skipped faults", each only "name: reason": the page did not say which of
+    them failed, which the table prints as SKIPPED and FAIL (reports/README.md: "SKIPPED
+    name: reason")."""
+    skipped = _entry("netns", [5.0], verdict="skipped")
+    skipped["reasons"] = ["drop_link at step 5: skipped: needs root"]
+    bad = _entry("bad", [5.0], verdict="fail")
+    bad["reasons"] = ["final state differs"]
+    page = suite.write_html(tmp_path, suite.build([skipped, bad], suite="d", wall_s=1.0)
+                            ).read_text()
+    assert "<li>SKIPPED <b>netns</b>: drop_link at step 5: skipped: needs root</li>" in page
+    assert "<li>FAIL <b>bad</b>: final state differs</li>" in page
+
+
 def test_skipped_scenarios_are_counted_apart_and_never_ok(tmp_path: Path) -> None:
     """A scenario whose fault could not be made here was not tested: not a pass, not a
     failure. A suite with one (even only skipped ones) is not ok: exit 3 unless one failed."""

@@ -548,7 +548,9 @@ def write_html(out: Path, summary: dict[str, Any]) -> Path:
                      + "".join(f"<td class='{k}'>{esc(v)}</td>" for k, v in zip(cls, cells))
                      + f"<td>{' '.join(links)}</td></tr>")
     parts.append("</table>")
-    notes = [f"<li><b>{esc(e['name'])}</b>: {esc(r)}</li>"
+    # labelled as the table labels them: a skipped scenario is not a failure
+    notes = [f"<li>{'SKIPPED' if e['verdict'] == 'skipped' else 'FAIL'} "
+             f"<b>{esc(e['name'])}</b>: {esc(r)}</li>"
              for e in summary["scenarios"] for r in e["reasons"]]
     notes += [f"<li><b>{esc(e['name'])}</b>: {esc(s['kind'])} skipped: {esc(s['reason'])}</li>"
               for e in summary["scenarios"] if e["verdict"] != "skipped" for s in e["skipped"]]
