@@ -331,6 +331,21 @@ def test_the_markdown_escapes_html_in_the_description_reasons_and_fault_notes(
     assert "missing ranks [3] &lt;tmp&gt; &amp; more |" in md
 
 
+def test_a_verdict_reason_of_several_lines_stays_one_item_of_the_markdown_list(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """A volume server that did not come back fails the verdict with its log's last lines
+    in the reason; report.md wrote them as they were, so a log line of "====" made the
+    reason above it a heading and one of "- ..." a list item of its own."""
+    reason = ("storage_node_down at step 5: storage did not come back: volume server 1 did "
+              "not come back within 30 s; log /x/volume1.log:\n====\n- F1205 bind: in use")
+    verdict = {**doc["verdict"], "verdict": "fail", "reasons": [reason, "second"]}
+    md = report.write_markdown(tmp_path, {**doc, "verdict": verdict}).read_text()
+    assert ("- storage_node_down at step 5: storage did not come back: volume server 1 did "
+            "not come back within 30 s; log /x/volume1.log: ==== - F1205 bind: in use\n"
+            "- second\n") in md, md
+    assert "\n====" not in md and "\n- F1205" not in md
+
+
 def test_the_markdown_shows_a_stall_of_milliseconds_as_what_it_is(
         doc: dict[str, Any], tmp_path: Path) -> None:
     """A staging stall is a few milliseconds on a small state; two decimals wrote every one

@@ -274,6 +274,12 @@ def _md(text: str) -> str:
     return html.escape(text, quote=False)
 
 
+def _md_item(text: str) -> str:
+    """Free text as one item of a Markdown list: its line breaks (a log's last lines in an
+    error) joined, so no line of it starts a heading, a list or a paragraph of its own."""
+    return _md(" ".join(text.split()))
+
+
 def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None = None) -> Path:
     """``plots``: link the PNGs that were drawn (and say which were not, and why)."""
     s, v, run = report["scenario"], report["verdict"], report["run"]
@@ -288,7 +294,7 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
                  if vs_ref is not None else "")
               + f", attempts {run['attempts']}, final step {_fmt(run['final_step'])}",
               f"- bitwise equal to the fault-free reference: {_fmt(v['bitwise_equal'])}"]
-    lines += [f"- {_md(str(reason))}" for reason in v["reasons"]]
+    lines += [f"- {_md_item(str(reason))}" for reason in v["reasons"]]
     cost = run.get("checkpoint_cost")
     if cost:
         lines.append(f"- checkpoints cost the training loop {_fmt(cost['stall_s'], ' s')} of "
@@ -308,7 +314,7 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
                   + ", ".join(f"`{k}`" for k in report["differing_entries"])]
     if report.get("not_measured"):
         lines += ["", "## Not measured", ""]
-        lines += [f"- {what}" for what in report["not_measured"]]
+        lines += [f"- {_md_item(what)}" for what in report["not_measured"]]
     lines += ["", "## Faults", "",
               "| kind | step | rank | effect seen | mode | detect s | re-form s | restore s | "
               "recompute s | recovery s | restored step | lost steps | note |",
