@@ -346,6 +346,25 @@ def test_a_verdict_reason_of_several_lines_stays_one_item_of_the_markdown_list(
     assert "\n====" not in md and "\n- F1205" not in md
 
 
+def test_the_html_marks_red_only_the_faults_that_fail_the_verdict(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """A recovery the next fault cut short, or one a script's events cannot time, has a
+    restored step and no recovery time: report.html drew its row red, as for a job that came
+    back and never caught up, under a PASS banner (report.md says "interrupted by the next
+    fault"; the verdict holds neither against the run)."""
+    made = {**doc["faults"][0], "skipped": None, "missed": None, "effect_observed": True,
+            "ended_attempt": 0, "restored_step": 4, "recovery_s": None, "recompute_s": None,
+            "interrupted_by_t": None, "unmeasured": None}
+    faults = [{**made, "interrupted_by_t": made["injected_t"] + 5.0},
+              {**made, "unmeasured": "recompute, recovery and lost steps: no step reported"},
+              made]  # came back, never got back to its step: the verdict fails it
+    report.write_html(tmp_path, {**doc, "faults": faults}, [])
+    page = (tmp_path / "report.html").read_text()
+    table = page.split("<h2>Faults</h2>", 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r"<tr(?: class=\"(\w+)\")?><td>", table)
+    assert rows == ["", "", "bad"], rows
+
+
 def test_the_markdown_shows_a_stall_of_milliseconds_as_what_it_is(
         doc: dict[str, Any], tmp_path: Path) -> None:
     """A staging stall is a few milliseconds on a small state; two decimals wrote every one

@@ -444,6 +444,15 @@ def _more(fault: dict[str, Any]) -> str:
     return json.dumps(extra, separators=(", ", ": "), default=str) if extra else ""
 
 
+def _failed_fault(f: dict[str, Any]) -> bool:
+    """A fault the verdict holds against the run: no effect, or a job that came back and
+    never got back to the fault's step (not a recovery the next fault cut short, nor one the
+    script's events cannot time)."""
+    return f.get("effect_observed") is False or (
+        f.get("recovery_s") is None and f.get("restored_step") is not None
+        and f.get("interrupted_by_t") is None and not f.get("unmeasured"))
+
+
 def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
     """``report.html``: verdict, run summary, faults, checkpoints, plots, environment, scenario."""
     report = _without_secrets(report)
@@ -496,9 +505,7 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
         [[f["kind"], f["injected_t"] - t0 if t0 is not None else f["injected_t"],
           *(_recovery_cell(f) if k == "recovery_s" and f.get("recovery_s") is None else f.get(k)
             for k in _FAULT_COLUMNS[1:]), _more(f)] for f in faults],
-        ["bad" if f.get("effect_observed") is False or (
-            f.get("recovery_s") is None and f.get("restored_step") is not None) else ""
-         for f in faults])
+        ["bad" if _failed_fault(f) else "" for f in faults])
         if faults else "<p>No faults in this scenario.</p>")
     cks = report.get("checkpoints") or []
     parts.append("<h2>Checkpoints</h2>")
