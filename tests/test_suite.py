@@ -253,6 +253,12 @@ def test_baseline_that_is_not_a_summary_is_bad_input(tmp_path: Path) -> None:
     ({"entry": {"recovery_max_s": True}}, "scenarios.0 (a).recovery_max_s: True is not"),
     ({"entry": {"faults_made": "2"}},
      "scenarios.0 (a).faults_made: '2' is not a whole number >= 0"),
+    # an integer too large for a float: float() of it raised OverflowError, a traceback (for
+    # faults_made after every scenario had run, losing the suite's summary)
+    ({"entry": {"wall_s": 10**400}}, "scenarios.0 (a).wall_s: 1000000000000000000000000000000"
+                                     "000000000... is not a number >= 0"),
+    ({"entry": {"faults_made": 10**400}}, "scenarios.0 (a).faults_made: 100000000000000000"
+                                          "0000000000000000000000... is not a whole number"),
 ])
 def test_a_baseline_with_garbled_figures_is_bad_input(tmp_path: Path, change: dict[str, Any],
                                                       message: str) -> None:
@@ -270,6 +276,16 @@ def test_a_baseline_with_garbled_figures_is_bad_input(tmp_path: Path, change: di
         suite.load_baseline(path)
     assert str(raised.value).startswith(f"{path}: "), raised.value
     assert message in str(raised.value)
+
+
+def test_a_baseline_with_a_number_python_will_not_read_is_bad_input(tmp_path: Path) -> None:
+    """An integer of more than 4,300 digits is a ValueError of Python's int conversion, not a
+    JSONDecodeError: the baseline's load ended in a traceback."""
+    path = tmp_path / "prev.json"
+    path.write_text('{"format": 1' + "0" * 5000 + ', "scenarios": []}')
+    with pytest.raises(suite.SuiteError, match=r"prev\.json: the baseline is not JSON this can "
+                       r"read: Exceeds the limit \(4300 digits\)"):
+        suite.load_baseline(path)
 
 
 def test_a_baseline_that_names_a_scenario_twice_is_bad_input(tmp_path: Path) -> None:

@@ -148,6 +148,8 @@ def load_baseline(path: Path) -> dict[str, Any]:
         raise SuiteError(f"{path}: cannot read the baseline: {exc.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SuiteError(f"{path}: the baseline is not JSON: {exc}") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise SuiteError(f"{path}: the baseline is not JSON this can read: {exc}") from None
     except RecursionError:  # the decoder recurses once per level of nesting
         raise SuiteError(f"{path}: the baseline is nested too deeply to be a summary") from None
     scenarios = doc.get("scenarios") if isinstance(doc, dict) else None
@@ -195,15 +197,30 @@ def _garbled(doc: dict[str, Any]) -> str | None:
         first[e["name"]] = i
         for key in _COMPARED_SECONDS:
             x = e.get(key)
-            if x is not None and (isinstance(x, bool) or not isinstance(x, int | float)
-                                  or not math.isfinite(x) or x < 0):
-                return f"scenarios.{i} ({e['name']}).{key}: {x!r} is not a number >= 0"
+            if x is not None and not (_is_number(x) and math.isfinite(x) and x >= 0):
+                return f"scenarios.{i} ({e['name']}).{key}: {_shown(x)} is not a number >= 0"
         made = e.get("faults_made")
-        if made is not None and (isinstance(made, bool) or not isinstance(made, int)
-                                 or made < 0):
-            return (f"scenarios.{i} ({e['name']}).faults_made: {made!r} is not a whole "
+        if made is not None and not (_is_number(made) and isinstance(made, int) and made >= 0):
+            return (f"scenarios.{i} ({e['name']}).faults_made: {_shown(made)} is not a whole "
                     "number >= 0")
     return None
+
+
+def _is_number(x: Any) -> bool:
+    """An int or a float that computes as a float (an integer of 400 digits overflows)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    try:
+        float(x)
+    except OverflowError:
+        return False
+    return True
+
+
+def _shown(x: Any) -> str:
+    """``x`` as the error shows it: its repr, cut at 40 characters."""
+    text = repr(x)
+    return text if len(text) <= 40 else f"{text[:40]}..."
 
 
 def _worse(metric: str, base: float | None, cur: float | None, rel: float, floor: float
