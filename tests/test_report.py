@@ -475,6 +475,27 @@ def test_the_checkpoint_plot_labels_a_sub_millisecond_save_with_what_was_measure
     assert [t.get_text() for t in persist_ax.texts] == ["0.0031 s", "0.25 s"]
 
 
+def test_the_checkpoint_plot_marks_the_final_save_as_the_jobs_shutdown() -> None:
+    """The run's final blocking save waits for its whole persist: the report's tables mark it
+    "N (final)" and the checkpoints' cost and the suite's stall leave it out, but
+    checkpoints.png drew it as one more stall of training, most often the tallest bar."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    cks = [{"attempt": 0, "step": 5, "stall_s": 0.012, "persist_s": 0.08, "bytes": 10,
+            "committed": True},
+           {"attempt": 0, "step": 10, "stall_s": 0.11, "persist_s": 0.06, "bytes": 10,
+            "committed": True, "final": True}]
+    fig = Figure()
+    plots._draw_checkpoints(fig, {"scenario": {"name": "s"}, "checkpoints": cks})
+    stall_ax, persist_ax = fig.axes[:2]
+    assert [t.get_text() for t in persist_ax.get_xticklabels()] == ["5", "10 (final)"]
+    bars = [p for p in stall_ax.patches if isinstance(p, Rectangle)]
+    assert bars[0].get_facecolor() != bars[1].get_facecolor()
+    legend = [t.get_text() for t in stall_ax.get_legend().get_texts()]
+    assert "final save (the job's shutdown, not a stall of training)" in legend, legend
+
+
 def test_a_host_down_is_drawn_on_every_rank_it_took() -> None:
     """``host_down`` kills every rank of its host; the timeline's injection carried only the
     first (the injection's ``rank``), so the plot drew the host's other ranks training on, as

@@ -27,6 +27,7 @@ NAMES = ("loss.png", "timeline.png", "checkpoints.png")  # every plot a report m
 ATTEMPT_COLORS = ["#1f77b4", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#7f7f7f"]
 FAULT_COLOR = "#d62728"
 RECOVERY_COLOR = "#2ca02c"
+FINAL_COLOR = "#bdbdbd"  # the final save's wait: shutdown, not training
 _LABEL_BOX = {"boxstyle": "round,pad=0.15", "fc": "white", "alpha": 0.75, "lw": 0}
 _FAILURES = {"kill_rank", "crash_during_save", "host_down"}
 
@@ -294,13 +295,17 @@ def _draw_checkpoints(fig: Any, doc: dict[str, Any]) -> None:
     stall_ax, persist_ax = fig.subplots(2, 1, sharex=True)
     cks = doc.get("checkpoints") or []
     several = len({c["attempt"] for c in cks}) > 1
-    labels = [f"{c['step']}" + (f"\n(a{c['attempt']})" if several else "") for c in cks]
+    # the run's final blocking save: its stall is the job's shutdown (its whole persist), not
+    # a stall of training; the tables mark it "N (final)" and the checkpoints' cost leaves it out
+    labels = [f"{c['step']}" + (" (final)" if c.get("final") else "")
+              + (f"\n(a{c['attempt']})" if several else "") for c in cks]
     xs = list(range(len(cks)))
     stall_ax.set_title(f"{doc['scenario']['name']}: checkpoint cost per save "
                        "(slowest rank)")
     stall = [c.get("stall_s") or 0.0 for c in cks]
     persist = [c.get("persist_s") or 0.0 for c in cks]
-    colors = ["#ff7f0e" if c.get("committed") else FAULT_COLOR for c in cks]
+    colors = [FAULT_COLOR if not c.get("committed") else FINAL_COLOR if c.get("final")
+              else "#ff7f0e" for c in cks]
     stall_ax.bar(xs, stall, color=colors)
     persist_ax.bar(xs, persist, color=["#2ca02c" if c.get("committed") else FAULT_COLOR
                                        for c in cks])
@@ -325,6 +330,9 @@ def _draw_checkpoints(fig: Any, doc: dict[str, Any]) -> None:
                         ha="center")
     handles = [Patch(color="#ff7f0e", label="stall (committed)"),
                Patch(color="#2ca02c", label="persist (committed)")]
+    if any(c.get("final") for c in cks):
+        handles.append(Patch(color=FINAL_COLOR,
+                             label="final save (the job's shutdown, not a stall of training)"))
     if any(not c.get("committed") for c in cks):
         handles.append(Patch(color=FAULT_COLOR, label="not committed (failed or cut short)"))
-    stall_ax.legend(handles=handles, loc="upper right", fontsize=8)
+    stall_ax.legend(handles=handles, loc="best", fontsize=8)  # off the bars and labels
