@@ -496,6 +496,26 @@ def test_the_checkpoint_plot_marks_the_final_save_as_the_jobs_shutdown() -> None
     assert "final save (the job's shutdown, not a stall of training)" in legend, legend
 
 
+def test_the_loss_plot_says_never_caught_up_only_of_a_job_that_did_not() -> None:
+    """A recovery the next fault cut short passes the verdict, and one a script's events
+    cannot time is not measured; loss.png labelled both "never caught up", the words of a job
+    that came back and never got back to the fault's step (a failed verdict)."""
+    from matplotlib.figure import Figure
+
+    made = {"kind": "kill_rank", "injected_step": 12, "rank": 1, "skipped": None,
+            "missed": None, "restored_step": 10, "recovery_s": None, "interrupted_by_t": None,
+            "unmeasured": None}
+    faults = [{**made, "interrupted_by_t": 1e9}, {**made, "unmeasured": "recovery: no steps"},
+              made, {**made, "recovery_s": 3.86}]
+    fig = Figure()
+    plots._draw_loss(fig, {"scenario": {"name": "s"}, "faults": faults, "losses": []})
+    restored = [t.get_text() for t in fig.axes[0].texts if t.get_text().startswith("restored")]
+    assert restored == ["restored step 10; interrupted by the next fault",
+                        "restored step 10; recovery not measured",
+                        "restored step 10; never caught up",
+                        "restored step 10; caught up after 3.9 s"], restored
+
+
 def test_a_host_down_is_drawn_on_every_rank_it_took() -> None:
     """``host_down`` kills every rank of its host; the timeline's injection carried only the
     first (the injection's ``rank``), so the plot drew the host's other ranks training on, as

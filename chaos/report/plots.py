@@ -142,6 +142,8 @@ def _draw_loss(fig: Any, doc: dict[str, Any]) -> None:
             shaded = True
         ax.axvline(restored, color=RECOVERY_COLOR, ls=":", lw=1.5, zorder=1)
         caught = (f"caught up after {f['recovery_s']:.1f} s" if f.get("recovery_s") is not None
+                  else "interrupted by the next fault" if f.get("interrupted_by_t") is not None
+                  else "recovery not measured" if f.get("unmeasured")
                   else "never caught up")
         ax.annotate(f"restored step {restored}; {caught}", (restored, 0.0),
                     xycoords=("data", "axes fraction"), xytext=(-3, 4),
