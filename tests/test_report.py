@@ -365,6 +365,28 @@ def test_the_html_marks_red_only_the_faults_that_fail_the_verdict(
     assert rows == ["", "", "bad"], rows
 
 
+def test_a_scenario_whose_faults_never_fired_is_not_said_to_have_none(
+        doc: dict[str, Any], tmp_path: Path) -> None:
+    """A fault whose trigger was never reached has no entry in ``faults``: report.html then
+    said "No faults in this scenario." of a scenario that has them (the verdict fails it as
+    never injected) and report.md showed an empty table."""
+    scenario_faults = doc["scenario"]["faults"]
+    assert scenario_faults
+    never = {**doc, "faults": []}
+    report.write_html(tmp_path, never, [])
+    page = (tmp_path / "report.html").read_text()
+    n = len(scenario_faults)
+    said = f"No fault was injected; the scenario has {n} (see the verdict)."
+    assert said in page and "No faults in this scenario." not in page
+    md = report.write_markdown(tmp_path, never).read_text()
+    assert f"## Faults\n\n{said}\n" in md, md
+    none = {**never, "scenario": {**doc["scenario"], "faults": []}}
+    report.write_html(tmp_path, none, [])
+    assert "No faults in this scenario." in (tmp_path / "report.html").read_text()
+    assert "## Faults\n\nNo faults in this scenario.\n" in report.write_markdown(
+        tmp_path, none).read_text()
+
+
 def test_the_markdown_shows_a_stall_of_milliseconds_as_what_it_is(
         doc: dict[str, Any], tmp_path: Path) -> None:
     """A staging stall is a few milliseconds on a small state; two decimals wrote every one

@@ -268,6 +268,14 @@ def _recovery_cell(f: dict[str, Any]) -> str:
     return "-"
 
 
+def _no_faults(scenario: dict[str, Any]) -> str:
+    """What the faults section says when none was injected: a scenario with faults whose
+    triggers were never reached is not one without faults (the verdict fails it)."""
+    n = len(scenario.get("faults") or [])
+    return (f"No fault was injected; the scenario has {n} (see the verdict)." if n
+            else "No faults in this scenario.")
+
+
 def _md(text: str) -> str:
     """Free text (a description, an error message, a log line) as Markdown text: ``<`` and
     ``&`` escaped, so a viewer shows them as report.html does instead of rendering a tag."""
@@ -315,10 +323,13 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
     if report.get("not_measured"):
         lines += ["", "## Not measured", ""]
         lines += [f"- {_md_item(what)}" for what in report["not_measured"]]
-    lines += ["", "## Faults", "",
-              "| kind | step | rank | effect seen | mode | detect s | re-form s | restore s | "
-              "recompute s | recovery s | restored step | lost steps | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "## Faults", ""]
+    if report["faults"]:
+        lines += ["| kind | step | rank | effect seen | mode | detect s | re-form s | "
+                  "restore s | recompute s | recovery s | restored step | lost steps | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    else:
+        lines.append(_no_faults(s))
     for f in report["faults"]:
         note = f["skipped"] or f.get("effect") or ""
         if f.get("fallback"):
@@ -506,7 +517,7 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
           *(_recovery_cell(f) if k == "recovery_s" and f.get("recovery_s") is None else f.get(k)
             for k in _FAULT_COLUMNS[1:]), _more(f)] for f in faults],
         ["bad" if _failed_fault(f) else "" for f in faults])
-        if faults else "<p>No faults in this scenario.</p>")
+        if faults else f"<p>{html.escape(_no_faults(s))}</p>")
     cks = report.get("checkpoints") or []
     parts.append("<h2>Checkpoints</h2>")
     parts.append(html_table(
