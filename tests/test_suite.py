@@ -259,6 +259,14 @@ def test_baseline_that_is_not_a_summary_is_bad_input(tmp_path: Path) -> None:
                                      "000000000... is not a number >= 0"),
     ({"entry": {"faults_made": 10**400}}, "scenarios.0 (a).faults_made: 100000000000000000"
                                           "0000000000000000000000... is not a whole number"),
+    # a newer chaos's summary was compared as if its figures meant what they mean here, and
+    # one of no scenario (no suite writes one) made every scenario "new": nothing compared,
+    # exit 0
+    ({"format": suite.FORMAT + 1}, f"format: {suite.FORMAT + 1} is newer than this chaos "
+                                   f"reads (format {suite.FORMAT}): a baseline from a newer "
+                                   "chaos"),
+    ({"scenarios": []}, "scenarios: none (no chaos suite writes a summary of no scenario): "
+                        "nothing to compare with"),
 ])
 def test_a_baseline_with_garbled_figures_is_bad_input(tmp_path: Path, change: dict[str, Any],
                                                       message: str) -> None:

@@ -189,6 +189,12 @@ def _garbled(doc: dict[str, Any]) -> str | None:
     fmt = doc.get("format", 1)
     if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt < 1:
         return f"format: {fmt!r} is not a summary format (a whole number >= 1)"
+    if fmt > FORMAT:  # its figures may mean what this code does not know
+        return (f"format: {fmt} is newer than this chaos reads (format {FORMAT}): a baseline "
+                "from a newer chaos")
+    if not doc["scenarios"]:  # every scenario would be "new": nothing compared, exit 0
+        return ("scenarios: none (no chaos suite writes a summary of no scenario): nothing to "
+                "compare with")
     first: dict[str, int] = {}
     for i, e in enumerate(doc["scenarios"]):
         if e["name"] in first:  # compare would keep the last entry of a name only
