@@ -433,6 +433,9 @@ def _fault(**fault: Any) -> dict[str, Any]:
      "s.yaml: trainer.hang_timeout_s: Input should be greater than or equal to 0.1"),
     (_with(trainer={"collective_timeout_s": float("inf")}),
      "s.yaml: trainer.collective_timeout_s: Input should be a finite number"),
+    # validated, then refused by the trainer at launch (exit 2 on every worker)
+    (_with(trainer={"collective_timeout_s": 0.5}),
+     "s.yaml: trainer.collective_timeout_s: Input should be greater than or equal to 1"),
 ], ids=lambda v: "" if isinstance(v, dict) else v[:50])
 def test_values_that_would_fail_only_at_run_time_are_refused(doc: Any, message: str) -> None:
     """Caught before anything runs, one line each: a checkpoint the run never has (the fault

@@ -169,6 +169,13 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     (["--collective-timeout-s", "0"], "collective_timeout_s must be a finite number > 0"),
     (["--collective-timeout-s", "-5"], "collective_timeout_s must be a finite number > 0"),
     (["--ckpt-timeout-s", "0"], "ckpt_timeout_s must be a finite number > 0"),
+    # accepted, then every training process died with a traceback: the launcher's store
+    # cannot be reached in 1 ms, nor the job's workers gathered for the first formation in
+    # 10 ms (exit 1 on every rank, which torchrun restarts into the same)
+    (["--collective-timeout-s", "0.001"],
+     "collective_timeout_s must be at least 1 s (it bounds each worker's connection to the "
+     "launcher's store and the wait for every worker to start), got 0.001"),
+    (["--collective-timeout-s", "0.5"], "collective_timeout_s must be at least 1 s"),
     # accepted, then every save failed waiting on its writes (OverflowError: a lock's timeout
     # past threading.TIMEOUT_MAX, 9.2e9 s): the run trained to its end unsaved and exited 46;
     # a collective timeout past timedelta's range was a traceback in every training process

@@ -12,6 +12,7 @@ from antifragile.trainer.ckpt_backends import ENGINES
 from antifragile.trainer.model import ModelConfig
 from antifragile.trainer.parallel.dims import ParallelDims
 from antifragile.trainer.progress import (
+    MIN_COLLECTIVE_TIMEOUT_S,
     MIN_HANG_TIMEOUT_S,
     MIN_LEASE_S,
     WATCH_POLL_S,
@@ -67,6 +68,11 @@ class TrainConfig:
             if not 0 < getattr(self, name) <= MAX_TIMEOUT_S:
                 raise ValueError(f"{name} must be a finite number > 0 and at most "
                                  f"{MAX_TIMEOUT_S:g} s, got {getattr(self, name)}")
+        if self.collective_timeout_s < MIN_COLLECTIVE_TIMEOUT_S:
+            raise ValueError(f"collective_timeout_s must be at least {MIN_COLLECTIVE_TIMEOUT_S:g} "
+                             "s (it bounds each worker's connection to the launcher's store and "
+                             "the wait for every worker to start), got "
+                             f"{self.collective_timeout_s:g}")
         per_dp, rem = divmod(self.batch_size, self.parallel.dp)
         if rem:
             raise ValueError(f"batch size {self.batch_size} is not divisible by dp "
@@ -163,7 +169,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                    help="the last step's checkpoint is retried while it fails for this long; "
                    "then the run exits with code 46, its last steps not saved")
     p.add_argument("--no-async-ckpt", action="store_true")
-    p.add_argument("--collective-timeout-s", type=float, default=60.0)
+    p.add_argument("--collective-timeout-s", type=float, default=60.0,
+                   help="how long a collective, a worker's connection to the launcher's store "
+                   "and the wait for every worker to start may take (at least 1 s)")
     p.add_argument("--hang-timeout-s", type=float, default=None,
                    help="no training progress for this long is a hang (default: adaptive, "
                    "max(10 s, 20 x p99 of the intervals between progress bumps))")

@@ -28,6 +28,10 @@ MIN_LEASE_S = 1.0
 WATCH_POLL_S = 0.05  # how often the supervisor looks at the counter
 # the shortest hang timeout: two looks; a shorter one cannot tell a block's forward from a hang
 MIN_HANG_TIMEOUT_S = 2 * WATCH_POLL_S
+# the shortest collective timeout: it also bounds each worker's connection to the launcher's
+# store and the wait for every worker to start (importing torch takes seconds); below a second
+# every training process failed with a traceback, which a restart only repeated
+MIN_COLLECTIVE_TIMEOUT_S = 1.0
 LEASE_S = 5.0  # the default silence after which a slot is lost (see ``default_lease_s``)
 
 

@@ -24,7 +24,12 @@ from pydantic import (
 )
 
 from antifragile.chaos.faults.base import Seconds, memory_mib
-from antifragile.trainer.progress import MIN_HANG_TIMEOUT_S, MIN_LEASE_S, lease_conflict
+from antifragile.trainer.progress import (
+    MIN_COLLECTIVE_TIMEOUT_S,
+    MIN_HANG_TIMEOUT_S,
+    MIN_LEASE_S,
+    lease_conflict,
+)
 
 #: emulated hosts a run can have: ``chaos.infra.netns.MAX_HOSTS``
 MAX_NODES = 90
@@ -76,7 +81,9 @@ class TrainerSpec(_Strict):
     #: pp 1 each replica runs its batch in one pass)
     micro_batches: Annotated[StrictInt, Field(ge=1)] = 4
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    collective_timeout_s: Annotated[Seconds, Field(gt=0)] = 60.0
+    #: each collective's, the store connection's and the workers' start's timeout (at least
+    #: 1 s, as the trainer checks)
+    collective_timeout_s: Annotated[Seconds, Field(ge=MIN_COLLECTIVE_TIMEOUT_S)] = 60.0
     #: no training progress for this long is a hang; None: adaptive (max(10 s, 20 x p99 of
     #: the intervals between progress bumps))
     hang_timeout_s: Annotated[Seconds, Field(ge=MIN_HANG_TIMEOUT_S)] | None = None
