@@ -60,6 +60,28 @@ def test_file_backed_tokens(tmp_path: Path) -> None:
         TokenData(seq_len=16, vocab=50, seed=0, path=str(tmp_path / "bad.npy"))
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16, np.uint8])
+def test_a_token_file_of_any_integer_dtype_gives_the_same_batches(tmp_path: Path,
+                                                                  dtype: type) -> None:
+    """A file of int64 ids (numpy's default integer, what ``np.save(np.array(ids))`` writes)
+    gave samples that were views of the read-only memory map: torch warned in every training
+    process that the array is not writable (and the tensor aliased the file, which a rewrite
+    of it changes under the run). Every dtype now gives the same, own, batches, silently
+    (warnings are errors here)."""
+    ids = np.arange(1000) % 50
+    reference = tmp_path / "int32.npy"
+    np.save(reference, ids.astype(np.int32))
+    path = tmp_path / "tokens.npy"
+    np.save(path, ids.astype(dtype))
+    data = TokenData(seq_len=16, vocab=50, seed=0, path=str(path))
+    sample = data.sample(3)
+    assert sample.dtype == torch.int64
+    assert torch.equal(sample, TokenData(seq_len=16, vocab=50, seed=0,
+                                         path=str(reference)).sample(3))
+    sample += 1  # its own memory: the file and the next sample are unchanged
+    assert torch.equal(data.sample(3), sample - 1)
+
+
 def test_every_window_of_a_token_file_is_sampled(tmp_path: Path) -> None:
     """A sample is ``seq_len + 1`` tokens from a start drawn below ``len - seq_len - 1``
     (exclusive): the file's last window (its last token) was never drawn, and a file of

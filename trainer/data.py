@@ -93,7 +93,9 @@ class TokenData:
         if self._tokens is not None:
             start = int(torch.randint(len(self._tokens) - self.seq_len, (1,), generator=gen))
             window = self._tokens[start:start + self.seq_len + 1]
-            return torch.from_numpy(np.asarray(window, dtype=np.int64))
+            # a copy: of int64 ids, asarray gave a view of the read-only map (torch warned in
+            # every process, and the sample aliased the file)
+            return torch.from_numpy(np.array(window, dtype=np.int64))
         start = int(torch.randint(self.vocab, (1,), generator=gen))
         stride = int(torch.randint(1, 8, (1,), generator=gen))
         return (start + stride * torch.arange(self.seq_len + 1)) % self.vocab
