@@ -276,6 +276,33 @@ def test_torchsnapshot_refuses_to_reshard(tmp_path: Path) -> None:
     assert "saved by 2 ranks, this job has 1; torchsnapshot cannot reshard" in proc.stderr
 
 
+def test_a_torchsnapshot_resume_does_not_say_the_state_was_not_loaded(tmp_path: Path) -> None:
+    """torchsnapshot logs a warning for each object read without a target (the optimizer's
+    step counts, the train state): "`obj_out` is of type <class 'NoneType'>, which does not
+    support in-place load. Its state won't be changed after load." A user read on every
+    resume that the state was not restored, though the value read is used. The resume now
+    says nothing of the kind, and trains on from the saved step."""
+    import subprocess
+    import sys
+
+    from tests._trainer import SMALL_MODEL, env
+
+    def train(steps: int) -> subprocess.CompletedProcess[str]:
+        args = [*SMALL_MODEL, "--steps", str(steps), "--ckpt-every", "2", "--ckpt-engine",
+                "torchsnapshot", "--ckpt-url", str(tmp_path / "ckpt"), "--run-dir",
+                str(tmp_path)]
+        proc = subprocess.run([sys.executable, "-m", "antifragile.trainer", *args], env=env(),
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    train(2)
+    resumed = train(4)
+    assert [e["step"] for e in events(tmp_path) if e["event"] == "restore_end"] == [2]
+    assert "obj_out" not in resumed.stderr and "won't be changed" not in resumed.stderr, \
+        resumed.stderr[-3000:]
+
+
 # -- chaos run ----------------------------------------------------------------------------------
 
 TRAINER = {"parallel": {"dp": 2, "tp": 1, "pp": 1}, "steps": 12, "batch_size": 8,

@@ -56,6 +56,20 @@ from antifragile.trainer.ckpt_backends.base import (
 )
 
 MARKER = MARKERS["torchsnapshot"]
+
+
+class _NoInPlaceNote(logging.Filter):
+    """Drops torchsnapshot's note on every ``read_object`` without a target ("`obj_out` is of
+    type <class 'NoneType'>, which does not support in-place load. Its state won't be changed
+    after load"): a resume read its step counts and train state so, and the user read dozens
+    of times that the state was not restored, though the value read is what loads. Its other
+    warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "does not support in-place load" not in record.getMessage()
+
+
+logging.getLogger("torchsnapshot.snapshot").addFilter(_NoInPlaceNote())
 _CONTAINERS = {"dict", "list", "OrderedDict"}
 _NO_BATCHING = "TORCHSNAPSHOT_DISABLE_BATCHING"  # torchsnapshot.knobs
 
@@ -270,7 +284,6 @@ def read(url: str, step: int) -> dict[str, Any]:
     path = local_root(url) / step_name(step)
     if not (path / MARKER).is_file():
         raise CheckpointError(f"{path}: no committed torchsnapshot checkpoint (no {MARKER})")
-    logging.getLogger("torchsnapshot").setLevel(logging.ERROR)  # "obj_out ..." notes per read
     snapshot = torchsnapshot.Snapshot(str(path))
     out: dict[str, Any] = {}
     with _unbatched_reads():
