@@ -204,7 +204,10 @@ def test_pipeline_stages_compose_to_the_full_model() -> None:
     (["--ckpt-timeout-s", "1e10"], "ckpt_timeout_s must be a finite number > 0 and at most"),
     (["--collective-timeout-s", "1e14"],
      "collective_timeout_s must be a finite number > 0 and at most"),
-    (["--final-save-patience-s", "nan"], "final_save_patience_s must be >= 0, got nan"),
+    (["--final-save-patience-s", "nan"], "final_save_patience_s must be a finite number >= 0"),
+    # accepted, and the last save was retried forever (NaN was refused for exactly that)
+    (["--final-save-patience-s", "inf"], "final_save_patience_s must be a finite number >= 0 "
+                                         "and at most 1e+09 s, got inf"),
     (["--hang-timeout-s", "nan"], "hang_timeout_s must be > 0, got nan"),
     # accepted, and any pause between two blocks' forwards longer than it was a "hang" that
     # killed the process; the supervisor looks at the counter only every 0.05 s

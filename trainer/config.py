@@ -121,9 +121,9 @@ class TrainConfig:
                              "survivors out of their collectives by shutting down gloo's "
                              "connections, which does not interrupt an NCCL collective (an "
                              "NCCL communicator abort is not built); use --recovery restart")
-        if not self.final_save_patience_s >= 0:  # NaN too: it would retry forever
-            raise ValueError(f"final_save_patience_s must be >= 0, got "
-                             f"{self.final_save_patience_s}")
+        if not 0 <= self.final_save_patience_s <= MAX_TIMEOUT_S:  # NaN, inf: retried forever
+            raise ValueError(f"final_save_patience_s must be a finite number >= 0 and at most "
+                             f"{MAX_TIMEOUT_S:g} s, got {self.final_save_patience_s}")
         if self.hang_timeout_s is not None and not self.hang_timeout_s > 0:  # NaN: never a hang
             raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
         if self.hang_timeout_s is not None and self.hang_timeout_s < MIN_HANG_TIMEOUT_S:
