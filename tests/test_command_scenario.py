@@ -279,39 +279,20 @@ def test_the_reference_is_keyed_by_the_engine_and_the_installed_packages(
         pipeline._installed.cache_clear()
         assert _reference_key(s) == key
 
-def test_the_reference_is_keyed_by_the_probe_the_script_runs(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The probe runs inside the script's process: it holds ranks at pause points, writes the
-    events the reference's last step and losses are read from, and refuses what it refuses
-    (a step that is no integer). The key held the engine's and the trainer's code but not the
-    probe's: after a probe change that made the script fail, the reference cached with the
-    old probe was used, and the faulty run was failed against a reference run that the same
-    script could no longer make."""
-    from antifragile import probe
-    from antifragile.chaos.run import pipeline
-
-    script = tmp_path / "train.py"
-    script.write_text("x = 1\n")
-    s = parse_scenario(_doc(trainer={"command": ["python", str(script)]}))
-    key = _reference_key(s)
-    real = pipeline._file_digest
-    probe_file = Path(probe.__file__).resolve()
-    with monkeypatch.context() as m:  # the probe's code edited
-        m.setattr(pipeline, "_file_digest", lambda path, real=real: (
-            "edited" if path.resolve() == probe_file else real(path)))
-        pipeline._antifragile_code.cache_clear()
-        assert _reference_key(s) != key
-    pipeline._antifragile_code.cache_clear()
-    assert _reference_key(s) == key
-
-
 @pytest.mark.parametrize("trainer", ["command", "built-in"])
-def test_the_reference_is_keyed_by_the_launch_that_sets_the_scripts_environment(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trainer: str) -> None:
-    """``chaos.infra.launch`` gives every rank its environment and its torchrun command line
-    (``OMP_NUM_THREADS=1``, a fresh c10d store per attempt): its code decides what a run
-    computes as much as the script's, but an edit to it reused the reference cached before."""
-    from antifragile.chaos.infra import launch
+@pytest.mark.parametrize("module", ["antifragile.probe", "antifragile.chaos.infra.launch"])
+def test_the_reference_is_keyed_by_the_code_that_runs_in_and_around_the_ranks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trainer: str, module: str) -> None:
+    """The key held the engine's and the trainer's code only. The probe runs inside the
+    script's process: it holds ranks at pause points, writes the events the reference's last
+    step and losses are read from, and refuses what it refuses (a step that is no integer);
+    after a probe change that made the script fail, the reference cached with the old probe
+    was used, and the faulty run was failed against a reference run that the same script
+    could no longer make. ``chaos.infra.launch`` gives every rank its environment and its
+    torchrun command line (``OMP_NUM_THREADS=1``, a fresh c10d store per attempt): an edit to
+    it reused the reference cached before too."""
+    import importlib
+
     from antifragile.chaos.run import pipeline
 
     script = tmp_path / "train.py"
@@ -320,10 +301,10 @@ def test_the_reference_is_keyed_by_the_launch_that_sets_the_scripts_environment(
                        if trainer == "command" else {"name": "built-in"})
     key = _reference_key(s)
     real = pipeline._file_digest
-    launch_file = Path(launch.__file__).resolve()
-    with monkeypatch.context() as m:  # the launcher's code edited
+    edited = Path(importlib.import_module(module).__file__ or "").resolve()
+    with monkeypatch.context() as m:  # its code edited
         m.setattr(pipeline, "_file_digest", lambda path, real=real: (
-            "edited" if path.resolve() == launch_file else real(path)))
+            "edited" if path.resolve() == edited else real(path)))
         pipeline._antifragile_code.cache_clear()
         assert _reference_key(s) != key
     pipeline._antifragile_code.cache_clear()
