@@ -842,10 +842,12 @@ def test_two_hosts_whose_processes_share_pid_and_thread_id_never_share_a_tempora
     processes alike): a temporary file named by those alone was one file for both, the second
     writer truncated the first's bytes and renamed them away, and the first's rename failed
     (or its late rewrite went into the second's object)."""
-    from antifragile.engine.storage import LocalStorage
+    from antifragile.engine.storage import LocalStorage, _local
 
-    monkeypatch.setattr(os, "getpid", lambda: 7)
-    monkeypatch.setattr(threading, "get_ident", lambda: 1234)
+    # the names the engine takes them from, not os.getpid and threading.get_ident for every
+    # thread of the process: a thread of another test that ended meanwhile failed to remove
+    # itself from threading's table (KeyError: 1234)
+    monkeypatch.setattr(_local, "_writer", lambda: (7, 1234))
     first, second = LocalStorage(str(tmp_path)), LocalStorage(str(tmp_path))  # two hosts
     key = "step_000000001/w/c.0"
 

@@ -60,6 +60,12 @@ _NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS})
 _FOLDERS_MAX = 1 << 16  # folders remembered as made (a save makes one per array)
 
 
+def _writer() -> tuple[int, int]:
+    """The writing process and thread, in a temporary file's name (beside the storage's own
+    token: processes on two hosts may have the same pid and thread id)."""
+    return os.getpid(), threading.get_ident()
+
+
 class LocalStorage:
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -145,7 +151,8 @@ class LocalStorage:
         path = self._path(key)
         self._makedirs(os.path.dirname(path))
         # a kill never tears `path`
-        tmp = f"{path}.{os.getpid()}-{self._token}-{threading.get_ident()}.tmp"
+        pid, thread = _writer()
+        tmp = f"{path}.{pid}-{self._token}-{thread}.tmp"
         views = [memoryview(p).cast("B") for p in parts]
         views = [v for v in views if len(v)]
         direct = (self.direct_io is not False and not durable and bool(views)
