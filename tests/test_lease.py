@@ -401,3 +401,30 @@ def test_a_heartbeat_retires_at_once_while_it_connects_to_a_store_out_of_reach()
     t0 = time.monotonic()
     beat.retire()
     assert connecting and time.monotonic() - t0 < 2.0
+
+
+def test_a_spare_is_offered_only_once_its_slots_lease_is_held() -> None:
+    """A spare's training process registered itself (``register_spare``) as soon as it
+    started, while its supervisor was still connecting to the store to start its lease: a
+    host lost in that window (seen in the slow tier: host 1's spare ready 0.3 s before host 1
+    went dark) left a registered, warm spare that no lease monitor would ever judge, and a
+    re-formation that picked it (the oldest spare first) waited for a dead process. The
+    spare now registers once its slot's lease exists (or after ``timeout_s``, as before)."""
+    import threading
+
+    from antifragile.trainer.lease import register_when_leased
+    from antifragile.trainer.recovery import _spares
+
+    store = dist.HashStore()
+    js = _js(store)
+    registered = threading.Thread(target=register_when_leased, args=(_js(store), 3, "3.0"),
+                                  kwargs={"timeout_s": 30.0}, daemon=True)
+    registered.start()
+    time.sleep(0.3)
+    assert _spares(js) == []  # no lease of slot 3 yet: not offered
+    js.set("lease/3", _lease(3, "3.0", 0, generation=-1, member=False)[1])
+    registered.join(5.0)
+    assert not registered.is_alive() and _spares(js) == ["3.0"]
+    started = time.monotonic()
+    register_when_leased(js, 5, "5.0", timeout_s=0.2)  # a supervisor that never leases
+    assert time.monotonic() - started < 2.0 and _spares(js) == ["3.0", "5.0"]

@@ -37,10 +37,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from antifragile.trainer.progress import LEASE_S
-from antifragile.trainer.recovery import JobStore, declare_dead, job_done
+from antifragile.trainer.recovery import JobStore, declare_dead, job_done, register_spare
 
 INTERVAL_S = 0.25  # how often a lease is renewed, and the monitor looks (small jobs)
 RENEWALS_PER_S = 4000  # what the leases may cost the store, at most (requests per second)
+
+
+def register_when_leased(js: JobStore, slot: int, me: str, *, timeout_s: float) -> None:
+    """Offer ``me``, a spare's process, to re-formations (``register_spare``) once its slot's
+    supervisor holds a lease (it starts it while its child starts, over a store connection of
+    its own), or after ``timeout_s`` as before. Offered sooner, a spare whose host was lost in
+    between was never judged by the lease monitor (a slot never seen is not), and a
+    re-formation could give a rank to that dead process."""
+    deadline = time.monotonic() + timeout_s
+    while not js.has(f"lease/{slot}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    register_spare(js, me)
 
 
 def renewal_interval_s(slots: int, lease_s: float) -> float:

@@ -38,6 +38,7 @@ from antifragile.trainer.distributed import (
     leave,
 )
 from antifragile.trainer.events import EventLog
+from antifragile.trainer.lease import register_when_leased
 from antifragile.trainer.model import GPT, init_weights, keep_stage
 from antifragile.trainer.parallel import apply_fsdp, apply_tp, build_schedule
 from antifragile.trainer.pause import PausePoints
@@ -49,7 +50,6 @@ from antifragile.trainer.recovery import (
     first_formation,
     gather,
     recover,
-    register_spare,
     signal_failure,
     wait_for_assignment,
     worker_id,
@@ -205,7 +205,7 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
     else:
         progress.set(Phase.SPARE)
         if incarnation == 0:  # a dead slot's fresh process: its supervisor registered it
-            register_spare(js, me)
+            register_when_leased(js, launch.slot, me, timeout_s=cfg.collective_timeout_s)
         t0 = time.perf_counter()
         model = build_model(cfg)  # warm: torch imported, model built, before it is needed
         spare_log = EventLog(cfg.run_dir, -1, -1, name=f"spare{launch.slot}")
