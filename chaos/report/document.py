@@ -235,13 +235,16 @@ def _step_cell(c: dict[str, Any]) -> str:
     return f"{c['step']} (final)" if c.get("final") else str(c["step"])
 
 
+def figure(x: float) -> str:
+    """Two decimals, or two significant digits below 0.1 (a stall of milliseconds is not 0):
+    a figure as the reports and the suite's reasons show it."""
+    return f"{x:.2f}" if x == 0 or abs(x) >= 0.1 else f"{x:.2g}"
+
+
 def _fmt(x: Any, unit: str = "") -> str:
-    """Two decimals, or two significant digits below 0.1 (a stall of milliseconds is not 0)."""
     if x is None:
         return "-"
-    if isinstance(x, float):
-        return f"{x:.2f}{unit}" if x == 0 or abs(x) >= 0.1 else f"{x:.2g}{unit}"
-    return f"{x}{unit}"
+    return f"{figure(x)}{unit}" if isinstance(x, float) else f"{x}{unit}"
 
 
 def _share(x: float) -> str:

@@ -235,13 +235,8 @@ def _worse(metric: str, base: float | None, cur: float | None, rel: float, floor
         return None
     change = f"+{(cur / base - 1) * 100:.0f}%" if base > 0 else "from 0"
     return {"metric": metric, "baseline": base, "current": cur,
-            "reason": f"{metric} {_seconds(base)} s -> {_seconds(cur)} s ({change}, limit "
-                      f"+{rel:.0%} and +{floor:g} s)"}
-
-
-def _seconds(x: float) -> str:
-    """Two decimals, or two significant digits below 0.1 s: a stall of 3 ms is not 0.00."""
-    return f"{x:.2f}" if x == 0 or abs(x) >= 0.1 else f"{x:.2g}"
+            "reason": f"{metric} {report.figure(base)} s -> {report.figure(cur)} s ({change}, "
+                      f"limit +{rel:.0%} and +{floor:g} s)"}
 
 
 def _lost(entry: dict[str, Any]) -> float | None:
@@ -377,9 +372,9 @@ def _checks(base: dict[str, Any], cur: dict[str, Any], tol: Tolerances, *, stall
 
 
 def _figure(x: float, unit: str, digits: int) -> str:
-    """A compared figure as the reasons show it: seconds as ``_seconds``, goodput to
+    """A compared figure as the reasons show it: seconds as report.md shows them, goodput to
     ``digits`` decimals."""
-    return _seconds(x) if unit == " s" else _fmt(x, digits)
+    return report.figure(x) if unit == " s" else _fmt(x, digits)
 
 
 def _band(values: list[float], unit: str, digits: int) -> str:
