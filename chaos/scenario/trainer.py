@@ -320,11 +320,10 @@ class CommandSpec(_Strict):
         """``python -m <module>``: its top-level package is somewhere a rank looks (the
         working directory, the scenario's ``PYTHONPATH``, the interpreter's own path), found
         without importing it; a typo failed every rank after the reference's start-up."""
-        runs = python_runs(self.command)
-        if runs is None or runs[0] != "-m":
+        found = python_module(self.command)
+        if found is None:
             return self
-        i = runs[1] if len(self.command[runs[1]]) > 2 else runs[1] + 1
-        module = self.command[i].removeprefix("-m")
+        i, module = found
         top = module.split(".")[0]
         if not all(part.isidentifier() for part in module.split(".")):
             raise ValueError(f"command[{i}]: {module!r} is not a module name (give a dotted "
@@ -391,12 +390,18 @@ def _launcher_at(command: list[str]) -> int | None:
     would start a torchrun of its own, its ranks writing into the outer ranks' event files."""
     if os.path.basename(command[0]) == "torchrun":
         return 0
+    found = python_module(command)
+    return found[0] if found is not None and found[1] in _TORCHRUN_MODULES else None
+
+
+def python_module(command: list[str]) -> tuple[int, str] | None:
+    """Where a ``python -m`` command names its module (``-m<module>`` or ``-m <module>``) and
+    the module ("" when nothing follows ``-m``); None for any other command."""
     runs = python_runs(command)
     if runs is None or runs[0] != "-m":
         return None
-    i = runs[1] if len(command[runs[1]]) > 2 else runs[1] + 1  # -m<module> or -m <module>
-    module = command[i].removeprefix("-m") if i < len(command) else ""
-    return i if module in _TORCHRUN_MODULES else None
+    i = runs[1] if len(command[runs[1]]) > 2 else runs[1] + 1
+    return i, command[i].removeprefix("-m") if i < len(command) else ""
 
 
 def _not_found(name: str, bases: list[Path], where: str) -> str:
