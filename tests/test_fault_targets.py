@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -190,6 +190,19 @@ def test_the_latest_checkpoint_is_taken_once_the_save_in_flight_has_committed(
 def _state(pid: int) -> str | None:
     from antifragile.chaos.infra.weed import process_state
     return process_state(pid)
+
+
+def _state_once(pid: int, settled: Callable[[str | None], bool], within_s: float = 5.0
+                ) -> str | None:
+    """``pid``'s state once ``settled`` by it, or as it is after ``within_s``: a signal to a
+    process group reaches its members a moment after ``kill`` returns (a loaded machine
+    read a member still running, 'R', right after the group's SIGSTOP)."""
+    deadline = time.monotonic() + within_s
+    state = _state(pid)
+    while not settled(state) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        state = _state(pid)
+    return state
 
 
 def test_a_hang_that_outlasts_its_run_is_ended_with_the_run(
@@ -398,11 +411,11 @@ def test_a_hang_continues_the_group_it_stopped_after_its_leader_is_gone() -> Non
         target = _target(leader.pid)
         hang = FAULT_CONFIGS["hang_rank"](kind="hang_rank", rank=0, at_step=1,
                                           duration_s=300.0, mode="process").inject(target, 1)
-        assert hang.missed is None and _state(child) == "T"
+        assert hang.missed is None and _state_once(child, lambda st: st == "T") == "T"
         leader.kill()
         leader.wait()
         target.endings.end_now()
-        assert _state(child) not in ("T", "t")
+        assert _state_once(child, lambda st: st not in ("T", "t")) not in ("T", "t")
     finally:
         leader.kill()
         leader.wait()
