@@ -337,6 +337,62 @@ def test_latest_waits_for_a_save_in_flight_and_not_for_an_aborted_one(
         assert time.monotonic() - began < 10  # not SETTLE_S (30 s)
 
 
+def test_latest_waits_for_a_save_staged_before_the_pause_that_wrote_nothing_yet(
+        tmp_path: Path) -> None:
+    """A save staged at the step before the pause point whose persist thread had not yet
+    written anything (a busy machine) left no folder to wait for: ``latest`` damaged the
+    checkpoint before it, which the restart then never read, and the fault proved nothing.
+    The job's events say which saves were staged: those are waited for too."""
+    import shutil
+    import threading
+
+    from antifragile.engine._paths import step_dir
+
+    url, commit, aside = _step_10_still_persisting(tmp_path)
+    folder = tmp_path / "ckpt" / step_dir(10)
+    shutil.move(aside, commit)
+    shutil.move(folder, tmp_path / "folder.aside")
+    later = threading.Timer(0.5, lambda: shutil.move(tmp_path / "folder.aside", folder))
+    later.start()
+    try:
+        target = Target(pids={}, coordinates={}, ckpt_url=url, rng=random.Random(0),
+                        staged=frozenset({5, 10}))
+        fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=12,
+                                               mode="truncate")
+        injection = fault.inject(target, 12)
+    finally:
+        later.join()
+    assert injection.missed is None, injection
+    assert injection.detail["checkpoint_step"] == 10
+
+
+def test_the_saves_a_fault_waits_for_are_the_newest_generations_up_to_where_it_is() -> None:
+    """A save an earlier attempt staged past where the restart went back to, or one that
+    failed, is not in flight: waiting for it would hold ``latest`` for ``SETTLE_S``."""
+    from antifragile.chaos.run.runner import _Job
+
+    job = _Job(1)
+
+    def see(attempt: int, event: str, step: int) -> None:
+        job.see({"event": event, "attempt": attempt, "rank": 0, "step": step, "t": 0.0})
+
+    job.see({"event": "start", "attempt": 0, "rank": 0, "pid": os.getpid(), "t": 0.0})
+    for step in (8, 12):
+        see(0, "step_end", step)
+        see(0, "ckpt_staged", step)
+    see(0, "step_end", 13)
+    assert job.staged_saves() == {8, 12}
+    job.see({"event": "start", "attempt": 1, "rank": 0, "pid": os.getpid(), "t": 0.0})
+    see(1, "restore_end", 8)
+    see(1, "step_end", 10)
+    assert job.staged_saves() == set()  # attempt 0's 12 is not this attempt's
+    see(1, "step_end", 12)
+    see(1, "ckpt_staged", 12)
+    assert job.staged_saves() == {12}
+    see(1, "ckpt_failed", 12)
+    assert job.staged_saves() == set()
+
+
 _REUSED_PID_AGENT = """\
 import json, sys, time
 from pathlib import Path

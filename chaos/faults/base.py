@@ -263,6 +263,9 @@ class Target:
     ckpt_url: str
     rng: random.Random
     ckpt_engine: str = "antifragile"  # what saves the checkpoints (checkpoint.engine)
+    #: the steps whose save a rank staged (its events): one may still persist without having
+    #: written anything yet
+    staged: frozenset[int] = frozenset()
     network: Network | None = None  # the emulated hosts when trainer.nodes > 1
     network_error: str | None = None  # why there are none although trainer.nodes > 1
     storage_proxy: FaultProxy | None = None  # in front of S3, for storage_outage

@@ -72,7 +72,8 @@ class CorruptShard(FaultBase):
         storage = open_storage(target.ckpt_url)
         steps = committed_steps(storage)
         if self.checkpoint == "latest" or self.checkpoint not in steps:
-            steps = _settled(storage)  # the step named may be the save still in flight
+            # the step named may be the save still in flight
+            steps = _settled(storage, target.staged)
         chosen = steps[-1] if steps and self.checkpoint == "latest" else self.checkpoint
         if not steps or chosen not in steps:
             return Injection(self.kind, time.time(), step=step,
@@ -180,21 +181,22 @@ def _peer_engine(url: str, engine: str) -> str | None:
 SETTLE_S = 30.0  # how long a save in flight is waited for, to commit or fail
 
 
-def _settled(storage: Any) -> list[int]:
+def _settled(storage: Any, staged: frozenset[int] = frozenset()) -> list[int]:
     """The committed steps once no save is in flight: ``latest`` is the newest checkpoint the
     job has when the fault fires, and a save of the step before the pause point may still be
     persisting there (it commits a moment later: damaging the one before it, which no restore
     then reads, would be a fault without effect). A step folder newer than the newest commit,
-    neither aborted nor quarantined, is waited for, at most ``SETTLE_S`` (debris of a killed
-    save never commits)."""
+    or a step of ``staged`` (a save whose writers may not have written anything yet), neither
+    aborted nor quarantined, is waited for, at most ``SETTLE_S`` (debris of a killed save
+    never commits)."""
     from antifragile.engine._paths import ABORT, QUARANTINE, step_dir
     from antifragile.engine.commit import step_dirs
 
     def look() -> tuple[list[int], list[int]]:
         every, committed = step_dirs(storage)
         newest = committed[-1] if committed else 0
-        return committed, [step for step in every  # markers looked up for the newer alone
-                           if step > newest and not any(
+        return committed, [step for step in sorted(set(every) | staged)  # markers looked up
+                           if step > newest and not any(  # for the newer alone
                                storage.exists(f"{step_dir(step)}/{marker}")
                                for marker in (ABORT, QUARANTINE))]
 

@@ -282,6 +282,8 @@ class _Job:
         self.ends: dict[int, float] = {}
         self.steps: dict[int, int] = {}  # generation -> newest step it finished or restored
         self.paused_s = 0.0
+        #: generation -> the steps whose save a rank of it staged
+        self.staged: dict[int, set[int]] = {}
 
     def see(self, e: dict[str, Any]) -> None:
         g = e["attempt"]
@@ -299,6 +301,10 @@ class _Job:
                 self.ends.setdefault(g, e["t"])
         elif e["event"] in ("step_end", "restore_end") and isinstance(e.get("step"), int):
             self.steps[g] = max(self.steps.get(g, 0), e["step"])
+        elif e["event"] == "ckpt_staged" and isinstance(e.get("step"), int):
+            self.staged.setdefault(g, set()).add(e["step"])
+        elif e["event"] == "ckpt_failed":  # not in flight (one may fail before any marker)
+            self.staged.get(g, set()).discard(e.get("step"))  # type: ignore[arg-type]
 
     def hold_ended(self, point: Point, now: float, *, complete: bool) -> None:
         """Count in ``paused_s`` what the hold at ``point``, released at ``now``, cost the job.
@@ -308,6 +314,13 @@ class _Job:
         given up as never reached held its ranks from the first."""
         since = point.last_paused_t if complete else point.first_paused_t
         self.paused_s += max(now - since, 0.0)
+
+    def staged_saves(self) -> frozenset[int]:
+        """The steps up to where the newest generation is whose save it staged: one may be in
+        flight without having written anything yet (a save staged past that point was an
+        earlier attempt's, which a restart went back from)."""
+        newest = max(self.generations, default=0)
+        return frozenset(s for s in self.staged.get(newest, ()) if s <= self.step)
 
     @property
     def step(self) -> int:
@@ -482,7 +495,7 @@ def _target(s: Scenario, job: _Job, ckpt_url: str, rng: random.Random,
     of the process an event named, so that a fault never acts on a later holder of the pid."""
     return Target(pids=job.current_pids(), started=job.current_started(),
                   coordinates=mesh_coordinates(s), ckpt_url=ckpt_url,
-                  rng=rng, ckpt_engine=s.checkpoint.engine,
+                  rng=rng, ckpt_engine=s.checkpoint.engine, staged=job.staged_saves(),
                   network=hosts.network if hosts else None,
                   network_error=hosts.error if hosts else None,
                   storage_proxy=storage.proxy if storage else None,
