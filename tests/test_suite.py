@@ -1032,6 +1032,44 @@ def test_no_earlier_summary_stands_in_out_while_the_suite_runs(
     assert seen == [False, False]
 
 
+@pytest.mark.parametrize("name", ["summary.json", "summary.html"])
+def test_a_summary_file_the_suite_did_not_write_is_not_deleted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Before it runs, a suite removes the summary an earlier suite left in a reused --out.
+    It removed any file of that name: ``chaos suite scenarios --out .`` in a project with a
+    summary.json (or summary.html) of its own deleted it. A summary file in OUT that is not
+    one chaos suite wrote is refused, as a folder where a scenario's goes is, before anything
+    runs; an earlier suite's is still replaced."""
+    from antifragile.chaos.run import pipeline
+
+    ran: list[str] = []
+
+    def fake_run(s: Any, folder: Path, **kw: Any) -> Any:
+        ran.append(s.name)
+        return _passed(folder, report_file=True)
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    _write(scenarios, "a", [])
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / name).write_text('{"mine": true}\n')
+    with pytest.raises(suite.SuiteError, match=rf"project/{name}: exists and is not a summary "
+                                               r"chaos suite wrote; not replacing it"):
+        suite.plan(suite.discover(scenarios), out)
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out)])
+    assert result.exit_code == 2 and "not replacing it" in result.output, result.output
+    assert (out / name).read_text() == '{"mine": true}\n' and ran == []
+
+    (out / name).unlink()  # an earlier suite's own summary: replaced by this one's
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["suite", str(scenarios), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert ran == ["a", "a"] and json.loads((out / "summary.json").read_text())["ok"]
+
+
 def _strict(text: str) -> Any:
     def refuse(constant: str) -> None:
         raise AssertionError(f"{constant} is not JSON")

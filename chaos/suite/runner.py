@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from antifragile.chaos.scenario import Scenario, ScenarioError, load_scenario
-from antifragile.chaos.suite.summary import SuiteError, failed_entry, summarize
+from antifragile.chaos.suite.summary import SuiteError, failed_entry, load_baseline, summarize
 
 if TYPE_CHECKING:
     from antifragile.chaos.run.pipeline import RunStatus
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 #: whole before the scenario runs there, as ``chaos run --out`` refuses such a folder)
 _RUN_MARKERS = ("report.json", "error.txt", "run/torchrun.log")
 _SUITE_FILES = ("summary.json", "summary.html")  # written into OUT beside the run folders
+_HTML_MARK = b"<title>chaos suite: "  # in the head of every summary.html a suite writes
 
 
 @dataclass(slots=True)
@@ -72,7 +73,11 @@ def discover(folder: Path, patterns: Sequence[str] = ("*",)) -> list[Path]:
 def plan(files: list[Path], out: Path) -> list[Planned]:
     """Validate every file; refuse duplicate names (an invalid file's entry is named after
     the file: a summary and its comparison with a baseline are keyed by name) and output
-    folders that are not ours."""
+    folders and summary files that are not ours."""
+    for name in _SUITE_FILES:
+        if (out / name).exists() and not _suite_wrote(out / name):
+            raise SuiteError(f"{out / name}: exists and is not a summary chaos suite wrote; "
+                             "not replacing it (choose another --out)")
     planned = []
     for file in files:
         try:
@@ -101,6 +106,19 @@ def plan(files: list[Path], out: Path) -> list[Planned]:
             raise SuiteError(f"{folder}: exists and is not a chaos run folder; "
                              f"not replacing it (choose another --out)")
     return planned
+
+
+def _suite_wrote(path: Path) -> bool:
+    """Whether ``path`` is a summary an earlier suite wrote (``run_suite`` removes those):
+    a summary.json that loads as a baseline, a summary.html with the suite's title."""
+    try:
+        if path.name == "summary.json":
+            load_baseline(path)
+            return True
+        with open(path, "rb") as f:
+            return _HTML_MARK in f.read(4096)
+    except (SuiteError, OSError):  # a folder, a file it may not read, anything else
+        return False
 
 
 class SuiteInterrupted(Exception):
