@@ -296,6 +296,21 @@ def test_html_is_self_contained_and_escaped(doc: dict[str, Any],
     assert all(f"]({p.name})" in md for p in figures) and "[report.html](report.html)" in md
 
 
+def test_goodput_reads_the_same_everywhere_in_the_report(doc: dict[str, Any],
+                                                         tmp_path: Path) -> None:
+    """report.md wrote the run's goodput with two decimals and the reference's with three
+    ("goodput 0.53 (95.7% of the fault-free run's 0.558)"), and report.html wrote both as
+    percentages: one goodput formatter, the same figures in both files."""
+    run = {**doc["run"], "goodput": 0.53371, "reference_goodput": 0.55806,
+           "goodput_vs_reference": 0.53371 / 0.55806}
+    report.write_markdown(tmp_path, {**doc, "run": run})
+    report.write_html(tmp_path, {**doc, "run": run}, [])
+    md = (tmp_path / "report.md").read_text()
+    assert "goodput 53.4% (95.6% of the fault-free run's 55.8%)" in md, md
+    page = (tmp_path / "report.html").read_text()
+    assert all(f"<td>{share}</td>" in page for share in ("53.4%", "55.8%", "95.6%")), page
+
+
 def test_a_fault_note_of_several_lines_stays_one_row_of_the_markdown_table(
         doc: dict[str, Any], tmp_path: Path) -> None:
     """A volume server that did not come back has its log's last lines in the fault's effect;

@@ -252,6 +252,12 @@ def _share(x: float) -> str:
     return f"{x:.1%}" if x == 0 or abs(x) >= 0.001 else f"{x * 100:.2g}%"
 
 
+def _goodput(x: float | None) -> str | None:
+    """A goodput, a reference's, or their ratio, as report.md and report.html both show it:
+    a share (``_share``); None where there is none."""
+    return None if x is None else _share(x)
+
+
 def _effect_cell(f: dict[str, Any]) -> str:
     """Whether the fault had the effect it exists for (see reports/README.md)."""
     if f.get("skipped"):
@@ -300,9 +306,10 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
     vs_ref = run.get("goodput_vs_reference")
     held = (f" ({_fmt(run['paused_s'], ' s')} of it held at pause points, not in goodput)"
             if run.get("paused_s") else "")
-    lines += [f"- wall time {_fmt(run['wall_s'], ' s')}{held}, goodput {_fmt(run['goodput'])}"
-              + (f" ({vs_ref:.1%} of the fault-free run's {run['reference_goodput']:.3f})"
-                 if vs_ref is not None else "")
+    lines += [f"- wall time {_fmt(run['wall_s'], ' s')}{held}, goodput "
+              f"{_goodput(run['goodput']) or '-'}"
+              + (f" ({_goodput(vs_ref)} of the fault-free run's "
+                 f"{_goodput(run['reference_goodput'])})" if vs_ref is not None else "")
               + f", attempts {run['attempts']}, final step {_fmt(run['final_step'])}",
               f"- bitwise equal to the fault-free reference: {_fmt(v['bitwise_equal'])}"]
     lines += [f"- {_md_item(str(reason))}" for reason in v["reasons"]]
@@ -487,12 +494,9 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
     parts += ["<h2>Run</h2>", html_table(None, [
         ["wall time s", wall], ["held at pause points s (not in goodput)",
                                 run.get("paused_s")],
-        ["goodput (time of steps that count / (wall - held))",
-                                None if goodput is None else f"{goodput:.1%}"],
-        ["goodput of the fault-free reference run", None if run.get("reference_goodput") is None
-         else f"{run['reference_goodput']:.1%}"],
-        ["goodput / the reference's", None if run.get("goodput_vs_reference") is None
-         else f"{run['goodput_vs_reference']:.1%}"],
+        ["goodput (time of steps that count / (wall - held))", _goodput(goodput)],
+        ["goodput of the fault-free reference run", _goodput(run.get("reference_goodput"))],
+        ["goodput / the reference's", _goodput(run.get("goodput_vs_reference"))],
         ["checkpoints' cost to the loop (stall + slower steps while persisting)",
          None if not run.get("checkpoint_cost") else
          f"{_fmt(run['checkpoint_cost']['stall_s'], ' s')} + "
