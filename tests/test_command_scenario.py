@@ -180,6 +180,39 @@ def test_a_bad_command_scenario_is_one_line_and_exit_2(tmp_path: Path) -> None:
         assert "Traceback" not in result.output
 
 
+def test_a_configuration_mistake_of_the_built_in_trainer_as_a_command_fails_before_a_launch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``command: [python, -m, antifragile.trainer, --steps, "0"]`` launched torchrun, whose
+    every worker exited 2 (a usage error, the same in any process) and was restarted
+    ``max_restarts`` times: with one mtbf fault, 52 restarts, minutes of the one message. The
+    trainer's own checks of its options now run as the scenario is validated: bad input,
+    exit 2, one line naming the option, and nothing launched."""
+    from antifragile.chaos.run import runner
+
+    launched: list[str] = []
+    monkeypatch.setattr(runner, "launch", lambda s, *a, **kw: launched.append(s.name))
+    doc = _doc(trainer={"command": ["python", "-m", "antifragile.trainer", "--steps", "0"],
+                        "nproc_per_node": 1, "probe": False},
+               checkpoint={"url": None}, expect={"bitwise_equal_to_reference": False},
+               faults=[{"kind": "kill_rank", "rank": 0, "mtbf_s": 30}])
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(ScenarioError, match=r"s\.yaml: trainer: command: python -m "
+                                            r"antifragile\.trainer --steps 0: steps must be "
+                                            r">= 1, got 0$"):
+        load_scenario(tmp_path / "s.yaml")
+    for bad, why in ((["--no-such-option"], "unrecognized arguments: --no-such-option"),
+                     (["--heads", "3"], "d_model 64 is not divisible by heads 3")):
+        with pytest.raises(ScenarioError, match=why):
+            parse_scenario(_doc(trainer={"command": ["python", "-m", "antifragile.trainer",
+                                                     *bad]}))
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "s.yaml"), "--no-reference",
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "steps must be >= 1, got 0" in result.output, result.output
+    assert launched == [] and len(result.output.strip().splitlines()) == 1, result.output
+    parse_scenario(_doc(trainer={"command": ["python", "-m", "antifragile.trainer", "--steps",
+                                             "4", "--heads", "2"]}))  # a good one still loads
+
+
 def test_the_script_gets_this_python_and_the_probe_contract(tmp_path: Path) -> None:
     s = parse_scenario(_doc(trainer={"env": {"HF_HUB_OFFLINE": "1"}}))
     assert isinstance(s.trainer, CommandSpec)

@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from antifragile.engine._paths import MAX_STEP
 from antifragile.trainer.ckpt_backends import ENGINES
@@ -138,8 +139,79 @@ class TrainConfig:
             raise ValueError(why)
 
 
+class ConfigError(ValueError):
+    """A mistake in the trainer's options: the same in every process and every attempt, so no
+    restart mends it (``check_args``)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises ConfigError where argparse would print its usage and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    p = argparse.ArgumentParser(prog="python -m antifragile.trainer", description=__doc__)
+    """The command line's configuration; a mistake is argparse's usage error (exit 2). Makes
+    ``--run-dir``'s events folder."""
+    p = _parser(argparse.ArgumentParser)
+    try:
+        cfg = check_args(argv)
+    except ConfigError as exc:
+        p.error(str(exc))
+        raise
+    if cfg.run_dir is not None:  # every rank and supervisor writes its events there
+        try:
+            os.makedirs(os.path.join(cfg.run_dir, "events"), exist_ok=True)
+        except OSError as exc:
+            p.error(f"--run-dir {cfg.run_dir}: {exc.strerror or exc}")
+    return cfg
+
+
+def check_args(argv: list[str] | None = None) -> TrainConfig:
+    """The configuration the command line ``argv`` gives, changing nothing (a launcher checks
+    a trainer's options with it before it starts any process: ``chaos run``); ConfigError
+    says what is wrong with them."""
+    a = _parser(_Parser).parse_args(argv)
+    try:
+        cfg = TrainConfig(
+            parallel=ParallelDims(dp=a.dp, tp=a.tp, pp=a.pp),
+            model=ModelConfig(layers=a.layers, d_model=a.d_model, heads=a.heads, vocab=a.vocab,
+                              seq_len=a.seq_len),
+            steps=a.steps, batch_size=a.batch_size, micro_batches=a.micro_batches,
+            schedule=a.schedule, seed=a.seed, lr=a.lr, data_path=a.data_path,
+            run_dir=a.run_dir, ckpt_url=a.ckpt_url, ckpt_engine=a.ckpt_engine,
+            ckpt_every=a.ckpt_every, async_ckpt=not a.no_async_ckpt, keep_last=a.keep_last,
+            ckpt_timeout_s=a.ckpt_timeout_s, final_save_patience_s=a.final_save_patience_s,
+            collective_timeout_s=a.collective_timeout_s,
+            hang_timeout_s=a.hang_timeout_s, recovery=a.recovery, lease_s=a.lease_s,
+            activation_checkpointing=a.activation_checkpointing, device=a.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    # a scheme no storage serves (a typo, ``S3://``), one that only reads (http) or a
+    # malformed URL: every rank died opening the engine (exit 1, restarted into the same) or
+    # failed its first save; the check chaos makes of a scenario's checkpoint.url
+    from antifragile.engine.storage import no_storage_for
+
+    if cfg.ckpt_url and (why := _no_shared_place(cfg.ckpt_url)
+                         or no_storage_for(cfg.ckpt_url)
+                         or _not_a_local_folder(cfg.ckpt_url)):
+        raise ConfigError(f"--ckpt-url {cfg.ckpt_url}: {why}")
+    if cfg.data_path is not None:  # a usage error here, not a traceback in every training
+        # process (which are forked from this one and reuse the checked map: ``open_tokens``)
+        from antifragile.trainer.data import open_tokens
+
+        try:
+            open_tokens(cfg.data_path, cfg.model.seq_len, cfg.model.vocab)
+        except OSError as exc:
+            raise ConfigError(f"--data-path {cfg.data_path}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ConfigError(f"--data-path {exc}") from None
+    return cfg
+
+
+def _parser(kind: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = kind(prog="python -m antifragile.trainer", description=__doc__)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
@@ -185,48 +257,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                    "30 s under the adaptive hang timeout)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    a = p.parse_args(argv)
-    try:
-        cfg = TrainConfig(
-            parallel=ParallelDims(dp=a.dp, tp=a.tp, pp=a.pp),
-            model=ModelConfig(layers=a.layers, d_model=a.d_model, heads=a.heads, vocab=a.vocab,
-                              seq_len=a.seq_len),
-            steps=a.steps, batch_size=a.batch_size, micro_batches=a.micro_batches,
-            schedule=a.schedule, seed=a.seed, lr=a.lr, data_path=a.data_path,
-            run_dir=a.run_dir, ckpt_url=a.ckpt_url, ckpt_engine=a.ckpt_engine,
-            ckpt_every=a.ckpt_every, async_ckpt=not a.no_async_ckpt, keep_last=a.keep_last,
-            ckpt_timeout_s=a.ckpt_timeout_s, final_save_patience_s=a.final_save_patience_s,
-            collective_timeout_s=a.collective_timeout_s,
-            hang_timeout_s=a.hang_timeout_s, recovery=a.recovery, lease_s=a.lease_s,
-            activation_checkpointing=a.activation_checkpointing, device=a.device)
-    except ValueError as exc:
-        p.error(str(exc))
-        raise
-    if cfg.run_dir is not None:  # every rank and supervisor writes its events there
-        try:
-            os.makedirs(os.path.join(cfg.run_dir, "events"), exist_ok=True)
-        except OSError as exc:
-            p.error(f"--run-dir {cfg.run_dir}: {exc.strerror or exc}")
-    # a scheme no storage serves (a typo, ``S3://``), one that only reads (http) or a
-    # malformed URL: every rank died opening the engine (exit 1, restarted into the same) or
-    # failed its first save; the check chaos makes of a scenario's checkpoint.url
-    from antifragile.engine.storage import no_storage_for
-
-    if cfg.ckpt_url and (why := _no_shared_place(cfg.ckpt_url)
-                         or no_storage_for(cfg.ckpt_url)
-                         or _not_a_local_folder(cfg.ckpt_url)):
-        p.error(f"--ckpt-url {cfg.ckpt_url}: {why}")
-    if cfg.data_path is not None:  # a usage error here, not a traceback in every training
-        # process (which are forked from this one and reuse the checked map: ``open_tokens``)
-        from antifragile.trainer.data import open_tokens
-
-        try:
-            open_tokens(cfg.data_path, cfg.model.seq_len, cfg.model.vocab)
-        except OSError as exc:
-            p.error(f"--data-path {cfg.data_path}: {exc.strerror or exc}")
-        except ValueError as exc:
-            p.error(f"--data-path {exc}")
-    return cfg
+    return p
 
 
 def _no_shared_place(url: str) -> str | None:

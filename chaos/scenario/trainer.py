@@ -336,6 +336,25 @@ class CommandSpec(_Strict):
                              "working directory, and on the interpreter's path)")
         return self
 
+    @model_validator(mode="after")
+    def _trainer_options(self) -> CommandSpec:
+        """``python -m antifragile.trainer ...``: its options pass the trainer's own checks
+        (``trainer.config.check_args``). A mistake fails every worker the same way, exit 2,
+        and torchrun restarted them all ``max_restarts`` times (52 with an mtbf fault) before
+        the run ended. Only such a command imports the trainer (and torch) here."""
+        found = python_module(self.command)
+        if found is None or found[1] != "antifragile.trainer":
+            return self
+        from antifragile.trainer.config import ConfigError, check_args
+
+        options = self.command[found[0] + 1:]
+        try:
+            check_args(options)
+        except ConfigError as exc:
+            raise ValueError(f"command: python -m antifragile.trainer {' '.join(options)}: "
+                             f"{exc}") from None
+        return self
+
     @field_validator("command")
     @classmethod
     def _resolve(cls, command: list[str], info: ValidationInfo) -> list[str]:
