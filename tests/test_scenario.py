@@ -780,3 +780,15 @@ def test_gpipe_takes_fewer_micro_batches_than_stages_as_the_trainer_does() -> No
     with pytest.raises(ScenarioError, match="trainer: micro_batches 1 cannot fill 2 pipeline "
                                             "stages with schedule 1f1b"):
         parse_scenario(_with(trainer={**trainer, "schedule": "1f1b"}))
+
+
+def test_a_model_size_no_memory_here_holds_is_refused_naming_its_key() -> None:
+    """The trainer refuses a size whose weights and one layer's attention scores exceed the
+    memory available (exit 2 in every worker, which torchrun restarted): the scenario is
+    refused first, naming its key."""
+    doc = _with(trainer={**_with()["trainer"], "model": {"seq_len": 10**12}})
+    with pytest.raises(ScenarioError, match=r"trainer: model\.seq_len 1000000000000: needs at "
+                                            r"least [\d,]+ bytes in each process .* bytes of "
+                                            r"memory available here"):
+        parse_scenario(doc)
+    parse_scenario(_with(trainer={**_with()["trainer"], "model": {"seq_len": 256}}))

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -252,6 +253,41 @@ def test_bad_configuration_is_rejected_with_a_reason(argv: list[str], message: s
         parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "option", "need"), [
+    # one layer's scores (micro-batch 8 x 4 heads x seq_len**2) and the position embedding
+    (["--seq-len", str(10**12)], "--seq-len 1000000000000", (8 * 4 * 10**24 + 10**12 * 64) * 4),
+    (["--vocab", str(10**12)], "--vocab 1000000000000", 2 * 10**12 * 64 * 4),  # embeddings
+])
+def test_a_size_no_memory_here_holds_is_a_usage_error_naming_it(
+        argv: list[str], option: str, need: int, capsys: pytest.CaptureFixture[str]) -> None:
+    """--seq-len 10**12 ran until torch's allocator refused the position embedding: a
+    traceback (exit 1, which torchrun restarts) that named no option; a size the machine
+    could nearly hold ended in an out-of-memory kill. A size whose weights and one layer's
+    attention scores alone exceed the memory available is refused up front: exit 2, naming
+    the option and the bytes it needs."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"python -m antifragile.trainer: error: {option}: needs at least "), err
+    assert f"{option}: {need:,}" in err and "bytes of memory available here" in err, err
+    done = subprocess.run([sys.executable, "-m", "antifragile.trainer", "--steps", "1",
+                           "--layers", "1", "--d-model", "8", "--heads", "2", "--vocab", "16",
+                           "--batch-size", "2", *argv], capture_output=True, text=True,
+                          timeout=60, preexec_fn=_limit_memory)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"error: {option}: needs at least" in done.stderr and "Traceback" not in done.stderr
+    parse_args(["--seq-len", "256", "--vocab", "50000"])  # a real size still passes
+
+
+def _limit_memory() -> None:
+    """The child's address space held to 8 GiB: on the unfixed code its allocation fails
+    there instead of taking a shared machine's memory."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
 
 def test_a_run_dir_that_cannot_be_made_is_a_usage_error(
@@ -730,7 +766,6 @@ def test_a_run_whose_every_checkpoint_is_damaged_does_not_start_over(tmp_path: P
     trained from step 0, the run's checkpoints set aside without a word. Every attempt now
     refuses to resume: one line naming the steps, its own exit code, nothing trained. Its 3
     launches are forked from one interpreter that imported torch and the trainer once."""
-    import subprocess
 
     from _trainer import SMALL_MODEL, PreloadedTrainer, env
 
@@ -774,7 +809,6 @@ def test_a_resume_of_another_run_is_refused_naming_what_differs(tmp_path: Path) 
     code that stops restarts, and leaves the checkpoints alone. One saved run serves every
     mismatch; every launch is forked from one interpreter that imported torch and the trainer
     once (PreloadedTrainer: an import costs 4 s of a 4.5 s launch, and there are 11)."""
-    import subprocess
 
     from _trainer import SMALL_MODEL, PreloadedTrainer, env
 
@@ -1529,7 +1563,6 @@ def test_a_resume_with_other_tensor_shapes_is_refused_naming_the_option(tmp_path
     refusal (exit 47, as documented) named a tensor and two shapes ("stored shape [64, 32],
     target shape [64, 64]"), not the option that differs. It now names the option and both
     values, as for --heads, with each engine; the checkpoints are left alone."""
-    import subprocess
 
     from _trainer import PreloadedTrainer, env
 

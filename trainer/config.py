@@ -10,6 +10,7 @@ from typing import NoReturn
 
 from antifragile.engine._paths import MAX_STEP
 from antifragile.trainer.ckpt_backends import ENGINES
+from antifragile.trainer.footprint import available_bytes, min_process_bytes, too_large
 from antifragile.trainer.model import ModelConfig
 from antifragile.trainer.parallel.dims import ParallelDims
 from antifragile.trainer.progress import (
@@ -188,6 +189,8 @@ def check_args(argv: list[str] | None = None) -> TrainConfig:
             activation_checkpointing=a.activation_checkpointing, device=a.device)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.device == "cpu" and (why := _too_large(cfg, available_bytes())):
+        raise ConfigError(why)
     # a scheme no storage serves (a typo, ``S3://``), one that only reads (http) or a
     # malformed URL: every rank died opening the engine (exit 1, restarted into the same) or
     # failed its first save; the check chaos makes of a scenario's checkpoint.url
@@ -258,6 +261,19 @@ def _parser(kind: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     return p
+
+
+def _too_large(cfg: TrainConfig, available: int | None) -> str | None:
+    """Why the sizes cannot fit in this machine's memory (``footprint``); host memory only,
+    so a CUDA device's is not judged here."""
+    m, p = cfg.model, cfg.parallel
+    micro_batch = cfg.batch_size // p.dp // (cfg.micro_batches if p.pp > 1 else 1)
+    parts = min_process_bytes(layers=m.layers, d_model=m.d_model, heads=m.heads, vocab=m.vocab,
+                              seq_len=m.seq_len, mlp_ratio=m.mlp_ratio,
+                              micro_batch=max(micro_batch, 1), tp=p.tp, pp=p.pp)
+    options = {"vocab": ("--vocab", m.vocab), "seq_len": ("--seq-len", m.seq_len),
+               "d_model": ("--d-model", m.d_model), "batch_size": ("--batch-size", cfg.batch_size)}
+    return too_large(parts, options, available)
 
 
 def _no_shared_place(url: str) -> str | None:

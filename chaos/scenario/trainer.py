@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from antifragile.chaos.faults.base import Seconds, memory_mib
+from antifragile.trainer.footprint import available_bytes, min_process_bytes, too_large
 from antifragile.trainer.progress import (
     MIN_COLLECTIVE_TIMEOUT_S,
     MIN_HANG_TIMEOUT_S,
@@ -176,6 +177,17 @@ class TrainerSpec(_Strict):
                              "gpipe")
         if self.nodes > 1 and p.world_size % self.nodes:
             raise ValueError(f"{p.world_size} ranks cannot be split over {self.nodes} nodes")
+        m = self.model  # as the trainer refuses (trainer.config): each worker would, exit 2
+        parts = min_process_bytes(layers=m.layers, d_model=m.d_model, heads=m.heads,
+                                  vocab=m.vocab, seq_len=m.seq_len, mlp_ratio=4,
+                                  micro_batch=max(self.batch_size // p.dp
+                                                  // (self.micro_batches if p.pp > 1 else 1), 1),
+                                  tp=p.tp, pp=p.pp)
+        options = {"vocab": ("model.vocab", m.vocab), "seq_len": ("model.seq_len", m.seq_len),
+                   "d_model": ("model.d_model", m.d_model),
+                   "batch_size": ("batch_size", self.batch_size)}
+        if why := too_large(parts, options, available_bytes()):
+            raise ValueError(why)
         return self
 
 
