@@ -304,7 +304,7 @@ class _Job:
         elif e["event"] == "ckpt_staged" and isinstance(e.get("step"), int):
             self.staged.setdefault(g, set()).add(e["step"])
         elif e["event"] == "ckpt_failed":  # not in flight (one may fail before any marker)
-            self.staged.get(g, set()).discard(e.get("step"))  # type: ignore[arg-type]
+            self.staged.get(g, set()).discard(e.get("step"))
 
     def hold_ended(self, point: Point, now: float, *, complete: bool) -> None:
         """Count in ``paused_s`` what the hold at ``point``, released at ``now``, cost the job.
