@@ -132,7 +132,7 @@ def step_dirs(storage: Storage, ghosts: set[int] | None = None, known: set[int] 
     names = storage.list_dir("")
     misplaced = step_folder_as_root(storage, names)
     if misplaced:
-        raise CheckpointError(misplaced)
+        raise NotARootError(misplaced)
     steps = {}
     for name in names:
         step = parse_step_dir(name)
@@ -175,13 +175,25 @@ def _exist_all(storage: Storage, keys: list[str]) -> list[bool]:
 _RECORD_READERS = 32
 
 
+class NotARootError(CheckpointError):
+    """The storage an engine was opened on is inside a checkpoint (``step_folder_as_root``)."""
+
+
 def step_folder_as_root(storage: Storage, names: Iterable[str]) -> str | None:
     """Why ``storage`` is no checkpoint root, where its listing ``names`` holds what only a
     step's own folder holds: a step folder given as the root (``ckpt/step_000000120``, to
     resume from that step) listed no step, and was taken for an empty root ("no committed
     checkpoint": a trainer started over beside the step it was pointed at)."""
+    names = set(names)
     own = next((name for name in (COMMIT, QUARANTINE, RECORDS_DIR) if name in names), None)
-    return None if own is None else _not_a_root(storage.url, f"it holds {own}")
+    if own is not None:
+        return _not_a_root(storage.url, f"it holds {own}")
+    # the engine writes no zarr.json into a root: one there is a step's array or group
+    # (a step folder's copy without its COMMIT, a folder of one of its arrays)
+    if "zarr.json" in names:
+        return (f"{storage.url} is inside a checkpoint (it holds zarr.json: a zarr array or "
+                "group), not a checkpoint root")
+    return None
 
 
 def step_folder_by_name(url: str) -> str | None:
@@ -190,7 +202,19 @@ def step_folder_by_name(url: str) -> str | None:
     save there wrote a checkpoint root inside the committed step. Known from the URL alone,
     so the same on every rank and before any request."""
     name = url.rstrip("/").rpartition("/")[2]
-    return None if parse_step_dir(name) is None else _not_a_root(url, "by its name")
+    if parse_step_dir(name) is not None:
+        return _not_a_root(url, "by its name")
+    # a folder inside a step's (one of its arrays, a new one beside them): a save there
+    # nested a checkpoint root in the committed step
+    parts = url.rstrip("/").split("/")
+    for index in range(len(parts) - 2, -1, -1):
+        step = parse_step_dir(parts[index])
+        if step is not None:
+            folder = "/".join(parts[:index + 1])
+            root = "/".join(parts[:index]) or ("/" if url.startswith("/") else ".")
+            return (f"{url} is inside the step folder {folder} (by its name), not a "
+                    f"checkpoint root: give {root} and step={step}")
+    return None
 
 
 def _not_a_root(url: str, why: str) -> str:

@@ -161,6 +161,9 @@ class CheckpointEngine:
         # rank 0: folders without a COMMIT that a save failed to commit, a load quarantined or
         # a listing found (a crashed save's): cleared before the step is saved again
         self._unfinished: set[int] = set()
+        # rank 0: why the root is no checkpoint root, where its listing found it inside a
+        # checkpoint (``commit.step_folder_as_root``): every save is refused, on every rank
+        self._not_a_root: str | None = None
         self._per_rank = PerRank([], 0)
         self._staging: StagingArea | None = None
         # keep_in_memory: a second set of buffers, so that a save stages beside the last
@@ -235,6 +238,8 @@ class CheckpointEngine:
         if self._lister is not None:  # done long before, unless storage is slow from the start
             self._lister.join(LISTING_WAIT_S)
             self._lister = None
+        if mistake is None and self._not_a_root is not None:  # rank 0's listing found it
+            mistake = CheckpointError(f"step {step} not saved: {self._not_a_root}")
         unfinished = self.rank == 0 and mistake is None and step in self._unfinished
         # one all-reduce: the flags, the nonce, the step, and the digests of the replicated
         # plain tensors under the current plan (``PerRank.agree``). A rank that already knows
@@ -360,6 +365,9 @@ class CheckpointEngine:
         before it)."""
         try:
             every, committed = _commit.step_dirs(self.storage)
+        except _commit.NotARootError as exc:
+            self._not_a_root = str(exc)
+            return
         except CheckpointError as exc:
             log.warning("listing the step folders failed: a save of a step an earlier process "
                         "left unfinished writes over its leftovers instead of clearing them "

@@ -494,3 +494,31 @@ def test_an_engine_opened_on_a_step_folders_name_is_refused_before_it_saves_into
         assert str(caught.value) == (f"{url} is a step folder (by its name), not a "
                                      f"checkpoint root: give {tmp_path} and step={step}")
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_root_inside_a_checkpoint_is_refused_before_a_save_nests_a_step_in_it(
+        tmp_path: Path) -> None:
+    """A root inside a step's folder (an array's folder, a new folder beside them) or a
+    step's folder kept under a name of its own (``step_000000002_old``) opened, and its first
+    save wrote ``step_000000005`` inside the committed checkpoint (the listing that names such
+    a root only warned). Refused: by name as the engine opens (any folder of the URL named
+    like a step's), by what the root holds at the save (a COMMIT, or zarr.json: a zarr node,
+    which no checkpoint root is), on every rank, naming the path and why; nothing written."""
+    save_steps(str(tmp_path), None)
+    shutil.copytree(tmp_path / "step_000000002", tmp_path / "step_000000002_old")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    step2 = tmp_path / "step_000000002"
+    for url in (step2 / "w", step2 / "new", f"{step2}/w/"):
+        with pytest.raises(CheckpointError) as caught:
+            CheckpointEngine(str(url))
+        assert str(caught.value) == (f"{url} is inside the step folder {step2} (by its name), "
+                                     f"not a checkpoint root: give {tmp_path} and step=2")
+    old = tmp_path / "step_000000002_old"
+    for url, what in ((old, f"is a step folder (it holds COMMIT), not a checkpoint root: "
+                            f"give {tmp_path}"),
+                      (old / "w", "is inside a checkpoint (it holds zarr.json: a zarr array or "
+                                  "group), not a checkpoint root")):
+        with CheckpointEngine(str(url)) as engine, pytest.raises(CheckpointError) as caught:
+            engine.save(5, blank())
+        assert str(caught.value) == f"step 5 not saved: {url} {what}", caught.value
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
