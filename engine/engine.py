@@ -164,6 +164,9 @@ class CheckpointEngine:
         # rank 0: why the root is no checkpoint root, where its listing found it inside a
         # checkpoint (``commit.step_folder_as_root``): every save is refused, on every rank
         self._not_a_root: str | None = None
+        # rank 0: steps known committed (its listing, its commits): a save of one is a resave
+        # on every rank (agreed in the save's all-reduce), not judged by each rank's own look
+        self._committed: set[int] = set()
         self._per_rank = PerRank([], 0)
         self._staging: StagingArea | None = None
         # keep_in_memory: a second set of buffers, so that a save stages beside the last
@@ -241,6 +244,7 @@ class CheckpointEngine:
         if mistake is None and self._not_a_root is not None:  # rank 0's listing found it
             mistake = CheckpointError(f"step {step} not saved: {self._not_a_root}")
         unfinished = self.rank == 0 and mistake is None and step in self._unfinished
+        known = self.rank == 0 and mistake is None and step in self._committed
         # one all-reduce: the flags, the nonce, the step, and the digests of the replicated
         # plain tensors under the current plan (``PerRank.agree``). A rank that already knows
         # they will not be used (it is busy, or its layout changed: the plan is rebuilt and
@@ -252,8 +256,9 @@ class CheckpointEngine:
             int(fingerprint != self._fingerprint or self._plan is None), int(busy),
             int(failure is not None), secrets.randbits(62) if self.rank == 0 else 0, numeric,
             -numeric,
-            int(mistake is not None), int(unfinished), *digests])
-        replan, any_busy, any_failed, nonce, high, negated_low, any_mistake, clear = agreed[:8]
+            int(mistake is not None), int(unfinished), int(known), *digests])
+        (replan, any_busy, any_failed, nonce, high, negated_low, any_mistake, clear,
+         resave) = agreed[:9]
         refuse_together(f"step {step} not saved", "save", mistake, any_mistake, high,
                          negated_low)
         if any_failed:
@@ -287,7 +292,7 @@ class CheckpointEngine:
             differ = not self._ranks.alone and self._per_rank.agree(flat.tensors,
                                                                      self._ranks.all_max)
         else:
-            differ = not self._ranks.alone and self._per_rank.settle(agreed[8:])
+            differ = not self._ranks.alone and self._per_rank.settle(agreed[9:])
         if differ:
             self._plan = None  # a plain tensor differs between ranks: now saved per rank
         flat.tensors = self._per_rank.rename(flat.tensors)
@@ -306,7 +311,7 @@ class CheckpointEngine:
         staging.begin()
         self._last = handle
         persist = (f"ckpt-save-{step}", self._persist, handle, self._plan, staging, nonce,
-                   values, attrs)
+                   values, attrs, bool(resave))
         # A large state's writers start first and write each object as soon as its cell is
         # staged. A small state is staged first: its copy takes milliseconds, and a writer
         # thread running Python beside it would make the loop wait for the GIL instead.
@@ -374,6 +379,7 @@ class CheckpointEngine:
                         "first: %s", exc)
             return
         self._unfinished.update(set(every) - set(committed))
+        self._committed.update(committed)
 
     def _clear_unfinished(self, step: int) -> None:
         """Rank 0, once every rank agreed to save ``step`` and before any rank writes into
@@ -473,7 +479,9 @@ class CheckpointEngine:
         return cached[1], cached[2]
 
     def _persist(self, handle: SaveHandle, plan: GlobalPlan, staging: StagingArea, nonce: int,
-                 values: dict[str, Any], attrs: dict[str, Any]) -> None:
+                 values: dict[str, Any], attrs: dict[str, Any], resave: bool = False) -> None:
+        """``resave``: rank 0 knew ``step`` committed, so every rank checks its share against
+        it (``_resave``) and writes nothing, whatever its own look at storage says."""
         step, start = handle.step, time.monotonic()
         deadline = start + self.commit_timeout_s
         self._ghosts.discard(step)  # saved again (after a restart from an older step)
@@ -486,7 +494,7 @@ class CheckpointEngine:
         try:
             all_docs, owners = self._metadata_docs(plan)
             docs = _commit.metadata_share(owners, all_docs, self.rank)  # the ones this rank writes
-            if bounded.exists(f"{step_dir(step)}/{COMMIT}"):
+            if resave or bounded.exists(f"{step_dir(step)}/{COMMIT}"):
                 recorded = True  # write nothing into a committed step, not even an error record
                 nonce, handle.committed_nbytes, handle.nbytes = same_as_committed(
                     bounded, step, self.rank, plan, staging, docs, values, self._pool)
@@ -513,6 +521,8 @@ class CheckpointEngine:
                         deadline=deadline + min(30.0, self.commit_timeout_s / 2),
                         cancel=self._cancel)
             self._unfinished.discard(step)
+            if self.rank == 0:
+                self._committed.add(step)
             if self.keep_in_memory:
                 self._memory = MemoryCopy.of(step, nonce, staging)
             handle.persist_s = time.monotonic() - start
@@ -597,6 +607,7 @@ class CheckpointEngine:
                                       f"runs again at the next save): {exc}")
             log.warning("%s", handle.retention_error)
             return
+        self._committed.difference_update(deleted or ())
         if deleted:
             log.info("retention removed steps %s", deleted)
 

@@ -2257,3 +2257,48 @@ def test_a_resave_whose_check_raises_waits_for_its_other_checks_first(
     assert still_running, "the re-save ended while one of its checks still ran"
     assert sorted(finished) == [0, 1]
     assert len(outcome) == 1 and isinstance(outcome[0], OSError)
+
+
+def _resave_rank_1_blind_to_the_commit(url: str) -> tuple[list[str], bool]:
+    """On each of 2 ranks: step 1 of a row-sharded tensor, committed; then step 1 again with
+    rank 1's rows changed and rank 1 not seeing the COMMIT yet (a lagging listing or cache).
+    Returns the retry's outcome and whether the committed step still loads its first rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    first = torch.arange(32.0).reshape(8, 4)
+    outcomes = []
+    with CheckpointEngine(url) as engine:
+        engine.save(1, {"w": distribute_tensor(first, mesh, [Shard(0)])}, blocking=True)
+        if engine.rank == 1:
+            inner = engine.storage.exists
+            engine.storage.exists = lambda key: False if key.endswith("COMMIT") else inner(key)
+        changed = distribute_tensor(first + 100, mesh, [Shard(0)])
+        try:
+            engine.save(1, {"w": changed}, blocking=True)
+            outcomes.append("committed")
+        except CheckpointError as exc:
+            outcomes.append(f"failed: {type(exc).__name__}")
+        target = {"w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])}
+        if engine.rank == 1:
+            engine.storage.exists = inner
+        try:
+            engine.load(target, step=1)
+            intact = torch.equal(target["w"].full_tensor(), first)
+        except CheckpointError:
+            intact = False
+    return outcomes, intact
+
+
+@pytest.mark.multiproc
+def test_a_resave_that_one_rank_judges_alone_neither_diverges_nor_overwrites(
+        tmp_path: Path) -> None:
+    """Whether a save's step is already committed was judged by each rank on its own: a rank
+    that did not see the COMMIT wrote its changed rows into the committed step while the
+    other accepted the save. Every rank must refuse together, the committed step intact."""
+    from _dist import run_ranks
+
+    rank0, rank1 = run_ranks(2, _resave_rank_1_blind_to_the_commit, str(tmp_path / "c"),
+                             timeout_s=90)
+    assert rank0 == rank1 == (["failed: CheckpointCommittedError"], True), (rank0, rank1)
