@@ -244,7 +244,9 @@ class CheckpointEngine:
         if mistake is None and self._not_a_root is not None:  # rank 0's listing found it
             mistake = CheckpointError(f"step {step} not saved: {self._not_a_root}")
         unfinished = self.rank == 0 and mistake is None and step in self._unfinished
-        known = self.rank == 0 and mistake is None and step in self._committed
+        # a step a load quarantined since it committed is unfinished again: saved anew
+        known = (self.rank == 0 and mistake is None and step in self._committed
+                 and step not in self._unfinished)
         # one all-reduce: the flags, the nonce, the step, and the digests of the replicated
         # plain tensors under the current plan (``PerRank.agree``). A rank that already knows
         # they will not be used (it is busy, or its layout changed: the plan is rebuilt and
