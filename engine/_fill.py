@@ -187,7 +187,7 @@ def _from_memory(memory: MemoryCopy | None, reader: StepReader,
                if memory.covers(stored.path, tensor)}
     if len(covered) != len(targets):
         return {}  # another layout: read everything (one source keeps the load simple)
-    unusable = memory.check(reader.commit.get("crcs") or {}, set(covered))
+    unusable = memory.check(reader.manifest.crcs, set(covered))
     if unusable is not None:
         log.warning("step %d: the copy in memory is not used: %s; reading the step from "
                     "storage", reader.step, unusable)

@@ -18,6 +18,7 @@ memory since is not loaded.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -100,7 +101,7 @@ class MemoryCopy:
                 copied += buf.numel() * buf.element_size()
         return copied
 
-    def check(self, crcs: dict[str, list[int]], paths: set[str]) -> str | None:
+    def check(self, crcs: Mapping[str, list[int]], paths: set[str]) -> str | None:
         """Why the copy of ``paths`` cannot be used (a later save staged over its buffers, or
         the first region whose bytes do not match the CRCs the COMMIT manifest lists for its
         object, or its shadow's CRC), or None when all match."""

@@ -13,13 +13,12 @@ from .errors import CheckpointCorruptError, CheckpointError
 
 # 2: manifest of part CRCs + digests, sealed records and COMMIT; 3: chunk keys ``c.1.0``;
 # 4: as 3, with each non-finite float among the JSON values stored as a str (format 3 wrote
-# bare ``NaN`` / ``Infinity``, which is not JSON). A step is written in format 4 only when it
-# holds such a float: an engine that reads format 3 would find its type record not fitting
-# the str and call the step damaged (quarantine it); told format 4, it refuses the step as
-# another engine's, and it still reads every other step.
-FORMAT_VERSION = 3
-NON_FINITE_FORMAT = 4
-READABLE_FORMATS = (2, 3, 4)
+# bare ``NaN`` / ``Infinity``, which is not JSON; 4 was written only for a step holding one);
+# 5: as 4, the COMMIT's manifest stored as columns (``_format.Manifest.columns``). An engine
+# that reads formats up to 4 refuses a step of format 5 as another engine's (it would find no
+# manifest and call the step damaged).
+FORMAT_VERSION = 5
+READABLE_FORMATS = (2, 3, 4, 5)
 STEP_DIGITS = 9
 MAX_STEP = 2**62  # steps travel in the ranks' int64 all-reduces, negated too
 COMMIT = "COMMIT"

@@ -219,20 +219,6 @@ def stored_values(values: dict[str, JSON]) -> dict[str, JSON]:
     return stored
 
 
-def describes_non_finite(types: object) -> bool:
-    """Whether a type record describes a non-finite float (its step stores one as a str)."""
-    found = [*types["values"].values()] if isinstance(types, dict) and isinstance(
-        types.get("values"), dict) else []
-    while found:
-        desc = found.pop()
-        if isinstance(desc, list) and desc:
-            if desc[0] == "f":
-                return True
-            if isinstance(desc[-1], dict):
-                found.extend(desc[-1].values())
-    return False
-
-
 def _check_json(value: object, path: str) -> JSON:
     if _plain_scalar(value):
         return value

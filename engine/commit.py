@@ -43,7 +43,6 @@ from ._paths import (
     ABORT,
     COMMIT,
     FORMAT_VERSION,
-    NON_FINITE_FORMAT,
     QUARANTINE,
     READABLE_FORMATS,
     RECORDS_DIR,
@@ -53,7 +52,7 @@ from ._paths import (
     record_key,
     step_dir,
 )
-from ._state import TYPES_PATH, describes_non_finite, same_value
+from ._state import TYPES_PATH, same_value
 from ._threads import DaemonPool
 from .errors import (
     CheckpointCommittedError,
@@ -374,17 +373,13 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
             _pause(next(delays), cancel, step)
 
     attrs = {**group_attrs, **_merge_values(plan, records)}
-    # a step holding a non-finite float stores it as a str: a format-3 reader would misread it
-    non_finite = any(describes_non_finite(record.get("values", {}).get(TYPES_PATH))
-                     for record in records.values())
-    version = NON_FINITE_FORMAT if non_finite else FORMAT_VERSION
-    group_doc = _format.dumps(_format.group_metadata(attrs, version))
+    group_doc = _format.dumps(_format.group_metadata(attrs))
     storage.write(f"{base}/zarr.json", [group_doc])
     manifest.add_document("zarr.json", group_doc)
-    marker = {"format": version, "step": step, "nonce": nonce, "plan_id": plan.plan_id,
+    marker = {"format": FORMAT_VERSION, "step": step, "nonce": nonce, "plan_id": plan.plan_id,
               "world_size": plan.world_size, "nbytes": manifest.nbytes,
               "requests": {str(r): rec.get("requests") for r, rec in sorted(records.items())},
-              "objects": manifest.objects, "crcs": manifest.crcs}
+              "manifest": manifest.columns()}
     storage.sync()
     if before_commit is not None:
         before_commit()

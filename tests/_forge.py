@@ -49,11 +49,23 @@ def set_entry(commit: dict[str, Any], key: str, nbytes: int, crcs: list[int]) ->
 
 def edit_commit(path: Path | Callable[[], bytes], edit: Callable[[dict[str, Any]], None],
                 write: Callable[[bytes], None] | None = None) -> None:
-    """Unseal the marker, ``edit`` it, seal it again."""
+    """Unseal the marker, ``edit`` it, seal it again. ``edit`` sees the manifest as two maps
+    (``objects``, ``crcs``) whatever the format; a COMMIT stored as columns is stored so again
+    (where the edit left two maps with the same keys: a malformed manifest stays as it is)."""
     raw = path.read_bytes() if isinstance(path, Path) else path()
     doc = json.loads(raw)
     doc.pop("crc32c")
+    columnar = "manifest" in doc
+    if columnar:
+        manifest = _format.parse_manifest(doc, where="forge", lazy=True)
+        doc["objects"], doc["crcs"] = dict(manifest.objects), dict(manifest.crcs)
+        del doc["manifest"]
     edit(doc)
+    objects, crcs = doc.get("objects"), doc.get("crcs")
+    if (columnar and isinstance(objects, dict) and isinstance(crcs, dict)
+            and objects.keys() == crcs.keys()):
+        del doc["objects"], doc["crcs"]
+        doc["manifest"] = _format.Manifest(doc["nonce"], objects, crcs).columns()
     sealed = _format.seal(doc)
     if write is not None:
         write(sealed)

@@ -112,7 +112,7 @@ def make_checkpoint(root: Path) -> Hostile:
     with CheckpointEngine(str(root), plan_options=PLAN) as engine:
         engine.save(1, source_state(), blocking=True)
     hostile = Hostile(root)
-    assert {SHARD, SCALAR, "model/w/c.0.0"} <= set(hostile.read_json("COMMIT")["objects"])
+    assert {SHARD, SCALAR, "model/w/c.0.0"} <= set(hostile.read_json("COMMIT")["manifest"]["keys"])
     return hostile
 
 
@@ -554,3 +554,42 @@ def test_an_array_document_a_load_refuses_is_confirmed_and_quarantined(
             engine.load(target_state())
         assert engine.steps() == []
     assert (hostile.dir / "QUARANTINE").exists()
+
+
+def _columns_of(**change: Any) -> dict[str, Any]:
+    from antifragile.engine import _format
+
+    manifest = _format.Manifest(7)
+    manifest.add("a/c.0", 12, [1, 2])
+    manifest.add("b/c", 8, [3])
+    return {"nonce": 7, "manifest": {**manifest.columns(), **change}}
+
+
+@pytest.mark.parametrize("change", [
+    {"keys": ["a/c.0", 5]}, {"keys": ["a/c.0", "a/c.0"]}, {"keys": ["a/c.0"]},
+    {"parts": [2, 1.0]}, {"parts": [3, -1]}, {"parts": [2, True]}, {"parts": [2, 2]},
+    {"crcs": {"a": 1}}, {"sizes": None},
+], ids=["key-not-str", "key-twice", "keys-short", "part-count-float", "part-count-negative",
+        "part-count-bool", "parts-past-crcs", "crcs-not-list", "sizes-missing"])
+def test_a_malformed_columnar_manifest_is_refused_as_damage(change: dict[str, Any]) -> None:
+    """A COMMIT of format 5 lists its manifest as columns: columns that do not fit together
+    are damage, refused with the document's name, never a TypeError or a wrong entry."""
+    from antifragile.engine import _format
+
+    assert _format.parse_manifest(_columns_of(), where="COMMIT").entry(
+        "a/c.0", where="a") == (12, [1, 2])
+    with pytest.raises(CheckpointCorruptError, match="COMMIT: malformed manifest"):
+        _format.parse_manifest(_columns_of(**change), where="COMMIT", lazy=True)
+
+
+def test_a_columnar_entry_is_checked_against_its_digest_where_it_is_used() -> None:
+    from antifragile.engine import _format
+
+    doc = _columns_of()
+    doc["manifest"]["sizes"][0] += 1  # a's entry no longer matches its digest; b's still does
+    manifest = _format.parse_manifest(doc, where="COMMIT", lazy=True)
+    assert manifest.entry("b/c", where="b") == (8, [3])
+    with pytest.raises(CheckpointCorruptError, match="does not match its digest"):
+        manifest.entry("a/c.0", where="a")
+    with pytest.raises(CheckpointCorruptError, match="does not match its digest"):
+        _format.parse_manifest(doc, where="COMMIT")

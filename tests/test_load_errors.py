@@ -90,14 +90,14 @@ def test_commit_of_another_format_is_refused_with_a_clear_error(tmp_path: Path) 
 
 def test_a_commit_whose_format_digit_flipped_is_damage_not_another_format(
         tmp_path: Path) -> None:
-    # "format": 3 -> 1 is one bit; the marker still parses as JSON but fails its seal. It was
+    # "format": 5 -> 1 is one bit; the marker still parses as JSON but fails its seal. It was
     # refused as "written in checkpoint format 1" on every rank, with no fallback to step 1
     url = str(tmp_path / "ckpt")
     save_steps(url, None)
     marker = tmp_path / "ckpt" / "step_000000002" / "COMMIT"
     data = marker.read_bytes()
-    assert data.startswith(b'{"format": 3,')
-    marker.write_bytes(data.replace(b'{"format": 3,', b'{"format": 1,', 1))
+    assert data.startswith(b'{"format": 5,')
+    marker.write_bytes(data.replace(b'{"format": 5,', b'{"format": 1,', 1))
     with CheckpointEngine(url) as engine:
         with pytest.raises(CheckpointCorruptError, match=r"step 2: COMMIT marker: fails its"):
             engine.load(blank(), step=2)
@@ -131,10 +131,42 @@ def test_an_intact_commit_of_a_newer_format_is_refused_not_quarantined(tmp_path:
 FORMAT_2 = Path(__file__).parent / "data" / "format2"  # step 7, written by antifragile 0c7622b
 
 
+FORMAT_4 = Path(__file__).parent / "data" / "format4"  # step 7, written by antifragile 05621f0
+
+
+def test_a_checkpoint_of_format_4_still_loads_and_verifies(tmp_path: Path) -> None:
+    """Format 5 stores the COMMIT's manifest as columns; a step of format 4 (its manifest two
+    maps, a non-finite float among its values stored as a str) loads exactly and verifies,
+    and the next save beside it is format 5."""
+    import math
+    import shutil
+
+    url = tmp_path / "ckpt"
+    shutil.copytree(FORMAT_4, url)
+    assert (url / "step_000000007" / "COMMIT").read_bytes().startswith(b'{"format": 4,')
+
+    def template() -> dict[str, Any]:
+        return {"model": {"w": torch.zeros(64, 16), "b": torch.zeros(16, dtype=torch.bfloat16),
+                          "scalar": torch.tensor(0.0)},
+                "train": {"step": 0, "tag": "", "best": 0.0, "loss": 0.0}}
+
+    with CheckpointEngine(str(url)) as engine:
+        assert engine.verify(7).ok
+        state, again = template(), template()
+        assert engine.load(state, step=7) == 7
+        engine.save(8, state, blocking=True)
+        engine.load(again, step=8)
+    assert (url / "step_000000008" / "COMMIT").read_bytes().startswith(b'{"format": 5,')
+    assert torch.equal(state["model"]["w"], torch.arange(64 * 16.0).reshape(64, 16))
+    assert state["train"]["best"] == math.inf and math.isnan(state["train"]["loss"])
+    assert state["train"]["tag"] == again["train"]["tag"] == "format 4"
+    assert all(torch.equal(again["model"][k], v) for k, v in state["model"].items())
+
+
 def test_a_checkpoint_of_format_2_still_loads_and_verifies(tmp_path: Path) -> None:
     """Format 3 changed the chunk keys (``w/c.1.0``; ``w/c/1/0`` in format 2): a step written
     by the version before loads, bit for bit what zarr-python reads from the same files, and
-    verifies; the next save beside it is format 3."""
+    verifies; the next save beside it is of the format written now."""
     import shutil
 
     import numpy as np

@@ -277,7 +277,7 @@ class SaveProtocol(RuleBasedStateMachine):
         """Damage one shard object of a committed step."""
         step = data.draw(st.sampled_from(sorted(self.committed)), label="step")
         folder = self.root / step_name(step)
-        manifest = json.loads((folder / "COMMIT").read_bytes())["objects"]
+        manifest = json.loads((folder / "COMMIT").read_bytes())["manifest"]["keys"]
         keys = [  # each object is damaged at most once: a second bit flip could undo the first
             k
             for k in sorted(manifest)

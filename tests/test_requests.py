@@ -22,7 +22,7 @@ from _dist import run_ranks
 
 from antifragile.engine import CheckpointEngine
 from antifragile.engine import commit as commit_module
-from antifragile.engine.commit import read_commit
+from antifragile.engine.commit import read_commit, read_marker
 
 Storage = tuple[str, dict[str, Any] | None]
 TENSORS = 200
@@ -64,7 +64,7 @@ def test_requests_per_save_and_per_load_are_bounded(storage: Storage) -> None:
             CheckpointEngine(url, storage_options=proxied or options, keep_last=1) as engine:
         http()
         handle = engine.save(1, state_of(1), blocking=True)
-        objects = len(read_commit(engine.storage, 1)["objects"])
+        objects = len(read_marker(engine.storage, 1)[1].objects)
         assert objects == 2 * TENSORS + 2  # cells, array docs, model/zarr.json, zarr.json
         assert handle.requests["total"] <= objects + 10, handle.requests
         save_http = http()

@@ -717,31 +717,26 @@ def test_non_finite_floats_are_written_as_strict_json(tmp_path: Path) -> None:
     assert "Invalid JSON" not in str(opened.value)
 
 
-def test_a_step_holding_non_finite_floats_is_written_in_a_format_of_its_own(
+def test_a_step_is_written_in_format_5_which_an_engine_of_format_4_refuses_as_another_engines(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An engine that reads format 3 would take the str of a non-finite float for damage (the
-    type record does not fit it) and quarantine the step; told another format, it refuses
-    the step as another engine's. A step without such a float stays format 3."""
+    """Format 5 stores the COMMIT's manifest as columns; an engine that reads up to format 4
+    would find no manifest in it and call the step damaged (quarantine it): told format 5 in
+    the COMMIT and the group document alike, it refuses the step as another engine's."""
     from antifragile.engine import CheckpointFormatError, commit
 
     root = tmp_path / "ckpt"
     with CheckpointEngine(str(root), keep_last=None) as engine:
         engine.save(1, non_finite_state(), blocking=True)
-        engine.save(2, {**non_finite_state(), **{k: 0.5 for k in ("loss", "best", "worst",
-                        "negative_nan", "np_nan", "np_inf", "metrics")}}, blocking=True)
-    formats = []
-    for step in (1, 2):
-        folder = root / f"step_{step:09d}"
-        group = strict_json((folder / "zarr.json").read_text())
-        marker = (folder / "COMMIT").read_bytes()
-        assert marker.startswith(b'{"format": %d,' % group["attributes"]["antifragile"]["format"])
-        formats.append(group["attributes"]["antifragile"]["format"])
-    assert formats == [4, 3]
-    monkeypatch.setattr(commit, "READABLE_FORMATS", (2, 3))
-    with CheckpointEngine(str(root)) as engine:
-        with pytest.raises(CheckpointFormatError, match="format 4"):
-            engine.load({"w": torch.empty(2)}, step=1)
-        engine.load({"w": torch.empty(2)}, step=2)
+    folder = root / "step_000000001"
+    group = strict_json((folder / "zarr.json").read_text())
+    assert group["attributes"]["antifragile"]["format"] == 5
+    marker = (folder / "COMMIT").read_bytes()
+    assert marker.startswith(b'{"format": 5,') and b'"objects"' not in marker
+    monkeypatch.setattr(commit, "READABLE_FORMATS", (2, 3, 4))
+    with CheckpointEngine(str(root)) as engine, pytest.raises(CheckpointFormatError,
+                                                              match="format 5"):
+        engine.load({"w": torch.empty(2)}, step=1)
+    assert (folder / "COMMIT").is_file()  # not quarantined
 
 
 def test_non_finite_floats_round_trip_exactly(ckpt: CheckpointEngine) -> None:

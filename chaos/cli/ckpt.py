@@ -97,7 +97,7 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
     storage that fails (refused, unreachable) ends the listing with exit 2: that says nothing
     about the data."""
     from antifragile.engine import CheckpointError, CheckpointNotFoundError
-    from antifragile.engine.commit import committed_steps, read_commit
+    from antifragile.engine.commit import committed_steps, read_marker
     from antifragile.engine.errors import CheckpointFormatError, StorageError
     from antifragile.engine.quarantine import quarantine_log, quarantined_steps, read_quarantine
     from antifragile.engine.storage import open_storage
@@ -131,7 +131,7 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
                 click.echo(f"{step:>12}  quarantined: {found[0].get('reason') if found else '?'}")
                 continue
             try:
-                marker = read_commit(storage, step)
+                marker, manifest = read_marker(storage, step)
             except CheckpointNotFoundError:  # deleted since the listing (retention): not damage
                 continue
             except StorageError:  # storage failing says nothing of the data: exit 2
@@ -144,7 +144,7 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
                 click.echo(f"{step:>12}  DAMAGED: {exc} (chaos ckpt verify --step {step})")
                 continue
             click.echo(f"{step:>12}  {_human(int(marker.get('nbytes', 0))):>12}  "
-                       f"{len(marker['objects']):>8}  {marker.get('world_size', '?')}")
+                       f"{len(manifest.objects):>8}  {marker.get('world_size', '?')}")
         notes, damaged_notes = quarantine_log(storage)
         for step, note in notes:  # steps saved again or retired since
             if (step, str(note.get("commit_b64"))) not in shown:

@@ -62,7 +62,7 @@ class CorruptShard(FaultBase):
 
     def inject(self, target: Target, step: int | None) -> Injection:
         from antifragile.engine._paths import step_dir
-        from antifragile.engine.commit import committed_steps, read_commit
+        from antifragile.engine.commit import committed_steps, read_marker
         from antifragile.engine.load import split_cell_key
         from antifragile.engine.storage import open_storage
 
@@ -81,7 +81,7 @@ class CorruptShard(FaultBase):
                              self.checkpoint == "latest" else
                              f"no committed checkpoint {self.checkpoint} to corrupt")
         assert isinstance(chosen, int)
-        manifest = read_commit(storage, chosen)["objects"]
+        manifest = read_marker(storage, chosen)[1].objects
         shards = sorted(k for k, (n, _) in manifest.items()  # of arrays, not of scalars
                         if n > 0 and (split_cell_key(k) or ("", ()))[1])
         if not shards:  # a state of 0-d tensors and JSON values
