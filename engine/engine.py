@@ -243,6 +243,10 @@ class CheckpointEngine:
             self._lister = None
         if mistake is None and self._not_a_root is not None:  # rank 0's listing found it
             mistake = CheckpointError(f"step {step} not saved: {self._not_a_root}")
+        if (self.rank == 0 and mistake is None and not busy and step in self._committed
+                and step not in self._unfinished and not self._still_committed(step)):
+            self._committed.discard(step)  # deleted since by another process: saved anew,
+            self._unfinished.add(step)  # what is left of its folder cleared first
         unfinished = self.rank == 0 and mistake is None and step in self._unfinished
         # a step a load quarantined since it committed is unfinished again: saved anew
         known = (self.rank == 0 and mistake is None and step in self._committed
@@ -382,6 +386,17 @@ class CheckpointEngine:
             return
         self._unfinished.update(set(every) - set(committed))
         self._committed.update(committed)
+
+    def _still_committed(self, step: int) -> bool:
+        """Rank 0, before a save of a step it knows committed (a resave, which compares and
+        writes nothing): whether its COMMIT is still there. Another process (an operator, a
+        tool) may have deleted the step since; compared with what is gone, the save was
+        refused as unreadable. One request, for such a save alone; a storage error leaves it
+        a resave, whose comparison then says what failed."""
+        try:
+            return self.storage.exists(f"{step_dir(step)}/{COMMIT}")
+        except CheckpointError:
+            return True
 
     def _clear_unfinished(self, step: int) -> None:
         """Rank 0, once every rank agreed to save ``step`` and before any rank writes into

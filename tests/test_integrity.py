@@ -835,3 +835,18 @@ def test_a_quarantine_hides_only_the_save_whose_damage_was_confirmed(tmp_path: A
         with pytest.warns(RuntimeWarning, match="step 2 skipped"):
             assert engine.load(blank()) == 1
         assert raw.read(2, "COMMIT") == new, "the new save of step 2 was hidden"
+
+
+def test_a_step_another_process_deleted_is_saved_anew(storage: Storage) -> None:
+    """Rank 0 remembers the steps it committed; another process (an operator, ``chaos ckpt``)
+    deleted one of them, and training, gone back to before it, saves it again. The save must
+    write the step anew, not take it for a resave of a committed step and refuse it as
+    unreadable: nothing of it is left to compare with."""
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=3, plan_options=PLAN) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+        raw = Raw.open(storage)
+        raw.fs.rm(f"{raw.root}/step_{2:09d}", recursive=True)
+        engine.save(2, state_of(2), blocking=True)
+        assert engine.steps() == [1, 2] and engine.verify(2).ok
