@@ -213,6 +213,17 @@ def test_a_configuration_mistake_of_the_built_in_trainer_as_a_command_fails_befo
                                              "4", "--heads", "2"]}))  # a good one still loads
 
 
+@pytest.mark.parametrize("asks", [["--help"], ["--hel"], ["--steps", "4", "-h"]])
+def test_a_command_that_asks_the_built_in_trainer_for_its_help_is_refused_quietly(
+        asks: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """The trainer's check of its options printed its help into ``chaos validate``'s output
+    and ended the validation with SystemExit 0: a scenario that trains nothing passed."""
+    with pytest.raises(ScenarioError, match=r"prints its help and exits: it trains nothing"):
+        parse_scenario(_doc(trainer={"command": ["python", "-m", "antifragile.trainer",
+                                                 *asks]}))
+    assert "usage:" not in capsys.readouterr().out
+
+
 def test_the_script_gets_this_python_and_the_probe_contract(tmp_path: Path) -> None:
     s = parse_scenario(_doc(trainer={"env": {"HF_HUB_OFFLINE": "1"}}))
     assert isinstance(s.trainer, CommandSpec)

@@ -3,8 +3,10 @@ user's own script (``CommandSpec``), and what this machine can hold."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
+import io
 import os
 import re
 import shutil
@@ -360,11 +362,15 @@ class CommandSpec(_Strict):
         from antifragile.trainer.config import ConfigError, check_args
 
         options = self.command[found[0] + 1:]
-        try:
-            check_args(options)
+        shown = f"command: python -m antifragile.trainer {' '.join(options)}"
+        try:  # argparse prints a help it is asked for (--help, -h, --hel), then exits
+            with contextlib.redirect_stdout(io.StringIO()):
+                check_args(options)
         except ConfigError as exc:
-            raise ValueError(f"command: python -m antifragile.trainer {' '.join(options)}: "
-                             f"{exc}") from None
+            raise ValueError(f"{shown}: {exc}") from None
+        except SystemExit:
+            raise ValueError(f"{shown}: the trainer prints its help and exits: it trains "
+                             "nothing") from None
         return self
 
     @field_validator("command")
