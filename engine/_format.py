@@ -324,7 +324,7 @@ def _columns(columns: object, *, where: str
             and set(map(type, keys)) <= {str} and set(map(type, parts)) <= {int}
             and min(parts, default=0) >= 0 and sum(parts) == len(crcs)):
         raise bad
-    index = {key: i for i, key in enumerate(keys)}
+    index = dict(zip(keys, range(len(keys))))
     if len(index) != len(keys):
         raise CheckpointCorruptError(f"{where}: malformed manifest (a key listed twice)")
     ends = list(itertools.accumulate(parts))
@@ -364,7 +364,16 @@ def seal(doc: dict[str, Any]) -> bytes:
 
 def is_sealed(data: bytes | bytearray) -> bool:
     """Whether ``data`` ends as :func:`seal` ends a document (its checksum not checked)."""
-    return _SEAL.search(data) is not None
+    return _find_seal(data) is not None
+
+
+def _find_seal(data: bytes | bytearray) -> re.Match[bytes] | None:
+    """``_SEAL`` searched for in the document's last bytes only: from the start, the search
+    scanned every byte of a COMMIT (96 MB at 4,096 ranks: 0.2 s per search, two per load)."""
+    end = len(data)
+    while end and data[end - 1] in b" \t\n\r\x0b\x0c":  # what \s matches, as bytes
+        end -= 1
+    return _SEAL.search(data, max(end - 32, 0))  # the seal is at most 21 bytes
 
 
 # what json.loads raises for bytes it cannot make a document of (not JSON, not UTF-8, nested
@@ -374,7 +383,7 @@ NOT_JSON = (ValueError, RecursionError)
 
 def unseal(data: bytes | bytearray, *, where: str) -> dict[str, Any]:
     """The document :func:`seal` wrote; CheckpointCorruptError if its bytes changed."""
-    match = _SEAL.search(data)
+    match = _find_seal(data)
     if match is None:
         raise CheckpointCorruptError(f"{where}: no checksum (damaged, or not written by this "
                                      "engine)")
