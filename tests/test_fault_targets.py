@@ -305,55 +305,33 @@ def _step_10_still_persisting(tmp_path: Path) -> tuple[str, Path, Path]:
     return url, commit, aside
 
 
-@pytest.mark.parametrize("then", ["commits", "aborts"])
+@pytest.mark.parametrize("then", ["commits", "aborts", "commits-having-written-nothing-yet"])
 def test_latest_waits_for_a_save_in_flight_and_not_for_an_aborted_one(
         tmp_path: Path, then: str) -> None:
     """``corrupt_shard`` with ``checkpoint: latest`` damages the checkpoint the job has once
     a save still persisting at the pause point has committed (damaging the one before it is a
-    fault no restore reads); a newer folder that was aborted is not waited for."""
+    fault no restore reads); a newer folder that was aborted is not waited for. A save staged
+    before the pause point whose writers had written nothing yet (a busy machine) left no
+    folder to wait for, and the one before it was damaged: the steps the job's events say were
+    staged are waited for too."""
     import shutil
     import threading
 
     from antifragile.engine._paths import ABORT, step_dir
 
     url, commit, aside = _step_10_still_persisting(tmp_path)
+    folder = tmp_path / "ckpt" / step_dir(10)
     if then == "commits":
         later = threading.Timer(0.5, lambda: shutil.move(aside, commit))
-    else:
-        (tmp_path / "ckpt" / step_dir(10) / ABORT).write_text("{}")
+    elif then == "aborts":
+        (folder / ABORT).write_text("{}")
         later = threading.Timer(0.0, lambda: None)
+    else:
+        shutil.move(aside, commit)
+        shutil.move(folder, tmp_path / "folder.aside")
+        later = threading.Timer(0.5, lambda: shutil.move(tmp_path / "folder.aside", folder))
     later.start()
     began = time.monotonic()
-    try:
-        target = Target(pids={}, coordinates={}, ckpt_url=url, rng=random.Random(0))
-        fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=12,
-                                               mode="truncate")
-        injection = fault.inject(target, 12)
-    finally:
-        later.join()
-    assert injection.missed is None, injection
-    assert injection.detail["checkpoint_step"] == (10 if then == "commits" else 5)
-    if then == "aborts":
-        assert time.monotonic() - began < 10  # not SETTLE_S (30 s)
-
-
-def test_latest_waits_for_a_save_staged_before_the_pause_that_wrote_nothing_yet(
-        tmp_path: Path) -> None:
-    """A save staged at the step before the pause point whose persist thread had not yet
-    written anything (a busy machine) left no folder to wait for: ``latest`` damaged the
-    checkpoint before it, which the restart then never read, and the fault proved nothing.
-    The job's events say which saves were staged: those are waited for too."""
-    import shutil
-    import threading
-
-    from antifragile.engine._paths import step_dir
-
-    url, commit, aside = _step_10_still_persisting(tmp_path)
-    folder = tmp_path / "ckpt" / step_dir(10)
-    shutil.move(aside, commit)
-    shutil.move(folder, tmp_path / "folder.aside")
-    later = threading.Timer(0.5, lambda: shutil.move(tmp_path / "folder.aside", folder))
-    later.start()
     try:
         target = Target(pids={}, coordinates={}, ckpt_url=url, rng=random.Random(0),
                         staged=frozenset({5, 10}))
@@ -363,7 +341,9 @@ def test_latest_waits_for_a_save_staged_before_the_pause_that_wrote_nothing_yet(
     finally:
         later.join()
     assert injection.missed is None, injection
-    assert injection.detail["checkpoint_step"] == 10
+    assert injection.detail["checkpoint_step"] == (5 if then == "aborts" else 10)
+    if then == "aborts":
+        assert time.monotonic() - began < 10  # not SETTLE_S (30 s)
 
 
 def test_the_saves_a_fault_waits_for_are_the_newest_generations_up_to_where_it_is() -> None:

@@ -134,29 +134,40 @@ FORMAT_2 = Path(__file__).parent / "data" / "format2"  # step 7, written by anti
 FORMAT_4 = Path(__file__).parent / "data" / "format4"  # step 7, written by antifragile 05621f0
 
 
-def test_a_checkpoint_of_format_4_still_loads_and_verifies(tmp_path: Path) -> None:
-    """Format 5 stores the COMMIT's manifest as columns; a step of format 4 (its manifest two
-    maps, a non-finite float among its values stored as a str) loads exactly and verifies,
-    and the next save beside it is format 5."""
-    import math
+def _loaded_and_saved_again(fixture: Path, tmp_path: Path, template: Callable[[], Any]
+                            ) -> tuple[Path, Any, Any]:
+    """A copy of ``fixture`` (step 7 in an older format): step 7 verified and loaded into a
+    ``template()``, saved again as step 8, in the format written now, and loaded back."""
     import shutil
 
+    from antifragile.engine._paths import FORMAT_VERSION
+
     url = tmp_path / "ckpt"
-    shutil.copytree(FORMAT_4, url)
-    assert (url / "step_000000007" / "COMMIT").read_bytes().startswith(b'{"format": 4,')
-
-    def template() -> dict[str, Any]:
-        return {"model": {"w": torch.zeros(64, 16), "b": torch.zeros(16, dtype=torch.bfloat16),
-                          "scalar": torch.tensor(0.0)},
-                "train": {"step": 0, "tag": "", "best": 0.0, "loss": 0.0}}
-
+    shutil.copytree(fixture, url)
     with CheckpointEngine(str(url)) as engine:
         assert engine.verify(7).ok
         state, again = template(), template()
         assert engine.load(state, step=7) == 7
         engine.save(8, state, blocking=True)
         engine.load(again, step=8)
-    assert (url / "step_000000008" / "COMMIT").read_bytes().startswith(b'{"format": 5,')
+    marker = (url / "step_000000008" / "COMMIT").read_bytes()
+    assert marker.startswith(b'{"format": %d,' % FORMAT_VERSION)
+    return url, state, again
+
+
+def test_a_checkpoint_of_format_4_still_loads_and_verifies(tmp_path: Path) -> None:
+    """Format 5 stores the COMMIT's manifest as columns; a step of format 4 (its manifest two
+    maps, a non-finite float among its values stored as a str) loads exactly and verifies,
+    and the next save beside it is format 5."""
+    import math
+
+    def template() -> dict[str, Any]:
+        return {"model": {"w": torch.zeros(64, 16), "b": torch.zeros(16, dtype=torch.bfloat16),
+                          "scalar": torch.tensor(0.0)},
+                "train": {"step": 0, "tag": "", "best": 0.0, "loss": 0.0}}
+
+    url, state, again = _loaded_and_saved_again(FORMAT_4, tmp_path, template)
+    assert (url / "step_000000007" / "COMMIT").read_bytes().startswith(b'{"format": 4,')
     assert torch.equal(state["model"]["w"], torch.arange(64 * 16.0).reshape(64, 16))
     assert state["train"]["best"] == math.inf and math.isnan(state["train"]["loss"])
     assert state["train"]["tag"] == again["train"]["tag"] == "format 4"
@@ -167,25 +178,15 @@ def test_a_checkpoint_of_format_2_still_loads_and_verifies(tmp_path: Path) -> No
     """Format 3 changed the chunk keys (``w/c.1.0``; ``w/c/1/0`` in format 2): a step written
     by the version before loads, bit for bit what zarr-python reads from the same files, and
     verifies; the next save beside it is of the format written now."""
-    import shutil
-
     import numpy as np
     import zarr
-
-    url = tmp_path / "ckpt"
-    shutil.copytree(FORMAT_2, url)
-    assert (url / "step_000000007" / "model" / "w" / "c" / "3" / "0").is_file()
 
     def template() -> dict[str, Any]:
         return {"model": {"w": torch.zeros(64, 16), "b": torch.zeros(16, dtype=torch.bfloat16),
                           "scalar": torch.tensor(0.0)}, "train": {"step": 0, "tag": ""}}
 
-    with CheckpointEngine(str(url)) as engine:
-        assert engine.verify(7).ok
-        state, again = template(), template()
-        assert engine.load(state, step=7) == 7
-        engine.save(8, state, blocking=True)
-        engine.load(again, step=8)
+    url, state, again = _loaded_and_saved_again(FORMAT_2, tmp_path, template)
+    assert (url / "step_000000007" / "model" / "w" / "c" / "3" / "0").is_file()
     assert again["train"] == {"step": 7, "tag": "format 2"}
     assert all(torch.equal(again["model"][k], v) for k, v in state["model"].items())
     group = zarr.open_group(str(url / "step_000000007"), mode="r")
