@@ -243,14 +243,14 @@ class CheckpointEngine:
             self._lister = None
         if mistake is None and self._not_a_root is not None:  # rank 0's listing found it
             mistake = CheckpointError(f"step {step} not saved: {self._not_a_root}")
-        if (self.rank == 0 and mistake is None and not busy and step in self._committed
-                and step not in self._unfinished and not self._still_committed(step)):
-            self._committed.discard(step)  # deleted since by another process: saved anew,
-            self._unfinished.add(step)  # what is left of its folder cleared first
-        unfinished = self.rank == 0 and mistake is None and step in self._unfinished
         # a step a load quarantined since it committed is unfinished again: saved anew
         known = (self.rank == 0 and mistake is None and step in self._committed
                  and step not in self._unfinished)
+        if known and not busy and not self._still_committed(step):
+            self._committed.discard(step)  # deleted since by another process: saved anew,
+            self._unfinished.add(step)  # what is left of its folder cleared first
+            known = False
+        unfinished = self.rank == 0 and mistake is None and step in self._unfinished
         # one all-reduce: the flags, the nonce, the step, and the digests of the replicated
         # plain tensors under the current plan (``PerRank.agree``). A rank that already knows
         # they will not be used (it is busy, or its layout changed: the plan is rebuilt and
