@@ -11,6 +11,7 @@ write stuck on storage never holds up the interpreter's exit, nor ``close()`` fo
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
@@ -18,7 +19,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -105,14 +106,18 @@ class DaemonWorkers:
 
 
 class DaemonPool(Executor):
-    """A pool of up to ``threads`` daemon threads (the engine's reads and writes), started as
-    jobs queue up. A ``ThreadPoolExecutor``'s threads are joined at interpreter exit before
+    """A pool of daemon threads that runs up to ``threads`` jobs at once (the engine's reads
+    and writes; a job waiting in :meth:`lend` does not count), its threads started as jobs
+    queue up. A ``ThreadPoolExecutor``'s threads are joined at interpreter exit before
     any atexit hook: one write stuck on storage held the exit of a script that never closed
     its engine forever, and ``close()`` with it."""
 
     def __init__(self, threads: int, name: str) -> None:
         self._max = threads
         self._name = name
+        # one per job running, outside ``lend``: at most ``threads`` at once
+        self._running = threading.Semaphore(threads)
+        self._lent = 0
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...],
                                             dict[str, Any]] | None] = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)
@@ -127,22 +132,51 @@ class DaemonPool(Executor):
             if self._shut:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self._jobs.put((future, fn, args, kwargs))
-            if not self._idle.acquire(blocking=False) and len(self._threads) < self._max:
-                thread = threading.Thread(target=self._serve, daemon=True,
-                                          name=f"{self._name}_{len(self._threads)}")
-                thread.start()
-                self._threads.append(thread)
+            if not self._idle.acquire(blocking=False):
+                self._grow()
         return future
+
+    def _grow(self) -> None:
+        """A thread more, up to one per job that may run (under the lock)."""
+        if len(self._threads) < self._max + self._lent:
+            thread = threading.Thread(target=self._serve, daemon=True,
+                                      name=f"{self._name}_{len(self._threads)}")
+            thread.start()
+            self._threads.append(thread)
+
+    @contextlib.contextmanager
+    def lend(self) -> Iterator[None]:
+        """Called by a job: run the body (a wait for something that is not its own I/O: a
+        write waiting for the end of a staging copy) without counting the job as running: meanwhile
+        a queued job may run in its place, on a thread more. Up to ``threads`` jobs at once
+        may be lent (beyond that the body runs as part of the job); the job counts again as
+        running once the body is over, which may wait for a running job to end."""
+        with self._lock:
+            lent = self._lent < self._max
+            if lent:
+                self._lent += 1
+                self._grow()
+        if not lent:
+            yield
+            return
+        self._running.release()
+        try:
+            yield
+        finally:
+            self._running.acquire()
+            with self._lock:
+                self._lent -= 1
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             future, fn, args, kwargs = job
             del job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as exc:
-                    future.set_exception(exc)
+            with self._running:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args, **kwargs))
+                    except BaseException as exc:
+                        future.set_exception(exc)
             del future, fn, args, kwargs  # an idle thread holds nothing of its last job
             self._idle.release()
         self._jobs.put(None)  # the next thread ends too

@@ -14,7 +14,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Executor, wait
+from concurrent.futures import CancelledError, wait
 from typing import Any, TypeVar, cast
 
 from torch.distributed.tensor import DTensor
@@ -23,6 +23,7 @@ from . import _format
 from ._format import Manifest
 from ._paths import record_key, step_dir
 from ._state import FlatState
+from ._threads import DaemonPool
 from .errors import CheckpointCorruptError, CheckpointError, CommitTimeoutError
 from .plan import ArraySpec, GlobalPlan
 from .stage import StagingArea
@@ -178,7 +179,7 @@ class BoundedRequests:
 
 
 def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
-                  extra: dict[str, bytes], pool: Executor, *, stall_s: float) -> Manifest:
+                  extra: dict[str, bytes], pool: DaemonPool, *, stall_s: float) -> Manifest:
     """Write the staged cells and ``extra`` objects; return what was written. When no write
     has returned for ``stall_s`` once staging is over (counted from the last write that
     returned, or from the end of staging, known within ``stall_s``), the storage does not
@@ -196,7 +197,9 @@ def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
     state, against 1.1x without (``bench.engine``, 2 GiB). An object whose cell is staged
     before the copy ends is written at once with its CRC slots unfilled, and they are filled
     once the copy has ended and written again in place (``Storage.write``'s ``late``: a
-    page per chunk into the file; an object store sends the object only then)."""
+    page per chunk into the file; an object store sends the object only then). While such a
+    writer waits for the copy's end, its I/O thread is lent (``DaemonPool.lend``) and the
+    next staged object is written: held, 8 of 8 threads waited with the disk idle."""
     base = step_dir(step)
 
     def put_cell(index: int) -> tuple[str, int, list[int]]:
@@ -209,7 +212,9 @@ def write_objects(storage: Storage, step: int, nonce: int, staging: StagingArea,
         late_crcs: list[int] = []
 
         def fill_crcs() -> list[tuple[int, int]]:
-            staging.wait_staged()
+            if not staging.copied:  # another write may run meanwhile: the disk stays busy
+                with pool.lend():
+                    staging.wait_staged()
             late_crcs[:] = staging.finish(index)[1]
             return staging.crc_slots(index)
 

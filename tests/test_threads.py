@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 from concurrent.futures import wait
 from pathlib import Path
@@ -328,3 +329,40 @@ def test_the_exit_hook_closes_every_pool_past_one_whose_close_raises(
     monkeypatch.setattr(_threads, "_LIVE", [broken, pool])
     _threads._close_at_exit()
     assert done.result() == 1 and pool._shut
+
+
+def test_a_lent_job_lets_a_queued_one_run_and_counts_again_after() -> None:
+    """``lend``: while a job waits for something that is not its own I/O, a queued job runs
+    in its place; once the wait is over the job counts as running again, so no more than
+    ``threads`` jobs run outside ``lend`` at once."""
+    from antifragile.engine._threads import DaemonPool
+
+    pool = DaemonPool(1, "ckpt-test-pool")
+    release, other_running, other_release = threading.Event(), threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def lender() -> None:
+        with pool.lend():
+            release.wait(10)
+        order.append("lender resumed")
+
+    def other() -> None:
+        other_running.set()
+        other_release.wait(10)
+        order.append("other done")
+
+    try:
+        first = pool.submit(lender)
+        second = pool.submit(other)
+        assert other_running.wait(10), "the queued job did not run while the first was lent"
+        release.set()
+        time.sleep(0.2)  # the lender's wait is over: it waits to count as running again
+        assert order == []
+        other_release.set()
+        first.result(timeout=10)
+        second.result(timeout=10)
+        assert order == ["other done", "lender resumed"]
+    finally:
+        release.set()
+        other_release.set()
+        pool.shutdown()
