@@ -252,31 +252,19 @@ class LocalStorage:
 
     def _rewrite(self, fd: int, first: memoryview, ranges: Sequence[tuple[int, int]],
                  direct_end: int) -> None:
-        """Write ``ranges`` of the first part again, as they are now: the pages around them
-        with O_DIRECT below ``direct_end`` (what went with O_DIRECT; a partial page through
-        the page cache would be read from the device first), the rest through the cache.
-        A short O_DIRECT write may have ended mid-page: that page goes through the cache too
-        (an O_DIRECT write of part of a page is refused: EINVAL)."""
+        """Write ``ranges`` of the first part again, as they are now, through the page cache
+        (``sync()`` flushes them): below ``direct_end`` (what went with O_DIRECT, not in the
+        cache) the whole pages around them, since part of a page would be read from the device
+        first. Not with O_DIRECT: each such write waited behind the disk's queue of the other
+        writers' large requests, a page per chunk one after the other, and held its thread
+        for up to 0.8 s of a 1 s save of 2 GiB."""
         direct_end -= direct_end % ALIGN_BYTES
-        pages: list[tuple[int, int]] = []  # merged, page-aligned, below direct_end
         for start, end in sorted(ranges):
             if start < direct_end:
-                lo = start // ALIGN_BYTES * ALIGN_BYTES
-                hi = min(-(-min(end, direct_end) // ALIGN_BYTES) * ALIGN_BYTES, direct_end)
-                if pages and lo <= pages[-1][1]:
-                    pages[-1] = (pages[-1][0], max(pages[-1][1], hi))
-                else:
-                    pages.append((lo, hi))
-            if end > direct_end:
-                start = max(start, direct_end)
-                _pwrite_all(fd, first[start:end], start)
-        if pages:
-            _set_direct(fd, True)
-            try:
-                for lo, hi in pages:
-                    _pwrite_all(fd, first[lo:hi], lo)
-            finally:
-                _set_direct(fd, False)
+                start -= start % ALIGN_BYTES
+                if end <= direct_end:
+                    end = -(-end // ALIGN_BYTES) * ALIGN_BYTES
+            _pwrite_all(fd, first[start:end], start)
 
     def _writev(self, fd: int, views: list[memoryview]) -> int:
         nbytes = sum(map(len, views))
