@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from .errors import CheckpointError
@@ -41,6 +42,12 @@ class SaveHandle:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once ``done()``: from the save's thread as it commits or fails (before
+        the coordinator's retention), or here at once if it is done already. What ``fn``
+        raises is logged, never raised into the save."""
+        self._future.add_done_callback(lambda _: fn())
 
     def _fail(self, error: CheckpointError) -> None:
         """End a save that never ran (skipped, or its thread did not start) with ``error``:

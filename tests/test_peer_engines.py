@@ -150,6 +150,39 @@ def test_torchsnapshot_async_save_holds_the_step_it_was_given_not_the_next_one(
         dict.fromkeys(weights, 0.0)
 
 
+def test_a_peer_save_calls_back_from_the_thread_that_ends_it() -> None:
+    """The trainer reports a save's outcome as it ends (``add_done_callback``), not at its next
+    poll: a peer's handle calls back from the thread that resolved it, sizes known; one done
+    already calls back at once. A failure is the handle's, named by step."""
+    import threading
+    from concurrent.futures import Future
+
+    from antifragile.engine import CheckpointError
+    from antifragile.trainer.ckpt_backends.base import PeerHandle, failed_future
+
+    future: Future[Any] = Future()
+    handle = PeerHandle(3, future, stall_s=0.0, sizes=lambda n: (n, 2 * n))
+    seen: list[tuple[str, bool, int, int]] = []
+
+    def note(h: PeerHandle) -> None:
+        seen.append((threading.current_thread().name, h.done(), h.nbytes, h.committed_nbytes))
+
+    handle.add_done_callback(lambda: note(handle))
+    assert seen == []
+    resolver = threading.Thread(target=future.set_result, args=(5,), name="peer-save")
+    resolver.start()
+    resolver.join()
+    assert seen == [("peer-save", True, 5, 10)]
+    failed = PeerHandle(4, failed_future(OSError("disk full")), stall_s=0.0,
+                        sizes=lambda n: (n, n))
+    failed.add_done_callback(lambda: note(failed))
+    assert seen[1] == (threading.current_thread().name, True, 0, 0)
+    error = failed.exception()
+    assert isinstance(error, CheckpointError) and "step 4: OSError: disk full" in str(error)
+    with pytest.raises(CheckpointError, match="step 4"):
+        failed.wait(1)
+
+
 def test_scenario_takes_a_peer_engine_on_local_storage_only() -> None:
     s = parse_scenario({"name": "x", "checkpoint": {"engine": "dcp"}})
     assert "--ckpt-engine" in (args := trainer_args(s, Path("/r"), "/r/ckpt"))

@@ -1373,6 +1373,90 @@ def test_a_save_that_commits_while_the_next_one_captures_its_state_is_reported(
     assert ("ckpt_committed", 1) in kinds and ("ckpt_committed", 2) in kinds
 
 
+def _reported(events_dir: Path, kind: tuple[str, int], within_s: float = 10.0) -> bool:
+    """Whether ``kind`` (event, step) is in the event file within ``within_s``, the loop
+    meanwhile not polling (whole lines only: the file is being written)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        text = (events_dir / "rank0.jsonl").read_text()
+        lines = text[:text.rfind("\n") + 1].splitlines()
+        if kind in [(e["event"], e.get("step")) for e in map(json.loads, lines)]:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_background_save_is_reported_when_it_ends_not_at_the_next_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``chaos run`` waits for the saves a generation staged to settle before it damages the
+    latest checkpoint, and a save that failed before its ABORT was written says so only by
+    ``ckpt_failed``; the persist and lost-work measures read when a step committed. Both
+    outcomes came only at the loop's next poll (its next save, or the end): the fault waited
+    out its bound, the measures saw the commit late. Each comes once, after its staging."""
+    from antifragile.engine import CheckpointError
+
+    ckpt, events, events_dir = _final_save_setup(tmp_path, monkeypatch, refuse_for_s=0)
+    storage = ckpt.backend.engine.storage.inner
+    write, create, refusing = storage.write, storage.create, threading.Event()
+
+    def refused(real: Any) -> Any:
+        def call(key: str, *args: Any, **kwargs: Any) -> Any:
+            if refusing.is_set():  # the ABORT too: nothing on storage says it failed
+                raise PermissionError(f"storage refuses {key}")
+            return real(key, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(storage, "write", refused(write))
+    monkeypatch.setattr(storage, "create", refused(create))
+    refusing.set()
+    ckpt.save(1, 8, blocking=False)
+    failed = ckpt._pending
+    assert failed is not None
+    with pytest.raises(CheckpointError):
+        failed.wait(30)
+    assert _reported(events_dir, ("ckpt_failed", 1))
+    refusing.clear()
+    ckpt.save(2, 16, blocking=False)
+    assert _reported(events_dir, ("ckpt_committed", 2))
+    assert ckpt.committed_step == 2
+    ckpt.close()
+    events.close()
+    kinds = _kinds(events_dir)
+    for outcome, step in (("ckpt_failed", 1), ("ckpt_committed", 2)):
+        assert kinds.count((outcome, step)) == 1
+        assert kinds.index(("ckpt_staged", step)) < kinds.index((outcome, step))
+
+
+def test_a_save_abandoned_with_its_generation_is_not_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process recovery abandons the save in flight: the abort fails it on this rank, which
+    says nothing of the save (the report takes a staged step that a later generation restored
+    for committed, unless it failed), so its thread reports nothing as it ends."""
+    ckpt, events, events_dir = _final_save_setup(tmp_path, monkeypatch, refuse_for_s=0)
+    storage = ckpt.backend.engine.storage.inner
+    write, go = storage.write, threading.Event()
+
+    def held(key: str, *args: Any, **kwargs: Any) -> None:
+        go.wait(30)
+        write(key, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "write", held)
+    ckpt.save(1, 8, blocking=False)
+    handle = ckpt._pending
+    assert handle is not None and not handle.done()
+    threading.Timer(0.2, go.set).start()  # the abandon waits for the writes under way
+    ckpt.abandon()
+    deadline = time.monotonic() + 30
+    while not handle.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handle.done() and handle.exception() is not None
+    assert not _reported(events_dir, ("ckpt_failed", 1), within_s=0.5)
+    events.close()
+    assert [k for k in _kinds(events_dir) if k[1] == 1] == [("ckpt_staged", 1)]
+
+
 def test_a_skipped_save_does_not_hold_at_staged(tmp_path: Path) -> None:
     """The save of step 1 is held at ``persisting``, so the save of step 2 is skipped (the
     engine refuses a save while the previous one persists). A ``staged`` point of step 2 held

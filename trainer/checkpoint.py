@@ -14,6 +14,7 @@ one whose ids changed is refused too; the file may move). The engine is a
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -101,7 +102,12 @@ class TrainCheckpointer:
         self.model = model
         self.optimizer = optimizer
         self.events = events
-        self._pending: PendingSave | None = None
+        self._pending: PendingSave | None = None  # the save in flight, until a poll saw it end
+        # the save whose outcome is not reported yet: its own thread reports it as it ends
+        # (chaos waits for a staged save to settle, and measures when it committed), or the
+        # loop's poll does first (a wait() may return before that thread reports)
+        self._unreported: PendingSave | None = None
+        self._lock = threading.Lock()  # the two reporters, and ``_retaining``
         self.committed_step: int | None = None  # the newest save known to have committed
         # committed saves whose retention still runs (our engine's coordinator): a retention
         # failure is reported once it is known
@@ -228,7 +234,8 @@ class TrainCheckpointer:
         # handle is replaced
         self.poll()
         self.events.emit("ckpt_staged", step=step, stall_s=stall_s)
-        self._pending = handle
+        self._pending = self._unreported = handle
+        handle.add_done_callback(lambda: self._report(handle))  # after ckpt_staged, always
         if blocking:  # the loop also waits for the write: that is stall too
             t0 = time.perf_counter()
             self.finish()
@@ -261,10 +268,29 @@ class TrainCheckpointer:
             delay = min(2 * delay, FINAL_SAVE_MAX_DELAY_S)
 
     def poll(self) -> None:
-        """Report a finished background save (committed or failed) and a failed retention once."""
+        """Report a finished background save (committed or failed), unless its thread already
+        did, and a failed retention once."""
         handle = self._pending
         if handle is not None and handle.done():
             self._pending = None
+            self._report(handle)
+        with self._lock:
+            retained = [h for h in self._retaining if h.retention_done()]
+            for done in retained:
+                self._retaining.remove(done)
+        for done in retained:
+            if done.retention_error:  # committed all the same; retried at the next save
+                self.events.emit("ckpt_retention_failed", step=done.step,
+                                 error=done.retention_error)
+
+    def _report(self, handle: PendingSave) -> None:
+        """Report the outcome of ``handle``, done, once: whichever of its thread and the
+        loop's poll comes first."""
+        with self._lock:
+            reported = self._unreported is not handle  # by the other reporter, or abandoned
+            if reported:
+                return
+            self._unreported = None
             error = handle.exception()
             if error is None:
                 self.committed_step = handle.step
@@ -275,16 +301,13 @@ class TrainCheckpointer:
                     self._retaining.append(handle)
             else:
                 self.events.emit("ckpt_failed", step=handle.step, error=str(error))
-        for done in [h for h in self._retaining if h.retention_done()]:
-            self._retaining.remove(done)
-            if done.retention_error:  # committed all the same; retried at the next save
-                self.events.emit("ckpt_retention_failed", step=done.step,
-                                 error=done.retention_error)
 
     def finish(self) -> None:
         """Wait for the save in flight (and the retentions that follow commits) and report.
         SaveInterrupted once ``interrupted()`` says the generation failed meanwhile."""
-        for handle in [*self._retaining, self._pending]:
+        with self._lock:
+            waited = [*self._retaining, self._pending]
+        for handle in waited:
             if handle is not None:
                 while self.interrupted is not None and not handle.done():
                     if self.interrupted():
@@ -294,6 +317,15 @@ class TrainCheckpointer:
                 with contextlib.suppress(CheckpointError):
                     handle.wait()
         self.poll()
+
+    def abandon(self) -> None:
+        """Give up the save in flight with its failed generation (in-process recovery),
+        unreported as before: the abort fails it on this rank, which is no outcome of the
+        save (the report takes a staged step that a later generation restored for committed,
+        unless it failed)."""
+        with self._lock:
+            self._unreported = None
+        self.backend.abandon()
 
     def close(self) -> None:
         self.finish()

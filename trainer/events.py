@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any, TextIO
 
@@ -30,13 +31,16 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 class EventLog:
     """Appends to ``events/<name>.jsonl`` (default ``rank<rank>``; spares and supervisors
-    write their own files). Not thread-safe across processes beyond whole-line appends."""
+    write their own files). Thread-safe: a background save reports its outcome from its own
+    thread; a line's time is taken under the lock, so the file is in time order. Not safe
+    across processes beyond whole-line appends."""
 
     def __init__(self, run_dir: str | None, rank: int, attempt: int, *,
                  name: str | None = None) -> None:
         self.rank = rank
         self.attempt = attempt
         self._file: TextIO | None = None
+        self._lock = threading.Lock()
         if run_dir:
             # here, not at import: read_events (chaos) would load the engine, and torch, with it
             from antifragile.engine._events import open_event_file
@@ -46,13 +50,15 @@ class EventLog:
             self._file = open_event_file(path)
 
     def emit(self, event: str, **fields: Any) -> None:
-        if self._file is None:
-            return
-        line = {"t": time.time(), "rank": self.rank, "attempt": self.attempt, "event": event,
-                **fields}
-        self._file.write(json.dumps(line, allow_nan=True) + "\n")
+        with self._lock:
+            if self._file is None:
+                return
+            line = {"t": time.time(), "rank": self.rank, "attempt": self.attempt,
+                    "event": event, **fields}
+            self._file.write(json.dumps(line, allow_nan=True) + "\n")
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

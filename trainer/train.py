@@ -307,7 +307,7 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         kept = memory[0]  # failed before it restored: the previous copy still holds
         if checkpointer:  # the save in flight cannot commit (a rank is gone): give it up
             kept = checkpointer[0].backend.memory_copy() or kept
-            checkpointer[0].backend.abandon()
+            checkpointer[0].abandon()
             # a thread of its save may still wait on the default store, whose client the
             # groups rendezvous through, and a client serves one request at a time: the next
             # generation connects again rather than wait behind it

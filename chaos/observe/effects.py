@@ -162,8 +162,9 @@ def crash_effect(record: RunRecord, injection: Injection, attempt: int,
 
 def _save_lifecycles(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (attempt, step) save: when it was staged (first rank), when it committed (staged +
-    slowest rank's persist_s: the committed event itself only comes at the next poll), or the
-    failure the trainer reported (a save skipped while another persisted has no staging)."""
+    slowest rank's persist_s, not the committed event's time: an older trainer wrote that at its
+    next poll), or the failure the trainer reported (a save skipped while another persisted has
+    no staging)."""
     saves: dict[tuple[int, int], dict[str, Any]] = {}
     for e in events:
         if e["event"] not in ("ckpt_staged", "ckpt_committed", "ckpt_failed"):

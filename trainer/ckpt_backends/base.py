@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -44,6 +43,11 @@ class PendingSave(Protocol):
     def exception(self) -> BaseException | None: ...
 
     def wait(self, timeout: float | None = None) -> None: ...
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once ``done()``, from the thread that ended the save (at once, here, if
+        it is done already)."""
+        ...
 
 
 class Backend(Protocol):
@@ -154,8 +158,7 @@ class PeerHandle:
         # a synchronous save persisted while the loop waited: count it from its start
         self._staged_t = time.perf_counter() if started_t is None else started_t
         self._sizes = sizes
-        self._done = threading.Event()
-        self._error: BaseException | None = None
+        self._outcome: Future[None] = Future()  # resolved once the sizes are known too
         future.add_done_callback(self._resolved)
 
     def _resolved(self, future: Future[Any]) -> None:
@@ -163,20 +166,26 @@ class PeerHandle:
         try:
             self.nbytes, self.committed_nbytes = self._sizes(future.result())
         except BaseException as exc:  # reported through the handle
-            self._error = CheckpointError(f"step {self.step}: {type(exc).__name__}: {exc}")
-        self._done.set()
+            self._outcome.set_exception(
+                CheckpointError(f"step {self.step}: {type(exc).__name__}: {exc}"))
+        else:
+            self._outcome.set_result(None)
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._outcome.done()
 
     def exception(self) -> BaseException | None:
-        return self._error if self.done() else None
+        return self._outcome.exception() if self.done() else None
 
     def wait(self, timeout: float | None = None) -> None:
-        if not self._done.wait(timeout):
-            raise CheckpointError(f"step {self.step}: save still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
+        try:
+            self._outcome.result(timeout)
+        except TimeoutError:
+            raise CheckpointError(
+                f"step {self.step}: save still running after {timeout} s") from None
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        self._outcome.add_done_callback(lambda _: fn())
 
 
 def done_future(result: Any) -> Future[Any]:
