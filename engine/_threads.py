@@ -155,7 +155,11 @@ class DaemonPool(Executor):
             lent = self._lent < self._max
             if lent:
                 self._lent += 1
-                self._grow()
+                # at the thread limit ("can't start new thread") the job is lent all the
+                # same: a thread already started takes the queued job, and the write that
+                # lends does not fail for a thread it only offered
+                with contextlib.suppress(RuntimeError):
+                    self._grow()
         if not lent:
             yield
             return

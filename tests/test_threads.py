@@ -366,3 +366,40 @@ def test_a_lent_job_lets_a_queued_one_run_and_counts_again_after() -> None:
         release.set()
         other_release.set()
         pool.shutdown()
+
+
+def test_a_lent_job_whose_extra_thread_does_not_start_still_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lend`` starts a thread more for the queued jobs; where that start failed (a process
+    at its thread limit: "can't start new thread") the error came out of ``lend``, failing
+    the write that lent (and with it the save), and the job stayed counted as lent forever:
+    with ``threads`` such failures no job was ever lent again. The body runs all the same
+    and the pool lends as before once threads start again."""
+    from antifragile.engine._threads import DaemonPool
+
+    pool = DaemonPool(1, "ckpt-test-pool")
+    release = threading.Event()
+    try:
+        _refuse_start(monkeypatch, "ckpt-test-pool_1", RuntimeError, after_start=False)
+
+        def lender() -> str:
+            with pool.lend():
+                return "written"
+
+        assert pool.submit(lender).result(timeout=10) == "written"
+        monkeypatch.undo()
+        other_running = threading.Event()
+
+        def waiting_lender() -> None:
+            with pool.lend():
+                release.wait(10)
+
+        first = pool.submit(waiting_lender)
+        second = pool.submit(other_running.set)
+        assert other_running.wait(10), "no job was lent after a thread failed to start"
+        release.set()
+        first.result(timeout=10)
+        second.result(timeout=10)
+    finally:
+        release.set()
+        pool.shutdown()
