@@ -133,7 +133,13 @@ class DaemonPool(Executor):
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self._jobs.put((future, fn, args, kwargs))
             if not self._idle.acquire(blocking=False):
-                self._grow()
+                try:
+                    self._grow()
+                except RuntimeError:  # "can't start new thread": a process at its limit
+                    if self._threads:  # queued: a thread of the pool runs it in turn
+                        return future
+                    future.cancel()  # refused: the thread that takes it later skips it
+                    raise
         return future
 
     def _grow(self) -> None:

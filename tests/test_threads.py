@@ -403,3 +403,39 @@ def test_a_lent_job_whose_extra_thread_does_not_start_still_runs(
     finally:
         release.set()
         pool.shutdown()
+
+
+def test_a_job_whose_thread_does_not_start_runs_in_turn_or_never(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``submit`` queued the job, then started a thread for it; where that start failed (a
+    process at its thread limit) the error came out of ``submit`` while the job stayed
+    queued: a thread of the pool ran it later all the same, a write the caller had been told
+    failed. Now a pool with a thread runs it in turn, and ``submit`` does not raise; a pool
+    with none raises, and the job never runs."""
+    from antifragile.engine._threads import DaemonPool
+
+    ran: list[str] = []
+    pool = DaemonPool(2, "ckpt-test-pool")
+    release = threading.Event()
+    try:
+        busy = pool.submit(release.wait, 10)  # thread _0
+        _refuse_start(monkeypatch, "ckpt-test-pool_1", RuntimeError, after_start=False)
+        queued = pool.submit(ran.append, "queued")
+        release.set()
+        assert queued.result(timeout=10) is None and ran == ["queued"]
+        assert busy.result(timeout=10)
+    finally:
+        release.set()
+        pool.shutdown()
+
+    monkeypatch.undo()
+    empty = DaemonPool(1, "ckpt-test-empty")
+    try:
+        _refuse_start(monkeypatch, "ckpt-test-empty_0", RuntimeError, after_start=False)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            empty.submit(ran.append, "refused")
+        monkeypatch.undo()
+        assert empty.submit(ran.append, "later").result(timeout=10) is None
+        assert ran == ["queued", "later"]
+    finally:
+        empty.shutdown()
