@@ -153,10 +153,10 @@ class DaemonPool(Executor):
     @contextlib.contextmanager
     def lend(self) -> Iterator[None]:
         """Called by a job: run the body (a wait for something that is not its own I/O: a
-        write waiting for the end of a staging copy) without counting the job as running: meanwhile
-        a queued job may run in its place, on a thread more. Up to ``threads`` jobs at once
-        may be lent (beyond that the body runs as part of the job); the job counts again as
-        running once the body is over, which may wait for a running job to end."""
+        write waiting for the end of a staging copy) without counting the job as running:
+        meanwhile a queued job may run in its place, on a thread more. Up to ``threads`` jobs
+        at once may be lent (beyond that the body runs as part of the job); the job counts
+        again as running once the body is over, which may wait for a running job to end."""
         with self._lock:
             lent = self._lent < self._max
             if lent:
