@@ -1457,6 +1457,44 @@ def test_a_save_abandoned_with_its_generation_is_not_reported(
     assert [k for k in _kinds(events_dir) if k[1] == 1] == [("ckpt_staged", 1)]
 
 
+def test_a_peer_save_failed_by_its_generations_abort_is_not_reported(tmp_path: Path) -> None:
+    """In-process recovery: the failure watch marks the generation failed, then shuts its
+    connections; a peer's save in flight (DCP's collectives run on them, in its own thread)
+    fails there before the training thread gets to ``abandon()`` it. That is the abort's
+    failure, no outcome of the save: unreported, as an abandoned save's."""
+    from concurrent.futures import Future
+
+    from antifragile.trainer.checkpoint import TrainCheckpointer
+    from antifragile.trainer.ckpt_backends.base import PeerHandle
+    from antifragile.trainer.events import EventLog
+
+    future: Future[Any] = Future()
+
+    class Peer:
+        name, overlaps_saves = "dcp", False
+
+        def save(self, step: int, state: dict[str, Any]) -> PeerHandle:
+            return PeerHandle(step, future, stall_s=0.0, sizes=lambda _: (1, 1))
+
+        def abandon(self) -> None:
+            pass
+
+    model = torch.nn.Linear(4, 4)
+    events = EventLog(str(tmp_path), rank=0, attempt=0)
+    failed = threading.Event()
+    ckpt = TrainCheckpointer(Peer(), model, torch.optim.AdamW(model.parameters()),  # type: ignore[arg-type]
+                             events, interrupted=failed.is_set)
+    assert ckpt.save(5, 40, blocking=False)
+    failed.set()  # the watch fired, then shut the generation's connections down
+    abort = threading.Thread(target=future.set_exception,
+                             args=(RuntimeError("Connection closed by peer"),))
+    abort.start()
+    abort.join()
+    ckpt.abandon()
+    events.close()
+    assert [k for k in _kinds(tmp_path / "events") if k[1] == 5] == [("ckpt_staged", 5)]
+
+
 def test_a_skipped_save_does_not_hold_at_staged(tmp_path: Path) -> None:
     """The save of step 1 is held at ``persisting``, so the save of step 2 is skipped (the
     engine refuses a save while the previous one persists). A ``staged`` point of step 2 held

@@ -290,8 +290,13 @@ class TrainCheckpointer:
             reported = self._unreported is not handle  # by the other reporter, or abandoned
             if reported:
                 return
-            self._unreported = None
             error = handle.exception()
+            # failed once its generation did (in-process recovery): the abort shuts the
+            # connections a peer's save runs its collectives on before abandon() is reached;
+            # that failure is the abort's, left unreported as an abandoned save's
+            if error is not None and self.interrupted is not None and self.interrupted():
+                return
+            self._unreported = None
             if error is None:
                 self.committed_step = handle.step
                 self.events.emit("ckpt_committed", step=handle.step,
