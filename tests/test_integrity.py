@@ -850,3 +850,34 @@ def test_a_step_another_process_deleted_is_saved_anew(storage: Storage) -> None:
         raw.fs.rm(f"{raw.root}/step_{2:09d}", recursive=True)
         engine.save(2, state_of(2), blocking=True)
         assert engine.steps() == [1, 2] and engine.verify(2).ok
+
+
+def test_a_quarantined_step_is_saved_anew_even_where_storage_cannot_say_it_is_gone(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load quarantined step 2 and training saves step 2 again: rank 0 knows the step is
+    unfinished now, so the save clears its folder and writes it anew. It used to keep the step
+    among those known committed, and the save took the path of a resave (compare with the
+    COMMIT, write nothing) and was refused as unreadable. The look for a known step's COMMIT
+    (a step another process deleted) also sends such a save on, but only where storage
+    answers it: here its first look goes unanswered, and the quarantine alone must decide."""
+    from antifragile.engine._paths import COMMIT, step_dir
+
+    storage: Storage = (str(tmp_path / "ckpt"), None)
+    with CheckpointEngine(storage[0], keep_last=2, plan_options=PLAN) as engine:
+        for step in (1, 2):
+            engine.save(step, state_of(step), blocking=True)
+        Raw.open(storage).flip_bit(2, SHARD, 100)
+        with pytest.warns(RuntimeWarning, match="step 2 skipped"):
+            assert engine.load(blank()) == 1
+        exists, asked = engine.storage.exists, []
+
+        def unanswered(key: str) -> bool:  # the first look for step 2's COMMIT goes unanswered
+            if key == f"{step_dir(2)}/{COMMIT}" and not asked:
+                asked.append(key)
+                raise CheckpointError(f"exists {key}: storage does not answer")
+            return exists(key)
+
+        monkeypatch.setattr(engine.storage, "exists", unanswered)
+        engine.save(2, state_of(2), blocking=True)
+        monkeypatch.undo()
+        assert engine.steps() == [1, 2] and engine.verify(2).ok
