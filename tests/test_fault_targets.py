@@ -373,6 +373,44 @@ def test_the_saves_a_fault_waits_for_are_the_newest_generations_up_to_where_it_i
     assert job.staged_saves() == set()
 
 
+def test_the_runner_gives_latest_the_saves_its_job_staged(tmp_path: Path) -> None:
+    """The job's ``ckpt_staged`` events reach the fault through the runner's target: a save
+    staged at step 10 whose writers have written nothing yet (no folder) is waited for, and
+    ``latest`` damages step 10 once it commits, not step 5 before it. The tests above give
+    ``Target(staged=...)`` by hand or read ``staged_saves()`` alone: with the runner's
+    ``_target`` not passing them on, both passed while a real run waited for no staged save."""
+    import shutil
+    import threading
+
+    from antifragile.chaos.run.runner import _Job, _target
+    from antifragile.chaos.scenario import parse_scenario
+    from antifragile.engine._paths import step_dir
+
+    s = parse_scenario({"name": "tiny", "trainer": {"command": ["python", "-c", "pass"],
+                                                    "probe": False},
+                        "expect": {"bitwise_equal_to_reference": False}})
+    job = _Job(1)
+    job.see({"event": "start", "attempt": 0, "rank": 0, "pid": os.getpid(), "t": 0.0})
+    for event, step in (("step_end", 5), ("ckpt_staged", 5), ("step_end", 10),
+                        ("ckpt_staged", 10), ("step_end", 12)):
+        job.see({"event": event, "attempt": 0, "rank": 0, "step": step, "t": 0.0})
+    url, commit, aside = _step_10_still_persisting(tmp_path)
+    folder = tmp_path / "ckpt" / step_dir(10)
+    shutil.move(aside, commit)
+    shutil.move(folder, tmp_path / "folder.aside")  # step 10 staged, nothing written yet
+    later = threading.Timer(0.5, lambda: shutil.move(tmp_path / "folder.aside", folder))
+    later.start()
+    try:
+        target = _target(s, job, url, random.Random(0))
+        fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=12,
+                                               mode="truncate")
+        injection = fault.inject(target, 12)
+    finally:
+        later.join()
+    assert injection.missed is None, injection
+    assert injection.detail["checkpoint_step"] == 10
+
+
 _REUSED_PID_AGENT = """\
 import json, sys, time
 from pathlib import Path
