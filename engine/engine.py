@@ -468,8 +468,8 @@ class CheckpointEngine:
             if deferred:
                 return
             raise
+        self._events.staged(handle.step, handle.stall_s)  # before its commit's, which waits
         handle.staged.set()
-        self._events.staged(handle.step, handle.stall_s)
 
     def _group_attrs(self, step: int, flat: FlatState, metadata: dict[str, Any]
                      ) -> dict[str, Any]:
@@ -544,6 +544,9 @@ class CheckpointEngine:
                 self._memory = MemoryCopy.of(step, nonce, staging)
             handle.persist_s = time.monotonic() - start
             handle.requests = counted.requests
+            # the writers go on from the copy's end, the staging thread reports it after: a
+            # commit is reported once it did (a small save could otherwise commit before)
+            handle.staged.wait()
             self._events.committed(step, handle.committed_nbytes, handle.nbytes, handle.persist_s)
             # committed: done, so the next save may start (it is not "busy") while the
             # coordinator's retention runs here; wait() also waits for that retention

@@ -561,3 +561,24 @@ def test_a_child_forked_before_the_rank_reported_anything_may_be_the_one_that_re
     events = _events_of(tmp_path)
     assert [(e["event"], e.get("step")) for e in events] == [("start", None), ("step_end", 5)]
     assert events[0]["pid"] == pid
+
+
+def test_a_save_is_reported_staged_before_committed_however_late_its_staging_thread_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staging thread reported ``ckpt_staged`` after the copy ended, and the save's writers
+    go on from that end, not from the report: a staging thread descheduled there (a switch
+    interval on a busy machine) let a small save commit first, and the report read a commit
+    before its staging. Here its report is held 0.5 s (``defer_staging``: staging on a thread
+    of its own, the writers on another)."""
+    _under_chaos(monkeypatch, tmp_path)
+    real = _events.EngineEvents.staged
+
+    def late(self: _events.EngineEvents, step: int, stall_s: float) -> None:
+        time.sleep(0.5)
+        real(self, step, stall_s)
+
+    monkeypatch.setattr(_events.EngineEvents, "staged", late)
+    with CheckpointEngine(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(4, {"w": torch.arange(64.0)}, defer_staging=True).wait()
+    assert [e["event"] for e in _events_of(tmp_path) if e["event"].startswith("ckpt_")] == [
+        "ckpt_staged", "ckpt_committed"]
