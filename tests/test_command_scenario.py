@@ -723,6 +723,28 @@ def test_a_script_that_checkpointed_with_another_engine_is_told_which(tmp_path: 
                for r in v.reasons), v.reasons
 
 
+def test_a_script_whose_only_steps_were_quarantined_is_told_so(tmp_path: Path) -> None:
+    """A corrupt_shard on the only committed step: the restart's load quarantines it, and the
+    next start's ``agreed_steps`` raises rather than start over. The script did save through
+    the engine; it was told to."""
+    import torch
+
+    from antifragile.engine import CheckpointEngine
+    from antifragile.engine.quarantine import quarantine
+    from antifragile.engine.storage import open_storage
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointEngine(url) as ckpt:
+        ckpt.save(10, {"w": torch.ones(4)}, blocking=True)
+    quarantine(open_storage(url), 10, "bitflip", reports={0: "bitflip"}, confirmed_by=0)
+    v = checker.judge(_command_scenario(faults=False), returncode=1, timings=[],
+                      final_step=None, faulty_url=url, reference_url=None,
+                      final_committed=False)
+    reason = next(r for r in v.reasons if "left no committed" in r)
+    assert "save through CheckpointEngine" not in reason, reason
+    assert f"step 10 was quarantined as damaged (`chaos ckpt ls {url}` says why)" in reason
+
+
 def test_steps_that_do_not_grow_are_named_unless_a_restore_came_between() -> None:
     """A rank's steps within one attempt must grow; a new attempt starts afresh, and so does a
     restore the rank reported (a script that rolls back in process after a loss spike)."""

@@ -26,7 +26,8 @@ from antifragile.chaos.observe.measure import FaultTimings
 from antifragile.chaos.scenario import Scenario
 from antifragile.engine import CheckpointError, CheckpointNotFoundError
 from antifragile.engine._dtypes import as_bytes
-from antifragile.engine.storage import local_root
+from antifragile.engine.quarantine import quarantined_steps
+from antifragile.engine.storage import local_root, open_storage
 from antifragile.trainer.ckpt_backends import committed_steps, foreign_steps, read_checkpoint
 from antifragile.trainer.ckpt_backends.base import MARKERS, first_line
 
@@ -293,7 +294,8 @@ def why_no_checkpoint(engine: str, url: str) -> str:
     """Why a script left no ``engine`` checkpoint at ``url``: another engine's steps there (a
     DCP script whose scenario leaves ``checkpoint.engine`` at its default), what else a local
     folder holds (a DCP script's ``step_10``, which did checkpoint to the URL: only the folder
-    name was not the one read), or nothing."""
+    name was not the one read), steps of ours quarantined as damaged with none committed
+    (the script saved through the engine: a fault damaged its only steps), or nothing."""
     for other, steps in foreign_steps(engine, url).items():
         shown = ", ".join(str(step) for step in steps[-3:])
         return (f"it holds committed {other} checkpoints (step{'s' if len(steps) > 1 else ''} "
@@ -303,10 +305,29 @@ def why_no_checkpoint(engine: str, url: str) -> str:
         return "the script must checkpoint to $ANTIFRAGILE_CKPT_URL"
     held = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     if engine == "antifragile":
+        hidden = _quarantined(url)
+        if hidden:
+            shown = ", ".join(str(step) for step in hidden[-3:])
+            return (f"step{'s' if len(hidden) > 1 else ''} {shown} "
+                    f"{'were' if len(hidden) > 1 else 'was'} quarantined as damaged "
+                    f"(`chaos ckpt ls {url}` says why) and no other step committed: there "
+                    "load and agreed_steps raise CheckpointCorruptError rather than start "
+                    "over, so the script had nothing to resume from")
         return (f"it holds {held}, but no committed step of antifragile.engine."
                 "CheckpointEngine: save through CheckpointEngine($ANTIFRAGILE_CKPT_URL)")
     return (f"it holds {held}, but no folder step_<9 digits> with {MARKERS[engine]} in it: "
             'write the checkpoint of step N to f"{url}/step_{N:09d}"')
+
+
+def _quarantined(url: str) -> list[int]:
+    """The steps of our engine's checkpoint at local ``url`` hidden by quarantine (none for a
+    remote URL: its store may be gone when the verdict is made)."""
+    if local_root(url) is None:
+        return []
+    try:
+        return quarantined_steps(open_storage(url))
+    except (CheckpointError, OSError):
+        return []
 
 
 def _local_entries(url: str) -> list[str]:
