@@ -388,6 +388,41 @@ def test_a_reference_run_without_its_final_checkpoint_is_no_verdict(
     assert not list((tmp_path / "cache").rglob("DONE"))
 
 
+def test_a_script_reference_whose_last_save_did_not_commit_is_no_verdict(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script's non-blocking save of its last step, skipped while the one before persisted:
+    the reference run exits 0 with step 10 committed, not 20. It was cached, and every faulty
+    run that did commit step 20 failed 'the newest committed checkpoint is step 20, the
+    reference run's is step 10', blaming the run that was right, by timing."""
+    import torch
+
+    from antifragile.chaos.observe.record import RunRecord
+    from antifragile.chaos.run import pipeline
+    from antifragile.engine import CheckpointEngine
+
+    def reference_run(s: object, run_dir: Path, ckpt_url: str, **_: object) -> RunRecord:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "torchrun.log").write_text("done\n")
+        with CheckpointEngine(ckpt_url) as ckpt:
+            ckpt.save(10, {"w": torch.ones(4)}, blocking=True)
+        events = [{"t": 0.5, "rank": 0, "attempt": 0, "event": "step_end", "step": 20,
+                   "seconds": 0.1, "loss": 1.0},
+                  {"t": 0.6, "rank": 0, "attempt": 0, "event": "ckpt_failed", "step": 20,
+                   "error": "step 20 skipped: the save of step 10 is still persisting"}]
+        return RunRecord(0, 0.0, 1.0, events, [])
+
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pipeline, "run_scenario", reference_run)
+    path = _command_scenario_file(tmp_path)
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 5, result.output
+    assert "Traceback" not in result.output
+    assert (f"error: {path}: the fault-free reference run's save of step 20 did not commit "
+            "(step 20 skipped: the save of step 10 is still persisting)") in result.output, \
+        result.output
+    assert not list((tmp_path / "cache").rglob("DONE"))
+
+
 def test_a_run_past_its_time_limit_is_a_clear_error(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner's time limit kills the job and says which run and where its log is; the

@@ -21,6 +21,7 @@ from antifragile.chaos.infra.logs import job_tail
 from antifragile.chaos.infra.s3 import RunStorage, run_storage
 from antifragile.chaos.observe import checker, figures, measure
 from antifragile.chaos.observe.effects import STORAGE_FAULTS
+from antifragile.chaos.observe.record import RunRecord
 from antifragile.chaos.report import document as report
 from antifragile.chaos.run.runner import ChaosRunError, run_scenario
 from antifragile.chaos.run.status import RunStatus, StatusTracker
@@ -222,11 +223,8 @@ def _make_reference(s: Scenario, folder: Path, progress: Callable[[str], None]) 
     if record.returncode != 0:
         raise ChaosRunError(_run_failed("the fault-free reference run", record.returncode,
                                         folder))
-    if s.is_command and checker.newest_committed(s.checkpoint.engine, ckpt) is None:
-        raise ChaosRunError(f"the fault-free reference run left no committed "
-                           f"{s.checkpoint.engine} checkpoint at {ckpt} ("
-                           f"{checker.why_no_checkpoint(s.checkpoint.engine, ckpt)}); see "
-                           f"{folder / 'torchrun.log'}")
+    if s.is_command:
+        _check_script_reference(s, record, ckpt, folder)
     # exit 0 with the final step's checkpoint missing: say so rather than compare with less
     if not isinstance(s.trainer, CommandSpec) and not checker.final_committed(
             s.checkpoint.engine, ckpt, s.trainer.steps):
@@ -236,6 +234,26 @@ def _make_reference(s: Scenario, folder: Path, progress: Callable[[str], None]) 
     done.write_text(json.dumps({"scenario": s.name, "finished": time.time(),
                                 "wall_s": record.wall_s, "goodput": figures.goodput(record)}))
     return ckpt
+
+
+def _check_script_reference(s: Scenario, record: RunRecord, ckpt: str, folder: Path) -> None:
+    """ChaosRunError unless the script's reference run left a committed checkpoint, and no
+    newer save of it failed: a final save skipped while the one before persisted leaves the
+    step a run ends on to timing, and every faulty run failed against the one cached."""
+    newest = checker.newest_committed(s.checkpoint.engine, ckpt)
+    log = folder / "torchrun.log"
+    if newest is None:
+        raise ChaosRunError(f"the fault-free reference run left no committed "
+                           f"{s.checkpoint.engine} checkpoint at {ckpt} ("
+                           f"{checker.why_no_checkpoint(s.checkpoint.engine, ckpt)}); see {log}")
+    lost = [e for e in record.events if e["event"] == "ckpt_failed" and e["step"] > newest]
+    if lost:
+        last = max(lost, key=lambda e: e["step"])
+        raise ChaosRunError(f"the fault-free reference run's save of step {last['step']} did "
+                           f"not commit ({last.get('error')}), so its newest committed "
+                           f"checkpoint is step {newest}: the faulty run would be compared "
+                           "with a step that timing chose; save the last step with "
+                           f"blocking=True and let it commit before the script exits; see {log}")
 
 
 def _reference_goodput(reference_url: str | None) -> float | None:
