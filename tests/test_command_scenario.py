@@ -745,6 +745,18 @@ def test_a_script_whose_only_steps_were_quarantined_is_told_so(tmp_path: Path) -
     assert f"step 10 was quarantined as damaged (`chaos ckpt ls {url}` says why)" in reason
 
 
+def test_a_fault_due_after_the_scripts_last_step_is_said_to_be() -> None:
+    """``chaos validate`` cannot know a script's steps; the reference run told: a kill at step
+    100 of a 60-step script was 'never injected (its trigger was never reached)', no why."""
+    s = parse_scenario(_doc(faults=[{"kind": "kill_rank", "rank": 1, "at_step": 100}],
+                            expect={"bitwise_equal_to_reference": False}))
+    v = checker.judge(s, returncode=0, timings=[], final_step=60, faulty_url="u",
+                      reference_url=None, final_committed=True, last_step=60,
+                      reference_last_step=60)
+    assert ("faults.0 (kill_rank): never injected: its at_step 100 is after step 60, the "
+            "last the fault-free run reported") in v.reasons, v.reasons
+
+
 def test_steps_that_do_not_grow_are_named_unless_a_restore_came_between() -> None:
     """A rank's steps within one attempt must grow; a new attempt starts afresh, and so does a
     restore the rank reported (a script that rolls back in process after a loss spike)."""

@@ -439,8 +439,15 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
     fired = {t.fault_index for t in timings}
     for index, fault in enumerate(s.faults):  # each fault, not each kind: one mtbf_s fault
         if index not in fired:                # firing twice hides none of its kind that did not
-            v.fail(f"faults.{index} ({fault.kind}): never injected (its trigger was never "
-                   "reached)")
+            due = fault.trigger_step(s.checkpoint.every_steps)
+            if s.is_command and due is not None and reference_last_step is not None \
+                    and due > reference_last_step:  # validate cannot know a script's steps
+                v.fail(f"faults.{index} ({fault.kind}): never injected: its at_step {due} is "
+                       f"after step {reference_last_step}, the last the fault-free run "
+                       "reported")
+            else:
+                v.fail(f"faults.{index} ({fault.kind}): never injected (its trigger was never "
+                       "reached)")
     # the faults that some firing of theirs ended an attempt whose restore was trained on
     # from: a random arrival that also struck after the last step proved its recovery there
     trained_after = {t.fault_index for t in timings if t.ended_attempt is not None
