@@ -9,13 +9,14 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from antifragile.chaos.faults import FAULT_CONFIGS, Target
+from antifragile.chaos.faults import FAULT_CONFIGS, Injection, Target
 
 
 @pytest.fixture
@@ -305,6 +306,18 @@ def _step_10_still_persisting(tmp_path: Path) -> tuple[str, Path, Path]:
     return url, commit, aside
 
 
+def _corrupt_latest_at_12(target: Target, later: threading.Timer) -> Injection:
+    """``corrupt_shard`` (``checkpoint: latest``) injected at step 12 while the timer
+    ``later`` changes what storage holds."""
+    later.start()
+    try:
+        fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=12,
+                                               mode="truncate")
+        return fault.inject(target, 12)
+    finally:
+        later.join()
+
+
 @pytest.mark.parametrize("then", ["commits", "aborts", "commits-having-written-nothing-yet"])
 def test_latest_waits_for_a_save_in_flight_and_not_for_an_aborted_one(
         tmp_path: Path, then: str) -> None:
@@ -330,16 +343,10 @@ def test_latest_waits_for_a_save_in_flight_and_not_for_an_aborted_one(
         shutil.move(aside, commit)
         shutil.move(folder, tmp_path / "folder.aside")
         later = threading.Timer(0.5, lambda: shutil.move(tmp_path / "folder.aside", folder))
-    later.start()
     began = time.monotonic()
-    try:
-        target = Target(pids={}, coordinates={}, ckpt_url=url, rng=random.Random(0),
-                        staged=frozenset({5, 10}))
-        fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=12,
-                                               mode="truncate")
-        injection = fault.inject(target, 12)
-    finally:
-        later.join()
+    injection = _corrupt_latest_at_12(
+        Target(pids={}, coordinates={}, ckpt_url=url, rng=random.Random(0),
+               staged=frozenset({5, 10})), later)
     assert injection.missed is None, injection
     assert injection.detail["checkpoint_step"] == (5 if then == "aborts" else 10)
     if then == "aborts":
@@ -399,14 +406,7 @@ def test_the_runner_gives_latest_the_saves_its_job_staged(tmp_path: Path) -> Non
     shutil.move(aside, commit)
     shutil.move(folder, tmp_path / "folder.aside")  # step 10 staged, nothing written yet
     later = threading.Timer(0.5, lambda: shutil.move(tmp_path / "folder.aside", folder))
-    later.start()
-    try:
-        target = _target(s, job, url, random.Random(0))
-        fault = FAULT_CONFIGS["corrupt_shard"](kind="corrupt_shard", at_step=12,
-                                               mode="truncate")
-        injection = fault.inject(target, 12)
-    finally:
-        later.join()
+    injection = _corrupt_latest_at_12(_target(s, job, url, random.Random(0)), later)
     assert injection.missed is None, injection
     assert injection.detail["checkpoint_step"] == 10
 

@@ -1338,14 +1338,8 @@ def test_a_hold_ends_when_its_generation_fails_and_holds_again_in_the_next(
     assert held == ["f0"]
 
 
-def test_a_save_that_commits_while_the_next_one_captures_its_state_is_reported(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The save of step 1 commits while the loop takes the state for step 2 (the state dicts
-    of a large model take a while). The next save is then accepted and replaced the pending
-    handle of step 1 unreported: no ``ckpt_committed`` for step 1, and ``committed_step``
-    still None."""
-    ckpt, events, events_dir = _final_save_setup(tmp_path, monkeypatch, refuse_for_s=0)
+def _hold_writes(ckpt: Any, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The engine's writes wait (up to 30 s) until the event returned is set."""
     storage = ckpt.backend.engine.storage.inner
     write, go = storage.write, threading.Event()
 
@@ -1354,6 +1348,18 @@ def test_a_save_that_commits_while_the_next_one_captures_its_state_is_reported(
         write(key, *args, **kwargs)
 
     monkeypatch.setattr(storage, "write", held)
+    return go
+
+
+def test_a_save_that_commits_while_the_next_one_captures_its_state_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The save of step 1 commits while the loop takes the state for step 2 (the state dicts
+    of a large model take a while). The next save is then accepted and replaced the pending
+    handle of step 1 unreported: no ``ckpt_committed`` for step 1, and ``committed_step``
+    still None."""
+    ckpt, events, events_dir = _final_save_setup(tmp_path, monkeypatch, refuse_for_s=0)
+    go = _hold_writes(ckpt, monkeypatch)
     ckpt.save(1, 8, blocking=False)
     first = ckpt._pending
     assert first is not None and not first.done()
@@ -1435,14 +1441,7 @@ def test_a_save_abandoned_with_its_generation_is_not_reported(
     says nothing of the save (the report takes a staged step that a later generation restored
     for committed, unless it failed), so its thread reports nothing as it ends."""
     ckpt, events, events_dir = _final_save_setup(tmp_path, monkeypatch, refuse_for_s=0)
-    storage = ckpt.backend.engine.storage.inner
-    write, go = storage.write, threading.Event()
-
-    def held(key: str, *args: Any, **kwargs: Any) -> None:
-        go.wait(30)
-        write(key, *args, **kwargs)
-
-    monkeypatch.setattr(storage, "write", held)
+    go = _hold_writes(ckpt, monkeypatch)
     ckpt.save(1, 8, blocking=False)
     handle = ckpt._pending
     assert handle is not None and not handle.done()
