@@ -287,7 +287,9 @@ class TrainCheckpointer:
         """Report the outcome of ``handle``, done, once: whichever of its thread and the
         loop's poll comes first."""
         with self._lock:
-            reported = self._unreported is not handle  # by the other reporter, or abandoned
+            # by the other reporter, or abandoned (a name of its own: mypy, comparing
+            # ``handle`` with an Optional inline, would narrow it to None below)
+            reported = self._unreported is not handle
             if reported:
                 return
             error = handle.exception()
