@@ -297,9 +297,8 @@ def why_no_checkpoint(engine: str, url: str) -> str:
     name was not the one read), steps of ours quarantined as damaged with none committed
     (the script saved through the engine: a fault damaged its only steps), or nothing."""
     for other, steps in foreign_steps(engine, url).items():
-        shown = ", ".join(str(step) for step in steps[-3:])
-        return (f"it holds committed {other} checkpoints (step{'s' if len(steps) > 1 else ''} "
-                f"{shown}): set checkpoint.engine: {other}")
+        return (f"it holds committed {other} checkpoints ({_steps_named(steps)}): set "
+                f"checkpoint.engine: {other}")
     names = _local_entries(url)
     if not names:
         return "the script must checkpoint to $ANTIFRAGILE_CKPT_URL"
@@ -307,16 +306,20 @@ def why_no_checkpoint(engine: str, url: str) -> str:
     if engine == "antifragile":
         hidden = _quarantined(url)
         if hidden:
-            shown = ", ".join(str(step) for step in hidden[-3:])
-            return (f"step{'s' if len(hidden) > 1 else ''} {shown} "
-                    f"{'were' if len(hidden) > 1 else 'was'} quarantined as damaged "
-                    f"(`chaos ckpt ls {url}` says why) and no other step committed: there "
+            return (f"{_steps_named(hidden)} {'were' if len(hidden) > 1 else 'was'} "
+                    f"quarantined as damaged (`chaos ckpt ls {url}` says why) and no other "
+                    "step committed: there "
                     "load and agreed_steps raise CheckpointCorruptError rather than start "
                     "over, so the script had nothing to resume from")
         return (f"it holds {held}, but no committed step of antifragile.engine."
                 "CheckpointEngine: save through CheckpointEngine($ANTIFRAGILE_CKPT_URL)")
     return (f"it holds {held}, but no folder step_<9 digits> with {MARKERS[engine]} in it: "
             'write the checkpoint of step N to f"{url}/step_{N:09d}"')
+
+
+def _steps_named(steps: list[int]) -> str:
+    """"step 5", or "steps 5, 10, 15": the newest three of ``steps`` (sorted)."""
+    return f"step{'s' if len(steps) > 1 else ''} " + ", ".join(map(str, steps[-3:]))
 
 
 def _quarantined(url: str) -> list[int]:
