@@ -222,6 +222,35 @@ def test_what_a_script_started_does_not_outlive_the_run(tmp_path: Path, code: in
                 os.kill(pid, 9)
 
 
+_STUCK_AT_EXIT = """
+import time
+from antifragile import probe
+probe.step_end(1, 0.5)
+time.sleep(5)  # as a script whose destroy_process_group hangs: done, and not gone
+"""
+
+
+def test_a_run_that_reports_nothing_for_long_is_said_to_wait(tmp_path: Path) -> None:
+    """A script that hung after its last step held the fault-free run to its time limit
+    (3600 s by default) with nothing said: the user saw one line and then silence."""
+    from antifragile.chaos.run.runner import run_scenario
+
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK_AT_EXIT)
+    s = parse_scenario({"name": "stuck", "trainer": {
+        "command": ["python", str(script)], "nproc_per_node": 2},
+        "faults": [], "expect": {"bitwise_equal_to_reference": False}})
+    notes: list[str] = []
+    record = run_scenario(s.model_copy(update={"time_limit_s": 60.0}), tmp_path / "run",
+                          str(tmp_path / "ckpt"), faults=False, note=notes.append, quiet_s=2.0)
+    assert record.returncode == 0
+    # after 2 s of silence since step 1, and 4 s (a slow start may earn one before step 1)
+    first, second = [n for n in notes if "newest: step 1" in n]
+    assert first.startswith("the fault-free run: nothing reported for 2 s "), first
+    assert second.startswith("the fault-free run: nothing reported for 4 s "), second
+    assert "2 ranks still run" in first and "time_limit_s 60 s" in first, first
+
+
 @pytest.mark.slow
 def test_a_script_that_fails_in_the_faulty_run_is_shown_with_its_log(
         tmp_path: Path, cache: Path) -> None:

@@ -313,7 +313,7 @@ def test_two_runs_that_need_one_reference_make_it_once(tmp_path: Path,
     monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path))
     made: list[Path] = []
 
-    def fake_run(s: Any, folder: Path, url: str, *, faults: bool) -> SimpleNamespace:
+    def fake_run(s: Any, folder: Path, url: str, *, faults: bool, **_: Any) -> SimpleNamespace:
         made.append(folder)
         Path(url).mkdir(parents=True)
         time.sleep(0.5)  # the fault-free run takes a while; the other run arrives meanwhile

@@ -219,7 +219,7 @@ def _make_reference(s: Scenario, folder: Path, progress: Callable[[str], None]) 
     shutil.rmtree(folder, ignore_errors=True)
     progress("reference: running the fault-free run")
     ckpt = str(folder / "ckpt")
-    record = run_scenario(s, folder, ckpt, faults=False)
+    record = run_scenario(s, folder, ckpt, faults=False, note=progress)
     if record.returncode != 0:
         raise ChaosRunError(_run_failed("the fault-free reference run", record.returncode,
                                         folder))
@@ -310,7 +310,7 @@ def _determinism(s: Scenario, out: Path, reference_url: str,
     no evidence either way: ChaosRunError, as for the reference run."""
     progress("determinism: a second fault-free run")
     folder = out / "determinism"
-    record = run_scenario(s, folder, str(folder / "ckpt"), faults=False)
+    record = run_scenario(s, folder, str(folder / "ckpt"), faults=False, note=progress)
     if record.returncode != 0:
         raise ChaosRunError(_run_failed("the second fault-free run", record.returncode, folder))
     step = None if s.is_command else s.trainer.steps
@@ -353,7 +353,8 @@ def _run(s: Scenario, out: Path, storage: RunStorage, *, reference: bool,
             progress(f"attempt {e['attempt']}: failed, re-forming in process")
 
     progress(f"run: {s.name} ({s.trainer.world_size} ranks, {len(s.faults)} faults)")
-    record = run_scenario(s, out / "run", ckpt_url, on_event=on_event, storage=storage)
+    record = run_scenario(s, out / "run", ckpt_url, on_event=on_event, storage=storage,
+                          note=progress)
     window_s = measure.detection_window_s(s)
     timings = [measure.fault_timings(record, i, window_s=window_s) for i in record.injections]
     # After a fault on storage, every committed step left must read back intact (no torn

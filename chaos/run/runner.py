@@ -39,6 +39,9 @@ from antifragile.chaos.run.pauses import (
 from antifragile.chaos.run.workers import WorkerWatch, children, left_behind, started_at
 from antifragile.chaos.scenario import Scenario
 
+#: the job's silence (no event) after which the user is told that chaos still waits for it
+QUIET_S = 60.0
+
 
 class ChaosRunError(Exception):
     """A run that could not be made, for a reason the user must fix (the fault-free reference
@@ -52,11 +55,15 @@ class RunTimeout(ChaosRunError, TimeoutError):
 
 def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = True,
                  storage: RunStorage | None = None,
-                 on_event: Callable[[dict[str, Any], list[Injection]], None] | None = None
+                 on_event: Callable[[dict[str, Any], list[Injection]], None] | None = None,
+                 note: Callable[[str], None] | None = None, quiet_s: float = QUIET_S
                  ) -> RunRecord:
     """Run the trainer for ``s`` (with its faults unless ``faults=False``) to the end.
     ``storage``: S3 set up for the run (the trainer's endpoint, the fault proxy). On emulated
     hosts the trainer reaches that endpoint through a relay on the network's bridge.
+    ``note`` is told when the job has reported nothing for ``quiet_s`` seconds (then again
+    after twice that silence, and so on): a script hung at its exit, or anywhere else, holds
+    the run to ``time_limit_s``, and the user is to know that chaos is waiting and for what.
 
     Step- and checkpoint-triggered faults land through pause points (``trainer.pause``): the
     trainer holds where the fault is due, the runner injects, then releases it. Random
@@ -80,6 +87,7 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     injections: list[Injection] = []
     job = _Job(s.trainer.world_size)
     endings = Endings()  # of the faults that last: made by the end of the run at the latest
+    heard_t, silence_s = time.time(), quiet_s  # the newest event; the silence worth a note
     try:
         env = storage.trainer_env if storage else None
         if hosts.network is not None and env and storage and storage.endpoint:
@@ -121,8 +129,10 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             for e in watch.poll() if watch else []:
                 observed.append(e)
                 job.see(e)
+                heard_t, silence_s = time.time(), quiet_s
             for e in _read(tail):
                 job.see(e)
+                heard_t, silence_s = time.time(), quiet_s
                 if on_event:
                     on_event(e, injections)
                 if e["event"] == "paused":
@@ -164,6 +174,10 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
             if job.generations:
                 _time_faults(pending, now, lambda: _up(s, job), draws, make_time_fault)
             job.check_ends(time.time())
+            if note is not None and time.time() - heard_t >= silence_s:
+                note(_silence(s, job, faults=faults, silent_s=silence_s,
+                              elapsed_s=time.time() - started))
+                silence_s *= 2
             time.sleep(0.02)
         # ... to the end of its last worker: undoing the faults that last, stopping leftover
         # agents and taking the hosts down below are chaos's time
@@ -180,6 +194,18 @@ def run_scenario(s: Scenario, run_dir: Path, ckpt_url: str, *, faults: bool = Tr
     events = sorted(tail.events + observed, key=lambda e: e["t"])  # polls read file by file
     return RunRecord(agents.returncode, started, ended, events, injections, job.ends,
                      paused_s=job.paused_s)
+
+
+def _silence(s: Scenario, job: _Job, *, faults: bool, silent_s: float,
+             elapsed_s: float) -> str:
+    """What the runner tells the user when the job has been silent for ``silent_s``."""
+    g = max(job.generations, default=None)
+    running = 0 if g is None else sum(job.runs(g, r) for r in job.generations[g])
+    newest = f"step {job.step}" if job.steps else "no step yet"
+    return (f"the {'faulty' if faults else 'fault-free'} run: nothing reported for "
+            f"{silent_s:g} s (newest: {newest}; {running} rank{'' if running == 1 else 's'} "
+            f"still run); waiting for it to end, up to time_limit_s {s.time_limit_s:g} s "
+            f"({elapsed_s:.0f} s gone)")
 
 
 def _time_faults(pending: list[Pending], now: float, up: Callable[[], bool], draws: Draws,

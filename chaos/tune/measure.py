@@ -212,7 +212,8 @@ def _run(s: Scenario, folder: Path, progress: Callable[[str], None]) -> RunRecor
     shutil.rmtree(folder / "ckpt", ignore_errors=True)
     try:
         with run_storage(s, folder, progress) as storage:
-            record = runner.run_scenario(s, folder / "run", storage.url, storage=storage)
+            record = runner.run_scenario(s, folder / "run", storage.url, storage=storage,
+                                         note=progress)
     except StorageSetupError as exc:  # a used folder, S3 that cannot be used: bad input
         raise TuneError(f"scenario {s.name}: {exc}") from None
     except runner.ChaosRunError as exc:  # past its time limit: no figures to tune with
