@@ -423,6 +423,45 @@ def test_a_script_reference_whose_last_save_did_not_commit_is_no_verdict(
     assert not list((tmp_path / "cache").rglob("DONE"))
 
 
+def test_a_cached_reference_that_later_checks_refuse_is_not_used(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache key covers what makes the reference, not chaos's checks of it: a reference
+    cached before a check existed (the script reference above, whose last save did not
+    commit) was used as is by every later run. A cached one is checked as a new one is."""
+    import json
+
+    import torch
+
+    from antifragile.chaos.run import pipeline
+    from antifragile.chaos.scenario import load_scenario
+    from antifragile.engine import CheckpointEngine
+
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    path = _command_scenario_file(tmp_path)
+    folder = pipeline.reference_cache() / pipeline._reference_key(load_scenario(path))
+    (folder / "events").mkdir(parents=True)
+    with CheckpointEngine(str(folder / "ckpt")) as ckpt:
+        ckpt.save(10, {"w": torch.ones(4)}, blocking=True)
+    events = [{"t": 0.5, "rank": 0, "attempt": 0, "event": "step_end", "step": 20,
+               "seconds": 0.1, "loss": 1.0},
+              {"t": 0.6, "rank": 0, "attempt": 0, "event": "ckpt_failed", "step": 20,
+               "error": "step 20 skipped: the save of step 10 is still persisting"}]
+    (folder / "events" / "rank0.jsonl").write_text("".join(json.dumps(e) + "\n"
+                                                           for e in events))
+    (folder / "DONE").write_text("{}")
+
+    def must_not_run(*_: object, **__: object) -> None:
+        raise AssertionError("a run was made")
+
+    monkeypatch.setattr(pipeline, "run_scenario", must_not_run)
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 5, result.output
+    assert "Traceback" not in result.output
+    assert (f"the cached fault-free reference run ({folder}) cannot be used: the fault-free "
+            "reference run's save of step 20 did not commit") in result.output, result.output
+    assert f"delete {folder} to run it again" in result.output, result.output
+
+
 def test_a_run_past_its_time_limit_is_a_clear_error(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner's time limit kills the job and says which run and where its log is; the

@@ -317,7 +317,7 @@ def test_two_runs_that_need_one_reference_make_it_once(tmp_path: Path,
         made.append(folder)
         Path(url).mkdir(parents=True)
         time.sleep(0.5)  # the fault-free run takes a while; the other run arrives meanwhile
-        return SimpleNamespace(returncode=0, wall_s=0.5)
+        return SimpleNamespace(returncode=0, wall_s=0.5, events=[])
 
     monkeypatch.setattr(pipeline, "run_scenario", fake_run)
     monkeypatch.setattr(pipeline.checker, "final_committed", lambda *a: True)

@@ -21,7 +21,6 @@ from antifragile.chaos.infra.logs import job_tail
 from antifragile.chaos.infra.s3 import RunStorage, run_storage
 from antifragile.chaos.observe import checker, figures, measure
 from antifragile.chaos.observe.effects import STORAGE_FAULTS
-from antifragile.chaos.observe.record import RunRecord
 from antifragile.chaos.report import document as report
 from antifragile.chaos.run.runner import ChaosRunError, run_scenario
 from antifragile.chaos.run.status import RunStatus, StatusTracker
@@ -205,17 +204,29 @@ def _ensure_reference(s: Scenario, progress: Callable[[str], None]) -> str:
     (nothing to compare with: no verdict)."""
     folder = reference_cache() / _reference_key(s)
     if (folder / "DONE").exists():
-        progress(f"reference: cached ({folder})")
-        return str(folder / "ckpt")
+        return _cached(s, folder, progress)
     with _locked(folder, progress):
         return _make_reference(s, folder, progress)
+
+
+def _cached(s: Scenario, folder: Path, progress: Callable[[str], None]) -> str:
+    """The cached reference's checkpoint folder, once it passes the checks a new one passes:
+    the key covers what makes a reference, not chaos's checks of it (one cached before a
+    check existed would be compared with for ever)."""
+    progress(f"reference: cached ({folder})")
+    ckpt = str(folder / "ckpt")
+    try:
+        _check_reference(s, read_events(folder), ckpt, folder)
+    except (ChaosRunError, OSError, ValueError) as exc:  # ValueError: a garbled event file
+        raise ChaosRunError(f"the cached fault-free reference run ({folder}) cannot be used: "
+                            f"{exc}; delete {folder} to run it again") from None
+    return ckpt
 
 
 def _make_reference(s: Scenario, folder: Path, progress: Callable[[str], None]) -> str:
     done = folder / "DONE"
     if done.exists():  # made by the chaos run this one waited for
-        progress(f"reference: cached ({folder})")
-        return str(folder / "ckpt")
+        return _cached(s, folder, progress)
     shutil.rmtree(folder, ignore_errors=True)
     progress("reference: running the fault-free run")
     ckpt = str(folder / "ckpt")
@@ -223,20 +234,27 @@ def _make_reference(s: Scenario, folder: Path, progress: Callable[[str], None]) 
     if record.returncode != 0:
         raise ChaosRunError(_run_failed("the fault-free reference run", record.returncode,
                                         folder))
-    if s.is_command:
-        _check_script_reference(s, record, ckpt, folder)
-    # exit 0 with the final step's checkpoint missing: say so rather than compare with less
-    if not isinstance(s.trainer, CommandSpec) and not checker.final_committed(
-            s.checkpoint.engine, ckpt, s.trainer.steps):
-        raise ChaosRunError(f"the fault-free reference run left no committed "
-                           f"{s.checkpoint.engine} checkpoint of its final step "
-                           f"{s.trainer.steps} at {ckpt}; see {folder / 'torchrun.log'}")
+    _check_reference(s, record.events, ckpt, folder)
     done.write_text(json.dumps({"scenario": s.name, "finished": time.time(),
                                 "wall_s": record.wall_s, "goodput": figures.goodput(record)}))
     return ckpt
 
 
-def _check_script_reference(s: Scenario, record: RunRecord, ckpt: str, folder: Path) -> None:
+def _check_reference(s: Scenario, events: list[dict[str, Any]], ckpt: str,
+                     folder: Path) -> None:
+    """ChaosRunError unless the reference run that exited 0 with ``events`` left what a
+    faulty run is compared with."""
+    if s.is_command:
+        _check_script_reference(s, events, ckpt, folder)
+    # exit 0 with the final step's checkpoint missing: say so rather than compare with less
+    elif not checker.final_committed(s.checkpoint.engine, ckpt, s.trainer.steps):
+        raise ChaosRunError(f"the fault-free reference run left no committed "
+                           f"{s.checkpoint.engine} checkpoint of its final step "
+                           f"{s.trainer.steps} at {ckpt}; see {folder / 'torchrun.log'}")
+
+
+def _check_script_reference(s: Scenario, events: list[dict[str, Any]], ckpt: str,
+                            folder: Path) -> None:
     """ChaosRunError unless the script's reference run left a committed checkpoint, and no
     newer save of it failed: a final save skipped while the one before persisted leaves the
     step a run ends on to timing, and every faulty run failed against the one cached."""
@@ -246,7 +264,7 @@ def _check_script_reference(s: Scenario, record: RunRecord, ckpt: str, folder: P
         raise ChaosRunError(f"the fault-free reference run left no committed "
                            f"{s.checkpoint.engine} checkpoint at {ckpt} ("
                            f"{checker.why_no_checkpoint(s.checkpoint.engine, ckpt)}); see {log}")
-    lost = [e for e in record.events if e["event"] == "ckpt_failed" and e["step"] > newest]
+    lost = [e for e in events if e["event"] == "ckpt_failed" and e["step"] > newest]
     if lost:
         last = max(lost, key=lambda e: e["step"])
         raise ChaosRunError(f"the fault-free reference run's save of step {last['step']} did "
