@@ -366,6 +366,14 @@ def build_plan(inventories: Sequence[dict], options: PlanOptions = PlanOptions()
     for path in values:
         if path in meta:
             raise CheckpointError(f"state path {path!r}: a tensor on some ranks, a value on others")
+    for path, (_, _, rank) in meta.items():  # its array would go inside another's
+        parent = path.rpartition("/")[0]
+        while parent:
+            if parent in meta:
+                raise CheckpointError(f"state path {parent!r} is a tensor on rank "
+                                      f"{meta[parent][2]} and a container on rank {rank} "
+                                      f"(holding {path!r})")
+            parent = parent.rpartition("/")[0]
 
     plan = GlobalPlan(world_size=world, tensors={}, values=values,
                       writes={r: [] for r in range(world)})

@@ -435,6 +435,22 @@ def test_disagreeing_shapes_name_both_ranks() -> None:
         build_plan(invs)
 
 
+@pytest.mark.parametrize("shape", [[], [2]])
+def test_a_tensor_on_one_rank_and_a_container_of_tensors_on_another_is_refused(
+        shape: list[int]) -> None:
+    """``{"b": tensor}`` on rank 0, ``{"b": {"c": tensor}}`` on rank 1: the array ``b/c`` went
+    inside the array ``b``. A 0-d ``b`` stores its one object as ``b/c``, where ``b/c/`` is a
+    folder: the save failed on local storage with an ``IsADirectoryError`` as if the disk
+    were at fault; a 1-d one committed an array nested in an array, which zarr's listing
+    hides. Refused like a tensor on one rank and a value on another, naming the path."""
+    invs = [{"tensors": {path: {"dtype": "float32", "shape": shape,
+                                "boxes": [[[0] * len(shape), shape, [0] * len(shape)]]}},
+             "values": []} for path in ("b", "b/c")]
+    with pytest.raises(CheckpointError,
+                       match=r"'b' is a tensor on rank 0 and a container on rank 1 .*'b/c'"):
+        build_plan(invs)
+
+
 @settings(max_examples=150, deadline=None)
 @given(states(), plan_options)
 def test_objects_never_exceed_max_object_bytes(state: State, options: PlanOptions) -> None:
