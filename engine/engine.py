@@ -55,6 +55,7 @@ from .persist import (
     write_record,
 )
 from .plan import GlobalPlan, PlanOptions, build_plan, check_tensor
+from .quarantine import supersede
 from .stage import StagingArea
 from .storage import CountingStorage, Storage, open_storage
 from .verify import VerifyReport, verify_step
@@ -530,7 +531,7 @@ class CheckpointEngine:
                     result = _commit.coordinate(
                         bounded, plan=plan, step=step, nonce=nonce, deadline=deadline,
                         group_attrs=attrs, owners=owners, cancel=self._cancel,
-                        before_commit=lambda: self._phase(step, "committing"))
+                        before_commit=lambda: self._before_commit(bounded, step))
                     handle.committed_nbytes = result.nbytes
                 else:
                     handle.committed_nbytes = _commit.wait_for_commit(
@@ -597,6 +598,18 @@ class CheckpointEngine:
                     f"step {step}, rank {self.rank}: the save's thread failed"))
             handle.staged.set()
             handle._retained.set()
+
+    def _before_commit(self, storage: Storage, step: int) -> None:
+        """Rank 0, every record in: the phase hook, then the committed steps newer than
+        ``step`` superseded: saving an older step means training went back to it
+        (``quarantine.supersede``). One listing of the root (another process may have
+        committed since this engine's own listing)."""
+        self._phase(step, "committing")
+        newer = [s for s in _commit.all_step_dirs(storage) if s > step]
+        if newer:
+            supersede(storage, newer, step)
+            self._committed.difference_update(newer)
+            self._unfinished.update(newer)  # a save of one clears what is left of its folder
 
     def _phase(self, step: int, phase: str) -> None:
         """Report ``phase`` to the hook. An abandoned save stops here, and never calls the hook:

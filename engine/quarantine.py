@@ -60,6 +60,18 @@ def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, s
     storage.sync()
 
 
+def supersede(storage: Storage, newer: list[int], step: int) -> None:
+    """Hide the committed steps ``newer`` than ``step`` before ``step`` commits: they are of a
+    run that was abandoned when training went back to an older step (a rollback), and a load
+    would otherwise resume from them, undoing it. Each is quarantined (its COMMIT kept in the
+    note, so ``verify`` still reads it; saved anew when the run reaches it). Done before the
+    COMMIT of ``step``: a crash in between leaves the step the run went back to the newest."""
+    for old in newer:
+        quarantine(storage, old, f"superseded by step {step}, committed after it by a run that "
+                   "went back to an older step (a rollback): this step is of the abandoned run",
+                   reports={}, confirmed_by=0)
+
+
 def _nonce_of(marker: bytes | bytearray, step: int) -> object:
     """The nonce a COMMIT names, None when it does not unseal."""
     try:

@@ -413,7 +413,7 @@ def test_deferred_staging_sets_staged_before_persisting(ckpt: CheckpointEngine) 
 def test_steps_and_latest_step(ckpt: CheckpointEngine) -> None:
     assert ckpt.steps() == [] and ckpt.latest_step() is None
     state = {"w": torch.ones(3)}
-    for step in (10, 2, 30):
+    for step in (2, 10, 30):  # in order: an older step saved would supersede the newer
         ckpt.save(step, state, blocking=True)
     assert ckpt.steps() == [2, 10, 30]
     assert ckpt.latest_step() == 30
@@ -1512,11 +1512,41 @@ def test_retention_spares_the_step_it_follows_and_saves_newer_than_it(storage: S
     with CheckpointEngine(url, storage_options=options, keep_last=1) as engine:
         fs.pipe_file(f"{root}/step_000000020/w/c.0", b"a save of this run, in flight")
         engine.save(10, {"w": torch.full((3,), 10.0)}, blocking=True)
-        assert engine.steps() == [10, 100]
-        assert "step_000000020" in step_folders(storage)
+        assert engine.steps() == [10]  # 100 superseded (the test below), its folder kept
+        assert {"step_000000020", "step_000000100"} <= set(step_folders(storage))
         target = {"w": torch.empty(3)}
         assert engine.load(target, step=10) == 10 and torch.equal(target["w"],
                                                                  torch.full((3,), 10.0))
+
+
+def test_a_save_after_a_rollback_supersedes_the_abandoned_runs_newer_steps(
+        storage: Storage) -> None:
+    """A run that went back to step 20 (a loss spike) and saved 25 and 26 left step 30 of the
+    run it abandoned committed: a restart's load() resumed from 30, undoing the rollback, and
+    retention (keep_last=2) deleted 25 to keep it. The first commit after the rollback hides
+    the newer steps as a quarantine does (their evidence kept, saved anew when reached)."""
+    from antifragile.engine.quarantine import quarantined_steps, read_quarantine
+
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=2) as engine:
+        for step in (10, 20, 30):
+            engine.save(step, {"w": torch.full((3,), float(step))}, blocking=True)
+    with CheckpointEngine(url, storage_options=options, keep_last=2) as engine:
+        target = {"w": torch.empty(3)}
+        assert engine.load(target, step=20) == 20
+        for step in (25, 26):
+            engine.save(step, {"w": torch.full((3,), float(step))}, blocking=True)
+        assert engine.steps() == [25, 26]
+        assert quarantined_steps(engine.storage) == [30]
+        note = read_quarantine(engine.storage, 30)
+        assert note is not None and note[0]["reason"].startswith(
+            "superseded by step 25, committed after it by a run that went back to an older "
+            "step"), note[0]
+        engine.save(30, {"w": torch.full((3,), 30.5)}, blocking=True)  # reached again
+        assert engine.steps() == [26, 30]
+    with CheckpointEngine(url, storage_options=options) as engine:
+        target = {"w": torch.empty(3)}
+        assert engine.load(target) == 30 and torch.equal(target["w"], torch.full((3,), 30.5))
 
 
 def test_a_load_whose_listed_step_is_deleted_by_a_newer_save_loads_the_newer(

@@ -196,6 +196,11 @@ class SaveProtocol(RuleBasedStateMachine):
                 return
         else:
             self.engine.save(step, make_state(step), blocking=True)
+            # an older step saved: training went back to it, and the committed steps of the
+            # run it abandoned are hidden before it commits (kept as quarantine's evidence)
+            for abandoned in [s for s in self.committed if s > step]:
+                self._quarantined(abandoned)
+            newest = step
         self._committed(step)
         for victim in self._retention_victims(step):
             self._gone(victim)
