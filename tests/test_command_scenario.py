@@ -679,6 +679,53 @@ def test_a_kill_belongs_to_the_attempt_of_the_process_it_hit_whatever_the_clocks
     assert t.effect_observed and t.ended_attempt == 0, t.effect
 
 
+def test_a_kill_before_the_next_attempt_s_first_report_interrupts_the_recovery() -> None:
+    """A script that calls the probe; rank 1 is killed at step 10, and the restarted job's
+    rank 0 is killed 0.5 s after it started, while it still imports torch (an ``mtbf_s``
+    arrival): attempt 1 never reported. The first recovery was cut short by the second fault,
+    whose recovery covers both. It was reported as "the script reported nothing (it does not
+    call antifragile.probe)", and an ``expect.max_lost_steps`` failed the verdict as one that
+    "cannot be checked"."""
+    events: list[dict[str, Any]] = []
+    for attempt, up in ((0, T0 + 1), (1, T0 + 16), (2, T0 + 19)):
+        events += [{"t": up, "rank": r, "attempt": attempt, "event": "worker_started",
+                    "pid": 100 * (attempt + 1) + r, "by": "chaos"} for r in (0, 1)]
+    for attempt, up, first, last, restored in ((0, T0 + 3, 1, 10, None),
+                                               (2, T0 + 21, 9, 20, 8)):
+        for r in (0, 1):
+            events.append({"t": up, "rank": r, "attempt": attempt, "event": "start",
+                           "pid": 100 * (attempt + 1) + r, "world_size": 2})
+            if restored is not None:
+                events.append({"t": up + 0.1, "rank": r, "attempt": attempt,
+                               "event": "restore_begin"})
+                events.append({"t": up + 0.5, "rank": r, "attempt": attempt,
+                               "event": "restore_end", "step": restored, "seconds": 0.4})
+            events += [{"t": up + 1 + i, "rank": r, "attempt": attempt, "event": "step_end",
+                        "step": step, "loss": None, "seconds": 1.0}
+                       for i, step in enumerate(range(first, last + 1))]
+            events += [{"t": up + 1.2 + step - first, "rank": r, "attempt": attempt,
+                        "event": "ckpt_committed", "step": step, "bytes": 10, "persist_s": 0.1}
+                       for step in range(first, last + 1) if step % 4 == 0]
+    kills = [Injection("kill_rank", T0 + 13.5, step=10, rank=1, fault_index=0,
+                       detail={"pid": 101}),
+             Injection("kill_rank", T0 + 16.5, step=None, rank=0, fault_index=0,
+                       detail={"pid": 200})]
+    record = RunRecord(0, T0, T0 + 40, sorted(events, key=lambda e: e["t"]), kills,
+                       {0: T0 + 14, 1: T0 + 17, 2: T0 + 40})
+    scenario = parse_scenario(_doc(faults=[{"kind": "kill_rank", "rank": "random", "mtbf_s": 5}],
+                                   expect={"bitwise_equal_to_reference": False,
+                                           "max_lost_steps": 4}))
+    first, second = (measure.fault_timings(record, k, window_s=30.0) for k in kills)
+    assert first.ended_attempt == 0 and second.ended_attempt == 1, (first.effect, second.effect)
+    assert first.unmeasured is None, first.unmeasured
+    assert first.interrupted_by_t == pytest.approx(T0 + 16.5)
+    assert second.restored_step == 8 and second.lost_steps == 2
+    v = checker.judge(scenario, returncode=0, timings=[first, second], final_step=20,
+                      faulty_url="u", reference_url=None, final_committed=True)
+    assert v.verdict == "pass", v.reasons
+    assert not measure.not_measured(record, [first, second])
+
+
 def test_with_the_engines_events_only_the_restore_is_measured_too() -> None:
     record, kill = _no_probe_record(engine_events=True)
     t = measure.fault_timings(record, kill)

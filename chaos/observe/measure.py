@@ -322,12 +322,6 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
         timings.fallback = str(gave_up[0].get("error"))
     timings.detect_s = max(torn_down - injection.t, 0.0)
     timings.restart_s = max(started - torn_down, 0.0)
-    if not reported:
-        timings.unmeasured = ("restore, recompute, recovery and lost steps: the script "
-                              "reported nothing (it does not call antifragile.probe); restart "
-                              "is measured to when its processes started")
-        return
-    restores = _by_attempt(record.events, nxt, "restore_end")
     # what can cut this recovery short: a later fault made during the next attempt that
     # ended it (a fault on the job; one on storage ends it through the saves it fails, and
     # fails the verdict when it does: one the attempt trained on through did not), not one
@@ -337,6 +331,17 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
              and started - 0.5 <= i.t <= record.attempt_ends.get(nxt, record.ended_t)
              and (not outage_effects(record, i)["training_continued"]
                   if i.kind in STORAGE_FAULTS else _ended_attempt(record, i, nxt, window_s)[0])]
+    if not reported:
+        if later and any(e["event"] == "start" for e in record.events):
+            # a script that reports, whose next attempt a later fault ended before its ranks'
+            # first report (still starting up): cut short, not unmeasurable
+            timings.interrupted_by_t = min(later)
+            return
+        timings.unmeasured = ("restore, recompute, recovery and lost steps: the script "
+                              "reported nothing (it does not call antifragile.probe); restart "
+                              "is measured to when its processes started")
+        return
+    restores = _by_attempt(record.events, nxt, "restore_end")
     if any("storage_bytes" in e for e in restores):
         timings.restore_memory_bytes = sum(e.get("memory_bytes", 0) for e in restores)
         timings.restore_storage_bytes = sum(e.get("storage_bytes", 0) for e in restores)
