@@ -61,6 +61,17 @@ def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
     return options or None
 
 
+def _none_under(url: str) -> str:
+    """"no committed checkpoint under URL", naming a peer engine's committed steps there (a
+    run of ``checkpoint.engine: dcp`` or ``torchsnapshot``): ``chaos ckpt`` reads ours."""
+    from antifragile.trainer.ckpt_backends import foreign_steps
+
+    found = [f"it holds committed {engine} checkpoints (step{'s' if len(steps) > 1 else ''} "
+             f"{', '.join(map(str, steps[-3:]))}), which chaos ckpt does not read (it reads "
+             "antifragile.engine's)" for engine, steps in foreign_steps("antifragile", url).items()]
+    return "; ".join([f"no committed checkpoint under {url}", *found])
+
+
 def _human(nbytes: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if nbytes < 1024 or unit == "TiB":
@@ -114,7 +125,7 @@ def ls(url: str, endpoint_url: str | None, pairs: tuple[str, ...]) -> None:
         if steps or hidden:
             click.echo(f"{'step':>12}  {'bytes':>12}  {'objects':>8}  world")
         else:
-            click.echo(f"no committed checkpoint under {url}")
+            click.echo(_none_under(url))
         # a step quarantined between the two listings (a load beside this) is in both
         for step in sorted({*steps, *hidden}):
             if step in hidden:
@@ -193,7 +204,7 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
         # listed with the quarantined ones, not verified as a committed one
         steps = [step] if step is not None else [s for s in committed if s not in hidden]
         if not steps and not hidden:
-            _fail(f"no committed checkpoint under {url}")
+            _fail(_none_under(url))
         damaged = unread = False
         verified = 0  # steps a load can see, read and reported
         with ThreadPoolExecutor(8) as pool:
