@@ -885,3 +885,28 @@ def test_the_fault_line_of_a_recovery_cut_short_by_the_next_fault_says_so() -> N
                    lost_steps=None, detect_s=None)
     assert "recovery not observed" in _fault_line(never)
     assert _fault_line(_fault()) == "kill_rank at step 12: recovery 4.00 s, lost steps 2"
+
+
+def test_a_run_that_ends_in_an_error_prints_the_error_last(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that went past its time limit (exit 5): the plain progress printed the error,
+    then, as the display closed, the newest status line it had held back ("step 12/30 ...
+    ETA 0:01"), so a CI log ended on a status older than the error, as if the run went on."""
+    from antifragile.chaos.run import pipeline
+    from antifragile.chaos.run.runner import ChaosRunError
+    from antifragile.chaos.run.status import RunStatus
+
+    def run(s: object, out: Path, *, status: Any, **_: object) -> None:
+        for step in (1, 2):  # the second within the interval: held back
+            status(RunStatus("tiny", step, 4, 0, 0, 0, None))
+        raise ChaosRunError("the faulty run of tiny went past its time limit")
+
+    monkeypatch.setattr(pipeline, "run", run)
+    path = tmp_path / "tiny.yaml"
+    path.write_text("name: tiny\ntrainer: {parallel: {dp: 2}, steps: 4}\n"
+                    "checkpoint: {every_steps: 2}\nfaults:\n  - {kind: kill_rank, at_step: 3}\n")
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 5, result.output
+    lines = result.output.strip().splitlines()
+    assert "tiny: step 2/4" in result.output, result.output
+    assert lines[-1] == f"error: {path}: the faulty run of tiny went past its time limit", lines

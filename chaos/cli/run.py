@@ -80,6 +80,7 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     folder = (out_folder(out) if out is not None
               else fresh_folder(str(Path("reports") / f"{s.name}-{stamp}")))
+    error: tuple[str, int] | None = None  # said once the display closed: the last line
     with Progress() as progress:
         try:
             outcome = run(s, folder, reference=not no_reference,
@@ -87,11 +88,13 @@ def run_cmd(file: str, out: str | None, no_reference: bool, seed: int | None,
                           status=progress.status)
         except StorageSetupError as exc:  # S3 that cannot be used, a folder already used
             drop_if_empty(folder)  # refused before the run: no folder claiming one
-            fail(f"{file}: {exc}")
+            error = f"{file}: {exc}", 2
         except ChaosRunError as exc:
-            fail(f"{file}: {exc}", code=RUN_ERROR_EXIT)
+            error = f"{file}: {exc}", RUN_ERROR_EXIT
         except ReportError as exc:  # a full disk: no report, none in part (as chaos suite)
-            fail(str(exc))
+            error = str(exc), 2
+    if error is not None:
+        fail(*error)
     v = outcome.report["verdict"]
     click.echo(f"{s.name}: {v['verdict'].upper()}  report: {folder / 'report.md'}")
     for reason in v["reasons"]:
