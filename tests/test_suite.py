@@ -519,6 +519,27 @@ def test_cli_takes_several_baselines(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert json.loads((out / "summary.json").read_text())["baseline"]["file"] == files[3]
 
 
+def test_cli_a_pattern_leaves_the_baselines_other_scenarios_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--pattern`` runs some of the scenarios: the baseline's others were reported "missing
+    since the baseline", as if the suite had lost them."""
+    scenarios = _fake_nightly(monkeypatch, tmp_path, 0.58)
+    _write(scenarios, "kill-rank-dp2", [])
+    (tmp_path / "prev").mkdir()
+    suite.write_json(tmp_path / "prev", suite.build(
+        [_nightly(0.58), _entry("kill-rank-dp2", [1.0])], suite="s", wall_s=1.0))
+    args = ["suite", str(scenarios), "--out", str(tmp_path / "o"), "--baseline",
+            str(tmp_path / "prev" / "summary.json")]
+    result = CliRunner().invoke(main, [*args, "--pattern", "storage-*"])
+    assert result.exit_code == 0, result.output
+    assert "missing" not in result.output, result.output
+    compared = json.loads((tmp_path / "o" / "summary.json").read_text())["baseline"]
+    assert compared["missing"] == [] and compared["new"] == []
+    (scenarios / "kill-rank-dp2.yaml").unlink()  # gone from the folder: missing indeed
+    result = CliRunner().invoke(main, args)
+    assert "missing since the baseline: kill-rank-dp2" in result.output, result.output
+
+
 def test_cli_a_clearly_worse_run_regresses_against_several_baselines(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     scenarios = _fake_nightly(monkeypatch, tmp_path, 0.45)

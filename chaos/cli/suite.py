@@ -60,7 +60,7 @@ def suite(folder: str, out: str | None, baselines: tuple[str, ...], patterns: tu
         fail("--baseline: empty; give a previous summary.json, or leave the option out to "
              "compare with none")
     try:
-        previous = suite_lib.load_baselines(baselines)
+        previous = suite_lib.matching_baselines(suite_lib.load_baselines(baselines), patterns)
         files = suite_lib.discover(Path(folder), patterns)
     except suite_lib.SuiteError as exc:
         fail(str(exc))

@@ -4,7 +4,14 @@
 ``summary.html`` and the table, and compares with a previous summary.
 """
 
-from antifragile.chaos.suite.runner import Planned, SuiteInterrupted, discover, plan, run_suite
+from antifragile.chaos.suite.runner import (
+    Planned,
+    SuiteInterrupted,
+    discover,
+    matching_baselines,
+    plan,
+    run_suite,
+)
 from antifragile.chaos.suite.summary import (
     FORMAT,
     MAX_BASELINE_BYTES,
@@ -24,8 +31,25 @@ from antifragile.chaos.suite.summary import (
 )
 
 __all__ = [
-    "FORMAT", "MAX_BASELINE_BYTES", "Planned", "SuiteError", "SuiteInterrupted", "Tolerances",
-    "build", "compare", "compare_many", "discover", "exit_code", "failed_entry",
-    "format_table", "load_baseline", "load_baselines", "plan", "run_suite", "summarize",
-    "write_html", "write_json",
+    "FORMAT",
+    "MAX_BASELINE_BYTES",
+    "Planned",
+    "SuiteError",
+    "SuiteInterrupted",
+    "Tolerances",
+    "build",
+    "compare",
+    "compare_many",
+    "discover",
+    "exit_code",
+    "failed_entry",
+    "format_table",
+    "load_baseline",
+    "load_baselines",
+    "matching_baselines",
+    "plan",
+    "run_suite",
+    "summarize",
+    "write_html",
+    "write_json",
 ]

@@ -62,12 +62,26 @@ def discover(folder: Path, patterns: Sequence[str] = ("*",)) -> list[Path]:
     patterns = list(patterns) or ["*"]
     files = sorted(p for p in folder.rglob("*")
                    if (p.is_file() or (p.is_symlink() and not p.exists()))
-                   and p.suffix in (".yaml", ".yml")
-                   and any(fnmatch(p.name, g) or fnmatch(p.stem, g) for g in patterns))
+                   and p.suffix in (".yaml", ".yml") and _matches(p, patterns))
     if not files:
         matching = f" matching {' or '.join(map(repr, patterns))}" if patterns != ["*"] else ""
         raise SuiteError(f"{folder}: no scenario files (*.yaml){matching}")
     return files
+
+
+def _matches(path: Path, patterns: Sequence[str]) -> bool:
+    return any(fnmatch(path.name, g) or fnmatch(path.stem, g) for g in patterns)
+
+
+def matching_baselines(baselines: list[tuple[str, dict[str, Any]]], patterns: Sequence[str]
+                       ) -> list[tuple[str, dict[str, Any]]]:
+    """Each baseline with only the scenarios ``patterns`` selects (by file, as ``discover``;
+    by name where an entry has none): a suite run on some of its scenarios has not lost the
+    others."""
+    if not patterns:
+        return baselines
+    return [(name, {**doc, "scenarios": [e for e in doc["scenarios"] if _matches(
+                Path(str(e.get("file") or e["name"])), patterns)]}) for name, doc in baselines]
 
 
 def plan(files: list[Path], out: Path) -> list[Planned]:
