@@ -1294,3 +1294,25 @@ def test_every_field_the_report_and_the_suite_write_is_in_reports_readme(
     assert undocumented(built) == []
     mutation = {f.name: None for f in dataclasses.fields(Mutation)}
     assert undocumented({"mutations": [mutation]}) == []
+
+
+@pytest.mark.parametrize("determinism, said", [
+    (None, None),
+    ({"deterministic": True, "error": None, "differing_entries": []},
+     "two fault-free runs bitwise equal (--check-determinism): yes"),
+    ({"deterministic": False, "error": None, "differing_entries": ["model/w", "optim/m"]},
+     "two fault-free runs bitwise equal (--check-determinism): NO (2 entries differ)")])
+def test_the_determinism_check_is_shown_where_it_ran(
+        doc: dict[str, Any], tmp_path: Path, determinism: dict[str, Any] | None,
+        said: str | None) -> None:
+    """A run with --check-determinism said so only in report.json: the pages a user reads
+    did not say that the trainer had been found deterministic, or not."""
+    changed = {**doc, "determinism": determinism}
+    md = report.write_markdown(tmp_path, changed).read_text()
+    page = report.write_html(tmp_path, changed, []).read_text()
+    if said is None:
+        assert "check-determinism" not in md and "check-determinism" not in page
+    else:
+        assert f"- {said}\n" in md, md
+        head, _, answer = said.rpartition(": ")
+        assert f"<td>{head}</td><td>{answer}</td>" in page, page

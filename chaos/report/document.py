@@ -297,6 +297,20 @@ def _md_item(text: str) -> str:
     return _md(" ".join(text.split()))
 
 
+_DETERMINISM = "two fault-free runs bitwise equal (--check-determinism)"
+
+
+def _determinism(report: dict[str, Any]) -> str | None:
+    """What ``--check-determinism`` found (None: it did not run)."""
+    d = report.get("determinism")
+    if not d:
+        return None
+    if d.get("deterministic"):
+        return "yes"
+    n = len(d.get("differing_entries") or [])
+    return f"NO ({d.get('error') or f'{n} entries differ'})"
+
+
 def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None = None) -> Path:
     """``plots``: link the PNGs that were drawn (and say which were not, and why)."""
     s, v, run = report["scenario"], report["verdict"], report["run"]
@@ -312,6 +326,8 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
                  f"{_goodput(run['reference_goodput'])})" if vs_ref is not None else "")
               + f", attempts {run['attempts']}, final step {_fmt(run['final_step'])}",
               f"- bitwise equal to the fault-free reference: {_fmt(v['bitwise_equal'])}"]
+    if _determinism(report) is not None:
+        lines.append(f"- {_DETERMINISM}: {_determinism(report)}")
     lines += [f"- {_md_item(str(reason))}" for reason in v["reasons"]]
     cost = run.get("checkpoint_cost")
     if cost:
@@ -507,7 +523,8 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
          + (f" of {expected}" if expected is not None else "")],
         ["trainer exit code", run.get("returncode")],
         ["checkpoint url", run.get("checkpoint_url")],
-        ["reference url", run.get("reference_url")]])]
+        ["reference url", run.get("reference_url")]]
+        + ([[_DETERMINISM, _determinism(report)]] if _determinism(report) is not None else []))]
     if report.get("differing_entries"):
         parts += ["<h2>Entries that differ from the reference</h2>",
                   "<p>" + ", ".join(f"<code>{html.escape(k)}</code>"
