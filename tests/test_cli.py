@@ -647,18 +647,22 @@ def test_a_negative_step_is_refused_as_the_option_it_is(tmp_path: Path, command:
 
 @pytest.mark.parametrize(("engine", "marker"), [("dcp", ".metadata"),
                                                  ("torchsnapshot", ".snapshot_metadata")])
-@pytest.mark.parametrize(("command", "code"), [("ls", 0), ("verify", 2)])
+@pytest.mark.parametrize(("command", "code"), [(["ls"], 0), (["verify"], 2),
+                                               (["verify", "--step", "10"], 2),
+                                               (["inspect", "--step", "10"], 2)])
 def test_a_peer_engine_s_checkpoints_are_named_not_said_to_be_none(
-        tmp_path: Path, engine: str, marker: str, command: str, code: int) -> None:
+        tmp_path: Path, engine: str, marker: str, command: list[str], code: int) -> None:
     """``chaos ckpt ls reports/<run>/ckpt`` after a run of ``checkpoint.engine: dcp`` (the
     shipped ``scenarios/engines/``) said "no committed checkpoint" where eight committed DCP
-    steps were, as if the run had saved nothing. It says what is there and that ``chaos
-    ckpt`` reads the antifragile engine's checkpoints."""
+    steps were, as if the run had saved nothing (and ``--step 10`` "not committed"). It says
+    what is there and that ``chaos ckpt`` reads the antifragile engine's checkpoints."""
     for step in (5, 10):
         (tmp_path / f"step_{step:09d}").mkdir()
         (tmp_path / f"step_{step:09d}" / marker).write_bytes(b"x")
-    result = CliRunner().invoke(main, ["ckpt", command, str(tmp_path)])
+    result = CliRunner().invoke(main, ["ckpt", command[0], str(tmp_path), *command[1:]])
     assert result.exit_code == code, result.output
-    assert f"no committed checkpoint under {tmp_path}" in result.output
+    assert "Traceback" not in result.output
+    assert (f"no committed checkpoint under {tmp_path}" if len(command) == 1
+            else "step 10 is not") in result.output, result.output
     assert f"it holds committed {engine} checkpoints (steps 5, 10)" in result.output, \
         result.output

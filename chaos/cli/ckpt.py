@@ -61,15 +61,15 @@ def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
     return options or None
 
 
-def _none_under(url: str) -> str:
-    """"no committed checkpoint under URL", naming a peer engine's committed steps there (a
+def _none_under(url: str, what: str | None = None) -> str:
+    """``what`` (there is none of ours), naming a peer engine's committed steps at ``url`` (a
     run of ``checkpoint.engine: dcp`` or ``torchsnapshot``): ``chaos ckpt`` reads ours."""
     from antifragile.trainer.ckpt_backends import foreign_steps
 
     found = [f"it holds committed {engine} checkpoints (step{'s' if len(steps) > 1 else ''} "
              f"{', '.join(map(str, steps[-3:]))}), which chaos ckpt does not read (it reads "
              "antifragile.engine's)" for engine, steps in foreign_steps("antifragile", url).items()]
-    return "; ".join([f"no committed checkpoint under {url}", *found])
+    return "; ".join([what or f"no committed checkpoint under {url}", *found])
 
 
 def _human(nbytes: int) -> str:
@@ -198,8 +198,8 @@ def verify(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: int
         committed = committed_steps(storage)
         hidden = quarantined_steps(storage)
         if step is not None and step not in committed and step not in hidden:
-            _fail(f"step {step} is not a committed checkpoint under {url} "
-                  f"(committed: {committed or 'none'})")
+            _fail(_none_under(url, f"step {step} is not a committed checkpoint under {url} "
+                              f"(committed: {committed or 'none'})"))
         # a step quarantined between the two listings (a load beside this) is in both: it is
         # listed with the quarantined ones, not verified as a committed one
         steps = [step] if step is not None else [s for s in committed if s not in hidden]
@@ -253,7 +253,7 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
     """Arrays, shapes, dtypes, bytes and layout of one committed step. Exit 1 when its COMMIT
     or group document is damaged (it reads no shard object: verify does); exit 2 for a
     step that is not committed or storage that fails."""
-    from antifragile.engine import CheckpointCorruptError, CheckpointError
+    from antifragile.engine import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
     from antifragile.engine._paths import is_index
     from antifragile.engine._ranks import rank_array
     from antifragile.engine.load import StepReader, split_cell_key
@@ -290,6 +290,8 @@ def inspect(url: str, endpoint_url: str | None, pairs: tuple[str, ...], step: in
         metadata = reader.attrs.get("metadata") or {}  # save(metadata=...): shown only
     except CheckpointCorruptError as exc:  # damage, as ls and verify say: not bad input
         _fail(str(exc), 1)
+    except CheckpointNotFoundError as exc:
+        _fail(_none_under(url, str(exc)))
     except CheckpointError as exc:
         _fail(str(exc))
     layout = reader.attrs.get("layout")  # shown only, never loaded: not checked by the reader
