@@ -868,8 +868,8 @@ def test_the_sweep_measures_goodput_as_the_model_counts_it(
     """The model's useful work is the steps at the undisturbed step time; the slower steps
     beside a persisting save and a restart's warm-up step are costs in it (C, R). The sweep
     compared it with the report's goodput, which counts those steps' whole time as useful:
-    every swept run measured above the model (0.70 and 0.75 against ranges topping at 0.62
-    and 0.68, runs without a failure), and was called outside the range it falls in."""
+    swept runs measured above the model (0.70 and 0.75 against ranges topping at 0.62 and
+    0.68, runs without a failure), called outside the range they fall in."""
     from antifragile.chaos.observe import figures
     from antifragile.chaos.scenario import load_scenario
     from antifragile.chaos.tune import measure
@@ -877,12 +877,13 @@ def test_the_sweep_measures_goodput_as_the_model_counts_it(
     events, t = _killed_run_events()
     record = _killed_run(events, t)
     monkeypatch.setattr(measure, "_run", lambda s, folder, progress: record)
-    costs = tune.Costs(ckpt_s=0.6, restart_s=3.5, mtbf_s=20.0, step_s=1.0)
+    # the measuring run's steps took 1.25 s; this run's 1 s (its median, warm-ups left out)
+    costs = tune.Costs(ckpt_s=0.6, restart_s=3.5, mtbf_s=20.0, step_s=1.25)
     measured = tune.costs_from_record(record)
     (row,) = tune.sweep(load_scenario(_tiny(tmp_path, [])), costs, measured,
                         tmp_path / "sweep", every=[2], steps=8, mtbf_from_scenario=False,
                         progress=lambda _: None)
-    # steps 1-8 count, at 1 s each: 8 s of the model's work over the wall time
+    # steps 1-8 count, at this run's 1 s each: 8 s of work over the wall time
     assert row["measured_goodput"] == pytest.approx(8 * 1.0 / record.wall_s)
     assert row["report_goodput"] == pytest.approx(figures.goodput(record))
     assert row["report_goodput"] > row["measured_goodput"]

@@ -108,6 +108,20 @@ def _steps(record: RunRecord) -> dict[int, dict[int, tuple[float, float]]]:
     return out
 
 
+def _model_goodput(record: RunRecord) -> float:
+    """A run's goodput as the model counts it: the steps that count, each at the run's own
+    median step time (a restart's warm-up step left out, as ``costs_from_record`` times a
+    step), over the wall time. The slower steps beside a persist and the warm-ups are costs
+    in the model (C, R), where the report's goodput counts their whole time as useful: swept
+    runs measured above every range the model gave. The run's own pace, not the measuring
+    run's: a run checkpointing less often is slowed less by its persists."""
+    by_attempt = _steps(record)
+    times = [steps[step][1] for steps in by_attempt.values() for step in sorted(steps)[1:]]
+    counted = len({step for steps in by_attempt.values() for step in steps})
+    wall = record.wall_s - record.paused_s
+    return counted * float(np.median(times)) / wall if times and wall > 0 else 0.0
+
+
 def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir: str = "",
                       window_s: float = 90.0) -> Measured:
     """C, R, step time, start-up and tail from a finished run (DESIGN 4.3 measurements).
@@ -287,12 +301,7 @@ def sweep(s: Scenario, costs: Costs, measured: Measured, folder: Path, *, every:
         walls = run_spread(work, tau, costs, seed=seed)
         spread = ([work / (overhead + walls[1]), work / (overhead + walls[0])]
                   if walls is not None else [0.0, 0.0])
-        # as the model counts it: the steps that count at the undisturbed step time (the
-        # slower steps beside a persist and a restart's warm-up are costs in C and R), not
-        # the report's goodput, which counts those steps' whole time as useful
-        counted = len({ev["step"] for ev in record.events if ev["event"] == "step_end"})
-        wall = record.wall_s - record.paused_s
-        got = counted * costs.step_s / wall if wall > 0 else 0.0
+        got = _model_goodput(record)
         rows.append({"every_steps": e, "interval_s": tau, "steps": steps,
                      "wall_s": record.wall_s, "failures": sum(
                          1 for i in record.injections
