@@ -362,6 +362,14 @@ def test_a_reference_script_that_checkpointed_with_another_engine_is_told_which(
         in result.output, result.output
 
 
+def _tiny_file(tmp_path: Path) -> Path:
+    """A 4-step scenario of the built-in trainer, killed at step 3."""
+    path = tmp_path / "tiny.yaml"
+    path.write_text("name: tiny\ntrainer: {parallel: {dp: 2}, steps: 4}\n"
+                    "checkpoint: {every_steps: 2}\nfaults:\n  - {kind: kill_rank, at_step: 3}\n")
+    return path
+
+
 def test_a_reference_run_without_its_final_checkpoint_is_no_verdict(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The built-in trainer's reference run exits 0 (its final save's failure is not an exit
@@ -377,9 +385,7 @@ def test_a_reference_run_without_its_final_checkpoint_is_no_verdict(
 
     monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(pipeline, "run_scenario", reference_run)
-    path = tmp_path / "tiny.yaml"
-    path.write_text("name: tiny\ntrainer: {parallel: {dp: 2}, steps: 4}\n"
-                    "checkpoint: {every_steps: 2}\nfaults:\n  - {kind: kill_rank, at_step: 3}\n")
+    path = _tiny_file(tmp_path)
     result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
     assert result.exit_code == 5, result.output
     assert "Traceback" not in result.output
@@ -902,9 +908,7 @@ def test_a_run_that_ends_in_an_error_prints_the_error_last(
         raise ChaosRunError("the faulty run of tiny went past its time limit")
 
     monkeypatch.setattr(pipeline, "run", run)
-    path = tmp_path / "tiny.yaml"
-    path.write_text("name: tiny\ntrainer: {parallel: {dp: 2}, steps: 4}\n"
-                    "checkpoint: {every_steps: 2}\nfaults:\n  - {kind: kill_rank, at_step: 3}\n")
+    path = _tiny_file(tmp_path)
     result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
     assert result.exit_code == 5, result.output
     lines = result.output.strip().splitlines()
