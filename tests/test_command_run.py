@@ -253,6 +253,24 @@ def test_a_run_that_reports_nothing_for_long_is_said_to_wait(tmp_path: Path) -> 
     assert "2 ranks still run" in first and "time_limit_s 60 s" in first, first
 
 
+def test_a_silent_restart_is_not_said_to_be_at_step_0() -> None:
+    """A restarted attempt that hangs before its first step (in its restore, a stuck rank) is
+    what the note is for: it said 'newest: step 0', as if the job had made no progress."""
+    import time
+
+    from antifragile.chaos.run.runner import _Job, _silence
+
+    s = parse_scenario({"name": "hung", "trainer": {"command": ["python", "-c", "pass"]},
+                        "faults": [], "expect": {"bitwise_equal_to_reference": False}})
+    job = _Job(1)
+    job.see({"event": "start", "attempt": 0, "rank": 0, "pid": os.getpid(), "t": time.time()})
+    job.see({"event": "step_end", "attempt": 0, "rank": 0, "step": 40, "t": time.time()})
+    job.see({"event": "start", "attempt": 1, "rank": 0, "pid": os.getpid(), "t": time.time()})
+    note = _silence(s, job, faults=True, silent_s=60.0, elapsed_s=90.0)
+    assert "step 0" not in note, note
+    assert "newest: no step of attempt 1 yet; 1 rank still runs" in note, note
+
+
 @pytest.mark.slow
 def test_a_script_that_fails_in_the_faulty_run_is_shown_with_its_log(
         tmp_path: Path, cache: Path) -> None:

@@ -201,11 +201,13 @@ def _silence(s: Scenario, job: _Job, *, faults: bool, silent_s: float,
     """What the runner tells the user when the job has been silent for ``silent_s``."""
     g = max(job.generations, default=None)
     running = 0 if g is None else sum(job.runs(g, r) for r in job.generations[g])
-    newest = f"step {job.step}" if job.steps else "no step yet"
+    # a restarted attempt before its first step is not back at step 0
+    newest = (f"step {job.step}" if g in job.steps
+              else f"no step{f' of attempt {g}' if g else ''} yet")
+    ranks = "1 rank still runs" if running == 1 else f"{running} ranks still run"
     return (f"the {'faulty' if faults else 'fault-free'} run: nothing reported for "
-            f"{silent_s:g} s (newest: {newest}; {running} rank{'' if running == 1 else 's'} "
-            f"still run); waiting for it to end, up to time_limit_s {s.time_limit_s:g} s "
-            f"({elapsed_s:.0f} s gone)")
+            f"{silent_s:g} s (newest: {newest}; {ranks}); waiting for it to end, up to "
+            f"time_limit_s {s.time_limit_s:g} s ({elapsed_s:.0f} s gone)")
 
 
 def _time_faults(pending: list[Pending], now: float, up: Callable[[], bool], draws: Draws,
