@@ -230,6 +230,24 @@ def test_bitwise_expectation_without_a_reference_fails() -> None:
     assert _judge(_scenario(bitwise_equal_to_reference=False)).verdict == "pass"
 
 
+def test_a_script_found_deterministic_is_not_told_to_check_its_determinism(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script's bitwise FAIL says where to look, --check-determinism among the places; a run
+    made with --check-determinism that found the two fault-free runs equal was sent to it too."""
+    monkeypatch.setattr(checker, "compare_final", lambda *a, **k: checker.Comparison(
+        differs=["model/w"], compared_bytes=8))
+    s = parse_scenario({"name": "mine", "trainer": {"command": ["python", "-c", "pass"]},
+                        "faults": []})
+    args: dict[str, Any] = {"final_step": 8, "expected_step": 8, "faulty_url": "faulty",
+                            "reference_url": "reference", "last_step": 8,
+                            "reference_last_step": 8}
+    (unchecked,) = [r for r in _judge(s, **args).reasons if "differs" in r]
+    assert "--check-determinism" in unchecked, unchecked
+    v = _judge(s, **args, determinism=checker.Comparison(compared_bytes=8))
+    (reason,) = [r for r in v.reasons if "differs" in r]
+    assert "random generators" in reason and "--check-determinism" not in reason, reason
+
+
 # --- other ways to pass by accident -------------------------------------------------------------
 
 def test_nothing_to_compare_fails(tmp_path: Path) -> None:

@@ -440,8 +440,9 @@ def judge(s: Scenario, *, returncode: int, timings: list[FaultTimings], final_st
                         ": the resumed script did not carry over all its steps depend on "
                         "(an entry it does not save or load back; its random generators, "
                         "torch's, numpy's, random's, for dropout or shuffling; its data "
-                        "position; a scheduler), or it differs even without faults "
-                        "(--check-determinism tells)" if s.is_command else ""))
+                        "position; a scheduler)" + (", or it differs even without faults "
+                        "(--check-determinism tells)" if determinism is None else "")
+                        if s.is_command else ""))
             for reason in bitwise_reasons:
                 v.fail(reason)
     fired = {t.fault_index for t in timings}
