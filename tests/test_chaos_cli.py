@@ -468,6 +468,32 @@ def test_a_cached_reference_that_later_checks_refuse_is_not_used(
     assert f"delete {folder} to run it again" in result.output, result.output
 
 
+def test_a_cached_reference_whose_checkpoint_is_gone_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache entry whose ckpt folder was removed (a cleanup of big folders) was refused
+    with a new reference's explanation: 'the script must checkpoint to $ANTIFRAGILE_CKPT_URL',
+    sending the user to a script that did."""
+    from antifragile.chaos.run import pipeline
+    from antifragile.chaos.scenario import load_scenario
+
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    path = _command_scenario_file(tmp_path)
+    folder = pipeline.reference_cache() / pipeline._reference_key(load_scenario(path))
+    (folder / "events").mkdir(parents=True)
+    (folder / "DONE").write_text("{}")
+
+    def must_not_run(*_: object, **__: object) -> None:
+        raise AssertionError("a run was made")
+
+    monkeypatch.setattr(pipeline, "run_scenario", must_not_run)
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 5, result.output
+    assert "Traceback" not in result.output and "ANTIFRAGILE_CKPT_URL" not in result.output
+    assert (f"the cached fault-free reference run ({folder}) cannot be used: its checkpoint "
+            f"folder {folder / 'ckpt'} is gone") in result.output, result.output
+    assert f"delete {folder} to run it again" in result.output, result.output
+
+
 def test_a_run_past_its_time_limit_is_a_clear_error(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner's time limit kills the job and says which run and where its log is; the

@@ -216,6 +216,8 @@ def _cached(s: Scenario, folder: Path, progress: Callable[[str], None]) -> str:
     progress(f"reference: cached ({folder})")
     ckpt = str(folder / "ckpt")
     try:
+        if not os.path.isdir(ckpt):  # removed since: not the reference run's doing
+            raise ChaosRunError(f"its checkpoint folder {ckpt} is gone")
         _check_reference(s, read_events(folder), ckpt, folder)
     except (ChaosRunError, OSError, ValueError) as exc:  # ValueError: a garbled event file
         raise ChaosRunError(f"the cached fault-free reference run ({folder}) cannot be used: "
