@@ -492,6 +492,14 @@ def test_a_cached_reference_whose_checkpoint_is_gone_says_so(
     assert (f"the cached fault-free reference run ({folder}) cannot be used: its checkpoint "
             f"folder {folder / 'ckpt'} is gone") in result.output, result.output
     assert f"delete {folder} to run it again" in result.output, result.output
+    # its events garbled as JSON that is not an event: named, not a KeyError traceback
+    (folder / "ckpt").mkdir()
+    (folder / "events" / "rank0.jsonl").write_text('{"event": "step_end"}\n')
+    result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 5, result.output
+    assert "Traceback" not in result.output
+    assert f"{folder / 'events' / 'rank0.jsonl'}:1: not an event" in result.output, \
+        result.output
 
 
 def test_a_run_past_its_time_limit_is_a_clear_error(tmp_path: Path,

@@ -21,6 +21,7 @@ from antifragile.chaos.infra.logs import job_tail
 from antifragile.chaos.infra.s3 import RunStorage, run_storage
 from antifragile.chaos.observe import checker, figures, measure
 from antifragile.chaos.observe.effects import STORAGE_FAULTS
+from antifragile.chaos.observe.record import EventTail
 from antifragile.chaos.report import document as report
 from antifragile.chaos.run.runner import ChaosRunError, run_scenario
 from antifragile.chaos.run.status import RunStatus, StatusTracker
@@ -218,7 +219,8 @@ def _cached(s: Scenario, folder: Path, progress: Callable[[str], None]) -> str:
     try:
         if not os.path.isdir(ckpt):  # removed since: not the reference run's doing
             raise ChaosRunError(f"its checkpoint folder {ckpt} is gone")
-        _check_reference(s, read_events(folder), ckpt, folder)
+        # the runner's reader: a line that is not an event is an EventLogError naming it
+        _check_reference(s, EventTail(folder).poll(), ckpt, folder)
     except (ChaosRunError, OSError, ValueError) as exc:  # ValueError: a garbled event file
         raise ChaosRunError(f"the cached fault-free reference run ({folder}) cannot be used: "
                             f"{exc}; delete {folder} to run it again") from None
