@@ -1431,3 +1431,27 @@ def test_an_outage_that_ended_its_attempt_is_not_excused_by_a_corruption_made_me
                       faulty_url="unused", reference_url=None, final_committed=True)
     assert v.verdict == "fail"
     assert any("training did not go on during the outage" in r for r in v.reasons), v.reasons
+
+
+def test_a_step_superseded_by_a_rollback_before_the_fault_is_not_restorable() -> None:
+    """A script rolled back in process (a loss spike) from step 6 to step 4 and committed
+    step 5: our engine superseded step 6 (the abandoned run's) before committing 5, so after a
+    kill the restart's load resumes from 5. The verdict took step 6, committed before the
+    fault, for restorable and failed the run ('work lost for no reason')."""
+    def run(restore: int) -> RunRecord:
+        job = _Job()
+        t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 6)
+        for r in range(WORLD):  # the rollback, reported as a restore, then step 5 committed
+            job.emit(t + 0.1, r, 0, "restore_end", step=4, seconds=0.1)
+            job.emit(t + 0.6, r, 0, "step_end", step=5, seconds=0.45)
+            job.emit(t + 0.7, r, 0, "ckpt_committed", step=5, bytes=4_000_000,
+                     rank_bytes=1_000_000, persist_s=0.3)
+        t = _kill(job, t + 1.0, 0, 1, 6)
+        t = job.steps(job.start(t + 3.0, 1, restore=restore), 1, restore + 1, 12)
+        return _finish(job, t, 1)
+
+    v, (kill,) = _verdict(run(restore=5), [{**KILL, "at_step": 6}], max_lost_steps=4)
+    assert kill.restored_step == 5 and kill.restorable_step == 5, kill
+    assert v.verdict == "pass", v.reasons
+    v, (kill,) = _verdict(run(restore=4), [{**KILL, "at_step": 6}], max_lost_steps=4)
+    assert kill.restorable_step == 5 and v.verdict == "fail", v.reasons

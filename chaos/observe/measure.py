@@ -415,13 +415,18 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
 def _restorable(record: RunRecord, fault_t: float, restored_t: float | None) -> int | None:
     """The newest step any rank had reported committed by ``fault_t`` (in any attempt) that no
     restore skipped after that commit, up to ``restored_t``; None when none had. (A skip
-    excuses only the commit it read: the same step committed again later is restorable.)"""
+    excuses only the commit it read: the same step committed again later is restorable.) A
+    commit of an older step (a script that rolled back in process) supersedes the newer ones
+    committed before it: the engine hides them, and a restart resumes from the older one."""
     skipped = [(restore_skipped_step(e), e["t"]) for e in record.events
                if e["event"] == "restore_skipped" and (restored_t is None or e["t"] <= restored_t)]
-    return max((e["step"] for e in record.events if e["event"] == "ckpt_committed"
-                and e["t"] <= fault_t
-                and not any(step == e["step"] and t >= e["t"] for step, t in skipped)),
-               default=None)
+    committed: dict[int, float] = {}
+    for e in sorted((e for e in record.events if e["event"] == "ckpt_committed"
+                     and e["t"] <= fault_t), key=lambda e: e["t"]):
+        committed = {step: t for step, t in committed.items() if step <= e["step"]}
+        committed[e["step"]] = e["t"]
+    return max((step for step, committed_t in committed.items()
+                if not any(s == step and t >= committed_t for s, t in skipped)), default=None)
 
 
 def not_measured(record: RunRecord, timings: list[FaultTimings]) -> list[str]:
