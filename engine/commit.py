@@ -245,11 +245,26 @@ def read_marker_bytes(storage: Storage, step: int) -> bytes | bytearray:
     except FileNotFoundError:
         if storage.exists(f"{step_dir(step)}/{QUARANTINE}"):
             raise CheckpointNotFoundError(
-                f"step {step} under {storage.url} is quarantined: a load found it damaged and "
-                "set its COMMIT aside (chaos ckpt verify says what is damaged)") from None
+                f"step {step} under {storage.url} is quarantined: "
+                f"{_quarantined_why(storage, step)}") from None
         misplaced = step_folder_as_root(storage, storage.list_dir(""))
         raise CheckpointNotFoundError(misplaced or f"step {step} is not committed under "
                                       f"{storage.url}") from None
+
+
+def _quarantined_why(storage: Storage, step: int) -> str:
+    """Why quarantined ``step`` was set aside, as its note says: a rollback's save supersedes
+    intact steps (``quarantine.supersede``), which a load did not find damaged."""
+    why = ("a load found it damaged and set its COMMIT aside (chaos ckpt verify says what is "
+           "damaged)")
+    try:
+        reason = _format.unseal(storage.read(f"{step_dir(step)}/{QUARANTINE}"),
+                                where=f"step {step}: QUARANTINE note").get("reason")
+    except (FileNotFoundError, CheckpointError):
+        return why
+    if isinstance(reason, str) and reason.startswith("superseded by step"):
+        return f"{reason} (its COMMIT set aside; chaos ckpt verify still reads it)"
+    return why
 
 
 def parse_marker(data: bytes | bytearray, step: int, *, lazy: bool = False

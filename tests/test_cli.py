@@ -126,6 +126,20 @@ def test_inspect_of_a_quarantined_step_says_it_is_quarantined(tmp_path: Path) ->
     assert "chaos ckpt verify" in result.output and "Traceback" not in result.output
 
 
+def test_inspect_of_a_superseded_step_says_why_it_was_set_aside(tmp_path: Path) -> None:
+    """A step superseded by a rollback's save is intact: inspect said "a load found it
+    damaged", and sent the user to verify for damage that is not there."""
+    url = str(tmp_path / "ckpt")
+    _save_steps(url, [10, 20])
+    with CheckpointEngine(url) as engine:
+        engine.save(15, {"w": torch.ones(3)}, blocking=True)  # went back: 20 superseded
+    result = CliRunner().invoke(main, ["ckpt", "inspect", url, "--step", "20"])
+    assert result.exit_code == 2, result.output
+    assert f"error: step 20 under {url} is quarantined: superseded by step 15" in \
+        result.output, result.output
+    assert "damaged" not in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("command", ["ls", "verify"])
 @pytest.mark.parametrize("refused", ["COMMIT", "QUARANTINE"])
 def test_storage_refusing_a_read_is_an_error_not_damage(
