@@ -262,7 +262,7 @@ def _quarantined_why(storage: Storage, step: int) -> str:
                                 where=f"step {step}: QUARANTINE note").get("reason")
     except (FileNotFoundError, CheckpointError):
         return why
-    if isinstance(reason, str) and reason.startswith("superseded by step"):
+    if isinstance(reason, str) and reason.startswith("superseded"):
         return f"{reason} (its COMMIT set aside; chaos ckpt verify still reads it)"
     return why
 

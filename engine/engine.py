@@ -168,6 +168,9 @@ class CheckpointEngine:
         # rank 0: steps known committed (its listing, its commits): a save of one is a resave
         # on every rank (agreed in the save's all-reduce), not judged by each rank's own look
         self._committed: set[int] = set()
+        # rank 0: the step the last load() returned, until the next save supersedes the
+        # committed steps newer than it (``_supersede_abandoned``)
+        self._went_back_to: int | None = None
         self._per_rank = PerRank([], 0)
         self._staging: StagingArea | None = None
         # keep_in_memory: a second set of buffers, so that a save stages beside the last
@@ -244,6 +247,8 @@ class CheckpointEngine:
             self._lister = None
         if mistake is None and self._not_a_root is not None:  # rank 0's listing found it
             mistake = CheckpointError(f"step {step} not saved: {self._not_a_root}")
+        if self.rank == 0 and mistake is None and not busy and self._went_back_to is not None:
+            self._supersede_abandoned(step)
         # a step a load quarantined since it committed is unfinished again: saved anew
         known = (self.rank == 0 and mistake is None and step in self._committed
                  and step not in self._unfinished)
@@ -531,7 +536,7 @@ class CheckpointEngine:
                     result = _commit.coordinate(
                         bounded, plan=plan, step=step, nonce=nonce, deadline=deadline,
                         group_attrs=attrs, owners=owners, cancel=self._cancel,
-                        before_commit=lambda: self._before_commit(bounded, step))
+                        before_commit=lambda: self._phase(step, "committing"))
                     handle.committed_nbytes = result.nbytes
                 else:
                     handle.committed_nbytes = _commit.wait_for_commit(
@@ -599,17 +604,30 @@ class CheckpointEngine:
             handle.staged.set()
             handle._retained.set()
 
-    def _before_commit(self, storage: Storage, step: int) -> None:
-        """Rank 0, every record in: the phase hook, then the committed steps newer than
-        ``step`` superseded: saving an older step means training went back to it
-        (``quarantine.supersede``). One listing of the root (another process may have
-        committed since this engine's own listing)."""
-        self._phase(step, "committing")
-        newer = [s for s in _commit.all_step_dirs(storage) if s > step]
-        if newer:
-            supersede(storage, newer, step)
-            self._committed.difference_update(newer)
-            self._unfinished.update(newer)  # a save of one clears what is left of its folder
+    def _supersede_abandoned(self, step: int) -> None:
+        """Rank 0, at the first save after a load: where committed steps newer than the step
+        loaded exist and this save's ``step`` is not past them all, training went back (a
+        rollback, or a newer step that did not load) and they are of the run it abandoned:
+        they are superseded (``quarantine.supersede``) before this save writes anything.
+        Left, a restart's load() resumed from them, undoing the rollback; retention kept them
+        over the new run's steps; a save of one of their steps was refused as already
+        committed. A save past them all (a load of an older step to look at it, then training
+        on) supersedes nothing. One listing; a failure is a warning, tried again next save."""
+        went_back_to = self._went_back_to
+        assert went_back_to is not None
+        storage = BoundedRequests(self.storage, self.commit_timeout_s)  # on the caller's thread
+        try:
+            newer = [s for s in _commit.all_step_dirs(storage) if s > went_back_to
+                     and storage.exists(f"{step_dir(s)}/{COMMIT}")]
+            if newer and newer[-1] >= step:
+                supersede(storage, newer, went_back_to)
+                self._committed.difference_update(newer)
+                self._unfinished.update(newer)  # a save of one clears its folder first
+        except CheckpointError as exc:
+            log.warning("the steps after step %s, which the run went back to, could not be "
+                        "superseded (tried again at the next save): %s", went_back_to, exc)
+            return
+        self._went_back_to = None
 
     def _phase(self, step: int, phase: str) -> None:
         """Report ``phase`` to the hook. An abandoned save stops here, and never calls the hook:
@@ -711,7 +729,10 @@ class CheckpointEngine:
         storage = CountingStorage(self.storage)
         self.last_load_sources = {"memory_bytes": 0, "storage_bytes": 0}
         try:
-            return self._loader.load(flat, step, storage, memory, self.last_load_sources)
+            loaded = self._loader.load(flat, step, storage, memory, self.last_load_sources)
+            if self.rank == 0:
+                self._went_back_to = loaded
+            return loaded
         finally:
             self.last_load_requests = storage.requests
 

@@ -60,15 +60,15 @@ def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, s
     storage.sync()
 
 
-def supersede(storage: Storage, newer: list[int], step: int) -> None:
-    """Hide the committed steps ``newer`` than ``step`` before ``step`` commits: they are of a
-    run that was abandoned when training went back to an older step (a rollback), and a load
+def supersede(storage: Storage, newer: list[int], went_back_to: int) -> None:
+    """Hide the committed steps ``newer`` than ``went_back_to``, the step a load went back to,
+    before the run saves again: they are of the run it abandoned (a rollback), and a load
     would otherwise resume from them, undoing it. Each is quarantined (its COMMIT kept in the
-    note, so ``verify`` still reads it; saved anew when the run reaches it). Done before the
-    COMMIT of ``step``: a crash in between leaves the step the run went back to the newest."""
+    note, so ``verify`` still reads it; saved anew when the run reaches it); a folder without
+    a COMMIT is left as it is. A crash midway leaves ``went_back_to`` the newest."""
     for old in newer:
-        quarantine(storage, old, f"superseded by step {step}, committed after it by a run that "
-                   "went back to an older step (a rollback): this step is of the abandoned run",
+        quarantine(storage, old, f"superseded: the run went back to step {went_back_to} (a "
+                   "load of it, then a save), and this step is of the run it abandoned",
                    reports={}, confirmed_by=0)
 
 

@@ -132,11 +132,12 @@ def test_inspect_of_a_superseded_step_says_why_it_was_set_aside(tmp_path: Path) 
     url = str(tmp_path / "ckpt")
     _save_steps(url, [10, 20])
     with CheckpointEngine(url) as engine:
+        engine.load({"model": {"w": torch.empty(8, 8)}}, step=10)
         engine.save(15, {"w": torch.ones(3)}, blocking=True)  # went back: 20 superseded
     result = CliRunner().invoke(main, ["ckpt", "inspect", url, "--step", "20"])
     assert result.exit_code == 2, result.output
-    assert f"error: step 20 under {url} is quarantined: superseded by step 15" in \
-        result.output, result.output
+    assert (f"error: step 20 under {url} is quarantined: superseded: the run went back to "
+            "step 10") in result.output, result.output
     assert "damaged" not in result.output and "Traceback" not in result.output
 
 

@@ -413,7 +413,7 @@ def test_deferred_staging_sets_staged_before_persisting(ckpt: CheckpointEngine) 
 def test_steps_and_latest_step(ckpt: CheckpointEngine) -> None:
     assert ckpt.steps() == [] and ckpt.latest_step() is None
     state = {"w": torch.ones(3)}
-    for step in (2, 10, 30):  # in order: an older step saved would supersede the newer
+    for step in (10, 2, 30):
         ckpt.save(step, state, blocking=True)
     assert ckpt.steps() == [2, 10, 30]
     assert ckpt.latest_step() == 30
@@ -1512,41 +1512,62 @@ def test_retention_spares_the_step_it_follows_and_saves_newer_than_it(storage: S
     with CheckpointEngine(url, storage_options=options, keep_last=1) as engine:
         fs.pipe_file(f"{root}/step_000000020/w/c.0", b"a save of this run, in flight")
         engine.save(10, {"w": torch.full((3,), 10.0)}, blocking=True)
-        assert engine.steps() == [10]  # 100 superseded (the test below), its folder kept
-        assert {"step_000000020", "step_000000100"} <= set(step_folders(storage))
+        assert engine.steps() == [10, 100]
+        assert "step_000000020" in step_folders(storage)
         target = {"w": torch.empty(3)}
         assert engine.load(target, step=10) == 10 and torch.equal(target["w"],
                                                                  torch.full((3,), 10.0))
 
 
+@pytest.mark.parametrize("first", [25, 30, 20])
 def test_a_save_after_a_rollback_supersedes_the_abandoned_runs_newer_steps(
-        storage: Storage) -> None:
-    """A run that went back to step 20 (a loss spike) and saved 25 and 26 left step 30 of the
-    run it abandoned committed: a restart's load() resumed from 30, undoing the rollback, and
-    retention (keep_last=2) deleted 25 to keep it. The first commit after the rollback hides
-    the newer steps as a quarantine does (their evidence kept, saved anew when reached)."""
+        storage: Storage, first: int) -> None:
+    """A run that went back to step 20 (a loss spike) left steps 30 and 40 of the run it
+    abandoned committed: a restart's load() resumed from 40, undoing the rollback; retention
+    (keep_last=2) deleted the new run's steps to keep them; and with a fixed interval the new
+    run's save of 30 was refused ('already committed', other data) until it passed 40. The
+    first save after the load hides them as a quarantine does (their evidence kept), before it
+    writes: a crash in between leaves step 20, where the run went back to, the newest.
+    ``first``: the new run's first save, between the abandoned steps, on one of them (its
+    own data), or the step it went back to again (saved the same: nothing written)."""
     from antifragile.engine.quarantine import quarantined_steps, read_quarantine
 
     url, options = storage
-    with CheckpointEngine(url, storage_options=options, keep_last=2) as engine:
-        for step in (10, 20, 30):
+    with CheckpointEngine(url, storage_options=options, keep_last=3) as engine:
+        for step in (10, 20, 30, 40):
             engine.save(step, {"w": torch.full((3,), float(step))}, blocking=True)
+    new = {"w": torch.full((3,), -1.0)}
     with CheckpointEngine(url, storage_options=options, keep_last=2) as engine:
         target = {"w": torch.empty(3)}
         assert engine.load(target, step=20) == 20
-        for step in (25, 26):
-            engine.save(step, {"w": torch.full((3,), float(step))}, blocking=True)
-        assert engine.steps() == [25, 26]
-        assert quarantined_steps(engine.storage) == [30]
-        note = read_quarantine(engine.storage, 30)
+        engine.save(first, target if first == 20 else new, blocking=True)
+        assert engine.steps() == ([20] if first == 20 else [20, first])
+        assert quarantined_steps(engine.storage) == [s for s in (30, 40) if s != first]
+        note = read_quarantine(engine.storage, 40)
         assert note is not None and note[0]["reason"].startswith(
-            "superseded by step 25, committed after it by a run that went back to an older "
-            "step"), note[0]
-        engine.save(30, {"w": torch.full((3,), 30.5)}, blocking=True)  # reached again
-        assert engine.steps() == [26, 30]
+            "superseded: the run went back to step 20 (a load of it, then a save)"), note[0]
+        engine.save(41, new, blocking=True)
     with CheckpointEngine(url, storage_options=options) as engine:
         target = {"w": torch.empty(3)}
-        assert engine.load(target) == 30 and torch.equal(target["w"], torch.full((3,), 30.5))
+        assert engine.load(target) == 41 and torch.equal(target["w"], new["w"])
+        if first != 20:
+            assert engine.load(target, step=first) == first and torch.equal(target["w"],
+                                                                            new["w"])
+
+
+def test_a_save_that_is_no_rollback_supersedes_nothing(storage: Storage) -> None:
+    """Only a load says where the run went back to: a save of an older step without one (a
+    second run pointed at the same folder) leaves the newer steps as they are, and so does a
+    save past every step after a load of an older one (looked at, then trained on)."""
+    url, options = storage
+    with CheckpointEngine(url, storage_options=options, keep_last=None) as engine:
+        for step in (10, 2, 30):
+            engine.save(step, {"w": torch.ones(3)}, blocking=True)
+        assert engine.steps() == [2, 10, 30]
+        assert engine.load({"w": torch.empty(3)}, step=10) == 10
+        engine.save(31, {"w": torch.ones(3)}, blocking=True)
+        engine.save(11, {"w": torch.ones(3)}, blocking=True)  # not the first after the load
+        assert engine.steps() == [2, 10, 11, 30, 31]
 
 
 def test_a_load_whose_listed_step_is_deleted_by_a_newer_save_loads_the_newer(

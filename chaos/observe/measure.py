@@ -417,7 +417,8 @@ def _restorable(record: RunRecord, fault_t: float, restored_t: float | None) -> 
     restore skipped after that commit, up to ``restored_t``; None when none had. (A skip
     excuses only the commit it read: the same step committed again later is restorable.) A
     commit of an older step (a script that rolled back in process) supersedes the newer ones
-    committed before it: the engine hides them, and a restart resumes from the older one."""
+    committed before it: the engine hides them (at the first save after the rollback's
+    load), and a restart resumes from the older one."""
     skipped = [(restore_skipped_step(e), e["t"]) for e in record.events
                if e["event"] == "restore_skipped" and (restored_t is None or e["t"] <= restored_t)]
     committed: dict[int, float] = {}
