@@ -64,11 +64,12 @@ def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
 def _none_under(url: str, what: str | None = None) -> str:
     """``what`` (there is none of ours), naming a peer engine's committed steps at ``url`` (a
     run of ``checkpoint.engine: dcp`` or ``torchsnapshot``): ``chaos ckpt`` reads ours."""
+    from antifragile.chaos.observe.checker import steps_named
     from antifragile.trainer.ckpt_backends import foreign_steps
 
-    found = [f"it holds committed {engine} checkpoints (step{'s' if len(steps) > 1 else ''} "
-             f"{', '.join(map(str, steps[-3:]))}), which chaos ckpt does not read (it reads "
-             "antifragile.engine's)" for engine, steps in foreign_steps("antifragile", url).items()]
+    found = [f"it holds committed {engine} checkpoints ({steps_named(steps)}), which chaos ckpt "
+             "does not read (it reads antifragile.engine's)"
+             for engine, steps in foreign_steps("antifragile", url).items()]
     return "; ".join([what or f"no committed checkpoint under {url}", *found])
 
 

@@ -297,7 +297,7 @@ def why_no_checkpoint(engine: str, url: str) -> str:
     name was not the one read), steps of ours quarantined as damaged with none committed
     (the script saved through the engine: a fault damaged its only steps), or nothing."""
     for other, steps in foreign_steps(engine, url).items():
-        return (f"it holds committed {other} checkpoints ({_steps_named(steps)}): set "
+        return (f"it holds committed {other} checkpoints ({steps_named(steps)}): set "
                 f"checkpoint.engine: {other}")
     names = _local_entries(url)
     if not names:
@@ -306,7 +306,7 @@ def why_no_checkpoint(engine: str, url: str) -> str:
     if engine == "antifragile":
         hidden = _quarantined(url)
         if hidden:
-            return (f"{_steps_named(hidden)} {'were' if len(hidden) > 1 else 'was'} "
+            return (f"{steps_named(hidden)} {'were' if len(hidden) > 1 else 'was'} "
                     f"quarantined as damaged (`chaos ckpt ls {url}` says why) and no other "
                     "step committed: there "
                     "load and agreed_steps raise CheckpointCorruptError rather than start "
@@ -317,7 +317,7 @@ def why_no_checkpoint(engine: str, url: str) -> str:
             'write the checkpoint of step N to f"{url}/step_{N:09d}"')
 
 
-def _steps_named(steps: list[int]) -> str:
+def steps_named(steps: list[int]) -> str:
     """"step 5", or "steps 5, 10, 15": the newest three of ``steps`` (sorted)."""
     return f"step{'s' if len(steps) > 1 else ''} " + ", ".join(map(str, steps[-3:]))
 

@@ -326,8 +326,9 @@ def write_markdown(out: Path, report: dict[str, Any], plots: list[Plot] | None =
                  f"{_goodput(run['reference_goodput'])})" if vs_ref is not None else "")
               + f", attempts {run['attempts']}, final step {_fmt(run['final_step'])}",
               f"- bitwise equal to the fault-free reference: {_fmt(v['bitwise_equal'])}"]
-    if _determinism(report) is not None:
-        lines.append(f"- {_DETERMINISM}: {_determinism(report)}")
+    determinism = _determinism(report)
+    if determinism is not None:
+        lines.append(f"- {_DETERMINISM}: {determinism}")
     lines += [f"- {_md_item(str(reason))}" for reason in v["reasons"]]
     cost = run.get("checkpoint_cost")
     if cost:
@@ -505,6 +506,7 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
                  f"equal to the fault-free reference: {html.escape(equal)}"
                  + (f"<ul>{reasons}</ul>" if reasons else "") + "</div>")
     wall, goodput = run.get("wall_s"), run.get("goodput")
+    determinism = _determinism(report)
     # a command trainer's steps are its script's: known from the reference run, if any
     expected = s["trainer"].get("steps", run.get("expected_step"))
     parts += ["<h2>Run</h2>", html_table(None, [
@@ -524,7 +526,7 @@ def write_html(out: Path, report: dict[str, Any], plots: list[Plot]) -> Path:
         ["trainer exit code", run.get("returncode")],
         ["checkpoint url", run.get("checkpoint_url")],
         ["reference url", run.get("reference_url")]]
-        + ([[_DETERMINISM, _determinism(report)]] if _determinism(report) is not None else []))]
+        + ([[_DETERMINISM, determinism]] if determinism is not None else []))]
     if report.get("differing_entries"):
         parts += ["<h2>Entries that differ from the reference</h2>",
                   "<p>" + ", ".join(f"<code>{html.escape(k)}</code>"
