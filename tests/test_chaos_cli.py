@@ -429,6 +429,24 @@ def test_a_script_reference_whose_last_save_did_not_commit_is_no_verdict(
     assert not list((tmp_path / "cache").rglob("DONE"))
 
 
+def _cached_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """A command scenario's file and its reference's cache folder, marked DONE with an empty
+    ``events/`` and no ``ckpt``, for a test to fill; no run may be made."""
+    from antifragile.chaos.run import pipeline
+    from antifragile.chaos.scenario import load_scenario
+
+    def must_not_run(*_: object, **__: object) -> None:
+        raise AssertionError("a run was made")
+
+    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pipeline, "run_scenario", must_not_run)
+    path = _command_scenario_file(tmp_path)
+    folder = pipeline.reference_cache() / pipeline._reference_key(load_scenario(path))
+    (folder / "events").mkdir(parents=True)
+    (folder / "DONE").write_text("{}")
+    return path, folder
+
+
 def test_a_cached_reference_that_later_checks_refuse_is_not_used(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cache key covers what makes the reference, not chaos's checks of it: a reference
@@ -438,14 +456,9 @@ def test_a_cached_reference_that_later_checks_refuse_is_not_used(
 
     import torch
 
-    from antifragile.chaos.run import pipeline
-    from antifragile.chaos.scenario import load_scenario
     from antifragile.engine import CheckpointEngine
 
-    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
-    path = _command_scenario_file(tmp_path)
-    folder = pipeline.reference_cache() / pipeline._reference_key(load_scenario(path))
-    (folder / "events").mkdir(parents=True)
+    path, folder = _cached_reference(tmp_path, monkeypatch)
     with CheckpointEngine(str(folder / "ckpt")) as ckpt:
         ckpt.save(10, {"w": torch.ones(4)}, blocking=True)
     events = [{"t": 0.5, "rank": 0, "attempt": 0, "event": "step_end", "step": 20,
@@ -454,12 +467,6 @@ def test_a_cached_reference_that_later_checks_refuse_is_not_used(
                "error": "step 20 skipped: the save of step 10 is still persisting"}]
     (folder / "events" / "rank0.jsonl").write_text("".join(json.dumps(e) + "\n"
                                                            for e in events))
-    (folder / "DONE").write_text("{}")
-
-    def must_not_run(*_: object, **__: object) -> None:
-        raise AssertionError("a run was made")
-
-    monkeypatch.setattr(pipeline, "run_scenario", must_not_run)
     result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
     assert result.exit_code == 5, result.output
     assert "Traceback" not in result.output
@@ -473,19 +480,7 @@ def test_a_cached_reference_whose_checkpoint_is_gone_says_so(
     """A cache entry whose ckpt folder was removed (a cleanup of big folders) was refused
     with a new reference's explanation: 'the script must checkpoint to $ANTIFRAGILE_CKPT_URL',
     sending the user to a script that did."""
-    from antifragile.chaos.run import pipeline
-    from antifragile.chaos.scenario import load_scenario
-
-    monkeypatch.setenv("ANTIFRAGILE_CACHE", str(tmp_path / "cache"))
-    path = _command_scenario_file(tmp_path)
-    folder = pipeline.reference_cache() / pipeline._reference_key(load_scenario(path))
-    (folder / "events").mkdir(parents=True)
-    (folder / "DONE").write_text("{}")
-
-    def must_not_run(*_: object, **__: object) -> None:
-        raise AssertionError("a run was made")
-
-    monkeypatch.setattr(pipeline, "run_scenario", must_not_run)
+    path, folder = _cached_reference(tmp_path, monkeypatch)
     result = CliRunner().invoke(main, ["run", str(path), "--out", str(tmp_path / "out")])
     assert result.exit_code == 5, result.output
     assert "Traceback" not in result.output and "ANTIFRAGILE_CKPT_URL" not in result.output
