@@ -68,13 +68,6 @@ def zarr_data_type(dtype: torch.dtype) -> str:
     return _UINT_BY_SIZE[size]
 
 
-def storage_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype whose bytes are written: ``dtype`` itself or a same-width bit pattern."""
-    if dtype in _NATIVE:
-        return dtype
-    return _TORCH_BY_NAME[zarr_data_type(dtype)]
-
-
 def torch_dtype(name: object, *, where: str) -> torch.dtype:
     """Parse a recorded dtype name; anything unknown is corrupt metadata."""
     if not isinstance(name, str) or name not in _TORCH_BY_NAME:
