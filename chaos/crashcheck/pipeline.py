@@ -58,7 +58,6 @@ CASES = ("save", "retention", "overwrite", "overwrite-committed")
 #: plain zarr reader, COMMIT ignored) is a deliberately broken rule, on request only
 RULES = {"antifragile": ("engine",), "dcp": ("marker", "newest-folder"),
          "torchsnapshot": ("marker", "newest-folder")}
-ALL_RULES = ("engine", "marker", "newest-folder")
 #: cases where an engine may refuse the recorded save (its state after the save is step k's)
 MAY_REFUSE = ("overwrite-committed",)
 #: rules a user of the engine is told to use; the others are reported, not targeted

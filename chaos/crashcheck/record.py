@@ -41,8 +41,6 @@ from xml.etree import ElementTree
 
 from antifragile.chaos.infra.proxy import accept
 
-MUTATING_KINDS = ("put", "copy", "delete", "multipart_create", "multipart_part",
-                  "multipart_complete")
 _HEAD_LIMIT = 64 * 1024
 #: how long ``start`` and ``stop`` wait for the threads still serving requests
 NOTE_WAIT_S = 10.0
