@@ -602,7 +602,7 @@ def test_the_marker_rule_falls_back_past_a_dcp_step_that_does_not_load(
         (tmp_path / engines.step_name(step)).mkdir()
         (tmp_path / engines.step_name(step) / ".metadata").write_bytes(b"m")
 
-    def load_one(engine: str, fs: Any, folder: str) -> dict[str, Any]:
+    def load_one(engine: str, folder: str) -> dict[str, Any]:
         if folder.endswith(engines.step_name(2)):
             raise CheckpointException("a torn step", {0: (OSError("short read"), None)})
         return engines.make_state(1)

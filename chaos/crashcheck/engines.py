@@ -204,7 +204,7 @@ def load(engine: str, rule: str, url: str) -> tuple[int, str, list[str]]:
         if not folders:
             raise NothingToLoad("no step folder")
         step = max(folders)
-        return step, digest(_load_one(engine, fs, folders[step])), []
+        return step, digest(_load_one(engine, folders[step])), []
     marked = [s for s in sorted(folders, reverse=True)
               if fs.exists(f"{folders[s]}/{MARKERS[engine]}")]
     if not marked:
@@ -212,14 +212,14 @@ def load(engine: str, rule: str, url: str) -> tuple[int, str, list[str]]:
     skipped: list[str] = []
     for step in marked:
         try:
-            return step, digest(_load_one(engine, fs, folders[step])), skipped
+            return step, digest(_load_one(engine, folders[step])), skipped
         except (Exception, CheckpointException) as exc:  # the trainer's fallback: the next
             # older marked step (DCP's CheckpointException derives from BaseException)
             skipped.append(f"step {step}: {type(exc).__name__}: {str(exc)[:200]}")
     raise RuntimeError(f"no marked step loads: {'; '.join(skipped)}")
 
 
-def _load_one(engine: str, fs: Any, folder: str) -> dict[str, Any]:
+def _load_one(engine: str, folder: str) -> dict[str, Any]:
     state = empty_state()
     url = f"s3://{folder}"
     if engine == "dcp":
