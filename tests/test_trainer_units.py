@@ -1831,3 +1831,42 @@ def test_ctrl_c_of_the_trainer_outside_torchrun_exits_130_without_a_traceback(
     assert done.returncode == 130, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip() == "antifragile.trainer: interrupted", done.stderr
+
+
+_GENERATIONS_SCRIPT = """
+from antifragile.trainer.abort import GlooSockets
+from antifragile.trainer.distributed import join, launch_info, leave
+from antifragile.trainer.recovery import Formation
+
+launch = launch_info(collective_timeout_s=60)
+for generation in range(5):
+    sockets = GlooSockets(launch.store_ports(), links=launch.link)
+    join(launch, "0.0", Formation(generation, ("0.0",)), sockets, device_type="cpu")
+    sockets.end()
+    leave()
+raise RuntimeError("after five generations")
+"""
+
+
+def test_the_excepthook_of_a_process_that_re_formed_its_group_is_one_rank_prefix_deep() -> None:
+    """torch's ``init_process_group`` wraps ``sys.excepthook`` in one that prefixes every line
+    with the rank, around whatever hook was there: the previous generation's. A survivor of
+    hundreds of in-process recoveries held a chain of hundreds of hooks (each a closure over
+    the previous one and an old rank), and an uncaught exception came out with every line
+    prefixed once per generation (``[rank0]: [rank1]: [rank0]: ...``), a chain that deep
+    past Python's recursion limit. Every generation now wraps the hook the process had
+    before its first."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+                        "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")}
+    proc = subprocess.run([sys.executable, "-c", _GENERATIONS_SCRIPT], env=env, text=True,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line]
+    assert "RuntimeError: after five generations" in lines[-1], proc.stderr[-2000:]
+    tail = [line for line in lines if "Traceback" in line or "RuntimeError" in line]
+    assert tail and all(line.startswith("[rank0]: ") and "[rank0]: [rank0]" not in line
+                        for line in tail), proc.stderr[-2000:]

@@ -20,6 +20,7 @@ supervisor (``trainer.supervisor``); in in-process mode it serves that store its
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -76,6 +77,8 @@ class Launch:
     hosts_store: bool = False  # this process serves ``base`` (slot 0 of a fresh-store round)
     link: dict[int, int] = field(default_factory=dict)  # ``base``'s connection (store_link)
     link_cut: bool = False  # an abort shut that connection down: ``relink`` before its use
+    # the process's own hook, before any generation's process group wrapped it (``join``)
+    excepthook: Any = field(default_factory=lambda: sys.excepthook)
 
     def relink(self) -> None:
         """A fresh client of the launcher's store, for the groups to rendezvous through."""
@@ -180,6 +183,9 @@ def join(launch: Launch, me: str, formation: Formation, sockets: GlooSockets, *,
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    # torch wraps the hook it finds in one that prefixes the rank: the process's own, not the
+    # last generation's wrapper, else a survivor's hooks chain one deeper per re-formation
+    sys.excepthook = launch.excepthook
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=launch.timeout)
     return DistContext(rank, world_size, me, formation.generation, device, store, sockets)
