@@ -241,6 +241,28 @@ def test_a_missing_bucket_is_a_storage_error(s3_server: dict[str, Any]) -> None:
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("scheme", ["s3", "s3a"])
+def test_a_url_whose_bucket_is_empty_is_refused_not_read_as_its_prefix(
+        s3_bucket: tuple[str, dict[str, Any]], scheme: str) -> None:
+    """``s3:///name`` (a bucket variable left empty before a joined prefix) names no bucket, as
+    chaos and the trainer say; the engine took ``name`` for the bucket and saved into it, at
+    its top level: a job whose prefix happened to be another bucket's name wrote into it."""
+    import boto3
+
+    url, options = s3_bucket
+    bucket = url.removeprefix("s3://").split("/", 1)[0]
+    empty = f"{scheme}:///{bucket}"
+    with pytest.raises(CheckpointError, match=rf"^cannot open {re.escape(empty)}: "
+                       r"s3a?:///\S+ names no bucket"), \
+            CheckpointEngine(empty, storage_options=options) as engine:
+        engine.save(1, state(), blocking=True)
+    client = boto3.client("s3", endpoint_url=options["endpoint_url"], region_name="us-east-1",
+                          aws_access_key_id=options["key"],
+                          aws_secret_access_key=options["secret"])
+    assert client.list_objects_v2(Bucket=bucket).get("KeyCount") == 0
+
+
+@pytest.mark.s3
 def test_a_lookup_in_a_missing_bucket_is_not_a_missing_object(
         s3_server: dict[str, Any], s3_bucket: tuple[str, dict[str, Any]]) -> None:
     """``exists`` and ``size`` are one HEAD, whose 404 has no body to say NoSuchBucket: a

@@ -235,10 +235,11 @@ class S3Storage:
 
         _, _, root = url.partition("://")
         self.url = url.rstrip("/")
-        self.bucket, _, prefix = root.strip("/").partition("/")
+        # split before stripping: in s3:///name, "name" is a prefix, not the bucket
+        self.bucket, _, prefix = root.partition("/")
         if not self.bucket:
             raise ValueError(f"{url} names no bucket")
-        self.prefix = prefix.strip("/")
+        prefix = self.prefix = prefix.strip("/")
         kwargs = self._config = store_config(storage_options)
         self.endpoint = kwargs.get("endpoint") or _env_endpoint() or "the default endpoint"
         self._bucket_seen = False  # a request answered: a HEAD's 404 is then a missing object
