@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
@@ -227,7 +228,10 @@ def test_chaos_ckpt_with_credentials_that_cannot_make_a_client(
         given: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An access key without its secret (or a secret without its key), and an AWS_PROFILE
     that is not configured, were botocore's PartialCredentialsError and ProfileNotFound,
-    raised as the set-up check made its client: a traceback (exit 1), not a one-line error."""
+    raised as the set-up check made its client: a traceback (exit 1), not a one-line error.
+    (With the other half in the environment, it is taken from there, as the engine does.)"""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var, raising=False)
     options = []
     if given == "profile":
         monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
@@ -277,3 +281,30 @@ def test_chaos_ckpt_checks_the_bucket_signed_as_the_engine_signs(
         client.head_bucket(Bucket="bucket")
     assert "Authorization" not in sent[0], sent[0]
     assert sent[1].get("X-Amz-Security-Token") in ("session-t", b"session-t"), sent[1]
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("given", ["key", "secret"])
+def test_chaos_ckpt_takes_the_other_half_of_a_credential_from_the_environment(
+        s3_bucket: tuple[str, dict[str, Any]], given: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--storage-option secret=...`` with the access key in AWS_ACCESS_KEY_ID (or the key
+    given, the secret in the environment) is what the engine signs with; the set-up check
+    before it made its client of the given half alone and refused it as "partial
+    credentials", so the checkpoints the engine wrote that way could not be listed."""
+    from antifragile.engine import CheckpointEngine
+
+    url, options = s3_bucket
+    other = {"key": "AWS_SECRET_ACCESS_KEY", "secret": "AWS_ACCESS_KEY_ID"}[given]
+    monkeypatch.setenv(other, options["key" if given == "secret" else "secret"])
+    monkeypatch.delenv({"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY"}[given])
+    half = {"endpoint_url": options["endpoint_url"], given: options[given]}
+    with CheckpointEngine(url, storage_options=half) as engine:
+        engine.save(3, {"w": torch.ones(2)}, blocking=True)
+    code, output, _ = _chaos(["ckpt", "ls", url, "--endpoint-url", options["endpoint_url"],
+                              "--storage-option", f"{given}={options[given]}"])
+    assert code == 0 and output.split("\n")[1].split()[0] == "3", output
+    monkeypatch.setenv(other, "wrong")  # the half from the environment is the one checked
+    code, output, _ = _chaos(["ckpt", "ls", url, "--endpoint-url", options["endpoint_url"],
+                              "--storage-option", f"{given}={options[given]}"])
+    assert code == 2 and "refused the credentials" in output, output

@@ -133,15 +133,22 @@ def _client(endpoint_url: str | None = None, options: dict[str, Any] | None = No
     """A botocore S3 client for quick set-up checks: short timeouts, one retry (the engine's
     patient retrying is for checkpoints, not for telling a user the endpoint is down).
     ``options``: s3fs-style ``key``/``secret``/``token`` and ``anon`` (unsigned), as the engine
-    takes them; else the standard AWS variables apply."""
+    takes them; else the standard AWS variables apply. Half a credential (the key, or the
+    secret) takes its other half from AWS_SECRET_ACCESS_KEY or AWS_ACCESS_KEY_ID, as the
+    engine's client does: botocore took the given half alone and refused it as partial."""
     import botocore.session
     from botocore import UNSIGNED
     from botocore.config import Config
 
     options = options or {}
+    key, secret = options.get("key"), options.get("secret")
+    if key and not secret:
+        secret = os.environ.get("AWS_SECRET_ACCESS_KEY")
+    elif secret and not key:
+        key = os.environ.get("AWS_ACCESS_KEY_ID")
     return botocore.session.get_session().create_client(
         "s3", endpoint_url=endpoint_url or options.get("endpoint_url"),
-        aws_access_key_id=options.get("key"), aws_secret_access_key=options.get("secret"),
+        aws_access_key_id=key, aws_secret_access_key=secret,
         aws_session_token=options.get("token"),
         config=Config(connect_timeout=_CONNECT_S, read_timeout=_READ_S,
                       retries={"total_max_attempts": _ATTEMPTS},
@@ -152,6 +159,8 @@ def _access_key(options: dict[str, Any] | None) -> str | None:
     """The access key a client made with ``options`` signs with (never the secret)."""
     if options and options.get("key"):
         return str(options["key"])
+    if options and options.get("secret"):  # see ``_client``
+        return os.environ.get("AWS_ACCESS_KEY_ID")
     import botocore.session
 
     credentials = botocore.session.get_session().get_credentials()
