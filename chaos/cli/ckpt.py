@@ -51,7 +51,7 @@ def _options(endpoint_url: str | None, pairs: tuple[str, ...], url: str = ""
             raise click.BadParameter(f"{key} given twice, with two values (one is dropped): "
                                      "give it once", param_hint="--storage-option")
         options[key] = given
-    if url.startswith("s3://"):
+    if url.startswith(("s3://", "s3a://")):  # both S3 to the engine
         from antifragile.chaos.infra.s3 import S3SetupError, check_bucket
 
         try:

@@ -88,8 +88,8 @@ def is_s3(url: str | None) -> bool:
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/prefix`` -> (bucket, prefix)."""
-    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    """``s3://bucket/prefix`` (or ``s3a://``, S3 to the engine too) -> (bucket, prefix)."""
+    bucket, _, prefix = url.partition("://")[2].partition("/")
     return bucket, prefix.strip("/")
 
 
