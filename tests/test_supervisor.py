@@ -568,13 +568,13 @@ def test_a_generation_that_failed_before_its_members_met_is_not_waited_for() -> 
 
     store = _store()
     js = _re_formed(store)
-    assert gather(js, Formation(1, ("0.0", "1.0", "3.0")), "0.0", timeout_s=0.2) == \
+    assert gather(js, Formation(1, ("0.0", "1.0", "3.0")), timeout_s=0.2) == \
         "not every member of generation 1 arrived within 0 s"
     js.set("g1/fail", {"reason": "worker 3.0 died"})
-    assert gather(js, Formation(1, ("0.0", "1.0", "3.0")), "0.0", timeout_s=30.0) == \
+    assert gather(js, Formation(1, ("0.0", "1.0", "3.0")), timeout_s=30.0) == \
         "generation 1 failed before its members met: worker 3.0 died"
     js.add("g2/arrived", 2)  # 1.0 and 3.0 arrived
-    assert gather(js, Formation(2, ("0.0", "1.0", "3.0")), "0.0", timeout_s=5.0) is None
+    assert gather(js, Formation(2, ("0.0", "1.0", "3.0")), timeout_s=5.0) is None
 
 
 _JOIN_SCRIPT = """
@@ -1033,7 +1033,7 @@ def test_a_rank_dying_before_it_joined_the_first_generation_fails_it_at_once() -
     _spares_ready(js, "2.0")
     supervised = _supervise_starting(server.port, 1)
     t0 = time.monotonic()
-    why = gather(js, first, "0.0", timeout_s=30.0)
+    why = gather(js, first, timeout_s=30.0)
     waited_s = time.monotonic() - t0
     nxt = recover(js, "0.0", first, timeout_s=30.0)
     finish(js)

@@ -216,7 +216,7 @@ def _dead_members(js: JobStore, failed: Formation, deadline: float) -> list[str]
         pause = min(0.05, pause * 1.5)
 
 
-def gather(js: JobStore, formation: Formation, me: str, *, timeout_s: float) -> str | None:
+def gather(js: JobStore, formation: Formation, *, timeout_s: float) -> str | None:
     """Before a generation's rendezvous: wait until every member has arrived. None once they
     have; else why not (the generation failed first: a member died before it arrived, see
     :func:`report_death`; or not everyone came within ``timeout_s``). A rendezvous with a dead

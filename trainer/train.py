@@ -254,7 +254,7 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
                  rank=formation.members.index(me))
     js = launch.job_store() if cfg.recovery == "in_process" else None
     if js is not None:
-        why = gather(js, formation, me, timeout_s=cfg.collective_timeout_s)
+        why = gather(js, formation, timeout_s=cfg.collective_timeout_s)
         if why is not None:  # a member died before it arrived: no rendezvous, re-form again
             print(f"in-process recovery: {why}", file=sys.stderr, flush=True)
             progress.set(Phase.RECOVERING)
