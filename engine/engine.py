@@ -218,6 +218,10 @@ class CheckpointEngine:
         self._check_open()
         if blocking and self._last is not None:
             wait([self._last._future])  # done, not observed: a failure still refuses this save
+        # the stall chaos is told of counts from here: the state dicts, the plan and the
+        # agreeing all-reduce (which waits for the slowest rank) are the loop's wait too, as
+        # the built-in trainer counts them (the previous save's wait above is not, as there)
+        called = time.perf_counter()
         # The caller's mistakes (a bad step, a value that cannot be stored) are found on one
         # rank but raised on all, after the first collective: a rank that raised alone would
         # leave the others waiting in it, or pair them with its next training collective.
@@ -348,7 +352,7 @@ class CheckpointEngine:
                 start(f"ckpt-stage-{step}", self._stage, handle, staging, flat, True)
             else:
                 try:
-                    self._stage(handle, staging, flat)
+                    self._stage(handle, staging, flat, called=called)
                 finally:
                     if not overlap:  # after a staging error it fails the save with that error
                         start(*persist)
@@ -465,16 +469,18 @@ class CheckpointEngine:
                            keep_in_memory=self.keep_in_memory)
 
     def _stage(self, handle: SaveHandle, staging: StagingArea, flat: FlatState,
-               deferred: bool = False) -> None:
+               deferred: bool = False, called: float | None = None) -> None:
         """Stage on this thread. A failure reaches the save's writers (it fails); deferred,
-        it is not raised again here."""
+        it is not raised again here. ``handle.stall_s`` is the staging copy; the event's stall
+        is the caller's whole wait, from ``called`` (its ``save()`` call), when given."""
         try:
             handle.stall_s = staging.stage(flat.tensors)
         except BaseException:
             if deferred:
                 return
             raise
-        self._events.staged(handle.step, handle.stall_s)  # before its commit's, which waits
+        stall_s = handle.stall_s if called is None else time.perf_counter() - called
+        self._events.staged(handle.step, stall_s)  # before its commit's, which waits
         handle.staged.set()
 
     def _group_attrs(self, step: int, flat: FlatState, metadata: dict[str, Any]
