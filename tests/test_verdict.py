@@ -27,7 +27,7 @@ from antifragile.chaos.observe.record import RunRecord
 from antifragile.chaos.run.draws import Draws
 from antifragile.chaos.scenario import parse_scenario
 from antifragile.engine import CheckpointEngine
-from tests.test_report import SCENARIO, T0, WORLD, _Job, synthetic_record
+from tests.test_report import SCENARIO, T0, WORLD, _Job, _loss, synthetic_record
 
 STEPS = 12
 
@@ -1455,3 +1455,23 @@ def test_a_step_superseded_by_a_rollback_before_the_fault_is_not_restorable() ->
     assert v.verdict == "pass", v.reasons
     v, (kill,) = _verdict(run(restore=4), [{**KILL, "at_step": 6}], max_lost_steps=4)
     assert kill.restorable_step == 5 and v.verdict == "fail", v.reasons
+
+
+def test_recompute_ends_when_every_rank_is_back_past_the_faults_step() -> None:
+    """Recompute is to the job being back at the step the fault hit: every rank through it
+    again, as restart and restore end when every rank has started and loaded. It ended at the
+    first rank's ``step_end``: in a pipeline the stages finish a step apart (0.065 s of a
+    1.14 s recompute in kill-rank-3d), so recompute ran from the last rank's restore to the
+    first rank's step and left the rest of the redone step out of the recovery."""
+    job = _Job()
+    t = job.steps(job.start(T0 + 1.0, 0), 0, 1, 7)
+    t = _kill(job, t + 0.05, 0, 1, 7)
+    restored = job.start(t + 3.0, 1, restore=6)  # every rank loaded by restored - 0.1
+    for r in range(WORLD):  # step 7 again: the last stage first, stage 0 0.3 s later
+        job.emit(restored + 0.5 + (0.3 if r < 2 else 0.0), r, 1, "step_end", step=7,
+                 loss=_loss(7) if r >= 2 else None, seconds=0.45)
+    t = job.steps(restored + 0.8, 1, 8, 12)
+    v, (kill,) = _verdict(_finish(job, t, 1), [KILL])
+    assert v.verdict == "pass", v.reasons
+    assert kill.recompute_s == pytest.approx(restored + 0.8 - (restored - 0.1))
+    assert kill.recovery_s == pytest.approx(restored + 0.8 - job.injections[0].t)

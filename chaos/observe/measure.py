@@ -380,7 +380,14 @@ def _recovery(record: RunRecord, injection: Injection, attempt: int,
                               "first report, so when its restore began is unknown; recovery "
                               "is measured end to end")
     injected = max((e["step"] for e in done), default=timings.injected_step or 0)
-    caught_up = [e["t"] for e in stepped if e["step"] >= injected]
+    # back at the fault's step when every rank is through it again (as restart and restore
+    # end with the last rank): each rank's first step there, the last of them (ranks a later
+    # fault stopped before it, or that report no steps, are not waited for)
+    firsts: dict[int, float] = {}
+    for e in stepped:
+        if e["step"] >= injected:
+            firsts[e["rank"]] = min(e["t"], firsts.get(e["rank"], e["t"]))
+    caught_up = [max(firsts.values())] if firsts else []
     if not caught_up and later:  # a later fault cut this recovery short
         timings.interrupted_by_t = min(later)
     if restored_step is None:
