@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         StepSkippedWarning,
         StorageAccessError,
         StorageError,
+        StorageUnansweredError,
         VerifyReport,
     )
 
@@ -46,7 +47,7 @@ __all__ = [
     "CheckpointEngine", "CheckpointError", "CheckpointFormatError", "CheckpointMismatchError",
     "CheckpointNotFoundError", "CommitTimeoutError", "ObjectExistsError", "PlanOptions",
     "Problem", "SaveHandle", "StepSkippedWarning", "StorageAccessError", "StorageError",
-    "VerifyReport",
+    "StorageUnansweredError", "VerifyReport",
 ]
 _ENGINE_EXPORTS = frozenset(__all__)
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         StepSkippedWarning,
         StorageAccessError,
         StorageError,
+        StorageUnansweredError,
     )
     from .plan import PlanOptions
     from .verify import Problem, VerifyReport
@@ -52,6 +53,7 @@ __all__ = [
     "StepSkippedWarning",
     "StorageAccessError",
     "StorageError",
+    "StorageUnansweredError",
     "VerifyReport",
 ]
 

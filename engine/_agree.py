@@ -29,6 +29,7 @@ from .errors import (
     CommitTimeoutError,
     StorageAccessError,
     StorageError,
+    StorageUnansweredError,
 )
 
 log = logging.getLogger("antifragile.engine")
@@ -41,7 +42,7 @@ OK, MISMATCH, UNREADABLE, CORRUPT, FATAL = 0, 1, 2, 3, 4
 ERRORS: dict[str, type[CheckpointError]] = {cls.__name__: cls for cls in (
     CheckpointError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError,
     CheckpointFormatError, CommitTimeoutError, CheckpointBusyError, StorageError,
-    StorageAccessError)}
+    StorageAccessError, StorageUnansweredError)}
 
 # one rank's report of a failed load: (outcome, error class name, message, damaged key)
 Report = tuple[int, str, str, "str | None"]

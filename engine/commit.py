@@ -469,15 +469,15 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
     coordinator may commit meanwhile, and this rank must not report that step lost."""
     base = step_dir(step)
     delays = _poll_delays(world_size)
-    trouble = ""
+    trouble: StorageError | None = None
     while True:
         # a pause first: the COMMIT needs this rank's record, just written, so a look at once
         # never found it (and every rank made it together, as their writes ended together)
         _pause(min(next(delays), max(0.01, deadline - time.monotonic())), cancel, step)
         try:
-            names, trouble = set(storage.list_dir(base)), ""
+            names, trouble = set(storage.list_dir(base)), None
         except StorageError as exc:  # retries spent: look again next round
-            names, trouble = set(), f"; the last look failed: {exc}"
+            names, trouble = set(), exc
         if COMMIT in names:
             nbytes = _committed_nbytes(storage, step, nonce)
             if nbytes is not None:
@@ -490,8 +490,9 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
             if doc.get("nonce") == nonce:
                 raise CheckpointError(f"step {step}: commit aborted by rank 0: {doc.get('reason')}")
         if time.monotonic() > deadline:
+            failed = f"; the last look failed: {trouble}" if trouble is not None else ""
             raise CommitTimeoutError(f"step {step}: no COMMIT from the coordinator (rank 0) "
-                                     f"before the deadline{trouble}")
+                                     f"before the deadline{failed}") from trouble
 
 
 MARKER_HEAD = 1 << 16  # what a waiting or loading rank (not rank 0) reads of a COMMIT marker

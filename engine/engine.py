@@ -43,7 +43,7 @@ from ._ranks import inventory as rank_inventory
 from ._resave import same_as_committed
 from ._state import FlatState, flatten, state_signature, stored_values
 from ._threads import CLOSE_WAIT_S, DaemonPool, DaemonWorkers
-from .errors import CheckpointBusyError, CheckpointError
+from .errors import CheckpointBusyError, CheckpointError, StorageUnansweredError
 from .persist import (
     BoundedRequests,
     WriteTimeoutError,
@@ -57,7 +57,7 @@ from .persist import (
 from .plan import GlobalPlan, PlanOptions, build_plan, check_tensor
 from .quarantine import supersede
 from .stage import StagingArea
-from .storage import CountingStorage, Storage, open_storage
+from .storage import CountingStorage, RetryingStorage, Storage, open_storage
 from .verify import VerifyReport, verify_step
 
 log = logging.getLogger("antifragile.engine")
@@ -579,16 +579,19 @@ class CheckpointEngine:
             # A write that never returned: the storage does not answer, and these would hang
             # too (the others time out naming this rank)
             hung = isinstance(exc, WriteTimeoutError)
+            noted = self._failure_storage(counted, exc)
             if not recorded and not self._cancel.is_set() and not hung:
                 # best effort: if storage is down, the coordinator times out naming this rank
+                gated = GatedStorage(noted, self._gate)
                 with contextlib.suppress(Exception):
-                    write_record(bounded, step, self.rank, rank_record(
-                        step=step, rank=self.rank, plan_id=plan.plan_id, nonce=nonce,
-                        manifest=None, values={}, error=str(error)))
+                    write_record(BoundedRequests(gated, self.commit_timeout_s), step, self.rank,
+                                 rank_record(step=step, rank=self.rank, plan_id=plan.plan_id,
+                                             nonce=nonce, manifest=None, values={},
+                                             error=str(error)))
             if self.rank == 0:
                 if not hung:  # written after ``abandon`` too: it tells this generation's
                     # other ranks, and any other save ignores it (it names this save's nonce)
-                    _commit.abort(BoundedRequests(counted, self.commit_timeout_s), step, nonce,
+                    _commit.abort(BoundedRequests(noted, self.commit_timeout_s), step, nonce,
                                   str(error))
                 self._unfinished.add(step)
             if hung:
@@ -609,6 +612,22 @@ class CheckpointEngine:
                     f"step {step}, rank {self.rank}: the save's thread failed"))
             handle.staged.set()
             handle._retained.set()
+
+    def _failure_storage(self, counted: CountingStorage, exc: BaseException) -> CountingStorage:
+        """What a failed save's best-effort writes (its error record, the ABORT note) go
+        through: ``counted``, but one try a request where a request of the save went
+        unanswered through all its tries (a StorageUnansweredError, or one that caused the
+        failure): the storage does not answer now, and each write waited the whole retry
+        budget again, so a save failed after three bounds where a load fails after one. A
+        storage that answers, if with errors, keeps every try. What these writes cannot tell
+        the others, their deadlines do: the coordinator commits nothing without every rank's
+        record, and the waiting ranks give up soon after the commit deadline."""
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, StorageUnansweredError):
+            cause = cause.__cause__
+        if cause is None or not isinstance(self.storage, RetryingStorage):
+            return counted
+        return counted.through(self.storage.once())
 
     def _supersede_abandoned(self, step: int) -> None:
         """Rank 0, at the first save after a load: where committed steps newer than the step

@@ -64,6 +64,12 @@ class StorageError(CheckpointError):
     """Storage failed permanently, or transiently beyond the retry budget."""
 
 
+class StorageUnansweredError(StorageError):
+    """Storage did not answer a request through all its tries (each timed out: an endpoint
+    that accepts connections and never replies, a network path that drops them). A failed
+    save's best-effort writes after it get one try each, not the whole retry budget."""
+
+
 class StorageAccessError(StorageError):
     """Storage refused this configuration: a bucket that does not exist, credentials the
     endpoint refuses (a 403), a folder without permission. No retry or restart changes it;

@@ -314,16 +314,62 @@ def test_an_endpoint_that_does_not_answer_fails_within_the_bound(silent_endpoint
         engine.storage.attempts = 2
         engine.storage.base_delay_s = 0.01
         # one operation: attempts x (connect + read timeout), plus backoff; a failed save
-        # also tries (best effort) its error record and the ABORT note: four operations
+        # also tries (best effort) its error record and the ABORT note's look-up, once each
+        # (the storage did not answer: see the next test)
         op_s = 2 * (1 + 1) + 0.5
         for call, bound_s in ((engine.steps, op_s + 2), (lambda: engine.load(state()), op_s + 2),
-                              (lambda: engine.save(1, state(), blocking=True), 4 * op_s + 2)):
+                              (lambda: engine.save(1, state(), blocking=True), op_s + 4)):
             exc, seconds = _timed(call)
             assert isinstance(exc, StorageError), repr(exc)
             assert isinstance(exc, CheckpointError)
             assert "s3://bucket/run" in str(exc) and "failed 2 times" in str(exc), exc
             assert "timeout" in str(exc).lower() or "timed out" in str(exc).lower(), exc
             assert seconds < bound_s, (seconds, exc)
+
+
+def test_a_save_against_an_endpoint_that_does_not_answer_fails_within_one_bound(
+        silent_endpoint: str) -> None:
+    """A save's first request (the COMMIT look-up) spends its retries on a storage that does
+    not answer; its failure record and the ABORT note (best effort) then spent the whole
+    retry budget each as well: a save failed after three bounds (~185 s with the defaults)
+    where ``steps()`` and ``load()`` fail after one. Once a request of the save has gone
+    unanswered through its retries, the best-effort writes of that failed save get one try."""
+    read_timeout_s, attempts = 1, 5
+    options = {"endpoint_url": silent_endpoint, "key": "k", "secret": "s",
+               "config_kwargs": {"connect_timeout": 1, "read_timeout": read_timeout_s}}
+    with CheckpointEngine("s3://bucket/run", storage_options=options) as engine:
+        assert isinstance(engine.storage, RetryingStorage)
+        engine.storage.attempts = attempts
+        engine.storage.base_delay_s = 0.01
+        exc, seconds = _timed(lambda: engine.save(1, state(), blocking=True))
+    assert isinstance(exc, StorageError), repr(exc)
+    assert str(exc).startswith("step 1, rank 0: exists s3://bucket/run/step_000000001/COMMIT "
+                               f"failed {attempts} times, the storage did not answer: "), exc
+    assert "timed out" in str(exc), exc
+    # one request's retries (each try waits out the read timeout), then one try each for the
+    # failure record and the ABORT note's look-up; before, 3 x 5 s
+    bound_s = attempts * read_timeout_s + 2 * read_timeout_s + 2.5
+    assert seconds < bound_s, (seconds, exc)
+
+
+def test_a_save_against_an_endpoint_that_answers_errors_retries_its_failure_writes() -> None:
+    """The one-try of a failed save's best-effort writes is for a storage that did not
+    answer: one that answers (here 503 to everything) gets every try, for the failure
+    record and the ABORT note's look-up as for the request that failed the save."""
+    with _answering(503, "SlowDown") as (endpoint, requests):
+        options = {"endpoint_url": endpoint, "key": "k", "secret": "s"}
+        with CheckpointEngine("s3://bucket/run", storage_options=options) as engine:
+            assert isinstance(engine.storage, RetryingStorage)
+            engine.storage.attempts = 2
+            engine.storage.base_delay_s = 0.01
+            requests.clear()
+            with pytest.raises(StorageError, match=r"^step 1, rank 0: exists s3://bucket/run/"
+                               r"step_000000001/COMMIT failed 2 times: OSError: .*503"):
+                engine.save(1, state(), blocking=True)
+            # the COMMIT look-up, the failure record's PUT, the ABORT's look-up: 2 tries each
+            # (the GETs: the engine's listing of the step folders as it starts)
+            saved = [r for r in requests if r != "GET"]
+            assert saved == ["HEAD", "HEAD", "PUT", "PUT", "HEAD", "HEAD"], requests
 
 
 @pytest.mark.parametrize(("answer", "raised", "says"), [

@@ -11,14 +11,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from ..errors import CheckpointError, ObjectExistsError, StorageAccessError, StorageError
+from ..errors import (
+    CheckpointError,
+    ObjectExistsError,
+    StorageAccessError,
+    StorageError,
+    StorageUnansweredError,
+)
 
 log = logging.getLogger("antifragile.engine.storage")
 T = TypeVar("T")
 Late = Callable[[], Sequence[tuple[int, int]]]  # see Storage.write
 
 # Errors that retrying cannot fix. Everything else (connection resets, timeouts, 5xx, throttling,
-# which the S3 backend raises as OSError) is retried with backoff.
+# which the S3 backend raises as OSError; a request not answered in time as TimeoutError) is
+# retried with backoff.
 # FileNotFoundError passes through as it is (callers ask "is it there?" with it; a write's is
 # retried); every other error leaves this layer as a StorageError (a CheckpointError) naming the
 # operation and key.
@@ -147,7 +154,8 @@ class RetryingStorage:
     """Retries transient errors with jittered exponential backoff. What it raises is
     FileNotFoundError or a StorageError naming the operation, the key and the cause (a 403 from
     S3 arrives as a PermissionError inside it), so no raw storage error reaches the engine's
-    callers."""
+    callers; StorageUnansweredError where the last try timed out (a TimeoutError: the storage
+    did not answer)."""
 
     def __init__(self, inner: Storage, *, attempts: int = 6, base_delay_s: float = 0.05,
                  max_delay_s: float = 2.0) -> None:
@@ -169,6 +177,10 @@ class RetryingStorage:
                     # a 403, a folder without permission: the configuration, not the storage
                     kind = StorageAccessError if isinstance(exc, PermissionError) else StorageError
                     raise kind(f"{op} {self.url}/{key}: {type(exc).__name__}: {exc}") from exc
+                if attempt == self.attempts and isinstance(exc, TimeoutError):
+                    raise StorageUnansweredError(
+                        f"{op} {self.url}/{key} failed {attempt} times, the storage did not "
+                        f"answer: {type(exc).__name__}: {exc}") from exc
                 if attempt == self.attempts:
                     raise StorageError(
                         f"{op} {self.url}/{key} failed {attempt} times: {type(exc).__name__}: {exc}"
@@ -178,6 +190,13 @@ class RetryingStorage:
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, self.max_delay_s)
         raise AssertionError("unreachable")
+
+    def once(self) -> RetryingStorage:
+        """This storage with one try a request: for best-effort requests after one that went
+        unanswered through every try (a failed save's error record and ABORT note), which
+        would each wait the whole retry budget again. Errors are sorted and named as here."""
+        return RetryingStorage(self.inner, attempts=1, base_delay_s=self.base_delay_s,
+                               max_delay_s=self.max_delay_s)
 
     def write(self, key: str, parts: Sequence[Any], *, durable: bool = False,
               late: Late | None = None) -> None:
@@ -263,6 +282,12 @@ class CountingStorage:
         self.url = inner.url
         self._counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
+
+    def through(self, inner: Storage) -> CountingStorage:
+        """``inner`` (another view of the same storage), its requests counted with these."""
+        other = CountingStorage(inner)
+        other._counts, other._lock = self._counts, self._lock
+        return other
 
     def _count(self, op: str) -> None:
         with self._lock:

@@ -17,8 +17,9 @@ Every request is bounded and tried once by the client: a connect timeout (5 s), 
 (10 s without a byte while waiting for or reading a response: also an endpoint that accepts
 connections and never answers) and an overall bound per request (900 s). The only retries are
 ``RetryingStorage``'s (6 attempts, jittered backoff of at most ~2.3 s in all). So an operation
-against an endpoint that does not answer fails within ~62 s, a refused connection within ~3 s,
-as a StorageError naming the URL, the key and the cause, never a hang.
+against an endpoint that does not answer fails within ~62 s (a StorageUnansweredError: a save
+then fails within about that too, its best-effort failure writes tried once each), a refused
+connection within ~3 s, as a StorageError naming the URL, the key and the cause, never a hang.
 
 A missing bucket is not a missing object: every operation that meets ``NoSuchBucket`` raises a
 StorageError saying which bucket does not exist at which endpoint, so that a listing is not
@@ -258,8 +259,8 @@ class S3Storage:
         """Run one obstore call, its errors in the kinds RetryingStorage sorts: FileNotFoundError
         (no such object), PermissionError (403), ValueError (a bad path, a request the server
         refuses as such: see ``_refused``; a request the client cannot make, where it panics),
-        StorageError (no such bucket, a forked process), OSError (anything else, a 409 too:
-        retried)."""
+        StorageError (no such bucket, a forked process), TimeoutError (no answer in time:
+        retried), OSError (anything else, a 409 too: retried)."""
         global _used_in_pid
         if _used_in_pid is None:
             _used_in_pid = os.getpid()
@@ -298,6 +299,8 @@ class S3Storage:
                 raise _RangeNotSatisfiable(text) from exc
             if _refused(str(exc)) or _tls_failure(str(exc)):  # whole: the brief text may be
                 raise ValueError(text) from exc  # cut before the code
+            if text.endswith("(timed out)"):  # no answer: retried, then StorageUnansweredError
+                raise TimeoutError(text) from exc
             raise OSError(text) from exc
         except (PermissionDeniedError, UnauthenticatedError) as exc:
             raise PermissionError(_brief(exc)) from exc
