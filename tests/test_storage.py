@@ -332,6 +332,25 @@ def test_every_backend_keeps_the_storage_contract(storage: tuple[str, Any]) -> N
     assert not s.exists("step_5x")
 
 
+def test_a_listing_never_names_the_folder_listed(storage: tuple[str, Any]) -> None:
+    """``list_dir(prefix)`` names what is inside ``prefix``, never ``prefix`` itself: on
+    SeaweedFS a folder emptied by ``delete_tree`` stays behind for a while as a folder entry,
+    and S3's listing of it named it (``['big']`` for ``list_dir('big')``) where the local and
+    fsspec backends list nothing."""
+    url, options = storage
+    s = open_storage(url, options)
+    for key in ("big/a", "flat/a", "deep/a", "deep/b/c", "bigger/a"):
+        s.write(key, [b"x"])
+    assert s.list_dir("deep") == ["a", "b"] and s.list_dir("deep/b") == ["c"]
+    for prefix in ("big", "flat", "deep"):
+        assert s.delete_tree(prefix)
+    assert s.list_dir("big") == [] and s.list_dir("flat/") == [] and s.list_dir("deep/b") == []
+    # SeaweedFS may list the emptied subfolder for a while (it removes them lazily), as a
+    # local folder would be listed; never the folder listed
+    assert set(s.list_dir("deep")) <= {"b"}
+    assert s.list_dir("bigger") == ["a"]
+
+
 @pytest.mark.s3
 def test_s3_listings_and_tree_deletes_go_past_one_page(s3_bucket: tuple[str, Any]) -> None:
     """S3 answers a listing 1,000 keys at a time and deletes at most 1,000 keys a request: a

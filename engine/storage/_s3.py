@@ -440,7 +440,10 @@ class S3Storage:
         found = self._call("list", prefix, lambda: obstore.list_with_delimiter(
             self.store, prefix or None))
         names = [*found["common_prefixes"], *(o["path"] for o in found["objects"])]
-        return sorted({n.rstrip("/").rsplit("/", 1)[-1] for n in names})
+        # SeaweedFS lists a folder that ``delete_tree`` left empty (it removes them lazily)
+        # as an object named as the folder itself: what is inside ``prefix`` is all that counts
+        return sorted({n.rsplit("/", 1)[-1] for n in (n.rstrip("/") for n in names)
+                       if n and n != prefix})
 
     def delete(self, key: str) -> None:
         import obstore
