@@ -1044,6 +1044,12 @@ def test_python_m_of_a_module_that_is_nowhere_is_refused_at_validation(
     assert ("s.yaml: trainer: command[2]: module 'notamodule_xyz' not found (looked in "
             f"{tmp_path}, the working directory, and on the interpreter's path)") in \
         str(exc.value), exc.value
+    with pytest.raises(ScenarioError) as exc:  # the scenario's PYTHONPATH was looked in too
+        parse_scenario(_doc(trainer={"command": ["python", "-m", "notamodule_xyz"],
+                                     "env": {"PYTHONPATH": "lib"}}), path="s.yaml")
+    assert ("not found (looked in "
+            f"{tmp_path}, the working directory, in env's PYTHONPATH (lib), and on the "
+            "interpreter's path)") in str(exc.value), exc.value
     for name in (".train", "mine/train.py", "mine.", "a b"):
         with pytest.raises(ScenarioError, match=f"command\\[2\\]: {re.escape(repr(name))} is "
                            "not a module name"):

@@ -343,11 +343,13 @@ class CommandSpec(_Strict):
             raise ValueError(f"command[{i}]: {module!r} is not a module name (give a dotted "
                              "name such as pkg.train; a file runs as [python, path/to/it.py])")
         cwd = os.getcwd()
-        paths = [cwd, *filter(None, str(self.env.get("PYTHONPATH", "")).split(os.pathsep))]
-        if (importlib.machinery.PathFinder.find_spec(top, paths) is None
+        pythonpath = [*filter(None, str(self.env.get("PYTHONPATH", "")).split(os.pathsep))]
+        if (importlib.machinery.PathFinder.find_spec(top, [cwd, *pythonpath]) is None
                 and top not in sys.modules and importlib.util.find_spec(top) is None):
+            given = (f" in env's PYTHONPATH ({os.pathsep.join(pythonpath)})," if pythonpath
+                     else "")
             raise ValueError(f"command[{i}]: module {top!r} not found (looked in {cwd}, the "
-                             "working directory, and on the interpreter's path)")
+                             f"working directory,{given} and on the interpreter's path)")
         return self
 
     @model_validator(mode="after")
