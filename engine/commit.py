@@ -219,9 +219,12 @@ def step_folder_by_name(url: str) -> str | None:
 def _not_a_root(url: str, why: str) -> str:
     head, slash, name = url.rstrip("/").rpartition("/")
     step = parse_step_dir(name)
+    if step is None:  # a copy under a name of its own: the folder above lists no such step
+        return (f"{url} is a step folder ({why}) under a name that is no step's, not a "
+                "checkpoint root: a root holds each step as a folder step_<step, 9 digits> "
+                "(step_000000120); give that root")
     root = head or ("/" if slash else ".")
-    return (f"{url} is a step folder ({why}), not a checkpoint root: give {root}"
-            + (f" and step={step}" if step is not None else ""))
+    return f"{url} is a step folder ({why}), not a checkpoint root: give {root} and step={step}"
 
 
 def all_step_dirs(storage: Storage) -> list[int]:

@@ -547,8 +547,10 @@ def test_a_root_inside_a_checkpoint_is_refused_before_a_save_nests_a_step_in_it(
         assert str(caught.value) == (f"{url} is inside the step folder {step2} (by its name), "
                                      f"not a checkpoint root: give {tmp_path} and step=2")
     old = tmp_path / "step_000000002_old"
-    for url, what in ((old, f"is a step folder (it holds COMMIT), not a checkpoint root: "
-                            f"give {tmp_path}"),
+    # not "give tmp_path": the folder above a copy need not hold the step it is a copy of
+    for url, what in ((old, "is a step folder (it holds COMMIT) under a name that is no "
+                            "step's, not a checkpoint root: a root holds each step as a folder "
+                            "step_<step, 9 digits> (step_000000120); give that root"),
                       (old / "w", "is inside a checkpoint (it holds zarr.json: a zarr array or "
                                   "group), not a checkpoint root")):
         with CheckpointEngine(str(url)) as engine, pytest.raises(CheckpointError) as caught:
