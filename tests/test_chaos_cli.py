@@ -922,6 +922,21 @@ def test_the_fault_line_of_a_recovery_cut_short_by_the_next_fault_says_so() -> N
     assert _fault_line(_fault()) == "kill_rank at step 12: recovery 4.00 s, lost steps 2"
 
 
+def test_the_fault_line_of_a_fault_before_any_step_names_no_step_none() -> None:
+    """An ``at_s`` kill that landed before the first step (or any fault of a script without the
+    probe) has no ``injected_step``: ``chaos run`` printed "kill_rank at step None: recovery
+    3.90 s" under PASS; report.md shows "-"."""
+    from antifragile.chaos.cli.run import _fault_line
+
+    early = _fault(injected_step=None, lost_steps=0)
+    assert _fault_line(early) == ("kill_rank (no step reported yet): recovery 4.00 s, "
+                                  "lost steps 0")
+    for other in (_fault(injected_step=None, effect_observed=False),
+                  _fault(injected_step=None, ended_attempt=None),
+                  _fault(injected_step=None, recovery_s=None)):
+        assert "None" not in _fault_line(other), _fault_line(other)
+
+
 def test_a_run_that_ends_in_an_error_prints_the_error_last(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run that went past its time limit (exit 5): the plain progress printed the error,

@@ -138,27 +138,32 @@ def _fault_line(f: dict[str, Any]) -> str:
     if f["skipped"]:
         return f"{f['kind']}: skipped ({f['skipped']})"
     if not f.get("effect_observed"):
-        return f"{f['kind']} at step {f['injected_step']}: NO EFFECT: {f.get('effect')}"
+        return f"{f['kind']} {_at(f)}: NO EFFECT: {f.get('effect')}"
     if f.get("outage"):
         o = f["outage"]
         stall = "-" if o["extra_stall_s"] is None else f"{o['extra_stall_s']:.2f} s"
         server = f"volume server {o['server']}, " if o.get("server") is not None else ""
         mode = f"{o['mode']}, " if o.get("mode") else ""
-        return (f"{f['kind']} ({server}{mode}{o['duration_s']:g} s) at step "
-                f"{f['injected_step']}: training went on: {o['training_continued']}; "
+        return (f"{f['kind']} ({server}{mode}{o['duration_s']:g} s) {_at(f)}"
+                f": training went on: {o['training_continued']}; "
                 f"checkpoints delayed {o['checkpoints_delayed']}, failed "
                 f"{o['checkpoints_failed']}, skipped {o['checkpoints_skipped']}; "
                 f"extra stall {stall}")
     if f.get("ended_attempt") is None:  # had its effect without a restart (corrupt_shard...)
-        return f"{f['kind']} at step {f['injected_step']}: {f['effect']}; recovery: none"
+        return f"{f['kind']} {_at(f)}: {f['effect']}; recovery: none"
     if f["recovery_s"] is None and f.get("unmeasured"):
         return (f"{f['kind']}: the job restarted in {f['restart_s']:.2f} s after detection "
                 f"in {f['detect_s']:.2f} s; recovery not measured")
     if f["recovery_s"] is None and f.get("interrupted_by_t") is not None:
-        return (f"{f['kind']} at step {f['injected_step']}: recovery interrupted by the next "
-                "fault")
+        return f"{f['kind']} {_at(f)}: recovery interrupted by the next fault"
     if f["recovery_s"] is None:
-        return f"{f['kind']} at step {f['injected_step']}: recovery not observed"
+        return f"{f['kind']} {_at(f)}: recovery not observed"
     lost = "not measured" if f["lost_steps"] is None else f["lost_steps"]
-    return (f"{f['kind']} at step {f['injected_step']}: recovery {f['recovery_s']:.2f} s, "
-            f"lost steps {lost}")
+    return f"{f['kind']} {_at(f)}: recovery {f['recovery_s']:.2f} s, lost steps {lost}"
+
+
+def _at(f: dict[str, Any]) -> str:
+    """Where the fault hit: its step, or (a time-triggered fault before the first step, a
+    script without the probe) that no step was known; report.md shows "-"."""
+    step = f.get("injected_step")
+    return "(no step reported yet)" if step is None else f"at step {step}"
