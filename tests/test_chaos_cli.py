@@ -240,6 +240,24 @@ def test_an_out_folder_holding_a_ckpt_folder_of_its_own_is_not_cleared(
     assert (project / "ckpt" / "step_000000100.pt").read_text() == "weeks of training"
 
 
+def test_an_out_folder_holding_a_report_file_of_its_own_is_not_overwritten(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run writes report.md, report.html and its plots at the top of --out: ``--out .`` in
+    a project with a report.md of its own overwrote it. Only an earlier run's folder (with its
+    report.json) is written over."""
+    _nothing_may_run(monkeypatch)
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\ntrainer: {parallel: {dp: 2}, steps: 2}\n"
+                    "checkpoint: {every_steps: 1}\n")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "report.md").write_text("the quarter's results")
+    _one_line_error(["run", str(path), "--out", str(project)],
+                    f"--out {project}: holds report.md, which a run writes over, and is not a "
+                    "chaos run folder (no report.json)")
+    assert (project / "report.md").read_text() == "the quarter's results"
+
+
 def test_a_name_too_long_for_its_report_folder_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The name names the report folder (``reports/<name>-<UTC time>``, ``chaos suite``'s

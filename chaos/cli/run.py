@@ -116,9 +116,13 @@ _CLEARED = ("run", "ckpt", "determinism")
 
 
 def _check_not_foreign(folder: Path) -> None:
-    """Exit 2 if ``--out`` holds a folder a run clears but is no earlier run's folder (no
-    ``report.json``, no ``run/torchrun.log`` of a run cut short): ``--out .`` in a project
-    with a ``ckpt/`` of its own would delete it."""
+    """Exit 2 if ``--out`` holds a folder a run clears, or a file its report writes over, but
+    is no earlier run's folder (no ``report.json``, no ``run/torchrun.log`` of a run cut
+    short): ``--out .`` in a project with a ``ckpt/`` or a ``report.md`` of its own would
+    delete or overwrite it."""
+    from antifragile.chaos.report.document import REPORT_FILES
+    from antifragile.chaos.report.plots import NAMES
+
     if (folder / "report.json").is_file() or (folder / "run" / "torchrun.log").is_file():
         return
     for name in _CLEARED:
@@ -126,6 +130,10 @@ def _check_not_foreign(folder: Path) -> None:
             fail(f"--out {folder}: holds {name}/, which a run deletes before it starts, and "
                  "is not a chaos run folder (no report.json); not deleting it (choose another "
                  "--out)")
+    for name in (*REPORT_FILES, *NAMES):
+        if (folder / name).exists():
+            fail(f"--out {folder}: holds {name}, which a run writes over, and is not a chaos "
+                 "run folder (no report.json); not overwriting it (choose another --out)")
 
 
 #: ``chaos run``'s exit code per verdict; 2 is bad input (before anything runs).
