@@ -850,6 +850,17 @@ def test_live_status_does_not_take_an_idle_spare_for_the_first_attempt() -> None
     assert again is not None and again.recoveries == 1
 
 
+def test_live_status_counts_a_recovery_from_a_first_attempt_that_reported_nothing() -> None:
+    """A kill while the ranks still started (an ``at_s`` fault): attempt 0 wrote no event,
+    and the tracker took the first attempt it saw, attempt 1, for the run's first, so the
+    live line said "attempt 1 · recoveries 0" after a real restart. Every run starts at
+    attempt 0 (torchrun's first, the job's first generation)."""
+    tracker = StatusTracker("s", expected_step=20)
+    again = tracker.status({"t": 9.0, "rank": 0, "attempt": 1, "event": "step_end",
+                            "step": 1}, 1)
+    assert again is not None and again.attempt == 1 and again.recoveries == 1
+
+
 def test_two_runs_of_one_scenario_started_in_the_same_second_get_folders_of_their_own(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two ``chaos run`` of one scenario side by side (a CI matrix over seeds on one machine)

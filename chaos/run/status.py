@@ -22,12 +22,13 @@ class StatusTracker:
 
     An attempt (a torchrun restart or an in-process generation) counts as a recovery once it
     trains: one that restored a checkpoint, and one that found none committed yet and started
-    over (counting restores only showed "recoveries 0" beside a restarted attempt)."""
+    over (counting restores only showed "recoveries 0" beside a restarted attempt). Every run
+    starts at attempt 0 (torchrun's first, the job's first generation), whether or not that
+    attempt lived to report anything."""
 
     def __init__(self, name: str, expected_step: int | None) -> None:
         self.name = name
         self.expected_step = expected_step  # the step the run ends at; None: not known
-        self.first_attempt: int | None = None  # the run's first attempt: not a recovery
         self.first_step: dict[int, tuple[float, int]] = {}  # attempt -> (t, step) it began at
 
     def status(self, e: dict[str, Any], faults_injected: int) -> RunStatus | None:
@@ -36,8 +37,6 @@ class StatusTracker:
         attempt = int(e["attempt"])
         if e["rank"] < 0 or attempt < 0:
             return None
-        if self.first_attempt is None or attempt < self.first_attempt:
-            self.first_attempt = attempt
         if e["event"] != "step_end" or e["rank"] != 0:
             return None
         t0, step0 = self.first_step.setdefault(attempt, (e["t"], e["step"]))
@@ -45,5 +44,5 @@ class StatusTracker:
         total = max(self.expected_step or 0, e["step"])
         return RunStatus(name=self.name, step=e["step"], total_steps=total, attempt=attempt,
                          faults_injected=faults_injected,
-                         recoveries=sum(a > self.first_attempt for a in self.first_step),
+                         recoveries=sum(a > 0 for a in self.first_step),
                          eta_s=(total - e["step"]) / rate if rate else None)
