@@ -25,9 +25,9 @@ import torch
 from . import _format
 from ._cells import read_cell
 from ._dtypes import dtype_name, torch_dtype, zarr_data_type
-from ._paths import COMMIT, check_array_name, chunk_separator, is_index, step_dir
-from .commit import parse_marker, read_marker_bytes
-from .errors import CheckpointCorruptError
+from ._paths import COMMIT, QUARANTINE, check_array_name, chunk_separator, is_index, step_dir
+from .commit import marker_head, parse_marker, read_marker_bytes
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .plan import ArraySpec, HeldBox
 
 _MAX_CELLS = 10**8
@@ -73,6 +73,36 @@ def _blame(key: str) -> Iterator[None]:
         raise
 
 
+def gone(storage: Any, step: int, nonce: int | None) -> CheckpointNotFoundError | None:
+    """Why ``step``, which a reader opened (read its COMMIT: of save ``nonce``, when known),
+    is no longer that save, asked once its read failed: its COMMIT deleted (retention, after
+    a save of the job writing this root beside the reader), set aside (quarantined:
+    superseded by a rollback's save, or found damaged by another reader) or another save's
+    (saved again); None while it is still the save read (or storage cannot say: the failure
+    stands). A missing or replaced object of a step that went away meanwhile is not damage:
+    reported as damage, a reader beside a training job called healthy steps damaged and
+    tried to quarantine them."""
+    base = step_dir(step)
+    try:
+        try:
+            head = marker_head(storage, step)
+        except FileNotFoundError:
+            if storage.exists(f"{base}/{QUARANTINE}"):
+                return CheckpointNotFoundError(
+                    f"step {step} was quarantined while it was read (its COMMIT set aside: "
+                    "superseded by a save after a rollback, or found damaged by another "
+                    f"reader; `chaos ckpt ls {storage.url}` says why)")
+            return CheckpointNotFoundError(
+                f"step {step} was deleted while it was read (by retention after a newer save, "
+                "in the job writing this root?)")
+    except CheckpointError:
+        return None
+    if nonce is not None and head is not None and head[0] != nonce:
+        return CheckpointNotFoundError(f"step {step} was saved again while it was read (the "
+                                       "save read is gone)")
+    return None
+
+
 def read_documents(storage: Any, step: int) -> tuple[bytes | bytearray, bytes | bytearray]:
     """The COMMIT marker and the group document of ``step`` as stored, unchecked: what a
     ``StepReader(marker=..., group=...)`` checks and opens the step from."""
@@ -80,8 +110,8 @@ def read_documents(storage: Any, step: int) -> tuple[bytes | bytearray, bytes | 
     try:
         return marker, storage.read(f"{step_dir(step)}/zarr.json")
     except FileNotFoundError:
-        raise CheckpointCorruptError(f"step {step}, object zarr.json: object is missing",
-                                     key="zarr.json") from None
+        raise gone(storage, step, None) or CheckpointCorruptError(
+            f"step {step}, object zarr.json: object is missing", key="zarr.json") from None
 
 
 class StepReader:
@@ -98,12 +128,19 @@ class StepReader:
         self.step = step
         self.base = step_dir(step)
         with _blame(COMMIT):
+            read_here = marker is None  # its COMMIT: ``gone`` can tell whether it went away
             marker = read_marker_bytes(storage, step) if marker is None else marker
             self.commit, self.manifest = parse_marker(marker, step, lazy=True)
         self.separator = chunk_separator(self.commit["format"])
         with _blame("zarr.json"):
-            group = self._parse_document("zarr.json", self.read_object("zarr.json")
-                                         if group is None else self._sized("zarr.json", group))
+            try:
+                group = self._parse_document("zarr.json", self.read_object("zarr.json")
+                                             if group is None else self._sized("zarr.json", group))
+            except CheckpointCorruptError as exc:
+                went = self.gone() if read_here else None
+                if went is None:
+                    raise
+                raise went from exc
         group_attrs = group.get("attributes") if isinstance(group, dict) else None
         attrs = group_attrs.get("antifragile") if isinstance(group_attrs, dict) else None
         if not isinstance(attrs, dict) or not isinstance(attrs.get("tensors"), dict):
@@ -116,6 +153,12 @@ class StepReader:
             raise CheckpointCorruptError(f"step {step}: malformed values in the group metadata")
         self.tensors = {path: self._parse_tensor(path, e) for path, e in attrs["tensors"].items()}
         self._arrays: dict[str, ArraySpec] = {}
+
+    def gone(self) -> CheckpointNotFoundError | None:
+        """Why this step is no longer the save opened (see ``gone``), None while it is: asked
+        once a read of it failed. Of a reader opened on the step's COMMIT (not on the one a
+        quarantine set aside)."""
+        return gone(self.storage, self.step, int(self.commit["nonce"]))
 
     # -- whole objects -------------------------------------------------------------------------
 

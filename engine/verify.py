@@ -12,6 +12,7 @@ from itertools import product
 
 from ._paths import step_dir
 from ._restore import check_attributes
+from .commit import parse_marker
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -74,9 +75,12 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
     names. A quarantined step is read against its moved-aside manifest (never ``ok``). A step
     neither committed nor quarantined raises CheckpointNotFoundError: nothing to verify is not
     damage (a step number mistyped, or deleted by retention), nor is storage failing: its
-    StorageError is raised."""
+    StorageError is raised. Nor is a step that went away while it was read (deleted by the
+    retention of a job saving beside this reader, quarantined, saved again): its missing or
+    replaced objects raise CheckpointNotFoundError saying so, not a damage report."""
     step_dir(step)  # a step that cannot be one is the caller's mistake, raised: not damage
     report = VerifyReport(step)
+    moved: bytes | None = None  # the COMMIT a quarantine moved aside, read against
     try:
         try:
             reader = StepReader(storage, step)
@@ -85,13 +89,16 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
             if found is None:
                 raise
             report.ok, report.quarantined = False, str(found[0].get("reason"))
-            reader = StepReader(storage, step, marker=found[1])
+            moved = found[1]
+            reader = StepReader(storage, step, marker=moved)
         reader.manifest.check_all(where=f"step {step}: COMMIT marker")  # a load checks its own
     except CheckpointNotFoundError:
         raise  # only the COMMIT's absence raises it: the step is not there to be damaged
     except (StorageError, CheckpointFormatError):  # neither says anything of the data
         raise
     except CheckpointError as exc:  # the marker or the group metadata: name which
+        if moved is not None:
+            _raise_if_gone(storage, step, moved)
         key = exc.key if isinstance(exc, CheckpointCorruptError) and exc.key else "COMMIT"
         report.add(key, None, str(exc))
         return report
@@ -180,4 +187,39 @@ def verify_step(storage: Storage, step: int, pool: Executor) -> VerifyReport:
         report.nbytes += nbytes
         if error:
             report.add(key, _array_of(key), error)
+    if report.problems:  # of the save read, or is it gone (a reader beside a training job)?
+        if moved is None:
+            went = reader.gone()
+            if went is not None and not _quarantined_as_read(storage, reader, report):
+                raise went
+        else:
+            _raise_if_gone(storage, step, moved)
     return report
+
+
+def _quarantined_as_read(storage: Storage, reader: StepReader, report: VerifyReport) -> bool:
+    """Whether the save ``reader`` read was quarantined meanwhile (another reader found it
+    damaged too): the damage report stands, and says so."""
+    try:
+        found = read_quarantine(storage, reader.step)
+        if found is None or parse_marker(found[1], reader.step, lazy=True)[0].get(
+                "nonce") != reader.commit["nonce"]:
+            return False
+    except CheckpointError:
+        return False
+    report.quarantined = str(found[0].get("reason"))
+    return True
+
+
+def _raise_if_gone(storage: Storage, step: int, moved: bytes) -> None:
+    """CheckpointNotFoundError where quarantined ``step``, verified against the COMMIT its
+    note holds (``moved``), is no longer that quarantined save: deleted (retention, or saved
+    again) while it was read. Its objects missing then is not damage."""
+    try:
+        found = read_quarantine(storage, step)
+    except CheckpointError:
+        return  # a damaged note: the report stands
+    if found is None or found[1] != moved:
+        raise CheckpointNotFoundError(f"step {step} was deleted while it was verified (by "
+                                      "retention, or saved again, in the job writing this "
+                                      "root?)")
