@@ -195,19 +195,25 @@ class Loader:
         if seen == _INTACT:
             return (f"; rank {confirmer} re-read {key} intact, so the damage is not confirmed "
                     "and the step is not quarantined")
-        failed = 0
+        failed, gone = 0, 0
         if self._ranks.rank == 0:
             try:
-                quarantine_step(storage, step, str(error), confirmed_by=confirmer,
-                                reports={r: m for r, (o, _, m, _) in enumerate(reports) if o},
-                                nonce=nonce or None)
+                hid = quarantine_step(storage, step, str(error), confirmed_by=confirmer,
+                                      reports={r: m for r, (o, _, m, _) in enumerate(reports)
+                                               if o}, nonce=nonce or None)
+                gone = int(not hid)
                 self._unfinished.add(step)  # saved again, it holds only the new save
             except CheckpointError as exc:
                 failed = 1
                 log.warning("step %d: quarantine failed (it stays visible): %s", step, exc)
-        if self._ranks.all_max([failed])[0]:  # every rank's warning says what rank 0 did
+        failed, gone = self._ranks.all_max([failed, gone])  # every rank says what rank 0 did
+        if failed:
             return (f"; rank {confirmer} confirmed the damage, but quarantining it failed (it "
                     "stays visible; rank 0's log says why)")
+        if gone:
+            return (f"; rank {confirmer} confirmed the damage, but the step was deleted, "
+                    "quarantined or saved again by another process meanwhile, so this load "
+                    "quarantined nothing")
         return f" (quarantined; confirmed by rank {confirmer})"
 
     def _load_step(self, step: int, flat: FlatState, storage: Storage,

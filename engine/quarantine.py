@@ -26,7 +26,7 @@ _LOG_NAME = re.compile(r"^(step_\d+)\.\d+$")
 
 
 def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, str],
-               confirmed_by: int, nonce: int | None = None) -> None:
+               confirmed_by: int, nonce: int | None = None) -> bool:
     """Hide a damaged committed step, keeping the evidence: its COMMIT moves (bytes unchanged)
     into a sealed QUARANTINE note with the reason, what every rank reported, and which rank
     confirmed it, so that ``verify`` can still read the step against its manifest. The step
@@ -36,14 +36,17 @@ def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, s
     crash in between leaves the step committed, and the next load finds the damage again. A
     COMMIT that is no longer the one read (the step saved again meanwhile) is not deleted.
     ``nonce``: the save whose damage was confirmed, when known: a COMMIT of another save (the
-    step saved again since) is left alone."""
+    step saved again since) is left alone. Whether this call hid the step: not where it was
+    gone already, or went meanwhile (retention in the job writing this root deleted it: the
+    note written into its folder is taken back, or it made the folder again, as a quarantined
+    step of one note; the log keeps it), or was saved again."""
     base = step_dir(step)
     try:
         marker = storage.read(f"{base}/{COMMIT}")
     except FileNotFoundError:
-        return  # hidden already (another process quarantined it, or retention ran)
+        return False  # hidden already (another process quarantined it, or retention ran)
     if nonce is not None and _nonce_of(marker, step) != nonce:
-        return  # saved again since the damage was confirmed: not the damaged save
+        return False  # saved again since the damage was confirmed: not the damaged save
     note = {"step": step, "reason": reason, "reports": {str(r): m for r, m in reports.items()},
             "confirmed_by": confirmed_by, "time": time.time(),
             "commit_b64": base64.b64encode(bytes(marker)).decode()}
@@ -53,10 +56,25 @@ def quarantine(storage: Storage, step: int, reason: str, *, reports: dict[int, s
     storage.sync()
     try:  # a save of the step that committed meanwhile is not the damaged one: left visible
         if storage.read(f"{base}/{COMMIT}") != marker:
+            return False
+    except FileNotFoundError:
+        # another process quarantined it (its data is there), or retention deleted it
+        if not storage.exists(f"{base}/zarr.json"):
+            _take_back(storage, f"{base}/{QUARANTINE}", sealed)
+        return False
+    storage.delete(f"{base}/{COMMIT}")
+    storage.sync()
+    return True
+
+
+def _take_back(storage: Storage, key: str, note: bytes) -> None:
+    """Delete the note ``key`` if it is still ``note`` (this call's, not another process's)."""
+    try:
+        if storage.read(key) != note:
             return
     except FileNotFoundError:
         return
-    storage.delete(f"{base}/{COMMIT}")
+    storage.delete(key)
     storage.sync()
 
 

@@ -10,6 +10,7 @@ after the reader opened the step (read its COMMIT and group document)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from antifragile.engine import (
     PlanOptions,
     StepSkippedWarning,
 )
+from antifragile.engine.quarantine import quarantined_steps
 
 # several shard objects per tensor, so that a read is under way when the step goes
 PLAN = PlanOptions(max_object_bytes=1024, inner_chunk_bytes=256)
@@ -142,3 +144,50 @@ def test_a_superseded_step_saved_again_while_it_is_loaded_is_not_found_not_damag
             reader.load(_target(), step=2)
         target = _target()
         assert job.load(target) == 2 and bool((target["w"] == 7.0).all())
+
+
+class _RetiredBeforeNote:
+    """The reader's storage: the job's save (whose retention deletes step 1) runs just before
+    the reader writes step 1's QUARANTINE note, after it read step 1's COMMIT to move it."""
+
+    def __init__(self, inner: Any, job: CheckpointEngine) -> None:
+        self.inner, self.job, self.done = inner, job, False
+
+    def write(self, key: str, parts: Sequence[Any], **kwargs: Any) -> None:
+        if not self.done and key == "step_000000001/QUARANTINE":
+            self.done = True
+            self.job.save(2, _state(2), blocking=True)
+        self.inner.write(key, parts, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_damaged_step_retention_deletes_while_a_reader_quarantines_it_stays_deleted(
+        tmp_path: Path) -> None:
+    """A reader finds step 1 damaged and quarantines it; the job's retention deletes step 1
+    between the quarantine's read of the COMMIT and its note. The note made step 1's folder
+    again (a folder of one QUARANTINE note, listed as a quarantined step whose every object
+    is missing), and the reader's warning said "quarantined". Now the note is taken back (an
+    empty folder may stay: debris, which the next retention removes), and the warning says
+    the step went away instead; the quarantine log keeps the note (the damage was
+    confirmed)."""
+    with _job(tmp_path, keep_last=1) as job:
+        shard = tmp_path / "step_000000001" / "w" / "c.1.0"
+        data = bytearray(shard.read_bytes())
+        data[100] ^= 1
+        shard.write_bytes(bytes(data))
+        with CheckpointEngine(str(tmp_path), keep_last=None, plan_options=PLAN) as reader:
+            reader.storage = _RetiredBeforeNote(reader.storage, job)  # type: ignore[assignment]
+            target = _target()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert reader.load(target) == 2
+        assert torch.equal(target["w"], _state(2)["w"])
+        skipped = [str(w.message) for w in caught if w.category is StepSkippedWarning]
+        assert len(skipped) == 1 and "(quarantined" not in skipped[0], skipped
+        assert "deleted" in skipped[0], skipped
+        assert not (tmp_path / "step_000000001" / "QUARANTINE").exists()
+        assert quarantined_steps(job.storage) == [] and job.steps() == [2]
+        assert [name.split(".")[0] for name in os.listdir(tmp_path / "quarantined")] == [
+            "step_000000001"]
