@@ -529,12 +529,14 @@ def _probe_fails_within(monkeypatch: pytest.MonkeyPatch, ports: dict[str, int], 
     assert time.monotonic() - began < limit_s
 
 
-@pytest.mark.parametrize("silent", ["master", "s3"])
+@pytest.mark.parametrize(("silent", "limit_s"), [("master", 1.5), ("s3", 3.5)])
 def test_the_health_probe_keeps_to_the_start_timeout(
-        monkeypatch: pytest.MonkeyPatch, silent: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, silent: str, limit_s: float) -> None:
     """``start`` fails within ``start_timeout_s``, its docstring says. One probe waited up to
     2 s on the master and up to 5 s on each S3 read whatever time was left, so a server that
-    accepts and never answers made ``_wait_healthy`` overrun the timeout by that much."""
+    accepts and never answers made ``_wait_healthy`` overrun the timeout by that much. The S3
+    case's bound leaves room for making the S3 client on a loaded machine (1.61 s seen in CI,
+    beside 2,300 tests on 2 cores) and is still under the 5 s one read could wait."""
     with contextlib.ExitStack() as stack:
         mute = stack.enter_context(socket.socket())  # accepts (backlog), never answers
         mute.bind(("127.0.0.1", 0))
@@ -542,7 +544,7 @@ def test_the_health_probe_keeps_to_the_start_timeout(
         ports = {"master": _serve(stack, _Master), "s3": mute.getsockname()[1]}
         if silent == "master":
             ports["master"] = mute.getsockname()[1]
-        _probe_fails_within(monkeypatch, ports, start_timeout_s=0.3, limit_s=1.5)
+        _probe_fails_within(monkeypatch, ports, start_timeout_s=0.3, limit_s=limit_s)
 
 
 def test_a_gateway_that_answers_slowly_does_not_stretch_the_start_timeout(
