@@ -15,7 +15,7 @@ from ._dtypes import as_bytes
 from ._memory import MemoryCopy
 from ._restore import Sources, check_attributes, read_values
 from ._state import FlatState, iter_local
-from .errors import CheckpointCorruptError, CheckpointMismatchError
+from .errors import CheckpointMismatchError
 from .load import StepReader, StoredTensor
 from .plan import HeldBox, local_boxes
 from .storage import Storage
@@ -208,16 +208,11 @@ def read_whole(storage: Storage, step: int, pool: Executor) -> dict[str, Any]:
     # object, a description of another type) must not give the stored str of a float back
     check_attributes(reader)
     out: dict[str, Any] = {}
-    try:
+    with reader.unless_gone():  # a step deleted meanwhile is not damaged
         reader.load_arrays(list(reader.tensors.values()), pool)
         reads = []
         for path, stored in reader.tensors.items():
             out[path], box = _whole(stored)
             reads += reader.read_box(stored, box, out[path])
         _raise_first([pool.submit(read) for read in reads])
-    except CheckpointCorruptError as exc:  # a step deleted meanwhile is not damaged
-        went = reader.gone()
-        if went is None:
-            raise
-        raise went from exc
     return {**read_values(reader), **out}

@@ -222,13 +222,8 @@ class Loader:
         """``step`` into ``flat`` (see ``_fill.fill_step``): its JSON values and the nonce of
         the save read (the ranks check they all read the same one)."""
         reader = self._open(step, storage)
-        try:
+        with reader.unless_gone():  # a step deleted meanwhile is not damaged
             filled = fill_step(storage, step, flat, self._ranks.rank, self._pool, memory, reader)
-        except CheckpointCorruptError as exc:  # a step deleted meanwhile is not damaged
-            went = reader.gone()
-            if went is None:
-                raise
-            raise went from exc
         sources["storage_bytes"] = filled.storage_bytes
         sources["memory_bytes"] = filled.memory_bytes
         return filled.values, filled.nonce

@@ -132,15 +132,9 @@ class StepReader:
             marker = read_marker_bytes(storage, step) if marker is None else marker
             self.commit, self.manifest = parse_marker(marker, step, lazy=True)
         self.separator = chunk_separator(self.commit["format"])
-        with _blame("zarr.json"):
-            try:
-                group = self._parse_document("zarr.json", self.read_object("zarr.json")
-                                             if group is None else self._sized("zarr.json", group))
-            except CheckpointCorruptError as exc:
-                went = self.gone() if read_here else None
-                if went is None:
-                    raise
-                raise went from exc
+        with _blame("zarr.json"), (self.unless_gone() if read_here else contextlib.nullcontext()):
+            group = self._parse_document("zarr.json", self.read_object("zarr.json")
+                                         if group is None else self._sized("zarr.json", group))
         group_attrs = group.get("attributes") if isinstance(group, dict) else None
         attrs = group_attrs.get("antifragile") if isinstance(group_attrs, dict) else None
         if not isinstance(attrs, dict) or not isinstance(attrs.get("tensors"), dict):
@@ -159,6 +153,18 @@ class StepReader:
         once a read of it failed. Of a reader opened on the step's COMMIT (not on the one a
         quarantine set aside)."""
         return gone(self.storage, self.step, int(self.commit["nonce"]))
+
+    @contextlib.contextmanager
+    def unless_gone(self) -> Iterator[None]:
+        """A read of this step: its damage (CheckpointCorruptError) raised as it is, unless the
+        step is no longer the save opened (``gone``): then why, as CheckpointNotFoundError."""
+        try:
+            yield
+        except CheckpointCorruptError as exc:
+            went = self.gone()
+            if went is None:
+                raise
+            raise went from exc
 
     # -- whole objects -------------------------------------------------------------------------
 
