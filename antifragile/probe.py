@@ -117,13 +117,18 @@ def step_end(step: int, loss: Any = None) -> None:
     tensor (read with ``float()``), or None (also reported for what is not one number). The
     step's time is measured from the previous thing the training thread reported (the last
     step, a checkpoint's staging, a restore), so checkpoint stalls and pauses are not counted
-    as step time. Holds here if the scenario pauses this rank at this step."""
+    as step time; when this call is the process's first report (a fresh start: the script
+    restored nothing through the engine or :func:`dcp_load`) it is unknown, reported as None
+    rather than as the 0 s between the two lines this call writes. Holds here if the scenario
+    pauses this rank at this step."""
+    called_t = time.time()
     p = _active()
     if p is None:
         return
     step = _step(step, "step_end")
-    now = time.time()
-    p.channel.emit("step_end", step=step, loss=_number(loss), seconds=now - p.channel.loop_t)
+    first = p.channel.started_t >= called_t  # this call opened the event file
+    p.channel.emit("step_end", step=step, loss=_number(loss),
+                   seconds=None if first else time.time() - p.channel.loop_t)
     p.pauses.step_end(step)
 
 

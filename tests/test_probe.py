@@ -169,6 +169,21 @@ def test_a_restore_reported_first_claims_no_time_it_could_not_measure(
     assert end["step"] == 10 and end["seconds"] is None
 
 
+def test_a_first_step_reported_first_claims_no_time_it_could_not_measure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script that reports nothing before its first ``step_end`` (no restore through the
+    engine or the DCP helper: a fresh start) had that step timed from the event file the call
+    itself opened: ~0 s, whatever the step took, and goodput lost one step per attempt. Its
+    time is unknown (None); the next step is timed from it."""
+    _under_chaos(monkeypatch, tmp_path)
+    time.sleep(0.05)  # the script's first step, before it calls the probe
+    probe.step_end(1)
+    time.sleep(0.05)
+    probe.step_end(2)
+    first, second = [e for e in _events_of(tmp_path) if e["event"] == "step_end"]
+    assert first["seconds"] is None and second["seconds"] >= 0.05
+
+
 def test_a_restore_after_an_earlier_report_is_timed_from_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _under_chaos(monkeypatch, tmp_path)

@@ -1247,6 +1247,21 @@ def test_two_hangs_at_once_take_their_time_out_of_goodput_once() -> None:
     assert figures.goodput(record) == pytest.approx(4 * 0.5 / 14.0)
 
 
+def test_a_step_of_unknown_time_counts_in_goodput_at_its_attempts_pace() -> None:
+    """A script's first step of a process, reported before anything else, has no time
+    (``probe.step_end`` reports None): goodput counts it at the median of the attempt's known
+    steps, as the step ran, rather than as 0 s (a step lost per attempt) or a crash on None;
+    the checkpoints' slower steps leave it out."""
+    record = _hang_waited_out()
+    record.injections.clear()
+    for e in record.events:
+        if e["event"] == "step_end" and e["step"] == 1:
+            e["seconds"] = None
+    assert figures.goodput(record) == pytest.approx((3 * 0.5 + 10.5) / 14.0)
+    rows = figures.checkpoints(record)
+    assert figures.checkpoint_cost(record, rows) is not None
+
+
 def test_a_final_step_not_known_is_not_written_as_none(doc: dict[str, Any],
                                                        tmp_path: Path) -> None:
     """A command trainer run with --no-reference has no expected step, and one that committed

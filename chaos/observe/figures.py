@@ -57,7 +57,7 @@ def checkpoints(record: RunRecord) -> list[dict[str, Any]]:
                 a > attempt and s == step and out[(a, s)]["committed"] for a, s in out):
             c["committed"], c["restored_by"] = True, by
     steps = _slowest_steps(record)
-    paces = {a: sorted(s for _, s in v)[len(v) // 2] for a, v in steps.items() if v}
+    paces = {a: _median(sorted(s for _, s in v)) for a, v in steps.items() if v}
     # by step, not time: the ranks' events of one moment differ by milliseconds; a script
     # that reports no step (no probe): its last attempt's newest save is its loop's last
     ends = [(e["attempt"], e["step"]) for e in record.events if e["event"] == "step_end"]
@@ -104,10 +104,9 @@ def _slowest_steps(record: RunRecord) -> dict[int, list[tuple[float, float]]]:
     hangs = hang_windows(record)
     found: dict[tuple[int, int], tuple[float, float]] = {}
     for e in record.events:
-        if e["event"] == "step_end":
+        if e["event"] == "step_end" and (unheld := _unheld_s(e, hangs)) is not None:
             t, seconds = found.get((e["attempt"], e["step"]), (0.0, 0.0))
-            found[(e["attempt"], e["step"])] = (max(t, e["t"]),
-                                                max(seconds, _unheld_s(e, hangs)))
+            found[(e["attempt"], e["step"])] = (max(t, e["t"]), max(seconds, unheld))
     out: dict[int, list[tuple[float, float]]] = {}
     for (attempt, _), value in sorted(found.items()):
         out.setdefault(attempt, []).append(value)
@@ -151,9 +150,13 @@ def hang_windows(record: RunRecord) -> dict[int, list[tuple[float, float]]]:
     return out
 
 
-def _unheld_s(step_end: dict[str, Any], hangs: dict[int, list[tuple[float, float]]]) -> float:
-    """A step's seconds less the time a hang held a rank of its attempt meanwhile."""
+def _unheld_s(step_end: dict[str, Any],
+              hangs: dict[int, list[tuple[float, float]]]) -> float | None:
+    """A step's seconds less the time a hang held a rank of its attempt meanwhile; None when
+    its time is not known (a script's first report of a process: ``probe.step_end``)."""
     t, seconds = step_end["t"], step_end["seconds"]
+    if seconds is None:
+        return None
     return seconds - sum(max(min(end, t) - max(start, t - seconds), 0.0)
                          for start, end in hangs.get(step_end["attempt"], ()))
 
@@ -163,21 +166,34 @@ def goodput(record: RunRecord) -> float | None:
     the time chaos held the trainer at pause points left out (a test artifact, not the job's).
     A step's time while a hang held a rank of its attempt is not counted: a job that waited
     the hang out stood still (the time is lost, as a restart's). None when the trainer
-    reported no step (a script without the probe)."""
+    reported no step (a script without the probe). A step whose time no rank knew (a
+    script's first report of a process) counts at the median of its attempt's known steps:
+    it ran, and as 0 s goodput lost a step per attempt."""
     hangs = hang_windows(record)
-    final: dict[int, tuple[int, float]] = {}
+    final: dict[int, tuple[int, float | None]] = {}
     for e in record.events:
         if e["event"] == "step_end":
-            attempt, seconds = final.get(e["step"], (-1, 0.0))
+            attempt, seconds = final.get(e["step"], (-1, None))
+            unheld = _unheld_s(e, hangs)
             if e["attempt"] > attempt:
-                final[e["step"]] = (e["attempt"], _unheld_s(e, hangs))
+                final[e["step"]] = (e["attempt"], unheld)
             elif e["attempt"] == attempt:
-                final[e["step"]] = (attempt, max(seconds, _unheld_s(e, hangs)))
+                known = [s for s in (seconds, unheld) if s is not None]
+                final[e["step"]] = (attempt, max(known) if known else None)
     if not final:
         return None
-    useful = sum(s for _, s in final.values())
+    paces = {a: sorted(s for a2, s in final.values() if a2 == a and s is not None)
+             for a, _ in final.values()}
+    everywhere = sorted(s for _, s in final.values() if s is not None)
+    useful = sum(s if s is not None else _median(paces[a] or everywhere)
+                 for a, s in final.values())
     wall = record.wall_s - record.paused_s
     return useful / wall if wall > 0 else 0.0
+
+
+def _median(ordered: list[float]) -> float:
+    """The middle of ``ordered`` (sorted), as the persist windows' paces take it; 0 if empty."""
+    return ordered[len(ordered) // 2] if ordered else 0.0
 
 
 def spares(record: RunRecord) -> dict[str, Any]:

@@ -104,7 +104,7 @@ def _steps(record: RunRecord) -> dict[int, dict[int, tuple[float, float]]]:
     for e in record.events:
         if e["event"] == "step_end":
             t, sec = out.setdefault(e["attempt"], {}).get(e["step"], (0.0, 0.0))
-            out[e["attempt"]][e["step"]] = (max(t, e["t"]), max(sec, e["seconds"]))
+            out[e["attempt"]][e["step"]] = (max(t, e["t"]), max(sec, e["seconds"] or 0.0))
     return out
 
 
