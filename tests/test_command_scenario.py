@@ -47,18 +47,18 @@ def _doc(**changes: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("doc", "message"), [
     (_doc(trainer={"command": ["python", "no_such_train.py"]}),
-     "s.yaml: trainer.command: command[1]: script 'no_such_train.py' not found"),
+     "s.yaml: trainer.command.1: script 'no_such_train.py' not found"),
     # a name too long for the file system was an OSError traceback (ENAMETOOLONG)
     (_doc(trainer={"command": ["python", "t" * 300 + ".py"]}),
-     f"s.yaml: trainer.command: command[1]: script '{'t' * 300}.py' not found"),
+     f"s.yaml: trainer.command.1: script '{'t' * 300}.py' not found"),
     (_doc(trainer={"command": ["./" + "t" * 300]}),
-     f"s.yaml: trainer.command: command[0]: './{'t' * 300}' not found"),
+     f"s.yaml: trainer.command.0: './{'t' * 300}' not found"),
     # a folder there was "not found (looked relative to ...)": the user looks and finds it
     (_doc(trainer={"command": ["python", str(Path(SCRIPT).parent)]}),
-     f"s.yaml: trainer.command: command[1]: script '{Path(SCRIPT).parent}' is a folder, not a "
+     f"s.yaml: trainer.command.1: script '{Path(SCRIPT).parent}' is a folder, not a "
      "file"),
     (_doc(trainer={"command": [str(Path(SCRIPT).parent)]}),
-     f"s.yaml: trainer.command: command[0]: '{Path(SCRIPT).parent}' is a folder, not a file"),
+     f"s.yaml: trainer.command.0: '{Path(SCRIPT).parent}' is a folder, not a file"),
     # accepted, then a ValueError traceback when chaos run started the reference run
     (_doc(trainer={"env": {"OMP_NUM_THREADS=1": ""}}),
      "s.yaml: trainer.env: 'OMP_NUM_THREADS=1' is not an environment variable name"),
@@ -86,9 +86,9 @@ def _doc(**changes: Any) -> dict[str, Any]:
     (_doc(trainer={"env": {"Y": [1]}}),
      "s.yaml: trainer.env: Y: a list is not a text or a number"),
     (_doc(trainer={"command": ["python", SCRIPT, "--tag", "a\0b"]}),
-     "s.yaml: trainer.command: command[3]: 'a\\x00b' holds a NUL byte"),
+     "s.yaml: trainer.command.3: 'a\\x00b' holds a NUL byte"),
     (_doc(trainer={"command": ["no-such-launcher", "x"]}),
-     "s.yaml: trainer.command: command[0]: 'no-such-launcher' is not an executable on PATH"),
+     "s.yaml: trainer.command.0: 'no-such-launcher' is not an executable on PATH"),
     # accepted: each rank's interpreter then read its program from chaos's standard input
     # (a terminal: the run waited there until its time limit)
     (_doc(trainer={"command": ["python"]}),
@@ -96,7 +96,7 @@ def _doc(**changes: Any) -> dict[str, Any]:
     (_doc(trainer={"command": ["python3", "-u"]}),
      "s.yaml: trainer.command: command: python3 -u runs nothing (give a script, -m module"),
     (_doc(trainer={"command": ["python", "-m"]}),
-     "s.yaml: trainer.command: command[1]: -m needs its module after it"),
+     "s.yaml: trainer.command.1: -m needs its module after it"),
     (_doc(trainer={"command": []}), "s.yaml: trainer.command: List should have at least 1 item"),
     (_doc(trainer={"nproc_per_node": 0}),
      "s.yaml: trainer.nproc_per_node: Input should be greater than or equal to 1"),
@@ -1016,7 +1016,7 @@ def test_a_command_that_is_torchrun_itself_is_refused(command: list[str], index:
     with pytest.raises(ScenarioError) as exc:
         parse_scenario(_doc(trainer={"command": command}), path="s.yaml")
     message = str(exc.value)
-    assert f"s.yaml: trainer.command: command[{index}]:" in message
+    assert f"s.yaml: trainer.command.{index}:" in message
     assert "chaos runs the command under torchrun itself" in message
     assert "\n" not in message.strip()
 
@@ -1041,7 +1041,7 @@ def test_python_m_of_a_module_that_is_nowhere_is_refused_at_validation(
     with pytest.raises(ScenarioError) as exc:
         parse_scenario(_doc(trainer={"command": ["python", "-m", "notamodule_xyz.train"]}),
                        path="s.yaml")
-    assert ("s.yaml: trainer: command[2]: module 'notamodule_xyz' not found (looked in "
+    assert ("s.yaml: trainer.command.2: module 'notamodule_xyz' not found (looked in "
             f"{tmp_path}, the working directory, and on the interpreter's path)") in \
         str(exc.value), exc.value
     with pytest.raises(ScenarioError) as exc:  # the scenario's PYTHONPATH was looked in too
@@ -1051,8 +1051,8 @@ def test_python_m_of_a_module_that_is_nowhere_is_refused_at_validation(
             f"{tmp_path}, the working directory, in env's PYTHONPATH (lib), and on the "
             "interpreter's path)") in str(exc.value), exc.value
     for name in (".train", "mine/train.py", "mine.", "a b"):
-        with pytest.raises(ScenarioError, match=f"command\\[2\\]: {re.escape(repr(name))} is "
-                           "not a module name"):
+        with pytest.raises(ScenarioError, match=f"trainer\\.command\\.2: "
+                           f"{re.escape(repr(name))} is not a module name"):
             parse_scenario(_doc(trainer={"command": ["python", "-m", name]}), path="s.yaml")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "train.py").write_text("x = 1\n")

@@ -339,8 +339,16 @@ def _format_error(path: str, exc: ValidationError) -> str:
         elif err["type"] in ("int_type", "float_type") and isinstance(err["input"], str) \
                 and _EXPONENT_TEXT.match(err["input"]):
             msg = _exponent_text(err["input"], whole=err["type"] == "int_type")
+        if found := _COMMAND_ARG.match(msg):  # a check of the command line as a whole
+            loc, msg = f"{loc.removesuffix('.command')}.command.{found[1]}", msg[found.end():]
         lines.append(f"{path}: {loc}: {msg}" if loc else f"{path}: {msg}")
     return "\n".join(lines)
+
+
+#: how the checks of ``trainer.command`` as a whole name the argument at fault: moved into
+#: the location, written as pydantic writes a list's item (``trainer.command.1``, as
+#: ``faults.0``), not as a second location after the first
+_COMMAND_ARG = re.compile(r"^command\[(\d+)\]: ")
 
 
 #: a number with an exponent that YAML 1.1 (PyYAML) reads as text: ``5e1``, ``1.5e3``, ``1e-3``
