@@ -104,13 +104,14 @@ def test_corrupt_latest_checkpoint_falls_back_and_still_ends_equal(
 
 def test_faults_that_did_nothing_fail_even_when_the_state_is_equal(
         tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two corruptions that prove nothing: one finds no checkpoint to damage yet (at step 2,
-    saves every 4; a named step the trainer never saves is refused at validation), the other
+    """Two corruptions that prove nothing: one finds no checkpoint to damage yet (at 0.1 s,
+    when the ranks have just started; saves every 4: a step-triggered fault before the first
+    save, or a named step the trainer never saves, is refused at validation), the other
     damages the newest checkpoint but no restart ever reads it. The run ends equal
     to the reference, and the verdict still fails, saying why."""
     monkeypatch.setenv("ANTIFRAGILE_CACHE", str(cache))
     doc = _scenario("no-effect", [
-        {"kind": "corrupt_shard", "at_step": 2, "checkpoint": "latest"},
+        {"kind": "corrupt_shard", "at_s": 0.1, "checkpoint": "latest"},
         {"kind": "corrupt_shard", "at_step": 9, "checkpoint": "latest"},
     ])
     path = tmp_path / "no-effect.yaml"

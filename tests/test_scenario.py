@@ -393,6 +393,9 @@ def _fault(**fault: Any) -> dict[str, Any]:
      "faults.0.checkpoint: step 15 is not saved yet when the fault fires (at step 12)"),
     (_fault(kind="corrupt_shard", checkpoint=15, at_checkpoint=2),
      "faults.0.checkpoint: step 15 is not saved yet when the fault fires (at step 10)"),
+    (_fault(kind="corrupt_shard", checkpoint="latest", at_step=4),
+     "faults.0.checkpoint: latest: no checkpoint is saved yet when the fault fires (at step "
+     "4; the built-in trainer saves its first at step 5, checkpoint.every_steps)"),
     (_fault(kind="crash_during_save", rank={"dp": 1}, at_checkpoint=1, phase="committing"),
      "faults.0.phase: only the coordinator (rank 0) commits: phase committing needs rank: 0"),
     (_fault(kind="kill_rank", rank=True, at_step=3),
@@ -497,7 +500,7 @@ def test_checkpoints_and_ranks_that_exist_are_accepted() -> None:
     for fault in ({"kind": "corrupt_shard", "checkpoint": 10, "at_step": 12},
                   {"kind": "corrupt_shard", "checkpoint": 10, "at_step": 10},
                   {"kind": "corrupt_shard", "checkpoint": 5, "mtbf_s": 5},
-                  {"kind": "corrupt_shard", "checkpoint": "latest", "at_step": 3},
+                  {"kind": "corrupt_shard", "checkpoint": "latest", "at_step": 5},
                   {"kind": "kill_rank", "rank": "random", "at_s": 2},
                   {"kind": "kill_rank", "rank": {"dp": 1}, "mtbf_s": 30},
                   {"kind": "hang_rank", "rank": 1, "at_step": 3, "duration_s": 2},

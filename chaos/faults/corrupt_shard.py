@@ -44,7 +44,12 @@ class CorruptShard(FaultBase):
         if problem is not None:
             return problem
         step = self.checkpoint
-        if not isinstance(step, int):
+        if not isinstance(step, int):  # latest: whichever is newest when the fault fires
+            fires = self.trigger_step(every_steps)
+            if fires is not None and fires < every_steps:
+                return "checkpoint", (f"latest: no checkpoint is saved yet when the fault "
+                                      f"fires (at step {fires}; the built-in trainer saves its "
+                                      f"first at step {every_steps}, checkpoint.every_steps)")
             return None
         if step > steps:
             return "checkpoint", f"step {step} is after the last step ({steps})"
