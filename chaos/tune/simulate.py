@@ -26,6 +26,7 @@ from antifragile.chaos.tune.model import (
     daly_interval,
     every_steps,
     expected_goodput,
+    optimal_every_steps,
     optimal_interval,
     young_interval,
 )
@@ -241,7 +242,8 @@ class Tuning:
             "recommended_every_steps": self.steps(self.recommended_interval_s),
             "young_every_steps": self.steps(self.young_interval_s),
             "daly_every_steps": self.steps(self.daly_interval_s),
-            "model_optimum_every_steps": self.steps(self.model_optimum_s),
+            "model_optimum_every_steps": (
+                None if c.step_s is None else optimal_every_steps(c.ckpt_s, c.mtbf_s, c.step_s)),
             "expected_goodput": self.expected_goodput,
             "expected_goodput_ci": list(self.expected_goodput_ci),
             "model_goodput": self.model_goodput,
