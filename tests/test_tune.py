@@ -1228,3 +1228,21 @@ def test_projected_every_steps_maximise_the_model_goodput_over_whole_steps(
             tune.expected_goodput(k * step_s, ckpt_s, 0.0, row["mtbf_s"]),
             tune.expected_goodput(_best_whole_steps(ckpt_s, row["mtbf_s"], step_s, k)
                                   * step_s, ckpt_s, 0.0, row["mtbf_s"]), rel_tol=1e-12)
+
+
+def test_the_projected_goodput_is_the_goodput_of_the_projected_every_steps() -> None:
+    """At 100,000 GPUs the optimum (1.41 s) is shorter than a step (10 s): the row said
+    every_steps 1 beside the goodput at 1.41 s (0.986), which a checkpoint every step (0.950)
+    cannot have. Where the step time is known, the row's interval is its whole steps and its
+    goodput that interval's."""
+    costs = tune.Costs(ckpt_s=0.01, restart_s=0.0, mtbf_s=1.0, step_s=10.0)
+    rows = {r["gpus"]: r for r in tune.project(costs, 100.0 * 100_000 / HOUR)}
+    row = rows[100_000]
+    assert row["mtbf_s"] == pytest.approx(100.0)
+    assert row["recommended_every_steps"] == 1
+    assert row["recommended_interval_s"] == 10.0
+    assert row["expected_goodput"] == pytest.approx(
+        tune.expected_goodput(10.0, 0.01, 0.0, row["mtbf_s"]))
+    assert row["expected_goodput"] < 0.96
+    for r in rows.values():
+        assert r["recommended_interval_s"] == r["recommended_every_steps"] * 10.0

@@ -96,7 +96,8 @@ def _table(doc: dict[str, Any]) -> str:
     lines += [f"  note: {n}" for n in c["notes"]]
     if doc.get("projection"):
         lines += ["", "  scale projection: job MTBF = one GPU's MTBF "
-                      f"({doc['gpu_mtbf_h']:g} h) / GPUs, same C and R, analytic optimum",
+                      f"({doc['gpu_mtbf_h']:g} h) / GPUs, same C and R, analytic optimum"
+                      + (" in whole steps" if c["step_s"] is not None else ""),
                   f"  {'GPUs':>8}{'job MTBF h':>12}{'interval s':>12}{'every_steps':>13}"
                   f"{'goodput':>10}{'Meta MTTF h':>13}"]
         for row in doc["projection"]:

@@ -179,17 +179,21 @@ def scale_mtbfs(gpu_mtbf_h: float, gpus: int | None = None,
 def project(costs: Costs, gpu_mtbf_h: float, gpus: int | None = None,
             scales: tuple[int, ...] = PROJECTION_GPUS) -> list[dict[str, Any]]:
     """Goodput and interval at other scales: job MTBF = per-GPU MTBF / GPUs (independent
-    failures in series). Uses the analytic optimum, exact for exponential failures."""
+    failures in series). Uses the analytic optimum, exact for exponential failures, in whole
+    steps where the step time is known (its goodput is then that interval's, as a trainer
+    checkpointing every that many steps has it)."""
     rows = []
     for n, mtbf_s in scale_mtbfs(gpu_mtbf_h, gpus, scales).items():
         tau = optimal_interval(costs.ckpt_s, mtbf_s)
+        steps = None
+        if costs.step_s is not None:
+            steps = optimal_every_steps(costs.ckpt_s, mtbf_s, costs.step_s)
+            tau = steps * costs.step_s
         rows.append({"gpus": n, "mtbf_s": mtbf_s, "mtbf_h": mtbf_s / 3600,
                      "young_interval_s": young_interval(costs.ckpt_s, mtbf_s),
                      "daly_interval_s": daly_interval(costs.ckpt_s, mtbf_s),
                      "recommended_interval_s": tau,
-                     "recommended_every_steps": (
-                         optimal_every_steps(costs.ckpt_s, mtbf_s, costs.step_s)
-                         if costs.step_s else None),
+                     "recommended_every_steps": steps,
                      "expected_goodput": expected_goodput(tau, costs.ckpt_s, costs.restart_s,
                                                           mtbf_s),
                      "meta_reported_mtbf_h": META_MTTF_H.get(n)})
