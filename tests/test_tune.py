@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -1246,3 +1247,50 @@ def test_the_projected_goodput_is_the_goodput_of_the_projected_every_steps() -> 
     assert row["expected_goodput"] < 0.96
     for r in rows.values():
         assert r["recommended_interval_s"] == r["recommended_every_steps"] * 10.0
+
+
+def _runner_wall(rng: Any, segments: int, period_s: float, mtbf_s: float, down_s: float,
+                 restore_s: float) -> float:
+    """One run as ``chaos run`` makes it, failure by failure: ``mtbf_s`` arrivals in wall
+    time, and one that comes while the job is down (from a failure until every rank of the
+    next attempt has started: ``down_s``) is drawn again; the restore after it can fail."""
+    t, done = 0.0, 0
+    failure = rng.exponential(mtbf_s)
+    while done < segments:
+        if failure >= t + period_s:
+            t, done = t + period_s, done + 1
+            continue
+        while True:  # down, then restored unless an arrival comes first
+            t = failure + down_s
+            failure = t + rng.exponential(mtbf_s)
+            if failure >= t + restore_s:
+                t += restore_s
+                break
+    return t
+
+
+def test_the_sweeps_prediction_is_of_the_runs_it_makes_where_no_failure_comes_while_down(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner draws again an arrival that comes while the job is down (detect + restart:
+    2.5 s of the 3.5 s R here), but the sweep predicted its runs with Daly's model, where a
+    failure may come during all of R: at an MTBF of 4 s that is a wall time 15% longer than
+    such runs take on average, and their spread shifted as far."""
+    from antifragile.chaos.scenario import load_scenario
+    from antifragile.chaos.tune import measure
+
+    events, t = _killed_run_events()
+    record = _killed_run(events, t)
+    monkeypatch.setattr(measure, "_run", lambda s, folder, progress: record)
+    measured = tune.costs_from_record(record)
+    assert measured.restart_s == pytest.approx(3.5)
+    costs = tune.Costs(ckpt_s=0.6, restart_s=3.5, mtbf_s=4.0, step_s=1.0)
+    (row,) = tune.sweep(load_scenario(_tiny(tmp_path, [])), costs, measured,
+                        tmp_path / "sweep", every=[2], steps=8, mtbf_from_scenario=False,
+                        progress=lambda _: None)
+    rng = np.random.default_rng(7)
+    walls = np.array([_runner_wall(rng, 4, 2.0 + 0.6, 4.0, 2.5, 1.0) for _ in range(20_000)])
+    overhead = measured.startup_s + measured.tail_s
+    predicted_wall = 8.0 / row["predicted_goodput"] - overhead
+    assert predicted_wall == pytest.approx(walls.mean(), rel=0.02)
+    spread_walls = [8.0 / g - overhead for g in reversed(row["spread_goodput"])]
+    assert spread_walls == pytest.approx(np.quantile(walls, [0.05, 0.95]).tolist(), rel=0.06)

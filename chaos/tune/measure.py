@@ -56,6 +56,9 @@ class Measured:
     # committed with a known time). Not in the model: a failure before the commit rolls back
     # one checkpoint further, and a save asked for while one persists is refused
     persist_s: float | None = None
+    # the part of ``restart_s`` with the job down (detect + restart: no rank to fail), where
+    # ``chaos run`` draws a failure's arrival again: a swept run can fail only in the rest
+    down_s: float = 0.0
 
 
 def scenario_mtbf_s(s: Scenario) -> float | None:
@@ -172,17 +175,19 @@ def costs_from_record(record: RunRecord, *, injected_kill: bool = False, run_dir
     if not timed:
         raise MeasureError(f"no failure of the run was followed by a restart and restore, so R "
                            f"cannot be measured; see {run_dir or 'the run folder'}/torchrun.log")
+    restart_s = mean([t.detect_s + t.restart_s + t.restore_s for t in timed])
     first = by_attempt[min(by_attempt)]
     t1, sec1 = first[min(first)]
     last_attempt = by_attempt[max(by_attempt)]
     return Measured(
         ckpt_s=stall + effect, stall_s=stall, step_effect_s=effect, ckpt_cycle_s=cycle,
-        restart_s=mean([t.detect_s + t.restart_s + t.restore_s for t in timed]),
+        restart_s=restart_s,
         step_s=float(np.median(after + other)), startup_s=max(t1 - sec1 - record.started_t, 0.0),
         tail_s=max(record.ended_t - last_attempt[max(last_attempt)][0], 0.0),
         failures=len(timed), checkpoints=len(ckpts), injected_kill=injected_kill,
         wall_s=record.wall_s, goodput=figures.goodput(record), run_dir=run_dir,
-        persist_s=mean(persists) if persists else None)
+        persist_s=mean(persists) if persists else None,
+        down_s=min(mean([t.detect_s + t.restart_s for t in timed]), restart_s))
 
 
 def _persist_slowdown(persisting: dict[tuple[int, int], tuple[float, float]],
@@ -292,13 +297,15 @@ def sweep(s: Scenario, costs: Costs, measured: Measured, folder: Path, *, every:
         progress(f"sweep: every {e} steps, {steps} steps, MTBF {costs.mtbf_s:.4g} s")
         record = _run(run_s, folder / f"every_{e}", progress)
         tau = e * costs.step_s
-        model = expected_goodput(tau, costs.ckpt_s, costs.restart_s, costs.mtbf_s)
+        # the run as ``chaos run`` makes it: no failure while the job is down
+        model = expected_goodput(tau, costs.ckpt_s, costs.restart_s, costs.mtbf_s,
+                                 down_s=measured.down_s)
         work = steps * costs.step_s
         # goodput 0: the model's expected wall time overflowed (an interval far longer than
         # the MTBF, from --sweep-every): so does this run's
         overhead = measured.startup_s + measured.tail_s
         predicted = work / (overhead + work / model) if model > 0 else 0.0
-        walls = run_spread(work, tau, costs, seed=seed)
+        walls = run_spread(work, tau, costs, down_s=measured.down_s, seed=seed)
         spread = ([work / (overhead + walls[1]), work / (overhead + walls[0])]
                   if walls is not None else [0.0, 0.0])
         got = _model_goodput(record)

@@ -89,12 +89,16 @@ def daly_interval(ckpt_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * ckpt_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - ckpt_s
 
 
-def expected_goodput(interval_s: float, ckpt_s: float, restart_s: float, mtbf_s: float
-                     ) -> float:
+def expected_goodput(interval_s: float, ckpt_s: float, restart_s: float, mtbf_s: float,
+                     *, down_s: float = 0.0) -> float:
     """Useful work / expected wall time under Daly's model (exponential failures); 0 where
-    the expected wall time overflows a float (C + tau or R hundreds of times M)."""
+    the expected wall time overflows a float (C + tau or R hundreds of times M).
+
+    ``down_s``: the first seconds of R in which no failure can come (``chaos run`` draws again
+    an arrival while the job is down), the rest of R as interruptible as in Daly's model:
+    ``(M + D) exp((R - D) / M)`` in place of ``M exp(R / M)`` (D = 0: Daly's)."""
     try:
-        wall_per_segment = (mtbf_s * math.exp(restart_s / mtbf_s)
+        wall_per_segment = ((mtbf_s + down_s) * math.exp((restart_s - down_s) / mtbf_s)
                             * math.expm1((interval_s + ckpt_s) / mtbf_s))
     except OverflowError:
         return 0.0

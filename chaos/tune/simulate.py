@@ -72,7 +72,7 @@ MAX_FAILURES = 10_000
 
 
 def _wall_times(interval_s: float, segments: int, ckpt_s: float, restart_s: float,
-                failures: _FailureTimes) -> np.ndarray | None:
+                failures: _FailureTimes, down_s: float = 0.0) -> np.ndarray | None:
     """Wall time of each schedule to finish ``segments`` x (work + checkpoint); None once a
     schedule is given up after :data:`MAX_FAILURES` failures (the interval then does no
     useful work to speak of, so the schedules not yet played are not).
@@ -82,6 +82,9 @@ def _wall_times(interval_s: float, segments: int, ckpt_s: float, restart_s: floa
     floor(gap / period) of them (none when a failure comes within the restart). A schedule
     finishes in the first gap long enough for the segments it still owes, which makes it a
     few array operations over a stretch of failures at a time, 256 schedules at once.
+
+    ``down_s``: seconds after each failure, before the ``restart_s``, in which no failure
+    comes (failure times are then up time; each failure before the finish adds them).
     """
     period = interval_s + ckpt_s
     wall = np.zeros(failures.n)
@@ -104,7 +107,8 @@ def _wall_times(interval_s: float, segments: int, ckpt_s: float, restart_s: floa
             finish = start + (segments - before) * period
             ok = finish <= f
             hit = ok.any(axis=1)
-            wall[rows[hit]] = finish[hit, ok.argmax(axis=1)[hit]]
+            gap = ok.argmax(axis=1)[hit]  # the failures before the finish: first + gap
+            wall[rows[hit]] = finish[hit, gap] + down_s * (first + gap)
             done = (before[:, -1] + committed[:, -1])[~hit]
             rows = rows[~hit]
             first, width = last, 2 * width
@@ -189,16 +193,19 @@ def simulate(intervals_s: list[float], costs: Costs, *, dist: Distribution = "ex
 SPREAD_COVERAGE = 0.9
 
 
-def run_spread(work_s: float, interval_s: float, costs: Costs, *, schedules: int = 2000,
-               seed: int = 0) -> tuple[float, float] | None:
+def run_spread(work_s: float, interval_s: float, costs: Costs, *, down_s: float = 0.0,
+               schedules: int = 2000, seed: int = 0) -> tuple[float, float] | None:
     """Where the wall time of ONE run of ``work_s`` seconds of work, checkpointed every
     ``interval_s``, falls under exponential failures at the MTBF: the central
     :data:`SPREAD_COVERAGE` of it over seeded schedules. A short run meets a few failures, so
     one run's goodput scatters widely around the expected one: a sweep's gap inside this is
-    noise, not the model's error. None when a schedule was given up (no useful work)."""
+    noise, not the model's error. None when a schedule was given up (no useful work).
+    ``down_s``: the part of the restart cost in which no failure comes, as
+    :func:`~.model.expected_goodput` takes it."""
     segments = max(1, math.ceil(work_s / interval_s))  # whole segments, the same work in all
     failures = _FailureTimes("exponential", 1.0, costs.mtbf_s, schedules, seed)
-    wall = _wall_times(work_s / segments, segments, costs.ckpt_s, costs.restart_s, failures)
+    wall = _wall_times(work_s / segments, segments, costs.ckpt_s, costs.restart_s - down_s,
+                       failures, down_s)
     if wall is None:
         return None
     tail = (1 - SPREAD_COVERAGE) / 2
