@@ -795,3 +795,26 @@ def test_a_model_size_no_memory_here_holds_is_refused_naming_its_key() -> None:
                                             r"memory available here"):
         parse_scenario(doc)
     parse_scenario(_with(trainer={**_with()["trainer"], "model": {"seq_len": 256}}))
+
+
+def test_every_scenario_key_has_its_row_in_the_reference() -> None:
+    """``scenarios/README.md`` is the format's reference (the design it came from is not in
+    the repository, and the README named the keys only where it told of something else): a
+    key added to the scenario models without its row there fails here, as does a fault kind
+    missing from its table of kinds."""
+    import re
+
+    from antifragile.chaos.faults import FAULT_CONFIGS
+    from antifragile.chaos.scenario import CheckpointSpec, Expect, Scenario
+    from antifragile.chaos.scenario.trainer import CommandSpec, ModelSpec, Parallel, TrainerSpec
+
+    text = (SCENARIOS / "README.md").read_text()
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `([a-z_]+)` \|(.*)$", text, re.M)}
+    for model in (Scenario, TrainerSpec, CommandSpec, CheckpointSpec, Expect,
+                  *FAULT_CONFIGS.values()):
+        for name, field in model.model_fields.items():
+            assert (field.alias or name) in rows, f"{model.__name__}.{name}"
+    for parent, model in (("parallel", Parallel), ("model", ModelSpec)):  # in their parent's row
+        for name in model.model_fields:
+            assert re.search(rf"\b{name}\b", rows[parent]), f"{parent}.{name}"
+    assert set(FAULT_CONFIGS) <= set(rows)
