@@ -182,11 +182,12 @@ def goodput(record: RunRecord) -> float | None:
                 final[e["step"]] = (attempt, max(known) if known else None)
     if not final:
         return None
-    paces = {a: sorted(s for a2, s in final.values() if a2 == a and s is not None)
-             for a, _ in final.values()}
-    everywhere = sorted(s for _, s in final.values() if s is not None)
-    useful = sum(s if s is not None else _median(paces[a] or everywhere)
-                 for a, s in final.values())
+    timed: dict[int, list[float]] = {}
+    for a, s in final.values():
+        timed.setdefault(a, []).extend([] if s is None else [s])
+    everywhere = [s for v in timed.values() for s in v]
+    paces = {a: _median(sorted(v or everywhere)) for a, v in timed.items()}
+    useful = sum(paces[a] if s is None else s for a, s in final.values())
     wall = record.wall_s - record.paused_s
     return useful / wall if wall > 0 else 0.0
 
