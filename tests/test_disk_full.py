@@ -248,6 +248,33 @@ def test_the_fill_takes_the_free_space_and_what_is_freed_until_it_ends(volume: V
     (volume.path / "new").write_bytes(bytes(1 << 20))
 
 
+def test_the_fault_is_timed_when_the_disk_is_full_not_when_the_fill_began(
+        volume: Volume, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Filling a large volume takes a while (about 0.25 s a GiB of tmpfs, seconds for the
+    largest one allowed): the report's window of the full disk begins at the injection's
+    time, and saves that committed before the disk was full were counted as saves made
+    during it."""
+    from antifragile.chaos.infra import volume as volumes
+
+    allocate = os.posix_fallocate
+    full_t: list[float] = []
+
+    def slow(fd: int, offset: int, length: int) -> None:
+        time.sleep(0.3)
+        allocate(fd, offset, length)
+        full_t.append(time.time())
+
+    monkeypatch.setattr(volumes.os, "posix_fallocate", slow)
+    target = Target(pids={}, coordinates={}, ckpt_url=str(volume.path / "ckpt"),
+                    rng=random.Random(0), volume=volume)
+    injection = DiskFull(kind="disk_full", at_step=1, duration_s=300.0).inject(target, 1)
+    try:
+        assert injection.skipped is None and injection.missed is None
+        assert full_t and injection.t >= full_t[0], (injection.t, full_t[0])
+    finally:
+        target.endings.end_now()
+
+
 def test_an_interrupt_as_the_fault_is_recorded_leaves_no_fill_going(
         volume: Volume, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Ctrl-C or SIGTERM landing after the fill started and before its end was registered

@@ -55,6 +55,7 @@ class DiskFull(FaultBase):
 
         fill = Fill(target.volume)  # its thread runs from here: its end is registered at once
         target.endings.after(self.duration_s, end)
+        injection.t = fill.full_t  # the fault landed once the disk was full, not as it began
         injection.detail.setdefault("filled_bytes", fill.filled_bytes)  # unless its end
         injection.detail.setdefault("error", fill.error)  # came first (a short duration_s)
         return injection

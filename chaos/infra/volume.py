@@ -25,6 +25,7 @@ import re
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,8 @@ def checkpoint_volume(path: Path, size_mib: int) -> Iterator[Volume | str]:
 
 class Fill:
     """One file that takes a volume's free space until :meth:`stop`; ``filled_bytes``: its
-    size, ``error``: why it could not grow, if it never could."""
+    size, ``error``: why it could not grow, if it never could; ``full_t``: when its first
+    take ended (the disk full, unless ``error``), seconds a large volume after it began."""
 
     def __init__(self, volume: Volume) -> None:
         self.volume = volume
@@ -113,6 +115,7 @@ class Fill:
         self.error: str | None = None
         self._stop = threading.Event()
         self._take()
+        self.full_t = time.time()
         self._thread = threading.Thread(target=self._keep, name="disk-full", daemon=True)
         self._thread.start()
 
