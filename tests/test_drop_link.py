@@ -257,6 +257,23 @@ def test_processes_inside_are_killed_and_leftovers_of_dead_runs_are_reaped() -> 
 
 
 @needs_netns
+def test_a_live_network_of_another_pid_namespace_is_never_reaped() -> None:
+    """``/var/run/netns`` shared with a container (its own pid namespace): the reaping there
+    found no process with the owner's pid and start time, so it deleted a live run's
+    namespaces under it (and would kill what it saw inside), as ``weed.reap_orphans`` no
+    longer does for a live cluster."""
+    if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot make a pid namespace here (unshare)")
+    reap = "from antifragile.chaos.infra import netns; print(netns.reap_leftovers())"
+    with Network(2) as net:
+        done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
+                               "-c", reap], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+        assert {net.switch, *(h.namespace for h in net.hosts)} <= set(_ours())
+
+
+@needs_netns
 def test_a_leftover_of_an_earlier_process_with_this_pid_neither_blocks_nor_stays(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """pids are recycled: a chaos SIGKILLed with its network up, and a later chaos given the

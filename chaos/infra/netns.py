@@ -28,12 +28,14 @@ link, so cutting a host's link cuts its storage too, as on a real network.
 Addresses are ordered so that host 0 sorts first (``10.213.0.10`` < ``.11`` < ... ``.99``):
 torch's c10d rendezvous ranks agents by address, so host ``i`` runs agent group rank ``i``.
 
-Cleanup: namespace names carry the creating process's id and start time
-(``afnet-<pid>-<start>-<n>``: pids are recycled, start times are not); closing the
-:class:`Network` kills what still runs inside its hosts and deletes the namespaces (veths go
-with them). :func:`reap_leftovers` deletes namespaces left by a process that no longer
-exists (a run killed with SIGKILL), also one whose pid a later process was given; every new
-network calls it first.
+Cleanup: namespace names carry the creating process's id, start time and pid namespace
+(``afnet-<pid>-<start>-p<pidns>-<n>``: pids are recycled, start times are not, and both name
+a process only within its pid namespace); closing the :class:`Network` kills what still runs
+inside its hosts and deletes the namespaces (veths go with them). :func:`reap_leftovers`
+deletes namespaces left by a process that no longer exists (a run killed with SIGKILL), also
+one whose pid a later process was given; every new network calls it first. Only names made in
+this pid namespace are judged: a container sharing ``/var/run/netns`` cannot see the owner of
+a live network outside it, nor the other way round.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ import time
 from dataclasses import dataclass
 from types import TracebackType
 
-from antifragile.chaos.infra.weed import start_time
+from antifragile.chaos.infra.weed import pid_namespace, start_time
 
 IFNAME = "eth0"
 SUBNET = "10.213.0"
@@ -62,8 +64,9 @@ _CLONE_NEWNET = 0x40000000
 IP_TIMEOUT_S = 30
 KILL_INSIDE_S = 5.0  # how long a namespace's processes are killed until none is left
 _PREFIX = "afnet"
-# owner pid, its start time (absent from names made before it was part of them)
-_NAME = re.compile(rf"^{_PREFIX}-(\d+)-(?:(\d+)-)?\d+-(?:sw|h\d+)$")
+# owner pid, its start time, its pid namespace's inode (each absent from names made before
+# it was part of them)
+_NAME = re.compile(rf"^{_PREFIX}-(\d+)-(?:(\d+)-)?(?:p(\d+)-)?\d+-(?:sw|h\d+)$")
 _counter = itertools.count()
 
 
@@ -140,14 +143,22 @@ def _delete(namespace: str) -> None:
         _ip("netns", "delete", namespace)
 
 
+def _pid_namespace_inode() -> str | None:
+    """This process's pid namespace's inode (digits), or None where it cannot be read."""
+    found = re.fullmatch(r"pid:\[(\d+)\]", pid_namespace() or "")
+    return found.group(1) if found else None
+
+
 def reap_leftovers() -> list[str]:
-    """Delete namespaces of ours whose creating process is gone; returns their names."""
+    """Delete namespaces of ours whose creating process is gone; returns their names. One
+    made in another pid namespace is left alone: its owner's pid names nothing here."""
     if unavailable_reason():
         return []
+    here = _pid_namespace_inode()
     reaped = []
     for name in _namespaces():
         m = _NAME.match(name)
-        if m is None:
+        if m is None or m.group(3) not in (None, here):
             continue
         pid, started = int(m.group(1)), m.group(2)
         gone = not _pid_alive(pid) if started is None else start_time(pid) != int(started)
@@ -175,7 +186,9 @@ class Network:
         if not 2 <= n_hosts <= MAX_HOSTS:
             raise ValueError(f"an emulated network has 2..{MAX_HOSTS} hosts, not {n_hosts}")
         me = os.getpid()
-        self.prefix = f"{_PREFIX}-{me}-{start_time(me)}-{next(_counter)}"
+        pidns = _pid_namespace_inode()
+        self.prefix = (f"{_PREFIX}-{me}-{start_time(me)}-"
+                       f"{'' if pidns is None else f'p{pidns}-'}{next(_counter)}")
         self.switch = f"{self.prefix}-sw"
         self.hosts = [EmulatedHost(i, f"{self.prefix}-h{i}", f"{SUBNET}.{10 + i}")
                       for i in range(n_hosts)]
