@@ -184,6 +184,22 @@ def test_a_server_another_fault_holds_down_is_missed_not_a_crash(
     assert all(s.alive() for s in cluster.volume_servers)
 
 
+@pytest.mark.s3
+def test_a_server_that_does_not_stop_is_missed_saying_so(
+        cluster: SeaweedCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A running server that was sent SIGSTOP and did not show as stopped (asleep in
+    uninterruptible I/O) was reported missed "... : it was down when this fault was due",
+    the reason of a server another fault held down: the report named the wrong cause."""
+    from antifragile.chaos.infra import seaweedfs
+
+    monkeypatch.setattr(seaweedfs, "wait_stopped", lambda pid: False)
+    injection = StorageNodeDown(kind="storage_node_down", at_step=1, duration_s=0.5,
+                                mode="stop", server=0).inject(_target(cluster), 1)
+    assert injection.missed is not None and "did not stop" in injection.missed, injection
+    assert "was down" not in injection.missed, injection.missed
+    assert _process_state(cluster.volume_servers[0].pid or 0) in "RS"
+
+
 # -- the report and the verdict ----------------------------------------------------------------
 
 

