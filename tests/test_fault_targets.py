@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,6 +81,60 @@ def test_a_thread_that_never_stops_is_a_missed_hang_not_a_refused_ptrace(
     assert hang.skipped is None, hang
     assert hang.missed == (f"rank 0 (pid {sleeper.pid}): its thread did not stop within "
                            "0.2 s of the ptrace interrupt"), hang
+
+
+def test_a_signal_that_reaches_the_held_thread_before_its_stop_is_not_lost(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal that reaches the training thread between the seize and the interrupt stops
+    it first (a signal-delivery stop, which the hold took for its stop): the detach passed
+    no signal, so the tracer discarded it and the rank never got it (a SIGTERM, a timer,
+    a worker's SIGCHLD)."""
+    if os.geteuid() != 0:
+        pytest.skip("ptrace of a non-child needs root here")
+    import ctypes
+
+    from antifragile.chaos.faults import hang_rank
+
+    code = ("import signal, time\n"
+            "signal.signal(signal.SIGUSR1, lambda *a: print('got it', flush=True))\n"
+            "print('ready', flush=True)\n"
+            "while True: time.sleep(0.01)\n")
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    real = ctypes.CDLL
+
+    class SignalFirst:  # libc whose ptrace interrupt comes after a SIGUSR1 has stopped it
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            libc = real(*args, **kwargs)
+
+            def ptrace(request: int, pid: int, addr: Any, data: Any) -> int:
+                if request == hang_rank._PTRACE_INTERRUPT:
+                    os.kill(pid, signal.SIGUSR1)
+                    time.sleep(0.3)
+                result: int = libc.ptrace(request, pid, addr, data)
+                return result
+
+            libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                    ctypes.c_void_p]
+            self.ptrace = ptrace
+
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "ready"
+        monkeypatch.setattr(hang_rank.ctypes, "CDLL", SignalFirst)
+        target = _target(rank.pid)
+        hang = FAULT_CONFIGS["hang_rank"](kind="hang_rank", rank=0, at_step=1,
+                                          duration_s=300.0, mode="thread").inject(target, 1)
+        assert hang.missed is None and hang.skipped is None, hang
+        target.endings.end_now()
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.append(rank.stdout.readline()),
+                                  daemon=True)
+        reader.start()
+        reader.join(timeout=5)
+        assert got == ["got it\n"], "the signal was lost with the ptrace hold"
+    finally:
+        rank.kill()
+        rank.wait()
 
 
 @pytest.mark.parametrize("second", ["kill_rank", "crash_during_save"])

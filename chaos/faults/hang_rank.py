@@ -168,6 +168,10 @@ class _ThreadHold:
             self._error = _EXITED
             self._stopped.set()
             return
+        # a signal that reached the thread before the interrupt stops it first (a
+        # signal-delivery stop: no ptrace event in the status); the detach hands it back,
+        # else the tracer discards it and the rank never gets it
+        pending = os.WSTOPSIG(status) if status >> 16 == 0 else 0
         self._stopped.set()
         while not self._release.wait(0.05):
             try:  # the process may be killed meanwhile (its supervisor found the hang)
@@ -176,4 +180,4 @@ class _ThreadHold:
                 return
             if done:
                 return
-        libc.ptrace(_PTRACE_DETACH, self.tid, None, None)  # ESRCH: it died meanwhile
+        libc.ptrace(_PTRACE_DETACH, self.tid, None, pending or None)  # ESRCH: it died
