@@ -1,0 +1,142 @@
+"""Two gloo ranks saving to a real S3 (the session's SeaweedFS) while the storage misbehaves
+for some of them: the whole endpoint goes silent mid-save, only one rank's connection fails,
+the endpoint dies right after the COMMIT. Each rank reaches S3 through a fault proxy
+(``chaos/infra/proxy.py``) that lives in its own process, so a rank's phase hook (or a
+storage wrapper) starts the fault at a known point of the save, not at a raced moment.
+
+Timeouts are shortened (1 s connect and read, 3 tries, a few seconds' commit deadline) so that
+each bound is seconds; the bound checked is the one the README states for them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from antifragile.engine import CheckpointEngine, CheckpointError
+from antifragile.engine.storage import RetryingStorage
+
+pytestmark = [pytest.mark.s3, pytest.mark.multiproc, pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+
+READ_TIMEOUT_S = 1.0
+ATTEMPTS = 3
+COMMIT_TIMEOUT_S = 6.0
+
+
+def _state(step: int) -> dict[str, Any]:
+    """Row-sharded over the 2 ranks plus a replicated tensor: both ranks write objects."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    w = torch.arange(64.0).reshape(16, 4) * step + 0.5
+    return {"w": distribute_tensor(w, mesh, [Shard(0)]), "b": torch.full((8,), float(step))}
+
+
+def _plain(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+            for k, v in state.items()}
+
+
+def _engine(url: str, endpoint: str, **kwargs: Any) -> CheckpointEngine:
+    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
+               "config_kwargs": {"connect_timeout": 1, "read_timeout": READ_TIMEOUT_S}}
+    engine = CheckpointEngine(url, storage_options=options, commit_timeout_s=COMMIT_TIMEOUT_S,
+                              **kwargs)
+    assert isinstance(engine.storage, RetryingStorage)
+    engine.storage.attempts = ATTEMPTS
+    engine.storage.base_delay_s = 0.01
+    return engine
+
+
+def _shared_proxy(endpoint: str) -> tuple[Any, str]:
+    """Rank 0 starts a proxy in front of ``endpoint``; every rank gets its URL."""
+    import torch.distributed as dist
+
+    from antifragile.chaos.infra.proxy import FaultProxy
+
+    proxy = FaultProxy.in_front_of(endpoint) if dist.get_rank() == 0 else None
+    url = [proxy.endpoint_url if proxy is not None else ""]
+    dist.broadcast_object_list(url, src=0)
+    return proxy, url[0]
+
+
+def _timed_wait(handle: Any) -> tuple[str, float]:
+    began = time.monotonic()
+    try:
+        handle.wait()
+        return "committed", time.monotonic() - began
+    except CheckpointError as exc:
+        return f"failed: {exc}", time.monotonic() - began
+
+
+def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
+        for k in a)
+
+
+def _loaded(url: str, endpoint: str) -> tuple[int, dict[str, torch.Tensor], list[int]]:
+    target = _state(0)
+    with _engine(url, endpoint) as engine:
+        step = engine.load(target)
+        return step, _plain(target), engine.agreed_steps()
+
+
+# -- 1. the endpoint goes silent mid-save --------------------------------------------------------
+
+def _save_into_silence(url: str, endpoint: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    proxy, through = _shared_proxy(endpoint)
+    engine = _engine(url, through)
+    engine.save(1, _state(1), blocking=True)
+
+    def silence(step: int, phase: str) -> None:
+        if proxy is not None and (step, phase) == (2, "persisting"):
+            proxy.fault("blackhole")
+
+    engine._on_phase = silence
+    outcome, waited_s = _timed_wait(engine.save(2, _state(2)))
+    began = time.monotonic()
+    engine.close()
+    close_s = time.monotonic() - began
+    faulted = proxy.snapshot().faulted if proxy is not None else 0
+    dist.barrier()
+    if proxy is not None:
+        proxy.heal()
+    step, loaded, steps = _loaded(url, through)
+    dist.barrier()
+    if proxy is not None:
+        proxy.close()
+    return {"outcome": outcome, "waited_s": waited_s, "close_s": close_s, "faulted": faulted,
+            "step": step, "bit_equal": _bit_equal(loaded, _plain(_state(1))), "steps": steps}
+
+
+def test_a_silent_endpoint_fails_both_ranks_saves_within_the_bound(
+        s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    """Both handles fail naming the step and the storage, within the README's bound for a
+    storage that does not answer: the failing request's tries plus one try each for the error
+    record and the ABORT look-up on the rank whose request failed; a rank waiting for the
+    COMMIT gives up at the commit deadline plus its grace (min(30 s, commit_timeout_s / 2)).
+    Nothing commits, close() does not hang, and once the endpoint answers again the previous
+    step loads bit for bit."""
+    from _dist import run_ranks
+
+    url, options = s3_bucket
+    results = run_ranks(2, _save_into_silence, url, options["endpoint_url"], timeout_s=120)
+    assert results[0]["faulted"] > 0, "the proxy blackholed nothing: no outage happened"
+    own_bound_s = ATTEMPTS * (READ_TIMEOUT_S + 0.5) + 2 * READ_TIMEOUT_S + 2
+    waiting_bound_s = COMMIT_TIMEOUT_S * 1.5 + 2
+    for rank, got in enumerate(results):
+        print(f"rank {rank}: {got['outcome'][:200]} after {got['waited_s']:.2f} s, "
+              f"close {got['close_s']:.2f} s")
+        assert got["outcome"].startswith("failed: step 2"), (rank, got["outcome"])
+        assert url in got["outcome"], (rank, got["outcome"])
+        assert got["waited_s"] < max(own_bound_s, waiting_bound_s), (rank, got)
+        assert got["close_s"] < 5, (rank, got)
+        assert got["step"] == 1 and got["bit_equal"] and got["steps"] == [1], (rank, got)
