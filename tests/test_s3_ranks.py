@@ -89,7 +89,7 @@ def _loaded(url: str, endpoint: str) -> tuple[int, dict[str, torch.Tensor], list
 
 # -- 1. the endpoint goes silent mid-save --------------------------------------------------------
 
-def _save_into_silence(url: str, endpoint: str) -> dict[str, Any]:
+def _save_into_silence(url: str, endpoint: str, at_phase: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     proxy, through = _shared_proxy(endpoint)
@@ -97,7 +97,7 @@ def _save_into_silence(url: str, endpoint: str) -> dict[str, Any]:
     engine.save(1, _state(1), blocking=True)
 
     def silence(step: int, phase: str) -> None:
-        if proxy is not None and (step, phase) == (2, "persisting"):
+        if proxy is not None and (step, phase) == (2, at_phase):
             proxy.fault("blackhole")
 
     engine._on_phase = silence
@@ -117,26 +117,93 @@ def _save_into_silence(url: str, endpoint: str) -> dict[str, Any]:
             "step": step, "bit_equal": _bit_equal(loaded, _plain(_state(1))), "steps": steps}
 
 
+@pytest.mark.parametrize("at_phase", ["persisting", "committing"])
 def test_a_silent_endpoint_fails_both_ranks_saves_within_the_bound(
-        s3_bucket: tuple[str, dict[str, Any]]) -> None:
+        s3_bucket: tuple[str, dict[str, Any]], at_phase: str) -> None:
     """Both handles fail naming the step and the storage, within the README's bound for a
     storage that does not answer: the failing request's tries plus one try each for the error
     record and the ABORT look-up on the rank whose request failed; a rank waiting for the
     COMMIT gives up at the commit deadline plus its grace (min(30 s, commit_timeout_s / 2)).
     Nothing commits, close() does not hang, and once the endpoint answers again the previous
-    step loads bit for bit."""
+    step loads bit for bit. Silent from rank 0's 'persisting' (the writes go unanswered) or
+    its 'committing' (every record is in; the COMMIT goes unanswered)."""
     from _dist import run_ranks
 
     url, options = s3_bucket
-    results = run_ranks(2, _save_into_silence, url, options["endpoint_url"], timeout_s=120)
+    results = run_ranks(2, _save_into_silence, url, options["endpoint_url"], at_phase,
+                        timeout_s=120)
     assert results[0]["faulted"] > 0, "the proxy blackholed nothing: no outage happened"
     own_bound_s = ATTEMPTS * (READ_TIMEOUT_S + 0.5) + 2 * READ_TIMEOUT_S + 2
     waiting_bound_s = COMMIT_TIMEOUT_S * 1.5 + 2
     for rank, got in enumerate(results):
-        print(f"rank {rank}: {got['outcome'][:200]} after {got['waited_s']:.2f} s, "
+        print(f"{at_phase} rank {rank}: {got['outcome'][:200]} after {got['waited_s']:.2f} s, "
               f"close {got['close_s']:.2f} s")
         assert got["outcome"].startswith("failed: step 2"), (rank, got["outcome"])
         assert url in got["outcome"], (rank, got["outcome"])
         assert got["waited_s"] < max(own_bound_s, waiting_bound_s), (rank, got)
         assert got["close_s"] < 5, (rank, got)
         assert got["step"] == 1 and got["bit_equal"] and got["steps"] == [1], (rank, got)
+
+
+# -- 2. only one rank's uploads fail -------------------------------------------------------------
+
+def _save_with_rank_1_cut_off(url: str, endpoint: str, kind: str) -> dict[str, Any]:
+    """Rank 1 reaches S3 through a proxy of its own that starts ``kind`` at its 'persisting'
+    phase of step 2 (rank 0 talks to S3 directly), heals, and both save step 3."""
+    import torch.distributed as dist
+
+    from antifragile.chaos.infra.proxy import FaultProxy
+
+    proxy = FaultProxy.in_front_of(endpoint) if dist.get_rank() == 1 else None
+    engine = _engine(url, proxy.endpoint_url if proxy is not None else endpoint)
+    engine.save(1, _state(1), blocking=True)
+
+    def cut_off(step: int, phase: str) -> None:
+        if proxy is not None and (step, phase) == (2, "persisting"):
+            proxy.fault(kind)
+
+    engine._on_phase = cut_off
+    outcome, waited_s = _timed_wait(engine.save(2, _state(2)))
+    faulted = proxy.snapshot().faulted if proxy is not None else 0
+    steps = engine.agreed_steps()  # collective: both ranks are past step 2 here
+    if proxy is not None:
+        proxy.heal()
+    after, _ = _timed_wait(engine.save(3, _state(3)))
+    began = time.monotonic()
+    engine.close()
+    close_s = time.monotonic() - began
+    step, loaded, _ = _loaded(url, endpoint)
+    dist.barrier()
+    if proxy is not None:
+        proxy.close()
+    return {"outcome": outcome, "waited_s": waited_s, "faulted": faulted, "steps": steps,
+            "after": after, "close_s": close_s, "step": step,
+            "bit_equal": _bit_equal(loaded, _plain(_state(3)))}
+
+
+@pytest.mark.parametrize("kind", ["blackhole", "http503"])
+def test_one_rank_cut_off_from_s3_fails_the_save_on_both_ranks_naming_it(
+        s3_bucket: tuple[str, dict[str, Any]], kind: str) -> None:
+    """Rank 1's uploads fail (its endpoint silent, or answering 503 to it alone): its own
+    handle fails naming its key and rank; rank 0, whose storage is fine, commits nothing and
+    fails at the commit deadline naming rank 1 (rank 1's error record could not reach S3
+    either); neither waits on the other past its deadline; the next save commits on both."""
+    from _dist import run_ranks
+
+    url, options = s3_bucket
+    rank0, rank1 = run_ranks(2, _save_with_rank_1_cut_off, url, options["endpoint_url"], kind,
+                             timeout_s=120)
+    assert rank1["faulted"] > 0, "rank 1's proxy faulted nothing: its uploads went through"
+    for rank, got in enumerate((rank0, rank1)):
+        print(f"{kind} rank {rank}: {got['outcome'][:240]} after {got['waited_s']:.2f} s")
+    assert rank1["outcome"].startswith(f"failed: step 2, rank 1: write {url}/step_000000002/"), \
+        rank1["outcome"]
+    assert rank1["waited_s"] < ATTEMPTS * (READ_TIMEOUT_S + 0.5) + 2 * READ_TIMEOUT_S + 2, rank1
+    assert rank0["outcome"].startswith("failed: step 2") and "rank(s) [1]" in rank0["outcome"], \
+        rank0["outcome"]
+    assert COMMIT_TIMEOUT_S <= rank0["waited_s"] < COMMIT_TIMEOUT_S + 3, rank0
+    for got in (rank0, rank1):
+        assert got["steps"] == [1], got
+        assert got["after"] == "committed" and got["close_s"] < 5, got
+        assert got["step"] == 3 and got["bit_equal"], got
+
