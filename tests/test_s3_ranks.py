@@ -207,3 +207,99 @@ def test_one_rank_cut_off_from_s3_fails_the_save_on_both_ranks_naming_it(
         assert got["after"] == "committed" and got["close_s"] < 5, got
         assert got["step"] == 3 and got["bit_equal"], got
 
+
+# -- 3. the endpoint dies right after the COMMIT -------------------------------------------------
+
+class _SilenceAfter:
+    """Rank 0's S3 storage: once the request that ``trigger`` names has returned, the shared
+    proxy goes silent (a blackhole): the next request, the retention's, gets no answer."""
+
+    def __init__(self, inner: Any, proxy: Any, method: str, key: str) -> None:
+        self.inner, self.proxy, self.method, self.key = inner, proxy, method, key
+        self.fired = False
+
+    def _after(self, method: str, key: str) -> None:
+        if (method, key) == (self.method, self.key) and not self.fired:
+            self.fired = True
+            self.proxy.fault("blackhole")
+
+    def create(self, key: str, parts: Any) -> None:
+        from antifragile.engine.storage._base import create
+
+        create(self.inner, key, parts)
+        self._after("create", key)
+
+    def delete(self, key: str) -> Any:
+        found = self.inner.delete(key)
+        self._after("delete", key)
+        return found
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _endpoint_dies_after(url: str, endpoint: str, method: str, key: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    proxy, through = _shared_proxy(endpoint)
+    engine = _engine(url, through, keep_last=1)
+    engine.save(1, _state(1), blocking=True)
+    silencer = None
+    if proxy is not None:
+        assert isinstance(engine.storage, RetryingStorage)
+        silencer = engine.storage.inner = _SilenceAfter(engine.storage.inner, proxy, method, key)
+    handle = engine.save(2, _state(2))
+    outcome, waited_s = _timed_wait(handle)
+    began = time.monotonic()
+    engine.close()
+    close_s = time.monotonic() - began
+    fired = silencer.fired if silencer is not None else True
+    retention_error = handle.retention_error
+    dist.barrier()
+    if proxy is not None:
+        proxy.heal()
+    step, loaded, steps = _loaded(url, through)
+    # the next save's retention finishes what this one left
+    with _engine(url, through, keep_last=1) as again:
+        again.save(3, _state(3), blocking=True)
+        later = again.agreed_steps()
+    dist.barrier()
+    if proxy is not None:
+        proxy.close()
+    return {"outcome": outcome, "waited_s": waited_s, "close_s": close_s, "fired": fired,
+            "retention_error": retention_error, "step": step, "steps": steps,
+            "bit_equal": _bit_equal(loaded, _plain(_state(2))), "later": later}
+
+
+@pytest.mark.parametrize(("method", "key"), [
+    ("create", "step_000000002/COMMIT"),  # before retention runs
+    ("delete", "step_000000001/COMMIT"),  # retention half done: step 1 hidden, its data left
+])
+def test_the_endpoint_dying_after_the_commit_leaves_the_step_loadable(
+        s3_bucket: tuple[str, dict[str, Any]], method: str, key: str) -> None:
+    """Rank 0's save commits (its failed retention is a warning on the handle, not a failed
+    save); once the endpoint answers again step 2 is the newest, loads bit for bit on both
+    ranks, and the next save's retention removes what the interrupted one left. Rank 1,
+    which cannot see the COMMIT through the outage, fails at its deadline saying only that
+    it saw no COMMIT (it cannot know), never that the step is lost."""
+    from _dist import run_ranks
+
+    url, options = s3_bucket
+    rank0, rank1 = run_ranks(2, _endpoint_dies_after, url, options["endpoint_url"], method, key,
+                             timeout_s=120)
+    for rank, got in enumerate((rank0, rank1)):
+        print(f"{method} {key} rank {rank}: {got['outcome'][:240]} after {got['waited_s']:.2f} "
+              f"s, close {got['close_s']:.2f} s, retention: {got['retention_error']}")
+    assert rank0["fired"], f"rank 0 never made {method} {key}: the endpoint did not die there"
+    assert rank0["outcome"] == "committed", rank0
+    assert rank0["retention_error"] and "step 2 committed, but retention failed" in \
+        rank0["retention_error"], rank0
+    assert rank1["outcome"] == "committed" or (
+        "no COMMIT from the coordinator (rank 0) before the deadline" in rank1["outcome"]
+        and "stays the newest" not in rank1["outcome"]), rank1
+    for got in (rank0, rank1):
+        assert got["waited_s"] < COMMIT_TIMEOUT_S * 1.5 + 2 + ATTEMPTS * 1.5, got
+        assert got["close_s"] < 5, got
+        assert got["step"] == 2 and got["bit_equal"], got
+        assert got["steps"] in ([2, 1], [2]), got
+        assert got["later"] == [3], got
