@@ -493,9 +493,13 @@ def wait_for_commit(storage: Storage, *, step: int, nonce: int, deadline: float,
             if doc.get("nonce") == nonce:
                 raise CheckpointError(f"step {step}: commit aborted by rank 0: {doc.get('reason')}")
         if time.monotonic() > deadline:
-            failed = f"; the last look failed: {trouble}" if trouble is not None else ""
+            # storage that did not answer the last look may have taken the COMMIT meanwhile
+            # (the endpoint failing right after it): this rank cannot say the step failed
+            failed = ("; the last look failed, so whether it committed is not known here "
+                      "(agreed_steps() or load() says, once the storage answers): "
+                      f"{trouble}") if trouble is not None else ""
             raise CommitTimeoutError(f"step {step}: no COMMIT from the coordinator (rank 0) "
-                                     f"before the deadline{failed}") from trouble
+                                     f"seen before the deadline{failed}") from trouble
 
 
 MARKER_HEAD = 1 << 16  # what a waiting or loading rank (not rank 0) reads of a COMMIT marker
