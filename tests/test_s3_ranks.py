@@ -147,14 +147,16 @@ def test_a_silent_endpoint_fails_both_ranks_saves_within_the_bound(
 
 # -- 2. only one rank's uploads fail -------------------------------------------------------------
 
-def _save_with_rank_1_cut_off(url: str, endpoint: str, kind: str) -> dict[str, Any]:
-    """Rank 1 reaches S3 through a proxy of its own that starts ``kind`` at its 'persisting'
-    phase of step 2 (rank 0 talks to S3 directly), heals, and both save step 3."""
+def _save_with_one_rank_cut_off(url: str, endpoint: str, kind: str, cut: int
+                                ) -> dict[str, Any]:
+    """Rank ``cut`` reaches S3 through a proxy of its own that starts ``kind`` at its
+    'persisting' phase of step 2 (the other rank talks to S3 directly), heals, and both
+    save step 3."""
     import torch.distributed as dist
 
     from antifragile.chaos.infra.proxy import FaultProxy
 
-    proxy = FaultProxy.in_front_of(endpoint) if dist.get_rank() == 1 else None
+    proxy = FaultProxy.in_front_of(endpoint) if dist.get_rank() == cut else None
     engine = _engine(url, proxy.endpoint_url if proxy is not None else endpoint)
     engine.save(1, _state(1), blocking=True)
 
@@ -165,9 +167,9 @@ def _save_with_rank_1_cut_off(url: str, endpoint: str, kind: str) -> dict[str, A
     engine._on_phase = cut_off
     outcome, waited_s = _timed_wait(engine.save(2, _state(2)))
     faulted = proxy.snapshot().faulted if proxy is not None else 0
-    steps = engine.agreed_steps()  # collective: both ranks are past step 2 here
     if proxy is not None:
         proxy.heal()
+    steps = engine.agreed_steps()  # collective: both ranks are past step 2 here
     after, _ = _timed_wait(engine.save(3, _state(3)))
     began = time.monotonic()
     engine.close()
@@ -181,28 +183,39 @@ def _save_with_rank_1_cut_off(url: str, endpoint: str, kind: str) -> dict[str, A
             "bit_equal": _bit_equal(loaded, _plain(_state(3)))}
 
 
-@pytest.mark.parametrize("kind", ["blackhole", "http503"])
+@pytest.mark.parametrize(("kind", "cut"), [("blackhole", 1), ("http503", 1), ("blackhole", 0)])
 def test_one_rank_cut_off_from_s3_fails_the_save_on_both_ranks_naming_it(
-        s3_bucket: tuple[str, dict[str, Any]], kind: str) -> None:
-    """Rank 1's uploads fail (its endpoint silent, or answering 503 to it alone): its own
-    handle fails naming its key and rank; rank 0, whose storage is fine, commits nothing and
-    fails at the commit deadline naming rank 1 (rank 1's error record could not reach S3
-    either); neither waits on the other past its deadline; the next save commits on both."""
+        s3_bucket: tuple[str, dict[str, Any]], kind: str, cut: int) -> None:
+    """One rank's uploads fail (its endpoint silent, or answering 503 to it alone): its own
+    handle fails naming its key and rank, within the bound of a storage that does not
+    answer. Rank 1 cut off: rank 0, whose storage is fine, commits nothing and fails at the
+    commit deadline naming rank 1 (rank 1's error record could not reach S3 either). Rank 0
+    cut off: rank 1 fails at the deadline plus its grace, naming the coordinator, and (its own
+    looks answered) does not say the outcome is unknown. Neither waits on the other past its
+    deadline; the next save commits on both."""
     from _dist import run_ranks
 
     url, options = s3_bucket
-    rank0, rank1 = run_ranks(2, _save_with_rank_1_cut_off, url, options["endpoint_url"], kind,
-                             timeout_s=120)
-    assert rank1["faulted"] > 0, "rank 1's proxy faulted nothing: its uploads went through"
-    for rank, got in enumerate((rank0, rank1)):
-        print(f"{kind} rank {rank}: {got['outcome'][:240]} after {got['waited_s']:.2f} s")
-    assert rank1["outcome"].startswith(f"failed: step 2, rank 1: write {url}/step_000000002/"), \
-        rank1["outcome"]
-    assert rank1["waited_s"] < ATTEMPTS * (READ_TIMEOUT_S + 0.5) + 2 * READ_TIMEOUT_S + 2, rank1
-    assert rank0["outcome"].startswith("failed: step 2") and "rank(s) [1]" in rank0["outcome"], \
-        rank0["outcome"]
-    assert COMMIT_TIMEOUT_S <= rank0["waited_s"] < COMMIT_TIMEOUT_S + 3, rank0
-    for got in (rank0, rank1):
+    results = run_ranks(2, _save_with_one_rank_cut_off, url, options["endpoint_url"], kind, cut,
+                        timeout_s=120)
+    other = results[1 - cut]
+    assert results[cut]["faulted"] > 0, f"rank {cut}'s proxy faulted nothing: no upload failed"
+    for rank, got in enumerate(results):
+        print(f"{kind} cut {cut} rank {rank}: {got['outcome'][:240]} after "
+              f"{got['waited_s']:.2f} s")
+    assert results[cut]["outcome"].startswith(
+        f"failed: step 2, rank {cut}: write {url}/step_000000002/"), results[cut]["outcome"]
+    assert results[cut]["waited_s"] < ATTEMPTS * (READ_TIMEOUT_S + 0.5) + 2 * READ_TIMEOUT_S + 2
+    if cut == 1:
+        assert other["outcome"].startswith("failed: step 2") and "rank(s) [1]" in \
+            other["outcome"], other["outcome"]
+        assert COMMIT_TIMEOUT_S <= other["waited_s"] < COMMIT_TIMEOUT_S + 3, other
+    else:
+        assert other["outcome"].startswith("failed: step 2: no COMMIT from the coordinator "
+                                           "(rank 0) seen before the deadline"), other["outcome"]
+        assert "not known" not in other["outcome"], other["outcome"]
+        assert COMMIT_TIMEOUT_S * 1.5 - 1 <= other["waited_s"] < COMMIT_TIMEOUT_S * 1.5 + 3, other
+    for got in results:
         assert got["steps"] == [1], got
         assert got["after"] == "committed" and got["close_s"] < 5, got
         assert got["step"] == 3 and got["bit_equal"], got
