@@ -319,3 +319,72 @@ def test_the_endpoint_dying_after_the_commit_leaves_the_step_loadable(
         assert got["step"] == 2 and got["bit_equal"], got
         assert got["steps"] in ([2, 1], [2]), got
         assert got["later"] == [3], got
+
+
+# -- a multipart upload under way when the endpoint goes silent ----------------------------------
+
+def _silent_at_first_part(endpoint: str) -> Any:
+    """A fault proxy in front of ``endpoint`` that goes silent as the first part of a
+    multipart upload arrives (that part never reaches S3: its connection is severed)."""
+    from antifragile.chaos.infra.proxy import FaultProxy
+
+    class SilentAtFirstPart(FaultProxy):
+        armed = False
+
+        def _before_request(self, answered: Any, chunk: bytes) -> None:
+            starts = answered.is_set()
+            super()._before_request(answered, chunk)
+            if starts and self.armed and chunk.startswith(b"PUT ") and b"partNumber=" in \
+                    chunk.split(b"\r\n", 1)[0]:
+                self.armed = False
+                self.fault("blackhole")
+
+    return SilentAtFirstPart.in_front_of(endpoint)
+
+
+def _large_save_into_silence(url: str, endpoint: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from antifragile.engine.storage._s3 import MULTIPART_MIN_BYTES
+
+    proxy = _silent_at_first_part(endpoint) if dist.get_rank() == 0 else None
+    through = [proxy.endpoint_url if proxy is not None else ""]
+    dist.broadcast_object_list(through, src=0)
+    engine = _engine(url, through[0])
+    elements = 2 * (MULTIPART_MIN_BYTES // 4 + 1024)  # a shard per rank just past the bound
+    mesh = init_device_mesh("cpu", (2,))
+    state = {"w": distribute_tensor(torch.ones(elements), mesh, [Shard(0)])}
+    if proxy is not None:
+        proxy.armed = True
+    outcome, waited_s = _timed_wait(engine.save(2, state))
+    began = time.monotonic()
+    engine.close()
+    close_s = time.monotonic() - began
+    fired = proxy is None or not proxy.armed
+    dist.barrier()
+    if proxy is not None:
+        proxy.heal()
+        proxy.close()
+    return {"outcome": outcome, "waited_s": waited_s, "close_s": close_s, "fired": fired}
+
+
+def test_a_multipart_upload_under_way_when_the_endpoint_goes_silent_fails_within_the_bound(
+        s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    """Each rank's shard is just past the multipart bound; the endpoint goes silent as the
+    first part arrives (that part's connection is severed, the rest go unanswered). Both
+    handles fail naming step 2 and the storage within the bound of the small-object case:
+    obstore's abort of the upload under way adds no wait beyond it here."""
+    from _dist import run_ranks
+
+    url, options = s3_bucket
+    results = run_ranks(2, _large_save_into_silence, url, options["endpoint_url"],
+                        timeout_s=120)
+    assert results[0]["fired"], "no part of a multipart upload reached the proxy"
+    for rank, got in enumerate(results):
+        print(f"multipart rank {rank}: {got['outcome'][:200]} after {got['waited_s']:.2f} s")
+        assert got["outcome"].startswith(f"failed: step 2, rank {rank}: write {url}/"
+                                         "step_000000002/w/"), got["outcome"]
+        assert got["waited_s"] < ATTEMPTS * (READ_TIMEOUT_S + 0.5) + 2 * READ_TIMEOUT_S + 2, got
+        assert got["close_s"] < 5, got
