@@ -39,6 +39,9 @@ class SaveHandle:
         # set once the coordinator's retention after the commit is over (at once elsewhere):
         # the save is done (committed) before, so the next one need not wait for retention
         self._retained = threading.Event()
+        #: on the coordinator, why to stop waiting for the ranks' records (another rank told
+        #: the next save that its part failed); read by the save's thread at each poll
+        self._given_up: str | None = None
 
     def done(self) -> bool:
         return self._future.done()
@@ -86,6 +89,10 @@ class SaveHandle:
             return None
         self._observed = True
         return self._future.exception()
+
+    def _failed(self) -> bool:
+        """Done and failed, whether or not anybody has read the failure."""
+        return self.done() and self._future.exception() is not None
 
     def _unobserved_failure(self) -> BaseException | None:
         if self.done() and not self._observed:

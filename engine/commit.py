@@ -333,6 +333,7 @@ def _pause(delay_s: float, cancel: threading.Event | None, step: int) -> None:
 def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, deadline: float,
                group_attrs: dict[str, Any], owners: dict[str, int],
                cancel: threading.Event | None = None,
+               given_up: Callable[[], str | None] | None = None,
                before_commit: Callable[[], None] | None = None) -> CommitResult:
     """Rank 0: wait for every record, check it against the plan, write group metadata + COMMIT.
     ``owners``: every metadata document of the plan and the rank that writes it
@@ -340,7 +341,8 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
     coordinator's own included, is read back from storage and its seal checked.
     ``before_commit`` runs once every record is in, just before the COMMIT is written (a phase
     hook: chaos can hold a save there). With other ranks, nothing is committed after
-    ``deadline``: they stop waiting for the COMMIT soon after it."""
+    ``deadline``: they stop waiting for the COMMIT soon after it. ``given_up``: why to stop
+    waiting for the records before then (None: wait on), asked at each poll."""
     base = step_dir(step)
     shares: dict[int, set[str]] = {}
     for key, owner in owners.items():
@@ -388,6 +390,9 @@ def coordinate(storage: Storage, *, plan: GlobalPlan, step: int, nonce: int, dea
                 raise CommitTimeoutError(
                     f"step {step}: no record from rank(s) {missing} before the commit deadline; "
                     f"the previous checkpoint stays the newest{notes}")
+            if given_up is not None and (why := given_up()):
+                raise CheckpointError(f"step {step}: no record from rank(s) {missing}, and {why}; "
+                                      "not committed, the previous checkpoint stays the newest")
             _pause(next(delays), cancel, step)
 
     attrs = {**group_attrs, **_merge_values(plan, records)}

@@ -272,9 +272,16 @@ class CheckpointEngine:
             int(fingerprint != self._fingerprint or self._plan is None), int(busy),
             int(failure is not None), secrets.randbits(62) if self.rank == 0 else 0, numeric,
             -numeric,
-            int(mistake is not None), int(unfinished), int(known), *digests])
+            int(mistake is not None), int(unfinished), int(known),
+            int(last is not None and last._failed()), *digests])
         (replan, any_busy, any_failed, nonce, high, negated_low, any_mistake, clear,
-         resave) = agreed[:9]
+         resave, part_failed) = agreed[:10]
+        if part_failed and busy and self.rank == 0:
+            # a rank's part of the save in flight failed (its storage down for it, its error
+            # record may never arrive): the coordinator gives the step up now, rather than
+            # wait for that record to the deadline with every save meanwhile skipped as busy
+            assert last is not None
+            last._given_up = f"a rank told the save of step {step} that its part failed"
         refuse_together(f"step {step} not saved", "save", mistake, any_mistake, high,
                          negated_low)
         if any_failed:
@@ -308,7 +315,7 @@ class CheckpointEngine:
             differ = not self._ranks.alone and self._per_rank.agree(flat.tensors,
                                                                      self._ranks.all_max)
         else:
-            differ = not self._ranks.alone and self._per_rank.settle(agreed[9:])
+            differ = not self._ranks.alone and self._per_rank.settle(agreed[10:])
         if differ:
             self._plan = None  # a plain tensor differs between ranks: now saved per rank
         flat.tensors = self._per_rank.rename(flat.tensors)
@@ -542,6 +549,7 @@ class CheckpointEngine:
                     result = _commit.coordinate(
                         bounded, plan=plan, step=step, nonce=nonce, deadline=deadline,
                         group_attrs=attrs, owners=owners, cancel=self._cancel,
+                        given_up=lambda: handle._given_up,
                         before_commit=lambda: self._phase(step, "committing"))
                     handle.committed_nbytes = result.nbytes
                 else:

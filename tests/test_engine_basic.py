@@ -1281,6 +1281,81 @@ def test_a_rank_whose_write_hangs_fails_the_save_on_every_rank_and_the_next_comm
     assert steps0 == steps1 == [3]
 
 
+class _CutOff:
+    """Rank 1's storage: every write into ``prefix`` fails (its storage is down for it: its
+    error record cannot reach the others either)."""
+
+    def __init__(self, inner: Any, prefix: str) -> None:
+        self.inner, self.prefix = inner, prefix
+
+    def write(self, key: str, parts: Any, **kw: Any) -> None:
+        if key.startswith(self.prefix):
+            raise OSError(f"{key}: storage unreachable from this rank")
+        self.inner.write(key, parts, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _save_with_rank_1_cut_off(url: str, observe: bool) -> tuple[list[str], float]:
+    """On each of 2 ranks (commit_timeout_s 60): step 2, whose every write fails on rank 1;
+    once rank 1's save has failed (``observe``: its failure read, as a trainer's poll does),
+    step 3, then a blocking step 4. Returns the outcomes (step 2's last) and how long step 2
+    was still waited for after step 3's save."""
+    import torch.distributed as dist
+
+    outcomes = []
+    with CheckpointEngine(url, commit_timeout_s=60.0) as engine:
+        if engine.rank == 1:
+            engine.storage = _CutOff(engine.storage, "step_000000002/")
+        state = {name: torch.full((64,), float(i)) for i, name in enumerate("abcdef")}
+        second = engine.save(2, state)
+        if engine.rank == 1:
+            while not second.done():
+                time.sleep(0.01)
+            if observe:
+                assert second.exception() is not None
+        dist.barrier()
+        for step, blocking in ((3, False), (4, True)):
+            try:
+                engine.save(step, state, blocking=blocking).wait()
+                outcomes.append("committed")
+            except CheckpointError as exc:
+                outcomes.append(f"failed: {exc}")
+            if step == 3:
+                begun = time.monotonic()
+                try:
+                    second.wait()
+                    last = "committed"
+                except CheckpointError as exc:
+                    last = f"failed: {exc}"
+                waited = time.monotonic() - begun
+        return [*outcomes, last], waited
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("observe", [False, True])
+def test_a_rank_whose_part_failed_unblocks_the_coordinator_at_the_next_save(
+        tmp_path: Path, observe: bool) -> None:
+    """Rank 1's storage is down for it alone: its save fails at once, and its error record
+    cannot reach storage either, so the coordinator waited for that record to the deadline
+    (commit_timeout_s, 600 s by default), every save meanwhile skipped as busy: no checkpoint
+    for ten minutes. The next save's all-reduce tells it that a rank's part failed: it gives
+    the step up (an ABORT for the ranks still waiting) at once, and the save after commits."""
+    from _dist import run_ranks
+
+    url = str(tmp_path / "ckpt")
+    (rank0, waited), (rank1, _) = run_ranks(2, _save_with_rank_1_cut_off, url, observe,
+                                            timeout_s=150)
+    assert waited < 15.0, (waited, rank0)
+    assert rank0[2].startswith("failed") and "rank(s) [1]" in rank0[2], rank0
+    assert "its part failed" in rank0[2], rank0
+    assert rank0[1] == rank1[1] == "committed", (rank0, rank1)
+    assert rank1[2].startswith("failed") and "unreachable" in rank1[2], rank1
+    with CheckpointEngine(url) as engine:
+        assert engine.steps() == [4]
+
+
 def test_a_hung_write_keeps_its_save_s_bytes_while_the_next_save_stages(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write hung on storage still holds the staging buffer it was given (a view into the
