@@ -17,6 +17,10 @@ Optimizer state exactly as saved:
   then drops the state of every parameter that had none when saved (a never-stepped optimizer,
   a parameter that never had a gradient): the optimizer ends with the saved state, not with
   zeros the save never held. A parameter with part of its state saved is a mismatch.
+- A load that fails (a target the step does not fit, a step that does not load) gives a
+  freshly built optimizer back without the state that initialization made (``undo``): a run
+  that starts over when its checkpoint does not fit must not take its first step with the
+  state (AdamW: step 1, zero moments) of a second.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ class ModelState:
     def claim_optional(self, optional: dict[str, OptionalHook], path: str) -> None:
         pass
 
+    def undo(self) -> None:
+        """Nothing to undo: reading a module's state dict changes nothing."""
+
 
 class OptimizerState:
     """An optimizer as a Stateful, keyed by FQN through its model (see the module docstring)."""
@@ -92,11 +99,13 @@ class OptimizerState:
         self.model, self.optim, self.path, self.loading = model, optim, path, loading
         self._by_fqn: dict[str, list[str]] = {}  # fqn -> its state keys in the target
         self._unsaved: set[str] = set()  # fqns whose state the checkpoint does not hold
+        self._initialized = False  # a load target whose state DCP's helper created
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if self.loading or self.optim.state:
+            self._initialized = self.loading and not self.optim.state
             state = get_optimizer_state_dict(self.model, self.optim, options=_options())
         else:
             state = self._without_initializing(get_optimizer_state_dict)
@@ -128,6 +137,13 @@ class OptimizerState:
             for fqn in _get_fqns(self.model, name):
                 out[fqn] = param
         return out
+
+    def undo(self) -> None:
+        """A load that failed: an optimizer that had no state when the load began has none
+        again (its step with zero grads and lr 0 changed nothing else: the parameters, lr and
+        grads are as they were)."""
+        if self._initialized:
+            self.optim.state.clear()
 
     def claim_optional(self, optional: dict[str, OptionalHook], path: str) -> None:
         for keys in self._by_fqn.values():

@@ -104,6 +104,8 @@ class FlatState:
     after a load's values are assigned (Stateful objects, tuples), innermost first.
     ``optional`` maps target paths that may be absent from a checkpoint (an optimizer's
     per-parameter state) to the callback told that they are; ``types`` is the type record.
+    ``undo`` reverts what flattening a load target changed in it (a fresh optimizer's
+    initialized state); a load that fails runs it.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -111,6 +113,7 @@ class FlatState:
     binary: dict[str, ValueSlot] = field(default_factory=dict)
     finishers: list[Callable[[], None]] = field(default_factory=list)
     optional: dict[str, Callable[[list[str]], None]] = field(default_factory=dict)
+    undo: list[Callable[[], None]] = field(default_factory=list)
     types: dict[str, dict[str, Any]] = field(default_factory=lambda: {
         "containers": {}, "values": {}, "bytes": {}})
 
@@ -326,6 +329,7 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
                 else torch.empty(0, dtype=torch.uint8)
         elif _objects.is_object(obj):
             adapter = _objects.adapter(obj, path, models, loading)
+            flat.undo.append(adapter.undo)
             walk_stateful(adapter, path, entries=True)
             adapter.claim_optional(flat.optional, path)
         elif is_stateful(obj):
@@ -391,12 +395,22 @@ def flatten(state: object, *, loading: bool = False) -> FlatState:
     try:
         walk(state, "", lambda _: None)
     except RecursionError:
+        undo_load(flat)
         raise CheckpointError(
             f"state path {walking[0]!r}: the state is nested too deeply to walk (Python's "
             f"recursion limit, {sys.getrecursionlimit()} frames, ran out at or under it)") from None
+    except BaseException:
+        undo_load(flat)
+        raise
     flat.types["containers"].pop("", None)
     flat.values[TYPES_PATH] = ValueSlot(flat.types, lambda _: None)
     return flat
+
+
+def undo_load(flat: FlatState) -> None:
+    """What flattening a load target changed in it, reverted (``FlatState.undo``)."""
+    for undo in flat.undo:
+        undo()
 
 
 def finish_load(flat: FlatState, values: dict[str, Any]) -> None:

@@ -41,7 +41,7 @@ from ._paths import COMMIT, step_dir
 from ._ranks import PerRank
 from ._ranks import inventory as rank_inventory
 from ._resave import same_as_committed
-from ._state import FlatState, flatten, state_signature, stored_values
+from ._state import FlatState, flatten, state_signature, stored_values, undo_load
 from ._threads import CLOSE_WAIT_S, DaemonPool, DaemonWorkers
 from .errors import CheckpointBusyError, CheckpointError, StorageUnansweredError
 from .persist import (
@@ -738,7 +738,9 @@ class CheckpointEngine:
         damage (its COMMIT moves into a QUARANTINE note, so it can be saved again and
         ``verify`` still explains it); an unreadable one (storage refused) is only skipped.
         With an explicit step, failure raises. On failure the target may be partly
-        overwritten: do not use it.
+        overwritten (a read that failed midway), do not use it; but a target refused before
+        any read (a shape, a parameter, an optimizer the step does not fit) is as it was, and
+        a freshly built optimizer is given back without the state its initialization made.
 
         ``memory``: another engine's ``memory_copy()`` (same rank, same layout, e.g. from
         before the process group was re-formed): tensors of the step it holds are filled from
@@ -747,6 +749,7 @@ class CheckpointEngine:
         """
         self._check_open()
         mistake: CheckpointError | None = None  # raised on every rank, as in save()
+        flat: FlatState | None = None
         try:
             if step is not None:
                 step_dir(step)
@@ -755,19 +758,24 @@ class CheckpointEngine:
                 check_tensor(tensor, path=path, target=True)
         except Exception as exc:
             mistake = refusal("nothing loaded", exc)
-        numeric = -1 if step is None or mistake is not None else step
-        high, negated_low, any_mistake = self._ranks.all_max([numeric, -numeric,
-                                                              int(mistake is not None)])
-        refuse_together("nothing loaded", "load", mistake, any_mistake, high, negated_low)
         storage = CountingStorage(self.storage)
-        self.last_load_sources = {"memory_bytes": 0, "storage_bytes": 0}
         try:
+            numeric = -1 if step is None or mistake is not None else step
+            high, negated_low, any_mistake = self._ranks.all_max([numeric, -numeric,
+                                                                  int(mistake is not None)])
+            refuse_together("nothing loaded", "load", mistake, any_mistake, high, negated_low)
+            assert flat is not None
+            self.last_load_sources = {"memory_bytes": 0, "storage_bytes": 0}
             loaded = self._loader.load(flat, step, storage, memory, self.last_load_sources)
-            if self.rank == 0:
-                self._went_back_to = loaded
-            return loaded
+        except BaseException:
+            if flat is not None:
+                undo_load(flat)
+            raise
         finally:
             self.last_load_requests = storage.requests
+        if self.rank == 0:
+            self._went_back_to = loaded
+        return loaded
 
     def memory_copy(self) -> MemoryCopy | None:
         """This rank's part of the last committed save, in host memory (``keep_in_memory``),

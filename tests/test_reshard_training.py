@@ -5,17 +5,22 @@ state gathered to full tensors, and one more optimizer step on each layout.
 The step after the load takes a gradient computed element by element from each parameter
 (``grads_of``), so the math is the same in every layout and the parameters after it must be
 bitwise equal; a backward pass would reduce gradients in a layout-dependent order.
+
+A load refused for its target (a shape, a parameter the step lacks, another optimizer, one
+rank's own refusal) is a CheckpointError on every rank, and leaves the target as it was: a
+freshly built optimizer keeps having no state.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
+from _dist import RankGroup, run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -177,6 +182,68 @@ def load_2d(url: str, dp: int, tp: int) -> tuple[dict[str, Any], dict[str, Any]]
     return full_state(model, optim), step_after(model, optim)
 
 
+# --- bad targets ------------------------------------------------------------------------------
+
+
+class Variant(Net):
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        if case == "shape":
+            self.hidden = nn.Linear(D, H + 1)
+            self.low = nn.Linear(H + 1, D).to(torch.bfloat16)
+        elif case == "extra":
+            self.more = nn.Parameter(torch.ones(3))
+
+
+def build_bad(case: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1)
+    model = Variant(case)
+    mesh = DeviceMesh("cpu", list(range(dist.get_world_size())))
+    fully_shard(model.hidden, mesh=mesh)
+    fully_shard(model.low, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim: torch.optim.Optimizer
+    if case == "sgd":
+        optim = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    else:
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, optim
+
+
+def local_bits(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, bytes]:
+    """This rank's parameters, optimizer state and hyperparameters, as bytes."""
+    def raw(t: torch.Tensor) -> bytes:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return bytes(local.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+    out = {name: raw(p) for name, p in model.named_parameters()}
+    for index, state in optim.state_dict()["state"].items():
+        out.update({f"{index}.{key}": raw(value) for key, value in state.items()})
+    out["groups"] = repr([{k: v for k, v in g.items() if k != "params"}
+                          for g in optim.param_groups]).encode()
+    return out
+
+
+def load_bad(url: str, case: str) -> tuple[str, list[str]]:
+    """Load into a bad target: the error this rank raised, and whether the target is as it
+    was."""
+    model, optim = build_bad(case)
+    before = local_bits(model, optim)
+    error = "no error"
+    state: dict[str, Any] = {"model": model, "optim": optim}
+    if case == "mistake" and dist.get_rank() == 1:
+        state["junk"] = object()  # refused by this rank's flatten, after the optimizer's
+    with CheckpointEngine(url) as engine:
+        try:
+            engine.load(state, step=2)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    after = local_bits(model, optim)
+    return error, sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+
+
 # --- the tests --------------------------------------------------------------------------------
 
 
@@ -223,3 +290,29 @@ def test_tp_by_fsdp2_objects_resume_on_fsdp2_alone_and_on_tp_alone(tmp_path: Pat
         for rank, (loaded, stepped) in enumerate(run_ranks(world, load_2d, url, dp, tp)):
             assert differences(state, loaded) == [], (dp, tp, rank)
             assert differences(after, stepped) == [], (dp, tp, rank)
+
+
+@pytest.fixture(scope="module")
+def saved_two(tmp_path_factory: pytest.TempPathFactory) -> tuple[RankGroup, str]:
+    url = str(tmp_path_factory.mktemp("bad") / "ckpt")
+    with RankGroup(2, timeout_s=120) as group:
+        group.run(save_on, url, "fsdp")
+        yield group, url
+
+
+@pytest.mark.parametrize(("case", "named"), [
+    ("shape", r"tensor 'model/hidden.weight': stored shape \[7, 6\], target shape \[8, 6\]"),
+    ("extra", r"step 2 has no tensor 'model/more'"),
+    ("sgd", r"step 2 has no value 'optim/param_groups\.\w+(\.\w+)?\.momentum'"),
+    # one rank's own refusal (rank 1 names it; rank 0 says another rank's call was refused)
+    ("mistake", r"'junk'|another rank's call of load\(\) was refused"),
+])
+def test_a_refused_target_is_named_on_every_rank_and_left_as_it_was(
+        saved_two: tuple[RankGroup, str], case: str, named: str) -> None:
+    """Before: a fresh AdamW came back from a refused load with the state DCP's helper had
+    made for it (zero moments, step 1), so a run that starts over when its checkpoint does not
+    fit took a first step with the bias correction of a second."""
+    group, url = saved_two
+    for rank, (error, changed) in enumerate(group.run(load_bad, url, case)):
+        assert error.startswith("Checkpoint") and re.search(named, error), (rank, error)
+        assert changed == [], (rank, changed)
