@@ -11,6 +11,7 @@ definition the fast path is checked against, on the synthetic dp x tp x pp inven
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -24,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from antifragile.engine._ranks import PerRank
 from antifragile.engine.commit import metadata_owners
+from antifragile.engine.errors import CheckpointError
 from antifragile.engine.plan import (
     ArraySpec,
     CellWrite,
@@ -169,3 +171,21 @@ def test_plan_is_a_global_plan() -> None:
     plan = build_plan(layout_inventories({"w": Layout((4,), (2,), (Shard(0),))}, 2))
     assert isinstance(plan, GlobalPlan)
     assert plan.writes.get(5, []) == [] and 5 not in plan.writes
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_build_plan_leaves_the_garbage_collector_as_it_found_it(enabled: bool) -> None:
+    """``build_plan`` pauses the collector while it runs, and gives it back as it was, also
+    when it refuses the inventories."""
+    good = layout_inventories({"w": Layout((4,), (2,), (Shard(0),))}, 2)
+    bad = [{"tensors": {"w": {"dtype": dtype, "shape": [4], "boxes": [[[0], [4], [0]]]}},
+            "values": []} for dtype in ("float32", "int64")]
+    try:
+        (gc.enable if enabled else gc.disable)()
+        build_plan(good)
+        assert gc.isenabled() == enabled
+        with pytest.raises(CheckpointError, match="rank 1 holds int64"):
+            build_plan(bad)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable()
