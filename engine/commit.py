@@ -76,7 +76,7 @@ def metadata_owners(plan: GlobalPlan, keys: Iterable[str]) -> dict[str, int]:
     """Which rank writes each metadata document: in sorted key order, the rank with the fewest
     objects so far (shards the plan gives it plus documents; ties to the lowest rank). A pure
     function of the plan and the keys, so every rank computes the same shares."""
-    heap = [(len(plan.keys_of(rank)), rank) for rank in range(plan.world_size)]
+    heap = [(plan.count_of(rank), rank) for rank in range(plan.world_size)]
     heapq.heapify(heap)
     owners: dict[str, int] = {}
     for key in sorted(keys):

@@ -19,9 +19,10 @@ import gc
 import hashlib
 import json
 import math
-from collections.abc import Generator, Iterable, Sequence
+import operator
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import product
+from itertools import product, repeat
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -94,11 +95,15 @@ class GlobalPlan:
     world_size: int
     tensors: dict[str, TensorSpec]
     values: dict[str, list[int]]  # JSON path -> ranks holding it
-    writes: dict[int, list[CellWrite]] = field(default_factory=dict)
+    writes: CellWrites = field(default_factory=lambda: CellWrites(0))
     plan_id: str = ""
 
     def keys_of(self, rank: int) -> set[str]:
-        return {w.key for w in self.writes.get(rank, [])}
+        return self.writes.keys_of(rank)
+
+    def count_of(self, rank: int) -> int:
+        """How many objects of the plan ``rank`` writes: ``len(keys_of(rank))``."""
+        return self.writes.count(rank)
 
     def arrays(self) -> Iterable[ArraySpec]:
         for spec in self.tensors.values():
@@ -397,8 +402,7 @@ def _build_plan(inventories: Sequence[dict], options: PlanOptions) -> GlobalPlan
                                       f"(holding {path!r})")
             parent = parent.rpartition("/")[0]
 
-    plan = GlobalPlan(world_size=world, tensors={}, values=values,
-                      writes={r: [] for r in range(world)})
+    plan = GlobalPlan(world_size=world, tensors={}, values=values, writes=CellWrites(world))
     written = [0] * world
     for path in sorted(meta):
         dtype, shape, _ = meta[path]
@@ -493,24 +497,122 @@ def _pieces(path: str, dtype: str, itemsize: int, boxes: dict, options: PlanOpti
     return out
 
 
+# a box's cells along one dim: indices, key parts, in-bounds sizes, offsets from the box's
+# start; and the sizes' sum, -1 when one is not positive (out of bounds)
+_Axis = tuple[list[int], list[str], list[int], list[int], int]
+
+
+@dataclass(frozen=True, slots=True)
+class _BoxCells:
+    """The cells of one box of ``array`` that one rank writes: their ``CellWrite`` fields
+    are the product of ``per_dim`` (indices, key parts, in-bounds sizes, offsets from the
+    box's start), made when the rank's writes are first asked for."""
+
+    array: ArraySpec
+    per_dim: list[_Axis]
+    local: tuple[int, ...]  # where the box starts in the holder's local tensor
+    itemsize: int
+
+    def keys(self) -> Iterable[str]:
+        prefix = f"{self.array.name}/c"
+        return map(prefix.__add__, map("".join, product(*(a[1] for a in self.per_dim))))
+
+    def writes(self) -> Iterable[CellWrite]:
+        valid = list(product(*(a[2] for a in self.per_dim)))
+        starts = product(*([lo + x for x in a[3]] for lo, a in zip(self.local, self.per_dim)))
+        nbytes = map(functools.partial(math.prod, start=self.itemsize), valid)
+        return map(CellWrite, repeat(self.array), product(*(a[0] for a in self.per_dim)),
+                   self.keys(), valid, starts, nbytes)
+
+
+class CellWrites(Mapping[int, list[CellWrite]]):
+    """Every rank's writes (rank -> its ``CellWrite`` in plan order), each rank's made when
+    first asked for: a saving rank stages only its own, the coordinator checks every rank's
+    keys (``keys_of``, kept once made), ``metadata_owners`` counts them (``count``). Making
+    all 620,432 at 4,096 ranks took 1.4 s of ``build_plan`` on every rank, for the ~150 it
+    stages."""
+
+    def __init__(self, world: int) -> None:
+        self._parts: list[list[CellWrite | _BoxCells]] = [[] for _ in range(world)]
+        self._counts = [0] * world
+        self._made: dict[int, list[CellWrite]] = {}
+        self._keys: dict[int, list[str]] = {}  # the coordinator asks at every commit
+
+    def add(self, rank: int, part: CellWrite | _BoxCells, count: int) -> None:
+        self._parts[rank].append(part)
+        self._counts[rank] += count
+
+    def count(self, rank: int) -> int:
+        return self._counts[rank] if 0 <= rank < len(self._counts) else 0
+
+    def keys_of(self, rank: int) -> set[str]:
+        keys = self._keys.get(rank)
+        if keys is None:
+            if rank in self._made or not 0 <= rank < len(self._parts):
+                return {w.key for w in self.get(rank, [])}
+            keys = self._keys[rank] = []
+            for part in self._parts[rank]:
+                keys.extend(part.keys() if isinstance(part, _BoxCells) else (part.key,))
+        return set(keys)
+
+    def __getitem__(self, rank: int) -> list[CellWrite]:
+        made = self._made.get(rank)
+        if made is None:
+            if not (isinstance(rank, int) and 0 <= rank < len(self._parts)):
+                raise KeyError(rank)
+            made = self._made[rank] = []
+            for part in self._parts[rank]:
+                made.extend(part.writes() if isinstance(part, _BoxCells) else (part,))
+        return made
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self._parts)))
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+
 def _assign_cells(plan: GlobalPlan, array: ArraySpec, itemsize: int, boxes: dict,
                   written: list[int]) -> None:
-    """Give every cell of ``array`` one owner among the ranks that hold it (least bytes first)."""
-    shard = array.shard_shape
+    """Give every cell of ``array`` one owner among the ranks that hold it (least bytes first).
+
+    A box's cells along each dim (indices, key parts, in-bounds sizes, offsets from the box's
+    start) are worked out once per edge pair, shared by the boxes that have it (a dp x tp
+    grid of boxes has dp + tp); a box held by one rank is given to it whole, its bytes the
+    product of the dims' sums, its ``CellWrite`` made only when asked for (``CellWrites``)."""
+    shard, shape, origin, sep = array.shard_shape, array.shape, array.offset, array.separator
+    writes = plan.writes
+    axes: dict[tuple[int, int, int], _Axis] = {}
+
+    def axis(d: int, r: int, s: int) -> _Axis:
+        got = axes.get((d, r, s))
+        if got is None:
+            c, n = shard[d], shape[d]
+            cells = list(range(r // c, math.ceil((r + s) / c)))
+            valid = [min(c, n - i * c) for i in cells]
+            got = axes[d, r, s] = (cells, [f"{sep}{i}" for i in cells], valid,
+                                   [i * c - r for i in cells],
+                                   sum(valid) if all(v > 0 for v in valid) else -1)
+        return got
+
     for (offset, box_shape), holders in sorted(boxes.items()):
-        rel = tuple(o - a for o, a in zip(offset, array.offset))
-        ranges = [range(r // c, math.ceil((r + s) / c)) for r, s, c in zip(rel, box_shape, shard)]
-        for cell in product(*ranges):
-            start = tuple(i * c for i, c in zip(cell, shard))
-            valid = tuple(min(c, n - s) for c, n, s in zip(shard, array.shape, start))
-            nbytes = math.prod(valid) * itemsize
+        per_dim = [axis(d, o - a, s)
+                   for d, (o, a, s) in enumerate(zip(offset, origin, box_shape))]
+        if len(holders) == 1:
+            rank, local = holders[0]
+            count = math.prod(len(a[0]) for a in per_dim)
+            if all(a[4] >= 0 for a in per_dim):  # the sum of the cells' sizes' products
+                nbytes = itemsize * math.prod(a[4] for a in per_dim)
+            else:  # an empty cell counts as one byte written
+                nbytes = sum(max(math.prod(v) * itemsize, 1)
+                             for v in product(*(a[2] for a in per_dim)))
+            written[rank] += nbytes
+            writes.add(rank, _BoxCells(array, per_dim, local, itemsize), count)
+            continue
+        box = _BoxCells(array, per_dim, (0,) * len(per_dim), itemsize)
+        for write in box.writes():
             rank, local = min(holders, key=lambda h: (written[h[0]], h[0]))
-            written[rank] += max(nbytes, 1)
-            plan.writes[rank].append(CellWrite(
-                array=array,
-                cell=tuple(cell),
-                key=array.cell_key(cell),
-                valid_shape=valid,
-                local_offset=tuple(lo + s - r for lo, s, r in zip(local, start, rel)),
-                nbytes=nbytes,
-            ))
+            written[rank] += max(write.nbytes, 1)
+            writes.add(rank, CellWrite(write.array, write.cell, write.key, write.valid_shape,
+                                       tuple(map(operator.add, local, write.local_offset)),
+                                       write.nbytes), 1)

@@ -26,6 +26,9 @@ class FakePlan:
     def keys_of(self, rank: int) -> set[str]:
         return self.shards.get(rank, set())
 
+    def count_of(self, rank: int) -> int:
+        return len(self.keys_of(rank))
+
 
 DOCS = {f"model/t{i}/zarr.json": b"{}" for i in range(75)} | {"model/zarr.json": b"{}"}
 
