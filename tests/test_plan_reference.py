@@ -34,6 +34,8 @@ from antifragile.engine.plan import (
     TensorSpec,
     _arrays_for,
     _check_coverage,
+    _lattice,
+    _regular_grid,
     build_plan,
 )
 from bench.load_metadata import inventories as synthetic_inventories
@@ -189,3 +191,19 @@ def test_build_plan_leaves_the_garbage_collector_as_it_found_it(enabled: bool) -
         assert gc.isenabled() == enabled
     finally:
         gc.enable()
+
+
+def test_a_lattice_of_boxes_is_seen_and_anything_else_is_checked_the_long_way() -> None:
+    """``_lattice`` (which skips the overlap grid and ``_regular_grid``) takes even shards and
+    short edge shards, and refuses shards of different layouts, misaligned or out of bounds."""
+    shape = (10, 8)
+    even = {((r, c), (min(4, 10 - r), 4)): [] for r in (0, 4, 8) for c in (0, 4)}
+    assert _lattice(shape, even) == (4, 4) == _regular_grid(shape, even)
+    assert _lattice((), {((), ()): []}) == ()
+    two_layouts = {((0, 0), (5, 8)): [], ((5, 0), (5, 8)): [], ((0, 0), (10, 4)): []}
+    misaligned = {((0, 0), (4, 8)): [], ((3, 0), (4, 8)): [], ((7, 0), (3, 8)): []}
+    outside = {**even, ((12, 0), (4, 4)): []}
+    for boxes in (two_layouts, misaligned, outside, {}):
+        assert _lattice(shape, boxes) is None
+    with pytest.raises(CheckpointError, match="overlap"):
+        _check_coverage("w", shape, two_layouts)
