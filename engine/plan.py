@@ -576,9 +576,10 @@ class CellWrites(Mapping[int, list[CellWrite]]):
         if keys is None:
             if rank in self._made or not 0 <= rank < len(self._parts):
                 return {w.key for w in self.get(rank, [])}
-            keys = self._keys[rank] = []
+            keys = []  # published whole: another thread may ask meanwhile
             for part in self._parts[rank]:
                 keys.extend(part.keys() if isinstance(part, _BoxCells) else (part.key,))
+            self._keys[rank] = keys
         return set(keys)
 
     def __getitem__(self, rank: int) -> list[CellWrite]:
@@ -586,9 +587,10 @@ class CellWrites(Mapping[int, list[CellWrite]]):
         if made is None:
             if not (isinstance(rank, int) and 0 <= rank < len(self._parts)):
                 raise KeyError(rank)
-            made = self._made[rank] = []
+            made = []  # published whole: another thread may ask meanwhile
             for part in self._parts[rank]:
                 made.extend(part.writes() if isinstance(part, _BoxCells) else (part,))
+            self._made[rank] = made
         return made
 
     def __iter__(self) -> Iterator[int]:
