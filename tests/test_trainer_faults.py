@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -268,3 +269,58 @@ def test_a_survivor_holds_no_more_after_each_recovery(tmp_path: Path) -> None:
     threads, fds, rss = (min(x[i] for x in late) - max(x[i] for x in early) for i in range(3))
     assert threads <= 0 and fds <= 0, held
     assert rss < state_bytes / 2, (held, state_bytes)
+
+
+def test_a_second_failure_before_the_first_save_after_a_recovery_restores_from_memory(
+        tmp_path: Path) -> None:
+    """Failures come in bursts (a flapping host, a replacement that dies as it joins): rank 1
+    killed at step 6, its spare killed again at step 5, after the re-formation restored step
+    4 and before the next save. The survivor restored step 4 from its host-memory copy the
+    first time; the second time that copy is the last committed save still, and the
+    survivor must restore from it again, not read storage (before, the copy was dropped
+    once restored, so a second failure before the new generation's first commit read every
+    survivor's shards from storage). The run ends bitwise equal to a fault-free one."""
+    reference, faulty = tmp_path / "reference", tmp_path / "faulty"
+    run_trainer(reference, dp=2, steps=12, ckpt_every=4)
+    control = faulty / "control"
+    (control / "release").mkdir(parents=True)
+    # step 5's first pass needs a point of its own, released (in generation 0) before the
+    # launch, or the second pass's point would hold the first time the job gets there
+    (control / "plan.json").write_text(json.dumps({"points": [
+        {"id": "first", "step": 6}, {"id": "early", "step": 5},
+        {"id": "second", "step": 5, "pass": 2}]}))
+    (control / "release" / "early").write_text("0")
+    args = [*SMALL_MODEL, "--dp", "2", "--steps", "12", "--ckpt-every", "4",
+            "--ckpt-url", str(faulty / "ckpt"), "--run-dir", str(faulty),
+            "--recovery", "in_process"]
+    proc = subprocess.Popen(torchrun_cmd(3, args, max_restarts=0), env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for rank in (0, 1):  # the save of step 4 persists in the background during the hold
+            _wait_for(faulty, lambda e, r=rank: e["event"] == "ckpt_committed"
+                      and e["attempt"] == 0 and e["rank"] == r and e["step"] == 4)
+        for generation, point in enumerate(("first", "second")):
+            _wait_for(faulty, lambda e, g=generation, p=point: e["event"] == "paused"
+                      and e["attempt"] == g and e["rank"] == 1 and e["point"] == p)
+            os.kill(_pid(faulty, rank=1, attempt=generation), signal.SIGKILL)
+            (control / "release" / point).write_text(str(generation))
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:  # torchrun tears the workers down (held at a point, else)
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    log = events(faulty)
+    restores = {(e["attempt"], e["rank"]): e for e in log if e["event"] == "restore_end"}
+    starts = {(e["attempt"], e["rank"]): e for e in log if e["event"] == "start"}
+    assert starts[(2, 0)]["worker"] == "0.0"  # the survivor, in both re-formations
+    assert restores[(1, 0)]["step"] == restores[(2, 0)]["step"] == 4
+    assert restores[(1, 0)]["memory_bytes"] > 0 and restores[(1, 0)]["storage_bytes"] == 0
+    assert restores[(2, 0)]["memory_bytes"] > 0 and restores[(2, 0)]["storage_bytes"] == 0, \
+        restores[(2, 0)]
+    assert losses(faulty) == losses(reference)
+    assert_bitwise_equal(checkpoint_arrays(str(reference / "ckpt"), 12),
+                         checkpoint_arrays(str(faulty / "ckpt"), 12))

@@ -221,7 +221,8 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
             return 0
         formation = assigned
         cause = "in_process"
-    memory: list[Any] = [None]  # the last committed save in host memory, until restored
+    # the last committed save in host memory, until the generation restored from it commits
+    memory: list[Any] = [None]
     while True:
         assert formation is not None
         if me not in formation.members:  # counted lost: it came too late to the re-formation
@@ -237,7 +238,7 @@ def run(cfg: TrainConfig, progress: SharedProgress | None = None, incarnation: i
                 end_of_run(js, me, formation)
             return outcome
         (formation, memory[0]), model, cause = outcome, None, "in_process"
-        del outcome  # memory[0] alone holds the copy: released once restored
+        del outcome  # memory[0] alone holds the copy (see ``_release_older_copy``)
         # the failed generation's model: FSDP's modules and states refer to each other, so
         # only a collection frees it, and with it its process groups (their threads, sockets
         # and, on GPUs, communicators) before the next generation builds its own
@@ -327,6 +328,16 @@ def _generation(cfg: TrainConfig, launch: Launch, me: str, formation: Formation,
         events.close()
 
 
+def _release_older_copy(ckpt: TrainCheckpointer, memory: list[Any]) -> None:
+    """Drop the previous generation's copy of the last committed save (``memory[0]``) once
+    this generation's engine holds a newer one: a failure from then on restores from that.
+    The cost: while this generation's first save persists, the rank holds the old copy
+    beside the engine's two sets of staging buffers, one copy of its state more than a run
+    without failures holds."""
+    if memory[0] is not None and ckpt.backend.memory_copy() is not None:
+        memory[0] = None
+
+
 def _not_re_formed(generation: int, why: str) -> int:
     """A survivor of ``generation`` that the re-formation sends to the torchrun restart: say
     why on stderr (its supervisor only passes the exit code on), and return that code."""
@@ -394,13 +405,15 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
                 print(f"antifragile.trainer: error: --ckpt-url {cfg.ckpt_url}: {exc}",
                       file=sys.stderr, flush=True)
             return USAGE_EXIT_CODE
-        # restored: the previous generation's staging buffers are no longer needed (they
-        # held host memory the size of this rank's state beside the new engine's own), and
-        # with them goes the last of that generation: a collection now frees what of it is
-        # left in reference cycles (its process groups' threads and sockets) rather than
-        # whenever the interpreter next runs a full one
+        # restored: a collection now frees what is left of the previous generation in
+        # reference cycles (its process groups' threads and sockets) rather than whenever
+        # the interpreter next runs a full one. Its copy of the last committed save stays
+        # (``memory[0]``, buffers of its abandoned engine, which nothing stages over): until
+        # this generation commits a save of its own it is still the newest committed state,
+        # and a second failure meanwhile restores from it, not from storage
         if memory[0] is not None:
-            memory[0] = None
+            if restored is None or getattr(memory[0], "step", None) != restored[0]:
+                memory[0] = None  # a newer step was restored from storage: the copy is stale
             gc.collect()
         if restored is not None:
             step, cursor = restored
@@ -425,6 +438,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, events: EventLog, progress: Share
         events.emit("step_end", step=step, loss=loss, seconds=time.perf_counter() - t0)
         if ckpt is not None:
             ckpt.poll()
+            _release_older_copy(ckpt, memory)
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
                 progress.set(Phase.CHECKPOINT)
                 if step == cfg.steps:
