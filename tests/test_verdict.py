@@ -647,7 +647,8 @@ def test_a_missed_fault_fails_and_a_skipped_one_is_skipped() -> None:
     job.injections.append(Injection("corrupt_shard", T0 + 1.6, step=1, fault_index=0,
                                     missed="no committed checkpoint to corrupt"))
     record = _finish(job, t, 0)
-    v, (corrupt,) = _verdict(record, [{"kind": "corrupt_shard", "at_step": 1}])
+    # by time: at step 1, before the first save, validation refuses a corrupt_shard
+    v, (corrupt,) = _verdict(record, [{"kind": "corrupt_shard", "at_s": 0.6}])
     assert corrupt.effect_observed is False and v.verdict == "fail"
     assert v.reasons == ["corrupt_shard at step 1: no observable effect: not made: no committed "
                          "checkpoint to corrupt"]
