@@ -183,9 +183,13 @@ class SaveProtocol(RuleBasedStateMachine):
         (a retry of a save whose answer was lost), and is refused otherwise."""
         if self.went_back_to is not None:
             # the first save after a load supersedes the committed steps newer than the step
-            # loaded, before anything else (a rollback's abandoned run; kept as evidence)
-            for abandoned in [s for s in self.committed if s > self.went_back_to]:
-                self._quarantined(abandoned)
+            # loaded, before anything else (a rollback's abandoned run; kept as evidence),
+            # unless it is past them all (committed since the load, by debris of a crash in
+            # retention here: the engine's ``_supersede_abandoned`` leaves them)
+            abandoned = [s for s in self.committed if s > self.went_back_to]
+            if abandoned and max(abandoned) >= step:
+                for old in abandoned:
+                    self._quarantined(old)
             self.went_back_to = None
         newest = max(self.committed | {step})
         if step in self.committed:
