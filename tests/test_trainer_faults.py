@@ -34,11 +34,13 @@ pytestmark = pytest.mark.multiproc
 
 
 def _launch(run_dir: Path, nproc: int, steps: int, *, max_restarts: int,
-            extra: list[str]) -> subprocess.Popen[str]:
+            extra: list[str], spares: int = 0) -> subprocess.Popen[str]:
+    """The trainer at dp ``nproc``, under torchrun with ``spares`` processes more."""
     args = [*SMALL_MODEL, "--dp", str(nproc), "--steps", str(steps), "--ckpt-every", "4",
             "--ckpt-url", str(run_dir / "ckpt"), "--run-dir", str(run_dir), *extra]
-    return subprocess.Popen(torchrun_cmd(nproc, args, max_restarts=max_restarts), env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(torchrun_cmd(nproc + spares, args, max_restarts=max_restarts),
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def _wait_for(run_dir: Path, predicate, timeout_s: float = 120.0) -> dict:  # type: ignore[no-untyped-def]
@@ -116,11 +118,8 @@ def test_in_process_recovery_replaces_a_killed_rank_with_the_spare(tmp_path: Pat
     bitwise equal to a fault-free one, with no torchrun restart."""
     reference, faulty = tmp_path / "reference", tmp_path / "faulty"
     run_trainer(reference, dp=2, steps=12, ckpt_every=4)
-    args = [*SMALL_MODEL, "--dp", "2", "--steps", "12", "--ckpt-every", "4",
-            "--ckpt-url", str(faulty / "ckpt"), "--run-dir", str(faulty),
-            "--recovery", "in_process"]
-    proc = subprocess.Popen(torchrun_cmd(3, args, max_restarts=0), env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _launch(faulty, 2, 12, max_restarts=0, extra=["--recovery", "in_process"],
+                   spares=1)
     try:
         survivor, victim = _pid(faulty, rank=0), _pid(faulty, rank=1)
         _wait_for(faulty, lambda e: e["event"] == "spare_ready")
@@ -290,11 +289,8 @@ def test_a_second_failure_before_the_first_save_after_a_recovery_restores_from_m
         {"id": "first", "step": 6}, {"id": "early", "step": 5},
         {"id": "second", "step": 5, "pass": 2}]}))
     (control / "release" / "early").write_text("0")
-    args = [*SMALL_MODEL, "--dp", "2", "--steps", "12", "--ckpt-every", "4",
-            "--ckpt-url", str(faulty / "ckpt"), "--run-dir", str(faulty),
-            "--recovery", "in_process"]
-    proc = subprocess.Popen(torchrun_cmd(3, args, max_restarts=0), env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _launch(faulty, 2, 12, max_restarts=0, extra=["--recovery", "in_process"],
+                   spares=1)
     try:
         for rank in (0, 1):  # the save of step 4 persists in the background during the hold
             _wait_for(faulty, lambda e, r=rank: e["event"] == "ckpt_committed"
