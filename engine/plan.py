@@ -21,7 +21,7 @@ import json
 import math
 import operator
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product, repeat
 
 import torch
@@ -62,7 +62,14 @@ class ArraySpec:
     separator: str = "."  # of chunk keys: "/" in checkpoints of format 2 (``_paths``)
 
     def cell_key(self, cell: Sequence[int]) -> str:
-        return f"{self.name}/c" + "".join(f"{self.separator}{i}" for i in cell)
+        return self.key_prefix() + "".join(map(self.key_part, cell))
+
+    def key_prefix(self) -> str:
+        """What every cell's key begins with; each index of the cell adds its ``key_part``."""
+        return f"{self.name}/c"
+
+    def key_part(self, index: int) -> str:
+        return f"{self.separator}{index}"
 
     def grid_shape(self) -> tuple[int, ...]:
         return tuple(math.ceil(n / c) if n else 0 for n, c in zip(self.shape, self.shard_shape))
@@ -540,7 +547,7 @@ class _BoxCells:
     itemsize: int
 
     def keys(self) -> Iterable[str]:
-        prefix = f"{self.array.name}/c"
+        prefix = self.array.key_prefix()
         return map(prefix.__add__, map("".join, product(*(a[1] for a in self.per_dim))))
 
     def writes(self) -> Iterable[CellWrite]:
@@ -608,7 +615,7 @@ def _assign_cells(plan: GlobalPlan, array: ArraySpec, itemsize: int, boxes: dict
     start) are worked out once per edge pair, shared by the boxes that have it (a dp x tp
     grid of boxes has dp + tp); a box held by one rank is given to it whole, its bytes the
     product of the dims' sums, its ``CellWrite`` made only when asked for (``CellWrites``)."""
-    shard, shape, origin, sep = array.shard_shape, array.shape, array.offset, array.separator
+    shard, shape, origin = array.shard_shape, array.shape, array.offset
     writes = plan.writes
     axes: dict[tuple[int, int, int], _Axis] = {}
 
@@ -618,7 +625,7 @@ def _assign_cells(plan: GlobalPlan, array: ArraySpec, itemsize: int, boxes: dict
             c, n = shard[d], shape[d]
             cells = list(range(r // c, math.ceil((r + s) / c)))
             valid = [min(c, n - i * c) for i in cells]
-            got = axes[d, r, s] = (cells, [f"{sep}{i}" for i in cells], valid,
+            got = axes[d, r, s] = (cells, [array.key_part(i) for i in cells], valid,
                                    [i * c - r for i in cells],
                                    sum(valid) if all(v > 0 for v in valid) else -1)
         return got
@@ -641,6 +648,5 @@ def _assign_cells(plan: GlobalPlan, array: ArraySpec, itemsize: int, boxes: dict
         for write in box.writes():
             rank, local = min(holders, key=lambda h: (written[h[0]], h[0]))
             written[rank] += max(write.nbytes, 1)
-            writes.add(rank, CellWrite(write.array, write.cell, write.key, write.valid_shape,
-                                       tuple(map(operator.add, local, write.local_offset)),
-                                       write.nbytes), 1)
+            writes.add(rank, replace(write, local_offset=tuple(
+                map(operator.add, local, write.local_offset))), 1)
